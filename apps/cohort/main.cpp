@@ -1,0 +1,34 @@
+// cohort: the command-line tool. A plain user of the public API.
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+
+#include "cohort/error.h"
+#include "train_command.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"cohort: distributed training for libtorch"};
+  app.require_subcommand(1);
+  cohort::cli::TrainOptions train;
+  auto* train_cmd = cohort::cli::add_train_command(app, train);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::cerr << "error: " << e.what() << " (see `cohort --help` or `cohort train --help`)\n";
+    return 2;
+  }
+  try {
+    if (train_cmd->parsed()) return cohort::cli::run_train_command(train);
+  } catch (const cohort::UsageError& e) {
+    std::cerr << "error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << '\n';
+    return 1;
+  }
+  return 2;
+}

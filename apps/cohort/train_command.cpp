@@ -1,0 +1,225 @@
+#include "train_command.h"
+
+#include <torch/torch.h>
+
+#include <iostream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/zoo.h"
+
+namespace cohort::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::filesystem::path data_dir_of(const TrainOptions& o) {
+  if (!o.data_dir.empty()) return o.data_dir;
+  if (o.dataset == "fashion-mnist") return data::default_fashion_mnist_dir();
+  throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
+}
+
+void validate(const TrainOptions& o) {
+  if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
+    throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
+  }
+  models::create_model(o.model);  // throws, listing the zoo, for an unknown name
+  if (o.optimizer != "sgd" && o.optimizer != "adam") {
+    throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd or adam");
+  }
+  if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
+  if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
+  if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
+  if (o.batch_size < 1) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
+  }
+  if (o.lr < 0) {
+    throw UsageError("--lr " + std::to_string(o.lr) + " is negative: give a learning rate > 0");
+  }
+  if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
+  const auto dir = data_dir_of(o);
+  data::check_mnist_dir(dir);
+  const int64_t train_size =
+      data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
+                            ? dir / "train-labels-idx1-ubyte"
+                            : dir / "train-labels-idx1-ubyte.gz")
+          .shape[0];
+  const int64_t shard = (train_size + o.workers - 1) / o.workers;
+  if (o.batch_size > shard) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
+                     std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
+                     " workers = " + std::to_string(shard) +
+                     "): use a batch size <= " + std::to_string(shard) + " or fewer workers");
+  }
+}
+
+Json to_json(const TrainOptions& o) {
+  return Json{{"model", o.model},       {"data_dir", data_dir_of(o).string()},
+              {"epochs", o.epochs},     {"batch_size", o.batch_size},
+              {"optimizer", o.optimizer}, {"lr", o.lr},
+              {"momentum", o.momentum}, {"seed", o.seed},
+              {"max_steps", o.max_steps}};
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
+                                                        std::vector<torch::Tensor> params) {
+  double lr = c["lr"].get<double>();
+  if (c["optimizer"] == "adam") {
+    return std::make_unique<torch::optim::Adam>(params,
+                                                torch::optim::AdamOptions(lr > 0 ? lr : 1e-3));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(lr > 0 ? lr : 0.02).momentum(c["momentum"].get<double>()));
+}
+
+struct Evaluation {
+  double accuracy = 0;
+  double loss = 0;
+};
+
+// Each rank scores its strided share of the test set; the counts are summed across ranks.
+Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader) {
+  torch::NoGradGuard no_grad;
+  model.eval();
+  double correct = 0, total = 0, loss_sum = 0;
+  for (auto& batch : loader) {
+    auto output = model.forward(batch.data);
+    loss_sum += torch::nn::functional::cross_entropy(
+                    output, batch.target,
+                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                    .item<double>();
+    correct += output.argmax(1).eq(batch.target).sum().item<double>();
+    total += static_cast<double>(batch.target.size(0));
+  }
+  model.train();
+  std::vector<at::Tensor> sums{torch::tensor({correct, total, loss_sum}, torch::kDouble)};
+  train::get_context().get_process_group().allreduce(sums);
+  auto s = sums[0];
+  return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
+}
+
+void train_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const bool rank0 = ctx.get_world_rank() == 0;
+  torch::manual_seed(c["seed"].get<uint64_t>());
+  const std::filesystem::path dir = c["data_dir"].get<std::string>();
+  auto model = train::prepare_model(models::create_model(c["model"].get<std::string>()));
+  auto optimizer = make_optimizer(c, model->parameters());
+  auto train_loader = train::prepare_data_loader(
+      data::load_mnist(dir, data::Split::kTrain),
+      {.batch_size = c["batch_size"].get<int64_t>(), .shuffle = true, .seed = c["seed"].get<uint64_t>()});
+  auto test_loader = train::prepare_data_loader(
+      data::load_mnist(dir, data::Split::kTest),
+      {.batch_size = 500, .shuffle = false, .equal_shards = false});
+
+  const int epochs = c["epochs"].get<int>();
+  const int64_t max_steps = c["max_steps"].get<int64_t>();
+  constexpr int64_t kWarmupSteps = 10;
+  int64_t steps = 0;
+  int64_t timed_samples = 0;
+  double timed_seconds = 0;
+  double time_to_first_step = 0;
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    train_loader.set_epoch(epoch);
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
+    const int64_t total = train_loader.num_batches();
+    int64_t step_in_epoch = 0;
+    auto segment_start = Clock::now();
+    for (auto& batch : train_loader) {
+      optimizer->zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(batch.data), batch.target);
+      loss.backward();
+      optimizer->step();
+      ++steps;
+      ++step_in_epoch;
+      const double loss_value = loss.item<double>();
+      loss_sum += loss_value;
+      ++loss_count;
+      const auto now = Clock::now();
+      if (steps == 1) {
+        time_to_first_step =
+            std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
+                .count();
+        if (rank0) std::cout << "first training step done " << time_to_first_step << " s after start" << std::endl;
+      }
+      if (steps > kWarmupSteps) {
+        timed_seconds += std::chrono::duration<double>(now - segment_start).count();
+        timed_samples += batch.target.size(0) * ctx.get_world_size();
+      }
+      segment_start = now;
+      train::report_progress({{"label", label},
+                              {"step", step_in_epoch},
+                              {"total", total},
+                              {"loss", loss_sum / loss_count},
+                              {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds
+                                                                  : 0.0}});
+      if (max_steps > 0 && steps >= max_steps) break;
+    }
+    // The epoch's mean training loss over all ranks.
+    std::vector<at::Tensor> loss_stats{torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
+    ctx.get_process_group().allreduce(loss_stats);
+    const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
+    const auto eval = evaluate(*model, test_loader);
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time()).count();
+    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
+    train::report({{"epoch", epoch + 1},
+                   {"epochs", epoch + 1},
+                   {"steps", steps},
+                   {"train_loss", train_loss},
+                   {"test_loss", eval.loss},
+                   {"test_accuracy", eval.accuracy},
+                   {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
+                   {"elapsed_s", elapsed},
+                   {"time_to_first_step_s", time_to_first_step}});
+    if (last) break;
+  }
+}
+
+}  // namespace
+
+CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
+  auto* cmd = app.add_subcommand("train", "Train a model of the zoo on an MNIST-format data set");
+  cmd->add_option("--model", o.model, "mlp, cnn, resnet18 or vit")->capture_default_str();
+  cmd->add_option("--dataset", o.dataset, "fashion-mnist or mnist")->capture_default_str();
+  cmd->add_option("--data-dir", o.data_dir,
+                  "folder with the four IDX files (default for fashion-mnist: " +
+                      data::default_fashion_mnist_dir().string() + ")");
+  cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
+  cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
+  cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")->capture_default_str();
+  cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")->capture_default_str();
+  cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
+  cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
+  cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
+      ->capture_default_str();
+  cmd->add_option("--storage-path", o.storage_path, "where run directories go")->capture_default_str();
+  cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
+  cmd->add_flag("--quiet", o.quiet, "no progress bar or report lines");
+  return cmd;
+}
+
+int run_train_command(TrainOptions o) {
+  validate(o);
+  Trainer trainer(train_loop,
+                  ScalingConfig{.num_workers = o.workers,
+                                .resources_per_worker = {.cpu_threads = o.threads}},
+                  RunConfig{.name = o.name, .storage_path = o.storage_path, .verbose = o.quiet ? 0 : 1},
+                  to_json(o));
+  Result result = trainer.fit();
+  if (!result.ok()) {
+    std::cerr << "error: " << *result.error << "\n(logs: " << (result.path / "logs").string() << ")\n";
+    return 1;
+  }
+  const auto& m = result.metrics;
+  std::cout << "test_accuracy " << m.value("test_accuracy", 0.0) << " | train_loss "
+            << m.value("train_loss", 0.0) << " | samples_per_second "
+            << m.value("samples_per_second", 0.0) << " | wall_seconds " << result.wall_seconds
+            << "\nresult: " << (result.path / "result.json").string() << std::endl;
+  return 0;
+}
+
+}  // namespace cohort::cli

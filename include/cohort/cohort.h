@@ -1,0 +1,27 @@
+// cohort: distributed training for libtorch in C++. The umbrella header.
+#pragma once
+
+#include "cohort/error.h"
+#include "cohort/json.h"
+
+#include "cohort/comm/process_group.h"
+#include "cohort/comm/store.h"
+
+#include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/worker_group.h"
+#include "cohort/runtime/worker_info.h"
+
+#include "cohort/parallel/distributed_data_parallel.h"
+
+#include "cohort/data/data_loader.h"
+#include "cohort/data/distributed_sampler.h"
+#include "cohort/data/idx.h"
+#include "cohort/data/mnist.h"
+#include "cohort/data/tensor_dataset.h"
+
+#include "cohort/train/config.h"
+#include "cohort/train/context.h"
+#include "cohort/train/prepare.h"
+#include "cohort/train/report.h"
+#include "cohort/train/result.h"
+#include "cohort/train/trainer.h"

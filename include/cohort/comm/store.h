@@ -1,0 +1,44 @@
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cohort::comm {
+
+struct StoreOptions {
+  std::string host = "127.0.0.1";
+  // 0 lets the server pick a free port (read it back with Store::port()).
+  int port = 0;
+  bool is_server = false;
+  // Deadline for connecting and for every get/wait.
+  std::chrono::milliseconds timeout{30'000};
+};
+
+// A key-value rendezvous store (c10d's TCPStore underneath): set/get/add/wait, every
+// blocking call bounded by the store's timeout. Copies share one connection.
+class Store {
+ public:
+  static Store connect(const StoreOptions& options);
+
+  int port() const;
+  const std::string& host() const;
+  std::chrono::milliseconds timeout() const;
+
+  void set(const std::string& key, const std::string& value);
+  std::string get(const std::string& key);
+  int64_t add(const std::string& key, int64_t delta);
+  bool check(const std::vector<std::string>& keys);
+  // Waits until every key exists; throws TimeoutError naming the missing keys.
+  void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
+
+  struct State;  // defined in src/comm/store_state.h
+
+ private:
+  friend class ProcessGroup;
+  explicit Store(std::shared_ptr<State> state);
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace cohort::comm

@@ -1,0 +1,39 @@
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace cohort::data {
+
+struct SamplerOptions {
+  int64_t dataset_size = 0;
+  int num_replicas = 1;
+  int rank = 0;
+  bool shuffle = true;
+  uint64_t seed = 0;
+  // Training: every rank gets the same number of samples (the tail is dropped, or padded by
+  // wrapping around, as PyTorch's DistributedSampler), so collectives stay in step.
+  bool drop_last = false;
+  // Evaluation: false gives each rank exactly its strided share, no padding and no duplicates
+  // (counts may then differ by one between ranks).
+  bool equal_shards = true;
+};
+
+// Splits dataset indices into disjoint per-rank shards, reshuffled every epoch from
+// (seed, epoch) with the same permutation on every rank and on every platform.
+class DistributedSampler {
+ public:
+  explicit DistributedSampler(SamplerOptions options);
+  void set_epoch(int64_t epoch) { epoch_ = epoch; }
+  int64_t epoch() const { return epoch_; }
+  // This rank's indices for the current epoch.
+  std::vector<int64_t> indices() const;
+  // Samples this rank gets per epoch.
+  int64_t num_samples() const;
+  const SamplerOptions& options() const { return options_; }
+
+ private:
+  SamplerOptions options_;
+  int64_t epoch_ = 0;
+};
+
+}  // namespace cohort::data

@@ -1,0 +1,87 @@
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace cohort::models {
+
+// The classifiers of the seed examples. Every model maps [N, C, H, W] images to [N, classes].
+class ImageClassifierImpl : public torch::nn::Module {
+ public:
+  virtual torch::Tensor forward(torch::Tensor x) = 0;
+};
+using ImageClassifier = std::shared_ptr<ImageClassifierImpl>;
+
+struct ModelOptions {
+  int64_t num_classes = 10;
+  int64_t in_channels = 1;
+  int64_t image_size = 28;
+  // Vision Transformer only.
+  int64_t patch_size = 7;
+  int64_t depth = 4;
+  int64_t width = 128;
+  int64_t heads = 4;
+  int64_t mlp_ratio = 4;
+};
+
+// Seed 000: 784-128-64-10.
+class MlpImpl : public ImageClassifierImpl {
+ public:
+  explicit MlpImpl(const ModelOptions& options = {});
+  torch::Tensor forward(torch::Tensor x) override;
+
+ private:
+  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr}, fc3_{nullptr};
+};
+
+// Seed 000: conv 32, conv 64 (3x3, each followed by 2x2 max-pool), fc 128, fc 10.
+class CnnImpl : public ImageClassifierImpl {
+ public:
+  explicit CnnImpl(const ModelOptions& options = {});
+  torch::Tensor forward(torch::Tensor x) override;
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
+  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+  int64_t flat_features_ = 0;
+};
+
+// Seed 002: torchvision's resnet18 with a 1-channel 7x7 stride-2 first convolution.
+class ResNet18Impl : public ImageClassifierImpl {
+ public:
+  explicit ResNet18Impl(const ModelOptions& options = {});
+  torch::Tensor forward(torch::Tensor x) override;
+
+ private:
+  torch::nn::Sequential stem_{nullptr}, layers_{nullptr};
+  torch::nn::Linear fc_{nullptr};
+};
+
+// Seed 003: a Vision Transformer (patch embedding, class token, learned positions, pre-norm
+// encoder blocks, linear head), sized by ModelOptions.
+class VisionTransformerImpl : public ImageClassifierImpl {
+ public:
+  explicit VisionTransformerImpl(const ModelOptions& options = {});
+  torch::Tensor forward(torch::Tensor x) override;
+
+ private:
+  torch::nn::Conv2d patch_embed_{nullptr};
+  torch::Tensor cls_token_, positions_;
+  torch::nn::Sequential blocks_{nullptr};
+  torch::nn::LayerNorm norm_{nullptr};
+  torch::nn::Linear head_{nullptr};
+};
+
+// The zoo's names: "mlp", "cnn", "resnet18", "vit".
+const std::vector<std::string>& model_names();
+// Throws UsageError listing the names when `name` is unknown, or when the options do not fit
+// the model (e.g. an image size the patch size does not divide).
+ImageClassifier create_model(const std::string& name, const ModelOptions& options = {});
+
+}  // namespace cohort::models

@@ -1,0 +1,84 @@
+#pragma once
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cohort::runtime {
+
+struct WorkerGroupOptions {
+  int num_workers = 1;
+  // Program and arguments of every worker; empty means this process's own (re-execution).
+  std::string executable;
+  std::vector<std::string> argv;
+  // Added to every worker's environment, then `rank_env(rank)` on top.
+  std::map<std::string, std::string> env;
+  std::function<std::map<std::string, std::string>(int rank)> rank_env;
+  // Per-rank log files (rank-R.log, unabridged) go here when set.
+  std::filesystem::path log_dir;
+  // Between SIGTERM and SIGKILL when the group is stopped.
+  std::chrono::milliseconds stop_grace{3'000};
+  // After one worker finished cleanly, how long the others may still run before they are
+  // considered hung and stopped.
+  std::chrono::milliseconds exit_skew_timeout{120'000};
+};
+
+struct WorkerExit {
+  int rank = 0;
+  int pid = 0;
+  int exit_code = 0;  // when it exited
+  int signal = 0;     // when a signal ended it
+  bool stopped_by_driver = false;
+  bool ok() const { return signal == 0 && exit_code == 0 && !stopped_by_driver; }
+  std::string describe() const;
+};
+
+struct GroupOutcome {
+  bool success = false;
+  // SIGINT or SIGTERM received by this process, which then stopped the group.
+  int interrupted_by = 0;
+  std::vector<WorkerExit> exits;  // by rank
+  std::optional<WorkerExit> first_failure;
+  std::string failure_reason;  // one line, when !success
+};
+
+struct WorkerGroupHandlers {
+  // A complete line a worker printed. Default: printed with a "(rank=R, pid=P) " prefix.
+  std::function<void(int rank, int pid, bool is_stderr, const std::string& line)> on_output;
+  // A line the worker sent on its control channel (runtime/control_channel.h).
+  std::function<void(int rank, const std::string& message)> on_control;
+};
+
+// A group of local worker processes, each a re-execution of this program with its rank in the
+// environment (never a fork of this threaded process). The group is all-or-nothing: when one
+// worker fails the others are stopped. No worker outlives the group: the destructor stops them,
+// and each worker dies with this process (runtime::bind_lifetime_to_driver).
+class WorkerGroup {
+ public:
+  explicit WorkerGroup(WorkerGroupOptions options);
+  ~WorkerGroup();
+  WorkerGroup(const WorkerGroup&) = delete;
+  WorkerGroup& operator=(const WorkerGroup&) = delete;
+
+  void start();
+  // Forwards output and control messages until every worker has exited, one failed (the rest
+  // are then stopped), or this process got SIGINT/SIGTERM.
+  GroupOutcome wait(const WorkerGroupHandlers& handlers = {});
+  // SIGTERM, then SIGKILL after stop_grace; reaps every worker.
+  void stop();
+  std::vector<int> pids() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// The path of this process's executable and its arguments, for re-execution.
+std::string self_executable();
+std::vector<std::string> self_arguments();
+
+}  // namespace cohort::runtime

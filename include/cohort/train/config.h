@@ -1,0 +1,34 @@
+#pragma once
+#include <chrono>
+#include <filesystem>
+#include <string>
+
+namespace cohort {
+
+struct WorkerResources {
+  // Intra-op threads of each worker (torch::set_num_threads, OMP_NUM_THREADS).
+  int cpu_threads = 1;
+  int gpus = 0;
+};
+
+// How many workers, and what each one gets (Ray Train's ScalingConfig).
+struct ScalingConfig {
+  int num_workers = 1;
+  bool use_gpu = false;
+  WorkerResources resources_per_worker;
+};
+
+// Where results go and how the run behaves (Ray Train's RunConfig).
+struct RunConfig {
+  // The run's folder under storage_path; empty: "cohort_<date>_<time>".
+  std::string name;
+  std::filesystem::path storage_path = "./cohort_results";
+  // 0: silent driver; 1: a line per report and a progress bar on a terminal.
+  int verbose = 1;
+  // Rendezvous and process-group setup deadline.
+  std::chrono::milliseconds setup_timeout{60'000};
+  // Deadline of every collective (a peer that died or hangs ends in an error, not a hang).
+  std::chrono::milliseconds collective_timeout{300'000};
+};
+
+}  // namespace cohort

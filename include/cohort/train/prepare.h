@@ -1,0 +1,49 @@
+#pragma once
+#include <memory>
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+
+#include "cohort/data/data_loader.h"
+#include "cohort/parallel/distributed_data_parallel.h"
+
+namespace cohort::train {
+
+struct PrepareModelOptions {
+  bool move_to_device = true;
+  parallel::DdpOptions ddp;
+};
+
+// Moves the model to this worker's device and makes it data-parallel: rank 0's weights on every
+// rank, gradients averaged after every backward (Ray Train's prepare_model). Returns the same
+// model; the training loop stays unchanged.
+void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
+                    const PrepareModelOptions& options = {});
+
+template <typename M>
+std::shared_ptr<M> prepare_model(std::shared_ptr<M> model, const PrepareModelOptions& options = {}) {
+  prepare_module(model, options);
+  return model;
+}
+
+template <typename M>
+torch::nn::ModuleHolder<M> prepare_model(torch::nn::ModuleHolder<M> model,
+                                         const PrepareModelOptions& options = {}) {
+  prepare_module(model.ptr(), options);
+  return model;
+}
+
+// The data-parallel engine attached to a prepared model. Throws when it was not prepared.
+parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Module>& module);
+
+// Gradient accumulation: no communication while the guard lives.
+inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
+    const std::shared_ptr<torch::nn::Module>& module) {
+  return get_ddp(module).no_sync();
+}
+
+// A loader over this rank's shard of `dataset`, batches on this worker's device
+// (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.
+data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options = {});
+
+}  // namespace cohort::train

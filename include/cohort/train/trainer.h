@@ -1,0 +1,35 @@
+#pragma once
+#include <functional>
+
+#include "cohort/json.h"
+#include "cohort/train/config.h"
+#include "cohort/train/result.h"
+
+namespace cohort {
+
+// The per-worker training function; it receives the train_loop_config.
+using TrainLoop = std::function<void(const Json& config)>;
+
+// Runs a training function on a group of workers (Ray Train's TorchTrainer).
+//
+// fit() in the program the user started (the driver) starts `num_workers` processes that
+// re-execute this same program; in each of them the same fit() call runs `train_loop` as one
+// rank and ends that process. Everything before fit() therefore runs in every worker too, and
+// must be deterministic (parse flags, build configs), not side effects that must happen once.
+class Trainer {
+ public:
+  Trainer(TrainLoop train_loop, ScalingConfig scaling_config = {}, RunConfig run_config = {},
+          Json train_loop_config = Json::object());
+
+  // Driver: returns when every worker has finished, or after a failure (Result::error).
+  // Worker: runs the loop and exits the process (never returns).
+  Result fit();
+
+ private:
+  TrainLoop train_loop_;
+  ScalingConfig scaling_;
+  RunConfig run_;
+  Json config_;
+};
+
+}  // namespace cohort

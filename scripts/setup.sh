@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs cohort's Debian dependencies (when missing), configures and builds.
+# Idempotent: a second run only rebuilds what changed.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${COHORT_BUILD_DIR:-$root/build}"
+
+packages=(build-essential cmake ninja-build ccache pkg-config libtorch-dev dataset-fashion-mnist
+  nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if [ ! -f "$build/build.ninja" ]; then
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
+fi
+cmake --build "$build" -j "${COHORT_JOBS:-2}" >&2

@@ -1,0 +1,71 @@
+#include "cohort/comm/store.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "cohort/error.h"
+#include "comm/store_state.h"
+
+namespace cohort::comm {
+
+Store::Store(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+Store Store::connect(const StoreOptions& options) {
+  if (options.port < 0 || options.port > 65535) {
+    throw UsageError("store port " + std::to_string(options.port) +
+                     " is out of range: use 0 (pick a free port) or 1-65535");
+  }
+  c10d::TCPStoreOptions native;
+  native.port = static_cast<std::uint16_t>(options.port);
+  native.isServer = options.is_server;
+  native.waitWorkers = false;
+  native.timeout = options.timeout;
+  auto state = std::make_shared<State>();
+  try {
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(options.host, native);
+    state->port = tcp->getPort();
+    state->store = tcp;
+  } catch (const std::exception& e) {
+    throw RuntimeError(std::string(options.is_server ? "cannot serve" : "cannot reach") +
+                       " the rendezvous store at " + options.host + ":" +
+                       std::to_string(options.port) + " within " +
+                       std::to_string(options.timeout.count()) + " ms: " + e.what());
+  }
+  state->host = options.host;
+  state->timeout = options.timeout;
+  state->store->setTimeout(options.timeout);
+  return Store(std::move(state));
+}
+
+int Store::port() const { return state_->port; }
+const std::string& Store::host() const { return state_->host; }
+std::chrono::milliseconds Store::timeout() const { return state_->timeout; }
+
+void Store::set(const std::string& key, const std::string& value) {
+  state_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+std::string Store::get(const std::string& key) {
+  wait({key}, state_->timeout);
+  auto bytes = state_->store->get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+
+int64_t Store::add(const std::string& key, int64_t delta) { return state_->store->add(key, delta); }
+
+bool Store::check(const std::vector<std::string>& keys) { return state_->store->check(keys); }
+
+void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
+  try {
+    state_->store->wait(keys, timeout);
+  } catch (const std::exception& e) {
+    std::string missing;
+    for (const auto& key : keys) {
+      if (!state_->store->check({key})) missing += (missing.empty() ? "" : ", ") + key;
+    }
+    throw TimeoutError("store at " + state_->host + ":" + std::to_string(state_->port) +
+                       ": keys [" + missing + "] did not appear within " +
+                       std::to_string(timeout.count()) + " ms");
+  }
+}
+
+}  // namespace cohort::comm

@@ -1,0 +1,16 @@
+// The c10d store behind cohort::comm::Store; private to comm/.
+#pragma once
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "cohort/comm/store.h"
+
+namespace cohort::comm {
+
+struct Store::State {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string host;
+  int port = 0;
+  std::chrono::milliseconds timeout{};
+};
+
+}  // namespace cohort::comm

@@ -1,0 +1,164 @@
+#include "cohort/data/data_loader.h"
+
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "cohort/error.h"
+
+namespace cohort::data {
+
+Batch TensorDataset::get_batch(const at::Tensor& indices) const {
+  Batch batch;
+  batch.data = inputs.index_select(0, indices);
+  if (transform) batch.data = transform(batch.data);
+  batch.target = targets.index_select(0, indices);
+  return batch;
+}
+
+// One pass over the shard: a producer thread fills a bounded queue, the iterator drains it.
+struct DataLoader::Iterator::Epoch {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<Batch> ready;
+  std::exception_ptr error;
+  bool finished = false;
+  bool cancelled = false;
+  std::thread producer;
+
+  ~Epoch() { cancel(); }
+
+  void cancel() {
+    {
+      std::lock_guard lock(mutex);
+      cancelled = true;
+    }
+    changed.notify_all();
+    if (producer.joinable()) producer.join();
+  }
+
+  // Blocks until a batch is ready; false at the end of the epoch.
+  bool next(Batch& out) {
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return !ready.empty() || finished || error; });
+    if (error) std::rethrow_exception(error);
+    if (ready.empty()) return false;
+    out = std::move(ready.front());
+    ready.pop_front();
+    changed.notify_all();
+    return true;
+  }
+};
+
+struct DataLoader::Impl {
+  TensorDataset dataset;
+  DataLoaderOptions options;
+  DistributedSampler sampler;
+  std::shared_ptr<Iterator::Epoch> epoch;
+
+  Impl(TensorDataset d, DataLoaderOptions o, DistributedSampler s)
+      : dataset(std::move(d)), options(o), sampler(std::move(s)) {}
+  // An iterator may outlive the loader; its producer must not outlive the dataset.
+  ~Impl() {
+    if (epoch) epoch->cancel();
+  }
+};
+
+DataLoader::DataLoader(TensorDataset dataset, DataLoaderOptions options, int rank, int world_size) {
+  if (options.batch_size < 1) {
+    throw UsageError("batch_size=" + std::to_string(options.batch_size) + " must be >= 1");
+  }
+  if (options.prefetch_batches < 1) options.prefetch_batches = 1;
+  if (dataset.targets.defined() && dataset.targets.size(0) != dataset.size()) {
+    throw UsageError("dataset: " + std::to_string(dataset.size()) + " inputs but " +
+                     std::to_string(dataset.targets.size(0)) + " targets");
+  }
+  SamplerOptions sampler_options{.dataset_size = dataset.size(),
+                                 .num_replicas = world_size,
+                                 .rank = rank,
+                                 .shuffle = options.shuffle,
+                                 .seed = options.seed,
+                                 .drop_last = options.drop_last,
+                                 .equal_shards = options.equal_shards};
+  DistributedSampler sampler(sampler_options);
+  if (options.drop_last && sampler.num_samples() < options.batch_size) {
+    throw UsageError("batch_size=" + std::to_string(options.batch_size) + " is larger than this rank's shard of " +
+                     std::to_string(sampler.num_samples()) +
+                     " examples, so drop_last leaves no batch: use a smaller batch size or fewer workers");
+  }
+  impl_ = std::make_unique<Impl>(std::move(dataset), options, std::move(sampler));
+}
+
+DataLoader::~DataLoader() = default;
+DataLoader::DataLoader(DataLoader&&) noexcept = default;
+DataLoader& DataLoader::operator=(DataLoader&&) noexcept = default;
+
+void DataLoader::set_epoch(int64_t epoch) { impl_->sampler.set_epoch(epoch); }
+
+int64_t DataLoader::num_samples() const { return impl_->sampler.num_samples(); }
+
+int64_t DataLoader::num_batches() const {
+  const int64_t n = num_samples();
+  const int64_t b = impl_->options.batch_size;
+  return impl_->options.drop_last ? n / b : (n + b - 1) / b;
+}
+
+const DataLoaderOptions& DataLoader::options() const { return impl_->options; }
+const DistributedSampler& DataLoader::sampler() const { return impl_->sampler; }
+
+DataLoader::Iterator::Iterator(std::shared_ptr<Epoch> epoch, bool done)
+    : epoch_(std::move(epoch)), done_(done) {
+  if (!done_) ++*this;
+}
+
+DataLoader::Iterator& DataLoader::Iterator::operator++() {
+  if (!epoch_ || !epoch_->next(current_)) {
+    done_ = true;
+    current_ = Batch{};
+  }
+  return *this;
+}
+
+DataLoader::Iterator DataLoader::begin() {
+  if (impl_->epoch) impl_->epoch->cancel();
+  auto epoch = std::make_shared<Iterator::Epoch>();
+  auto indices = impl_->sampler.indices();
+  const int64_t batches = num_batches();
+  const auto options = impl_->options;
+  const TensorDataset* dataset = &impl_->dataset;
+  Iterator::Epoch* raw = epoch.get();
+  epoch->producer = std::thread([raw, dataset, options, batches, indices = std::move(indices)] {
+    try {
+      auto all = torch::tensor(indices, torch::kLong);
+      for (int64_t b = 0; b < batches; ++b) {
+        const int64_t start = b * options.batch_size;
+        const int64_t count = std::min<int64_t>(options.batch_size, all.size(0) - start);
+        Batch batch = dataset->get_batch(all.narrow(0, start, count));
+        if (options.device != batch.data.device()) {
+          batch.data = batch.data.to(options.device, /*non_blocking=*/true);
+          batch.target = batch.target.to(options.device, /*non_blocking=*/true);
+        }
+        std::unique_lock lock(raw->mutex);
+        raw->changed.wait(lock, [&] {
+          return raw->cancelled || static_cast<int>(raw->ready.size()) < options.prefetch_batches;
+        });
+        if (raw->cancelled) return;
+        raw->ready.push_back(std::move(batch));
+        raw->changed.notify_all();
+      }
+    } catch (...) {
+      std::lock_guard lock(raw->mutex);
+      raw->error = std::current_exception();
+    }
+    std::lock_guard lock(raw->mutex);
+    raw->finished = true;
+    raw->changed.notify_all();
+  });
+  impl_->epoch = epoch;
+  return Iterator(std::move(epoch), false);
+}
+
+DataLoader::Iterator DataLoader::end() { return Iterator(nullptr, true); }
+
+}  // namespace cohort::data

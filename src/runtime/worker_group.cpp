@@ -1,0 +1,430 @@
+#include "cohort/runtime/worker_group.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+
+#include "cohort/error.h"
+#include "cohort/runtime/worker_info.h"
+
+extern char** environ;
+
+namespace cohort::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Written from signal handlers; read by the event loop.
+int g_wake_pipe[2] = {-1, -1};
+volatile sig_atomic_t g_interrupt = 0;
+
+void on_signal(int sig) {
+  if (sig == SIGINT || sig == SIGTERM) g_interrupt = sig;
+  const int saved = errno;
+  if (g_wake_pipe[1] >= 0) {
+    char byte = 0;
+    [[maybe_unused]] auto n = ::write(g_wake_pipe[1], &byte, 1);
+  }
+  errno = saved;
+}
+
+// Pipe ends above the standard descriptors and close-on-exec, so that dup2 onto 1, 2 and 3 in
+// the child can never be a no-op that leaves close-on-exec set.
+std::array<int, 2> make_pipe() {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) {
+    throw RuntimeError(std::string("pipe: ") + std::strerror(errno));
+  }
+  std::array<int, 2> out{};
+  for (int i = 0; i < 2; ++i) {
+    out[i] = ::fcntl(fds[i], F_DUPFD_CLOEXEC, 10);
+    ::close(fds[i]);
+  }
+  return out;
+}
+
+struct Stream {
+  int fd = -1;
+  std::string pending;
+  bool is_stderr = false;
+  bool is_control = false;
+};
+
+struct Worker {
+  int rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  WorkerExit exit;
+  std::array<Stream, 3> streams;  // stdout, stderr, control
+  std::ofstream log;
+};
+
+class SignalScope {
+ public:
+  SignalScope() {
+    auto p = make_pipe();
+    g_wake_pipe[0] = p[0];
+    g_wake_pipe[1] = p[1];
+    ::fcntl(p[0], F_SETFL, O_NONBLOCK);
+    ::fcntl(p[1], F_SETFL, O_NONBLOCK);
+    g_interrupt = 0;
+    struct sigaction action {};
+    action.sa_handler = on_signal;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART;
+    for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &action, &saved_[slot(sig)]);
+  }
+  ~SignalScope() {
+    for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &saved_[slot(sig)], nullptr);
+    ::close(g_wake_pipe[0]);
+    ::close(g_wake_pipe[1]);
+    g_wake_pipe[0] = g_wake_pipe[1] = -1;
+  }
+  int fd() const { return g_wake_pipe[0]; }
+  void drain() const {
+    char buffer[64];
+    while (::read(g_wake_pipe[0], buffer, sizeof buffer) > 0) {
+    }
+  }
+
+ private:
+  static int slot(int sig) { return sig == SIGINT ? 0 : sig == SIGTERM ? 1 : 2; }
+  struct sigaction saved_[3] {};
+};
+
+std::string read_file(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+}  // namespace
+
+std::string WorkerExit::describe() const {
+  std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  if (signal != 0) {
+    return who + (stopped_by_driver ? " was stopped by the driver with " : " was killed by ") +
+           "signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
+  }
+  if (exit_code != 0) return who + " exited with code " + std::to_string(exit_code);
+  return who + " finished";
+}
+
+std::string self_executable() {
+  std::error_code ec;
+  auto path = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) throw RuntimeError("cannot find this program's executable: " + ec.message());
+  return path.string();
+}
+
+std::vector<std::string> self_arguments() {
+  std::string raw = read_file("/proc/self/cmdline");
+  std::vector<std::string> args;
+  size_t start = 0;
+  while (start < raw.size()) {
+    size_t end = raw.find('\0', start);
+    if (end == std::string::npos) end = raw.size();
+    args.push_back(raw.substr(start, end - start));
+    start = end + 1;
+  }
+  return args;
+}
+
+struct WorkerGroup::Impl {
+  WorkerGroupOptions options;
+  std::vector<Worker> workers;
+  bool started = false;
+
+  std::vector<std::string> environment(int rank) const {
+    std::map<std::string, std::string> vars;
+    for (char** e = environ; *e != nullptr; ++e) {
+      std::string entry(*e);
+      auto eq = entry.find('=');
+      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
+    for (const auto& [k, v] : options.env) vars[k] = v;
+    if (options.rank_env) {
+      for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
+    }
+    vars[kRoleVar] = kWorkerRole;
+    vars[kDriverPidVar] = std::to_string(::getpid());
+    vars[kControlFdVar] = "3";
+    std::vector<std::string> out;
+    for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
+    return out;
+  }
+
+  void spawn(Worker& worker) {
+    auto out = make_pipe();
+    auto err = make_pipe();
+    auto ctl = make_pipe();
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    posix_spawn_file_actions_adddup2(&actions, err[1], 2);
+    posix_spawn_file_actions_adddup2(&actions, ctl[1], 3);
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t defaults;
+    sigemptyset(&defaults);
+    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) sigaddset(&defaults, sig);
+    sigset_t none;
+    sigemptyset(&none);
+    posix_spawnattr_setsigdefault(&attr, &defaults);
+    posix_spawnattr_setsigmask(&attr, &none);
+    // Own process group: a Ctrl-C reaches the driver, which then stops the workers in order.
+    posix_spawnattr_setpgroup(&attr, 0);
+    posix_spawnattr_setflags(&attr,
+                             POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+
+    const std::string exe = options.executable.empty() ? self_executable() : options.executable;
+    std::vector<std::string> args = options.argv.empty() ? self_arguments() : options.argv;
+    if (args.empty()) args.push_back(exe);
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    auto env_strings = environment(worker.rank);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+
+    pid_t pid = -1;
+    int rc = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+    posix_spawn_file_actions_destroy(&actions);
+    posix_spawnattr_destroy(&attr);
+    for (int fd : {out[1], err[1], ctl[1]}) ::close(fd);
+    if (rc != 0) {
+      for (int fd : {out[0], err[0], ctl[0]}) ::close(fd);
+      throw RuntimeError("cannot start worker rank " + std::to_string(worker.rank) + " (" + exe +
+                         "): " + std::strerror(rc));
+    }
+    worker.pid = pid;
+    worker.running = true;
+    worker.exit.rank = worker.rank;
+    worker.exit.pid = pid;
+    worker.streams[0] = Stream{out[0], {}, false, false};
+    worker.streams[1] = Stream{err[0], {}, true, false};
+    worker.streams[2] = Stream{ctl[0], {}, false, true};
+    for (auto& s : worker.streams) ::fcntl(s.fd, F_SETFL, O_NONBLOCK);
+  }
+
+  void dispatch(Worker& worker, Stream& stream, const std::string& line,
+                const WorkerGroupHandlers& handlers) {
+    if (stream.is_control) {
+      if (handlers.on_control) handlers.on_control(worker.rank, line);
+      return;
+    }
+    if (worker.log.is_open()) worker.log << line << '\n';
+    if (handlers.on_output) {
+      handlers.on_output(worker.rank, worker.pid, stream.is_stderr, line);
+    } else {
+      auto& os = stream.is_stderr ? std::cerr : std::cout;
+      os << "(rank=" << worker.rank << ", pid=" << worker.pid << ") " << line << '\n';
+    }
+  }
+
+  // Reads what is available; returns false at end of stream.
+  bool pump(Worker& worker, Stream& stream, const WorkerGroupHandlers& handlers) {
+    char buffer[65536];
+    while (true) {
+      ssize_t n = ::read(stream.fd, buffer, sizeof buffer);
+      if (n > 0) {
+        stream.pending.append(buffer, static_cast<size_t>(n));
+        size_t start = 0;
+        for (size_t nl; (nl = stream.pending.find('\n', start)) != std::string::npos;
+             start = nl + 1) {
+          dispatch(worker, stream, stream.pending.substr(start, nl - start), handlers);
+        }
+        stream.pending.erase(0, start);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return true;
+      if (!stream.pending.empty()) dispatch(worker, stream, stream.pending, handlers);
+      stream.pending.clear();
+      ::close(stream.fd);
+      stream.fd = -1;
+      if (worker.log.is_open()) worker.log.flush();
+      return false;
+    }
+  }
+
+  bool reap(Worker& worker, bool block) {
+    if (!worker.running) return false;
+    int status = 0;
+    pid_t r = ::waitpid(worker.pid, &status, block ? 0 : WNOHANG);
+    if (r != worker.pid) return false;
+    worker.running = false;
+    if (WIFEXITED(status)) worker.exit.exit_code = WEXITSTATUS(status);
+    if (WIFSIGNALED(status)) worker.exit.signal = WTERMSIG(status);
+    return true;
+  }
+
+  void signal_all(int sig) {
+    for (auto& w : workers) {
+      if (!w.running) continue;
+      // The whole process group: helpers a worker started go too.
+      if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
+      if (sig == SIGTERM || sig == SIGKILL) w.exit.stopped_by_driver = true;
+    }
+  }
+
+  void close_streams() {
+    for (auto& w : workers) {
+      for (auto& s : w.streams) {
+        if (s.fd >= 0) ::close(s.fd);
+        s.fd = -1;
+      }
+    }
+  }
+};
+
+WorkerGroup::WorkerGroup(WorkerGroupOptions options) : impl_(std::make_unique<Impl>()) {
+  if (options.num_workers < 1) {
+    throw UsageError("num_workers=" + std::to_string(options.num_workers) + " must be >= 1");
+  }
+  impl_->options = std::move(options);
+}
+
+WorkerGroup::~WorkerGroup() {
+  try {
+    stop();
+  } catch (...) {
+  }
+  impl_->close_streams();
+}
+
+void WorkerGroup::start() {
+  if (impl_->started) throw RuntimeError("worker group already started");
+  impl_->started = true;
+  auto& opts = impl_->options;
+  if (!opts.log_dir.empty()) std::filesystem::create_directories(opts.log_dir);
+  impl_->workers.resize(static_cast<size_t>(opts.num_workers));
+  for (int rank = 0; rank < opts.num_workers; ++rank) {
+    auto& w = impl_->workers[static_cast<size_t>(rank)];
+    w.rank = rank;
+    if (!opts.log_dir.empty()) {
+      w.log.open(opts.log_dir / ("rank-" + std::to_string(rank) + ".log"), std::ios::app);
+    }
+    try {
+      impl_->spawn(w);
+    } catch (...) {
+      stop();
+      throw;
+    }
+  }
+}
+
+GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
+  SignalScope signals;
+  auto& workers = impl_->workers;
+  GroupOutcome outcome;
+  std::optional<Clock::time_point> kill_at;      // stopping: SIGKILL after the grace period
+  std::optional<Clock::time_point> skew_deadline;  // someone finished; the rest must follow
+  std::optional<Clock::time_point> drain_until;    // all exited; read what is left in the pipes
+
+  auto begin_stop = [&](std::string reason) {
+    if (kill_at) return;
+    if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
+    impl_->signal_all(SIGTERM);
+    kill_at = Clock::now() + impl_->options.stop_grace;
+  };
+
+  while (true) {
+    std::vector<pollfd> fds{{signals.fd(), POLLIN, 0}};
+    std::vector<std::pair<Worker*, Stream*>> owners{{nullptr, nullptr}};
+    for (auto& w : workers) {
+      for (auto& s : w.streams) {
+        if (s.fd < 0) continue;
+        fds.push_back({s.fd, POLLIN, 0});
+        owners.emplace_back(&w, &s);
+      }
+    }
+    bool any_running = false;
+    for (auto& w : workers) any_running |= w.running;
+    if (!any_running && fds.size() == 1) break;
+
+    ::poll(fds.data(), fds.size(), 100);
+    if (fds[0].revents != 0) signals.drain();
+    for (size_t i = 1; i < fds.size(); ++i) {
+      if (fds[i].revents != 0) impl_->pump(*owners[i].first, *owners[i].second, handlers);
+    }
+
+    if (g_interrupt != 0 && outcome.interrupted_by == 0) {
+      outcome.interrupted_by = g_interrupt;
+      begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
+    }
+    for (auto& w : workers) {
+      if (!impl_->reap(w, false)) continue;
+      if (!w.exit.ok() && !outcome.first_failure && !kill_at) {
+        outcome.first_failure = w.exit;
+        begin_stop(w.exit.describe());
+      } else if (w.exit.ok() && !skew_deadline) {
+        skew_deadline = Clock::now() + impl_->options.exit_skew_timeout;
+      }
+    }
+    const auto now = Clock::now();
+    if (skew_deadline && now > *skew_deadline && !kill_at) {
+      std::string hung;
+      for (auto& w : workers) {
+        if (w.running) hung += (hung.empty() ? "" : ", ") + std::to_string(w.rank);
+      }
+      begin_stop("ranks [" + hung + "] still running " +
+                 std::to_string(impl_->options.exit_skew_timeout.count() / 1000) +
+                 " s after another rank finished: stopped as hung");
+    }
+    if (kill_at && now > *kill_at) impl_->signal_all(SIGKILL);
+    // A grandchild holding a pipe open must not keep the driver waiting once workers are gone.
+    if (!any_running && !drain_until) drain_until = now + std::chrono::seconds(2);
+    if (drain_until && now > *drain_until) break;
+  }
+  impl_->close_streams();
+  for (auto& w : workers) outcome.exits.push_back(w.exit);
+  outcome.success = outcome.failure_reason.empty();
+  for (const auto& e : outcome.exits) outcome.success &= e.ok();
+  if (!outcome.success && outcome.failure_reason.empty()) {
+    for (const auto& e : outcome.exits) {
+      if (!e.ok()) {
+        outcome.failure_reason = e.describe();
+        break;
+      }
+    }
+  }
+  return outcome;
+}
+
+void WorkerGroup::stop() {
+  auto& workers = impl_->workers;
+  bool any = false;
+  for (auto& w : workers) any |= w.running;
+  if (!any) return;
+  impl_->signal_all(SIGTERM);
+  const auto deadline = Clock::now() + impl_->options.stop_grace;
+  while (Clock::now() < deadline) {
+    bool running = false;
+    for (auto& w : workers) {
+      impl_->reap(w, false);
+      running |= w.running;
+    }
+    if (!running) return;
+    ::poll(nullptr, 0, 20);
+  }
+  impl_->signal_all(SIGKILL);
+  for (auto& w : workers) impl_->reap(w, true);
+}
+
+std::vector<int> WorkerGroup::pids() const {
+  std::vector<int> out;
+  for (const auto& w : impl_->workers) out.push_back(w.pid);
+  return out;
+}
+
+}  // namespace cohort::runtime

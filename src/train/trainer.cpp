@@ -1,0 +1,34 @@
+#include "cohort/train/trainer.h"
+
+#include "cohort/error.h"
+#include "cohort/runtime/worker_info.h"
+#include "train/driver.h"
+
+namespace cohort {
+
+Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig run_config,
+                 Json train_loop_config)
+    : train_loop_(std::move(train_loop)),
+      scaling_(scaling_config),
+      run_(std::move(run_config)),
+      config_(std::move(train_loop_config)) {
+  if (!train_loop_) throw UsageError("Trainer: the train loop function is empty");
+  if (scaling_.num_workers < 1) {
+    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling_.num_workers) +
+                     " must be >= 1");
+  }
+  if (scaling_.resources_per_worker.cpu_threads < 1) {
+    throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +
+                     std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
+  }
+  if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
+    throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
+  }
+}
+
+Result Trainer::fit() {
+  if (runtime::is_spawned_worker()) train::run_worker(train_loop_);
+  return train::run_driver(scaling_, run_, config_);
+}
+
+}  // namespace cohort
