@@ -23,4 +23,10 @@ class TimeoutError : public RuntimeError {
   using RuntimeError::RuntimeError;
 };
 
+// A collective failed because a peer died or closed its connection: a consequence, not a cause.
+class PeerFailureError : public RuntimeError {
+ public:
+  using RuntimeError::RuntimeError;
+};
+
 }  // namespace cohort

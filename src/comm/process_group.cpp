@@ -28,9 +28,14 @@ void Work::wait() {
   try {
     state_->work->wait(state_->timeout);
   } catch (const std::exception& e) {
-    throw TimeoutError(state_->what + " did not complete within " +
-                       std::to_string(state_->timeout.count()) +
-                       " ms (a peer died, hangs, or skipped the call): " + e.what());
+    const std::string what = e.what();
+    if (what.find("imed out") != std::string::npos) {
+      throw TimeoutError(state_->what + " did not complete within " +
+                         std::to_string(state_->timeout.count()) +
+                         " ms: a peer hangs or skipped the call (" + what + ")");
+    }
+    throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
+                           what + ")");
   }
   if (state_->finish) {
     state_->finish();

@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <csignal>
@@ -334,6 +335,8 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
   auto begin_stop = [&](std::string reason) {
     if (kill_at) return;
     if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
+    // Whoever already died did so on their own, not by our SIGTERM: record them as such.
+    for (auto& w : workers) impl_->reap(w, false);
     impl_->signal_all(SIGTERM);
     kill_at = Clock::now() + impl_->options.stop_grace;
   };
@@ -362,12 +365,18 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
       outcome.interrupted_by = g_interrupt;
       begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
     }
+    std::vector<Worker*> exited;
     for (auto& w : workers) {
-      if (!impl_->reap(w, false)) continue;
-      if (!w.exit.ok() && !outcome.first_failure && !kill_at) {
-        outcome.first_failure = w.exit;
-        begin_stop(w.exit.describe());
-      } else if (w.exit.ok() && !skew_deadline) {
+      if (impl_->reap(w, false)) exited.push_back(&w);
+    }
+    // Of workers that ended together, one killed by a signal is the likelier cause: its peers
+    // then fail in their collectives.
+    std::stable_partition(exited.begin(), exited.end(), [](Worker* w) { return w->exit.signal != 0; });
+    for (Worker* w : exited) {
+      if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
+        outcome.first_failure = w->exit;
+        begin_stop(w->exit.describe());
+      } else if (w->exit.ok() && !skew_deadline) {
         skew_deadline = Clock::now() + impl_->options.exit_skew_timeout;
       }
     }

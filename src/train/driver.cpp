@@ -3,7 +3,9 @@
 #include <torch/cuda.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
+#include <set>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -77,6 +79,24 @@ Json result_json(const Result& result) {
   return out;
 }
 
+// The cause first: a rank killed from outside (its peers then fail in their collectives), else
+// the first rank whose own code threw, else the first bad exit. The other failures follow.
+std::string describe_failure(const runtime::GroupOutcome& outcome,
+                             const std::map<int, std::string>& worker_errors,
+                             const std::vector<int>& error_order) {
+  std::vector<std::string> causes;
+  for (const auto& e : outcome.exits) {
+    if (e.signal != 0 && !e.stopped_by_driver) causes.push_back(e.describe());
+  }
+  for (int rank : error_order) {
+    causes.push_back("rank " + std::to_string(rank) + " failed: " + worker_errors.at(rank));
+  }
+  if (causes.empty()) causes.push_back(outcome.failure_reason);
+  std::string text = causes.front();
+  for (size_t i = 1; i < causes.size(); ++i) text += (i == 1 ? " (then " : "; ") + causes[i];
+  return causes.size() > 1 ? text + ")" : text;
+}
+
 }  // namespace
 
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
@@ -137,6 +157,7 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
   std::ofstream metrics_log(run_dir / "metrics.jsonl", std::ios::trunc);
   std::map<int, std::string> worker_errors;
   std::vector<int> error_order;
+  std::set<int> consequences;
 
   runtime::WorkerGroupHandlers handlers;
   handlers.on_output = [&](int rank, int pid, bool is_stderr, const std::string& line) {
@@ -163,7 +184,10 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
     } else if (type == "progress") {
       console.progress(message["progress"]);
     } else if (type == "error") {
-      if (!worker_errors.count(rank)) error_order.push_back(rank);
+      if (!worker_errors.count(rank)) {
+        error_order.push_back(rank);
+        if (message.value("consequence", false)) consequences.insert(rank);
+      }
       worker_errors[rank] = message.value("message", std::string{"unknown error"});
     }
   };
@@ -181,13 +205,9 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
   if (!result.metrics_history.empty()) result.metrics = result.metrics_history.back();
   result.wall_seconds = std::chrono::duration<double>(Clock::now() - started).count();
   if (!outcome.success) {
-    if (!error_order.empty()) {
-      // The rank whose own code failed first is the cause; the rest were stopped after it.
-      const int rank = error_order.front();
-      result.error = "rank " + std::to_string(rank) + " failed: " + worker_errors[rank];
-    } else {
-      result.error = outcome.failure_reason;
-    }
+    std::stable_partition(error_order.begin(), error_order.end(),
+                          [&](int rank) { return !consequences.count(rank); });
+    result.error = describe_failure(outcome, worker_errors, error_order);
   }
   write_file_atomically(run_dir / "result.json", result_json(result).dump(2) + "\n");
   if (outcome.interrupted_by != 0) {
@@ -254,10 +274,17 @@ void run_worker(const std::function<void(const Json&)>& train_loop) {
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;
+    // A collective that failed or timed out because of a peer is a consequence of that peer's
+    // failure; the driver names the cause first.
+    const bool consequence = dynamic_cast<const PeerFailureError*>(&e) != nullptr ||
+                             dynamic_cast<const TimeoutError*>(&e) != nullptr;
     if (runtime::has_control_channel()) {
       try {
-        runtime::send_control_message(
-            Json{{"type", "error"}, {"rank", rank}, {"message", e.what()}}.dump());
+        runtime::send_control_message(Json{{"type", "error"},
+                                           {"rank", rank},
+                                           {"message", e.what()},
+                                           {"consequence", consequence}}
+                                          .dump());
       } catch (...) {
       }
     }

@@ -1,0 +1,143 @@
+// The cohort command line, run as a user runs it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <csignal>
+#include <fstream>
+#include <sstream>
+
+#include "cohort/data/idx.h"
+#include "cohort/json.h"
+#include "support/subprocess.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort {
+namespace {
+
+using cohort::testing::CommandResult;
+using cohort::testing::run_command;
+
+class Cli : public ::testing::Test {
+ protected:
+  std::filesystem::path dir = cohort::testing::temp_dir("cli");
+  std::filesystem::path data = cohort::testing::write_tiny_mnist(dir / "data", 512, 128);
+  void TearDown() override { std::filesystem::remove_all(dir); }
+
+  CommandResult train(std::vector<std::string> args, std::chrono::seconds deadline = std::chrono::seconds(120)) {
+    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run_command(argv, deadline);
+  }
+  Json result_of(const std::string& name) {
+    return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
+  }
+};
+
+TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
+  auto truncated = dir / "truncated";
+  std::filesystem::copy(data, truncated);
+  std::filesystem::remove(truncated / "train-images-idx3-ubyte.gz");
+  auto images = torch::zeros({512, 28, 28}, torch::kUInt8);
+  data::write_idx(truncated / "train-images-idx3-ubyte", images);
+  std::filesystem::resize_file(truncated / "train-images-idx3-ubyte", 1000);
+
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+      {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
+      {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
+      {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
+      {{"--lr", "-0.1", "--data-dir", data.string()}, "is negative"},
+      {{"--data-dir", (dir / "absent").string()}, "does not exist"},
+      {{"--data-dir", truncated.string()}, "is truncated"},
+      {{"--batch-size", "300", "--data-dir", data.string()}, "larger than a shard"},
+      {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
+      {{"--epochs", "two"}, "--epochs"},
+      {{"--bogus"}, "bogus"},
+  };
+  for (const auto& [args, fragment] : cases) {
+    auto r = train(args, std::chrono::seconds(30));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << "expected '" << fragment << "' in: " << r.output;
+    EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << r.output;
+  }
+  auto none = run_command({COHORT_CLI_PATH}, std::chrono::seconds(30));
+  EXPECT_EQ(none.exit_code, 2) << none.output;
+}
+
+TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
+  auto r = train({"--data-dir", data.string(), "--workers", "2", "--epochs", "2", "--batch-size", "32",
+                  "--name", "e2e", "--lr", "0.05"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("(rank=0, pid="), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("[report 2] epoch 2"), std::string::npos) << r.output;
+  auto result = result_of("e2e");
+  for (const char* key : {"test_accuracy", "train_loss", "epochs", "steps", "samples_per_second",
+                          "workers", "wall_seconds", "time_to_first_step_s"}) {
+    EXPECT_TRUE(result.contains(key)) << key << " missing from " << result.dump();
+  }
+  EXPECT_EQ(result["workers"], 2);
+  EXPECT_EQ(result["epochs"], 2);
+  EXPECT_EQ(result["steps"], 2 * (256 / 32));
+  EXPECT_GT(result["samples_per_second"].get<double>(), 0);
+  // The tiny data set is easy: a model that learned anything beats chance by far.
+  EXPECT_GT(result["test_accuracy"].get<double>(), 0.5);
+  std::ifstream metrics(dir / "runs" / "e2e" / "metrics.jsonl");
+  int lines = 0;
+  for (std::string line; std::getline(metrics, line);) ++lines;
+  EXPECT_EQ(lines, 2);
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "e2e" / "logs" / "rank-1.log"));
+}
+
+TEST_F(Cli, SameSeedSameWorkersSameLoss) {
+  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--epochs", "1",
+                                        "--batch-size", "16", "--seed", "11", "--quiet"};
+  auto first = common, second = common;
+  first.insert(first.end(), {"--name", "a"});
+  second.insert(second.end(), {"--name", "b"});
+  ASSERT_EQ(train(first).exit_code, 0);
+  ASSERT_EQ(train(second).exit_code, 0);
+  EXPECT_EQ(result_of("a")["train_loss"].get<double>(), result_of("b")["train_loss"].get<double>());
+  auto third = common;
+  third[9] = "12";
+  third.insert(third.end(), {"--name", "c"});
+  ASSERT_EQ(train(third).exit_code, 0);
+  EXPECT_NE(result_of("a")["train_loss"].get<double>(), result_of("c")["train_loss"].get<double>());
+}
+
+TEST_F(Cli, InterruptStopsEveryProcess) {
+  cohort::testing::Process driver({COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(),
+                                   "--data-dir", data.string(), "--epochs", "100000", "--batch-size", "8",
+                                   "--name", "interrupted"});
+  auto started = driver.wait_for_line("started 2 worker(s) [pids ", std::chrono::seconds(60));
+  ASSERT_TRUE(started) << driver.output();
+  std::vector<int> pids;
+  {
+    std::istringstream in(started->substr(started->find("[pids ") + 6));
+    for (int pid; in >> pid;) pids.push_back(pid);
+  }
+  ASSERT_EQ(pids.size(), 2u);
+  ASSERT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
+  driver.send_signal(SIGINT);
+  auto r = driver.wait(std::chrono::seconds(30));
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.signal, SIGINT) << r.output;
+  for (int pid : pids) EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
+  auto result = result_of("interrupted");
+  EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos) << result.dump();
+}
+
+TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
+  auto dir = cohort::testing::temp_dir("cli_fashion");
+  auto r = run_command({COHORT_CLI_PATH, "train", "--storage-path", dir.string(), "--name", "short",
+                        "--max-steps", "40"},
+                       std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto result = Json::parse(cohort::testing::read_text((dir / "short" / "result.json").string()));
+  EXPECT_EQ(result["steps"], 40);
+  // 40 steps of SGD on Fashion-MNIST already beat chance (0.1) by far.
+  EXPECT_GT(result["test_accuracy"].get<double>(), 0.5);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort

@@ -1,0 +1,62 @@
+#include "cohort/comm/store.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "cohort/error.h"
+
+namespace cohort::comm {
+namespace {
+
+TEST(Store, ServerPicksAFreePortAndClientsShareKeys) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  ASSERT_GT(server.port(), 0);
+  auto client = Store::connect({.port = server.port(), .timeout = std::chrono::seconds(5)});
+  client.set("greeting", "hello");
+  EXPECT_EQ(server.get("greeting"), "hello");
+  EXPECT_EQ(server.add("counter", 2), 2);
+  EXPECT_EQ(client.add("counter", 3), 5);
+  EXPECT_TRUE(client.check({"greeting", "counter"}));
+  EXPECT_FALSE(client.check({"absent"}));
+}
+
+TEST(Store, TwoServersDoNotCollide) {
+  auto a = Store::connect({.is_server = true});
+  auto b = Store::connect({.is_server = true});
+  EXPECT_NE(a.port(), b.port());
+}
+
+TEST(Store, WaitNamesTheMissingKeys) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  server.set("present", "1");
+  try {
+    server.wait({"present", "late"}, std::chrono::milliseconds(200));
+    FAIL() << "wait should time out";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("[late]"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Store, WaitReturnsWhenAnotherClientSetsTheKey) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  std::thread setter([port = server.port()] {
+    auto client = Store::connect({.port = port});
+    client.set("ready", "yes");
+  });
+  server.wait({"ready"}, std::chrono::seconds(10));
+  setter.join();
+  EXPECT_EQ(server.get("ready"), "yes");
+}
+
+TEST(Store, UnreachableServerFailsWithinTheDeadline) {
+  // Take a port, close the server, then nobody listens there.
+  int port = Store::connect({.is_server = true}).port();
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_THROW(Store::connect({.port = port, .timeout = std::chrono::milliseconds(500)}),
+               RuntimeError);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace cohort::comm

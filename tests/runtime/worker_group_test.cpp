@@ -1,0 +1,124 @@
+#include "cohort/runtime/worker_group.h"
+
+#include <gtest/gtest.h>
+
+#include <csignal>
+
+#include "cohort/error.h"
+#include "support/subprocess.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort::runtime {
+namespace {
+
+using cohort::testing::process_alive;
+
+WorkerGroupOptions shell(int n, const std::string& script) {
+  WorkerGroupOptions o;
+  o.num_workers = n;
+  o.executable = "/bin/sh";
+  o.argv = {"sh", "-c", script};
+  o.stop_grace = std::chrono::milliseconds(1000);
+  return o;
+}
+
+TEST(WorkerGroup, GivesEachWorkerItsRankAndCollectsOutputAndLogs) {
+  auto dir = cohort::testing::temp_dir("group_logs");
+  auto options = shell(3, "echo \"out $RANK of $WORLD_SIZE role $COHORT_ROLE\"; echo err $LOCAL_RANK >&2");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "3"},
+                                              {"LOCAL_RANK", std::to_string(rank)}};
+  };
+  options.log_dir = dir;
+  WorkerGroup group(options);
+  group.start();
+  std::map<int, std::vector<std::string>> lines;
+  WorkerGroupHandlers handlers;
+  handlers.on_output = [&](int rank, int, bool is_stderr, const std::string& line) {
+    lines[rank].push_back((is_stderr ? "E:" : "O:") + line);
+  };
+  auto outcome = group.wait(handlers);
+  EXPECT_TRUE(outcome.success) << outcome.failure_reason;
+  for (int r = 0; r < 3; ++r) {
+    const auto& l = lines[r];
+    EXPECT_NE(std::find(l.begin(), l.end(), "O:out " + std::to_string(r) + " of 3 role worker"), l.end());
+    EXPECT_NE(std::find(l.begin(), l.end(), "E:err " + std::to_string(r)), l.end());
+    auto log = cohort::testing::read_text((dir / ("rank-" + std::to_string(r) + ".log")).string());
+    EXPECT_NE(log.find("out " + std::to_string(r) + " of 3"), std::string::npos) << log;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(WorkerGroup, ControlMessagesArriveOnTheirOwnChannel) {
+  auto options = shell(2, "echo \"hello from $RANK\" >&$COHORT_CONTROL_FD; echo plain");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
+  };
+  WorkerGroup group(options);
+  group.start();
+  std::vector<std::string> control;
+  int plain = 0;
+  WorkerGroupHandlers handlers;
+  handlers.on_control = [&](int rank, const std::string& m) {
+    control.push_back(std::to_string(rank) + ":" + m);
+  };
+  handlers.on_output = [&](int, int, bool, const std::string& line) { plain += line == "plain"; };
+  EXPECT_TRUE(group.wait(handlers).success);
+  std::sort(control.begin(), control.end());
+  EXPECT_EQ(control, (std::vector<std::string>{"0:hello from 0", "1:hello from 1"}));
+  EXPECT_EQ(plain, 2);
+}
+
+TEST(WorkerGroup, OneFailureStopsTheOthersAndLeavesNoProcess) {
+  // Rank 1 fails once rank 0 is surely running (it waits for rank 0's file); rank 0 would
+  // otherwise run for a minute.
+  auto dir = cohort::testing::temp_dir("group_fail");
+  auto marker = (dir / "rank0_running").string();
+  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then touch " + marker +
+                              "; exec sleep 60; else while [ ! -f " + marker +
+                              " ]; do sleep 0.05; done; exit 3; fi");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
+  };
+  WorkerGroup group(options);
+  group.start();
+  auto pids = group.pids();
+  const auto start = std::chrono::steady_clock::now();
+  auto outcome = group.wait();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  EXPECT_FALSE(outcome.success);
+  ASSERT_TRUE(outcome.first_failure);
+  EXPECT_EQ(outcome.first_failure->rank, 1);
+  EXPECT_EQ(outcome.first_failure->exit_code, 3);
+  EXPECT_NE(outcome.failure_reason.find("rank 1"), std::string::npos) << outcome.failure_reason;
+  EXPECT_TRUE(outcome.exits[0].stopped_by_driver);
+  for (int pid : pids) EXPECT_FALSE(process_alive(pid)) << pid;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(WorkerGroup, AKilledWorkerIsReportedWithItsSignal) {
+  auto options = shell(1, "kill -9 $$");
+  WorkerGroup group(options);
+  group.start();
+  auto outcome = group.wait();
+  EXPECT_FALSE(outcome.success);
+  ASSERT_TRUE(outcome.first_failure);
+  EXPECT_EQ(outcome.first_failure->signal, SIGKILL);
+  EXPECT_NE(outcome.failure_reason.find("killed by signal 9"), std::string::npos) << outcome.failure_reason;
+}
+
+TEST(WorkerGroup, DestructorStopsRunningWorkers) {
+  std::vector<int> pids;
+  {
+    WorkerGroup group(shell(2, "exec sleep 60"));
+    group.start();
+    pids = group.pids();
+    for (int pid : pids) EXPECT_TRUE(process_alive(pid));
+  }
+  for (int pid : pids) EXPECT_FALSE(process_alive(pid)) << pid;
+}
+
+TEST(WorkerGroup, RejectsZeroWorkers) { EXPECT_THROW(WorkerGroup(shell(0, "true")), UsageError); }
+
+}  // namespace
+}  // namespace cohort::runtime

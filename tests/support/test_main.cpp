@@ -1,0 +1,32 @@
+// Test main. Tests that use cohort::Trainer start workers by re-executing this test binary; in
+// such a worker only the test that started it runs, up to its Trainer::fit(), which runs the
+// worker's loop and ends the process.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "cohort/runtime/worker_info.h"
+
+namespace {
+
+constexpr const char* kTestVar = "COHORT_TEST_CASE";
+
+class PublishCurrentTest : public testing::EmptyTestEventListener {
+  void OnTestStart(const testing::TestInfo& info) override {
+    std::string name = std::string(info.test_suite_name()) + "." + info.name();
+    setenv(kTestVar, name.c_str(), 1);
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  testing::InitGoogleTest(&argc, argv);
+  if (cohort::runtime::is_spawned_worker()) {
+    const char* name = std::getenv(kTestVar);
+    testing::GTEST_FLAG(filter) = name ? name : "-*";
+  } else {
+    testing::UnitTest::GetInstance()->listeners().Append(new PublishCurrentTest);
+  }
+  return RUN_ALL_TESTS();
+}
