@@ -43,6 +43,19 @@ void Work::wait() {
   }
 }
 
+Work& Work::then(std::function<void()> fn) {
+  if (!state_) throw RuntimeError("Work::then on an empty Work");
+  if (state_->finish) {
+    state_->finish = [first = std::move(state_->finish), second = std::move(fn)] {
+      first();
+      second();
+    };
+  } else {
+    state_->finish = std::move(fn);
+  }
+  return *this;
+}
+
 bool Work::completed() const { return !state_ || state_->work->isCompleted(); }
 
 ProcessGroup::ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}

@@ -1,6 +1,7 @@
 #include "cohort/parallel/distributed_data_parallel.h"
 
 #include <torch/csrc/autograd/engine.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <mutex>
@@ -10,77 +11,189 @@
 namespace cohort::parallel {
 namespace {
 
-struct Bucket {
-  std::vector<size_t> params;  // indices into Impl::params
-  at::Tensor flat;
-};
+using Clock = std::chrono::steady_clock;
+
+std::string format_shape(at::IntArrayRef dims) {
+  std::string out = "[";
+  for (size_t k = 0; k < dims.size(); ++k) {
+    if (k) out += ',';
+    out += std::to_string(dims[k]);
+  }
+  return out + "]";
+}
 
 std::string describe(const at::Tensor& t) {
-  std::string shape = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) shape += (i ? "," : "") + std::to_string(t.size(i));
-  return shape + "] " + std::string(c10::toString(t.scalar_type()));
+  return format_shape(t.sizes()) + " " + c10::toString(t.scalar_type());
+}
+
+// Sums `bucket` over the group through a narrower dtype.
+CommHook compress_hook(at::ScalarType wire) {
+  return [wire](comm::ProcessGroup& group, at::Tensor& bucket) {
+    if (wire == at::kBFloat16) {
+      // Gloo cannot sum bfloat16: gather everyone's compressed bits and sum locally in fp32.
+      auto bits = bucket.to(at::kBFloat16).view(at::kShort);
+      auto gathered = group.allgather(bits);
+      auto sum = torch::zeros_like(bucket, bucket.options().dtype(at::kFloat));
+      for (auto& g : gathered) sum.add_(g.view(at::kBFloat16).to(at::kFloat));
+      bucket.copy_(sum);
+      return comm::Work();
+    }
+    std::vector<at::Tensor> compressed{bucket.to(wire)};
+    auto work = group.allreduce_async(compressed);
+    work.then([bucket, compressed]() mutable { bucket.copy_(compressed[0]); });
+    return work;
+  };
 }
 
 }  // namespace
 
+CommHook allreduce_hook() {
+  return [](comm::ProcessGroup& group, at::Tensor& bucket) {
+    std::vector<at::Tensor> tensors{bucket};
+    return group.allreduce_async(tensors);
+  };
+}
+CommHook fp16_compress_hook() { return compress_hook(at::kHalf); }
+CommHook bf16_compress_hook() { return compress_hook(at::kBFloat16); }
+
 struct DistributedDataParallel::Impl {
+  struct Bucket {
+    std::vector<size_t> params;  // indices into `params`
+    at::Tensor flat;
+    size_t pending = 0;
+    comm::Work work;
+  };
+  struct Slot {
+    size_t bucket = 0;
+    int64_t offset = 0;
+  };
+
   std::shared_ptr<torch::nn::Module> module;
   comm::ProcessGroup group;
   DdpOptions options;
+  CommHook hook;
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
+  std::vector<size_t> trainable;  // indices of parameters that require grad
   std::vector<at::Tensor> buffers;
   std::vector<Bucket> buckets;
+  std::vector<Slot> slots;
+  std::vector<at::Tensor> aliases;
   std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  std::weak_ptr<Impl> self;
+
   std::mutex mutex;
   bool sync_enabled = true;
-  bool finalize_queued = false;
-  int64_t synchronized_steps = 0;
+  // Per synchronised backward.
+  bool step_active = false;
+  size_t next_bucket = 0;
+  std::vector<char> ready;
+  std::vector<char> used_since_sync;  // got a gradient since the last synchronisation
+  // The order gradients arrived in the first synchronised step, for the one rebuild.
+  std::vector<size_t> arrival;
+  DdpStats stats;
 
   Impl(std::shared_ptr<torch::nn::Module> m, comm::ProcessGroup g, DdpOptions o)
-      : module(std::move(m)), group(std::move(g)), options(o) {}
+      : module(std::move(m)), group(std::move(g)), options(std::move(o)) {
+    hook = options.comm_hook ? options.comm_hook : allreduce_hook();
+  }
+
+  // Parameter i's slot in its bucket. An alias of the bucket's storage made with set_() rather
+  // than an autograd view: libtorch's Optimizer::zero_grad() calls detach_(), which views refuse.
+  at::Tensor& view_of(size_t i) { return aliases[i]; }
+
+  bool is_view_of_slot(size_t i, const at::Tensor& grad) {
+    return grad.defined() && grad.data_ptr() == view_of(i).data_ptr() && grad.is_contiguous();
+  }
+
+  // Buckets filled in `order` (the first bucket is the first to be ready in backward).
+  void build_buckets(const std::vector<size_t>& order) {
+    const double first_cap = options.first_bucket_cap_mb * 1024 * 1024;
+    const double cap = options.bucket_cap_mb * 1024 * 1024;
+    std::vector<Bucket> built;
+    Bucket current;
+    double bytes = 0;
+    for (size_t i : order) {
+      const auto& p = params[i];
+      const double limit = built.empty() ? first_cap : cap;
+      const double size = static_cast<double>(p.numel() * p.element_size());
+      const bool compatible = current.params.empty() ||
+                              (params[current.params.front()].scalar_type() == p.scalar_type() &&
+                               params[current.params.front()].device() == p.device());
+      if (!current.params.empty() && (bytes + size > limit || !compatible)) {
+        built.push_back(std::move(current));
+        current = Bucket{};
+        bytes = 0;
+      }
+      current.params.push_back(i);
+      bytes += size;
+    }
+    if (!current.params.empty()) built.push_back(std::move(current));
+
+    torch::NoGradGuard no_grad;
+    std::vector<at::Tensor> previous(params.size());
+    for (size_t i : trainable) previous[i] = params[i].grad();
+    buckets = std::move(built);
+    slots.assign(params.size(), Slot{});
+    for (size_t b = 0; b < buckets.size(); ++b) {
+      int64_t numel = 0;
+      for (size_t i : buckets[b].params) {
+        slots[i] = Slot{b, numel};
+        numel += params[i].numel();
+      }
+      buckets[b].flat = torch::zeros({numel}, params[buckets[b].params.front()].options());
+    }
+    aliases.assign(params.size(), at::Tensor());
+    for (size_t i : trainable) {
+      const auto& p = params[i];
+      const auto& flat = buckets[slots[i].bucket].flat;
+      aliases[i] = torch::empty({0}, flat.options());
+      aliases[i].set_(flat.storage(), flat.storage_offset() + slots[i].offset, p.sizes(),
+                      c10::contiguous_strides(p.sizes()));
+    }
+    // Gradients keep their values across a rebuild: the optimizer step has yet to use them.
+    for (size_t i : trainable) {
+      auto& view = view_of(i);
+      if (previous[i].defined()) view.copy_(previous[i]);
+      if (options.gradient_as_bucket_view && previous[i].defined()) params[i].mutable_grad() = view;
+    }
+    stats.buckets = static_cast<int64_t>(buckets.size());
+  }
 
   void verify_same_layout() {
-    // Every rank publishes a digest of its parameters' names, shapes and dtypes; a mismatch is
-    // named precisely instead of surfacing later as a hang or a size error inside Gloo.
+    // Every rank publishes its parameters' shapes and dtypes; a mismatch is named precisely
+    // instead of surfacing later as a hang or a size error inside the collective.
     std::vector<int64_t> local;
     for (const auto& p : params) {
       local.push_back(p.dim());
       for (int64_t d : p.sizes()) local.push_back(d);
       local.push_back(static_cast<int64_t>(p.scalar_type()));
     }
-    auto count = torch::tensor({static_cast<int64_t>(local.size())}, torch::kLong);
-    auto counts = group.allgather(count);
-    bool same_length = true;
-    for (const auto& c : counts) same_length &= c.item<int64_t>() == count.item<int64_t>();
     auto layout = torch::tensor(local, torch::kLong);
-    if (!same_length) {
-      std::string sizes;
-      for (size_t r = 0; r < counts.size(); ++r) {
-        sizes += (r ? ", " : "") + std::string("rank ") + std::to_string(r) + ": " +
-                 std::to_string(counts[r].item<int64_t>());
+    auto lengths = group.allgather(torch::tensor({layout.numel()}, torch::kLong));
+    for (size_t r = 0; r < lengths.size(); ++r) {
+      if (lengths[r].item<int64_t>() != layout.numel()) {
+        throw UsageError("prepare_model: the model on rank " + std::to_string(group.rank()) + " has " +
+                         std::to_string(params.size()) + " parameters laid out in " +
+                         std::to_string(layout.numel()) + " numbers, rank " + std::to_string(r) +
+                         "'s in " + std::to_string(lengths[r].item<int64_t>()) +
+                         ": every rank must build the same architecture");
       }
-      throw UsageError("prepare_model: the model differs across ranks (parameter layout lengths " +
-                       sizes + "): every rank must build the same architecture");
     }
     auto layouts = group.allgather(layout);
     for (size_t r = 0; r < layouts.size(); ++r) {
       if (torch::equal(layouts[r], layout)) continue;
-      // Walk both layouts to find the first parameter that differs.
-      auto theirs = layouts[r];
+      const auto& theirs = layouts[r];
       int64_t offset = 0;
       for (size_t i = 0; i < params.size(); ++i) {
         const int64_t width = params[i].dim() + 2;
         if (!torch::equal(theirs.narrow(0, offset, width), layout.narrow(0, offset, width))) {
-          auto dims = theirs.narrow(0, offset + 1, theirs[offset].item<int64_t>());
-          std::string shape = "[";
-          for (int64_t d = 0; d < dims.size(0); ++d) {
-            shape += (d ? "," : "") + std::to_string(dims[d].item<int64_t>());
-          }
-          shape += "]";
-          throw UsageError("prepare_model: parameter '" + names[i] + "' is " +
-                           describe(params[i]) + " on rank " + std::to_string(group.rank()) +
-                           " but has shape " + shape + " on rank " + std::to_string(r) +
+          const int64_t dims = std::min(theirs[offset].item<int64_t>(), theirs.numel() - offset - 1);
+          auto shape = theirs.narrow(0, offset + 1, dims);
+          throw UsageError("prepare_model: parameter '" + names[i] + "' is " + describe(params[i]) +
+                           " on rank " + std::to_string(group.rank()) + " but " +
+                           format_shape(at::IntArrayRef(shape.data_ptr<int64_t>(), dims)) +
+                           " on rank " + std::to_string(r) +
                            ": every rank must build the same architecture");
         }
         offset += width;
@@ -88,146 +201,186 @@ struct DistributedDataParallel::Impl {
     }
   }
 
-  void broadcast_state() {
-    std::vector<at::Tensor> tensors;
-    {
-      torch::NoGradGuard no_grad;
-      for (auto& p : params) tensors.push_back(p.detach());
-      for (auto& b : buffers) tensors.push_back(b);
+  // One collective per dtype: buffers are flattened, sent, and copied back.
+  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
+    torch::NoGradGuard no_grad;
+    std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;
+    for (const auto& t : tensors) groups[{t.scalar_type(), t.device().str()}].push_back(t);
+    std::vector<std::pair<std::vector<at::Tensor>*, at::Tensor>> flats;
+    std::vector<comm::Work> works;
+    for (auto& [key, members] : groups) {
+      std::vector<at::Tensor> pieces;
+      for (auto& t : members) pieces.push_back(t.reshape(-1));
+      std::vector<at::Tensor> flat{torch::cat(pieces)};
+      works.push_back(group.broadcast_async(flat, 0));
+      flats.emplace_back(&members, flat[0]);
     }
-    // One collective per tensor keeps memory flat; this runs once.
-    for (auto& t : tensors) {
-      std::vector<at::Tensor> one{t};
-      group.broadcast(one, 0);
-    }
-  }
-
-  void build_buckets() {
-    // Reverse registration order approximates the order in which backward produces gradients.
-    const double first_cap = options.first_bucket_cap_mb * 1024 * 1024;
-    const double cap = options.bucket_cap_mb * 1024 * 1024;
-    Bucket current;
-    double bytes = 0;
-    for (size_t k = params.size(); k-- > 0;) {
-      const auto& p = params[k];
-      if (!p.requires_grad()) continue;
-      const double limit = buckets.empty() ? first_cap : cap;
-      const double size = static_cast<double>(p.numel() * p.element_size());
-      const bool same_type =
-          current.params.empty() || (params[current.params.front()].scalar_type() ==
-                                         p.scalar_type() &&
-                                     params[current.params.front()].device() == p.device());
-      if (!current.params.empty() && (bytes + size > limit || !same_type)) {
-        buckets.push_back(std::move(current));
-        current = Bucket{};
-        bytes = 0;
+    for (auto& w : works) w.wait();
+    for (auto& [members, flat] : flats) {
+      int64_t offset = 0;
+      for (auto& t : *members) {
+        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
       }
-      current.params.push_back(k);
-      bytes += size;
-    }
-    if (!current.params.empty()) buckets.push_back(std::move(current));
-    for (auto& bucket : buckets) {
-      int64_t numel = 0;
-      for (size_t k : bucket.params) numel += params[k].numel();
-      bucket.flat = torch::zeros({numel}, params[bucket.params.front()].options());
     }
   }
 
-  void on_gradient_ready() {
-    std::lock_guard lock(mutex);
-    if (!sync_enabled || finalize_queued) return;
-    finalize_queued = true;
+  void launch_ready_buckets(bool early) {
+    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
+      auto& bucket = buckets[next_bucket++];
+      bucket.work = hook(group, bucket.flat);
+      (early ? stats.buckets_launched_early : stats.buckets_launched_late)++;
+    }
+  }
+
+  void begin_step() {
+    step_active = true;
+    next_bucket = 0;
+    std::fill(ready.begin(), ready.end(), 0);
+    for (auto& b : buckets) b.pending = b.params.size();
     std::weak_ptr<Impl> weak = self;
     torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto impl = weak.lock()) impl->finalize_backward();
+      if (auto impl = weak.lock()) impl->finalize();
     });
   }
 
-  void finalize_backward() {
-    {
-      std::lock_guard lock(mutex);
-      finalize_queued = false;
+  // Puts parameter i's gradient into its bucket slot (a no-op when .grad already is the slot).
+  void stage(size_t i) {
+    auto& p = params[i];
+    auto& view = view_of(i);
+    const auto& grad = p.grad();
+    if (!grad.defined()) {
+      view.zero_();
+    } else if (!is_view_of_slot(i, grad)) {
+      view.copy_(grad);
+      if (options.gradient_as_bucket_view) p.mutable_grad() = view;
     }
+  }
+
+  void on_gradient_ready(size_t i) {
+    std::lock_guard lock(mutex);
+    used_since_sync[i] = 1;
+    if (!sync_enabled) return;
+    if (!step_active) begin_step();
+    if (ready[i]) return;
+    ready[i] = 1;
+    if (!stats.buckets_rebuilt) arrival.push_back(i);
     torch::NoGradGuard no_grad;
-    std::vector<comm::Work> pending;
-    for (auto& bucket : buckets) {
-      int64_t offset = 0;
-      for (size_t k : bucket.params) {
-        auto& p = params[k];
-        auto slot = bucket.flat.narrow(0, offset, p.numel());
-        // A parameter that got no gradient this step contributes zeros, so no rank waits on it.
-        if (p.grad().defined()) {
-          slot.copy_(p.grad().reshape(-1));
-        } else {
-          slot.zero_();
-        }
-        offset += p.numel();
-      }
-      std::vector<at::Tensor> one{bucket.flat};
-      pending.push_back(group.allreduce_async(one, comm::ReduceOp::kSum));
+    stage(i);
+    auto& bucket = buckets[slots[i].bucket];
+    if (--bucket.pending == 0) launch_ready_buckets(/*early=*/true);
+  }
+
+  void finalize() {
+    std::lock_guard lock(mutex);
+    torch::NoGradGuard no_grad;
+    step_active = false;
+    // Parameters without a gradient this step still take part, so that no rank waits on them.
+    for (size_t i : trainable) {
+      if (ready[i]) continue;
+      ready[i] = 1;
+      stage(i);
+      --buckets[slots[i].bucket].pending;
     }
+    launch_ready_buckets(/*early=*/false);
+
+    std::vector<char> unused_everywhere(params.size(), 0);
+    if (options.find_unused_parameters) {
+      std::vector<at::Tensor> used{torch::zeros({static_cast<int64_t>(params.size())}, torch::kInt)};
+      for (size_t i : trainable) used[0][static_cast<int64_t>(i)] = used_since_sync[i] ? 1 : 0;
+      group.allreduce(used);
+      auto counts = used[0].accessor<int, 1>();
+      for (size_t i : trainable) unused_everywhere[i] = counts[static_cast<int64_t>(i)] == 0;
+    }
+
+    const auto wait_start = Clock::now();
+    for (auto& bucket : buckets) bucket.work.wait();
+    stats.wait_seconds += std::chrono::duration<double>(Clock::now() - wait_start).count();
+
     const double scale = 1.0 / group.world_size();
-    for (size_t b = 0; b < buckets.size(); ++b) {
-      pending[b].wait();
-      auto& bucket = buckets[b];
-      int64_t offset = 0;
-      for (size_t k : bucket.params) {
-        auto& p = params[k];
-        auto averaged = bucket.flat.narrow(0, offset, p.numel()).view(p.sizes()).mul(scale);
+    for (auto& bucket : buckets) {
+      bucket.flat.mul_(scale);
+      bucket.work = comm::Work();
+    }
+    for (size_t i : trainable) {
+      auto& p = params[i];
+      if (unused_everywhere[i]) {
+        // As in single-process training: no gradient, so the optimizer leaves it alone.
+        p.mutable_grad() = at::Tensor();
+      } else if (!is_view_of_slot(i, p.grad())) {
         if (p.grad().defined()) {
-          p.mutable_grad().copy_(averaged);
+          p.mutable_grad().copy_(view_of(i));
         } else {
-          p.mutable_grad() = averaged;
+          p.mutable_grad() = view_of(i).clone();
         }
-        offset += p.numel();
       }
+      used_since_sync[i] = 0;
     }
-    if (options.broadcast_buffers && !buffers.empty()) {
-      for (auto& b : buffers) {
-        std::vector<at::Tensor> one{b};
-        group.broadcast(one, 0);
-      }
+    if (options.broadcast_buffers && !buffers.empty()) broadcast_from_rank0(buffers);
+    ++stats.synchronized_steps;
+    if (!stats.buckets_rebuilt) rebuild_from_arrival_order();
+  }
+
+  void rebuild_from_arrival_order() {
+    stats.buckets_rebuilt = true;
+    std::vector<char> seen(params.size(), 0);
+    for (size_t i : arrival) seen[i] = 1;
+    for (auto it = trainable.rbegin(); it != trainable.rend(); ++it) {
+      if (!seen[*it]) arrival.push_back(*it);
     }
-    ++synchronized_steps;
+    // Rank 0's order for all, so that every rank launches the same buckets in the same order.
+    std::vector<at::Tensor> order{torch::tensor(std::vector<int64_t>(arrival.begin(), arrival.end()), torch::kLong)};
+    group.broadcast(order, 0);
+    std::vector<size_t> agreed;
+    for (int64_t k = 0; k < order[0].numel(); ++k) agreed.push_back(static_cast<size_t>(order[0][k].item<int64_t>()));
+    arrival.clear();
+    arrival.shrink_to_fit();
+    build_buckets(agreed);
   }
 
   void install_hooks() {
     std::weak_ptr<Impl> weak = self;
-    for (auto& p : params) {
-      if (!p.requires_grad()) continue;
-      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+    for (size_t i : trainable) {
+      auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
       auto key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [weak](const torch::autograd::variable_list& outputs,
-                 const torch::autograd::variable_list&) {
-            if (auto impl = weak.lock()) impl->on_gradient_ready();
+          [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
+            if (auto impl = weak.lock()) impl->on_gradient_ready(i);
             return outputs;
           }));
       hooks.emplace_back(std::move(accumulator), key);
     }
   }
-
-  std::weak_ptr<Impl> self;
 };
 
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  comm::ProcessGroup group, DdpOptions options) {
-  if (!module) throw UsageError("prepare_model: the module is null");
+  if (!module) throw UsageError("DistributedDataParallel: the module is null");
+  if (!group.valid()) throw UsageError("DistributedDataParallel: the process group is empty");
   if (options.bucket_cap_mb <= 0 || options.first_bucket_cap_mb <= 0) {
-    throw UsageError("DdpOptions: bucket sizes must be > 0 MB");
+    throw UsageError("DdpOptions: bucket_cap_mb and first_bucket_cap_mb must be > 0");
   }
-  impl_ = std::make_shared<Impl>(std::move(module), std::move(group), options);
-  impl_->self = impl_;
-  for (const auto& item : impl_->module->named_parameters()) {
-    impl_->names.push_back(item.key());
-    impl_->params.push_back(item.value());
+  impl_ = std::make_shared<Impl>(std::move(module), std::move(group), std::move(options));
+  auto& impl = *impl_;
+  impl.self = impl_;
+  for (const auto& item : impl.module->named_parameters()) {
+    impl.names.push_back(item.key());
+    impl.params.push_back(item.value());
   }
-  for (const auto& b : impl_->module->buffers()) impl_->buffers.push_back(b);
-  if (impl_->group.world_size() > 1) {
-    impl_->verify_same_layout();
-    impl_->broadcast_state();
+  for (size_t i = 0; i < impl.params.size(); ++i) {
+    if (impl.params[i].requires_grad()) impl.trainable.push_back(i);
   }
-  impl_->build_buckets();
-  impl_->install_hooks();
+  for (const auto& b : impl.module->buffers()) impl.buffers.push_back(b);
+  if (impl.group.world_size() > 1) {
+    impl.verify_same_layout();
+    std::vector<at::Tensor> state;
+    for (const auto& p : impl.params) state.push_back(p.detach());
+    state.insert(state.end(), impl.buffers.begin(), impl.buffers.end());
+    impl.broadcast_from_rank0(state);
+  }
+  impl.ready.assign(impl.params.size(), 0);
+  impl.used_since_sync.assign(impl.params.size(), 0);
+  impl.build_buckets(std::vector<size_t>(impl.trainable.rbegin(), impl.trainable.rend()));
+  impl.install_hooks();
 }
 
 DistributedDataParallel::~DistributedDataParallel() {
@@ -241,12 +394,13 @@ DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
 
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->sync_enabled = previous_; }
 
-const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const {
-  return impl_->module;
-}
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
 
 const comm::ProcessGroup& DistributedDataParallel::process_group() const { return impl_->group; }
 
-int64_t DistributedDataParallel::synchronized_steps() const { return impl_->synchronized_steps; }
+DdpStats DistributedDataParallel::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->stats;
+}
 
 }  // namespace cohort::parallel

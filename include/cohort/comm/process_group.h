@@ -1,5 +1,6 @@
 #pragma once
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,8 @@ class Work {
   void wait();
   bool completed() const;
   bool valid() const { return state_ != nullptr; }
+  // Runs `fn` in wait(), after the collective completed (e.g. to decompress a result).
+  Work& then(std::function<void()> fn);
 
  private:
   std::shared_ptr<State> state_;
