@@ -34,8 +34,13 @@ void Work::wait() {
                          std::to_string(state_->timeout.count()) +
                          " ms: a peer hangs or skipped the call (" + what + ")");
     }
-    throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
-                           what + ")");
+    for (const char* sign : {"closed", "reset by peer", "Broken pipe", "Connection refused"}) {
+      if (what.find(sign) != std::string::npos) {
+        throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
+                               what + ")");
+      }
+    }
+    throw RuntimeError(state_->what + " failed: " + what);
   }
   if (state_->finish) {
     state_->finish();

@@ -30,8 +30,9 @@ std::string describe(const at::Tensor& t) {
 CommHook compress_hook(at::ScalarType wire) {
   return [wire](comm::ProcessGroup& group, at::Tensor& bucket) {
     if (wire == at::kBFloat16) {
-      // Gloo cannot sum bfloat16: gather everyone's compressed bits and sum locally in fp32.
-      auto bits = bucket.to(at::kBFloat16).view(at::kShort);
+      // Gloo cannot sum bfloat16: gather everyone's compressed bits (as Half, a dtype Gloo
+      // moves; allgather only copies bytes) and sum locally in fp32.
+      auto bits = bucket.to(at::kBFloat16).view(at::kHalf);
       auto gathered = group.allgather(bits);
       auto sum = torch::zeros_like(bucket, bucket.options().dtype(at::kFloat));
       for (auto& g : gathered) sum.add_(g.view(at::kBFloat16).to(at::kFloat));

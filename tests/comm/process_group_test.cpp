@@ -5,38 +5,17 @@
 
 #include <functional>
 #include <future>
-#include <thread>
 
 #include "cohort/error.h"
+#include "support/local_group.h"
 
 namespace cohort::comm {
 namespace {
 
-// Runs fn(group) on `world` threads, each a rank of one group (Gloo is happy with that).
-void run_group(int world, const std::function<void(ProcessGroup&)>& fn,
-               ProcessGroupOptions options = {}) {
-  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(20)});
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(world);
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        auto store = Store::connect({.port = server.port(), .timeout = std::chrono::seconds(20)});
-        auto group = ProcessGroup::create(store, rank, world, options);
-        fn(group);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
+using cohort::testing::run_ranks;
 
 TEST(ProcessGroup, AllreduceSumsAndAverages) {
-  run_group(3, [](ProcessGroup& g) {
+  run_ranks(3, [](ProcessGroup& g) {
     std::vector<at::Tensor> t{torch::full({4}, g.rank() + 1.0)};
     g.allreduce(t);
     EXPECT_TRUE(torch::equal(t[0], torch::full({4}, 6.0)));
@@ -50,7 +29,7 @@ TEST(ProcessGroup, AllreduceSumsAndAverages) {
 }
 
 TEST(ProcessGroup, BroadcastAllgatherBarrier) {
-  run_group(2, [](ProcessGroup& g) {
+  run_ranks(2, [](ProcessGroup& g) {
     std::vector<at::Tensor> t{g.rank() == 0 ? torch::arange(5.0) : torch::zeros({5})};
     g.broadcast(t, 0);
     EXPECT_TRUE(torch::equal(t[0], torch::arange(5.0)));
@@ -76,7 +55,7 @@ TEST(ProcessGroup, SetupTimeoutNamesTheMissingRanks) {
 TEST(ProcessGroup, CollectiveTimeoutWhenAPeerSkipsTheCall) {
   std::promise<void> rank0_done;
   auto done = rank0_done.get_future().share();
-  run_group(
+  run_ranks(
       2,
       [&](ProcessGroup& g) {
         if (g.rank() == 1) {

@@ -3,9 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <thread>
 
 #include "cohort/error.h"
+#include "cohort/models/zoo.h"
+#include "support/local_group.h"
 
 namespace cohort::parallel {
 namespace {
@@ -45,27 +46,9 @@ TwoHeads clone_of(const TwoHeads& m) {
   return copy;
 }
 
-// Runs fn(rank, group) on `world` threads, each a rank of one Gloo group.
 void run_ranks(int world, const std::function<void(int, comm::ProcessGroup&)>& fn) {
-  auto server = comm::Store::connect({.is_server = true, .timeout = std::chrono::seconds(20)});
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> errors(world);
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      try {
-        auto store = comm::Store::connect({.port = server.port()});
-        auto group = comm::ProcessGroup::create(store, rank, world,
-                                                {.timeout = std::chrono::seconds(20)});
-        fn(rank, group);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
+  cohort::testing::run_ranks(world, [&](comm::ProcessGroup& g) { fn(g.rank(), g); },
+                             {.timeout = std::chrono::seconds(30)});
 }
 
 // A parameter no rank used has no reference gradient; DDP gives it zeros so that ranks agree.
@@ -218,6 +201,182 @@ TEST(DistributedDataParallel, AShapeMismatchIsNamedOnEveryRank) {
     EXPECT_NE(messages[rank].find("parameter '1.weight'"), std::string::npos) << messages[rank];
     EXPECT_NE(messages[rank].find("on rank " + std::to_string(1 - rank)), std::string::npos)
         << messages[rank];
+  }
+}
+
+double relative_difference(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-12);
+}
+
+// k workers with batch b each and one process with batch k*b, from the same weights and data,
+// hold the same parameters after 20 SGD steps.
+void expect_equivalent_to_one_process(const std::string& model_name, int world, DdpOptions options,
+                                      const std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>& forward) {
+  const int64_t batch = 4, steps = 20;
+  torch::manual_seed(11);
+  auto inputs = torch::randn({steps, world * batch, 1, 28, 28});
+  auto targets = torch::randint(0, 10, {steps, world * batch});
+  auto make = [&] {
+    torch::manual_seed(3);
+    return models::create_model(model_name);
+  };
+  std::vector<models::ImageClassifier> models;
+  for (int r = 0; r < world; ++r) models.push_back(make());
+  run_ranks(world, [&](int rank, comm::ProcessGroup& g) {
+    DistributedDataParallel ddp(models[rank], g, options);
+    torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+    for (int64_t s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      auto x = inputs[s].narrow(0, rank * batch, batch);
+      auto y = targets[s].narrow(0, rank * batch, batch);
+      torch::nn::functional::cross_entropy(forward(*models[rank], x), y).backward();
+      opt.step();
+    }
+    EXPECT_TRUE(ddp.stats().buckets_rebuilt);
+  });
+  auto reference = make();
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  for (int64_t s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(forward(*reference, inputs[s]), targets[s]).backward();
+    opt.step();
+  }
+  auto expected = reference->named_parameters();
+  for (int rank = 0; rank < world; ++rank) {
+    for (const auto& p : models[rank]->named_parameters()) {
+      EXPECT_LT(relative_difference(p.value(), expected[p.key()]), 1e-5)
+          << model_name << " world " << world << " rank " << rank << " " << p.key();
+    }
+  }
+}
+
+at::Tensor plain_forward(torch::nn::Module& m, const at::Tensor& x) {
+  return dynamic_cast<models::ImageClassifierImpl&>(m).forward(x);
+}
+
+TEST(DistributedDataParallel, CnnOnTwoAndThreeRanksEqualsOneProcessOver20Steps) {
+  for (int world : {2, 3}) expect_equivalent_to_one_process("cnn", world, {}, plain_forward);
+}
+
+TEST(DistributedDataParallel, SmallBucketsAndCopiedGradientsGiveTheSameResult) {
+  expect_equivalent_to_one_process(
+      "cnn", 2, {.bucket_cap_mb = 0.05, .first_bucket_cap_mb = 0.01, .gradient_as_bucket_view = false},
+      plain_forward);
+}
+
+// A model with a branch that never gets a gradient: under find_unused_parameters its gradient
+// stays undefined, so the optimizer skips it, exactly as in one process.
+struct WithUnusedBranchImpl : models::ImageClassifierImpl {
+  WithUnusedBranchImpl() {
+    mlp = register_module("mlp", std::make_shared<models::MlpImpl>());
+    unused = register_module("unused", torch::nn::Linear(10, 10));
+  }
+  torch::Tensor forward(torch::Tensor x) override { return mlp->forward(x); }
+  std::shared_ptr<models::MlpImpl> mlp;
+  torch::nn::Linear unused{nullptr};
+};
+
+TEST(DistributedDataParallel, UnusedBranchUnderFindUnusedParametersEqualsOneProcess) {
+  const int world = 2;
+  torch::manual_seed(12);
+  auto inputs = torch::randn({20, world * 4, 1, 28, 28});
+  auto targets = torch::randint(0, 10, {20, world * 4});
+  auto make = [] {
+    torch::manual_seed(4);
+    return std::make_shared<WithUnusedBranchImpl>();
+  };
+  std::vector<std::shared_ptr<WithUnusedBranchImpl>> models{make(), make()};
+  run_ranks(world, [&](int rank, comm::ProcessGroup& g) {
+    DistributedDataParallel ddp(models[rank], g, {.find_unused_parameters = true});
+    torch::optim::SGD opt(models[rank]->parameters(),
+                          torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+    for (int s = 0; s < 20; ++s) {
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(models[rank]->forward(inputs[s].narrow(0, rank * 4, 4)),
+                                           targets[s].narrow(0, rank * 4, 4))
+          .backward();
+      EXPECT_FALSE(models[rank]->unused->weight.grad().defined());
+      opt.step();
+    }
+  });
+  auto reference = make();
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+  for (int s = 0; s < 20; ++s) {
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(reference->forward(inputs[s]), targets[s]).backward();
+    opt.step();
+  }
+  auto expected = reference->named_parameters();
+  for (const auto& m : models) {
+    for (const auto& p : m->named_parameters()) {
+      EXPECT_LT(relative_difference(p.value(), expected[p.key()]), 1e-5) << p.key();
+    }
+  }
+}
+
+TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
+  auto models = std::vector<models::ImageClassifier>{models::create_model("cnn"), models::create_model("cnn")};
+  run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
+    DistributedDataParallel ddp(models[rank], g, {.bucket_cap_mb = 0.1, .first_bucket_cap_mb = 0.01});
+    for (int s = 0; s < 3; ++s) {
+      models[rank]->zero_grad();
+      models[rank]->forward(torch::randn({2, 1, 28, 28})).sum().backward();
+    }
+    auto stats = ddp.stats();
+    EXPECT_GT(stats.buckets, 1);
+    // Every bucket but the last can start before backward ends: communication overlaps compute.
+    EXPECT_GE(stats.buckets_launched_early, 3 * (stats.buckets - 1));
+    EXPECT_EQ(stats.synchronized_steps, 3);
+  });
+}
+
+TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
+  for (const auto& [hook, tolerance] : std::vector<std::pair<CommHook, double>>{
+           {fp16_compress_hook(), 1e-3}, {bf16_compress_hook(), 1e-2}}) {
+    auto models = std::vector<models::ImageClassifier>{models::create_model("mlp"), models::create_model("mlp")};
+    std::vector<std::vector<at::Tensor>> exact(2);
+    torch::manual_seed(9);
+    auto inputs = torch::randn({2, 4, 1, 28, 28});
+    run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
+      DistributedDataParallel ddp(models[rank], g, {.comm_hook = hook});
+      models[rank]->forward(inputs[rank]).pow(2).mean().backward();
+      for (const auto& p : models[rank]->parameters()) exact[rank].push_back(p.grad().clone());
+    });
+    // Reference: the plain average of each rank's own gradient.
+    auto reference = std::vector<models::ImageClassifier>{models::create_model("mlp"), models::create_model("mlp")};
+    std::vector<at::Tensor> averaged;
+    for (int r = 0; r < 2; ++r) {
+      torch::NoGradGuard no_grad;
+      auto dst = reference[r]->parameters();
+      auto src = models[0]->parameters();
+      for (size_t i = 0; i < dst.size(); ++i) dst[i].copy_(src[i]);
+    }
+    for (int r = 0; r < 2; ++r) reference[r]->forward(inputs[r]).pow(2).mean().backward();
+    auto p0 = reference[0]->parameters(), p1 = reference[1]->parameters();
+    for (size_t i = 0; i < p0.size(); ++i) {
+      auto expected = (p0[i].grad() + p1[i].grad()) / 2;
+      EXPECT_TRUE(torch::equal(exact[0][i], exact[1][i]));
+      EXPECT_LT(relative_difference(exact[0][i], expected), tolerance) << i;
+    }
+  }
+}
+
+TEST(DistributedDataParallel, WrapsEveryModelOfTheZoo) {
+  for (const auto& name : models::model_names()) {
+    auto models = std::vector<models::ImageClassifier>{models::create_model(name), models::create_model(name)};
+    run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
+      DistributedDataParallel ddp(models[rank], g);
+      torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.01));
+      opt.zero_grad();
+      torch::nn::functional::cross_entropy(models[rank]->forward(torch::randn({2, 1, 28, 28}) + rank),
+                                           torch::tensor({rank, 1 - rank}))
+          .backward();
+      opt.step();
+    });
+    auto other = models[1]->named_parameters();
+    for (const auto& p : models[0]->named_parameters()) {
+      EXPECT_TRUE(torch::equal(p.value(), other[p.key()])) << name << " " << p.key();
+    }
   }
 }
 

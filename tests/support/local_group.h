@@ -1,0 +1,13 @@
+// A process group whose ranks are threads of the test process (Gloo is happy with that).
+#pragma once
+#include <functional>
+
+#include "cohort/comm/process_group.h"
+
+namespace cohort::testing {
+
+// Runs fn(group) on `world` threads, each rank of one group; rethrows the first failure.
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn,
+               comm::ProcessGroupOptions options = {});
+
+}  // namespace cohort::testing
