@@ -125,6 +125,25 @@ TEST_F(Cli, InterruptStopsEveryProcess) {
   EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos) << result.dump();
 }
 
+TEST_F(Cli, WorkersDieWithAKilledDriver) {
+  cohort::testing::Process driver({COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(),
+                                   "--data-dir", data.string(), "--epochs", "100000", "--batch-size", "8",
+                                   "--name", "killed"});
+  auto started = driver.wait_for_line("started 2 worker(s) [pids ", std::chrono::seconds(60));
+  ASSERT_TRUE(started) << driver.output();
+  std::vector<int> pids;
+  std::istringstream in(started->substr(started->find("[pids ") + 6));
+  for (int pid; in >> pid;) pids.push_back(pid);
+  ASSERT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
+  // SIGKILL gives the driver no chance to clean up: the workers must notice by themselves.
+  ::kill(driver.pid(), SIGKILL);
+  driver.wait(std::chrono::seconds(10));
+  for (int pid : pids) {
+    EXPECT_TRUE(cohort::testing::wait_for_exit(pid, std::chrono::seconds(10)))
+        << "worker " << pid << " outlived its driver";
+  }
+}
+
 TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
   auto dir = cohort::testing::temp_dir("cli_fashion");

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <spawn.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -145,6 +146,16 @@ bool process_alive(int pid) {
   auto close_paren = text.rfind(')');
   return close_paren != std::string::npos && close_paren + 2 < text.size() &&
          text[close_paren + 2] != 'Z';
+}
+
+bool wait_for_exit(int pid, std::chrono::milliseconds deadline) {
+  const int fd = static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) return !process_alive(pid);  // already gone
+  pollfd p{fd, POLLIN, 0};
+  ::poll(&p, 1, static_cast<int>(deadline.count()));
+  ::close(fd);
+  // A zombie (exited, not yet reaped by its parent) counts as exited.
+  return !process_alive(pid);
 }
 
 std::string read_text(const std::string& path) {

@@ -50,6 +50,9 @@ class Process {
 // True while a process with this pid exists (and is not a zombie).
 bool process_alive(int pid);
 
+// Waits for any process (not only a child) to exit; false if it is still alive at the deadline.
+bool wait_for_exit(int pid, std::chrono::milliseconds deadline);
+
 std::string read_text(const std::string& path);
 
 }  // namespace cohort::testing
