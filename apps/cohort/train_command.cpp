@@ -2,6 +2,8 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <iostream>
 
 #include "cohort/cohort.h"
@@ -36,6 +38,7 @@ void validate(const TrainOptions& o) {
     throw UsageError("--lr " + std::to_string(o.lr) + " is negative: give a learning rate > 0");
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
+  if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
   const auto dir = data_dir_of(o);
   data::check_mnist_dir(dir);
   const int64_t train_size =
@@ -97,13 +100,41 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
 }
 
+// Rank 0 writes the model (safetensors) and optimizer state; every rank reports, so that the
+// checkpoint is committed once all ranks got there.
+void report_with_checkpoint(const Json& metrics, const models::ImageClassifierImpl& model,
+                            const torch::optim::Optimizer& optimizer) {
+  if (train::get_context().get_world_rank() != 0) {
+    train::report(metrics);
+    return;
+  }
+  const auto dir = std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  train::save_model(model, dir / "model.safetensors");
+  train::save_optimizer(optimizer, dir / "optimizer.pt");
+  train::report(metrics, Checkpoint::from_directory(dir));
+  std::filesystem::remove_all(dir);
+}
+
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
   const bool rank0 = ctx.get_world_rank() == 0;
   torch::manual_seed(c["seed"].get<uint64_t>());
   const std::filesystem::path dir = c["data_dir"].get<std::string>();
-  auto model = train::prepare_model(models::create_model(c["model"].get<std::string>()));
+  auto model = models::create_model(c["model"].get<std::string>());
   auto optimizer = make_optimizer(c, model->parameters());
+  int start_epoch = 0;
+  int64_t steps = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    // Resume where the checkpoint left off, not at epoch 1.
+    train::load_model(*model, checkpoint->path() / "model.safetensors");
+    train::load_optimizer(*optimizer, checkpoint->path() / "optimizer.pt");
+    const auto metrics = checkpoint->metrics();
+    start_epoch = metrics.value("epoch", 0);
+    steps = metrics.value("steps", int64_t{0});
+    if (rank0) std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string() << std::endl;
+  }
+  train::prepare_model(model);
   auto train_loader = train::prepare_data_loader(
       data::load_mnist(dir, data::Split::kTrain),
       {.batch_size = c["batch_size"].get<int64_t>(), .shuffle = true, .seed = c["seed"].get<uint64_t>()});
@@ -114,11 +145,11 @@ void train_loop(const Json& c) {
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
   constexpr int64_t kWarmupSteps = 10;
-  int64_t steps = 0;
+  const int64_t first_step = steps;
   int64_t timed_samples = 0;
   double timed_seconds = 0;
   double time_to_first_step = 0;
-  for (int epoch = 0; epoch < epochs; ++epoch) {
+  for (int epoch = start_epoch; epoch < epochs; ++epoch) {
     train_loader.set_epoch(epoch);
     double loss_sum = 0;
     int64_t loss_count = 0;
@@ -137,13 +168,13 @@ void train_loop(const Json& c) {
       loss_sum += loss_value;
       ++loss_count;
       const auto now = Clock::now();
-      if (steps == 1) {
+      if (steps == first_step + 1) {
         time_to_first_step =
             std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
                 .count();
         if (rank0) std::cout << "first training step done " << time_to_first_step << " s after start" << std::endl;
       }
-      if (steps > kWarmupSteps) {
+      if (steps > first_step + kWarmupSteps) {
         timed_seconds += std::chrono::duration<double>(now - segment_start).count();
         timed_samples += batch.target.size(0) * ctx.get_world_size();
       }
@@ -164,15 +195,16 @@ void train_loop(const Json& c) {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time()).count();
     const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
-    train::report({{"epoch", epoch + 1},
-                   {"epochs", epoch + 1},
-                   {"steps", steps},
-                   {"train_loss", train_loss},
-                   {"test_loss", eval.loss},
-                   {"test_accuracy", eval.accuracy},
-                   {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
-                   {"elapsed_s", elapsed},
-                   {"time_to_first_step_s", time_to_first_step}});
+    report_with_checkpoint({{"epoch", epoch + 1},
+                            {"epochs", epoch + 1},
+                            {"steps", steps},
+                            {"train_loss", train_loss},
+                            {"test_loss", eval.loss},
+                            {"test_accuracy", eval.accuracy},
+                            {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
+                            {"elapsed_s", elapsed},
+                            {"time_to_first_step_s", time_to_first_step}},
+                           *model, *optimizer);
     if (last) break;
   }
 }
@@ -198,6 +230,11 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--storage-path", o.storage_path, "where run directories go")->capture_default_str();
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
+  cmd->add_flag("--resume,!--no-resume", o.resume,
+                "continue a run with the same --storage-path and --name from its latest checkpoint (default)");
+  cmd->add_option("--num-to-keep", o.num_to_keep,
+                  "checkpoints kept by best test accuracy, besides the latest (0: all)")
+      ->capture_default_str();
   cmd->add_flag("--quiet", o.quiet, "no progress bar or report lines");
   return cmd;
 }
@@ -207,7 +244,13 @@ int run_train_command(TrainOptions o) {
   Trainer trainer(train_loop,
                   ScalingConfig{.num_workers = o.workers,
                                 .resources_per_worker = {.cpu_threads = o.threads}},
-                  RunConfig{.name = o.name, .storage_path = o.storage_path, .verbose = o.quiet ? 0 : 1},
+                  RunConfig{.name = o.name,
+                            .storage_path = o.storage_path,
+                            .checkpoint_config = {.num_to_keep = o.num_to_keep,
+                                                  .checkpoint_score_attribute = "test_accuracy",
+                                                  .checkpoint_score_order = "max"},
+                            .resume = o.resume,
+                            .verbose = o.quiet ? 0 : 1},
                   to_json(o));
   Result result = trainer.fit();
   if (!result.ok()) {

@@ -22,6 +22,8 @@ struct TrainOptions {
   int64_t max_steps = 0;  // 0: no limit
   std::string storage_path = "./cohort_results";
   std::string name;
+  bool resume = true;
+  int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
   bool quiet = false;
 };
 

@@ -19,6 +19,7 @@
 #include "cohort/data/mnist.h"
 #include "cohort/data/tensor_dataset.h"
 
+#include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
 #include "cohort/train/prepare.h"

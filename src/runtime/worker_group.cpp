@@ -143,6 +143,7 @@ struct WorkerGroup::Impl {
   WorkerGroupOptions options;
   std::vector<Worker> workers;
   bool started = false;
+  std::string requested_stop;
 
   std::vector<std::string> environment(int rank) const {
     std::map<std::string, std::string> vars;
@@ -361,6 +362,7 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
       if (fds[i].revents != 0) impl_->pump(*owners[i].first, *owners[i].second, handlers);
     }
 
+    if (!impl_->requested_stop.empty() && !kill_at) begin_stop(impl_->requested_stop);
     if (g_interrupt != 0 && outcome.interrupted_by == 0) {
       outcome.interrupted_by = g_interrupt;
       begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
@@ -373,6 +375,8 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
     // then fail in their collectives.
     std::stable_partition(exited.begin(), exited.end(), [](Worker* w) { return w->exit.signal != 0; });
     for (Worker* w : exited) {
+      if (handlers.on_exit) handlers.on_exit(w->exit);
+      if (!impl_->requested_stop.empty() && !kill_at) begin_stop(impl_->requested_stop);
       if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
         outcome.first_failure = w->exit;
         begin_stop(w->exit.describe());
@@ -380,6 +384,7 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
         skew_deadline = Clock::now() + impl_->options.exit_skew_timeout;
       }
     }
+    if (handlers.on_tick) handlers.on_tick();
     const auto now = Clock::now();
     if (skew_deadline && now > *skew_deadline && !kill_at) {
       std::string hung;
@@ -408,6 +413,10 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
     }
   }
   return outcome;
+}
+
+void WorkerGroup::request_stop(std::string reason) {
+  if (impl_->requested_stop.empty()) impl_->requested_stop = std::move(reason);
 }
 
 void WorkerGroup::stop() {

@@ -5,18 +5,21 @@
 
 #include <algorithm>
 #include <csignal>
-#include <set>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <random>
+#include <set>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
+#include "train/checkpoint_manager.h"
 #include "train/progress.h"
+#include "train/run_files.h"
 #include "train/worker_session.h"
 
 namespace cohort::train {
@@ -28,6 +31,13 @@ std::string default_name() {
   std::time_t now = std::time(nullptr);
   char buffer[64];
   std::strftime(buffer, sizeof buffer, "cohort_%Y-%m-%d_%H-%M-%S", std::localtime(&now));
+  return buffer;
+}
+
+std::string random_token() {
+  std::random_device device;
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%08x%08x", device(), device());
   return buffer;
 }
 
@@ -43,30 +53,57 @@ std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& n
                      ec.message() + "): give a writable --storage-path / RunConfig.storage_path");
   }
   // create_directories succeeds on an existing read-only folder; a real write tells.
-  auto probe = dir / ".write_test";
-  {
-    std::ofstream out(probe);
-    out << "ok";
-    if (!out) {
-      throw UsageError("storage path " + dir.string() +
-                       " is not writable: give a writable --storage-path / RunConfig.storage_path");
-    }
+  try {
+    write_atomically(dir / ".write_test", "ok");
+  } catch (const std::exception&) {
+    throw UsageError("storage path " + dir.string() +
+                     " is not writable: give a writable --storage-path / RunConfig.storage_path");
   }
-  std::filesystem::remove(probe, ec);
+  std::filesystem::remove(dir / ".write_test", ec);
+  // Half-assembled checkpoints of a start that crashed are never valid.
+  std::filesystem::remove_all(dir / kStagingDir, ec);
   return dir;
 }
 
-// Written to a temporary name, flushed and renamed: a reader never sees half a file.
-void write_file_atomically(const std::filesystem::path& path, const std::string& content) {
-  auto tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << content;
-    out.flush();
-    if (!out) throw RuntimeError("cannot write " + tmp.string());
+std::vector<Json> read_history(const std::filesystem::path& file) {
+  std::vector<Json> history;
+  std::ifstream in(file);
+  for (std::string line; std::getline(in, line);) {
+    try {
+      history.push_back(Json::parse(line));
+    } catch (const std::exception&) {
+      // A line cut by a crash mid-write: the history ends before it.
+      break;
+    }
   }
-  std::filesystem::rename(tmp, path);
+  return history;
+}
+
+std::string csv_cell(const Json& value) {
+  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+
+void write_metrics_csv(const std::filesystem::path& file, const std::vector<Json>& history) {
+  std::vector<std::string> columns;
+  for (const auto& record : history) {
+    for (const auto& [key, value] : record.items()) {
+      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
+    }
+  }
+  write_atomically(file, [&](std::ostream& out) {
+    for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << csv_cell(columns[c]);
+    out << '\n';
+    for (const auto& record : history) {
+      for (size_t c = 0; c < columns.size(); ++c) {
+        out << (c ? "," : "") << (record.contains(columns[c]) ? csv_cell(record[columns[c]]) : "");
+      }
+      out << '\n';
+    }
+  });
 }
 
 Json result_json(const Result& result) {
@@ -75,6 +112,12 @@ Json result_json(const Result& result) {
   out["workers"] = result.workers;
   out["wall_seconds"] = result.wall_seconds;
   out["path"] = result.path.string();
+  out["checkpoint"] = result.checkpoint ? Json(result.checkpoint->path().string()) : Json(nullptr);
+  Json best = Json::array();
+  for (const auto& [checkpoint, metrics] : result.best_checkpoints) {
+    best.push_back({{"path", checkpoint.path().string()}, {"metrics", metrics}});
+  }
+  out["best_checkpoints"] = best;
   out["error"] = result.error ? Json(*result.error) : Json(nullptr);
   return out;
 }
@@ -97,6 +140,39 @@ std::string describe_failure(const runtime::GroupOutcome& outcome,
   return causes.size() > 1 ? text + ")" : text;
 }
 
+// Every rank must call report() equally often: a rank that finished with fewer calls than
+// another made would leave that one waiting for it.
+class ReportCounter {
+ public:
+  explicit ReportCounter(int world) : counts_(static_cast<size_t>(world), 0), finished_(static_cast<size_t>(world), false) {}
+
+  // Returns a reason to stop, or "".
+  std::string on_report(int rank, int64_t index) {
+    counts_[static_cast<size_t>(rank)] = index;
+    for (size_t r = 0; r < counts_.size(); ++r) {
+      if (finished_[r] && counts_[r] < index) return mismatch(static_cast<int>(r), rank, index);
+    }
+    return "";
+  }
+  std::string on_clean_exit(int rank) {
+    finished_[static_cast<size_t>(rank)] = true;
+    for (size_t r = 0; r < counts_.size(); ++r) {
+      if (counts_[r] > counts_[static_cast<size_t>(rank)]) return mismatch(rank, static_cast<int>(r), counts_[r]);
+    }
+    return "";
+  }
+
+ private:
+  std::string mismatch(int finished, int other, int64_t index) const {
+    return "rank " + std::to_string(finished) + " finished after " +
+           std::to_string(counts_[static_cast<size_t>(finished)]) + " report() calls while rank " +
+           std::to_string(other) + " made call #" + std::to_string(index) +
+           ": every rank must call report() the same number of times";
+  }
+  std::vector<int64_t> counts_;
+  std::vector<bool> finished_;
+};
+
 }  // namespace
 
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
@@ -113,7 +189,26 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
                      std::to_string(torch::cuda::device_count()));
   }
   const std::string name = run.name.empty() ? default_name() : run.name;
-  const auto run_dir = prepare_run_dir(run, name);
+  const auto run_dir = std::filesystem::absolute(prepare_run_dir(run, name));
+  Console console(run.verbose);
+
+  CheckpointManager checkpoints(run_dir, run.checkpoint_config);
+  Result result;
+  result.path = run_dir;
+  result.workers = scaling.num_workers;
+  std::optional<Checkpoint> resume_from;
+  if (run.resume) {
+    for (const auto& warning : checkpoints.adopt_existing()) console.message("cohort: warning: " + warning);
+    resume_from = checkpoints.latest();
+    if (resume_from) {
+      result.metrics_history = read_history(run_dir / kMetricsFile);
+      console.message("cohort: resuming from " + resume_from->path().string());
+    }
+  }
+  // The history on disk is exactly what the Result holds: rewritten whole, then appended to.
+  std::ofstream metrics_log(run_dir / kMetricsFile, std::ios::trunc);
+  for (const auto& record : result.metrics_history) metrics_log << record.dump() << '\n';
+  metrics_log.flush();
 
   auto store = comm::Store::connect(
       {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run.setup_timeout});
@@ -125,7 +220,7 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
   options.env = {
       {kConfigVar, config.dump()},
       {kNameVar, name},
-      {kRunDirVar, std::filesystem::absolute(run_dir).string()},
+      {kRunDirVar, run_dir.string()},
       {kRunStartVar,
        std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
                           started_wall.time_since_epoch())
@@ -136,6 +231,9 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
       {kSetupTimeoutVar, std::to_string(run.setup_timeout.count())},
       {kCollectiveTimeoutVar, std::to_string(run.collective_timeout.count())},
       {kUseGpuVar, scaling.use_gpu ? "1" : "0"},
+      {kRunTokenVar, random_token()},
+      {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
+      {kNextCheckpointVar, std::to_string(checkpoints.next_index())},
   };
   const int port = store.port();
   const int world = scaling.num_workers;
@@ -150,18 +248,25 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
     return runtime::worker_env(info);
   };
 
-  Result result;
-  result.path = run_dir;
-  result.workers = world;
-  Console console(run.verbose);
-  std::ofstream metrics_log(run_dir / "metrics.jsonl", std::ios::trunc);
+  runtime::WorkerGroup group(std::move(options));
   std::map<int, std::string> worker_errors;
   std::vector<int> error_order;
   std::set<int> consequences;
+  std::string driver_error;  // a rule the run broke, found by the driver
+  ReportCounter report_counter(world);
+  auto stop_because = [&](const std::string& reason) {
+    if (reason.empty() || !driver_error.empty()) return;
+    driver_error = reason;
+    group.request_stop(reason);
+  };
 
   runtime::WorkerGroupHandlers handlers;
   handlers.on_output = [&](int rank, int pid, bool is_stderr, const std::string& line) {
     if (run.verbose >= 1 || is_stderr) console.worker_line(rank, pid, is_stderr, line);
+  };
+  handlers.on_tick = [&] { console.tick(); };
+  handlers.on_exit = [&](const runtime::WorkerExit& exit) {
+    if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
   };
   handlers.on_control = [&](int rank, const std::string& line) {
     Json message;
@@ -173,14 +278,29 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
       return;
     }
     const auto type = message.value("type", std::string{});
-    if (type == "report" && rank == 0) {
-      Json record = message["metrics"];
-      record["training_iteration"] = message.value("index", int64_t{0});
+    if (type == "report") {
+      const int64_t index = message.value("index", int64_t{0});
+      stop_because(report_counter.on_report(rank, index));
+      if (rank != 0) return;
+      const Json& metrics = message["metrics"];
+      if (index == 1) {
+        try {
+          checkpoints.check_score_attribute(metrics);
+        } catch (const UsageError& e) {
+          stop_because(e.what());
+        }
+      }
+      Json record = metrics;
+      record["training_iteration"] = static_cast<int64_t>(result.metrics_history.size()) + 1;
       record["timestamp"] = std::time(nullptr);
+      if (message.contains("checkpoint")) {
+        record["checkpoint"] = message["checkpoint"];
+        checkpoints.add(message["checkpoint"].get<std::string>(), metrics);
+      }
       metrics_log << record.dump() << '\n';
       metrics_log.flush();
       result.metrics_history.push_back(record);
-      console.report(message.value("index", int64_t{0}), message["metrics"]);
+      console.report(record["training_iteration"].get<int64_t>(), metrics);
     } else if (type == "progress") {
       console.progress(message["progress"]);
     } else if (type == "error") {
@@ -192,7 +312,6 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
     }
   };
 
-  runtime::WorkerGroup group(std::move(options));
   group.start();
   if (run.verbose >= 1) {
     std::string pids;
@@ -201,15 +320,21 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
                     "], run directory " + run_dir.string());
   }
   auto outcome = group.wait(handlers);
+  console.tick(/*flush_all=*/true);
 
   if (!result.metrics_history.empty()) result.metrics = result.metrics_history.back();
+  result.checkpoint = checkpoints.latest();
+  result.best_checkpoints = checkpoints.best();
   result.wall_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  if (!outcome.success) {
+  if (!driver_error.empty()) {
+    result.error = driver_error;
+  } else if (!outcome.success) {
     std::stable_partition(error_order.begin(), error_order.end(),
                           [&](int rank) { return !consequences.count(rank); });
     result.error = describe_failure(outcome, worker_errors, error_order);
   }
-  write_file_atomically(run_dir / "result.json", result_json(result).dump(2) + "\n");
+  write_metrics_csv(run_dir / kMetricsCsvFile, result.metrics_history);
+  write_atomically(run_dir / kResultFile, result_json(result).dump(2) + "\n");
   if (outcome.interrupted_by != 0) {
     // Ctrl-C or SIGTERM stops the whole program, as the user asked, now that nothing is left
     // running and the result is on disk.
@@ -224,12 +349,18 @@ namespace {
 
 long env_long(const char* name, long fallback) {
   const char* value = std::getenv(name);
-  return value ? std::atol(value) : fallback;
+  return value && *value ? std::atol(value) : fallback;
+}
+
+std::string env_string(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? value : "";
 }
 
 }  // namespace
 
-void run_worker(const std::function<void(const Json&)>& train_loop) {
+void run_worker(const std::function<void(const Json&)>& train_loop,
+                const std::map<std::string, data::TensorDataset>& datasets) {
   int code = 0;
   int rank = -1;
   try {
@@ -245,31 +376,38 @@ void run_worker(const std::function<void(const Json&)>& train_loop) {
     }
     const std::chrono::milliseconds setup_timeout{env_long(kSetupTimeoutVar, 60'000)};
     const std::chrono::milliseconds collective_timeout{env_long(kCollectiveTimeoutVar, 300'000)};
-    auto store = comm::Store::connect({.host = info->master_addr,
-                                       .port = info->master_port,
-                                       .is_server = false,
-                                       .timeout = setup_timeout});
     auto session = std::make_unique<WorkerSession>();
+    session->store = comm::Store::connect({.host = info->master_addr,
+                                           .port = info->master_port,
+                                           .is_server = false,
+                                           .timeout = setup_timeout});
+    session->run_token = env_string(kRunTokenVar);
+    session->collective_timeout = collective_timeout;
+    session->datasets = datasets;
+    session->next_checkpoint_index = env_long(kNextCheckpointVar, 0);
+    if (!env_string(kResumeCheckpointVar).empty()) {
+      session->resume_from = Checkpoint::from_directory(env_string(kResumeCheckpointVar));
+    }
     auto& ctx = session->context;
     ctx.world_rank = info->world_rank;
     ctx.local_rank = info->local_rank;
     ctx.node_rank = info->node_rank;
     ctx.world_size = info->world_size;
     ctx.local_world_size = info->local_world_size;
-    ctx.experiment_name = std::getenv(kNameVar) ? std::getenv(kNameVar) : "";
-    ctx.storage_path = std::getenv(kRunDirVar) ? std::getenv(kRunDirVar) : "";
+    ctx.experiment_name = env_string(kNameVar);
+    ctx.storage_path = env_string(kRunDirVar);
     ctx.run_start = std::chrono::system_clock::time_point(
         std::chrono::duration_cast<std::chrono::system_clock::duration>(
-            std::chrono::nanoseconds(std::atoll(std::getenv(kRunStartVar) ? std::getenv(kRunStartVar) : "0"))));
+            std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
     ctx.device = env_long(kUseGpuVar, 0) != 0 ? c10::Device(c10::DeviceType::CUDA, info->local_rank)
                                               : c10::Device(c10::DeviceType::CPU);
-    ctx.process_group = comm::ProcessGroup::create(store, info->world_rank, info->world_size,
+    ctx.process_group = comm::ProcessGroup::create(session->store, info->world_rank, info->world_size,
                                                    {.setup_timeout = setup_timeout,
                                                     .timeout = collective_timeout,
-                                                    .prefix = "train"});
+                                                    .prefix = "train/" + session->run_token});
     set_current_session(std::move(session));
-    const char* config_text = std::getenv(kConfigVar);
-    const Json config = config_text ? Json::parse(config_text) : Json::object();
+    const std::string config_text = env_string(kConfigVar);
+    const Json config = config_text.empty() ? Json::object() : Json::parse(config_text);
     train_loop(config);
   } catch (const std::exception& e) {
     code = 1;

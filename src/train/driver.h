@@ -1,6 +1,9 @@
 // The driver side of Trainer::fit: starts the worker group, collects reports, writes the run
 // directory, returns the Result.
 #pragma once
+#include <map>
+
+#include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
 #include "cohort/train/config.h"
 #include "cohort/train/result.h"
@@ -10,6 +13,7 @@ namespace cohort::train {
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config);
 
 // The worker side: joins the group, runs the loop, ends the process.
-[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop);
+[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop,
+                             const std::map<std::string, data::TensorDataset>& datasets);
 
 }  // namespace cohort::train

@@ -52,13 +52,48 @@ void Console::draw_bar() {
   bar_shown_ = true;
 }
 
-void Console::worker_line(int rank, int pid, bool is_stderr, const std::string& line) {
+namespace {
+constexpr auto kDedupWindow = std::chrono::seconds(2);
+}  // namespace
+
+void Console::print_worker_line(int rank, int pid, bool is_stderr, const std::string& line) {
   clear_bar();
   auto& os = is_stderr ? std::cerr : std::cout;
   std::cout.flush();
   os << "(rank=" << rank << ", pid=" << pid << ") " << line << '\n';
   os.flush();
   draw_bar();
+}
+
+void Console::worker_line(int rank, int pid, bool is_stderr, const std::string& line) {
+  const auto now = std::chrono::steady_clock::now();
+  auto it = recent_.find(line);
+  if (it != recent_.end()) {
+    if (now - it->second.first_seen < kDedupWindow && !it->second.ranks.count(rank)) {
+      it->second.ranks.insert(rank);
+      return;
+    }
+    finish_repeat(it);
+  }
+  print_worker_line(rank, pid, is_stderr, line);
+  recent_[line] = Repeat{now, rank, pid, is_stderr, {rank}};
+}
+
+std::map<std::string, Console::Repeat>::iterator Console::finish_repeat(
+    std::map<std::string, Repeat>::iterator it) {
+  const auto& r = it->second;
+  if (r.ranks.size() > 1) {
+    print_worker_line(r.rank, r.pid, r.is_stderr,
+                      it->first + " [repeated " + std::to_string(r.ranks.size() - 1) + "x across ranks]");
+  }
+  return recent_.erase(it);
+}
+
+void Console::tick(bool flush_all) {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = recent_.begin(); it != recent_.end();) {
+    it = flush_all || now - it->second.first_seen >= kDedupWindow ? finish_repeat(it) : std::next(it);
+  }
 }
 
 void Console::message(const std::string& line) {

@@ -7,11 +7,12 @@
 namespace cohort {
 
 Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig run_config,
-                 Json train_loop_config)
+                 Json train_loop_config, std::map<std::string, data::TensorDataset> datasets)
     : train_loop_(std::move(train_loop)),
       scaling_(scaling_config),
       run_(std::move(run_config)),
-      config_(std::move(train_loop_config)) {
+      config_(std::move(train_loop_config)),
+      datasets_(std::move(datasets)) {
   if (!train_loop_) throw UsageError("Trainer: the train loop function is empty");
   if (scaling_.num_workers < 1) {
     throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling_.num_workers) +
@@ -27,7 +28,7 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
 }
 
 Result Trainer::fit() {
-  if (runtime::is_spawned_worker()) train::run_worker(train_loop_);
+  if (runtime::is_spawned_worker()) train::run_worker(train_loop_, datasets_);
   return train::run_driver(scaling_, run_, config_);
 }
 

@@ -1,11 +1,16 @@
 #include "train/worker_session.h"
 
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <ctime>
 
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
+#include "train/run_files.h"
 
 namespace cohort::train {
 namespace {
@@ -64,18 +69,107 @@ data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoad
                           session.context.world_size);
 }
 
-void report(const Json& metrics) {
-  auto& session = require_session("cohort::train::report()");
+namespace {
+
+// Copies the files of `from` into `into`. Rank 0's copy of a file replaces another rank's; the
+// others' never replace an existing file (link() fails on an existing name, atomically).
+void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank) {
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(from)) {
+    if (!entry.is_regular_file()) continue;
+    const auto target = into / std::filesystem::relative(entry.path(), from);
+    std::filesystem::create_directories(target.parent_path());
+    auto tmp = target;
+    tmp += ".rank" + std::to_string(rank) + ".tmp";
+    std::filesystem::copy_file(entry.path(), tmp, std::filesystem::copy_options::overwrite_existing);
+    if (rank == 0) {
+      std::filesystem::rename(tmp, target);
+    } else {
+      ::link(tmp.c_str(), target.c_str());
+      std::filesystem::remove(tmp);
+    }
+  }
+}
+
+// Every rank arrives at report number `index`; names those who did not, at the deadline.
+std::vector<bool> report_barrier(WorkerSession& s, int64_t index, bool has_checkpoint) {
+  const std::string prefix = "report/" + s.run_token + "/" + std::to_string(index) + "/";
+  const int world = s.context.world_size;
+  s.store.set(prefix + std::to_string(s.context.world_rank), has_checkpoint ? "1" : "0");
+  std::vector<std::string> keys;
+  for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    s.store.wait(keys, s.collective_timeout);
+  } catch (const TimeoutError&) {
+    std::string missing;
+    for (int r = 0; r < world; ++r) {
+      if (!s.store.check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw TimeoutError("report() call #" + std::to_string(index) + ": ranks [" + missing +
+                       "] did not make it within " + std::to_string(s.collective_timeout.count() / 1000) +
+                       " s: every rank must call report() the same number of times");
+  }
+  std::vector<bool> with_checkpoint;
+  for (const auto& key : keys) with_checkpoint.push_back(s.store.get(key) == "1");
+  return with_checkpoint;
+}
+
+}  // namespace
+
+void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
+  auto& s = require_session("cohort::train::report()");
   if (!metrics.is_object()) {
     throw UsageError("report: metrics must be a JSON object of name -> value, got " + metrics.dump());
   }
-  ++session.reports;
-  if (!runtime::has_control_channel()) return;
-  Json message{{"type", "report"},
-               {"rank", session.context.world_rank},
-               {"index", session.reports},
-               {"metrics", metrics}};
-  runtime::send_control_message(message.dump());
+  const int64_t index = ++s.reports;
+  const auto staging = s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
+  if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
+  const auto with_checkpoint = report_barrier(s, index, checkpoint.has_value());
+  Json message{{"type", "report"}, {"rank", s.context.world_rank}, {"index", index}};
+  if (s.context.world_rank == 0) {
+    message["metrics"] = metrics;
+    if (std::find(with_checkpoint.begin(), with_checkpoint.end(), true) != with_checkpoint.end()) {
+      // Whole before it gets its final name: a crash leaves a staging folder, never a
+      // checkpoint_NNNNNN that looks valid and is not.
+      write_atomically(staging / kMetaFile, Json{{"metrics", metrics},
+                                                 {"report_index", index},
+                                                 {"timestamp", std::time(nullptr)}}
+                                                .dump(2) + "\n");
+      write_manifest(staging);
+      const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
+      std::filesystem::rename(staging, final_path);
+      message["checkpoint"] = final_path.string();
+    }
+  }
+  if (runtime::has_control_channel()) runtime::send_control_message(message.dump());
+}
+
+std::optional<Checkpoint> get_checkpoint() {
+  return require_session("cohort::train::get_checkpoint()").resume_from;
+}
+
+void barrier() { require_session("cohort::train::barrier()").context.process_group.barrier(); }
+
+Json broadcast_from_rank_zero(const Json& value) {
+  auto& s = require_session("cohort::train::broadcast_from_rank_zero()");
+  const std::string key = "broadcast/" + s.run_token + "/" + std::to_string(++s.broadcasts);
+  if (s.context.world_rank == 0) {
+    s.store.set(key, value.dump());
+    return value;
+  }
+  s.store.wait({key}, s.collective_timeout);
+  return Json::parse(s.store.get(key));
+}
+
+data::DataLoader get_dataset_shard(const std::string& name, data::DataLoaderOptions options) {
+  auto& s = require_session("cohort::train::get_dataset_shard()");
+  auto it = s.datasets.find(name);
+  if (it == s.datasets.end()) {
+    std::string names;
+    for (const auto& [n, d] : s.datasets) names += (names.empty() ? "" : ", ") + n;
+    throw UsageError("get_dataset_shard: no dataset named '" + name + "' was given to the Trainer (it has [" +
+                     names + "])");
+  }
+  return prepare_data_loader(it->second, options);
 }
 
 void report_progress(const Json& progress) {

@@ -1,8 +1,13 @@
 // The state of a running worker: its context, its prepared models, its report count.
 #pragma once
+#include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
+#include "cohort/comm/store.h"
+#include "cohort/data/tensor_dataset.h"
+#include "cohort/train/checkpoint.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/train/context.h"
 
@@ -10,8 +15,17 @@ namespace cohort::train {
 
 struct WorkerSession {
   TrainContext context;
+  comm::Store store;
+  // Unique to this start of the group: store keys and staging folders of an earlier, crashed
+  // start can never be mistaken for this one's.
+  std::string run_token;
+  std::chrono::milliseconds collective_timeout{};
   std::vector<std::unique_ptr<parallel::DistributedDataParallel>> models;
+  std::map<std::string, data::TensorDataset> datasets;
+  std::optional<Checkpoint> resume_from;
   int64_t reports = 0;
+  int64_t broadcasts = 0;
+  int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
 };
 
 // The session of this process; nullptr outside a train loop.
@@ -27,5 +41,11 @@ inline constexpr const char* kThreadsVar = "COHORT_CPU_THREADS";
 inline constexpr const char* kSetupTimeoutVar = "COHORT_SETUP_TIMEOUT_MS";
 inline constexpr const char* kCollectiveTimeoutVar = "COHORT_COLLECTIVE_TIMEOUT_MS";
 inline constexpr const char* kUseGpuVar = "COHORT_USE_GPU";
+inline constexpr const char* kRunTokenVar = "COHORT_RUN_TOKEN";
+inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
+inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
+
+// Where ranks assemble a checkpoint before rank 0 renames it into place.
+inline constexpr const char* kStagingDir = ".staging";
 
 }  // namespace cohort::train

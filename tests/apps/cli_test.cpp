@@ -28,6 +28,22 @@ class Cli : public ::testing::Test {
     argv.insert(argv.end(), args.begin(), args.end());
     return run_command(argv, deadline);
   }
+  // Starts a run that would train for ages; returns once it trains, with its workers' pids.
+  std::vector<int> wait_until_training(cohort::testing::Process& driver) {
+    auto started = driver.wait_for_line("started 2 worker(s) [pids ", std::chrono::seconds(60));
+    EXPECT_TRUE(started) << driver.output();
+    std::vector<int> pids;
+    if (!started) return pids;
+    std::istringstream in(started->substr(started->find("[pids ") + 6));
+    for (int pid; in >> pid;) pids.push_back(pid);
+    EXPECT_EQ(pids.size(), 2u);
+    EXPECT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
+    return pids;
+  }
+  std::vector<std::string> endless_run(const std::string& name) {
+    return {COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(), "--data-dir",
+            data.string(), "--epochs", "100000", "--batch-size", "8", "--name", name};
+  }
   Json result_of(const std::string& name) {
     return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
   }
@@ -104,18 +120,9 @@ TEST_F(Cli, SameSeedSameWorkersSameLoss) {
 }
 
 TEST_F(Cli, InterruptStopsEveryProcess) {
-  cohort::testing::Process driver({COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(),
-                                   "--data-dir", data.string(), "--epochs", "100000", "--batch-size", "8",
-                                   "--name", "interrupted"});
-  auto started = driver.wait_for_line("started 2 worker(s) [pids ", std::chrono::seconds(60));
-  ASSERT_TRUE(started) << driver.output();
-  std::vector<int> pids;
-  {
-    std::istringstream in(started->substr(started->find("[pids ") + 6));
-    for (int pid; in >> pid;) pids.push_back(pid);
-  }
+  cohort::testing::Process driver(endless_run("interrupted"));
+  auto pids = wait_until_training(driver);
   ASSERT_EQ(pids.size(), 2u);
-  ASSERT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
   driver.send_signal(SIGINT);
   auto r = driver.wait(std::chrono::seconds(30));
   EXPECT_FALSE(r.timed_out) << r.output;
@@ -126,15 +133,9 @@ TEST_F(Cli, InterruptStopsEveryProcess) {
 }
 
 TEST_F(Cli, WorkersDieWithAKilledDriver) {
-  cohort::testing::Process driver({COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(),
-                                   "--data-dir", data.string(), "--epochs", "100000", "--batch-size", "8",
-                                   "--name", "killed"});
-  auto started = driver.wait_for_line("started 2 worker(s) [pids ", std::chrono::seconds(60));
-  ASSERT_TRUE(started) << driver.output();
-  std::vector<int> pids;
-  std::istringstream in(started->substr(started->find("[pids ") + 6));
-  for (int pid; in >> pid;) pids.push_back(pid);
-  ASSERT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
+  cohort::testing::Process driver(endless_run("killed"));
+  auto pids = wait_until_training(driver);
+  ASSERT_EQ(pids.size(), 2u);
   // SIGKILL gives the driver no chance to clean up: the workers must notice by themselves.
   ::kill(driver.pid(), SIGKILL);
   driver.wait(std::chrono::seconds(10));

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "cohort/error.h"
+#include "support/expect.h"
 
 namespace cohort::comm {
 namespace {
@@ -30,12 +31,8 @@ TEST(Store, TwoServersDoNotCollide) {
 TEST(Store, WaitNamesTheMissingKeys) {
   auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
   server.set("present", "1");
-  try {
-    server.wait({"present", "late"}, std::chrono::milliseconds(200));
-    FAIL() << "wait should time out";
-  } catch (const TimeoutError& e) {
-    EXPECT_NE(std::string(e.what()).find("[late]"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<TimeoutError>(
+      [&] { server.wait({"present", "late"}, std::chrono::milliseconds(200)); }, "[late]");
 }
 
 TEST(Store, WaitReturnsWhenAnotherClientSetsTheKey) {

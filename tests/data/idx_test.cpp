@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "support/expect.h"
 #include "support/tiny_mnist.h"
 
 namespace cohort::data {
@@ -28,12 +29,7 @@ class IdxTest : public ::testing::Test {
 
 template <typename F>
 void expect_usage_error(F&& f, const std::string& fragment) {
-  try {
-    f();
-    FAIL() << "expected UsageError containing '" << fragment << "'";
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>(std::forward<F>(f), fragment);
 }
 
 TEST_F(IdxTest, RoundTripsPlainAndGzip) {

@@ -5,6 +5,7 @@
 
 #include "cohort/data/idx.h"
 #include "cohort/error.h"
+#include "support/expect.h"
 #include "support/tiny_mnist.h"
 
 namespace cohort::data {
@@ -32,31 +33,16 @@ TEST_F(MnistTest, LoadsAndNormalises) {
 }
 
 TEST_F(MnistTest, MissingDirectoryAndFilesAreNamed) {
-  try {
-    check_mnist_dir(dir / "absent");
-    FAIL();
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("does not exist"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir / "absent"); }, "does not exist");
   cohort::testing::write_tiny_mnist(dir, 32, 8);
   std::filesystem::remove(dir / "t10k-labels-idx1-ubyte.gz");
-  try {
-    check_mnist_dir(dir);
-    FAIL();
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("t10k-labels-idx1-ubyte"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); }, "t10k-labels-idx1-ubyte");
 }
 
 TEST_F(MnistTest, ImagesAndLabelsMustAgree) {
   cohort::testing::write_tiny_mnist(dir, 32, 8);
   write_idx(dir / "train-labels-idx1-ubyte.gz", torch::zeros({31}, torch::kUInt8));
-  try {
-    check_mnist_dir(dir);
-    FAIL();
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("32 images but 31 labels"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); }, "32 images but 31 labels");
 }
 
 TEST(FashionMnist, TheDebianPackageIsWhole) {

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "cohort/error.h"
+#include "support/expect.h"
 
 namespace cohort::models {
 namespace {
@@ -42,12 +43,7 @@ TEST(Zoo, VitIsConfigurable) {
 }
 
 TEST(Zoo, UnknownNameListsTheZoo) {
-  try {
-    create_model("alexnet");
-    FAIL();
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("mlp, cnn, resnet18, vit"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>([] { create_model("alexnet"); }, "mlp, cnn, resnet18, vit");
 }
 
 }  // namespace

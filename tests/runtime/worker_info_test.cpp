@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "cohort/error.h"
+#include "support/expect.h"
 
 namespace cohort::runtime {
 namespace {
@@ -28,12 +29,7 @@ class WorkerInfoTest : public ::testing::Test {
     for (auto& [k, v] : values) setenv(k.c_str(), v.c_str(), 1);
   }
   void expect_error(const std::string& fragment) {
-    try {
-      worker_info_from_env();
-      FAIL() << "expected an error mentioning " << fragment;
-    } catch (const UsageError& e) {
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-    }
+    cohort::testing::expect_error<UsageError>([] { worker_info_from_env(); }, fragment);
   }
 };
 

@@ -8,6 +8,7 @@
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
+#include "support/expect.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -163,22 +164,13 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
   auto dir = cohort::testing::temp_dir("trainer_storage");
   std::ofstream(dir / "a_file") << "x";
   Trainer trainer(loop, ScalingConfig{}, run_config(dir / "a_file", "x"));
-  try {
-    trainer.fit();
-    FAIL() << "a storage path that is a file must be refused";
-  } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("storage path"), std::string::npos) << e.what();
-  }
+  cohort::testing::expect_error<UsageError>([&] { trainer.fit(); }, "storage path");
   std::filesystem::remove_all(dir);
 }
 
 TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
-  try {
-    train::get_context();
-    FAIL();
-  } catch (const RuntimeError& e) {
-    EXPECT_NE(std::string(e.what()).find("inside the function given to cohort::Trainer"), std::string::npos);
-  }
+  cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
+                                              "inside the function given to cohort::Trainer");
 }
 
 }  // namespace

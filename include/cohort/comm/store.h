@@ -20,7 +20,10 @@ struct StoreOptions {
 // blocking call bounded by the store's timeout. Copies share one connection.
 class Store {
  public:
+  // An empty handle; use connect().
+  Store() = default;
   static Store connect(const StoreOptions& options);
+  bool valid() const { return state_ != nullptr; }
 
   int port() const;
   const std::string& host() const;

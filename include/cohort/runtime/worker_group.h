@@ -51,6 +51,10 @@ struct WorkerGroupHandlers {
   std::function<void(int rank, int pid, bool is_stderr, const std::string& line)> on_output;
   // A line the worker sent on its control channel (runtime/control_channel.h).
   std::function<void(int rank, const std::string& message)> on_control;
+  // A worker ended (cleanly or not), before the group reacts to it.
+  std::function<void(const WorkerExit& exit)> on_exit;
+  // Called about every 100 ms while waiting.
+  std::function<void()> on_tick;
 };
 
 // A group of local worker processes, each a re-execution of this program with its rank in the
@@ -68,6 +72,8 @@ class WorkerGroup {
   // Forwards output and control messages until every worker has exited, one failed (the rest
   // are then stopped), or this process got SIGINT/SIGTERM.
   GroupOutcome wait(const WorkerGroupHandlers& handlers = {});
+  // From a handler inside wait(): ends the group as failed, with this reason.
+  void request_stop(std::string reason);
   // SIGTERM, then SIGKILL after stop_grace; reaps every worker.
   void stop();
   std::vector<int> pids() const;

@@ -18,11 +18,26 @@ struct ScalingConfig {
   WorkerResources resources_per_worker;
 };
 
+// Which checkpoints a run keeps (Ray Train's CheckpointConfig).
+struct CheckpointConfig {
+  // How many to keep; 0 keeps all. The latest is always kept too, for resuming.
+  int num_to_keep = 0;
+  // The reported metric that ranks checkpoints; empty: the most recent are the best.
+  std::string checkpoint_score_attribute;
+  // "max" or "min": whether a higher or a lower score is better.
+  std::string checkpoint_score_order = "max";
+};
+
 // Where results go and how the run behaves (Ray Train's RunConfig).
 struct RunConfig {
   // The run's folder under storage_path; empty: "cohort_<date>_<time>".
   std::string name;
   std::filesystem::path storage_path = "./cohort_results";
+  CheckpointConfig checkpoint_config;
+  // Running again with the same storage_path and name continues from the latest valid
+  // checkpoint (train::get_checkpoint() returns it). false starts afresh (old checkpoints stay
+  // on disk, untouched, and new ones are numbered after them).
+  bool resume = true;
   // 0: silent driver; 1: a line per report and a progress bar on a terminal.
   int verbose = 1;
   // Rendezvous and process-group setup deadline.

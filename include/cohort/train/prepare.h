@@ -46,4 +46,8 @@ inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
 // (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.
 data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options = {});
 
+// This rank's shard of the dataset given to the Trainer under `name`, as a prepared loader
+// (Ray Train's get_dataset_shard). Throws UsageError listing the names when `name` is unknown.
+data::DataLoader get_dataset_shard(const std::string& name, data::DataLoaderOptions options = {});
+
 }  // namespace cohort::train

@@ -1,15 +1,33 @@
 #pragma once
+#include <optional>
+#include <string>
+
 #include "cohort/json.h"
+#include "cohort/train/checkpoint.h"
 
 namespace cohort::train {
 
-// Reports metrics for this iteration (Ray Train's report). Every rank calls it at the same
-// points; the driver keeps rank 0's metrics (metrics.jsonl, Result) and prints them.
-void report(const Json& metrics);
+// Reports metrics, and optionally a checkpoint, for this iteration (Ray Train's report).
+// Every rank calls it at the same points (a rank that calls it a different number of times ends
+// the run with an error naming it, never a hang); the driver keeps rank 0's metrics. Each rank's
+// checkpoint folder is copied into one checkpoint_NNNNNN of the run directory (same-named files:
+// rank 0's win, so name sharded state per rank, e.g. "optimizer-rank1.pt"); it is whole, with its
+// manifest, before report() returns on any rank.
+void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint = std::nullopt);
+
+// The checkpoint to resume from: the run's latest valid one when this run continues an earlier
+// one with the same storage path and name (RunConfig::resume), else none.
+std::optional<Checkpoint> get_checkpoint();
 
 // A lightweight, unrecorded progress update for the driver's progress bar, e.g.
 // {{"label", "epoch 1/5"}, {"step", 120}, {"total", 469}, {"loss", 0.41}, {"samples_per_s", 2400}}.
 // Only rank 0's are shown; calls are rate-limited here, so calling every step is cheap.
 void report_progress(const Json& progress);
+
+// Waits until every rank got here (within the collective timeout).
+void barrier();
+
+// Rank 0's `value` on every rank (the others' argument is ignored).
+Json broadcast_from_rank_zero(const Json& value);
 
 }  // namespace cohort::train

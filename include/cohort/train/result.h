@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cohort/json.h"
+#include "cohort/train/checkpoint.h"
 
 namespace cohort {
 
@@ -14,6 +15,10 @@ struct Result {
   Json metrics = Json::object();
   // Every report of rank 0, in order (also in metrics.jsonl).
   std::vector<Json> metrics_history;
+  // The latest checkpoint, and the kept ones best first (by CheckpointConfig's score) with the
+  // metrics reported with them.
+  std::optional<Checkpoint> checkpoint;
+  std::vector<std::pair<Checkpoint, Json>> best_checkpoints;
   // The run directory: <storage_path>/<name>.
   std::filesystem::path path;
   // Set when the run failed: which rank, and why.
@@ -22,6 +27,10 @@ struct Result {
   double wall_seconds = 0;
 
   bool ok() const { return !error.has_value(); }
+
+  // Reloads a run directory written by Trainer::fit (result.json, metrics.jsonl and the
+  // checkpoints). A run whose driver died has no result.json: error says so.
+  static Result from_path(const std::filesystem::path& run_dir);
 };
 
 }  // namespace cohort

@@ -1,6 +1,9 @@
 #pragma once
 #include <functional>
+#include <map>
+#include <string>
 
+#include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
 #include "cohort/train/config.h"
 #include "cohort/train/result.h"
@@ -19,7 +22,8 @@ using TrainLoop = std::function<void(const Json& config)>;
 class Trainer {
  public:
   Trainer(TrainLoop train_loop, ScalingConfig scaling_config = {}, RunConfig run_config = {},
-          Json train_loop_config = Json::object());
+          Json train_loop_config = Json::object(),
+          std::map<std::string, data::TensorDataset> datasets = {});
 
   // Driver: returns when every worker has finished, or after a failure (Result::error).
   // Worker: runs the loop and exits the process (never returns).
@@ -30,6 +34,7 @@ class Trainer {
   ScalingConfig scaling_;
   RunConfig run_;
   Json config_;
+  std::map<std::string, data::TensorDataset> datasets_;
 };
 
 }  // namespace cohort

@@ -1,0 +1,56 @@
+#pragma once
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "cohort/json.h"
+
+namespace cohort {
+
+// A directory of files that together are a checkpoint (Ray Train's Checkpoint). A worker writes
+// its files to any folder and reports Checkpoint::from_directory(folder); cohort copies them into
+// the run directory as checkpoint_NNNNNN, with a manifest of sizes and checksums.
+class Checkpoint {
+ public:
+  static Checkpoint from_directory(const std::filesystem::path& dir);
+  const std::filesystem::path& path() const { return path_; }
+  // The metrics reported with it (meta.json), when it was persisted by cohort.
+  Json metrics() const;
+  // Checks every file against the manifest; throws UsageError naming the file and the problem.
+  void verify() const;
+
+ private:
+  explicit Checkpoint(std::filesystem::path path) : path_(std::move(path)) {}
+  std::filesystem::path path_;
+};
+
+namespace train {
+
+// Writes the module's parameters and buffers (by their dotted names) as safetensors, readable
+// by Python's safetensors or plain numpy. Written to a temporary name and renamed.
+void save_model(const torch::nn::Module& module, const std::filesystem::path& file);
+// Loads a file written by save_model into a module of the same architecture; throws UsageError
+// naming the missing, unexpected or mis-shaped tensor.
+void load_model(torch::nn::Module& module, const std::filesystem::path& file);
+
+// Optimizer state (libtorch's own format), alongside the model.
+void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
+void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
+
+}  // namespace train
+
+namespace safetensors {
+
+// The safetensors format: an 8-byte little-endian header length, a JSON header naming each
+// tensor's dtype, shape and byte range, then the raw little-endian data.
+void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
+           const std::map<std::string, std::string>& metadata = {});
+std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
+
+}  // namespace safetensors
+
+}  // namespace cohort

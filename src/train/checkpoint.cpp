@@ -1,0 +1,172 @@
+#include "cohort/train/checkpoint.h"
+
+#include <torch/serialize.h>
+#include <zlib.h>
+
+#include <fstream>
+
+#include "cohort/error.h"
+#include "train/run_files.h"
+
+namespace cohort {
+namespace safetensors {
+namespace {
+
+const std::map<at::ScalarType, std::string>& dtype_names() {
+  static const std::map<at::ScalarType, std::string> names{
+      {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kHalf, "F16"},  {at::kBFloat16, "BF16"},
+      {at::kLong, "I64"},  {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},
+      {at::kByte, "U8"},   {at::kBool, "BOOL"}};
+  return names;
+}
+
+at::ScalarType dtype_of(const std::string& name, const std::filesystem::path& file) {
+  for (const auto& [type, n] : dtype_names()) {
+    if (n == name) return type;
+  }
+  throw UsageError("safetensors file " + file.string() + " has unsupported dtype " + name);
+}
+
+}  // namespace
+
+void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
+           const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<at::Tensor> data;
+  int64_t offset = 0;
+  for (const auto& [name, tensor] : tensors) {
+    auto it = dtype_names().find(tensor.scalar_type());
+    if (it == dtype_names().end()) {
+      throw UsageError("save_model: tensor '" + name + "' has a dtype safetensors cannot hold");
+    }
+    auto cpu = tensor.detach().to(at::kCPU).contiguous();
+    const int64_t bytes = cpu.numel() * cpu.element_size();
+    header[name] = {{"dtype", it->second}, {"shape", cpu.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+    data.push_back(cpu);
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // aligns the data, as the reference writer does
+  write_atomically(file, [&](std::ostream& out) {
+    const uint64_t n = text.size();
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const auto& t : data) {
+      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+    }
+  });
+}
+
+std::map<std::string, at::Tensor> read(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw UsageError("cannot open safetensors file " + file.string());
+  const auto size = static_cast<int64_t>(std::filesystem::file_size(file));
+  unsigned char le[8];
+  if (!in.read(reinterpret_cast<char*>(le), 8)) {
+    throw UsageError("safetensors file " + file.string() + " is truncated: no header length");
+  }
+  uint64_t header_size = 0;
+  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | le[i];
+  if (header_size > static_cast<uint64_t>(size - 8)) {
+    throw UsageError("safetensors file " + file.string() + " is truncated: header of " +
+                     std::to_string(header_size) + " bytes in a file of " + std::to_string(size));
+  }
+  std::string text(header_size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(header_size));
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const std::exception& e) {
+    throw UsageError("safetensors file " + file.string() + " has a corrupt header: " + e.what());
+  }
+  const int64_t data_start = 8 + static_cast<int64_t>(header_size);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, info] : header.items()) {
+    if (name == "__metadata__") continue;
+    const auto type = dtype_of(info.at("dtype").get<std::string>(), file);
+    const auto shape = info.at("shape").get<std::vector<int64_t>>();
+    const auto begin = info.at("data_offsets")[0].get<int64_t>();
+    const auto end = info.at("data_offsets")[1].get<int64_t>();
+    auto tensor = torch::empty(shape, torch::TensorOptions().dtype(type));
+    if (end - begin != tensor.numel() * tensor.element_size() || data_start + end > size) {
+      throw UsageError("safetensors file " + file.string() + ": tensor '" + name +
+                       "' does not fit its byte range (truncated or corrupt file)");
+    }
+    in.seekg(data_start + begin);
+    in.read(static_cast<char*>(tensor.data_ptr()), end - begin);
+    out[name] = tensor;
+  }
+  return out;
+}
+
+}  // namespace safetensors
+
+Checkpoint Checkpoint::from_directory(const std::filesystem::path& dir) {
+  if (!std::filesystem::is_directory(dir)) {
+    throw UsageError("Checkpoint::from_directory: " + dir.string() + " is not a directory");
+  }
+  return Checkpoint(std::filesystem::absolute(dir));
+}
+
+Json Checkpoint::metrics() const {
+  auto meta = path_ / kMetaFile;
+  if (!std::filesystem::exists(meta)) return Json::object();
+  std::ifstream in(meta);
+  return Json::parse(in).value("metrics", Json::object());
+}
+
+void Checkpoint::verify() const { verify_manifest(path_); }
+
+namespace train {
+
+void save_model(const torch::nn::Module& module, const std::filesystem::path& file) {
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& p : module.named_parameters()) tensors[p.key()] = p.value();
+  for (const auto& b : module.named_buffers()) tensors[b.key()] = b.value();
+  safetensors::write(file, tensors, {{"format", "pt"}});
+}
+
+void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
+  auto tensors = safetensors::read(file);
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor& target) {
+    auto it = tensors.find(name);
+    if (it == tensors.end()) {
+      throw UsageError("load_model: " + file.string() + " has no tensor '" + name +
+                       "': it was saved from a different model");
+    }
+    if (it->second.sizes() != target.sizes()) {
+      throw UsageError("load_model: tensor '" + name + "' in " + file.string() +
+                       " has another shape than the model's: it was saved from a different model");
+    }
+    target.copy_(it->second);
+    tensors.erase(it);
+  };
+  for (auto& p : module.named_parameters()) load(p.key(), p.value());
+  for (auto& b : module.named_buffers()) load(b.key(), b.value());
+  if (!tensors.empty()) {
+    throw UsageError("load_model: " + file.string() + " has tensor '" + tensors.begin()->first +
+                     "' that the model lacks: it was saved from a different model");
+  }
+}
+
+void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {
+  auto tmp = file;
+  tmp += ".tmp";
+  torch::save(optimizer, tmp.string());
+  std::filesystem::rename(tmp, file);
+}
+
+void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {
+  if (!std::filesystem::exists(file)) throw UsageError("load_optimizer: " + file.string() + " does not exist");
+  try {
+    torch::load(optimizer, file.string());
+  } catch (const c10::Error& e) {
+    throw UsageError("load_optimizer: " + file.string() + " is not a readable optimizer state: " +
+                     e.what_without_backtrace());
+  }
+}
+
+}  // namespace train
+}  // namespace cohort

@@ -1,0 +1,124 @@
+#include "train/run_files.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "cohort/error.h"
+
+namespace cohort {
+namespace {
+
+void fsync_path(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return;
+  ::fsync(fd);
+  ::close(fd);
+}
+
+uint32_t file_crc32(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> buffer(1 << 20);
+  uLong crc = crc32(0L, Z_NULL, 0);
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<uInt>(in.gcount()));
+  }
+  return static_cast<uint32_t>(crc);
+}
+
+std::string hex(uint32_t v) {
+  char buffer[16];
+  std::snprintf(buffer, sizeof buffer, "%08x", v);
+  return buffer;
+}
+
+}  // namespace
+
+void write_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill) {
+  auto tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw RuntimeError("cannot write " + tmp.string() + ": check that the folder is writable");
+    fill(out);
+    out.flush();
+    if (!out) throw RuntimeError("failed writing " + tmp.string() + " (disk full?)");
+  }
+  fsync_path(tmp);
+  std::filesystem::rename(tmp, path);
+  fsync_path(path.parent_path());
+}
+
+void write_atomically(const std::filesystem::path& path, const std::string& content) {
+  write_atomically(path, [&](std::ostream& out) { out << content; });
+}
+
+Json read_json(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in) throw UsageError("cannot read " + path.string());
+  try {
+    return Json::parse(in);
+  } catch (const std::exception& e) {
+    throw UsageError(path.string() + " is not valid JSON (" + e.what() + ")");
+  }
+}
+
+void write_manifest(const std::filesystem::path& dir) {
+  Json files = Json::object();
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!entry.is_regular_file()) continue;
+    const auto rel = std::filesystem::relative(entry.path(), dir).string();
+    if (rel == kManifestFile) continue;
+    files[rel] = {{"size", entry.file_size()}, {"crc32", hex(file_crc32(entry.path()))}};
+  }
+  write_atomically(dir / kManifestFile, Json{{"files", files}}.dump(2) + "\n");
+}
+
+void verify_manifest(const std::filesystem::path& dir) {
+  const auto manifest_path = dir / kManifestFile;
+  if (!std::filesystem::exists(manifest_path)) {
+    throw UsageError("checkpoint " + dir.string() + " has no " + kManifestFile +
+                     ": it was not completely written");
+  }
+  const Json manifest = read_json(manifest_path);
+  for (const auto& [rel, info] : manifest.at("files").items()) {
+    const auto file = dir / rel;
+    if (!std::filesystem::exists(file)) {
+      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " is missing");
+    }
+    const auto size = std::filesystem::file_size(file);
+    const auto expected = info.at("size").get<uintmax_t>();
+    if (size != expected) {
+      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has " + std::to_string(size) +
+                       " bytes, the manifest says " + std::to_string(expected) +
+                       (size < expected ? " (truncated)" : ""));
+    }
+    const auto crc = hex(file_crc32(file));
+    if (crc != info.at("crc32").get<std::string>()) {
+      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has checksum " + crc +
+                       ", the manifest says " + info.at("crc32").get<std::string>() + " (corrupt)");
+    }
+  }
+}
+
+std::string checkpoint_name(int64_t index) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%s%06lld", kCheckpointPrefix, static_cast<long long>(index));
+  return buffer;
+}
+
+int64_t checkpoint_index(const std::filesystem::path& dir) {
+  const auto name = dir.filename().string();
+  const std::string prefix = kCheckpointPrefix;
+  if (name.size() != prefix.size() + 6 || name.compare(0, prefix.size(), prefix) != 0) return -1;
+  for (size_t i = prefix.size(); i < name.size(); ++i) {
+    if (!std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
+  }
+  return std::stoll(name.substr(prefix.size()));
+}
+
+}  // namespace cohort

@@ -1,0 +1,36 @@
+// Files of a run directory: written atomically, verified before trusted.
+#pragma once
+#include <filesystem>
+#include <functional>
+#include <ostream>
+#include <string>
+
+#include "cohort/json.h"
+
+namespace cohort {
+
+inline constexpr const char* kManifestFile = "manifest.json";
+inline constexpr const char* kMetaFile = "meta.json";
+inline constexpr const char* kResultFile = "result.json";
+inline constexpr const char* kMetricsFile = "metrics.jsonl";
+inline constexpr const char* kMetricsCsvFile = "metrics.csv";
+inline constexpr const char* kCheckpointManagerFile = "checkpoint_manager.json";
+inline constexpr const char* kCheckpointPrefix = "checkpoint_";
+
+// Writes through `fill` to a temporary name, flushes it to disk and renames it over `path`:
+// a reader sees the old file or the new one, never half of one.
+void write_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill);
+void write_atomically(const std::filesystem::path& path, const std::string& content);
+
+Json read_json(const std::filesystem::path& path);
+
+// manifest.json: every file under `dir` with its size and CRC-32.
+void write_manifest(const std::filesystem::path& dir);
+// Throws UsageError naming the first file that is missing, truncated or altered.
+void verify_manifest(const std::filesystem::path& dir);
+
+// "checkpoint_000042" for 42; -1 for a name that is not a checkpoint's.
+std::string checkpoint_name(int64_t index);
+int64_t checkpoint_index(const std::filesystem::path& dir);
+
+}  // namespace cohort
