@@ -278,10 +278,10 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
       return;
     }
     const auto type = message.value("type", std::string{});
-    if (type == "report") {
+    if (type == "report_begin") {
+      stop_because(report_counter.on_report(rank, message.value("index", int64_t{0})));
+    } else if (type == "report" && rank == 0) {
       const int64_t index = message.value("index", int64_t{0});
-      stop_because(report_counter.on_report(rank, index));
-      if (rank != 0) return;
       const Json& metrics = message["metrics"];
       if (index == 1) {
         try {

@@ -121,24 +121,27 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     throw UsageError("report: metrics must be a JSON object of name -> value, got " + metrics.dump());
   }
   const int64_t index = ++s.reports;
+  // Announced before waiting for the others, so that the driver can tell a rank that will never
+  // come (it finished with fewer calls) from one that is late.
+  if (runtime::has_control_channel()) {
+    runtime::send_control_message(
+        Json{{"type", "report_begin"}, {"rank", s.context.world_rank}, {"index", index}}.dump());
+  }
   const auto staging = s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
   const auto with_checkpoint = report_barrier(s, index, checkpoint.has_value());
-  Json message{{"type", "report"}, {"rank", s.context.world_rank}, {"index", index}};
-  if (s.context.world_rank == 0) {
-    message["metrics"] = metrics;
-    if (std::find(with_checkpoint.begin(), with_checkpoint.end(), true) != with_checkpoint.end()) {
-      // Whole before it gets its final name: a crash leaves a staging folder, never a
-      // checkpoint_NNNNNN that looks valid and is not.
-      write_atomically(staging / kMetaFile, Json{{"metrics", metrics},
-                                                 {"report_index", index},
-                                                 {"timestamp", std::time(nullptr)}}
-                                                .dump(2) + "\n");
-      write_manifest(staging);
-      const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
-      std::filesystem::rename(staging, final_path);
-      message["checkpoint"] = final_path.string();
-    }
+  if (s.context.world_rank != 0) return;
+  Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
+  if (std::find(with_checkpoint.begin(), with_checkpoint.end(), true) != with_checkpoint.end()) {
+    // Whole before it gets its final name: a crash leaves a staging folder, never a
+    // checkpoint_NNNNNN that looks valid and is not.
+    write_atomically(staging / kMetaFile,
+                     Json{{"metrics", metrics}, {"report_index", index}, {"timestamp", std::time(nullptr)}}.dump(2) +
+                         "\n");
+    write_manifest(staging);
+    const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
+    std::filesystem::rename(staging, final_path);
+    message["checkpoint"] = final_path.string();
   }
   if (runtime::has_control_channel()) runtime::send_control_message(message.dump());
 }

@@ -119,6 +119,31 @@ TEST_F(Cli, SameSeedSameWorkersSameLoss) {
   EXPECT_NE(result_of("a")["train_loss"].get<double>(), result_of("c")["train_loss"].get<double>());
 }
 
+// Resuming restores weights, optimizer state, epoch and data order: the result is the same as
+// that of a run that was never interrupted.
+TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
+  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--batch-size", "16",
+                                        "--optimizer", "adam", "--quiet"};
+  auto with = [&](std::vector<std::string> extra) {
+    auto args = common;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  ASSERT_EQ(train(with({"--epochs", "2", "--name", "straight"})).exit_code, 0);
+  ASSERT_EQ(train(with({"--epochs", "1", "--name", "resumed"})).exit_code, 0);
+  auto second = train(with({"--epochs", "2", "--name", "resumed"}));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
+  auto straight = result_of("straight"), resumed = result_of("resumed");
+  EXPECT_EQ(resumed["epochs"], 2);
+  EXPECT_EQ(resumed["steps"], straight["steps"]);
+  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  // --no-resume starts from scratch: one epoch again.
+  ASSERT_EQ(train(with({"--epochs", "1", "--name", "resumed", "--no-resume"})).exit_code, 0);
+  EXPECT_EQ(result_of("resumed")["steps"], straight["steps"].get<int>() / 2);
+}
+
 TEST_F(Cli, InterruptStopsEveryProcess) {
   cohort::testing::Process driver(endless_run("interrupted"));
   auto pids = wait_until_training(driver);

@@ -4,11 +4,15 @@
 #include <torch/torch.h>
 
 #include <csignal>
+#include <unistd.h>
+
 #include <fstream>
+#include <iostream>
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
 #include "support/expect.h"
+#include "cohort/runtime/worker_group.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -171,6 +175,203 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
 TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
   cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
                                               "inside the function given to cohort::Trainer");
+}
+
+// Writes `files` (name -> content) to a fresh folder for a checkpoint.
+Checkpoint folder_with(const std::string& tag, const std::map<std::string, std::string>& files) {
+  auto dir = std::filesystem::temp_directory_path() / ("cohort-test-ckpt-" + tag + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  for (const auto& [name, content] : files) std::ofstream(dir / name) << content;
+  return Checkpoint::from_directory(dir);
+}
+
+TEST(Trainer, CheckpointsFromAllRanksAreMergedAndKeptByScore) {
+  auto dir = cohort::testing::temp_dir("trainer_ckpt");
+  auto run = run_config(dir, "ckpt");
+  run.checkpoint_config = {.num_to_keep = 1, .checkpoint_score_attribute = "acc"};
+  Trainer trainer(
+      [](const Json&) {
+        auto& ctx = train::get_context();
+        const std::string rank = std::to_string(ctx.get_world_rank());
+        const std::vector<double> acc{0.2, 0.9, 0.4};
+        for (size_t i = 0; i < acc.size(); ++i) {
+          train::report({{"acc", acc[i]}, {"i", i}},
+                        folder_with(rank + std::to_string(i),
+                                    {{"shard-rank" + rank + ".txt", rank}, {"common.txt", "from rank " + rank}}));
+        }
+      },
+      ScalingConfig{.num_workers = 2}, run);
+  Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  ASSERT_TRUE(result.checkpoint);
+  EXPECT_EQ(result.checkpoint->path().filename(), "checkpoint_000002");
+  // Best (acc 0.9) and latest kept; the first, worse than both, removed.
+  ASSERT_EQ(result.best_checkpoints.size(), 2u);
+  EXPECT_EQ(result.best_checkpoints[0].first.path().filename(), "checkpoint_000001");
+  EXPECT_EQ(result.best_checkpoints[0].second["acc"], 0.9);
+  EXPECT_FALSE(std::filesystem::exists(dir / "ckpt" / "checkpoint_000000"));
+  const auto path = result.checkpoint->path();
+  result.checkpoint->verify();
+  EXPECT_EQ(cohort::testing::read_text((path / "shard-rank0.txt").string()), "0");
+  EXPECT_EQ(cohort::testing::read_text((path / "shard-rank1.txt").string()), "1");
+  EXPECT_EQ(cohort::testing::read_text((path / "common.txt").string()), "from rank 0");
+  EXPECT_EQ(result.checkpoint->metrics()["i"], 2);
+
+  auto reloaded = Result::from_path(dir / "ckpt");
+  EXPECT_TRUE(reloaded.ok());
+  EXPECT_EQ(reloaded.metrics, result.metrics);
+  EXPECT_EQ(reloaded.metrics_history.size(), 3u);
+  EXPECT_EQ(reloaded.checkpoint->path(), result.checkpoint->path());
+  ASSERT_EQ(reloaded.best_checkpoints.size(), 2u);
+  EXPECT_EQ(reloaded.best_checkpoints[0].first.path(), result.best_checkpoints[0].first.path());
+  EXPECT_EQ(reloaded.workers, 2);
+  auto csv = cohort::testing::read_text((dir / "ckpt" / "metrics.csv").string());
+  EXPECT_EQ(csv.substr(0, csv.find('\n')), "acc,i,training_iteration,timestamp,checkpoint");
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4);
+  std::filesystem::remove_all(dir);
+}
+
+// Ray issue 46814: a resumed run must go on from the checkpointed epoch, not from the first.
+TEST(Trainer, RunningAgainResumesFromTheLatestCheckpoint) {
+  auto dir = cohort::testing::temp_dir("trainer_resume");
+  auto loop = [](const Json& config) {
+    int start = 0;
+    if (auto checkpoint = train::get_checkpoint()) {
+      start = std::stoi(cohort::testing::read_text((checkpoint->path() / "epoch.txt").string())) + 1;
+    }
+    for (int epoch = start; epoch < config["epochs"].get<int>(); ++epoch) {
+      const bool rank0 = train::get_context().get_world_rank() == 0;
+      std::optional<Checkpoint> checkpoint;
+      if (rank0) checkpoint = folder_with("resume" + std::to_string(epoch), {{"epoch.txt", std::to_string(epoch)}});
+      train::report({{"epoch", epoch}, {"started_at", start}}, checkpoint);
+    }
+  };
+  {
+    Trainer first(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 2}});
+    ASSERT_TRUE(first.fit().ok());
+  }
+  // A corrupt latest checkpoint is skipped: the run resumes from the one before it.
+  Trainer again(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 4}});
+  Result result = again.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["epoch"], 3);
+  EXPECT_EQ(result.metrics["started_at"], 2);
+  EXPECT_EQ(result.metrics_history.size(), 4u);  // the whole run's history
+  EXPECT_EQ(result.checkpoint->path().filename(), "checkpoint_000003");
+
+  std::filesystem::resize_file(dir / "resume" / "checkpoint_000003" / "epoch.txt", 0);
+  Trainer after_corruption(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 5}});
+  result = after_corruption.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["started_at"], 3);  // from checkpoint_000002 (epoch 2)
+  EXPECT_EQ(result.checkpoint->path().filename(), "checkpoint_000005");
+
+  auto fresh = run_config(dir, "resume");
+  fresh.resume = false;
+  Trainer no_resume(loop, ScalingConfig{.num_workers = 2}, fresh, Json{{"epochs", 1}});
+  result = no_resume.fit();
+  ASSERT_TRUE(result.ok());
+  EXPECT_EQ(result.metrics["started_at"], 0);
+  EXPECT_EQ(result.metrics_history.size(), 1u);
+  EXPECT_TRUE(std::filesystem::exists(dir / "resume" / "checkpoint_000005"));  // left alone
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, UnequalReportCountsEndInAnErrorNotAHang) {
+  auto dir = cohort::testing::temp_dir("trainer_report_count");
+  auto run = run_config(dir, "count");
+  run.collective_timeout = std::chrono::seconds(120);  // the check must not wait for this
+  Trainer trainer(
+      [](const Json&) {
+        const int calls = train::get_context().get_world_rank() == 0 ? 3 : 2;
+        for (int i = 0; i < calls; ++i) train::report({{"i", i}});
+      },
+      ScalingConfig{.num_workers = 2}, run);
+  const auto start = std::chrono::steady_clock::now();
+  Result result = trainer.fit();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("rank 1 finished after 2 report() calls while rank 0 made call #3"),
+            std::string::npos)
+      << *result.error;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, AScoreAttributeNeverReportedIsAnErrorAtTheFirstReport) {
+  auto dir = cohort::testing::temp_dir("trainer_score");
+  auto run = run_config(dir, "score");
+  run.checkpoint_config.checkpoint_score_attribute = "accuracy";
+  Trainer trainer(
+      [](const Json&) {
+        for (int i = 0; i < 1000; ++i) train::report({{"loss", 1.0 / (i + 1)}});
+      },
+      ScalingConfig{.num_workers = 1}, run);
+  Result result = trainer.fit();
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("'accuracy' is not among the reported metrics [loss]"), std::string::npos)
+      << *result.error;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, BarrierBroadcastAndDatasetShards) {
+  auto dir = cohort::testing::temp_dir("trainer_shards");
+  data::TensorDataset numbers{torch::arange(10, torch::kFloat).view({10, 1}), torch::arange(10, torch::kLong), {}};
+  Trainer trainer(
+      [](const Json&) {
+        auto& ctx = train::get_context();
+        train::barrier();
+        auto value = train::broadcast_from_rank_zero(Json{{"from", ctx.get_world_rank()}});
+        int64_t sum = 0, count = 0;
+        auto loader = train::get_dataset_shard("numbers", {.batch_size = 2, .shuffle = false});
+        for (auto& batch : loader) {
+          sum += batch.target.sum().item<int64_t>();
+          count += batch.target.size(0);
+        }
+        std::vector<at::Tensor> totals{torch::tensor({sum, count})};
+        ctx.get_process_group().allreduce(totals);
+        train::report({{"broadcast_from", value["from"]},
+                       {"sum", totals[0][0].item<int64_t>()},
+                       {"count", totals[0][1].item<int64_t>()},
+                       {"my_count", count}});
+        cohort::testing::expect_error<UsageError>([] { train::get_dataset_shard("absent"); },
+                                                  "no dataset named 'absent'");
+      },
+      ScalingConfig{.num_workers = 2}, run_config(dir, "shards"), Json::object(), {{"numbers", numbers}});
+  Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["broadcast_from"], 0);
+  EXPECT_EQ(result.metrics["sum"], 45);
+  EXPECT_EQ(result.metrics["count"], 10);
+  EXPECT_EQ(result.metrics["my_count"], 5);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Trainer, IdenticalLinesFromAllRanksArePrintedOnce) {
+  // Runs the Trainer in a child process so that its terminal output can be read.
+  if (const char* child_dir = std::getenv("COHORT_DEDUP_DIR")) {
+    auto run = run_config(child_dir, "dedup");
+    run.verbose = 1;
+    Trainer trainer([](const Json&) { std::cout << "the same words" << std::endl; }, ScalingConfig{.num_workers = 3}, run);
+    std::exit(trainer.fit().ok() ? 0 : 1);
+  }
+  auto dir = cohort::testing::temp_dir("trainer_dedup");
+  auto r = cohort::testing::run_command(
+      {cohort::runtime::self_executable(), "--gtest_filter=Trainer.IdenticalLinesFromAllRanksArePrintedOnce"},
+      std::chrono::seconds(60), {{"COHORT_DEDUP_DIR", dir.string()}});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  size_t count = 0;
+  for (size_t at = r.output.find(") the same words\n"); at != std::string::npos;
+       at = r.output.find(") the same words\n", at + 1)) {
+    ++count;
+  }
+  EXPECT_EQ(count, 1u) << r.output;
+  EXPECT_NE(r.output.find("the same words [repeated 2x across ranks]"), std::string::npos) << r.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    auto log = cohort::testing::read_text((dir / "dedup" / "logs" / ("rank-" + std::to_string(rank) + ".log")).string());
+    EXPECT_NE(log.find("the same words"), std::string::npos) << "rank " << rank;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,0 +1,161 @@
+#include "cohort/train/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+
+#include "cohort/error.h"
+#include "cohort/models/zoo.h"
+#include "support/expect.h"
+#include "support/subprocess.h"
+#include "support/tiny_mnist.h"
+#include "train/checkpoint_manager.h"
+#include "train/run_files.h"
+
+namespace cohort {
+namespace {
+
+using cohort::testing::expect_error;
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  std::filesystem::path dir = cohort::testing::temp_dir("checkpoint");
+  void TearDown() override { std::filesystem::remove_all(dir); }
+
+  std::filesystem::path make_checkpoint(int64_t index, const Json& metrics) {
+    auto path = dir / checkpoint_name(index);
+    std::filesystem::create_directories(path);
+    write_atomically(path / "weights.bin", std::string(100, static_cast<char>('a' + index)));
+    write_atomically(path / kMetaFile, Json{{"metrics", metrics}}.dump());
+    write_manifest(path);
+    return path;
+  }
+};
+
+TEST_F(CheckpointTest, SafetensorsRoundTripEveryDtype) {
+  std::map<std::string, at::Tensor> tensors{
+      {"f32", torch::randn({3, 4})},
+      {"f64", torch::randn({2}, torch::kDouble)},
+      {"f16", torch::randn({5}).to(torch::kHalf)},
+      {"bf16", torch::randn({5}).to(torch::kBFloat16)},
+      {"i64", torch::arange(7, torch::kLong)},
+      {"u8", torch::arange(9, torch::kLong).to(torch::kByte).view({3, 3})},
+      {"scalar", torch::tensor(3.5)}};
+  safetensors::write(dir / "t.safetensors", tensors, {{"format", "pt"}});
+  auto back = safetensors::read(dir / "t.safetensors");
+  ASSERT_EQ(back.size(), tensors.size());
+  for (const auto& [name, t] : tensors) {
+    EXPECT_EQ(back[name].scalar_type(), t.scalar_type()) << name;
+    EXPECT_TRUE(torch::equal(back[name], t)) << name;
+  }
+}
+
+TEST_F(CheckpointTest, PlainNumpyReadsTheModelFile) {
+  if (!std::filesystem::exists("/usr/bin/python3")) GTEST_SKIP() << "no python3";
+  auto model = models::create_model("cnn");
+  train::save_model(*model, dir / "model.safetensors");
+  // The format as Python users read it without torch: 8-byte length, JSON header, raw data.
+  const std::string script =
+      "import json, struct, sys, numpy as np\n"
+      "b = open(sys.argv[1], 'rb').read()\n"
+      "n = struct.unpack('<Q', b[:8])[0]\n"
+      "h = json.loads(b[8:8 + n])\n"
+      "info = h['fc2.weight']\n"
+      "s, e = info['data_offsets']\n"
+      "a = np.frombuffer(b[8 + n + s:8 + n + e], dtype='<f4').reshape(info['shape'])\n"
+      "print(repr(float(a.astype(np.float64).sum())), a.shape)\n";
+  write_atomically(dir / "read.py", script);
+  auto r = cohort::testing::run_command({"/usr/bin/python3", (dir / "read.py").string(),
+                                         (dir / "model.safetensors").string()},
+                                        std::chrono::seconds(60));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto named = model->named_parameters();
+  const double expected = named["fc2.weight"].to(torch::kDouble).sum().item<double>();
+  EXPECT_NEAR(std::stod(r.output), expected, 1e-9) << r.output;
+  EXPECT_NE(r.output.find("(10, 128)"), std::string::npos) << r.output;
+}
+
+TEST_F(CheckpointTest, LoadModelRestoresWeightsAndBuffersAndNamesMismatches) {
+  auto a = models::create_model("resnet18");
+  auto b = models::create_model("resnet18");
+  a->named_buffers()["stem.1.running_mean"].fill_(0.25);
+  train::save_model(*a, dir / "model.safetensors");
+  train::load_model(*b, dir / "model.safetensors");
+  auto pb = b->named_parameters();
+  for (const auto& p : a->named_parameters()) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
+  EXPECT_TRUE(torch::equal(b->named_buffers()["stem.1.running_mean"], a->named_buffers()["stem.1.running_mean"]));
+
+  auto other = models::create_model("cnn");
+  expect_error<UsageError>([&] { train::load_model(*other, dir / "model.safetensors"); }, "has no tensor 'conv1.weight'");
+  auto truncated = dir / "cut.safetensors";
+  std::filesystem::copy_file(dir / "model.safetensors", truncated);
+  std::filesystem::resize_file(truncated, std::filesystem::file_size(truncated) / 2);
+  expect_error<UsageError>([&] { train::load_model(*b, truncated); }, "does not fit its byte range");
+}
+
+TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {
+  auto path = make_checkpoint(0, {{"loss", 1.0}});
+  Checkpoint::from_directory(path).verify();
+  {
+    std::fstream f(path / "weights.bin", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(10);
+    f.put('Z');
+  }
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "file weights.bin has checksum");
+  std::filesystem::resize_file(path / "weights.bin", 40);
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "has 40 bytes, the manifest says 100 (truncated)");
+  std::filesystem::remove(path / "weights.bin");
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "file weights.bin is missing");
+  std::filesystem::remove(path / kManifestFile);
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "not completely written");
+}
+
+TEST_F(CheckpointTest, KeepsTheBestByScoreAndAlwaysTheLatest) {
+  train::CheckpointManager manager(dir, {.num_to_keep = 2, .checkpoint_score_attribute = "acc"});
+  const std::vector<double> scores{0.5, 0.9, 0.7, 0.8, 0.6};
+  for (size_t i = 0; i < scores.size(); ++i) {
+    manager.add(make_checkpoint(static_cast<int64_t>(i), {{"acc", scores[i]}}), {{"acc", scores[i]}});
+  }
+  // Best two (0.9 and 0.8) plus the latest (0.6); the worse newer ones never pushed out a better.
+  std::vector<int64_t> kept;
+  for (const auto& [c, m] : manager.best()) kept.push_back(checkpoint_index(c.path()));
+  EXPECT_EQ(kept, (std::vector<int64_t>{1, 3, 4}));
+  EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_name(0)));
+  EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_name(2)));
+  EXPECT_EQ(checkpoint_index(manager.latest()->path()), 4);
+  EXPECT_EQ(manager.next_index(), 5);
+  auto snapshot = read_json(dir / kCheckpointManagerFile);
+  EXPECT_EQ(snapshot["checkpoints"].size(), 3u);
+}
+
+TEST_F(CheckpointTest, MinOrderAndRecencyWithoutAScore) {
+  train::CheckpointManager by_loss(dir, {.num_to_keep = 1, .checkpoint_score_attribute = "loss",
+                                         .checkpoint_score_order = "min"});
+  by_loss.add(make_checkpoint(0, {{"loss", 0.3}}), {{"loss", 0.3}});
+  by_loss.add(make_checkpoint(1, {{"loss", 0.1}}), {{"loss", 0.1}});
+  by_loss.add(make_checkpoint(2, {{"loss", 0.2}}), {{"loss", 0.2}});
+  EXPECT_EQ(checkpoint_index(by_loss.best().front().first.path()), 1);
+  EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_name(0)));
+  EXPECT_THROW(train::CheckpointManager(dir, {.checkpoint_score_order = "best"}), UsageError);
+  expect_error<UsageError>([&] { by_loss.check_score_attribute({{"acc", 1}}); },
+                           "'loss' is not among the reported metrics [acc]");
+}
+
+TEST_F(CheckpointTest, AdoptingSkipsACorruptLatestWithAWarning) {
+  make_checkpoint(0, {{"step", 1}});
+  make_checkpoint(1, {{"step", 2}});
+  auto broken = make_checkpoint(2, {{"step", 3}});
+  std::filesystem::resize_file(broken / "weights.bin", 3);
+  std::filesystem::create_directories(dir / checkpoint_name(3));  // a crash before the manifest
+  train::CheckpointManager manager(dir, {});
+  auto warnings = manager.adopt_existing();
+  EXPECT_EQ(warnings.size(), 2u);
+  EXPECT_EQ(checkpoint_index(manager.latest()->path()), 1);
+  EXPECT_EQ(manager.latest()->metrics()["step"], 2);
+  // New checkpoints never reuse a number that is on disk.
+  EXPECT_EQ(manager.next_index(), 4);
+}
+
+}  // namespace
+}  // namespace cohort
