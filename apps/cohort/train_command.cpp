@@ -39,6 +39,7 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
+  if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   const auto dir = data_dir_of(o);
   data::check_mnist_dir(dir);
   const int64_t train_size =
@@ -232,6 +233,9 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
   cmd->add_flag("--resume,!--no-resume", o.resume,
                 "continue a run with the same --storage-path and --name from its latest checkpoint (default)");
+  cmd->add_option("--max-failures", o.max_failures,
+                  "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
+      ->capture_default_str();
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")
       ->capture_default_str();
@@ -246,6 +250,7 @@ int run_train_command(TrainOptions o) {
                                 .resources_per_worker = {.cpu_threads = o.threads}},
                   RunConfig{.name = o.name,
                             .storage_path = o.storage_path,
+                            .failure_config = {.max_failures = o.max_failures},
                             .checkpoint_config = {.num_to_keep = o.num_to_keep,
                                                   .checkpoint_score_attribute = "test_accuracy",
                                                   .checkpoint_score_order = "max"},

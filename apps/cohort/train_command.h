@@ -23,6 +23,7 @@ struct TrainOptions {
   std::string storage_path = "./cohort_results";
   std::string name;
   bool resume = true;
+  int max_failures = 0;
   int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
   bool quiet = false;
 };

@@ -6,6 +6,8 @@
 #include "cohort/error.h"
 #include "comm/store_state.h"
 
+#include <atomic>
+
 namespace cohort::comm {
 
 struct ProcessGroup::State {
@@ -13,6 +15,14 @@ struct ProcessGroup::State {
   int rank = 0;
   int world_size = 1;
   std::chrono::milliseconds timeout{};
+  // Read by the heartbeat thread while the training thread launches collectives.
+  std::atomic<int64_t> entered{0};
+  std::atomic<const char*> last{"none"};
+
+  void enter(const char* what) {
+    last.store(what);
+    entered.fetch_add(1);
+  }
 };
 
 struct Work::State {
@@ -115,6 +125,9 @@ ProcessGroup ProcessGroup::create(Store store, int rank, int world_size,
   return ProcessGroup(std::move(state));
 }
 
+int64_t ProcessGroup::collectives_entered() const { return state_ ? state_->entered.load() : 0; }
+std::string ProcessGroup::last_collective() const { return state_ ? state_->last.load() : "none"; }
+
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
@@ -150,6 +163,7 @@ Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_native(op);
   opts.timeout = state_->timeout;
+  state_->enter("allreduce");
   std::function<void()> finish;
   if (op == ReduceOp::kAvg) {
     finish = [tensors, n = static_cast<double>(state_->world_size)]() mutable {
@@ -170,6 +184,7 @@ Work ProcessGroup::broadcast_async(std::vector<at::Tensor>& tensors, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = state_->timeout;
+  state_->enter("broadcast");
   return track(state_->backend->broadcast(tensors, opts),
                "broadcast from rank " + std::to_string(root), state_->timeout);
 }
@@ -184,6 +199,7 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   for (int r = 0; r < state_->world_size; ++r) output[0].push_back(at::empty_like(input[0]));
   c10d::AllgatherOptions opts;
   opts.timeout = state_->timeout;
+  state_->enter("allgather");
   track(state_->backend->allgather(output, input, opts),
         "allgather on rank " + std::to_string(state_->rank), state_->timeout)
       .wait();
@@ -193,6 +209,7 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
 void ProcessGroup::barrier() {
   c10d::BarrierOptions opts;
   opts.timeout = state_->timeout;
+  state_->enter("barrier");
   track(state_->backend->barrier(opts), "barrier on rank " + std::to_string(state_->rank),
         state_->timeout)
       .wait();

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
@@ -50,6 +51,47 @@ void send_control_message(const std::string& line) {
     data += n;
     left -= static_cast<size_t>(n);
   }
+}
+
+namespace {
+
+std::mutex& status_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+std::function<std::string()>& status_source() {
+  static std::function<std::string()> source;
+  return source;
+}
+
+}  // namespace
+
+void set_heartbeat_status(std::function<std::string()> status) {
+  std::lock_guard lock(status_mutex());
+  status_source() = std::move(status);
+}
+
+void start_heartbeat(std::chrono::milliseconds interval) {
+  static std::once_flag started;
+  if (!has_control_channel()) return;
+  std::call_once(started, [interval] {
+    std::thread([interval] {
+      while (true) {
+        std::string status = "null";
+        {
+          std::lock_guard lock(status_mutex());
+          if (status_source()) status = status_source()();
+        }
+        try {
+          send_control_message(R"({"type":"heartbeat","status":)" + status + "}");
+        } catch (const std::exception&) {
+          return;  // the driver is gone; PDEATHSIG ends this process
+        }
+        std::this_thread::sleep_for(interval);
+      }
+    }).detach();
+  });
 }
 
 }  // namespace cohort::runtime

@@ -144,6 +144,7 @@ struct WorkerGroup::Impl {
   std::vector<Worker> workers;
   bool started = false;
   std::string requested_stop;
+  bool stopping = false;
 
   std::vector<std::string> environment(int rank) const {
     std::map<std::string, std::string> vars;
@@ -335,6 +336,8 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
 
   auto begin_stop = [&](std::string reason) {
     if (kill_at) return;
+    impl_->stopping = true;
+    outcome.stop_began = Clock::now();
     if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
     // Whoever already died did so on their own, not by our SIGTERM: record them as such.
     for (auto& w : workers) impl_->reap(w, false);
@@ -418,6 +421,8 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
 void WorkerGroup::request_stop(std::string reason) {
   if (impl_->requested_stop.empty()) impl_->requested_stop = std::move(reason);
 }
+
+bool WorkerGroup::stopping() const { return impl_->stopping || !impl_->requested_stop.empty(); }
 
 void WorkerGroup::stop() {
   auto& workers = impl_->workers;

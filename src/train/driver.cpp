@@ -118,6 +118,7 @@ Json result_json(const Result& result) {
     best.push_back({{"path", checkpoint.path().string()}, {"metrics", metrics}});
   }
   out["best_checkpoints"] = best;
+  out["failures"] = result.failures;
   out["error"] = result.error ? Json(*result.error) : Json(nullptr);
   return out;
 }
@@ -138,6 +139,26 @@ std::string describe_failure(const runtime::GroupOutcome& outcome,
   std::string text = causes.front();
   for (size_t i = 1; i < causes.size(); ++i) text += (i == 1 ? " (then " : "; ") + causes[i];
   return causes.size() > 1 ? text + ")" : text;
+}
+
+// Horovod's stall inspector, from the heartbeats: names the ranks that did not enter the
+// collective the others are waiting in. "" when all ranks are level or nothing is known.
+std::string stall_report(const std::vector<Json>& status) {
+  int64_t most = -1;
+  for (const auto& s : status) {
+    if (s.is_object()) most = std::max(most, s.value("collectives", int64_t{0}));
+  }
+  if (most < 0) return "";
+  std::string behind, detail;
+  for (size_t r = 0; r < status.size(); ++r) {
+    const int64_t entered = status[r].is_object() ? status[r].value("collectives", int64_t{0}) : 0;
+    detail += (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " entered " +
+              std::to_string(entered) +
+              (status[r].is_object() ? " (last " + status[r].value("last", std::string("none")) + ")" : "");
+    if (entered < most) behind += (behind.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (behind.empty()) return "";
+  return "ranks [" + behind + "] did not enter collective #" + std::to_string(most) + " (" + detail + ")";
 }
 
 // Every rank must call report() equally often: a rank that finished with fewer calls than
@@ -175,134 +196,256 @@ class ReportCounter {
 
 }  // namespace
 
-Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
-  const auto started = Clock::now();
-  const auto started_wall = std::chrono::system_clock::now();
-  if (scaling.use_gpu && !torch::cuda::is_available()) {
+namespace {
+
+// The local driver: starts the worker group, and starts it again after a failure while the
+// FailureConfig allows, each time from the latest valid checkpoint.
+class Driver {
+ public:
+  Driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config)
+      : scaling_(scaling), run_(run), config_(config), console_(run.verbose) {}
+
+  Result run();
+
+ private:
+  // What one start of the worker group ended with.
+  struct Attempt {
+    runtime::GroupOutcome outcome;
+    std::string error;         // empty on success
+    std::string driver_error;  // a rule the run broke: not retried
+    int failed_rank = -1;
+    Clock::time_point detected;
+  };
+
+  Attempt run_attempt(const std::optional<Checkpoint>& resume_from);
+  void on_report(const Json& message, std::string& driver_error);
+  double since_start() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
+
+  ScalingConfig scaling_;
+  RunConfig run_;
+  Json config_;
+  Console console_;
+  Clock::time_point started_ = Clock::now();
+  std::chrono::system_clock::time_point started_wall_ = std::chrono::system_clock::now();
+  std::string name_;
+  std::filesystem::path run_dir_;
+  std::optional<CheckpointManager> checkpoints_;
+  Result result_;
+  std::ofstream metrics_log_;
+  comm::Store store_;
+};
+
+Result Driver::run() {
+  if (scaling_.use_gpu && !torch::cuda::is_available()) {
     throw UsageError("ScalingConfig.use_gpu is set but this libtorch sees no CUDA device: "
                      "unset use_gpu or use a CUDA build of libtorch on a GPU host");
   }
-  if (scaling.use_gpu &&
-      torch::cuda::device_count() < static_cast<size_t>(scaling.num_workers)) {
-    throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling.num_workers) +
-                     " workers needs that many GPUs; this host has " +
-                     std::to_string(torch::cuda::device_count()));
+  if (scaling_.use_gpu && torch::cuda::device_count() < static_cast<size_t>(scaling_.num_workers)) {
+    throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling_.num_workers) +
+                     " workers needs that many GPUs; this host has " + std::to_string(torch::cuda::device_count()));
   }
-  const std::string name = run.name.empty() ? default_name() : run.name;
-  const auto run_dir = std::filesystem::absolute(prepare_run_dir(run, name));
-  Console console(run.verbose);
-
-  CheckpointManager checkpoints(run_dir, run.checkpoint_config);
-  Result result;
-  result.path = run_dir;
-  result.workers = scaling.num_workers;
+  if (run_.failure_config.max_failures < -1) {
+    throw UsageError("FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
+                     " must be >= 0, or -1 for unlimited");
+  }
+  if (run_.failure_config.heartbeat_timeout.count() <= 0) {
+    throw UsageError("FailureConfig.heartbeat_timeout must be > 0");
+  }
+  name_ = run_.name.empty() ? default_name() : run_.name;
+  run_dir_ = std::filesystem::absolute(prepare_run_dir(run_, name_));
+  checkpoints_.emplace(run_dir_, run_.checkpoint_config);
+  result_.path = run_dir_;
+  result_.workers = scaling_.num_workers;
   std::optional<Checkpoint> resume_from;
-  if (run.resume) {
-    for (const auto& warning : checkpoints.adopt_existing()) console.message("cohort: warning: " + warning);
-    resume_from = checkpoints.latest();
+  if (run_.resume) {
+    for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
+    resume_from = checkpoints_->latest();
     if (resume_from) {
-      result.metrics_history = read_history(run_dir / kMetricsFile);
-      console.message("cohort: resuming from " + resume_from->path().string());
+      result_.metrics_history = read_history(run_dir_ / kMetricsFile);
+      console_.message("cohort: resuming from " + resume_from->path().string());
     }
   }
   // The history on disk is exactly what the Result holds: rewritten whole, then appended to.
-  std::ofstream metrics_log(run_dir / kMetricsFile, std::ios::trunc);
-  for (const auto& record : result.metrics_history) metrics_log << record.dump() << '\n';
-  metrics_log.flush();
+  metrics_log_.open(run_dir_ / kMetricsFile, std::ios::trunc);
+  for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
+  metrics_log_.flush();
+  store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
 
-  auto store = comm::Store::connect(
-      {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run.setup_timeout});
+  const int max_failures = run_.failure_config.max_failures;
+  Attempt attempt;
+  while (true) {
+    attempt = run_attempt(resume_from);
+    if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 || !attempt.driver_error.empty()) break;
+    const int failures = static_cast<int>(result_.failures.size()) + 1;
+    const bool restart = max_failures == -1 || failures <= max_failures;
+    result_.failures.push_back({{"rank", attempt.failed_rank},
+                                {"cause", attempt.error},
+                                {"reports", result_.metrics_history.size()},
+                                {"detected_at_s", std::chrono::duration<double>(attempt.detected - started_).count()},
+                                {"restarted", restart},
+                                {"recovery_s", nullptr}});
+    if (!restart) break;
+    // From disk, verified: rank 0 may have committed a checkpoint the driver never heard of
+    // before the group was stopped.
+    for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
+    resume_from = checkpoints_->latest();
+    console_.message("cohort: worker group failed (" + attempt.error + "); restart " + std::to_string(failures) +
+                     (max_failures == -1 ? "" : " of " + std::to_string(max_failures)) + " from " +
+                     (resume_from ? resume_from->path().string() : std::string("the beginning (no checkpoint yet)")));
+  }
 
+  if (!result_.metrics_history.empty()) result_.metrics = result_.metrics_history.back();
+  result_.checkpoint = checkpoints_->latest();
+  result_.best_checkpoints = checkpoints_->best();
+  result_.wall_seconds = since_start();
+  if (!attempt.error.empty()) {
+    const size_t restarts = result_.failures.empty() ? 0 : result_.failures.size() - 1;
+    result_.error = restarts > 0 && attempt.driver_error.empty() && attempt.outcome.interrupted_by == 0
+                        ? "after " + std::to_string(restarts) + " restart(s): " + attempt.error
+                        : attempt.error;
+  }
+  write_metrics_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
+  write_atomically(run_dir_ / kResultFile, result_json(result_).dump(2) + "\n");
+  if (attempt.outcome.interrupted_by != 0) {
+    // Ctrl-C or SIGTERM stops the whole program, as the user asked, now that nothing is left
+    // running and the result is on disk.
+    std::cout.flush();
+    std::signal(attempt.outcome.interrupted_by, SIG_DFL);
+    std::raise(attempt.outcome.interrupted_by);
+  }
+  return result_;
+}
+
+void Driver::on_report(const Json& message, std::string& driver_error) {
+  const int64_t index = message.value("index", int64_t{0});
+  const Json& metrics = message["metrics"];
+  if (index == 1) {
+    try {
+      checkpoints_->check_score_attribute(metrics);
+    } catch (const UsageError& e) {
+      driver_error = e.what();
+    }
+  }
+  Json record = metrics;
+  record["training_iteration"] = static_cast<int64_t>(result_.metrics_history.size()) + 1;
+  record["timestamp"] = std::time(nullptr);
+  if (message.contains("checkpoint")) {
+    record["checkpoint"] = message["checkpoint"];
+    checkpoints_->add(message["checkpoint"].get<std::string>(), metrics);
+  }
+  metrics_log_ << record.dump() << '\n';
+  metrics_log_.flush();
+  result_.metrics_history.push_back(record);
+  console_.report(record["training_iteration"].get<int64_t>(), metrics);
+}
+
+Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from) {
+  const int world = scaling_.num_workers;
   runtime::WorkerGroupOptions options;
-  options.num_workers = scaling.num_workers;
-  options.log_dir = run_dir / "logs";
-  const std::string threads = std::to_string(scaling.resources_per_worker.cpu_threads);
+  options.num_workers = world;
+  options.log_dir = run_dir_ / "logs";
+  // No rank waits on a finished peer longer than on a collective.
+  options.exit_skew_timeout = run_.collective_timeout;
+  const std::string threads = std::to_string(scaling_.resources_per_worker.cpu_threads);
   options.env = {
-      {kConfigVar, config.dump()},
-      {kNameVar, name},
-      {kRunDirVar, run_dir.string()},
+      {kConfigVar, config_.dump()},
+      {kNameVar, name_},
+      {kRunDirVar, run_dir_.string()},
       {kRunStartVar,
-       std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          started_wall.time_since_epoch())
-                          .count())},
+       std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(started_wall_.time_since_epoch()).count())},
       {kThreadsVar, threads},
       {"OMP_NUM_THREADS", threads},
       {"MKL_NUM_THREADS", threads},
-      {kSetupTimeoutVar, std::to_string(run.setup_timeout.count())},
-      {kCollectiveTimeoutVar, std::to_string(run.collective_timeout.count())},
-      {kUseGpuVar, scaling.use_gpu ? "1" : "0"},
+      {kSetupTimeoutVar, std::to_string(run_.setup_timeout.count())},
+      {kCollectiveTimeoutVar, std::to_string(run_.collective_timeout.count())},
+      {kHeartbeatIntervalVar,
+       std::to_string(std::clamp<int64_t>(run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
+      {kUseGpuVar, scaling_.use_gpu ? "1" : "0"},
+      // A fresh token per start: nothing of a failed start's store keys or staging is reused.
       {kRunTokenVar, random_token()},
       {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
-      {kNextCheckpointVar, std::to_string(checkpoints.next_index())},
+      {kNextCheckpointVar, std::to_string(checkpoints_->next_index())},
   };
-  const int port = store.port();
-  const int world = scaling.num_workers;
+  const int port = store_.port();
   options.rank_env = [port, world](int rank) {
-    runtime::WorkerInfo info{.world_rank = rank,
-                             .local_rank = rank,
-                             .node_rank = 0,
-                             .world_size = world,
-                             .local_world_size = world,
-                             .master_addr = "127.0.0.1",
-                             .master_port = port};
-    return runtime::worker_env(info);
+    return runtime::worker_env({.world_rank = rank,
+                                .local_rank = rank,
+                                .node_rank = 0,
+                                .world_size = world,
+                                .local_world_size = world,
+                                .master_addr = "127.0.0.1",
+                                .master_port = port});
   };
 
   runtime::WorkerGroup group(std::move(options));
+  Attempt attempt;
   std::map<int, std::string> worker_errors;
   std::vector<int> error_order;
   std::set<int> consequences;
-  std::string driver_error;  // a rule the run broke, found by the driver
   ReportCounter report_counter(world);
+  std::vector<Clock::time_point> last_heard(static_cast<size_t>(world), Clock::now());
+  std::vector<bool> exited(static_cast<size_t>(world), false);
+  std::vector<Json> status(static_cast<size_t>(world));
+  int hung_rank = -1;
+  bool trained = false;
   auto stop_because = [&](const std::string& reason) {
-    if (reason.empty() || !driver_error.empty()) return;
-    driver_error = reason;
+    if (reason.empty() || !attempt.driver_error.empty()) return;
+    attempt.driver_error = reason;
     group.request_stop(reason);
   };
 
   runtime::WorkerGroupHandlers handlers;
   handlers.on_output = [&](int rank, int pid, bool is_stderr, const std::string& line) {
-    if (run.verbose >= 1 || is_stderr) console.worker_line(rank, pid, is_stderr, line);
+    if (run_.verbose >= 1 || is_stderr) console_.worker_line(rank, pid, is_stderr, line);
   };
-  handlers.on_tick = [&] { console.tick(); };
   handlers.on_exit = [&](const runtime::WorkerExit& exit) {
+    exited[static_cast<size_t>(exit.rank)] = true;
     if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
   };
+  handlers.on_tick = [&] {
+    console_.tick();
+    if (group.stopping()) return;  // a failure is already being handled
+    const auto now = Clock::now();
+    for (int r = 0; r < world && hung_rank < 0; ++r) {
+      if (exited[static_cast<size_t>(r)] || now - last_heard[static_cast<size_t>(r)] < run_.failure_config.heartbeat_timeout) continue;
+      hung_rank = r;
+      attempt.detected = now;
+      group.request_stop("rank " + std::to_string(r) + " sent no heartbeat for " +
+                         std::to_string(run_.failure_config.heartbeat_timeout.count() / 1000.0).substr(0, 4) +
+                         " s: it hangs or was stopped");
+    }
+  };
   handlers.on_control = [&](int rank, const std::string& line) {
+    last_heard[static_cast<size_t>(rank)] = Clock::now();
     Json message;
     try {
       message = Json::parse(line);
     } catch (const std::exception& e) {
-      console.message("cohort: ignoring a malformed control message from rank " +
-                      std::to_string(rank) + ": " + e.what());
+      console_.message("cohort: ignoring a malformed control message from rank " + std::to_string(rank) + ": " +
+                       e.what());
       return;
     }
     const auto type = message.value("type", std::string{});
+    if (type == "heartbeat") {
+      status[static_cast<size_t>(rank)] = message["status"];
+      return;
+    }
+    if (rank == 0 && !trained) {
+      trained = true;
+      // The group trains again: the previous failure is recovered.
+      if (!result_.failures.empty() && result_.failures.back()["recovery_s"].is_null()) {
+        result_.failures.back()["recovery_s"] =
+            since_start() - result_.failures.back()["detected_at_s"].get<double>();
+      }
+    }
     if (type == "report_begin") {
       stop_because(report_counter.on_report(rank, message.value("index", int64_t{0})));
     } else if (type == "report" && rank == 0) {
-      const int64_t index = message.value("index", int64_t{0});
-      const Json& metrics = message["metrics"];
-      if (index == 1) {
-        try {
-          checkpoints.check_score_attribute(metrics);
-        } catch (const UsageError& e) {
-          stop_because(e.what());
-        }
-      }
-      Json record = metrics;
-      record["training_iteration"] = static_cast<int64_t>(result.metrics_history.size()) + 1;
-      record["timestamp"] = std::time(nullptr);
-      if (message.contains("checkpoint")) {
-        record["checkpoint"] = message["checkpoint"];
-        checkpoints.add(message["checkpoint"].get<std::string>(), metrics);
-      }
-      metrics_log << record.dump() << '\n';
-      metrics_log.flush();
-      result.metrics_history.push_back(record);
-      console.report(record["training_iteration"].get<int64_t>(), metrics);
+      std::string broken;
+      on_report(message, broken);
+      stop_because(broken);
     } else if (type == "progress") {
-      console.progress(message["progress"]);
+      console_.progress(message["progress"]);
     } else if (type == "error") {
       if (!worker_errors.count(rank)) {
         error_order.push_back(rank);
@@ -313,36 +456,40 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
   };
 
   group.start();
-  if (run.verbose >= 1) {
+  if (run_.verbose >= 1) {
     std::string pids;
     for (int pid : group.pids()) pids += (pids.empty() ? "" : " ") + std::to_string(pid);
-    console.message("cohort: started " + std::to_string(world) + " worker(s) [pids " + pids +
-                    "], run directory " + run_dir.string());
+    console_.message("cohort: started " + std::to_string(world) + " worker(s) [pids " + pids + "], run directory " +
+                     run_dir_.string());
   }
-  auto outcome = group.wait(handlers);
-  console.tick(/*flush_all=*/true);
+  attempt.outcome = group.wait(handlers);
+  console_.tick(/*flush_all=*/true);
+  if (attempt.detected == Clock::time_point{}) {
+    attempt.detected = attempt.outcome.stop_began != Clock::time_point{} ? attempt.outcome.stop_began : Clock::now();
+  }
+  const std::string stall = stall_report(status);
+  if (!attempt.driver_error.empty()) {
+    attempt.error = attempt.driver_error;
+  } else if (hung_rank >= 0) {
+    attempt.error = attempt.outcome.failure_reason + (stall.empty() ? "" : "; " + stall);
+    attempt.failed_rank = hung_rank;
+  } else if (!attempt.outcome.success) {
+    std::stable_partition(error_order.begin(), error_order.end(), [&](int r) { return !consequences.count(r); });
+    attempt.error = describe_failure(attempt.outcome, worker_errors, error_order);
+    attempt.failed_rank = attempt.outcome.first_failure ? attempt.outcome.first_failure->rank : -1;
+    for (const auto& e : attempt.outcome.exits) {
+      if (e.signal != 0 && !e.stopped_by_driver) attempt.failed_rank = e.rank;
+    }
+    if (!error_order.empty() && !consequences.count(error_order.front())) attempt.failed_rank = error_order.front();
+    if (!consequences.empty() && !stall.empty()) attempt.error += "; " + stall;
+  }
+  return attempt;
+}
 
-  if (!result.metrics_history.empty()) result.metrics = result.metrics_history.back();
-  result.checkpoint = checkpoints.latest();
-  result.best_checkpoints = checkpoints.best();
-  result.wall_seconds = std::chrono::duration<double>(Clock::now() - started).count();
-  if (!driver_error.empty()) {
-    result.error = driver_error;
-  } else if (!outcome.success) {
-    std::stable_partition(error_order.begin(), error_order.end(),
-                          [&](int rank) { return !consequences.count(rank); });
-    result.error = describe_failure(outcome, worker_errors, error_order);
-  }
-  write_metrics_csv(run_dir / kMetricsCsvFile, result.metrics_history);
-  write_atomically(run_dir / kResultFile, result_json(result).dump(2) + "\n");
-  if (outcome.interrupted_by != 0) {
-    // Ctrl-C or SIGTERM stops the whole program, as the user asked, now that nothing is left
-    // running and the result is on disk.
-    std::cout.flush();
-    std::signal(outcome.interrupted_by, SIG_DFL);
-    std::raise(outcome.interrupted_by);
-  }
-  return result;
+}  // namespace
+
+Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
+  return Driver(scaling, run, config).run();
 }
 
 namespace {
@@ -374,6 +521,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop,
     } catch (const std::exception&) {
       // Already fixed by earlier torch use in this process; harmless.
     }
+    // First of all, so that even a slow start is not taken for a hang.
+    runtime::start_heartbeat(std::chrono::milliseconds(env_long(kHeartbeatIntervalVar, 1000)));
     const std::chrono::milliseconds setup_timeout{env_long(kSetupTimeoutVar, 60'000)};
     const std::chrono::milliseconds collective_timeout{env_long(kCollectiveTimeoutVar, 300'000)};
     auto session = std::make_unique<WorkerSession>();
@@ -405,6 +554,9 @@ void run_worker(const std::function<void(const Json&)>& train_loop,
                                                    {.setup_timeout = setup_timeout,
                                                     .timeout = collective_timeout,
                                                     .prefix = "train/" + session->run_token});
+    runtime::set_heartbeat_status([group = ctx.process_group] {
+      return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}.dump();
+    });
     set_current_session(std::move(session));
     const std::string config_text = env_string(kConfigVar);
     const Json config = config_text.empty() ? Json::object() : Json::parse(config_text);

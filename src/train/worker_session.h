@@ -42,6 +42,7 @@ inline constexpr const char* kSetupTimeoutVar = "COHORT_SETUP_TIMEOUT_MS";
 inline constexpr const char* kCollectiveTimeoutVar = "COHORT_COLLECTIVE_TIMEOUT_MS";
 inline constexpr const char* kUseGpuVar = "COHORT_USE_GPU";
 inline constexpr const char* kRunTokenVar = "COHORT_RUN_TOKEN";
+inline constexpr const char* kHeartbeatIntervalVar = "COHORT_HEARTBEAT_INTERVAL_MS";
 inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
 inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
 

@@ -60,6 +60,11 @@ class ProcessGroup {
   // Asynchronous in-place all-reduce of tensors of one dtype and device.
   Work allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
   void allreduce(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
+  // How many collectives this rank has entered, and the name of the last: what a stall
+  // inspector compares across ranks to name those that did not enter a collective.
+  int64_t collectives_entered() const;
+  std::string last_collective() const;
+
   Work broadcast_async(std::vector<at::Tensor>& tensors, int root);
   void broadcast(std::vector<at::Tensor>& tensors, int root);
   // Gathers one tensor of the same shape from every rank, ordered by rank.

@@ -1,4 +1,6 @@
 #pragma once
+#include <chrono>
+#include <functional>
 #include <string>
 
 namespace cohort::runtime {
@@ -12,5 +14,11 @@ bool has_control_channel();
 // Sends one message (must not contain a newline). Thread-safe. Throws RuntimeError when the
 // driver is gone.
 void send_control_message(const std::string& line);
+
+// Starts a background thread that sends {"type":"heartbeat", "status": ...} every `interval`, so
+// the driver can tell a hung or stopped worker (no heartbeats) from a busy one. Idempotent.
+void start_heartbeat(std::chrono::milliseconds interval);
+// What heartbeats carry from now on: a JSON value (as text) describing what this worker is doing.
+void set_heartbeat_status(std::function<std::string()> status);
 
 }  // namespace cohort::runtime

@@ -44,6 +44,8 @@ struct GroupOutcome {
   std::vector<WorkerExit> exits;  // by rank
   std::optional<WorkerExit> first_failure;
   std::string failure_reason;  // one line, when !success
+  // When the group began stopping: the moment its failure was noticed.
+  std::chrono::steady_clock::time_point stop_began{};
 };
 
 struct WorkerGroupHandlers {
@@ -74,6 +76,8 @@ class WorkerGroup {
   GroupOutcome wait(const WorkerGroupHandlers& handlers = {});
   // From a handler inside wait(): ends the group as failed, with this reason.
   void request_stop(std::string reason);
+  // True once the group is being stopped (a failure, a request or a signal).
+  bool stopping() const;
   // SIGTERM, then SIGKILL after stop_grace; reaps every worker.
   void stop();
   std::vector<int> pids() const;

@@ -18,6 +18,15 @@ struct ScalingConfig {
   WorkerResources resources_per_worker;
 };
 
+// How a run survives failing workers (Ray Train's FailureConfig).
+struct FailureConfig {
+  // Restarts of the worker group after a failure (a worker died, threw, or stopped
+  // heart-beating); each restart resumes from the latest valid checkpoint. 0: none; -1: unlimited.
+  int max_failures = 0;
+  // A worker that sends no heartbeat for this long is considered hung (or stopped) and fails.
+  std::chrono::milliseconds heartbeat_timeout{30'000};
+};
+
 // Which checkpoints a run keeps (Ray Train's CheckpointConfig).
 struct CheckpointConfig {
   // How many to keep; 0 keeps all. The latest is always kept too, for resuming.
@@ -33,6 +42,7 @@ struct RunConfig {
   // The run's folder under storage_path; empty: "cohort_<date>_<time>".
   std::string name;
   std::filesystem::path storage_path = "./cohort_results";
+  FailureConfig failure_config;
   CheckpointConfig checkpoint_config;
   // Running again with the same storage_path and name continues from the latest valid
   // checkpoint (train::get_checkpoint() returns it). false starts afresh (old checkpoints stay

@@ -25,6 +25,10 @@ struct Result {
   std::optional<std::string> error;
   int workers = 0;
   double wall_seconds = 0;
+  // One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
+  // it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
+  // trained again)}.
+  std::vector<Json> failures;
 
   bool ok() const { return !error.has_value(); }
 

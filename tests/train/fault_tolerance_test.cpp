@@ -1,0 +1,183 @@
+// Fault injection: workers killed, stopped, throwing, never joining, or dying while a checkpoint
+// is being committed. Each injection fires once (a marker file in the run directory), so the
+// restarted group runs clean.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+
+#include "cohort/cohort.h"
+#include "support/tiny_mnist.h"
+#include "train/run_files.h"
+
+namespace cohort {
+namespace {
+
+RunConfig run_config(const std::filesystem::path& dir, const std::string& name, int max_failures) {
+  return RunConfig{.name = name,
+                   .storage_path = dir,
+                   .failure_config = {.max_failures = max_failures, .heartbeat_timeout = std::chrono::seconds(3)},
+                   .verbose = 0,
+                   .setup_timeout = std::chrono::seconds(10),
+                   .collective_timeout = std::chrono::seconds(30)};
+}
+
+// True once per run directory and tag: the first caller creates the marker.
+bool first_time(const std::string& tag) {
+  const auto marker = train::get_context().get_storage_path() / ("injected-" + tag);
+  const int fd = ::open(marker.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+// A small data-parallel regression, checkpointed after every step and resumed exactly:
+// config {"steps", "fault": none|kill|stop|throw|kill_before_report, "fault_rank", "fault_step"}.
+void regression_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  torch::manual_seed(7);
+  auto model = torch::nn::Linear(4, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  int start = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    train::load_model(*model, checkpoint->path() / "model.safetensors");
+    train::load_optimizer(optimizer, checkpoint->path() / "optimizer.pt");
+    start = checkpoint->metrics()["step"].get<int>() + 1;
+  }
+  train::prepare_model(model.ptr());
+  const std::string fault = c.value("fault", std::string("none"));
+  const bool my_fault = ctx.get_world_rank() == c.value("fault_rank", -1);
+  for (int step = start; step < c["steps"].get<int>(); ++step) {
+    auto g = torch::make_generator<at::CPUGeneratorImpl>(1000 * step + ctx.get_world_rank());
+    auto x = torch::randn({8, 4}, g);
+    auto y = x.sum(1, true);
+    optimizer.zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    optimizer.step();
+    if (my_fault && step == c["fault_step"].get<int>()) {
+      if (fault == "kill_before_report" && first_time(fault)) std::raise(SIGKILL);
+      if (fault == "throw" && first_time(fault)) throw std::runtime_error("injected failure");
+    }
+    std::optional<Checkpoint> checkpoint;
+    const auto tmp = std::filesystem::temp_directory_path() / ("cohort-ft-" + std::to_string(::getpid()));
+    if (ctx.get_world_rank() == 0) {
+      std::filesystem::create_directories(tmp);
+      train::save_model(*model, tmp / "model.safetensors");
+      train::save_optimizer(optimizer, tmp / "optimizer.pt");
+      checkpoint = Checkpoint::from_directory(tmp);
+    }
+    train::report({{"step", step}, {"weight_sum", model->weight.sum().item<double>()},
+                   {"bias", model->bias.item<double>()}},
+                  checkpoint);
+    std::filesystem::remove_all(tmp);
+    if (my_fault && step == c["fault_step"].get<int>()) {
+      if (fault == "kill" && first_time(fault)) std::raise(SIGKILL);
+      if (fault == "stop" && first_time(fault)) std::raise(SIGSTOP);
+    }
+  }
+}
+
+Result run_regression(const std::filesystem::path& dir, const std::string& name, int max_failures, Json faults) {
+  faults["steps"] = 8;
+  Trainer trainer(regression_loop, ScalingConfig{.num_workers = 2}, run_config(dir, name, max_failures), faults);
+  return trainer.fit();
+}
+
+class FaultTolerance : public ::testing::Test {
+ protected:
+  std::filesystem::path dir = cohort::testing::temp_dir("fault");
+  void TearDown() override { std::filesystem::remove_all(dir); }
+};
+
+TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
+  const Result baseline = run_regression(dir, "baseline", 0, {});
+  ASSERT_TRUE(baseline.ok()) << *baseline.error;
+  // A SIGKILL right after a checkpoint, at several steps and ranks: exactly the same weights.
+  for (const auto& [rank, step] : std::vector<std::pair<int, int>>{{1, 1}, {0, 4}, {1, 6}}) {
+    const std::string name = "kill_r" + std::to_string(rank) + "_s" + std::to_string(step);
+    const Result result = run_regression(dir, name, 1, {{"fault", "kill"}, {"fault_rank", rank}, {"fault_step", step}});
+    ASSERT_TRUE(result.ok()) << name << ": " << *result.error;
+    EXPECT_EQ(result.metrics["step"], 7) << name;
+    EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]) << name;
+    EXPECT_EQ(result.metrics["bias"], baseline.metrics["bias"]) << name;
+    ASSERT_EQ(result.failures.size(), 1u) << name;
+    const auto& failure = result.failures[0];
+    EXPECT_EQ(failure["rank"], rank) << failure.dump();
+    EXPECT_NE(failure["cause"].get<std::string>().find("signal 9"), std::string::npos) << failure.dump();
+    // Rank 0's report of that step may or may not have reached the driver before the stop.
+    EXPECT_GE(failure["reports"].get<int>(), step) << failure.dump();
+    EXPECT_LE(failure["reports"].get<int>(), step + 1) << failure.dump();
+    EXPECT_TRUE(failure["restarted"].get<bool>());
+    EXPECT_GT(failure["recovery_s"].get<double>(), 0.0) << failure.dump();
+    auto saved = read_json(dir / name / kResultFile);
+    EXPECT_EQ(saved["failures"].size(), 1u);
+  }
+}
+
+TEST_F(FaultTolerance, WithoutRestartsTheFailureIsTheResult) {
+  const Result result = run_regression(dir, "no_restart", 0, {{"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}});
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("rank 1"), std::string::npos) << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_FALSE(result.failures[0]["restarted"].get<bool>());
+  EXPECT_TRUE(result.failures[0]["recovery_s"].is_null());
+}
+
+TEST_F(FaultTolerance, AStoppedRankIsFoundByItsMissingHeartbeat) {
+  const auto start = std::chrono::steady_clock::now();
+  const Result hung = run_regression(dir, "stopped", 0, {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
+  ASSERT_FALSE(hung.ok());
+  EXPECT_NE(hung.error->find("rank 1 sent no heartbeat"), std::string::npos) << *hung.error;
+  // The stall inspector: rank 0 went on into the next step's all-reduce, rank 1 never did.
+  EXPECT_NE(hung.error->find("ranks [1] did not enter collective #"), std::string::npos) << *hung.error;
+  const Result recovered = run_regression(dir, "stopped_then_restarted", 1,
+                                          {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
+  ASSERT_TRUE(recovered.ok()) << *recovered.error;
+  ASSERT_EQ(recovered.failures.size(), 1u);
+  EXPECT_EQ(recovered.failures[0]["rank"], 1);
+}
+
+TEST_F(FaultTolerance, AnExceptionOnOneRankIsRetried) {
+  const Result baseline = run_regression(dir, "baseline", 0, {});
+  const Result result = run_regression(dir, "throw", 2, {{"fault", "throw"}, {"fault_rank", 0}, {"fault_step", 3}});
+  ASSERT_TRUE(result.ok()) << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_NE(result.failures[0]["cause"].get<std::string>().find("rank 0 failed: injected failure"), std::string::npos)
+      << result.failures[0].dump();
+  EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]);
+}
+
+TEST_F(FaultTolerance, ACrashWhileACheckpointIsCommittedKeepsThePreviousOne) {
+  const Result baseline = run_regression(dir, "baseline", 0, {});
+  // Rank 1 dies before its report of step 3, while rank 0 has staged its checkpoint files and
+  // waits: that checkpoint must never appear, and the restart resumes from step 2's.
+  const Result result = run_regression(dir, "commit_crash", 1,
+                                       {{"fault", "kill_before_report"}, {"fault_rank", 1}, {"fault_step", 3}});
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.failures[0]["reports"], 3);
+  EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]);
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "commit_crash")) {
+    if (checkpoint_index(entry.path()) >= 0) Checkpoint::from_directory(entry.path()).verify();
+  }
+}
+
+TEST_F(FaultTolerance, ARankThatNeverJoinsFailsWithinTheSetupDeadline) {
+  // Rank 1 stops before it reaches fit(), so it never joins the rendezvous.
+  if (runtime::is_spawned_worker() && std::string(std::getenv("RANK")) == "1") std::raise(SIGSTOP);
+  auto run = run_config(dir, "never_joins", 0);
+  run.setup_timeout = std::chrono::seconds(2);
+  Trainer trainer([](const Json&) {}, ScalingConfig{.num_workers = 2}, run);
+  const auto start = std::chrono::steady_clock::now();
+  const Result result = trainer.fit();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("ranks [1] of 2 did not join the rendezvous at 127.0.0.1:"), std::string::npos)
+      << *result.error;
+}
+
+}  // namespace
+}  // namespace cohort
