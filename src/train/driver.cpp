@@ -384,6 +384,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   std::set<int> consequences;
   ReportCounter report_counter(world);
   std::vector<Clock::time_point> last_heard(static_cast<size_t>(world), Clock::now());
+  std::vector<bool> heard(static_cast<size_t>(world), false);
   std::vector<bool> exited(static_cast<size_t>(world), false);
   std::vector<Json> status(static_cast<size_t>(world));
   int hung_rank = -1;
@@ -407,16 +408,24 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (group.stopping()) return;  // a failure is already being handled
     const auto now = Clock::now();
     for (int r = 0; r < world && hung_rank < 0; ++r) {
-      if (exited[static_cast<size_t>(r)] || now - last_heard[static_cast<size_t>(r)] < run_.failure_config.heartbeat_timeout) continue;
+      const auto k = static_cast<size_t>(r);
+      // Before its first heartbeat a rank is still starting up, which the rendezvous deadline
+      // covers (and names more precisely): it gets that much longer.
+      const auto allowed = heard[k] ? run_.failure_config.heartbeat_timeout
+                                    : run_.setup_timeout + run_.failure_config.heartbeat_timeout;
+      if (exited[k] || now - last_heard[k] < allowed) continue;
       hung_rank = r;
       attempt.detected = now;
-      group.request_stop("rank " + std::to_string(r) + " sent no heartbeat for " +
-                         std::to_string(run_.failure_config.heartbeat_timeout.count() / 1000.0).substr(0, 4) +
-                         " s: it hangs or was stopped");
+      const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(allowed).count();
+      group.request_stop(heard[k] ? "rank " + std::to_string(r) + " sent no heartbeat for " + std::to_string(seconds) +
+                                        " s: it hangs or was stopped"
+                                  : "rank " + std::to_string(r) + " sent no heartbeat within " +
+                                        std::to_string(seconds) + " s of its start: it hangs in start-up or was stopped");
     }
   };
   handlers.on_control = [&](int rank, const std::string& line) {
     last_heard[static_cast<size_t>(rank)] = Clock::now();
+    heard[static_cast<size_t>(rank)] = true;
     Json message;
     try {
       message = Json::parse(line);

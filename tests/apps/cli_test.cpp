@@ -170,6 +170,33 @@ TEST_F(Cli, WorkersDieWithAKilledDriver) {
   }
 }
 
+// The driver itself killed mid-run: the same command again continues from the latest checkpoint
+// (a driver's death is not a worker failure) and ends exactly where an uninterrupted run ends.
+TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
+  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--batch-size", "16",
+                                        "--epochs", "3", "--optimizer", "adam"};
+  auto args = [&](const std::string& name, bool quiet) {
+    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(), "--name", name};
+    argv.insert(argv.end(), common.begin(), common.end());
+    if (quiet) argv.push_back("--quiet");
+    return argv;
+  };
+  ASSERT_EQ(run_command(args("straight", true), std::chrono::seconds(120)).exit_code, 0);
+  {
+    cohort::testing::Process driver(args("killed", false));
+    ASSERT_TRUE(driver.wait_for_line("[report 1]", std::chrono::seconds(60))) << driver.output();
+    ::kill(driver.pid(), SIGKILL);
+    driver.wait(std::chrono::seconds(10));
+  }
+  auto again = run_command(args("killed", false), std::chrono::seconds(120));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("cohort: resuming from "), std::string::npos) << again.output;
+  auto straight = result_of("straight"), resumed = result_of("killed");
+  EXPECT_EQ(resumed["epochs"], 3);
+  EXPECT_TRUE(resumed["failures"].empty()) << resumed.dump();
+  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+}
+
 TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
   auto dir = cohort::testing::temp_dir("cli_fashion");
