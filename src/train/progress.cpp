@@ -53,7 +53,7 @@ void Console::draw_bar() {
 }
 
 namespace {
-constexpr auto kDedupWindow = std::chrono::seconds(2);
+constexpr auto kDedupWindow = std::chrono::seconds(5);  // as Ray's log dedup window
 }  // namespace
 
 void Console::print_worker_line(int rank, int pid, bool is_stderr, const std::string& line) {

@@ -1,6 +1,6 @@
 // The driver's terminal: worker lines, one line per report, and a progress bar that is redrawn
 // in place on a terminal (plain periodic lines otherwise). A line that several ranks print alike
-// within a short window shows once, then "[repeated Nx across ranks]" (as Ray dedups logs);
+// within 5 s shows once, then "[repeated Nx across ranks]" (as Ray dedups logs);
 // the per-rank log files keep every line.
 #pragma once
 #include <chrono>

@@ -352,7 +352,12 @@ TEST(Trainer, IdenticalLinesFromAllRanksArePrintedOnce) {
   if (const char* child_dir = std::getenv("COHORT_DEDUP_DIR")) {
     auto run = run_config(child_dir, "dedup");
     run.verbose = 1;
-    Trainer trainer([](const Json&) { std::cout << "the same words" << std::endl; }, ScalingConfig{.num_workers = 3}, run);
+    Trainer trainer(
+        [](const Json&) {
+          train::barrier();  // all ranks print at about the same time
+          std::cout << "the same words" << std::endl;
+        },
+        ScalingConfig{.num_workers = 3}, run);
     std::exit(trainer.fit().ok() ? 0 : 1);
   }
   auto dir = cohort::testing::temp_dir("trainer_dedup");
