@@ -289,9 +289,11 @@ Result Driver::run() {
     // before the group was stopped.
     for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
     resume_from = checkpoints_->latest();
-    console_.message("cohort: worker group failed (" + attempt.error + "); restart " + std::to_string(failures) +
+    if (run_.verbose >= 1) {
+      console_.message("cohort: worker group failed (" + attempt.error + "); restart " + std::to_string(failures) +
                      (max_failures == -1 ? "" : " of " + std::to_string(max_failures)) + " from " +
-                     (resume_from ? resume_from->path().string() : std::string("the beginning (no checkpoint yet)")));
+                       (resume_from ? resume_from->path().string() : std::string("the beginning (no checkpoint yet)")));
+    }
   }
 
   if (!result_.metrics_history.empty()) result_.metrics = result_.metrics_history.back();
