@@ -37,10 +37,8 @@ void bench_loop(const cohort::Json& config) {
   double save = 0, report = 0, verify = 0, load = 0, copy = 0;
   uintmax_t bytes = 0;
   for (int r = 0; r < rounds; ++r) {
-    std::filesystem::create_directories(scratch);
     auto start = Clock::now();
-    cohort::train::save_model(*model, scratch / "model.safetensors");
-    cohort::train::save_optimizer(optimizer, scratch / "optimizer.pt");
+    const auto checkpoint = cohort::train::save_checkpoint(scratch, *model, optimizer);
     save += seconds_since(start);
     bytes = folder_bytes(scratch);
 
@@ -52,7 +50,7 @@ void bench_loop(const cohort::Json& config) {
     for (const auto& name : {"model.safetensors", "optimizer.pt"}) std::filesystem::remove(scratch / (std::string(name) + ".copy"));
 
     start = Clock::now();
-    cohort::train::report({{"round", r}}, cohort::Checkpoint::from_directory(scratch));
+    cohort::train::report({{"round", r}}, checkpoint);
     report += seconds_since(start);
     std::filesystem::remove_all(scratch);
   }
@@ -66,8 +64,7 @@ void bench_loop(const cohort::Json& config) {
     cohort::Checkpoint::from_directory(newest).verify();
     verify += seconds_since(start);
     start = Clock::now();
-    cohort::train::load_model(*model, newest / "model.safetensors");
-    cohort::train::load_optimizer(optimizer, newest / "optimizer.pt");
+    cohort::train::load_checkpoint(cohort::Checkpoint::from_directory(newest), *model, optimizer);
     load += seconds_since(start);
   }
   const double mb = static_cast<double>(bytes) / 1e6;

@@ -45,8 +45,7 @@ void loop(const cohort::Json& c) {
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
   int start = 0;
   if (auto checkpoint = cohort::train::get_checkpoint()) {
-    cohort::train::load_model(*model, checkpoint->path() / "model.safetensors");
-    cohort::train::load_optimizer(optimizer, checkpoint->path() / "optimizer.pt");
+    cohort::train::load_checkpoint(*checkpoint, *model, optimizer);
     start = checkpoint->metrics()["step"].get<int>() + 1;
   }
   cohort::train::prepare_model(model.ptr());
@@ -65,10 +64,7 @@ void loop(const cohort::Json& c) {
     std::optional<cohort::Checkpoint> checkpoint;
     const auto tmp = std::filesystem::temp_directory_path() / ("cohort-fm-" + std::to_string(::getpid()));
     if (ctx.get_world_rank() == 0 && step % every == every - 1) {
-      std::filesystem::create_directories(tmp);
-      cohort::train::save_model(*model, tmp / "model.safetensors");
-      cohort::train::save_optimizer(optimizer, tmp / "optimizer.pt");
-      checkpoint = cohort::Checkpoint::from_directory(tmp);
+      checkpoint = cohort::train::save_checkpoint(tmp, *model, optimizer);
     }
     cohort::train::report({{"step", step}, {"resumed_at", start}}, checkpoint);
     std::filesystem::remove_all(tmp);

@@ -39,8 +39,7 @@ void train_loop(const cohort::Json& config) {
   torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-3));
   int start_epoch = 0;
   if (auto checkpoint = cohort::train::get_checkpoint()) {
-    cohort::train::load_model(*model, checkpoint->path() / "model.safetensors");
-    cohort::train::load_optimizer(optimizer, checkpoint->path() / "optimizer.pt");
+    cohort::train::load_checkpoint(*checkpoint, *model, optimizer);
     start_epoch = checkpoint->metrics()["epoch"].get<int>() + 1;
   }
   cohort::train::prepare_model(model);
@@ -64,10 +63,7 @@ void train_loop(const cohort::Json& config) {
     // Rank 0 writes the checkpoint; every rank reports.
     if (ctx.get_world_rank() == 0) {
       const auto tmp = std::filesystem::temp_directory_path() / ("resnet18-" + std::to_string(::getpid()));
-      std::filesystem::create_directories(tmp);
-      cohort::train::save_model(*model, tmp / "model.safetensors");
-      cohort::train::save_optimizer(optimizer, tmp / "optimizer.pt");
-      cohort::train::report(metrics, cohort::Checkpoint::from_directory(tmp));
+      cohort::train::report(metrics, cohort::train::save_checkpoint(tmp, *model, optimizer));
       std::filesystem::remove_all(tmp);
       std::cout << metrics.dump() << std::endl;
     } else {

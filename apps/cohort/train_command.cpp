@@ -110,10 +110,7 @@ void report_with_checkpoint(const Json& metrics, const models::ImageClassifierIm
     return;
   }
   const auto dir = std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  train::save_model(model, dir / "model.safetensors");
-  train::save_optimizer(optimizer, dir / "optimizer.pt");
-  train::report(metrics, Checkpoint::from_directory(dir));
+  train::report(metrics, train::save_checkpoint(dir, model, optimizer));
   std::filesystem::remove_all(dir);
 }
 
@@ -128,8 +125,7 @@ void train_loop(const Json& c) {
   int64_t steps = 0;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
-    train::load_model(*model, checkpoint->path() / "model.safetensors");
-    train::load_optimizer(*optimizer, checkpoint->path() / "optimizer.pt");
+    train::load_checkpoint(*checkpoint, *model, *optimizer);
     const auto metrics = checkpoint->metrics();
     start_epoch = metrics.value("epoch", 0);
     steps = metrics.value("steps", int64_t{0});

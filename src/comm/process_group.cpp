@@ -81,23 +81,14 @@ ProcessGroup ProcessGroup::create(Store store, int rank, int world_size,
     throw UsageError("process group: rank " + std::to_string(rank) + " is not in [0, " +
                      std::to_string(world_size) + "): check RANK and WORLD_SIZE");
   }
-  // Our own arrival keys make a missing rank nameable; Gloo's own error would not say who.
-  const std::string arrived = options.prefix + "/arrived/";
-  store.set(arrived + std::to_string(rank), "1");
-  std::vector<std::string> keys;
-  for (int r = 0; r < world_size; ++r) keys.push_back(arrived + std::to_string(r));
+  // Our own arrival barrier makes a missing rank nameable; Gloo's own error would not say who.
+  const std::string address = store.host() + ":" + std::to_string(store.port());
   try {
-    store.wait(keys, options.setup_timeout);
-  } catch (const TimeoutError&) {
-    std::string missing;
-    for (int r = 0; r < world_size; ++r) {
-      if (!store.check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    }
-    throw TimeoutError("process group setup: ranks [" + missing + "] of " +
-                       std::to_string(world_size) + " did not join the rendezvous at " +
-                       store.host() + ":" + std::to_string(store.port()) + " within " +
-                       std::to_string(options.setup_timeout.count()) +
-                       " ms: check that they started and can reach that address");
+    store.arrive_and_wait(options.prefix + "/arrived/", rank, world_size, "1",
+                          "join the rendezvous at " + address, options.setup_timeout);
+  } catch (const TimeoutError& e) {
+    throw TimeoutError(std::string("process group setup: ") + e.what() +
+                       ": check that they started and can reach that address");
   }
 
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);

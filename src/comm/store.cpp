@@ -68,4 +68,25 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
   }
 }
 
+std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int rank, int world,
+                                               const std::string& value, const std::string& what,
+                                               std::chrono::milliseconds timeout) {
+  set(prefix + std::to_string(rank), value);
+  std::vector<std::string> keys;
+  for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    state_->store->wait(keys, timeout);
+  } catch (const std::exception&) {
+    std::string missing;
+    for (int r = 0; r < world; ++r) {
+      if (!check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
+    throw TimeoutError("ranks [" + missing + "] of " + std::to_string(world) + " did not " + what + " within " +
+                       std::to_string(timeout.count()) + " ms");
+  }
+  std::vector<std::string> values;
+  for (const auto& key : keys) values.push_back(get(key));
+  return values;
+}
+
 }  // namespace cohort::comm

@@ -168,5 +168,18 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
   }
 }
 
+Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
+                           const torch::optim::Optimizer& optimizer) {
+  std::filesystem::create_directories(dir);
+  save_model(module, dir / "model.safetensors");
+  save_optimizer(optimizer, dir / "optimizer.pt");
+  return Checkpoint::from_directory(dir);
+}
+
+void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
+  load_model(module, checkpoint.path() / "model.safetensors");
+  load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+}
+
 }  // namespace train
 }  // namespace cohort

@@ -19,6 +19,24 @@ CheckpointManager::CheckpointManager(std::filesystem::path run_dir, CheckpointCo
   }
 }
 
+CheckpointManager CheckpointManager::from_snapshot(const std::filesystem::path& run_dir) {
+  const auto file = run_dir / kCheckpointManagerFile;
+  if (!std::filesystem::exists(file)) return CheckpointManager(run_dir, {});
+  const Json snapshot = read_json(file);
+  CheckpointManager manager(run_dir, {.num_to_keep = snapshot.value("num_to_keep", 0),
+                                      .checkpoint_score_attribute =
+                                          snapshot.value("checkpoint_score_attribute", std::string{}),
+                                      .checkpoint_score_order =
+                                          snapshot.value("checkpoint_score_order", std::string{"max"})});
+  for (const auto& entry : snapshot.at("checkpoints")) {
+    const std::filesystem::path path = entry.at("path").get<std::string>();
+    if (std::filesystem::is_directory(path)) {
+      manager.entries_.push_back({path, entry.at("index").get<int64_t>(), entry.at("metrics")});
+    }
+  }
+  return manager;
+}
+
 std::vector<std::string> CheckpointManager::adopt_existing() {
   std::vector<std::string> warnings;
   entries_.clear();

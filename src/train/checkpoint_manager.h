@@ -14,6 +14,9 @@ namespace cohort::train {
 class CheckpointManager {
  public:
   CheckpointManager(std::filesystem::path run_dir, CheckpointConfig config);
+  // The manager as its checkpoint_manager.json left it (for reading a finished run: nothing is
+  // verified or written). Empty when there is no snapshot.
+  static CheckpointManager from_snapshot(const std::filesystem::path& run_dir);
 
   // Takes in the run directory's checkpoints (for resuming). Invalid ones are skipped; each
   // skip is returned as a warning line.

@@ -65,20 +65,6 @@ std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& n
   return dir;
 }
 
-std::vector<Json> read_history(const std::filesystem::path& file) {
-  std::vector<Json> history;
-  std::ifstream in(file);
-  for (std::string line; std::getline(in, line);) {
-    try {
-      history.push_back(Json::parse(line));
-    } catch (const std::exception&) {
-      // A line cut by a crash mid-write: the history ends before it.
-      break;
-    }
-  }
-  return history;
-}
-
 std::string csv_cell(const Json& value) {
   std::string text = value.is_string() ? value.get<std::string>() : value.dump();
   if (text.find_first_of(",\"\n") == std::string::npos) return text;
@@ -194,10 +180,6 @@ class ReportCounter {
   std::vector<bool> finished_;
 };
 
-}  // namespace
-
-namespace {
-
 // The local driver: starts the worker group, and starts it again after a failure while the
 // FailureConfig allows, each time from the latest valid checkpoint.
 class Driver {
@@ -244,13 +226,6 @@ Result Driver::run() {
     throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling_.num_workers) +
                      " workers needs that many GPUs; this host has " + std::to_string(torch::cuda::device_count()));
   }
-  if (run_.failure_config.max_failures < -1) {
-    throw UsageError("FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
-                     " must be >= 0, or -1 for unlimited");
-  }
-  if (run_.failure_config.heartbeat_timeout.count() <= 0) {
-    throw UsageError("FailureConfig.heartbeat_timeout must be > 0");
-  }
   name_ = run_.name.empty() ? default_name() : run_.name;
   run_dir_ = std::filesystem::absolute(prepare_run_dir(run_, name_));
   checkpoints_.emplace(run_dir_, run_.checkpoint_config);
@@ -261,7 +236,7 @@ Result Driver::run() {
     for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
     resume_from = checkpoints_->latest();
     if (resume_from) {
-      result_.metrics_history = read_history(run_dir_ / kMetricsFile);
+      result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
       console_.message("cohort: resuming from " + resume_from->path().string());
     }
   }

@@ -67,6 +67,19 @@ Json read_json(const std::filesystem::path& path) {
   }
 }
 
+std::vector<Json> read_jsonl(const std::filesystem::path& path) {
+  std::vector<Json> records;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    try {
+      records.push_back(Json::parse(line));
+    } catch (const std::exception&) {
+      break;
+    }
+  }
+  return records;
+}
+
 void write_manifest(const std::filesystem::path& dir) {
   Json files = Json::object();
   for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {

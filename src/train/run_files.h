@@ -4,6 +4,7 @@
 #include <functional>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "cohort/json.h"
 
@@ -23,6 +24,8 @@ void write_atomically(const std::filesystem::path& path, const std::function<voi
 void write_atomically(const std::filesystem::path& path, const std::string& content);
 
 Json read_json(const std::filesystem::path& path);
+// One JSON value per line; ends before a line cut by a crash mid-write.
+std::vector<Json> read_jsonl(const std::filesystem::path& path);
 
 // manifest.json: every file under `dir` with its size and CRC-32.
 void write_manifest(const std::filesystem::path& dir);

@@ -25,6 +25,13 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
   if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
     throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
   }
+  if (run_.failure_config.max_failures < -1) {
+    throw UsageError("FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
+                     " must be >= 0, or -1 for unlimited");
+  }
+  if (run_.failure_config.heartbeat_timeout.count() <= 0) {
+    throw UsageError("FailureConfig.heartbeat_timeout must be > 0");
+  }
 }
 
 Result Trainer::fit() {

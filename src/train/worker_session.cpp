@@ -90,29 +90,6 @@ void merge_files(const std::filesystem::path& from, const std::filesystem::path&
   }
 }
 
-// Every rank arrives at report number `index`; names those who did not, at the deadline.
-std::vector<bool> report_barrier(WorkerSession& s, int64_t index, bool has_checkpoint) {
-  const std::string prefix = "report/" + s.run_token + "/" + std::to_string(index) + "/";
-  const int world = s.context.world_size;
-  s.store.set(prefix + std::to_string(s.context.world_rank), has_checkpoint ? "1" : "0");
-  std::vector<std::string> keys;
-  for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
-  try {
-    s.store.wait(keys, s.collective_timeout);
-  } catch (const TimeoutError&) {
-    std::string missing;
-    for (int r = 0; r < world; ++r) {
-      if (!s.store.check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    }
-    throw TimeoutError("report() call #" + std::to_string(index) + ": ranks [" + missing +
-                       "] did not make it within " + std::to_string(s.collective_timeout.count() / 1000) +
-                       " s: every rank must call report() the same number of times");
-  }
-  std::vector<bool> with_checkpoint;
-  for (const auto& key : keys) with_checkpoint.push_back(s.store.get(key) == "1");
-  return with_checkpoint;
-}
-
 }  // namespace
 
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
@@ -129,10 +106,14 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   const auto staging = s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
-  const auto with_checkpoint = report_barrier(s, index, checkpoint.has_value());
+  const auto with_checkpoint = s.store.arrive_and_wait(
+      "report/" + s.run_token + "/" + std::to_string(index) + "/", s.context.world_rank, s.context.world_size,
+      checkpoint ? "1" : "0",
+      "reach report() call #" + std::to_string(index) + " (every rank must call report() equally often)",
+      s.collective_timeout);
   if (s.context.world_rank != 0) return;
   Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
-  if (std::find(with_checkpoint.begin(), with_checkpoint.end(), true) != with_checkpoint.end()) {
+  if (std::find(with_checkpoint.begin(), with_checkpoint.end(), "1") != with_checkpoint.end()) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
     write_atomically(staging / kMetaFile,

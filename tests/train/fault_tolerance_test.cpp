@@ -43,8 +43,7 @@ void regression_loop(const Json& c) {
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   int start = 0;
   if (auto checkpoint = train::get_checkpoint()) {
-    train::load_model(*model, checkpoint->path() / "model.safetensors");
-    train::load_optimizer(optimizer, checkpoint->path() / "optimizer.pt");
+    train::load_checkpoint(*checkpoint, *model, optimizer);
     start = checkpoint->metrics()["step"].get<int>() + 1;
   }
   train::prepare_model(model.ptr());
@@ -64,10 +63,7 @@ void regression_loop(const Json& c) {
     std::optional<Checkpoint> checkpoint;
     const auto tmp = std::filesystem::temp_directory_path() / ("cohort-ft-" + std::to_string(::getpid()));
     if (ctx.get_world_rank() == 0) {
-      std::filesystem::create_directories(tmp);
-      train::save_model(*model, tmp / "model.safetensors");
-      train::save_optimizer(optimizer, tmp / "optimizer.pt");
-      checkpoint = Checkpoint::from_directory(tmp);
+      checkpoint = train::save_checkpoint(tmp, *model, optimizer);
     }
     train::report({{"step", step}, {"weight_sum", model->weight.sum().item<double>()},
                    {"bias", model->bias.item<double>()}},
@@ -114,6 +110,7 @@ TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
     EXPECT_GT(failure["recovery_s"].get<double>(), 0.0) << failure.dump();
     auto saved = read_json(dir / name / kResultFile);
     EXPECT_EQ(saved["failures"].size(), 1u);
+    EXPECT_EQ(Result::from_path(dir / name).failures, result.failures) << name;
   }
 }
 

@@ -41,6 +41,12 @@ void load_model(torch::nn::Module& module, const std::filesystem::path& file);
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
 
+// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
+// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report().
+Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
+                           const torch::optim::Optimizer& optimizer);
+void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+
 }  // namespace train
 
 namespace safetensors {
