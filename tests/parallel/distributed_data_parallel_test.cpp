@@ -56,6 +56,17 @@ at::Tensor grad_or_zeros(const at::Tensor& p) {
   return p.grad().defined() ? p.grad() : torch::zeros_like(p);
 }
 
+// Every rank's gradients equal the reference's (computed in one process).
+void expect_gradients_match(const std::vector<TwoHeads>& models, const TwoHeads& reference) {
+  auto ref = reference->named_parameters();
+  for (size_t rank = 0; rank < models.size(); ++rank) {
+    for (const auto& p : models[rank]->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value().grad(), grad_or_zeros(ref[p.key()]), 1e-5, 1e-6))
+          << "rank " << rank << " " << p.key();
+    }
+  }
+}
+
 void expect_same_parameters(const TwoHeads& a, const TwoHeads& b, double rtol = 1e-5) {
   auto pb = b->named_parameters();
   for (const auto& p : a->named_parameters()) {
@@ -138,12 +149,7 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
           .backward();
     }
   }
-  auto ref = reference->named_parameters();
-  for (int rank = 0; rank < world; ++rank) {
-    for (const auto& p : models[rank]->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(p.value().grad(), grad_or_zeros(ref[p.key()]), 1e-5, 1e-6)) << p.key();
-    }
-  }
+  expect_gradients_match(models, reference);
 }
 
 TEST(DistributedDataParallel, AParameterUnusedOnOneRankDoesNotHang) {
@@ -165,12 +171,7 @@ TEST(DistributedDataParallel, AParameterUnusedOnOneRankDoesNotHang) {
     (torch::nn::functional::cross_entropy(reference->forward(inputs[rank], rank == 1), targets[rank]) / world)
         .backward();
   }
-  auto ref = reference->named_parameters();
-  for (int rank = 0; rank < world; ++rank) {
-    for (const auto& p : models[rank]->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(p.value().grad(), grad_or_zeros(ref[p.key()]), 1e-5, 1e-6)) << p.key();
-    }
-  }
+  expect_gradients_match(models, reference);
 }
 
 TEST(DistributedDataParallel, BuffersFollowRankZeroAfterEachStep) {

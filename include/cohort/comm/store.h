@@ -23,7 +23,6 @@ class Store {
   // An empty handle; use connect().
   Store() = default;
   static Store connect(const StoreOptions& options);
-  bool valid() const { return state_ != nullptr; }
 
   int port() const;
   const std::string& host() const;
