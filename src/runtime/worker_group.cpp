@@ -188,7 +188,9 @@ struct WorkerGroup::Impl {
     posix_spawnattr_setflags(&attr,
                              POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
 
-    const std::string exe = options.executable.empty() ? self_executable() : options.executable;
+    // /proc/self/exe is this very image even if its file was replaced (a rebuild) meanwhile;
+    // the path it names would then be the new binary, or nothing.
+    const std::string exe = options.executable.empty() ? "/proc/self/exe" : options.executable;
     std::vector<std::string> args = options.argv.empty() ? self_arguments() : options.argv;
     if (args.empty()) args.push_back(exe);
     std::vector<char*> argv;
