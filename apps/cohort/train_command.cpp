@@ -29,6 +29,10 @@ void validate(const TrainOptions& o) {
     throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd or adam");
   }
   if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
+  if (o.min_workers < 0 || o.min_workers > o.workers) {
+    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " must be between 1 and --workers " +
+                     std::to_string(o.workers) + " (0: a fixed-size group)");
+  }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
   if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
   if (o.batch_size < 1) {
@@ -216,6 +220,10 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
                   "folder with the four IDX files (default for fashion-mnist: " +
                       data::default_fashion_mnist_dir().string() + ")");
   cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
+  cmd->add_option("--min-workers", o.min_workers,
+                  "elastic: after a failure restart with as few as this many workers (the lr scaled "
+                  "linearly), growing back when slots are free; 0: always --workers")
+      ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")->capture_default_str();
@@ -243,7 +251,9 @@ int run_train_command(TrainOptions o) {
   validate(o);
   Trainer trainer(train_loop,
                   ScalingConfig{.num_workers = o.workers,
-                                .resources_per_worker = {.cpu_threads = o.threads}},
+                                .min_workers = o.min_workers,
+                                .resources_per_worker = {.cpu_threads = o.threads},
+                                .on_world_size_change = train::linear_lr_scaling},
                   RunConfig{.name = o.name,
                             .storage_path = o.storage_path,
                             .failure_config = {.max_failures = o.max_failures},

@@ -12,6 +12,7 @@ struct TrainOptions {
   std::string dataset = "fashion-mnist";
   std::string data_dir;
   int workers = 2;
+  int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
   int threads = 1;
   int epochs = 5;
   int64_t batch_size = 64;

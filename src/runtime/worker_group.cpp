@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <cerrno>
+#include <sstream>
 #include <csignal>
 #include <cstring>
 #include <fstream>
@@ -117,6 +119,24 @@ std::string WorkerExit::describe() const {
   }
   if (exit_code != 0) return who + " exited with code " + std::to_string(exit_code);
   return who + " finished";
+}
+
+bool process_group_alive(int pgid) {
+  if (pgid <= 0 || (::kill(-pgid, 0) != 0 && errno != EPERM)) return false;
+  // kill() also reaches zombies, which hold nothing but their pid: look for a live member.
+  for (const auto& entry : std::filesystem::directory_iterator("/proc")) {
+    const auto name = entry.path().filename().string();
+    if (name.empty() || !std::isdigit(static_cast<unsigned char>(name[0]))) continue;
+    std::ifstream in(entry.path() / "stat");
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    const auto close_paren = text.rfind(')');
+    if (close_paren == std::string::npos) continue;
+    std::istringstream fields(text.substr(close_paren + 2));
+    char state = 0;
+    long parent = 0, group = 0;
+    if (fields >> state >> parent >> group && group == pgid && state != 'Z' && state != 'X') return true;
+  }
+  return false;
 }
 
 std::string self_executable() {
@@ -275,8 +295,12 @@ struct WorkerGroup::Impl {
 
   void signal_all(int sig) {
     for (auto& w : workers) {
-      if (!w.running) continue;
-      // The whole process group: helpers a worker started go too.
+      // The whole process group: helpers a worker started go too, also when the worker itself
+      // already died (its pid cannot be reused while its group has members).
+      if (!w.running) {
+        if (w.pid > 0 && process_group_alive(w.pid)) ::kill(-w.pid, sig);
+        continue;
+      }
       if (::kill(-w.pid, sig) != 0) ::kill(w.pid, sig);
       if (sig == SIGTERM || sig == SIGKILL) w.exit.stopped_by_driver = true;
     }
@@ -428,18 +452,19 @@ bool WorkerGroup::stopping() const { return impl_->stopping || !impl_->requested
 
 void WorkerGroup::stop() {
   auto& workers = impl_->workers;
-  bool any = false;
-  for (auto& w : workers) any |= w.running;
-  if (!any) return;
+  auto anything_left = [&] {
+    bool any = false;
+    for (auto& w : workers) {
+      impl_->reap(w, false);
+      any |= w.running || process_group_alive(w.pid);
+    }
+    return any;
+  };
+  if (!anything_left()) return;
   impl_->signal_all(SIGTERM);
   const auto deadline = Clock::now() + impl_->options.stop_grace;
   while (Clock::now() < deadline) {
-    bool running = false;
-    for (auto& w : workers) {
-      impl_->reap(w, false);
-      running |= w.running;
-    }
-    if (!running) return;
+    if (!anything_left()) return;
     ::poll(nullptr, 0, 20);
   }
   impl_->signal_all(SIGKILL);

@@ -7,6 +7,7 @@
 
 #include "cohort/error.h"
 #include "train/run_files.h"
+#include "train/worker_session.h"
 
 namespace cohort {
 namespace safetensors {
@@ -116,6 +117,13 @@ Json Checkpoint::metrics() const {
   return Json::parse(in).value("metrics", Json::object());
 }
 
+int Checkpoint::world_size() const {
+  auto meta = path_ / kMetaFile;
+  if (!std::filesystem::exists(meta)) return 0;
+  std::ifstream in(meta);
+  return Json::parse(in).value("world_size", 0);
+}
+
 void Checkpoint::verify() const { verify_manifest(path_); }
 
 namespace train {
@@ -162,6 +170,19 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
   if (!std::filesystem::exists(file)) throw UsageError("load_optimizer: " + file.string() + " does not exist");
   try {
     torch::load(optimizer, file.string());
+    // libtorch 1.13 restores the per-parameter state but drops the saved param-group options
+    // (lr, momentum, ...), which Python's load_state_dict restores: a resumed run must keep the
+    // lr its schedule or a world-size change gave it.
+    torch::serialize::InputArchive archive;
+    archive.load_from(file.string());
+    torch::serialize::InputArchive groups;
+    archive.read("param_groups", groups);
+    for (size_t i = 0; i < optimizer.param_groups().size(); ++i) {
+      torch::serialize::InputArchive group, options;
+      groups.read("param_groups/" + std::to_string(i), group);
+      group.read("options", options);
+      optimizer.param_groups()[i].options().serialize(options);
+    }
   } catch (const c10::Error& e) {
     throw UsageError("load_optimizer: " + file.string() + " is not a readable optimizer state: " +
                      e.what_without_backtrace());
@@ -179,6 +200,20 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
   load_model(module, checkpoint.path() / "model.safetensors");
   load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+  const auto* session = current_session();
+  if (session == nullptr || !session->on_world_size_change) return;
+  const int previous = checkpoint.world_size();
+  const int now = session->context.world_size;
+  if (previous > 0 && previous != now) session->on_world_size_change(optimizer, previous, now);
+}
+
+void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size) {
+  if (previous_world_size < 1 || world_size < 1) {
+    throw UsageError("linear_lr_scaling: world sizes must be >= 1, got " + std::to_string(previous_world_size) +
+                     " -> " + std::to_string(world_size));
+  }
+  const double factor = static_cast<double>(world_size) / previous_world_size;
+  for (auto& group : optimizer.param_groups()) group.options().set_lr(group.options().get_lr() * factor);
 }
 
 }  // namespace train

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <random>
 #include <set>
+#include <thread>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
@@ -105,6 +106,7 @@ Json result_json(const Result& result) {
   }
   out["best_checkpoints"] = best;
   out["failures"] = result.failures;
+  out["resizes"] = result.resizes;
   out["error"] = result.error ? Json(*result.error) : Json(nullptr);
   return out;
 }
@@ -197,9 +199,20 @@ class Driver {
     std::string driver_error;  // a rule the run broke: not retried
     int failed_rank = -1;
     Clock::time_point detected;
+    // Stopped right after a checkpoint to restart with more workers: not a failure.
+    bool grow = false;
   };
 
   Attempt run_attempt(const std::optional<Checkpoint>& resume_from);
+  // Elastic training: the slots that can take a worker now, at most num_workers.
+  std::vector<int> free_slots() const;
+  // How many free slots the running group does not use.
+  int free_slots_beyond_group() const;
+  // Waits up to the setup deadline for at least the minimum number of free slots; throws
+  // RuntimeError naming the busy slots when they do not come.
+  std::vector<int> wait_for_slots();
+  void record_resize(size_t from, const std::string& reason);
+  int min_workers() const { return scaling_.min_workers > 0 ? scaling_.min_workers : scaling_.num_workers; }
   void on_report(const Json& message, std::string& driver_error);
   double since_start() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
 
@@ -215,7 +228,66 @@ class Driver {
   Result result_;
   std::ofstream metrics_log_;
   comm::Store store_;
+  // Elastic training: the slots the current group runs in (rank r in slots_[r]), and the pid of
+  // the last worker of every slot (its process group tells whether anything of it is left).
+  std::vector<int> slots_;
+  std::vector<int> slot_pids_;
 };
+
+std::vector<int> Driver::free_slots() const {
+  std::vector<int> free;
+  for (int slot = 0; slot < scaling_.num_workers; ++slot) {
+    if (runtime::process_group_alive(slot_pids_[static_cast<size_t>(slot)])) continue;
+    if (scaling_.slot_available && !scaling_.slot_available(slot)) continue;
+    free.push_back(slot);
+  }
+  return free;
+}
+
+int Driver::free_slots_beyond_group() const {
+  int count = 0;
+  for (int slot : free_slots()) count += std::find(slots_.begin(), slots_.end(), slot) == slots_.end();
+  return count;
+}
+
+std::vector<int> Driver::wait_for_slots() {
+  const auto deadline = Clock::now() + run_.setup_timeout;
+  bool told = false;
+  while (true) {
+    auto free = free_slots();
+    if (static_cast<int>(free.size()) >= min_workers()) return free;
+    if (Clock::now() >= deadline) {
+      std::string busy;
+      for (int slot = 0; slot < scaling_.num_workers; ++slot) {
+        if (std::find(free.begin(), free.end(), slot) == free.end()) busy += (busy.empty() ? "" : ", ") + std::to_string(slot);
+      }
+      throw RuntimeError("only " + std::to_string(free.size()) + " of " + std::to_string(scaling_.num_workers) +
+                         " worker slots are free (slots [" + busy + "] still busy after " +
+                         std::to_string(run_.setup_timeout.count() / 1000) + " s), fewer than the " +
+                         std::to_string(min_workers()) +
+                         " the group needs: lower ScalingConfig.min_workers or free the slots");
+    }
+    if (!told && run_.verbose >= 1) {
+      console_.message("cohort: waiting for worker slots: " + std::to_string(free.size()) + " of " +
+                       std::to_string(min_workers()) + " needed are free");
+      told = true;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void Driver::record_resize(size_t from, const std::string& reason) {
+  if (from == slots_.size()) return;
+  result_.resizes.push_back({{"from", from},
+                             {"to", slots_.size()},
+                             {"reports", result_.metrics_history.size()},
+                             {"at_s", since_start()},
+                             {"reason", reason}});
+  if (run_.verbose >= 1) {
+    console_.message("cohort: the group " + std::string(slots_.size() > from ? "grows" : "shrinks") + " from " +
+                     std::to_string(from) + " to " + std::to_string(slots_.size()) + " workers (" + reason + ")");
+  }
+}
 
 Result Driver::run() {
   if (scaling_.use_gpu && !torch::cuda::is_available()) {
@@ -230,7 +302,6 @@ Result Driver::run() {
   run_dir_ = std::filesystem::absolute(prepare_run_dir(run_, name_));
   checkpoints_.emplace(run_dir_, run_.checkpoint_config);
   result_.path = run_dir_;
-  result_.workers = scaling_.num_workers;
   std::optional<Checkpoint> resume_from;
   if (run_.resume) {
     for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
@@ -245,15 +316,26 @@ Result Driver::run() {
   for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
   metrics_log_.flush();
   store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
+  slot_pids_.assign(static_cast<size_t>(scaling_.num_workers), 0);
+  slots_ = wait_for_slots();
 
   const int max_failures = run_.failure_config.max_failures;
   Attempt attempt;
   while (true) {
     attempt = run_attempt(resume_from);
+    if (attempt.grow) {
+      const size_t from = slots_.size();
+      resume_from = checkpoints_->latest();
+      slots_ = free_slots();
+      record_resize(from, "worker slots became free");
+      continue;
+    }
     if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 || !attempt.driver_error.empty()) break;
     const int failures = static_cast<int>(result_.failures.size()) + 1;
     const bool restart = max_failures == -1 || failures <= max_failures;
     result_.failures.push_back({{"rank", attempt.failed_rank},
+                                {"slot", attempt.failed_rank >= 0 ? Json(slots_[static_cast<size_t>(attempt.failed_rank)])
+                                                                  : Json(nullptr)},
                                 {"cause", attempt.error},
                                 {"reports", result_.metrics_history.size()},
                                 {"detected_at_s", std::chrono::duration<double>(attempt.detected - started_).count()},
@@ -264,6 +346,15 @@ Result Driver::run() {
     // before the group was stopped.
     for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
     resume_from = checkpoints_->latest();
+    const size_t from = slots_.size();
+    try {
+      slots_ = wait_for_slots();
+    } catch (const RuntimeError& e) {
+      attempt.error += "; no restart: " + std::string(e.what());
+      result_.failures.back()["restarted"] = false;
+      break;
+    }
+    record_resize(from, "after the failure of rank " + std::to_string(attempt.failed_rank));
     if (run_.verbose >= 1) {
       console_.message("cohort: worker group failed (" + attempt.error + "); restart " + std::to_string(failures) +
                      (max_failures == -1 ? "" : " of " + std::to_string(max_failures)) + " from " +
@@ -275,6 +366,7 @@ Result Driver::run() {
   result_.checkpoint = checkpoints_->latest();
   result_.best_checkpoints = checkpoints_->best();
   result_.wall_seconds = since_start();
+  result_.workers = static_cast<int>(slots_.size());
   if (!attempt.error.empty()) {
     const size_t restarts = result_.failures.empty() ? 0 : result_.failures.size() - 1;
     result_.error = restarts > 0 && attempt.driver_error.empty() && attempt.outcome.interrupted_by == 0
@@ -317,7 +409,7 @@ void Driver::on_report(const Json& message, std::string& driver_error) {
 }
 
 Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from) {
-  const int world = scaling_.num_workers;
+  const int world = static_cast<int>(slots_.size());
   runtime::WorkerGroupOptions options;
   options.num_workers = world;
   options.log_dir = run_dir_ / "logs";
@@ -344,14 +436,16 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       {kNextCheckpointVar, std::to_string(checkpoints_->next_index())},
   };
   const int port = store_.port();
-  options.rank_env = [port, world](int rank) {
-    return runtime::worker_env({.world_rank = rank,
-                                .local_rank = rank,
-                                .node_rank = 0,
-                                .world_size = world,
-                                .local_world_size = world,
-                                .master_addr = "127.0.0.1",
-                                .master_port = port});
+  options.rank_env = [port, world, slots = slots_](int rank) {
+    auto env = runtime::worker_env({.world_rank = rank,
+                                    .local_rank = rank,
+                                    .node_rank = 0,
+                                    .world_size = world,
+                                    .local_world_size = world,
+                                    .master_addr = "127.0.0.1",
+                                    .master_port = port});
+    env[kSlotVar] = std::to_string(slots[static_cast<size_t>(rank)]);
+    return env;
   };
 
   runtime::WorkerGroup group(std::move(options));
@@ -430,6 +524,13 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       std::string broken;
       on_report(message, broken);
       stop_because(broken);
+      // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
+      // Not once a rank finished: the loop is over, and a restart would only run an empty one.
+      if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers && !group.stopping() &&
+          std::find(exited.begin(), exited.end(), true) == exited.end() && free_slots_beyond_group() > 0) {
+        attempt.grow = true;
+        group.request_stop("worker slots are free again: restarting the group with more workers");
+      }
     } else if (type == "progress") {
       console_.progress(message["progress"]);
     } else if (type == "error") {
@@ -442,6 +543,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
 
   group.start();
+  for (int rank = 0; rank < world; ++rank) {
+    slot_pids_[static_cast<size_t>(slots_[static_cast<size_t>(rank)])] = group.pids()[static_cast<size_t>(rank)];
+  }
   if (run_.verbose >= 1) {
     std::string pids;
     for (int pid : group.pids()) pids += (pids.empty() ? "" : " ") + std::to_string(pid);
@@ -492,7 +596,7 @@ std::string env_string(const char* name) {
 
 }  // namespace
 
-void run_worker(const std::function<void(const Json&)>& train_loop,
+void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
                 const std::map<std::string, data::TensorDataset>& datasets) {
   int code = 0;
   int rank = -1;
@@ -519,6 +623,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop,
     session->run_token = env_string(kRunTokenVar);
     session->collective_timeout = collective_timeout;
     session->datasets = datasets;
+    session->on_world_size_change = scaling.on_world_size_change;
     session->next_checkpoint_index = env_long(kNextCheckpointVar, 0);
     if (!env_string(kResumeCheckpointVar).empty()) {
       session->resume_from = Checkpoint::from_directory(env_string(kResumeCheckpointVar));
@@ -534,7 +639,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop,
     ctx.run_start = std::chrono::system_clock::time_point(
         std::chrono::duration_cast<std::chrono::system_clock::duration>(
             std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
-    ctx.device = env_long(kUseGpuVar, 0) != 0 ? c10::Device(c10::DeviceType::CUDA, info->local_rank)
+    ctx.device = env_long(kUseGpuVar, 0) != 0 ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(
+                                                                            env_long(kSlotVar, info->local_rank)))
                                               : c10::Device(c10::DeviceType::CPU);
     ctx.process_group = comm::ProcessGroup::create(session->store, info->world_rank, info->world_size,
                                                    {.setup_timeout = setup_timeout,

@@ -13,7 +13,7 @@ namespace cohort::train {
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config);
 
 // The worker side: joins the group, runs the loop, ends the process.
-[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop,
+[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
                              const std::map<std::string, data::TensorDataset>& datasets);
 
 }  // namespace cohort::train

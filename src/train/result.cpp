@@ -27,6 +27,7 @@ Result Result::from_path(const std::filesystem::path& run_dir) {
   result.workers = saved.value("workers", 0);
   result.wall_seconds = saved.value("wall_seconds", 0.0);
   for (const auto& failure : saved.value("failures", Json::array())) result.failures.push_back(failure);
+  for (const auto& resize : saved.value("resizes", Json::array())) result.resizes.push_back(resize);
   return result;
 }
 

@@ -18,6 +18,11 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
     throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling_.num_workers) +
                      " must be >= 1");
   }
+  if (scaling_.min_workers < 0 || scaling_.min_workers > scaling_.num_workers) {
+    throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
+                     " must be between 1 and num_workers=" + std::to_string(scaling_.num_workers) +
+                     " (or 0 for a fixed-size group)");
+  }
   if (scaling_.resources_per_worker.cpu_threads < 1) {
     throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +
                      std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
@@ -35,7 +40,7 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
 }
 
 Result Trainer::fit() {
-  if (runtime::is_spawned_worker()) train::run_worker(train_loop_, datasets_);
+  if (runtime::is_spawned_worker()) train::run_worker(train_loop_, scaling_, datasets_);
   return train::run_driver(scaling_, run_, config_);
 }
 

@@ -117,7 +117,10 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
     write_atomically(staging / kMetaFile,
-                     Json{{"metrics", metrics}, {"report_index", index}, {"timestamp", std::time(nullptr)}}.dump(2) +
+                     Json{{"metrics", metrics},
+                          {"report_index", index},
+                          {"world_size", s.context.world_size},
+                          {"timestamp", std::time(nullptr)}}.dump(2) +
                          "\n");
     write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);

@@ -1,5 +1,6 @@
 // The state of a running worker: its context, its prepared models, its report count.
 #pragma once
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,6 +27,7 @@ struct WorkerSession {
   int64_t reports = 0;
   int64_t broadcasts = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
+  std::function<void(torch::optim::Optimizer&, int, int)> on_world_size_change;
 };
 
 // The session of this process; nullptr outside a train loop.
@@ -45,6 +47,8 @@ inline constexpr const char* kRunTokenVar = "COHORT_RUN_TOKEN";
 inline constexpr const char* kHeartbeatIntervalVar = "COHORT_HEARTBEAT_INTERVAL_MS";
 inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
 inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
+// The worker slot (ScalingConfig) a rank runs in: its GPU with use_gpu.
+inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
 
 // Where ranks assemble a checkpoint before rank 0 renames it into place.
 inline constexpr const char* kStagingDir = ".staging";

@@ -61,6 +61,7 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
       {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
       {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
+      {{"--workers", "2", "--min-workers", "3", "--data-dir", data.string()}, "--min-workers 3 must be between 1 and --workers 2"},
       {{"--lr", "-0.1", "--data-dir", data.string()}, "is negative"},
       {{"--data-dir", (dir / "absent").string()}, "does not exist"},
       {{"--data-dir", truncated.string()}, "is truncated"},

@@ -107,6 +107,27 @@ TEST(WorkerGroup, AKilledWorkerIsReportedWithItsSignal) {
   EXPECT_NE(outcome.failure_reason.find("killed by signal 9"), std::string::npos) << outcome.failure_reason;
 }
 
+TEST(WorkerGroup, HelpersOfAWorkerThatDiedAreStoppedToo) {
+  // Rank 1 starts a helper in its process group, then is killed; rank 0 runs on meanwhile.
+  auto dir = cohort::testing::temp_dir("group_helpers");
+  auto helper_file = (dir / "helper.pid").string();
+  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then exec sleep 60; else sleep 60 & echo $! > " + helper_file +
+                              ".tmp; mv " + helper_file + ".tmp " + helper_file + "; kill -9 $$; fi");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
+  };
+  WorkerGroup group(options);
+  group.start();
+  auto outcome = group.wait();
+  EXPECT_FALSE(outcome.success);
+  ASSERT_TRUE(outcome.first_failure);
+  EXPECT_EQ(outcome.first_failure->rank, 1);
+  const int helper = std::stoi(cohort::testing::read_text(helper_file));
+  EXPECT_TRUE(cohort::testing::wait_for_exit(helper, std::chrono::seconds(10))) << "helper " << helper << " outlived its worker";
+  EXPECT_FALSE(process_group_alive(group.pids()[1]));
+  std::filesystem::remove_all(dir);
+}
+
 TEST(WorkerGroup, DestructorStopsRunningWorkers) {
   std::vector<int> pids;
   {

@@ -94,6 +94,30 @@ TEST_F(CheckpointTest, LoadModelRestoresWeightsAndBuffersAndNamesMismatches) {
   expect_error<UsageError>([&] { train::load_model(*b, truncated); }, "does not fit its byte range");
 }
 
+TEST_F(CheckpointTest, LoadOptimizerRestoresStateAndHyperparameters) {
+  auto model = torch::nn::Linear(3, 1);
+  torch::optim::SGD saved(model->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  model->forward(torch::ones({2, 3})).sum().backward();
+  saved.step();
+  // A schedule lowered the lr: the resumed optimizer must go on with the lowered one.
+  saved.param_groups()[0].options().set_lr(0.025);
+  train::save_optimizer(saved, dir / "optimizer.pt");
+
+  torch::optim::SGD loaded(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.1));
+  train::load_optimizer(loaded, dir / "optimizer.pt");
+  const auto& options = static_cast<const torch::optim::SGDOptions&>(loaded.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(options.lr(), 0.025);
+  EXPECT_DOUBLE_EQ(options.momentum(), 0.9);
+  const auto key = c10::guts::to_string(model->weight.unsafeGetTensorImpl());
+  ASSERT_TRUE(loaded.state().count(key));
+  EXPECT_TRUE(torch::equal(static_cast<torch::optim::SGDParamState&>(*loaded.state()[key]).momentum_buffer(),
+                           static_cast<torch::optim::SGDParamState&>(*saved.state()[key]).momentum_buffer()));
+
+  train::linear_lr_scaling(loaded, 4, 2);
+  EXPECT_DOUBLE_EQ(loaded.param_groups()[0].options().get_lr(), 0.0125);
+  expect_error<UsageError>([&] { train::linear_lr_scaling(loaded, 0, 2); }, "world sizes must be >= 1");
+}
+
 TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {
   auto path = make_checkpoint(0, {{"loss", 1.0}});
   Checkpoint::from_directory(path).verify();

@@ -162,6 +162,99 @@ TEST_F(FaultTolerance, ACrashWhileACheckpointIsCommittedKeepsThePreviousOne) {
   }
 }
 
+// Elastic: an epoch over 24 numbered examples per report, checkpointed, lr rescaled by
+// linear_lr_scaling on resume. Config {"epochs", "kill_rank", "kill_epoch"}; the killed rank
+// marks its slot busy (the test's slot_available reads the marker), and rank 0 of the shrunk
+// group frees it before its first report, so the group grows back right after that checkpoint.
+void elastic_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  auto model = torch::nn::Linear(1, 1);
+  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.3));
+  int start = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    train::load_checkpoint(*checkpoint, *model, optimizer);
+    start = checkpoint->metrics()["epoch"].get<int>() + 1;
+  }
+  const auto busy = ctx.get_storage_path() / "slot-busy";
+  data::TensorDataset examples{.inputs = torch::arange(24, torch::kFloat).unsqueeze(1),
+                               .targets = torch::zeros({24, 1})};
+  auto loader = train::prepare_data_loader(examples, {.batch_size = 2, .shuffle = true, .seed = 3});
+  for (int epoch = start; epoch < c["epochs"].get<int>(); ++epoch) {
+    loader.set_epoch(epoch);
+    auto seen = torch::zeros({2});
+    for (auto& batch : loader) {
+      seen[0] += batch.data.size(0);
+      seen[1] += batch.data.sum();
+    }
+    std::vector<at::Tensor> totals{seen};
+    ctx.get_process_group().allreduce(totals);
+    if (ctx.get_world_rank() == 0 && ctx.get_world_size() < 3) std::filesystem::remove(busy);
+    const auto tmp = std::filesystem::temp_directory_path() / ("cohort-elastic-" + std::to_string(::getpid()));
+    std::optional<Checkpoint> checkpoint;
+    if (ctx.get_world_rank() == 0) checkpoint = train::save_checkpoint(tmp, *model, optimizer);
+    train::report({{"epoch", epoch},
+                   {"world_size", ctx.get_world_size()},
+                   {"lr", optimizer.param_groups()[0].options().get_lr()},
+                   {"samples", totals[0][0].item<double>()},
+                   {"id_sum", totals[0][1].item<double>()}},
+                  checkpoint);
+    std::filesystem::remove_all(tmp);
+    if (ctx.get_world_rank() == c.value("kill_rank", -1) && epoch == c.value("kill_epoch", -1) &&
+        first_time("elastic-kill")) {
+      std::ofstream(busy) << "slot of a killed worker";
+      std::raise(SIGKILL);
+    }
+  }
+}
+
+ScalingConfig elastic_scaling(const std::filesystem::path& run_dir, int min_workers) {
+  return ScalingConfig{.num_workers = 3,
+                       .min_workers = min_workers,
+                       .slot_available = [run_dir](int slot) { return slot != 2 || !std::filesystem::exists(run_dir / "slot-busy"); },
+                       .on_world_size_change = train::linear_lr_scaling};
+}
+
+TEST_F(FaultTolerance, AnElasticGroupShrinksAfterAFailureAndGrowsBackWhenTheSlotIsFree) {
+  Trainer trainer(elastic_loop, elastic_scaling(dir / "elastic", 2), run_config(dir, "elastic", 1),
+                  Json{{"epochs", 6}, {"kill_rank", 2}, {"kill_epoch", 1}});
+  const Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  std::vector<int> epochs, sizes;
+  for (const auto& record : result.metrics_history) {
+    epochs.push_back(record["epoch"].get<int>());
+    sizes.push_back(record["world_size"].get<int>());
+    // Re-sharded for every world size: each example exactly once per epoch.
+    EXPECT_EQ(record["samples"], 24.0) << record.dump();
+    EXPECT_EQ(record["id_sum"], 276.0) << record.dump();
+    EXPECT_NEAR(record["lr"].get<double>(), 0.1 * record["world_size"].get<int>(), 1e-9) << record.dump();
+  }
+  EXPECT_EQ(epochs, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  EXPECT_EQ(sizes, (std::vector<int>{3, 3, 2, 3, 3, 3}));
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_EQ(result.failures[0]["slot"], 2) << result.failures[0].dump();
+  ASSERT_EQ(result.resizes.size(), 2u);
+  EXPECT_EQ(result.resizes[0]["from"], 3);
+  EXPECT_EQ(result.resizes[0]["to"], 2);
+  EXPECT_EQ(result.resizes[1]["to"], 3);
+  EXPECT_EQ(result.resizes[1]["reports"], 3) << result.resizes[1].dump();
+  EXPECT_EQ(result.workers, 3);
+  EXPECT_EQ(Result::from_path(dir / "elastic").resizes, result.resizes);
+}
+
+TEST_F(FaultTolerance, AGroupBelowItsMinimumFailsNamingTheBusySlots) {
+  auto run = run_config(dir, "below_min", 1);
+  run.setup_timeout = std::chrono::seconds(2);
+  Trainer trainer(elastic_loop, elastic_scaling(dir / "below_min", 3), run,
+                  Json{{"epochs", 3}, {"kill_rank", 2}, {"kill_epoch", 0}});
+  const Result result = trainer.fit();
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("only 2 of 3 worker slots are free (slots [2] still busy"), std::string::npos)
+      << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_FALSE(result.failures[0]["restarted"].get<bool>());
+  EXPECT_THROW(Trainer(elastic_loop, ScalingConfig{.num_workers = 2, .min_workers = 3}), UsageError);
+}
+
 TEST_F(FaultTolerance, ARankThatNeverJoinsFailsWithinTheSetupDeadline) {
   // Rank 1 stops before it reaches fit(), so it never joins the rendezvous.
   if (runtime::is_spawned_worker() && std::string(std::getenv("RANK")) == "1") std::raise(SIGSTOP);

@@ -87,6 +87,10 @@ class WorkerGroup {
   std::unique_ptr<Impl> impl_;
 };
 
+// Whether process group `pgid` still has a member. Each worker leads its own group, so after it
+// died this tells whether helpers it started (or the worker itself, stuck in the kernel) remain.
+bool process_group_alive(int pgid);
+
 // The path of this process's executable and its arguments, for re-execution.
 std::string self_executable();
 std::vector<std::string> self_arguments();

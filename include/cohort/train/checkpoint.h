@@ -20,6 +20,8 @@ class Checkpoint {
   const std::filesystem::path& path() const { return path_; }
   // The metrics reported with it (meta.json), when it was persisted by cohort.
   Json metrics() const;
+  // How many workers the group that wrote it had (meta.json); 0 when not known.
+  int world_size() const;
   // Checks every file against the manifest; throws UsageError naming the file and the problem.
   void verify() const;
 
@@ -45,7 +47,13 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 // model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report().
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
+// In a worker of an elastic run whose checkpoint came from a group of another size, then runs
+// ScalingConfig::on_world_size_change.
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+
+// An on_world_size_change for the linear scaling rule (Goyal et al. 2017): with the per-worker
+// batch fixed, the global batch scales with the world size, and so does every group's lr.
+void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size);
 
 }  // namespace train
 

@@ -1,7 +1,12 @@
 #pragma once
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <string>
+
+namespace torch::optim {
+class Optimizer;
+}
 
 namespace cohort {
 
@@ -12,10 +17,27 @@ struct WorkerResources {
 };
 
 // How many workers, and what each one gets (Ray Train's ScalingConfig).
+//
+// Elastic training: with min_workers set, a group that lost a worker restarts with as many
+// workers as there are free slots (at least min_workers; it waits up to the setup deadline for
+// them), and grows back toward num_workers at the next checkpoint after a slot is free again.
+// Slot s is worker s of a full group (with use_gpu, GPU s). Every restart resumes from the
+// latest checkpoint; samplers shard the data for the new world size.
 struct ScalingConfig {
+  // The size of the group; with min_workers, the most workers it runs.
   int num_workers = 1;
+  // The fewest workers an elastic group may run with; 0: always num_workers.
+  int min_workers = 0;
   bool use_gpu = false;
   WorkerResources resources_per_worker;
+  // Whether slot s can take a worker now, asked on top of cohort's own check (no process of the
+  // slot's previous worker is left, e.g. one stuck in the kernel after SIGKILL). For a health
+  // check of the slot's device, or a test. Runs in the driver.
+  std::function<bool(int slot)> slot_available;
+  // Runs on every worker when train::load_checkpoint restores a checkpoint written by a group of
+  // another size, after the optimizer state is loaded: e.g. train::linear_lr_scaling.
+  std::function<void(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size)>
+      on_world_size_change;
 };
 
 // How a run survives failing workers (Ray Train's FailureConfig).

@@ -23,12 +23,16 @@ struct Result {
   std::filesystem::path path;
   // Set when the run failed: which rank, and why.
   std::optional<std::string> error;
+  // How many workers the last group had.
   int workers = 0;
   double wall_seconds = 0;
   // One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
   // it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
   // trained again)}.
   std::vector<Json> failures;
+  // Elastic training: one entry per change of the group's size: {"from", "to", "reports",
+  // "at_s", "reason"}.
+  std::vector<Json> resizes;
 
   bool ok() const { return !error.has_value(); }
 
