@@ -1,6 +1,5 @@
 #include "cohort/comm/store.h"
 
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "cohort/error.h"
 #include "comm/store_state.h"
@@ -14,25 +13,17 @@ Store Store::connect(const StoreOptions& options) {
     throw UsageError("store port " + std::to_string(options.port) +
                      " is out of range: use 0 (pick a free port) or 1-65535");
   }
-  c10d::TCPStoreOptions native;
-  native.port = static_cast<std::uint16_t>(options.port);
-  native.isServer = options.is_server;
-  native.waitWorkers = false;
-  native.timeout = options.timeout;
   auto state = std::make_shared<State>();
-  try {
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(options.host, native);
-    state->port = tcp->getPort();
-    state->store = tcp;
-  } catch (const std::exception& e) {
-    throw RuntimeError(std::string(options.is_server ? "cannot serve" : "cannot reach") +
-                       " the rendezvous store at " + options.host + ":" +
-                       std::to_string(options.port) + " within " +
-                       std::to_string(options.timeout.count()) + " ms: " + e.what());
-  }
   state->host = options.host;
   state->timeout = options.timeout;
-  state->store->setTimeout(options.timeout);
+  state->port = options.port;
+  if (options.is_server) {
+    state->server = std::make_unique<TcpStoreServer>(options.host, options.port, options.job_id);
+    state->port = state->server->port();
+  } else if (options.port == 0) {
+    throw UsageError("a store client needs the server's port: got port 0 for " + options.host);
+  }
+  state->store = c10::make_intrusive<TcpStoreClient>(options.host, state->port, options.job_id, options.timeout);
   return Store(std::move(state));
 }
 

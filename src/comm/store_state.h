@@ -3,10 +3,12 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "cohort/comm/store.h"
+#include "comm/tcp_store.h"
 
 namespace cohort::comm {
 
 struct Store::State {
+  std::unique_ptr<TcpStoreServer> server;  // when this handle serves the store
   c10::intrusive_ptr<c10d::Store> store;
   std::string host;
   int port = 0;

@@ -8,16 +8,20 @@
 namespace cohort::comm {
 
 struct StoreOptions {
+  // The server listens on this address only (never on every interface); clients connect to it.
   std::string host = "127.0.0.1";
   // 0 lets the server pick a free port (read it back with Store::port()).
   int port = 0;
   bool is_server = false;
   // Deadline for connecting and for every get/wait.
   std::chrono::milliseconds timeout{30'000};
+  // Checked when a client joins: a client of another job is refused with an error naming both.
+  std::string job_id;
 };
 
-// A key-value rendezvous store (c10d's TCPStore underneath): set/get/add/wait, every
-// blocking call bounded by the store's timeout. Copies share one connection.
+// A key-value rendezvous store (cohort's own TCP store, bound to one address, usable by Gloo):
+// set/get/add/wait, every blocking call bounded by the store's timeout. Copies share one
+// connection; the server lives as long as a copy of the handle that started it.
 class Store {
  public:
   // An empty handle; use connect().

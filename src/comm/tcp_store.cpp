@@ -1,0 +1,428 @@
+#include "comm/tcp_store.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+
+#include "cohort/error.h"
+
+namespace cohort::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Wire format, both ways: u32 length of the rest, u64 request id, u8 op (request) or status
+// (reply: 0 ok, 1 error), u32 field count, then each field as u32 length + bytes.
+enum Op : uint8_t { kHello = 1, kSet, kGet, kAdd, kCheck, kWait, kDelete, kNumKeys, kCompareSet };
+
+struct Frame {
+  uint64_t id = 0;
+  uint8_t code = 0;
+  std::vector<std::string> fields;
+};
+
+void put_u32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+
+std::string encode(const Frame& frame) {
+  std::string body;
+  body.append(reinterpret_cast<const char*>(&frame.id), 8);
+  body.push_back(static_cast<char>(frame.code));
+  put_u32(body, static_cast<uint32_t>(frame.fields.size()));
+  for (const auto& f : frame.fields) {
+    put_u32(body, static_cast<uint32_t>(f.size()));
+    body += f;
+  }
+  std::string out;
+  put_u32(out, static_cast<uint32_t>(body.size()));
+  return out + body;
+}
+
+// Takes one whole frame off the front of `buffer`; false while it is incomplete. Throws on a
+// malformed one.
+bool decode(std::string& buffer, Frame& frame) {
+  if (buffer.size() < 4) return false;
+  uint32_t length = 0;
+  std::memcpy(&length, buffer.data(), 4);
+  if (length > (1u << 30)) throw RuntimeError("store: malformed frame (length " + std::to_string(length) + ")");
+  if (buffer.size() < 4 + length) return false;
+  const char* p = buffer.data() + 4;
+  const char* end = p + length;
+  auto need = [&](size_t n) {
+    if (static_cast<size_t>(end - p) < n) throw RuntimeError("store: malformed frame");
+  };
+  need(13);
+  std::memcpy(&frame.id, p, 8);
+  frame.code = static_cast<uint8_t>(p[8]);
+  uint32_t count = 0;
+  std::memcpy(&count, p + 9, 4);
+  p += 13;
+  frame.fields.clear();
+  for (uint32_t i = 0; i < count; ++i) {
+    need(4);
+    uint32_t n = 0;
+    std::memcpy(&n, p, 4);
+    p += 4;
+    need(n);
+    frame.fields.emplace_back(p, n);
+    p += n;
+  }
+  buffer.erase(0, 4 + length);
+  return true;
+}
+
+std::string i64_field(int64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
+int64_t i64_of(const std::string& field) {
+  int64_t v = 0;
+  if (field.size() == 8) std::memcpy(&v, field.data(), 8);
+  return v;
+}
+
+bool send_all(int fd, const std::string& data) {
+  size_t sent = 0;
+  while (sent < data.size()) {
+    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+// The addresses `host` names (a numeric address or a resolvable name), IPv4 or IPv6.
+std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> resolve(const std::string& host, int port, bool passive) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0);
+  addrinfo* result = nullptr;
+  const std::string service = std::to_string(port);
+  const int rc = ::getaddrinfo(host.c_str(), service.c_str(), &hints, &result);
+  if (rc != 0) {
+    throw UsageError("rendezvous address '" + host + "' does not resolve (" + gai_strerror(rc) +
+                     "): give a host name or IP address this machine can reach");
+  }
+  return {result, &freeaddrinfo};
+}
+
+}  // namespace
+
+TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string job_id) : job_id_(std::move(job_id)) {
+  const auto addresses = resolve(host, port, true);
+  std::string last_error = "no address";
+  for (addrinfo* a = addresses.get(); a != nullptr && listen_fd_ < 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
+      listen_fd_ = fd;
+    } else {
+      last_error = std::strerror(errno);
+      ::close(fd);
+    }
+  }
+  if (listen_fd_ < 0) {
+    throw RuntimeError("cannot serve the rendezvous store on " + host + ":" + std::to_string(port) + ": " + last_error +
+                       (last_error == std::strerror(EADDRINUSE) ? " (another job uses this port: pick another "
+                                                                  "MASTER_PORT / --master port)"
+                                                                : " (is " + host + " an address of this host?)"));
+  }
+  sockaddr_storage bound{};
+  socklen_t length = sizeof bound;
+  ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&bound), &length);
+  port_ = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  if (::pipe2(wake_, O_CLOEXEC) != 0) {
+    ::close(listen_fd_);
+    throw RuntimeError(std::string("store: pipe: ") + std::strerror(errno));
+  }
+  thread_ = std::thread([this] { serve(); });
+}
+
+TcpStoreServer::~TcpStoreServer() {
+  const char byte = 0;
+  if (::write(wake_[1], &byte, 1) < 0) {
+    // The thread then ends at its next poll timeout; nothing else to do.
+  }
+  if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::close(wake_[0]);
+  ::close(wake_[1]);
+}
+
+void TcpStoreServer::serve() {
+  struct Client {
+    int fd;
+    std::string in;
+    bool greeted = false;
+  };
+  struct Waiter {
+    int fd;
+    uint64_t id;
+    std::vector<std::string> keys;
+  };
+  std::map<std::string, std::string> data;
+  std::vector<Client> clients;
+  std::vector<Waiter> waiters;
+
+  auto reply = [](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
+    send_all(fd, encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}));
+  };
+  auto has_all = [&](const std::vector<std::string>& keys) {
+    for (const auto& k : keys) {
+      if (!data.count(k)) return false;
+    }
+    return true;
+  };
+  auto release_waiters = [&] {
+    for (auto it = waiters.begin(); it != waiters.end();) {
+      if (has_all(it->keys)) {
+        reply(it->fd, it->id, true, {});
+        it = waiters.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
+  // Returns false to drop the client.
+  auto handle = [&](Client& c, const Frame& f) {
+    const auto& a = f.fields;
+    auto arg = [&](size_t i) -> const std::string& {
+      static const std::string empty;
+      return i < a.size() ? a[i] : empty;
+    };
+    if (!c.greeted) {
+      if (f.code != kHello) return false;
+      if (arg(0) != job_id_) {
+        reply(c.fd, f.id, false,
+              {"this rendezvous store belongs to job '" + job_id_ + "', not to job '" + arg(0) +
+               "': two jobs were given the same address; give each its own port"});
+        return false;
+      }
+      c.greeted = true;
+      reply(c.fd, f.id, true, {});
+      return true;
+    }
+    switch (f.code) {
+      case kSet:
+        data[arg(0)] = arg(1);
+        reply(c.fd, f.id, true, {});
+        release_waiters();
+        break;
+      case kGet: {
+        auto it = data.find(arg(0));
+        if (it == data.end()) {
+          reply(c.fd, f.id, false, {"key '" + arg(0) + "' is not set"});
+        } else {
+          reply(c.fd, f.id, true, {it->second});
+        }
+        break;
+      }
+      case kAdd: {
+        auto it = data.find(arg(0));
+        const int64_t value = (it == data.end() ? 0 : std::stoll(it->second)) + i64_of(arg(1));
+        data[arg(0)] = std::to_string(value);
+        reply(c.fd, f.id, true, {i64_field(value)});
+        release_waiters();
+        break;
+      }
+      case kCheck:
+        reply(c.fd, f.id, true, {has_all(a) ? "1" : "0"});
+        break;
+      case kWait:
+        if (has_all(a)) {
+          reply(c.fd, f.id, true, {});
+        } else {
+          waiters.push_back({c.fd, f.id, a});
+        }
+        break;
+      case kDelete:
+        reply(c.fd, f.id, true, {data.erase(arg(0)) ? "1" : "0"});
+        break;
+      case kNumKeys:
+        reply(c.fd, f.id, true, {i64_field(static_cast<int64_t>(data.size()))});
+        break;
+      case kCompareSet: {
+        auto it = data.find(arg(0));
+        if (it == data.end() ? arg(1).empty() : it->second == arg(1)) {
+          data[arg(0)] = arg(2);
+          release_waiters();
+        }
+        reply(c.fd, f.id, true, {data.count(arg(0)) ? data[arg(0)] : arg(1)});
+        break;
+      }
+      default:
+        reply(c.fd, f.id, false, {"unknown store operation " + std::to_string(f.code)});
+    }
+    return true;
+  };
+
+  while (true) {
+    std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    for (const auto& c : clients) fds.push_back({c.fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
+    if (fds[0].revents != 0) break;
+    if (fds[1].revents & POLLIN) {
+      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        const int one = 1;
+        ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        clients.push_back({fd, {}});
+      }
+    }
+    std::vector<int> dropped;
+    for (size_t i = 2; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      Client& c = clients[i - 2];
+      char buffer[65536];
+      const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
+      if (n <= 0) {
+        if (n < 0 && errno == EINTR) continue;
+        dropped.push_back(c.fd);
+        continue;
+      }
+      c.in.append(buffer, static_cast<size_t>(n));
+      try {
+        Frame frame;
+        while (decode(c.in, frame)) {
+          if (!handle(c, frame)) {
+            dropped.push_back(c.fd);
+            break;
+          }
+        }
+      } catch (const std::exception&) {
+        dropped.push_back(c.fd);  // not our protocol: a stray connection
+      }
+    }
+    for (int fd : dropped) {
+      std::erase_if(waiters, [fd](const Waiter& w) { return w.fd == fd; });
+      std::erase_if(clients, [fd](const Client& c) { return c.fd == fd; });
+      ::close(fd);
+    }
+  }
+  for (const auto& c : clients) ::close(c.fd);
+}
+
+struct TcpStoreClient::Reply {
+  bool ok = false;
+  std::vector<std::string> fields;
+};
+
+TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::string& job_id,
+                               std::chrono::milliseconds timeout)
+    : c10d::Store(timeout), host_(host), port_(port) {
+  const auto deadline = Clock::now() + timeout;
+  std::string last_error;
+  while (fd_ < 0) {
+    const auto addresses = resolve(host, port, false);
+    for (addrinfo* a = addresses.get(); a != nullptr && fd_ < 0; a = a->ai_next) {
+      const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+        fd_ = fd;
+      } else {
+        last_error = std::strerror(errno);
+        ::close(fd);
+      }
+    }
+    if (fd_ >= 0) break;
+    if (Clock::now() >= deadline) {
+      throw TimeoutError("cannot reach the rendezvous store at " + where() + " within " +
+                         std::to_string(timeout.count()) + " ms (" + last_error +
+                         "): is the master (rank 0, or node 0's launcher) running, and is MASTER_ADDR/"
+                         "MASTER_PORT its address?");
+    }
+    ::poll(nullptr, 0, 50);  // the master may not listen yet
+  }
+  const int one = 1;
+  ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+  const auto hello = call(kHello, {job_id}, std::max(std::chrono::milliseconds(1000), left));
+  if (!hello.ok) throw UsageError("rendezvous at " + where() + ": " + (hello.fields.empty() ? "refused" : hello.fields[0]));
+}
+
+TcpStoreClient::~TcpStoreClient() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+std::string TcpStoreClient::where() const { return host_ + ":" + std::to_string(port_); }
+
+TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::string>& fields,
+                                           std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uint64_t id = next_id_++;
+  if (fd_ < 0 || !send_all(fd_, encode({.id = id, .code = op, .fields = fields}))) {
+    throw PeerFailureError("lost the rendezvous store at " + where() + " (its process or host went away)");
+  }
+  const auto deadline = Clock::now() + timeout;
+  std::string& in = pending_;
+  while (true) {
+    Frame frame;
+    while (decode(in, frame)) {
+      // A reply to an earlier wait that timed out comes late: not ours.
+      if (frame.id == id) {
+        return Reply{.ok = frame.code == 0, .fields = std::move(frame.fields)};
+      }
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0) throw TimeoutError("store at " + where() + ": no answer within " + std::to_string(timeout.count()) + " ms");
+    pollfd p{fd_, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) continue;
+    char buffer[65536];
+    const ssize_t n = ::recv(fd_, buffer, sizeof buffer, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd_);
+      fd_ = -1;
+      throw PeerFailureError("lost the rendezvous store at " + where() + " (its process or host went away)");
+    }
+    in.append(buffer, static_cast<size_t>(n));
+  }
+}
+
+void TcpStoreClient::set(const std::string& key, const std::vector<uint8_t>& value) {
+  call(kSet, {key, std::string(value.begin(), value.end())}, timeout_);
+}
+
+std::vector<uint8_t> TcpStoreClient::compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                                const std::vector<uint8_t>& desired) {
+  auto r = call(kCompareSet, {key, std::string(expected.begin(), expected.end()), std::string(desired.begin(), desired.end())},
+                timeout_);
+  return {r.fields.at(0).begin(), r.fields.at(0).end()};
+}
+
+std::vector<uint8_t> TcpStoreClient::get(const std::string& key) {
+  wait({key}, timeout_);
+  auto r = call(kGet, {key}, timeout_);
+  if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
+  return {r.fields.at(0).begin(), r.fields.at(0).end()};
+}
+
+int64_t TcpStoreClient::add(const std::string& key, int64_t value) {
+  return i64_of(call(kAdd, {key, i64_field(value)}, timeout_).fields.at(0));
+}
+
+bool TcpStoreClient::deleteKey(const std::string& key) { return call(kDelete, {key}, timeout_).fields.at(0) == "1"; }
+
+bool TcpStoreClient::check(const std::vector<std::string>& keys) { return call(kCheck, keys, timeout_).fields.at(0) == "1"; }
+
+int64_t TcpStoreClient::getNumKeys() { return i64_of(call(kNumKeys, {}, timeout_).fields.at(0)); }
+
+void TcpStoreClient::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
+
+void TcpStoreClient::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
+  call(kWait, keys, timeout);
+}
+
+}  // namespace cohort::comm

@@ -1,0 +1,67 @@
+// cohort's own rendezvous store: a small TCP key-value server bound to one given address (c10d's
+// TCPStore in libtorch 1.13 listens on every interface), and a client that is a c10d::Store, so
+// Gloo rendezvous through it. A job id is checked when a client joins: two jobs given the same
+// address fail fast instead of mixing their keys. Private to comm/.
+#pragma once
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace cohort::comm {
+
+class TcpStoreServer {
+ public:
+  // Binds host:port (port 0: a free one) and serves on a thread until destroyed. Throws
+  // RuntimeError naming the address when it cannot bind (e.g. the port is taken).
+  TcpStoreServer(const std::string& host, int port, std::string job_id);
+  ~TcpStoreServer();
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+  int port() const { return port_; }
+
+ private:
+  void serve();
+  int listen_fd_ = -1;
+  int wake_[2] = {-1, -1};
+  int port_ = 0;
+  std::string job_id_;
+  std::thread thread_;
+};
+
+class TcpStoreClient : public c10d::Store {
+ public:
+  // Connects (retrying until `timeout` while nobody listens yet) and presents `job_id`.
+  TcpStoreClient(const std::string& host, int port, const std::string& job_id, std::chrono::milliseconds timeout);
+  ~TcpStoreClient() override;
+
+  void set(const std::string& key, const std::vector<uint8_t>& value) override;
+  std::vector<uint8_t> compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+                                  const std::vector<uint8_t>& desired) override;
+  // Waits for the key (within the store's timeout) as c10d's TCPStore does.
+  std::vector<uint8_t> get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t value) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  int64_t getNumKeys() override;
+  void wait(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+
+ private:
+  struct Reply;
+  Reply call(uint8_t op, const std::vector<std::string>& fields, std::chrono::milliseconds timeout);
+  std::string where() const;
+
+  std::mutex mutex_;
+  int fd_ = -1;
+  std::string pending_;  // received bytes not yet taken as a reply
+  uint64_t next_id_ = 1;
+  std::string host_;
+  int port_ = 0;
+};
+
+}  // namespace cohort::comm
