@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <csignal>
+#include <cctype>
 #include <cstdlib>
 
 #include "cohort/error.h"
@@ -65,6 +66,132 @@ std::optional<WorkerInfo> worker_info_from_env() {
   }
   if (info.master_port > 65535) {
     throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) + " is not a port (1-65535)");
+  }
+  return info;
+}
+
+namespace {
+
+int required_int(const char* name, int min_value) {
+  if (!env(name)) throw UsageError(std::string(name) + " is not set");
+  return env_int(name, 0, min_value);
+}
+
+void check_ranks(WorkerInfo& info, const std::string& rank_var, const std::string& size_var) {
+  if (info.world_rank >= info.world_size) {
+    throw UsageError(rank_var + "=" + std::to_string(info.world_rank) + " must be < " + size_var + "=" +
+                     std::to_string(info.world_size));
+  }
+  if (info.local_rank >= info.local_world_size) {
+    throw UsageError("local rank " + std::to_string(info.local_rank) + " must be < the local world size " +
+                     std::to_string(info.local_world_size));
+  }
+}
+
+// MASTER_ADDR/MASTER_PORT when given, else the launcher's defaults.
+void rendezvous_from_env(WorkerInfo& info, const std::optional<std::string>& default_addr, int default_port,
+                         const std::string& hint) {
+  auto addr = env("MASTER_ADDR");
+  if (!addr) addr = default_addr;
+  if (!addr) throw UsageError("MASTER_ADDR is not set: " + hint);
+  info.master_addr = *addr;
+  info.master_port = env_int("MASTER_PORT", default_port, 1);
+  if (info.master_port > 65535) {
+    throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) + " is not a port (1-65535)");
+  }
+}
+
+int port_from_job(const std::string& job) {
+  int64_t number = 0;
+  for (char c : job) {
+    if (std::isdigit(static_cast<unsigned char>(c))) number = (number * 10 + (c - '0')) % 1'000'000'007;
+  }
+  return 15000 + static_cast<int>(number % 10000);
+}
+
+}  // namespace
+
+std::string first_slurm_host(const std::string& nodelist) {
+  // The first top-level item: commas inside brackets do not end it.
+  int depth = 0;
+  size_t end = 0;
+  while (end < nodelist.size() && !(nodelist[end] == ',' && depth == 0)) {
+    depth += nodelist[end] == '[' ? 1 : nodelist[end] == ']' ? -1 : 0;
+    ++end;
+  }
+  const std::string item = nodelist.substr(0, end);
+  const auto open = item.find('[');
+  if (open == std::string::npos) return item;
+  const auto close = item.find(']', open);
+  if (close == std::string::npos) throw UsageError("Slurm node list '" + nodelist + "' has an unclosed '['");
+  const std::string ranges = item.substr(open + 1, close - open - 1);
+  const std::string first = ranges.substr(0, std::min(ranges.find(','), ranges.find('-')));
+  return first_slurm_host(item.substr(0, open) + first + item.substr(close + 1));  // "rack[1-2]-n[1-4]"
+}
+
+int slurm_tasks_on_node(const std::string& tasks_per_node, int node) {
+  // "2(x3),1": 2 tasks on each of nodes 0-2, then 1 on node 3.
+  int seen = 0;
+  size_t pos = 0;
+  while (pos < tasks_per_node.size()) {
+    size_t used = 0;
+    const int tasks = std::stoi(tasks_per_node.substr(pos), &used);
+    pos += used;
+    int repeat = 1;
+    if (tasks_per_node.compare(pos, 2, "(x") == 0) {
+      repeat = std::stoi(tasks_per_node.substr(pos + 2), &used);
+      pos += 2 + used + 1;
+    }
+    if (node < seen + repeat) return tasks;
+    seen += repeat;
+    if (pos < tasks_per_node.size() && tasks_per_node[pos] == ',') ++pos;
+  }
+  throw UsageError("Slurm tasks-per-node list '" + tasks_per_node + "' has no entry for node " + std::to_string(node));
+}
+
+std::optional<WorkerInfo> detect_launch() {
+  std::optional<WorkerInfo> info;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    info = worker_info_from_env();
+    info->launcher = env(kLauncherVar).value_or("torchrun");
+    info->job_id = env(kJobIdVar).value_or(env("TORCHELASTIC_RUN_ID").value_or(""));
+    info->restart_round = env_int(kRestartRoundVar, env_int("TORCHELASTIC_RESTART_COUNT", 0, 0), 0);
+    info->store_on_launcher = env(kStoreOnLauncherVar).value_or("") == "1";
+    // torchrun's agent serves its own (c10d) store on MASTER_PORT; ours goes next to it.
+    const bool torch_agent = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+    info->store_port = env_int(kStorePortVar, info->master_port + (torch_agent && !info->store_on_launcher ? 1 : 0), 0);
+  } else if (env("OMPI_COMM_WORLD_RANK") || env("OMPI_COMM_WORLD_SIZE")) {
+    info.emplace();
+    info->launcher = "openmpi";
+    info->world_rank = required_int("OMPI_COMM_WORLD_RANK", 0);
+    info->world_size = required_int("OMPI_COMM_WORLD_SIZE", 1);
+    info->local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", info->world_rank, 0);
+    info->local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", info->world_size, 1);
+    info->node_rank = env_int("OMPI_COMM_WORLD_NODE_RANK", 0, 0);
+    check_ranks(*info, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
+    const std::string job = env("OMPI_MCA_ess_base_jobid").value_or("");
+    info->job_id = env(kJobIdVar).value_or(job.empty() ? "" : "openmpi-" + job);
+    const bool one_host = info->local_world_size == info->world_size;
+    rendezvous_from_env(*info, one_host ? std::optional<std::string>("127.0.0.1") : std::nullopt, port_from_job(job),
+                        "across hosts, mpirun must pass rank 0's host address: mpirun -x MASTER_ADDR=<host> ...");
+    info->store_port = info->master_port;
+  } else if (env("SLURM_PROCID") && env("SLURM_STEP_NUM_TASKS")) {
+    info.emplace();
+    info->launcher = "slurm";
+    info->world_rank = required_int("SLURM_PROCID", 0);
+    info->world_size = required_int("SLURM_STEP_NUM_TASKS", 1);
+    info->local_rank = env_int("SLURM_LOCALID", 0, 0);
+    info->node_rank = env_int("SLURM_NODEID", 0, 0);
+    const auto per_node = env("SLURM_STEP_TASKS_PER_NODE");
+    info->local_world_size = per_node ? slurm_tasks_on_node(*per_node, info->node_rank) : info->world_size;
+    check_ranks(*info, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS");
+    const std::string job = env("SLURM_JOB_ID").value_or("");
+    info->job_id = env(kJobIdVar).value_or(job.empty() ? "" : "slurm-" + job + "." + env("SLURM_STEP_ID").value_or("0"));
+    info->restart_round = env_int("SLURM_RESTART_COUNT", 0, 0);
+    const auto nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+    rendezvous_from_env(*info, nodes ? std::optional<std::string>(first_slurm_host(*nodes)) : std::nullopt,
+                        port_from_job(job), "srun sets SLURM_STEP_NODELIST; set MASTER_ADDR to rank 0's host");
+    info->store_port = info->master_port;
   }
   return info;
 }

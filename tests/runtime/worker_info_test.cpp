@@ -12,8 +12,39 @@ namespace {
 
 class WorkerInfoTest : public ::testing::Test {
  protected:
-  const std::vector<const char*> vars{"RANK",       "WORLD_SIZE", "LOCAL_RANK",  "LOCAL_WORLD_SIZE",
-                                      "NODE_RANK",  "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"};
+  const std::vector<const char*> vars{"RANK",
+                                      "WORLD_SIZE",
+                                      "LOCAL_RANK",
+                                      "LOCAL_WORLD_SIZE",
+                                      "NODE_RANK",
+                                      "GROUP_RANK",
+                                      "MASTER_ADDR",
+                                      "MASTER_PORT",
+                                      "TORCHELASTIC_RUN_ID",
+                                      "TORCHELASTIC_RESTART_COUNT",
+                                      "TORCHELASTIC_USE_AGENT_STORE",
+                                      "OMPI_COMM_WORLD_RANK",
+                                      "OMPI_COMM_WORLD_SIZE",
+                                      "OMPI_COMM_WORLD_LOCAL_RANK",
+                                      "OMPI_COMM_WORLD_LOCAL_SIZE",
+                                      "OMPI_COMM_WORLD_NODE_RANK",
+                                      "OMPI_MCA_ess_base_jobid",
+                                      "SLURM_PROCID",
+                                      "SLURM_STEP_NUM_TASKS",
+                                      "SLURM_LOCALID",
+                                      "SLURM_NODEID",
+                                      "SLURM_STEP_TASKS_PER_NODE",
+                                      "SLURM_JOB_ID",
+                                      "SLURM_STEP_ID",
+                                      "SLURM_STEP_NODELIST",
+                                      "SLURM_JOB_NODELIST",
+                                      "SLURM_RESTART_COUNT",
+                                      kJobIdVar,
+                                      kLauncherVar,
+                                      kRestartRoundVar,
+                                      kStoreOnLauncherVar,
+                                      kStorePortVar,
+                                      kRoleVar};
   std::map<std::string, std::string> saved;
   void SetUp() override {
     for (auto* v : vars) {
@@ -64,6 +95,75 @@ TEST_F(WorkerInfoTest, InconsistentVariablesAreNamed) {
   expect_error("MASTER_ADDR is not set");
   unsetenv("WORLD_SIZE");
   expect_error("RANK is set but WORLD_SIZE is not");
+}
+
+TEST_F(WorkerInfoTest, NothingIsDetectedInAPlainStart) { EXPECT_FALSE(detect_launch().has_value()); }
+
+TEST_F(WorkerInfoTest, DetectsTorchrunWithItsAgentStore) {
+  set({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
+       {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RUN_ID", "exp7"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+       {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  auto info = detect_launch();
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->launcher, "torchrun");
+  EXPECT_EQ(info->job_id, "exp7");
+  EXPECT_EQ(info->restart_round, 2);
+  // The agent's c10d store holds MASTER_PORT: rank 0 serves cohort's next to it.
+  EXPECT_EQ(info->store_port, 29501);
+  EXPECT_FALSE(info->store_on_launcher);
+}
+
+TEST_F(WorkerInfoTest, DetectsOpenMpi) {
+  set({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_COMM_WORLD_NODE_RANK", "0"}, {"OMPI_MCA_ess_base_jobid", "123456"}});
+  auto info = detect_launch();
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->launcher, "openmpi");
+  EXPECT_EQ(info->world_rank, 1);
+  EXPECT_EQ(info->world_size, 2);
+  EXPECT_EQ(info->local_rank, 1);
+  EXPECT_EQ(info->master_addr, "127.0.0.1");  // every rank on this host
+  EXPECT_EQ(info->master_port, 15000 + 123456 % 10000);
+  EXPECT_EQ(info->job_id, "openmpi-123456");
+  // Across hosts there is no address to guess.
+  set({{"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
+  cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "mpirun -x MASTER_ADDR=");
+  set({{"OMPI_COMM_WORLD_RANK", "2"}});
+  cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "OMPI_COMM_WORLD_RANK=2 must be < OMPI_COMM_WORLD_SIZE=2");
+}
+
+TEST_F(WorkerInfoTest, DetectsSlurm) {
+  set({{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "7"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "2"},
+       {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_JOB_ID", "4242"}, {"SLURM_STEP_ID", "0"},
+       {"SLURM_STEP_NODELIST", "gpu[07-09],cpu1"}});
+  auto info = detect_launch();
+  ASSERT_TRUE(info);
+  EXPECT_EQ(info->launcher, "slurm");
+  EXPECT_EQ(info->world_rank, 5);
+  EXPECT_EQ(info->world_size, 7);
+  EXPECT_EQ(info->local_rank, 1);
+  EXPECT_EQ(info->node_rank, 2);
+  EXPECT_EQ(info->local_world_size, 2);
+  EXPECT_EQ(info->master_addr, "gpu07");
+  EXPECT_EQ(info->master_port, 15000 + 4242);
+  EXPECT_EQ(info->job_id, "slurm-4242.0");
+  set({{"MASTER_ADDR", "10.9.8.7"}, {"MASTER_PORT", "23456"}});
+  EXPECT_EQ(detect_launch()->master_addr, "10.9.8.7");
+  EXPECT_EQ(detect_launch()->master_port, 23456);
+  set({{"SLURM_PROCID", "7"}});
+  cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "SLURM_PROCID=7 must be < SLURM_STEP_NUM_TASKS=7");
+}
+
+TEST_F(WorkerInfoTest, ParsesSlurmListsAndTaskCounts) {
+  EXPECT_EQ(first_slurm_host("node1"), "node1");
+  EXPECT_EQ(first_slurm_host("node[07-09,12],gpu1"), "node07");
+  EXPECT_EQ(first_slurm_host("rack[3,5]-n[1-4]"), "rack3-n1");
+  EXPECT_EQ(first_slurm_host("a,b"), "a");
+  EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 0), 2);
+  EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 2), 2);
+  EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 3), 1);
+  EXPECT_EQ(slurm_tasks_on_node("4", 0), 4);
+  cohort::testing::expect_error<UsageError>([] { slurm_tasks_on_node("2(x3),1", 4); }, "no entry for node 4");
 }
 
 }  // namespace

@@ -14,6 +14,18 @@ struct WorkerInfo {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
+  // Who started this process: "cohort" (the local driver), "cohort-launch", "torchrun",
+  // "openmpi" or "slurm".
+  std::string launcher = "torchrun";
+  // The job this process belongs to, checked when joining the rendezvous ("" : not checked).
+  std::string job_id;
+  // Restarts of the group so far (a launcher's restart count): keys of earlier rounds are not
+  // reused.
+  int restart_round = 0;
+  // The rendezvous store: served by rank 0 at master_addr:store_port, or by the launcher (node
+  // 0's cohort launch, or torchrun's agent) when store_on_launcher.
+  int store_port = 0;
+  bool store_on_launcher = false;
 };
 
 // Environment variable names (torchrun's, plus cohort's own for the local spawner).
@@ -22,10 +34,29 @@ inline constexpr const char* kWorkerRole = "worker";
 inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
 inline constexpr const char* kControlFdVar = "COHORT_CONTROL_FD";
 
+inline constexpr const char* kJobIdVar = "COHORT_JOB_ID";
+inline constexpr const char* kLauncherVar = "COHORT_LAUNCHER";
+inline constexpr const char* kRestartRoundVar = "COHORT_RESTART_ROUND";
+inline constexpr const char* kStoreOnLauncherVar = "COHORT_STORE_ON_LAUNCHER";
+inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";
+
 // Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
 // MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming
 // the variable when they are inconsistent.
 std::optional<WorkerInfo> worker_info_from_env();
+
+// How this process was launched, from its environment, in this order: torchrun-style variables
+// (also set by cohort's driver and `cohort launch`), OpenMPI's mpirun (OMPI_COMM_WORLD_*), Slurm's
+// srun (SLURM_PROCID with SLURM_STEP_NUM_TASKS). nullopt: not launched (a plain start). Throws
+// UsageError naming the variable that is missing or inconsistent. The rendezvous address is
+// MASTER_ADDR/MASTER_PORT when set; else under Slurm the first host of the step's node list and
+// port 15000 + job id % 10000; under mpirun on one host 127.0.0.1 and 15000 + job id % 10000.
+std::optional<WorkerInfo> detect_launch();
+
+// The first host name of a Slurm host list such as "node[07-09,12],gpu1" ("node07").
+std::string first_slurm_host(const std::string& nodelist);
+// Tasks on node `node` from a Slurm tasks-per-node list such as "2(x3),1".
+int slurm_tasks_on_node(const std::string& tasks_per_node, int node);
 
 // The variables that describe `info` to a child process.
 std::map<std::string, std::string> worker_env(const WorkerInfo& info);
