@@ -1,6 +1,11 @@
 #include "cohort/runtime/worker_info.h"
 
+#include <arpa/inet.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -194,6 +199,52 @@ std::optional<WorkerInfo> detect_launch() {
     info->store_port = info->master_port;
   }
   return info;
+}
+
+std::string data_plane_address(const std::string& master_addr) {
+  auto name = env("COHORT_IFNAME");
+  if (!name) name = env("GLOO_SOCKET_IFNAME");
+  if (name) {
+    ifaddrs* list = nullptr;
+    if (::getifaddrs(&list) != 0) throw RuntimeError("getifaddrs failed: cannot list network interfaces");
+    std::string found, names;
+    for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
+      if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
+      names += (names.empty() ? "" : ", ") + std::string(i->ifa_name);
+      if (*name == i->ifa_name && found.empty()) {
+        char text[INET_ADDRSTRLEN];
+        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof text);
+        found = text;
+      }
+    }
+    ::freeifaddrs(list);
+    if (found.empty()) {
+      throw UsageError("network interface '" + *name + "' (COHORT_IFNAME/GLOO_SOCKET_IFNAME) has no IPv4 address here; "
+                       "interfaces with one: " + names);
+    }
+    return found;
+  }
+  if (auto address = env("COHORT_IFADDR")) return *address;
+  // Which local address routes to the master: a UDP "connection" sends nothing.
+  addrinfo hints{};
+  hints.ai_family = AF_INET;
+  hints.ai_socktype = SOCK_DGRAM;
+  addrinfo* result = nullptr;
+  if (::getaddrinfo(master_addr.c_str(), "9", &hints, &result) != 0 || result == nullptr) return "127.0.0.1";
+  std::string address = "127.0.0.1";
+  const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  if (fd >= 0 && ::connect(fd, result->ai_addr, result->ai_addrlen) == 0) {
+    sockaddr_in local{};
+    socklen_t length = sizeof local;
+    if (::getsockname(fd, reinterpret_cast<sockaddr*>(&local), &length) == 0) {
+      char text[INET_ADDRSTRLEN];
+      ::inet_ntop(AF_INET, &local.sin_addr, text, sizeof text);
+      address = text;
+    }
+  }
+  if (fd >= 0) ::close(fd);
+  ::freeaddrinfo(result);
+  return address;
 }
 
 std::map<std::string, std::string> worker_env(const WorkerInfo& info) {

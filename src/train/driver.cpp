@@ -18,8 +18,8 @@
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
-#include "train/checkpoint_manager.h"
 #include "train/progress.h"
+#include "train/run_recorder.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 
@@ -28,87 +28,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string default_name() {
-  std::time_t now = std::time(nullptr);
-  char buffer[64];
-  std::strftime(buffer, sizeof buffer, "cohort_%Y-%m-%d_%H-%M-%S", std::localtime(&now));
-  return buffer;
-}
-
 std::string random_token() {
   std::random_device device;
   char buffer[32];
   std::snprintf(buffer, sizeof buffer, "%08x%08x", device(), device());
   return buffer;
-}
-
-std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& name) {
-  if (name.find('/') != std::string::npos || name == "." || name == "..") {
-    throw UsageError("RunConfig.name '" + name + "' must be a plain folder name (no '/')");
-  }
-  auto dir = run.storage_path / name;
-  std::error_code ec;
-  std::filesystem::create_directories(dir / "logs", ec);
-  if (ec) {
-    throw UsageError("storage path " + run.storage_path.string() + " is not usable (" +
-                     ec.message() + "): give a writable --storage-path / RunConfig.storage_path");
-  }
-  // create_directories succeeds on an existing read-only folder; a real write tells.
-  try {
-    write_atomically(dir / ".write_test", "ok");
-  } catch (const std::exception&) {
-    throw UsageError("storage path " + dir.string() +
-                     " is not writable: give a writable --storage-path / RunConfig.storage_path");
-  }
-  std::filesystem::remove(dir / ".write_test", ec);
-  // Half-assembled checkpoints of a start that crashed are never valid.
-  std::filesystem::remove_all(dir / kStagingDir, ec);
-  return dir;
-}
-
-std::string csv_cell(const Json& value) {
-  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
-  if (text.find_first_of(",\"\n") == std::string::npos) return text;
-  std::string quoted = "\"";
-  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return quoted + "\"";
-}
-
-void write_metrics_csv(const std::filesystem::path& file, const std::vector<Json>& history) {
-  std::vector<std::string> columns;
-  for (const auto& record : history) {
-    for (const auto& [key, value] : record.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
-  write_atomically(file, [&](std::ostream& out) {
-    for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << csv_cell(columns[c]);
-    out << '\n';
-    for (const auto& record : history) {
-      for (size_t c = 0; c < columns.size(); ++c) {
-        out << (c ? "," : "") << (record.contains(columns[c]) ? csv_cell(record[columns[c]]) : "");
-      }
-      out << '\n';
-    }
-  });
-}
-
-Json result_json(const Result& result) {
-  Json out = Json::object();
-  for (const auto& [key, value] : result.metrics.items()) out[key] = value;
-  out["workers"] = result.workers;
-  out["wall_seconds"] = result.wall_seconds;
-  out["path"] = result.path.string();
-  out["checkpoint"] = result.checkpoint ? Json(result.checkpoint->path().string()) : Json(nullptr);
-  Json best = Json::array();
-  for (const auto& [checkpoint, metrics] : result.best_checkpoints) {
-    best.push_back({{"path", checkpoint.path().string()}, {"metrics", metrics}});
-  }
-  out["best_checkpoints"] = best;
-  out["failures"] = result.failures;
-  out["resizes"] = result.resizes;
-  out["error"] = result.error ? Json(*result.error) : Json(nullptr);
-  return out;
 }
 
 // The cause first: a rank killed from outside (its peers then fail in their collectives), else
@@ -213,7 +137,6 @@ class Driver {
   std::vector<int> wait_for_slots();
   void record_resize(size_t from, const std::string& reason);
   int min_workers() const { return scaling_.min_workers > 0 ? scaling_.min_workers : scaling_.num_workers; }
-  void on_report(const Json& message, std::string& driver_error);
   double since_start() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
 
   ScalingConfig scaling_;
@@ -222,11 +145,7 @@ class Driver {
   Console console_;
   Clock::time_point started_ = Clock::now();
   std::chrono::system_clock::time_point started_wall_ = std::chrono::system_clock::now();
-  std::string name_;
-  std::filesystem::path run_dir_;
-  std::optional<CheckpointManager> checkpoints_;
-  Result result_;
-  std::ofstream metrics_log_;
+  std::optional<RunRecorder> recorder_;
   comm::Store store_;
   // Elastic training: the slots the current group runs in (rank r in slots_[r]), and the pid of
   // the last worker of every slot (its process group tells whether anything of it is left).
@@ -278,9 +197,9 @@ std::vector<int> Driver::wait_for_slots() {
 
 void Driver::record_resize(size_t from, const std::string& reason) {
   if (from == slots_.size()) return;
-  result_.resizes.push_back({{"from", from},
+  recorder_->result().resizes.push_back({{"from", from},
                              {"to", slots_.size()},
-                             {"reports", result_.metrics_history.size()},
+                             {"reports", recorder_->result().metrics_history.size()},
                              {"at_s", since_start()},
                              {"reason", reason}});
   if (run_.verbose >= 1) {
@@ -298,23 +217,8 @@ Result Driver::run() {
     throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling_.num_workers) +
                      " workers needs that many GPUs; this host has " + std::to_string(torch::cuda::device_count()));
   }
-  name_ = run_.name.empty() ? default_name() : run_.name;
-  run_dir_ = std::filesystem::absolute(prepare_run_dir(run_, name_));
-  checkpoints_.emplace(run_dir_, run_.checkpoint_config);
-  result_.path = run_dir_;
-  std::optional<Checkpoint> resume_from;
-  if (run_.resume) {
-    for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
-    resume_from = checkpoints_->latest();
-    if (resume_from) {
-      result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
-      console_.message("cohort: resuming from " + resume_from->path().string());
-    }
-  }
-  // The history on disk is exactly what the Result holds: rewritten whole, then appended to.
-  metrics_log_.open(run_dir_ / kMetricsFile, std::ios::trunc);
-  for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
-  metrics_log_.flush();
+  recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, console_);
+  std::optional<Checkpoint> resume_from = recorder_->resume_point();
   store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
   slot_pids_.assign(static_cast<size_t>(scaling_.num_workers), 0);
   slots_ = wait_for_slots();
@@ -325,33 +229,32 @@ Result Driver::run() {
     attempt = run_attempt(resume_from);
     if (attempt.grow) {
       const size_t from = slots_.size();
-      resume_from = checkpoints_->latest();
+      resume_from = recorder_->latest_on_disk();
       slots_ = free_slots();
       record_resize(from, "worker slots became free");
       continue;
     }
     if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 || !attempt.driver_error.empty()) break;
-    const int failures = static_cast<int>(result_.failures.size()) + 1;
+    const int failures = static_cast<int>(recorder_->result().failures.size()) + 1;
     const bool restart = max_failures == -1 || failures <= max_failures;
-    result_.failures.push_back({{"rank", attempt.failed_rank},
+    recorder_->result().failures.push_back({{"rank", attempt.failed_rank},
                                 {"slot", attempt.failed_rank >= 0 ? Json(slots_[static_cast<size_t>(attempt.failed_rank)])
                                                                   : Json(nullptr)},
                                 {"cause", attempt.error},
-                                {"reports", result_.metrics_history.size()},
+                                {"reports", recorder_->result().metrics_history.size()},
                                 {"detected_at_s", std::chrono::duration<double>(attempt.detected - started_).count()},
                                 {"restarted", restart},
                                 {"recovery_s", nullptr}});
     if (!restart) break;
     // From disk, verified: rank 0 may have committed a checkpoint the driver never heard of
     // before the group was stopped.
-    for (const auto& warning : checkpoints_->adopt_existing()) console_.message("cohort: warning: " + warning);
-    resume_from = checkpoints_->latest();
+    resume_from = recorder_->latest_on_disk();
     const size_t from = slots_.size();
     try {
       slots_ = wait_for_slots();
     } catch (const RuntimeError& e) {
       attempt.error += "; no restart: " + std::string(e.what());
-      result_.failures.back()["restarted"] = false;
+      recorder_->result().failures.back()["restarted"] = false;
       break;
     }
     record_resize(from, "after the failure of rank " + std::to_string(attempt.failed_rank));
@@ -362,19 +265,14 @@ Result Driver::run() {
     }
   }
 
-  if (!result_.metrics_history.empty()) result_.metrics = result_.metrics_history.back();
-  result_.checkpoint = checkpoints_->latest();
-  result_.best_checkpoints = checkpoints_->best();
-  result_.wall_seconds = since_start();
-  result_.workers = static_cast<int>(slots_.size());
+  std::optional<std::string> error;
   if (!attempt.error.empty()) {
-    const size_t restarts = result_.failures.empty() ? 0 : result_.failures.size() - 1;
-    result_.error = restarts > 0 && attempt.driver_error.empty() && attempt.outcome.interrupted_by == 0
-                        ? "after " + std::to_string(restarts) + " restart(s): " + attempt.error
-                        : attempt.error;
+    const size_t restarts = recorder_->result().failures.empty() ? 0 : recorder_->result().failures.size() - 1;
+    error = restarts > 0 && attempt.driver_error.empty() && attempt.outcome.interrupted_by == 0
+                ? "after " + std::to_string(restarts) + " restart(s): " + attempt.error
+                : attempt.error;
   }
-  write_metrics_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
-  write_atomically(run_dir_ / kResultFile, result_json(result_).dump(2) + "\n");
+  Result result = recorder_->finish(error, static_cast<int>(slots_.size()), since_start());
   if (attempt.outcome.interrupted_by != 0) {
     // Ctrl-C or SIGTERM stops the whole program, as the user asked, now that nothing is left
     // running and the result is on disk.
@@ -382,44 +280,21 @@ Result Driver::run() {
     std::signal(attempt.outcome.interrupted_by, SIG_DFL);
     std::raise(attempt.outcome.interrupted_by);
   }
-  return result_;
-}
-
-void Driver::on_report(const Json& message, std::string& driver_error) {
-  const int64_t index = message.value("index", int64_t{0});
-  const Json& metrics = message["metrics"];
-  if (index == 1) {
-    try {
-      checkpoints_->check_score_attribute(metrics);
-    } catch (const UsageError& e) {
-      driver_error = e.what();
-    }
-  }
-  Json record = metrics;
-  record["training_iteration"] = static_cast<int64_t>(result_.metrics_history.size()) + 1;
-  record["timestamp"] = std::time(nullptr);
-  if (message.contains("checkpoint")) {
-    record["checkpoint"] = message["checkpoint"];
-    checkpoints_->add(message["checkpoint"].get<std::string>(), metrics);
-  }
-  metrics_log_ << record.dump() << '\n';
-  metrics_log_.flush();
-  result_.metrics_history.push_back(record);
-  console_.report(record["training_iteration"].get<int64_t>(), metrics);
+  return result;
 }
 
 Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from) {
   const int world = static_cast<int>(slots_.size());
   runtime::WorkerGroupOptions options;
   options.num_workers = world;
-  options.log_dir = run_dir_ / "logs";
+  options.log_dir = recorder_->run_dir() / "logs";
   // No rank waits on a finished peer longer than on a collective.
   options.exit_skew_timeout = run_.collective_timeout;
   const std::string threads = std::to_string(scaling_.resources_per_worker.cpu_threads);
   options.env = {
       {kConfigVar, config_.dump()},
-      {kNameVar, name_},
-      {kRunDirVar, run_dir_.string()},
+      {kNameVar, recorder_->name()},
+      {kRunDirVar, recorder_->run_dir().string()},
       {kRunStartVar,
        std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(started_wall_.time_since_epoch()).count())},
       {kThreadsVar, threads},
@@ -433,7 +308,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       // A fresh token per start: nothing of a failed start's store keys or staging is reused.
       {kRunTokenVar, random_token()},
       {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
-      {kNextCheckpointVar, std::to_string(checkpoints_->next_index())},
+      {kNextCheckpointVar, std::to_string(recorder_->next_checkpoint_index())},
   };
   const int port = store_.port();
   options.rank_env = [port, world, slots = slots_](int rank) {
@@ -513,16 +388,16 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (rank == 0 && !trained) {
       trained = true;
       // The group trains again: the previous failure is recovered.
-      if (!result_.failures.empty() && result_.failures.back()["recovery_s"].is_null()) {
-        result_.failures.back()["recovery_s"] =
-            since_start() - result_.failures.back()["detected_at_s"].get<double>();
+      if (!recorder_->result().failures.empty() && recorder_->result().failures.back()["recovery_s"].is_null()) {
+        recorder_->result().failures.back()["recovery_s"] =
+            since_start() - recorder_->result().failures.back()["detected_at_s"].get<double>();
       }
     }
     if (type == "report_begin") {
       stop_because(report_counter.on_report(rank, message.value("index", int64_t{0})));
     } else if (type == "report" && rank == 0) {
       std::string broken;
-      on_report(message, broken);
+      recorder_->on_report(message, broken);
       stop_because(broken);
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
@@ -550,7 +425,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     std::string pids;
     for (int pid : group.pids()) pids += (pids.empty() ? "" : " ") + std::to_string(pid);
     console_.message("cohort: started " + std::to_string(world) + " worker(s) [pids " + pids + "], run directory " +
-                     run_dir_.string());
+                     recorder_->run_dir().string());
   }
   attempt.outcome = group.wait(handlers);
   console_.tick(/*flush_all=*/true);

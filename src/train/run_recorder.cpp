@@ -1,0 +1,158 @@
+#include "train/run_recorder.h"
+
+#include <algorithm>
+#include <ctime>
+
+#include "cohort/error.h"
+#include "train/run_files.h"
+#include "train/worker_session.h"
+
+namespace cohort::train {
+
+std::string default_run_name() {
+  std::time_t now = std::time(nullptr);
+  char buffer[64];
+  std::strftime(buffer, sizeof buffer, "cohort_%Y-%m-%d_%H-%M-%S", std::localtime(&now));
+  return buffer;
+}
+
+namespace {
+
+std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& name) {
+  if (name.find('/') != std::string::npos || name == "." || name == "..") {
+    throw UsageError("RunConfig.name '" + name + "' must be a plain folder name (no '/')");
+  }
+  auto dir = run.storage_path / name;
+  std::error_code ec;
+  std::filesystem::create_directories(dir / "logs", ec);
+  if (ec) {
+    throw UsageError("storage path " + run.storage_path.string() + " is not usable (" +
+                     ec.message() + "): give a writable --storage-path / RunConfig.storage_path");
+  }
+  // create_directories succeeds on an existing read-only folder; a real write tells.
+  try {
+    write_atomically(dir / ".write_test", "ok");
+  } catch (const std::exception&) {
+    throw UsageError("storage path " + dir.string() +
+                     " is not writable: give a writable --storage-path / RunConfig.storage_path");
+  }
+  std::filesystem::remove(dir / ".write_test", ec);
+  // Half-assembled checkpoints of a start that crashed are never valid.
+  std::filesystem::remove_all(dir / kStagingDir, ec);
+  return dir;
+}
+
+std::string csv_cell(const Json& value) {
+  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+
+void write_metrics_csv(const std::filesystem::path& file, const std::vector<Json>& history) {
+  std::vector<std::string> columns;
+  for (const auto& record : history) {
+    for (const auto& [key, value] : record.items()) {
+      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
+    }
+  }
+  write_atomically(file, [&](std::ostream& out) {
+    for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << csv_cell(columns[c]);
+    out << '\n';
+    for (const auto& record : history) {
+      for (size_t c = 0; c < columns.size(); ++c) {
+        out << (c ? "," : "") << (record.contains(columns[c]) ? csv_cell(record[columns[c]]) : "");
+      }
+      out << '\n';
+    }
+  });
+}
+
+Json result_json(const Result& result) {
+  Json out = Json::object();
+  for (const auto& [key, value] : result.metrics.items()) out[key] = value;
+  out["workers"] = result.workers;
+  out["wall_seconds"] = result.wall_seconds;
+  out["path"] = result.path.string();
+  out["checkpoint"] = result.checkpoint ? Json(result.checkpoint->path().string()) : Json(nullptr);
+  Json best = Json::array();
+  for (const auto& [checkpoint, metrics] : result.best_checkpoints) {
+    best.push_back({{"path", checkpoint.path().string()}, {"metrics", metrics}});
+  }
+  out["best_checkpoints"] = best;
+  out["failures"] = result.failures;
+  out["resizes"] = result.resizes;
+  out["error"] = result.error ? Json(*result.error) : Json(nullptr);
+  return out;
+}
+
+}  // namespace
+
+RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, Console& console)
+    : name_(name),
+      run_dir_(std::filesystem::absolute(prepare_run_dir(run, name))),
+      resume_(run.resume),
+      console_(console),
+      checkpoints_(run_dir_, run.checkpoint_config) {
+  result_.path = run_dir_;
+}
+
+std::optional<Checkpoint> RunRecorder::resume_point() {
+  std::optional<Checkpoint> resume_from;
+  if (resume_) {
+    for (const auto& warning : checkpoints_.adopt_existing()) console_.message("cohort: warning: " + warning);
+    resume_from = checkpoints_.latest();
+    if (resume_from) {
+      result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
+      console_.message("cohort: resuming from " + resume_from->path().string());
+    }
+  }
+  // The history on disk is exactly what the Result holds: rewritten whole, then appended to.
+  metrics_log_.open(run_dir_ / kMetricsFile, std::ios::trunc);
+  for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
+  metrics_log_.flush();
+  return resume_from;
+}
+
+std::optional<Checkpoint> RunRecorder::latest_on_disk() {
+  for (const auto& warning : checkpoints_.adopt_existing()) console_.message("cohort: warning: " + warning);
+  return checkpoints_.latest();
+}
+
+void RunRecorder::on_report(const Json& message, std::string& driver_error) {
+  const int64_t index = message.value("index", int64_t{0});
+  const Json& metrics = message["metrics"];
+  if (index == 1) {
+    try {
+      checkpoints_.check_score_attribute(metrics);
+    } catch (const UsageError& e) {
+      driver_error = e.what();
+    }
+  }
+  Json record = metrics;
+  record["training_iteration"] = static_cast<int64_t>(result_.metrics_history.size()) + 1;
+  record["timestamp"] = std::time(nullptr);
+  if (message.contains("checkpoint")) {
+    record["checkpoint"] = message["checkpoint"];
+    checkpoints_.add(message["checkpoint"].get<std::string>(), metrics);
+  }
+  metrics_log_ << record.dump() << '\n';
+  metrics_log_.flush();
+  result_.metrics_history.push_back(record);
+  console_.report(record["training_iteration"].get<int64_t>(), metrics);
+}
+
+Result RunRecorder::finish(const std::optional<std::string>& error, int workers, double wall_seconds) {
+  if (!result_.metrics_history.empty()) result_.metrics = result_.metrics_history.back();
+  result_.checkpoint = checkpoints_.latest();
+  result_.best_checkpoints = checkpoints_.best();
+  result_.wall_seconds = wall_seconds;
+  result_.workers = workers;
+  result_.error = error;
+  write_metrics_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
+  write_atomically(run_dir_ / kResultFile, result_json(result_).dump(2) + "\n");
+  return result_;
+}
+
+}  // namespace cohort::train

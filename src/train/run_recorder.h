@@ -1,0 +1,53 @@
+// The bookkeeping of a run: its directory, metrics.jsonl/csv, the checkpoints it keeps and
+// result.json. The local driver keeps one; under an external launcher rank 0 does.
+#pragma once
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include "cohort/json.h"
+#include "cohort/train/config.h"
+#include "cohort/train/result.h"
+#include "train/checkpoint_manager.h"
+#include "train/progress.h"
+
+namespace cohort::train {
+
+// "cohort_<date>_<time>": the run name when RunConfig gives none.
+std::string default_run_name();
+
+class RunRecorder {
+ public:
+  // Creates (or reopens) <storage_path>/<name>; throws UsageError when it is not writable.
+  RunRecorder(const RunConfig& run, const std::string& name, Console& console);
+
+  // The checkpoint to resume from: with RunConfig::resume, the run's latest valid one (a corrupt
+  // one skipped with a warning), and the metrics history up to it is reloaded.
+  std::optional<Checkpoint> resume_point();
+  // After a failed start: the latest valid checkpoint on disk, including any that rank 0
+  // committed before the group was stopped.
+  std::optional<Checkpoint> latest_on_disk();
+  int64_t next_checkpoint_index() const { return checkpoints_.next_index(); }
+
+  // A "report" control message of rank 0. Sets `driver_error` when the run broke a rule.
+  void on_report(const Json& message, std::string& driver_error);
+
+  // Writes metrics.csv and result.json; returns the final Result.
+  Result finish(const std::optional<std::string>& error, int workers, double wall_seconds);
+
+  const std::filesystem::path& run_dir() const { return run_dir_; }
+  const std::string& name() const { return name_; }
+  Result& result() { return result_; }
+
+ private:
+  std::string name_;
+  std::filesystem::path run_dir_;
+  bool resume_;
+  Console& console_;
+  CheckpointManager checkpoints_;
+  Result result_;
+  std::ofstream metrics_log_;
+};
+
+}  // namespace cohort::train
