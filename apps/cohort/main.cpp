@@ -22,7 +22,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (train_cmd->parsed()) return cohort::cli::run_train_command(train);
+    if (train_cmd->parsed()) return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 2;

@@ -196,7 +196,14 @@ void train_loop(const Json& c) {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time()).count();
     const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
+    // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
+    double checksum = 0;
+    for (const auto& p : model->parameters()) checksum += p.detach().to(torch::kDouble).sum().item<double>();
+    const auto checksums = ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
+    const auto all = torch::cat(checksums);
     report_with_checkpoint({{"epoch", epoch + 1},
+                            {"replica_spread", (all.max() - all.min()).item<double>()},
+                            {"world_size", ctx.get_world_size()},
                             {"epochs", epoch + 1},
                             {"steps", steps},
                             {"train_loss", train_loss},
@@ -247,7 +254,9 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   return cmd;
 }
 
-int run_train_command(TrainOptions o) {
+int run_train_command(TrainOptions o, bool workers_given) {
+  // Under a launcher its world size is the default; an explicit --workers must match it.
+  if (auto launch = runtime::detect_launch(); launch && !workers_given) o.workers = launch->world_size;
   validate(o);
   Trainer trainer(train_loop,
                   ScalingConfig{.num_workers = o.workers,

@@ -34,6 +34,7 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& options);
 
 // Checks the options and the data before any worker starts (UsageError on bad input), then runs
 // the job. Returns the process exit code.
-int run_train_command(TrainOptions options);
+// workers_given: --workers was on the command line (else, under a launcher, its world size).
+int run_train_command(TrainOptions options, bool workers_given);
 
 }  // namespace cohort::cli

@@ -27,13 +27,24 @@ std::mutex& control_mutex() {
   return mutex;
 }
 
+std::function<void(const std::string&)>& control_sink() {
+  static std::function<void(const std::string&)> sink;
+  return sink;
+}
+
 }  // namespace
 
-bool has_control_channel() { return control_fd() >= 0; }
+void set_control_sink(std::function<void(const std::string&)> sink) { control_sink() = std::move(sink); }
+
+bool has_control_channel() { return control_fd() >= 0 || control_sink() != nullptr; }
 
 void send_control_message(const std::string& line) {
   if (line.find('\n') != std::string::npos) {
     throw RuntimeError("control message must be one line");
+  }
+  if (control_sink()) {
+    control_sink()(line);
+    return;
   }
   const int fd = control_fd();
   if (fd < 0) throw RuntimeError("no control channel: this process was not started by a driver");

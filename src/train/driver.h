@@ -5,12 +5,19 @@
 
 #include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
+#include "cohort/runtime/worker_info.h"
 #include "cohort/train/config.h"
 #include "cohort/train/result.h"
 
 namespace cohort::train {
 
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config);
+
+// Under an external launcher (runtime::detect_launch): this process is one rank; rank 0 also
+// keeps the run directory and returns the Result, the other ranks end their process.
+Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
+                    const RunConfig& run, const Json& config,
+                    const std::map<std::string, data::TensorDataset>& datasets, const runtime::WorkerInfo& info);
 
 // The worker side: joins the group, runs the loop, ends the process.
 [[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,

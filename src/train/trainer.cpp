@@ -41,6 +41,9 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
 
 Result Trainer::fit() {
   if (runtime::is_spawned_worker()) train::run_worker(train_loop_, scaling_, datasets_);
+  if (auto launch = runtime::detect_launch()) {
+    return train::run_launched(train_loop_, scaling_, run_, config_, datasets_, *launch);
+  }
   return train::run_driver(scaling_, run_, config_);
 }
 

@@ -27,6 +27,9 @@ class Trainer {
 
   // Driver: returns when every worker has finished, or after a failure (Result::error).
   // Worker: runs the loop and exits the process (never returns).
+  // Under a launcher (srun, mpirun, torchrun-style variables, cohort launch) every process is a
+  // rank: rank 0 runs the loop, keeps the run directory and returns the Result; the other ranks
+  // run the loop and exit (status 1 after a failure, for the launcher to restart them).
   Result fit();
 
  private:

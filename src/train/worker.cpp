@@ -1,0 +1,290 @@
+// The worker side of Trainer::fit: a rank started by cohort's local driver, or by an external
+// launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
+// run's bookkeeping.
+#include <torch/torch.h>
+#include <zlib.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <random>
+
+#include "cohort/comm/store.h"
+#include "cohort/error.h"
+#include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/worker_info.h"
+#include "train/driver.h"
+#include "train/progress.h"
+#include "train/run_recorder.h"
+#include "train/worker_session.h"
+
+namespace cohort::train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+long env_long(const char* name, long fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? std::atol(value) : fallback;
+}
+
+std::string env_string(const char* name) {
+  const char* value = std::getenv(name);
+  return value ? value : "";
+}
+
+void set_threads(int threads) {
+  torch::set_num_threads(threads);
+  try {
+    torch::set_num_interop_threads(1);
+  } catch (const std::exception&) {
+    // Already fixed by earlier torch use in this process; harmless.
+  }
+}
+
+// Everything a rank needs to join its group, from the driver's variables or from rank 0.
+struct SessionSettings {
+  runtime::WorkerInfo info;
+  comm::Store store;
+  std::string run_token;
+  std::chrono::milliseconds setup_timeout{};
+  std::chrono::milliseconds collective_timeout{};
+  std::string name;
+  std::filesystem::path run_dir;
+  std::chrono::system_clock::time_point run_start;
+  std::string resume_from;
+  int64_t next_checkpoint_index = 0;
+  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  std::string interface_address = "127.0.0.1";
+};
+
+// Joins the process group and makes this the current session.
+void open_session(SessionSettings settings, const ScalingConfig& scaling,
+                  const std::map<std::string, data::TensorDataset>& datasets) {
+  auto session = std::make_unique<WorkerSession>();
+  session->store = settings.store;
+  session->run_token = settings.run_token;
+  session->collective_timeout = settings.collective_timeout;
+  session->datasets = datasets;
+  session->on_world_size_change = scaling.on_world_size_change;
+  session->next_checkpoint_index = settings.next_checkpoint_index;
+  if (!settings.resume_from.empty()) session->resume_from = Checkpoint::from_directory(settings.resume_from);
+  auto& ctx = session->context;
+  const auto& info = settings.info;
+  ctx.world_rank = info.world_rank;
+  ctx.local_rank = info.local_rank;
+  ctx.node_rank = info.node_rank;
+  ctx.world_size = info.world_size;
+  ctx.local_world_size = info.local_world_size;
+  ctx.experiment_name = settings.name;
+  ctx.storage_path = settings.run_dir;
+  ctx.run_start = settings.run_start;
+  ctx.device = settings.device;
+  ctx.process_group = comm::ProcessGroup::create(settings.store, info.world_rank, info.world_size,
+                                                 {.interface_address = settings.interface_address,
+                                                  .setup_timeout = settings.setup_timeout,
+                                                  .timeout = settings.collective_timeout,
+                                                  .prefix = "train/" + settings.run_token});
+  runtime::set_heartbeat_status([group = ctx.process_group] {
+    return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}.dump();
+  });
+  set_current_session(std::move(session));
+}
+
+// A collective that failed or timed out because of a peer is a consequence of that peer's
+// failure; the driver names the cause first.
+bool is_consequence(const std::exception& e) {
+  return dynamic_cast<const PeerFailureError*>(&e) != nullptr || dynamic_cast<const TimeoutError*>(&e) != nullptr;
+}
+
+[[noreturn]] void end_process(int code) {
+  std::cout.flush();
+  std::cerr.flush();
+  std::fflush(nullptr);
+  // Skip static destructors: the process group's threads may still be blocked on a dead peer,
+  // and nothing after the loop needs them.
+  std::_Exit(code);
+}
+
+// CRC-32 of this program's file: ranks built from different sources must not train together.
+std::string binary_fingerprint() {
+  std::ifstream in("/proc/self/exe", std::ios::binary);
+  std::vector<char> buffer(1 << 20);
+  uLong crc = crc32(0, nullptr, 0);
+  int64_t size = 0;
+  while (in) {
+    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
+    crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<uInt>(in.gcount()));
+    size += in.gcount();
+  }
+  char text[48];
+  std::snprintf(text, sizeof text, "%08lx/%lld", crc, static_cast<long long>(size));
+  return text;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+}  // namespace
+
+void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
+                const std::map<std::string, data::TensorDataset>& datasets) {
+  int code = 0;
+  int rank = -1;
+  try {
+    auto info = runtime::worker_info_from_env();
+    if (!info) throw RuntimeError("worker started without RANK/WORLD_SIZE");
+    rank = info->world_rank;
+    set_threads(static_cast<int>(env_long(kThreadsVar, 1)));
+    // First of all, so that even a slow start is not taken for a hang.
+    runtime::start_heartbeat(std::chrono::milliseconds(env_long(kHeartbeatIntervalVar, 1000)));
+    SessionSettings settings;
+    settings.info = *info;
+    settings.setup_timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
+    settings.collective_timeout = std::chrono::milliseconds(env_long(kCollectiveTimeoutVar, 300'000));
+    settings.store = comm::Store::connect(
+        {.host = info->master_addr, .port = info->master_port, .is_server = false, .timeout = settings.setup_timeout});
+    settings.run_token = env_string(kRunTokenVar);
+    settings.name = env_string(kNameVar);
+    settings.run_dir = env_string(kRunDirVar);
+    settings.run_start = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
+        std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
+    settings.resume_from = env_string(kResumeCheckpointVar);
+    settings.next_checkpoint_index = env_long(kNextCheckpointVar, 0);
+    settings.device = env_long(kUseGpuVar, 0) != 0
+                          ? c10::Device(c10::DeviceType::CUDA,
+                                        static_cast<c10::DeviceIndex>(env_long(kSlotVar, info->local_rank)))
+                          : c10::Device(c10::DeviceType::CPU);
+    open_session(std::move(settings), scaling, datasets);
+    const std::string config_text = env_string(kConfigVar);
+    train_loop(config_text.empty() ? Json::object() : Json::parse(config_text));
+  } catch (const std::exception& e) {
+    code = 1;
+    std::cerr << "error: " << e.what() << std::endl;
+    if (runtime::has_control_channel()) {
+      try {
+        runtime::send_control_message(
+            Json{{"type", "error"}, {"rank", rank}, {"message", e.what()}, {"consequence", is_consequence(e)}}.dump());
+      } catch (...) {
+      }
+    }
+  }
+  end_process(code);
+}
+
+Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
+                    const RunConfig& run, const Json& config,
+                    const std::map<std::string, data::TensorDataset>& datasets, const runtime::WorkerInfo& info) {
+  const auto started = Clock::now();
+  const auto started_wall = std::chrono::system_clock::now();
+  const std::string where = " (launched by " + info.launcher + " as rank " + std::to_string(info.world_rank) +
+                            " of " + std::to_string(info.world_size) + ")";
+  if (scaling.num_workers != info.world_size) {
+    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) + " but the launcher started " +
+                     std::to_string(info.world_size) + " processes" + where +
+                     ": make them agree (e.g. srun -n / mpirun -np / --nnodes x --nproc-per-node)");
+  }
+  if (scaling.min_workers != 0 && scaling.min_workers != scaling.num_workers) {
+    throw UsageError("ScalingConfig.min_workers: elastic group sizes need cohort's own driver; under " + info.launcher +
+                     " the launcher decides the size (leave min_workers at 0)");
+  }
+  set_threads(scaling.resources_per_worker.cpu_threads);
+  const bool rank0 = info.world_rank == 0;
+  const bool serve = rank0 && !info.store_on_launcher;
+  SessionSettings settings;
+  settings.info = info;
+  settings.setup_timeout = run.setup_timeout;
+  settings.collective_timeout = run.collective_timeout;
+  settings.store = comm::Store::connect({.host = info.master_addr,
+                                         .port = info.store_port,
+                                         .is_server = serve,
+                                         .timeout = run.setup_timeout,
+                                         .job_id = info.job_id});
+  const std::string round = "job/" + std::to_string(info.restart_round) + "/";
+
+  // Same program everywhere, or a clear refusal.
+  const auto fingerprints = settings.store.arrive_and_wait(
+      round + "binary/", info.world_rank, info.world_size, binary_fingerprint() + " on " + host_name(),
+      "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port), run.setup_timeout);
+  for (int r = 1; r < info.world_size; ++r) {
+    const auto& mine = fingerprints[static_cast<size_t>(r)];
+    const auto& first = fingerprints[0];
+    if (mine.substr(0, mine.find(' ')) != first.substr(0, first.find(' '))) {
+      throw UsageError("rank " + std::to_string(r) + " runs a different program (" + mine + ") than rank 0 (" + first +
+                       "): deploy the same build on every node");
+    }
+  }
+
+  // Rank 0 opens the run directory (on storage all nodes share) and tells the others.
+  Console console(rank0 ? run.verbose : 0);
+  std::optional<RunRecorder> recorder;
+  if (rank0) {
+    recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, console);
+    const auto resume_from = recorder->resume_point();
+    std::random_device random;
+    settings.store.set(round + "run", Json{{"name", recorder->name()},
+                                           {"run_dir", recorder->run_dir().string()},
+                                           {"resume_from", resume_from ? resume_from->path().string() : ""},
+                                           {"next_checkpoint", recorder->next_checkpoint_index()},
+                                           {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" +
+                                                         std::to_string(random())},
+                                           {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                            started_wall.time_since_epoch())
+                                                            .count()}}
+                                          .dump());
+    if (run.verbose >= 1) {
+      console.message("cohort: rank 0 of " + std::to_string(info.world_size) + " (" + info.launcher +
+                      ") keeps the run directory " + recorder->run_dir().string());
+    }
+  }
+  const Json shared = Json::parse(settings.store.get(round + "run"));
+  settings.name = shared["name"];
+  settings.run_dir = shared["run_dir"].get<std::string>();
+  settings.resume_from = shared["resume_from"];
+  settings.next_checkpoint_index = shared["next_checkpoint"];
+  settings.run_token = shared["token"];
+  settings.run_start = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
+      std::chrono::nanoseconds(shared["start_ns"].get<int64_t>())));
+  if (!std::filesystem::is_directory(settings.run_dir)) {
+    throw UsageError("rank " + std::to_string(info.world_rank) + " on " + host_name() + " cannot see the run directory " +
+                     settings.run_dir.string() +
+                     " that rank 0 created: RunConfig.storage_path must be storage every node shares");
+  }
+  settings.device = scaling.use_gpu ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(info.local_rank))
+                                    : c10::Device(c10::DeviceType::CPU);
+  settings.interface_address = runtime::data_plane_address(info.master_addr);
+
+  std::string broken;
+  if (rank0) {
+    runtime::set_control_sink([&](const std::string& line) {
+      const Json message = Json::parse(line);
+      const auto type = message.value("type", std::string{});
+      if (type == "report") {
+        recorder->on_report(message, broken);
+        if (!broken.empty()) throw UsageError(broken);
+      } else if (type == "progress") {
+        console.progress(message["progress"]);
+      }
+    });
+  }
+  std::optional<std::string> error;
+  try {
+    open_session(settings, scaling, datasets);
+    train_loop(config);
+    // Rank 0 serves the store: nobody may still need it when it returns.
+    settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1", "finish the train loop",
+                                   run.collective_timeout);
+  } catch (const std::exception& e) {
+    error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
+    std::cerr << "error: " << *error << std::endl;
+  }
+  runtime::set_control_sink(nullptr);
+  if (!rank0) end_process(error ? 1 : 0);
+  console.tick(/*flush_all=*/true);
+  return recorder->finish(error, info.world_size, std::chrono::duration<double>(Clock::now() - started).count());
+}
+
+}  // namespace cohort::train
