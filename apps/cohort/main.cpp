@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/error.h"
+#include "launch_command.h"
 #include "train_command.h"
 
 int main(int argc, char** argv) {
@@ -11,6 +12,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   cohort::cli::TrainOptions train;
   auto* train_cmd = cohort::cli::add_train_command(app, train);
+  cohort::cli::LaunchOptions launch;
+  auto* launch_cmd = cohort::cli::add_launch_command(app, launch);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -23,6 +26,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (train_cmd->parsed()) return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
+    if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 2;

@@ -8,6 +8,7 @@
 #include "cohort/comm/store.h"
 
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 

@@ -177,9 +177,13 @@ struct WorkerGroup::Impl {
     if (options.rank_env) {
       for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
     }
-    vars[kRoleVar] = kWorkerRole;
+    vars.erase(kRoleVar);
+    vars.erase(kControlFdVar);
+    if (options.role_worker) {
+      vars[kRoleVar] = kWorkerRole;
+      vars[kControlFdVar] = "3";
+    }
     vars[kDriverPidVar] = std::to_string(::getpid());
-    vars[kControlFdVar] = "3";
     std::vector<std::string> out;
     for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
     return out;

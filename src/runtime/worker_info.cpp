@@ -271,7 +271,7 @@ void bind_lifetime_to_driver() {
 namespace {
 // Runs before main(): a worker must not outlive its driver, even while still starting up.
 const bool kBound = [] {
-  if (is_spawned_worker()) bind_lifetime_to_driver();
+  bind_lifetime_to_driver();  // when started by a WorkerGroup (COHORT_DRIVER_PID set)
   return true;
 }();
 }  // namespace

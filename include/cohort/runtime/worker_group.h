@@ -20,6 +20,10 @@ struct WorkerGroupOptions {
   std::function<std::map<std::string, std::string>(int rank)> rank_env;
   // Per-rank log files (rank-R.log, unabridged) go here when set.
   std::filesystem::path log_dir;
+  // Workers are told they are cohort workers of this process (COHORT_ROLE, the control channel
+  // on fd 3). false for a launcher's workers, which find their group from the torchrun-style
+  // variables instead. Either way they die with this process.
+  bool role_worker = true;
   // Between SIGTERM and SIGKILL when the group is stopped.
   std::chrono::milliseconds stop_grace{3'000};
   // After one worker finished cleanly, how long the others may still run before they are

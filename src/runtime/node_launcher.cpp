@@ -1,0 +1,267 @@
+#include "cohort/runtime/node_launcher.h"
+
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "cohort/comm/store.h"
+#include "cohort/error.h"
+#include "cohort/runtime/worker_group.h"
+#include "cohort/runtime/worker_info.h"
+
+namespace cohort::runtime {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string host_name() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+// The program as posix_spawn needs it: a path, looked up in PATH when it has no '/'.
+std::string resolve_program(const std::string& program) {
+  if (program.find('/') != std::string::npos) {
+    if (::access(program.c_str(), X_OK) != 0) throw UsageError("cohort launch: '" + program + "' is not an executable file");
+    return program;
+  }
+  const char* path = std::getenv("PATH");
+  std::string dirs = path ? path : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= dirs.size()) {
+    const size_t end = std::min(dirs.find(':', start), dirs.size());
+    const auto candidate = std::filesystem::path(dirs.substr(start, end - start)) / program;
+    if (::access(candidate.c_str(), X_OK) == 0) return candidate.string();
+    start = end + 1;
+  }
+  throw UsageError("cohort launch: program '" + program + "' is not in PATH");
+}
+
+std::string default_job_id(const NodeLaunchOptions& o) {
+  std::string text = std::to_string(o.nnodes) + "x" + std::to_string(o.nproc_per_node);
+  for (const auto& arg : o.command) text += '\0' + arg;
+  char id[32];
+  std::snprintf(id, sizeof id, "launch-%08lx",
+                crc32(crc32(0, nullptr, 0), reinterpret_cast<const Bytef*>(text.data()), static_cast<uInt>(text.size())));
+  return id;
+}
+
+class NodeLauncher {
+ public:
+  explicit NodeLauncher(NodeLaunchOptions o) : o_(std::move(o)) {}
+  int run();
+
+ private:
+  void say(const std::string& line) const {
+    if (o_.verbose >= 1) std::cerr << "cohort launch (node " << o_.node_rank << "/" << o_.nnodes << "): " << line << std::endl;
+  }
+  std::string key(const std::string& what) const { return "launch/" + std::to_string(round_) + "/" + what; }
+  // Heart-beats and looks at the others. Returns a reason to stop the round, or "".
+  std::string check_peers();
+  // After a local failure: a node whose launcher went silent is the likelier cause; names it.
+  std::string find_lost_node();
+  // Waits until every node set key(what)/<node>, while watching the others; "" or a reason.
+  std::string wait_for_nodes(const std::string& what);
+  void mark_failed(const std::string& reason);
+
+  NodeLaunchOptions o_;
+  std::optional<comm::Store> store_;
+  std::vector<std::string> hosts_;
+  int round_ = 0;
+  std::map<int, std::pair<int64_t, Clock::time_point>> heard_;  // node -> last heartbeat, when it changed
+  Clock::time_point last_beat_{};
+};
+
+std::string NodeLauncher::check_peers() {
+  const auto now = Clock::now();
+  if (now - last_beat_ < std::chrono::milliseconds(200)) return "";
+  last_beat_ = now;
+  try {
+    store_->add("launch/heartbeat/" + std::to_string(o_.node_rank), 1);
+    if (store_->check({key("failed")})) return store_->get(key("failed"));
+    for (int node = 0; node < o_.nnodes; ++node) {
+      if (node == o_.node_rank) continue;
+      const int64_t beats = store_->add("launch/heartbeat/" + std::to_string(node), 0);
+      auto [it, fresh] = heard_.try_emplace(node, beats, now);
+      if (fresh || it->second.first != beats) {
+        it->second = {beats, now};
+      } else if (now - it->second.second > o_.heartbeat_timeout) {
+        return "node " + std::to_string(node) + " (" + hosts_.at(static_cast<size_t>(node)) +
+               ") is lost: its launcher sent no heartbeat for " +
+               std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout).count()) + " s";
+      }
+    }
+  } catch (const PeerFailureError&) {
+    return "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
+           "), which holds the rendezvous: its launcher or host is gone";
+  }
+  return "";
+}
+
+std::string NodeLauncher::find_lost_node() {
+  const auto until = Clock::now() + o_.heartbeat_timeout + std::chrono::seconds(1);
+  while (Clock::now() < until) {
+    const auto reason = check_peers();
+    if (reason.find(" is lost") != std::string::npos || reason.find("lost node 0") != std::string::npos) return reason;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return "";
+}
+
+std::string NodeLauncher::wait_for_nodes(const std::string& what) {
+  std::vector<std::string> keys;
+  for (int node = 0; node < o_.nnodes; ++node) keys.push_back(key(what) + "/" + std::to_string(node));
+  store_->set(keys[static_cast<size_t>(o_.node_rank)], "1");
+  while (true) {
+    try {
+      if (store_->check(keys)) return "";
+    } catch (const PeerFailureError&) {
+    }
+    if (auto reason = check_peers(); !reason.empty()) return reason;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void NodeLauncher::mark_failed(const std::string& reason) {
+  try {
+    if (!store_->check({key("failed")})) store_->set(key("failed"), reason);
+  } catch (const std::exception&) {
+    // The store is gone with node 0: the others learn it themselves.
+  }
+}
+
+int NodeLauncher::run() {
+  const std::string program = resolve_program(o_.command.front());
+  if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
+  const bool serve = o_.node_rank == 0;
+  store_ = comm::Store::connect({.host = o_.master_addr,
+                                 .port = o_.master_port,
+                                 .is_server = serve,
+                                 .timeout = o_.rendezvous_timeout,
+                                 .job_id = o_.job_id});
+  round_ = static_cast<int>(store_->add("launch/round", 0));
+  const int world = o_.nnodes * o_.nproc_per_node;
+  while (true) {
+    say("joining round " + std::to_string(round_) + " at " + o_.master_addr + ":" + std::to_string(o_.master_port) +
+        " (job " + o_.job_id + ")");
+    try {
+      hosts_ = store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, host_name(),
+                                       "join round " + std::to_string(round_) + " of job " + o_.job_id,
+                                       o_.rendezvous_timeout);
+    } catch (const TimeoutError& e) {
+      std::string message = e.what();
+      if (message.rfind("ranks [", 0) == 0) message.replace(0, 5, "nodes");
+      std::cerr << "error: cohort launch: " << message << " (lost, or not started?)" << std::endl;
+      return 1;
+    } catch (const PeerFailureError&) {
+      std::cerr << "error: cohort launch: lost node 0 (" << o_.master_addr << ":" << o_.master_port
+                << "), which holds the rendezvous" << std::endl;
+      return 1;
+    }
+    heard_.clear();
+    WorkerGroupOptions group_options;
+    group_options.num_workers = o_.nproc_per_node;
+    group_options.executable = program;
+    group_options.argv = o_.command;
+    group_options.role_worker = false;
+    group_options.rank_env = [this, world](int local) {
+      auto env = worker_env({.world_rank = o_.node_rank * o_.nproc_per_node + local,
+                             .local_rank = local,
+                             .node_rank = o_.node_rank,
+                             .world_size = world,
+                             .local_world_size = o_.nproc_per_node,
+                             .master_addr = o_.master_addr,
+                             .master_port = o_.master_port});
+      env[kLauncherVar] = "cohort-launch";
+      env[kJobIdVar] = o_.job_id;
+      env[kRestartRoundVar] = std::to_string(round_);
+      env[kStoreOnLauncherVar] = "1";
+      env[kStorePortVar] = std::to_string(o_.master_port);
+      return env;
+    };
+    WorkerGroup group(group_options);
+    std::string peer_reason;
+    WorkerGroupHandlers handlers;
+    handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
+      (is_stderr ? std::cerr : std::cout) << "(rank=" << o_.node_rank * o_.nproc_per_node + local << ", pid=" << pid
+                                          << ") " << line << '\n';
+    };
+    handlers.on_tick = [&] {
+      if (group.stopping() || !peer_reason.empty()) return;
+      peer_reason = check_peers();
+      if (!peer_reason.empty()) group.request_stop(peer_reason);
+    };
+    group.start();
+    say("round " + std::to_string(round_) + ": started ranks " + std::to_string(o_.node_rank * o_.nproc_per_node) + "-" +
+        std::to_string((o_.node_rank + 1) * o_.nproc_per_node - 1) + " of " + std::to_string(world));
+    const auto outcome = group.wait(handlers);
+    if (outcome.interrupted_by != 0) {
+      mark_failed("node " + std::to_string(o_.node_rank) + " was interrupted");
+      return 128 + outcome.interrupted_by;
+    }
+    std::string reason = peer_reason;
+    if (outcome.success) {
+      // Node 0 serves the store: it stays until every node is done.
+      reason = wait_for_nodes("finished");
+      if (reason.empty()) {
+        try {
+          // Node 0 serves the store: it stays until every node has seen the end.
+          store_->set(key("left/") + std::to_string(o_.node_rank), "1");
+          if (serve) {
+            std::vector<std::string> left;
+            for (int node = 0; node < o_.nnodes; ++node) left.push_back(key("left/") + std::to_string(node));
+            store_->wait(left, o_.rendezvous_timeout);
+          }
+        } catch (const std::exception&) {
+          // Everyone finished; a node that left without saying so changes nothing.
+        }
+        say("every worker of every node finished");
+        return 0;
+      }
+    } else if (reason.empty()) {
+      reason = "node " + std::to_string(o_.node_rank) + " (" + host_name() + "): " + outcome.failure_reason;
+      // Workers fail in their collectives when a peer node dies: name that node if it did.
+      if (auto lost = find_lost_node(); !lost.empty()) reason = lost + " (then " + reason + ")";
+      mark_failed(reason);
+    }
+    if (round_ >= o_.max_restarts) {
+      std::cerr << "error: cohort launch: the job failed: " << reason
+                << (o_.max_restarts > 0 ? " (after " + std::to_string(o_.max_restarts) + " restart(s))" : "") << std::endl;
+      return 1;
+    }
+    ++round_;
+    try {
+      store_->set("launch/round", std::to_string(round_));
+    } catch (const std::exception&) {
+    }
+    say("round failed (" + reason + "); restarting as round " + std::to_string(round_) + " of at most " +
+        std::to_string(o_.max_restarts));
+  }
+}
+
+}  // namespace
+
+int launch_node(const NodeLaunchOptions& options) {
+  if (options.nnodes < 1) throw UsageError("--nnodes " + std::to_string(options.nnodes) + " must be >= 1");
+  if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
+    throw UsageError("--node-rank " + std::to_string(options.node_rank) + " must be in [0, " +
+                     std::to_string(options.nnodes) + ")");
+  }
+  if (options.nproc_per_node < 1) throw UsageError("--nproc-per-node must be >= 1");
+  if (options.master_port < 1 || options.master_port > 65535) {
+    throw UsageError("--master port " + std::to_string(options.master_port) + " is not a port (1-65535)");
+  }
+  if (options.master_addr.empty()) throw UsageError("--master needs HOST:PORT, the address of node 0");
+  if (options.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
+  if (options.command.empty()) throw UsageError("cohort launch: give the program after '--'");
+  return NodeLauncher(options).run();
+}
+
+}  // namespace cohort::runtime
