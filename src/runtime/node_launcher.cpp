@@ -191,7 +191,7 @@ int NodeLauncher::run() {
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
       (is_stderr ? std::cerr : std::cout) << "(rank=" << o_.node_rank * o_.nproc_per_node + local << ", pid=" << pid
-                                          << ") " << line << '\n';
+                                          << ") " << line << std::endl;  // line by line, also into a log file
     };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Two hosts made with network namespaces and a veth pair (10.213.R.1 and 10.213.R.2, nothing
+# else reachable), `cohort launch` on each with 2 workers training the cnn:
+#  1. both hosts' ranks end in sync (replica_spread 0), result.json is written once, by rank 0;
+#  2. SIGKILL of host B's launcher mid-run: host A's launcher fails within its deadline, naming
+#     the lost node 1.
+# Usage: two_hosts_test.sh COHORT_BINARY TINY_DATA_DIR. Needs root (ip netns); cleans up on exit.
+set -uo pipefail
+cli="$1"
+data="$2"
+fail() { echo "two_hosts_test: FAIL: $*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || fail "needs root for ip netns"
+
+tag="c$$"
+a="${tag}a"
+b="${tag}b"
+net="10.213.$(( $$ % 200 + 1 ))"
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  for ns in "$a" "$b"; do
+    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$a" && ip netns add "$b" || fail "ip netns add"
+ip link add "${tag}va" type veth peer name "${tag}vb" || fail "veth"
+ip link set "${tag}va" netns "$a"
+ip link set "${tag}vb" netns "$b"
+ip -n "$a" addr add "$net.1/24" dev "${tag}va"
+ip -n "$b" addr add "$net.2/24" dev "${tag}vb"
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
+ip -n "$a" link set "${tag}va" up
+ip -n "$b" link set "${tag}vb" up
+
+# wait_for PID SECONDS: its exit status in $status; fails the test at the deadline.
+wait_for() {
+  local pid="$1" deadline=$(( $(date +%s) + $2 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "process $pid still running after $2 s"
+    sleep 0.1
+  done
+  wait "$pid"
+  status=$?
+}
+
+# launch NS NODE PORT NAME EXTRA...: starts one host's launcher in the background (ip netns exec
+# execs it: $launched is the launcher's own pid), output to $work/NAME-NODE.log.
+launch() {
+  local ns="$1" node="$2" port="$3" name="$4"
+  shift 4
+  ip netns exec "$ns" "$cli" launch --nnodes 2 --node-rank "$node" --master "$net.1:$port" \
+    --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 -- \
+    "$cli" train --model cnn --data-dir "$data" --batch-size 16 --storage-path "$work" --name "$name" --quiet "$@" \
+    >"$work/$name-$node.log" 2>&1 &
+  launched=$!
+  pids+=("$launched")
+}
+
+# 1. Train a few steps across the two hosts.
+launch "$a" 0 29400 sync --epochs 1 --max-steps 12
+pa=$launched
+launch "$b" 1 29400 sync --epochs 1 --max-steps 12
+pb=$launched
+wait_for "$pa" 120; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/sync-0.log" "$work/sync-1.log"
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "launchers exited $ca and $cb"
+[ -f "$work/sync/result.json" ] || fail "no result.json"
+[ "$(find "$work" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
+python3 - "$work/sync/result.json" <<'PY' || fail "result.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["error"] is None, r["error"]
+assert r["workers"] == 4 and r["world_size"] == 4, r
+assert r["replica_spread"] == 0.0, r["replica_spread"]
+assert r["steps"] == 12, r["steps"]
+print("two hosts: 4 ranks in sync, steps", r["steps"], "accuracy", r["test_accuracy"])
+PY
+grep -q "ranks 2-3 of 4" "$work/sync-1.log" || fail "host B did not run ranks 2-3"
+
+# 2. Host B's launcher is killed while training: host A must fail fast and name node 1.
+launch "$a" 0 29401 lost --epochs 50
+pa=$launched
+launch "$b" 1 29401 lost --epochs 50
+pb=$launched
+for _ in $(seq 600); do
+  grep -q "first training step" "$work/lost-0.log" 2>/dev/null && break
+  kill -0 "$pa" 2>/dev/null || break
+  sleep 0.1
+done
+grep -q "first training step" "$work/lost-0.log" || { cat "$work/lost-0.log" "$work/lost-1.log"; fail "training did not start"; }
+kill -9 "$pb"
+start=$(date +%s.%N)
+wait_for "$pa" 60; ca=$status
+took=$(python3 -c "import sys; print(round($(date +%s.%N) - $start, 1))")
+cat "$work/lost-0.log"
+[ "$ca" = 1 ] || fail "host A's launcher exited $ca, not 1"
+grep -q "node 1 .* is lost" "$work/lost-0.log" || fail "the error does not name the lost node 1"
+echo "host A noticed the lost node and ended in ${took} s"
+python3 -c "import sys; sys.exit(0 if $took < 30 else 1)" || fail "took ${took} s"
+# No worker of either host is left.
+for ns in "$a" "$b"; do
+  for _ in $(seq 50); do [ -z "$(ip netns pids "$ns")" ] && break; sleep 0.1; done
+  [ -z "$(ip netns pids "$ns")" ] || fail "processes left in $ns: $(ip netns pids "$ns")"
+done
+echo "two_hosts_test: PASS"
