@@ -6,7 +6,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${COHORT_BUILD_DIR:-$root/build}"
 
 packages=(build-essential cmake ninja-build ccache pkg-config libtorch-dev dataset-fashion-mnist
-  nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch)
+  nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch
+  openmpi-bin iproute2)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# OpenMPI's mpirun -np 2 on this host starts the unchanged `cohort train`: it finds its rank from
+# OMPI_COMM_WORLD_*, trains as 2 ranks in sync and rank 0 writes result.json.
+# Usage: mpirun_test.sh COHORT_BINARY DATA_DIR. Runs as root (the flags that needs are set).
+set -uo pipefail
+cli="$1"
+data="$2"
+fail() { echo "mpirun_test: FAIL: $*" >&2; exit 1; }
+command -v mpirun >/dev/null || fail "mpirun is missing: scripts/setup.sh installs openmpi-bin"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# timeout sends TERM, which mpirun passes to its ranks before it exits.
+timeout -k 10 180 mpirun -np 2 --oversubscribe --bind-to none --mca btl self,tcp --mca btl_tcp_if_include lo \
+  --mca oob_tcp_if_include lo \
+  "$cli" train --model cnn --data-dir "$data" --epochs 1 --max-steps 10 --batch-size 16 \
+  --storage-path "$work" --name mpi --quiet
+status=$?
+[ "$status" = 0 ] || fail "mpirun exited $status"
+python3 - "$work/mpi/result.json" <<'PY' || fail "result.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["error"] is None, r["error"]
+assert r["workers"] == 2 and r["world_size"] == 2, r
+assert r["replica_spread"] == 0.0, r["replica_spread"]
+assert r["steps"] == 10, r["steps"]
+print("mpirun: 2 ranks in sync, steps", r["steps"])
+PY
+echo "mpirun_test: PASS"

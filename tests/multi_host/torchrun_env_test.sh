@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# torchrun-style variables set by hand: two `cohort train` processes become a 2-rank group
+# (rank 0 serves the rendezvous on MASTER_ADDR:MASTER_PORT), and inconsistent variables are named.
+# Usage: torchrun_env_test.sh COHORT_BINARY DATA_DIR
+set -uo pipefail
+cli="$1"
+data="$2"
+fail() { echo "torchrun_env_test: FAIL: $*" >&2; exit 1; }
+work="$(mktemp -d)"
+pids=()
+trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$work"' EXIT
+port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+for rank in 0 1; do
+  RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    timeout -k 5 120 "$cli" train --model cnn --data-dir "$data" --epochs 1 --max-steps 8 --batch-size 16 \
+    --storage-path "$work" --name env --quiet >"$work/rank$rank.log" 2>&1 &
+  pids+=($!)
+done
+wait "${pids[0]}"; c0=$?
+wait "${pids[1]}"; c1=$?
+cat "$work/rank0.log" "$work/rank1.log"
+[ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "ranks exited $c0 and $c1"
+python3 - "$work/env/result.json" <<'PY' || fail "result.json"
+import json, sys
+r = json.load(open(sys.argv[1]))
+assert r["error"] is None and r["workers"] == 2 and r["replica_spread"] == 0.0 and r["steps"] == 8, r
+PY
+out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
+[ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
+grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"
+out=$(RANK=0 WORLD_SIZE=2 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
+grep -q "MASTER_ADDR is not set" <<<"$out" || fail "missing MASTER_ADDR not named: $out"
+out=$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --workers 3 --data-dir "$data" 2>&1)
+grep -q "num_workers=3 but the launcher started 2" <<<"$out" || fail "worker mismatch not named: $out"
+echo "torchrun_env_test: PASS"
