@@ -36,9 +36,8 @@ void Store::set(const std::string& key, const std::string& value) {
 }
 
 std::string Store::get(const std::string& key) {
-  wait({key}, state_->timeout);
-  auto bytes = state_->store->get(key);
-  return std::string(bytes.begin(), bytes.end());
+  wait({key}, state_->timeout);  // names the key at the deadline
+  return state_->store->get_present(key);
 }
 
 int64_t Store::add(const std::string& key, int64_t delta) { return state_->store->add(key, delta); }
@@ -61,7 +60,7 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
 
 std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int rank, int world,
                                                const std::string& value, const std::string& what,
-                                               std::chrono::milliseconds timeout) {
+                                               std::chrono::milliseconds timeout, const std::string& members) {
   set(prefix + std::to_string(rank), value);
   std::vector<std::string> keys;
   for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
@@ -72,11 +71,11 @@ std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int r
     for (int r = 0; r < world; ++r) {
       if (!check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
-    throw TimeoutError("ranks [" + missing + "] of " + std::to_string(world) + " did not " + what + " within " +
+    throw TimeoutError(members + " [" + missing + "] of " + std::to_string(world) + " did not " + what + " within " +
                        std::to_string(timeout.count()) + " ms");
   }
   std::vector<std::string> values;
-  for (const auto& key : keys) values.push_back(get(key));
+  for (const auto& key : keys) values.push_back(state_->store->get_present(key));
   return values;
 }
 

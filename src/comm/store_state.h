@@ -9,7 +9,7 @@ namespace cohort::comm {
 
 struct Store::State {
   std::unique_ptr<TcpStoreServer> server;  // when this handle serves the store
-  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<TcpStoreClient> store;
   std::string host;
   int port = 0;
   std::chrono::milliseconds timeout{};

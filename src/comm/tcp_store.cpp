@@ -404,9 +404,14 @@ std::vector<uint8_t> TcpStoreClient::compareSet(const std::string& key, const st
 
 std::vector<uint8_t> TcpStoreClient::get(const std::string& key) {
   wait({key}, timeout_);
+  const auto value = get_present(key);
+  return {value.begin(), value.end()};
+}
+
+std::string TcpStoreClient::get_present(const std::string& key) {
   auto r = call(kGet, {key}, timeout_);
   if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
-  return {r.fields.at(0).begin(), r.fields.at(0).end()};
+  return r.fields.at(0);
 }
 
 int64_t TcpStoreClient::add(const std::string& key, int64_t value) {

@@ -44,6 +44,8 @@ class TcpStoreClient : public c10d::Store {
                                   const std::vector<uint8_t>& desired) override;
   // Waits for the key (within the store's timeout) as c10d's TCPStore does.
   std::vector<uint8_t> get(const std::string& key) override;
+  // One round trip, for a key known to be set; throws RuntimeError when it is not.
+  std::string get_present(const std::string& key);
   int64_t add(const std::string& key, int64_t value) override;
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;

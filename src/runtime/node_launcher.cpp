@@ -63,8 +63,14 @@ class NodeLauncher {
     if (o_.verbose >= 1) std::cerr << "cohort launch (node " << o_.node_rank << "/" << o_.nnodes << "): " << line << std::endl;
   }
   std::string key(const std::string& what) const { return "launch/" + std::to_string(round_) + "/" + what; }
-  // Heart-beats and looks at the others. Returns a reason to stop the round, or "".
-  std::string check_peers();
+  // What check_peers saw: a reason to stop the round ("" when none), and whether it is a node
+  // that went away (rather than one that reported a failure).
+  struct PeerState {
+    std::string reason;
+    bool node_lost = false;
+  };
+  // Heart-beats and looks at the others.
+  PeerState check_peers();
   // After a local failure: a node whose launcher went silent is the likelier cause; names it.
   std::string find_lost_node();
   // Waits until every node set key(what)/<node>, while watching the others; "" or a reason.
@@ -79,13 +85,13 @@ class NodeLauncher {
   Clock::time_point last_beat_{};
 };
 
-std::string NodeLauncher::check_peers() {
+NodeLauncher::PeerState NodeLauncher::check_peers() {
   const auto now = Clock::now();
-  if (now - last_beat_ < std::chrono::milliseconds(200)) return "";
+  if (now - last_beat_ < std::chrono::milliseconds(200)) return {};
   last_beat_ = now;
   try {
     store_->add("launch/heartbeat/" + std::to_string(o_.node_rank), 1);
-    if (store_->check({key("failed")})) return store_->get(key("failed"));
+    if (store_->check({key("failed")})) return {.reason = store_->get(key("failed"))};
     for (int node = 0; node < o_.nnodes; ++node) {
       if (node == o_.node_rank) continue;
       const int64_t beats = store_->add("launch/heartbeat/" + std::to_string(node), 0);
@@ -93,23 +99,25 @@ std::string NodeLauncher::check_peers() {
       if (fresh || it->second.first != beats) {
         it->second = {beats, now};
       } else if (now - it->second.second > o_.heartbeat_timeout) {
-        return "node " + std::to_string(node) + " (" + hosts_.at(static_cast<size_t>(node)) +
-               ") is lost: its launcher sent no heartbeat for " +
-               std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout).count()) + " s";
+        return {.reason = "node " + std::to_string(node) + " (" + hosts_.at(static_cast<size_t>(node)) +
+                          ") is lost: its launcher sent no heartbeat for " +
+                          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout).count()) +
+                          " s",
+                .node_lost = true};
       }
     }
   } catch (const PeerFailureError&) {
-    return "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
-           "), which holds the rendezvous: its launcher or host is gone";
+    return {.reason = "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
+                      "), which holds the rendezvous: its launcher or host is gone",
+            .node_lost = true};
   }
-  return "";
+  return {};
 }
 
 std::string NodeLauncher::find_lost_node() {
   const auto until = Clock::now() + o_.heartbeat_timeout + std::chrono::seconds(1);
   while (Clock::now() < until) {
-    const auto reason = check_peers();
-    if (reason.find(" is lost") != std::string::npos || reason.find("lost node 0") != std::string::npos) return reason;
+    if (auto peers = check_peers(); peers.node_lost) return peers.reason;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return "";
@@ -124,7 +132,7 @@ std::string NodeLauncher::wait_for_nodes(const std::string& what) {
       if (store_->check(keys)) return "";
     } catch (const PeerFailureError&) {
     }
-    if (auto reason = check_peers(); !reason.empty()) return reason;
+    if (auto peers = check_peers(); !peers.reason.empty()) return peers.reason;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
 }
@@ -154,11 +162,9 @@ int NodeLauncher::run() {
     try {
       hosts_ = store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, host_name(),
                                        "join round " + std::to_string(round_) + " of job " + o_.job_id,
-                                       o_.rendezvous_timeout);
+                                       o_.rendezvous_timeout, "nodes");
     } catch (const TimeoutError& e) {
-      std::string message = e.what();
-      if (message.rfind("ranks [", 0) == 0) message.replace(0, 5, "nodes");
-      std::cerr << "error: cohort launch: " << message << " (lost, or not started?)" << std::endl;
+      std::cerr << "error: cohort launch: " << e.what() << " (lost, or not started?)" << std::endl;
       return 1;
     } catch (const PeerFailureError&) {
       std::cerr << "error: cohort launch: lost node 0 (" << o_.master_addr << ":" << o_.master_port
@@ -195,7 +201,7 @@ int NodeLauncher::run() {
     };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;
-      peer_reason = check_peers();
+      peer_reason = check_peers().reason;
       if (!peer_reason.empty()) group.request_stop(peer_reason);
     };
     group.start();

@@ -1,39 +1,25 @@
 #include "train/driver.h"
 
 #include <torch/cuda.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <csignal>
-#include <cstdio>
-#include <ctime>
-#include <fstream>
 #include <iostream>
-#include <random>
 #include <set>
 #include <thread>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
-#include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/progress.h"
 #include "train/run_recorder.h"
-#include "train/run_files.h"
 #include "train/worker_session.h"
 
 namespace cohort::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string random_token() {
-  std::random_device device;
-  char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "%08x%08x", device(), device());
-  return buffer;
-}
 
 // The cause first: a rank killed from outside (its peers then fail in their collectives), else
 // the first rank whose own code threw, else the first bad exit. The other failures follow.
@@ -306,7 +292,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
        std::to_string(std::clamp<int64_t>(run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
       {kUseGpuVar, scaling_.use_gpu ? "1" : "0"},
       // A fresh token per start: nothing of a failed start's store keys or staging is reused.
-      {kRunTokenVar, random_token()},
+      {kRunTokenVar, new_run_token()},
       {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
       {kNextCheckpointVar, std::to_string(recorder_->next_checkpoint_index())},
   };

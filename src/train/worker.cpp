@@ -7,7 +7,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
-#include <random>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
@@ -224,13 +223,11 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, console);
     const auto resume_from = recorder->resume_point();
-    std::random_device random;
     settings.store.set(round + "run", Json{{"name", recorder->name()},
                                            {"run_dir", recorder->run_dir().string()},
                                            {"resume_from", resume_from ? resume_from->path().string() : ""},
                                            {"next_checkpoint", recorder->next_checkpoint_index()},
-                                           {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" +
-                                                         std::to_string(random())},
+                                           {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token()},
                                            {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
                                                             started_wall.time_since_epoch())
                                                             .count()}}

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <ctime>
+#include <random>
 
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
@@ -31,6 +33,13 @@ WorkerSession& require_session(const char* what) {
 }
 
 }  // namespace
+
+std::string new_run_token() {
+  std::random_device device;
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%08x%08x", device(), device());
+  return buffer;
+}
 
 WorkerSession* current_session() { return session_slot().get(); }
 

@@ -10,6 +10,7 @@
 #include "cohort/data/tensor_dataset.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/train/config.h"
 #include "cohort/train/context.h"
 
 namespace cohort::train {
@@ -27,7 +28,7 @@ struct WorkerSession {
   int64_t reports = 0;
   int64_t broadcasts = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
-  std::function<void(torch::optim::Optimizer&, int, int)> on_world_size_change;
+  decltype(ScalingConfig::on_world_size_change) on_world_size_change;
 };
 
 // The session of this process; nullptr outside a train loop.
@@ -49,6 +50,10 @@ inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
 inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
 // The worker slot (ScalingConfig) a rank runs in: its GPU with use_gpu.
 inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
+
+// A fresh token for one start of a group: nothing of an earlier start's store keys or staging
+// folders is mistaken for this one's.
+std::string new_run_token();
 
 // Where ranks assemble a checkpoint before rank 0 renames it into place.
 inline constexpr const char* kStagingDir = ".staging";

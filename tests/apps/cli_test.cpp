@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "cohort/comm/store.h"
 #include "cohort/data/idx.h"
 #include "cohort/json.h"
 #include "support/subprocess.h"
@@ -78,6 +79,30 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
   }
   auto none = run_command({COHORT_CLI_PATH}, std::chrono::seconds(30));
   EXPECT_EQ(none.exit_code, 2) << none.output;
+}
+
+TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
+  const std::string cli = COHORT_CLI_PATH;
+  for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--nnodes", "2", "--node-rank", "2", "--", "/bin/true"}, "--node-rank 2 must be in [0, 2)"},
+           {{"--master", "nohost", "--", "/bin/true"}, "must be HOST:PORT"},
+           {{"--", "no-such-program-here"}, "is not in PATH"}}) {
+    std::vector<std::string> argv{cli, "launch"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run_command(argv, std::chrono::seconds(30));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
+  }
+  // Node 1 never comes: node 0 gives up at the rendezvous deadline, naming it.
+  const int port = comm::Store::connect({.is_server = true}).port();  // free once the store is gone
+  const auto start = std::chrono::steady_clock::now();
+  auto r = run_command({cli, "launch", "--nnodes", "2", "--node-rank", "0", "--master",
+                        "127.0.0.1:" + std::to_string(port), "--rdzv-timeout",
+                        "1", "--", "/bin/true"},
+                       std::chrono::seconds(60));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {

@@ -17,13 +17,5 @@ timeout -k 10 180 mpirun -np 2 --oversubscribe --bind-to none --mca btl self,tcp
   --storage-path "$work" --name mpi --quiet
 status=$?
 [ "$status" = 0 ] || fail "mpirun exited $status"
-python3 - "$work/mpi/result.json" <<'PY' || fail "result.json"
-import json, sys
-r = json.load(open(sys.argv[1]))
-assert r["error"] is None, r["error"]
-assert r["workers"] == 2 and r["world_size"] == 2, r
-assert r["replica_spread"] == 0.0, r["replica_spread"]
-assert r["steps"] == 10, r["steps"]
-print("mpirun: 2 ranks in sync, steps", r["steps"])
-PY
+python3 "$(dirname "$0")/check_result.py" "$work/mpi/result.json" 2 10 mpirun || fail "result.json"
 echo "mpirun_test: PASS"

@@ -20,11 +20,7 @@ wait "${pids[0]}"; c0=$?
 wait "${pids[1]}"; c1=$?
 cat "$work/rank0.log" "$work/rank1.log"
 [ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "ranks exited $c0 and $c1"
-python3 - "$work/env/result.json" <<'PY' || fail "result.json"
-import json, sys
-r = json.load(open(sys.argv[1]))
-assert r["error"] is None and r["workers"] == 2 and r["replica_spread"] == 0.0 and r["steps"] == 8, r
-PY
+python3 "$(dirname "$0")/check_result.py" "$work/env/result.json" 2 8 torchrun-style || fail "result.json"
 out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
 [ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
 grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"

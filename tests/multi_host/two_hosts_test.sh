@@ -72,15 +72,7 @@ cat "$work/sync-0.log" "$work/sync-1.log"
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "launchers exited $ca and $cb"
 [ -f "$work/sync/result.json" ] || fail "no result.json"
 [ "$(find "$work" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
-python3 - "$work/sync/result.json" <<'PY' || fail "result.json"
-import json, sys
-r = json.load(open(sys.argv[1]))
-assert r["error"] is None, r["error"]
-assert r["workers"] == 4 and r["world_size"] == 4, r
-assert r["replica_spread"] == 0.0, r["replica_spread"]
-assert r["steps"] == 12, r["steps"]
-print("two hosts: 4 ranks in sync, steps", r["steps"], "accuracy", r["test_accuracy"])
-PY
+python3 "$(dirname "$0")/check_result.py" "$work/sync/result.json" 4 12 "two hosts" || fail "result.json"
 grep -q "ranks 2-3 of 4" "$work/sync-1.log" || fail "host B did not run ranks 2-3"
 
 # 2. Host B's launcher is killed while training: host A must fail fast and name node 1.

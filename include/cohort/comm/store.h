@@ -40,10 +40,11 @@ class Store {
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
   // A named barrier of `world` ranks: sets "<prefix><rank>" to `value`, waits for every rank's
   // key and returns the values by rank. At the deadline, throws TimeoutError
-  // "ranks [1, 2] of 3 did not <what> within N ms".
+  // "<members> [1, 2] of 3 did not <what> within N ms" (members: "ranks", "nodes", ...).
   std::vector<std::string> arrive_and_wait(const std::string& prefix, int rank, int world,
                                            const std::string& value, const std::string& what,
-                                           std::chrono::milliseconds timeout);
+                                           std::chrono::milliseconds timeout,
+                                           const std::string& members = "ranks");
 
   struct State;  // defined in src/comm/store_state.h
 
