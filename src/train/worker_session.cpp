@@ -120,7 +120,18 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       checkpoint ? "1" : "0",
       "reach report() call #" + std::to_string(index) + " (every rank must call report() equally often)",
       s.collective_timeout);
-  if (s.context.world_rank != 0) return;
+  // Every rank returns only once rank 0 has handed the report (and its checkpoint) on: a rank
+  // that dies right after report() then never takes a report it saw complete down with it.
+  const auto committed_key = "report/" + s.run_token + "/" + std::to_string(index) + "/committed";
+  if (s.context.world_rank != 0) {
+    try {
+      s.store.wait({committed_key}, s.collective_timeout);
+    } catch (const TimeoutError& e) {
+      throw TimeoutError("report() call #" + std::to_string(index) + ": rank 0 did not commit it within " +
+                         std::to_string(s.collective_timeout.count()) + " ms (" + e.what() + ")");
+    }
+    return;
+  }
   Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
   if (std::find(with_checkpoint.begin(), with_checkpoint.end(), "1") != with_checkpoint.end()) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
@@ -137,6 +148,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     message["checkpoint"] = final_path.string();
   }
   if (runtime::has_control_channel()) runtime::send_control_message(message.dump());
+  s.store.set(committed_key, "1");
 }
 
 std::optional<Checkpoint> get_checkpoint() {
