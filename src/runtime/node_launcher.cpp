@@ -176,7 +176,7 @@ int NodeLauncher::run() {
     group_options.num_workers = o_.nproc_per_node;
     group_options.executable = program;
     group_options.argv = o_.command;
-    group_options.role_worker = false;
+    group_options.role.clear();
     group_options.rank_env = [this, world](int local) {
       auto env = worker_env({.world_rank = o_.node_rank * o_.nproc_per_node + local,
                              .local_rank = local,

@@ -71,38 +71,16 @@ struct Worker {
   std::ofstream log;
 };
 
-class SignalScope {
- public:
-  SignalScope() {
-    auto p = make_pipe();
-    g_wake_pipe[0] = p[0];
-    g_wake_pipe[1] = p[1];
-    ::fcntl(p[0], F_SETFL, O_NONBLOCK);
-    ::fcntl(p[1], F_SETFL, O_NONBLOCK);
-    g_interrupt = 0;
-    struct sigaction action {};
-    action.sa_handler = on_signal;
-    sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESTART;
-    for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &action, &saved_[slot(sig)]);
-  }
-  ~SignalScope() {
-    for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &saved_[slot(sig)], nullptr);
-    ::close(g_wake_pipe[0]);
-    ::close(g_wake_pipe[1]);
-    g_wake_pipe[0] = g_wake_pipe[1] = -1;
-  }
-  int fd() const { return g_wake_pipe[0]; }
-  void drain() const {
-    char buffer[64];
-    while (::read(g_wake_pipe[0], buffer, sizeof buffer) > 0) {
-    }
-  }
+int g_scope_depth = 0;
+struct sigaction g_saved_actions[3]{};
 
- private:
-  static int slot(int sig) { return sig == SIGINT ? 0 : sig == SIGTERM ? 1 : 2; }
-  struct sigaction saved_[3] {};
-};
+int signal_slot(int sig) { return sig == SIGINT ? 0 : sig == SIGTERM ? 1 : 2; }
+
+void drain_wake_pipe() {
+  char buffer[64];
+  while (g_wake_pipe[0] >= 0 && ::read(g_wake_pipe[0], buffer, sizeof buffer) > 0) {
+  }
+}
 
 std::string read_file(const char* path) {
   std::ifstream in(path, std::ios::binary);
@@ -110,6 +88,31 @@ std::string read_file(const char* path) {
 }
 
 }  // namespace
+
+InterruptScope::InterruptScope() {
+  if (g_scope_depth++ > 0) return;
+  auto p = make_pipe();
+  g_wake_pipe[0] = p[0];
+  g_wake_pipe[1] = p[1];
+  ::fcntl(p[0], F_SETFL, O_NONBLOCK);
+  ::fcntl(p[1], F_SETFL, O_NONBLOCK);
+  g_interrupt = 0;
+  struct sigaction action {};
+  action.sa_handler = on_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &action, &g_saved_actions[signal_slot(sig)]);
+}
+
+InterruptScope::~InterruptScope() {
+  if (--g_scope_depth > 0) return;
+  for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &g_saved_actions[signal_slot(sig)], nullptr);
+  ::close(g_wake_pipe[0]);
+  ::close(g_wake_pipe[1]);
+  g_wake_pipe[0] = g_wake_pipe[1] = -1;
+}
+
+int InterruptScope::signal() { return g_interrupt; }
 
 std::string WorkerExit::describe() const {
   std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
@@ -165,6 +168,27 @@ struct WorkerGroup::Impl {
   bool started = false;
   std::string requested_stop;
   bool stopping = false;
+  // The state of wait()/poll() between steps.
+  GroupOutcome outcome;
+  bool finished = false;
+  std::optional<Clock::time_point> kill_at;        // stopping: SIGKILL after the grace period
+  std::optional<Clock::time_point> skew_deadline;  // someone finished; the rest must follow
+  std::optional<Clock::time_point> drain_until;    // all exited; read what is left in the pipes
+
+  void begin_stop(std::string reason) {
+    if (kill_at) return;
+    stopping = true;
+    outcome.stop_began = Clock::now();
+    if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
+    // Whoever already died did so on their own, not by our SIGTERM: record them as such.
+    for (auto& w : workers) reap(w, false);
+    signal_all(SIGTERM);
+    kill_at = Clock::now() + options.stop_grace;
+  }
+
+  // One turn of the event loop; true once the group has ended.
+  bool step(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait);
+  GroupOutcome conclude();
 
   std::vector<std::string> environment(int rank) const {
     std::map<std::string, std::string> vars;
@@ -179,8 +203,8 @@ struct WorkerGroup::Impl {
     }
     vars.erase(kRoleVar);
     vars.erase(kControlFdVar);
-    if (options.role_worker) {
-      vars[kRoleVar] = kWorkerRole;
+    if (!options.role.empty()) {
+      vars[kRoleVar] = options.role;
       vars[kControlFdVar] = "3";
     }
     vars[kDriverPidVar] = std::to_string(::getpid());
@@ -356,84 +380,70 @@ void WorkerGroup::start() {
   }
 }
 
-GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
-  SignalScope signals;
-  auto& workers = impl_->workers;
-  GroupOutcome outcome;
-  std::optional<Clock::time_point> kill_at;      // stopping: SIGKILL after the grace period
-  std::optional<Clock::time_point> skew_deadline;  // someone finished; the rest must follow
-  std::optional<Clock::time_point> drain_until;    // all exited; read what is left in the pipes
-
-  auto begin_stop = [&](std::string reason) {
-    if (kill_at) return;
-    impl_->stopping = true;
-    outcome.stop_began = Clock::now();
-    if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
-    // Whoever already died did so on their own, not by our SIGTERM: record them as such.
-    for (auto& w : workers) impl_->reap(w, false);
-    impl_->signal_all(SIGTERM);
-    kill_at = Clock::now() + impl_->options.stop_grace;
-  };
-
-  while (true) {
-    std::vector<pollfd> fds{{signals.fd(), POLLIN, 0}};
-    std::vector<std::pair<Worker*, Stream*>> owners{{nullptr, nullptr}};
-    for (auto& w : workers) {
-      for (auto& s : w.streams) {
-        if (s.fd < 0) continue;
-        fds.push_back({s.fd, POLLIN, 0});
-        owners.emplace_back(&w, &s);
-      }
+bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait) {
+  std::vector<pollfd> fds{{g_wake_pipe[0], POLLIN, 0}};
+  std::vector<std::pair<Worker*, Stream*>> owners{{nullptr, nullptr}};
+  for (auto& w : workers) {
+    for (auto& s : w.streams) {
+      if (s.fd < 0) continue;
+      fds.push_back({s.fd, POLLIN, 0});
+      owners.emplace_back(&w, &s);
     }
-    bool any_running = false;
-    for (auto& w : workers) any_running |= w.running;
-    if (!any_running && fds.size() == 1) break;
-
-    ::poll(fds.data(), fds.size(), 100);
-    if (fds[0].revents != 0) signals.drain();
-    for (size_t i = 1; i < fds.size(); ++i) {
-      if (fds[i].revents != 0) impl_->pump(*owners[i].first, *owners[i].second, handlers);
-    }
-
-    if (!impl_->requested_stop.empty() && !kill_at) begin_stop(impl_->requested_stop);
-    if (g_interrupt != 0 && outcome.interrupted_by == 0) {
-      outcome.interrupted_by = g_interrupt;
-      begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
-    }
-    std::vector<Worker*> exited;
-    for (auto& w : workers) {
-      if (impl_->reap(w, false)) exited.push_back(&w);
-    }
-    // Of workers that ended together, one killed by a signal is the likelier cause: its peers
-    // then fail in their collectives.
-    std::stable_partition(exited.begin(), exited.end(), [](Worker* w) { return w->exit.signal != 0; });
-    for (Worker* w : exited) {
-      if (handlers.on_exit) handlers.on_exit(w->exit);
-      if (!impl_->requested_stop.empty() && !kill_at) begin_stop(impl_->requested_stop);
-      if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
-        outcome.first_failure = w->exit;
-        begin_stop(w->exit.describe());
-      } else if (w->exit.ok() && !skew_deadline) {
-        skew_deadline = Clock::now() + impl_->options.exit_skew_timeout;
-      }
-    }
-    if (handlers.on_tick) handlers.on_tick();
-    const auto now = Clock::now();
-    if (skew_deadline && now > *skew_deadline && !kill_at) {
-      std::string hung;
-      for (auto& w : workers) {
-        if (w.running) hung += (hung.empty() ? "" : ", ") + std::to_string(w.rank);
-      }
-      begin_stop("ranks [" + hung + "] still running " +
-                 std::to_string(impl_->options.exit_skew_timeout.count() / 1000) +
-                 " s after another rank finished: stopped as hung");
-    }
-    if (kill_at && now > *kill_at) impl_->signal_all(SIGKILL);
-    // A grandchild holding a pipe open must not keep the driver waiting once workers are gone.
-    if (!any_running && !drain_until) drain_until = now + std::chrono::seconds(2);
-    if (drain_until && now > *drain_until) break;
   }
-  impl_->close_streams();
+  bool any_running = false;
+  for (auto& w : workers) any_running |= w.running;
+  if (!any_running && fds.size() == 1) return true;
+
+  // Without an InterruptScope the first entry is -1, which poll() skips.
+  ::poll(fds.data(), fds.size(), static_cast<int>(max_wait.count()));
+  if (fds[0].revents != 0) drain_wake_pipe();
+  for (size_t i = 1; i < fds.size(); ++i) {
+    if (fds[i].revents != 0) pump(*owners[i].first, *owners[i].second, handlers);
+  }
+
+  if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
+  if (g_interrupt != 0 && outcome.interrupted_by == 0) {
+    outcome.interrupted_by = g_interrupt;
+    begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
+  }
+  std::vector<Worker*> exited;
+  for (auto& w : workers) {
+    if (reap(w, false)) exited.push_back(&w);
+  }
+  // Of workers that ended together, one killed by a signal is the likelier cause: its peers
+  // then fail in their collectives.
+  std::stable_partition(exited.begin(), exited.end(), [](Worker* w) { return w->exit.signal != 0; });
+  for (Worker* w : exited) {
+    if (handlers.on_exit) handlers.on_exit(w->exit);
+    if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
+    if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
+      outcome.first_failure = w->exit;
+      begin_stop(w->exit.describe());
+    } else if (w->exit.ok() && !skew_deadline) {
+      skew_deadline = Clock::now() + options.exit_skew_timeout;
+    }
+  }
+  if (handlers.on_tick) handlers.on_tick();
+  const auto now = Clock::now();
+  if (skew_deadline && now > *skew_deadline && !kill_at) {
+    std::string hung;
+    for (auto& w : workers) {
+      if (w.running) hung += (hung.empty() ? "" : ", ") + std::to_string(w.rank);
+    }
+    begin_stop("ranks [" + hung + "] still running " + std::to_string(options.exit_skew_timeout.count() / 1000) +
+               " s after another rank finished: stopped as hung");
+  }
+  if (kill_at && now > *kill_at) signal_all(SIGKILL);
+  // A grandchild holding a pipe open must not keep the driver waiting once workers are gone.
+  any_running = false;
+  for (auto& w : workers) any_running |= w.running;
+  if (!any_running && !drain_until) drain_until = now + std::chrono::seconds(2);
+  return drain_until && now > *drain_until;
+}
+
+GroupOutcome WorkerGroup::Impl::conclude() {
+  finished = true;
+  close_streams();
   for (auto& w : workers) outcome.exits.push_back(w.exit);
   outcome.success = outcome.failure_reason.empty();
   for (const auto& e : outcome.exits) outcome.success &= e.ok();
@@ -446,6 +456,22 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
     }
   }
   return outcome;
+}
+
+std::optional<GroupOutcome> WorkerGroup::poll(const WorkerGroupHandlers& handlers,
+                                              std::chrono::milliseconds max_wait) {
+  if (!impl_->started) throw RuntimeError("WorkerGroup::poll before start()");
+  if (impl_->finished) return std::nullopt;
+  if (!impl_->step(handlers, max_wait)) return std::nullopt;
+  return impl_->conclude();
+}
+
+GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
+  if (impl_->finished) throw RuntimeError("WorkerGroup::wait after the group has ended");
+  InterruptScope interrupts;
+  while (!impl_->step(handlers, std::chrono::milliseconds(100))) {
+  }
+  return impl_->conclude();
 }
 
 void WorkerGroup::request_stop(std::string reason) {

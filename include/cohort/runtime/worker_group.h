@@ -20,10 +20,11 @@ struct WorkerGroupOptions {
   std::function<std::map<std::string, std::string>(int rank)> rank_env;
   // Per-rank log files (rank-R.log, unabridged) go here when set.
   std::filesystem::path log_dir;
-  // Workers are told they are cohort workers of this process (COHORT_ROLE, the control channel
-  // on fd 3). false for a launcher's workers, which find their group from the torchrun-style
-  // variables instead. Either way they die with this process.
-  bool role_worker = true;
+  // What the children are told they are (COHORT_ROLE), with the control channel on fd 3:
+  // "worker" for a driver's workers, "trial" for a Tuner's trials. Empty for a launcher's
+  // workers, which find their group from the torchrun-style variables instead and have no
+  // control channel. Either way they die with this process.
+  std::string role = "worker";
   // Between SIGTERM and SIGKILL when the group is stopped.
   std::chrono::milliseconds stop_grace{3'000};
   // After one worker finished cleanly, how long the others may still run before they are
@@ -78,6 +79,11 @@ class WorkerGroup {
   // Forwards output and control messages until every worker has exited, one failed (the rest
   // are then stopped), or this process got SIGINT/SIGTERM.
   GroupOutcome wait(const WorkerGroupHandlers& handlers = {});
+  // One step of wait(), for a caller that runs several groups in one loop (the Tuner's trials):
+  // forwards what arrives within `max_wait`, reacts to exits, and returns the outcome once the
+  // group has ended (then never again). Hold an InterruptScope around the loop, so that Ctrl-C
+  // stops the groups instead of ending this process.
+  std::optional<GroupOutcome> poll(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait);
   // From a handler inside wait(): ends the group as failed, with this reason.
   void request_stop(std::string reason);
   // True once the group is being stopped (a failure, a request or a signal).
@@ -89,6 +95,18 @@ class WorkerGroup {
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
+};
+
+// While one is alive, SIGINT and SIGTERM do not end this process: the signal is recorded and
+// every WorkerGroup being polled stops its workers. wait() holds one itself; scopes nest.
+class InterruptScope {
+ public:
+  InterruptScope();
+  ~InterruptScope();
+  InterruptScope(const InterruptScope&) = delete;
+  InterruptScope& operator=(const InterruptScope&) = delete;
+  // SIGINT or SIGTERM once one arrived, else 0.
+  static int signal();
 };
 
 // Whether process group `pgid` still has a member. Each worker leads its own group, so after it
