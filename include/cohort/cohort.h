@@ -27,3 +27,7 @@
 #include "cohort/train/report.h"
 #include "cohort/train/result.h"
 #include "cohort/train/trainer.h"
+
+#include "cohort/tune/scheduler.h"
+#include "cohort/tune/search_space.h"
+#include "cohort/tune/tuner.h"

@@ -258,7 +258,9 @@ std::map<std::string, std::string> worker_env(const WorkerInfo& info) {
           {"MASTER_PORT", std::to_string(info.master_port)}};
 }
 
-bool is_spawned_worker() { return env(kRoleVar).value_or("") == kWorkerRole; }
+bool is_spawned_worker() { return spawned_role() == kWorkerRole; }
+
+std::string spawned_role() { return env(kRoleVar).value_or(""); }
 
 void bind_lifetime_to_driver() {
   auto driver = env(kDriverPidVar);

@@ -203,7 +203,7 @@ Result Driver::run() {
     throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling_.num_workers) +
                      " workers needs that many GPUs; this host has " + std::to_string(torch::cuda::device_count()));
   }
-  recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, console_);
+  recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, config_, console_);
   std::optional<Checkpoint> resume_from = recorder_->resume_point();
   store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
   slot_pids_.assign(static_cast<size_t>(scaling_.num_workers), 0);

@@ -25,6 +25,7 @@ Result Result::from_path(const std::filesystem::path& run_dir) {
   const Json saved = read_json(run_dir / kResultFile);
   if (saved.contains("error") && saved["error"].is_string()) result.error = saved["error"].get<std::string>();
   result.workers = saved.value("workers", 0);
+  if (saved.contains("config")) result.config = saved["config"];
   result.wall_seconds = saved.value("wall_seconds", 0.0);
   for (const auto& failure : saved.value("failures", Json::array())) result.failures.push_back(failure);
   for (const auto& resize : saved.value("resizes", Json::array())) result.resizes.push_back(resize);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 
@@ -132,6 +133,35 @@ int64_t checkpoint_index(const std::filesystem::path& dir) {
     if (!std::isdigit(static_cast<unsigned char>(name[i]))) return -1;
   }
   return std::stoll(name.substr(prefix.size()));
+}
+
+namespace {
+std::string csv_cell(const Json& value) {
+  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  if (text.find_first_of(",\"\n") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+}  // namespace
+
+void write_csv(const std::filesystem::path& file, const std::vector<Json>& history) {
+  std::vector<std::string> columns;
+  for (const auto& record : history) {
+    for (const auto& [key, value] : record.items()) {
+      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
+    }
+  }
+  write_atomically(file, [&](std::ostream& out) {
+    for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << csv_cell(columns[c]);
+    out << '\n';
+    for (const auto& record : history) {
+      for (size_t c = 0; c < columns.size(); ++c) {
+        out << (c ? "," : "") << (record.contains(columns[c]) ? csv_cell(record[columns[c]]) : "");
+      }
+      out << '\n';
+    }
+  });
 }
 
 }  // namespace cohort

@@ -27,6 +27,10 @@ Json read_json(const std::filesystem::path& path);
 // One JSON value per line; ends before a line cut by a crash mid-write.
 std::vector<Json> read_jsonl(const std::filesystem::path& path);
 
+// A CSV file with a header row: the columns are the union of the objects' keys, in the order
+// first seen; strings unquoted unless they need it, other values as JSON.
+void write_csv(const std::filesystem::path& file, const std::vector<Json>& rows);
+
 // manifest.json: every file under `dir` with its size and CRC-32.
 void write_manifest(const std::filesystem::path& dir);
 // Throws UsageError naming the first file that is missing, truncated or altered.

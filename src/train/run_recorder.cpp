@@ -42,39 +42,13 @@ std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& n
   return dir;
 }
 
-std::string csv_cell(const Json& value) {
-  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
-  if (text.find_first_of(",\"\n") == std::string::npos) return text;
-  std::string quoted = "\"";
-  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return quoted + "\"";
-}
-
-void write_metrics_csv(const std::filesystem::path& file, const std::vector<Json>& history) {
-  std::vector<std::string> columns;
-  for (const auto& record : history) {
-    for (const auto& [key, value] : record.items()) {
-      if (std::find(columns.begin(), columns.end(), key) == columns.end()) columns.push_back(key);
-    }
-  }
-  write_atomically(file, [&](std::ostream& out) {
-    for (size_t c = 0; c < columns.size(); ++c) out << (c ? "," : "") << csv_cell(columns[c]);
-    out << '\n';
-    for (const auto& record : history) {
-      for (size_t c = 0; c < columns.size(); ++c) {
-        out << (c ? "," : "") << (record.contains(columns[c]) ? csv_cell(record[columns[c]]) : "");
-      }
-      out << '\n';
-    }
-  });
-}
-
 Json result_json(const Result& result) {
   Json out = Json::object();
   for (const auto& [key, value] : result.metrics.items()) out[key] = value;
   out["workers"] = result.workers;
   out["wall_seconds"] = result.wall_seconds;
   out["path"] = result.path.string();
+  out["config"] = result.config;
   out["checkpoint"] = result.checkpoint ? Json(result.checkpoint->path().string()) : Json(nullptr);
   Json best = Json::array();
   for (const auto& [checkpoint, metrics] : result.best_checkpoints) {
@@ -89,13 +63,15 @@ Json result_json(const Result& result) {
 
 }  // namespace
 
-RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, Console& console)
+RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Json& config, Console& console)
     : name_(name),
       run_dir_(std::filesystem::absolute(prepare_run_dir(run, name))),
       resume_(run.resume),
       console_(console),
-      checkpoints_(run_dir_, run.checkpoint_config) {
+      checkpoints_(run_dir_, run.checkpoint_config),
+      on_report_(run.on_report) {
   result_.path = run_dir_;
+  result_.config = config;
 }
 
 std::optional<Checkpoint> RunRecorder::resume_point() {
@@ -141,6 +117,7 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
   metrics_log_.flush();
   result_.metrics_history.push_back(record);
   console_.report(record["training_iteration"].get<int64_t>(), metrics);
+  if (on_report_) on_report_(record);
 }
 
 Result RunRecorder::finish(const std::optional<std::string>& error, int workers, double wall_seconds) {
@@ -150,7 +127,7 @@ Result RunRecorder::finish(const std::optional<std::string>& error, int workers,
   result_.wall_seconds = wall_seconds;
   result_.workers = workers;
   result_.error = error;
-  write_metrics_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
+  write_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
   write_atomically(run_dir_ / kResultFile, result_json(result_).dump(2) + "\n");
   return result_;
 }

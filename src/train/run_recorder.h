@@ -3,6 +3,7 @@
 #pragma once
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -20,7 +21,8 @@ std::string default_run_name();
 class RunRecorder {
  public:
   // Creates (or reopens) <storage_path>/<name>; throws UsageError when it is not writable.
-  RunRecorder(const RunConfig& run, const std::string& name, Console& console);
+  // `config` (the train_loop_config) goes into result.json.
+  RunRecorder(const RunConfig& run, const std::string& name, const Json& config, Console& console);
 
   // The checkpoint to resume from: with RunConfig::resume, the run's latest valid one (a corrupt
   // one skipped with a warning), and the metrics history up to it is reloaded.
@@ -48,6 +50,7 @@ class RunRecorder {
   CheckpointManager checkpoints_;
   Result result_;
   std::ofstream metrics_log_;
+  std::function<void(const Json&)> on_report_;
 };
 
 }  // namespace cohort::train

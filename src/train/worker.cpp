@@ -221,7 +221,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   Console console(rank0 ? run.verbose : 0);
   std::optional<RunRecorder> recorder;
   if (rank0) {
-    recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, console);
+    recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
     const auto resume_from = recorder->resume_point();
     settings.store.set(round + "run", Json{{"name", recorder->name()},
                                            {"run_dir", recorder->run_dir().string()},

@@ -1,6 +1,6 @@
-// Test main. Tests that use cohort::Trainer start workers by re-executing this test binary; in
-// such a worker only the test that started it runs, up to its Trainer::fit(), which runs the
-// worker's loop and ends the process.
+// Test main. Tests that use cohort::Trainer (or tune::Tuner) start workers (and trials) by
+// re-executing this test binary; in such a process only the test that started it runs, up to its
+// fit(), which runs the worker's loop (or the trial) and ends the process.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -22,7 +22,7 @@ class PublishCurrentTest : public testing::EmptyTestEventListener {
 
 int main(int argc, char** argv) {
   testing::InitGoogleTest(&argc, argv);
-  if (cohort::runtime::is_spawned_worker()) {
+  if (!cohort::runtime::spawned_role().empty()) {
     const char* name = std::getenv(kTestVar);
     testing::GTEST_FLAG(filter) = name ? name : "-*";
   } else {

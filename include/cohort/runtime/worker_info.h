@@ -31,6 +31,8 @@ struct WorkerInfo {
 // Environment variable names (torchrun's, plus cohort's own for the local spawner).
 inline constexpr const char* kRoleVar = "COHORT_ROLE";
 inline constexpr const char* kWorkerRole = "worker";
+// A Tuner's trial: runs one trial's Trainer as its driver (tune/tuner.h).
+inline constexpr const char* kTrialRole = "trial";
 inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
 inline constexpr const char* kControlFdVar = "COHORT_CONTROL_FD";
 
@@ -69,6 +71,8 @@ std::map<std::string, std::string> worker_env(const WorkerInfo& info);
 
 // True in a process that the local worker group started in the worker role.
 bool is_spawned_worker();
+// The role a WorkerGroup gave this process (kWorkerRole, kTrialRole), "" when none.
+std::string spawned_role();
 
 // In a spawned worker: die with the driver even if it is SIGKILLed, so no worker is orphaned.
 void bind_lifetime_to_driver();

@@ -4,6 +4,8 @@
 #include <functional>
 #include <string>
 
+#include "cohort/json.h"
+
 namespace torch::optim {
 class Optimizer;
 }
@@ -76,6 +78,10 @@ struct RunConfig {
   std::chrono::milliseconds setup_timeout{60'000};
   // Deadline of every collective (a peer that died or hangs ends in an error, not a hang).
   std::chrono::milliseconds collective_timeout{300'000};
+  // Called in the driver (under a launcher: in rank 0) after each report is committed, with the
+  // record that metrics.jsonl gets: rank 0's metrics plus "training_iteration", "timestamp" and,
+  // when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
+  std::function<void(const Json& record)> on_report;
 };
 
 }  // namespace cohort

@@ -19,6 +19,9 @@ struct Result {
   // metrics reported with them.
   std::optional<Checkpoint> checkpoint;
   std::vector<std::pair<Checkpoint, Json>> best_checkpoints;
+  // The configuration the run was given: a Trainer run's train_loop_config; in a tune::ResultGrid,
+  // the trial's config (its param space with every search domain resolved).
+  Json config = Json::object();
   // The run directory: <storage_path>/<name>.
   std::filesystem::path path;
   // Set when the run failed: which rank, and why.

@@ -32,6 +32,12 @@ class Trainer {
   // run the loop and exit (status 1 after a failure, for the launcher to restart them).
   Result fit();
 
+  const TrainLoop& train_loop() const { return train_loop_; }
+  const ScalingConfig& scaling_config() const { return scaling_; }
+  const RunConfig& run_config() const { return run_; }
+  const Json& train_loop_config() const { return config_; }
+  const std::map<std::string, data::TensorDataset>& datasets() const { return datasets_; }
+
  private:
   TrainLoop train_loop_;
   ScalingConfig scaling_;
