@@ -77,7 +77,8 @@ std::vector<Json> ResultGrid::table() const {
   std::vector<Json> rows;
   for (const auto& t : trials_) {
     Json row{{"trial_name", t.name}, {"status", t.status}, {"stopped_early", t.stopped_early}};
-    for (const auto& [key, value] : t.config.flatten().items()) row["config" + key] = value;
+    const Json flat = t.config.flatten();
+    for (const auto& [key, value] : flat.items()) row["config" + key] = value;
     row["iterations"] = t.iterations;
     row["time_total_s"] = t.time_total_s;
     for (const auto& [key, value] : t.last_result.items()) {

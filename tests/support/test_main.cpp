@@ -5,7 +5,12 @@
 
 #include <cstdlib>
 
+#include <unistd.h>
+
+#include <string>
+
 #include "cohort/runtime/worker_info.h"
+#include "support/tiny_mnist.h"
 
 namespace {
 
@@ -26,6 +31,7 @@ int main(int argc, char** argv) {
     const char* name = std::getenv(kTestVar);
     testing::GTEST_FLAG(filter) = name ? name : "-*";
   } else {
+    setenv(cohort::testing::kTestRootPidVar, std::to_string(::getpid()).c_str(), 1);
     testing::UnitTest::GetInstance()->listeners().Append(new PublishCurrentTest);
   }
   return RUN_ALL_TESTS();

@@ -28,12 +28,12 @@ std::filesystem::path write_tiny_mnist(const std::filesystem::path& dir, int64_t
 }
 
 std::filesystem::path temp_dir(const std::string& tag) {
-  // A worker re-executing a test gets its driver's folder, untouched.
-  const bool worker = runtime::is_spawned_worker();
-  const char* driver = std::getenv(runtime::kDriverPidVar);
+  // A worker (or trial) re-executing a test gets the folder of the test process, untouched.
+  const bool spawned = !runtime::spawned_role().empty();
+  const char* root = std::getenv(kTestRootPidVar);
   auto dir = std::filesystem::temp_directory_path() /
-             ("cohort_test_" + tag + "_" + (worker && driver ? driver : std::to_string(::getpid())));
-  if (worker) return dir;
+             ("cohort_test_" + tag + "_" + (spawned && root ? root : std::to_string(::getpid())));
+  if (spawned) return dir;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
