@@ -6,12 +6,15 @@
 #include "cohort/error.h"
 #include "launch_command.h"
 #include "train_command.h"
+#include "tune_command.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training for libtorch"};
   app.require_subcommand(1);
   cohort::cli::TrainOptions train;
   auto* train_cmd = cohort::cli::add_train_command(app, train);
+  cohort::cli::TuneOptions tune;
+  auto* tune_cmd = cohort::cli::add_tune_command(app, tune);
   cohort::cli::LaunchOptions launch;
   auto* launch_cmd = cohort::cli::add_launch_command(app, launch);
   try {
@@ -26,6 +29,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (train_cmd->parsed()) return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
+    if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';

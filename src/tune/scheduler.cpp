@@ -110,9 +110,8 @@ TrialDecision ASHAScheduler::on_trial_result(const std::string& trial_id, const 
   double progress = 0, value = 0;
   if (!read_result(result, options_.time_attr, options_.metric, progress, value)) return TrialDecision::kContinue;
   on_trial_add(trial_id);
-  TrialDecision decision = progress >= options_.max_t
-                               ? TrialDecision::kStop
-                               : record(brackets_[bracket_of_[trial_id]], trial_id, progress, sign_ * value);
+  if (progress >= options_.max_t) return TrialDecision::kFinish;
+  const TrialDecision decision = record(brackets_[bracket_of_[trial_id]], trial_id, progress, sign_ * value);
   if (decision == TrialDecision::kStop) ++num_stopped_;
   return decision;
 }

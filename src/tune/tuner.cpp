@@ -315,11 +315,12 @@ void Experiment::load() {
       if (t.status == kTerminated && !t.stopped_early) scheduler_->on_trial_complete(t.trial_id, t.last_result);
       else scheduler_->on_trial_remove(t.trial_id);
       searcher_->on_trial_complete(t.trial_id, t.last_result, t.status == kError);
-    } else if (last == TrialDecision::kStop) {
+    } else if (last != TrialDecision::kContinue) {
       // The scheduler had stopped it when the driver died.
       t.status = kTerminated;
-      t.stopped_early = true;
-      scheduler_->on_trial_remove(t.trial_id);
+      t.stopped_early = last == TrialDecision::kStop;
+      if (t.stopped_early) scheduler_->on_trial_remove(t.trial_id);
+      else scheduler_->on_trial_complete(t.trial_id, t.last_result);
       searcher_->on_trial_complete(t.trial_id, t.last_result, false);
     } else {
       t.status = kPending;  // resumes from its latest checkpoint
@@ -443,21 +444,24 @@ void Experiment::on_result(size_t index, const Json& record) {
   searcher_->on_trial_result(t.trial_id, result);
   std::string metrics;
   for (const auto& [key, value] : result.items()) {
-    if (value.is_number() && key != "training_iteration" && key != "timestamp" && key != "time_total_s") {
-      metrics += " " + key + "=" + format_value(value);
-    }
+    const bool shown = config_.metric_columns.empty()
+                           ? key != "training_iteration" && key != "timestamp" && key != "time_total_s"
+                           : std::find(config_.metric_columns.begin(), config_.metric_columns.end(), key) !=
+                                 config_.metric_columns.end();
+    if (value.is_number() && shown) metrics += " " + key + "=" + format_value(value);
   }
   reporter_.progress(t.name + " iter " + std::to_string(t.iterations) + ":" + metrics);
   if (live.stop_requested) return;
-  if (scheduler_->on_trial_result(t.trial_id, result) == TrialDecision::kStop) {
-    live.stop_requested = true;
-    t.stopped_early = true;
-    live.group->request_stop("stopped by the scheduler");
-    reporter_.event(t.name + " stopped by the scheduler after iteration " + std::to_string(t.iterations) +
-                    (config_.metric.empty() || !result.contains(config_.metric)
-                         ? ""
-                         : " (" + config_.metric + "=" + format_value(result[config_.metric]) + ")"));
-  }
+  const TrialDecision decision = scheduler_->on_trial_result(t.trial_id, result);
+  if (decision == TrialDecision::kContinue) return;
+  live.stop_requested = true;
+  live.group->request_stop("stopped by the scheduler");
+  if (decision == TrialDecision::kFinish) return;
+  t.stopped_early = true;
+  reporter_.event(t.name + " stopped early by the scheduler after iteration " + std::to_string(t.iterations) +
+                  (config_.metric.empty() || !result.contains(config_.metric)
+                       ? ""
+                       : " (" + config_.metric + "=" + format_value(result[config_.metric]) + ")"));
 }
 
 void Experiment::conclude(size_t index, const runtime::GroupOutcome& outcome) {
@@ -466,9 +470,9 @@ void Experiment::conclude(size_t index, const runtime::GroupOutcome& outcome) {
     auto& live = live_[index];
     t.time_total_s = std::max(t.time_total_s, live.time_before + seconds_since(live.started));
     if (outcome.success) t.stopped_early = false;  // it finished before the stop reached it
-    if (!outcome.success && !t.stopped_early && outcome.interrupted_by != 0) {
+    if (!outcome.success && !live.stop_requested && outcome.interrupted_by != 0) {
       t.status = kPending;  // Ctrl-C: Tuner::restore resumes it
-    } else if (outcome.success || t.stopped_early) {
+    } else if (outcome.success || live.stop_requested) {
       t.status = kTerminated;
       if (t.stopped_early) {
         scheduler_->on_trial_remove(t.trial_id);

@@ -223,6 +223,82 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
   EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
 }
 
+TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {
+  auto r = run_command({COHORT_CLI_PATH, "tune", "--storage-path", (dir / "runs").string(), "--name", "search",
+                        "--data-dir", data.string(), "--workers", "1", "--epochs", "2", "--batch-size", "16",
+                        "--param", "lr=loguniform:1e-3:1e-1", "--param", "optimizer=choice:sgd,adam", "--samples", "3",
+                        "--scheduler", "asha", "--reduction-factor", "2", "--max-concurrent", "2", "--cpus", "2",
+                        "--quiet"},
+                       std::chrono::seconds(240));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("trials 3 | terminated 3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("best test_accuracy "), std::string::npos) << r.output;
+  const auto state = Json::parse(cohort::testing::read_text((dir / "runs" / "search" / "experiment_state.json").string()));
+  ASSERT_EQ(state["trials"].size(), 3u);
+  for (const auto& trial : state["trials"]) {
+    const double lr = trial["config"]["lr"].get<double>();
+    EXPECT_GE(lr, 1e-3);
+    EXPECT_LE(lr, 1e-1);
+    EXPECT_TRUE(trial["config"]["optimizer"] == "sgd" || trial["config"]["optimizer"] == "adam") << trial.dump();
+    // Each trial is a run of its own, with the sampled lr in its train_loop_config.
+    const auto result = Json::parse(cohort::testing::read_text(
+        (dir / "runs" / "search" / trial["name"].get<std::string>() / "result.json").string()));
+    EXPECT_EQ(result["config"]["lr"], trial["config"]["lr"]);
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "search" / "trials.csv"));
+}
+
+TEST_F(Cli, TuneRejectsABadSearchWithAUsageError) {
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+      {{"--param", "depth=uniform:0:1"}, "--param depth: not a tunable option; tunable are model, epochs"},
+      {{"--param", "lr=loguniform:0:1"}, "loguniform needs 0 < lower"},
+      {{"--param", "lr"}, "must be NAME=DOMAIN"},
+      {{"--param", "lr=uniform:0:1", "--scheduler", "pbt"}, "unknown --scheduler 'pbt'"},
+      {{"--param", "lr=uniform:0:1", "--mode", "best"}, "--mode 'best' must be max or min"},
+      {{}, "give at least one --param"},
+  };
+  for (const auto& [args, fragment] : cases) {
+    std::vector<std::string> argv{COHORT_CLI_PATH, "tune", "--storage-path", (dir / "runs").string(), "--data-dir",
+                                  data.string()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run_command(argv, std::chrono::seconds(30));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << "expected '" << fragment << "' in: " << r.output;
+  }
+}
+
+TEST_F(Cli, AKilledTuneResumesWhenRunAgain) {
+  const std::vector<std::string> argv{
+      COHORT_CLI_PATH, "tune",      "--storage-path", (dir / "runs").string(), "--name", "killed", "--data-dir",
+      data.string(),   "--workers", "1",              "--epochs", "3",         "--batch-size", "16",
+      "--param",       "lr=grid:0.01,0.02,0.03",      "--max-concurrent",      "1",            "--cpus", "1"};
+  const auto experiment = dir / "runs" / "killed";
+  {
+    cohort::testing::Process tuner(argv);
+    // trial_00000 has finished, and trial_00001 has committed its first epoch's checkpoint.
+    ASSERT_TRUE(tuner.wait_for_line("trial_00001 iter 1:", std::chrono::seconds(120))) << tuner.output();
+    ::kill(tuner.pid(), SIGKILL);
+    tuner.wait(std::chrono::seconds(10));
+  }
+  const std::string finished_before = cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string());
+  auto again = run_command(argv, std::chrono::seconds(240));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("restoring experiment " + experiment.string() + ": 1 finished trial(s) kept, 1 to run or resume"),
+            std::string::npos)
+      << again.output;
+  EXPECT_EQ(again.output.find("trial_00000 RUNNING"), std::string::npos) << again.output;  // not rerun
+  EXPECT_EQ(cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string()), finished_before);
+  // The interrupted trial went on from its checkpoint, not from its first epoch.
+  EXPECT_NE(cohort::testing::read_text((experiment / "trial_00001" / "logs" / "rank-0.log").string()).find("resuming after epoch 1"),
+            std::string::npos);
+  const auto state = Json::parse(cohort::testing::read_text((experiment / "experiment_state.json").string()));
+  ASSERT_EQ(state["trials"].size(), 3u);
+  for (const auto& trial : state["trials"]) {
+    EXPECT_EQ(trial["status"], "TERMINATED") << trial.dump();
+    EXPECT_EQ(trial["iterations"], 3) << trial.dump();
+  }
+}
+
 TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
   auto dir = cohort::testing::temp_dir("cli_fashion");

@@ -171,6 +171,7 @@ TEST(Tuner, ASHAStopsPoorTrialsEarlyAndKeepsTheBestToTheEnd) {
   // The best is never below a rung's cutoff; the worst arrives after six others set the cutoff.
   EXPECT_EQ(grid.trials()[1].iterations, 6);
   EXPECT_EQ(grid.trials()[1].status, "TERMINATED");
+  EXPECT_FALSE(grid.trials()[1].stopped_early);  // it ran as long as ASHA allows: not early
   EXPECT_TRUE(grid.trials()[6].stopped_early);
   EXPECT_LT(grid.trials()[6].iterations, 6);
   EXPECT_TRUE(grid[6].ok());  // stopped early is not an error

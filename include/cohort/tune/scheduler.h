@@ -12,7 +12,13 @@
 
 namespace cohort::tune {
 
-enum class TrialDecision { kContinue, kStop };
+enum class TrialDecision {
+  kContinue,
+  // Stopped early: not promising enough to go on.
+  kStop,
+  // Stopped because it has run as long as the scheduler allows (ASHA's max_t): not early.
+  kFinish,
+};
 
 class TrialScheduler {
  public:

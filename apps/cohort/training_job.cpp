@@ -1,0 +1,282 @@
+#include "training_job.h"
+
+#include <torch/torch.h>
+
+#include <unistd.h>
+
+#include <iostream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/zoo.h"
+
+namespace cohort::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::filesystem::path data_dir_of(const TrainOptions& o) {
+  if (!o.data_dir.empty()) return o.data_dir;
+  if (o.dataset == "fashion-mnist") return data::default_fashion_mnist_dir();
+  throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
+}
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
+                                                        std::vector<torch::Tensor> params) {
+  double lr = c["lr"].get<double>();
+  if (c["optimizer"] == "adam") {
+    return std::make_unique<torch::optim::Adam>(params,
+                                                torch::optim::AdamOptions(lr > 0 ? lr : 1e-3));
+  }
+  return std::make_unique<torch::optim::SGD>(
+      params, torch::optim::SGDOptions(lr > 0 ? lr : 0.02).momentum(c["momentum"].get<double>()));
+}
+
+struct Evaluation {
+  double accuracy = 0;
+  double loss = 0;
+};
+
+// Each rank scores its strided share of the test set; the counts are summed across ranks.
+Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader) {
+  torch::NoGradGuard no_grad;
+  model.eval();
+  double correct = 0, total = 0, loss_sum = 0;
+  for (auto& batch : loader) {
+    auto output = model.forward(batch.data);
+    loss_sum += torch::nn::functional::cross_entropy(
+                    output, batch.target,
+                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                    .item<double>();
+    correct += output.argmax(1).eq(batch.target).sum().item<double>();
+    total += static_cast<double>(batch.target.size(0));
+  }
+  model.train();
+  std::vector<at::Tensor> sums{torch::tensor({correct, total, loss_sum}, torch::kDouble)};
+  train::get_context().get_process_group().allreduce(sums);
+  auto s = sums[0];
+  return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
+}
+
+// Rank 0 writes the model (safetensors) and optimizer state; every rank reports, so that the
+// checkpoint is committed once all ranks got there.
+void report_with_checkpoint(const Json& metrics, const models::ImageClassifierImpl& model,
+                            const torch::optim::Optimizer& optimizer) {
+  if (train::get_context().get_world_rank() != 0) {
+    train::report(metrics);
+    return;
+  }
+  const auto dir = std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
+  train::report(metrics, train::save_checkpoint(dir, model, optimizer));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+
+void validate(const TrainOptions& o) {
+  if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
+    throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
+  }
+  models::create_model(o.model);  // throws, listing the zoo, for an unknown name
+  if (o.optimizer != "sgd" && o.optimizer != "adam") {
+    throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd or adam");
+  }
+  if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
+  if (o.min_workers < 0 || o.min_workers > o.workers) {
+    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " must be between 1 and --workers " +
+                     std::to_string(o.workers) + " (0: a fixed-size group)");
+  }
+  if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
+  if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
+  if (o.batch_size < 1) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
+  }
+  if (o.lr < 0) {
+    throw UsageError("--lr " + std::to_string(o.lr) + " is negative: give a learning rate > 0");
+  }
+  if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
+  if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
+  if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
+  if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
+  const auto dir = data_dir_of(o);
+  data::check_mnist_dir(dir);
+  int64_t train_size =
+      data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
+                            ? dir / "train-labels-idx1-ubyte"
+                            : dir / "train-labels-idx1-ubyte.gz")
+          .shape[0];
+  if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
+  const int64_t shard = (train_size + o.workers - 1) / o.workers;
+  if (o.batch_size > shard) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
+                     std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
+                     " workers = " + std::to_string(shard) +
+                     "): use a batch size <= " + std::to_string(shard) + " or fewer workers");
+  }
+}
+
+Json to_json(const TrainOptions& o) {
+  return Json{{"model", o.model},       {"data_dir", data_dir_of(o).string()},
+              {"epochs", o.epochs},     {"batch_size", o.batch_size},
+              {"optimizer", o.optimizer}, {"lr", o.lr},
+              {"momentum", o.momentum}, {"seed", o.seed},
+              {"max_steps", o.max_steps}, {"train_examples", o.train_examples}};
+}
+
+ScalingConfig scaling_of(const TrainOptions& o) {
+  return ScalingConfig{.num_workers = o.workers,
+                       .min_workers = o.min_workers,
+                       .resources_per_worker = {.cpu_threads = o.threads},
+                       .on_world_size_change = train::linear_lr_scaling};
+}
+
+RunConfig run_config_of(const TrainOptions& o) {
+  return RunConfig{.name = o.name,
+                   .storage_path = o.storage_path,
+                   .failure_config = {.max_failures = o.max_failures},
+                   .checkpoint_config = {.num_to_keep = o.num_to_keep,
+                                         .checkpoint_score_attribute = "test_accuracy",
+                                         .checkpoint_score_order = "max"},
+                   .resume = o.resume,
+                   .verbose = o.quiet ? 0 : 1};
+}
+
+void train_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const bool rank0 = ctx.get_world_rank() == 0;
+  torch::manual_seed(c["seed"].get<uint64_t>());
+  const std::filesystem::path dir = c["data_dir"].get<std::string>();
+  auto model = models::create_model(c["model"].get<std::string>());
+  auto optimizer = make_optimizer(c, model->parameters());
+  int start_epoch = 0;
+  int64_t steps = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    // Resume where the checkpoint left off, not at epoch 1.
+    train::load_checkpoint(*checkpoint, *model, *optimizer);
+    const auto metrics = checkpoint->metrics();
+    start_epoch = metrics.value("epoch", 0);
+    steps = metrics.value("steps", int64_t{0});
+    if (rank0) std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string() << std::endl;
+  }
+  train::prepare_model(model);
+  auto train_set = data::load_mnist(dir, data::Split::kTrain);
+  if (const int64_t n = c.value("train_examples", int64_t{0}); n > 0 && n < train_set.inputs.size(0)) {
+    train_set.inputs = train_set.inputs.narrow(0, 0, n);
+    train_set.targets = train_set.targets.narrow(0, 0, n);
+  }
+  auto train_loader = train::prepare_data_loader(
+      std::move(train_set),
+      {.batch_size = c["batch_size"].get<int64_t>(), .shuffle = true, .seed = c["seed"].get<uint64_t>()});
+  auto test_loader = train::prepare_data_loader(
+      data::load_mnist(dir, data::Split::kTest),
+      {.batch_size = 500, .shuffle = false, .equal_shards = false});
+
+  const int epochs = c["epochs"].get<int>();
+  const int64_t max_steps = c["max_steps"].get<int64_t>();
+  constexpr int64_t kWarmupSteps = 10;
+  const int64_t first_step = steps;
+  int64_t timed_samples = 0;
+  double timed_seconds = 0;
+  double time_to_first_step = 0;
+  for (int epoch = start_epoch; epoch < epochs; ++epoch) {
+    train_loader.set_epoch(epoch);
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
+    const int64_t total = train_loader.num_batches();
+    int64_t step_in_epoch = 0;
+    auto segment_start = Clock::now();
+    for (auto& batch : train_loader) {
+      optimizer->zero_grad();
+      auto loss = torch::nn::functional::cross_entropy(model->forward(batch.data), batch.target);
+      loss.backward();
+      optimizer->step();
+      ++steps;
+      ++step_in_epoch;
+      const double loss_value = loss.item<double>();
+      loss_sum += loss_value;
+      ++loss_count;
+      const auto now = Clock::now();
+      if (steps == first_step + 1) {
+        time_to_first_step =
+            std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
+                .count();
+        if (rank0) std::cout << "first training step done " << time_to_first_step << " s after start" << std::endl;
+      }
+      if (steps > first_step + kWarmupSteps) {
+        timed_seconds += std::chrono::duration<double>(now - segment_start).count();
+        timed_samples += batch.target.size(0) * ctx.get_world_size();
+      }
+      segment_start = now;
+      train::report_progress({{"label", label},
+                              {"step", step_in_epoch},
+                              {"total", total},
+                              {"loss", loss_sum / loss_count},
+                              {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds
+                                                                  : 0.0}});
+      if (max_steps > 0 && steps >= max_steps) break;
+    }
+    // The epoch's mean training loss over all ranks.
+    std::vector<at::Tensor> loss_stats{torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
+    ctx.get_process_group().allreduce(loss_stats);
+    const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
+    const auto eval = evaluate(*model, test_loader);
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time()).count();
+    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
+    // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
+    double checksum = 0;
+    for (const auto& p : model->parameters()) checksum += p.detach().to(torch::kDouble).sum().item<double>();
+    const auto checksums = ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
+    const auto all = torch::cat(checksums);
+    report_with_checkpoint({{"epoch", epoch + 1},
+                            {"replica_spread", (all.max() - all.min()).item<double>()},
+                            {"world_size", ctx.get_world_size()},
+                            {"epochs", epoch + 1},
+                            {"steps", steps},
+                            {"train_loss", train_loss},
+                            {"test_loss", eval.loss},
+                            {"test_accuracy", eval.accuracy},
+                            {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
+                            {"elapsed_s", elapsed},
+                            {"time_to_first_step_s", time_to_first_step}},
+                           *model, *optimizer);
+    if (last) break;
+  }
+}
+
+void add_training_options(CLI::App* cmd, TrainOptions& o) {
+  cmd->add_option("--model", o.model, "mlp, cnn, resnet18 or vit")->capture_default_str();
+  cmd->add_option("--dataset", o.dataset, "fashion-mnist or mnist")->capture_default_str();
+  cmd->add_option("--data-dir", o.data_dir,
+                  "folder with the four IDX files (default for fashion-mnist: " +
+                      data::default_fashion_mnist_dir().string() + ")");
+  cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
+  cmd->add_option("--min-workers", o.min_workers,
+                  "elastic: after a failure restart with as few as this many workers (the lr scaled "
+                  "linearly), growing back when slots are free; 0: always --workers")
+      ->capture_default_str();
+  cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
+  cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")->capture_default_str();
+  cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")->capture_default_str();
+  cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
+  cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
+  cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
+      ->capture_default_str();
+  cmd->add_option("--train-examples", o.train_examples, "train on the first N examples only (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--storage-path", o.storage_path, "where run directories go")->capture_default_str();
+  cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
+  cmd->add_flag("--resume,!--no-resume", o.resume,
+                "continue a run with the same --storage-path and --name from its latest checkpoint (default)");
+  cmd->add_option("--max-failures", o.max_failures,
+                  "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
+      ->capture_default_str();
+  cmd->add_option("--num-to-keep", o.num_to_keep,
+                  "checkpoints kept by best test accuracy, besides the latest (0: all)")
+      ->capture_default_str();
+  cmd->add_flag("--quiet", o.quiet, "no progress bar or report lines");
+}
+
+}  // namespace cohort::cli

@@ -1,0 +1,54 @@
+// The training job that `cohort train` runs and `cohort tune` searches over: a model of the zoo
+// on an MNIST-format data set, its options, and the loop every worker runs.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include <CLI/CLI.hpp>
+
+#include "cohort/json.h"
+#include "cohort/train/config.h"
+
+namespace cohort::cli {
+
+struct TrainOptions {
+  std::string model = "cnn";
+  std::string dataset = "fashion-mnist";
+  std::string data_dir;
+  int workers = 2;
+  int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
+  int threads = 1;
+  int epochs = 5;
+  int64_t batch_size = 64;
+  std::string optimizer = "sgd";
+  double lr = 0;  // 0: the optimizer's default
+  double momentum = 0.9;
+  uint64_t seed = 0;
+  int64_t max_steps = 0;       // 0: no limit
+  int64_t train_examples = 0;  // the first N training examples only; 0: all
+  std::string storage_path = "./cohort_results";
+  std::string name;
+  bool resume = true;
+  int max_failures = 0;
+  int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
+  bool quiet = false;
+};
+
+// The flags of a training job, on `cmd`.
+void add_training_options(CLI::App* cmd, TrainOptions& options);
+
+// Checks the options and the data before any worker starts; UsageError on bad input.
+void validate(const TrainOptions& options);
+
+// The train_loop_config of a job: what every worker reads.
+Json to_json(const TrainOptions& options);
+
+// The workers and the run of a job.
+ScalingConfig scaling_of(const TrainOptions& options);
+RunConfig run_config_of(const TrainOptions& options);
+
+// The loop each worker runs: trains, evaluates on the test set and reports (with a checkpoint)
+// once per epoch.
+void train_loop(const Json& config);
+
+}  // namespace cohort::cli
