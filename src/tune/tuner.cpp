@@ -7,6 +7,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <thread>
 
 #include "cohort/error.h"
@@ -106,6 +107,11 @@ int requested_threads(const Trainer& trainer) {
     }
   };
   Trainer trainer = trial_trainer(base, config, run);
+  // The Tuner stops a trial with SIGTERM. Held for the whole run, this scope makes that a request
+  // the trial's driver acts on (stop the workers, write result.json) at any moment, also while it
+  // starts or finishes, instead of a death that leaves the run directory half written.
+  std::optional<runtime::InterruptScope> interrupts;
+  if (runtime::spawned_role() == runtime::kTrialRole) interrupts.emplace();
   const Result result = trainer.fit();  // in a worker of the trial, never returns
   std::cout.flush();
   std::cerr.flush();
@@ -218,6 +224,7 @@ class Experiment {
     Clock::time_point started;
     double time_before = 0;
     bool stop_requested = false;
+    Clock::time_point stop_requested_at;
     std::ofstream log;
     std::deque<std::string> stderr_tail;
   };
@@ -455,6 +462,7 @@ void Experiment::on_result(size_t index, const Json& record) {
   const TrialDecision decision = scheduler_->on_trial_result(t.trial_id, result);
   if (decision == TrialDecision::kContinue) return;
   live.stop_requested = true;
+  live.stop_requested_at = Clock::now();
   live.group->request_stop("stopped by the scheduler");
   if (decision == TrialDecision::kFinish) return;
   t.stopped_early = true;
@@ -481,7 +489,10 @@ void Experiment::conclude(size_t index, const runtime::GroupOutcome& outcome) {
       }
       searcher_->on_trial_complete(t.trial_id, t.last_result, false);
       reporter_.event(t.name + " TERMINATED after " + std::to_string(t.iterations) + " iteration(s)" +
-                      (t.stopped_early ? " (stopped early)" : ""));
+                      (t.stopped_early ? " (stopped early; its processes ended " +
+                                             format_value(Json(seconds_since(live.stop_requested_at))) +
+                                             " s after the stop)"
+                                       : ""));
     } else {
       t.status = kError;
       std::string error = outcome.failure_reason;
@@ -512,6 +523,7 @@ ResultGrid Experiment::run() {
                       " s is spent: stopping " + std::to_string(live_.size()) + " running trial(s), starting no more");
       for (auto& [index, live] : live_) {
         live.stop_requested = true;
+        live.stop_requested_at = Clock::now();
         trials_[index].stopped_early = true;
         live.group->request_stop("the experiment's time budget is spent");
       }
