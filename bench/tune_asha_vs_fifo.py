@@ -11,6 +11,9 @@ its share of FIFO's steps, against the targets (within 1 point, at most half the
                              [--reduction-factor 3] [--train-examples 6000] [--max-concurrent 2]
                              [--seed 1] [--keep DIR]
 
+With --keep DIR the experiments stay in DIR, and a later run with the same settings reuses them
+(e.g. FIFO's, while trying another ASHA reduction factor).
+
 Training steps count what each trial reported (its last "steps"); a stopped trial's partial
 epoch after its last report is not counted.
 """
@@ -25,6 +28,11 @@ import time
 
 
 def run(args, scheduler, storage):
+    # Named by every setting that shapes it, so that --keep reuses a finished experiment of the
+    # same settings (cohort tune continues an experiment of the same name: here, nothing to do).
+    name = f"{scheduler}-s{args.samples}-e{args.epochs}-n{args.train_examples}-c{args.max_concurrent}-seed{args.seed}"
+    if scheduler == "asha":
+        name += f"-rf{args.reduction_factor:g}"
     command = [
         args.cohort, "tune", "--model", "cnn", "--dataset", "fashion-mnist",
         "--workers", "1", "--threads", "1", "--epochs", str(args.epochs),
@@ -34,22 +42,29 @@ def run(args, scheduler, storage):
         "--samples", str(args.samples), "--search-seed", str(args.seed),
         "--scheduler", scheduler, "--grace-period", "1", "--reduction-factor", str(args.reduction_factor),
         "--max-concurrent", str(args.max_concurrent), "--cpus", str(args.max_concurrent),
-        "--storage-path", storage, "--name", scheduler, "--quiet",
+        "--storage-path", storage, "--name", name, "--quiet",
     ]
+    wall_file = os.path.join(storage, name + ".wall_s")
+    reused = os.path.exists(wall_file)
     start = time.monotonic()
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wall = time.monotonic() - start
     if done.returncode != 0:
         sys.exit(f"{scheduler}: cohort tune failed ({done.returncode}):\n{done.stdout}")
-    state = json.load(open(os.path.join(storage, scheduler, "experiment_state.json")))
-    steps, stopped, best = 0, 0, None
+    if not reused:
+        with open(wall_file, "w") as out:
+            out.write(str(time.monotonic() - start))
+    wall = float(open(wall_file).read())
+    state = json.load(open(os.path.join(storage, name, "experiment_state.json")))
+    steps, epochs, stopped, best = 0, 0, 0, None
     for trial in state["trials"]:
         result = trial["last_result"]
         steps += result.get("steps", 0)
+        epochs += trial["iterations"]
         stopped += trial["stopped_early"]
         if "test_accuracy" in result and (best is None or result["test_accuracy"] > best[0]):
             best = (result["test_accuracy"], trial["name"], trial["config"])
-    return {"trials": len(state["trials"]), "stopped": stopped, "steps": steps, "best": best, "wall": wall}
+    return {"trials": len(state["trials"]), "stopped": stopped, "steps": steps, "epochs": epochs, "best": best,
+            "wall": wall, "reused": reused}
 
 
 def main():
@@ -73,12 +88,13 @@ def main():
         results[scheduler] = r = run(args, scheduler, storage)
         acc, name, config = r["best"]
         print(f"{scheduler:5s} trials {r['trials']} | stopped early {r['stopped']} | training steps {r['steps']} | "
-              f"best test_accuracy {acc:.4f} ({name} {json.dumps(config)}) | wall {r['wall']:.0f} s", flush=True)
+              f"epochs {r['epochs']} | best test_accuracy {acc:.4f} ({name} {json.dumps(config)}) | "
+              f"wall {r['wall']:.0f} s{' (kept from an earlier run)' if r['reused'] else ''}", flush=True)
     fifo, asha = results["fifo"], results["asha"]
     gap = (fifo["best"][0] - asha["best"][0]) * 100
     share = asha["steps"] / fifo["steps"]
     print(f"asha/fifo: accuracy gap {gap:+.2f} points (target <= 1), steps {share:.2f} of fifo's (target <= 0.5), "
-          f"wall {asha['wall'] / fifo['wall']:.2f}")
+          f"epochs {asha['epochs'] / fifo['epochs']:.2f}, wall {asha['wall'] / fifo['wall']:.2f}")
     print("targets", "met" if gap <= 1 and share <= 0.5 else "NOT met")
     if not args.keep:
         shutil.rmtree(storage, ignore_errors=True)

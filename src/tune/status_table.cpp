@@ -1,5 +1,6 @@
 #include "tune/status_table.h"
 
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -193,6 +194,16 @@ void StatusReporter::refresh(const StatusView& view, bool force) {
   if (!force && now - last_draw_ < period) return;
   last_draw_ = now;
   last_table_ = render_status(view);
+  if (terminal_) {
+    // Lines wider than the terminal would wrap, and the redraw would then miscount its lines.
+    winsize size{};
+    if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 1) {
+      std::istringstream lines(last_table_);
+      std::string clipped;
+      for (std::string line; std::getline(lines, line);) clipped += line.substr(0, size.ws_col - 1u) + '\n';
+      last_table_ = clipped;
+    }
+  }
   erase();
   std::cout << last_table_ << std::flush;
   drawn_lines_ = terminal_ ? static_cast<int>(std::count(last_table_.begin(), last_table_.end(), '\n')) : 0;

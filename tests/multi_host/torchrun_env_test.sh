@@ -28,4 +28,21 @@ out=$(RANK=0 WORLD_SIZE=2 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "
 grep -q "MASTER_ADDR is not set" <<<"$out" || fail "missing MASTER_ADDR not named: $out"
 out=$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --workers 3 --data-dir "$data" 2>&1)
 grep -q "num_workers=3 but the launcher started 2" <<<"$out" || fail "worker mismatch not named: $out"
+# A rank built differently (here: the same program with one byte appended) is refused at join.
+cp "$cli" "$work/cohort-other" && printf 'x' >>"$work/cohort-other"
+port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+mismatch=()
+for rank in 0 1; do
+  program="$cli"; [ "$rank" = 1 ] && program="$work/cohort-other"
+  RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    timeout -k 5 90 "$program" train --data-dir "$data" --epochs 1 --max-steps 8 --batch-size 16 \
+    --storage-path "$work" --name mismatch --quiet >"$work/mismatch$rank.log" 2>&1 &
+  pids+=($!); mismatch+=($!)
+done
+wait "${mismatch[0]}"; c0=$?
+wait "${mismatch[1]}"; c1=$?
+cat "$work/mismatch0.log" "$work/mismatch1.log"
+[ "$c0" = 2 ] && [ "$c1" = 2 ] || fail "different binaries: ranks exited $c0 and $c1, expected 2 (a refusal)"
+grep -q "rank 1 runs a different program .* than rank 0 .*deploy the same build on every node" "$work/mismatch0.log" ||
+  fail "rank 0 did not name the different program"
 echo "torchrun_env_test: PASS"

@@ -178,6 +178,31 @@ TEST(Tuner, ASHAStopsPoorTrialsEarlyAndKeepsTheBestToTheEnd) {
   EXPECT_EQ(grid.get_best_result().config["q"], 0.9);
 }
 
+// Reports every 0.2 s of work, for much longer than the budget.
+void long_trial(const Json& c) {
+  for (int i = 1; i <= 200; ++i) {
+    work_for(0.2);
+    train::report({{"score", i}});
+  }
+}
+
+TEST(Tuner, TheTimeBudgetStopsRunningTrialsAndStartsNoMore) {
+  const auto dir = cohort::testing::temp_dir("tuner_budget");
+  const auto started = std::chrono::steady_clock::now();
+  const ResultGrid grid = Tuner(long_trial, Json{{"x", grid_search({1, 2, 3, 4, 5, 6})}},
+                                TuneConfig{.max_concurrent_trials = 2, .time_budget_s = 4, .max_cpu_threads = 2},
+                                quiet_run(dir, "budget"))
+                              .fit();
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  EXPECT_LT(took, 40) << "a 4 s budget, trials of 40 s";
+  ASSERT_EQ(grid.size(), 2u);  // the first two, stopped; the other four never started
+  for (const auto& t : grid.trials()) {
+    EXPECT_EQ(t.status, "TERMINATED");
+    EXPECT_TRUE(t.stopped_early);
+    EXPECT_LT(t.iterations, 200);
+  }
+}
+
 TEST(Tuner, BadConfigurationsAreNamed) {
   const auto dir = cohort::testing::temp_dir("tuner_bad");
   expect_error<UsageError>(
