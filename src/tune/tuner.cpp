@@ -394,7 +394,18 @@ void Experiment::start_trials() {
       continue;
     }
     // First come, first served: a trial that does not fit yet waits, and so do those after it.
-    if (threads_in_use() + pending->cpu_threads > threads_limit_) return;
+    if (threads_in_use() + pending->cpu_threads > threads_limit_) {
+      if (!live_.empty()) return;
+      // Nothing runs and it still does not fit (a restore on a host with fewer CPUs): it never will.
+      pending->status = kError;
+      pending->error = "it requests " + std::to_string(pending->cpu_threads) + " CPU threads, more than the " +
+                       std::to_string(threads_limit_) + " the Tuner may use: raise TuneConfig.max_cpu_threads";
+      reporter_.event(pending->name + " ERROR before it started: " + *pending->error);
+      scheduler_->on_trial_remove(pending->trial_id);
+      searcher_->on_trial_complete(pending->trial_id, pending->last_result, true);
+      persist();
+      continue;
+    }
     start(static_cast<size_t>(pending - trials_.begin()));
   }
 }
