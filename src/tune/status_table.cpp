@@ -89,6 +89,12 @@ std::string format_value(const Json& value) {
   return value.dump();
 }
 
+std::string describe_parameters(const Json& config, const std::vector<std::string>& parameters) {
+  std::string out;
+  for (const auto& p : parameters) out += (out.empty() ? "" : ", ") + p + "=" + format_value(parameter_value(config, p));
+  return out;
+}
+
 int best_trial(const std::vector<TrialInfo>& trials, const std::string& metric, const std::string& mode) {
   int best = -1;
   double best_value = 0;
@@ -121,12 +127,9 @@ std::string render_status(const StatusView& view) {
   const int best = best_trial(trials, view.metric, view.mode);
   if (best >= 0) {
     const auto& t = trials[static_cast<size_t>(best)];
-    std::string parameters;
-    for (const auto& p : view.parameters) {
-      parameters += (parameters.empty() ? "" : ", ") + p + "=" + format_value(parameter_value(t.config, p));
-    }
     out << "Current best trial: " << t.name << " with " << view.metric << "="
-        << format_value(t.last_result[view.metric]) << " and parameters={" << parameters << "}\n";
+        << format_value(t.last_result[view.metric]) << " and parameters={"
+        << describe_parameters(t.config, view.parameters) << "}\n";
   }
   out << "Result logdir: " << view.experiment_path.string() << "\n";
   out << "Number of trials: " << trials.size();

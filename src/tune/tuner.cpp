@@ -235,11 +235,6 @@ class Experiment {
     for (const auto& [index, live] : live_) used += trials_[index].cpu_threads;
     return used;
   }
-  std::string describe_config(const TrialInfo& t) const {
-    std::string out;
-    for (const auto& p : parameters_) out += (out.empty() ? "" : ", ") + p + "=" + format_value(parameter_value(t.config, p));
-    return out;
-  }
   StatusView view() const {
     return StatusView{.experiment_path = dir_,
                       .running_for_s = seconds_since(started_),
@@ -441,7 +436,7 @@ void Experiment::start(size_t index) {
   live.group->start();
   live.started = Clock::now();
   t.status = kRunning;
-  reporter_.event(t.name + " RUNNING with " + describe_config(t) +
+  reporter_.event(t.name + " RUNNING with " + describe_parameters(t.config, parameters_) +
                   (t.iterations > 0 ? " (resuming after iteration " + std::to_string(t.iterations) + ")" : ""));
   persist();
 }
