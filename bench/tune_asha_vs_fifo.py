@@ -7,7 +7,7 @@ scheduler, the trials, how many were stopped early, the training steps they took
 best test accuracy and its config, and the wall time; then ASHA's accuracy gap to FIFO's best and
 its share of FIFO's steps, against the targets (within 1 point, at most half the steps).
 
-  bench/tune_asha_vs_fifo.py [--cohort build/cohort] [--samples 16] [--epochs 6]
+  bench/tune_asha_vs_fifo.py [--cohort build/cohort] [--samples 24] [--epochs 6]
                              [--reduction-factor 3] [--train-examples 6000] [--max-concurrent 2]
                              [--seed 1] [--keep DIR]
 
@@ -70,7 +70,7 @@ def run(args, scheduler, storage):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cohort", default=os.path.join(os.path.dirname(__file__), "..", "build", "cohort"))
-    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=24)
     parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--reduction-factor", type=float, default=3)
     parser.add_argument("--train-examples", type=int, default=6000)
