@@ -89,17 +89,19 @@ void ASHAScheduler::on_trial_add(const std::string& trial_id) {
   bracket_of_[trial_id] = index;
 }
 
+std::optional<double> ASHAScheduler::cutoff(const Rung& rung) const {
+  if (rung.recorded.empty()) return std::nullopt;
+  std::vector<double> values;
+  for (const auto& [id, v] : rung.recorded) values.push_back(v);
+  return percentile(values, (1 - 1 / options_.reduction_factor) * 100);
+}
+
 TrialDecision ASHAScheduler::record(std::vector<Rung>& bracket, const std::string& trial_id, double progress,
                                     double value) {
   for (auto& rung : bracket) {
     if (progress < rung.milestone || rung.recorded.count(trial_id)) continue;
-    TrialDecision decision = TrialDecision::kContinue;
-    if (!rung.recorded.empty()) {
-      std::vector<double> values;
-      for (const auto& [id, v] : rung.recorded) values.push_back(v);
-      const double cutoff = percentile(values, (1 - 1 / options_.reduction_factor) * 100);
-      if (value < cutoff) decision = TrialDecision::kStop;
-    }
+    const auto bar = cutoff(rung);
+    const TrialDecision decision = bar && value < *bar ? TrialDecision::kStop : TrialDecision::kContinue;
     rung.recorded[trial_id] = value;
     return decision;
   }
@@ -128,13 +130,9 @@ std::string ASHAScheduler::describe() const {
   for (const auto& bracket : brackets_) {
     out += "\n  Bracket:";
     for (size_t r = 0; r < bracket.size(); ++r) {
-      std::string cutoff = "None";
-      if (!bracket[r].recorded.empty()) {
-        std::vector<double> values;
-        for (const auto& [id, v] : bracket[r].recorded) values.push_back(v);
-        cutoff = number(sign_ * percentile(values, (1 - 1 / options_.reduction_factor) * 100));
-      }
-      out += std::string(r ? " |" : "") + " Iter " + number(bracket[r].milestone) + ": " + cutoff;
+      const auto bar = cutoff(bracket[r]);
+      out += std::string(r ? " |" : "") + " Iter " + number(bracket[r].milestone) + ": " +
+             (bar ? number(sign_ * *bar) : "None");
     }
   }
   return out;

@@ -14,12 +14,6 @@
 namespace cohort::tune {
 namespace {
 
-// Fields every result has, which say nothing about the model.
-bool is_bookkeeping(const std::string& key) {
-  return key == "training_iteration" || key == "timestamp" || key == "time_total_s" || key == "checkpoint" ||
-         key == "trial_id";
-}
-
 std::string duration(double seconds) {
   const auto total = static_cast<int64_t>(seconds);
   char buffer[32];
@@ -68,6 +62,11 @@ std::string table(const std::vector<std::string>& header, const std::vector<std:
 }
 
 }  // namespace
+
+bool is_bookkeeping(const std::string& key) {
+  return key == "training_iteration" || key == "timestamp" || key == "time_total_s" || key == "checkpoint" ||
+         key == "trial_id";
+}
 
 Json parameter_value(const Json& config, const std::string& path) {
   try {

@@ -25,6 +25,8 @@ struct StatusView {
   std::optional<int64_t> total_trials;
 };
 
+// Fields the Tuner or the Trainer add to every result, which say nothing about the model.
+bool is_bookkeeping(const std::string& key);
 // The value at a parameter path ("optim/momentum") of a trial config; null when absent.
 Json parameter_value(const Json& config, const std::string& path);
 // A cell: numbers with 4 significant digits, strings as they are.

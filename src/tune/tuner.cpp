@@ -205,9 +205,7 @@ class Experiment {
     if (config_.search_alg) {
       searcher_ = config_.search_alg;
     } else {
-      auto basic = std::make_shared<BasicVariantGenerator>(config_.seed);
-      basic->set_num_samples(config_.num_samples);
-      searcher_ = basic;
+      searcher_ = std::make_shared<BasicVariantGenerator>(config_.seed, config_.num_samples);
     }
     searcher_->set_search_properties(config_.metric, config_.mode, param_space_);
     parameters_ = searched_parameters(param_space_);
@@ -458,7 +456,7 @@ void Experiment::on_result(size_t index, const Json& record) {
   std::string metrics;
   for (const auto& [key, value] : result.items()) {
     const bool shown = config_.metric_columns.empty()
-                           ? key != "training_iteration" && key != "timestamp" && key != "time_total_s"
+                           ? !is_bookkeeping(key)
                            : std::find(config_.metric_columns.begin(), config_.metric_columns.end(), key) !=
                                  config_.metric_columns.end();
     if (value.is_number() && shown) metrics += " " + key + "=" + format_value(value);

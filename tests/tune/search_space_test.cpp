@@ -22,8 +22,7 @@ std::vector<Json> draw(const Json& domain, int n, uint64_t seed = 1) {
 }
 
 std::vector<Json> all_trials(const Json& space, int num_samples, uint64_t seed) {
-  BasicVariantGenerator generator(seed);
-  generator.set_num_samples(num_samples);
+  BasicVariantGenerator generator(seed, num_samples);
   generator.set_search_properties("", "", space);
   std::vector<Json> trials;
   while (auto config = generator.suggest(std::to_string(trials.size()))) trials.push_back(*config);
@@ -131,8 +130,7 @@ TEST(SearchSpace, GridsAreCrossedAndRepeatedPerSample) {
   EXPECT_EQ(trials[1]["layers"], 2);
   EXPECT_EQ(trials[2]["optimizer"], "adam");
   EXPECT_EQ(trials[6]["optimizer"], "sgd");
-  BasicVariantGenerator generator(0);
-  generator.set_num_samples(2);
+  BasicVariantGenerator generator(0, 2);
   generator.set_search_properties("", "", space);
   EXPECT_EQ(generator.total_trials(), 12);
 }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -89,6 +90,9 @@ class ASHAScheduler : public TrialScheduler {
   int num_stopped() const { return num_stopped_; }
 
  private:
+  // The value a trial must reach at this rung to go on: the (1 - 1/reduction_factor) percentile
+  // of those recorded there; none while the rung is empty.
+  std::optional<double> cutoff(const Rung& rung) const;
   TrialDecision record(std::vector<Rung>& bracket, const std::string& trial_id, double progress, double value);
   ASHAOptions options_;
   double sign_ = 1;  // +1 for max, -1 for min

@@ -72,18 +72,18 @@ class Searcher {
 // order.
 class BasicVariantGenerator : public Searcher {
  public:
-  explicit BasicVariantGenerator(uint64_t seed = 0) : seed_(seed), rng_(seed) {}
+  // num_samples: how often the whole grid is repeated (TuneConfig::num_samples).
+  explicit BasicVariantGenerator(uint64_t seed = 0, int num_samples = 1)
+      : seed_(seed), rng_(seed), num_samples_(num_samples) {}
   void set_search_properties(const std::string& metric, const std::string& mode, const Json& param_space) override;
   std::optional<Json> suggest(const std::string& trial_id) override;
   std::optional<int64_t> total_trials() const override;
-  // How often the whole grid is repeated (Tuner sets it from TuneConfig::num_samples).
-  void set_num_samples(int num_samples) { num_samples_ = num_samples; }
 
  private:
   uint64_t seed_;
   std::mt19937_64 rng_;
+  int num_samples_;
   Json param_space_ = Json::object();
-  int num_samples_ = 1;
   std::vector<std::string> grid_paths_;  // JSON pointers of the grid_search domains
   std::vector<size_t> grid_sizes_;
   int64_t next_ = 0;
