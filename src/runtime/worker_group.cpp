@@ -408,7 +408,13 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers, std::chrono::m
   }
   std::vector<Worker*> exited;
   for (auto& w : workers) {
-    if (reap(w, false)) exited.push_back(&w);
+    if (!reap(w, false)) continue;
+    exited.push_back(&w);
+    // What a worker wrote before it ended is handled before its end is: it may have written
+    // after the poll() above.
+    for (auto& s : w.streams) {
+      if (s.fd >= 0) pump(w, s, handlers);
+    }
   }
   // Of workers that ended together, one killed by a signal is the likelier cause: its peers
   // then fail in their collectives.

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <poll.h>
+#include <sys/wait.h>
+
 #include <csignal>
+#include <fstream>
 
 #include "cohort/error.h"
 #include "support/subprocess.h"
@@ -125,6 +129,50 @@ TEST(WorkerGroup, HelpersOfAWorkerThatDiedAreStoppedToo) {
   const int helper = std::stoi(cohort::testing::read_text(helper_file));
   EXPECT_TRUE(cohort::testing::wait_for_exit(helper, std::chrono::seconds(10))) << "helper " << helper << " outlived its worker";
   EXPECT_FALSE(process_group_alive(group.pids()[1]));
+  std::filesystem::remove_all(dir);
+}
+
+// The driver's report bookkeeping relies on this order: a rank's last messages are handled
+// before its exit, also when it wrote them after the poll that woke the group up.
+TEST(WorkerGroup, AWorkersLastMessagesAreHandledBeforeItsExit) {
+  auto dir = cohort::testing::temp_dir("group_order");
+  const auto go = (dir / "go").string();
+  const auto done = (dir / "done").string();
+  // Rank 1 writes and exits only once the handler of rank 0's message is running, i.e. after
+  // the group's poll() returned; that handler returns only once rank 1 has exited.
+  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then echo first >&$COHORT_CONTROL_FD; while [ ! -f " + done +
+                              " ]; do sleep 0.05; done; else while [ ! -f " + go +
+                              " ]; do sleep 0.05; done; echo last >&$COHORT_CONTROL_FD; fi");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
+  };
+  WorkerGroup group(options);
+  group.start();
+  std::vector<std::string> events;
+  WorkerGroupHandlers handlers;
+  handlers.on_control = [&](int rank, const std::string& m) {
+    events.push_back(std::to_string(rank) + ":" + m);
+    if (m != "first") return;
+    std::ofstream(go).flush();
+    // Without reaping it: the group must find the exit itself.
+    siginfo_t info{};
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      info.si_pid = 0;
+      ::waitid(P_PID, static_cast<id_t>(group.pids()[1]), &info, WEXITED | WNOHANG | WNOWAIT);
+      if (info.si_pid != 0) break;
+      ::poll(nullptr, 0, 10);
+    }
+    EXPECT_NE(info.si_pid, 0) << "rank 1 did not exit within 20 s";
+    std::ofstream(done).flush();
+  };
+  handlers.on_exit = [&](const WorkerExit& exit) { events.push_back(std::to_string(exit.rank) + ":exit"); };
+  EXPECT_TRUE(group.wait(handlers).success);
+  const auto last = std::find(events.begin(), events.end(), "1:last");
+  const auto exit = std::find(events.begin(), events.end(), "1:exit");
+  ASSERT_NE(last, events.end());
+  ASSERT_NE(exit, events.end());
+  EXPECT_LT(last - events.begin(), exit - events.begin()) << "rank 1's exit was handled before its last message";
   std::filesystem::remove_all(dir);
 }
 
