@@ -17,9 +17,9 @@
 #include <iostream>
 
 #include "cohort/error.h"
+#include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
 
-extern char** environ;
 
 namespace cohort::runtime {
 namespace {
@@ -191,26 +191,11 @@ struct WorkerGroup::Impl {
   GroupOutcome conclude();
 
   std::vector<std::string> environment(int rank) const {
-    std::map<std::string, std::string> vars;
-    for (char** e = environ; *e != nullptr; ++e) {
-      std::string entry(*e);
-      auto eq = entry.find('=');
-      if (eq != std::string::npos) vars[entry.substr(0, eq)] = entry.substr(eq + 1);
-    }
-    for (const auto& [k, v] : options.env) vars[k] = v;
+    auto vars = options.env;
     if (options.rank_env) {
       for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
     }
-    vars.erase(kRoleVar);
-    vars.erase(kControlFdVar);
-    if (!options.role.empty()) {
-      vars[kRoleVar] = options.role;
-      vars[kControlFdVar] = "3";
-    }
-    vars[kDriverPidVar] = std::to_string(::getpid());
-    std::vector<std::string> out;
-    for (const auto& [k, v] : vars) out.push_back(k + "=" + v);
-    return out;
+    return child_environment(vars, options.role, !options.role.empty());
   }
 
   void spawn(Worker& worker) {

@@ -1,0 +1,109 @@
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <iterator>
+#include <memory>
+#include <string>
+
+#include "cohort/data/dataset.h"
+
+namespace cohort::data {
+
+// What a consumer waited for and what the pipeline dropped.
+struct IngestStats {
+  // Time the consumer spent blocked waiting for a batch (the exposed ingest time).
+  double wait_seconds = 0;
+  int64_t batches = 0;
+  int64_t rows = 0;
+  // Rows a source skipped (unreadable files) and batches a stage skipped (OnError::kSkip).
+  int64_t skipped_rows = 0;
+  int64_t skipped_batches = 0;
+  // Tasks redone because the worker that had them died.
+  int64_t tasks_redone = 0;
+};
+
+// Streams one Dataset epoch after epoch (Ray's DataIterator). Preprocessing workers start with the
+// first epoch and serve every later one; they end with the iterator.
+class DataIterator {
+ public:
+  explicit DataIterator(Dataset dataset);
+  ~DataIterator();
+  DataIterator(DataIterator&&) noexcept;
+  DataIterator& operator=(DataIterator&&) noexcept;
+
+  // The epoch the next iter_batches() streams: reseeds random_shuffle, the local shuffle and the
+  // random preprocessors. Without a call, epochs count up from 0 with every iter_batches().
+  void set_epoch(int64_t epoch);
+
+  class Stream;
+  // One pass: `for (Block& batch : it.iter_batches({.batch_size = 64})) ...`. Starting another
+  // pass ends an unfinished one.
+  Stream iter_batches(IterBatchesOptions options = {});
+
+  // Since the iterator was made.
+  IngestStats stats() const;
+  // Where remote preprocessing workers connect (ExecutionOptions::listen_address with the port
+  // that was picked); empty before the first pass or without one.
+  std::string listen_address() const;
+  const Dataset& dataset() const;
+
+  // For data parallel training: called before each batch with its index in the epoch and whether
+  // this consumer has it; returns whether every consumer does. A consumer then ends its epoch
+  // together with the others, so all see the same number of batches (the Trainer sets this).
+  using BatchAgreement = std::function<bool(int64_t epoch, int64_t batch, bool have)>;
+  void set_batch_agreement(BatchAgreement agreement);
+  // Variables added to the environment of the preprocessing workers it starts.
+  void set_worker_environment(std::map<std::string, std::string> env);
+
+  struct Impl;
+
+  class Stream {
+   public:
+    class Iterator {
+     public:
+      using iterator_category = std::input_iterator_tag;
+      using value_type = Block;
+      using difference_type = std::ptrdiff_t;
+      using pointer = Block*;
+      using reference = Block&;
+      Block& operator*() { return current_; }
+      Block* operator->() { return &current_; }
+      Iterator& operator++();
+      bool operator==(const Iterator& other) const { return done_ == other.done_; }
+      bool operator!=(const Iterator& other) const { return !(*this == other); }
+
+     private:
+      friend class Stream;
+      Iterator(Impl* impl, bool done);
+      Impl* impl_ = nullptr;
+      Block current_;
+      bool done_ = true;
+    };
+    Iterator begin();
+    Iterator end();
+
+   private:
+    friend class DataIterator;
+    explicit Stream(Impl* impl) : impl_(impl) {}
+    Impl* impl_;
+  };
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Totals over every DataIterator (and DataLoader) of this process since the last call, then reset:
+// what train::report() adds to a report as the exposed ingest time.
+IngestStats take_ingest_stats();
+// Adds to those totals (for other loaders).
+void add_ingest_wait(double seconds, int64_t batches);
+
+// In a process started in the data role for `dataset` (same fingerprint): serves its tasks until
+// the consumer is done, then ends the process. Otherwise returns at once. DataIterator calls it,
+// so a program that builds its pipeline before iterating needs nothing else.
+void serve_if_data_worker(const Dataset& dataset);
+
+inline constexpr const char* kDataRole = "data";
+
+}  // namespace cohort::data

@@ -1,0 +1,260 @@
+#include "cohort/data/data_iterator.h"
+
+#include <condition_variable>
+#include <deque>
+#include <iostream>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "cohort/error.h"
+#include "data/plan.h"
+#include "data/task_runner.h"
+
+namespace cohort::data {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::mutex g_ingest_mutex;
+IngestStats g_ingest;
+
+}  // namespace
+
+IngestStats take_ingest_stats() {
+  std::lock_guard lock(g_ingest_mutex);
+  IngestStats out = g_ingest;
+  g_ingest = IngestStats{};
+  return out;
+}
+
+void add_ingest_wait(double seconds, int64_t batches) {
+  std::lock_guard lock(g_ingest_mutex);
+  g_ingest.wait_seconds += seconds;
+  g_ingest.batches += batches;
+}
+
+struct DataIterator::Impl {
+  Dataset dataset;
+  std::optional<int64_t> next_epoch;
+  int64_t last_epoch = -1;
+  BatchAgreement agreement;
+  std::map<std::string, std::string> worker_env;
+  std::unique_ptr<TaskRunner> runner;
+  IngestStats stats;
+
+  // The pass in progress.
+  IterBatchesOptions options;
+  int64_t epoch = 0;
+  int64_t batch_index = 0;
+  std::thread producer;
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::deque<Block> ready;
+  std::exception_ptr error;
+  bool finished = true;
+  bool cancelled = false;
+
+  explicit Impl(Dataset d) : dataset(std::move(d)) {}
+  ~Impl() { end_pass(); }
+
+  void end_pass() {
+    {
+      std::lock_guard lock(mutex);
+      cancelled = true;
+    }
+    changed.notify_all();
+    if (runner) runner->cancel();
+    if (producer.joinable()) producer.join();
+    ready.clear();
+  }
+
+  // Blocks until the consumer has room; false once the pass is cancelled.
+  bool push(Block block) {
+    if (options.device != block.columns.begin()->second.device()) {
+      for (auto& [name, column] : block.columns) column = column.to(options.device, /*non_blocking=*/true);
+    }
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return cancelled || static_cast<int>(ready.size()) < options.prefetch_batches; });
+    if (cancelled) return false;
+    ready.push_back(std::move(block));
+    changed.notify_all();
+    return true;
+  }
+
+  void produce() {
+    std::mt19937_64 engine(options.local_shuffle_seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch) + 7);
+    Block pending;
+    int64_t have = 0;
+    const int64_t batch = options.batch_size;
+    const int64_t buffer = std::max<int64_t>(options.local_shuffle_buffer_size, 0);
+    auto emit = [&](bool final) {
+      while (have >= batch + (final ? 0 : buffer) && have > 0) {
+        Block out;
+        if (buffer > 0) {
+          // batch rows drawn at random from the buffer; the rest stays for later batches.
+          std::vector<int64_t> order(static_cast<size_t>(have));
+          for (int64_t i = 0; i < have; ++i) order[static_cast<size_t>(i)] = i;
+          for (int64_t i = 0; i < batch; ++i) {
+            const auto j = i + static_cast<int64_t>(engine() % static_cast<uint64_t>(have - i));
+            std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+          }
+          auto index = torch::tensor(order, torch::kLong);
+          out = pending.take(index.narrow(0, 0, batch));
+          pending = pending.take(index.narrow(0, batch, have - batch));
+        } else {
+          out = pending.slice(0, batch);
+          pending = pending.slice(batch, have - batch);
+        }
+        have -= batch;
+        if (!push(std::move(out))) return false;
+      }
+      if (final && have > 0 && !options.drop_last) {
+        if (!push(std::move(pending))) return false;
+        have = 0;
+      }
+      return true;
+    };
+    try {
+      while (true) {
+        auto result = runner->next();
+        if (!result) break;
+        {
+          std::lock_guard lock(mutex);
+          stats.skipped_rows += result->skipped_rows;
+          stats.skipped_batches += result->skipped_batches;
+        }
+        if (result->block.num_rows() == 0) continue;
+        pending = have == 0 ? std::move(result->block) : Block::concat({pending, result->block});
+        have = pending.num_rows();
+        if (!emit(false)) return;
+      }
+      if (!emit(true)) return;
+    } catch (const Cancelled&) {
+      return;
+    } catch (...) {
+      std::lock_guard lock(mutex);
+      error = std::current_exception();
+    }
+    std::lock_guard lock(mutex);
+    finished = true;
+    changed.notify_all();
+  }
+
+  void start(IterBatchesOptions o) {
+    if (o.batch_size < 1) throw UsageError("iter_batches: batch_size=" + std::to_string(o.batch_size) + " must be >= 1");
+    if (o.prefetch_batches < 1) o.prefetch_batches = 1;
+    end_pass();
+    options = o;
+    epoch = next_epoch ? *next_epoch : last_epoch + 1;
+    next_epoch.reset();
+    last_epoch = epoch;
+    batch_index = 0;
+    if (!runner) {
+      const auto& plan = dataset.plan();
+      const int workers = dataset.num_workers();
+      if (workers > 0 || plan.execution.remote_workers > 0 || !plan.execution.listen_address.empty()) {
+        runner = make_worker_pool(plan, dataset.fingerprint(), workers, worker_env);
+      } else {
+        runner = make_inline_runner(plan);
+      }
+    }
+    runner->start_epoch(epoch, epoch_tasks(dataset.plan(), epoch));
+    {
+      std::lock_guard lock(mutex);
+      ready.clear();
+      error = nullptr;
+      finished = false;
+      cancelled = false;
+    }
+    producer = std::thread([this] { produce(); });
+  }
+
+  bool next(Block& out) {
+    const auto begin = Clock::now();
+    bool have = false;
+    {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] { return !ready.empty() || finished || error || cancelled; });
+      if (error) {
+        auto e = error;
+        error = nullptr;
+        finished = true;
+        lock.unlock();
+        end_pass();
+        std::rethrow_exception(e);
+      }
+      have = !ready.empty();
+      if (have) {
+        out = std::move(ready.front());
+        ready.pop_front();
+        changed.notify_all();
+      }
+    }
+    const double waited = std::chrono::duration<double>(Clock::now() - begin).count();
+    if (agreement && !agreement(epoch, batch_index, have)) {
+      // Another consumer has no batch number batch_index: all end the epoch here.
+      if (have) {
+        std::cerr << "cohort: data: epoch " << epoch << " ends after " << batch_index
+                  << " batches on every rank (another rank's shard ran out first)" << std::endl;
+      }
+      have = false;
+    }
+    if (!have) {
+      end_pass();
+      return false;
+    }
+    ++batch_index;
+    {
+      std::lock_guard lock(mutex);
+      stats.wait_seconds += waited;
+      stats.batches += 1;
+      stats.rows += out.num_rows();
+    }
+    add_ingest_wait(waited, 1);
+    return true;
+  }
+};
+
+DataIterator::DataIterator(Dataset dataset) : impl_(std::make_unique<Impl>(std::move(dataset))) {}
+DataIterator::~DataIterator() = default;
+DataIterator::DataIterator(DataIterator&&) noexcept = default;
+DataIterator& DataIterator::operator=(DataIterator&&) noexcept = default;
+
+void DataIterator::set_epoch(int64_t epoch) { impl_->next_epoch = epoch; }
+
+DataIterator::Stream DataIterator::iter_batches(IterBatchesOptions options) {
+  serve_if_data_worker(impl_->dataset);
+  impl_->start(options);
+  return Stream(impl_.get());
+}
+
+IngestStats DataIterator::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  IngestStats out = impl_->stats;
+  if (impl_->runner) out.tasks_redone = impl_->runner->tasks_redone();
+  return out;
+}
+
+std::string DataIterator::listen_address() const { return impl_->runner ? impl_->runner->listen_address() : ""; }
+const Dataset& DataIterator::dataset() const { return impl_->dataset; }
+void DataIterator::set_batch_agreement(BatchAgreement agreement) { impl_->agreement = std::move(agreement); }
+void DataIterator::set_worker_environment(std::map<std::string, std::string> env) { impl_->worker_env = std::move(env); }
+
+DataIterator::Stream::Iterator::Iterator(Impl* impl, bool done) : impl_(impl), done_(done) {
+  if (!done_) ++*this;
+}
+
+DataIterator::Stream::Iterator& DataIterator::Stream::Iterator::operator++() {
+  if (!impl_ || !impl_->next(current_)) {
+    done_ = true;
+    current_ = Block{};
+  }
+  return *this;
+}
+
+DataIterator::Stream::Iterator DataIterator::Stream::begin() { return Iterator(impl_, false); }
+DataIterator::Stream::Iterator DataIterator::Stream::end() { return Iterator(nullptr, true); }
+
+}  // namespace cohort::data

@@ -1,0 +1,98 @@
+// The preprocessing worker's side: this program re-executed in the data role, serving the tasks
+// of one pipeline until its consumer is done.
+#include <unistd.h>
+
+#include <cstdlib>
+#include <iostream>
+
+#include <opencv2/core.hpp>
+
+#include "cohort/data/data_iterator.h"
+#include "cohort/error.h"
+#include "cohort/runtime/worker_info.h"
+#include "data/task_runner.h"
+#include "data/wire.h"
+
+namespace cohort::data {
+
+namespace {
+
+void serve(const Dataset& dataset, const std::string& address) {
+  const bool local = address.rfind("unix:", 0) == 0;
+  const int fd = wire::connect_to(address, std::chrono::seconds(60));
+  char host[256] = "?";
+  ::gethostname(host, sizeof host - 1);
+  wire::send(fd, Json{{"type", "hello"},
+                      {"pipeline", dataset.fingerprint()},
+                      {"pid", ::getpid()},
+                      {"host", std::string(host)},
+                      {"local", local}});
+  const auto& plan = dataset.plan();
+  while (true) {
+    Json message;
+    int ignored = -1;
+    if (!wire::receive(fd, message, ignored, std::chrono::seconds(60))) break;
+    const auto type = message.value("type", std::string{});
+    if (type == "stop") break;
+    if (type == "refuse") throw UsageError("the consumer refused this worker: " + message.value("reason", std::string{}));
+    if (type != "task") continue;
+    const auto index = message["index"].get<int64_t>();
+    const auto epoch = message["epoch"].get<int64_t>();
+    const auto rows = message["rows"].get<std::vector<int64_t>>();
+    TaskResult result = run_task(plan, index, rows, epoch);
+    Json reply{{"type", "result"},
+               {"index", index},
+               {"epoch", epoch},
+               {"skipped_rows", result.skipped_rows},
+               {"skipped_batches", result.skipped_batches}};
+    if (!result.error.empty()) {
+      reply["error"] = result.error;
+      wire::send(fd, reply);
+      continue;
+    }
+    size_t bytes = 0;
+    reply["columns"] = wire::describe_block(result.block, bytes);
+    reply["payload_bytes"] = bytes;
+    if (local) {
+      const int payload = wire::write_block_memfd(result.block, reply["columns"], bytes);
+      wire::send(fd, reply, payload);
+      ::close(payload);
+    } else {
+      wire::send(fd, reply);
+      wire::write_block_inline(fd, result.block);
+    }
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+void serve_if_data_worker(const Dataset& dataset) {
+  if (runtime::spawned_role() != kDataRole) return;
+  const char* wanted = std::getenv(kDataPipelineVar);
+  if (wanted != nullptr && *wanted != '\0' && dataset.fingerprint() != wanted) return;
+  const char* address = std::getenv(kDataAddressVar);
+  int code = 0;
+  if (address == nullptr || *address == '\0') {
+    std::cerr << "cohort data worker: " << kDataAddressVar << " is not set: it names the consumer to connect to "
+              << "(host:port of the training process's ExecutionOptions::listen_address)" << std::endl;
+    code = 2;
+  } else {
+    // One CPU per worker: the pool, not each worker, spreads the work.
+    torch::set_num_threads(1);
+    cv::setNumThreads(1);
+    try {
+      serve(dataset, address);
+    } catch (const wire::PeerGone&) {
+      // The consumer finished (or ended) before this worker was of use: nothing to report.
+    } catch (const std::exception& e) {
+      std::cerr << "cohort data worker " << ::getpid() << ": " << e.what() << std::endl;
+      code = 1;
+    }
+  }
+  std::cout.flush();
+  std::cerr.flush();
+  ::_exit(code);
+}
+
+}  // namespace cohort::data

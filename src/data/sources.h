@@ -1,0 +1,18 @@
+// The row sources behind Dataset's factory functions.
+#pragma once
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "data/plan.h"
+
+namespace cohort::data {
+
+std::shared_ptr<const Source> make_tensor_source(std::map<std::string, at::Tensor> columns, std::string description);
+std::shared_ptr<const Source> make_synthetic_image_source(int64_t rows, const SyntheticImageOptions& options);
+std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path, const CsvOptions& options);
+std::shared_ptr<const Source> make_image_folder_source(const std::filesystem::path& dir,
+                                                       const ImageFolderOptions& options);
+
+}  // namespace cohort::data

@@ -1,0 +1,330 @@
+#include "data/wire.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+#include "cohort/error.h"
+
+namespace cohort::data::wire {
+
+namespace {
+
+constexpr size_t kAlign = 64;
+
+std::string errno_text() { return std::strerror(errno); }
+
+size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+void wait_readable(int fd, std::chrono::milliseconds timeout) {
+  pollfd p{fd, POLLIN, 0};
+  int rc;
+  do {
+    rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 0) throw TimeoutError("a preprocessing message did not arrive whole within " +
+                                  std::to_string(timeout.count()) + " ms");
+}
+
+struct Mapping {
+  void* base = nullptr;
+  size_t bytes = 0;
+  ~Mapping() {
+    if (base != nullptr && base != MAP_FAILED) ::munmap(base, bytes);
+  }
+};
+
+c10::ScalarType dtype_of(const std::string& name) {
+  for (auto t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble, at::kBool,
+                 at::kBFloat16}) {
+    if (name == c10::toString(t)) return t;
+  }
+  throw RuntimeError("a preprocessing worker sent a column of unknown type " + name);
+}
+
+std::vector<int64_t> shape_of(const Json& column) { return column["shape"].get<std::vector<int64_t>>(); }
+
+}  // namespace
+
+void write_all(int fd, const void* data, size_t bytes) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) throw PeerGone("the peer closed its connection");
+    if (n <= 0) throw RuntimeError("sending to a preprocessing peer failed: " + errno_text());
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout) {
+  auto* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    wait_readable(fd, timeout);
+    const ssize_t n = ::recv(fd, p, bytes, 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) throw RuntimeError("a preprocessing peer closed its connection in the middle of a message");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void send(int socket, const Json& header, int payload_fd) {
+  const std::string text = header.dump();
+  const auto length = static_cast<uint32_t>(text.size());
+  if (payload_fd < 0) {
+    std::string message(reinterpret_cast<const char*>(&length), sizeof length);
+    message += text;
+    write_all(socket, message.data(), message.size());
+    return;
+  }
+  iovec io{const_cast<uint32_t*>(&length), sizeof length};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  cmsg->cmsg_level = SOL_SOCKET;
+  cmsg->cmsg_type = SCM_RIGHTS;
+  cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cmsg), &payload_fd, sizeof(int));
+  ssize_t n;
+  do {
+    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) throw PeerGone("the consumer closed its connection");
+  if (n != static_cast<ssize_t>(sizeof length)) throw RuntimeError("sending a batch to the consumer failed: " + errno_text());
+  write_all(socket, text.data(), text.size());
+}
+
+bool receive(int socket, Json& header, int& payload_fd, std::chrono::milliseconds timeout) {
+  payload_fd = -1;
+  uint32_t length = 0;
+  iovec io{&length, sizeof length};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
+  msghdr msg{};
+  msg.msg_iov = &io;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof control;
+  ssize_t n;
+  do {
+    n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+  } while (n < 0 && errno == EINTR);
+  if (n == 0) return false;
+  if (n < 0) {
+    if (errno == ECONNRESET) return false;
+    throw RuntimeError("reading from a preprocessing peer failed: " + errno_text());
+  }
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&payload_fd, CMSG_DATA(c), sizeof(int));
+  }
+  if (static_cast<size_t>(n) < sizeof length) {
+    read_all(socket, reinterpret_cast<char*>(&length) + n, sizeof length - static_cast<size_t>(n), timeout);
+  }
+  if (length > (64u << 20)) throw RuntimeError("a preprocessing peer sent a header of " + std::to_string(length) + " bytes");
+  std::string text(length, '\0');
+  read_all(socket, text.data(), length, timeout);
+  header = Json::parse(text);
+  return true;
+}
+
+Json describe_block(const Block& block, size_t& payload_bytes) {
+  Json columns = Json::array();
+  size_t offset = 0;
+  for (const auto& [name, column] : block.columns) {
+    const size_t bytes = static_cast<size_t>(column.numel()) * column.element_size();
+    columns.push_back({{"name", name},
+                       {"dtype", c10::toString(column.scalar_type())},
+                       {"shape", column.sizes().vec()},
+                       {"offset", offset},
+                       {"bytes", bytes}});
+    offset = aligned(offset + bytes);
+  }
+  payload_bytes = offset;
+  return columns;
+}
+
+int write_block_memfd(const Block& block, const Json& columns, size_t payload_bytes) {
+  const int fd = ::memfd_create("cohort-batch", MFD_CLOEXEC);
+  if (fd < 0) throw RuntimeError("memfd_create: " + errno_text());
+  if (payload_bytes == 0) return fd;
+  if (::ftruncate(fd, static_cast<off_t>(payload_bytes)) != 0) {
+    ::close(fd);
+    throw RuntimeError("cannot size shared memory for a batch of " + std::to_string(payload_bytes) + " bytes: " + errno_text());
+  }
+  void* base = ::mmap(nullptr, payload_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) {
+    ::close(fd);
+    throw RuntimeError("mmap of a batch's shared memory: " + errno_text());
+  }
+  size_t i = 0;
+  for (const auto& [name, column] : block.columns) {
+    auto c = column.contiguous().cpu();
+    std::memcpy(static_cast<char*>(base) + columns[i]["offset"].get<size_t>(), c.data_ptr(), columns[i]["bytes"].get<size_t>());
+    ++i;
+  }
+  ::munmap(base, payload_bytes);
+  return fd;
+}
+
+void write_block_inline(int socket, const Block& block) {
+  size_t offset = 0;
+  static const char zeros[kAlign] = {};
+  for (const auto& [name, column] : block.columns) {
+    auto c = column.contiguous().cpu();
+    const size_t bytes = static_cast<size_t>(c.numel()) * c.element_size();
+    write_all(socket, c.data_ptr(), bytes);
+    const size_t pad = aligned(offset + bytes) - (offset + bytes);
+    if (pad > 0) write_all(socket, zeros, pad);
+    offset = aligned(offset + bytes);
+  }
+}
+
+Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
+  auto mapping = std::make_shared<Mapping>();
+  mapping->bytes = payload_bytes;
+  if (payload_bytes > 0) {
+    mapping->base = ::mmap(nullptr, payload_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  ::close(fd);
+  if (mapping->base == MAP_FAILED) throw RuntimeError("mmap of a batch from a preprocessing worker: " + errno_text());
+  Block block;
+  for (const auto& column : columns) {
+    auto* data = static_cast<char*>(mapping->base) + column["offset"].get<size_t>();
+    block.columns[column["name"].get<std::string>()] =
+        torch::from_blob(data, shape_of(column), [mapping](void*) {}, torch::TensorOptions(dtype_of(column["dtype"])));
+  }
+  return block;
+}
+
+Block read_block_inline(int socket, const Json& columns, size_t payload_bytes, std::chrono::milliseconds timeout) {
+  auto buffer = torch::empty({static_cast<int64_t>(payload_bytes)}, torch::kUInt8);
+  read_all(socket, buffer.data_ptr(), payload_bytes, timeout);
+  Block block;
+  for (const auto& column : columns) {
+    const auto offset = column["offset"].get<int64_t>();
+    const auto bytes = column["bytes"].get<int64_t>();
+    block.columns[column["name"].get<std::string>()] =
+        buffer.narrow(0, offset, bytes).view(dtype_of(column["dtype"])).view(shape_of(column));
+  }
+  return block;
+}
+
+namespace {
+
+sockaddr_un unix_address(const std::string& name, socklen_t& length) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  // Abstract namespace: no file to clean up, gone with the socket.
+  addr.sun_path[0] = '\0';
+  std::memcpy(addr.sun_path + 1, name.data(), std::min(name.size(), sizeof addr.sun_path - 2));
+  length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof addr.sun_path - 2));
+  return addr;
+}
+
+void split_host_port(const std::string& address, std::string& host, int& port) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) throw UsageError("address '" + address + "' must be host:port");
+  host = address.substr(0, colon);
+  try {
+    port = std::stoi(address.substr(colon + 1));
+  } catch (const std::exception&) {
+    throw UsageError("address '" + address + "': the port is not a number");
+  }
+  if (port < 0 || port > 65535) throw UsageError("address '" + address + "': port out of range");
+}
+
+}  // namespace
+
+int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
+  if (address.rfind("unix:", 0) == 0) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t length = 0;
+    auto addr = unix_address(address.substr(5), length);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
+      const auto why = errno_text();
+      ::close(fd);
+      throw PeerGone("cannot connect to the consumer at " + address + ": " + why);
+    }
+    return fd;
+  }
+  std::string host;
+  int port = 0;
+  split_host_port(address, host, port);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string why;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+      ::close(fd);
+      throw UsageError("address '" + address + "': '" + host + "' is not an IPv4 address");
+    }
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      return fd;
+    }
+    why = errno_text();
+    ::close(fd);
+    ::poll(nullptr, 0, 100);
+  }
+  throw TimeoutError("cannot connect to the consumer at " + address + " within " + std::to_string(timeout.count()) +
+                     " ms: " + why + " (is the training process running, and does it listen on that address?)");
+}
+
+int listen_on(const std::string& address, std::string& bound) {
+  if (address.rfind("unix:", 0) == 0) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t length = 0;
+    auto addr = unix_address(address.substr(5), length);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0 || ::listen(fd, 64) != 0) {
+      const auto why = errno_text();
+      ::close(fd);
+      throw RuntimeError("cannot listen on " + address + ": " + why);
+    }
+    bound = address;
+    return fd;
+  }
+  std::string host;
+  int port = 0;
+  split_host_port(address, host, port);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
+    ::close(fd);
+    throw UsageError("listen address '" + address + "': '" + host + "' is not an IPv4 address");
+  }
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0) {
+    const auto why = errno_text();
+    ::close(fd);
+    throw UsageError("cannot listen for preprocessing workers on " + address + ": " + why +
+                     (errno == EADDRINUSE ? " (the port is taken: pick another, or 0 for any)" : ""));
+  }
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  bound = host + ":" + std::to_string(ntohs(addr.sin_port));
+  return fd;
+}
+
+}  // namespace cohort::data::wire

@@ -1,0 +1,446 @@
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <csignal>
+#include <cstring>
+#include <iostream>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "cohort/data/data_iterator.h"
+#include "cohort/error.h"
+#include "cohort/runtime/process.h"
+#include "data/task_runner.h"
+#include "data/wire.h"
+
+namespace cohort::data {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr auto kMessageTimeout = std::chrono::seconds(60);
+
+class InlineRunner : public TaskRunner {
+ public:
+  explicit InlineRunner(const Dataset::Plan& plan) : plan_(plan) {}
+  void start_epoch(int64_t epoch, std::vector<std::vector<int64_t>> tasks) override {
+    epoch_ = epoch;
+    tasks_ = std::move(tasks);
+    next_ = 0;
+  }
+  std::optional<TaskResult> next() override {
+    if (next_ >= tasks_.size()) return std::nullopt;
+    auto result = run_task(plan_, static_cast<int64_t>(next_), tasks_[next_], epoch_);
+    ++next_;
+    if (!result.error.empty()) throw RuntimeError(result.error);
+    return result;
+  }
+  void cancel() override {}
+
+ private:
+  const Dataset::Plan& plan_;
+  int64_t epoch_ = 0;
+  std::vector<std::vector<int64_t>> tasks_;
+  size_t next_ = 0;
+};
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+                                  strsignal(WTERMSIG(status)) + ")";
+  if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
+  return "ended";
+}
+
+class WorkerPool : public TaskRunner {
+ public:
+  WorkerPool(const Dataset::Plan& plan, std::string fingerprint, int local_workers,
+             std::map<std::string, std::string> env)
+      : plan_(plan), fingerprint_(std::move(fingerprint)), local_workers_(local_workers), env_(std::move(env)) {
+    const auto& ex = plan.execution;
+    window_ = ex.max_tasks_in_flight > 0 ? ex.max_tasks_in_flight : 2 * (local_workers + ex.remote_workers) + 1;
+    static int counter = 0;
+    std::string bound;
+    unix_listener_ = wire::listen_on("unix:cohort-data-" + std::to_string(::getpid()) + "-" + std::to_string(++counter), bound);
+    unix_address_ = bound;
+    if (!ex.listen_address.empty()) tcp_listener_ = wire::listen_on(ex.listen_address, tcp_address_);
+    if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw RuntimeError("pipe: " + std::string(std::strerror(errno)));
+    start_deadline_ = Clock::now() + ex.worker_start_timeout;
+    for (int i = 0; i < local_workers; ++i) spawn();
+    io_ = std::thread([this] { loop(); });
+  }
+
+  ~WorkerPool() override {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    wake();
+    if (io_.joinable()) io_.join();
+    shutting_down_ = true;
+    // A worker still starting finds no consumer and ends; one that is connected is told to stop.
+    for (int* fd : {&unix_listener_, &tcp_listener_}) {
+      if (*fd >= 0) ::close(*fd);
+      *fd = -1;
+    }
+    for (auto& c : conns_) {
+      try {
+        wire::send(c.fd, Json{{"type", "stop"}});
+      } catch (const std::exception&) {
+      }
+      ::close(c.fd);
+    }
+    const auto deadline = Clock::now() + std::chrono::seconds(3);
+    while (!children_.empty() && Clock::now() < deadline) {
+      reap();
+      if (!children_.empty()) ::poll(nullptr, 0, 10);
+    }
+    for (int pid : children_) {
+      ::kill(-pid, SIGKILL);
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+    }
+    for (int fd : {wake_[0], wake_[1]}) {
+      if (fd >= 0) ::close(fd);
+    }
+  }
+
+  void start_epoch(int64_t epoch, std::vector<std::vector<int64_t>> tasks) override {
+    {
+      std::lock_guard lock(mutex_);
+      epoch_ = epoch;
+      tasks_ = std::move(tasks);
+      pending_.clear();
+      for (int64_t i = 0; i < static_cast<int64_t>(tasks_.size()); ++i) pending_.insert(i);
+      done_.clear();
+      next_ = 0;
+      cancelled_ = false;
+    }
+    wake();
+  }
+
+  std::optional<TaskResult> next() override {
+    std::unique_lock lock(mutex_);
+    changed_.wait(lock, [&] {
+      return cancelled_ || !error_.empty() || done_.count(next_) != 0 || next_ >= static_cast<int64_t>(tasks_.size());
+    });
+    if (cancelled_) throw Cancelled{};
+    if (!error_.empty()) throw RuntimeError(error_);
+    if (next_ >= static_cast<int64_t>(tasks_.size())) return std::nullopt;
+    auto result = std::move(done_[next_]);
+    done_.erase(next_);
+    ++next_;
+    lock.unlock();
+    wake();
+    if (!result.error.empty()) throw RuntimeError(result.error);
+    return result;
+  }
+
+  void cancel() override {
+    {
+      std::lock_guard lock(mutex_);
+      cancelled_ = true;
+    }
+    changed_.notify_all();
+  }
+
+  int64_t tasks_redone() const override {
+    std::lock_guard lock(mutex_);
+    return redone_;
+  }
+  std::string listen_address() const override { return tcp_address_; }
+
+ private:
+  struct Conn {
+    int fd = -1;
+    int pid = -1;
+    bool local = false;
+    bool greeted = false;
+    int64_t task = -1;  // index in flight, -1 idle
+    int64_t task_epoch = -1;
+    std::string name;
+  };
+
+  void wake() {
+    char b = 0;
+    [[maybe_unused]] auto n = ::write(wake_[1], &b, 1);
+  }
+
+  void spawn() {
+    auto env = env_;
+    env[kDataAddressVar] = unix_address_;
+    env[kDataPipelineVar] = fingerprint_;
+    children_.insert(runtime::spawn_self(kDataRole, env));
+  }
+
+  void fail(const std::string& message) {
+    {
+      std::lock_guard lock(mutex_);
+      if (error_.empty()) error_ = message;
+    }
+    changed_.notify_all();
+  }
+
+  void reap() {
+    for (auto it = children_.begin(); it != children_.end();) {
+      int status = 0;
+      if (::waitpid(*it, &status, WNOHANG) == *it) {
+        exit_status_[*it] = describe_status(status);
+        bool connected = false;
+        for (auto& c : conns_) connected |= c.pid == *it;
+        if (!connected) lost_local(*it, "before it connected", -1);
+        it = children_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // A local worker is gone: start another while restarts are left.
+  void lost_local(int pid, const std::string& when, int64_t task) {
+    if (shutting_down_) return;
+    const auto status = exit_status_.count(pid) ? exit_status_[pid] : std::string("closed its connection");
+    std::cerr << "cohort: preprocessing worker " << pid << " " << status << " " << when
+              << (task >= 0 ? "; task " + std::to_string(task) + " goes to another worker" : "")
+              << (restarts_ < plan_.execution.max_worker_restarts ? "; starting a replacement" : "") << std::endl;
+    if (restarts_ < plan_.execution.max_worker_restarts) {
+      ++restarts_;
+      try {
+        spawn();
+      } catch (const std::exception& e) {
+        fail(e.what());
+      }
+    } else {
+      fail("preprocessing worker " + std::to_string(pid) + " " + status + " " + when + ", and " +
+           std::to_string(restarts_) + " replacements were started already (ExecutionOptions::max_worker_restarts)");
+    }
+  }
+
+  void drop(Conn& c, const std::string& why) {
+    ::close(c.fd);
+    c.fd = -1;
+    if (c.task >= 0) {
+      std::lock_guard lock(mutex_);
+      if (c.task_epoch == epoch_) {
+        pending_.insert(c.task);
+        ++redone_;
+      }
+    }
+    if (c.local) {
+      // It died (its end of the socket closed with it), or lives on without it, of no use: either
+      // way it is reaped here, its status read, before a replacement starts.
+      int status = 0;
+      const auto deadline = Clock::now() + std::chrono::milliseconds(500);
+      pid_t r = 0;
+      while ((r = ::waitpid(c.pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) ::poll(nullptr, 0, 5);
+      if (r == 0) {
+        ::kill(c.pid, SIGKILL);
+        ::waitpid(c.pid, &status, 0);
+      }
+      exit_status_[c.pid] = describe_status(status);
+      children_.erase(c.pid);
+      lost_local(c.pid, why, c.task);
+    } else if (c.greeted) {
+      std::cerr << "cohort: remote preprocessing worker " << c.name << " left " << why
+                << (c.task >= 0 ? "; task " + std::to_string(c.task) + " goes to another worker" : "") << std::endl;
+    }
+    c.task = -1;
+  }
+
+  void on_message(Conn& c) {
+    Json header;
+    int payload_fd = -1;
+    bool ok = false;
+    try {
+      ok = wire::receive(c.fd, header, payload_fd, kMessageTimeout);
+    } catch (const std::exception& e) {
+      drop(c, std::string("sent a broken message (") + e.what() + ")");
+      return;
+    }
+    if (!ok) {
+      drop(c, c.task >= 0 ? "while on a task" : "while idle");
+      return;
+    }
+    const auto type = header.value("type", std::string{});
+    if (type == "hello") {
+      c.pid = header.value("pid", -1);
+      c.name = header.value("host", std::string("?")) + ":" + std::to_string(c.pid);
+      c.local = children_.count(c.pid) != 0 && c.fd >= 0 && header.value("local", false);
+      const auto pipeline = header.value("pipeline", std::string{});
+      if (pipeline != fingerprint_) {
+        const std::string reason = "this consumer streams pipeline " + fingerprint_ + " (" +
+                                   describe_short() + "), the worker built " + pipeline +
+                                   ": start it with the same program and arguments";
+        try {
+          wire::send(c.fd, Json{{"type", "refuse"}, {"reason", reason}});
+        } catch (const std::exception&) {
+        }
+        std::cerr << "cohort: refused preprocessing worker " << c.name << ": " << reason << std::endl;
+        ::close(c.fd);
+        c.fd = -1;
+        return;
+      }
+      c.greeted = true;
+      if (!c.local) ++remote_connected_;
+      return;
+    }
+    if (type != "result") return;
+    TaskResult result;
+    result.index = header["index"].get<int64_t>();
+    result.skipped_rows = header.value("skipped_rows", int64_t{0});
+    result.skipped_batches = header.value("skipped_batches", int64_t{0});
+    result.error = header.value("error", std::string{});
+    try {
+      const auto bytes = header.value("payload_bytes", size_t{0});
+      if (header.contains("columns")) {
+        result.block = payload_fd >= 0 ? wire::map_block_memfd(payload_fd, header["columns"], bytes)
+                                       : wire::read_block_inline(c.fd, header["columns"], bytes, kMessageTimeout);
+      } else if (payload_fd >= 0) {
+        ::close(payload_fd);
+      }
+    } catch (const std::exception& e) {
+      drop(c, std::string("sent a broken batch (") + e.what() + ")");
+      return;
+    }
+    {
+      std::lock_guard lock(mutex_);
+      if (header.value("epoch", int64_t{-1}) == epoch_ && c.task_epoch == epoch_ && c.task == result.index) {
+        done_[result.index] = std::move(result);
+      }
+      c.task = -1;
+    }
+    changed_.notify_all();
+  }
+
+  void dispatch() {
+    int connected = 0;
+    for (const auto& c : conns_) connected += c.fd >= 0 && c.greeted;
+    if (remote_connected_ < plan_.execution.remote_workers || connected == 0) {
+      if (Clock::now() > start_deadline_ && connected < local_workers_ + plan_.execution.remote_workers) {
+        bool waiting = false;
+        {
+          std::lock_guard lock(mutex_);
+          waiting = !pending_.empty();
+        }
+        if (waiting && (connected == 0 || remote_connected_ < plan_.execution.remote_workers)) {
+          fail("preprocessing workers did not connect within " +
+               std::to_string(plan_.execution.worker_start_timeout.count() / 1000) + " s: " +
+               std::to_string(connected) + " connected of " + std::to_string(local_workers_) + " local" +
+               (plan_.execution.remote_workers > 0 ? " and " + std::to_string(plan_.execution.remote_workers) +
+                                                         " remote (they connect to " + tcp_address_ + ")"
+                                                   : std::string()) +
+               ". A worker is this program re-executed: it must build the same pipeline (" + describe_short() +
+               ") before iterating it");
+        }
+      }
+      if (remote_connected_ < plan_.execution.remote_workers) return;
+    }
+    for (auto& c : conns_) {
+      if (c.fd < 0 || !c.greeted || c.task >= 0) continue;
+      int64_t index = -1;
+      int64_t epoch = 0;
+      std::vector<int64_t> rows;
+      {
+        std::lock_guard lock(mutex_);
+        int64_t busy = 0;
+        for (const auto& other : conns_) busy += other.task >= 0;
+        if (pending_.empty() || busy + static_cast<int64_t>(done_.size()) >= window_) return;
+        index = *pending_.begin();
+        pending_.erase(pending_.begin());
+        epoch = epoch_;
+        rows = tasks_[static_cast<size_t>(index)];
+        c.task = index;
+        c.task_epoch = epoch;
+      }
+      try {
+        wire::send(c.fd, Json{{"type", "task"}, {"index", index}, {"epoch", epoch}, {"rows", rows}});
+      } catch (const std::exception& e) {
+        drop(c, "could not be given a task");
+      }
+    }
+  }
+
+  void loop() {
+    while (true) {
+      {
+        std::lock_guard lock(mutex_);
+        if (stopping_) return;
+      }
+      std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {unix_listener_, POLLIN, 0}, {tcp_listener_, POLLIN, 0}};
+      const size_t first_conn = fds.size();
+      for (const auto& c : conns_) fds.push_back({c.fd, POLLIN, 0});
+      ::poll(fds.data(), fds.size(), 100);
+      if (fds[0].revents != 0) {
+        char buffer[256];
+        while (::read(wake_[0], buffer, sizeof buffer) > 0) {
+        }
+      }
+      for (size_t l = 1; l <= 2; ++l) {
+        if (fds[l].fd >= 0 && (fds[l].revents & POLLIN) != 0) {
+          const int fd = ::accept4(fds[l].fd, nullptr, nullptr, SOCK_CLOEXEC);
+          if (fd >= 0) conns_.push_back(Conn{fd, -1, false, false, -1, -1, ""});
+        }
+      }
+      const size_t known = fds.size() - first_conn;
+      for (size_t i = 0; i < known; ++i) {
+        if (fds[first_conn + i].revents != 0 && conns_[i].fd >= 0) on_message(conns_[i]);
+      }
+      std::erase_if(conns_, [](const Conn& c) { return c.fd < 0; });
+      reap();
+      dispatch();
+    }
+  }
+
+  std::string describe_short() const {
+    std::string names;
+    for (const auto& s : plan_.stages) names += (names.empty() ? "" : ", ") + s.name;
+    return "stages [" + names + "]";
+  }
+
+  const Dataset::Plan& plan_;
+  const std::string fingerprint_;
+  const int local_workers_;
+  const std::map<std::string, std::string> env_;
+  int64_t window_ = 1;
+  int unix_listener_ = -1;
+  int tcp_listener_ = -1;
+  std::string unix_address_;
+  std::string tcp_address_;
+  int wake_[2] = {-1, -1};
+  Clock::time_point start_deadline_;
+  std::thread io_;
+  // Owned by the I/O thread.
+  std::vector<Conn> conns_;
+  std::set<int> children_;
+  std::map<int, std::string> exit_status_;
+  int restarts_ = 0;
+  bool shutting_down_ = false;
+  int remote_connected_ = 0;
+  // Shared with the consumer.
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  bool stopping_ = false;
+  bool cancelled_ = false;
+  std::string error_;
+  int64_t epoch_ = -1;
+  std::vector<std::vector<int64_t>> tasks_;
+  std::set<int64_t> pending_;
+  std::map<int64_t, TaskResult> done_;
+  int64_t next_ = 0;
+  int64_t redone_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TaskRunner> make_inline_runner(const Dataset::Plan& plan) { return std::make_unique<InlineRunner>(plan); }
+
+std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan, const std::string& fingerprint,
+                                             int local_workers, std::map<std::string, std::string> env) {
+  return std::make_unique<WorkerPool>(plan, fingerprint, local_workers, std::move(env));
+}
+
+}  // namespace cohort::data
