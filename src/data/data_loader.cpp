@@ -5,6 +5,7 @@
 #include <mutex>
 #include <thread>
 
+#include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
 
 namespace cohort::data {
@@ -40,8 +41,10 @@ struct DataLoader::Iterator::Epoch {
 
   // Blocks until a batch is ready; false at the end of the epoch.
   bool next(Batch& out) {
+    const auto begin = std::chrono::steady_clock::now();
     std::unique_lock lock(mutex);
     changed.wait(lock, [&] { return !ready.empty() || finished || error; });
+    if (!ready.empty()) add_ingest_wait(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(), 1);
     if (error) std::rethrow_exception(error);
     if (ready.empty()) return false;
     out = std::move(ready.front());

@@ -3,7 +3,7 @@
 #pragma once
 #include <map>
 
-#include "cohort/data/tensor_dataset.h"
+#include "cohort/data/dataset.h"
 #include "cohort/json.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/config.h"
@@ -17,10 +17,14 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
 // keeps the run directory and returns the Result, the other ranks end their process.
 Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
                     const RunConfig& run, const Json& config,
-                    const std::map<std::string, data::TensorDataset>& datasets, const runtime::WorkerInfo& info);
+                    const std::map<std::string, data::Dataset>& datasets, const runtime::WorkerInfo& info);
 
 // The worker side: joins the group, runs the loop, ends the process.
 [[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
-                             const std::map<std::string, data::TensorDataset>& datasets);
+                             const std::map<std::string, data::Dataset>& datasets);
+
+// In a preprocessing worker a rank started: serves that rank's shard of the dataset named by
+// COHORT_DATA_DATASET, then ends the process (never returns).
+[[noreturn]] void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets);
 
 }  // namespace cohort::train

@@ -1,13 +1,14 @@
 #include "cohort/train/trainer.h"
 
 #include "cohort/error.h"
+#include "cohort/data/data_iterator.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/driver.h"
 
 namespace cohort {
 
 Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig run_config,
-                 Json train_loop_config, std::map<std::string, data::TensorDataset> datasets)
+                 Json train_loop_config, std::map<std::string, data::Dataset> datasets)
     : train_loop_(std::move(train_loop)),
       scaling_(scaling_config),
       run_(std::move(run_config)),
@@ -40,6 +41,7 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
 }
 
 Result Trainer::fit() {
+  if (runtime::spawned_role() == data::kDataRole) train::serve_dataset_shard(datasets_);
   if (runtime::is_spawned_worker()) train::run_worker(train_loop_, scaling_, datasets_);
   if (auto launch = runtime::detect_launch()) {
     return train::run_launched(train_loop_, scaling_, run_, config_, datasets_, *launch);

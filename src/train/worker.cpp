@@ -2,16 +2,21 @@
 // launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
 // run's bookkeeping.
 #include <torch/torch.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 
+#include <thread>
+
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
+#include "cohort/data/data_iterator.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/worker_info.h"
+#include "cohort/train/prepare.h"
 #include "train/driver.h"
 #include "train/progress.h"
 #include "train/run_recorder.h"
@@ -59,12 +64,19 @@ struct SessionSettings {
 
 // Joins the process group and makes this the current session.
 void open_session(SessionSettings settings, const ScalingConfig& scaling,
-                  const std::map<std::string, data::TensorDataset>& datasets) {
+                  const std::map<std::string, data::Dataset>& datasets) {
   auto session = std::make_unique<WorkerSession>();
   session->store = settings.store;
   session->run_token = settings.run_token;
   session->collective_timeout = settings.collective_timeout;
   session->datasets = datasets;
+  // Preprocessing workers (num_workers = -1) get the CPUs this host's trainers leave free.
+  {
+    const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+    const int local = std::max(1, settings.info.local_world_size);
+    const int trainers = local * std::max(1, scaling.resources_per_worker.cpu_threads);
+    data::set_default_data_workers(std::max(1, (cpus - trainers) / local));
+  }
   session->on_world_size_change = scaling.on_world_size_change;
   session->next_checkpoint_index = settings.next_checkpoint_index;
   if (!settings.resume_from.empty()) session->resume_from = Checkpoint::from_directory(settings.resume_from);
@@ -130,7 +142,7 @@ std::string host_name() {
 }  // namespace
 
 void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
-                const std::map<std::string, data::TensorDataset>& datasets) {
+                const std::map<std::string, data::Dataset>& datasets) {
   int code = 0;
   int rank = -1;
   try {
@@ -176,7 +188,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
 
 Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
                     const RunConfig& run, const Json& config,
-                    const std::map<std::string, data::TensorDataset>& datasets, const runtime::WorkerInfo& info) {
+                    const std::map<std::string, data::Dataset>& datasets, const runtime::WorkerInfo& info) {
   const auto started = Clock::now();
   const auto started_wall = std::chrono::system_clock::now();
   const std::string where = " (launched by " + info.launcher + " as rank " + std::to_string(info.world_rank) +
@@ -282,6 +294,25 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   if (!rank0) end_process(error ? 1 : 0);
   console.tick(/*flush_all=*/true);
   return recorder->finish(error, info.world_size, std::chrono::duration<double>(Clock::now() - started).count());
+}
+
+void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
+  const char* name = std::getenv(kDataDatasetVar);
+  const auto info = runtime::worker_info_from_env();
+  std::string problem;
+  if (name == nullptr || datasets.count(name) == 0) {
+    problem = std::string("no dataset '") + (name ? name : "") + "' was given to this Trainer";
+  } else if (!info) {
+    problem = "RANK and WORLD_SIZE are not set";
+  } else {
+    // Returns only when the shard built here differs from the rank's (it ends the process else).
+    data::serve_if_data_worker(dataset_shard(datasets.at(name), info->world_rank, info->world_size));
+    problem = "the pipeline built here differs from the rank's (fingerprint " +
+              dataset_shard(datasets.at(name), info->world_rank, info->world_size).fingerprint() + ")";
+  }
+  std::cerr << "cohort: preprocessing worker " << ::getpid() << ": " << problem
+            << ": the program must build the same Trainer datasets in every process" << std::endl;
+  ::_exit(2);
 }
 
 }  // namespace cohort::train

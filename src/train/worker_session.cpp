@@ -115,9 +115,14 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   const auto staging = s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
-  const auto with_checkpoint = s.store.arrive_and_wait(
+  // Each rank's mean wait for data per batch since its last report rides along with whether it
+  // brings a checkpoint: "<0|1>[;<ms>]".
+  const auto ingest = data::take_ingest_stats();
+  std::string arrival = checkpoint ? "1" : "0";
+  if (ingest.batches > 0) arrival += ";" + std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
+  const auto arrivals = s.store.arrive_and_wait(
       "report/" + s.run_token + "/" + std::to_string(index) + "/", s.context.world_rank, s.context.world_size,
-      checkpoint ? "1" : "0",
+      arrival,
       "reach report() call #" + std::to_string(index) + " (every rank must call report() equally often)",
       s.collective_timeout);
   // Every rank returns only once rank 0 has handed the report (and its checkpoint) on: a rank
@@ -133,11 +138,21 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     return;
   }
   Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
-  if (std::find(with_checkpoint.begin(), with_checkpoint.end(), "1") != with_checkpoint.end()) {
+  bool with_checkpoint = false;
+  std::optional<double> ingest_ms;
+  for (const auto& a : arrivals) {
+    with_checkpoint |= a.rfind('1', 0) == 0;
+    if (const auto semicolon = a.find(';'); semicolon != std::string::npos) {
+      ingest_ms = std::max(ingest_ms.value_or(0.0), std::stod(a.substr(semicolon + 1)));
+    }
+  }
+  // The exposed ingest time: how long the slowest-fed rank waited for data per batch.
+  if (ingest_ms && !metrics.contains(kIngestMetric)) message["metrics"][kIngestMetric] = *ingest_ms;
+  if (with_checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
     write_atomically(staging / kMetaFile,
-                     Json{{"metrics", metrics},
+                     Json{{"metrics", message["metrics"]},
                           {"report_index", index},
                           {"world_size", s.context.world_size},
                           {"timestamp", std::time(nullptr)}}.dump(2) +
@@ -168,7 +183,11 @@ Json broadcast_from_rank_zero(const Json& value) {
   return Json::parse(s.store.get(key));
 }
 
-data::DataLoader get_dataset_shard(const std::string& name, data::DataLoaderOptions options) {
+data::Dataset dataset_shard(const data::Dataset& dataset, int rank, int world_size) {
+  return world_size > 1 ? dataset.shard(rank, world_size) : dataset;
+}
+
+data::DataIterator get_dataset_shard(const std::string& name) {
   auto& s = require_session("cohort::train::get_dataset_shard()");
   auto it = s.datasets.find(name);
   if (it == s.datasets.end()) {
@@ -177,7 +196,23 @@ data::DataLoader get_dataset_shard(const std::string& name, data::DataLoaderOpti
     throw UsageError("get_dataset_shard: no dataset named '" + name + "' was given to the Trainer (it has [" +
                      names + "])");
   }
-  return prepare_data_loader(it->second, options);
+  const int rank = s.context.world_rank;
+  const int world = s.context.world_size;
+  data::DataIterator iterator(dataset_shard(it->second, rank, world));
+  // Its preprocessing workers find the same shard: they re-run this program up to fit().
+  iterator.set_worker_environment({{kDataDatasetVar, name}});
+  if (world > 1) {
+    const std::string prefix = "data/" + s.run_token + "/" + name + "#" + std::to_string(++s.shard_requests) + "/";
+    auto* session = &s;
+    iterator.set_batch_agreement([session, prefix, rank, world](int64_t epoch, int64_t batch, bool have) {
+      const auto values = session->store.arrive_and_wait(
+          prefix + std::to_string(epoch) + "/" + std::to_string(batch) + "/", rank, world, have ? "1" : "0",
+          "reach batch " + std::to_string(batch) + " of epoch " + std::to_string(epoch) + " of the dataset's stream",
+          session->collective_timeout);
+      return std::all_of(values.begin(), values.end(), [](const std::string& v) { return v == "1"; });
+    });
+  }
+  return iterator;
 }
 
 void report_progress(const Json& progress) {

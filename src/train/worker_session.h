@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cohort/comm/store.h"
-#include "cohort/data/tensor_dataset.h"
+#include "cohort/data/dataset.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/train/config.h"
@@ -23,9 +23,10 @@ struct WorkerSession {
   std::string run_token;
   std::chrono::milliseconds collective_timeout{};
   std::vector<std::unique_ptr<parallel::DistributedDataParallel>> models;
-  std::map<std::string, data::TensorDataset> datasets;
+  std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
   int64_t reports = 0;
+  int64_t shard_requests = 0;  // get_dataset_shard calls, for their store keys
   int64_t broadcasts = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
@@ -50,6 +51,10 @@ inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
 inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
 // The worker slot (ScalingConfig) a rank runs in: its GPU with use_gpu.
 inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
+// In a preprocessing worker of a rank: the name of the Trainer dataset it serves.
+inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";
+// The metric report() adds: the most any rank waited for data per batch since the last report.
+inline constexpr const char* kIngestMetric = "ingest_wait_ms";
 
 // A fresh token for one start of a group: nothing of an earlier start's store keys or staging
 // folders is mistaken for this one's.

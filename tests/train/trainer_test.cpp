@@ -316,17 +316,18 @@ TEST(Trainer, AScoreAttributeNeverReportedIsAnErrorAtTheFirstReport) {
 
 TEST(Trainer, BarrierBroadcastAndDatasetShards) {
   auto dir = cohort::testing::temp_dir("trainer_shards");
-  data::TensorDataset numbers{torch::arange(10, torch::kFloat).view({10, 1}), torch::arange(10, torch::kLong), {}};
+  auto numbers = data::Dataset::from_tensors({{"x", torch::arange(10, torch::kFloat).view({10, 1})},
+                                              {"y", torch::arange(10, torch::kLong)}});
   Trainer trainer(
       [](const Json&) {
         auto& ctx = train::get_context();
         train::barrier();
         auto value = train::broadcast_from_rank_zero(Json{{"from", ctx.get_world_rank()}});
         int64_t sum = 0, count = 0;
-        auto loader = train::get_dataset_shard("numbers", {.batch_size = 2, .shuffle = false});
-        for (auto& batch : loader) {
-          sum += batch.target.sum().item<int64_t>();
-          count += batch.target.size(0);
+        auto shard = train::get_dataset_shard("numbers");
+        for (auto& batch : shard.iter_batches({.batch_size = 2})) {
+          sum += batch["y"].sum().item<int64_t>();
+          count += batch["y"].size(0);
         }
         std::vector<at::Tensor> totals{torch::tensor({sum, count})};
         ctx.get_process_group().allreduce(totals);
@@ -344,6 +345,47 @@ TEST(Trainer, BarrierBroadcastAndDatasetShards) {
   EXPECT_EQ(result.metrics["sum"], 45);
   EXPECT_EQ(result.metrics["count"], 10);
   EXPECT_EQ(result.metrics["my_count"], 5);
+  EXPECT_TRUE(result.metrics.contains("ingest_wait_ms")) << result.metrics.dump();
+  std::filesystem::remove_all(dir);
+}
+
+// Ray PR 42601: shards left uneven by a filter must not leave one rank waiting in an all-reduce.
+// Here rank 0's shard keeps 12 rows and rank 1's 4, preprocessed by worker processes each rank
+// starts; both ranks step through the same number of batches, each an all-reduce.
+TEST(Trainer, UnevenShardsAfterAFilterGiveEveryRankTheSameBatchesWithOffload) {
+  auto dir = cohort::testing::temp_dir("trainer_uneven");
+  auto rows = data::Dataset::from_tensors({{"x", torch::arange(32, torch::kFloat)}})
+                  .map_batches([](data::Block b) {
+                    b["x"] = b["x"] * 10;
+                    return b;
+                  }, {.name = "times ten", .batch_size = 4, .num_workers = 2})
+                  // Shards are strided: even ids go to rank 0, odd ones to rank 1.
+                  .filter([](const data::Block& b) {
+                    auto id = b[data::kIdColumn];
+                    return (id % 2 == 0).logical_and(id < 24).logical_or((id % 2 == 1).logical_and(id < 8));
+                  });
+  Trainer trainer(
+      [](const Json&) {
+        auto& ctx = train::get_context();
+        auto shard = train::get_dataset_shard("rows");
+        for (int epoch = 0; epoch < 2; ++epoch) {
+          shard.set_epoch(epoch);
+          int64_t batches = 0;
+          for (auto& batch : shard.iter_batches({.batch_size = 2})) {
+            EXPECT_TRUE(torch::equal(batch["x"], batch[data::kIdColumn].to(torch::kFloat) * 10));
+            std::vector<at::Tensor> t{torch::ones({1})};
+            ctx.get_process_group().allreduce(t);
+            ++batches;
+          }
+          train::report({{"batches", batches}, {"rank", ctx.get_world_rank()}});
+        }
+      },
+      ScalingConfig{.num_workers = 2}, run_config(dir, "uneven"), Json::object(), {{"rows", rows}});
+  Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  // Rank 1 has 4 rows, 2 batches: both ranks stop there.
+  EXPECT_EQ(result.metrics["batches"], 2);
+  EXPECT_EQ(result.metrics_history.size(), 2u);
   std::filesystem::remove_all(dir);
 }
 

@@ -1,9 +1,11 @@
 #pragma once
 #include <memory>
+#include <string>
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include "cohort/data/data_iterator.h"
 #include "cohort/data/data_loader.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 
@@ -46,8 +48,15 @@ inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
 // (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.
 data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options = {});
 
-// This rank's shard of the dataset given to the Trainer under `name`, as a prepared loader
-// (Ray Train's get_dataset_shard). Throws UsageError listing the names when `name` is unknown.
-data::DataLoader get_dataset_shard(const std::string& name, data::DataLoaderOptions options = {});
+// This rank's stream of the Dataset given to the Trainer under `name` (Ray Train's
+// get_dataset_shard): a strided shard of equal length (after the dataset's random_shuffle, redrawn
+// each epoch: call set_epoch(e)), whose preprocessing runs per the dataset's map_batches options.
+// Every rank gets the same number of batches per epoch, also when filters or skipped files leave
+// the shards with different numbers of rows: the ranks agree batch by batch, and all stop when one
+// runs out. Throws UsageError listing the names when `name` is unknown.
+data::DataIterator get_dataset_shard(const std::string& name);
+
+// The shard of `dataset` that rank `rank` of `world_size` streams (what get_dataset_shard uses).
+data::Dataset dataset_shard(const data::Dataset& dataset, int rank, int world_size);
 
 }  // namespace cohort::train

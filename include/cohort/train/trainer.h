@@ -3,7 +3,7 @@
 #include <map>
 #include <string>
 
-#include "cohort/data/tensor_dataset.h"
+#include "cohort/data/dataset.h"
 #include "cohort/json.h"
 #include "cohort/train/config.h"
 #include "cohort/train/result.h"
@@ -23,7 +23,7 @@ class Trainer {
  public:
   Trainer(TrainLoop train_loop, ScalingConfig scaling_config = {}, RunConfig run_config = {},
           Json train_loop_config = Json::object(),
-          std::map<std::string, data::TensorDataset> datasets = {});
+          std::map<std::string, data::Dataset> datasets = {});
 
   // Driver: returns when every worker has finished, or after a failure (Result::error).
   // Worker: runs the loop and exits the process (never returns).
@@ -36,14 +36,14 @@ class Trainer {
   const ScalingConfig& scaling_config() const { return scaling_; }
   const RunConfig& run_config() const { return run_; }
   const Json& train_loop_config() const { return config_; }
-  const std::map<std::string, data::TensorDataset>& datasets() const { return datasets_; }
+  const std::map<std::string, data::Dataset>& datasets() const { return datasets_; }
 
  private:
   TrainLoop train_loop_;
   ScalingConfig scaling_;
   RunConfig run_;
   Json config_;
-  std::map<std::string, data::TensorDataset> datasets_;
+  std::map<std::string, data::Dataset> datasets_;
 };
 
 }  // namespace cohort
