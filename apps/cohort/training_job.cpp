@@ -95,6 +95,7 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
+  if (o.data_workers < -1) throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   const auto dir = data_dir_of(o);
@@ -105,13 +106,22 @@ void validate(const TrainOptions& o) {
                             : dir / "train-labels-idx1-ubyte.gz")
           .shape[0];
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
-  const int64_t shard = (train_size + o.workers - 1) / o.workers;
+  const int64_t shard = train_size / o.workers;
   if (o.batch_size > shard) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
                      std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
                      " workers = " + std::to_string(shard) +
                      "): use a batch size <= " + std::to_string(shard) + " or fewer workers");
   }
+}
+
+std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
+  auto train = data::Dataset::from_mnist(data_dir_of(o), data::Split::kTrain);
+  if (o.train_examples > 0) train = train.limit(o.train_examples);
+  data::MnistOptions stats;
+  return {{"train", train.random_shuffle(o.seed)
+                        .map_batches(data::Normalize{.mean = {stats.mean}, .std = {stats.std}},
+                                     {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
 }
 
 Json to_json(const TrainOptions& o) {
@@ -158,14 +168,10 @@ void train_loop(const Json& c) {
     if (rank0) std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string() << std::endl;
   }
   train::prepare_model(model);
-  auto train_set = data::load_mnist(dir, data::Split::kTrain);
-  if (const int64_t n = c.value("train_examples", int64_t{0}); n > 0 && n < train_set.inputs.size(0)) {
-    train_set.inputs = train_set.inputs.narrow(0, 0, n);
-    train_set.targets = train_set.targets.narrow(0, 0, n);
-  }
-  auto train_loader = train::prepare_data_loader(
-      std::move(train_set),
-      {.batch_size = c["batch_size"].get<int64_t>(), .shuffle = true, .seed = c["seed"].get<uint64_t>()});
+  // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
+  // prefetch thread or by --data-workers preprocessing processes.
+  auto train_stream = train::get_dataset_shard("train");
+  const int64_t batch_size = c["batch_size"].get<int64_t>();
   auto test_loader = train::prepare_data_loader(
       data::load_mnist(dir, data::Split::kTest),
       {.batch_size = 500, .shuffle = false, .equal_shards = false});
@@ -178,16 +184,17 @@ void train_loop(const Json& c) {
   double timed_seconds = 0;
   double time_to_first_step = 0;
   for (int epoch = start_epoch; epoch < epochs; ++epoch) {
-    train_loader.set_epoch(epoch);
+    train_stream.set_epoch(epoch);
     double loss_sum = 0;
     int64_t loss_count = 0;
     const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
-    const int64_t total = train_loader.num_batches();
+    const int64_t total = (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
     int64_t step_in_epoch = 0;
     auto segment_start = Clock::now();
-    for (auto& batch : train_loader) {
+    for (auto& batch : train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
+      const auto& target = batch["label"];
       optimizer->zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model->forward(batch.data), batch.target);
+      auto loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
       loss.backward();
       optimizer->step();
       ++steps;
@@ -204,7 +211,7 @@ void train_loop(const Json& c) {
       }
       if (steps > first_step + kWarmupSteps) {
         timed_seconds += std::chrono::duration<double>(now - segment_start).count();
-        timed_samples += batch.target.size(0) * ctx.get_world_size();
+        timed_samples += target.size(0) * ctx.get_world_size();
       }
       segment_start = now;
       train::report_progress({{"label", label},
@@ -265,6 +272,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
       ->capture_default_str();
   cmd->add_option("--train-examples", o.train_examples, "train on the first N examples only (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--data-workers", o.data_workers,
+                  "preprocessing processes per worker for the training data (0: the worker's own prefetch "
+                  "thread; -1: one per CPU the workers leave free)")
       ->capture_default_str();
   cmd->add_option("--storage-path", o.storage_path, "where run directories go")->capture_default_str();
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");

@@ -2,10 +2,12 @@
 // on an MNIST-format data set, its options, and the loop every worker runs.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "cohort/data/dataset.h"
 #include "cohort/json.h"
 #include "cohort/train/config.h"
 
@@ -26,6 +28,7 @@ struct TrainOptions {
   uint64_t seed = 0;
   int64_t max_steps = 0;       // 0: no limit
   int64_t train_examples = 0;  // the first N training examples only; 0: all
+  int data_workers = 0;        // preprocessing processes per worker; 0: its prefetch thread
   std::string storage_path = "./cohort_results";
   std::string name;
   bool resume = true;
@@ -39,6 +42,9 @@ void add_training_options(CLI::App* cmd, TrainOptions& options);
 
 // Checks the options and the data before any worker starts; UsageError on bad input.
 void validate(const TrainOptions& options);
+
+// The Trainer datasets of a job: "train", normalised by its preprocessing workers.
+std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
 
 // The train_loop_config of a job: what every worker reads.
 Json to_json(const TrainOptions& options);

@@ -87,7 +87,7 @@ int run_tune_command(TuneOptions o) {
   const Json space = param_space_of(o);
   RunConfig trial_run = run_config_of(o.job);
   trial_run.name.clear();
-  Trainer trainer(train_loop, scaling_of(o.job), trial_run, to_json(o.job));
+  Trainer trainer(train_loop, scaling_of(o.job), trial_run, to_json(o.job), datasets_of(o.job));
   const std::string name = o.job.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.name;
   const auto experiment = std::filesystem::path(o.job.storage_path) / name;
   tune::ResultGrid grid = [&] {

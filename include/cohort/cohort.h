@@ -19,6 +19,10 @@
 #include "cohort/data/idx.h"
 #include "cohort/data/mnist.h"
 #include "cohort/data/tensor_dataset.h"
+#include "cohort/data/block.h"
+#include "cohort/data/data_iterator.h"
+#include "cohort/data/dataset.h"
+#include "cohort/data/preprocessors.h"
 
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"

@@ -115,6 +115,9 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
         rows = std::vector<int64_t>(rows.begin() + op.index * per, rows.begin() + (op.index + 1) * per);
         break;
       }
+      case OrderOp::kLimit:
+        if (n > op.rows) rows.resize(static_cast<size_t>(op.rows));
+        break;
       case OrderOp::kShard: {
         const int64_t per = n / op.count;
         std::vector<int64_t> part;
@@ -199,10 +202,15 @@ Dataset Dataset::from_tensors(std::map<std::string, at::Tensor> columns) {
 }
 
 Dataset Dataset::from_mnist(const std::filesystem::path& dir, Split split) {
-  auto loaded = load_mnist(dir, split);
+  check_mnist_dir(dir);
   auto plan = std::make_shared<Plan>();
-  plan->source = make_tensor_source({{"image", loaded.inputs}, {"label", loaded.targets}},
-                                    "mnist:" + dir.string() + (split == Split::kTrain ? ":train" : ":test"));
+  // Loaded when first read: a driver that only hands the dataset to its workers never loads it.
+  plan->source = make_lazy_source(
+      [dir, split] {
+        auto loaded = load_mnist(dir, split);
+        return make_tensor_source({{"image", loaded.inputs}, {"label", loaded.targets}}, "mnist");
+      },
+      "mnist:" + dir.string() + (split == Split::kTrain ? ":train" : ":test"));
   return Dataset(plan);
 }
 
@@ -273,6 +281,15 @@ Dataset Dataset::shard(int index, int count) const {
   return Dataset(plan);
 }
 
+Dataset Dataset::limit(int64_t rows) const {
+  if (rows < 0) throw UsageError("limit: rows=" + std::to_string(rows) + " must be >= 0");
+  auto plan = std::make_shared<Plan>(*plan_);
+  OrderOp op{OrderOp::kLimit};
+  op.rows = rows;
+  plan->order.push_back(op);
+  return Dataset(plan);
+}
+
 Dataset Dataset::with_execution(ExecutionOptions options) const {
   if (options.max_tasks_in_flight < 0) throw UsageError("max_tasks_in_flight must be >= 0");
   if (options.rows_per_task < 1) throw UsageError("rows_per_task must be >= 1");
@@ -332,6 +349,7 @@ std::string Dataset::describe() const {
       case OrderOp::kShuffle: out += " -> random_shuffle(" + std::to_string(op.seed) + ")"; break;
       case OrderOp::kSplit: out += " -> split(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")"; break;
       case OrderOp::kShard: out += " -> shard(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")"; break;
+      case OrderOp::kLimit: out += " -> limit(" + std::to_string(op.rows) + ")"; break;
     }
   }
   for (const auto& stage : plan_->stages) {

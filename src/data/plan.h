@@ -26,10 +26,11 @@ class Source {
 };
 
 struct OrderOp {
-  enum Kind { kShuffle, kSplit, kShard } kind;
+  enum Kind { kShuffle, kSplit, kShard, kLimit } kind;
   uint64_t seed = 0;  // kShuffle
   int index = 0;      // kSplit, kShard
   int count = 1;
+  int64_t rows = 0;  // kLimit
 };
 
 struct Stage {

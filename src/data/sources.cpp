@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 
 #include <opencv2/imgcodecs.hpp>
@@ -212,7 +213,32 @@ class ImageFolderSource : public Source {
   std::vector<std::pair<std::filesystem::path, int64_t>> items_;
 };
 
+class LazySource : public Source {
+ public:
+  LazySource(std::function<std::shared_ptr<const Source>()> make, std::string description)
+      : make_(std::move(make)), description_(std::move(description)) {}
+  int64_t size() const override { return get().size(); }
+  Block read(const std::vector<int64_t>& rows, int64_t& skipped) const override { return get().read(rows, skipped); }
+  std::string describe() const override { return description_; }
+  const std::vector<std::string>& class_names() const override { return get().class_names(); }
+
+ private:
+  const Source& get() const {
+    std::call_once(once_, [this] { source_ = make_(); });
+    return *source_;
+  }
+  std::function<std::shared_ptr<const Source>()> make_;
+  std::string description_;
+  mutable std::once_flag once_;
+  mutable std::shared_ptr<const Source> source_;
+};
+
 }  // namespace
+
+std::shared_ptr<const Source> make_lazy_source(std::function<std::shared_ptr<const Source>()> make,
+                                               std::string description) {
+  return std::make_shared<LazySource>(std::move(make), std::move(description));
+}
 
 std::shared_ptr<const Source> make_tensor_source(std::map<std::string, at::Tensor> columns, std::string description) {
   return std::make_shared<TensorSource>(std::move(columns), std::move(description));

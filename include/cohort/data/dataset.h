@@ -127,6 +127,8 @@ class Dataset {
   std::vector<Dataset> split(int n) const;
   // Part `index` of `count` strided parts of equal length (the remainder dropped).
   Dataset shard(int index, int count) const;
+  // The first `rows` rows in the current order.
+  Dataset limit(int64_t rows) const;
   // Runs the pipeline once and keeps the result in memory: a new source.
   Dataset materialize() const;
   Dataset with_execution(ExecutionOptions options) const;
