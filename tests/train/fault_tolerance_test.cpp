@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -199,6 +200,13 @@ void elastic_loop(const Json& c) {
                    {"id_sum", totals[0][1].item<double>()}},
                   checkpoint);
     std::filesystem::remove_all(tmp);
+    if (ctx.get_world_size() < 3) {
+      // The driver now stops this shrunk group to grow it back. Its next epoch would take less
+      // time than that stop, so it waits for it here (the stop's SIGTERM ends the wait, and the
+      // process), at most 30 s.
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (std::chrono::steady_clock::now() < deadline) ::poll(nullptr, 0, 50);
+    }
     if (ctx.get_world_rank() == c.value("kill_rank", -1) && epoch == c.value("kill_epoch", -1) &&
         first_time("elastic-kill")) {
       std::ofstream(busy) << "slot of a killed worker";
