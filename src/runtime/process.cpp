@@ -9,6 +9,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
+#include "runtime/spawn.h"
 
 extern char** environ;
 
@@ -33,7 +34,8 @@ std::vector<std::string> child_environment(const std::map<std::string, std::stri
   return out;
 }
 
-int spawn_self(const std::string& role, const std::map<std::string, std::string>& env) {
+int spawn_in_own_group(const std::string& exe, std::vector<std::string> args, std::vector<std::string> env,
+                       const posix_spawn_file_actions_t* actions, int& pid) {
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   sigset_t defaults;
@@ -45,17 +47,22 @@ int spawn_self(const std::string& role, const std::map<std::string, std::string>
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setpgroup(&attr, 0);
   posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-  std::vector<std::string> args = self_arguments();
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  auto env_strings = child_environment(env, role, false);
   std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
+  for (auto& e : env) envp.push_back(e.data());
   envp.push_back(nullptr);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, &attr, argv.data(), envp.data());
+  pid_t child = -1;
+  const int rc = posix_spawn(&child, exe.c_str(), actions, &attr, argv.data(), envp.data());
   posix_spawnattr_destroy(&attr);
+  pid = child;
+  return rc;
+}
+
+int spawn_self(const std::string& role, const std::map<std::string, std::string>& env) {
+  int pid = -1;
+  const int rc = spawn_in_own_group("/proc/self/exe", self_arguments(), child_environment(env, role, false), nullptr, pid);
   if (rc != 0) throw RuntimeError("cannot start a " + role + " process of this program: " + std::strerror(rc));
   return pid;
 }

@@ -18,6 +18,7 @@
 
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
+#include "runtime/spawn.h"
 #include "cohort/runtime/worker_info.h"
 
 
@@ -207,37 +208,14 @@ struct WorkerGroup::Impl {
     posix_spawn_file_actions_adddup2(&actions, out[1], 1);
     posix_spawn_file_actions_adddup2(&actions, err[1], 2);
     posix_spawn_file_actions_adddup2(&actions, ctl[1], 3);
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    sigset_t defaults;
-    sigemptyset(&defaults);
-    for (int sig : {SIGINT, SIGTERM, SIGCHLD, SIGPIPE}) sigaddset(&defaults, sig);
-    sigset_t none;
-    sigemptyset(&none);
-    posix_spawnattr_setsigdefault(&attr, &defaults);
-    posix_spawnattr_setsigmask(&attr, &none);
-    // Own process group: a Ctrl-C reaches the driver, which then stops the workers in order.
-    posix_spawnattr_setpgroup(&attr, 0);
-    posix_spawnattr_setflags(&attr,
-                             POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
-
     // /proc/self/exe is this very image even if its file was replaced (a rebuild) meanwhile;
     // the path it names would then be the new binary, or nothing.
     const std::string exe = options.executable.empty() ? "/proc/self/exe" : options.executable;
     std::vector<std::string> args = options.argv.empty() ? self_arguments() : options.argv;
     if (args.empty()) args.push_back(exe);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    auto env_strings = environment(worker.rank);
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-
-    pid_t pid = -1;
-    int rc = posix_spawn(&pid, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+    int pid = -1;
+    const int rc = spawn_in_own_group(exe, std::move(args), environment(worker.rank), &actions, pid);
     posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
     for (int fd : {out[1], err[1], ctl[1]}) ::close(fd);
     if (rc != 0) {
       for (int fd : {out[0], err[0], ctl[0]}) ::close(fd);
