@@ -44,12 +44,14 @@ struct DataLoader::Iterator::Epoch {
     const auto begin = std::chrono::steady_clock::now();
     std::unique_lock lock(mutex);
     changed.wait(lock, [&] { return !ready.empty() || finished || error; });
-    if (!ready.empty()) add_ingest_wait(std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(), 1);
+    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (error) std::rethrow_exception(error);
     if (ready.empty()) return false;
     out = std::move(ready.front());
     ready.pop_front();
     changed.notify_all();
+    lock.unlock();
+    add_ingest_wait(waited, 1);
     return true;
   }
 };

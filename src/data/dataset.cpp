@@ -27,9 +27,9 @@ uint64_t fnv1a(const std::string& text) {
   return h;
 }
 
-std::string describe_ids(const Block& block) {
-  if (!block.has(kIdColumn) || block.num_rows() == 0) return "no ids";
-  auto ids = block[kIdColumn].to(at::kLong).contiguous();
+std::string describe_ids(const at::Tensor& column) {
+  if (!column.defined() || column.numel() == 0) return "no ids";
+  auto ids = column.to(at::kLong).contiguous();
   const auto* p = ids.data_ptr<int64_t>();
   const int64_t n = ids.numel();
   if (n <= 8) {
@@ -40,6 +40,8 @@ std::string describe_ids(const Block& block) {
   return "ids " + std::to_string(p[0]) + ".." + std::to_string(p[n - 1]);
 }
 
+at::Tensor ids_of(const Block& block) { return block.has(kIdColumn) ? block[kIdColumn] : at::Tensor(); }
+
 // Runs one map stage over `block` in batches of its batch_size.
 Block run_map(const Stage& stage, size_t position, const Block& block, int64_t task, int64_t epoch,
               TaskResult& result) {
@@ -48,11 +50,8 @@ Block run_map(const Stage& stage, size_t position, const Block& block, int64_t t
   std::vector<Block> outputs;
   for (int64_t start = 0; start < rows; start += size) {
     Block input = block.slice(start, std::min(size, rows - start));
-    const auto ids = input.has(kIdColumn) ? input[kIdColumn] : at::Tensor();
-    const std::string where = "stage '" + stage.name + "' (#" + std::to_string(position + 1) +
-                              ", map_batches) on a batch of " + std::to_string(input.num_rows()) + " rows (" +
-                              describe_ids(input) + "; task " + std::to_string(task) + ", epoch " +
-                              std::to_string(epoch) + ")";
+    const auto ids = ids_of(input);
+    const int64_t input_rows = input.num_rows();  // the function may consume its input
     try {
       Block output = stage.fn(std::move(input));
       if (!output.has(kIdColumn) && ids.defined()) {
@@ -70,7 +69,9 @@ Block run_map(const Stage& stage, size_t position, const Block& block, int64_t t
         ++result.skipped_batches;
         continue;
       }
-      result.error = where + " failed: " + e.what();
+      result.error = "stage '" + stage.name + "' (#" + std::to_string(position + 1) + ", map_batches) on a batch of " +
+                     std::to_string(input_rows) + " rows (" + describe_ids(ids) +
+                     "; task " + std::to_string(task) + ", epoch " + std::to_string(epoch) + ") failed: " + e.what();
       return {};
     }
   }
@@ -183,7 +184,7 @@ TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<
       block = block.take(mask);
     } catch (const std::exception& e) {
       result.error = "stage '" + stage.name + "' (#" + std::to_string(s + 1) + ", filter) on " +
-                     std::to_string(block.num_rows()) + " rows (" + describe_ids(block) + "; task " +
+                     std::to_string(block.num_rows()) + " rows (" + describe_ids(ids_of(block)) + "; task " +
                      std::to_string(index) + ", epoch " + std::to_string(epoch) + ") failed: " + e.what();
       return result;
     }
@@ -320,7 +321,10 @@ int64_t Dataset::num_source_rows() const { return static_cast<int64_t>(epoch_row
 
 int64_t Dataset::count() const {
   if (plan_->stages.empty() && (!plan_->source || !plan_->source->may_skip())) return num_source_rows();
-  return take().num_rows();
+  DataIterator iterator(*this);
+  int64_t rows = 0;
+  for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_)})) rows += block.num_rows();
+  return rows;
 }
 
 Block Dataset::take(int64_t rows) const {

@@ -77,7 +77,8 @@ StandardScaler& StandardScaler::fit(const Dataset& dataset) {
   auto var = (sum_sq / static_cast<double>(rows) - mean * mean).clamp_min(0);
   mean_ = mean.to(at::kFloat);
   // A constant feature keeps its values centred rather than dividing by zero.
-  std_ = var.sqrt().to(at::kFloat).masked_fill(var.sqrt().to(at::kFloat) < 1e-12, 1.0);
+  const auto std = var.sqrt().to(at::kFloat);
+  std_ = std.masked_fill(std < 1e-12, 1.0);
   return *this;
 }
 

@@ -36,6 +36,23 @@ void wait_readable(int fd, std::chrono::milliseconds timeout) {
                                   std::to_string(timeout.count()) + " ms");
 }
 
+// A message's 4-byte length prefix as a msghdr with room for one passed descriptor: the prefix
+// carries the descriptor, so it arrives with the message's first bytes.
+struct PrefixMessage {
+  uint32_t length = 0;
+  iovec io{&length, sizeof length};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
+  msghdr msg{};
+  PrefixMessage() {
+    msg.msg_iov = &io;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+  }
+  PrefixMessage(const PrefixMessage&) = delete;
+  PrefixMessage& operator=(const PrefixMessage&) = delete;
+};
+
 struct Mapping {
   void* base = nullptr;
   size_t bytes = 0;
@@ -89,21 +106,16 @@ void send(int socket, const Json& header, int payload_fd) {
     write_all(socket, message.data(), message.size());
     return;
   }
-  iovec io{const_cast<uint32_t*>(&length), sizeof length};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
-  msghdr msg{};
-  msg.msg_iov = &io;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
-  cmsghdr* cmsg = CMSG_FIRSTHDR(&msg);
+  PrefixMessage prefix;
+  prefix.length = length;
+  cmsghdr* cmsg = CMSG_FIRSTHDR(&prefix.msg);
   cmsg->cmsg_level = SOL_SOCKET;
   cmsg->cmsg_type = SCM_RIGHTS;
   cmsg->cmsg_len = CMSG_LEN(sizeof(int));
   std::memcpy(CMSG_DATA(cmsg), &payload_fd, sizeof(int));
   ssize_t n;
   do {
-    n = ::sendmsg(socket, &msg, MSG_NOSIGNAL);
+    n = ::sendmsg(socket, &prefix.msg, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
   if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) throw PeerGone("the consumer closed its connection");
   if (n != static_cast<ssize_t>(sizeof length)) throw RuntimeError("sending a batch to the consumer failed: " + errno_text());
@@ -112,24 +124,18 @@ void send(int socket, const Json& header, int payload_fd) {
 
 bool receive(int socket, Json& header, int& payload_fd, std::chrono::milliseconds timeout) {
   payload_fd = -1;
-  uint32_t length = 0;
-  iovec io{&length, sizeof length};
-  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))]{};
-  msghdr msg{};
-  msg.msg_iov = &io;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control;
-  msg.msg_controllen = sizeof control;
+  PrefixMessage prefix;
+  auto& length = prefix.length;
   ssize_t n;
   do {
-    n = ::recvmsg(socket, &msg, MSG_CMSG_CLOEXEC);
+    n = ::recvmsg(socket, &prefix.msg, MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
   if (n == 0) return false;
   if (n < 0) {
     if (errno == ECONNRESET) return false;
     throw RuntimeError("reading from a preprocessing peer failed: " + errno_text());
   }
-  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(&prefix.msg); c != nullptr; c = CMSG_NXTHDR(&prefix.msg, c)) {
     if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&payload_fd, CMSG_DATA(c), sizeof(int));
   }
   if (static_cast<size_t>(n) < sizeof length) {

@@ -233,16 +233,17 @@ class WorkerPool : public TaskRunner {
     if (c.local) {
       // It died (its end of the socket closed with it), or lives on without it, of no use: either
       // way it is reaped here, its status read, before a replacement starts.
-      int status = 0;
-      const auto deadline = Clock::now() + std::chrono::milliseconds(500);
-      pid_t r = 0;
-      while ((r = ::waitpid(c.pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) ::poll(nullptr, 0, 5);
-      if (r == 0) {
-        ::kill(c.pid, SIGKILL);
-        ::waitpid(c.pid, &status, 0);
+      if (children_.erase(c.pid) != 0) {  // else reap() already read its status
+        int status = 0;
+        const auto deadline = Clock::now() + std::chrono::milliseconds(500);
+        pid_t r = 0;
+        while ((r = ::waitpid(c.pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) ::poll(nullptr, 0, 5);
+        if (r == 0) {
+          ::kill(c.pid, SIGKILL);
+          ::waitpid(c.pid, &status, 0);
+        }
+        exit_status_[c.pid] = describe_status(status);
       }
-      exit_status_[c.pid] = describe_status(status);
-      children_.erase(c.pid);
       lost_local(c.pid, why, c.task);
     } else if (c.greeted) {
       std::cerr << "cohort: remote preprocessing worker " << c.name << " left " << why
@@ -269,7 +270,7 @@ class WorkerPool : public TaskRunner {
     if (type == "hello") {
       c.pid = header.value("pid", -1);
       c.name = header.value("host", std::string("?")) + ":" + std::to_string(c.pid);
-      c.local = children_.count(c.pid) != 0 && c.fd >= 0 && header.value("local", false);
+      c.local = children_.count(c.pid) != 0 && header.value("local", false);
       const auto pipeline = header.value("pipeline", std::string{});
       if (pipeline != fingerprint_) {
         const std::string reason = "this consumer streams pipeline " + fingerprint_ + " (" +
@@ -285,7 +286,6 @@ class WorkerPool : public TaskRunner {
         return;
       }
       c.greeted = true;
-      if (!c.local) ++remote_connected_;
       return;
     }
     if (type != "result") return;
@@ -316,29 +316,39 @@ class WorkerPool : public TaskRunner {
     changed_.notify_all();
   }
 
-  void dispatch() {
+  // Whether tasks may go out: a worker is connected, and every remote one asked for. Past the
+  // start deadline with tasks waiting, the run fails naming who is missing.
+  bool ready_to_dispatch() {
     int connected = 0;
-    for (const auto& c : conns_) connected += c.fd >= 0 && c.greeted;
-    if (remote_connected_ < plan_.execution.remote_workers || connected == 0) {
-      if (Clock::now() > start_deadline_ && connected < local_workers_ + plan_.execution.remote_workers) {
-        bool waiting = false;
-        {
-          std::lock_guard lock(mutex_);
-          waiting = !pending_.empty();
-        }
-        if (waiting && (connected == 0 || remote_connected_ < plan_.execution.remote_workers)) {
-          fail("preprocessing workers did not connect within " +
-               std::to_string(plan_.execution.worker_start_timeout.count() / 1000) + " s: " +
-               std::to_string(connected) + " connected of " + std::to_string(local_workers_) + " local" +
-               (plan_.execution.remote_workers > 0 ? " and " + std::to_string(plan_.execution.remote_workers) +
-                                                         " remote (they connect to " + tcp_address_ + ")"
-                                                   : std::string()) +
-               ". A worker is this program re-executed: it must build the same pipeline (" + describe_short() +
-               ") before iterating it");
-        }
-      }
-      if (remote_connected_ < plan_.execution.remote_workers) return;
+    int remote = 0;
+    for (const auto& c : conns_) {
+      if (c.fd < 0 || !c.greeted) continue;
+      ++connected;
+      remote += !c.local;
     }
+    const int remote_wanted = plan_.execution.remote_workers;
+    if (connected > 0 && remote >= remote_wanted) return true;
+    bool waiting = false;
+    {
+      std::lock_guard lock(mutex_);
+      waiting = !pending_.empty();
+    }
+    if (waiting && Clock::now() > start_deadline_) {
+      fail("preprocessing workers did not connect within " +
+           std::to_string(plan_.execution.worker_start_timeout.count() / 1000) + " s: " + std::to_string(connected) +
+           " connected of " + std::to_string(local_workers_) + " local" +
+           (remote_wanted > 0 ? " and " + std::to_string(remote_wanted) + " remote (they connect to " + tcp_address_ + ")"
+                              : std::string()) +
+           ". A worker is this program re-executed: it must build the same pipeline (" + describe_short() +
+           ") before iterating it");
+    }
+    return false;
+  }
+
+  void dispatch() {
+    if (!ready_to_dispatch()) return;
+    int64_t busy = 0;
+    for (const auto& c : conns_) busy += c.task >= 0;
     for (auto& c : conns_) {
       if (c.fd < 0 || !c.greeted || c.task >= 0) continue;
       int64_t index = -1;
@@ -346,8 +356,6 @@ class WorkerPool : public TaskRunner {
       std::vector<int64_t> rows;
       {
         std::lock_guard lock(mutex_);
-        int64_t busy = 0;
-        for (const auto& other : conns_) busy += other.task >= 0;
         if (pending_.empty() || busy + static_cast<int64_t>(done_.size()) >= window_) return;
         index = *pending_.begin();
         pending_.erase(pending_.begin());
@@ -355,10 +363,11 @@ class WorkerPool : public TaskRunner {
         rows = tasks_[static_cast<size_t>(index)];
         c.task = index;
         c.task_epoch = epoch;
+        ++busy;
       }
       try {
         wire::send(c.fd, Json{{"type", "task"}, {"index", index}, {"epoch", epoch}, {"rows", rows}});
-      } catch (const std::exception& e) {
+      } catch (const std::exception&) {
         drop(c, "could not be given a task");
       }
     }
@@ -419,7 +428,6 @@ class WorkerPool : public TaskRunner {
   std::map<int, std::string> exit_status_;
   int restarts_ = 0;
   bool shutting_down_ = false;
-  int remote_connected_ = 0;
   // Shared with the consumer.
   mutable std::mutex mutex_;
   std::condition_variable changed_;

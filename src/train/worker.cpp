@@ -305,10 +305,10 @@ void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
   } else if (!info) {
     problem = "RANK and WORLD_SIZE are not set";
   } else {
+    const auto shard = dataset_shard(datasets.at(name), info->world_rank, info->world_size);
     // Returns only when the shard built here differs from the rank's (it ends the process else).
-    data::serve_if_data_worker(dataset_shard(datasets.at(name), info->world_rank, info->world_size));
-    problem = "the pipeline built here differs from the rank's (fingerprint " +
-              dataset_shard(datasets.at(name), info->world_rank, info->world_size).fingerprint() + ")";
+    data::serve_if_data_worker(shard);
+    problem = "the pipeline built here differs from the rank's (fingerprint " + shard.fingerprint() + ")";
   }
   std::cerr << "cohort: preprocessing worker " << ::getpid() << ": " << problem
             << ": the program must build the same Trainer datasets in every process" << std::endl;
