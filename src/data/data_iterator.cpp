@@ -52,6 +52,7 @@ struct DataIterator::Impl {
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<Block> ready;
+  std::vector<Block> retired;  // used by the consumer, to be freed by the producer
   std::exception_ptr error;
   bool finished = true;
   bool cancelled = false;
@@ -68,6 +69,7 @@ struct DataIterator::Impl {
     if (runner) runner->cancel();
     if (producer.joinable()) producer.join();
     ready.clear();
+    retired.clear();
   }
 
   // Blocks until the consumer has room; false once the pass is cancelled.
@@ -75,11 +77,17 @@ struct DataIterator::Impl {
     if (options.device != block.columns.begin()->second.device()) {
       for (auto& [name, column] : block.columns) column = column.to(options.device, /*non_blocking=*/true);
     }
-    std::unique_lock lock(mutex);
-    changed.wait(lock, [&] { return cancelled || static_cast<int>(ready.size()) < options.prefetch_batches; });
-    if (cancelled) return false;
-    ready.push_back(std::move(block));
-    changed.notify_all();
+    std::vector<Block> release;
+    {
+      std::unique_lock lock(mutex);
+      changed.wait(lock, [&] { return cancelled || static_cast<int>(ready.size()) < options.prefetch_batches; });
+      if (cancelled) return false;
+      ready.push_back(std::move(block));
+      release.swap(retired);
+      changed.notify_all();
+    }
+    // The consumer's used batches are freed here (unmapping a shared-memory batch takes a while).
+    release.clear();
     return true;
   }
 
@@ -172,10 +180,15 @@ struct DataIterator::Impl {
   }
 
   bool next(Block& out) {
+    // The batch the consumer is done with is freed by the producer thread, off the training
+    // thread (the last reference to a shared-memory batch unmaps it).
+    Block used = std::move(out);
+    out = Block{};
     const auto begin = Clock::now();
     bool have = false;
     {
       std::unique_lock lock(mutex);
+      if (!used.columns.empty()) retired.push_back(std::move(used));
       changed.wait(lock, [&] { return !ready.empty() || finished || error || cancelled; });
       if (error) {
         auto e = error;

@@ -304,8 +304,19 @@ Dataset Dataset::with_execution(ExecutionOptions options) const {
   return Dataset(plan);
 }
 
+namespace {
+
+// For a single pass (materialize, count, take): workers do not start on a next epoch.
+Dataset one_pass(const Dataset& dataset) {
+  auto options = dataset.plan().execution;
+  options.prefetch_next_epoch = false;
+  return dataset.with_execution(options);
+}
+
+}  // namespace
+
 Dataset Dataset::materialize() const {
-  DataIterator iterator(*this);
+  DataIterator iterator(one_pass(*this));
   std::vector<Block> blocks;
   for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_), .prefetch_batches = 2})) {
     blocks.push_back(std::move(block));
@@ -321,14 +332,14 @@ int64_t Dataset::num_source_rows() const { return static_cast<int64_t>(epoch_row
 
 int64_t Dataset::count() const {
   if (plan_->stages.empty() && (!plan_->source || !plan_->source->may_skip())) return num_source_rows();
-  DataIterator iterator(*this);
+  DataIterator iterator(one_pass(*this));
   int64_t rows = 0;
   for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_)})) rows += block.num_rows();
   return rows;
 }
 
 Block Dataset::take(int64_t rows) const {
-  DataIterator iterator(*this);
+  DataIterator iterator(one_pass(*this));
   std::vector<Block> blocks;
   int64_t have = 0;
   for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_)})) {

@@ -112,11 +112,14 @@ class WorkerPool : public TaskRunner {
   void start_epoch(int64_t epoch, std::vector<std::vector<int64_t>> tasks) override {
     {
       std::lock_guard lock(mutex_);
-      epoch_ = epoch;
-      tasks_ = std::move(tasks);
-      pending_.clear();
-      for (int64_t i = 0; i < static_cast<int64_t>(tasks_.size()); ++i) pending_.insert(i);
-      done_.clear();
+      if (ahead_.epoch == epoch && ahead_.tasks == tasks) {
+        // The epoch the pool guessed and started early: its results so far are kept.
+        current_ = std::move(ahead_);
+      } else {
+        current_ = EpochTasks{.epoch = epoch, .tasks = std::move(tasks)};
+        for (int64_t i = 0; i < static_cast<int64_t>(current_.tasks.size()); ++i) current_.pending.insert(i);
+      }
+      ahead_ = EpochTasks{};
       next_ = 0;
       cancelled_ = false;
     }
@@ -126,13 +129,14 @@ class WorkerPool : public TaskRunner {
   std::optional<TaskResult> next() override {
     std::unique_lock lock(mutex_);
     changed_.wait(lock, [&] {
-      return cancelled_ || !error_.empty() || done_.count(next_) != 0 || next_ >= static_cast<int64_t>(tasks_.size());
+      return cancelled_ || !error_.empty() || current_.done.count(next_) != 0 ||
+             next_ >= static_cast<int64_t>(current_.tasks.size());
     });
     if (cancelled_) throw Cancelled{};
     if (!error_.empty()) throw RuntimeError(error_);
-    if (next_ >= static_cast<int64_t>(tasks_.size())) return std::nullopt;
-    auto result = std::move(done_[next_]);
-    done_.erase(next_);
+    if (next_ >= static_cast<int64_t>(current_.tasks.size())) return std::nullopt;
+    auto result = std::move(current_.done[next_]);
+    current_.done.erase(next_);
     ++next_;
     lock.unlock();
     wake();
@@ -225,9 +229,12 @@ class WorkerPool : public TaskRunner {
     c.fd = -1;
     if (c.task >= 0) {
       std::lock_guard lock(mutex_);
-      if (c.task_epoch == epoch_) {
-        pending_.insert(c.task);
-        ++redone_;
+      for (auto* e : {&current_, &ahead_}) {
+        if (c.task_epoch == e->epoch) {
+          e->pending.insert(c.task);
+          ++redone_;
+          break;
+        }
       }
     }
     if (c.local) {
@@ -308,8 +315,12 @@ class WorkerPool : public TaskRunner {
     }
     {
       std::lock_guard lock(mutex_);
-      if (header.value("epoch", int64_t{-1}) == epoch_ && c.task_epoch == epoch_ && c.task == result.index) {
-        done_[result.index] = std::move(result);
+      const auto epoch = header.value("epoch", int64_t{-1});
+      for (auto* e : {&current_, &ahead_}) {
+        if (e->epoch >= 0 && epoch == e->epoch && c.task_epoch == epoch && c.task == result.index) {
+          e->done[result.index] = std::move(result);
+          break;
+        }
       }
       c.task = -1;
     }
@@ -331,7 +342,7 @@ class WorkerPool : public TaskRunner {
     bool waiting = false;
     {
       std::lock_guard lock(mutex_);
-      waiting = !pending_.empty();
+      waiting = !current_.pending.empty();
     }
     if (waiting && Clock::now() > start_deadline_) {
       fail("preprocessing workers did not connect within " +
@@ -356,11 +367,25 @@ class WorkerPool : public TaskRunner {
       std::vector<int64_t> rows;
       {
         std::lock_guard lock(mutex_);
-        if (pending_.empty() || busy + static_cast<int64_t>(done_.size()) >= window_) return;
-        index = *pending_.begin();
-        pending_.erase(pending_.begin());
-        epoch = epoch_;
-        rows = tasks_[static_cast<size_t>(index)];
+        const auto held = static_cast<int64_t>(current_.done.size() + ahead_.done.size());
+        if (busy + held >= window_) return;
+        EpochTasks* from = &current_;
+        if (current_.pending.empty()) {
+          // Every task of this epoch is out: while the window has room, start the next epoch's
+          // (the one a consumer reads after this, unless it sets another), so that its first
+          // batches are ready when it begins.
+          if (current_.epoch < 0 || cancelled_ || !plan_.execution.prefetch_next_epoch) return;
+          if (ahead_.epoch != current_.epoch + 1) {
+            ahead_ = EpochTasks{.epoch = current_.epoch + 1, .tasks = epoch_tasks(plan_, current_.epoch + 1)};
+            for (int64_t i = 0; i < static_cast<int64_t>(ahead_.tasks.size()); ++i) ahead_.pending.insert(i);
+          }
+          from = &ahead_;
+          if (from->pending.empty()) return;
+        }
+        index = *from->pending.begin();
+        from->pending.erase(from->pending.begin());
+        epoch = from->epoch;
+        rows = from->tasks[static_cast<size_t>(index)];
         c.task = index;
         c.task_epoch = epoch;
         ++busy;
@@ -434,10 +459,15 @@ class WorkerPool : public TaskRunner {
   bool stopping_ = false;
   bool cancelled_ = false;
   std::string error_;
-  int64_t epoch_ = -1;
-  std::vector<std::vector<int64_t>> tasks_;
-  std::set<int64_t> pending_;
-  std::map<int64_t, TaskResult> done_;
+  // The epoch being consumed, and the next one started early (epoch -1: none).
+  struct EpochTasks {
+    int64_t epoch = -1;
+    std::vector<std::vector<int64_t>> tasks;
+    std::set<int64_t> pending;  // not handed out yet
+    std::map<int64_t, TaskResult> done;
+  };
+  EpochTasks current_;
+  EpochTasks ahead_;
   int64_t next_ = 0;
   int64_t redone_ = 0;
 };

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <numeric>
 #include <set>
+#include <thread>
 
 #include <opencv2/imgcodecs.hpp>
 
@@ -257,6 +258,47 @@ TEST(DataOffload, AThrowingMapNamesTheStageAndBatchOrSkipsIt) {
     EXPECT_EQ(ids_of(it2).size(), 16u) << workers << " workers";
     EXPECT_EQ(it2.stats().skipped_batches, 1);
   }
+}
+
+TEST(DataOffload, WorkersStartTheNextEpochEarlyAndASkippedOneIsDropped) {
+  // Each task a worker runs leaves a file named after its epoch and index.
+  auto dir = cohort::testing::temp_dir("offload_lookahead");
+  auto pipeline = [dir](int workers) {
+    return numbers(24).random_shuffle(5).map_batches([dir](Block b) {
+      if (!runtime::spawned_role().empty()) {
+        std::ofstream(dir / ("epoch" + std::to_string(current_epoch()) + "-row" +
+                             std::to_string(b[kIdColumn][0].item<int64_t>()))).flush();
+      }
+      return b;
+    }, {.name = "mark", .batch_size = 4, .num_workers = workers});
+  };
+  auto reference = pipeline(0).iterator();
+  auto it = pipeline(2).iterator();
+  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+  // Epoch 0 is consumed and epoch 1 not begun: the workers are already on epoch 1's first tasks.
+  auto started_epoch1 = [&] {
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      if (entry.path().filename().string().rfind("epoch1-", 0) == 0) return true;
+    }
+    return false;
+  };
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (!started_epoch1() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(started_epoch1());
+  // Epoch 1's batches are those the inline pipeline gives, and so are epoch 5's when the
+  // consumer jumps there (the early epoch-2 work is dropped).
+  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+  it.set_epoch(5);
+  reference.set_epoch(5);
+  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+  // A single pass (count, take) starts nothing after it.
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  EXPECT_EQ(pipeline(2).count(), 24);
+  EXPECT_FALSE(started_epoch1());
+  std::filesystem::remove_all(dir);
 }
 
 TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {

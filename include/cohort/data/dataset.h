@@ -55,6 +55,10 @@ struct ExecutionOptions {
   std::chrono::milliseconds worker_start_timeout{60'000};
   // Replacements started for workers that died, in all, before the run fails.
   int max_worker_restarts = 8;
+  // Once every task of an epoch is handed out, workers with room in the window start on the
+  // next epoch's tasks, so its first batches are ready when the consumer begins it (an epoch
+  // the consumer then skips, with set_epoch, costs that work). materialize(), count() and take() never do.
+  bool prefetch_next_epoch = true;
 };
 
 struct IterBatchesOptions {
