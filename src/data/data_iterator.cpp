@@ -41,6 +41,7 @@ struct DataIterator::Impl {
   int64_t last_epoch = -1;
   BatchAgreement agreement;
   std::map<std::string, std::string> worker_env;
+  std::function<void(const std::string&)> on_listening;
   std::unique_ptr<TaskRunner> runner;
   IngestStats stats;
 
@@ -61,12 +62,16 @@ struct DataIterator::Impl {
   ~Impl() { end_pass(); }
 
   void end_pass() {
+    bool producing = false;
     {
       std::lock_guard lock(mutex);
       cancelled = true;
+      producing = !finished;
     }
     changed.notify_all();
-    if (runner) runner->cancel();
+    // Wakes a producer blocked on the runner. A pass that ran to its end leaves the runner as it
+    // is: its workers may be on the next epoch already.
+    if (runner && producing) runner->cancel();
     if (producer.joinable()) producer.join();
     ready.clear();
     retired.clear();
@@ -164,6 +169,7 @@ struct DataIterator::Impl {
       const int workers = dataset.num_workers();
       if (workers > 0 || plan.execution.remote_workers > 0 || !plan.execution.listen_address.empty()) {
         runner = make_worker_pool(plan, dataset.fingerprint(), workers, worker_env);
+        if (on_listening && !runner->listen_address().empty()) on_listening(runner->listen_address());
       } else {
         runner = make_inline_runner(plan);
       }
@@ -254,6 +260,9 @@ std::string DataIterator::listen_address() const { return impl_->runner ? impl_-
 const Dataset& DataIterator::dataset() const { return impl_->dataset; }
 void DataIterator::set_batch_agreement(BatchAgreement agreement) { impl_->agreement = std::move(agreement); }
 void DataIterator::set_worker_environment(std::map<std::string, std::string> env) { impl_->worker_env = std::move(env); }
+void DataIterator::set_on_listening(std::function<void(const std::string&)> callback) {
+  impl_->on_listening = std::move(callback);
+}
 
 DataIterator::Stream::Iterator::Iterator(Impl* impl, bool done) : impl_(impl), done_(done) {
   if (!done_) ++*this;

@@ -18,6 +18,8 @@ namespace cohort::data {
 namespace {
 
 void serve(const Dataset& dataset, const std::string& address) {
+  torch::set_num_threads(1);  // one CPU per worker: the pool, not each worker, spreads the work
+  cv::setNumThreads(1);
   const bool local = address.rfind("unix:", 0) == 0;
   const int fd = wire::connect_to(address, std::chrono::seconds(60));
   char host[256] = "?";
@@ -67,6 +69,16 @@ void serve(const Dataset& dataset, const std::string& address) {
 
 }  // namespace
 
+bool serve_data_consumer(const Dataset& dataset, const std::string& address, std::string* why) {
+  try {
+    serve(dataset, address);
+    return true;
+  } catch (const wire::PeerGone& e) {
+    if (why != nullptr) *why = e.what();
+    return false;
+  }
+}
+
 void serve_if_data_worker(const Dataset& dataset) {
   if (runtime::spawned_role() != kDataRole) return;
   const char* wanted = std::getenv(kDataPipelineVar);
@@ -78,9 +90,6 @@ void serve_if_data_worker(const Dataset& dataset) {
               << "(host:port of the training process's ExecutionOptions::listen_address)" << std::endl;
     code = 2;
   } else {
-    // One CPU per worker: the pool, not each worker, spreads the work.
-    torch::set_num_threads(1);
-    cv::setNumThreads(1);
     try {
       serve(dataset, address);
     } catch (const wire::PeerGone&) {

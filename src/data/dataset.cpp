@@ -308,7 +308,7 @@ namespace {
 
 // For a single pass (materialize, count, take): workers do not start on a next epoch.
 Dataset one_pass(const Dataset& dataset) {
-  auto options = dataset.plan().execution;
+  auto options = dataset.execution();
   options.prefetch_next_epoch = false;
   return dataset.with_execution(options);
 }
@@ -391,6 +391,12 @@ int Dataset::num_workers() const {
     workers = std::max(workers, stage.options.num_workers < 0 ? default_data_workers() : stage.options.num_workers);
   }
   return workers;
+}
+
+const ExecutionOptions& Dataset::execution() const { return plan_->execution; }
+
+bool Dataset::has_map_stage() const {
+  return std::any_of(plan_->stages.begin(), plan_->stages.end(), [](const Stage& s) { return s.kind == Stage::kMap; });
 }
 
 DataIterator Dataset::iterator() const { return DataIterator(*this); }

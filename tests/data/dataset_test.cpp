@@ -272,27 +272,29 @@ TEST(DataOffload, WorkersStartTheNextEpochEarlyAndASkippedOneIsDropped) {
       return b;
     }, {.name = "mark", .batch_size = 4, .num_workers = workers});
   };
-  auto reference = pipeline(0).iterator();
-  auto it = pipeline(2).iterator();
-  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
-  // Epoch 0 is consumed and epoch 1 not begun: the workers are already on epoch 1's first tasks.
   auto started_epoch1 = [&] {
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
       if (entry.path().filename().string().rfind("epoch1-", 0) == 0) return true;
     }
     return false;
   };
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (!started_epoch1() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(started_epoch1());
-  // Epoch 1's batches are those the inline pipeline gives, and so are epoch 5's when the
-  // consumer jumps there (the early epoch-2 work is dropped).
-  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
-  it.set_epoch(5);
-  reference.set_epoch(5);
-  EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+  {
+    auto reference = pipeline(0).iterator();
+    auto it = pipeline(2).iterator();
+    EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+    // Epoch 0 is consumed and epoch 1 not begun: the workers are already on epoch 1's first tasks.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!started_epoch1() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(started_epoch1());
+    // Epoch 1's batches are those the inline pipeline gives, and so are epoch 5's when the
+    // consumer jumps there (the early epoch-2 work is dropped).
+    EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+    it.set_epoch(5);
+    reference.set_epoch(5);
+    EXPECT_EQ(ids_of(it, {.batch_size = 4}), ids_of(reference, {.batch_size = 4}));
+  }  // the workers end with the iterator
   // A single pass (count, take) starts nothing after it.
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);

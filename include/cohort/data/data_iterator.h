@@ -55,6 +55,9 @@ class DataIterator {
   void set_batch_agreement(BatchAgreement agreement);
   // Variables added to the environment of the preprocessing workers it starts.
   void set_worker_environment(std::map<std::string, std::string> env);
+  // Called once, when the first pass opens the listening socket for remote workers, with its
+  // address (host:port): to tell workers elsewhere where to connect.
+  void set_on_listening(std::function<void(const std::string& address)> callback);
 
   struct Impl;
 
@@ -103,6 +106,12 @@ void add_ingest_wait(double seconds, int64_t batches);
 // the consumer is done, then ends the process. Otherwise returns at once. DataIterator calls it,
 // so a program that builds its pipeline before iterating needs nothing else.
 void serve_if_data_worker(const Dataset& dataset);
+
+// Connects to the consumer at `address` (its listen_address) and runs `dataset`'s tasks for it until
+// it says stop (true), or goes away or cannot be reached (false, with the reason in `why`).
+// Throws UsageError when refused (it streams another pipeline). For a process that serves several
+// consumers in turn; serve_if_data_worker serves one, then ends the process.
+bool serve_data_consumer(const Dataset& dataset, const std::string& address, std::string* why = nullptr);
 
 inline constexpr const char* kDataRole = "data";
 

@@ -151,6 +151,9 @@ class Dataset {
   std::string describe() const;
   // Preprocessing processes the pipeline runs with (after resolving -1).
   int num_workers() const;
+  // Whether it has a map_batches stage (work that preprocessing workers can take).
+  bool has_map_stage() const;
+  const ExecutionOptions& execution() const;
 
   // A stream over this dataset that keeps its preprocessing workers between epochs.
   DataIterator iterator() const;
