@@ -12,7 +12,11 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   cmd->add_option("--node-rank", o.node.node_rank, "this node's index, 0 .. nnodes-1")->capture_default_str();
   cmd->add_option("--master", o.master, "HOST:PORT of node 0, whose launcher serves the rendezvous there")
       ->capture_default_str();
-  cmd->add_option("--nproc-per-node", o.node.nproc_per_node, "workers on this node")->capture_default_str();
+  cmd->add_option("--nproc-per-node", o.node.nproc_per_node, "train workers (ranks) on this node; 0: a CPU-only node")
+      ->capture_default_str();
+  cmd->add_option("--data-workers", o.node.data_workers,
+                  "preprocessing processes on this node, serving the trainers' dataset over TCP")
+      ->capture_default_str();
   cmd->add_option("--max-restarts", o.node.max_restarts, "restarts of the whole job after a failure")
       ->capture_default_str();
   cmd->add_option("--rdzv-timeout", o.rendezvous_timeout_s, "seconds for every node to join a round")

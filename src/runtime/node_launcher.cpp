@@ -12,6 +12,7 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
+#include "cohort/json.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 
@@ -45,7 +46,7 @@ std::string resolve_program(const std::string& program) {
 }
 
 std::string default_job_id(const NodeLaunchOptions& o) {
-  std::string text = std::to_string(o.nnodes) + "x" + std::to_string(o.nproc_per_node);
+  std::string text = std::to_string(o.nnodes) + " nodes";
   for (const auto& arg : o.command) text += '\0' + arg;
   char id[32];
   std::snprintf(id, sizeof id, "launch-%08lx",
@@ -77,9 +78,20 @@ class NodeLauncher {
   std::string wait_for_nodes(const std::string& what);
   void mark_failed(const std::string& reason);
 
+  // Every node's share of the round, from what each said when it joined.
+  void lay_out(const std::vector<std::string>& joined);
+  std::string rank_name(int local) const {
+    return local < o_.nproc_per_node ? "rank=" + std::to_string(first_rank_ + local)
+                                     : "data=" + std::to_string(first_member_ + local - o_.nproc_per_node);
+  }
+
   NodeLaunchOptions o_;
   std::optional<comm::Store> store_;
   std::vector<std::string> hosts_;
+  int world_ = 0;         // ranks of the job
+  int first_rank_ = 0;    // this node's first
+  int members_ = 0;       // data workers of the job
+  int first_member_ = 0;  // this node's first
   int round_ = 0;
   std::map<int, std::pair<int64_t, Clock::time_point>> heard_;  // node -> last heartbeat, when it changed
   Clock::time_point last_beat_{};
@@ -145,6 +157,22 @@ void NodeLauncher::mark_failed(const std::string& reason) {
   }
 }
 
+void NodeLauncher::lay_out(const std::vector<std::string>& joined) {
+  hosts_.clear();
+  world_ = members_ = 0;
+  for (int node = 0; node < o_.nnodes; ++node) {
+    const Json share = Json::parse(joined.at(static_cast<size_t>(node)));
+    if (node == o_.node_rank) {
+      first_rank_ = world_;
+      first_member_ = members_;
+    }
+    hosts_.push_back(share["host"]);
+    world_ += share["nproc"].get<int>();
+    members_ += share["data_workers"].get<int>();
+  }
+  if (world_ == 0) throw UsageError("no node of the job runs a train worker (every one has --nproc-per-node 0)");
+}
+
 int NodeLauncher::run() {
   const std::string program = resolve_program(o_.command.front());
   if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
@@ -155,14 +183,15 @@ int NodeLauncher::run() {
                                  .timeout = o_.rendezvous_timeout,
                                  .job_id = o_.job_id});
   round_ = static_cast<int>(store_->add("launch/round", 0));
-  const int world = o_.nnodes * o_.nproc_per_node;
+  const std::string share =
+      Json{{"host", host_name()}, {"nproc", o_.nproc_per_node}, {"data_workers", o_.data_workers}}.dump();
   while (true) {
     say("joining round " + std::to_string(round_) + " at " + o_.master_addr + ":" + std::to_string(o_.master_port) +
         " (job " + o_.job_id + ")");
     try {
-      hosts_ = store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, host_name(),
-                                       "join round " + std::to_string(round_) + " of job " + o_.job_id,
-                                       o_.rendezvous_timeout, "nodes");
+      lay_out(store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, share,
+                                      "join round " + std::to_string(round_) + " of job " + o_.job_id,
+                                      o_.rendezvous_timeout, "nodes"));
     } catch (const TimeoutError& e) {
       std::cerr << "error: cohort launch: " << e.what() << " (lost, or not started?)" << std::endl;
       return 1;
@@ -173,18 +202,28 @@ int NodeLauncher::run() {
     }
     heard_.clear();
     WorkerGroupOptions group_options;
-    group_options.num_workers = o_.nproc_per_node;
+    group_options.num_workers = o_.nproc_per_node + o_.data_workers;
     group_options.executable = program;
     group_options.argv = o_.command;
     group_options.role.clear();
-    group_options.rank_env = [this, world](int local) {
-      auto env = worker_env({.world_rank = o_.node_rank * o_.nproc_per_node + local,
-                             .local_rank = local,
-                             .node_rank = o_.node_rank,
-                             .world_size = world,
-                             .local_world_size = o_.nproc_per_node,
-                             .master_addr = o_.master_addr,
-                             .master_port = o_.master_port});
+    group_options.rank_role = [this](int local) { return local < o_.nproc_per_node ? std::string() : std::string("data"); };
+    group_options.rank_env = [this](int local) {
+      std::map<std::string, std::string> env;
+      if (local < o_.nproc_per_node) {
+        env = worker_env({.world_rank = first_rank_ + local,
+                          .local_rank = local,
+                          .node_rank = o_.node_rank,
+                          .world_size = world_,
+                          .local_world_size = o_.nproc_per_node,
+                          .master_addr = o_.master_addr,
+                          .master_port = o_.master_port});
+      } else {
+        // A data worker holds no rank: it finds its work through the store.
+        env["MASTER_ADDR"] = o_.master_addr;
+        env[kDataMemberVar] = std::to_string(first_member_ + local - o_.nproc_per_node);
+        env[kTrainRanksVar] = std::to_string(world_);
+      }
+      env[kDataMembersVar] = std::to_string(members_);
       env[kLauncherVar] = "cohort-launch";
       env[kJobIdVar] = o_.job_id;
       env[kRestartRoundVar] = std::to_string(round_);
@@ -196,8 +235,8 @@ int NodeLauncher::run() {
     std::string peer_reason;
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
-      (is_stderr ? std::cerr : std::cout) << "(rank=" << o_.node_rank * o_.nproc_per_node + local << ", pid=" << pid
-                                          << ") " << line << std::endl;  // line by line, also into a log file
+      (is_stderr ? std::cerr : std::cout) << "(" << rank_name(local) << ", pid=" << pid << ") " << line
+                                          << std::endl;  // line by line
     };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;
@@ -205,8 +244,16 @@ int NodeLauncher::run() {
       if (!peer_reason.empty()) group.request_stop(peer_reason);
     };
     group.start();
-    say("round " + std::to_string(round_) + ": started ranks " + std::to_string(o_.node_rank * o_.nproc_per_node) + "-" +
-        std::to_string((o_.node_rank + 1) * o_.nproc_per_node - 1) + " of " + std::to_string(world));
+    std::string started;
+    if (o_.nproc_per_node > 0) {
+      started = "ranks " + std::to_string(first_rank_) + "-" + std::to_string(first_rank_ + o_.nproc_per_node - 1) +
+                " of " + std::to_string(world_);
+    }
+    if (o_.data_workers > 0) {
+      started += (started.empty() ? "" : ", ") + std::string("data workers ") + std::to_string(first_member_) + "-" +
+                 std::to_string(first_member_ + o_.data_workers - 1) + " of " + std::to_string(members_);
+    }
+    say("round " + std::to_string(round_) + ": started " + started);
     const auto outcome = group.wait(handlers);
     if (outcome.interrupted_by != 0) {
       mark_failed("node " + std::to_string(o_.node_rank) + " was interrupted");
@@ -260,7 +307,12 @@ int launch_node(const NodeLaunchOptions& options) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) + " must be in [0, " +
                      std::to_string(options.nnodes) + ")");
   }
-  if (options.nproc_per_node < 1) throw UsageError("--nproc-per-node must be >= 1");
+  if (options.nproc_per_node < 0 || options.data_workers < 0) {
+    throw UsageError("--nproc-per-node and --data-workers must be >= 0");
+  }
+  if (options.nproc_per_node + options.data_workers < 1) {
+    throw UsageError("--nproc-per-node 0 is a CPU-only node: give it --data-workers N (preprocessing processes)");
+  }
   if (options.master_port < 1 || options.master_port > 65535) {
     throw UsageError("--master port " + std::to_string(options.master_port) + " is not a port (1-65535)");
   }

@@ -196,7 +196,7 @@ struct WorkerGroup::Impl {
     if (options.rank_env) {
       for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
     }
-    return child_environment(vars, options.role, !options.role.empty());
+    return child_environment(vars, options.rank_role ? options.rank_role(rank) : options.role, !options.role.empty());
   }
 
   void spawn(Worker& worker) {

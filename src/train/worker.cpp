@@ -78,6 +78,9 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
     data::set_default_data_workers(std::max(1, (cpus - trainers) / local));
   }
   session->on_world_size_change = scaling.on_world_size_change;
+  session->interface_address = settings.interface_address;
+  session->remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
+  if (const char* members = std::getenv(runtime::kDataMembersVar)) session->data_members = std::atoi(members);
   session->next_checkpoint_index = settings.next_checkpoint_index;
   if (!settings.resume_from.empty()) session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;
@@ -296,7 +299,72 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   return recorder->finish(error, info.world_size, std::chrono::duration<double>(Clock::now() - started).count());
 }
 
+namespace {
+
+// A data worker of a `cohort launch --data-workers` node: serves, one after the other, the streams
+// its rank's iterators assign to it through the store, until every rank has finished.
+[[noreturn]] void serve_as_data_member(const std::map<std::string, data::Dataset>& datasets, int member) {
+  const std::string who = "cohort data worker " + std::to_string(member) + " (pid " + std::to_string(::getpid()) +
+                          " on " + host_name() + ")";
+  int code = 0;
+  try {
+    // What cohort launch tells its data workers: where the job's store is, and the ranks' count.
+    const std::string master = env_string("MASTER_ADDR");
+    const long store_port = env_long(runtime::kStorePortVar, 0);
+    const long world_size = env_long(runtime::kTrainRanksVar, 0);
+    if (master.empty() || store_port <= 0 || world_size <= 0) {
+      throw UsageError("MASTER_ADDR, " + std::string(runtime::kStorePortVar) + " and " + runtime::kTrainRanksVar +
+                       " must be set: start data workers with cohort launch --data-workers");
+    }
+    const auto timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
+    auto store = comm::Store::connect({.host = master,
+                                       .port = static_cast<int>(store_port),
+                                       .is_server = false,
+                                       .timeout = timeout,
+                                       .job_id = env_string(runtime::kJobIdVar)});
+    const std::string round = "job/" + std::to_string(env_long(runtime::kRestartRoundVar, 0)) + "/";
+    store.wait({round + "run"}, std::chrono::hours(24));  // rank 0 opens the run once every rank joined
+    const std::string prefix = data_member_key(Json::parse(store.get(round + "run"))["token"], member);
+    std::vector<std::string> finished;
+    for (long r = 0; r < world_size; ++r) finished.push_back(round + "done/" + std::to_string(r));
+    for (int64_t n = 0;; ++n) {
+      const std::string key = prefix + std::to_string(n);
+      while (!store.check({key})) {
+        if (store.check(finished)) end_process(0);  // every rank is done
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      const Json task = Json::parse(store.get(key));
+      const std::string name = task["dataset"];
+      const int rank = task["rank"];
+      const int world = task["world"];
+      if (datasets.count(name) == 0) throw UsageError("no dataset '" + name + "' was given to this Trainer");
+      const auto shard = dataset_shard(datasets.at(name), rank, world);
+      if (shard.fingerprint() != task["pipeline"].get<std::string>()) {
+        throw UsageError("rank " + std::to_string(rank) + "'s '" + name + "' pipeline (" +
+                         task["pipeline"].get<std::string>() + ") differs from the one built here (" + shard.fingerprint() +
+                         "): deploy the same program and arguments on every node");
+      }
+      std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at " << task["address"].get<std::string>()
+                << std::endl;
+      std::string why;
+      if (!data::serve_data_consumer(shard, task["address"], &why)) {
+        std::cerr << who << ": rank " << rank << "'s stream ended without it: " << why << std::endl;
+      }
+    }
+  } catch (const PeerFailureError& e) {
+    std::cerr << who << ": lost the job's rendezvous store (" << e.what() << ")" << std::endl;
+    code = 1;
+  } catch (const std::exception& e) {
+    std::cerr << who << ": " << e.what() << std::endl;
+    code = 1;
+  }
+  end_process(code);
+}
+
+}  // namespace
+
 void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
+  if (const char* member = std::getenv(runtime::kDataMemberVar)) serve_as_data_member(datasets, std::atoi(member));
   const char* name = std::getenv(kDataDatasetVar);
   const auto info = runtime::worker_info_from_env();
   std::string problem;

@@ -198,9 +198,34 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   }
   const int rank = s.context.world_rank;
   const int world = s.context.world_size;
-  data::DataIterator iterator(dataset_shard(it->second, rank, world));
+  auto shard = dataset_shard(it->second, rank, world);
+  // The job's data workers on other nodes (cohort launch --data-workers): this rank's share.
+  std::vector<int> members;
+  if (name == s.remote_preprocessing_dataset && shard.has_map_stage()) {
+    for (int k = rank; k < s.data_members; k += world) members.push_back(k);
+  }
+  if (!members.empty()) {
+    auto execution = shard.execution();
+    execution.listen_address = s.interface_address + ":0";
+    execution.remote_workers += static_cast<int>(members.size());
+    shard = shard.with_execution(execution);
+  }
+  data::DataIterator iterator(shard);
   // Its preprocessing workers find the same shard: they re-run this program up to fit().
   iterator.set_worker_environment({{kDataDatasetVar, name}});
+  if (!members.empty()) {
+    auto* session = &s;
+    iterator.set_on_listening([session, members, name, rank, world, pipeline = shard.fingerprint()](
+                                  const std::string& address) {
+      const std::string task =
+          Json{{"address", address}, {"dataset", name}, {"rank", rank}, {"world", world}, {"pipeline", pipeline}}.dump();
+      for (int k : members) {
+        const auto prefix = data_member_key(session->run_token, k);
+        const int64_t n = session->store.add(prefix + "count", 1) - 1;
+        session->store.set(prefix + std::to_string(n), task);
+      }
+    });
+  }
   if (world > 1) {
     const std::string prefix = "data/" + s.run_token + "/" + name + "#" + std::to_string(++s.shard_requests) + "/";
     auto* session = &s;

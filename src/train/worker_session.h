@@ -30,6 +30,11 @@ struct WorkerSession {
   int64_t broadcasts = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
+  // This host's data-plane address, where remote data workers connect.
+  std::string interface_address = "127.0.0.1";
+  std::string remote_preprocessing_dataset;
+  // Data workers of the job's `cohort launch --data-workers` nodes (0: none).
+  int data_members = 0;
 };
 
 // The session of this process; nullptr outside a train loop.
@@ -53,6 +58,10 @@ inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX"
 inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
 // In a preprocessing worker of a rank: the name of the Trainer dataset it serves.
 inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";
+// Store keys: assignment n of data worker k ("<prefix>/<k>/<n>", a JSON object), and its count.
+inline std::string data_member_key(const std::string& run_token, int member) {
+  return "data/" + run_token + "/member/" + std::to_string(member) + "/";
+}
 // The metric report() adds: the most any rank waited for data per batch since the last report.
 inline constexpr const char* kIngestMetric = "ingest_wait_ms";
 

@@ -86,7 +86,9 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--nnodes", "2", "--node-rank", "2", "--", "/bin/true"}, "--node-rank 2 must be in [0, 2)"},
            {{"--master", "nohost", "--", "/bin/true"}, "must be HOST:PORT"},
-           {{"--", "no-such-program-here"}, "is not in PATH"}}) {
+           {{"--", "no-such-program-here"}, "is not in PATH"},
+           {{"--nproc-per-node", "0", "--", "/bin/true"}, "--nproc-per-node 0 is a CPU-only node: give it --data-workers N"},
+           {{"--data-workers", "-1", "--", "/bin/true"}, "--nproc-per-node and --data-workers must be >= 0"}}) {
     std::vector<std::string> argv{cli, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));

@@ -14,7 +14,12 @@ struct NodeLaunchOptions {
   // address only). Workers rendezvous through the same store.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
+  // Train workers (ranks) on this node; nodes may differ. 0: a CPU-only node (needs data_workers).
   int nproc_per_node = 1;
+  // Preprocessing processes on this node for the job's trainers: the program in the data role,
+  // taking the map_batches work of the dataset ScalingConfig::remote_preprocessing_dataset names
+  // over TCP. Ranks are numbered over the nodes in node order.
+  int data_workers = 0;
   // The program each worker runs, with its arguments.
   std::vector<std::string> command;
   // Times the whole job is restarted after a worker or a node fails.

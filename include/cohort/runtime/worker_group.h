@@ -25,6 +25,8 @@ struct WorkerGroupOptions {
   // workers, which find their group from the torchrun-style variables instead and have no
   // control channel. Either way they die with this process.
   std::string role = "worker";
+  // When set, the role of worker `rank` instead (with or without the control channel as `role`).
+  std::function<std::string(int rank)> rank_role;
   // Between SIGTERM and SIGKILL when the group is stopped.
   std::chrono::milliseconds stop_grace{3'000};
   // After one worker finished cleanly, how long the others may still run before they are

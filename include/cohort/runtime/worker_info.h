@@ -41,6 +41,12 @@ inline constexpr const char* kLauncherVar = "COHORT_LAUNCHER";
 inline constexpr const char* kRestartRoundVar = "COHORT_RESTART_ROUND";
 inline constexpr const char* kStoreOnLauncherVar = "COHORT_STORE_ON_LAUNCHER";
 inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";
+// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
+// nodes run; in such a data worker (role "data"), its index among them and the job's number of
+// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).
+inline constexpr const char* kDataMembersVar = "COHORT_DATA_MEMBERS";
+inline constexpr const char* kDataMemberVar = "COHORT_DATA_MEMBER";
+inline constexpr const char* kTrainRanksVar = "COHORT_TRAIN_RANKS";
 
 // Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
 // MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming

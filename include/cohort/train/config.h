@@ -40,6 +40,11 @@ struct ScalingConfig {
   // another size, after the optimizer state is loaded: e.g. train::linear_lr_scaling.
   std::function<void(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size)>
       on_world_size_change;
+  // Preprocessing on other nodes: under `cohort launch`, a node started with --data-workers N
+  // (a CPU-only node: --nproc-per-node 0) runs N data workers for the job. They take the
+  // map_batches work of this Trainer dataset's shards over TCP, beside each rank's own workers,
+  // worker k serving rank k % num_workers. Empty: they serve nothing.
+  std::string remote_preprocessing_dataset = "train";
 };
 
 // How a run survives failing workers (Ray Train's FailureConfig).

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# A CPU-only node doing the trainers' preprocessing: two hosts made with network namespaces and a
+# veth pair (10.214.R.1 and 10.214.R.2). Host A runs `cohort launch --nproc-per-node 2` (the
+# ranks, no data workers of their own), host B `cohort launch --nproc-per-node 0 --data-workers 2`.
+#  1. the job trains: result.json once, both ranks in sync; host B's data worker k served rank k's
+#     "train" stream over TCP (from 10.214.R.2 to host A's address);
+#  2. the loss and accuracy equal those of the same job on host A alone (preprocessing inline):
+#     where the preprocessing ran does not change the batches.
+# Usage: cpu_node_test.sh COHORT_BINARY DATA_DIR. Needs root (ip netns); cleans up on exit.
+set -uo pipefail
+cli="$1"
+data="$2"
+fail() { echo "cpu_node_test: FAIL: $*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || fail "needs root for ip netns"
+
+tag="d$$"
+a="${tag}a"
+b="${tag}b"
+net="10.214.$(( $$ % 200 + 1 ))"
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  for ns in "$a" "$b"; do
+    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$a" && ip netns add "$b" || fail "ip netns add"
+ip link add "${tag}va" type veth peer name "${tag}vb" || fail "veth"
+ip link set "${tag}va" netns "$a"
+ip link set "${tag}vb" netns "$b"
+ip -n "$a" addr add "$net.1/24" dev "${tag}va"
+ip -n "$b" addr add "$net.2/24" dev "${tag}vb"
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
+ip -n "$a" link set "${tag}va" up
+ip -n "$b" link set "${tag}vb" up
+
+# wait_for PID SECONDS: its exit status in $status; fails the test at the deadline.
+wait_for() {
+  local pid="$1" deadline=$(( $(date +%s) + $2 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "process $pid still running after $2 s"
+    sleep 0.1
+  done
+  wait "$pid"
+  status=$?
+}
+
+# launch NS NNODES NODE NAME LAUNCH_ARGS...: one host's launcher in the background ($launched).
+train_args=(train --model cnn --data-dir "$data" --batch-size 16 --epochs 1 --max-steps 12 --seed 5
+            --storage-path "$work" --quiet)
+launch() {
+  local ns="$1" nnodes="$2" node="$3" name="$4"
+  shift 4
+  ip netns exec "$ns" "$cli" launch --nnodes "$nnodes" --node-rank "$node" --master "$net.1:29410" \
+    --rdzv-timeout 30 --heartbeat-timeout 5 "$@" -- "$cli" "${train_args[@]}" --name "$name" \
+    >"$work/$name-$node.log" 2>&1 &
+  launched=$!
+  pids+=("$launched")
+}
+
+# 1. Host A trains, host B preprocesses.
+launch "$a" 2 0 split --nproc-per-node 2
+pa=$launched
+launch "$b" 2 1 split --nproc-per-node 0 --data-workers 2
+pb=$launched
+wait_for "$pa" 150; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/split-0.log" "$work/split-1.log"
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "launchers exited $ca and $cb"
+python3 "$(dirname "$0")/check_result.py" "$work/split/result.json" 2 12 "CPU-only node" || fail "result.json"
+[ "$(find "$work" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
+grep -q "started data workers 0-1 of 2" "$work/split-1.log" || fail "host B did not start 2 data workers"
+for k in 0 1; do
+  grep -q "cohort data worker $k (pid [0-9]* on .*): serving rank $k's 'train' stream at $net.1:" "$work/split-1.log" ||
+    fail "data worker $k on host B did not serve rank $k over TCP"
+done
+
+# 2. The same job on host A alone.
+launch "$a" 1 0 alone --nproc-per-node 2
+pa=$launched
+wait_for "$pa" 150; ca=$status
+[ "$ca" = 0 ] || { cat "$work/alone-0.log"; fail "the single-host launcher exited $ca"; }
+python3 - "$work/split/result.json" "$work/alone/result.json" <<'EOF' || fail "the runs differ"
+import json, sys
+split, alone = (json.load(open(p)) for p in sys.argv[1:3])
+for key in ("train_loss", "test_accuracy", "steps"):
+    print(f"{key}: CPU-only node {split[key]}, one host {alone[key]}")
+    assert split[key] == alone[key], key
+EOF
+echo "cpu_node_test: PASS"
