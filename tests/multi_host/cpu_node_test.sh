@@ -10,45 +10,9 @@
 set -uo pipefail
 cli="$1"
 data="$2"
-fail() { echo "cpu_node_test: FAIL: $*" >&2; exit 1; }
-[ "$(id -u)" = 0 ] || fail "needs root for ip netns"
-
-tag="d$$"
-a="${tag}a"
-b="${tag}b"
-net="10.214.$(( $$ % 200 + 1 ))"
-work="$(mktemp -d)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
-  for ns in "$a" "$b"; do
-    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
-    ip netns del "$ns" 2>/dev/null
-  done
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-ip netns add "$a" && ip netns add "$b" || fail "ip netns add"
-ip link add "${tag}va" type veth peer name "${tag}vb" || fail "veth"
-ip link set "${tag}va" netns "$a"
-ip link set "${tag}vb" netns "$b"
-ip -n "$a" addr add "$net.1/24" dev "${tag}va"
-ip -n "$b" addr add "$net.2/24" dev "${tag}vb"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
-ip -n "$a" link set "${tag}va" up
-ip -n "$b" link set "${tag}vb" up
-
-# wait_for PID SECONDS: its exit status in $status; fails the test at the deadline.
-wait_for() {
-  local pid="$1" deadline=$(( $(date +%s) + $2 ))
-  while kill -0 "$pid" 2>/dev/null; do
-    [ "$(date +%s)" -lt "$deadline" ] || fail "process $pid still running after $2 s"
-    sleep 0.1
-  done
-  wait "$pid"
-  status=$?
-}
+name=cpu_node_test
+subnet=214
+source "$(dirname "$0")/two_hosts.sh"
 
 # launch NS NNODES NODE NAME LAUNCH_ARGS...: one host's launcher in the background ($launched).
 train_args=(train --model cnn --data-dir "$data" --batch-size 16 --epochs 1 --max-steps 12 --seed 5

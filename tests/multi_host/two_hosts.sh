@@ -1,0 +1,44 @@
+# Sourced by the multi-host tests: two hosts A and B made with network namespaces joined by a veth
+# pair, $net.1 on A and $net.2 on B (nothing else reachable), removed with every process in them
+# on exit. Before sourcing, set `name` (the test's name, for messages) and `subnet` (the second
+# octet of 10.X.R.0/24; R comes from the pid, so that parallel tests differ). Gives: $a and $b
+# (the namespaces), $net, $work (a temporary folder), fail, wait_for, and $pids (killed on exit).
+[ "$(id -u)" = 0 ] || { echo "$name: FAIL: needs root for ip netns" >&2; exit 1; }
+fail() { echo "$name: FAIL: $*" >&2; exit 1; }
+
+tag="${name:0:1}$$"
+a="${tag}a"
+b="${tag}b"
+net="10.$subnet.$(( $$ % 200 + 1 ))"
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  for ns in "$a" "$b"; do
+    for p in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$p" 2>/dev/null; done
+    ip netns del "$ns" 2>/dev/null
+  done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+ip netns add "$a" && ip netns add "$b" || fail "ip netns add"
+ip link add "${tag}va" type veth peer name "${tag}vb" || fail "veth"
+ip link set "${tag}va" netns "$a"
+ip link set "${tag}vb" netns "$b"
+ip -n "$a" addr add "$net.1/24" dev "${tag}va"
+ip -n "$b" addr add "$net.2/24" dev "${tag}vb"
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
+ip -n "$a" link set "${tag}va" up
+ip -n "$b" link set "${tag}vb" up
+
+# wait_for PID SECONDS: its exit status in $status; fails the test at the deadline.
+wait_for() {
+  local pid="$1" deadline=$(( $(date +%s) + $2 ))
+  while kill -0 "$pid" 2>/dev/null; do
+    [ "$(date +%s)" -lt "$deadline" ] || fail "process $pid still running after $2 s"
+    sleep 0.1
+  done
+  wait "$pid"
+  status=$?
+}
