@@ -80,9 +80,12 @@ class NodeLauncher {
 
   // Every node's share of the round, from what each said when it joined.
   void lay_out(const std::vector<std::string>& joined);
-  std::string rank_name(int local) const {
-    return local < o_.nproc_per_node ? "rank=" + std::to_string(first_rank_ + local)
-                                     : "data=" + std::to_string(first_member_ + local - o_.nproc_per_node);
+  // How its output and messages name local worker `local`: "rank R" or "data worker K".
+  std::string worker_name(int local, const char* separator = " ") const {
+    return local < o_.nproc_per_node
+               ? "rank" + std::string(separator) + std::to_string(first_rank_ + local)
+               : "data" + std::string(separator[0] == '=' ? "" : " worker") + separator +
+                     std::to_string(first_member_ + local - o_.nproc_per_node);
   }
 
   NodeLaunchOptions o_;
@@ -206,6 +209,7 @@ int NodeLauncher::run() {
     group_options.executable = program;
     group_options.argv = o_.command;
     group_options.role.clear();
+    group_options.rank_name = [this](int local) { return worker_name(local); };
     group_options.rank_role = [this](int local) { return local < o_.nproc_per_node ? std::string() : std::string("data"); };
     group_options.rank_env = [this](int local) {
       std::map<std::string, std::string> env;
@@ -235,7 +239,7 @@ int NodeLauncher::run() {
     std::string peer_reason;
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
-      (is_stderr ? std::cerr : std::cout) << "(" << rank_name(local) << ", pid=" << pid << ") " << line
+      (is_stderr ? std::cerr : std::cout) << "(" << worker_name(local, "=") << ", pid=" << pid << ") " << line
                                           << std::endl;  // line by line
     };
     handlers.on_tick = [&] {

@@ -116,7 +116,7 @@ InterruptScope::~InterruptScope() {
 int InterruptScope::signal() { return g_interrupt; }
 
 std::string WorkerExit::describe() const {
-  std::string who = "rank " + std::to_string(rank) + " (pid " + std::to_string(pid) + ")";
+  std::string who = (name.empty() ? "rank " + std::to_string(rank) : name) + " (pid " + std::to_string(pid) + ")";
   if (signal != 0) {
     return who + (stopped_by_driver ? " was stopped by the driver with " : " was killed by ") +
            "signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
@@ -225,6 +225,7 @@ struct WorkerGroup::Impl {
     worker.pid = pid;
     worker.running = true;
     worker.exit.rank = worker.rank;
+    if (options.rank_name) worker.exit.name = options.rank_name(worker.rank);
     worker.exit.pid = pid;
     worker.streams[0] = Stream{out[0], {}, false, false};
     worker.streams[1] = Stream{err[0], {}, true, false};

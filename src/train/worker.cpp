@@ -324,6 +324,13 @@ namespace {
                                        .job_id = env_string(runtime::kJobIdVar)});
     const std::string round = "job/" + std::to_string(env_long(runtime::kRestartRoundVar, 0)) + "/";
     store.wait({round + "run"}, std::chrono::hours(24));  // rank 0 opens the run once every rank joined
+    // The same program as the ranks, or a clear refusal (as between ranks).
+    const std::string mine = binary_fingerprint();
+    const std::string first = store.get(round + "binary/0");
+    if (first.substr(0, first.find(' ')) != mine) {
+      throw UsageError("it runs a different program (" + mine + " on " + host_name() + ") than rank 0 (" + first +
+                       "): deploy the same build on every node");
+    }
     const std::string prefix = data_member_key(Json::parse(store.get(round + "run"))["token"], member);
     std::vector<std::string> finished;
     for (long r = 0; r < world_size; ++r) finished.push_back(round + "done/" + std::to_string(r));

@@ -5,7 +5,9 @@
 #  1. the job trains: result.json once, both ranks in sync; host B's data worker k served rank k's
 #     "train" stream over TCP (from 10.214.R.2 to host A's address);
 #  2. the loss and accuracy equal those of the same job on host A alone (preprocessing inline):
-#     where the preprocessing ran does not change the batches.
+#     where the preprocessing ran does not change the batches;
+#  3. host B running another build of the program: its data workers refuse to serve, naming it,
+#     and both launchers fail.
 # Usage: cpu_node_test.sh COHORT_BINARY DATA_DIR. Needs root (ip netns); cleans up on exit.
 set -uo pipefail
 cli="$1"
@@ -21,7 +23,7 @@ launch() {
   local ns="$1" nnodes="$2" node="$3" name="$4"
   shift 4
   ip netns exec "$ns" "$cli" launch --nnodes "$nnodes" --node-rank "$node" --master "$net.1:29410" \
-    --rdzv-timeout 30 --heartbeat-timeout 5 "$@" -- "$cli" "${train_args[@]}" --name "$name" \
+    --rdzv-timeout 30 --heartbeat-timeout 5 "$@" -- "${program:-$cli}" "${train_args[@]}" --name "$name" \
     >"$work/$name-$node.log" 2>&1 &
   launched=$!
   pids+=("$launched")
@@ -56,4 +58,20 @@ for key in ("train_loss", "test_accuracy", "steps"):
     print(f"{key}: CPU-only node {split[key]}, one host {alone[key]}")
     assert split[key] == alone[key], key
 EOF
+
+# 3. Host B runs another build (the same binary with one byte appended; the job id is given, as
+#    the default one differs with the program's path).
+cp "$cli" "$work/cohort-other" && printf x >>"$work/cohort-other"
+launch "$a" 2 0 other --nproc-per-node 2 --job-id "other$$"
+pa=$launched
+program="$work/cohort-other" launch "$b" 2 1 other --nproc-per-node 0 --data-workers 2 --job-id "other$$"
+pb=$launched
+wait_for "$pa" 150; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/other-0.log" "$work/other-1.log"
+[ "$ca" = 1 ] && [ "$cb" = 1 ] || fail "with another build on host B the launchers exited $ca and $cb, not 1 and 1"
+grep -q "cohort data worker [01] .*: it runs a different program (.*) than rank 0 (.*): deploy the same build" \
+  "$work/other-1.log" || fail "host B's data workers did not name the different build"
+grep -q "the job failed: node 1 (.*): data worker [01] (pid [0-9]*) exited with code 1" "$work/other-0.log" ||
+  fail "host A's launcher did not name host B's data worker"
 echo "cpu_node_test: PASS"

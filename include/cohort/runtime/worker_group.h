@@ -27,6 +27,8 @@ struct WorkerGroupOptions {
   std::string role = "worker";
   // When set, the role of worker `rank` instead (with or without the control channel as `role`).
   std::function<std::string(int rank)> rank_role;
+  // How messages name worker `rank`; default "rank R".
+  std::function<std::string(int rank)> rank_name;
   // Between SIGTERM and SIGKILL when the group is stopped.
   std::chrono::milliseconds stop_grace{3'000};
   // After one worker finished cleanly, how long the others may still run before they are
@@ -36,6 +38,7 @@ struct WorkerGroupOptions {
 
 struct WorkerExit {
   int rank = 0;
+  std::string name;  // as messages name it ("rank R" unless WorkerGroupOptions::rank_name)
   int pid = 0;
   int exit_code = 0;  // when it exited
   int signal = 0;     // when a signal ended it
