@@ -72,8 +72,9 @@ class NodeLauncher {
   };
   // Heart-beats and looks at the others.
   PeerState check_peers();
-  // After a local failure: a node whose launcher went silent is the likelier cause; names it.
-  std::string find_lost_node();
+  // After a local failure: a node whose launcher went silent, or another node whose worker failed
+  // first, is the likelier cause; names it ("" when there is none).
+  std::string find_root_cause();
   // Waits until every node set key(what)/<node>, while watching the others; "" or a reason.
   std::string wait_for_nodes(const std::string& what);
   void mark_failed(const std::string& reason);
@@ -129,10 +130,11 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
   return {};
 }
 
-std::string NodeLauncher::find_lost_node() {
+std::string NodeLauncher::find_root_cause() {
   const auto until = Clock::now() + o_.heartbeat_timeout + std::chrono::seconds(1);
   while (Clock::now() < until) {
-    if (auto peers = check_peers(); peers.node_lost) return peers.reason;
+    // A lost node, or another node's failure it marked in the store.
+    if (auto peers = check_peers(); !peers.reason.empty()) return peers.reason;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   return "";
@@ -284,8 +286,14 @@ int NodeLauncher::run() {
       }
     } else if (reason.empty()) {
       reason = "node " + std::to_string(o_.node_rank) + " (" + host_name() + "): " + outcome.failure_reason;
-      // Workers fail in their collectives when a peer node dies: name that node if it did.
-      if (auto lost = find_lost_node(); !lost.empty()) reason = lost + " (then " + reason + ")";
+      // A worker killed by a signal is a cause: the other nodes learn it at once. A worker that
+      // exited with an error most often failed in a collective because a peer node or its worker
+      // died: that is named first.
+      const bool killed = outcome.first_failure && outcome.first_failure->signal != 0 &&
+                          !outcome.first_failure->stopped_by_driver;
+      if (!killed) {
+        if (auto cause = find_root_cause(); !cause.empty()) reason = cause + " (then " + reason + ")";
+      }
       mark_failed(reason);
     }
     if (round_ >= o_.max_restarts) {

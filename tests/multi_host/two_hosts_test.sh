@@ -3,7 +3,9 @@
 # else reachable), `cohort launch` on each with 2 workers training the cnn:
 #  1. both hosts' ranks end in sync (replica_spread 0), result.json is written once, by rank 0;
 #  2. SIGKILL of host B's launcher mid-run: host A's launcher fails within its deadline, naming
-#     the lost node 1.
+#     the lost node 1;
+#  3. with --max-restarts 1, SIGKILL of a rank on host B after the first epoch's checkpoint: both
+#     launchers restart the job as round 1, which resumes after epoch 1 and finishes (exit 0).
 # Usage: two_hosts_test.sh COHORT_BINARY TINY_DATA_DIR. Needs root (ip netns); cleans up on exit.
 set -uo pipefail
 cli="$1"
@@ -18,7 +20,7 @@ launch() {
   local ns="$1" node="$2" port="$3" name="$4"
   shift 4
   ip netns exec "$ns" "$cli" launch --nnodes 2 --node-rank "$node" --master "$net.1:$port" \
-    --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 -- \
+    --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 ${restarts:+--max-restarts $restarts} -- \
     "$cli" train --model cnn --data-dir "$data" --batch-size 16 --storage-path "$work" --name "$name" --quiet "$@" \
     >"$work/$name-$node.log" 2>&1 &
   launched=$!
@@ -64,4 +66,31 @@ for ns in "$a" "$b"; do
   for _ in $(seq 50); do [ -z "$(ip netns pids "$ns")" ] && break; sleep 0.1; done
   [ -z "$(ip netns pids "$ns")" ] || fail "processes left in $ns: $(ip netns pids "$ns")"
 done
+
+# 3. A rank on host B dies after the first epoch's checkpoint; restarts are allowed.
+restarts=1 launch "$a" 0 29402 again --epochs 3 --train-examples 6400
+pa=$launched
+restarts=1 launch "$b" 1 29402 again --epochs 3 --train-examples 6400
+pb=$launched
+for _ in $(seq 1200); do
+  [ -s "$work/again/metrics.jsonl" ] && break
+  kill -0 "$pa" 2>/dev/null || break
+  sleep 0.1
+done
+[ -s "$work/again/metrics.jsonl" ] || { cat "$work/again-0.log" "$work/again-1.log"; fail "no first report"; }
+victim=$(pgrep -P "$pb" | head -n 1)
+[ -n "$victim" ] || fail "no rank of host B to kill"
+kill -9 "$victim"
+wait_for "$pa" 180; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/again-0.log" "$work/again-1.log"
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "after a restart the launchers exited $ca and $cb"
+for node in 0 1; do
+  grep -q "restarting as round 1 of at most 1" "$work/again-$node.log" || fail "node $node did not restart the job"
+done
+grep -q "round failed (node 1 (.*): rank [23] (pid $victim) was killed by signal 9 (Killed) (then node 0" \
+  "$work/again-0.log" || fail "host A did not name the rank killed on host B as the cause"
+grep -q "resuming after epoch 1 from $work/again/checkpoint_" "$work/again-0.log" || fail "round 1 did not resume"
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['epochs'] == 3 and r['error'] is None, r" \
+  "$work/again/result.json" || fail "result.json after the restart"
 echo "two_hosts_test: PASS"
