@@ -81,12 +81,11 @@ class NodeLauncher {
 
   // Every node's share of the round, from what each said when it joined.
   void lay_out(const std::vector<std::string>& joined);
-  // How its output and messages name local worker `local`: "rank R" or "data worker K".
-  std::string worker_name(int local, const char* separator = " ") const {
-    return local < o_.nproc_per_node
-               ? "rank" + std::string(separator) + std::to_string(first_rank_ + local)
-               : "data" + std::string(separator[0] == '=' ? "" : " worker") + separator +
-                     std::to_string(first_member_ + local - o_.nproc_per_node);
+  // Local worker `local` is a rank of the job, or (after the ranks) one of its data workers;
+  // its index among those.
+  bool is_rank(int local) const { return local < o_.nproc_per_node; }
+  int index_in_job(int local) const {
+    return is_rank(local) ? first_rank_ + local : first_member_ + local - o_.nproc_per_node;
   }
 
   NodeLaunchOptions o_;
@@ -211,12 +210,14 @@ int NodeLauncher::run() {
     group_options.executable = program;
     group_options.argv = o_.command;
     group_options.role.clear();
-    group_options.rank_name = [this](int local) { return worker_name(local); };
-    group_options.rank_role = [this](int local) { return local < o_.nproc_per_node ? std::string() : std::string("data"); };
+    group_options.rank_name = [this](int local) {
+      return (is_rank(local) ? "rank " : "data worker ") + std::to_string(index_in_job(local));
+    };
+    group_options.rank_role = [this](int local) { return is_rank(local) ? std::string() : std::string(kDataWorkerRole); };
     group_options.rank_env = [this](int local) {
       std::map<std::string, std::string> env;
-      if (local < o_.nproc_per_node) {
-        env = worker_env({.world_rank = first_rank_ + local,
+      if (is_rank(local)) {
+        env = worker_env({.world_rank = index_in_job(local),
                           .local_rank = local,
                           .node_rank = o_.node_rank,
                           .world_size = world_,
@@ -226,7 +227,7 @@ int NodeLauncher::run() {
       } else {
         // A data worker holds no rank: it finds its work through the store.
         env["MASTER_ADDR"] = o_.master_addr;
-        env[kDataMemberVar] = std::to_string(first_member_ + local - o_.nproc_per_node);
+        env[kDataMemberVar] = std::to_string(index_in_job(local));
         env[kTrainRanksVar] = std::to_string(world_);
       }
       env[kDataMembersVar] = std::to_string(members_);
@@ -241,7 +242,7 @@ int NodeLauncher::run() {
     std::string peer_reason;
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
-      (is_stderr ? std::cerr : std::cout) << "(" << worker_name(local, "=") << ", pid=" << pid << ") " << line
+      (is_stderr ? std::cerr : std::cout) << "(" << (is_rank(local) ? "rank=" : "data=") << index_in_job(local) << ", pid=" << pid << ") " << line
                                           << std::endl;  // line by line
     };
     handlers.on_tick = [&] {

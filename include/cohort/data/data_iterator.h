@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cohort/data/dataset.h"
+#include "cohort/runtime/worker_info.h"
 
 namespace cohort::data {
 
@@ -113,6 +114,6 @@ void serve_if_data_worker(const Dataset& dataset);
 // consumers in turn; serve_if_data_worker serves one, then ends the process.
 bool serve_data_consumer(const Dataset& dataset, const std::string& address, std::string* why = nullptr);
 
-inline constexpr const char* kDataRole = "data";
+inline constexpr const char* kDataRole = runtime::kDataWorkerRole;
 
 }  // namespace cohort::data

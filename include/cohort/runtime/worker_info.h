@@ -33,6 +33,8 @@ inline constexpr const char* kRoleVar = "COHORT_ROLE";
 inline constexpr const char* kWorkerRole = "worker";
 // A Tuner's trial: runs one trial's Trainer as its driver (tune/tuner.h).
 inline constexpr const char* kTrialRole = "trial";
+// A preprocessing worker: serves a data pipeline's tasks (data/data_iterator.h).
+inline constexpr const char* kDataWorkerRole = "data";
 inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
 inline constexpr const char* kControlFdVar = "COHORT_CONTROL_FD";
 
