@@ -28,6 +28,7 @@
 
 #include "cohort/cohort.h"
 #include "cohort/runtime/process.h"
+#include "cohort/runtime/worker_group.h"
 
 using namespace cohort;
 using Clock = std::chrono::steady_clock;
@@ -95,12 +96,9 @@ class OtherHost {
 
   // This program in the data role inside the namespace, serving `ds` to `address`.
   int start_worker(const data::Dataset& ds, const std::string& address) const {
-    const auto exe = std::filesystem::read_symlink("/proc/self/exe").string();
-    std::vector<std::string> args{"ip", "netns", "exec", name_, exe};
-    std::ifstream cmdline("/proc/self/cmdline");
-    std::string arg;
-    std::getline(cmdline, arg, '\0');  // argv[0]
-    while (std::getline(cmdline, arg, '\0')) args.push_back(arg);
+    auto args = runtime::self_arguments();
+    args.front() = runtime::self_executable();
+    args.insert(args.begin(), {"ip", "netns", "exec", name_});
     auto env = runtime::child_environment(
         {{"COHORT_DATA_ADDRESS", address}, {"COHORT_DATA_PIPELINE", ds.fingerprint()}},
         std::string(data::kDataRole), false);

@@ -142,6 +142,18 @@ std::string host_name() {
   return name;
 }
 
+// What a process publishes about its program at the rendezvous: its fingerprint and host.
+std::string program_identity() { return binary_fingerprint() + " on " + host_name(); }
+
+// Throws naming `who` when the identity it published (program_identity) is of another build than
+// rank 0's.
+void check_same_program(const std::string& who, const std::string& identity, const std::string& rank0_identity) {
+  if (identity.substr(0, identity.find(' ')) != rank0_identity.substr(0, rank0_identity.find(' '))) {
+    throw UsageError(who + " runs a different program (" + identity + ") than rank 0 (" + rank0_identity +
+                     "): deploy the same build on every node");
+  }
+}
+
 }  // namespace
 
 void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
@@ -221,15 +233,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
 
   // Same program everywhere, or a clear refusal.
   const auto fingerprints = settings.store.arrive_and_wait(
-      round + "binary/", info.world_rank, info.world_size, binary_fingerprint() + " on " + host_name(),
+      round + "binary/", info.world_rank, info.world_size, program_identity(),
       "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port), run.setup_timeout);
   for (int r = 1; r < info.world_size; ++r) {
-    const auto& mine = fingerprints[static_cast<size_t>(r)];
-    const auto& first = fingerprints[0];
-    if (mine.substr(0, mine.find(' ')) != first.substr(0, first.find(' '))) {
-      throw UsageError("rank " + std::to_string(r) + " runs a different program (" + mine + ") than rank 0 (" + first +
-                       "): deploy the same build on every node");
-    }
+    check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)], fingerprints[0]);
   }
 
   // Rank 0 opens the run directory (on storage all nodes share) and tells the others.
@@ -325,12 +332,7 @@ namespace {
     const std::string round = "job/" + std::to_string(env_long(runtime::kRestartRoundVar, 0)) + "/";
     store.wait({round + "run"}, std::chrono::hours(24));  // rank 0 opens the run once every rank joined
     // The same program as the ranks, or a clear refusal (as between ranks).
-    const std::string mine = binary_fingerprint();
-    const std::string first = store.get(round + "binary/0");
-    if (first.substr(0, first.find(' ')) != mine) {
-      throw UsageError("it runs a different program (" + mine + " on " + host_name() + ") than rank 0 (" + first +
-                       "): deploy the same build on every node");
-    }
+    check_same_program("it", program_identity(), store.get(round + "binary/0"));
     const std::string prefix = data_member_key(Json::parse(store.get(round + "run"))["token"], member);
     std::vector<std::string> finished;
     for (long r = 0; r < world_size; ++r) finished.push_back(round + "done/" + std::to_string(r));
@@ -345,12 +347,8 @@ namespace {
       const int rank = task["rank"];
       const int world = task["world"];
       if (datasets.count(name) == 0) throw UsageError("no dataset '" + name + "' was given to this Trainer");
+      // A shard that differs from the rank's is refused by the rank's pool, both sides saying why.
       const auto shard = dataset_shard(datasets.at(name), rank, world);
-      if (shard.fingerprint() != task["pipeline"].get<std::string>()) {
-        throw UsageError("rank " + std::to_string(rank) + "'s '" + name + "' pipeline (" +
-                         task["pipeline"].get<std::string>() + ") differs from the one built here (" + shard.fingerprint() +
-                         "): deploy the same program and arguments on every node");
-      }
       std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at " << task["address"].get<std::string>()
                 << std::endl;
       std::string why;

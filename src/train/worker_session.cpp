@@ -215,10 +215,8 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   iterator.set_worker_environment({{kDataDatasetVar, name}});
   if (!members.empty()) {
     auto* session = &s;
-    iterator.set_on_listening([session, members, name, rank, world, pipeline = shard.fingerprint()](
-                                  const std::string& address) {
-      const std::string task =
-          Json{{"address", address}, {"dataset", name}, {"rank", rank}, {"world", world}, {"pipeline", pipeline}}.dump();
+    iterator.set_on_listening([session, members, name, rank, world](const std::string& address) {
+      const std::string task = Json{{"address", address}, {"dataset", name}, {"rank", rank}, {"world", world}}.dump();
       for (int k : members) {
         const auto prefix = data_member_key(session->run_token, k);
         const int64_t n = session->store.add(prefix + "count", 1) - 1;
