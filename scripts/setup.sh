@@ -22,7 +22,11 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
+# ccache keys on paths relative to the clone, so another clone of the same sources hits the cache.
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 if [ ! -f "$build/build.ninja" ]; then
-  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release >&2
+  # COHORT_CMAKE_ARGS: extra configure flags, e.g. -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON.
+  # shellcheck disable=SC2086
+  cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release ${COHORT_CMAKE_ARGS:-} >&2
 fi
 cmake --build "$build" -j "${COHORT_JOBS:-2}" >&2

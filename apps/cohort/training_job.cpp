@@ -86,6 +86,13 @@ void validate(const TrainOptions& o) {
                      std::to_string(o.workers) + " (0: a fixed-size group)");
   }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
+  comm::backend_from_string(o.backend);
+  if (o.gpus_per_worker < 0) {
+    throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
+  }
+  if (o.gpus_per_worker > 0 && !o.use_gpu) {
+    throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " needs --use-gpu");
+  }
   if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
   if (o.batch_size < 1) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
@@ -135,7 +142,9 @@ Json to_json(const TrainOptions& o) {
 ScalingConfig scaling_of(const TrainOptions& o) {
   return ScalingConfig{.num_workers = o.workers,
                        .min_workers = o.min_workers,
-                       .resources_per_worker = {.cpu_threads = o.threads},
+                       .use_gpu = o.use_gpu,
+                       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
+                       .backend = o.backend,
                        .on_world_size_change = train::linear_lr_scaling};
 }
 
@@ -263,6 +272,13 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "linearly), growing back when slots are free; 0: always --workers")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
+  cmd->add_flag("--use-gpu", o.use_gpu, "train on GPUs: each worker gets its own (CUDA_VISIBLE_DEVICES)");
+  cmd->add_option("--gpus-per-worker", o.gpus_per_worker, "GPUs of each worker with --use-gpu (0: 1)")
+      ->capture_default_str();
+  cmd->add_option("--backend", o.backend,
+                  "collectives: auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo (also for CUDA "
+                  "tensors, e.g. workers sharing a GPU) or nccl")
+      ->capture_default_str();
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")->capture_default_str();
   cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")->capture_default_str();

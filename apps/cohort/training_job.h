@@ -20,6 +20,9 @@ struct TrainOptions {
   int workers = 2;
   int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
   int threads = 1;
+  bool use_gpu = false;
+  int gpus_per_worker = 0;  // with use_gpu, 0 means 1
+  std::string backend = "auto";
   int epochs = 5;
   int64_t batch_size = 64;
   std::string optimizer = "sgd";

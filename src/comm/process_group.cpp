@@ -1,60 +1,132 @@
 #include "cohort/comm/process_group.h"
 
+#include <c10/core/Device.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#if __has_include(<gloo/common/error.h>)
+#include <gloo/common/error.h>
+#define COHORT_HAS_GLOO_ERRORS 1
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <mutex>
+#include <optional>
 
 #include "cohort/error.h"
 #include "comm/store_state.h"
-
-#include <atomic>
+#include "comm/transport.h"
 
 namespace cohort::comm {
 
-struct ProcessGroup::State {
-  c10::intrusive_ptr<c10d::ProcessGroupGloo> backend;
-  int rank = 0;
-  int world_size = 1;
-  std::chrono::milliseconds timeout{};
-  // Read by the heartbeat thread while the training thread launches collectives.
-  std::atomic<int64_t> entered{0};
-  std::atomic<const char*> last{"none"};
-
-  void enter(const char* what) {
-    last.store(what);
-    entered.fetch_add(1);
+const char* to_string(Backend backend) {
+  switch (backend) {
+    case Backend::kGloo:
+      return "gloo";
+    case Backend::kNccl:
+      return "nccl";
+    case Backend::kAuto:
+      break;
   }
-};
+  return "auto";
+}
+
+Backend backend_from_string(const std::string& name) {
+  for (Backend b : {Backend::kAuto, Backend::kGloo, Backend::kNccl}) {
+    if (name == to_string(b)) return b;
+  }
+  throw UsageError("unknown communication backend '" + name +
+                   "': use auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo or nccl");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work
 
 struct Work::State {
   c10::intrusive_ptr<c10d::Work> work;
   std::string what;
   std::chrono::milliseconds timeout{};
-  // Applied after completion: Gloo has no native average.
+  std::chrono::steady_clock::time_point started;
   std::function<void()> finish;
+  std::optional<c10::Device> cuda_device;  // set for collectives on CUDA tensors
 };
+
+namespace {
+
+enum class FailureKind { kConnection, kOther };
+
+// What kind of failure a completed collective reported, by the exception's type: a broken
+// connection means a peer died or closed its end.
+FailureKind classify(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+#ifdef COHORT_HAS_GLOO_ERRORS
+  } catch (const ::gloo::IoException&) {
+    return FailureKind::kConnection;
+#endif
+#if TORCH_VERSION_MAJOR >= 2
+  } catch (const c10::DistNetworkError&) {
+    return FailureKind::kConnection;
+#endif
+  } catch (...) {
+  }
+  return FailureKind::kOther;
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+  }
+  return "unknown error";
+}
+
+}  // namespace
 
 void Work::wait() {
   if (!state_) return;
   try {
-    state_->work->wait(state_->timeout);
-  } catch (const std::exception& e) {
-    const std::string what = e.what();
-    if (what.find("imed out") != std::string::npos) {
+    if (state_->cuda_device) {
+      // No deadline here: c10d's NCCL work blocks the host when given one. The transport's own
+      // timeout (NCCL's watchdog, Gloo's per-operation deadline) ends a collective that hangs.
+      state_->work->wait();
+    } else {
+      state_->work->wait(state_->timeout);
+    }
+  } catch (...) {
+    const auto error = std::current_exception();
+    const auto elapsed = std::chrono::steady_clock::now() - state_->started;
+    // Not done at the deadline (our wait gave up), or the transport itself gave up at it.
+    if (!state_->work->isCompleted() || elapsed >= state_->timeout) {
       throw TimeoutError(state_->what + " did not complete within " +
                          std::to_string(state_->timeout.count()) +
-                         " ms: a peer hangs or skipped the call (" + what + ")");
+                         " ms: a peer hangs or skipped the call (" + message_of(error) + ")");
     }
-    for (const char* sign : {"closed", "reset by peer", "Broken pipe", "Connection refused"}) {
-      if (what.find(sign) != std::string::npos) {
-        throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
-                               what + ")");
-      }
+    if (classify(error) == FailureKind::kConnection) {
+      throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
+                             message_of(error) + ")");
     }
-    throw RuntimeError(state_->what + " failed: " + what);
+    throw RuntimeError(state_->what + " failed: " + message_of(error));
   }
   if (state_->finish) {
-    state_->finish();
+    auto finish = std::move(state_->finish);
     state_->finish = nullptr;
+    finish();
+  }
+}
+
+void Work::synchronize() {
+  wait();
+  if (state_ && state_->cuda_device) {
+    c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(*state_->cuda_device).synchronize();
   }
 }
 
@@ -73,7 +145,171 @@ Work& Work::then(std::function<void()> fn) {
 
 bool Work::completed() const { return !state_ || state_->work->isCompleted(); }
 
+// ---------------------------------------------------------------------------------------------
+// ProcessGroup
+
+struct ProcessGroup::State {
+  Store store;
+  c10::intrusive_ptr<c10d::Store> keys;  // the store under this group's prefix
+  ProcessGroupOptions options;
+  int rank = 0;
+  int world_size = 1;
+  std::vector<int> global_ranks;
+  std::unique_ptr<Transport> gloo;  // none for Backend::kNccl
+  std::once_flag nccl_once;
+  std::unique_ptr<Transport> nccl;  // made on the first collective on CUDA tensors
+  int64_t subgroups_made = 0;
+  // Read by the heartbeat thread while the training thread launches collectives.
+  std::atomic<int64_t> entered{0};
+  std::atomic<const char*> last{"none"};
+
+  bool subgroup = false;  // made by new_group or split
+
+  std::string describe(const std::string& what) const {
+    std::string out = what + " on rank " + std::to_string(rank);
+    if (subgroup) {
+      out += " of group '" + options.prefix + "' (global rank " +
+             std::to_string(global_ranks[static_cast<size_t>(rank)]) + ")";
+    }
+    return out;
+  }
+
+  Transport& transport_for(const at::Tensor& tensor, const char* what) {
+    if (tensor.is_cpu()) {
+      if (!gloo) {
+        throw UsageError(describe(what) +
+                         ": a CPU tensor given to a NCCL group, which takes CUDA tensors only: "
+                         "move it to the device (tensor.to(get_context().get_device())) or "
+                         "create the group with Backend::kAuto");
+      }
+      return *gloo;
+    }
+    if (!tensor.is_cuda()) {
+      throw UsageError(describe(what) + ": tensors on " + tensor.device().str() +
+                       " are not supported: give CPU or CUDA tensors");
+    }
+    if (options.backend == Backend::kGloo || (options.backend == Backend::kAuto && !nccl_available())) {
+      return *gloo;
+    }
+    return nccl_transport();
+  }
+
+  Transport& nccl_transport() {
+    std::call_once(nccl_once, [&] { nccl = make_nccl_transport(keys, rank, world_size, options); });
+    return *nccl;
+  }
+
+  // Runs a collective: counts it for the stall inspector, starts it on the tensor's transport
+  // and wraps the native work. An error while starting is named with the collective.
+  template <typename Start>
+  Work run(const char* what, const at::Tensor& first, Start&& start) {
+    return run_on(transport_for(first, what), what,
+                  first.is_cuda() ? std::optional<c10::Device>(first.device()) : std::nullopt,
+                  std::forward<Start>(start));
+  }
+
+  template <typename Start>
+  Work run_on(Transport& transport, const char* what, std::optional<c10::Device> cuda_device,
+              Start&& start) {
+    last.store(what);
+    entered.fetch_add(1);
+    auto state = std::make_shared<Work::State>();
+    state->what = describe(std::string(what) + " (" + transport.name() + ")");
+    state->timeout = options.timeout;
+    state->started = std::chrono::steady_clock::now();
+    state->cuda_device = cuda_device;
+    Started started;
+    try {
+      started = start(transport);
+    } catch (const c10::Error& e) {
+      throw RuntimeError(state->what + " could not start: " + e.what_without_backtrace());
+    }
+    state->work = std::move(started.work);
+    state->finish = std::move(started.finish);
+    return Work(std::move(state));
+  }
+
+  void check_peer(int peer, const char* what) const {
+    if (peer < 0 || peer >= world_size || peer == rank) {
+      throw UsageError(describe(what) + ": peer " + std::to_string(peer) +
+                       " is not another rank of this group (ranks 0-" +
+                       std::to_string(world_size - 1) + ")");
+    }
+  }
+};
+
+namespace {
+
+void check_same_kind(const std::vector<at::Tensor>& tensors, const char* what) {
+  if (tensors.empty()) throw UsageError(std::string(what) + ": no tensors given");
+  for (const auto& t : tensors) {
+    if (!t.defined()) throw UsageError(std::string(what) + ": an undefined tensor was given");
+    if (t.scalar_type() != tensors[0].scalar_type() || t.device() != tensors[0].device()) {
+      throw UsageError(std::string(what) + ": tensors of one call must share dtype and device (got " +
+                       std::string(c10::toString(tensors[0].scalar_type())) + " on " +
+                       tensors[0].device().str() + " and " + c10::toString(t.scalar_type()) +
+                       " on " + t.device().str() + ")");
+    }
+  }
+}
+
+void check_numel(const at::Tensor& big, const at::Tensor& part, int64_t world, const char* what,
+                 const char* big_name, const char* part_name) {
+  if (big.numel() != part.numel() * world) {
+    throw UsageError(std::string(what) + ": " + big_name + " has " + std::to_string(big.numel()) +
+                     " elements, but needs world_size x " + part_name + " = " +
+                     std::to_string(world) + " x " + std::to_string(part.numel()));
+  }
+  if (!big.is_contiguous()) throw UsageError(std::string(what) + ": " + big_name + " must be contiguous");
+  check_same_kind({big, part}, what);
+}
+
+}  // namespace
+
 ProcessGroup::ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+namespace {
+
+std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world_size,
+                                                const ProcessGroupOptions& options,
+                                                std::vector<int> global_ranks, bool subgroup) {
+  if (options.backend == Backend::kNccl) require_nccl();
+  // Our own arrival barrier makes a missing rank nameable; Gloo's own error would not say who.
+  const std::string address = store.host() + ":" + std::to_string(store.port());
+  try {
+    store.arrive_and_wait(options.prefix + "/arrived/", rank, world_size, "1",
+                          "join the rendezvous at " + address, options.setup_timeout);
+  } catch (const TimeoutError& e) {
+    std::string members;
+    if (subgroup) {
+      members = " (group '" + options.prefix + "' of global ranks";
+      for (int g : global_ranks) members += " " + std::to_string(g);
+      members += ")";
+    }
+    throw TimeoutError(std::string("process group setup: ") + e.what() + members +
+                       ": check that they started and can reach that address");
+  }
+  auto state = std::make_shared<ProcessGroup::State>();
+  state->keys = c10::make_intrusive<c10d::PrefixStore>(options.prefix, StoreAccess::native(store));
+  state->subgroup = subgroup;
+  state->store = std::move(store);
+  state->options = options;
+  state->rank = rank;
+  state->world_size = world_size;
+  state->global_ranks = std::move(global_ranks);
+  if (options.backend != Backend::kNccl) {
+    try {
+      state->gloo = make_gloo_transport(state->keys, rank, world_size, options);
+    } catch (const UsageError&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw RuntimeError("process group setup failed on rank " + std::to_string(rank) + ": " + e.what());
+    }
+  }
+  return state;
+}
+
+}  // namespace
 
 ProcessGroup ProcessGroup::create(Store store, int rank, int world_size,
                                   const ProcessGroupOptions& options) {
@@ -81,39 +317,85 @@ ProcessGroup ProcessGroup::create(Store store, int rank, int world_size,
     throw UsageError("process group: rank " + std::to_string(rank) + " is not in [0, " +
                      std::to_string(world_size) + "): check RANK and WORLD_SIZE");
   }
-  // Our own arrival barrier makes a missing rank nameable; Gloo's own error would not say who.
-  const std::string address = store.host() + ":" + std::to_string(store.port());
-  try {
-    store.arrive_and_wait(options.prefix + "/arrived/", rank, world_size, "1",
-                          "join the rendezvous at " + address, options.setup_timeout);
-  } catch (const TimeoutError& e) {
-    throw TimeoutError(std::string("process group setup: ") + e.what() +
-                       ": check that they started and can reach that address");
-  }
+  std::vector<int> global(static_cast<size_t>(world_size));
+  for (int r = 0; r < world_size; ++r) global[static_cast<size_t>(r)] = r;
+  return ProcessGroup(make_group(std::move(store), rank, world_size, options, std::move(global), false));
+}
 
-  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
-  try {
-    gloo_options->devices.push_back(
-        c10d::ProcessGroupGloo::createDeviceForHostname(options.interface_address));
-  } catch (const std::exception& e) {
-    throw UsageError("process group: cannot use interface address '" +
-                     options.interface_address + "': " + e.what() +
-                     " (give an address of this host)");
+namespace {
+
+void check_member_list(const std::vector<int>& ranks, int world_size, const std::string& what) {
+  if (ranks.empty()) throw UsageError(what + ": no ranks given: name at least one rank of the group");
+  std::vector<bool> seen(static_cast<size_t>(world_size), false);
+  for (int r : ranks) {
+    if (r < 0 || r >= world_size) {
+      throw UsageError(what + ": rank " + std::to_string(r) + " does not exist in a group of " +
+                       std::to_string(world_size) + " (ranks 0-" + std::to_string(world_size - 1) + ")");
+    }
+    if (seen[static_cast<size_t>(r)]) {
+      throw UsageError(what + ": rank " + std::to_string(r) + " is listed twice: name each rank once");
+    }
+    seen[static_cast<size_t>(r)] = true;
   }
-  gloo_options->threads = std::max(1, options.threads);
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(options.prefix, store.state_->store);
-  auto state = std::make_shared<State>();
-  try {
-    state->backend =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, gloo_options);
-  } catch (const std::exception& e) {
-    throw RuntimeError("process group setup failed on rank " + std::to_string(rank) + ": " +
-                       e.what());
+}
+
+}  // namespace
+
+ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
+  return new_group(ranks, state_->options);
+}
+
+ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks, const ProcessGroupOptions& options) {
+  check_member_list(ranks, state_->world_size, "new_group");
+  // Every rank counts its calls alike, so the same call gets the same key prefix everywhere.
+  const std::string prefix = state_->options.prefix + "/" + std::to_string(++state_->subgroups_made);
+  const auto mine = std::find(ranks.begin(), ranks.end(), state_->rank);
+  if (mine == ranks.end()) return ProcessGroup();
+  ProcessGroupOptions sub = options;
+  sub.prefix = prefix;
+  std::vector<int> global;
+  for (int r : ranks) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
+  return ProcessGroup(make_group(state_->store, static_cast<int>(mine - ranks.begin()),
+                                 static_cast<int>(ranks.size()), sub, std::move(global), true));
+}
+
+ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition) {
+  std::vector<int> all;
+  for (const auto& part : partition) all.insert(all.end(), part.begin(), part.end());
+  check_member_list(all, state_->world_size, "split");
+  if (all.size() != static_cast<size_t>(state_->world_size)) {
+    throw UsageError("split: the parts name " + std::to_string(all.size()) + " of the group's " +
+                     std::to_string(state_->world_size) + " ranks: every rank must be in one part");
   }
-  state->rank = rank;
-  state->world_size = world_size;
-  state->timeout = options.timeout;
-  return ProcessGroup(std::move(state));
+  const int64_t call = ++state_->subgroups_made;
+  for (size_t i = 0; i < partition.size(); ++i) {
+    const auto& part = partition[i];
+    const auto mine = std::find(part.begin(), part.end(), state_->rank);
+    if (mine == part.end()) continue;
+    ProcessGroupOptions sub = state_->options;
+    sub.prefix = state_->options.prefix + "/" + std::to_string(call) + "." + std::to_string(i);
+    std::vector<int> global;
+    for (int r : part) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
+    return ProcessGroup(make_group(state_->store, static_cast<int>(mine - part.begin()),
+                                   static_cast<int>(part.size()), sub, std::move(global), true));
+  }
+  throw RuntimeError("split: rank " + std::to_string(state_->rank) + " is in no part");
+}
+
+const std::vector<int>& ProcessGroup::global_ranks() const { return state_->global_ranks; }
+
+int ProcessGroup::global_rank(int group_rank) const {
+  if (group_rank < 0 || group_rank >= state_->world_size) {
+    throw UsageError("global_rank: " + std::to_string(group_rank) + " is not a rank of this group (0-" +
+                     std::to_string(state_->world_size - 1) + ")");
+  }
+  return state_->global_ranks[static_cast<size_t>(group_rank)];
+}
+
+int ProcessGroup::group_rank(int global_rank) const {
+  const auto& g = state_->global_ranks;
+  const auto it = std::find(g.begin(), g.end(), global_rank);
+  return it == g.end() ? -1 : static_cast<int>(it - g.begin());
 }
 
 int64_t ProcessGroup::collectives_entered() const { return state_ ? state_->entered.load() : 0; }
@@ -121,50 +403,13 @@ std::string ProcessGroup::last_collective() const { return state_ ? state_->last
 
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
-std::chrono::milliseconds ProcessGroup::timeout() const { return state_->timeout; }
-
-namespace {
-
-Work track(c10::intrusive_ptr<c10d::Work> native, std::string what,
-           std::chrono::milliseconds timeout, std::function<void()> finish = nullptr) {
-  auto state = std::make_shared<Work::State>();
-  state->work = std::move(native);
-  state->what = std::move(what);
-  state->timeout = timeout;
-  state->finish = std::move(finish);
-  return Work(std::move(state));
-}
-
-c10d::ReduceOp to_native(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kMax:
-      return c10d::ReduceOp::MAX;
-    case ReduceOp::kMin:
-      return c10d::ReduceOp::MIN;
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      break;
-  }
-  return c10d::ReduceOp::SUM;
-}
-
-}  // namespace
+std::chrono::milliseconds ProcessGroup::timeout() const { return state_->options.timeout; }
+Backend ProcessGroup::backend() const { return state_->options.backend; }
 
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_native(op);
-  opts.timeout = state_->timeout;
-  state_->enter("allreduce");
-  std::function<void()> finish;
-  if (op == ReduceOp::kAvg) {
-    finish = [tensors, n = static_cast<double>(state_->world_size)]() mutable {
-      for (auto& t : tensors) t.div_(n);
-    };
-  }
-  return track(state_->backend->allreduce(tensors, opts),
-               "allreduce of " + std::to_string(tensors.size()) + " tensor(s) on rank " +
-                   std::to_string(state_->rank),
-               state_->timeout, std::move(finish));
+  check_same_kind(tensors, "allreduce");
+  return state_->run("allreduce", tensors[0],
+                     [&](Transport& t) { return t.allreduce(tensors, op); });
 }
 
 void ProcessGroup::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
@@ -172,38 +417,136 @@ void ProcessGroup::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
 }
 
 Work ProcessGroup::broadcast_async(std::vector<at::Tensor>& tensors, int root) {
-  c10d::BroadcastOptions opts;
-  opts.rootRank = root;
-  opts.timeout = state_->timeout;
-  state_->enter("broadcast");
-  return track(state_->backend->broadcast(tensors, opts),
-               "broadcast from rank " + std::to_string(root), state_->timeout);
+  check_same_kind(tensors, "broadcast");
+  if (root < 0 || root >= state_->world_size) {
+    throw UsageError(state_->describe("broadcast") + ": root " + std::to_string(root) +
+                     " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) + ")");
+  }
+  return state_->run("broadcast", tensors[0],
+                     [&](Transport& t) { return t.broadcast(tensors, root); });
 }
 
 void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
   broadcast_async(tensors, root).wait();
 }
 
-std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
-  std::vector<at::Tensor> input{tensor.contiguous()};
-  std::vector<std::vector<at::Tensor>> output(1);
-  for (int r = 0; r < state_->world_size; ++r) output[0].push_back(at::empty_like(input[0]));
-  c10d::AllgatherOptions opts;
-  opts.timeout = state_->timeout;
-  state_->enter("allgather");
-  track(state_->backend->allgather(output, input, opts),
-        "allgather on rank " + std::to_string(state_->rank), state_->timeout)
-      .wait();
-  return output[0];
+Work ProcessGroup::allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+  if (outputs.size() != static_cast<size_t>(state_->world_size)) {
+    throw UsageError(state_->describe("allgather") + ": " + std::to_string(outputs.size()) +
+                     " outputs given, one per rank needed (" + std::to_string(state_->world_size) + ")");
+  }
+  std::vector<at::Tensor> all = outputs;
+  all.push_back(input);
+  check_same_kind(all, "allgather");
+  return state_->run("allgather", input,
+                     [&](Transport& t) { return t.allgather(outputs, input.contiguous()); });
 }
 
+std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
+  std::vector<at::Tensor> outputs;
+  for (int r = 0; r < state_->world_size; ++r) outputs.push_back(at::empty_like(tensor, at::MemoryFormat::Contiguous));
+  allgather_async(outputs, tensor).wait();
+  return outputs;
+}
+
+Work ProcessGroup::allgather_into_async(at::Tensor& output, const at::Tensor& input) {
+  check_numel(output, input, state_->world_size, "allgather_into", "output", "input");
+  return state_->run("allgather_into", input,
+                     [&](Transport& t) { return t.allgather_into(output, input.contiguous()); });
+}
+
+void ProcessGroup::allgather_into(at::Tensor& output, const at::Tensor& input) {
+  allgather_into_async(output, input).wait();
+}
+
+Work ProcessGroup::reduce_scatter_async(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                                        ReduceOp op) {
+  if (inputs.size() != static_cast<size_t>(state_->world_size)) {
+    throw UsageError(state_->describe("reduce_scatter") + ": " + std::to_string(inputs.size()) +
+                     " inputs given, one per rank needed (" + std::to_string(state_->world_size) + ")");
+  }
+  std::vector<at::Tensor> all = inputs;
+  all.push_back(output);
+  check_same_kind(all, "reduce_scatter");
+  for (const auto& in : inputs) {
+    if (in.sizes() != output.sizes()) {
+      throw UsageError(state_->describe("reduce_scatter") + ": every input must have the output's shape " +
+                       c10::str(output.sizes()) + ", got " + c10::str(in.sizes()));
+    }
+  }
+  return state_->run("reduce_scatter", output,
+                     [&](Transport& t) { return t.reduce_scatter(output, inputs, op); });
+}
+
+void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) {
+  reduce_scatter_async(output, inputs, op).wait();
+}
+
+Work ProcessGroup::reduce_scatter_tensor_async(at::Tensor& output, const at::Tensor& input,
+                                               ReduceOp op) {
+  check_numel(input, output, state_->world_size, "reduce_scatter_tensor", "input", "output");
+  return state_->run("reduce_scatter_tensor", output,
+                     [&](Transport& t) { return t.reduce_scatter_tensor(output, input, op); });
+}
+
+void ProcessGroup::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  reduce_scatter_tensor_async(output, input, op).wait();
+}
+
+Work ProcessGroup::all_to_all_async(at::Tensor& output, const at::Tensor& input,
+                                    const std::vector<int64_t>& output_split_sizes,
+                                    const std::vector<int64_t>& input_split_sizes) {
+  const int64_t world = state_->world_size;
+  check_same_kind({output, input}, "all_to_all");
+  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* name) {
+    if (splits.empty()) {
+      if (t.dim() == 0 || t.size(0) % world != 0) {
+        throw UsageError(state_->describe("all_to_all") + ": " + name + "'s first dimension (" +
+                         (t.dim() ? std::to_string(t.size(0)) : std::string("none")) +
+                         ") must divide by the world size " + std::to_string(world) +
+                         ", or give split sizes");
+      }
+      return;
+    }
+    int64_t sum = 0;
+    for (int64_t s : splits) sum += s;
+    if (static_cast<int64_t>(splits.size()) != world || t.dim() == 0 || sum != t.size(0)) {
+      throw UsageError(state_->describe("all_to_all") + ": " + name + " split sizes must be " +
+                       std::to_string(world) + " sizes adding up to its first dimension");
+    }
+  };
+  check_splits(output_split_sizes, output, "output");
+  check_splits(input_split_sizes, input, "input");
+  return state_->run("all_to_all", input, [&](Transport& t) {
+    return t.all_to_all(output, input.contiguous(), output_split_sizes, input_split_sizes);
+  });
+}
+
+void ProcessGroup::all_to_all(at::Tensor& output, const at::Tensor& input,
+                              const std::vector<int64_t>& output_split_sizes,
+                              const std::vector<int64_t>& input_split_sizes) {
+  all_to_all_async(output, input, output_split_sizes, input_split_sizes).wait();
+}
+
+Work ProcessGroup::send_async(const at::Tensor& tensor, int peer, int tag) {
+  state_->check_peer(peer, "send");
+  return state_->run("send", tensor,
+                     [&](Transport& t) { return t.send(tensor.contiguous(), peer, tag); });
+}
+
+void ProcessGroup::send(const at::Tensor& tensor, int peer, int tag) { send_async(tensor, peer, tag).wait(); }
+
+Work ProcessGroup::recv_async(at::Tensor& tensor, int peer, int tag) {
+  state_->check_peer(peer, "recv");
+  if (!tensor.is_contiguous()) throw UsageError(state_->describe("recv") + ": the tensor must be contiguous");
+  return state_->run("recv", tensor, [&](Transport& t) { return t.recv(tensor, peer, tag); });
+}
+
+void ProcessGroup::recv(at::Tensor& tensor, int peer, int tag) { recv_async(tensor, peer, tag).wait(); }
+
 void ProcessGroup::barrier() {
-  c10d::BarrierOptions opts;
-  opts.timeout = state_->timeout;
-  state_->enter("barrier");
-  track(state_->backend->barrier(opts), "barrier on rank " + std::to_string(state_->rank),
-        state_->timeout)
-      .wait();
+  Transport& transport = state_->gloo ? *state_->gloo : state_->nccl_transport();
+  state_->run_on(transport, "barrier", std::nullopt, [](Transport& t) { return t.barrier(); }).wait();
 }
 
 }  // namespace cohort::comm

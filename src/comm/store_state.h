@@ -15,4 +15,9 @@ struct Store::State {
   std::chrono::milliseconds timeout{};
 };
 
+// The c10d store behind a Store handle, for the transports of comm/.
+struct StoreAccess {
+  static c10::intrusive_ptr<c10d::Store> native(const Store& store) { return store.state_->store; }
+};
+
 }  // namespace cohort::comm

@@ -319,7 +319,7 @@ struct TcpStoreClient::Reply {
 
 TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::string& job_id,
                                std::chrono::milliseconds timeout)
-    : c10d::Store(timeout), host_(host), port_(port) {
+    : c10d::Store(timeout), host_(host), port_(port), job_id_(job_id) {
   const auto deadline = Clock::now() + timeout;
   std::string last_error;
   while (fd_ < 0) {
@@ -428,6 +428,10 @@ void TcpStoreClient::wait(const std::vector<std::string>& keys) { wait(keys, tim
 
 void TcpStoreClient::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
   call(kWait, keys, timeout);
+}
+
+c10::intrusive_ptr<c10d::Store> TcpStoreClient::clone() {
+  return c10::make_intrusive<TcpStoreClient>(host_, port_, job_id_, timeout_);
 }
 
 }  // namespace cohort::comm

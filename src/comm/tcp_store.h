@@ -52,6 +52,9 @@ class TcpStoreClient : public c10d::Store {
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
   void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  // Another connection to the same server. Overrides c10d::Store::clone, pure from libtorch 2.7
+  // or so on (absent in 1.13 and 2.6), hence without `override`.
+  c10::intrusive_ptr<c10d::Store> clone();
 
  private:
   struct Reply;
@@ -64,6 +67,7 @@ class TcpStoreClient : public c10d::Store {
   uint64_t next_id_ = 1;
   std::string host_;
   int port_ = 0;
+  std::string job_id_;
 };
 
 }  // namespace cohort::comm

@@ -1,5 +1,7 @@
 #include "cohort/data/block.h"
 
+#include <torch/types.h>
+
 #include "cohort/error.h"
 
 namespace cohort::data {

@@ -1,5 +1,6 @@
 #include "cohort/data/data_iterator.h"
 
+#include <torch/types.h>
 #include <condition_variable>
 #include <deque>
 #include <iostream>
@@ -10,6 +11,7 @@
 #include "cohort/error.h"
 #include "data/plan.h"
 #include "data/task_runner.h"
+#include "data/to_device.h"
 
 namespace cohort::data {
 
@@ -79,9 +81,7 @@ struct DataIterator::Impl {
 
   // Blocks until the consumer has room; false once the pass is cancelled.
   bool push(Block block) {
-    if (options.device != block.columns.begin()->second.device()) {
-      for (auto& [name, column] : block.columns) column = column.to(options.device, /*non_blocking=*/true);
-    }
+    for (auto& [name, column] : block.columns) column = to_device(column, options.device);
     std::vector<Block> release;
     {
       std::unique_lock lock(mutex);

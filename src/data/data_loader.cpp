@@ -1,5 +1,6 @@
 #include "cohort/data/data_loader.h"
 
+#include <torch/types.h>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -7,6 +8,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "data/to_device.h"
 
 namespace cohort::data {
 
@@ -140,10 +142,8 @@ DataLoader::Iterator DataLoader::begin() {
         const int64_t start = b * options.batch_size;
         const int64_t count = std::min<int64_t>(options.batch_size, all.size(0) - start);
         Batch batch = dataset->get_batch(all.narrow(0, start, count));
-        if (options.device != batch.data.device()) {
-          batch.data = batch.data.to(options.device, /*non_blocking=*/true);
-          batch.target = batch.target.to(options.device, /*non_blocking=*/true);
-        }
+        batch.data = to_device(batch.data, options.device);
+        batch.target = to_device(batch.target, options.device);
         std::unique_lock lock(raw->mutex);
         raw->changed.wait(lock, [&] {
           return raw->cancelled || static_cast<int>(raw->ready.size()) < options.prefetch_batches;

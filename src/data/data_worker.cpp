@@ -1,11 +1,15 @@
 // The preprocessing worker's side: this program re-executed in the data role, serving the tasks
 // of one pipeline until its consumer is done.
+#include <torch/types.h>
+#include <torch/utils.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <iostream>
 
+#ifdef COHORT_WITH_OPENCV
 #include <opencv2/core.hpp>
+#endif
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
@@ -19,7 +23,9 @@ namespace {
 
 void serve(const Dataset& dataset, const std::string& address) {
   torch::set_num_threads(1);  // one CPU per worker: the pool, not each worker, spreads the work
+#ifdef COHORT_WITH_OPENCV
   cv::setNumThreads(1);
+#endif
   const bool local = address.rfind("unix:", 0) == 0;
   const int fd = wire::connect_to(address, std::chrono::seconds(60));
   char host[256] = "?";

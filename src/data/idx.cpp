@@ -1,5 +1,6 @@
 #include "cohort/data/idx.h"
 
+#include <torch/types.h>
 #include <zlib.h>
 
 #include <array>

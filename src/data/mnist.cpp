@@ -1,5 +1,7 @@
 #include "cohort/data/mnist.h"
 
+#include <torch/types.h>
+
 #include "cohort/data/idx.h"
 #include "cohort/error.h"
 

@@ -1,6 +1,9 @@
 #include "cohort/data/preprocessors.h"
 
+#ifdef COHORT_WITH_OPENCV
+#include <torch/types.h>
 #include <opencv2/imgproc.hpp>
+#endif
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
@@ -135,14 +138,14 @@ Block GaussianBlur::operator()(Block block) const {
     throw UsageError("GaussianBlur: kernel_size=" + std::to_string(kernel_size) + " must be odd and positive");
   }
   auto images = images_of(block, column, "GaussianBlur").contiguous();
-  int type;
-  if (images.scalar_type() == at::kByte) {
-    type = CV_8UC1;
-  } else if (images.scalar_type() == at::kFloat) {
-    type = CV_32FC1;
-  } else {
+  if (images.scalar_type() != at::kByte && images.scalar_type() != at::kFloat) {
     throw UsageError("GaussianBlur: images must be uint8 or float32, got " + std::string(c10::toString(images.scalar_type())));
   }
+#ifndef COHORT_WITH_OPENCV
+  throw UsageError("GaussianBlur needs OpenCV, and this cohort was built without it: rebuild with "
+                   "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
+#else
+  const int type = images.scalar_type() == at::kByte ? CV_8UC1 : CV_32FC1;
   auto out = torch::empty_like(images);
   const int64_t planes = images.size(0) * images.size(1);
   const int h = static_cast<int>(images.size(2)), w = static_cast<int>(images.size(3));
@@ -157,6 +160,7 @@ Block GaussianBlur::operator()(Block block) const {
   }
   block.columns[column] = out;
   return block;
+#endif
 }
 
 Block Chain::operator()(Block block) const {

@@ -1,5 +1,6 @@
 #include "data/sources.h"
 
+#include <torch/types.h>
 #include <algorithm>
 #include <cerrno>
 #include <cstdlib>
@@ -7,8 +8,10 @@
 #include <mutex>
 #include <sstream>
 
+#ifdef COHORT_WITH_OPENCV
 #include <opencv2/imgcodecs.hpp>
 #include <opencv2/imgproc.hpp>
+#endif
 
 #include "cohort/error.h"
 
@@ -165,6 +168,11 @@ class ImageFolderSource : public Source {
     std::vector<int64_t> ids;
     for (int64_t row : rows) {
       const auto& [path, label] = items_[static_cast<size_t>(row)];
+#ifndef COHORT_WITH_OPENCV
+      throw UsageError("read_images: decoding " + path.string() +
+                       " needs OpenCV, and this cohort was built without it: rebuild with "
+                       "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
+#else
       cv::Mat image = cv::imread(path.string(), options_.grayscale ? cv::IMREAD_GRAYSCALE : cv::IMREAD_COLOR);
       if (image.empty()) {
         if (options_.on_bad_file == OnError::kSkip) {
@@ -182,6 +190,7 @@ class ImageFolderSource : public Source {
       if (image.channels() == 3) cv::cvtColor(image, image, cv::COLOR_BGR2RGB);
       auto hwc = torch::from_blob(image.data, {image.rows, image.cols, image.channels()}, torch::kUInt8);
       auto chw = hwc.permute({2, 0, 1}).contiguous();
+#endif
       if (!images.empty() && chw.sizes() != images.front().sizes()) {
         throw UsageError("image " + path.string() + " is " + std::to_string(image.cols) + "x" +
                          std::to_string(image.rows) + " while earlier ones are " +

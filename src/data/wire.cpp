@@ -1,5 +1,6 @@
 #include "data/wire.h"
 
+#include <torch/types.h>
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>

@@ -1,5 +1,10 @@
 #include "cohort/models/zoo.h"
 
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
+#include <torch/nn/modules/pooling.h>
+#include <torch/types.h>
+
 #include "cohort/error.h"
 
 namespace cohort::models {

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <mutex>
+#include <utility>
 
 #include "cohort/error.h"
 
@@ -80,7 +81,9 @@ struct DistributedDataParallel::Impl {
   std::vector<Bucket> buckets;
   std::vector<Slot> slots;
   std::vector<at::Tensor> aliases;
-  std::vector<std::pair<std::shared_ptr<torch::autograd::Node>, uintptr_t>> hooks;
+  // A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
+  using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  std::vector<std::pair<Accumulator, uintptr_t>> hooks;
   std::weak_ptr<Impl> self;
 
   std::mutex mutex;

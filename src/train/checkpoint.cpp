@@ -168,13 +168,22 @@ void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesys
 
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {
   if (!std::filesystem::exists(file)) throw UsageError("load_optimizer: " + file.string() + " does not exist");
+  // State saved on one device loads onto the parameters' device (a GPU run resumes on a CPU
+  // host and the other way round).
+  c10::Device device(c10::DeviceType::CPU);
+  for (const auto& group : optimizer.param_groups()) {
+    if (!group.params().empty()) {
+      device = group.params().front().device();
+      break;
+    }
+  }
   try {
-    torch::load(optimizer, file.string());
+    torch::load(optimizer, file.string(), device);
     // libtorch 1.13 restores the per-parameter state but drops the saved param-group options
     // (lr, momentum, ...), which Python's load_state_dict restores: a resumed run must keep the
     // lr its schedule or a world-size change gave it.
     torch::serialize::InputArchive archive;
-    archive.load_from(file.string());
+    archive.load_from(file.string(), device);
     torch::serialize::InputArchive groups;
     archive.read("param_groups", groups);
     for (size_t i = 0; i < optimizer.param_groups().size(); ++i) {

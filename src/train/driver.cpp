@@ -1,7 +1,5 @@
 #include "train/driver.h"
 
-#include <torch/cuda.h>
-
 #include <algorithm>
 #include <csignal>
 #include <iostream>
@@ -10,6 +8,7 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
+#include "cohort/runtime/gpus.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/progress.h"
@@ -136,6 +135,9 @@ class Driver {
   // Elastic training: the slots the current group runs in (rank r in slots_[r]), and the pid of
   // the last worker of every slot (its process group tells whether anything of it is left).
   std::vector<int> slots_;
+  // The node's visible GPUs, shared out by slot, and how many each worker gets (0: CPU).
+  std::vector<std::string> gpus_;
+  int gpus_per_worker_ = 0;
   std::vector<int> slot_pids_;
 };
 
@@ -195,14 +197,9 @@ void Driver::record_resize(size_t from, const std::string& reason) {
 }
 
 Result Driver::run() {
-  if (scaling_.use_gpu && !torch::cuda::is_available()) {
-    throw UsageError("ScalingConfig.use_gpu is set but this libtorch sees no CUDA device: "
-                     "unset use_gpu or use a CUDA build of libtorch on a GPU host");
-  }
-  if (scaling_.use_gpu && torch::cuda::device_count() < static_cast<size_t>(scaling_.num_workers)) {
-    throw UsageError("ScalingConfig.use_gpu with " + std::to_string(scaling_.num_workers) +
-                     " workers needs that many GPUs; this host has " + std::to_string(torch::cuda::device_count()));
-  }
+  gpus_ = runtime::visible_gpus();
+  gpus_per_worker_ = runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus,
+                                                scaling_.num_workers, gpus_);
   recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, config_, console_);
   std::optional<Checkpoint> resume_from = recorder_->resume_point();
   store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
@@ -290,14 +287,15 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       {kCollectiveTimeoutVar, std::to_string(run_.collective_timeout.count())},
       {kHeartbeatIntervalVar,
        std::to_string(std::clamp<int64_t>(run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
-      {kUseGpuVar, scaling_.use_gpu ? "1" : "0"},
+      {kGpusPerWorkerVar, std::to_string(gpus_per_worker_)},
+      {kBackendVar, scaling_.backend},
       // A fresh token per start: nothing of a failed start's store keys or staging is reused.
       {kRunTokenVar, new_run_token()},
       {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
       {kNextCheckpointVar, std::to_string(recorder_->next_checkpoint_index())},
   };
   const int port = store_.port();
-  options.rank_env = [port, world, slots = slots_](int rank) {
+  options.rank_env = [port, world, slots = slots_, gpus = gpus_, per_worker = gpus_per_worker_](int rank) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = rank,
                                     .node_rank = 0,
@@ -305,7 +303,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                                     .local_world_size = world,
                                     .master_addr = "127.0.0.1",
                                     .master_port = port});
-    env[kSlotVar] = std::to_string(slots[static_cast<size_t>(rank)]);
+    const int slot = slots[static_cast<size_t>(rank)];
+    env[kSlotVar] = std::to_string(slot);
+    if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };
 

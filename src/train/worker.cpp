@@ -1,6 +1,7 @@
 // The worker side of Trainer::fit: a rank started by cohort's local driver, or by an external
 // launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
 // run's bookkeeping.
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -15,6 +16,7 @@
 #include "cohort/error.h"
 #include "cohort/data/data_iterator.h"
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/gpus.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/prepare.h"
 #include "train/driver.h"
@@ -59,8 +61,19 @@ struct SessionSettings {
   std::string resume_from;
   int64_t next_checkpoint_index = 0;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
+  comm::Backend backend = comm::Backend::kAuto;
   std::string interface_address = "127.0.0.1";
 };
+
+// The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
+c10::Device device_of(int per_worker, int local_rank) {
+  if (per_worker == 0) return c10::Device(c10::DeviceType::CPU);
+  const int visible = static_cast<int>(runtime::visible_gpus().size());
+  const c10::Device device(c10::DeviceType::CUDA,
+                           static_cast<c10::DeviceIndex>(runtime::device_index_of_local_rank(local_rank, per_worker, visible)));
+  c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device);
+  return device;
+}
 
 // Joins the process group and makes this the current session.
 void open_session(SessionSettings settings, const ScalingConfig& scaling,
@@ -98,7 +111,8 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
                                                  {.interface_address = settings.interface_address,
                                                   .setup_timeout = settings.setup_timeout,
                                                   .timeout = settings.collective_timeout,
-                                                  .prefix = "train/" + settings.run_token});
+                                                  .prefix = "train/" + settings.run_token,
+                                                  .backend = settings.backend});
   runtime::set_heartbeat_status([group = ctx.process_group] {
     return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}.dump();
   });
@@ -180,10 +194,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
         std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
     settings.resume_from = env_string(kResumeCheckpointVar);
     settings.next_checkpoint_index = env_long(kNextCheckpointVar, 0);
-    settings.device = env_long(kUseGpuVar, 0) != 0
-                          ? c10::Device(c10::DeviceType::CUDA,
-                                        static_cast<c10::DeviceIndex>(env_long(kSlotVar, info->local_rank)))
-                          : c10::Device(c10::DeviceType::CPU);
+    settings.device = device_of(static_cast<int>(env_long(kGpusPerWorkerVar, 0)), info->local_rank);
+    settings.backend = comm::backend_from_string(env_string(kBackendVar).empty() ? "auto" : env_string(kBackendVar));
     open_session(std::move(settings), scaling, datasets);
     const std::string config_text = env_string(kConfigVar);
     train_loop(config_text.empty() ? Json::object() : Json::parse(config_text));
@@ -272,8 +284,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
                      settings.run_dir.string() +
                      " that rank 0 created: RunConfig.storage_path must be storage every node shares");
   }
-  settings.device = scaling.use_gpu ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(info.local_rank))
-                                    : c10::Device(c10::DeviceType::CPU);
+  settings.device = device_of(runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus,
+                                                         info.local_world_size, runtime::visible_gpus()),
+                              info.local_rank);
+  settings.backend = comm::backend_from_string(scaling.backend);
   settings.interface_address = runtime::data_plane_address(info.master_addr);
 
   std::string broken;

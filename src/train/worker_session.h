@@ -49,12 +49,15 @@ inline constexpr const char* kRunStartVar = "COHORT_RUN_START_NS";
 inline constexpr const char* kThreadsVar = "COHORT_CPU_THREADS";
 inline constexpr const char* kSetupTimeoutVar = "COHORT_SETUP_TIMEOUT_MS";
 inline constexpr const char* kCollectiveTimeoutVar = "COHORT_COLLECTIVE_TIMEOUT_MS";
-inline constexpr const char* kUseGpuVar = "COHORT_USE_GPU";
+// GPUs per worker (0: CPU training); the driver sets each worker's CUDA_VISIBLE_DEVICES.
+inline constexpr const char* kGpusPerWorkerVar = "COHORT_GPUS_PER_WORKER";
+// ScalingConfig::backend.
+inline constexpr const char* kBackendVar = "COHORT_BACKEND";
 inline constexpr const char* kRunTokenVar = "COHORT_RUN_TOKEN";
 inline constexpr const char* kHeartbeatIntervalVar = "COHORT_HEARTBEAT_INTERVAL_MS";
 inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
 inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
-// The worker slot (ScalingConfig) a rank runs in: its GPU with use_gpu.
+// The worker slot (ScalingConfig) a rank runs in: its GPUs with use_gpu.
 inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
 // In a preprocessing worker of a rank: the name of the Trainer dataset it serves.
 inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";

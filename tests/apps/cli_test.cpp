@@ -58,7 +58,7 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
   data::write_idx(truncated / "train-images-idx3-ubyte", images);
   std::filesystem::resize_file(truncated / "train-images-idx3-ubyte", 1000);
 
-  const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
+  std::vector<std::pair<std::vector<std::string>, std::string>> cases{
       {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
       {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
       {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
@@ -70,7 +70,14 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
       {{"--epochs", "two"}, "--epochs"},
       {{"--bogus"}, "bogus"},
+      {{"--backend", "mpi", "--data-dir", data.string()}, "unknown communication backend 'mpi': use auto"},
+      {{"--gpus-per-worker", "2", "--data-dir", data.string()}, "--gpus-per-worker 2 needs --use-gpu"},
   };
+  if (!torch::cuda::is_available()) {
+    cases.push_back({{"--use-gpu", "--data-dir", data.string()}, "use_gpu is set but this libtorch sees no CUDA device"});
+  } else {
+    cases.push_back({{"--use-gpu", "--workers", "64", "--batch-size", "4", "--data-dir", data.string()}, "GPUs, but this node has"});
+  }
   for (const auto& [args, fragment] : cases) {
     auto r = train(args, std::chrono::seconds(30));
     EXPECT_EQ(r.exit_code, 2) << r.output;

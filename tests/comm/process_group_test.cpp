@@ -7,11 +7,13 @@
 #include <future>
 
 #include "cohort/error.h"
+#include "support/expect.h"
 #include "support/local_group.h"
 
 namespace cohort::comm {
 namespace {
 
+using cohort::testing::expect_error;
 using cohort::testing::run_ranks;
 
 TEST(ProcessGroup, AllreduceSumsAndAverages) {
@@ -68,6 +70,149 @@ TEST(ProcessGroup, CollectiveTimeoutWhenAPeerSkipsTheCall) {
         rank0_done.set_value();
       },
       {.timeout = std::chrono::milliseconds(500)});
+}
+
+TEST(ProcessGroup, AllgatherIntoOneTensorAndReduceScatter) {
+  run_ranks(3, [](ProcessGroup& g) {
+    const double r = g.rank();
+    auto gathered = torch::empty({3, 2});
+    g.allgather_into(gathered, torch::full({2}, r));
+    EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.0, 1.0, 2.0}).unsqueeze(1).expand({3, 2})));
+
+    // Rank r contributes (r + 1) * [0, 1, ..., 5]; rank k receives the sum over ranks of part k.
+    const auto input = torch::arange(6.0) * (r + 1);
+    auto part = torch::empty({2});
+    g.reduce_scatter_tensor(part, input);
+    EXPECT_TRUE(torch::equal(part, torch::arange(2.0 * r, 2.0 * r + 2) * 6)) << part;
+    EXPECT_TRUE(torch::equal(input, torch::arange(6.0) * (r + 1))) << "the input must stay as it was";
+    g.reduce_scatter_tensor(part, input, ReduceOp::kAvg);
+    EXPECT_TRUE(torch::allclose(part, torch::arange(2.0 * r, 2.0 * r + 2) * 2)) << part;
+    g.reduce_scatter_tensor(part, input, ReduceOp::kMax);
+    EXPECT_TRUE(torch::equal(part, torch::arange(2.0 * r, 2.0 * r + 2) * 3)) << part;
+
+    std::vector<at::Tensor> inputs;
+    for (int k = 0; k < 3; ++k) inputs.push_back(torch::full({2, 2}, (r + 1) * (k + 1)));
+    auto out = torch::empty({2, 2});
+    g.reduce_scatter(out, inputs);
+    EXPECT_TRUE(torch::equal(out, torch::full({2, 2}, 6.0 * (r + 1)))) << out;
+  });
+}
+
+TEST(ProcessGroup, AllToAllWithEqualAndUnevenSplits) {
+  run_ranks(3, [](ProcessGroup& g) {
+    const int64_t r = g.rank();
+    // Equal splits: element k goes to rank k; rank r receives [10 * 0 + r, 10 * 1 + r, 10 * 2 + r].
+    auto out = torch::empty({3}, torch::kLong);
+    g.all_to_all(out, torch::arange(3, torch::kLong) + 10 * r);
+    EXPECT_TRUE(torch::equal(out, torch::arange(3, torch::kLong) * 10 + r)) << out;
+
+    // Uneven: every rank sends k + 1 copies of its rank to rank k, so rank r receives r + 1
+    // elements from each rank.
+    std::vector<int64_t> in_splits{1, 2, 3};
+    std::vector<int64_t> out_splits(3, r + 1);
+    auto uneven = torch::empty({3 * (r + 1)}, torch::kLong);
+    g.all_to_all(uneven, torch::full({6}, r, torch::kLong), out_splits, in_splits);
+    EXPECT_TRUE(torch::equal(uneven, torch::arange(3, torch::kLong).repeat_interleave(r + 1))) << uneven;
+  });
+}
+
+TEST(ProcessGroup, SendAndRecvInARingWithTags) {
+  run_ranks(3, [](ProcessGroup& g) {
+    const int next = (g.rank() + 1) % 3;
+    const int prev = (g.rank() + 2) % 3;
+    auto sent_a = g.send_async(torch::full({4}, g.rank() * 1.0), next, /*tag=*/7);
+    auto sent_b = g.send_async(torch::full({2}, g.rank() * 2.0), next, /*tag=*/8);
+    auto b = torch::empty({2});
+    auto a = torch::empty({4});
+    g.recv(b, prev, 8);  // tags match sends to receives, whatever the order
+    g.recv(a, prev, 7);
+    sent_a.wait();
+    sent_b.wait();
+    EXPECT_TRUE(torch::equal(a, torch::full({4}, prev * 1.0)));
+    EXPECT_TRUE(torch::equal(b, torch::full({2}, prev * 2.0)));
+  });
+}
+
+TEST(ProcessGroup, SubGroupsRunTheirOwnCollectivesAndMapRanks) {
+  run_ranks(4, [](ProcessGroup& g) {
+    auto evens = g.new_group({0, 2});
+    auto reversed = g.new_group({3, 1});
+    EXPECT_EQ(evens.valid(), g.rank() % 2 == 0);
+    EXPECT_EQ(reversed.valid(), g.rank() % 2 == 1);
+    auto& mine = evens.valid() ? evens : reversed;
+    EXPECT_EQ(mine.world_size(), 2);
+    EXPECT_EQ(mine.global_rank(mine.rank()), g.rank());
+    if (reversed.valid()) {
+      EXPECT_EQ(reversed.rank(), g.rank() == 3 ? 0 : 1);
+      EXPECT_EQ(reversed.global_ranks(), (std::vector<int>{3, 1}));
+      EXPECT_EQ(reversed.group_rank(1), 1);
+      EXPECT_EQ(reversed.group_rank(0), -1);
+    }
+    std::vector<at::Tensor> t{torch::full({1}, double(g.rank()))};
+    mine.allreduce(t);
+    EXPECT_EQ(t[0].item<double>(), g.rank() % 2 == 0 ? 2.0 : 4.0);
+
+    // A split of a split: global ranks follow through.
+    auto rows = g.split({{0, 1}, {2, 3}});
+    auto single = rows.split({{1}, {0}});
+    EXPECT_EQ(single.world_size(), 1);
+    EXPECT_EQ(single.global_ranks(), (std::vector<int>{g.rank()}));
+    std::vector<at::Tensor> u{torch::full({1}, 1.0)};
+    rows.allreduce(u);
+    EXPECT_EQ(u[0].item<double>(), 2.0);
+    auto gathered = rows.allgather(torch::full({1}, double(g.rank())));
+    EXPECT_EQ(gathered[1].item<double>(), double(rows.global_rank(1)));
+    // The world group still works after its sub-groups.
+    g.barrier();
+  });
+}
+
+TEST(ProcessGroup, BadCallsAreNamed) {
+  run_ranks(2, [](ProcessGroup& g) {
+    expect_error<UsageError>([&] { g.new_group({0, 0}); }, "rank 0 is listed twice");
+    expect_error<UsageError>([&] { g.new_group({1, 2}); }, "rank 2 does not exist in a group of 2 (ranks 0-1)");
+    expect_error<UsageError>([&] { g.new_group({}); }, "no ranks given");
+    expect_error<UsageError>([&] { g.split({{0}}); }, "every rank must be in one part");
+    expect_error<UsageError>([&] { g.send(torch::ones({1}), g.rank()); }, "is not another rank of this group");
+    expect_error<UsageError>([&] { g.global_rank(5); }, "5 is not a rank of this group");
+    auto out = torch::empty({3});
+    expect_error<UsageError>([&] { g.allgather_into(out, torch::ones({2})); },
+                             "output has 3 elements, but needs world_size x input = 2 x 2");
+    std::vector<at::Tensor> one{torch::ones({2})};
+    expect_error<UsageError>([&] { g.reduce_scatter(out, one); }, "1 inputs given, one per rank needed (2)");
+    auto odd = torch::empty({3});
+    expect_error<UsageError>([&] { g.all_to_all(odd, torch::ones({3})); }, "must divide by the world size 2");
+    std::vector<at::Tensor> mixed{torch::ones({1}), torch::ones({1}, torch::kLong)};
+    expect_error<UsageError>([&] { g.allreduce(mixed); }, "must share dtype and device");
+    std::vector<at::Tensor> t{torch::ones({1})};
+    expect_error<UsageError>([&] { g.broadcast(t, 2); }, "root 2 is not a rank of this group");
+    // The group is still usable after refused calls: none of them reached the transport.
+    g.allreduce(t);
+    EXPECT_EQ(t[0].item<double>(), 2.0);
+  });
+}
+
+TEST(ProcessGroup, NcclIsRefusedWhereLibtorchHasNone) {
+  if (nccl_available()) GTEST_SKIP() << "this libtorch has NCCL: the refusal does not apply";
+  auto server = Store::connect({.is_server = true});
+  expect_error<UsageError>([&] { ProcessGroup::create(server, 0, 1, {.backend = Backend::kNccl}); },
+                           "this libtorch has no NCCL");
+  expect_error<UsageError>([] { backend_from_string("mpi"); }, "unknown communication backend 'mpi'");
+  EXPECT_EQ(backend_from_string("gloo"), Backend::kGloo);
+}
+
+TEST(ProcessGroup, APeerThatLeavesIsAPeerFailureNotATimeout) {
+  run_ranks(
+      2,
+      [](ProcessGroup& g) {
+        // Rank 1 leaves at once: its group is destroyed and its connections close.
+        if (g.rank() == 1) return;
+        std::vector<at::Tensor> t{torch::ones({1 << 16})};
+        const auto start = std::chrono::steady_clock::now();
+        EXPECT_THROW(g.allreduce(t), PeerFailureError);
+        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+      },
+      {.timeout = std::chrono::seconds(60)});
 }
 
 TEST(ProcessGroup, RejectsARankOutsideTheWorld) {

@@ -120,6 +120,39 @@ TEST(DistributedDataParallel, OneStepEqualsASingleProcessStepOnTheUnionBatch) {
   expect_same_parameters(models[0], reference);
 }
 
+TEST(DistributedDataParallel, RunsOnSubGroupsThatAverageOnlyTheirOwnRanks) {
+  // Four ranks as two data-parallel pairs {0, 2} and {1, 3} (the dp groups of a 2 x 2 mesh):
+  // each pair's replicas agree with each other and with a reference fed that pair's data only.
+  torch::manual_seed(8);
+  auto inputs = torch::randn({4, 4, 6});
+  auto targets = torch::randint(0, 3, {4, 4});
+  auto models = replicas(4);
+  auto reference = clone_of(models[0]);
+  std::vector<std::vector<int>> global_ranks(4);
+  run_ranks(4, [&](int rank, comm::ProcessGroup& world) {
+    auto pair = world.split({{0, 2}, {1, 3}});
+    global_ranks[static_cast<size_t>(rank)] = pair.global_ranks();
+    DistributedDataParallel ddp(models[rank].ptr(), pair);
+    torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.1));
+    opt.zero_grad();
+    torch::nn::functional::cross_entropy(models[rank]->forward(inputs[rank]), targets[rank]).backward();
+    opt.step();
+  });
+  EXPECT_EQ(global_ranks[2], (std::vector<int>{0, 2}));
+  EXPECT_EQ(global_ranks[3], (std::vector<int>{1, 3}));
+  expect_same_parameters(models[0], models[2], 0);
+  expect_same_parameters(models[1], models[3], 0);
+  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1));
+  opt.zero_grad();
+  ((torch::nn::functional::cross_entropy(reference->forward(inputs[0]), targets[0]) +
+    torch::nn::functional::cross_entropy(reference->forward(inputs[2]), targets[2])) / 2)
+      .backward();
+  opt.step();
+  expect_same_parameters(models[0], reference);
+  // The other pair trained on other data.
+  EXPECT_FALSE(torch::allclose(models[0]->body->weight, models[1]->body->weight));
+}
+
 TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
   const int world = 2;
   torch::manual_seed(6);

@@ -1,5 +1,6 @@
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -13,6 +14,22 @@ namespace cohort::comm {
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
+// Which transport runs a group's collectives.
+enum class Backend {
+  // Gloo for CPU tensors, NCCL for CUDA tensors (Gloo's CUDA path where libtorch has no NCCL).
+  kAuto,
+  // Gloo for every tensor, CUDA ones through Gloo's CUDA path: e.g. several ranks sharing one GPU,
+  // which NCCL refuses.
+  kGloo,
+  // NCCL only: CUDA tensors only.
+  kNccl,
+};
+const char* to_string(Backend backend);
+// "auto", "gloo" or "nccl"; anything else is a UsageError naming the value.
+Backend backend_from_string(const std::string& name);
+// Whether this libtorch can run NCCL collectives (a CUDA build with c10d's NCCL group).
+bool nccl_available();
+
 struct ProcessGroupOptions {
   // Address of this host's interface that the transport binds to.
   std::string interface_address = "127.0.0.1";
@@ -24,16 +41,22 @@ struct ProcessGroupOptions {
   int threads = 1;
   // Keys of this group live under this prefix in the store, so several groups share one store.
   std::string prefix = "pg";
+  Backend backend = Backend::kAuto;
 };
 
-// An in-flight collective.
+// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
+// tensors it is stream-ordered: the caller's current stream waits for the collective, the host
+// does not (call synchronize() to block the host too).
 class Work {
  public:
   struct State;  // opaque; defined in src/comm/process_group.cpp
   Work() = default;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  // Blocks until done; throws TimeoutError after `timeout` naming the collective.
+  // Completes the collective (see above). Throws TimeoutError past the group's timeout naming
+  // the collective, PeerFailureError when a peer died or closed its connection.
   void wait();
+  // wait(), then blocks the host until the device work is done as well.
+  void synchronize();
   bool completed() const;
   bool valid() const { return state_ != nullptr; }
   // Runs `fn` in wait(), after the collective completed (e.g. to decompress a result).
@@ -43,36 +66,85 @@ class Work {
   std::shared_ptr<State> state_;
 };
 
-// A group of ranks that run collectives together (Gloo underneath). Passed by value:
-// copies refer to the same group.
+// A group of ranks that run collectives together (Gloo and NCCL underneath, by tensor device).
+// Passed by value: copies refer to the same group. Every collective must be called by every
+// rank of the group in the same order; tensors of one call share dtype and device.
 class ProcessGroup {
  public:
-  // An empty handle; use create().
+  // An empty handle; use create() or new_group().
   ProcessGroup() = default;
   static ProcessGroup create(Store store, int rank, int world_size,
                              const ProcessGroupOptions& options = {});
 
   bool valid() const { return state_ != nullptr; }
+  // This process's rank in the group, and the group's size.
   int rank() const;
   int world_size() const;
   std::chrono::milliseconds timeout() const;
+  Backend backend() const;
+
+  // Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
+  // group), in the same order as its other new_group/split calls; members get the new group,
+  // the others an empty handle (valid() false). Ranks that repeat or do not exist are a
+  // UsageError naming them.
+  ProcessGroup new_group(const std::vector<int>& ranks, const ProcessGroupOptions& options);
+  ProcessGroup new_group(const std::vector<int>& ranks);
+  // Splits this group into disjoint groups that cover all of its ranks (e.g. the data-parallel
+  // groups of a mesh); every rank calls it with the same partition and gets its own group.
+  ProcessGroup split(const std::vector<std::vector<int>>& partition);
+  // The ranks of the first group (the one made by create()) that form this group, by group rank.
+  const std::vector<int>& global_ranks() const;
+  int global_rank(int group_rank) const;
+  // This group's rank of a rank of the first group, or -1 when it is not a member.
+  int group_rank(int global_rank) const;
 
   // Asynchronous in-place all-reduce of tensors of one dtype and device.
   Work allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
   void allreduce(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
+  Work broadcast_async(std::vector<at::Tensor>& tensors, int root);
+  void broadcast(std::vector<at::Tensor>& tensors, int root);
+  // Gathers one tensor of the same shape from every rank, ordered by rank.
+  std::vector<at::Tensor> allgather(const at::Tensor& tensor);
+  Work allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  // All-gather into one tensor: `output` holds world_size() x input.numel() elements, rank r's
+  // input at [r * n, (r + 1) * n).
+  Work allgather_into_async(at::Tensor& output, const at::Tensor& input);
+  void allgather_into(at::Tensor& output, const at::Tensor& input);
+  // Reduce-scatter: rank r gets op over every rank's inputs[r] (world_size() inputs, each of
+  // output's shape).
+  Work reduce_scatter_async(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                            ReduceOp op = ReduceOp::kSum);
+  void reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                      ReduceOp op = ReduceOp::kSum);
+  // Reduce-scatter from one tensor of world_size() x output.numel() elements: rank r gets op
+  // over every rank's [r * n, (r + 1) * n).
+  Work reduce_scatter_tensor_async(at::Tensor& output, const at::Tensor& input,
+                                   ReduceOp op = ReduceOp::kSum);
+  void reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input,
+                             ReduceOp op = ReduceOp::kSum);
+  // All-to-all along dim 0: input's i-th split goes to rank i, output's j-th split comes from
+  // rank j. Empty split sizes: equal splits (dim 0 divisible by world_size()).
+  Work all_to_all_async(at::Tensor& output, const at::Tensor& input,
+                        const std::vector<int64_t>& output_split_sizes = {},
+                        const std::vector<int64_t>& input_split_sizes = {});
+  void all_to_all(at::Tensor& output, const at::Tensor& input,
+                  const std::vector<int64_t>& output_split_sizes = {},
+                  const std::vector<int64_t>& input_split_sizes = {});
+  // Point to point, by group rank; a send matches the recv of the same tag on `peer`.
+  Work send_async(const at::Tensor& tensor, int peer, int tag = 0);
+  void send(const at::Tensor& tensor, int peer, int tag = 0);
+  Work recv_async(at::Tensor& tensor, int peer, int tag = 0);
+  void recv(at::Tensor& tensor, int peer, int tag = 0);
+  void barrier();
+
   // How many collectives this rank has entered, and the name of the last: what a stall
   // inspector compares across ranks to name those that did not enter a collective.
   int64_t collectives_entered() const;
   std::string last_collective() const;
 
-  Work broadcast_async(std::vector<at::Tensor>& tensors, int root);
-  void broadcast(std::vector<at::Tensor>& tensors, int root);
-  // Gathers one tensor of the same shape from every rank, ordered by rank.
-  std::vector<at::Tensor> allgather(const at::Tensor& tensor);
-  void barrier();
+  struct State;  // defined in src/comm/process_group.cpp
 
  private:
-  struct State;
   explicit ProcessGroup(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };

@@ -49,7 +49,7 @@ class Store {
   struct State;  // defined in src/comm/store_state.h
 
  private:
-  friend class ProcessGroup;
+  friend struct StoreAccess;  // comm/'s own access to the c10d store (src/comm/store_state.h)
   explicit Store(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };

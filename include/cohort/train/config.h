@@ -15,6 +15,8 @@ namespace cohort {
 struct WorkerResources {
   // Intra-op threads of each worker (torch::set_num_threads, OMP_NUM_THREADS).
   int cpu_threads = 1;
+  // GPUs of each worker, with use_gpu (0 then means 1). A worker sees only its own GPUs
+  // (CUDA_VISIBLE_DEVICES), so its device is cuda:0.
   int gpus = 0;
 };
 
@@ -30,8 +32,15 @@ struct ScalingConfig {
   int num_workers = 1;
   // The fewest workers an elastic group may run with; 0: always num_workers.
   int min_workers = 0;
+  // Train on GPUs: each worker gets resources_per_worker.gpus of the node's visible GPUs,
+  // get_context().get_device() is its first, prepare_model moves the model there and batches
+  // arrive there. A UsageError before any worker starts when the node has too few.
   bool use_gpu = false;
   WorkerResources resources_per_worker;
+  // The collectives' transport (Ray's TorchConfig.backend): "auto" (Gloo for CPU tensors, NCCL
+  // for CUDA ones), "gloo" (also for CUDA tensors: e.g. several workers sharing one GPU, which
+  // NCCL refuses) or "nccl".
+  std::string backend = "auto";
   // Whether slot s can take a worker now, asked on top of cohort's own check (no process of the
   // slot's previous worker is left, e.g. one stuck in the kernel after SIGKILL). For a health
   // check of the slot's device, or a test. Runs in the driver.

@@ -1,0 +1,212 @@
+#include "comm/transport.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/TensorOptions.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#ifdef COHORT_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "cohort/error.h"
+
+namespace cohort::comm {
+
+Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank, int world_size,
+                     std::chrono::milliseconds timeout)
+    : kind_(kind), native_(std::move(native)), rank_(rank), world_size_(world_size),
+      timeout_(timeout) {}
+
+c10d::ReduceOp Transport::native_op(ReduceOp op) const {
+  switch (op) {
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+    case ReduceOp::kAvg:
+      // NCCL averages on the device; Gloo sums and average() divides.
+      return kind_ == Kind::kNccl ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+    case ReduceOp::kSum:
+      break;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+std::function<void()> Transport::average(std::vector<at::Tensor> tensors) const {
+  return [tensors = std::move(tensors), n = static_cast<double>(world_size_)]() mutable {
+    for (auto& t : tensors) t.div_(n);
+  };
+}
+
+Started Transport::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = native_op(op);
+  opts.timeout = timeout_;
+  Started started{native_->allreduce(tensors, opts), nullptr};
+  if (op == ReduceOp::kAvg && kind_ == Kind::kGloo) started.finish = average(tensors);
+  return started;
+}
+
+Started Transport::broadcast(std::vector<at::Tensor>& tensors, int root) {
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = timeout_;
+  return {native_->broadcast(tensors, opts), nullptr};
+}
+
+Started Transport::allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+  std::vector<std::vector<at::Tensor>> nested{outputs};
+  std::vector<at::Tensor> inputs{input};
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  return {native_->allgather(nested, inputs, opts), nullptr};
+}
+
+Started Transport::allgather_into(at::Tensor& output, const at::Tensor& input) {
+  c10d::AllgatherOptions opts;
+  opts.timeout = timeout_;
+  at::Tensor in = input;
+  if (kind_ == Kind::kNccl) return {native_->_allgather_base(output, in, opts), nullptr};
+  // Gloo in 1.13 has no all-gather into one tensor; its list form writes into views of it.
+  std::vector<at::Tensor> views;
+  const int64_t n = input.numel();
+  for (int r = 0; r < world_size_; ++r) views.push_back(output.view({-1}).narrow(0, r * n, n).view_as(input));
+  return allgather(views, input);
+}
+
+Started Transport::reduce_scatter_by_allreduce(at::Tensor& output, at::Tensor flat, ReduceOp op) {
+  std::vector<at::Tensor> tensors{flat};
+  Started started = allreduce(tensors, op == ReduceOp::kAvg ? ReduceOp::kSum : op);
+  const int64_t n = output.numel();
+  started.finish = [output, flat, n, rank = rank_, op, world = world_size_]() mutable {
+    auto mine = flat.narrow(0, rank * n, n).view_as(output);
+    if (op == ReduceOp::kAvg) mine = mine.div(static_cast<double>(world));
+    output.copy_(mine);
+  };
+  return started;
+}
+
+Started Transport::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                                  ReduceOp op) {
+  if (kind_ == Kind::kNccl) {
+    std::vector<at::Tensor> outputs{output};
+    std::vector<std::vector<at::Tensor>> nested{inputs};
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = native_op(op);
+    opts.timeout = timeout_;
+    return {native_->reduce_scatter(outputs, nested, opts), nullptr};
+  }
+  std::vector<at::Tensor> flats;
+  for (const auto& t : inputs) flats.push_back(t.reshape({-1}));
+  return reduce_scatter_by_allreduce(output, at::cat(flats), op);
+}
+
+Started Transport::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input,
+                                         ReduceOp op) {
+  if (kind_ == Kind::kNccl) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = native_op(op);
+    opts.timeout = timeout_;
+    at::Tensor in = input;
+    return {native_->_reduce_scatter_base(output, in, opts), nullptr};
+  }
+  // A copy: the all-reduce runs in place and the caller's input stays as it was.
+  return reduce_scatter_by_allreduce(output, input.reshape({-1}).clone(), op);
+}
+
+Started Transport::all_to_all(at::Tensor& output, const at::Tensor& input,
+                              std::vector<int64_t> output_splits,
+                              std::vector<int64_t> input_splits) {
+  c10d::AllToAllOptions opts;
+  opts.timeout = timeout_;
+  at::Tensor in = input;
+  return {native_->alltoall_base(output, in, output_splits, input_splits, opts), nullptr};
+}
+
+Started Transport::send(const at::Tensor& tensor, int peer, int tag) {
+  // Gloo sends from host memory: a CUDA tensor goes through a host copy.
+  std::vector<at::Tensor> tensors{kind_ == Kind::kGloo && !tensor.is_cpu() ? tensor.cpu() : tensor};
+  return {native_->send(tensors, peer, tag), nullptr};
+}
+
+Started Transport::recv(at::Tensor& tensor, int peer, int tag) {
+  if (kind_ == Kind::kGloo && !tensor.is_cpu()) {
+    std::vector<at::Tensor> host{at::empty(tensor.sizes(), tensor.options().device(c10::kCPU))};
+    Started started{native_->recv(host, peer, tag), nullptr};
+    started.finish = [tensor, staged = host[0]]() mutable { tensor.copy_(staged); };
+    return started;
+  }
+  std::vector<at::Tensor> tensors{tensor};
+  return {native_->recv(tensors, peer, tag), nullptr};
+}
+
+Started Transport::barrier() {
+  c10d::BarrierOptions opts;
+  opts.timeout = timeout_;
+  return {native_->barrier(opts), nullptr};
+}
+
+std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int world_size,
+                                               const ProcessGroupOptions& options) {
+  auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
+  try {
+    gloo_options->devices.push_back(
+        c10d::ProcessGroupGloo::createDeviceForHostname(options.interface_address));
+  } catch (const std::exception& e) {
+    throw UsageError("process group: cannot use interface address '" +
+                     options.interface_address + "': " + e.what() +
+                     " (give an address of this host)");
+  }
+  gloo_options->threads = std::max(1, options.threads);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gloo", store);
+  auto native = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, gloo_options);
+  return std::make_unique<Transport>(Transport::Kind::kGloo, std::move(native), rank, world_size,
+                                     options.timeout);
+}
+
+bool nccl_available() {
+#ifdef COHORT_WITH_NCCL
+  return true;
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int world_size,
+                                               const ProcessGroupOptions& options) {
+#ifdef COHORT_WITH_NCCL
+  // A NCCL collective that a dead peer leaves waiting is aborted by c10d's watchdog at the
+  // group's timeout, and the process exits, so the driver or launcher sees the failure and
+  // restarts the group: it never waits past the timeout.
+  ::setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", /*overwrite=*/0);
+  auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
+  nccl_options->timeout = options.timeout;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("nccl", store);
+  auto native = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, world_size, nccl_options);
+  return std::make_unique<Transport>(Transport::Kind::kNccl, std::move(native), rank, world_size,
+                                     options.timeout);
+#else
+  (void)store;
+  (void)rank;
+  (void)world_size;
+  (void)options;
+  require_nccl();
+  return nullptr;
+#endif
+}
+
+void require_nccl() {
+  if (nccl_available()) return;
+  throw UsageError(
+      "process group: this libtorch has no NCCL (a CPU build, or a CUDA build without c10d's "
+      "NCCL group): use Backend::kGloo (--backend gloo), or build cohort against a CUDA libtorch");
+}
+
+}  // namespace cohort::comm

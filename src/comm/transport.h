@@ -1,0 +1,77 @@
+// The transports under a ProcessGroup (private to comm/): one c10d group each over the group's
+// ranks, Gloo for CPU tensors (and CUDA ones through Gloo's CUDA path), NCCL for CUDA tensors.
+// What a transport's c10d group lacks is built here from what it has, so ProcessGroup offers
+// the same collectives on every transport and every libtorch line.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/core/DeviceType.h>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/process_group.h"
+#include "comm/c10d_compat.h"
+
+namespace cohort::comm {
+
+// A collective a transport started: the native work, and what is left to do once it completed
+// (Gloo has no average; a built-up collective copies its result out).
+struct Started {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;
+};
+
+class Transport {
+ public:
+  enum class Kind { kGloo, kNccl };
+  Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank, int world_size,
+            std::chrono::milliseconds timeout);
+  Transport(const Transport&) = delete;
+  Transport& operator=(const Transport&) = delete;
+
+  Kind kind() const { return kind_; }
+  const char* name() const { return kind_ == Kind::kGloo ? "gloo" : "nccl"; }
+
+  Started allreduce(std::vector<at::Tensor>& tensors, ReduceOp op);
+  Started broadcast(std::vector<at::Tensor>& tensors, int root);
+  Started allgather(std::vector<at::Tensor>& outputs, const at::Tensor& input);
+  Started allgather_into(at::Tensor& output, const at::Tensor& input);
+  Started reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op);
+  Started reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op);
+  Started all_to_all(at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_splits,
+                     std::vector<int64_t> input_splits);
+  Started send(const at::Tensor& tensor, int peer, int tag);
+  Started recv(at::Tensor& tensor, int peer, int tag);
+  Started barrier();
+
+ private:
+  // Reduce-scatter as an all-reduce of a flat copy, of which each rank keeps its part: Gloo
+  // has no reduce-scatter in libtorch 1.13, and one path on every line keeps it tested.
+  Started reduce_scatter_by_allreduce(at::Tensor& output, at::Tensor flat, ReduceOp op);
+  std::function<void()> average(std::vector<at::Tensor> tensors) const;
+  c10d::ReduceOp native_op(ReduceOp op) const;
+
+  Kind kind_;
+  c10::intrusive_ptr<NativeGroup> native_;
+  int rank_;
+  int world_size_;
+  std::chrono::milliseconds timeout_;
+};
+
+// Gloo over `store` (whose keys it prefixes itself) on options.interface_address.
+std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int world_size,
+                                               const ProcessGroupOptions& options);
+// A UsageError when this libtorch has no NCCL (nccl_available()).
+void require_nccl();
+// NCCL; a UsageError when this libtorch has none.
+std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int world_size,
+                                               const ProcessGroupOptions& options);
+
+}  // namespace cohort::comm
