@@ -33,7 +33,8 @@ void bench_loop(const cohort::Json& config) {
   model->forward(torch::randn({2, 1, 28, 28})).sum().backward();
   optimizer.step();  // Adam now holds its moment estimates
   const int rounds = config["rounds"].get<int>();
-  const auto scratch = std::filesystem::temp_directory_path() / ("cohort-ckpt-bench-" + std::to_string(::getpid()));
+  const auto scratch =
+      std::filesystem::temp_directory_path() / ("cohort-ckpt-bench-" + std::to_string(::getpid()));
   double save = 0, report = 0, verify = 0, load = 0, copy = 0;
   uintmax_t bytes = 0;
   for (int r = 0; r < rounds; ++r) {
@@ -47,7 +48,8 @@ void bench_loop(const cohort::Json& config) {
       std::filesystem::copy_file(scratch / name, scratch / (std::string(name) + ".copy"));
     }
     copy += seconds_since(start);
-    for (const auto& name : {"model.safetensors", "optimizer.pt"}) std::filesystem::remove(scratch / (std::string(name) + ".copy"));
+    for (const auto& name : {"model.safetensors", "optimizer.pt"})
+      std::filesystem::remove(scratch / (std::string(name) + ".copy"));
 
     start = Clock::now();
     cohort::train::report({{"round", r}}, checkpoint);
@@ -56,8 +58,10 @@ void bench_loop(const cohort::Json& config) {
   }
   // The run's latest checkpoint, as a resuming worker would find it.
   std::filesystem::path newest;
-  for (const auto& e : std::filesystem::directory_iterator(cohort::train::get_context().get_storage_path())) {
-    if (e.path().filename().string().rfind("checkpoint_0", 0) == 0 && e.path() > newest) newest = e.path();
+  for (const auto& e :
+       std::filesystem::directory_iterator(cohort::train::get_context().get_storage_path())) {
+    if (e.path().filename().string().rfind("checkpoint_0", 0) == 0 && e.path() > newest)
+      newest = e.path();
   }
   for (int r = 0; r < rounds; ++r) {
     auto start = Clock::now();
@@ -84,9 +88,10 @@ void bench_loop(const cohort::Json& config) {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 5;
-  cohort::Trainer trainer(bench_loop, {.num_workers = 1},
-                          {.name = "checkpoint_speed", .storage_path = "/tmp/cohort_bench", .resume = false},
-                          {{"rounds", rounds}});
+  cohort::Trainer trainer(
+      bench_loop, {.num_workers = 1},
+      {.name = "checkpoint_speed", .storage_path = "/tmp/cohort_bench", .resume = false},
+      {{"rounds", rounds}});
   auto result = trainer.fit();
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << std::endl;

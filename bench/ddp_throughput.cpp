@@ -57,7 +57,8 @@ void bench_loop(const cohort::Json& c) {
   const double wait = ddp ? cohort::train::get_ddp(model).stats().wait_seconds - wait_before : 0;
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
-  auto mine = torch::tensor({samples / seconds, seconds, wait, usage.ru_maxrss / 1024.0}, torch::kDouble);
+  auto mine =
+      torch::tensor({samples / seconds, seconds, wait, usage.ru_maxrss / 1024.0}, torch::kDouble);
   auto all = ctx.get_process_group().allgather(mine);
   double total_rate = 0, slowest = 0, wait_fraction = 0, rss = 0;
   cohort::Json ranks = cohort::Json::array();
@@ -88,7 +89,8 @@ int main(int argc, char** argv) {
   int workers = 2, threads = 1;
   int64_t batch = 64, steps = 200, warmup = 20;
   double bucket_cap_mb = 25, first_bucket_cap_mb = 1;
-  app.add_option("--mode", mode, "ddp or independent")->check(CLI::IsMember({"ddp", "independent"}));
+  app.add_option("--mode", mode, "ddp or independent")
+      ->check(CLI::IsMember({"ddp", "independent"}));
   app.add_option("--model", model);
   app.add_option("--workers", workers);
   app.add_option("--threads", threads);
@@ -100,12 +102,18 @@ int main(int argc, char** argv) {
   app.add_option("--first-bucket-cap-mb", first_bucket_cap_mb);
   app.add_option("--hook", hook)->check(CLI::IsMember({"none", "fp16", "bf16"}));
   CLI11_PARSE(app, argc, argv);
-  cohort::Trainer trainer(bench_loop,
-                          {.num_workers = workers, .resources_per_worker = {.cpu_threads = threads}},
-                          {.name = "ddp_throughput", .storage_path = "/tmp/cohort_bench", .verbose = 0},
-                          {{"mode", mode}, {"model", model}, {"batch_size", batch}, {"steps", steps},
-                           {"warmup", warmup}, {"data_dir", data_dir}, {"bucket_cap_mb", bucket_cap_mb},
-                           {"first_bucket_cap_mb", first_bucket_cap_mb}, {"hook", hook}});
+  cohort::Trainer trainer(
+      bench_loop, {.num_workers = workers, .resources_per_worker = {.cpu_threads = threads}},
+      {.name = "ddp_throughput", .storage_path = "/tmp/cohort_bench", .verbose = 0},
+      {{"mode", mode},
+       {"model", model},
+       {"batch_size", batch},
+       {"steps", steps},
+       {"warmup", warmup},
+       {"data_dir", data_dir},
+       {"bucket_cap_mb", bucket_cap_mb},
+       {"first_bucket_cap_mb", first_bucket_cap_mb},
+       {"hook", hook}});
   auto result = trainer.fit();
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << std::endl;

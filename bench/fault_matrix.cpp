@@ -62,7 +62,8 @@ void loop(const cohort::Json& c) {
     if (at_fault && fault == "commit_crash" && inject_now()) std::raise(SIGKILL);
     if (at_fault && fault == "throw" && inject_now()) throw std::runtime_error("injected failure");
     std::optional<cohort::Checkpoint> checkpoint;
-    const auto tmp = std::filesystem::temp_directory_path() / ("cohort-fm-" + std::to_string(::getpid()));
+    const auto tmp =
+        std::filesystem::temp_directory_path() / ("cohort-fm-" + std::to_string(::getpid()));
     if (ctx.get_world_rank() == 0 && step % every == every - 1) {
       checkpoint = cohort::train::save_checkpoint(tmp, *model, optimizer);
     }
@@ -99,8 +100,8 @@ int main(int argc, char** argv) {
   if (cohort::runtime::is_spawned_worker()) cohort::Trainer(loop).fit();
   const std::string root = "/tmp/cohort_fault_matrix";
   std::mt19937_64 rng(seed);
-  std::printf("%-13s %5s %9s %13s %12s %13s %10s %9s\n", "fault", "runs", "recovered", "detect_med_s",
-              "detect_max_s", "recover_med_s", "lost_med", "lost_max");
+  std::printf("%-13s %5s %9s %13s %12s %13s %10s %9s\n", "fault", "runs", "recovered",
+              "detect_med_s", "detect_max_s", "recover_med_s", "lost_med", "lost_max");
   for (const auto& kind : kinds) {
     std::vector<double> detect, recover, lost;
     int recovered = 0;
@@ -109,14 +110,18 @@ int main(int argc, char** argv) {
       const int step = 1 + static_cast<int>(rng() % static_cast<uint64_t>(steps - 3));
       const std::string name = kind + "_" + std::to_string(r);
       std::filesystem::remove_all(std::filesystem::path(root) / name);
-      cohort::Trainer trainer(
-          loop, {.num_workers = 2},
-          {.name = name,
-           .storage_path = root,
-           .failure_config = {.max_failures = 1,
-                              .heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_s * 1000))},
-           .verbose = 0},
-          {{"fault", kind}, {"fault_rank", rank}, {"fault_step", step}, {"steps", steps}, {"checkpoint_every", every}});
+      cohort::Trainer trainer(loop, {.num_workers = 2},
+                              {.name = name,
+                               .storage_path = root,
+                               .failure_config = {.max_failures = 1,
+                                                  .heartbeat_timeout = std::chrono::milliseconds(
+                                                      static_cast<int64_t>(heartbeat_s * 1000))},
+                               .verbose = 0},
+                              {{"fault", kind},
+                               {"fault_rank", rank},
+                               {"fault_step", step},
+                               {"steps", steps},
+                               {"checkpoint_every", every}});
       const double started = now_s();
       const auto result = trainer.fit();
       if (!result.ok() || result.failures.size() != 1) continue;
@@ -129,8 +134,10 @@ int main(int argc, char** argv) {
       // Steps done before the fault (through `step`) that the restart had to do again.
       lost.push_back(step + 1 - result.metrics["resumed_at"].get<double>());
     }
-    std::printf("%-13s %5d %9d %13.2f %12.2f %13.2f %10.0f %9.0f\n", kind.c_str(), runs, recovered, median(detect),
-                detect.empty() ? 0.0 : *std::max_element(detect.begin(), detect.end()), median(recover), median(lost),
+    std::printf("%-13s %5d %9d %13.2f %12.2f %13.2f %10.0f %9.0f\n", kind.c_str(), runs, recovered,
+                median(detect),
+                detect.empty() ? 0.0 : *std::max_element(detect.begin(), detect.end()),
+                median(recover), median(lost),
                 lost.empty() ? 0.0 : *std::max_element(lost.begin(), lost.end()));
   }
   return 0;

@@ -9,8 +9,10 @@
 
 struct CNN : torch::nn::Module {
   CNN() {
-    conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
-    conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
+    conv1 =
+        register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
+    conv2 =
+        register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
     fc1 = register_module("fc1", torch::nn::Linear(64 * 7 * 7, 128));
     fc2 = register_module("fc2", torch::nn::Linear(128, 10));
   }
@@ -26,13 +28,15 @@ struct CNN : torch::nn::Module {
 
 void train_loop_per_worker(const cohort::Json& config) {
   auto model = cohort::train::prepare_model(std::make_shared<CNN>());
-  torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(config["lr"].get<double>()));
+  torch::optim::SGD optimizer(model->parameters(),
+                              torch::optim::SGDOptions(config["lr"].get<double>()));
   const std::string dir = config["data_dir"];
   auto train_loader = cohort::train::prepare_data_loader(
       cohort::data::load_mnist(dir, cohort::data::Split::kTrain),
       {.batch_size = config["batch_size"].get<int64_t>(), .shuffle = true});
-  auto test_loader = cohort::train::prepare_data_loader(cohort::data::load_mnist(dir, cohort::data::Split::kTest),
-                                                        {.batch_size = 1000, .shuffle = false, .equal_shards = false});
+  auto test_loader = cohort::train::prepare_data_loader(
+      cohort::data::load_mnist(dir, cohort::data::Split::kTest),
+      {.batch_size = 1000, .shuffle = false, .equal_shards = false});
   const int64_t max_steps = config["max_steps"].get<int64_t>();
   for (int epoch = 0; epoch < config["epochs"].get<int>(); ++epoch) {
     train_loader.set_epoch(epoch);
@@ -55,7 +59,8 @@ void train_loop_per_worker(const cohort::Json& config) {
     }
     std::vector<at::Tensor> counts{torch::tensor({correct, total}, torch::kDouble)};
     cohort::train::get_context().get_process_group().allreduce(counts);
-    cohort::train::report({{"epoch", epoch}, {"accuracy", (counts[0][0] / counts[0][1]).item<double>()}});
+    cohort::train::report(
+        {{"epoch", epoch}, {"accuracy", (counts[0][0] / counts[0][1]).item<double>()}});
   }
 }
 
@@ -76,7 +81,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   cohort::Trainer trainer(train_loop_per_worker, {.num_workers = workers},
                           {.name = "mnist_cnn", .storage_path = storage, .resume = false},
-                          {{"lr", lr}, {"batch_size", batch_size}, {"epochs", epochs}, {"max_steps", max_steps},
+                          {{"lr", lr},
+                           {"batch_size", batch_size},
+                           {"epochs", epochs},
+                           {"max_steps", max_steps},
                            {"data_dir", data_dir}});
   cohort::Result result = trainer.fit();
   if (!result.ok()) {

@@ -62,7 +62,8 @@ void train_loop(const cohort::Json& config) {
     cohort::Json metrics{{"acc", acc}, {"epoch", epoch}};
     // Rank 0 writes the checkpoint; every rank reports.
     if (ctx.get_world_rank() == 0) {
-      const auto tmp = std::filesystem::temp_directory_path() / ("resnet18-" + std::to_string(::getpid()));
+      const auto tmp =
+          std::filesystem::temp_directory_path() / ("resnet18-" + std::to_string(::getpid()));
       cohort::train::report(metrics, cohort::train::save_checkpoint(tmp, *model, optimizer));
       std::filesystem::remove_all(tmp);
       std::cout << metrics.dump() << std::endl;
@@ -85,12 +86,15 @@ int main(int argc, char** argv) {
   app.add_option("--data-dir", data_dir);
   app.add_option("--storage-path", storage);
   CLI11_PARSE(app, argc, argv);
-  cohort::Trainer trainer(train_loop, {.num_workers = workers, .resources_per_worker = {.cpu_threads = threads}},
-                          {.name = "exp_fashionmnist_resnet18",
-                           .storage_path = storage,
-                           .checkpoint_config = {.num_to_keep = 2, .checkpoint_score_attribute = "acc"}},
-                          {{"batch_size", batch_size}, {"epochs", epochs}, {"max_steps", max_steps},
-                           {"data_dir", data_dir}});
+  cohort::Trainer trainer(
+      train_loop, {.num_workers = workers, .resources_per_worker = {.cpu_threads = threads}},
+      {.name = "exp_fashionmnist_resnet18",
+       .storage_path = storage,
+       .checkpoint_config = {.num_to_keep = 2, .checkpoint_score_attribute = "acc"}},
+      {{"batch_size", batch_size},
+       {"epochs", epochs},
+       {"max_steps", max_steps},
+       {"data_dir", data_dir}});
   cohort::Result result = trainer.fit();
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << std::endl;
@@ -98,7 +102,9 @@ int main(int argc, char** argv) {
   }
   std::cout << "acc " << result.metrics["acc"] << " after epoch " << result.metrics["epoch"] << ", "
             << result.wall_seconds << " s; best checkpoint "
-            << (result.best_checkpoints.empty() ? "none" : result.best_checkpoints.front().first.path().string())
+            << (result.best_checkpoints.empty()
+                    ? "none"
+                    : result.best_checkpoints.front().first.path().string())
             << std::endl;
   return 0;
 }

@@ -12,9 +12,11 @@
 
 struct TwoBlockNN : torch::nn::Module {
   TwoBlockNN(c10::Device first, c10::Device second) : first_device(first), second_device(second) {
-    block1 = register_module("block1", torch::nn::Sequential(torch::nn::Linear(10, 20), torch::nn::ReLU(),
-                                                             torch::nn::Linear(20, 50)));
-    block2 = register_module("block2", torch::nn::Sequential(torch::nn::ReLU(), torch::nn::Linear(50, 1)));
+    block1 = register_module("block1",
+                             torch::nn::Sequential(torch::nn::Linear(10, 20), torch::nn::ReLU(),
+                                                   torch::nn::Linear(20, 50)));
+    block2 = register_module("block2",
+                             torch::nn::Sequential(torch::nn::ReLU(), torch::nn::Linear(50, 1)));
     block1->to(first_device);
     block2->to(second_device);
   }
@@ -28,9 +30,11 @@ struct TwoBlockNN : torch::nn::Module {
 
 void train_loop(const cohort::Json& config) {
   auto& ctx = cohort::train::get_context();
-  const bool two_gpus = torch::cuda::device_count() >= static_cast<size_t>(2 * ctx.get_local_world_size());
-  const c10::Device first = two_gpus ? c10::Device(c10::kCUDA, 2 * ctx.get_local_rank()) : c10::Device(c10::kCPU);
-  const c10::Device second = two_gpus ? c10::Device(c10::kCUDA, 2 * ctx.get_local_rank() + 1) : c10::Device(c10::kCPU);
+  // With GPUs, the worker's two (it sees its own as cuda:0 and cuda:1); else the CPU twice.
+  const c10::Device first = ctx.get_device();
+  const c10::Device second =
+      first.is_cuda() ? c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(first.index() + 1))
+                      : first;
   torch::manual_seed(0);
   auto model = std::make_shared<TwoBlockNN>(first, second);
   // The blocks already sit where they belong: DDP only synchronises their gradients.
@@ -53,20 +57,29 @@ void train_loop(const cohort::Json& config) {
       if (ctx.get_world_rank() == 0) std::cout << "Output shape: " << output.sizes() << std::endl;
     }
   }
-  cohort::train::report({{"first_loss", first_loss}, {"loss", loss_value},
+  cohort::train::report({{"first_loss", first_loss},
+                         {"loss", loss_value},
                          {"devices", first.str() + "," + second.str()}});
 }
 
 int main(int argc, char** argv) {
-  CLI::App app{"Seed 001: the two-block model, its blocks on two devices, data-parallel over workers"};
+  CLI::App app{
+      "Seed 001: the two-block model, its blocks on two devices, data-parallel over workers"};
   int workers = 2, steps = 200;
   std::string storage = "./cohort_results";
   app.add_option("--workers", workers);
   app.add_option("--steps", steps);
   app.add_option("--storage-path", storage);
   CLI11_PARSE(app, argc, argv);
-  cohort::Trainer trainer(train_loop, {.num_workers = workers},
-                          {.name = "two_block_model", .storage_path = storage, .resume = false}, {{"steps", steps}});
+  // Two GPUs per worker where the node has them. Only the driver's view counts: each worker then
+  // sees just its own two, from the driver.
+  const bool two_gpus = cohort::runtime::visible_gpus().size() >= static_cast<size_t>(2 * workers);
+  cohort::Trainer trainer(train_loop,
+                          {.num_workers = workers,
+                           .use_gpu = two_gpus,
+                           .resources_per_worker = {.gpus = two_gpus ? 2 : 0}},
+                          {.name = "two_block_model", .storage_path = storage, .resume = false},
+                          {{"steps", steps}});
   cohort::Result result = trainer.fit();
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << std::endl;

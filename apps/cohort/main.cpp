@@ -28,7 +28,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    if (train_cmd->parsed()) return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
+    if (train_cmd->parsed())
+      return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
     if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
   } catch (const cohort::UsageError& e) {

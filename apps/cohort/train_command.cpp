@@ -15,12 +15,14 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
 
 int run_train_command(TrainOptions o, bool workers_given) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
-  if (auto launch = runtime::detect_launch(); launch && !workers_given) o.workers = launch->world_size;
+  if (auto launch = runtime::detect_launch(); launch && !workers_given)
+    o.workers = launch->world_size;
   validate(o);
   Trainer trainer(train_loop, scaling_of(o), run_config_of(o), to_json(o), datasets_of(o));
   Result result = trainer.fit();
   if (!result.ok()) {
-    std::cerr << "error: " << *result.error << "\n(logs: " << (result.path / "logs").string() << ")\n";
+    std::cerr << "error: " << *result.error << "\n(logs: " << (result.path / "logs").string()
+              << ")\n";
     return 1;
   }
   const auto& m = result.metrics;

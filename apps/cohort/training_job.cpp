@@ -65,7 +65,8 @@ void report_with_checkpoint(const Json& metrics, const models::ImageClassifierIm
     train::report(metrics);
     return;
   }
-  const auto dir = std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
   train::report(metrics, train::save_checkpoint(dir, model, optimizer));
   std::filesystem::remove_all(dir);
 }
@@ -82,8 +83,9 @@ void validate(const TrainOptions& o) {
   }
   if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
   if (o.min_workers < 0 || o.min_workers > o.workers) {
-    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " must be between 1 and --workers " +
-                     std::to_string(o.workers) + " (0: a fixed-size group)");
+    throw UsageError("--min-workers " + std::to_string(o.min_workers) +
+                     " must be between 1 and --workers " + std::to_string(o.workers) +
+                     " (0: a fixed-size group)");
   }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
   comm::backend_from_string(o.backend);
@@ -102,16 +104,16 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
-  if (o.data_workers < -1) throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
+  if (o.data_workers < -1)
+    throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   const auto dir = data_dir_of(o);
   data::check_mnist_dir(dir);
-  int64_t train_size =
-      data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
-                            ? dir / "train-labels-idx1-ubyte"
-                            : dir / "train-labels-idx1-ubyte.gz")
-          .shape[0];
+  int64_t train_size = data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
+                                             ? dir / "train-labels-idx1-ubyte"
+                                             : dir / "train-labels-idx1-ubyte.gz")
+                           .shape[0];
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
   const int64_t shard = train_size / o.workers;
   if (o.batch_size > shard) {
@@ -126,26 +128,27 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
   auto train = data::Dataset::from_mnist(data_dir_of(o), data::Split::kTrain);
   if (o.train_examples > 0) train = train.limit(o.train_examples);
   data::MnistOptions stats;
-  return {{"train", train.random_shuffle(o.seed)
-                        .map_batches(data::Normalize{.mean = {stats.mean}, .std = {stats.std}},
-                                     {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
+  return {{"train", train.random_shuffle(o.seed).map_batches(
+                        data::Normalize{.mean = {stats.mean}, .std = {stats.std}},
+                        {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
 }
 
 Json to_json(const TrainOptions& o) {
-  return Json{{"model", o.model},       {"data_dir", data_dir_of(o).string()},
-              {"epochs", o.epochs},     {"batch_size", o.batch_size},
+  return Json{{"model", o.model},         {"data_dir", data_dir_of(o).string()},
+              {"epochs", o.epochs},       {"batch_size", o.batch_size},
               {"optimizer", o.optimizer}, {"lr", o.lr},
-              {"momentum", o.momentum}, {"seed", o.seed},
+              {"momentum", o.momentum},   {"seed", o.seed},
               {"max_steps", o.max_steps}, {"train_examples", o.train_examples}};
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
-  return ScalingConfig{.num_workers = o.workers,
-                       .min_workers = o.min_workers,
-                       .use_gpu = o.use_gpu,
-                       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
-                       .backend = o.backend,
-                       .on_world_size_change = train::linear_lr_scaling};
+  return ScalingConfig{
+      .num_workers = o.workers,
+      .min_workers = o.min_workers,
+      .use_gpu = o.use_gpu,
+      .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
+      .backend = o.backend,
+      .on_world_size_change = train::linear_lr_scaling};
 }
 
 RunConfig run_config_of(const TrainOptions& o) {
@@ -174,16 +177,18 @@ void train_loop(const Json& c) {
     const auto metrics = checkpoint->metrics();
     start_epoch = metrics.value("epoch", 0);
     steps = metrics.value("steps", int64_t{0});
-    if (rank0) std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string() << std::endl;
+    if (rank0)
+      std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string()
+                << std::endl;
   }
   train::prepare_model(model);
   // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
   const int64_t batch_size = c["batch_size"].get<int64_t>();
-  auto test_loader = train::prepare_data_loader(
-      data::load_mnist(dir, data::Split::kTest),
-      {.batch_size = 500, .shuffle = false, .equal_shards = false});
+  auto test_loader =
+      train::prepare_data_loader(data::load_mnist(dir, data::Split::kTest),
+                                 {.batch_size = 500, .shuffle = false, .equal_shards = false});
 
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
@@ -200,7 +205,8 @@ void train_loop(const Json& c) {
     const int64_t total = (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
     int64_t step_in_epoch = 0;
     auto segment_start = Clock::now();
-    for (auto& batch : train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
+    for (auto& batch :
+         train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
       const auto& target = batch["label"];
       optimizer->zero_grad();
       auto loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
@@ -213,49 +219,56 @@ void train_loop(const Json& c) {
       ++loss_count;
       const auto now = Clock::now();
       if (steps == first_step + 1) {
-        time_to_first_step =
-            std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
-                .count();
-        if (rank0) std::cout << "first training step done " << time_to_first_step << " s after start" << std::endl;
+        time_to_first_step = std::chrono::duration<double>(std::chrono::system_clock::now() -
+                                                           ctx.get_run_start_time())
+                                 .count();
+        if (rank0)
+          std::cout << "first training step done " << time_to_first_step << " s after start"
+                    << std::endl;
       }
       if (steps > first_step + kWarmupSteps) {
         timed_seconds += std::chrono::duration<double>(now - segment_start).count();
         timed_samples += target.size(0) * ctx.get_world_size();
       }
       segment_start = now;
-      train::report_progress({{"label", label},
-                              {"step", step_in_epoch},
-                              {"total", total},
-                              {"loss", loss_sum / loss_count},
-                              {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds
-                                                                  : 0.0}});
+      train::report_progress(
+          {{"label", label},
+           {"step", step_in_epoch},
+           {"total", total},
+           {"loss", loss_sum / loss_count},
+           {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
       if (max_steps > 0 && steps >= max_steps) break;
     }
     // The epoch's mean training loss over all ranks.
-    std::vector<at::Tensor> loss_stats{torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
+    std::vector<at::Tensor> loss_stats{
+        torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
     ctx.get_process_group().allreduce(loss_stats);
     const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
     const auto eval = evaluate(*model, test_loader);
     const double elapsed =
-        std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time()).count();
+        std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
+            .count();
     const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
     // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
     double checksum = 0;
-    for (const auto& p : model->parameters()) checksum += p.detach().to(torch::kDouble).sum().item<double>();
-    const auto checksums = ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
+    for (const auto& p : model->parameters())
+      checksum += p.detach().to(torch::kDouble).sum().item<double>();
+    const auto checksums =
+        ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
     const auto all = torch::cat(checksums);
-    report_with_checkpoint({{"epoch", epoch + 1},
-                            {"replica_spread", (all.max() - all.min()).item<double>()},
-                            {"world_size", ctx.get_world_size()},
-                            {"epochs", epoch + 1},
-                            {"steps", steps},
-                            {"train_loss", train_loss},
-                            {"test_loss", eval.loss},
-                            {"test_accuracy", eval.accuracy},
-                            {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
-                            {"elapsed_s", elapsed},
-                            {"time_to_first_step_s", time_to_first_step}},
-                           *model, *optimizer);
+    report_with_checkpoint(
+        {{"epoch", epoch + 1},
+         {"replica_spread", (all.max() - all.min()).item<double>()},
+         {"world_size", ctx.get_world_size()},
+         {"epochs", epoch + 1},
+         {"steps", steps},
+         {"train_loss", train_loss},
+         {"test_loss", eval.loss},
+         {"test_accuracy", eval.accuracy},
+         {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
+         {"elapsed_s", elapsed},
+         {"time_to_first_step_s", time_to_first_step}},
+        *model, *optimizer);
     if (last) break;
   }
 }
@@ -267,38 +280,48 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "folder with the four IDX files (default for fashion-mnist: " +
                       data::default_fashion_mnist_dir().string() + ")");
   cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
-  cmd->add_option("--min-workers", o.min_workers,
-                  "elastic: after a failure restart with as few as this many workers (the lr scaled "
-                  "linearly), growing back when slots are free; 0: always --workers")
+  cmd->add_option(
+         "--min-workers", o.min_workers,
+         "elastic: after a failure restart with as few as this many workers (the lr scaled "
+         "linearly), growing back when slots are free; 0: always --workers")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
-  cmd->add_flag("--use-gpu", o.use_gpu, "train on GPUs: each worker gets its own (CUDA_VISIBLE_DEVICES)");
-  cmd->add_option("--gpus-per-worker", o.gpus_per_worker, "GPUs of each worker with --use-gpu (0: 1)")
+  cmd->add_flag("--use-gpu", o.use_gpu,
+                "train on GPUs: each worker gets its own (CUDA_VISIBLE_DEVICES)");
+  cmd->add_option("--gpus-per-worker", o.gpus_per_worker,
+                  "GPUs of each worker with --use-gpu (0: 1)")
       ->capture_default_str();
-  cmd->add_option("--backend", o.backend,
-                  "collectives: auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo (also for CUDA "
-                  "tensors, e.g. workers sharing a GPU) or nccl")
+  cmd->add_option(
+         "--backend", o.backend,
+         "collectives: auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo (also for CUDA "
+         "tensors, e.g. workers sharing a GPU) or nccl")
       ->capture_default_str();
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
-  cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")->capture_default_str();
+  cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
+      ->capture_default_str();
   cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")->capture_default_str();
   cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
       ->capture_default_str();
-  cmd->add_option("--train-examples", o.train_examples, "train on the first N examples only (0: all)")
+  cmd->add_option("--train-examples", o.train_examples,
+                  "train on the first N examples only (0: all)")
       ->capture_default_str();
-  cmd->add_option("--data-workers", o.data_workers,
-                  "preprocessing processes per worker for the training data (0: the worker's own prefetch "
-                  "thread; -1: one per CPU the workers leave free)")
+  cmd->add_option(
+         "--data-workers", o.data_workers,
+         "preprocessing processes per worker for the training data (0: the worker's own prefetch "
+         "thread; -1: one per CPU the workers leave free)")
       ->capture_default_str();
-  cmd->add_option("--storage-path", o.storage_path, "where run directories go")->capture_default_str();
+  cmd->add_option("--storage-path", o.storage_path, "where run directories go")
+      ->capture_default_str();
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
   cmd->add_flag("--resume,!--no-resume", o.resume,
-                "continue a run with the same --storage-path and --name from its latest checkpoint (default)");
-  cmd->add_option("--max-failures", o.max_failures,
-                  "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
+                "continue a run with the same --storage-path and --name from its latest checkpoint "
+                "(default)");
+  cmd->add_option(
+         "--max-failures", o.max_failures,
+         "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
       ->capture_default_str();
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")

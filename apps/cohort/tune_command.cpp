@@ -16,7 +16,8 @@ Json param_space_of(const TuneOptions& o) {
   for (const auto& param : o.params) {
     const auto eq = param.find('=');
     if (eq == std::string::npos || eq == 0) {
-      throw UsageError("--param '" + param + "' must be NAME=DOMAIN, such as lr=loguniform:1e-4:1e-1");
+      throw UsageError("--param '" + param +
+                       "' must be NAME=DOMAIN, such as lr=loguniform:1e-4:1e-1");
     }
     const std::string name = param.substr(0, eq);
     Json domain = tune::parse_domain(param.substr(eq + 1));
@@ -32,7 +33,8 @@ Json param_space_of(const TuneOptions& o) {
       for (const auto& [key, value] : base.items()) {
         if (key != "data_dir") names += key + ", ";
       }
-      throw UsageError("--param " + name + ": not a tunable option; tunable are " + names + "workers and threads");
+      throw UsageError("--param " + name + ": not a tunable option; tunable are " + names +
+                       "workers and threads");
     }
   }
   if (space.empty()) throw UsageError("give at least one --param NAME=DOMAIN to search over");
@@ -43,12 +45,14 @@ Json param_space_of(const TuneOptions& o) {
 std::shared_ptr<tune::TrialScheduler> scheduler_of(const TuneOptions& o) {
   if (o.scheduler == "fifo") return std::make_shared<tune::FIFOScheduler>();
   if (o.scheduler == "asha") {
-    return std::make_shared<tune::ASHAScheduler>(tune::ASHAOptions{.max_t = static_cast<double>(o.job.epochs),
-                                                                   .grace_period = o.grace_period,
-                                                                   .reduction_factor = o.reduction_factor});
+    return std::make_shared<tune::ASHAScheduler>(
+        tune::ASHAOptions{.max_t = static_cast<double>(o.job.epochs),
+                          .grace_period = o.grace_period,
+                          .reduction_factor = o.reduction_factor});
   }
   if (o.scheduler == "median") {
-    return std::make_shared<tune::MedianStoppingRule>(tune::MedianStoppingOptions{.grace_period = o.grace_period});
+    return std::make_shared<tune::MedianStoppingRule>(
+        tune::MedianStoppingOptions{.grace_period = o.grace_period});
   }
   throw UsageError("unknown --scheduler '" + o.scheduler + "': choose fifo, asha or median");
 }
@@ -56,26 +60,36 @@ std::shared_ptr<tune::TrialScheduler> scheduler_of(const TuneOptions& o) {
 }  // namespace
 
 CLI::App* add_tune_command(CLI::App& app, TuneOptions& o) {
-  auto* cmd = app.add_subcommand("tune", "Search the hyperparameters of a training job (each trial a worker group)");
+  auto* cmd = app.add_subcommand(
+      "tune", "Search the hyperparameters of a training job (each trial a worker group)");
   add_training_options(cmd, o.job);
-  cmd->add_option("--param", o.params,
-                  "NAME=DOMAIN, repeatable; DOMAIN is loguniform:LO:HI, uniform:LO:HI, quniform:LO:HI:Q, "
-                  "randint:LO:HI, choice:A,B,C, grid:A,B,C or a constant; NAME a training option "
-                  "(lr, batch_size, momentum, optimizer, model, ...) or workers/threads");
-  cmd->add_option("--samples", o.samples, "trials drawn (with grid: repetitions of the grid)")->capture_default_str();
+  cmd->add_option(
+      "--param", o.params,
+      "NAME=DOMAIN, repeatable; DOMAIN is loguniform:LO:HI, uniform:LO:HI, quniform:LO:HI:Q, "
+      "randint:LO:HI, choice:A,B,C, grid:A,B,C or a constant; NAME a training option "
+      "(lr, batch_size, momentum, optimizer, model, ...) or workers/threads");
+  cmd->add_option("--samples", o.samples, "trials drawn (with grid: repetitions of the grid)")
+      ->capture_default_str();
   cmd->add_option("--scheduler", o.scheduler, "fifo, asha or median")->capture_default_str();
-  cmd->add_option("--max-concurrent", o.max_concurrent, "trials at once (0: as many as --cpus allow)")
+  cmd->add_option("--max-concurrent", o.max_concurrent,
+                  "trials at once (0: as many as --cpus allow)")
       ->capture_default_str();
-  cmd->add_option("--metric", o.metric, "the reported metric that ranks trials")->capture_default_str();
+  cmd->add_option("--metric", o.metric, "the reported metric that ranks trials")
+      ->capture_default_str();
   cmd->add_option("--mode", o.mode, "max or min")->capture_default_str();
-  cmd->add_option("--grace-period", o.grace_period, "asha/median: epochs before a trial may be stopped")
+  cmd->add_option("--grace-period", o.grace_period,
+                  "asha/median: epochs before a trial may be stopped")
       ->capture_default_str();
-  cmd->add_option("--reduction-factor", o.reduction_factor, "asha: 1/this of the trials go on at each rung")
+  cmd->add_option("--reduction-factor", o.reduction_factor,
+                  "asha: 1/this of the trials go on at each rung")
       ->capture_default_str();
-  cmd->add_option("--cpus", o.cpus, "CPU threads all running trials may use together (0: this host's)")
+  cmd->add_option("--cpus", o.cpus,
+                  "CPU threads all running trials may use together (0: this host's)")
       ->capture_default_str();
-  cmd->add_option("--time-budget", o.time_budget, "seconds; then running trials stop (0: none)")->capture_default_str();
-  cmd->add_option("--search-seed", o.search_seed, "seed of the sampling of the param space")->capture_default_str();
+  cmd->add_option("--time-budget", o.time_budget, "seconds; then running trials stop (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--search-seed", o.search_seed, "seed of the sampling of the param space")
+      ->capture_default_str();
   return cmd;
 }
 
@@ -83,26 +97,32 @@ int run_tune_command(TuneOptions o) {
   validate(o.job);
   if (o.samples < 1) throw UsageError("--samples " + std::to_string(o.samples) + " must be >= 1");
   if (o.max_concurrent < 0) throw UsageError("--max-concurrent must be >= 0 (0: no limit)");
-  if (o.mode != "max" && o.mode != "min") throw UsageError("--mode '" + o.mode + "' must be max or min");
+  if (o.mode != "max" && o.mode != "min")
+    throw UsageError("--mode '" + o.mode + "' must be max or min");
   const Json space = param_space_of(o);
   RunConfig trial_run = run_config_of(o.job);
   trial_run.name.clear();
   Trainer trainer(train_loop, scaling_of(o.job), trial_run, to_json(o.job), datasets_of(o.job));
-  const std::string name = o.job.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.name;
+  const std::string name =
+      o.job.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.name;
   const auto experiment = std::filesystem::path(o.job.storage_path) / name;
   tune::ResultGrid grid = [&] {
-    if (o.job.resume && tune::Tuner::can_restore(experiment)) return tune::Tuner::restore(experiment, trainer).fit();
-    return tune::Tuner(trainer, space,
-                       tune::TuneConfig{.metric = o.metric,
-                                        .mode = o.mode,
-                                        .num_samples = o.samples,
-                                        .max_concurrent_trials = o.max_concurrent,
-                                        .scheduler = scheduler_of(o),
-                                        .time_budget_s = o.time_budget,
-                                        .seed = o.search_seed,
-                                        .max_cpu_threads = o.cpus,
-                                        .metric_columns = {o.metric, "train_loss", "epoch", "steps"}},
-                       RunConfig{.name = name, .storage_path = o.job.storage_path, .verbose = o.job.quiet ? 0 : 1})
+    if (o.job.resume && tune::Tuner::can_restore(experiment))
+      return tune::Tuner::restore(experiment, trainer).fit();
+    return tune::Tuner(
+               trainer, space,
+               tune::TuneConfig{.metric = o.metric,
+                                .mode = o.mode,
+                                .num_samples = o.samples,
+                                .max_concurrent_trials = o.max_concurrent,
+                                .scheduler = scheduler_of(o),
+                                .time_budget_s = o.time_budget,
+                                .seed = o.search_seed,
+                                .max_cpu_threads = o.cpus,
+                                .metric_columns = {o.metric, "train_loss", "epoch", "steps"}},
+               RunConfig{.name = name,
+                         .storage_path = o.job.storage_path,
+                         .verbose = o.job.quiet ? 0 : 1})
         .fit();
   }();
   int64_t steps = 0, stopped = 0;
@@ -110,8 +130,9 @@ int run_tune_command(TuneOptions o) {
     steps += grid[i].metrics.value("steps", int64_t{0});
     stopped += grid.trials()[i].stopped_early;
   }
-  std::cout << "trials " << grid.size() << " | terminated " << grid.num_terminated() << " (stopped early " << stopped
-            << ") | errored " << grid.num_errors() << " | training steps " << steps << "\n";
+  std::cout << "trials " << grid.size() << " | terminated " << grid.num_terminated()
+            << " (stopped early " << stopped << ") | errored " << grid.num_errors()
+            << " | training steps " << steps << "\n";
   for (const auto& error : grid.errors()) std::cerr << "error: " << error << "\n";
   if (grid.num_terminated() == 0) return 1;
   try {

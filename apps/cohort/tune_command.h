@@ -9,7 +9,7 @@
 namespace cohort::cli {
 
 struct TuneOptions {
-  TrainOptions job;  // every trial's base configuration
+  TrainOptions job;                 // every trial's base configuration
   std::vector<std::string> params;  // NAME=DOMAIN, e.g. lr=loguniform:1e-4:1e-1
   int samples = 1;
   std::string scheduler = "fifo";

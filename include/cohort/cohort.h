@@ -8,21 +8,22 @@
 #include "cohort/comm/store.h"
 
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/gpus.h"
 #include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 
 #include "cohort/parallel/distributed_data_parallel.h"
 
+#include "cohort/data/block.h"
+#include "cohort/data/data_iterator.h"
 #include "cohort/data/data_loader.h"
+#include "cohort/data/dataset.h"
 #include "cohort/data/distributed_sampler.h"
 #include "cohort/data/idx.h"
 #include "cohort/data/mnist.h"
-#include "cohort/data/tensor_dataset.h"
-#include "cohort/data/block.h"
-#include "cohort/data/data_iterator.h"
-#include "cohort/data/dataset.h"
 #include "cohort/data/preprocessors.h"
+#include "cohort/data/tensor_dataset.h"
 
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"

@@ -1,8 +1,8 @@
 // What differs between the libtorch lines cohort builds against (Debian's 1.13 and 2.x), in one
 // place. Private to comm/, the only layer that includes c10d.
 #pragma once
-#include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/version.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #if TORCH_VERSION_MAJOR >= 2
 #include <torch/csrc/distributed/c10d/Backend.hpp>

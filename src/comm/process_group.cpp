@@ -1,10 +1,10 @@
 #include "cohort/comm/process_group.h"
 
+#include <ATen/ops/empty_like.h>
 #include <c10/core/Device.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #if __has_include(<gloo/common/error.h>)
 #include <gloo/common/error.h>
@@ -126,7 +126,9 @@ void Work::wait() {
 void Work::synchronize() {
   wait();
   if (state_ && state_->cuda_device) {
-    c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).getStream(*state_->cuda_device).synchronize();
+    c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA)
+        .getStream(*state_->cuda_device)
+        .synchronize();
   }
 }
 
@@ -188,7 +190,8 @@ struct ProcessGroup::State {
       throw UsageError(describe(what) + ": tensors on " + tensor.device().str() +
                        " are not supported: give CPU or CUDA tensors");
     }
-    if (options.backend == Backend::kGloo || (options.backend == Backend::kAuto && !nccl_available())) {
+    if (options.backend == Backend::kGloo ||
+        (options.backend == Backend::kAuto && !nccl_available())) {
       return *gloo;
     }
     return nccl_transport();
@@ -245,7 +248,8 @@ void check_same_kind(const std::vector<at::Tensor>& tensors, const char* what) {
   for (const auto& t : tensors) {
     if (!t.defined()) throw UsageError(std::string(what) + ": an undefined tensor was given");
     if (t.scalar_type() != tensors[0].scalar_type() || t.device() != tensors[0].device()) {
-      throw UsageError(std::string(what) + ": tensors of one call must share dtype and device (got " +
+      throw UsageError(std::string(what) +
+                       ": tensors of one call must share dtype and device (got " +
                        std::string(c10::toString(tensors[0].scalar_type())) + " on " +
                        tensors[0].device().str() + " and " + c10::toString(t.scalar_type()) +
                        " on " + t.device().str() + ")");
@@ -260,7 +264,8 @@ void check_numel(const at::Tensor& big, const at::Tensor& part, int64_t world, c
                      " elements, but needs world_size x " + part_name + " = " +
                      std::to_string(world) + " x " + std::to_string(part.numel()));
   }
-  if (!big.is_contiguous()) throw UsageError(std::string(what) + ": " + big_name + " must be contiguous");
+  if (!big.is_contiguous())
+    throw UsageError(std::string(what) + ": " + big_name + " must be contiguous");
   check_same_kind({big, part}, what);
 }
 
@@ -303,7 +308,8 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
     } catch (const UsageError&) {
       throw;
     } catch (const std::exception& e) {
-      throw RuntimeError("process group setup failed on rank " + std::to_string(rank) + ": " + e.what());
+      throw RuntimeError("process group setup failed on rank " + std::to_string(rank) + ": " +
+                         e.what());
     }
   }
   return state;
@@ -319,21 +325,25 @@ ProcessGroup ProcessGroup::create(Store store, int rank, int world_size,
   }
   std::vector<int> global(static_cast<size_t>(world_size));
   for (int r = 0; r < world_size; ++r) global[static_cast<size_t>(r)] = r;
-  return ProcessGroup(make_group(std::move(store), rank, world_size, options, std::move(global), false));
+  return ProcessGroup(
+      make_group(std::move(store), rank, world_size, options, std::move(global), false));
 }
 
 namespace {
 
 void check_member_list(const std::vector<int>& ranks, int world_size, const std::string& what) {
-  if (ranks.empty()) throw UsageError(what + ": no ranks given: name at least one rank of the group");
+  if (ranks.empty())
+    throw UsageError(what + ": no ranks given: name at least one rank of the group");
   std::vector<bool> seen(static_cast<size_t>(world_size), false);
   for (int r : ranks) {
     if (r < 0 || r >= world_size) {
       throw UsageError(what + ": rank " + std::to_string(r) + " does not exist in a group of " +
-                       std::to_string(world_size) + " (ranks 0-" + std::to_string(world_size - 1) + ")");
+                       std::to_string(world_size) + " (ranks 0-" + std::to_string(world_size - 1) +
+                       ")");
     }
     if (seen[static_cast<size_t>(r)]) {
-      throw UsageError(what + ": rank " + std::to_string(r) + " is listed twice: name each rank once");
+      throw UsageError(what + ": rank " + std::to_string(r) +
+                       " is listed twice: name each rank once");
     }
     seen[static_cast<size_t>(r)] = true;
   }
@@ -345,10 +355,12 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks) {
   return new_group(ranks, state_->options);
 }
 
-ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks, const ProcessGroupOptions& options) {
+ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks,
+                                     const ProcessGroupOptions& options) {
   check_member_list(ranks, state_->world_size, "new_group");
   // Every rank counts its calls alike, so the same call gets the same key prefix everywhere.
-  const std::string prefix = state_->options.prefix + "/" + std::to_string(++state_->subgroups_made);
+  const std::string prefix =
+      state_->options.prefix + "/" + std::to_string(++state_->subgroups_made);
   const auto mine = std::find(ranks.begin(), ranks.end(), state_->rank);
   if (mine == ranks.end()) return ProcessGroup();
   ProcessGroupOptions sub = options;
@@ -386,8 +398,9 @@ const std::vector<int>& ProcessGroup::global_ranks() const { return state_->glob
 
 int ProcessGroup::global_rank(int group_rank) const {
   if (group_rank < 0 || group_rank >= state_->world_size) {
-    throw UsageError("global_rank: " + std::to_string(group_rank) + " is not a rank of this group (0-" +
-                     std::to_string(state_->world_size - 1) + ")");
+    throw UsageError("global_rank: " + std::to_string(group_rank) +
+                     " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) +
+                     ")");
   }
   return state_->global_ranks[static_cast<size_t>(group_rank)];
 }
@@ -420,7 +433,8 @@ Work ProcessGroup::broadcast_async(std::vector<at::Tensor>& tensors, int root) {
   check_same_kind(tensors, "broadcast");
   if (root < 0 || root >= state_->world_size) {
     throw UsageError(state_->describe("broadcast") + ": root " + std::to_string(root) +
-                     " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) + ")");
+                     " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) +
+                     ")");
   }
   return state_->run("broadcast", tensors[0],
                      [&](Transport& t) { return t.broadcast(tensors, root); });
@@ -433,7 +447,8 @@ void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
 Work ProcessGroup::allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
   if (outputs.size() != static_cast<size_t>(state_->world_size)) {
     throw UsageError(state_->describe("allgather") + ": " + std::to_string(outputs.size()) +
-                     " outputs given, one per rank needed (" + std::to_string(state_->world_size) + ")");
+                     " outputs given, one per rank needed (" + std::to_string(state_->world_size) +
+                     ")");
   }
   std::vector<at::Tensor> all = outputs;
   all.push_back(input);
@@ -444,7 +459,8 @@ Work ProcessGroup::allgather_async(std::vector<at::Tensor>& outputs, const at::T
 
 std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
   std::vector<at::Tensor> outputs;
-  for (int r = 0; r < state_->world_size; ++r) outputs.push_back(at::empty_like(tensor, at::MemoryFormat::Contiguous));
+  for (int r = 0; r < state_->world_size; ++r)
+    outputs.push_back(at::empty_like(tensor, at::MemoryFormat::Contiguous));
   allgather_async(outputs, tensor).wait();
   return outputs;
 }
@@ -463,22 +479,25 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, std::vector<at::Tens
                                         ReduceOp op) {
   if (inputs.size() != static_cast<size_t>(state_->world_size)) {
     throw UsageError(state_->describe("reduce_scatter") + ": " + std::to_string(inputs.size()) +
-                     " inputs given, one per rank needed (" + std::to_string(state_->world_size) + ")");
+                     " inputs given, one per rank needed (" + std::to_string(state_->world_size) +
+                     ")");
   }
   std::vector<at::Tensor> all = inputs;
   all.push_back(output);
   check_same_kind(all, "reduce_scatter");
   for (const auto& in : inputs) {
     if (in.sizes() != output.sizes()) {
-      throw UsageError(state_->describe("reduce_scatter") + ": every input must have the output's shape " +
-                       c10::str(output.sizes()) + ", got " + c10::str(in.sizes()));
+      throw UsageError(state_->describe("reduce_scatter") +
+                       ": every input must have the output's shape " + c10::str(output.sizes()) +
+                       ", got " + c10::str(in.sizes()));
     }
   }
   return state_->run("reduce_scatter", output,
                      [&](Transport& t) { return t.reduce_scatter(output, inputs, op); });
 }
 
-void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) {
+void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
+                                  ReduceOp op) {
   reduce_scatter_async(output, inputs, op).wait();
 }
 
@@ -498,7 +517,8 @@ Work ProcessGroup::all_to_all_async(at::Tensor& output, const at::Tensor& input,
                                     const std::vector<int64_t>& input_split_sizes) {
   const int64_t world = state_->world_size;
   check_same_kind({output, input}, "all_to_all");
-  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t, const char* name) {
+  auto check_splits = [&](const std::vector<int64_t>& splits, const at::Tensor& t,
+                          const char* name) {
     if (splits.empty()) {
       if (t.dim() == 0 || t.size(0) % world != 0) {
         throw UsageError(state_->describe("all_to_all") + ": " + name + "'s first dimension (" +
@@ -534,19 +554,25 @@ Work ProcessGroup::send_async(const at::Tensor& tensor, int peer, int tag) {
                      [&](Transport& t) { return t.send(tensor.contiguous(), peer, tag); });
 }
 
-void ProcessGroup::send(const at::Tensor& tensor, int peer, int tag) { send_async(tensor, peer, tag).wait(); }
+void ProcessGroup::send(const at::Tensor& tensor, int peer, int tag) {
+  send_async(tensor, peer, tag).wait();
+}
 
 Work ProcessGroup::recv_async(at::Tensor& tensor, int peer, int tag) {
   state_->check_peer(peer, "recv");
-  if (!tensor.is_contiguous()) throw UsageError(state_->describe("recv") + ": the tensor must be contiguous");
+  if (!tensor.is_contiguous())
+    throw UsageError(state_->describe("recv") + ": the tensor must be contiguous");
   return state_->run("recv", tensor, [&](Transport& t) { return t.recv(tensor, peer, tag); });
 }
 
-void ProcessGroup::recv(at::Tensor& tensor, int peer, int tag) { recv_async(tensor, peer, tag).wait(); }
+void ProcessGroup::recv(at::Tensor& tensor, int peer, int tag) {
+  recv_async(tensor, peer, tag).wait();
+}
 
 void ProcessGroup::barrier() {
   Transport& transport = state_->gloo ? *state_->gloo : state_->nccl_transport();
-  state_->run_on(transport, "barrier", std::nullopt, [](Transport& t) { return t.barrier(); }).wait();
+  state_->run_on(transport, "barrier", std::nullopt, [](Transport& t) { return t.barrier(); })
+      .wait();
 }
 
 }  // namespace cohort::comm

@@ -1,6 +1,5 @@
 #include "cohort/comm/store.h"
 
-
 #include "cohort/error.h"
 #include "comm/store_state.h"
 
@@ -23,7 +22,8 @@ Store Store::connect(const StoreOptions& options) {
   } else if (options.port == 0) {
     throw UsageError("a store client needs the server's port: got port 0 for " + options.host);
   }
-  state->store = c10::make_intrusive<TcpStoreClient>(options.host, state->port, options.job_id, options.timeout);
+  state->store = c10::make_intrusive<TcpStoreClient>(options.host, state->port, options.job_id,
+                                                     options.timeout);
   return Store(std::move(state));
 }
 
@@ -59,8 +59,9 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
 }
 
 std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int rank, int world,
-                                               const std::string& value, const std::string& what,
-                                               std::chrono::milliseconds timeout, const std::string& members) {
+                                                const std::string& value, const std::string& what,
+                                                std::chrono::milliseconds timeout,
+                                                const std::string& members) {
   set(prefix + std::to_string(rank), value);
   std::vector<std::string> keys;
   for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
@@ -69,10 +70,11 @@ std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int r
   } catch (const std::exception&) {
     std::string missing;
     for (int r = 0; r < world; ++r) {
-      if (!check({keys[static_cast<size_t>(r)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (!check({keys[static_cast<size_t>(r)]}))
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
-    throw TimeoutError(members + " [" + missing + "] of " + std::to_string(world) + " did not " + what + " within " +
-                       std::to_string(timeout.count()) + " ms");
+    throw TimeoutError(members + " [" + missing + "] of " + std::to_string(world) + " did not " +
+                       what + " within " + std::to_string(timeout.count()) + " ms");
   }
   std::vector<std::string> values;
   for (const auto& key : keys) values.push_back(state_->store->get_present(key));

@@ -52,7 +52,8 @@ bool decode(std::string& buffer, Frame& frame) {
   if (buffer.size() < 4) return false;
   uint32_t length = 0;
   std::memcpy(&length, buffer.data(), 4);
-  if (length > (1u << 30)) throw RuntimeError("store: malformed frame (length " + std::to_string(length) + ")");
+  if (length > (1u << 30))
+    throw RuntimeError("store: malformed frame (length " + std::to_string(length) + ")");
   if (buffer.size() < 4 + length) return false;
   const char* p = buffer.data() + 4;
   const char* end = p + length;
@@ -98,7 +99,8 @@ bool send_all(int fd, const std::string& data) {
 }
 
 // The addresses `host` names (a numeric address or a resolvable name), IPv4 or IPv6.
-std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> resolve(const std::string& host, int port, bool passive) {
+std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> resolve(const std::string& host, int port,
+                                                           bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -115,7 +117,8 @@ std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> resolve(const std::string& ho
 
 }  // namespace
 
-TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string job_id) : job_id_(std::move(job_id)) {
+TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string job_id)
+    : job_id_(std::move(job_id)) {
   const auto addresses = resolve(host, port, true);
   std::string last_error = "no address";
   for (addrinfo* a = addresses.get(); a != nullptr && listen_fd_ < 0; a = a->ai_next) {
@@ -131,10 +134,12 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string jo
     }
   }
   if (listen_fd_ < 0) {
-    throw RuntimeError("cannot serve the rendezvous store on " + host + ":" + std::to_string(port) + ": " + last_error +
-                       (last_error == std::strerror(EADDRINUSE) ? " (another job uses this port: pick another "
-                                                                  "MASTER_PORT / --master port)"
-                                                                : " (is " + host + " an address of this host?)"));
+    throw RuntimeError("cannot serve the rendezvous store on " + host + ":" + std::to_string(port) +
+                       ": " + last_error +
+                       (last_error == std::strerror(EADDRINUSE)
+                            ? " (another job uses this port: pick another "
+                              "MASTER_PORT / --master port)"
+                            : " (is " + host + " an address of this host?)"));
   }
   sockaddr_storage bound{};
   socklen_t length = sizeof bound;
@@ -175,7 +180,9 @@ void TcpStoreServer::serve() {
   std::vector<Waiter> waiters;
 
   auto reply = [](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
-    send_all(fd, encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}));
+    send_all(
+        fd,
+        encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}));
   };
   auto has_all = [&](const std::vector<std::string>& keys) {
     for (const auto& k : keys) {
@@ -336,10 +343,11 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
     }
     if (fd_ >= 0) break;
     if (Clock::now() >= deadline) {
-      throw TimeoutError("cannot reach the rendezvous store at " + where() + " within " +
-                         std::to_string(timeout.count()) + " ms (" + last_error +
-                         "): is the master (rank 0, or node 0's launcher) running, and is MASTER_ADDR/"
-                         "MASTER_PORT its address?");
+      throw TimeoutError(
+          "cannot reach the rendezvous store at " + where() + " within " +
+          std::to_string(timeout.count()) + " ms (" + last_error +
+          "): is the master (rank 0, or node 0's launcher) running, and is MASTER_ADDR/"
+          "MASTER_PORT its address?");
     }
     ::poll(nullptr, 0, 50);  // the master may not listen yet
   }
@@ -347,7 +355,9 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   const auto hello = call(kHello, {job_id}, std::max(std::chrono::milliseconds(1000), left));
-  if (!hello.ok) throw UsageError("rendezvous at " + where() + ": " + (hello.fields.empty() ? "refused" : hello.fields[0]));
+  if (!hello.ok)
+    throw UsageError("rendezvous at " + where() + ": " +
+                     (hello.fields.empty() ? "refused" : hello.fields[0]));
 }
 
 TcpStoreClient::~TcpStoreClient() {
@@ -361,7 +371,8 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t id = next_id_++;
   if (fd_ < 0 || !send_all(fd_, encode({.id = id, .code = op, .fields = fields}))) {
-    throw PeerFailureError("lost the rendezvous store at " + where() + " (its process or host went away)");
+    throw PeerFailureError("lost the rendezvous store at " + where() +
+                           " (its process or host went away)");
   }
   const auto deadline = Clock::now() + timeout;
   std::string& in = pending_;
@@ -373,8 +384,11 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
         return Reply{.ok = frame.code == 0, .fields = std::move(frame.fields)};
       }
     }
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    if (left <= 0) throw TimeoutError("store at " + where() + ": no answer within " + std::to_string(timeout.count()) + " ms");
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+    if (left <= 0)
+      throw TimeoutError("store at " + where() + ": no answer within " +
+                         std::to_string(timeout.count()) + " ms");
     pollfd p{fd_, POLLIN, 0};
     const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
     if (ready < 0 && errno == EINTR) continue;
@@ -385,7 +399,8 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
     if (n <= 0) {
       ::close(fd_);
       fd_ = -1;
-      throw PeerFailureError("lost the rendezvous store at " + where() + " (its process or host went away)");
+      throw PeerFailureError("lost the rendezvous store at " + where() +
+                             " (its process or host went away)");
     }
     in.append(buffer, static_cast<size_t>(n));
   }
@@ -395,9 +410,12 @@ void TcpStoreClient::set(const std::string& key, const std::vector<uint8_t>& val
   call(kSet, {key, std::string(value.begin(), value.end())}, timeout_);
 }
 
-std::vector<uint8_t> TcpStoreClient::compareSet(const std::string& key, const std::vector<uint8_t>& expected,
+std::vector<uint8_t> TcpStoreClient::compareSet(const std::string& key,
+                                                const std::vector<uint8_t>& expected,
                                                 const std::vector<uint8_t>& desired) {
-  auto r = call(kCompareSet, {key, std::string(expected.begin(), expected.end()), std::string(desired.begin(), desired.end())},
+  auto r = call(kCompareSet,
+                {key, std::string(expected.begin(), expected.end()),
+                 std::string(desired.begin(), desired.end())},
                 timeout_);
   return {r.fields.at(0).begin(), r.fields.at(0).end()};
 }
@@ -418,15 +436,20 @@ int64_t TcpStoreClient::add(const std::string& key, int64_t value) {
   return i64_of(call(kAdd, {key, i64_field(value)}, timeout_).fields.at(0));
 }
 
-bool TcpStoreClient::deleteKey(const std::string& key) { return call(kDelete, {key}, timeout_).fields.at(0) == "1"; }
+bool TcpStoreClient::deleteKey(const std::string& key) {
+  return call(kDelete, {key}, timeout_).fields.at(0) == "1";
+}
 
-bool TcpStoreClient::check(const std::vector<std::string>& keys) { return call(kCheck, keys, timeout_).fields.at(0) == "1"; }
+bool TcpStoreClient::check(const std::vector<std::string>& keys) {
+  return call(kCheck, keys, timeout_).fields.at(0) == "1";
+}
 
 int64_t TcpStoreClient::getNumKeys() { return i64_of(call(kNumKeys, {}, timeout_).fields.at(0)); }
 
 void TcpStoreClient::wait(const std::vector<std::string>& keys) { wait(keys, timeout_); }
 
-void TcpStoreClient::wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) {
+void TcpStoreClient::wait(const std::vector<std::string>& keys,
+                          const std::chrono::milliseconds& timeout) {
   call(kWait, keys, timeout);
 }
 

@@ -36,7 +36,8 @@ class TcpStoreServer {
 class TcpStoreClient : public c10d::Store {
  public:
   // Connects (retrying until `timeout` while nobody listens yet) and presents `job_id`.
-  TcpStoreClient(const std::string& host, int port, const std::string& job_id, std::chrono::milliseconds timeout);
+  TcpStoreClient(const std::string& host, int port, const std::string& job_id,
+                 std::chrono::milliseconds timeout);
   ~TcpStoreClient() override;
 
   void set(const std::string& key, const std::vector<uint8_t>& value) override;
@@ -51,7 +52,8 @@ class TcpStoreClient : public c10d::Store {
   bool check(const std::vector<std::string>& keys) override;
   int64_t getNumKeys() override;
   void wait(const std::vector<std::string>& keys) override;
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override;
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override;
   // Another connection to the same server. Overrides c10d::Store::clone, pure from libtorch 2.7
   // or so on (absent in 1.13 and 2.6), hence without `override`.
   c10::intrusive_ptr<c10d::Store> clone();

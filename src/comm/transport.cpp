@@ -2,6 +2,9 @@
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/minimum.h>
 #include <c10/core/TensorOptions.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -19,7 +22,10 @@ namespace cohort::comm {
 
 Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank, int world_size,
                      std::chrono::milliseconds timeout)
-    : kind_(kind), native_(std::move(native)), rank_(rank), world_size_(world_size),
+    : kind_(kind),
+      native_(std::move(native)),
+      rank_(rank),
+      world_size_(world_size),
       timeout_(timeout) {}
 
 c10d::ReduceOp Transport::native_op(ReduceOp op) const {
@@ -44,11 +50,46 @@ std::function<void()> Transport::average(std::vector<at::Tensor> tensors) const 
 }
 
 Started Transport::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
+  const auto dtype = tensors.front().scalar_type();
+  if (kind_ == Kind::kGloo && (dtype == at::kHalf || dtype == at::kBFloat16)) {
+    return allreduce_by_allgather(tensors, op);
+  }
   c10d::AllreduceOptions opts;
   opts.reduceOp = native_op(op);
   opts.timeout = timeout_;
   Started started{native_->allreduce(tensors, opts), nullptr};
   if (op == ReduceOp::kAvg && kind_ == Kind::kGloo) started.finish = average(tensors);
+  return started;
+}
+
+Started Transport::allreduce_by_allgather(std::vector<at::Tensor>& tensors, ReduceOp op) {
+  std::vector<at::Tensor> flats;
+  for (const auto& t : tensors) flats.push_back(t.reshape({-1}));
+  // As bytes: int8 is a dtype every Gloo build moves (int16 is not).
+  const auto bits = at::cat(flats).view(at::kChar);
+  std::vector<at::Tensor> gathered;
+  for (int r = 0; r < world_size_; ++r) gathered.push_back(at::empty_like(bits));
+  Started started = allgather(gathered, bits);
+  started.finish = [tensors, gathered, op, world = world_size_]() mutable {
+    const auto dtype = tensors.front().scalar_type();
+    auto result = gathered[0].view(dtype).to(at::kFloat);
+    for (size_t r = 1; r < gathered.size(); ++r) {
+      const auto other = gathered[r].view(dtype).to(at::kFloat);
+      if (op == ReduceOp::kMax) {
+        result = at::maximum(result, other);
+      } else if (op == ReduceOp::kMin) {
+        result = at::minimum(result, other);
+      } else {
+        result.add_(other);
+      }
+    }
+    if (op == ReduceOp::kAvg) result.div_(static_cast<double>(world));
+    int64_t offset = 0;
+    for (auto& t : tensors) {
+      t.copy_(result.narrow(0, offset, t.numel()).view_as(t));
+      offset += t.numel();
+    }
+  };
   return started;
 }
 
@@ -75,7 +116,8 @@ Started Transport::allgather_into(at::Tensor& output, const at::Tensor& input) {
   // Gloo in 1.13 has no all-gather into one tensor; its list form writes into views of it.
   std::vector<at::Tensor> views;
   const int64_t n = input.numel();
-  for (int r = 0; r < world_size_; ++r) views.push_back(output.view({-1}).narrow(0, r * n, n).view_as(input));
+  for (int r = 0; r < world_size_; ++r)
+    views.push_back(output.view({-1}).narrow(0, r * n, n).view_as(input));
   return allgather(views, input);
 }
 
@@ -106,8 +148,7 @@ Started Transport::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
   return reduce_scatter_by_allreduce(output, at::cat(flats), op);
 }
 
-Started Transport::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input,
-                                         ReduceOp op) {
+Started Transport::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op) {
   if (kind_ == Kind::kNccl) {
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = native_op(op);
@@ -159,13 +200,13 @@ std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::St
     gloo_options->devices.push_back(
         c10d::ProcessGroupGloo::createDeviceForHostname(options.interface_address));
   } catch (const std::exception& e) {
-    throw UsageError("process group: cannot use interface address '" +
-                     options.interface_address + "': " + e.what() +
-                     " (give an address of this host)");
+    throw UsageError("process group: cannot use interface address '" + options.interface_address +
+                     "': " + e.what() + " (give an address of this host)");
   }
   gloo_options->threads = std::max(1, options.threads);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("gloo", store);
-  auto native = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, gloo_options);
+  auto native =
+      c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, world_size, gloo_options);
   return std::make_unique<Transport>(Transport::Kind::kGloo, std::move(native), rank, world_size,
                                      options.timeout);
 }
@@ -189,7 +230,8 @@ std::unique_ptr<Transport> make_nccl_transport(const c10::intrusive_ptr<c10d::St
   auto nccl_options = c10d::ProcessGroupNCCL::Options::create();
   nccl_options->timeout = options.timeout;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("nccl", store);
-  auto native = c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, world_size, nccl_options);
+  auto native =
+      c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, world_size, nccl_options);
   return std::make_unique<Transport>(Transport::Kind::kNccl, std::move(native), rank, world_size,
                                      options.timeout);
 #else

@@ -43,8 +43,8 @@ class Transport {
   Started allgather_into(at::Tensor& output, const at::Tensor& input);
   Started reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op);
   Started reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op);
-  Started all_to_all(at::Tensor& output, const at::Tensor& input, std::vector<int64_t> output_splits,
-                     std::vector<int64_t> input_splits);
+  Started all_to_all(at::Tensor& output, const at::Tensor& input,
+                     std::vector<int64_t> output_splits, std::vector<int64_t> input_splits);
   Started send(const at::Tensor& tensor, int peer, int tag);
   Started recv(at::Tensor& tensor, int peer, int tag);
   Started barrier();
@@ -53,6 +53,10 @@ class Transport {
   // Reduce-scatter as an all-reduce of a flat copy, of which each rank keeps its part: Gloo
   // has no reduce-scatter in libtorch 1.13, and one path on every line keeps it tested.
   Started reduce_scatter_by_allreduce(at::Tensor& output, at::Tensor flat, ReduceOp op);
+  // An all-reduce of 16-bit floats as an all-gather of their bits and a reduction in fp32 on
+  // each rank: Gloo sums no bfloat16, libtorch 2.x's Gloo no float16 either, and the fp32
+  // reduction is the more exact one.
+  Started allreduce_by_allgather(std::vector<at::Tensor>& tensors, ReduceOp op);
   std::function<void()> average(std::vector<at::Tensor> tensors) const;
   c10d::ReduceOp native_op(ReduceOp op) const;
 

@@ -30,7 +30,8 @@ std::string join(const std::vector<std::string>& names) {
 at::Tensor& Block::operator[](const std::string& column) {
   auto it = columns.find(column);
   if (it == columns.end()) {
-    throw UsageError("no column '" + column + "' in this batch (it has [" + join(column_names()) + "])");
+    throw UsageError("no column '" + column + "' in this batch (it has [" + join(column_names()) +
+                     "])");
   }
   return it->second;
 }
@@ -46,10 +47,12 @@ Block Block::slice(int64_t start, int64_t length) const {
 }
 
 Block Block::take(const at::Tensor& indices_or_mask) const {
-  const auto indices = indices_or_mask.scalar_type() == at::kBool ? indices_or_mask.nonzero().flatten()
-                                                                   : indices_or_mask.to(at::kLong);
+  const auto indices = indices_or_mask.scalar_type() == at::kBool
+                           ? indices_or_mask.nonzero().flatten()
+                           : indices_or_mask.to(at::kLong);
   Block out;
-  for (const auto& [name, column] : columns) out.columns[name] = column.index_select(0, indices.to(column.device()));
+  for (const auto& [name, column] : columns)
+    out.columns[name] = column.index_select(0, indices.to(column.device()));
   return out;
 }
 
@@ -63,7 +66,8 @@ Block Block::concat(const std::vector<Block>& blocks) {
       auto it = b.columns.find(name);
       if (it == b.columns.end() || b.columns.size() != blocks.front().columns.size()) {
         throw UsageError("cannot concatenate batches with different columns: [" +
-                         join(blocks.front().column_names()) + "] and [" + join(b.column_names()) + "]");
+                         join(blocks.front().column_names()) + "] and [" + join(b.column_names()) +
+                         "]");
       }
       parts.push_back(it->second);
     }
@@ -77,7 +81,8 @@ void Block::check(const std::string& what) const {
   for (const auto& [name, column] : columns) {
     if (!column.defined() || column.dim() == 0 || column.size(0) != rows) {
       throw UsageError(what + ": column '" + name + "' has " +
-                       (column.defined() && column.dim() > 0 ? std::to_string(column.size(0)) : std::string("no")) +
+                       (column.defined() && column.dim() > 0 ? std::to_string(column.size(0))
+                                                             : std::string("no")) +
                        " rows where the others have " + std::to_string(rows));
     }
   }

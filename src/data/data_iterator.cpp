@@ -85,7 +85,9 @@ struct DataIterator::Impl {
     std::vector<Block> release;
     {
       std::unique_lock lock(mutex);
-      changed.wait(lock, [&] { return cancelled || static_cast<int>(ready.size()) < options.prefetch_batches; });
+      changed.wait(lock, [&] {
+        return cancelled || static_cast<int>(ready.size()) < options.prefetch_batches;
+      });
       if (cancelled) return false;
       ready.push_back(std::move(block));
       release.swap(retired);
@@ -97,7 +99,8 @@ struct DataIterator::Impl {
   }
 
   void produce() {
-    std::mt19937_64 engine(options.local_shuffle_seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch) + 7);
+    std::mt19937_64 engine(options.local_shuffle_seed * 0x9E3779B97F4A7C15ULL +
+                           static_cast<uint64_t>(epoch) + 7);
     Block pending;
     int64_t have = 0;
     const int64_t batch = options.batch_size;
@@ -156,7 +159,9 @@ struct DataIterator::Impl {
   }
 
   void start(IterBatchesOptions o) {
-    if (o.batch_size < 1) throw UsageError("iter_batches: batch_size=" + std::to_string(o.batch_size) + " must be >= 1");
+    if (o.batch_size < 1)
+      throw UsageError("iter_batches: batch_size=" + std::to_string(o.batch_size) +
+                       " must be >= 1");
     if (o.prefetch_batches < 1) o.prefetch_batches = 1;
     end_pass();
     options = o;
@@ -167,9 +172,11 @@ struct DataIterator::Impl {
     if (!runner) {
       const auto& plan = dataset.plan();
       const int workers = dataset.num_workers();
-      if (workers > 0 || plan.execution.remote_workers > 0 || !plan.execution.listen_address.empty()) {
+      if (workers > 0 || plan.execution.remote_workers > 0 ||
+          !plan.execution.listen_address.empty()) {
         runner = make_worker_pool(plan, dataset.fingerprint(), workers, worker_env);
-        if (on_listening && !runner->listen_address().empty()) on_listening(runner->listen_address());
+        if (on_listening && !runner->listen_address().empty())
+          on_listening(runner->listen_address());
       } else {
         runner = make_inline_runner(plan);
       }
@@ -256,10 +263,16 @@ IngestStats DataIterator::stats() const {
   return out;
 }
 
-std::string DataIterator::listen_address() const { return impl_->runner ? impl_->runner->listen_address() : ""; }
+std::string DataIterator::listen_address() const {
+  return impl_->runner ? impl_->runner->listen_address() : "";
+}
 const Dataset& DataIterator::dataset() const { return impl_->dataset; }
-void DataIterator::set_batch_agreement(BatchAgreement agreement) { impl_->agreement = std::move(agreement); }
-void DataIterator::set_worker_environment(std::map<std::string, std::string> env) { impl_->worker_env = std::move(env); }
+void DataIterator::set_batch_agreement(BatchAgreement agreement) {
+  impl_->agreement = std::move(agreement);
+}
+void DataIterator::set_worker_environment(std::map<std::string, std::string> env) {
+  impl_->worker_env = std::move(env);
+}
 void DataIterator::set_on_listening(std::function<void(const std::string&)> callback) {
   impl_->on_listening = std::move(callback);
 }

@@ -46,7 +46,8 @@ struct DataLoader::Iterator::Epoch {
     const auto begin = std::chrono::steady_clock::now();
     std::unique_lock lock(mutex);
     changed.wait(lock, [&] { return !ready.empty() || finished || error; });
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (error) std::rethrow_exception(error);
     if (ready.empty()) return false;
     out = std::move(ready.front());
@@ -90,9 +91,10 @@ DataLoader::DataLoader(TensorDataset dataset, DataLoaderOptions options, int ran
                                  .equal_shards = options.equal_shards};
   DistributedSampler sampler(sampler_options);
   if (options.drop_last && sampler.num_samples() < options.batch_size) {
-    throw UsageError("batch_size=" + std::to_string(options.batch_size) + " is larger than this rank's shard of " +
-                     std::to_string(sampler.num_samples()) +
-                     " examples, so drop_last leaves no batch: use a smaller batch size or fewer workers");
+    throw UsageError(
+        "batch_size=" + std::to_string(options.batch_size) +
+        " is larger than this rank's shard of " + std::to_string(sampler.num_samples()) +
+        " examples, so drop_last leaves no batch: use a smaller batch size or fewer workers");
   }
   impl_ = std::make_unique<Impl>(std::move(dataset), options, std::move(sampler));
 }

@@ -42,7 +42,9 @@ void serve(const Dataset& dataset, const std::string& address) {
     if (!wire::receive(fd, message, ignored, std::chrono::seconds(60))) break;
     const auto type = message.value("type", std::string{});
     if (type == "stop") break;
-    if (type == "refuse") throw UsageError("the consumer refused this worker: " + message.value("reason", std::string{}));
+    if (type == "refuse")
+      throw UsageError("the consumer refused this worker: " +
+                       message.value("reason", std::string{}));
     if (type != "task") continue;
     const auto index = message["index"].get<int64_t>();
     const auto epoch = message["epoch"].get<int64_t>();
@@ -92,8 +94,10 @@ void serve_if_data_worker(const Dataset& dataset) {
   const char* address = std::getenv(kDataAddressVar);
   int code = 0;
   if (address == nullptr || *address == '\0') {
-    std::cerr << "cohort data worker: " << kDataAddressVar << " is not set: it names the consumer to connect to "
-              << "(host:port of the training process's ExecutionOptions::listen_address)" << std::endl;
+    std::cerr << "cohort data worker: " << kDataAddressVar
+              << " is not set: it names the consumer to connect to "
+              << "(host:port of the training process's ExecutionOptions::listen_address)"
+              << std::endl;
     code = 2;
   } else {
     try {

@@ -40,7 +40,9 @@ std::string describe_ids(const at::Tensor& column) {
   return "ids " + std::to_string(p[0]) + ".." + std::to_string(p[n - 1]);
 }
 
-at::Tensor ids_of(const Block& block) { return block.has(kIdColumn) ? block[kIdColumn] : at::Tensor(); }
+at::Tensor ids_of(const Block& block) {
+  return block.has(kIdColumn) ? block[kIdColumn] : at::Tensor();
+}
 
 // Runs one map stage over `block` in batches of its batch_size.
 Block run_map(const Stage& stage, size_t position, const Block& block, int64_t task, int64_t epoch,
@@ -58,7 +60,8 @@ Block run_map(const Stage& stage, size_t position, const Block& block, int64_t t
         if (output.num_rows() != ids.size(0)) {
           throw UsageError("it returned " + std::to_string(output.num_rows()) + " rows for " +
                            std::to_string(ids.size(0)) + " without an '" + kIdColumn +
-                           "' column: a function that changes the number of rows must keep the ids of the rows it returns");
+                           "' column: a function that changes the number of rows must keep the ids "
+                           "of the rows it returns");
         }
         output.columns[kIdColumn] = ids;
       }
@@ -69,9 +72,10 @@ Block run_map(const Stage& stage, size_t position, const Block& block, int64_t t
         ++result.skipped_batches;
         continue;
       }
-      result.error = "stage '" + stage.name + "' (#" + std::to_string(position + 1) + ", map_batches) on a batch of " +
-                     std::to_string(input_rows) + " rows (" + describe_ids(ids) +
-                     "; task " + std::to_string(task) + ", epoch " + std::to_string(epoch) + ") failed: " + e.what();
+      result.error = "stage '" + stage.name + "' (#" + std::to_string(position + 1) +
+                     ", map_batches) on a batch of " + std::to_string(input_rows) + " rows (" +
+                     describe_ids(ids) + "; task " + std::to_string(task) + ", epoch " +
+                     std::to_string(epoch) + ") failed: " + e.what();
       return {};
     }
   }
@@ -103,7 +107,8 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
     const auto n = static_cast<int64_t>(rows.size());
     switch (op.kind) {
       case OrderOp::kShuffle: {
-        // Fisher-Yates with mt19937_64 (fully specified by the standard): the same order everywhere.
+        // Fisher-Yates with mt19937_64 (fully specified by the standard): the same order
+        // everywhere.
         std::mt19937_64 engine(op.seed * 0x9E3779B97F4A7C15ULL + static_cast<uint64_t>(epoch) + 1);
         for (int64_t i = n - 1; i > 0; --i) {
           const auto j = static_cast<int64_t>(engine() % static_cast<uint64_t>(i + 1));
@@ -113,7 +118,8 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
       }
       case OrderOp::kSplit: {
         const int64_t per = n / op.count;
-        rows = std::vector<int64_t>(rows.begin() + op.index * per, rows.begin() + (op.index + 1) * per);
+        rows = std::vector<int64_t>(rows.begin() + op.index * per,
+                                    rows.begin() + (op.index + 1) * per);
         break;
       }
       case OrderOp::kLimit:
@@ -123,7 +129,8 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
         const int64_t per = n / op.count;
         std::vector<int64_t> part;
         part.reserve(static_cast<size_t>(per));
-        for (int64_t k = 0; k < per; ++k) part.push_back(rows[static_cast<size_t>(k * op.count + op.index)]);
+        for (int64_t k = 0; k < per; ++k)
+          part.push_back(rows[static_cast<size_t>(k * op.count + op.index)]);
         rows = std::move(part);
         break;
       }
@@ -144,13 +151,15 @@ std::vector<std::vector<int64_t>> epoch_tasks(const Dataset::Plan& plan, int64_t
   const auto per = static_cast<size_t>(rows_per_task(plan));
   std::vector<std::vector<int64_t>> tasks;
   for (size_t start = 0; start < rows.size(); start += per) {
-    tasks.emplace_back(rows.begin() + static_cast<std::ptrdiff_t>(start),
-                       rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), start + per)));
+    tasks.emplace_back(
+        rows.begin() + static_cast<std::ptrdiff_t>(start),
+        rows.begin() + static_cast<std::ptrdiff_t>(std::min(rows.size(), start + per)));
   }
   return tasks;
 }
 
-TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<int64_t>& rows, int64_t epoch) {
+TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<int64_t>& rows,
+                    int64_t epoch) {
   TaskResult result;
   result.index = index;
   const int64_t saved_epoch = t_epoch;
@@ -163,8 +172,9 @@ TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<
   try {
     block = plan.source->read(rows, result.skipped_rows);
   } catch (const std::exception& e) {
-    result.error = "reading the rows of task " + std::to_string(index) + " (epoch " + std::to_string(epoch) +
-                   ") from " + plan.source->describe() + " failed: " + e.what();
+    result.error = "reading the rows of task " + std::to_string(index) + " (epoch " +
+                   std::to_string(epoch) + ") from " + plan.source->describe() +
+                   " failed: " + e.what();
     return result;
   }
   for (size_t s = 0; s < plan.stages.size(); ++s) {
@@ -177,15 +187,17 @@ TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<
     try {
       auto mask = stage.predicate(block);
       if (mask.scalar_type() != at::kBool || mask.dim() != 1 || mask.size(0) != block.num_rows()) {
-        throw UsageError("the predicate must return a bool tensor of shape [" + std::to_string(block.num_rows()) +
-                         "], got " + std::string(mask.toString()) + " of " + std::to_string(mask.dim()) +
+        throw UsageError("the predicate must return a bool tensor of shape [" +
+                         std::to_string(block.num_rows()) + "], got " +
+                         std::string(mask.toString()) + " of " + std::to_string(mask.dim()) +
                          " dimensions");
       }
       block = block.take(mask);
     } catch (const std::exception& e) {
       result.error = "stage '" + stage.name + "' (#" + std::to_string(s + 1) + ", filter) on " +
-                     std::to_string(block.num_rows()) + " rows (" + describe_ids(ids_of(block)) + "; task " +
-                     std::to_string(index) + ", epoch " + std::to_string(epoch) + ") failed: " + e.what();
+                     std::to_string(block.num_rows()) + " rows (" + describe_ids(ids_of(block)) +
+                     "; task " + std::to_string(index) + ", epoch " + std::to_string(epoch) +
+                     ") failed: " + e.what();
       return result;
     }
   }
@@ -236,11 +248,12 @@ Dataset Dataset::read_images(const std::filesystem::path& dir, ImageFolderOption
 Dataset Dataset::map_batches(BatchFn fn, MapBatchesOptions options) const {
   if (!fn) throw UsageError("map_batches: the function is empty");
   if (options.batch_size < 1) {
-    throw UsageError("map_batches '" + options.name + "': batch_size=" + std::to_string(options.batch_size) +
-                     " must be >= 1");
+    throw UsageError("map_batches '" + options.name +
+                     "': batch_size=" + std::to_string(options.batch_size) + " must be >= 1");
   }
   if (options.num_workers < -1) {
-    throw UsageError("map_batches '" + options.name + "': num_workers=" + std::to_string(options.num_workers) +
+    throw UsageError("map_batches '" + options.name +
+                     "': num_workers=" + std::to_string(options.num_workers) +
                      " must be >= 0, or -1 for one per free CPU");
   }
   auto plan = std::make_shared<Plan>(*plan_);
@@ -318,7 +331,8 @@ Dataset one_pass(const Dataset& dataset) {
 Dataset Dataset::materialize() const {
   DataIterator iterator(one_pass(*this));
   std::vector<Block> blocks;
-  for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_), .prefetch_batches = 2})) {
+  for (Block& block :
+       iterator.iter_batches({.batch_size = rows_per_task(*plan_), .prefetch_batches = 2})) {
     blocks.push_back(std::move(block));
   }
   auto plan = std::make_shared<Plan>();
@@ -328,13 +342,17 @@ Dataset Dataset::materialize() const {
   return Dataset(plan);
 }
 
-int64_t Dataset::num_source_rows() const { return static_cast<int64_t>(epoch_rows(*plan_, 0).size()); }
+int64_t Dataset::num_source_rows() const {
+  return static_cast<int64_t>(epoch_rows(*plan_, 0).size());
+}
 
 int64_t Dataset::count() const {
-  if (plan_->stages.empty() && (!plan_->source || !plan_->source->may_skip())) return num_source_rows();
+  if (plan_->stages.empty() && (!plan_->source || !plan_->source->may_skip()))
+    return num_source_rows();
   DataIterator iterator(one_pass(*this));
   int64_t rows = 0;
-  for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_)})) rows += block.num_rows();
+  for (Block& block : iterator.iter_batches({.batch_size = rows_per_task(*plan_)}))
+    rows += block.num_rows();
   return rows;
 }
 
@@ -361,14 +379,23 @@ std::string Dataset::describe() const {
   std::string out = plan_->source ? plan_->source->describe() : "empty";
   for (const auto& op : plan_->order) {
     switch (op.kind) {
-      case OrderOp::kShuffle: out += " -> random_shuffle(" + std::to_string(op.seed) + ")"; break;
-      case OrderOp::kSplit: out += " -> split(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")"; break;
-      case OrderOp::kShard: out += " -> shard(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")"; break;
-      case OrderOp::kLimit: out += " -> limit(" + std::to_string(op.rows) + ")"; break;
+      case OrderOp::kShuffle:
+        out += " -> random_shuffle(" + std::to_string(op.seed) + ")";
+        break;
+      case OrderOp::kSplit:
+        out += " -> split(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")";
+        break;
+      case OrderOp::kShard:
+        out += " -> shard(" + std::to_string(op.index) + "/" + std::to_string(op.count) + ")";
+        break;
+      case OrderOp::kLimit:
+        out += " -> limit(" + std::to_string(op.rows) + ")";
+        break;
     }
   }
   for (const auto& stage : plan_->stages) {
-    out += " -> " + std::string(stage.kind == Stage::kMap ? "map_batches" : "filter") + "('" + stage.name + "'";
+    out += " -> " + std::string(stage.kind == Stage::kMap ? "map_batches" : "filter") + "('" +
+           stage.name + "'";
     if (stage.kind == Stage::kMap) {
       out += ", batch_size=" + std::to_string(stage.options.batch_size) +
              (stage.options.on_error == OnError::kSkip ? ", skip errors" : "");
@@ -388,7 +415,8 @@ int Dataset::num_workers() const {
   int workers = 0;
   for (const auto& stage : plan_->stages) {
     if (stage.kind != Stage::kMap) continue;
-    workers = std::max(workers, stage.options.num_workers < 0 ? default_data_workers() : stage.options.num_workers);
+    workers = std::max(workers, stage.options.num_workers < 0 ? default_data_workers()
+                                                              : stage.options.num_workers);
   }
   return workers;
 }
@@ -396,7 +424,8 @@ int Dataset::num_workers() const {
 const ExecutionOptions& Dataset::execution() const { return plan_->execution; }
 
 bool Dataset::has_map_stage() const {
-  return std::any_of(plan_->stages.begin(), plan_->stages.end(), [](const Stage& s) { return s.kind == Stage::kMap; });
+  return std::any_of(plan_->stages.begin(), plan_->stages.end(),
+                     [](const Stage& s) { return s.kind == Stage::kMap; });
 }
 
 DataIterator Dataset::iterator() const { return DataIterator(*this); }

@@ -81,8 +81,8 @@ IdxHeader parse_header(Reader& reader, const std::filesystem::path& path) {
     if (reader.read(be.data(), 4) != 4) {
       throw UsageError("IDX file " + path.string() + " is truncated inside its header");
     }
-    header.shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) |
-                           (int64_t{be[2]} << 8) | int64_t{be[3]});
+    header.shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) |
+                           int64_t{be[3]});
   }
   return header;
 }
@@ -113,7 +113,8 @@ IdxHeader inspect_idx(const std::filesystem::path& path) {
     std::array<unsigned char, 4> le{};
     in.seekg(size - 4);
     in.read(reinterpret_cast<char*>(le.data()), 4);
-    total = int64_t{le[0]} | (int64_t{le[1]} << 8) | (int64_t{le[2]} << 16) | (int64_t{le[3]} << 24);
+    total =
+        int64_t{le[0]} | (int64_t{le[1]} << 8) | (int64_t{le[2]} << 16) | (int64_t{le[3]} << 24);
     const int64_t expected = (header_bytes + header.payload_bytes()) & 0xffffffffLL;
     if (total != expected) {
       throw UsageError(truncated(path, header.payload_bytes(), total - header_bytes) +
@@ -141,7 +142,8 @@ at::Tensor read_idx(const std::filesystem::path& path) {
   if (got != header.payload_bytes()) throw UsageError(truncated(path, header.payload_bytes(), got));
   char extra = 0;
   if (reader.read(&extra, 1) != 0) {
-    throw UsageError("IDX file " + path.string() + " has bytes after its data: not a valid IDX file");
+    throw UsageError("IDX file " + path.string() +
+                     " has bytes after its data: not a valid IDX file");
   }
   return tensor;
 }
@@ -153,7 +155,8 @@ void write_idx(const std::filesystem::path& path, const at::Tensor& tensor) {
   auto data = tensor.contiguous().cpu();
   std::string bytes = {0, 0, static_cast<char>(kUnsignedByte), static_cast<char>(data.dim())};
   for (int64_t d : data.sizes()) {
-    for (int shift = 24; shift >= 0; shift -= 8) bytes.push_back(static_cast<char>((d >> shift) & 0xff));
+    for (int shift = 24; shift >= 0; shift -= 8)
+      bytes.push_back(static_cast<char>((d >> shift) & 0xff));
   }
   bytes.append(static_cast<const char*>(data.data_ptr()), static_cast<size_t>(data.numel()));
   const bool gz = path.extension() == ".gz";

@@ -61,7 +61,8 @@ void check_mnist_dir(const std::filesystem::path& dir) {
   }
 }
 
-TensorDataset load_mnist(const std::filesystem::path& dir, Split split, const MnistOptions& options) {
+TensorDataset load_mnist(const std::filesystem::path& dir, Split split,
+                         const MnistOptions& options) {
   check_dir_exists(dir);
   auto images_path = find_file(dir, images_stem(split));
   auto labels_path = find_file(dir, labels_stem(split));

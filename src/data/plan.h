@@ -64,6 +64,7 @@ struct TaskResult {
 
 // Reads the task's rows and runs every stage on them. Errors of a stage with OnError::kFail come
 // back in `error`, naming the stage, the batch and its row ids.
-TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<int64_t>& rows, int64_t epoch);
+TaskResult run_task(const Dataset::Plan& plan, int64_t index, const std::vector<int64_t>& rows,
+                    int64_t epoch);
 
 }  // namespace cohort::data

@@ -1,7 +1,8 @@
 #include "cohort/data/preprocessors.h"
 
-#ifdef COHORT_WITH_OPENCV
 #include <torch/types.h>
+
+#ifdef COHORT_WITH_OPENCV
 #include <opencv2/imgproc.hpp>
 #endif
 
@@ -14,7 +15,8 @@ namespace {
 
 // A generator for one row: the same (seed, epoch, id) gives the same draws anywhere.
 uint64_t row_state(uint64_t seed, int64_t id) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ULL ^ (static_cast<uint64_t>(current_epoch()) + 1) * 0xBF58476D1CE4E5B9ULL ^
+  uint64_t z = seed * 0x9E3779B97F4A7C15ULL ^
+               (static_cast<uint64_t>(current_epoch()) + 1) * 0xBF58476D1CE4E5B9ULL ^
                static_cast<uint64_t>(id) * 0x94D049BB133111EBULL;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
@@ -38,8 +40,9 @@ std::vector<int64_t> row_ids(const Block& block) {
 const at::Tensor& images_of(const Block& block, const std::string& column, const char* who) {
   const auto& images = block[column];
   if (images.dim() != 4) {
-    throw UsageError(std::string(who) + ": column '" + column + "' must be images [N, C, H, W], got " +
-                     std::to_string(images.dim()) + " dimensions");
+    throw UsageError(std::string(who) + ": column '" + column +
+                     "' must be images [N, C, H, W], got " + std::to_string(images.dim()) +
+                     " dimensions");
   }
   return images;
 }
@@ -49,10 +52,13 @@ const at::Tensor& images_of(const Block& block, const std::string& column, const
 Block Normalize::operator()(Block block) const {
   auto x = block[column].to(at::kFloat) * scale;
   if (!mean.empty()) {
-    if (mean.size() != std.size()) throw UsageError("Normalize: mean and std need the same number of channels");
+    if (mean.size() != std.size())
+      throw UsageError("Normalize: mean and std need the same number of channels");
     if (x.dim() < 2 || x.size(1) != static_cast<int64_t>(mean.size())) {
-      throw UsageError("Normalize: " + std::to_string(mean.size()) + " channel statistics for column '" + column +
-                       "' with " + (x.dim() < 2 ? std::string("no channel dimension") : std::to_string(x.size(1)) + " channels"));
+      throw UsageError("Normalize: " + std::to_string(mean.size()) +
+                       " channel statistics for column '" + column + "' with " +
+                       (x.dim() < 2 ? std::string("no channel dimension")
+                                    : std::to_string(x.size(1)) + " channels"));
     }
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
     shape[1] = static_cast<int64_t>(mean.size());
@@ -70,7 +76,8 @@ StandardScaler& StandardScaler::fit(const Dataset& dataset) {
   DataIterator iterator(dataset);
   for (Block& block : iterator.iter_batches({.batch_size = 1024})) {
     auto x = block[column_].to(at::kDouble);
-    if (x.dim() != 2) throw UsageError("StandardScaler: column '" + column_ + "' must be [rows, features]");
+    if (x.dim() != 2)
+      throw UsageError("StandardScaler: column '" + column_ + "' must be [rows, features]");
     sum = sum.defined() ? sum + x.sum(0) : x.sum(0);
     sum_sq = sum_sq.defined() ? sum_sq + (x * x).sum(0) : (x * x).sum(0);
     rows += x.size(0);
@@ -89,8 +96,9 @@ Block StandardScaler::operator()(Block block) const {
   if (!mean_.defined()) throw UsageError("StandardScaler: call fit(dataset) before using it");
   auto x = block[column_].to(at::kFloat);
   if (x.dim() != 2 || x.size(1) != mean_.size(0)) {
-    throw UsageError("StandardScaler: fit on " + std::to_string(mean_.size(0)) + " features, column '" + column_ +
-                     "' has shape " + std::to_string(x.dim() == 2 ? x.size(1) : -1) + " features");
+    throw UsageError("StandardScaler: fit on " + std::to_string(mean_.size(0)) +
+                     " features, column '" + column_ + "' has shape " +
+                     std::to_string(x.dim() == 2 ? x.size(1) : -1) + " features");
   }
   block.columns[column_] = (x - mean_) / std_;
   return block;
@@ -98,11 +106,13 @@ Block StandardScaler::operator()(Block block) const {
 
 Block RandomCrop::operator()(Block block) const {
   const auto& images = images_of(block, column, "RandomCrop");
-  auto padded = padding > 0 ? at::constant_pad_nd(images, {padding, padding, padding, padding}, 0) : images;
+  auto padded =
+      padding > 0 ? at::constant_pad_nd(images, {padding, padding, padding, padding}, 0) : images;
   const int64_t h = padded.size(2), w = padded.size(3);
   if (height > h || width > w || height < 1 || width < 1) {
-    throw UsageError("RandomCrop: a " + std::to_string(height) + "x" + std::to_string(width) + " crop of " +
-                     std::to_string(h) + "x" + std::to_string(w) + " images (after padding)");
+    throw UsageError("RandomCrop: a " + std::to_string(height) + "x" + std::to_string(width) +
+                     " crop of " + std::to_string(h) + "x" + std::to_string(w) +
+                     " images (after padding)");
   }
   const auto ids = row_ids(block);
   std::vector<at::Tensor> out;
@@ -113,7 +123,8 @@ Block RandomCrop::operator()(Block block) const {
     const auto left = static_cast<int64_t>(uniform01(state) * static_cast<double>(w - width + 1));
     out.push_back(padded[static_cast<int64_t>(r)].narrow(1, top, height).narrow(2, left, width));
   }
-  block.columns[column] = out.empty() ? padded.narrow(2, 0, height).narrow(3, 0, width).contiguous() : torch::stack(out);
+  block.columns[column] = out.empty() ? padded.narrow(2, 0, height).narrow(3, 0, width).contiguous()
+                                      : torch::stack(out);
   return block;
 }
 
@@ -135,28 +146,33 @@ Block RandomHorizontalFlip::operator()(Block block) const {
 
 Block GaussianBlur::operator()(Block block) const {
   if (kernel_size < 1 || kernel_size % 2 == 0) {
-    throw UsageError("GaussianBlur: kernel_size=" + std::to_string(kernel_size) + " must be odd and positive");
+    throw UsageError("GaussianBlur: kernel_size=" + std::to_string(kernel_size) +
+                     " must be odd and positive");
   }
   auto images = images_of(block, column, "GaussianBlur").contiguous();
   if (images.scalar_type() != at::kByte && images.scalar_type() != at::kFloat) {
-    throw UsageError("GaussianBlur: images must be uint8 or float32, got " + std::string(c10::toString(images.scalar_type())));
+    throw UsageError("GaussianBlur: images must be uint8 or float32, got " +
+                     std::string(c10::toString(images.scalar_type())));
   }
 #ifndef COHORT_WITH_OPENCV
-  throw UsageError("GaussianBlur needs OpenCV, and this cohort was built without it: rebuild with "
-                   "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
+  throw UsageError(
+      "GaussianBlur needs OpenCV, and this cohort was built without it: rebuild with "
+      "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
 #else
   const int type = images.scalar_type() == at::kByte ? CV_8UC1 : CV_32FC1;
   auto out = torch::empty_like(images);
   const int64_t planes = images.size(0) * images.size(1);
   const int h = static_cast<int>(images.size(2)), w = static_cast<int>(images.size(3));
-  const size_t plane_bytes = static_cast<size_t>(h) * static_cast<size_t>(w) * images.element_size();
+  const size_t plane_bytes =
+      static_cast<size_t>(h) * static_cast<size_t>(w) * images.element_size();
   auto* src = static_cast<char*>(images.data_ptr());
   auto* dst = static_cast<char*>(out.data_ptr());
   // Each [H, W] plane of a contiguous [N, C, H, W] tensor is one single-channel image.
   for (int64_t p = 0; p < planes; ++p) {
     cv::Mat in(h, w, type, src + p * plane_bytes);
     cv::Mat result(h, w, type, dst + p * plane_bytes);
-    cv::GaussianBlur(in, result, cv::Size(kernel_size, kernel_size), sigma, sigma, cv::BORDER_REFLECT_101);
+    cv::GaussianBlur(in, result, cv::Size(kernel_size, kernel_size), sigma, sigma,
+                     cv::BORDER_REFLECT_101);
   }
   block.columns[column] = out;
   return block;

@@ -31,14 +31,16 @@ class TensorSource : public Source {
     std::string first;
     for (auto& [name, column] : columns) {
       if (!column.defined() || column.dim() == 0) {
-        throw UsageError("from_tensors: column '" + name + "' must be a tensor with a first (row) dimension");
+        throw UsageError("from_tensors: column '" + name +
+                         "' must be a tensor with a first (row) dimension");
       }
       if (rows < 0) {
         rows = column.size(0);
         first = name;
       } else if (column.size(0) != rows) {
-        throw UsageError("from_tensors: column '" + name + "' has " + std::to_string(column.size(0)) +
-                         " rows but '" + first + "' has " + std::to_string(rows));
+        throw UsageError("from_tensors: column '" + name + "' has " +
+                         std::to_string(column.size(0)) + " rows but '" + first + "' has " +
+                         std::to_string(rows));
       }
       columns_[name] = column.contiguous();
     }
@@ -73,23 +75,29 @@ uint64_t splitmix64(uint64_t& state) {
 
 class SyntheticImageSource : public Source {
  public:
-  SyntheticImageSource(int64_t rows, SyntheticImageOptions options) : rows_(rows), options_(options) {
-    if (rows < 0) throw UsageError("synthetic_images: rows=" + std::to_string(rows) + " must be >= 0");
-    if (options.height < 1 || options.width < 1 || options.channels < 1 || options.num_classes < 1) {
+  SyntheticImageSource(int64_t rows, SyntheticImageOptions options)
+      : rows_(rows), options_(options) {
+    if (rows < 0)
+      throw UsageError("synthetic_images: rows=" + std::to_string(rows) + " must be >= 0");
+    if (options.height < 1 || options.width < 1 || options.channels < 1 ||
+        options.num_classes < 1) {
       throw UsageError("synthetic_images: height, width, channels and num_classes must be >= 1");
     }
   }
   int64_t size() const override { return rows_; }
   Block read(const std::vector<int64_t>& rows, int64_t&) const override {
     const auto n = static_cast<int64_t>(rows.size());
-    auto images = torch::empty({n, options_.channels, options_.height, options_.width}, torch::kUInt8);
+    auto images =
+        torch::empty({n, options_.channels, options_.height, options_.width}, torch::kUInt8);
     auto labels = torch::empty({n}, torch::kLong);
     const int64_t pixels = options_.channels * options_.height * options_.width;
     auto* out = images.data_ptr<uint8_t>();
     auto* label = labels.data_ptr<int64_t>();
     for (int64_t r = 0; r < n; ++r) {
-      uint64_t state = options_.seed * 0xD1B54A32D192ED03ULL + static_cast<uint64_t>(rows[static_cast<size_t>(r)]);
-      label[r] = static_cast<int64_t>(splitmix64(state) % static_cast<uint64_t>(options_.num_classes));
+      uint64_t state = options_.seed * 0xD1B54A32D192ED03ULL +
+                       static_cast<uint64_t>(rows[static_cast<size_t>(r)]);
+      label[r] =
+          static_cast<int64_t>(splitmix64(state) % static_cast<uint64_t>(options_.num_classes));
       uint8_t* px = out + r * pixels;
       int64_t i = 0;
       for (; i + 8 <= pixels; i += 8) {
@@ -104,9 +112,10 @@ class SyntheticImageSource : public Source {
     return Block{{{"image", images}, {"label", labels}, {kIdColumn, ids_tensor(rows)}}};
   }
   std::string describe() const override {
-    return "synthetic_images[" + std::to_string(rows_) + " rows, " + std::to_string(options_.channels) + "x" +
-           std::to_string(options_.height) + "x" + std::to_string(options_.width) + ", " +
-           std::to_string(options_.num_classes) + " classes, seed " + std::to_string(options_.seed) + "]";
+    return "synthetic_images[" + std::to_string(rows_) + " rows, " +
+           std::to_string(options_.channels) + "x" + std::to_string(options_.height) + "x" +
+           std::to_string(options_.width) + ", " + std::to_string(options_.num_classes) +
+           " classes, seed " + std::to_string(options_.seed) + "]";
   }
 
  private:
@@ -132,9 +141,11 @@ std::string trim(std::string s) {
 
 class ImageFolderSource : public Source {
  public:
-  ImageFolderSource(const std::filesystem::path& dir, ImageFolderOptions options) : dir_(dir), options_(options) {
+  ImageFolderSource(const std::filesystem::path& dir, ImageFolderOptions options)
+      : dir_(dir), options_(options) {
     if (!std::filesystem::is_directory(dir)) {
-      throw UsageError("read_images: " + dir.string() + " is not a directory (it must hold one sub-folder per class)");
+      throw UsageError("read_images: " + dir.string() +
+                       " is not a directory (it must hold one sub-folder per class)");
     }
     if ((options.height > 0) != (options.width > 0)) {
       throw UsageError("read_images: give both height and width to resize, or neither");
@@ -147,8 +158,10 @@ class ImageFolderSource : public Source {
     std::sort(classes_.begin(), classes_.end());
     for (size_t label = 0; label < classes_.size(); ++label) {
       std::vector<std::filesystem::path> files;
-      for (const auto& entry : std::filesystem::recursive_directory_iterator(dir / classes_[label])) {
-        if (entry.is_regular_file() && entry.path().filename().string()[0] != '.') files.push_back(entry.path());
+      for (const auto& entry :
+           std::filesystem::recursive_directory_iterator(dir / classes_[label])) {
+        if (entry.is_regular_file() && entry.path().filename().string()[0] != '.')
+          files.push_back(entry.path());
       }
       std::sort(files.begin(), files.end());
       for (auto& f : files) items_.emplace_back(std::move(f), static_cast<int64_t>(label));
@@ -163,38 +176,45 @@ class ImageFolderSource : public Source {
   const std::vector<std::string>& class_names() const override { return classes_; }
 
   Block read(const std::vector<int64_t>& rows, int64_t& skipped) const override {
+#ifndef COHORT_WITH_OPENCV
+    (void)skipped;
+    throw UsageError(
+        "read_images: decoding " +
+        (rows.empty() ? dir_ : items_[static_cast<size_t>(rows.front())].first).string() +
+        " needs OpenCV, and this cohort was built without it: rebuild with "
+        "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
+#else
     std::vector<at::Tensor> images;
     std::vector<int64_t> labels;
     std::vector<int64_t> ids;
     for (int64_t row : rows) {
       const auto& [path, label] = items_[static_cast<size_t>(row)];
-#ifndef COHORT_WITH_OPENCV
-      throw UsageError("read_images: decoding " + path.string() +
-                       " needs OpenCV, and this cohort was built without it: rebuild with "
-                       "COHORT_WITH_OPENCV=ON and OpenCV's core, imgproc and imgcodecs");
-#else
-      cv::Mat image = cv::imread(path.string(), options_.grayscale ? cv::IMREAD_GRAYSCALE : cv::IMREAD_COLOR);
+      cv::Mat image =
+          cv::imread(path.string(), options_.grayscale ? cv::IMREAD_GRAYSCALE : cv::IMREAD_COLOR);
       if (image.empty()) {
         if (options_.on_bad_file == OnError::kSkip) {
           ++skipped;
           continue;
         }
-        throw UsageError("cannot decode image " + path.string() +
-                         " (unreadable, corrupt or not an image): remove or replace it, or read with "
-                         "on_bad_file = OnError::kSkip to skip such files");
+        throw UsageError(
+            "cannot decode image " + path.string() +
+            " (unreadable, corrupt or not an image): remove or replace it, or read with "
+            "on_bad_file = OnError::kSkip to skip such files");
       }
       if (options_.height > 0) {
-        cv::resize(image, image, cv::Size(static_cast<int>(options_.width), static_cast<int>(options_.height)), 0, 0,
-                   cv::INTER_AREA);
+        cv::resize(image, image,
+                   cv::Size(static_cast<int>(options_.width), static_cast<int>(options_.height)), 0,
+                   0, cv::INTER_AREA);
       }
       if (image.channels() == 3) cv::cvtColor(image, image, cv::COLOR_BGR2RGB);
-      auto hwc = torch::from_blob(image.data, {image.rows, image.cols, image.channels()}, torch::kUInt8);
+      auto hwc =
+          torch::from_blob(image.data, {image.rows, image.cols, image.channels()}, torch::kUInt8);
       auto chw = hwc.permute({2, 0, 1}).contiguous();
-#endif
       if (!images.empty() && chw.sizes() != images.front().sizes()) {
         throw UsageError("image " + path.string() + " is " + std::to_string(image.cols) + "x" +
                          std::to_string(image.rows) + " while earlier ones are " +
-                         std::to_string(images.front().size(2)) + "x" + std::to_string(images.front().size(1)) +
+                         std::to_string(images.front().size(2)) + "x" +
+                         std::to_string(images.front().size(1)) +
                          ": give read_images a height and width to resize every image to");
       }
       images.push_back(chw);
@@ -203,11 +223,16 @@ class ImageFolderSource : public Source {
     }
     if (images.empty()) {
       const int64_t c = options_.grayscale ? 1 : 3;
-      return Block{{{"image", torch::empty({0, c, std::max<int64_t>(options_.height, 1), std::max<int64_t>(options_.width, 1)}, torch::kUInt8)},
+      return Block{{{"image", torch::empty({0, c, std::max<int64_t>(options_.height, 1),
+                                            std::max<int64_t>(options_.width, 1)},
+                                           torch::kUInt8)},
                     {"label", torch::empty({0}, torch::kLong)},
                     {kIdColumn, torch::empty({0}, torch::kLong)}}};
     }
-    return Block{{{"image", torch::stack(images)}, {"label", torch::tensor(labels, torch::kLong)}, {kIdColumn, ids_tensor(ids)}}};
+    return Block{{{"image", torch::stack(images)},
+                  {"label", torch::tensor(labels, torch::kLong)},
+                  {kIdColumn, ids_tensor(ids)}}};
+#endif
   }
   std::string describe() const override {
     return "read_images[" + dir_.string() + ", " + std::to_string(items_.size()) + " files, " +
@@ -227,7 +252,9 @@ class LazySource : public Source {
   LazySource(std::function<std::shared_ptr<const Source>()> make, std::string description)
       : make_(std::move(make)), description_(std::move(description)) {}
   int64_t size() const override { return get().size(); }
-  Block read(const std::vector<int64_t>& rows, int64_t& skipped) const override { return get().read(rows, skipped); }
+  Block read(const std::vector<int64_t>& rows, int64_t& skipped) const override {
+    return get().read(rows, skipped);
+  }
   std::string describe() const override { return description_; }
   const std::vector<std::string>& class_names() const override { return get().class_names(); }
 
@@ -249,19 +276,23 @@ std::shared_ptr<const Source> make_lazy_source(std::function<std::shared_ptr<con
   return std::make_shared<LazySource>(std::move(make), std::move(description));
 }
 
-std::shared_ptr<const Source> make_tensor_source(std::map<std::string, at::Tensor> columns, std::string description) {
+std::shared_ptr<const Source> make_tensor_source(std::map<std::string, at::Tensor> columns,
+                                                 std::string description) {
   return std::make_shared<TensorSource>(std::move(columns), std::move(description));
 }
 
-std::shared_ptr<const Source> make_synthetic_image_source(int64_t rows, const SyntheticImageOptions& options) {
+std::shared_ptr<const Source> make_synthetic_image_source(int64_t rows,
+                                                          const SyntheticImageOptions& options) {
   return std::make_shared<SyntheticImageSource>(rows, options);
 }
 
-std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path, const CsvOptions& options) {
+std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path,
+                                              const CsvOptions& options) {
   std::ifstream in(path);
   if (!in) throw UsageError("read_csv: cannot open " + path.string());
   std::string line;
-  if (!std::getline(in, line)) throw UsageError("read_csv: " + path.string() + " is empty (it needs a header line)");
+  if (!std::getline(in, line))
+    throw UsageError("read_csv: " + path.string() + " is empty (it needs a header line)");
   std::vector<std::string> header;
   for (auto& h : split_line(line, options.delimiter)) header.push_back(trim(h));
   int label = -1;
@@ -270,8 +301,8 @@ std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path,
     if (it == header.end()) {
       std::string names;
       for (const auto& h : header) names += (names.empty() ? "" : ", ") + h;
-      throw UsageError("read_csv: " + path.string() + " has no column '" + options.label_column + "' (it has " +
-                       names + ")");
+      throw UsageError("read_csv: " + path.string() + " has no column '" + options.label_column +
+                       "' (it has " + names + ")");
     }
     label = static_cast<int>(it - header.begin());
   }
@@ -284,7 +315,8 @@ std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path,
     auto fields = split_line(line, options.delimiter);
     if (fields.size() != header.size()) {
       throw UsageError("read_csv: " + path.string() + ":" + std::to_string(number) + " has " +
-                       std::to_string(fields.size()) + " fields where the header has " + std::to_string(header.size()));
+                       std::to_string(fields.size()) + " fields where the header has " +
+                       std::to_string(header.size()));
     }
     for (size_t c = 0; c < fields.size(); ++c) {
       const std::string text = trim(fields[c]);
@@ -292,8 +324,8 @@ std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path,
       errno = 0;
       const double value = std::strtod(text.c_str(), &end);
       if (text.empty() || end != text.c_str() + text.size() || errno == ERANGE) {
-        throw UsageError("read_csv: " + path.string() + ":" + std::to_string(number) + ", column '" + header[c] +
-                         "': '" + text + "' is not a number");
+        throw UsageError("read_csv: " + path.string() + ":" + std::to_string(number) +
+                         ", column '" + header[c] + "': '" + text + "' is not a number");
       }
       if (static_cast<int>(c) == label) {
         labels.push_back(static_cast<int64_t>(value));

@@ -30,8 +30,9 @@ struct Cancelled {};
 std::unique_ptr<TaskRunner> make_inline_runner(const Dataset::Plan& plan);
 // Starts `local_workers` processes of this program in the data role for `fingerprint` (with
 // `env` added), and accepts remote ones per the plan's ExecutionOptions.
-std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan, const std::string& fingerprint,
-                                             int local_workers, std::map<std::string, std::string> env);
+std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan,
+                                             const std::string& fingerprint, int local_workers,
+                                             std::map<std::string, std::string> env);
 
 // Environment variables of a data-role process.
 inline constexpr const char* kDataAddressVar = "COHORT_DATA_ADDRESS";

@@ -1,6 +1,5 @@
 #include "data/wire.h"
 
-#include <torch/types.h>
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -9,6 +8,7 @@
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <torch/types.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -33,8 +33,9 @@ void wait_readable(int fd, std::chrono::milliseconds timeout) {
   do {
     rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
   } while (rc < 0 && errno == EINTR);
-  if (rc == 0) throw TimeoutError("a preprocessing message did not arrive whole within " +
-                                  std::to_string(timeout.count()) + " ms");
+  if (rc == 0)
+    throw TimeoutError("a preprocessing message did not arrive whole within " +
+                       std::to_string(timeout.count()) + " ms");
 }
 
 // A message's 4-byte length prefix as a msghdr with room for one passed descriptor: the prefix
@@ -63,14 +64,16 @@ struct Mapping {
 };
 
 c10::ScalarType dtype_of(const std::string& name) {
-  for (auto t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat, at::kDouble, at::kBool,
-                 at::kBFloat16}) {
+  for (auto t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat,
+                 at::kDouble, at::kBool, at::kBFloat16}) {
     if (name == c10::toString(t)) return t;
   }
   throw RuntimeError("a preprocessing worker sent a column of unknown type " + name);
 }
 
-std::vector<int64_t> shape_of(const Json& column) { return column["shape"].get<std::vector<int64_t>>(); }
+std::vector<int64_t> shape_of(const Json& column) {
+  return column["shape"].get<std::vector<int64_t>>();
+}
 
 }  // namespace
 
@@ -79,7 +82,8 @@ void write_all(int fd, const void* data, size_t bytes) {
   while (bytes > 0) {
     const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) throw PeerGone("the peer closed its connection");
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
+      throw PeerGone("the peer closed its connection");
     if (n <= 0) throw RuntimeError("sending to a preprocessing peer failed: " + errno_text());
     p += n;
     bytes -= static_cast<size_t>(n);
@@ -92,7 +96,8 @@ void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeou
     wait_readable(fd, timeout);
     const ssize_t n = ::recv(fd, p, bytes, 0);
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n <= 0) throw RuntimeError("a preprocessing peer closed its connection in the middle of a message");
+    if (n <= 0)
+      throw RuntimeError("a preprocessing peer closed its connection in the middle of a message");
     p += n;
     bytes -= static_cast<size_t>(n);
   }
@@ -118,8 +123,10 @@ void send(int socket, const Json& header, int payload_fd) {
   do {
     n = ::sendmsg(socket, &prefix.msg, MSG_NOSIGNAL);
   } while (n < 0 && errno == EINTR);
-  if (n < 0 && (errno == EPIPE || errno == ECONNRESET)) throw PeerGone("the consumer closed its connection");
-  if (n != static_cast<ssize_t>(sizeof length)) throw RuntimeError("sending a batch to the consumer failed: " + errno_text());
+  if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
+    throw PeerGone("the consumer closed its connection");
+  if (n != static_cast<ssize_t>(sizeof length))
+    throw RuntimeError("sending a batch to the consumer failed: " + errno_text());
   write_all(socket, text.data(), text.size());
 }
 
@@ -137,12 +144,16 @@ bool receive(int socket, Json& header, int& payload_fd, std::chrono::millisecond
     throw RuntimeError("reading from a preprocessing peer failed: " + errno_text());
   }
   for (cmsghdr* c = CMSG_FIRSTHDR(&prefix.msg); c != nullptr; c = CMSG_NXTHDR(&prefix.msg, c)) {
-    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) std::memcpy(&payload_fd, CMSG_DATA(c), sizeof(int));
+    if (c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS)
+      std::memcpy(&payload_fd, CMSG_DATA(c), sizeof(int));
   }
   if (static_cast<size_t>(n) < sizeof length) {
-    read_all(socket, reinterpret_cast<char*>(&length) + n, sizeof length - static_cast<size_t>(n), timeout);
+    read_all(socket, reinterpret_cast<char*>(&length) + n, sizeof length - static_cast<size_t>(n),
+             timeout);
   }
-  if (length > (64u << 20)) throw RuntimeError("a preprocessing peer sent a header of " + std::to_string(length) + " bytes");
+  if (length > (64u << 20))
+    throw RuntimeError("a preprocessing peer sent a header of " + std::to_string(length) +
+                       " bytes");
   std::string text(length, '\0');
   read_all(socket, text.data(), length, timeout);
   header = Json::parse(text);
@@ -171,7 +182,8 @@ int write_block_memfd(const Block& block, const Json& columns, size_t payload_by
   if (payload_bytes == 0) return fd;
   if (::ftruncate(fd, static_cast<off_t>(payload_bytes)) != 0) {
     ::close(fd);
-    throw RuntimeError("cannot size shared memory for a batch of " + std::to_string(payload_bytes) + " bytes: " + errno_text());
+    throw RuntimeError("cannot size shared memory for a batch of " + std::to_string(payload_bytes) +
+                       " bytes: " + errno_text());
   }
   void* base = ::mmap(nullptr, payload_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (base == MAP_FAILED) {
@@ -181,7 +193,8 @@ int write_block_memfd(const Block& block, const Json& columns, size_t payload_by
   size_t i = 0;
   for (const auto& [name, column] : block.columns) {
     auto c = column.contiguous().cpu();
-    std::memcpy(static_cast<char*>(base) + columns[i]["offset"].get<size_t>(), c.data_ptr(), columns[i]["bytes"].get<size_t>());
+    std::memcpy(static_cast<char*>(base) + columns[i]["offset"].get<size_t>(), c.data_ptr(),
+                columns[i]["bytes"].get<size_t>());
     ++i;
   }
   ::munmap(base, payload_bytes);
@@ -208,17 +221,20 @@ Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
     mapping->base = ::mmap(nullptr, payload_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   }
   ::close(fd);
-  if (mapping->base == MAP_FAILED) throw RuntimeError("mmap of a batch from a preprocessing worker: " + errno_text());
+  if (mapping->base == MAP_FAILED)
+    throw RuntimeError("mmap of a batch from a preprocessing worker: " + errno_text());
   Block block;
   for (const auto& column : columns) {
     auto* data = static_cast<char*>(mapping->base) + column["offset"].get<size_t>();
-    block.columns[column["name"].get<std::string>()] =
-        torch::from_blob(data, shape_of(column), [mapping](void*) {}, torch::TensorOptions(dtype_of(column["dtype"])));
+    block.columns[column["name"].get<std::string>()] = torch::from_blob(
+        data, shape_of(column), [mapping](void*) {},
+        torch::TensorOptions(dtype_of(column["dtype"])));
   }
   return block;
 }
 
-Block read_block_inline(int socket, const Json& columns, size_t payload_bytes, std::chrono::milliseconds timeout) {
+Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
+                        std::chrono::milliseconds timeout) {
   auto buffer = torch::empty({static_cast<int64_t>(payload_bytes)}, torch::kUInt8);
   read_all(socket, buffer.data_ptr(), payload_bytes, timeout);
   Block block;
@@ -239,7 +255,8 @@ sockaddr_un unix_address(const std::string& name, socklen_t& length) {
   // Abstract namespace: no file to clean up, gone with the socket.
   addr.sun_path[0] = '\0';
   std::memcpy(addr.sun_path + 1, name.data(), std::min(name.size(), sizeof addr.sun_path - 2));
-  length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + std::min(name.size(), sizeof addr.sun_path - 2));
+  length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
+                                  std::min(name.size(), sizeof addr.sun_path - 2));
   return addr;
 }
 
@@ -292,8 +309,9 @@ int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
     ::close(fd);
     ::poll(nullptr, 0, 100);
   }
-  throw TimeoutError("cannot connect to the consumer at " + address + " within " + std::to_string(timeout.count()) +
-                     " ms: " + why + " (is the training process running, and does it listen on that address?)");
+  throw TimeoutError("cannot connect to the consumer at " + address + " within " +
+                     std::to_string(timeout.count()) + " ms: " + why +
+                     " (is the training process running, and does it listen on that address?)");
 }
 
 int listen_on(const std::string& address, std::string& bound) {
@@ -325,8 +343,9 @@ int listen_on(const std::string& address, std::string& bound) {
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0) {
     const auto why = errno_text();
     ::close(fd);
-    throw UsageError("cannot listen for preprocessing workers on " + address + ": " + why +
-                     (errno == EADDRINUSE ? " (the port is taken: pick another, or 0 for any)" : ""));
+    throw UsageError(
+        "cannot listen for preprocessing workers on " + address + ": " + why +
+        (errno == EADDRINUSE ? " (the port is taken: pick another, or 0 for any)" : ""));
   }
   socklen_t len = sizeof addr;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);

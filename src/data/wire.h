@@ -34,7 +34,8 @@ void write_block_inline(int socket, const Block& block);
 // The consumer's side: the columns as tensors over the memfd's mapping (freed with the last one),
 // or read from the socket.
 Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes);
-Block read_block_inline(int socket, const Json& columns, size_t payload_bytes, std::chrono::milliseconds timeout);
+Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
+                        std::chrono::milliseconds timeout);
 
 // "unix:<name>" (abstract socket) or "host:port". Returns a connected socket; throws RuntimeError.
 int connect_to(const std::string& address, std::chrono::milliseconds timeout);

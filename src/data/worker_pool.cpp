@@ -50,8 +50,9 @@ class InlineRunner : public TaskRunner {
 };
 
 std::string describe_status(int status) {
-  if (WIFSIGNALED(status)) return std::string("killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
-                                  strsignal(WTERMSIG(status)) + ")";
+  if (WIFSIGNALED(status))
+    return std::string("killed by signal ") + std::to_string(WTERMSIG(status)) + " (" +
+           strsignal(WTERMSIG(status)) + ")";
   if (WIFEXITED(status)) return "exited with code " + std::to_string(WEXITSTATUS(status));
   return "ended";
 }
@@ -60,15 +61,22 @@ class WorkerPool : public TaskRunner {
  public:
   WorkerPool(const Dataset::Plan& plan, std::string fingerprint, int local_workers,
              std::map<std::string, std::string> env)
-      : plan_(plan), fingerprint_(std::move(fingerprint)), local_workers_(local_workers), env_(std::move(env)) {
+      : plan_(plan),
+        fingerprint_(std::move(fingerprint)),
+        local_workers_(local_workers),
+        env_(std::move(env)) {
     const auto& ex = plan.execution;
-    window_ = ex.max_tasks_in_flight > 0 ? ex.max_tasks_in_flight : 2 * (local_workers + ex.remote_workers) + 1;
+    window_ = ex.max_tasks_in_flight > 0 ? ex.max_tasks_in_flight
+                                         : 2 * (local_workers + ex.remote_workers) + 1;
     static int counter = 0;
     std::string bound;
-    unix_listener_ = wire::listen_on("unix:cohort-data-" + std::to_string(::getpid()) + "-" + std::to_string(++counter), bound);
+    unix_listener_ = wire::listen_on(
+        "unix:cohort-data-" + std::to_string(::getpid()) + "-" + std::to_string(++counter), bound);
     unix_address_ = bound;
-    if (!ex.listen_address.empty()) tcp_listener_ = wire::listen_on(ex.listen_address, tcp_address_);
-    if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0) throw RuntimeError("pipe: " + std::string(std::strerror(errno)));
+    if (!ex.listen_address.empty())
+      tcp_listener_ = wire::listen_on(ex.listen_address, tcp_address_);
+    if (::pipe2(wake_, O_CLOEXEC | O_NONBLOCK) != 0)
+      throw RuntimeError("pipe: " + std::string(std::strerror(errno)));
     start_deadline_ = Clock::now() + ex.worker_start_timeout;
     for (int i = 0; i < local_workers; ++i) spawn();
     io_ = std::thread([this] { loop(); });
@@ -117,7 +125,8 @@ class WorkerPool : public TaskRunner {
         current_ = std::move(ahead_);
       } else {
         current_ = EpochTasks{.epoch = epoch, .tasks = std::move(tasks)};
-        for (int64_t i = 0; i < static_cast<int64_t>(current_.tasks.size()); ++i) current_.pending.insert(i);
+        for (int64_t i = 0; i < static_cast<int64_t>(current_.tasks.size()); ++i)
+          current_.pending.insert(i);
       }
       ahead_ = EpochTasks{};
       next_ = 0;
@@ -207,10 +216,12 @@ class WorkerPool : public TaskRunner {
   // A local worker is gone: start another while restarts are left.
   void lost_local(int pid, const std::string& when, int64_t task) {
     if (shutting_down_) return;
-    const auto status = exit_status_.count(pid) ? exit_status_[pid] : std::string("closed its connection");
+    const auto status =
+        exit_status_.count(pid) ? exit_status_[pid] : std::string("closed its connection");
     std::cerr << "cohort: preprocessing worker " << pid << " " << status << " " << when
               << (task >= 0 ? "; task " + std::to_string(task) + " goes to another worker" : "")
-              << (restarts_ < plan_.execution.max_worker_restarts ? "; starting a replacement" : "") << std::endl;
+              << (restarts_ < plan_.execution.max_worker_restarts ? "; starting a replacement" : "")
+              << std::endl;
     if (restarts_ < plan_.execution.max_worker_restarts) {
       ++restarts_;
       try {
@@ -220,7 +231,8 @@ class WorkerPool : public TaskRunner {
       }
     } else {
       fail("preprocessing worker " + std::to_string(pid) + " " + status + " " + when + ", and " +
-           std::to_string(restarts_) + " replacements were started already (ExecutionOptions::max_worker_restarts)");
+           std::to_string(restarts_) +
+           " replacements were started already (ExecutionOptions::max_worker_restarts)");
     }
   }
 
@@ -244,7 +256,8 @@ class WorkerPool : public TaskRunner {
         int status = 0;
         const auto deadline = Clock::now() + std::chrono::milliseconds(500);
         pid_t r = 0;
-        while ((r = ::waitpid(c.pid, &status, WNOHANG)) == 0 && Clock::now() < deadline) ::poll(nullptr, 0, 5);
+        while ((r = ::waitpid(c.pid, &status, WNOHANG)) == 0 && Clock::now() < deadline)
+          ::poll(nullptr, 0, 5);
         if (r == 0) {
           ::kill(c.pid, SIGKILL);
           ::waitpid(c.pid, &status, 0);
@@ -254,7 +267,9 @@ class WorkerPool : public TaskRunner {
       lost_local(c.pid, why, c.task);
     } else if (c.greeted) {
       std::cerr << "cohort: remote preprocessing worker " << c.name << " left " << why
-                << (c.task >= 0 ? "; task " + std::to_string(c.task) + " goes to another worker" : "") << std::endl;
+                << (c.task >= 0 ? "; task " + std::to_string(c.task) + " goes to another worker"
+                                : "")
+                << std::endl;
     }
     c.task = -1;
   }
@@ -287,7 +302,8 @@ class WorkerPool : public TaskRunner {
           wire::send(c.fd, Json{{"type", "refuse"}, {"reason", reason}});
         } catch (const std::exception&) {
         }
-        std::cerr << "cohort: refused preprocessing worker " << c.name << ": " << reason << std::endl;
+        std::cerr << "cohort: refused preprocessing worker " << c.name << ": " << reason
+                  << std::endl;
         ::close(c.fd);
         c.fd = -1;
         return;
@@ -305,7 +321,8 @@ class WorkerPool : public TaskRunner {
       const auto bytes = header.value("payload_bytes", size_t{0});
       if (header.contains("columns")) {
         result.block = payload_fd >= 0 ? wire::map_block_memfd(payload_fd, header["columns"], bytes)
-                                       : wire::read_block_inline(c.fd, header["columns"], bytes, kMessageTimeout);
+                                       : wire::read_block_inline(c.fd, header["columns"], bytes,
+                                                                 kMessageTimeout);
       } else if (payload_fd >= 0) {
         ::close(payload_fd);
       }
@@ -346,12 +363,14 @@ class WorkerPool : public TaskRunner {
     }
     if (waiting && Clock::now() > start_deadline_) {
       fail("preprocessing workers did not connect within " +
-           std::to_string(plan_.execution.worker_start_timeout.count() / 1000) + " s: " + std::to_string(connected) +
-           " connected of " + std::to_string(local_workers_) + " local" +
-           (remote_wanted > 0 ? " and " + std::to_string(remote_wanted) + " remote (they connect to " + tcp_address_ + ")"
+           std::to_string(plan_.execution.worker_start_timeout.count() / 1000) +
+           " s: " + std::to_string(connected) + " connected of " + std::to_string(local_workers_) +
+           " local" +
+           (remote_wanted > 0 ? " and " + std::to_string(remote_wanted) +
+                                    " remote (they connect to " + tcp_address_ + ")"
                               : std::string()) +
-           ". A worker is this program re-executed: it must build the same pipeline (" + describe_short() +
-           ") before iterating it");
+           ". A worker is this program re-executed: it must build the same pipeline (" +
+           describe_short() + ") before iterating it");
     }
     return false;
   }
@@ -376,8 +395,10 @@ class WorkerPool : public TaskRunner {
           // batches are ready when it begins.
           if (current_.epoch < 0 || cancelled_ || !plan_.execution.prefetch_next_epoch) return;
           if (ahead_.epoch != current_.epoch + 1) {
-            ahead_ = EpochTasks{.epoch = current_.epoch + 1, .tasks = epoch_tasks(plan_, current_.epoch + 1)};
-            for (int64_t i = 0; i < static_cast<int64_t>(ahead_.tasks.size()); ++i) ahead_.pending.insert(i);
+            ahead_ = EpochTasks{.epoch = current_.epoch + 1,
+                                .tasks = epoch_tasks(plan_, current_.epoch + 1)};
+            for (int64_t i = 0; i < static_cast<int64_t>(ahead_.tasks.size()); ++i)
+              ahead_.pending.insert(i);
           }
           from = &ahead_;
           if (from->pending.empty()) return;
@@ -391,7 +412,8 @@ class WorkerPool : public TaskRunner {
         ++busy;
       }
       try {
-        wire::send(c.fd, Json{{"type", "task"}, {"index", index}, {"epoch", epoch}, {"rows", rows}});
+        wire::send(c.fd,
+                   Json{{"type", "task"}, {"index", index}, {"epoch", epoch}, {"rows", rows}});
       } catch (const std::exception&) {
         drop(c, "could not be given a task");
       }
@@ -404,7 +426,8 @@ class WorkerPool : public TaskRunner {
         std::lock_guard lock(mutex_);
         if (stopping_) return;
       }
-      std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {unix_listener_, POLLIN, 0}, {tcp_listener_, POLLIN, 0}};
+      std::vector<pollfd> fds{
+          {wake_[0], POLLIN, 0}, {unix_listener_, POLLIN, 0}, {tcp_listener_, POLLIN, 0}};
       const size_t first_conn = fds.size();
       for (const auto& c : conns_) fds.push_back({c.fd, POLLIN, 0});
       ::poll(fds.data(), fds.size(), 100);
@@ -474,10 +497,13 @@ class WorkerPool : public TaskRunner {
 
 }  // namespace
 
-std::unique_ptr<TaskRunner> make_inline_runner(const Dataset::Plan& plan) { return std::make_unique<InlineRunner>(plan); }
+std::unique_ptr<TaskRunner> make_inline_runner(const Dataset::Plan& plan) {
+  return std::make_unique<InlineRunner>(plan);
+}
 
-std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan, const std::string& fingerprint,
-                                             int local_workers, std::map<std::string, std::string> env) {
+std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan,
+                                             const std::string& fingerprint, int local_workers,
+                                             std::map<std::string, std::string> env) {
   return std::make_unique<WorkerPool>(plan, fingerprint, local_workers, std::move(env));
 }
 

@@ -27,7 +27,8 @@ torch::Tensor MlpImpl::forward(torch::Tensor x) {
 CnnImpl::CnnImpl(const ModelOptions& o) {
   conv1_ = register_module(
       "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, 32, 3).padding(1)));
-  conv2_ = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
+  conv2_ =
+      register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
   const int64_t side = o.image_size / 4;
   flat_features_ = 64 * side * side;
   fc1_ = register_module("fc1", torch::nn::Linear(flat_features_, 128));
@@ -58,7 +59,8 @@ class BasicBlockImpl : public torch::nn::Module {
     bn2_ = register_module("bn2", torch::nn::BatchNorm2d(out));
     if (stride != 1 || in != out) {
       downsample_ = register_module(
-          "downsample", torch::nn::Sequential(conv(in, out, 1, stride, 0), torch::nn::BatchNorm2d(out)));
+          "downsample",
+          torch::nn::Sequential(conv(in, out, 1, stride, 0), torch::nn::BatchNorm2d(out)));
     }
   }
   torch::Tensor forward(torch::Tensor x) {
@@ -80,9 +82,9 @@ class EncoderBlockImpl : public torch::nn::Module {
     norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
     attention_ = register_module("attention", torch::nn::MultiheadAttention(width, heads));
     norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    mlp_ = register_module("mlp", torch::nn::Sequential(torch::nn::Linear(width, width * mlp_ratio),
-                                                        torch::nn::GELU(),
-                                                        torch::nn::Linear(width * mlp_ratio, width)));
+    mlp_ = register_module(
+        "mlp", torch::nn::Sequential(torch::nn::Linear(width, width * mlp_ratio), torch::nn::GELU(),
+                                     torch::nn::Linear(width * mlp_ratio, width)));
   }
   // x: [tokens, batch, width], the layout of torch::nn::MultiheadAttention.
   torch::Tensor forward(torch::Tensor x) {
@@ -102,9 +104,9 @@ TORCH_MODULE(EncoderBlock);
 
 ResNet18Impl::ResNet18Impl(const ModelOptions& o) {
   stem_ = register_module(
-      "stem", torch::nn::Sequential(conv(o.in_channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64),
-                                    torch::nn::ReLU(),
-                                    torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1))));
+      "stem", torch::nn::Sequential(
+                  conv(o.in_channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
+                  torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1))));
   torch::nn::Sequential layers;
   int64_t in = 64;
   for (int64_t out : {64, 128, 256, 512}) {
@@ -126,12 +128,14 @@ torch::Tensor ResNet18Impl::forward(torch::Tensor x) {
 VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
   const int64_t tokens = (o.image_size / o.patch_size) * (o.image_size / o.patch_size);
   patch_embed_ = register_module(
-      "patch_embed", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, o.width, o.patch_size)
-                                           .stride(o.patch_size)));
+      "patch_embed",
+      torch::nn::Conv2d(
+          torch::nn::Conv2dOptions(o.in_channels, o.width, o.patch_size).stride(o.patch_size)));
   cls_token_ = register_parameter("cls_token", torch::randn({1, 1, o.width}) * 0.02);
   positions_ = register_parameter("positions", torch::randn({tokens + 1, 1, o.width}) * 0.02);
   torch::nn::Sequential blocks;
-  for (int64_t i = 0; i < o.depth; ++i) blocks->push_back(EncoderBlock(o.width, o.heads, o.mlp_ratio));
+  for (int64_t i = 0; i < o.depth; ++i)
+    blocks->push_back(EncoderBlock(o.width, o.heads, o.mlp_ratio));
   blocks_ = register_module("blocks", blocks);
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
   head_ = register_module("head", torch::nn::Linear(o.width, o.num_classes));
@@ -152,7 +156,9 @@ const std::vector<std::string>& model_names() {
 
 ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
   auto positive = [](const char* what, int64_t v) {
-    if (v < 1) throw UsageError(std::string("model option ") + what + "=" + std::to_string(v) + " must be >= 1");
+    if (v < 1)
+      throw UsageError(std::string("model option ") + what + "=" + std::to_string(v) +
+                       " must be >= 1");
   };
   positive("num_classes", o.num_classes);
   positive("in_channels", o.in_channels);

@@ -1,7 +1,7 @@
 #include "cohort/parallel/distributed_data_parallel.h"
 
-#include <torch/csrc/autograd/engine.h>
 #include <c10/util/strides.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 #include <mutex>
@@ -30,16 +30,6 @@ std::string describe(const at::Tensor& t) {
 // Sums `bucket` over the group through a narrower dtype.
 CommHook compress_hook(at::ScalarType wire) {
   return [wire](comm::ProcessGroup& group, at::Tensor& bucket) {
-    if (wire == at::kBFloat16) {
-      // Gloo cannot sum bfloat16: gather everyone's compressed bits (as Half, a dtype Gloo
-      // moves; allgather only copies bytes) and sum locally in fp32.
-      auto bits = bucket.to(at::kBFloat16).view(at::kHalf);
-      auto gathered = group.allgather(bits);
-      auto sum = torch::zeros_like(bucket, bucket.options().dtype(at::kFloat));
-      for (auto& g : gathered) sum.add_(g.view(at::kBFloat16).to(at::kFloat));
-      bucket.copy_(sum);
-      return comm::Work();
-    }
     std::vector<at::Tensor> compressed{bucket.to(wire)};
     auto work = group.allreduce_async(compressed);
     work.then([bucket, compressed]() mutable { bucket.copy_(compressed[0]); });
@@ -82,7 +72,8 @@ struct DistributedDataParallel::Impl {
   std::vector<Slot> slots;
   std::vector<at::Tensor> aliases;
   // A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
-  using Accumulator = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+  using Accumulator =
+      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
   std::vector<std::pair<Accumulator, uintptr_t>> hooks;
   std::weak_ptr<Impl> self;
 
@@ -177,8 +168,8 @@ struct DistributedDataParallel::Impl {
     auto lengths = group.allgather(torch::tensor({layout.numel()}, torch::kLong));
     for (size_t r = 0; r < lengths.size(); ++r) {
       if (lengths[r].item<int64_t>() != layout.numel()) {
-        throw UsageError("prepare_model: the model on rank " + std::to_string(group.rank()) + " has " +
-                         std::to_string(params.size()) + " parameters laid out in " +
+        throw UsageError("prepare_model: the model on rank " + std::to_string(group.rank()) +
+                         " has " + std::to_string(params.size()) + " parameters laid out in " +
                          std::to_string(layout.numel()) + " numbers, rank " + std::to_string(r) +
                          "'s in " + std::to_string(lengths[r].item<int64_t>()) +
                          ": every rank must build the same architecture");
@@ -192,7 +183,8 @@ struct DistributedDataParallel::Impl {
       for (size_t i = 0; i < params.size(); ++i) {
         const int64_t width = params[i].dim() + 2;
         if (!torch::equal(theirs.narrow(0, offset, width), layout.narrow(0, offset, width))) {
-          const int64_t dims = std::min(theirs[offset].item<int64_t>(), theirs.numel() - offset - 1);
+          const int64_t dims =
+              std::min(theirs[offset].item<int64_t>(), theirs.numel() - offset - 1);
           auto shape = theirs.narrow(0, offset + 1, dims);
           throw UsageError("prepare_model: parameter '" + names[i] + "' is " + describe(params[i]) +
                            " on rank " + std::to_string(group.rank()) + " but " +
@@ -290,7 +282,8 @@ struct DistributedDataParallel::Impl {
 
     std::vector<char> unused_everywhere(params.size(), 0);
     if (options.find_unused_parameters) {
-      std::vector<at::Tensor> used{torch::zeros({static_cast<int64_t>(params.size())}, torch::kInt)};
+      std::vector<at::Tensor> used{
+          torch::zeros({static_cast<int64_t>(params.size())}, torch::kInt)};
       for (size_t i : trainable) used[0][static_cast<int64_t>(i)] = used_since_sync[i] ? 1 : 0;
       group.allreduce(used);
       auto counts = used[0].accessor<int, 1>();
@@ -333,10 +326,12 @@ struct DistributedDataParallel::Impl {
       if (!seen[*it]) arrival.push_back(*it);
     }
     // Rank 0's order for all, so that every rank launches the same buckets in the same order.
-    std::vector<at::Tensor> order{torch::tensor(std::vector<int64_t>(arrival.begin(), arrival.end()), torch::kLong)};
+    std::vector<at::Tensor> order{
+        torch::tensor(std::vector<int64_t>(arrival.begin(), arrival.end()), torch::kLong)};
     group.broadcast(order, 0);
     std::vector<size_t> agreed;
-    for (int64_t k = 0; k < order[0].numel(); ++k) agreed.push_back(static_cast<size_t>(order[0][k].item<int64_t>()));
+    for (int64_t k = 0; k < order[0].numel(); ++k)
+      agreed.push_back(static_cast<size_t>(order[0][k].item<int64_t>()));
     arrival.clear();
     arrival.shrink_to_fit();
     build_buckets(agreed);
@@ -346,11 +341,13 @@ struct DistributedDataParallel::Impl {
     std::weak_ptr<Impl> weak = self;
     for (size_t i : trainable) {
       auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
-      auto key = accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-          [weak, i](const torch::autograd::variable_list& outputs, const torch::autograd::variable_list&) {
-            if (auto impl = weak.lock()) impl->on_gradient_ready(i);
-            return outputs;
-          }));
+      auto key =
+          accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+              [weak, i](const torch::autograd::variable_list& outputs,
+                        const torch::autograd::variable_list&) {
+                if (auto impl = weak.lock()) impl->on_gradient_ready(i);
+                return outputs;
+              }));
       hooks.emplace_back(std::move(accumulator), key);
     }
   }
@@ -398,7 +395,9 @@ DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
 
 DistributedDataParallel::NoSyncGuard::~NoSyncGuard() { ddp_.impl_->sync_enabled = previous_; }
 
-const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return impl_->module; }
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const {
+  return impl_->module;
+}
 
 const comm::ProcessGroup& DistributedDataParallel::process_group() const { return impl_->group; }
 

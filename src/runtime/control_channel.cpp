@@ -34,7 +34,9 @@ std::function<void(const std::string&)>& control_sink() {
 
 }  // namespace
 
-void set_control_sink(std::function<void(const std::string&)> sink) { control_sink() = std::move(sink); }
+void set_control_sink(std::function<void(const std::string&)> sink) {
+  control_sink() = std::move(sink);
+}
 
 bool has_control_channel() { return control_fd() >= 0 || control_sink() != nullptr; }
 

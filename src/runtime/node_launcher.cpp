@@ -30,7 +30,8 @@ std::string host_name() {
 // The program as posix_spawn needs it: a path, looked up in PATH when it has no '/'.
 std::string resolve_program(const std::string& program) {
   if (program.find('/') != std::string::npos) {
-    if (::access(program.c_str(), X_OK) != 0) throw UsageError("cohort launch: '" + program + "' is not an executable file");
+    if (::access(program.c_str(), X_OK) != 0)
+      throw UsageError("cohort launch: '" + program + "' is not an executable file");
     return program;
   }
   const char* path = std::getenv("PATH");
@@ -50,7 +51,8 @@ std::string default_job_id(const NodeLaunchOptions& o) {
   for (const auto& arg : o.command) text += '\0' + arg;
   char id[32];
   std::snprintf(id, sizeof id, "launch-%08lx",
-                crc32(crc32(0, nullptr, 0), reinterpret_cast<const Bytef*>(text.data()), static_cast<uInt>(text.size())));
+                crc32(crc32(0, nullptr, 0), reinterpret_cast<const Bytef*>(text.data()),
+                      static_cast<uInt>(text.size())));
   return id;
 }
 
@@ -61,9 +63,13 @@ class NodeLauncher {
 
  private:
   void say(const std::string& line) const {
-    if (o_.verbose >= 1) std::cerr << "cohort launch (node " << o_.node_rank << "/" << o_.nnodes << "): " << line << std::endl;
+    if (o_.verbose >= 1)
+      std::cerr << "cohort launch (node " << o_.node_rank << "/" << o_.nnodes << "): " << line
+                << std::endl;
   }
-  std::string key(const std::string& what) const { return "launch/" + std::to_string(round_) + "/" + what; }
+  std::string key(const std::string& what) const {
+    return "launch/" + std::to_string(round_) + "/" + what;
+  }
   // What check_peers saw: a reason to stop the round ("" when none), and whether it is a node
   // that went away (rather than one that reported a failure).
   struct PeerState {
@@ -96,7 +102,8 @@ class NodeLauncher {
   int members_ = 0;       // data workers of the job
   int first_member_ = 0;  // this node's first
   int round_ = 0;
-  std::map<int, std::pair<int64_t, Clock::time_point>> heard_;  // node -> last heartbeat, when it changed
+  std::map<int, std::pair<int64_t, Clock::time_point>>
+      heard_;  // node -> last heartbeat, when it changed
   Clock::time_point last_beat_{};
 };
 
@@ -114,9 +121,12 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
       if (fresh || it->second.first != beats) {
         it->second = {beats, now};
       } else if (now - it->second.second > o_.heartbeat_timeout) {
-        return {.reason = "node " + std::to_string(node) + " (" + hosts_.at(static_cast<size_t>(node)) +
+        return {.reason = "node " + std::to_string(node) + " (" +
+                          hosts_.at(static_cast<size_t>(node)) +
                           ") is lost: its launcher sent no heartbeat for " +
-                          std::to_string(std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout).count()) +
+                          std::to_string(
+                              std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout)
+                                  .count()) +
                           " s",
                 .node_lost = true};
       }
@@ -141,7 +151,8 @@ std::string NodeLauncher::find_root_cause() {
 
 std::string NodeLauncher::wait_for_nodes(const std::string& what) {
   std::vector<std::string> keys;
-  for (int node = 0; node < o_.nnodes; ++node) keys.push_back(key(what) + "/" + std::to_string(node));
+  for (int node = 0; node < o_.nnodes; ++node)
+    keys.push_back(key(what) + "/" + std::to_string(node));
   store_->set(keys[static_cast<size_t>(o_.node_rank)], "1");
   while (true) {
     try {
@@ -174,7 +185,8 @@ void NodeLauncher::lay_out(const std::vector<std::string>& joined) {
     world_ += share["nproc"].get<int>();
     members_ += share["data_workers"].get<int>();
   }
-  if (world_ == 0) throw UsageError("no node of the job runs a train worker (every one has --nproc-per-node 0)");
+  if (world_ == 0)
+    throw UsageError("no node of the job runs a train worker (every one has --nproc-per-node 0)");
 }
 
 int NodeLauncher::run() {
@@ -188,14 +200,16 @@ int NodeLauncher::run() {
                                  .job_id = o_.job_id});
   round_ = static_cast<int>(store_->add("launch/round", 0));
   const std::string share =
-      Json{{"host", host_name()}, {"nproc", o_.nproc_per_node}, {"data_workers", o_.data_workers}}.dump();
+      Json{{"host", host_name()}, {"nproc", o_.nproc_per_node}, {"data_workers", o_.data_workers}}
+          .dump();
   while (true) {
-    say("joining round " + std::to_string(round_) + " at " + o_.master_addr + ":" + std::to_string(o_.master_port) +
-        " (job " + o_.job_id + ")");
+    say("joining round " + std::to_string(round_) + " at " + o_.master_addr + ":" +
+        std::to_string(o_.master_port) + " (job " + o_.job_id + ")");
     try {
-      lay_out(store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, share,
-                                      "join round " + std::to_string(round_) + " of job " + o_.job_id,
-                                      o_.rendezvous_timeout, "nodes"));
+      lay_out(
+          store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, share,
+                                  "join round " + std::to_string(round_) + " of job " + o_.job_id,
+                                  o_.rendezvous_timeout, "nodes"));
     } catch (const TimeoutError& e) {
       std::cerr << "error: cohort launch: " << e.what() << " (lost, or not started?)" << std::endl;
       return 1;
@@ -213,7 +227,9 @@ int NodeLauncher::run() {
     group_options.rank_name = [this](int local) {
       return (is_rank(local) ? "rank " : "data worker ") + std::to_string(index_in_job(local));
     };
-    group_options.rank_role = [this](int local) { return is_rank(local) ? std::string() : std::string(kDataWorkerRole); };
+    group_options.rank_role = [this](int local) {
+      return is_rank(local) ? std::string() : std::string(kDataWorkerRole);
+    };
     group_options.rank_env = [this](int local) {
       std::map<std::string, std::string> env;
       if (is_rank(local)) {
@@ -242,8 +258,9 @@ int NodeLauncher::run() {
     std::string peer_reason;
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
-      (is_stderr ? std::cerr : std::cout) << "(" << (is_rank(local) ? "rank=" : "data=") << index_in_job(local) << ", pid=" << pid << ") " << line
-                                          << std::endl;  // line by line
+      (is_stderr ? std::cerr : std::cout)
+          << "(" << (is_rank(local) ? "rank=" : "data=") << index_in_job(local) << ", pid=" << pid
+          << ") " << line << std::endl;  // line by line
     };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;
@@ -253,12 +270,15 @@ int NodeLauncher::run() {
     group.start();
     std::string started;
     if (o_.nproc_per_node > 0) {
-      started = "ranks " + std::to_string(first_rank_) + "-" + std::to_string(first_rank_ + o_.nproc_per_node - 1) +
-                " of " + std::to_string(world_);
+      started = "ranks " + std::to_string(first_rank_) + "-" +
+                std::to_string(first_rank_ + o_.nproc_per_node - 1) + " of " +
+                std::to_string(world_);
     }
     if (o_.data_workers > 0) {
-      started += (started.empty() ? "" : ", ") + std::string("data workers ") + std::to_string(first_member_) + "-" +
-                 std::to_string(first_member_ + o_.data_workers - 1) + " of " + std::to_string(members_);
+      started += (started.empty() ? "" : ", ") + std::string("data workers ") +
+                 std::to_string(first_member_) + "-" +
+                 std::to_string(first_member_ + o_.data_workers - 1) + " of " +
+                 std::to_string(members_);
     }
     say("round " + std::to_string(round_) + ": started " + started);
     const auto outcome = group.wait(handlers);
@@ -276,7 +296,8 @@ int NodeLauncher::run() {
           store_->set(key("left/") + std::to_string(o_.node_rank), "1");
           if (serve) {
             std::vector<std::string> left;
-            for (int node = 0; node < o_.nnodes; ++node) left.push_back(key("left/") + std::to_string(node));
+            for (int node = 0; node < o_.nnodes; ++node)
+              left.push_back(key("left/") + std::to_string(node));
             store_->wait(left, o_.rendezvous_timeout);
           }
         } catch (const std::exception&) {
@@ -286,20 +307,25 @@ int NodeLauncher::run() {
         return 0;
       }
     } else if (reason.empty()) {
-      reason = "node " + std::to_string(o_.node_rank) + " (" + host_name() + "): " + outcome.failure_reason;
+      reason = "node " + std::to_string(o_.node_rank) + " (" + host_name() +
+               "): " + outcome.failure_reason;
       // A worker killed by a signal is a cause: the other nodes learn it at once. A worker that
       // exited with an error most often failed in a collective because a peer node or its worker
       // died: that is named first.
       const bool killed = outcome.first_failure && outcome.first_failure->signal != 0 &&
                           !outcome.first_failure->stopped_by_driver;
       if (!killed) {
-        if (auto cause = find_root_cause(); !cause.empty()) reason = cause + " (then " + reason + ")";
+        if (auto cause = find_root_cause(); !cause.empty())
+          reason = cause + " (then " + reason + ")";
       }
       mark_failed(reason);
     }
     if (round_ >= o_.max_restarts) {
       std::cerr << "error: cohort launch: the job failed: " << reason
-                << (o_.max_restarts > 0 ? " (after " + std::to_string(o_.max_restarts) + " restart(s))" : "") << std::endl;
+                << (o_.max_restarts > 0
+                        ? " (after " + std::to_string(o_.max_restarts) + " restart(s))"
+                        : "")
+                << std::endl;
       return 1;
     }
     ++round_;
@@ -307,15 +333,16 @@ int NodeLauncher::run() {
       store_->set("launch/round", std::to_string(round_));
     } catch (const std::exception&) {
     }
-    say("round failed (" + reason + "); restarting as round " + std::to_string(round_) + " of at most " +
-        std::to_string(o_.max_restarts));
+    say("round failed (" + reason + "); restarting as round " + std::to_string(round_) +
+        " of at most " + std::to_string(o_.max_restarts));
   }
 }
 
 }  // namespace
 
 int launch_node(const NodeLaunchOptions& options) {
-  if (options.nnodes < 1) throw UsageError("--nnodes " + std::to_string(options.nnodes) + " must be >= 1");
+  if (options.nnodes < 1)
+    throw UsageError("--nnodes " + std::to_string(options.nnodes) + " must be >= 1");
   if (options.node_rank < 0 || options.node_rank >= options.nnodes) {
     throw UsageError("--node-rank " + std::to_string(options.node_rank) + " must be in [0, " +
                      std::to_string(options.nnodes) + ")");
@@ -324,12 +351,16 @@ int launch_node(const NodeLaunchOptions& options) {
     throw UsageError("--nproc-per-node and --data-workers must be >= 0");
   }
   if (options.nproc_per_node + options.data_workers < 1) {
-    throw UsageError("--nproc-per-node 0 is a CPU-only node: give it --data-workers N (preprocessing processes)");
+    throw UsageError(
+        "--nproc-per-node 0 is a CPU-only node: give it --data-workers N (preprocessing "
+        "processes)");
   }
   if (options.master_port < 1 || options.master_port > 65535) {
-    throw UsageError("--master port " + std::to_string(options.master_port) + " is not a port (1-65535)");
+    throw UsageError("--master port " + std::to_string(options.master_port) +
+                     " is not a port (1-65535)");
   }
-  if (options.master_addr.empty()) throw UsageError("--master needs HOST:PORT, the address of node 0");
+  if (options.master_addr.empty())
+    throw UsageError("--master needs HOST:PORT, the address of node 0");
   if (options.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
   if (options.command.empty()) throw UsageError("cohort launch: give the program after '--'");
   return NodeLauncher(options).run();

@@ -34,8 +34,9 @@ std::vector<std::string> child_environment(const std::map<std::string, std::stri
   return out;
 }
 
-int spawn_in_own_group(const std::string& exe, std::vector<std::string> args, std::vector<std::string> env,
-                       const posix_spawn_file_actions_t* actions, int& pid) {
+int spawn_in_own_group(const std::string& exe, std::vector<std::string> args,
+                       std::vector<std::string> env, const posix_spawn_file_actions_t* actions,
+                       int& pid) {
   posix_spawnattr_t attr;
   posix_spawnattr_init(&attr);
   sigset_t defaults;
@@ -46,7 +47,8 @@ int spawn_in_own_group(const std::string& exe, std::vector<std::string> args, st
   posix_spawnattr_setsigdefault(&attr, &defaults);
   posix_spawnattr_setsigmask(&attr, &none);
   posix_spawnattr_setpgroup(&attr, 0);
-  posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
+  posix_spawnattr_setflags(&attr,
+                           POSIX_SPAWN_SETPGROUP | POSIX_SPAWN_SETSIGDEF | POSIX_SPAWN_SETSIGMASK);
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -62,8 +64,10 @@ int spawn_in_own_group(const std::string& exe, std::vector<std::string> args, st
 
 int spawn_self(const std::string& role, const std::map<std::string, std::string>& env) {
   int pid = -1;
-  const int rc = spawn_in_own_group("/proc/self/exe", self_arguments(), child_environment(env, role, false), nullptr, pid);
-  if (rc != 0) throw RuntimeError("cannot start a " + role + " process of this program: " + std::strerror(rc));
+  const int rc = spawn_in_own_group("/proc/self/exe", self_arguments(),
+                                    child_environment(env, role, false), nullptr, pid);
+  if (rc != 0)
+    throw RuntimeError("cannot start a " + role + " process of this program: " + std::strerror(rc));
   return pid;
 }
 

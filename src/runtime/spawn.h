@@ -10,7 +10,8 @@
 namespace cohort::runtime {
 
 // posix_spawn of `exe`; returns 0 and sets `pid`, or the error number.
-int spawn_in_own_group(const std::string& exe, std::vector<std::string> args, std::vector<std::string> env,
-                       const posix_spawn_file_actions_t* actions, int& pid);
+int spawn_in_own_group(const std::string& exe, std::vector<std::string> args,
+                       std::vector<std::string> env, const posix_spawn_file_actions_t* actions,
+                       int& pid);
 
 }  // namespace cohort::runtime

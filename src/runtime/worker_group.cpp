@@ -10,17 +10,16 @@
 #include <array>
 #include <cctype>
 #include <cerrno>
-#include <sstream>
 #include <csignal>
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
-#include "runtime/spawn.h"
 #include "cohort/runtime/worker_info.h"
-
+#include "runtime/spawn.h"
 
 namespace cohort::runtime {
 namespace {
@@ -102,12 +101,14 @@ InterruptScope::InterruptScope() {
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &action, &g_saved_actions[signal_slot(sig)]);
+  for (int sig : {SIGINT, SIGTERM, SIGCHLD})
+    sigaction(sig, &action, &g_saved_actions[signal_slot(sig)]);
 }
 
 InterruptScope::~InterruptScope() {
   if (--g_scope_depth > 0) return;
-  for (int sig : {SIGINT, SIGTERM, SIGCHLD}) sigaction(sig, &g_saved_actions[signal_slot(sig)], nullptr);
+  for (int sig : {SIGINT, SIGTERM, SIGCHLD})
+    sigaction(sig, &g_saved_actions[signal_slot(sig)], nullptr);
   ::close(g_wake_pipe[0]);
   ::close(g_wake_pipe[1]);
   g_wake_pipe[0] = g_wake_pipe[1] = -1;
@@ -116,7 +117,8 @@ InterruptScope::~InterruptScope() {
 int InterruptScope::signal() { return g_interrupt; }
 
 std::string WorkerExit::describe() const {
-  std::string who = (name.empty() ? "rank " + std::to_string(rank) : name) + " (pid " + std::to_string(pid) + ")";
+  std::string who =
+      (name.empty() ? "rank " + std::to_string(rank) : name) + " (pid " + std::to_string(pid) + ")";
   if (signal != 0) {
     return who + (stopped_by_driver ? " was stopped by the driver with " : " was killed by ") +
            "signal " + std::to_string(signal) + " (" + strsignal(signal) + ")";
@@ -138,7 +140,8 @@ bool process_group_alive(int pgid) {
     std::istringstream fields(text.substr(close_paren + 2));
     char state = 0;
     long parent = 0, group = 0;
-    if (fields >> state >> parent >> group && group == pgid && state != 'Z' && state != 'X') return true;
+    if (fields >> state >> parent >> group && group == pgid && state != 'Z' && state != 'X')
+      return true;
   }
   return false;
 }
@@ -196,7 +199,8 @@ struct WorkerGroup::Impl {
     if (options.rank_env) {
       for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
     }
-    return child_environment(vars, options.rank_role ? options.rank_role(rank) : options.role, !options.role.empty());
+    return child_environment(vars, options.rank_role ? options.rank_role(rank) : options.role,
+                             !options.role.empty());
   }
 
   void spawn(Worker& worker) {
@@ -214,7 +218,8 @@ struct WorkerGroup::Impl {
     std::vector<std::string> args = options.argv.empty() ? self_arguments() : options.argv;
     if (args.empty()) args.push_back(exe);
     int pid = -1;
-    const int rc = spawn_in_own_group(exe, std::move(args), environment(worker.rank), &actions, pid);
+    const int rc =
+        spawn_in_own_group(exe, std::move(args), environment(worker.rank), &actions, pid);
     posix_spawn_file_actions_destroy(&actions);
     for (int fd : {out[1], err[1], ctl[1]}) ::close(fd);
     if (rc != 0) {
@@ -344,7 +349,8 @@ void WorkerGroup::start() {
   }
 }
 
-bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait) {
+bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
+                             std::chrono::milliseconds max_wait) {
   std::vector<pollfd> fds{{g_wake_pipe[0], POLLIN, 0}};
   std::vector<std::pair<Worker*, Stream*>> owners{{nullptr, nullptr}};
   for (auto& w : workers) {
@@ -382,7 +388,8 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers, std::chrono::m
   }
   // Of workers that ended together, one killed by a signal is the likelier cause: its peers
   // then fail in their collectives.
-  std::stable_partition(exited.begin(), exited.end(), [](Worker* w) { return w->exit.signal != 0; });
+  std::stable_partition(exited.begin(), exited.end(),
+                        [](Worker* w) { return w->exit.signal != 0; });
   for (Worker* w : exited) {
     if (handlers.on_exit) handlers.on_exit(w->exit);
     if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
@@ -400,7 +407,8 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers, std::chrono::m
     for (auto& w : workers) {
       if (w.running) hung += (hung.empty() ? "" : ", ") + std::to_string(w.rank);
     }
-    begin_stop("ranks [" + hung + "] still running " + std::to_string(options.exit_skew_timeout.count() / 1000) +
+    begin_stop("ranks [" + hung + "] still running " +
+               std::to_string(options.exit_skew_timeout.count() / 1000) +
                " s after another rank finished: stopped as hung");
   }
   if (kill_at && now > *kill_at) signal_all(SIGKILL);

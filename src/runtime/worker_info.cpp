@@ -8,8 +8,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <cctype>
+#include <csignal>
 #include <cstdlib>
 
 #include "cohort/error.h"
@@ -45,13 +45,14 @@ int env_int(const char* name, int fallback, int min_value) {
 std::optional<WorkerInfo> worker_info_from_env() {
   if (!env("RANK") && !env("WORLD_SIZE")) return std::nullopt;
   if (!env("RANK")) throw UsageError("WORLD_SIZE is set but RANK is not: set both or neither");
-  if (!env("WORLD_SIZE")) throw UsageError("RANK is set but WORLD_SIZE is not: set both or neither");
+  if (!env("WORLD_SIZE"))
+    throw UsageError("RANK is set but WORLD_SIZE is not: set both or neither");
   WorkerInfo info;
   info.world_size = env_int("WORLD_SIZE", 1, 1);
   info.world_rank = env_int("RANK", 0, 0);
   if (info.world_rank >= info.world_size) {
-    throw UsageError("RANK=" + std::to_string(info.world_rank) + " must be < WORLD_SIZE=" +
-                     std::to_string(info.world_size));
+    throw UsageError("RANK=" + std::to_string(info.world_rank) +
+                     " must be < WORLD_SIZE=" + std::to_string(info.world_size));
   }
   info.local_rank = env_int("LOCAL_RANK", info.world_rank, 0);
   info.local_world_size = env_int("LOCAL_WORLD_SIZE", info.world_size, 1);
@@ -70,7 +71,8 @@ std::optional<WorkerInfo> worker_info_from_env() {
     throw UsageError("MASTER_PORT is not set: give the rendezvous port on rank 0's host");
   }
   if (info.master_port > 65535) {
-    throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) + " is not a port (1-65535)");
+    throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) +
+                     " is not a port (1-65535)");
   }
   return info;
 }
@@ -84,32 +86,34 @@ int required_int(const char* name, int min_value) {
 
 void check_ranks(WorkerInfo& info, const std::string& rank_var, const std::string& size_var) {
   if (info.world_rank >= info.world_size) {
-    throw UsageError(rank_var + "=" + std::to_string(info.world_rank) + " must be < " + size_var + "=" +
-                     std::to_string(info.world_size));
+    throw UsageError(rank_var + "=" + std::to_string(info.world_rank) + " must be < " + size_var +
+                     "=" + std::to_string(info.world_size));
   }
   if (info.local_rank >= info.local_world_size) {
-    throw UsageError("local rank " + std::to_string(info.local_rank) + " must be < the local world size " +
-                     std::to_string(info.local_world_size));
+    throw UsageError("local rank " + std::to_string(info.local_rank) +
+                     " must be < the local world size " + std::to_string(info.local_world_size));
   }
 }
 
 // MASTER_ADDR/MASTER_PORT when given, else the launcher's defaults.
-void rendezvous_from_env(WorkerInfo& info, const std::optional<std::string>& default_addr, int default_port,
-                         const std::string& hint) {
+void rendezvous_from_env(WorkerInfo& info, const std::optional<std::string>& default_addr,
+                         int default_port, const std::string& hint) {
   auto addr = env("MASTER_ADDR");
   if (!addr) addr = default_addr;
   if (!addr) throw UsageError("MASTER_ADDR is not set: " + hint);
   info.master_addr = *addr;
   info.master_port = env_int("MASTER_PORT", default_port, 1);
   if (info.master_port > 65535) {
-    throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) + " is not a port (1-65535)");
+    throw UsageError("MASTER_PORT=" + std::to_string(info.master_port) +
+                     " is not a port (1-65535)");
   }
 }
 
 int port_from_job(const std::string& job) {
   int64_t number = 0;
   for (char c : job) {
-    if (std::isdigit(static_cast<unsigned char>(c))) number = (number * 10 + (c - '0')) % 1'000'000'007;
+    if (std::isdigit(static_cast<unsigned char>(c)))
+      number = (number * 10 + (c - '0')) % 1'000'000'007;
   }
   return 15000 + static_cast<int>(number % 10000);
 }
@@ -128,10 +132,12 @@ std::string first_slurm_host(const std::string& nodelist) {
   const auto open = item.find('[');
   if (open == std::string::npos) return item;
   const auto close = item.find(']', open);
-  if (close == std::string::npos) throw UsageError("Slurm node list '" + nodelist + "' has an unclosed '['");
+  if (close == std::string::npos)
+    throw UsageError("Slurm node list '" + nodelist + "' has an unclosed '['");
   const std::string ranges = item.substr(open + 1, close - open - 1);
   const std::string first = ranges.substr(0, std::min(ranges.find(','), ranges.find('-')));
-  return first_slurm_host(item.substr(0, open) + first + item.substr(close + 1));  // "rack[1-2]-n[1-4]"
+  return first_slurm_host(item.substr(0, open) + first +
+                          item.substr(close + 1));  // "rack[1-2]-n[1-4]"
 }
 
 int slurm_tasks_on_node(const std::string& tasks_per_node, int node) {
@@ -151,7 +157,8 @@ int slurm_tasks_on_node(const std::string& tasks_per_node, int node) {
     seen += repeat;
     if (pos < tasks_per_node.size() && tasks_per_node[pos] == ',') ++pos;
   }
-  throw UsageError("Slurm tasks-per-node list '" + tasks_per_node + "' has no entry for node " + std::to_string(node));
+  throw UsageError("Slurm tasks-per-node list '" + tasks_per_node + "' has no entry for node " +
+                   std::to_string(node));
 }
 
 std::optional<WorkerInfo> detect_launch() {
@@ -164,7 +171,8 @@ std::optional<WorkerInfo> detect_launch() {
     info->store_on_launcher = env(kStoreOnLauncherVar).value_or("") == "1";
     // torchrun's agent serves its own (c10d) store on MASTER_PORT; ours goes next to it.
     const bool torch_agent = env("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
-    info->store_port = env_int(kStorePortVar, info->master_port + (torch_agent && !info->store_on_launcher ? 1 : 0), 0);
+    info->store_port = env_int(
+        kStorePortVar, info->master_port + (torch_agent && !info->store_on_launcher ? 1 : 0), 0);
   } else if (env("OMPI_COMM_WORLD_RANK") || env("OMPI_COMM_WORLD_SIZE")) {
     info.emplace();
     info->launcher = "openmpi";
@@ -177,8 +185,10 @@ std::optional<WorkerInfo> detect_launch() {
     const std::string job = env("OMPI_MCA_ess_base_jobid").value_or("");
     info->job_id = env(kJobIdVar).value_or(job.empty() ? "" : "openmpi-" + job);
     const bool one_host = info->local_world_size == info->world_size;
-    rendezvous_from_env(*info, one_host ? std::optional<std::string>("127.0.0.1") : std::nullopt, port_from_job(job),
-                        "across hosts, mpirun must pass rank 0's host address: mpirun -x MASTER_ADDR=<host> ...");
+    rendezvous_from_env(
+        *info, one_host ? std::optional<std::string>("127.0.0.1") : std::nullopt,
+        port_from_job(job),
+        "across hosts, mpirun must pass rank 0's host address: mpirun -x MASTER_ADDR=<host> ...");
     info->store_port = info->master_port;
   } else if (env("SLURM_PROCID") && env("SLURM_STEP_NUM_TASKS")) {
     info.emplace();
@@ -188,14 +198,18 @@ std::optional<WorkerInfo> detect_launch() {
     info->local_rank = env_int("SLURM_LOCALID", 0, 0);
     info->node_rank = env_int("SLURM_NODEID", 0, 0);
     const auto per_node = env("SLURM_STEP_TASKS_PER_NODE");
-    info->local_world_size = per_node ? slurm_tasks_on_node(*per_node, info->node_rank) : info->world_size;
+    info->local_world_size =
+        per_node ? slurm_tasks_on_node(*per_node, info->node_rank) : info->world_size;
     check_ranks(*info, "SLURM_PROCID", "SLURM_STEP_NUM_TASKS");
     const std::string job = env("SLURM_JOB_ID").value_or("");
-    info->job_id = env(kJobIdVar).value_or(job.empty() ? "" : "slurm-" + job + "." + env("SLURM_STEP_ID").value_or("0"));
+    info->job_id = env(kJobIdVar).value_or(
+        job.empty() ? "" : "slurm-" + job + "." + env("SLURM_STEP_ID").value_or("0"));
     info->restart_round = env_int("SLURM_RESTART_COUNT", 0, 0);
-    const auto nodes = env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
-    rendezvous_from_env(*info, nodes ? std::optional<std::string>(first_slurm_host(*nodes)) : std::nullopt,
-                        port_from_job(job), "srun sets SLURM_STEP_NODELIST; set MASTER_ADDR to rank 0's host");
+    const auto nodes =
+        env("SLURM_STEP_NODELIST") ? env("SLURM_STEP_NODELIST") : env("SLURM_JOB_NODELIST");
+    rendezvous_from_env(
+        *info, nodes ? std::optional<std::string>(first_slurm_host(*nodes)) : std::nullopt,
+        port_from_job(job), "srun sets SLURM_STEP_NODELIST; set MASTER_ADDR to rank 0's host");
     info->store_port = info->master_port;
   }
   return info;
@@ -206,21 +220,25 @@ std::string data_plane_address(const std::string& master_addr) {
   if (!name) name = env("GLOO_SOCKET_IFNAME");
   if (name) {
     ifaddrs* list = nullptr;
-    if (::getifaddrs(&list) != 0) throw RuntimeError("getifaddrs failed: cannot list network interfaces");
+    if (::getifaddrs(&list) != 0)
+      throw RuntimeError("getifaddrs failed: cannot list network interfaces");
     std::string found, names;
     for (ifaddrs* i = list; i != nullptr; i = i->ifa_next) {
       if (i->ifa_addr == nullptr || i->ifa_addr->sa_family != AF_INET) continue;
       names += (names.empty() ? "" : ", ") + std::string(i->ifa_name);
       if (*name == i->ifa_name && found.empty()) {
         char text[INET_ADDRSTRLEN];
-        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof text);
+        ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text,
+                    sizeof text);
         found = text;
       }
     }
     ::freeifaddrs(list);
     if (found.empty()) {
-      throw UsageError("network interface '" + *name + "' (COHORT_IFNAME/GLOO_SOCKET_IFNAME) has no IPv4 address here; "
-                       "interfaces with one: " + names);
+      throw UsageError("network interface '" + *name +
+                       "' (COHORT_IFNAME/GLOO_SOCKET_IFNAME) has no IPv4 address here; "
+                       "interfaces with one: " +
+                       names);
     }
     return found;
   }
@@ -230,7 +248,8 @@ std::string data_plane_address(const std::string& master_addr) {
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_DGRAM;
   addrinfo* result = nullptr;
-  if (::getaddrinfo(master_addr.c_str(), "9", &hints, &result) != 0 || result == nullptr) return "127.0.0.1";
+  if (::getaddrinfo(master_addr.c_str(), "9", &hints, &result) != 0 || result == nullptr)
+    return "127.0.0.1";
   std::string address = "127.0.0.1";
   const int fd = ::socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
   if (fd >= 0 && ::connect(fd, result->ai_addr, result->ai_addrlen) == 0) {

@@ -43,7 +43,9 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
     }
     auto cpu = tensor.detach().to(at::kCPU).contiguous();
     const int64_t bytes = cpu.numel() * cpu.element_size();
-    header[name] = {{"dtype", it->second}, {"shape", cpu.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+    header[name] = {{"dtype", it->second},
+                    {"shape", cpu.sizes().vec()},
+                    {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
     data.push_back(cpu);
   }
@@ -54,7 +56,8 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
     for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
     for (const auto& t : data) {
-      out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.numel() * t.element_size()));
+      out.write(static_cast<const char*>(t.data_ptr()),
+                static_cast<std::streamsize>(t.numel() * t.element_size()));
     }
   });
 }
@@ -167,7 +170,8 @@ void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesys
 }
 
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {
-  if (!std::filesystem::exists(file)) throw UsageError("load_optimizer: " + file.string() + " does not exist");
+  if (!std::filesystem::exists(file))
+    throw UsageError("load_optimizer: " + file.string() + " does not exist");
   // State saved on one device loads onto the parameters' device (a GPU run resumes on a CPU
   // host and the other way round).
   c10::Device device(c10::DeviceType::CPU);
@@ -193,8 +197,8 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
       optimizer.param_groups()[i].options().serialize(options);
     }
   } catch (const c10::Error& e) {
-    throw UsageError("load_optimizer: " + file.string() + " is not a readable optimizer state: " +
-                     e.what_without_backtrace());
+    throw UsageError("load_optimizer: " + file.string() +
+                     " is not a readable optimizer state: " + e.what_without_backtrace());
   }
 }
 
@@ -206,7 +210,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
   return Checkpoint::from_directory(dir);
 }
 
-void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer) {
+void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
+                     torch::optim::Optimizer& optimizer) {
   load_model(module, checkpoint.path() / "model.safetensors");
   load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
   const auto* session = current_session();
@@ -216,13 +221,15 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, to
   if (previous > 0 && previous != now) session->on_world_size_change(optimizer, previous, now);
 }
 
-void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size) {
+void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size,
+                       int world_size) {
   if (previous_world_size < 1 || world_size < 1) {
-    throw UsageError("linear_lr_scaling: world sizes must be >= 1, got " + std::to_string(previous_world_size) +
-                     " -> " + std::to_string(world_size));
+    throw UsageError("linear_lr_scaling: world sizes must be >= 1, got " +
+                     std::to_string(previous_world_size) + " -> " + std::to_string(world_size));
   }
   const double factor = static_cast<double>(world_size) / previous_world_size;
-  for (auto& group : optimizer.param_groups()) group.options().set_lr(group.options().get_lr() * factor);
+  for (auto& group : optimizer.param_groups())
+    group.options().set_lr(group.options().get_lr() * factor);
 }
 
 }  // namespace train

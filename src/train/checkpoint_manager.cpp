@@ -23,11 +23,11 @@ CheckpointManager CheckpointManager::from_snapshot(const std::filesystem::path& 
   const auto file = run_dir / kCheckpointManagerFile;
   if (!std::filesystem::exists(file)) return CheckpointManager(run_dir, {});
   const Json snapshot = read_json(file);
-  CheckpointManager manager(run_dir, {.num_to_keep = snapshot.value("num_to_keep", 0),
-                                      .checkpoint_score_attribute =
-                                          snapshot.value("checkpoint_score_attribute", std::string{}),
-                                      .checkpoint_score_order =
-                                          snapshot.value("checkpoint_score_order", std::string{"max"})});
+  CheckpointManager manager(
+      run_dir,
+      {.num_to_keep = snapshot.value("num_to_keep", 0),
+       .checkpoint_score_attribute = snapshot.value("checkpoint_score_attribute", std::string{}),
+       .checkpoint_score_order = snapshot.value("checkpoint_score_order", std::string{"max"})});
   for (const auto& entry : snapshot.at("checkpoints")) {
     const std::filesystem::path path = entry.at("path").get<std::string>();
     if (std::filesystem::is_directory(path)) {
@@ -51,7 +51,8 @@ std::vector<std::string> CheckpointManager::adopt_existing() {
       warnings.push_back(std::string("skipping an invalid checkpoint: ") + e.what());
     }
   }
-  std::sort(entries_.begin(), entries_.end(), [](const Entry& a, const Entry& b) { return a.index < b.index; });
+  std::sort(entries_.begin(), entries_.end(),
+            [](const Entry& a, const Entry& b) { return a.index < b.index; });
   snapshot();
   return warnings;
 }
@@ -90,7 +91,8 @@ bool CheckpointManager::better(const Entry& a, const Entry& b) const {
 
 void CheckpointManager::add(const std::filesystem::path& dir, const Json& metrics) {
   entries_.push_back({dir, checkpoint_index(dir), metrics});
-  std::sort(entries_.begin(), entries_.end(), [](const Entry& a, const Entry& b) { return a.index < b.index; });
+  std::sort(entries_.begin(), entries_.end(),
+            [](const Entry& a, const Entry& b) { return a.index < b.index; });
   prune();
   snapshot();
 }
@@ -98,9 +100,11 @@ void CheckpointManager::add(const std::filesystem::path& dir, const Json& metric
 void CheckpointManager::prune() {
   if (config_.num_to_keep == 0 || static_cast<int>(entries_.size()) <= config_.num_to_keep) return;
   std::vector<Entry> ranked = entries_;
-  std::stable_sort(ranked.begin(), ranked.end(), [&](const Entry& a, const Entry& b) { return better(a, b); });
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [&](const Entry& a, const Entry& b) { return better(a, b); });
   std::vector<int64_t> keep;
-  for (int i = 0; i < config_.num_to_keep; ++i) keep.push_back(ranked[static_cast<size_t>(i)].index);
+  for (int i = 0; i < config_.num_to_keep; ++i)
+    keep.push_back(ranked[static_cast<size_t>(i)].index);
   keep.push_back(entries_.back().index);  // the latest, for resuming
   std::vector<Entry> kept;
   for (auto& e : entries_) {
@@ -124,7 +128,8 @@ void CheckpointManager::snapshot() const {
                         {"checkpoint_score_order", config_.checkpoint_score_order},
                         {"num_to_keep", config_.num_to_keep},
                         {"checkpoints", list}}
-                           .dump(2) + "\n");
+                           .dump(2) +
+                       "\n");
 }
 
 std::optional<Checkpoint> CheckpointManager::latest() const {
@@ -134,7 +139,8 @@ std::optional<Checkpoint> CheckpointManager::latest() const {
 
 std::vector<std::pair<Checkpoint, Json>> CheckpointManager::best() const {
   std::vector<Entry> ranked = entries_;
-  std::stable_sort(ranked.begin(), ranked.end(), [&](const Entry& a, const Entry& b) { return better(a, b); });
+  std::stable_sort(ranked.begin(), ranked.end(),
+                   [&](const Entry& a, const Entry& b) { return better(a, b); });
   std::vector<std::pair<Checkpoint, Json>> out;
   for (const auto& e : ranked) out.emplace_back(Checkpoint::from_directory(e.path), e.metrics);
   return out;

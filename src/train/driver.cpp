@@ -49,20 +49,24 @@ std::string stall_report(const std::vector<Json>& status) {
   std::string behind, detail;
   for (size_t r = 0; r < status.size(); ++r) {
     const int64_t entered = status[r].is_object() ? status[r].value("collectives", int64_t{0}) : 0;
-    detail += (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " entered " +
-              std::to_string(entered) +
-              (status[r].is_object() ? " (last " + status[r].value("last", std::string("none")) + ")" : "");
+    detail +=
+        (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " entered " +
+        std::to_string(entered) +
+        (status[r].is_object() ? " (last " + status[r].value("last", std::string("none")) + ")"
+                               : "");
     if (entered < most) behind += (behind.empty() ? "" : ", ") + std::to_string(r);
   }
   if (behind.empty()) return "";
-  return "ranks [" + behind + "] did not enter collective #" + std::to_string(most) + " (" + detail + ")";
+  return "ranks [" + behind + "] did not enter collective #" + std::to_string(most) + " (" +
+         detail + ")";
 }
 
 // Every rank must call report() equally often: a rank that finished with fewer calls than
 // another made would leave that one waiting for it.
 class ReportCounter {
  public:
-  explicit ReportCounter(int world) : counts_(static_cast<size_t>(world), 0), finished_(static_cast<size_t>(world), false) {}
+  explicit ReportCounter(int world)
+      : counts_(static_cast<size_t>(world), 0), finished_(static_cast<size_t>(world), false) {}
 
   // Returns a reason to stop, or "".
   std::string on_report(int rank, int64_t index) {
@@ -75,7 +79,8 @@ class ReportCounter {
   std::string on_clean_exit(int rank) {
     finished_[static_cast<size_t>(rank)] = true;
     for (size_t r = 0; r < counts_.size(); ++r) {
-      if (counts_[r] > counts_[static_cast<size_t>(rank)]) return mismatch(rank, static_cast<int>(r), counts_[r]);
+      if (counts_[r] > counts_[static_cast<size_t>(rank)])
+        return mismatch(rank, static_cast<int>(r), counts_[r]);
     }
     return "";
   }
@@ -121,8 +126,12 @@ class Driver {
   // RuntimeError naming the busy slots when they do not come.
   std::vector<int> wait_for_slots();
   void record_resize(size_t from, const std::string& reason);
-  int min_workers() const { return scaling_.min_workers > 0 ? scaling_.min_workers : scaling_.num_workers; }
-  double since_start() const { return std::chrono::duration<double>(Clock::now() - started_).count(); }
+  int min_workers() const {
+    return scaling_.min_workers > 0 ? scaling_.min_workers : scaling_.num_workers;
+  }
+  double since_start() const {
+    return std::chrono::duration<double>(Clock::now() - started_).count();
+  }
 
   ScalingConfig scaling_;
   RunConfig run_;
@@ -153,7 +162,8 @@ std::vector<int> Driver::free_slots() const {
 
 int Driver::free_slots_beyond_group() const {
   int count = 0;
-  for (int slot : free_slots()) count += std::find(slots_.begin(), slots_.end(), slot) == slots_.end();
+  for (int slot : free_slots())
+    count += std::find(slots_.begin(), slots_.end(), slot) == slots_.end();
   return count;
 }
 
@@ -166,12 +176,14 @@ std::vector<int> Driver::wait_for_slots() {
     if (Clock::now() >= deadline) {
       std::string busy;
       for (int slot = 0; slot < scaling_.num_workers; ++slot) {
-        if (std::find(free.begin(), free.end(), slot) == free.end()) busy += (busy.empty() ? "" : ", ") + std::to_string(slot);
+        if (std::find(free.begin(), free.end(), slot) == free.end())
+          busy += (busy.empty() ? "" : ", ") + std::to_string(slot);
       }
-      throw RuntimeError("only " + std::to_string(free.size()) + " of " + std::to_string(scaling_.num_workers) +
-                         " worker slots are free (slots [" + busy + "] still busy after " +
-                         std::to_string(run_.setup_timeout.count() / 1000) + " s), fewer than the " +
-                         std::to_string(min_workers()) +
+      throw RuntimeError("only " + std::to_string(free.size()) + " of " +
+                         std::to_string(scaling_.num_workers) + " worker slots are free (slots [" +
+                         busy + "] still busy after " +
+                         std::to_string(run_.setup_timeout.count() / 1000) +
+                         " s), fewer than the " + std::to_string(min_workers()) +
                          " the group needs: lower ScalingConfig.min_workers or free the slots");
     }
     if (!told && run_.verbose >= 1) {
@@ -186,23 +198,26 @@ std::vector<int> Driver::wait_for_slots() {
 void Driver::record_resize(size_t from, const std::string& reason) {
   if (from == slots_.size()) return;
   recorder_->result().resizes.push_back({{"from", from},
-                             {"to", slots_.size()},
-                             {"reports", recorder_->result().metrics_history.size()},
-                             {"at_s", since_start()},
-                             {"reason", reason}});
+                                         {"to", slots_.size()},
+                                         {"reports", recorder_->result().metrics_history.size()},
+                                         {"at_s", since_start()},
+                                         {"reason", reason}});
   if (run_.verbose >= 1) {
-    console_.message("cohort: the group " + std::string(slots_.size() > from ? "grows" : "shrinks") + " from " +
-                     std::to_string(from) + " to " + std::to_string(slots_.size()) + " workers (" + reason + ")");
+    console_.message("cohort: the group " +
+                     std::string(slots_.size() > from ? "grows" : "shrinks") + " from " +
+                     std::to_string(from) + " to " + std::to_string(slots_.size()) + " workers (" +
+                     reason + ")");
   }
 }
 
 Result Driver::run() {
   gpus_ = runtime::visible_gpus();
-  gpus_per_worker_ = runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus,
-                                                scaling_.num_workers, gpus_);
+  gpus_per_worker_ = runtime::check_gpu_request(
+      scaling_.use_gpu, scaling_.resources_per_worker.gpus, scaling_.num_workers, gpus_);
   recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, config_, console_);
   std::optional<Checkpoint> resume_from = recorder_->resume_point();
-  store_ = comm::Store::connect({.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
+  store_ = comm::Store::connect(
+      {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
   slot_pids_.assign(static_cast<size_t>(scaling_.num_workers), 0);
   slots_ = wait_for_slots();
 
@@ -217,17 +232,20 @@ Result Driver::run() {
       record_resize(from, "worker slots became free");
       continue;
     }
-    if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 || !attempt.driver_error.empty()) break;
+    if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 ||
+        !attempt.driver_error.empty())
+      break;
     const int failures = static_cast<int>(recorder_->result().failures.size()) + 1;
     const bool restart = max_failures == -1 || failures <= max_failures;
-    recorder_->result().failures.push_back({{"rank", attempt.failed_rank},
-                                {"slot", attempt.failed_rank >= 0 ? Json(slots_[static_cast<size_t>(attempt.failed_rank)])
-                                                                  : Json(nullptr)},
-                                {"cause", attempt.error},
-                                {"reports", recorder_->result().metrics_history.size()},
-                                {"detected_at_s", std::chrono::duration<double>(attempt.detected - started_).count()},
-                                {"restarted", restart},
-                                {"recovery_s", nullptr}});
+    recorder_->result().failures.push_back(
+        {{"rank", attempt.failed_rank},
+         {"slot", attempt.failed_rank >= 0 ? Json(slots_[static_cast<size_t>(attempt.failed_rank)])
+                                           : Json(nullptr)},
+         {"cause", attempt.error},
+         {"reports", recorder_->result().metrics_history.size()},
+         {"detected_at_s", std::chrono::duration<double>(attempt.detected - started_).count()},
+         {"restarted", restart},
+         {"recovery_s", nullptr}});
     if (!restart) break;
     // From disk, verified: rank 0 may have committed a checkpoint the driver never heard of
     // before the group was stopped.
@@ -242,15 +260,19 @@ Result Driver::run() {
     }
     record_resize(from, "after the failure of rank " + std::to_string(attempt.failed_rank));
     if (run_.verbose >= 1) {
-      console_.message("cohort: worker group failed (" + attempt.error + "); restart " + std::to_string(failures) +
-                     (max_failures == -1 ? "" : " of " + std::to_string(max_failures)) + " from " +
-                       (resume_from ? resume_from->path().string() : std::string("the beginning (no checkpoint yet)")));
+      console_.message("cohort: worker group failed (" + attempt.error + "); restart " +
+                       std::to_string(failures) +
+                       (max_failures == -1 ? "" : " of " + std::to_string(max_failures)) +
+                       " from " +
+                       (resume_from ? resume_from->path().string()
+                                    : std::string("the beginning (no checkpoint yet)")));
     }
   }
 
   std::optional<std::string> error;
   if (!attempt.error.empty()) {
-    const size_t restarts = recorder_->result().failures.empty() ? 0 : recorder_->result().failures.size() - 1;
+    const size_t restarts =
+        recorder_->result().failures.empty() ? 0 : recorder_->result().failures.size() - 1;
     error = restarts > 0 && attempt.driver_error.empty() && attempt.outcome.interrupted_by == 0
                 ? "after " + std::to_string(restarts) + " restart(s): " + attempt.error
                 : attempt.error;
@@ -278,15 +300,16 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       {kConfigVar, config_.dump()},
       {kNameVar, recorder_->name()},
       {kRunDirVar, recorder_->run_dir().string()},
-      {kRunStartVar,
-       std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(started_wall_.time_since_epoch()).count())},
+      {kRunStartVar, std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                        started_wall_.time_since_epoch())
+                                        .count())},
       {kThreadsVar, threads},
       {"OMP_NUM_THREADS", threads},
       {"MKL_NUM_THREADS", threads},
       {kSetupTimeoutVar, std::to_string(run_.setup_timeout.count())},
       {kCollectiveTimeoutVar, std::to_string(run_.collective_timeout.count())},
-      {kHeartbeatIntervalVar,
-       std::to_string(std::clamp<int64_t>(run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
+      {kHeartbeatIntervalVar, std::to_string(std::clamp<int64_t>(
+                                  run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
       {kGpusPerWorkerVar, std::to_string(gpus_per_worker_)},
       {kBackendVar, scaling_.backend},
       // A fresh token per start: nothing of a failed start's store keys or staging is reused.
@@ -295,7 +318,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       {kNextCheckpointVar, std::to_string(recorder_->next_checkpoint_index())},
   };
   const int port = store_.port();
-  options.rank_env = [port, world, slots = slots_, gpus = gpus_, per_worker = gpus_per_worker_](int rank) {
+  options.rank_env = [port, world, slots = slots_, gpus = gpus_,
+                      per_worker = gpus_per_worker_](int rank) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = rank,
                                     .node_rank = 0,
@@ -349,10 +373,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       hung_rank = r;
       attempt.detected = now;
       const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(allowed).count();
-      group.request_stop(heard[k] ? "rank " + std::to_string(r) + " sent no heartbeat for " + std::to_string(seconds) +
-                                        " s: it hangs or was stopped"
+      group.request_stop(heard[k] ? "rank " + std::to_string(r) + " sent no heartbeat for " +
+                                        std::to_string(seconds) + " s: it hangs or was stopped"
                                   : "rank " + std::to_string(r) + " sent no heartbeat within " +
-                                        std::to_string(seconds) + " s of its start: it hangs in start-up or was stopped");
+                                        std::to_string(seconds) +
+                                        " s of its start: it hangs in start-up or was stopped");
     }
   };
   handlers.on_control = [&](int rank, const std::string& line) {
@@ -362,8 +387,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     try {
       message = Json::parse(line);
     } catch (const std::exception& e) {
-      console_.message("cohort: ignoring a malformed control message from rank " + std::to_string(rank) + ": " +
-                       e.what());
+      console_.message("cohort: ignoring a malformed control message from rank " +
+                       std::to_string(rank) + ": " + e.what());
       return;
     }
     const auto type = message.value("type", std::string{});
@@ -374,7 +399,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (rank == 0 && !trained) {
       trained = true;
       // The group trains again: the previous failure is recovered.
-      if (!recorder_->result().failures.empty() && recorder_->result().failures.back()["recovery_s"].is_null()) {
+      if (!recorder_->result().failures.empty() &&
+          recorder_->result().failures.back()["recovery_s"].is_null()) {
         recorder_->result().failures.back()["recovery_s"] =
             since_start() - recorder_->result().failures.back()["detected_at_s"].get<double>();
       }
@@ -387,8 +413,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       stop_because(broken);
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
-      if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers && !group.stopping() &&
-          std::find(exited.begin(), exited.end(), true) == exited.end() && free_slots_beyond_group() > 0) {
+      if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers &&
+          !group.stopping() && std::find(exited.begin(), exited.end(), true) == exited.end() &&
+          free_slots_beyond_group() > 0) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");
       }
@@ -405,18 +432,21 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
 
   group.start();
   for (int rank = 0; rank < world; ++rank) {
-    slot_pids_[static_cast<size_t>(slots_[static_cast<size_t>(rank)])] = group.pids()[static_cast<size_t>(rank)];
+    slot_pids_[static_cast<size_t>(slots_[static_cast<size_t>(rank)])] =
+        group.pids()[static_cast<size_t>(rank)];
   }
   if (run_.verbose >= 1) {
     std::string pids;
     for (int pid : group.pids()) pids += (pids.empty() ? "" : " ") + std::to_string(pid);
-    console_.message("cohort: started " + std::to_string(world) + " worker(s) [pids " + pids + "], run directory " +
-                     recorder_->run_dir().string());
+    console_.message("cohort: started " + std::to_string(world) + " worker(s) [pids " + pids +
+                     "], run directory " + recorder_->run_dir().string());
   }
   attempt.outcome = group.wait(handlers);
   console_.tick(/*flush_all=*/true);
   if (attempt.detected == Clock::time_point{}) {
-    attempt.detected = attempt.outcome.stop_began != Clock::time_point{} ? attempt.outcome.stop_began : Clock::now();
+    attempt.detected = attempt.outcome.stop_began != Clock::time_point{}
+                           ? attempt.outcome.stop_began
+                           : Clock::now();
   }
   const std::string stall = stall_report(status);
   if (!attempt.driver_error.empty()) {
@@ -425,13 +455,15 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     attempt.error = attempt.outcome.failure_reason + (stall.empty() ? "" : "; " + stall);
     attempt.failed_rank = hung_rank;
   } else if (!attempt.outcome.success) {
-    std::stable_partition(error_order.begin(), error_order.end(), [&](int r) { return !consequences.count(r); });
+    std::stable_partition(error_order.begin(), error_order.end(),
+                          [&](int r) { return !consequences.count(r); });
     attempt.error = describe_failure(attempt.outcome, worker_errors, error_order);
     attempt.failed_rank = attempt.outcome.first_failure ? attempt.outcome.first_failure->rank : -1;
     for (const auto& e : attempt.outcome.exits) {
       if (e.signal != 0 && !e.stopped_by_driver) attempt.failed_rank = e.rank;
     }
-    if (!error_order.empty() && !consequences.count(error_order.front())) attempt.failed_rank = error_order.front();
+    if (!error_order.empty() && !consequences.count(error_order.front()))
+      attempt.failed_rank = error_order.front();
     if (!consequences.empty() && !stall.empty()) attempt.error += "; " + stall;
   }
   return attempt;

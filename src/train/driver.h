@@ -15,12 +15,14 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
 
 // Under an external launcher (runtime::detect_launch): this process is one rank; rank 0 also
 // keeps the run directory and returns the Result, the other ranks end their process.
-Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
-                    const RunConfig& run, const Json& config,
-                    const std::map<std::string, data::Dataset>& datasets, const runtime::WorkerInfo& info);
+Result run_launched(const std::function<void(const Json&)>& train_loop,
+                    const ScalingConfig& scaling, const RunConfig& run, const Json& config,
+                    const std::map<std::string, data::Dataset>& datasets,
+                    const runtime::WorkerInfo& info);
 
 // The worker side: joins the group, runs the loop, ends the process.
-[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
+[[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop,
+                             const ScalingConfig& scaling,
                              const std::map<std::string, data::Dataset>& datasets);
 
 // In a preprocessing worker a rank started: serves that rank's shard of the dataset named by

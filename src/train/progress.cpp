@@ -83,8 +83,9 @@ std::map<std::string, Console::Repeat>::iterator Console::finish_repeat(
     std::map<std::string, Repeat>::iterator it) {
   const auto& r = it->second;
   if (r.ranks.size() > 1) {
-    print_worker_line(r.rank, r.pid, r.is_stderr,
-                      it->first + " [repeated " + std::to_string(r.ranks.size() - 1) + "x across ranks]");
+    print_worker_line(
+        r.rank, r.pid, r.is_stderr,
+        it->first + " [repeated " + std::to_string(r.ranks.size() - 1) + "x across ranks]");
   }
   return recent_.erase(it);
 }
@@ -92,7 +93,8 @@ std::map<std::string, Console::Repeat>::iterator Console::finish_repeat(
 void Console::tick(bool flush_all) {
   const auto now = std::chrono::steady_clock::now();
   for (auto it = recent_.begin(); it != recent_.end();) {
-    it = flush_all || now - it->second.first_seen >= kDedupWindow ? finish_repeat(it) : std::next(it);
+    it = flush_all || now - it->second.first_seen >= kDedupWindow ? finish_repeat(it)
+                                                                  : std::next(it);
   }
 }
 
@@ -117,8 +119,9 @@ void Console::progress(const Json& progress) {
   if (total > 0) {
     constexpr int kWidth = 24;
     const int filled = static_cast<int>(kWidth * std::min<int64_t>(step, total) / total);
-    line += (line.empty() ? "[" : " [") + std::string(filled, '#') + std::string(kWidth - filled, '.') +
-            "] " + std::to_string(step) + "/" + std::to_string(total);
+    line += (line.empty() ? "[" : " [") + std::string(filled, '#') +
+            std::string(kWidth - filled, '.') + "] " + std::to_string(step) + "/" +
+            std::to_string(total);
   } else {
     line += " step " + std::to_string(step);
   }

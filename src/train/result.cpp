@@ -18,16 +18,19 @@ Result Result::from_path(const std::filesystem::path& run_dir) {
   result.checkpoint = checkpoints.latest();
   result.best_checkpoints = checkpoints.best();
   if (!std::filesystem::exists(run_dir / kResultFile)) {
-    result.error = "the run did not finish: " + (run_dir / kResultFile).string() +
-                   " is missing (its driver was killed?); metrics and checkpoints are as far as it got";
+    result.error =
+        "the run did not finish: " + (run_dir / kResultFile).string() +
+        " is missing (its driver was killed?); metrics and checkpoints are as far as it got";
     return result;
   }
   const Json saved = read_json(run_dir / kResultFile);
-  if (saved.contains("error") && saved["error"].is_string()) result.error = saved["error"].get<std::string>();
+  if (saved.contains("error") && saved["error"].is_string())
+    result.error = saved["error"].get<std::string>();
   result.workers = saved.value("workers", 0);
   if (saved.contains("config")) result.config = saved["config"];
   result.wall_seconds = saved.value("wall_seconds", 0.0);
-  for (const auto& failure : saved.value("failures", Json::array())) result.failures.push_back(failure);
+  for (const auto& failure : saved.value("failures", Json::array()))
+    result.failures.push_back(failure);
   for (const auto& resize : saved.value("resizes", Json::array())) result.resizes.push_back(resize);
   return result;
 }

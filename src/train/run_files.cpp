@@ -39,12 +39,14 @@ std::string hex(uint32_t v) {
 
 }  // namespace
 
-void write_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill) {
+void write_atomically(const std::filesystem::path& path,
+                      const std::function<void(std::ostream&)>& fill) {
   auto tmp = path;
   tmp += ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw RuntimeError("cannot write " + tmp.string() + ": check that the folder is writable");
+    if (!out)
+      throw RuntimeError("cannot write " + tmp.string() + ": check that the folder is writable");
     fill(out);
     out.flush();
     if (!out) throw RuntimeError("failed writing " + tmp.string() + " (disk full?)");
@@ -107,9 +109,9 @@ void verify_manifest(const std::filesystem::path& dir) {
     const auto size = std::filesystem::file_size(file);
     const auto expected = info.at("size").get<uintmax_t>();
     if (size != expected) {
-      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has " + std::to_string(size) +
-                       " bytes, the manifest says " + std::to_string(expected) +
-                       (size < expected ? " (truncated)" : ""));
+      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has " +
+                       std::to_string(size) + " bytes, the manifest says " +
+                       std::to_string(expected) + (size < expected ? " (truncated)" : ""));
     }
     const auto crc = hex(file_crc32(file));
     if (crc != info.at("crc32").get<std::string>()) {
@@ -121,7 +123,8 @@ void verify_manifest(const std::filesystem::path& dir) {
 
 std::string checkpoint_name(int64_t index) {
   char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "%s%06lld", kCheckpointPrefix, static_cast<long long>(index));
+  std::snprintf(buffer, sizeof buffer, "%s%06lld", kCheckpointPrefix,
+                static_cast<long long>(index));
   return buffer;
 }
 

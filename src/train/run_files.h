@@ -20,7 +20,8 @@ inline constexpr const char* kCheckpointPrefix = "checkpoint_";
 
 // Writes through `fill` to a temporary name, flushes it to disk and renames it over `path`:
 // a reader sees the old file or the new one, never half of one.
-void write_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& fill);
+void write_atomically(const std::filesystem::path& path,
+                      const std::function<void(std::ostream&)>& fill);
 void write_atomically(const std::filesystem::path& path, const std::string& content);
 
 Json read_json(const std::filesystem::path& path);

@@ -63,7 +63,8 @@ Json result_json(const Result& result) {
 
 }  // namespace
 
-RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Json& config, Console& console)
+RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Json& config,
+                         Console& console)
     : name_(name),
       run_dir_(std::filesystem::absolute(prepare_run_dir(run, name))),
       resume_(run.resume),
@@ -77,7 +78,8 @@ RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Js
 std::optional<Checkpoint> RunRecorder::resume_point() {
   std::optional<Checkpoint> resume_from;
   if (resume_) {
-    for (const auto& warning : checkpoints_.adopt_existing()) console_.message("cohort: warning: " + warning);
+    for (const auto& warning : checkpoints_.adopt_existing())
+      console_.message("cohort: warning: " + warning);
     resume_from = checkpoints_.latest();
     if (resume_from) {
       result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
@@ -92,7 +94,8 @@ std::optional<Checkpoint> RunRecorder::resume_point() {
 }
 
 std::optional<Checkpoint> RunRecorder::latest_on_disk() {
-  for (const auto& warning : checkpoints_.adopt_existing()) console_.message("cohort: warning: " + warning);
+  for (const auto& warning : checkpoints_.adopt_existing())
+    console_.message("cohort: warning: " + warning);
   return checkpoints_.latest();
 }
 
@@ -120,7 +123,8 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
   if (on_report_) on_report_(record);
 }
 
-Result RunRecorder::finish(const std::optional<std::string>& error, int workers, double wall_seconds) {
+Result RunRecorder::finish(const std::optional<std::string>& error, int workers,
+                           double wall_seconds) {
   if (!result_.metrics_history.empty()) result_.metrics = result_.metrics_history.back();
   result_.checkpoint = checkpoints_.latest();
   result_.best_checkpoints = checkpoints_.best();

@@ -1,9 +1,9 @@
 #include "cohort/train/trainer.h"
 
 #include "cohort/comm/process_group.h"
+#include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
 #include "cohort/runtime/gpus.h"
-#include "cohort/data/data_iterator.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/driver.h"
 
@@ -31,15 +31,17 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
                      std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
   }
   comm::backend_from_string(scaling_.backend);
-  if (scaling_.resources_per_worker.gpus < 0 || (!scaling_.use_gpu && scaling_.resources_per_worker.gpus > 0)) {
+  if (scaling_.resources_per_worker.gpus < 0 ||
+      (!scaling_.use_gpu && scaling_.resources_per_worker.gpus > 0)) {
     runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus, 0, {});
   }
   if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
     throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
   }
   if (run_.failure_config.max_failures < -1) {
-    throw UsageError("FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
-                     " must be >= 0, or -1 for unlimited");
+    throw UsageError(
+        "FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
+        " must be >= 0, or -1 for unlimited");
   }
   if (run_.failure_config.heartbeat_timeout.count() <= 0) {
     throw UsageError("FailureConfig.heartbeat_timeout must be > 0");

@@ -13,8 +13,8 @@
 #include <thread>
 
 #include "cohort/comm/store.h"
-#include "cohort/error.h"
 #include "cohort/data/data_iterator.h"
+#include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/worker_info.h"
@@ -70,7 +70,8 @@ c10::Device device_of(int per_worker, int local_rank) {
   if (per_worker == 0) return c10::Device(c10::DeviceType::CPU);
   const int visible = static_cast<int>(runtime::visible_gpus().size());
   const c10::Device device(c10::DeviceType::CUDA,
-                           static_cast<c10::DeviceIndex>(runtime::device_index_of_local_rank(local_rank, per_worker, visible)));
+                           static_cast<c10::DeviceIndex>(runtime::device_index_of_local_rank(
+                               local_rank, per_worker, visible)));
   c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device);
   return device;
 }
@@ -93,9 +94,11 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
   session->on_world_size_change = scaling.on_world_size_change;
   session->interface_address = settings.interface_address;
   session->remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
-  if (const char* members = std::getenv(runtime::kDataMembersVar)) session->data_members = std::atoi(members);
+  if (const char* members = std::getenv(runtime::kDataMembersVar))
+    session->data_members = std::atoi(members);
   session->next_checkpoint_index = settings.next_checkpoint_index;
-  if (!settings.resume_from.empty()) session->resume_from = Checkpoint::from_directory(settings.resume_from);
+  if (!settings.resume_from.empty())
+    session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;
   const auto& info = settings.info;
   ctx.world_rank = info.world_rank;
@@ -114,7 +117,8 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend});
   runtime::set_heartbeat_status([group = ctx.process_group] {
-    return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}.dump();
+    return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}
+        .dump();
   });
   set_current_session(std::move(session));
 }
@@ -122,7 +126,8 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
 // A collective that failed or timed out because of a peer is a consequence of that peer's
 // failure; the driver names the cause first.
 bool is_consequence(const std::exception& e) {
-  return dynamic_cast<const PeerFailureError*>(&e) != nullptr || dynamic_cast<const TimeoutError*>(&e) != nullptr;
+  return dynamic_cast<const PeerFailureError*>(&e) != nullptr ||
+         dynamic_cast<const TimeoutError*>(&e) != nullptr;
 }
 
 [[noreturn]] void end_process(int code) {
@@ -161,10 +166,12 @@ std::string program_identity() { return binary_fingerprint() + " on " + host_nam
 
 // Throws naming `who` when the identity it published (program_identity) is of another build than
 // rank 0's.
-void check_same_program(const std::string& who, const std::string& identity, const std::string& rank0_identity) {
-  if (identity.substr(0, identity.find(' ')) != rank0_identity.substr(0, rank0_identity.find(' '))) {
-    throw UsageError(who + " runs a different program (" + identity + ") than rank 0 (" + rank0_identity +
-                     "): deploy the same build on every node");
+void check_same_program(const std::string& who, const std::string& identity,
+                        const std::string& rank0_identity) {
+  if (identity.substr(0, identity.find(' ')) !=
+      rank0_identity.substr(0, rank0_identity.find(' '))) {
+    throw UsageError(who + " runs a different program (" + identity + ") than rank 0 (" +
+                     rank0_identity + "): deploy the same build on every node");
   }
 }
 
@@ -184,18 +191,23 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     SessionSettings settings;
     settings.info = *info;
     settings.setup_timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
-    settings.collective_timeout = std::chrono::milliseconds(env_long(kCollectiveTimeoutVar, 300'000));
-    settings.store = comm::Store::connect(
-        {.host = info->master_addr, .port = info->master_port, .is_server = false, .timeout = settings.setup_timeout});
+    settings.collective_timeout =
+        std::chrono::milliseconds(env_long(kCollectiveTimeoutVar, 300'000));
+    settings.store = comm::Store::connect({.host = info->master_addr,
+                                           .port = info->master_port,
+                                           .is_server = false,
+                                           .timeout = settings.setup_timeout});
     settings.run_token = env_string(kRunTokenVar);
     settings.name = env_string(kNameVar);
     settings.run_dir = env_string(kRunDirVar);
-    settings.run_start = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
-        std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
+    settings.run_start = std::chrono::system_clock::time_point(
+        std::chrono::duration_cast<std::chrono::system_clock::duration>(
+            std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
     settings.resume_from = env_string(kResumeCheckpointVar);
     settings.next_checkpoint_index = env_long(kNextCheckpointVar, 0);
     settings.device = device_of(static_cast<int>(env_long(kGpusPerWorkerVar, 0)), info->local_rank);
-    settings.backend = comm::backend_from_string(env_string(kBackendVar).empty() ? "auto" : env_string(kBackendVar));
+    settings.backend = comm::backend_from_string(
+        env_string(kBackendVar).empty() ? "auto" : env_string(kBackendVar));
     open_session(std::move(settings), scaling, datasets);
     const std::string config_text = env_string(kConfigVar);
     train_loop(config_text.empty() ? Json::object() : Json::parse(config_text));
@@ -204,8 +216,12 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     std::cerr << "error: " << e.what() << std::endl;
     if (runtime::has_control_channel()) {
       try {
-        runtime::send_control_message(
-            Json{{"type", "error"}, {"rank", rank}, {"message", e.what()}, {"consequence", is_consequence(e)}}.dump());
+        runtime::send_control_message(Json{
+            {"type", "error"},
+            {"rank", rank},
+            {"message", e.what()},
+            {"consequence",
+             is_consequence(e)}}.dump());
       } catch (...) {
       }
     }
@@ -213,21 +229,25 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
   end_process(code);
 }
 
-Result run_launched(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
-                    const RunConfig& run, const Json& config,
-                    const std::map<std::string, data::Dataset>& datasets, const runtime::WorkerInfo& info) {
+Result run_launched(const std::function<void(const Json&)>& train_loop,
+                    const ScalingConfig& scaling, const RunConfig& run, const Json& config,
+                    const std::map<std::string, data::Dataset>& datasets,
+                    const runtime::WorkerInfo& info) {
   const auto started = Clock::now();
   const auto started_wall = std::chrono::system_clock::now();
-  const std::string where = " (launched by " + info.launcher + " as rank " + std::to_string(info.world_rank) +
-                            " of " + std::to_string(info.world_size) + ")";
+  const std::string where = " (launched by " + info.launcher + " as rank " +
+                            std::to_string(info.world_rank) + " of " +
+                            std::to_string(info.world_size) + ")";
   if (scaling.num_workers != info.world_size) {
-    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) + " but the launcher started " +
-                     std::to_string(info.world_size) + " processes" + where +
+    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) +
+                     " but the launcher started " + std::to_string(info.world_size) + " processes" +
+                     where +
                      ": make them agree (e.g. srun -n / mpirun -np / --nnodes x --nproc-per-node)");
   }
   if (scaling.min_workers != 0 && scaling.min_workers != scaling.num_workers) {
-    throw UsageError("ScalingConfig.min_workers: elastic group sizes need cohort's own driver; under " + info.launcher +
-                     " the launcher decides the size (leave min_workers at 0)");
+    throw UsageError(
+        "ScalingConfig.min_workers: elastic group sizes need cohort's own driver; under " +
+        info.launcher + " the launcher decides the size (leave min_workers at 0)");
   }
   set_threads(scaling.resources_per_worker.cpu_threads);
   const bool rank0 = info.world_rank == 0;
@@ -246,9 +266,11 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   // Same program everywhere, or a clear refusal.
   const auto fingerprints = settings.store.arrive_and_wait(
       round + "binary/", info.world_rank, info.world_size, program_identity(),
-      "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port), run.setup_timeout);
+      "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port),
+      run.setup_timeout);
   for (int r = 1; r < info.world_size; ++r) {
-    check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)], fingerprints[0]);
+    check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)],
+                       fingerprints[0]);
   }
 
   // Rank 0 opens the run directory (on storage all nodes share) and tells the others.
@@ -257,18 +279,20 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
     const auto resume_from = recorder->resume_point();
-    settings.store.set(round + "run", Json{{"name", recorder->name()},
-                                           {"run_dir", recorder->run_dir().string()},
-                                           {"resume_from", resume_from ? resume_from->path().string() : ""},
-                                           {"next_checkpoint", recorder->next_checkpoint_index()},
-                                           {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token()},
-                                           {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                                            started_wall.time_since_epoch())
-                                                            .count()}}
-                                          .dump());
+    settings.store.set(round + "run",
+                       Json{{"name", recorder->name()},
+                            {"run_dir", recorder->run_dir().string()},
+                            {"resume_from", resume_from ? resume_from->path().string() : ""},
+                            {"next_checkpoint", recorder->next_checkpoint_index()},
+                            {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" +
+                                          new_run_token()},
+                            {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             started_wall.time_since_epoch())
+                                             .count()}}
+                           .dump());
     if (run.verbose >= 1) {
-      console.message("cohort: rank 0 of " + std::to_string(info.world_size) + " (" + info.launcher +
-                      ") keeps the run directory " + recorder->run_dir().string());
+      console.message("cohort: rank 0 of " + std::to_string(info.world_size) + " (" +
+                      info.launcher + ") keeps the run directory " + recorder->run_dir().string());
     }
   }
   const Json shared = Json::parse(settings.store.get(round + "run"));
@@ -277,16 +301,19 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   settings.resume_from = shared["resume_from"];
   settings.next_checkpoint_index = shared["next_checkpoint"];
   settings.run_token = shared["token"];
-  settings.run_start = std::chrono::system_clock::time_point(std::chrono::duration_cast<std::chrono::system_clock::duration>(
-      std::chrono::nanoseconds(shared["start_ns"].get<int64_t>())));
+  settings.run_start = std::chrono::system_clock::time_point(
+      std::chrono::duration_cast<std::chrono::system_clock::duration>(
+          std::chrono::nanoseconds(shared["start_ns"].get<int64_t>())));
   if (!std::filesystem::is_directory(settings.run_dir)) {
-    throw UsageError("rank " + std::to_string(info.world_rank) + " on " + host_name() + " cannot see the run directory " +
-                     settings.run_dir.string() +
-                     " that rank 0 created: RunConfig.storage_path must be storage every node shares");
+    throw UsageError(
+        "rank " + std::to_string(info.world_rank) + " on " + host_name() +
+        " cannot see the run directory " + settings.run_dir.string() +
+        " that rank 0 created: RunConfig.storage_path must be storage every node shares");
   }
-  settings.device = device_of(runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus,
-                                                         info.local_world_size, runtime::visible_gpus()),
-                              info.local_rank);
+  settings.device =
+      device_of(runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus,
+                                           info.local_world_size, runtime::visible_gpus()),
+                info.local_rank);
   settings.backend = comm::backend_from_string(scaling.backend);
   settings.interface_address = runtime::data_plane_address(info.master_addr);
 
@@ -308,8 +335,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
     open_session(settings, scaling, datasets);
     train_loop(config);
     // Rank 0 serves the store: nobody may still need it when it returns.
-    settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1", "finish the train loop",
-                                   run.collective_timeout);
+    settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1",
+                                   "finish the train loop", run.collective_timeout);
   } catch (const std::exception& e) {
     error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
     std::cerr << "error: " << *error << std::endl;
@@ -317,16 +344,18 @@ Result run_launched(const std::function<void(const Json&)>& train_loop, const Sc
   runtime::set_control_sink(nullptr);
   if (!rank0) end_process(error ? 1 : 0);
   console.tick(/*flush_all=*/true);
-  return recorder->finish(error, info.world_size, std::chrono::duration<double>(Clock::now() - started).count());
+  return recorder->finish(error, info.world_size,
+                          std::chrono::duration<double>(Clock::now() - started).count());
 }
 
 namespace {
 
 // A data worker of a `cohort launch --data-workers` node: serves, one after the other, the streams
 // its rank's iterators assign to it through the store, until every rank has finished.
-[[noreturn]] void serve_as_data_member(const std::map<std::string, data::Dataset>& datasets, int member) {
-  const std::string who = "cohort data worker " + std::to_string(member) + " (pid " + std::to_string(::getpid()) +
-                          " on " + host_name() + ")";
+[[noreturn]] void serve_as_data_member(const std::map<std::string, data::Dataset>& datasets,
+                                       int member) {
+  const std::string who = "cohort data worker " + std::to_string(member) + " (pid " +
+                          std::to_string(::getpid()) + " on " + host_name() + ")";
   int code = 0;
   try {
     // What cohort launch tells its data workers: where the job's store is, and the ranks' count.
@@ -334,7 +363,8 @@ namespace {
     const long store_port = env_long(runtime::kStorePortVar, 0);
     const long world_size = env_long(runtime::kTrainRanksVar, 0);
     if (master.empty() || store_port <= 0 || world_size <= 0) {
-      throw UsageError("MASTER_ADDR, " + std::string(runtime::kStorePortVar) + " and " + runtime::kTrainRanksVar +
+      throw UsageError("MASTER_ADDR, " + std::string(runtime::kStorePortVar) + " and " +
+                       runtime::kTrainRanksVar +
                        " must be set: start data workers with cohort launch --data-workers");
     }
     const auto timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
@@ -344,10 +374,12 @@ namespace {
                                        .timeout = timeout,
                                        .job_id = env_string(runtime::kJobIdVar)});
     const std::string round = "job/" + std::to_string(env_long(runtime::kRestartRoundVar, 0)) + "/";
-    store.wait({round + "run"}, std::chrono::hours(24));  // rank 0 opens the run once every rank joined
+    store.wait({round + "run"},
+               std::chrono::hours(24));  // rank 0 opens the run once every rank joined
     // The same program as the ranks, or a clear refusal (as between ranks).
     check_same_program("it", program_identity(), store.get(round + "binary/0"));
-    const std::string prefix = data_member_key(Json::parse(store.get(round + "run"))["token"], member);
+    const std::string prefix =
+        data_member_key(Json::parse(store.get(round + "run"))["token"], member);
     std::vector<std::string> finished;
     for (long r = 0; r < world_size; ++r) finished.push_back(round + "done/" + std::to_string(r));
     for (int64_t n = 0;; ++n) {
@@ -360,11 +392,12 @@ namespace {
       const std::string name = task["dataset"];
       const int rank = task["rank"];
       const int world = task["world"];
-      if (datasets.count(name) == 0) throw UsageError("no dataset '" + name + "' was given to this Trainer");
+      if (datasets.count(name) == 0)
+        throw UsageError("no dataset '" + name + "' was given to this Trainer");
       // A shard that differs from the rank's is refused by the rank's pool, both sides saying why.
       const auto shard = dataset_shard(datasets.at(name), rank, world);
-      std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at " << task["address"].get<std::string>()
-                << std::endl;
+      std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at "
+                << task["address"].get<std::string>() << std::endl;
       std::string why;
       if (!data::serve_data_consumer(shard, task["address"], &why)) {
         std::cerr << who << ": rank " << rank << "'s stream ended without it: " << why << std::endl;
@@ -383,7 +416,8 @@ namespace {
 }  // namespace
 
 void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
-  if (const char* member = std::getenv(runtime::kDataMemberVar)) serve_as_data_member(datasets, std::atoi(member));
+  if (const char* member = std::getenv(runtime::kDataMemberVar))
+    serve_as_data_member(datasets, std::atoi(member));
   const char* name = std::getenv(kDataDatasetVar);
   const auto info = runtime::worker_info_from_env();
   std::string problem;
@@ -395,7 +429,8 @@ void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
     const auto shard = dataset_shard(datasets.at(name), info->world_rank, info->world_size);
     // Returns only when the shard built here differs from the rank's (it ends the process else).
     data::serve_if_data_worker(shard);
-    problem = "the pipeline built here differs from the rank's (fingerprint " + shard.fingerprint() + ")";
+    problem =
+        "the pipeline built here differs from the rank's (fingerprint " + shard.fingerprint() + ")";
   }
   std::cerr << "cohort: preprocessing worker " << ::getpid() << ": " << problem
             << ": the program must build the same Trainer datasets in every process" << std::endl;

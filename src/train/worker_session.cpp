@@ -89,7 +89,8 @@ void merge_files(const std::filesystem::path& from, const std::filesystem::path&
     std::filesystem::create_directories(target.parent_path());
     auto tmp = target;
     tmp += ".rank" + std::to_string(rank) + ".tmp";
-    std::filesystem::copy_file(entry.path(), tmp, std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::copy_file(entry.path(), tmp,
+                               std::filesystem::copy_options::overwrite_existing);
     if (rank == 0) {
       std::filesystem::rename(tmp, target);
     } else {
@@ -104,7 +105,8 @@ void merge_files(const std::filesystem::path& from, const std::filesystem::path&
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   auto& s = require_session("cohort::train::report()");
   if (!metrics.is_object()) {
-    throw UsageError("report: metrics must be a JSON object of name -> value, got " + metrics.dump());
+    throw UsageError("report: metrics must be a JSON object of name -> value, got " +
+                     metrics.dump());
   }
   const int64_t index = ++s.reports;
   // Announced before waiting for the others, so that the driver can tell a rank that will never
@@ -113,18 +115,22 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     runtime::send_control_message(
         Json{{"type", "report_begin"}, {"rank", s.context.world_rank}, {"index", index}}.dump());
   }
-  const auto staging = s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
+  const auto staging =
+      s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
   // Each rank's mean wait for data per batch since its last report rides along with whether it
   // brings a checkpoint: "<0|1>[;<ms>]".
   const auto ingest = data::take_ingest_stats();
   std::string arrival = checkpoint ? "1" : "0";
-  if (ingest.batches > 0) arrival += ";" + std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
-  const auto arrivals = s.store.arrive_and_wait(
-      "report/" + s.run_token + "/" + std::to_string(index) + "/", s.context.world_rank, s.context.world_size,
-      arrival,
-      "reach report() call #" + std::to_string(index) + " (every rank must call report() equally often)",
-      s.collective_timeout);
+  if (ingest.batches > 0)
+    arrival +=
+        ";" + std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
+  const auto arrivals =
+      s.store.arrive_and_wait("report/" + s.run_token + "/" + std::to_string(index) + "/",
+                              s.context.world_rank, s.context.world_size, arrival,
+                              "reach report() call #" + std::to_string(index) +
+                                  " (every rank must call report() equally often)",
+                              s.collective_timeout);
   // Every rank returns only once rank 0 has handed the report (and its checkpoint) on: a rank
   // that dies right after report() then never takes a report it saw complete down with it.
   const auto committed_key = "report/" + s.run_token + "/" + std::to_string(index) + "/committed";
@@ -132,7 +138,8 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     try {
       s.store.wait({committed_key}, s.collective_timeout);
     } catch (const TimeoutError& e) {
-      throw TimeoutError("report() call #" + std::to_string(index) + ": rank 0 did not commit it within " +
+      throw TimeoutError("report() call #" + std::to_string(index) +
+                         ": rank 0 did not commit it within " +
                          std::to_string(s.collective_timeout.count()) + " ms (" + e.what() + ")");
     }
     return;
@@ -151,12 +158,12 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (with_checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
-    write_atomically(staging / kMetaFile,
-                     Json{{"metrics", message["metrics"]},
-                          {"report_index", index},
-                          {"world_size", s.context.world_size},
-                          {"timestamp", std::time(nullptr)}}.dump(2) +
-                         "\n");
+    write_atomically(staging / kMetaFile, Json{{"metrics", message["metrics"]},
+                                               {"report_index", index},
+                                               {"world_size", s.context.world_size},
+                                               {"timestamp", std::time(nullptr)}}
+                                                  .dump(2) +
+                                              "\n");
     write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
     std::filesystem::rename(staging, final_path);
@@ -193,8 +200,8 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   if (it == s.datasets.end()) {
     std::string names;
     for (const auto& [n, d] : s.datasets) names += (names.empty() ? "" : ", ") + n;
-    throw UsageError("get_dataset_shard: no dataset named '" + name + "' was given to the Trainer (it has [" +
-                     names + "])");
+    throw UsageError("get_dataset_shard: no dataset named '" + name +
+                     "' was given to the Trainer (it has [" + names + "])");
   }
   const int rank = s.context.world_rank;
   const int world = s.context.world_size;
@@ -216,7 +223,8 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   if (!members.empty()) {
     auto* session = &s;
     iterator.set_on_listening([session, members, name, rank, world](const std::string& address) {
-      const std::string task = Json{{"address", address}, {"dataset", name}, {"rank", rank}, {"world", world}}.dump();
+      const std::string task =
+          Json{{"address", address}, {"dataset", name}, {"rank", rank}, {"world", world}}.dump();
       for (int k : members) {
         const auto prefix = data_member_key(session->run_token, k);
         const int64_t n = session->store.add(prefix + "count", 1) - 1;
@@ -225,15 +233,20 @@ data::DataIterator get_dataset_shard(const std::string& name) {
     });
   }
   if (world > 1) {
-    const std::string prefix = "data/" + s.run_token + "/" + name + "#" + std::to_string(++s.shard_requests) + "/";
+    const std::string prefix =
+        "data/" + s.run_token + "/" + name + "#" + std::to_string(++s.shard_requests) + "/";
     auto* session = &s;
-    iterator.set_batch_agreement([session, prefix, rank, world](int64_t epoch, int64_t batch, bool have) {
-      const auto values = session->store.arrive_and_wait(
-          prefix + std::to_string(epoch) + "/" + std::to_string(batch) + "/", rank, world, have ? "1" : "0",
-          "reach batch " + std::to_string(batch) + " of epoch " + std::to_string(epoch) + " of the dataset's stream",
-          session->collective_timeout);
-      return std::all_of(values.begin(), values.end(), [](const std::string& v) { return v == "1"; });
-    });
+    iterator.set_batch_agreement(
+        [session, prefix, rank, world](int64_t epoch, int64_t batch, bool have) {
+          const auto values = session->store.arrive_and_wait(
+              prefix + std::to_string(epoch) + "/" + std::to_string(batch) + "/", rank, world,
+              have ? "1" : "0",
+              "reach batch " + std::to_string(batch) + " of epoch " + std::to_string(epoch) +
+                  " of the dataset's stream",
+              session->collective_timeout);
+          return std::all_of(values.begin(), values.end(),
+                             [](const std::string& v) { return v == "1"; });
+        });
   }
   return iterator;
 }

@@ -8,8 +8,8 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/data/dataset.h"
-#include "cohort/train/checkpoint.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
 

@@ -6,20 +6,24 @@
 
 namespace cohort::tune {
 
-ResultGrid::ResultGrid(std::filesystem::path experiment_path, std::vector<TrialInfo> trials, std::vector<Result> results,
-                       std::string metric, std::string mode)
+ResultGrid::ResultGrid(std::filesystem::path experiment_path, std::vector<TrialInfo> trials,
+                       std::vector<Result> results, std::string metric, std::string mode)
     : path_(std::move(experiment_path)),
       trials_(std::move(trials)),
       results_(std::move(results)),
       metric_(std::move(metric)),
       mode_(std::move(mode)) {}
 
-Result ResultGrid::get_best_result(std::string metric, std::string mode, const std::string& scope) const {
+Result ResultGrid::get_best_result(std::string metric, std::string mode,
+                                   const std::string& scope) const {
   if (metric.empty()) metric = metric_;
   if (mode.empty()) mode = mode_;
-  if (metric.empty()) throw UsageError("get_best_result: give a metric (TuneConfig.metric is not set either)");
-  if (mode != "max" && mode != "min") throw UsageError("get_best_result: mode '" + mode + "' must be \"max\" or \"min\"");
-  if (scope != "last" && scope != "all") throw UsageError("get_best_result: scope '" + scope + "' must be \"last\" or \"all\"");
+  if (metric.empty())
+    throw UsageError("get_best_result: give a metric (TuneConfig.metric is not set either)");
+  if (mode != "max" && mode != "min")
+    throw UsageError("get_best_result: mode '" + mode + "' must be \"max\" or \"min\"");
+  if (scope != "last" && scope != "all")
+    throw UsageError("get_best_result: scope '" + scope + "' must be \"last\" or \"all\"");
   const double sign = mode == "max" ? 1 : -1;
   auto score = [&](const Json& record, double& out) {
     if (!record.contains(metric) || !record[metric].is_number()) return false;
@@ -48,7 +52,8 @@ Result ResultGrid::get_best_result(std::string metric, std::string mode, const s
     }
   }
   if (best < 0) {
-    throw UsageError("get_best_result: no trial of " + path_.string() + " reported the metric '" + metric + "'");
+    throw UsageError("get_best_result: no trial of " + path_.string() + " reported the metric '" +
+                     metric + "'");
   }
   return results_[static_cast<size_t>(best)];
 }
@@ -82,7 +87,8 @@ std::vector<Json> ResultGrid::table() const {
     row["iterations"] = t.iterations;
     row["time_total_s"] = t.time_total_s;
     for (const auto& [key, value] : t.last_result.items()) {
-      if (key != "trial_id" && key != "training_iteration" && key != "time_total_s") row[key] = value;
+      if (key != "trial_id" && key != "training_iteration" && key != "time_total_s")
+        row[key] = value;
     }
     row["error"] = t.error ? Json(*t.error) : Json("");
     rows.push_back(std::move(row));
@@ -90,6 +96,8 @@ std::vector<Json> ResultGrid::table() const {
   return rows;
 }
 
-void ResultGrid::write_csv(const std::filesystem::path& file) const { cohort::write_csv(file, table()); }
+void ResultGrid::write_csv(const std::filesystem::path& file) const {
+  cohort::write_csv(file, table());
+}
 
 }  // namespace cohort::tune

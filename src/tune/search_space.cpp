@@ -23,7 +23,9 @@ std::string pointer_to_path(const std::string& pointer) {
   return pointer.empty() ? std::string() : pointer.substr(1);
 }
 
-void fail(const std::string& where, const std::string& what) { throw UsageError(where + ": " + what); }
+void fail(const std::string& where, const std::string& what) {
+  throw UsageError(where + ": " + what);
+}
 
 double number_at(const Json& args, size_t i, const std::string& where, const std::string& kind) {
   if (!args[i].is_number()) fail(where, kind + " bound " + args[i].dump() + " is not a number");
@@ -42,7 +44,8 @@ void check_domain(const Json& domain, const std::string& where) {
   const bool quantized = kind[0] == 'q';
   const size_t arity = quantized ? 3 : 2;
   if (args.size() != arity) {
-    fail(where, kind + " takes [lower, upper" + std::string(quantized ? ", q" : "") + "], got " + args.dump());
+    fail(where, kind + " takes [lower, upper" + std::string(quantized ? ", q" : "") + "], got " +
+                    args.dump());
   }
   const double lower = number_at(args, 0, where, kind), upper = number_at(args, 1, where, kind);
   if (kind == "randint" || kind == "qrandint") {
@@ -51,7 +54,8 @@ void check_domain(const Json& domain, const std::string& where) {
     }
   }
   if (kind == "randint" ? !(lower < upper) : !(lower <= upper)) {
-    fail(where, kind + " needs lower " + std::string(kind == "randint" ? "<" : "<=") + " upper, got " + args.dump());
+    fail(where, kind + " needs lower " + std::string(kind == "randint" ? "<" : "<=") +
+                    " upper, got " + args.dump());
   }
   if ((kind == "loguniform" || kind == "qloguniform") && !(lower > 0)) {
     fail(where, kind + " needs 0 < lower (a logarithm is taken), got " + args.dump());
@@ -59,7 +63,8 @@ void check_domain(const Json& domain, const std::string& where) {
   if (quantized) {
     const double q = number_at(args, 2, where, kind);
     if (!(q > 0)) fail(where, kind + " needs a quantum q > 0, got " + args.dump());
-    if (std::ceil(lower / q) * q > upper) fail(where, kind + " has no multiple of q in [lower, upper]: " + args.dump());
+    if (std::ceil(lower / q) * q > upper)
+      fail(where, kind + " has no multiple of q in [lower, upper]: " + args.dump());
   }
 }
 
@@ -81,23 +86,27 @@ void walk(const Json& value, const std::string& pointer, const Visit& visit) {
   if (value.is_object()) {
     for (const auto& [key, child] : value.items()) walk(child, pointer + "/" + key, visit);
   } else if (value.is_array()) {
-    for (size_t i = 0; i < value.size(); ++i) walk(value[i], pointer + "/" + std::to_string(i), visit);
+    for (size_t i = 0; i < value.size(); ++i)
+      walk(value[i], pointer + "/" + std::to_string(i), visit);
   }
 }
 
 Json resolve(const Json& value, std::mt19937_64& rng, const std::string& where) {
   if (is_domain(value)) {
-    if (kind_of(value) == kGrid) fail(where, "a grid_search cannot stand inside a choice or another grid_search");
+    if (kind_of(value) == kGrid)
+      fail(where, "a grid_search cannot stand inside a choice or another grid_search");
     return sample_domain(value, rng, where);
   }
   if (value.is_object()) {
     Json out = Json::object();
-    for (const auto& [key, child] : value.items()) out[key] = resolve(child, rng, where + "/" + key);
+    for (const auto& [key, child] : value.items())
+      out[key] = resolve(child, rng, where + "/" + key);
     return out;
   }
   if (value.is_array()) {
     Json out = Json::array();
-    for (size_t i = 0; i < value.size(); ++i) out.push_back(resolve(value[i], rng, where + "/" + std::to_string(i)));
+    for (size_t i = 0; i < value.size(); ++i)
+      out.push_back(resolve(value[i], rng, where + "/" + std::to_string(i)));
     return out;
   }
   return value;
@@ -128,11 +137,17 @@ std::vector<std::string> split(const std::string& text, char separator) {
 Json grid_search(Json values) { return Json{{"grid_search", std::move(values)}}; }
 Json choice(Json categories) { return Json{{"choice", std::move(categories)}}; }
 Json uniform(double lower, double upper) { return Json{{"uniform", {lower, upper}}}; }
-Json quniform(double lower, double upper, double q) { return Json{{"quniform", {lower, upper, q}}}; }
+Json quniform(double lower, double upper, double q) {
+  return Json{{"quniform", {lower, upper, q}}};
+}
 Json loguniform(double lower, double upper) { return Json{{"loguniform", {lower, upper}}}; }
-Json qloguniform(double lower, double upper, double q) { return Json{{"qloguniform", {lower, upper, q}}}; }
+Json qloguniform(double lower, double upper, double q) {
+  return Json{{"qloguniform", {lower, upper, q}}};
+}
 Json randint(int64_t lower, int64_t upper) { return Json{{"randint", {lower, upper}}}; }
-Json qrandint(int64_t lower, int64_t upper, int64_t q) { return Json{{"qrandint", {lower, upper, q}}}; }
+Json qrandint(int64_t lower, int64_t upper, int64_t q) {
+  return Json{{"qrandint", {lower, upper, q}}};
+}
 
 bool is_domain(const Json& value) {
   if (!value.is_object() || value.size() != 1) return false;
@@ -143,7 +158,8 @@ bool is_domain(const Json& value) {
 Json parse_domain(const std::string& text) {
   const auto colon = text.find(':');
   const std::string kind = text.substr(0, colon);
-  const bool known = kind == "grid" || std::find(kDomainKinds.begin(), kDomainKinds.end(), kind) != kDomainKinds.end();
+  const bool known = kind == "grid" || std::find(kDomainKinds.begin(), kDomainKinds.end(), kind) !=
+                                           kDomainKinds.end();
   if (colon == std::string::npos || !known) return parse_scalar(text);
   const std::string rest = text.substr(colon + 1);
   Json domain;
@@ -156,8 +172,9 @@ Json parse_domain(const std::string& text) {
     for (const auto& part : split(rest, ':')) {
       const Json value = parse_scalar(part);
       if (!value.is_number()) {
-        throw UsageError("'" + text + "': " + kind + " bound '" + part + "' is not a number (write " + kind +
-                         ":LOWER:UPPER" + (kind[0] == 'q' ? ":Q" : "") + ")");
+        throw UsageError("'" + text + "': " + kind + " bound '" + part +
+                         "' is not a number (write " + kind + ":LOWER:UPPER" +
+                         (kind[0] == 'q' ? ":Q" : "") + ")");
       }
       bounds.push_back(value);
     }
@@ -181,7 +198,8 @@ Json sample_domain(const Json& domain, std::mt19937_64& rng, const std::string& 
   const double lower = args[0].get<double>(), upper = args[1].get<double>();
   const double u = unit(rng);
   if (kind == "uniform") return lower + u * (upper - lower);
-  if (kind == "quniform") return quantize(lower + u * (upper - lower), args[2].get<double>(), lower, upper);
+  if (kind == "quniform")
+    return quantize(lower + u * (upper - lower), args[2].get<double>(), lower, upper);
   if (kind == "loguniform" || kind == "qloguniform") {
     const double value = std::exp(std::log(lower) + u * (std::log(upper) - std::log(lower)));
     return kind == "loguniform" ? value : quantize(value, args[2].get<double>(), lower, upper);
@@ -192,31 +210,37 @@ Json sample_domain(const Json& domain, std::mt19937_64& rng, const std::string& 
   }
   // qrandint: upper included, as in Ray.
   const int64_t q = args[2].get<int64_t>();
-  const int64_t value = std::min(high, low + static_cast<int64_t>(u * static_cast<double>(high - low + 1)));
-  return static_cast<int64_t>(quantize(static_cast<double>(value), static_cast<double>(q), static_cast<double>(low),
-                                       static_cast<double>(high)));
+  const int64_t value =
+      std::min(high, low + static_cast<int64_t>(u * static_cast<double>(high - low + 1)));
+  return static_cast<int64_t>(quantize(static_cast<double>(value), static_cast<double>(q),
+                                       static_cast<double>(low), static_cast<double>(high)));
 }
 
 void validate_param_space(const Json& param_space) {
-  if (!param_space.is_object()) throw UsageError("param_space must be a JSON object, got " + param_space.dump());
+  if (!param_space.is_object())
+    throw UsageError("param_space must be a JSON object, got " + param_space.dump());
   walk(param_space, "", [](const Json& domain, const std::string& pointer) {
     check_domain(domain, "param_space" + pointer);
     if (kind_of(domain) == "choice") {
-      walk(domain.begin().value(), pointer + "/choice", [](const Json& inner, const std::string& inner_pointer) {
-        if (kind_of(inner) == kGrid) fail("param_space" + inner_pointer, "a grid_search cannot stand inside a choice");
-        check_domain(inner, "param_space" + inner_pointer);
-      });
+      walk(domain.begin().value(), pointer + "/choice",
+           [](const Json& inner, const std::string& inner_pointer) {
+             if (kind_of(inner) == kGrid)
+               fail("param_space" + inner_pointer, "a grid_search cannot stand inside a choice");
+             check_domain(inner, "param_space" + inner_pointer);
+           });
     }
   });
 }
 
 std::vector<std::string> searched_parameters(const Json& param_space) {
   std::vector<std::string> paths;
-  walk(param_space, "", [&](const Json&, const std::string& pointer) { paths.push_back(pointer_to_path(pointer)); });
+  walk(param_space, "",
+       [&](const Json&, const std::string& pointer) { paths.push_back(pointer_to_path(pointer)); });
   return paths;
 }
 
-void BasicVariantGenerator::set_search_properties(const std::string&, const std::string&, const Json& param_space) {
+void BasicVariantGenerator::set_search_properties(const std::string&, const std::string&,
+                                                  const Json& param_space) {
   validate_param_space(param_space);
   param_space_ = param_space;
   grid_paths_.clear();

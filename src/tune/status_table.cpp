@@ -36,7 +36,8 @@ std::vector<std::string> columns_of(const StatusView& view) {
   return columns;
 }
 
-std::string table(const std::vector<std::string>& header, const std::vector<std::vector<std::string>>& rows) {
+std::string table(const std::vector<std::string>& header,
+                  const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> widths(header.size());
   for (size_t c = 0; c < header.size(); ++c) widths[c] = header[c].size();
   for (const auto& row : rows) {
@@ -50,7 +51,8 @@ std::string table(const std::vector<std::string>& header, const std::vector<std:
   };
   auto line = [&](const std::vector<std::string>& cells) {
     out << '|';
-    for (size_t c = 0; c < widths.size(); ++c) out << ' ' << std::left << std::setw(static_cast<int>(widths[c])) << cells[c] << " |";
+    for (size_t c = 0; c < widths.size(); ++c)
+      out << ' ' << std::left << std::setw(static_cast<int>(widths[c])) << cells[c] << " |";
     out << '\n';
   };
   rule('+');
@@ -64,8 +66,8 @@ std::string table(const std::vector<std::string>& header, const std::vector<std:
 }  // namespace
 
 bool is_bookkeeping(const std::string& key) {
-  return key == "training_iteration" || key == "timestamp" || key == "time_total_s" || key == "checkpoint" ||
-         key == "trial_id";
+  return key == "training_iteration" || key == "timestamp" || key == "time_total_s" ||
+         key == "checkpoint" || key == "trial_id";
 }
 
 Json parameter_value(const Json& config, const std::string& path) {
@@ -90,11 +92,13 @@ std::string format_value(const Json& value) {
 
 std::string describe_parameters(const Json& config, const std::vector<std::string>& parameters) {
   std::string out;
-  for (const auto& p : parameters) out += (out.empty() ? "" : ", ") + p + "=" + format_value(parameter_value(config, p));
+  for (const auto& p : parameters)
+    out += (out.empty() ? "" : ", ") + p + "=" + format_value(parameter_value(config, p));
   return out;
 }
 
-int best_trial(const std::vector<TrialInfo>& trials, const std::string& metric, const std::string& mode) {
+int best_trial(const std::vector<TrialInfo>& trials, const std::string& metric,
+               const std::string& mode) {
   int best = -1;
   double best_value = 0;
   const double sign = mode == "min" ? -1 : 1;
@@ -122,7 +126,8 @@ std::string render_status(const StatusView& view) {
   out << "== Status ==\n"
       << "Current time: " << clock << " (running for " << duration(view.running_for_s) << ")\n"
       << "Using " << view.scheduler << "\n"
-      << "Logical resource usage: " << view.threads_used << "/" << view.threads_limit << " CPU threads\n";
+      << "Logical resource usage: " << view.threads_used << "/" << view.threads_limit
+      << " CPU threads\n";
   const int best = best_trial(trials, view.metric, view.mode);
   if (best >= 0) {
     const auto& t = trials[static_cast<size_t>(best)];
@@ -151,21 +156,25 @@ std::string render_status(const StatusView& view) {
     for (const auto& p : view.parameters) row.push_back(format_value(parameter_value(t.config, p)));
     row.push_back(t.iterations > 0 ? std::to_string(t.iterations) : "");
     row.push_back(t.iterations > 0 || t.time_total_s > 0 ? format_value(Json(t.time_total_s)) : "");
-    for (const auto& m : metrics) row.push_back(t.last_result.contains(m) ? format_value(t.last_result[m]) : "");
+    for (const auto& m : metrics)
+      row.push_back(t.last_result.contains(m) ? format_value(t.last_result[m]) : "");
     rows.push_back(std::move(row));
   }
   out << table(header, rows);
   std::vector<std::vector<std::string>> errors;
   for (const auto& t : trials) {
-    if (t.error) errors.push_back({t.name, t.error->substr(0, 160), (view.experiment_path / t.name).string()});
+    if (t.error)
+      errors.push_back({t.name, t.error->substr(0, 160), (view.experiment_path / t.name).string()});
   }
   if (!errors.empty()) {
-    out << "Number of errored trials: " << errors.size() << "\n" << table({"Trial name", "error", "folder"}, errors);
+    out << "Number of errored trials: " << errors.size() << "\n"
+        << table({"Trial name", "error", "folder"}, errors);
   }
   return out.str();
 }
 
-StatusReporter::StatusReporter(int verbose) : verbose_(verbose), terminal_(::isatty(STDOUT_FILENO) == 1) {}
+StatusReporter::StatusReporter(int verbose)
+    : verbose_(verbose), terminal_(::isatty(STDOUT_FILENO) == 1) {}
 
 void StatusReporter::erase() {
   if (!terminal_ || drawn_lines_ == 0) return;
@@ -202,13 +211,15 @@ void StatusReporter::refresh(const StatusView& view, bool force) {
     if (::ioctl(STDOUT_FILENO, TIOCGWINSZ, &size) == 0 && size.ws_col > 1) {
       std::istringstream lines(last_table_);
       std::string clipped;
-      for (std::string line; std::getline(lines, line);) clipped += line.substr(0, size.ws_col - 1u) + '\n';
+      for (std::string line; std::getline(lines, line);)
+        clipped += line.substr(0, size.ws_col - 1u) + '\n';
       last_table_ = clipped;
     }
   }
   erase();
   std::cout << last_table_ << std::flush;
-  drawn_lines_ = terminal_ ? static_cast<int>(std::count(last_table_.begin(), last_table_.end(), '\n')) : 0;
+  drawn_lines_ =
+      terminal_ ? static_cast<int>(std::count(last_table_.begin(), last_table_.end(), '\n')) : 0;
 }
 
 }  // namespace cohort::tune

@@ -34,7 +34,8 @@ std::string format_value(const Json& value);
 // "lr=0.01, batch_size=64": the searched parameters of a trial config.
 std::string describe_parameters(const Json& config, const std::vector<std::string>& parameters);
 // Index of the trial with the best last `metric`; -1 when no trial reported it.
-int best_trial(const std::vector<TrialInfo>& trials, const std::string& metric, const std::string& mode);
+int best_trial(const std::vector<TrialInfo>& trials, const std::string& metric,
+               const std::string& mode);
 
 std::string render_status(const StatusView& view);
 

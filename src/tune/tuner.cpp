@@ -35,7 +35,9 @@ constexpr const char* kRunning = "RUNNING";
 constexpr const char* kTerminated = "TERMINATED";
 constexpr const char* kError = "ERROR";
 
-double seconds_since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
 
 // Objects merge key by key; anything else replaces.
 void merge_into(Json& base, const Json& overlay) {
@@ -48,8 +50,10 @@ void merge_into(Json& base, const Json& overlay) {
 
 void apply_scaling(ScalingConfig& scaling, const Json& value) {
   if (!value.is_object()) {
-    throw UsageError("param_space/scaling_config must be an object of num_workers, min_workers, cpu_threads, use_gpu; got " +
-                     value.dump());
+    throw UsageError(
+        "param_space/scaling_config must be an object of num_workers, min_workers, cpu_threads, "
+        "use_gpu; got " +
+        value.dump());
   }
   for (const auto& [key, v] : value.items()) {
     try {
@@ -63,10 +67,12 @@ void apply_scaling(ScalingConfig& scaling, const Json& value) {
         scaling.use_gpu = v.get<bool>();
       } else {
         throw UsageError("param_space/scaling_config/" + key +
-                         " is not a tunable ScalingConfig field (num_workers, min_workers, cpu_threads, use_gpu)");
+                         " is not a tunable ScalingConfig field (num_workers, min_workers, "
+                         "cpu_threads, use_gpu)");
       }
     } catch (const Json::exception& e) {
-      throw UsageError("param_space/scaling_config/" + key + "=" + v.dump() + " has the wrong type: " + e.what());
+      throw UsageError("param_space/scaling_config/" + key + "=" + v.dump() +
+                       " has the wrong type: " + e.what());
     }
   }
 }
@@ -89,7 +95,8 @@ Trainer trial_trainer(const Trainer& base, const Json& config, RunConfig run) {
 }
 
 int requested_threads(const Trainer& trainer) {
-  return trainer.scaling_config().num_workers * trainer.scaling_config().resources_per_worker.cpu_threads;
+  return trainer.scaling_config().num_workers *
+         trainer.scaling_config().resources_per_worker.cpu_threads;
 }
 
 // In a trial process (and its workers): run the trial's Trainer, then end the process.
@@ -172,15 +179,19 @@ TuneConfig tune_config_from_json(const Json& j) {
 }
 
 void validate(const TuneConfig& c) {
-  if (c.num_samples < 1) throw UsageError("TuneConfig.num_samples=" + std::to_string(c.num_samples) + " must be >= 1");
-  if (c.max_concurrent_trials < 0) throw UsageError("TuneConfig.max_concurrent_trials must be >= 0 (0: no limit)");
-  if (c.max_cpu_threads < 0) throw UsageError("TuneConfig.max_cpu_threads must be >= 0 (0: this host's CPUs)");
+  if (c.num_samples < 1)
+    throw UsageError("TuneConfig.num_samples=" + std::to_string(c.num_samples) + " must be >= 1");
+  if (c.max_concurrent_trials < 0)
+    throw UsageError("TuneConfig.max_concurrent_trials must be >= 0 (0: no limit)");
+  if (c.max_cpu_threads < 0)
+    throw UsageError("TuneConfig.max_cpu_threads must be >= 0 (0: this host's CPUs)");
   if (c.time_budget_s < 0) throw UsageError("TuneConfig.time_budget_s must be >= 0 (0: none)");
   if (!c.mode.empty() && c.mode != "max" && c.mode != "min") {
     throw UsageError("TuneConfig.mode='" + c.mode + "' must be \"max\" or \"min\"");
   }
   if (!c.metric.empty() && c.mode.empty()) {
-    throw UsageError("TuneConfig.metric='" + c.metric + "' needs TuneConfig.mode: \"max\" or \"min\"");
+    throw UsageError("TuneConfig.metric='" + c.metric +
+                     "' needs TuneConfig.mode: \"max\" or \"min\"");
   }
 }
 
@@ -189,8 +200,8 @@ void validate(const TuneConfig& c) {
 // state on disk after every change.
 class Experiment {
  public:
-  Experiment(const Trainer& base, bool function_trainable, Json param_space, TuneConfig config, const RunConfig& run,
-             std::filesystem::path dir, bool restoring)
+  Experiment(const Trainer& base, bool function_trainable, Json param_space, TuneConfig config,
+             const RunConfig& run, std::filesystem::path dir, bool restoring)
       : base_(base),
         function_trainable_(function_trainable),
         param_space_(std::move(param_space)),
@@ -278,16 +289,17 @@ class Experiment {
 void Experiment::persist() {
   Json trials = Json::array();
   for (const auto& t : trials_) trials.push_back(trial_to_json(t));
-  write_atomically(dir_ / kStateFile, Json{{"version", 1},
-                                           {"function_trainable", function_trainable_},
-                                           {"param_space", param_space_},
-                                           {"tune_config", tune_config_to_json(config_, *scheduler_)},
-                                           {"verbose", verbose_},
-                                           {"suggested", suggested_},
-                                           {"searcher_finished", searcher_finished_},
-                                           {"trials", trials}}
-                                          .dump(2) +
-                                          "\n");
+  write_atomically(dir_ / kStateFile,
+                   Json{{"version", 1},
+                        {"function_trainable", function_trainable_},
+                        {"param_space", param_space_},
+                        {"tune_config", tune_config_to_json(config_, *scheduler_)},
+                        {"verbose", verbose_},
+                        {"suggested", suggested_},
+                        {"searcher_finished", searcher_finished_},
+                        {"trials", trials}}
+                           .dump(2) +
+                       "\n");
 }
 
 // Restores the trials and replays their results into the searcher and the scheduler, so that
@@ -299,7 +311,9 @@ void Experiment::load() {
   searcher_finished_ = state.value("searcher_finished", false);
   // The searcher starts over from its seed: skip what it already suggested.
   for (int64_t i = 0; i < suggested_; ++i) {
-    if (!searcher_->suggest(trials_.size() > static_cast<size_t>(i) ? trials_[static_cast<size_t>(i)].trial_id : "")) {
+    if (!searcher_->suggest(trials_.size() > static_cast<size_t>(i)
+                                ? trials_[static_cast<size_t>(i)].trial_id
+                                : "")) {
       break;
     }
   }
@@ -312,15 +326,19 @@ void Experiment::load() {
       last = scheduler_->on_trial_result(t.trial_id, result);
     }
     if (finished) {
-      if (t.status == kTerminated && !t.stopped_early) scheduler_->on_trial_complete(t.trial_id, t.last_result);
-      else scheduler_->on_trial_remove(t.trial_id);
+      if (t.status == kTerminated && !t.stopped_early)
+        scheduler_->on_trial_complete(t.trial_id, t.last_result);
+      else
+        scheduler_->on_trial_remove(t.trial_id);
       searcher_->on_trial_complete(t.trial_id, t.last_result, t.status == kError);
     } else if (last != TrialDecision::kContinue) {
       // The scheduler had stopped it when the driver died.
       t.status = kTerminated;
       t.stopped_early = last == TrialDecision::kStop;
-      if (t.stopped_early) scheduler_->on_trial_remove(t.trial_id);
-      else scheduler_->on_trial_complete(t.trial_id, t.last_result);
+      if (t.stopped_early)
+        scheduler_->on_trial_remove(t.trial_id);
+      else
+        scheduler_->on_trial_complete(t.trial_id, t.last_result);
       searcher_->on_trial_complete(t.trial_id, t.last_result, false);
     } else {
       t.status = kPending;  // resumes from its latest checkpoint
@@ -328,14 +346,15 @@ void Experiment::load() {
   }
   int finished = 0;
   for (const auto& t : trials_) finished += t.status == kTerminated || t.status == kError;
-  reporter_.event("cohort: restoring experiment " + dir_.string() + ": " + std::to_string(finished) +
-                  " finished trial(s) kept, " + std::to_string(trials_.size() - static_cast<size_t>(finished)) +
+  reporter_.event("cohort: restoring experiment " + dir_.string() + ": " +
+                  std::to_string(finished) + " finished trial(s) kept, " +
+                  std::to_string(trials_.size() - static_cast<size_t>(finished)) +
                   " to run or resume");
 }
 
 // Creates the searcher's next trial; false when it has no more.
 bool Experiment::create_trial() {
-  char id[16];
+  char id[24];  // any size_t
   std::snprintf(id, sizeof id, "%05zu", trials_.size());
   auto config = searcher_->suggest(id);
   if (!config) {
@@ -351,7 +370,8 @@ bool Experiment::create_trial() {
   try {
     t.cpu_threads = requested_threads(trial_trainer(base_, t.config, base_.run_config()));
     if (t.cpu_threads > threads_limit_) {
-      throw UsageError("it requests " + std::to_string(t.cpu_threads) + " CPU threads (num_workers x cpu_threads), more than the " +
+      throw UsageError("it requests " + std::to_string(t.cpu_threads) +
+                       " CPU threads (num_workers x cpu_threads), more than the " +
                        std::to_string(threads_limit_) +
                        " the Tuner may use: lower them or raise TuneConfig.max_cpu_threads");
     }
@@ -374,10 +394,11 @@ bool Experiment::create_trial() {
 
 void Experiment::start_trials() {
   while (true) {
-    const bool concurrency_left =
-        config_.max_concurrent_trials == 0 || static_cast<int>(live_.size()) < config_.max_concurrent_trials;
+    const bool concurrency_left = config_.max_concurrent_trials == 0 ||
+                                  static_cast<int>(live_.size()) < config_.max_concurrent_trials;
     if (!concurrency_left) return;
-    auto pending = std::find_if(trials_.begin(), trials_.end(), [](const TrialInfo& t) { return t.status == kPending; });
+    auto pending = std::find_if(trials_.begin(), trials_.end(),
+                                [](const TrialInfo& t) { return t.status == kPending; });
     if (pending == trials_.end()) {
       if (searcher_finished_ || threads_in_use() >= threads_limit_) return;
       if (!create_trial()) {
@@ -389,10 +410,12 @@ void Experiment::start_trials() {
     // First come, first served: a trial that does not fit yet waits, and so do those after it.
     if (threads_in_use() + pending->cpu_threads > threads_limit_) {
       if (!live_.empty()) return;
-      // Nothing runs and it still does not fit (a restore on a host with fewer CPUs): it never will.
+      // Nothing runs and it still does not fit (a restore on a host with fewer CPUs): it never
+      // will.
       pending->status = kError;
-      pending->error = "it requests " + std::to_string(pending->cpu_threads) + " CPU threads, more than the " +
-                       std::to_string(threads_limit_) + " the Tuner may use: raise TuneConfig.max_cpu_threads";
+      pending->error = "it requests " + std::to_string(pending->cpu_threads) +
+                       " CPU threads, more than the " + std::to_string(threads_limit_) +
+                       " the Tuner may use: raise TuneConfig.max_cpu_threads";
       reporter_.event(pending->name + " ERROR before it started: " + *pending->error);
       scheduler_->on_trial_remove(pending->trial_id);
       searcher_->on_trial_complete(pending->trial_id, pending->last_result, true);
@@ -434,8 +457,9 @@ void Experiment::start(size_t index) {
   live.group->start();
   live.started = Clock::now();
   t.status = kRunning;
-  reporter_.event(t.name + " RUNNING with " + describe_parameters(t.config, parameters_) +
-                  (t.iterations > 0 ? " (resuming after iteration " + std::to_string(t.iterations) + ")" : ""));
+  reporter_.event(
+      t.name + " RUNNING with " + describe_parameters(t.config, parameters_) +
+      (t.iterations > 0 ? " (resuming after iteration " + std::to_string(t.iterations) + ")" : ""));
   persist();
 }
 
@@ -457,8 +481,8 @@ void Experiment::on_result(size_t index, const Json& record) {
   for (const auto& [key, value] : result.items()) {
     const bool shown = config_.metric_columns.empty()
                            ? !is_bookkeeping(key)
-                           : std::find(config_.metric_columns.begin(), config_.metric_columns.end(), key) !=
-                                 config_.metric_columns.end();
+                           : std::find(config_.metric_columns.begin(), config_.metric_columns.end(),
+                                       key) != config_.metric_columns.end();
     if (value.is_number() && shown) metrics += " " + key + "=" + format_value(value);
   }
   reporter_.progress(t.name + " iter " + std::to_string(t.iterations) + ":" + metrics);
@@ -470,7 +494,8 @@ void Experiment::on_result(size_t index, const Json& record) {
   live.group->request_stop("stopped by the scheduler");
   if (decision == TrialDecision::kFinish) return;
   t.stopped_early = true;
-  reporter_.event(t.name + " stopped early by the scheduler after iteration " + std::to_string(t.iterations) +
+  reporter_.event(t.name + " stopped early by the scheduler after iteration " +
+                  std::to_string(t.iterations) +
                   (config_.metric.empty() || !result.contains(config_.metric)
                        ? ""
                        : " (" + config_.metric + "=" + format_value(result[config_.metric]) + ")"));
@@ -492,11 +517,12 @@ void Experiment::conclude(size_t index, const runtime::GroupOutcome& outcome) {
         scheduler_->on_trial_complete(t.trial_id, t.last_result);
       }
       searcher_->on_trial_complete(t.trial_id, t.last_result, false);
-      reporter_.event(t.name + " TERMINATED after " + std::to_string(t.iterations) + " iteration(s)" +
-                      (t.stopped_early ? " (stopped early; its processes ended " +
-                                             format_value(Json(seconds_since(live.stop_requested_at))) +
-                                             " s after the stop)"
-                                       : ""));
+      reporter_.event(
+          t.name + " TERMINATED after " + std::to_string(t.iterations) + " iteration(s)" +
+          (t.stopped_early ? " (stopped early; its processes ended " +
+                                 format_value(Json(seconds_since(live.stop_requested_at))) +
+                                 " s after the stop)"
+                           : ""));
     } else {
       t.status = kError;
       std::string error = outcome.failure_reason;
@@ -509,7 +535,8 @@ void Experiment::conclude(size_t index, const runtime::GroupOutcome& outcome) {
       t.error = error;
       scheduler_->on_trial_remove(t.trial_id);
       searcher_->on_trial_complete(t.trial_id, t.last_result, true);
-      reporter_.event(t.name + " ERROR: " + error + " (log: " + (trial_dir(t) / kTrialLogFile).string() + ")");
+      reporter_.event(t.name + " ERROR: " + error +
+                      " (log: " + (trial_dir(t) / kTrialLogFile).string() + ")");
     }
   }
   live_.erase(index);
@@ -521,10 +548,12 @@ ResultGrid Experiment::run() {
   persist();
   while (true) {
     const int interrupted = runtime::InterruptScope::signal();
-    if (!budget_hit_ && config_.time_budget_s > 0 && seconds_since(started_) > config_.time_budget_s) {
+    if (!budget_hit_ && config_.time_budget_s > 0 &&
+        seconds_since(started_) > config_.time_budget_s) {
       budget_hit_ = true;
       reporter_.event("cohort: the time budget of " + format_value(Json(config_.time_budget_s)) +
-                      " s is spent: stopping " + std::to_string(live_.size()) + " running trial(s), starting no more");
+                      " s is spent: stopping " + std::to_string(live_.size()) +
+                      " running trial(s), starting no more");
       for (auto& [index, live] : live_) {
         live.stop_requested = true;
         live.stop_requested_at = Clock::now();
@@ -534,7 +563,8 @@ ResultGrid Experiment::run() {
     }
     if (interrupted == 0 && !budget_hit_) start_trials();
     if (live_.empty()) break;  // nothing runs and nothing more can start
-    const auto wait = std::chrono::milliseconds(std::max<int64_t>(10, 100 / static_cast<int64_t>(live_.size())));
+    const auto wait =
+        std::chrono::milliseconds(std::max<int64_t>(10, 100 / static_cast<int64_t>(live_.size())));
     std::vector<size_t> running;
     for (const auto& [index, live] : live_) running.push_back(index);
     for (size_t index : running) {
@@ -590,7 +620,9 @@ Tuner::Tuner(Trainer trainable, Json param_space, TuneConfig tune_config, RunCon
 
 Tuner::Tuner(TrainLoop trainable, Json param_space, TuneConfig tune_config, RunConfig run_config,
              WorkerResources resources)
-    : Tuner(Trainer(std::move(trainable), ScalingConfig{.num_workers = 1, .resources_per_worker = resources}), true) {
+    : Tuner(Trainer(std::move(trainable),
+                    ScalingConfig{.num_workers = 1, .resources_per_worker = resources}),
+            true) {
   param_space_ = std::move(param_space);
   config_ = std::move(tune_config);
   run_ = std::move(run_config);
@@ -600,16 +632,19 @@ bool Tuner::can_restore(const std::filesystem::path& experiment_path) {
   return std::filesystem::exists(experiment_path / kStateFile);
 }
 
-Tuner Tuner::restore(const std::filesystem::path& experiment_path, Trainer trainable, TuneConfig objects) {
+Tuner Tuner::restore(const std::filesystem::path& experiment_path, Trainer trainable,
+                     TuneConfig objects) {
   Tuner tuner(std::move(trainable), false);
   tuner.restore_from_ = experiment_path;
   tuner.config_ = std::move(objects);
   return tuner;
 }
 
-Tuner Tuner::restore(const std::filesystem::path& experiment_path, TrainLoop trainable, TuneConfig objects,
-                     WorkerResources resources) {
-  Tuner tuner(Trainer(std::move(trainable), ScalingConfig{.num_workers = 1, .resources_per_worker = resources}), true);
+Tuner Tuner::restore(const std::filesystem::path& experiment_path, TrainLoop trainable,
+                     TuneConfig objects, WorkerResources resources) {
+  Tuner tuner(Trainer(std::move(trainable),
+                      ScalingConfig{.num_workers = 1, .resources_per_worker = resources}),
+              true);
   tuner.restore_from_ = experiment_path;
   tuner.config_ = std::move(objects);
   return tuner;
@@ -617,39 +652,51 @@ Tuner Tuner::restore(const std::filesystem::path& experiment_path, TrainLoop tra
 
 ResultGrid Tuner::fit() {
   // A trial process, or a worker of one.
-  if (const char* trial_dir = std::getenv(kTrialDirVar); trial_dir != nullptr && !runtime::spawned_role().empty()) {
+  if (const char* trial_dir = std::getenv(kTrialDirVar);
+      trial_dir != nullptr && !runtime::spawned_role().empty()) {
     run_trial(trainable_, trial_dir);
   }
   if (!runtime::spawned_role().empty()) {
-    throw UsageError("Tuner::fit() reached in a worker that belongs to no trial: call Tuner::fit() before any "
-                     "Trainer::fit() in the program, or in a separate one");
+    throw UsageError(
+        "Tuner::fit() reached in a worker that belongs to no trial: call Tuner::fit() before any "
+        "Trainer::fit() in the program, or in a separate one");
   }
   if (runtime::detect_launch()) {
-    throw UsageError("cohort::tune::Tuner runs its trials on this host and cannot run under a launcher (srun, mpirun, "
-                     "torchrun-style variables): start the program directly");
+    throw UsageError(
+        "cohort::tune::Tuner runs its trials on this host and cannot run under a launcher (srun, "
+        "mpirun, "
+        "torchrun-style variables): start the program directly");
   }
   if (!restore_from_.empty()) {
     const auto dir = std::filesystem::absolute(restore_from_);
     if (!can_restore(dir)) {
-      throw UsageError("Tuner::restore: " + dir.string() + " holds no experiment (" + kStateFile + " is missing)");
+      throw UsageError("Tuner::restore: " + dir.string() + " holds no experiment (" + kStateFile +
+                       " is missing)");
     }
     const Json state = read_json(dir / kStateFile);
     if (state.value("function_trainable", false) != function_trainable_) {
-      throw UsageError("Tuner::restore: " + dir.string() + " was run with a " +
-                       (state.value("function_trainable", false) ? "function trainable" : "Trainer") +
-                       "; restore it with the same kind");
+      throw UsageError(
+          "Tuner::restore: " + dir.string() + " was run with a " +
+          (state.value("function_trainable", false) ? "function trainable" : "Trainer") +
+          "; restore it with the same kind");
     }
     TuneConfig config = tune_config_from_json(state.at("tune_config"));
     config.scheduler = config_.scheduler;
     config.search_alg = config_.search_alg;
     const Json& saved_scheduler = state.at("tune_config").at("scheduler");
-    if (!config.scheduler && !saved_scheduler.is_null()) config.scheduler = scheduler_from_json(saved_scheduler);
+    if (!config.scheduler && !saved_scheduler.is_null())
+      config.scheduler = scheduler_from_json(saved_scheduler);
     if (!config.scheduler && saved_scheduler.is_null()) {
-      throw UsageError("Tuner::restore: the experiment used a custom scheduler, which cannot be saved: pass it again in "
-                       "the TuneConfig argument");
+      throw UsageError(
+          "Tuner::restore: the experiment used a custom scheduler, which cannot be saved: pass it "
+          "again in "
+          "the TuneConfig argument");
     }
-    RunConfig run{.name = dir.filename().string(), .storage_path = dir.parent_path(), .verbose = state.value("verbose", 1)};
-    Experiment experiment(trainable_, function_trainable_, state.at("param_space"), std::move(config), run, dir, true);
+    RunConfig run{.name = dir.filename().string(),
+                  .storage_path = dir.parent_path(),
+                  .verbose = state.value("verbose", 1)};
+    Experiment experiment(trainable_, function_trainable_, state.at("param_space"),
+                          std::move(config), run, dir, true);
     return experiment.run();
   }
   validate(config_);

@@ -24,8 +24,10 @@ class Cli : public ::testing::Test {
   std::filesystem::path data = cohort::testing::write_tiny_mnist(dir / "data", 512, 128);
   void TearDown() override { std::filesystem::remove_all(dir); }
 
-  CommandResult train(std::vector<std::string> args, std::chrono::seconds deadline = std::chrono::seconds(120)) {
-    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string()};
+  CommandResult train(std::vector<std::string> args,
+                      std::chrono::seconds deadline = std::chrono::seconds(120)) {
+    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path",
+                                  (dir / "runs").string()};
     argv.insert(argv.end(), args.begin(), args.end());
     return run_command(argv, deadline);
   }
@@ -38,12 +40,14 @@ class Cli : public ::testing::Test {
     std::istringstream in(started->substr(started->find("[pids ") + 6));
     for (int pid; in >> pid;) pids.push_back(pid);
     EXPECT_EQ(pids.size(), 2u);
-    EXPECT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60))) << driver.output();
+    EXPECT_TRUE(driver.wait_for_line("first training step", std::chrono::seconds(60)))
+        << driver.output();
     return pids;
   }
   std::vector<std::string> endless_run(const std::string& name) {
-    return {COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(), "--data-dir",
-            data.string(), "--epochs", "100000", "--batch-size", "8", "--name", name};
+    return {COHORT_CLI_PATH, "train",       "--storage-path", (dir / "runs").string(),
+            "--data-dir",    data.string(), "--epochs",       "100000",
+            "--batch-size",  "8",           "--name",         name};
   }
   Json result_of(const std::string& name) {
     return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
@@ -62,7 +66,8 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
       {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
       {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
-      {{"--workers", "2", "--min-workers", "3", "--data-dir", data.string()}, "--min-workers 3 must be between 1 and --workers 2"},
+      {{"--workers", "2", "--min-workers", "3", "--data-dir", data.string()},
+       "--min-workers 3 must be between 1 and --workers 2"},
       {{"--lr", "-0.1", "--data-dir", data.string()}, "is negative"},
       {{"--data-dir", (dir / "absent").string()}, "does not exist"},
       {{"--data-dir", truncated.string()}, "is truncated"},
@@ -70,18 +75,24 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--dataset", "cifar"}, "unknown --dataset 'cifar'"},
       {{"--epochs", "two"}, "--epochs"},
       {{"--bogus"}, "bogus"},
-      {{"--backend", "mpi", "--data-dir", data.string()}, "unknown communication backend 'mpi': use auto"},
-      {{"--gpus-per-worker", "2", "--data-dir", data.string()}, "--gpus-per-worker 2 needs --use-gpu"},
+      {{"--backend", "mpi", "--data-dir", data.string()},
+       "unknown communication backend 'mpi': use auto"},
+      {{"--gpus-per-worker", "2", "--data-dir", data.string()},
+       "--gpus-per-worker 2 needs --use-gpu"},
   };
   if (!torch::cuda::is_available()) {
-    cases.push_back({{"--use-gpu", "--data-dir", data.string()}, "use_gpu is set but this libtorch sees no CUDA device"});
+    cases.push_back({{"--use-gpu", "--data-dir", data.string()},
+                     "use_gpu is set but this libtorch sees no CUDA device"});
   } else {
-    cases.push_back({{"--use-gpu", "--workers", "64", "--batch-size", "4", "--data-dir", data.string()}, "GPUs, but this node has"});
+    cases.push_back(
+        {{"--use-gpu", "--workers", "64", "--batch-size", "4", "--data-dir", data.string()},
+         "GPUs, but this node has"});
   }
   for (const auto& [args, fragment] : cases) {
     auto r = train(args, std::chrono::seconds(30));
     EXPECT_EQ(r.exit_code, 2) << r.output;
-    EXPECT_NE(r.output.find(fragment), std::string::npos) << "expected '" << fragment << "' in: " << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos)
+        << "expected '" << fragment << "' in: " << r.output;
     EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << r.output;
   }
   auto none = run_command({COHORT_CLI_PATH}, std::chrono::seconds(30));
@@ -91,11 +102,14 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
 TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   const std::string cli = COHORT_CLI_PATH;
   for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"--nnodes", "2", "--node-rank", "2", "--", "/bin/true"}, "--node-rank 2 must be in [0, 2)"},
+           {{"--nnodes", "2", "--node-rank", "2", "--", "/bin/true"},
+            "--node-rank 2 must be in [0, 2)"},
            {{"--master", "nohost", "--", "/bin/true"}, "must be HOST:PORT"},
            {{"--", "no-such-program-here"}, "is not in PATH"},
-           {{"--nproc-per-node", "0", "--", "/bin/true"}, "--nproc-per-node 0 is a CPU-only node: give it --data-workers N"},
-           {{"--data-workers", "-1", "--", "/bin/true"}, "--nproc-per-node and --data-workers must be >= 0"}}) {
+           {{"--nproc-per-node", "0", "--", "/bin/true"},
+            "--nproc-per-node 0 is a CPU-only node: give it --data-workers N"},
+           {{"--data-workers", "-1", "--", "/bin/true"},
+            "--nproc-per-node and --data-workers must be >= 0"}}) {
     std::vector<std::string> argv{cli, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
@@ -105,18 +119,18 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   // Node 1 never comes: node 0 gives up at the rendezvous deadline, naming it.
   const int port = comm::Store::connect({.is_server = true}).port();  // free once the store is gone
   const auto start = std::chrono::steady_clock::now();
-  auto r = run_command({cli, "launch", "--nnodes", "2", "--node-rank", "0", "--master",
-                        "127.0.0.1:" + std::to_string(port), "--rdzv-timeout",
-                        "1", "--", "/bin/true"},
-                       std::chrono::seconds(60));
+  auto r =
+      run_command({cli, "launch", "--nnodes", "2", "--node-rank", "0", "--master",
+                   "127.0.0.1:" + std::to_string(port), "--rdzv-timeout", "1", "--", "/bin/true"},
+                  std::chrono::seconds(60));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 }
 
 TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
-  auto r = train({"--data-dir", data.string(), "--workers", "2", "--epochs", "2", "--batch-size", "32",
-                  "--name", "e2e", "--lr", "0.05"});
+  auto r = train({"--data-dir", data.string(), "--workers", "2", "--epochs", "2", "--batch-size",
+                  "32", "--name", "e2e", "--lr", "0.05"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("(rank=0, pid="), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[report 2] epoch 2"), std::string::npos) << r.output;
@@ -139,8 +153,9 @@ TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
 }
 
 TEST_F(Cli, SameSeedSameWorkersSameLoss) {
-  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--epochs", "1",
-                                        "--batch-size", "16", "--seed", "11", "--quiet"};
+  const std::vector<std::string> common{"--data-dir", data.string(), "--workers",    "2",
+                                        "--epochs",   "1",           "--batch-size", "16",
+                                        "--seed",     "11",          "--quiet"};
   auto first = common, second = common;
   first.insert(first.end(), {"--name", "a"});
   second.insert(second.end(), {"--name", "b"});
@@ -157,8 +172,9 @@ TEST_F(Cli, SameSeedSameWorkersSameLoss) {
 // Resuming restores weights, optimizer state, epoch and data order: the result is the same as
 // that of a run that was never interrupted.
 TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
-  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--batch-size", "16",
-                                        "--optimizer", "adam", "--quiet"};
+  const std::vector<std::string> common{"--data-dir",  data.string(),  "--workers",
+                                        "2",           "--batch-size", "16",
+                                        "--optimizer", "adam",         "--quiet"};
   auto with = [&](std::vector<std::string> extra) {
     auto args = common;
     args.insert(args.end(), extra.begin(), extra.end());
@@ -187,9 +203,11 @@ TEST_F(Cli, InterruptStopsEveryProcess) {
   auto r = driver.wait(std::chrono::seconds(30));
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.signal, SIGINT) << r.output;
-  for (int pid : pids) EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
+  for (int pid : pids)
+    EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
   auto result = result_of("interrupted");
-  EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos) << result.dump();
+  EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos)
+      << result.dump();
 }
 
 TEST_F(Cli, WorkersDieWithAKilledDriver) {
@@ -208,10 +226,12 @@ TEST_F(Cli, WorkersDieWithAKilledDriver) {
 // The driver itself killed mid-run: the same command again continues from the latest checkpoint
 // (a driver's death is not a worker failure) and ends exactly where an uninterrupted run ends.
 TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
-  const std::vector<std::string> common{"--data-dir", data.string(), "--workers", "2", "--batch-size", "16",
-                                        "--epochs", "3", "--optimizer", "adam"};
+  const std::vector<std::string> common{"--data-dir",   data.string(), "--workers", "2",
+                                        "--batch-size", "16",          "--epochs",  "3",
+                                        "--optimizer",  "adam"};
   auto args = [&](const std::string& name, bool quiet) {
-    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path", (dir / "runs").string(), "--name", name};
+    std::vector<std::string> argv{COHORT_CLI_PATH,         "train",  "--storage-path",
+                                  (dir / "runs").string(), "--name", name};
     argv.insert(argv.end(), common.begin(), common.end());
     if (quiet) argv.push_back("--quiet");
     return argv;
@@ -233,22 +253,48 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
 }
 
 TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {
-  auto r = run_command({COHORT_CLI_PATH, "tune", "--storage-path", (dir / "runs").string(), "--name", "search",
-                        "--data-dir", data.string(), "--workers", "1", "--epochs", "2", "--batch-size", "16",
-                        "--param", "lr=loguniform:1e-3:1e-1", "--param", "optimizer=choice:sgd,adam", "--samples", "3",
-                        "--scheduler", "asha", "--reduction-factor", "2", "--max-concurrent", "2", "--cpus", "2",
+  auto r = run_command({COHORT_CLI_PATH,
+                        "tune",
+                        "--storage-path",
+                        (dir / "runs").string(),
+                        "--name",
+                        "search",
+                        "--data-dir",
+                        data.string(),
+                        "--workers",
+                        "1",
+                        "--epochs",
+                        "2",
+                        "--batch-size",
+                        "16",
+                        "--param",
+                        "lr=loguniform:1e-3:1e-1",
+                        "--param",
+                        "optimizer=choice:sgd,adam",
+                        "--samples",
+                        "3",
+                        "--scheduler",
+                        "asha",
+                        "--reduction-factor",
+                        "2",
+                        "--max-concurrent",
+                        "2",
+                        "--cpus",
+                        "2",
                         "--quiet"},
                        std::chrono::seconds(240));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("trials 3 | terminated 3"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("best test_accuracy "), std::string::npos) << r.output;
-  const auto state = Json::parse(cohort::testing::read_text((dir / "runs" / "search" / "experiment_state.json").string()));
+  const auto state = Json::parse(
+      cohort::testing::read_text((dir / "runs" / "search" / "experiment_state.json").string()));
   ASSERT_EQ(state["trials"].size(), 3u);
   for (const auto& trial : state["trials"]) {
     const double lr = trial["config"]["lr"].get<double>();
     EXPECT_GE(lr, 1e-3);
     EXPECT_LE(lr, 1e-1);
-    EXPECT_TRUE(trial["config"]["optimizer"] == "sgd" || trial["config"]["optimizer"] == "adam") << trial.dump();
+    EXPECT_TRUE(trial["config"]["optimizer"] == "sgd" || trial["config"]["optimizer"] == "adam")
+        << trial.dump();
     // Each trial is a run of its own, with the sampled lr in its train_loop_config.
     const auto result = Json::parse(cohort::testing::read_text(
         (dir / "runs" / "search" / trial["name"].get<std::string>() / "result.json").string()));
@@ -259,7 +305,8 @@ TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {
 
 TEST_F(Cli, TuneRejectsABadSearchWithAUsageError) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases{
-      {{"--param", "depth=uniform:0:1"}, "--param depth: not a tunable option; tunable are model, epochs"},
+      {{"--param", "depth=uniform:0:1"},
+       "--param depth: not a tunable option; tunable are model, epochs"},
       {{"--param", "lr=loguniform:0:1"}, "loguniform needs 0 < lower"},
       {{"--param", "lr"}, "must be NAME=DOMAIN"},
       {{"--param", "lr=uniform:0:1", "--scheduler", "pbt"}, "unknown --scheduler 'pbt'"},
@@ -267,40 +314,51 @@ TEST_F(Cli, TuneRejectsABadSearchWithAUsageError) {
       {{}, "give at least one --param"},
   };
   for (const auto& [args, fragment] : cases) {
-    std::vector<std::string> argv{COHORT_CLI_PATH, "tune", "--storage-path", (dir / "runs").string(), "--data-dir",
-                                  data.string()};
+    std::vector<std::string> argv{COHORT_CLI_PATH,         "tune",       "--storage-path",
+                                  (dir / "runs").string(), "--data-dir", data.string()};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
     EXPECT_EQ(r.exit_code, 2) << r.output;
-    EXPECT_NE(r.output.find(fragment), std::string::npos) << "expected '" << fragment << "' in: " << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos)
+        << "expected '" << fragment << "' in: " << r.output;
   }
 }
 
 TEST_F(Cli, AKilledTuneResumesWhenRunAgain) {
   const std::vector<std::string> argv{
-      COHORT_CLI_PATH, "tune",      "--storage-path", (dir / "runs").string(), "--name", "killed", "--data-dir",
-      data.string(),   "--workers", "1",              "--epochs", "3",         "--batch-size", "16",
-      "--param",       "lr=grid:0.01,0.02,0.03",      "--max-concurrent",      "1",            "--cpus", "1"};
+      COHORT_CLI_PATH,    "tune",   "--storage-path", (dir / "runs").string(),
+      "--name",           "killed", "--data-dir",     data.string(),
+      "--workers",        "1",      "--epochs",       "3",
+      "--batch-size",     "16",     "--param",        "lr=grid:0.01,0.02,0.03",
+      "--max-concurrent", "1",      "--cpus",         "1"};
   const auto experiment = dir / "runs" / "killed";
   {
     cohort::testing::Process tuner(argv);
     // trial_00000 has finished, and trial_00001 has committed its first epoch's checkpoint.
-    ASSERT_TRUE(tuner.wait_for_line("trial_00001 iter 1:", std::chrono::seconds(120))) << tuner.output();
+    ASSERT_TRUE(tuner.wait_for_line("trial_00001 iter 1:", std::chrono::seconds(120)))
+        << tuner.output();
     ::kill(tuner.pid(), SIGKILL);
     tuner.wait(std::chrono::seconds(10));
   }
-  const std::string finished_before = cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string());
+  const std::string finished_before =
+      cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string());
   auto again = run_command(argv, std::chrono::seconds(240));
   ASSERT_EQ(again.exit_code, 0) << again.output;
-  EXPECT_NE(again.output.find("restoring experiment " + experiment.string() + ": 1 finished trial(s) kept, 1 to run or resume"),
+  EXPECT_NE(again.output.find("restoring experiment " + experiment.string() +
+                              ": 1 finished trial(s) kept, 1 to run or resume"),
             std::string::npos)
       << again.output;
-  EXPECT_EQ(again.output.find("trial_00000 RUNNING"), std::string::npos) << again.output;  // not rerun
-  EXPECT_EQ(cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string()), finished_before);
+  EXPECT_EQ(again.output.find("trial_00000 RUNNING"), std::string::npos)
+      << again.output;  // not rerun
+  EXPECT_EQ(cohort::testing::read_text((experiment / "trial_00000" / "metrics.jsonl").string()),
+            finished_before);
   // The interrupted trial went on from its checkpoint, not from its first epoch.
-  EXPECT_NE(cohort::testing::read_text((experiment / "trial_00001" / "logs" / "rank-0.log").string()).find("resuming after epoch 1"),
-            std::string::npos);
-  const auto state = Json::parse(cohort::testing::read_text((experiment / "experiment_state.json").string()));
+  EXPECT_NE(
+      cohort::testing::read_text((experiment / "trial_00001" / "logs" / "rank-0.log").string())
+          .find("resuming after epoch 1"),
+      std::string::npos);
+  const auto state =
+      Json::parse(cohort::testing::read_text((experiment / "experiment_state.json").string()));
   ASSERT_EQ(state["trials"].size(), 3u);
   for (const auto& trial : state["trials"]) {
     EXPECT_EQ(trial["status"], "TERMINATED") << trial.dump();
@@ -309,7 +367,8 @@ TEST_F(Cli, AKilledTuneResumesWhenRunAgain) {
 }
 
 TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
-  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist")) GTEST_SKIP() << "no Fashion-MNIST";
+  if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist"))
+    GTEST_SKIP() << "no Fashion-MNIST";
   auto dir = cohort::testing::temp_dir("cli_fashion");
   auto r = run_command({COHORT_CLI_PATH, "train", "--storage-path", dir.string(), "--name", "short",
                         "--max-steps", "40"},

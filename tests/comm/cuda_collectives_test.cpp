@@ -63,34 +63,41 @@ TEST(CudaCollectives, NcclAtWorldSizeOne) {
     g.allreduce(cpu);
     EXPECT_EQ(cpu[0][0].item<double>(), 1.0);
   });
-  run_ranks(1, [](ProcessGroup& g) {
-    std::vector<at::Tensor> cpu{torch::ones({2})};
-    expect_error<UsageError>([&] { g.allreduce(cpu); }, "a CPU tensor given to a NCCL group");
-  }, {.backend = Backend::kNccl});
+  run_ranks(1,
+            [](ProcessGroup& g) {
+              std::vector<at::Tensor> cpu{torch::ones({2})};
+              expect_error<UsageError>([&] { g.allreduce(cpu); },
+                                       "a CPU tensor given to a NCCL group");
+            },
+            {.backend = Backend::kNccl});
 }
 
 TEST(CudaCollectives, TwoRanksShareOneGpuThroughGloo) {
   COHORT_REQUIRE_CUDA();
-  run_ranks(2, [](ProcessGroup& g) {
-    check_collectives_on_the_gpu(g);
-    // Point to point from device memory (staged through the host for Gloo).
-    if (g.rank() == 0) {
-      g.send(torch::full({3}, 7.0, kGpu), 1, 3);
-    } else {
-      auto got = torch::empty({3}, kGpu);
-      g.recv(got, 0, 3);
-      EXPECT_EQ(got[1].item<double>(), 7.0);
-    }
-  }, {.backend = Backend::kGloo});
+  run_ranks(2,
+            [](ProcessGroup& g) {
+              check_collectives_on_the_gpu(g);
+              // Point to point from device memory (staged through the host for Gloo).
+              if (g.rank() == 0) {
+                g.send(torch::full({3}, 7.0, kGpu), 1, 3);
+              } else {
+                auto got = torch::empty({3}, kGpu);
+                g.recv(got, 0, 3);
+                EXPECT_EQ(got[1].item<double>(), 7.0);
+              }
+            },
+            {.backend = Backend::kGloo});
 }
 
 TEST(CudaCollectives, SubGroupsOnTheGpu) {
   COHORT_REQUIRE_CUDA();
-  run_ranks(3, [](ProcessGroup& g) {
-    auto pair = g.new_group({0, 2});
-    if (!pair.valid()) return;
-    check_collectives_on_the_gpu(pair);
-  }, {.backend = Backend::kGloo});
+  run_ranks(3,
+            [](ProcessGroup& g) {
+              auto pair = g.new_group({0, 2});
+              if (!pair.valid()) return;
+              check_collectives_on_the_gpu(pair);
+            },
+            {.backend = Backend::kGloo});
 }
 
 }  // namespace

@@ -30,6 +30,25 @@ TEST(ProcessGroup, AllreduceSumsAndAverages) {
   });
 }
 
+TEST(ProcessGroup, AllreduceOfSixteenBitFloatsOnEveryLine) {
+  run_ranks(3, [](ProcessGroup& g) {
+    for (auto dtype : {torch::kHalf, torch::kBFloat16}) {
+      std::vector<at::Tensor> t{torch::full({3, 2}, g.rank() + 0.5, dtype),
+                                torch::full({5}, 2.0 * g.rank(), dtype)};
+      g.allreduce(t);
+      EXPECT_EQ(t[0].scalar_type(), dtype);
+      EXPECT_TRUE(torch::equal(t[0], torch::full({3, 2}, 4.5, dtype))) << t[0];
+      EXPECT_TRUE(torch::equal(t[1], torch::full({5}, 6.0, dtype))) << t[1];
+      std::vector<at::Tensor> m{torch::full({4}, double(g.rank()), dtype)};
+      g.allreduce(m, ReduceOp::kMax);
+      EXPECT_EQ(m[0][3].item<double>(), 2.0);
+      std::vector<at::Tensor> a{torch::full({4}, double(g.rank()), dtype)};
+      g.allreduce(a, ReduceOp::kAvg);
+      EXPECT_EQ(a[0][0].item<double>(), 1.0);
+    }
+  });
+}
+
 TEST(ProcessGroup, BroadcastAllgatherBarrier) {
   run_ranks(2, [](ProcessGroup& g) {
     std::vector<at::Tensor> t{g.rank() == 0 ? torch::arange(5.0) : torch::zeros({5})};
@@ -57,19 +76,18 @@ TEST(ProcessGroup, SetupTimeoutNamesTheMissingRanks) {
 TEST(ProcessGroup, CollectiveTimeoutWhenAPeerSkipsTheCall) {
   std::promise<void> rank0_done;
   auto done = rank0_done.get_future().share();
-  run_ranks(
-      2,
-      [&](ProcessGroup& g) {
-        if (g.rank() == 1) {
-          // Alive but never enters the collective; leaves once rank 0 has given up.
-          done.wait();
-          return;
-        }
-        std::vector<at::Tensor> t{torch::ones({1})};
-        EXPECT_THROW(g.allreduce(t), TimeoutError);
-        rank0_done.set_value();
-      },
-      {.timeout = std::chrono::milliseconds(500)});
+  run_ranks(2,
+            [&](ProcessGroup& g) {
+              if (g.rank() == 1) {
+                // Alive but never enters the collective; leaves once rank 0 has given up.
+                done.wait();
+                return;
+              }
+              std::vector<at::Tensor> t{torch::ones({1})};
+              EXPECT_THROW(g.allreduce(t), TimeoutError);
+              rank0_done.set_value();
+            },
+            {.timeout = std::chrono::milliseconds(500)});
 }
 
 TEST(ProcessGroup, AllgatherIntoOneTensorAndReduceScatter) {
@@ -84,7 +102,8 @@ TEST(ProcessGroup, AllgatherIntoOneTensorAndReduceScatter) {
     auto part = torch::empty({2});
     g.reduce_scatter_tensor(part, input);
     EXPECT_TRUE(torch::equal(part, torch::arange(2.0 * r, 2.0 * r + 2) * 6)) << part;
-    EXPECT_TRUE(torch::equal(input, torch::arange(6.0) * (r + 1))) << "the input must stay as it was";
+    EXPECT_TRUE(torch::equal(input, torch::arange(6.0) * (r + 1)))
+        << "the input must stay as it was";
     g.reduce_scatter_tensor(part, input, ReduceOp::kAvg);
     EXPECT_TRUE(torch::allclose(part, torch::arange(2.0 * r, 2.0 * r + 2) * 2)) << part;
     g.reduce_scatter_tensor(part, input, ReduceOp::kMax);
@@ -112,7 +131,8 @@ TEST(ProcessGroup, AllToAllWithEqualAndUnevenSplits) {
     std::vector<int64_t> out_splits(3, r + 1);
     auto uneven = torch::empty({3 * (r + 1)}, torch::kLong);
     g.all_to_all(uneven, torch::full({6}, r, torch::kLong), out_splits, in_splits);
-    EXPECT_TRUE(torch::equal(uneven, torch::arange(3, torch::kLong).repeat_interleave(r + 1))) << uneven;
+    EXPECT_TRUE(torch::equal(uneven, torch::arange(3, torch::kLong).repeat_interleave(r + 1)))
+        << uneven;
   });
 }
 
@@ -170,18 +190,25 @@ TEST(ProcessGroup, SubGroupsRunTheirOwnCollectivesAndMapRanks) {
 TEST(ProcessGroup, BadCallsAreNamed) {
   run_ranks(2, [](ProcessGroup& g) {
     expect_error<UsageError>([&] { g.new_group({0, 0}); }, "rank 0 is listed twice");
-    expect_error<UsageError>([&] { g.new_group({1, 2}); }, "rank 2 does not exist in a group of 2 (ranks 0-1)");
+    expect_error<UsageError>(
+        [&] {
+          g.new_group({1, 2});
+        },
+        "rank 2 does not exist in a group of 2 (ranks 0-1)");
     expect_error<UsageError>([&] { g.new_group({}); }, "no ranks given");
     expect_error<UsageError>([&] { g.split({{0}}); }, "every rank must be in one part");
-    expect_error<UsageError>([&] { g.send(torch::ones({1}), g.rank()); }, "is not another rank of this group");
+    expect_error<UsageError>([&] { g.send(torch::ones({1}), g.rank()); },
+                             "is not another rank of this group");
     expect_error<UsageError>([&] { g.global_rank(5); }, "5 is not a rank of this group");
     auto out = torch::empty({3});
     expect_error<UsageError>([&] { g.allgather_into(out, torch::ones({2})); },
                              "output has 3 elements, but needs world_size x input = 2 x 2");
     std::vector<at::Tensor> one{torch::ones({2})};
-    expect_error<UsageError>([&] { g.reduce_scatter(out, one); }, "1 inputs given, one per rank needed (2)");
+    expect_error<UsageError>([&] { g.reduce_scatter(out, one); },
+                             "1 inputs given, one per rank needed (2)");
     auto odd = torch::empty({3});
-    expect_error<UsageError>([&] { g.all_to_all(odd, torch::ones({3})); }, "must divide by the world size 2");
+    expect_error<UsageError>([&] { g.all_to_all(odd, torch::ones({3})); },
+                             "must divide by the world size 2");
     std::vector<at::Tensor> mixed{torch::ones({1}), torch::ones({1}, torch::kLong)};
     expect_error<UsageError>([&] { g.allreduce(mixed); }, "must share dtype and device");
     std::vector<at::Tensor> t{torch::ones({1})};
@@ -197,22 +224,22 @@ TEST(ProcessGroup, NcclIsRefusedWhereLibtorchHasNone) {
   auto server = Store::connect({.is_server = true});
   expect_error<UsageError>([&] { ProcessGroup::create(server, 0, 1, {.backend = Backend::kNccl}); },
                            "this libtorch has no NCCL");
-  expect_error<UsageError>([] { backend_from_string("mpi"); }, "unknown communication backend 'mpi'");
+  expect_error<UsageError>([] { backend_from_string("mpi"); },
+                           "unknown communication backend 'mpi'");
   EXPECT_EQ(backend_from_string("gloo"), Backend::kGloo);
 }
 
 TEST(ProcessGroup, APeerThatLeavesIsAPeerFailureNotATimeout) {
-  run_ranks(
-      2,
-      [](ProcessGroup& g) {
-        // Rank 1 leaves at once: its group is destroyed and its connections close.
-        if (g.rank() == 1) return;
-        std::vector<at::Tensor> t{torch::ones({1 << 16})};
-        const auto start = std::chrono::steady_clock::now();
-        EXPECT_THROW(g.allreduce(t), PeerFailureError);
-        EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
-      },
-      {.timeout = std::chrono::seconds(60)});
+  run_ranks(2,
+            [](ProcessGroup& g) {
+              // Rank 1 leaves at once: its group is destroyed and its connections close.
+              if (g.rank() == 1) return;
+              std::vector<at::Tensor> t{torch::ones({1 << 16})};
+              const auto start = std::chrono::steady_clock::now();
+              EXPECT_THROW(g.allreduce(t), PeerFailureError);
+              EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+            },
+            {.timeout = std::chrono::seconds(60)});
 }
 
 TEST(ProcessGroup, RejectsARankOutsideTheWorld) {

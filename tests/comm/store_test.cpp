@@ -33,7 +33,10 @@ TEST(Store, WaitNamesTheMissingKeys) {
   auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
   server.set("present", "1");
   cohort::testing::expect_error<TimeoutError>(
-      [&] { server.wait({"present", "late"}, std::chrono::milliseconds(200)); }, "[late]");
+      [&] {
+        server.wait({"present", "late"}, std::chrono::milliseconds(200));
+      },
+      "[late]");
 }
 
 TEST(Store, WaitReturnsWhenAnotherClientSetsTheKey) {
@@ -57,25 +60,36 @@ TEST(Store, UnreachableServerFailsWithinTheDeadline) {
 }
 
 TEST(Store, ListensOnlyOnTheGivenAddress) {
-  auto server = Store::connect({.host = "127.0.0.1", .is_server = true, .timeout = std::chrono::seconds(5)});
+  auto server =
+      Store::connect({.host = "127.0.0.1", .is_server = true, .timeout = std::chrono::seconds(5)});
   // 127.0.0.2 is this host too, but not the address the server was given.
   cohort::testing::expect_error<TimeoutError>(
-      [&] { Store::connect({.host = "127.0.0.2", .port = server.port(), .timeout = std::chrono::milliseconds(300)}); },
+      [&] {
+        Store::connect({.host = "127.0.0.2",
+                        .port = server.port(),
+                        .timeout = std::chrono::milliseconds(300)});
+      },
       "cannot reach the rendezvous store at 127.0.0.2:");
 }
 
 TEST(Store, ATakenPortIsNamed) {
   auto first = Store::connect({.is_server = true});
   cohort::testing::expect_error<RuntimeError>(
-      [&] { Store::connect({.port = first.port(), .is_server = true}); }, "another job uses this port");
+      [&] { Store::connect({.port = first.port(), .is_server = true}); },
+      "another job uses this port");
 }
 
 TEST(Store, AClientOfAnotherJobIsRefused) {
-  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5), .job_id = "job-a"});
+  auto server =
+      Store::connect({.is_server = true, .timeout = std::chrono::seconds(5), .job_id = "job-a"});
   cohort::testing::expect_error<UsageError>(
-      [&] { Store::connect({.port = server.port(), .timeout = std::chrono::seconds(5), .job_id = "job-b"}); },
+      [&] {
+        Store::connect(
+            {.port = server.port(), .timeout = std::chrono::seconds(5), .job_id = "job-b"});
+      },
       "belongs to job 'job-a', not to job 'job-b'");
-  auto same = Store::connect({.port = server.port(), .timeout = std::chrono::seconds(5), .job_id = "job-a"});
+  auto same = Store::connect(
+      {.port = server.port(), .timeout = std::chrono::seconds(5), .job_id = "job-a"});
   same.set("k", "v");
   EXPECT_EQ(server.get("k"), "v");
 }
@@ -91,11 +105,13 @@ TEST(Store, ALateAnswerToATimedOutWaitIsNotTakenForAnother) {
 }
 
 TEST(Store, LosingTheServerIsAPeerFailure) {
-  auto server = std::make_optional(Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)}));
+  auto server =
+      std::make_optional(Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)}));
   auto client = Store::connect({.port = server->port(), .timeout = std::chrono::seconds(5)});
   server.reset();
   EXPECT_THROW(client.wait({"never"}, std::chrono::seconds(5)), RuntimeError);
-  cohort::testing::expect_error<PeerFailureError>([&] { client.set("k", "v"); }, "lost the rendezvous store");
+  cohort::testing::expect_error<PeerFailureError>([&] { client.set("k", "v"); },
+                                                  "lost the rendezvous store");
 }
 
 }  // namespace

@@ -20,8 +20,8 @@
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
-#include "support/subprocess.h"
 #include "support/expect.h"
+#include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
 namespace cohort::data {
@@ -30,7 +30,8 @@ namespace {
 using cohort::testing::expect_error;
 
 Dataset numbers(int64_t n) {
-  return Dataset::from_tensors({{"x", torch::arange(n, torch::kFloat).unsqueeze(1)}, {"y", torch::arange(n) % 3}});
+  return Dataset::from_tensors(
+      {{"x", torch::arange(n, torch::kFloat).unsqueeze(1)}, {"y", torch::arange(n) % 3}});
 }
 
 std::vector<int64_t> ids_of(DataIterator& it, IterBatchesOptions options = {}) {
@@ -44,10 +45,12 @@ std::vector<int64_t> ids_of(DataIterator& it, IterBatchesOptions options = {}) {
 
 TEST(Dataset, MapAndFilterStreamInBatchesKeepingIds) {
   auto ds = numbers(100)
-                .map_batches([](Block b) {
-                  b["x"] = b["x"] * 2;
-                  return b;
-                }, {.name = "double", .batch_size = 16})
+                .map_batches(
+                    [](Block b) {
+                      b["x"] = b["x"] * 2;
+                      return b;
+                    },
+                    {.name = "double", .batch_size = 16})
                 .filter([](const Block& b) { return b["y"] != 0; }, "drop multiples of 3");
   auto it = ds.iterator();
   std::vector<int64_t> sizes;
@@ -85,9 +88,11 @@ TEST(Dataset, ShuffleIsSeededAndChangesWithTheEpoch) {
 
 TEST(Dataset, LocalShuffleBufferIsSeededAndLosesNothing) {
   auto it = numbers(64).iterator();
-  const auto shuffled = ids_of(it, {.batch_size = 8, .local_shuffle_buffer_size = 16, .local_shuffle_seed = 3});
+  const auto shuffled =
+      ids_of(it, {.batch_size = 8, .local_shuffle_buffer_size = 16, .local_shuffle_seed = 3});
   it.set_epoch(0);
-  EXPECT_EQ(ids_of(it, {.batch_size = 8, .local_shuffle_buffer_size = 16, .local_shuffle_seed = 3}), shuffled);
+  EXPECT_EQ(ids_of(it, {.batch_size = 8, .local_shuffle_buffer_size = 16, .local_shuffle_seed = 3}),
+            shuffled);
   std::vector<int64_t> sorted = shuffled;
   std::sort(sorted.begin(), sorted.end());
   std::vector<int64_t> all(64);
@@ -112,10 +117,14 @@ TEST(Dataset, SplitAndShardGiveEqualDisjointParts) {
 
 TEST(Dataset, MaterializeKeepsRowsAndIds) {
   int calls = 0;
-  auto ds = numbers(20).map_batches([&calls](Block b) {
-    ++calls;
-    return b;
-  }, {.batch_size = 5}).filter([](const Block& b) { return b[kIdColumn] >= 10; });
+  auto ds = numbers(20)
+                .map_batches(
+                    [&calls](Block b) {
+                      ++calls;
+                      return b;
+                    },
+                    {.batch_size = 5})
+                .filter([](const Block& b) { return b[kIdColumn] >= 10; });
   auto cached = ds.materialize();
   EXPECT_EQ(calls, 4);
   EXPECT_EQ(cached.count(), 10);
@@ -129,11 +138,14 @@ TEST(Dataset, CsvBecomesFeaturesAndLabelsAndBadValuesAreNamed) {
   std::ofstream(dir / "ok.csv") << "a, b,label\n1,2,0\n3,4.5,1\n\n";
   auto ds = Dataset::read_csv(dir / "ok.csv", {.label_column = "label"});
   auto all = ds.take();
-  EXPECT_TRUE(torch::allclose(all["features"], torch::tensor({1.0f, 2.0f, 3.0f, 4.5f}).view({2, 2})));
+  EXPECT_TRUE(
+      torch::allclose(all["features"], torch::tensor({1.0f, 2.0f, 3.0f, 4.5f}).view({2, 2})));
   EXPECT_TRUE(torch::equal(all["label"], torch::tensor({0, 1}, torch::kLong)));
   std::ofstream(dir / "bad.csv") << "a,b\n1,2\n3,x\n";
-  expect_error<UsageError>([&] { Dataset::read_csv(dir / "bad.csv"); }, "bad.csv:3, column 'b': 'x' is not a number");
-  expect_error<UsageError>([&] { Dataset::read_csv(dir / "ok.csv", {.label_column = "y"}); }, "no column 'y'");
+  expect_error<UsageError>([&] { Dataset::read_csv(dir / "bad.csv"); },
+                           "bad.csv:3, column 'b': 'x' is not a number");
+  expect_error<UsageError>([&] { Dataset::read_csv(dir / "ok.csv", {.label_column = "y"}); },
+                           "no column 'y'");
   std::filesystem::remove_all(dir);
 }
 
@@ -155,7 +167,8 @@ TEST(Dataset, ImageFolderLabelsBySubfolderAndBadFilesFollowThePolicy) {
 
   std::ofstream(dir / "dog" / "broken.jpg") << "not an image";
   expect_error<RuntimeError>([&] { Dataset::read_images(dir).take(); }, "broken.jpg");
-  auto skipping = Dataset::read_images(dir, {.height = 4, .width = 4, .on_bad_file = OnError::kSkip});
+  auto skipping =
+      Dataset::read_images(dir, {.height = 4, .width = 4, .on_bad_file = OnError::kSkip});
   auto it = skipping.iterator();
   EXPECT_EQ(ids_of(it).size(), 6u);
   EXPECT_EQ(it.stats().skipped_rows, 1);
@@ -163,17 +176,21 @@ TEST(Dataset, ImageFolderLabelsBySubfolderAndBadFilesFollowThePolicy) {
 }
 
 TEST(Preprocessors, NormalizeScalerCropFlipBlurChain) {
-  Block b{{{"image", torch::full({2, 3, 4, 4}, 51, torch::kUInt8)}, {kIdColumn, torch::tensor({5, 6}, torch::kLong)}}};
+  Block b{{{"image", torch::full({2, 3, 4, 4}, 51, torch::kUInt8)},
+           {kIdColumn, torch::tensor({5, 6}, torch::kLong)}}};
   auto n = Normalize{.mean = {0.1, 0.2, 0.3}, .std = {0.5, 0.5, 0.5}}(b);
   EXPECT_NEAR(n["image"][0][2][0][0].item<float>(), (0.2 - 0.3) / 0.5, 1e-6);
 
-  auto features = Dataset::from_tensors({{"features", torch::tensor({1.0f, 10.0f, 3.0f, 10.0f}).view({2, 2})}});
+  auto features =
+      Dataset::from_tensors({{"features", torch::tensor({1.0f, 10.0f, 3.0f, 10.0f}).view({2, 2})}});
   StandardScaler scaler;
   scaler.fit(features);
   auto scaled = scaler(features.take());
-  EXPECT_TRUE(torch::allclose(scaled["features"], torch::tensor({-1.0f, 0.0f, 1.0f, 0.0f}).view({2, 2})));
+  EXPECT_TRUE(
+      torch::allclose(scaled["features"], torch::tensor({-1.0f, 0.0f, 1.0f, 0.0f}).view({2, 2})));
 
-  Block ramp{{{"image", torch::arange(2 * 16, torch::kFloat).view({2, 1, 4, 4})}, {kIdColumn, torch::tensor({1, 2}, torch::kLong)}}};
+  Block ramp{{{"image", torch::arange(2 * 16, torch::kFloat).view({2, 1, 4, 4})},
+              {kIdColumn, torch::tensor({1, 2}, torch::kLong)}}};
   auto crop = RandomCrop{.height = 2, .width = 2, .seed = 3};
   auto c1 = crop(ramp)["image"];
   EXPECT_EQ(c1.sizes(), (std::vector<int64_t>{2, 1, 2, 2}));
@@ -186,7 +203,8 @@ TEST(Preprocessors, NormalizeScalerCropFlipBlurChain) {
   EXPECT_TRUE(torch::equal(GaussianBlur{.kernel_size = 5}(b)["image"], b["image"]));
   auto impulse = torch::zeros({1, 1, 9, 9});
   impulse[0][0][4][4] = 1.0f;
-  auto blurred = GaussianBlur{.kernel_size = 5, .sigma = 1.0}(Block{{{"image", impulse}}})["image"][0][0];
+  auto blurred =
+      GaussianBlur{.kernel_size = 5, .sigma = 1.0}(Block{{{"image", impulse}}})["image"][0][0];
   EXPECT_NEAR(blurred.sum().item<float>(), 1.0f, 1e-5);
   EXPECT_NEAR(blurred[4][3].item<float>(), blurred[3][4].item<float>(), 1e-7);
   EXPECT_GT(blurred[4][4].item<float>(), blurred[4][3].item<float>());
@@ -209,12 +227,15 @@ TEST(DataOffload, BatchesAreTheSameWithAnyNumberOfWorkers) {
   auto pooled_it = blurred_images(2).iterator();
   for (int epoch = 0; epoch < 2; ++epoch) {
     std::vector<Block> expected;
-    for (Block& b : inline_it.iter_batches({.batch_size = 6, .local_shuffle_buffer_size = 8})) expected.push_back(b);
+    for (Block& b : inline_it.iter_batches({.batch_size = 6, .local_shuffle_buffer_size = 8}))
+      expected.push_back(b);
     size_t i = 0;
     for (Block& b : pooled_it.iter_batches({.batch_size = 6, .local_shuffle_buffer_size = 8})) {
       ASSERT_LT(i, expected.size());
-      EXPECT_TRUE(torch::equal(b[kIdColumn], expected[i][kIdColumn])) << "epoch " << epoch << " batch " << i;
-      EXPECT_TRUE(torch::equal(b["image"], expected[i]["image"])) << "epoch " << epoch << " batch " << i;
+      EXPECT_TRUE(torch::equal(b[kIdColumn], expected[i][kIdColumn]))
+          << "epoch " << epoch << " batch " << i;
+      EXPECT_TRUE(torch::equal(b["image"], expected[i]["image"]))
+          << "epoch " << epoch << " batch " << i;
       ++i;
     }
     EXPECT_EQ(i, expected.size());
@@ -224,15 +245,17 @@ TEST(DataOffload, BatchesAreTheSameWithAnyNumberOfWorkers) {
 TEST(DataOffload, AWorkerThatDiesHasItsTaskRedoneNothingLostOrDuplicated) {
   auto dir = cohort::testing::temp_dir("offload_death");
   const auto marker = dir / "died";
-  auto ds = numbers(40).map_batches([marker](Block b) {
-    // The first worker to reach row 17 dies on it, once.
-    auto ids = b[kIdColumn];
-    if ((ids == 17).any().item<bool>() && !std::filesystem::exists(marker)) {
-      std::ofstream(marker).flush();
-      ::raise(SIGKILL);
-    }
-    return b;
-  }, {.name = "fragile", .batch_size = 4, .num_workers = 2});
+  auto ds = numbers(40).map_batches(
+      [marker](Block b) {
+        // The first worker to reach row 17 dies on it, once.
+        auto ids = b[kIdColumn];
+        if ((ids == 17).any().item<bool>() && !std::filesystem::exists(marker)) {
+          std::ofstream(marker).flush();
+          ::raise(SIGKILL);
+        }
+        return b;
+      },
+      {.name = "fragile", .batch_size = 4, .num_workers = 2});
   auto it = ds.iterator();
   auto ids = ids_of(it, {.batch_size = 4});
   std::vector<int64_t> all(40);
@@ -249,11 +272,15 @@ TEST(DataOffload, AThrowingMapNamesTheStageAndBatchOrSkipsIt) {
     return b;
   };
   for (int workers : {0, 2}) {
-    auto failing = numbers(20).map_batches(throwing, {.name = "decode", .batch_size = 4, .num_workers = workers});
+    auto failing = numbers(20).map_batches(
+        throwing, {.name = "decode", .batch_size = 4, .num_workers = workers});
     auto it = failing.iterator();
-    expect_error<RuntimeError>([&] { ids_of(it); }, "stage 'decode' (#1, map_batches) on a batch of 4 rows (ids 8,9,10,11");
+    expect_error<RuntimeError>(
+        [&] { ids_of(it); },
+        "stage 'decode' (#1, map_batches) on a batch of 4 rows (ids 8,9,10,11");
     auto skipping = numbers(20).map_batches(
-        throwing, {.name = "decode", .batch_size = 4, .num_workers = workers, .on_error = OnError::kSkip});
+        throwing,
+        {.name = "decode", .batch_size = 4, .num_workers = workers, .on_error = OnError::kSkip});
     auto it2 = skipping.iterator();
     EXPECT_EQ(ids_of(it2).size(), 16u) << workers << " workers";
     EXPECT_EQ(it2.stats().skipped_batches, 1);
@@ -264,13 +291,16 @@ TEST(DataOffload, WorkersStartTheNextEpochEarlyAndASkippedOneIsDropped) {
   // Each task a worker runs leaves a file named after its epoch and index.
   auto dir = cohort::testing::temp_dir("offload_lookahead");
   auto pipeline = [dir](int workers) {
-    return numbers(24).random_shuffle(5).map_batches([dir](Block b) {
-      if (!runtime::spawned_role().empty()) {
-        std::ofstream(dir / ("epoch" + std::to_string(current_epoch()) + "-row" +
-                             std::to_string(b[kIdColumn][0].item<int64_t>()))).flush();
-      }
-      return b;
-    }, {.name = "mark", .batch_size = 4, .num_workers = workers});
+    return numbers(24).random_shuffle(5).map_batches(
+        [dir](Block b) {
+          if (!runtime::spawned_role().empty()) {
+            std::ofstream(dir / ("epoch" + std::to_string(current_epoch()) + "-row" +
+                                 std::to_string(b[kIdColumn][0].item<int64_t>())))
+                .flush();
+          }
+          return b;
+        },
+        {.name = "mark", .batch_size = 4, .num_workers = workers});
   };
   auto started_epoch1 = [&] {
     for (const auto& entry : std::filesystem::directory_iterator(dir)) {
@@ -317,12 +347,14 @@ TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
     ::close(fd);
     return ntohs(addr.sin_port);
   }();
-  auto ds = blurred_images(0, 24).with_execution(
-      {.listen_address = "127.0.0.1:" + std::to_string(port), .remote_workers = 1,
-       .worker_start_timeout = std::chrono::seconds(30)});
+  auto ds =
+      blurred_images(0, 24).with_execution({.listen_address = "127.0.0.1:" + std::to_string(port),
+                                            .remote_workers = 1,
+                                            .worker_start_timeout = std::chrono::seconds(30)});
   int remote = -1;
   if (runtime::spawned_role().empty()) {
-    remote = runtime::spawn_self(kDataRole, {{"COHORT_DATA_ADDRESS", "127.0.0.1:" + std::to_string(port)}});
+    remote = runtime::spawn_self(kDataRole,
+                                 {{"COHORT_DATA_ADDRESS", "127.0.0.1:" + std::to_string(port)}});
   }
   auto it = ds.iterator();
   auto ids = ids_of(it, {.batch_size = 5});

@@ -10,12 +10,18 @@
 namespace cohort::data {
 namespace {
 
-std::vector<std::vector<int64_t>> shards(int64_t n, int replicas, int64_t epoch, bool shuffle = true,
-                                         bool drop_last = false, bool equal = true) {
+std::vector<std::vector<int64_t>> shards(int64_t n, int replicas, int64_t epoch,
+                                         bool shuffle = true, bool drop_last = false,
+                                         bool equal = true) {
   std::vector<std::vector<int64_t>> out;
   for (int r = 0; r < replicas; ++r) {
-    DistributedSampler s({.dataset_size = n, .num_replicas = replicas, .rank = r, .shuffle = shuffle,
-                          .seed = 7, .drop_last = drop_last, .equal_shards = equal});
+    DistributedSampler s({.dataset_size = n,
+                          .num_replicas = replicas,
+                          .rank = r,
+                          .shuffle = shuffle,
+                          .seed = 7,
+                          .drop_last = drop_last,
+                          .equal_shards = equal});
     s.set_epoch(epoch);
     out.push_back(s.indices());
     EXPECT_EQ(static_cast<int64_t>(out.back().size()), s.num_samples());
@@ -80,8 +86,9 @@ TEST(DistributedSampler, ReshufflesPerEpochAndRepeatsPerSeed) {
 TEST(DistributedSampler, RejectsBadOptions) {
   EXPECT_THROW(DistributedSampler({.dataset_size = 10, .num_replicas = 0}), UsageError);
   EXPECT_THROW(DistributedSampler({.dataset_size = 10, .num_replicas = 2, .rank = 2}), UsageError);
-  EXPECT_THROW(DistributedSampler({.dataset_size = 1, .num_replicas = 2, .rank = 0, .drop_last = true}),
-               UsageError);
+  EXPECT_THROW(
+      DistributedSampler({.dataset_size = 1, .num_replicas = 2, .rank = 0, .drop_last = true}),
+      UsageError);
 }
 
 }  // namespace

@@ -33,7 +33,8 @@ void expect_usage_error(F&& f, const std::string& fragment) {
 }
 
 TEST_F(IdxTest, RoundTripsPlainAndGzip) {
-  auto tensor = torch::arange(0, 2 * 3 * 4, torch::kLong).remainder(256).to(torch::kUInt8).view({2, 3, 4});
+  auto tensor =
+      torch::arange(0, 2 * 3 * 4, torch::kLong).remainder(256).to(torch::kUInt8).view({2, 3, 4});
   for (const char* name : {"a-idx3-ubyte", "a-idx3-ubyte.gz"}) {
     write_idx(dir / name, tensor);
     auto back = read_idx(dir / name);
@@ -60,7 +61,8 @@ TEST_F(IdxTest, TruncatedPlainFileIsNamed) {
   write_idx(dir / "x", torch::zeros({10, 5}, torch::kUInt8));
   auto bytes = read_bytes(dir / "x");
   write_bytes(dir / "x", bytes.substr(0, bytes.size() - 7));
-  expect_usage_error([&] { read_idx(dir / "x"); }, "is truncated: header announces 50 data bytes, file has 43");
+  expect_usage_error([&] { read_idx(dir / "x"); },
+                     "is truncated: header announces 50 data bytes, file has 43");
   expect_usage_error([&] { inspect_idx(dir / "x"); }, "truncated");
 }
 
@@ -69,7 +71,8 @@ TEST_F(IdxTest, TruncatedGzipFileIsNamed) {
   std::string bytes = {0, 0, 8, 2, 0, 0, 0, 10, 0, 0, 0, 5};
   bytes += std::string(20, '\x01');
   write_bytes(dir / "raw", bytes);
-  const std::string gzip = "gzip -c " + (dir / "raw").string() + " > " + (dir / "short.gz").string();
+  const std::string gzip =
+      "gzip -c " + (dir / "raw").string() + " > " + (dir / "short.gz").string();
   ASSERT_EQ(std::system(gzip.c_str()), 0);
   expect_usage_error([&] { read_idx(dir / "short.gz"); }, "truncated");
   expect_usage_error([&] { inspect_idx(dir / "short.gz"); }, "truncated");

@@ -33,16 +33,19 @@ TEST_F(MnistTest, LoadsAndNormalises) {
 }
 
 TEST_F(MnistTest, MissingDirectoryAndFilesAreNamed) {
-  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir / "absent"); }, "does not exist");
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir / "absent"); },
+                                            "does not exist");
   cohort::testing::write_tiny_mnist(dir, 32, 8);
   std::filesystem::remove(dir / "t10k-labels-idx1-ubyte.gz");
-  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); }, "t10k-labels-idx1-ubyte");
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); },
+                                            "t10k-labels-idx1-ubyte");
 }
 
 TEST_F(MnistTest, ImagesAndLabelsMustAgree) {
   cohort::testing::write_tiny_mnist(dir, 32, 8);
   write_idx(dir / "train-labels-idx1-ubyte.gz", torch::zeros({31}, torch::kUInt8));
-  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); }, "32 images but 31 labels");
+  cohort::testing::expect_error<UsageError>([&] { check_mnist_dir(dir); },
+                                            "32 images but 31 labels");
 }
 
 TEST(FashionMnist, TheDebianPackageIsWhole) {

@@ -21,7 +21,8 @@ TEST(Zoo, SeedArchitecturesHaveTheirParameterCounts) {
   EXPECT_EQ(count_parameters(create_model("cnn")),
             (32 * 9 + 32) + (64 * 32 * 9 + 64) + (64 * 7 * 7 * 128 + 128) + (128 * 10 + 10));
   // torchvision's resnet18 has 11,689,512 parameters with 3 input channels and 1000 classes.
-  EXPECT_EQ(count_parameters(create_model("resnet18")), 11'689'512 - 64 * 2 * 49 - (512 * 990 + 990));
+  EXPECT_EQ(count_parameters(create_model("resnet18")),
+            11'689'512 - 64 * 2 * 49 - (512 * 990 + 990));
 }
 
 TEST(Zoo, EveryModelClassifiesABatch) {
@@ -35,15 +36,21 @@ TEST(Zoo, EveryModelClassifiesABatch) {
 }
 
 TEST(Zoo, VitIsConfigurable) {
-  auto vit = create_model("vit", {.num_classes = 5, .in_channels = 3, .image_size = 32, .patch_size = 8,
-                                  .depth = 2, .width = 64, .heads = 4});
+  auto vit = create_model("vit", {.num_classes = 5,
+                                  .in_channels = 3,
+                                  .image_size = 32,
+                                  .patch_size = 8,
+                                  .depth = 2,
+                                  .width = 64,
+                                  .heads = 4});
   EXPECT_EQ(vit->forward(torch::randn({2, 3, 32, 32})).sizes(), (std::vector<int64_t>{2, 5}));
   EXPECT_THROW(create_model("vit", {.image_size = 30, .patch_size = 7}), UsageError);
   EXPECT_THROW(create_model("vit", {.width = 100, .heads = 3}), UsageError);
 }
 
 TEST(Zoo, UnknownNameListsTheZoo) {
-  cohort::testing::expect_error<UsageError>([] { create_model("alexnet"); }, "mlp, cnn, resnet18, vit");
+  cohort::testing::expect_error<UsageError>([] { create_model("alexnet"); },
+                                            "mlp, cnn, resnet18, vit");
 }
 
 }  // namespace

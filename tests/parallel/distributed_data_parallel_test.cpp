@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-
 #include "cohort/error.h"
 #include "cohort/models/zoo.h"
 #include "support/local_group.h"
@@ -135,7 +134,8 @@ TEST(DistributedDataParallel, RunsOnSubGroupsThatAverageOnlyTheirOwnRanks) {
     DistributedDataParallel ddp(models[rank].ptr(), pair);
     torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.1));
     opt.zero_grad();
-    torch::nn::functional::cross_entropy(models[rank]->forward(inputs[rank]), targets[rank]).backward();
+    torch::nn::functional::cross_entropy(models[rank]->forward(inputs[rank]), targets[rank])
+        .backward();
     opt.step();
   });
   EXPECT_EQ(global_ranks[2], (std::vector<int>{0, 2}));
@@ -145,7 +145,8 @@ TEST(DistributedDataParallel, RunsOnSubGroupsThatAverageOnlyTheirOwnRanks) {
   torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.1));
   opt.zero_grad();
   ((torch::nn::functional::cross_entropy(reference->forward(inputs[0]), targets[0]) +
-    torch::nn::functional::cross_entropy(reference->forward(inputs[2]), targets[2])) / 2)
+    torch::nn::functional::cross_entropy(reference->forward(inputs[2]), targets[2])) /
+   2)
       .backward();
   opt.step();
   expect_same_parameters(models[0], reference);
@@ -167,7 +168,8 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
     {
       auto guard = ddp.no_sync();
       for (int micro = 0; micro < 3; ++micro) {
-        torch::nn::functional::cross_entropy(m->forward(inputs[rank][micro]), targets[rank][micro]).backward();
+        torch::nn::functional::cross_entropy(m->forward(inputs[rank][micro]), targets[rank][micro])
+            .backward();
       }
       EXPECT_EQ(ddp.synchronized_steps(), 0);
     }
@@ -177,7 +179,8 @@ TEST(DistributedDataParallel, NoSyncAccumulatesLocallyThenSyncsTheSum) {
   reference->zero_grad();
   for (int rank = 0; rank < world; ++rank) {
     for (int micro = 0; micro < 4; ++micro) {
-      (torch::nn::functional::cross_entropy(reference->forward(inputs[rank][micro]), targets[rank][micro]) /
+      (torch::nn::functional::cross_entropy(reference->forward(inputs[rank][micro]),
+                                            targets[rank][micro]) /
        world)
           .backward();
     }
@@ -196,12 +199,15 @@ TEST(DistributedDataParallel, AParameterUnusedOnOneRankDoesNotHang) {
     DistributedDataParallel ddp(models[rank].ptr(), g);
     models[rank]->zero_grad();
     // Rank 0 uses head a, rank 1 head b.
-    torch::nn::functional::cross_entropy(models[rank]->forward(inputs[rank], rank == 1), targets[rank])
+    torch::nn::functional::cross_entropy(models[rank]->forward(inputs[rank], rank == 1),
+                                         targets[rank])
         .backward();
   });
   reference->zero_grad();
   for (int rank = 0; rank < world; ++rank) {
-    (torch::nn::functional::cross_entropy(reference->forward(inputs[rank], rank == 1), targets[rank]) / world)
+    (torch::nn::functional::cross_entropy(reference->forward(inputs[rank], rank == 1),
+                                          targets[rank]) /
+     world)
         .backward();
   }
   expect_gradients_match(models, reference);
@@ -212,7 +218,8 @@ TEST(DistributedDataParallel, BuffersFollowRankZeroAfterEachStep) {
   run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
     DistributedDataParallel ddp(models[rank].ptr(), g);
     auto x = torch::randn({4, 6}) + rank * 10;  // very different batch statistics
-    torch::nn::functional::cross_entropy(models[rank]->forward(x), torch::zeros({4}, torch::kLong)).backward();
+    torch::nn::functional::cross_entropy(models[rank]->forward(x), torch::zeros({4}, torch::kLong))
+        .backward();
   });
   EXPECT_TRUE(torch::equal(models[0]->norm->running_mean, models[1]->norm->running_mean));
   EXPECT_GT(models[0]->norm->running_mean.abs().sum().item<double>(), 0);
@@ -244,8 +251,9 @@ double relative_difference(const at::Tensor& a, const at::Tensor& b) {
 
 // k workers with batch b each and one process with batch k*b, from the same weights and data,
 // hold the same parameters after 20 SGD steps.
-void expect_equivalent_to_one_process(const std::string& model_name, int world, DdpOptions options,
-                                      const std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>& forward) {
+void expect_equivalent_to_one_process(
+    const std::string& model_name, int world, DdpOptions options,
+    const std::function<at::Tensor(torch::nn::Module&, const at::Tensor&)>& forward) {
   const int64_t batch = 4, steps = 20;
   torch::manual_seed(11);
   auto inputs = torch::randn({steps, world * batch, 1, 28, 28});
@@ -294,7 +302,8 @@ TEST(DistributedDataParallel, CnnOnTwoAndThreeRanksEqualsOneProcessOver20Steps) 
 
 TEST(DistributedDataParallel, SmallBucketsAndCopiedGradientsGiveTheSameResult) {
   expect_equivalent_to_one_process(
-      "cnn", 2, {.bucket_cap_mb = 0.05, .first_bucket_cap_mb = 0.01, .gradient_as_bucket_view = false},
+      "cnn", 2,
+      {.bucket_cap_mb = 0.05, .first_bucket_cap_mb = 0.01, .gradient_as_bucket_view = false},
       plain_forward);
 }
 
@@ -334,7 +343,8 @@ TEST(DistributedDataParallel, UnusedBranchUnderFindUnusedParametersEqualsOneProc
     }
   });
   auto reference = make();
-  torch::optim::SGD opt(reference->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
+  torch::optim::SGD opt(reference->parameters(),
+                        torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01));
   for (int s = 0; s < 20; ++s) {
     opt.zero_grad();
     torch::nn::functional::cross_entropy(reference->forward(inputs[s]), targets[s]).backward();
@@ -349,9 +359,11 @@ TEST(DistributedDataParallel, UnusedBranchUnderFindUnusedParametersEqualsOneProc
 }
 
 TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
-  auto models = std::vector<models::ImageClassifier>{models::create_model("cnn"), models::create_model("cnn")};
+  auto models = std::vector<models::ImageClassifier>{models::create_model("cnn"),
+                                                     models::create_model("cnn")};
   run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
-    DistributedDataParallel ddp(models[rank], g, {.bucket_cap_mb = 0.1, .first_bucket_cap_mb = 0.01});
+    DistributedDataParallel ddp(models[rank], g,
+                                {.bucket_cap_mb = 0.1, .first_bucket_cap_mb = 0.01});
     for (int s = 0; s < 3; ++s) {
       models[rank]->zero_grad();
       models[rank]->forward(torch::randn({2, 1, 28, 28})).sum().backward();
@@ -367,7 +379,8 @@ TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
 TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
   for (const auto& [hook, tolerance] : std::vector<std::pair<CommHook, double>>{
            {fp16_compress_hook(), 1e-3}, {bf16_compress_hook(), 1e-2}}) {
-    auto models = std::vector<models::ImageClassifier>{models::create_model("mlp"), models::create_model("mlp")};
+    auto models = std::vector<models::ImageClassifier>{models::create_model("mlp"),
+                                                       models::create_model("mlp")};
     std::vector<std::vector<at::Tensor>> exact(2);
     torch::manual_seed(9);
     auto inputs = torch::randn({2, 4, 1, 28, 28});
@@ -377,7 +390,8 @@ TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
       for (const auto& p : models[rank]->parameters()) exact[rank].push_back(p.grad().clone());
     });
     // Reference: the plain average of each rank's own gradient.
-    auto reference = std::vector<models::ImageClassifier>{models::create_model("mlp"), models::create_model("mlp")};
+    auto reference = std::vector<models::ImageClassifier>{models::create_model("mlp"),
+                                                          models::create_model("mlp")};
     std::vector<at::Tensor> averaged;
     for (int r = 0; r < 2; ++r) {
       torch::NoGradGuard no_grad;
@@ -397,13 +411,15 @@ TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
 
 TEST(DistributedDataParallel, WrapsEveryModelOfTheZoo) {
   for (const auto& name : models::model_names()) {
-    auto models = std::vector<models::ImageClassifier>{models::create_model(name), models::create_model(name)};
+    auto models = std::vector<models::ImageClassifier>{models::create_model(name),
+                                                       models::create_model(name)};
     run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
       DistributedDataParallel ddp(models[rank], g);
       torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.01));
       opt.zero_grad();
-      torch::nn::functional::cross_entropy(models[rank]->forward(torch::randn({2, 1, 28, 28}) + rank),
-                                           torch::tensor({rank, 1 - rank}))
+      torch::nn::functional::cross_entropy(
+          models[rank]->forward(torch::randn({2, 1, 28, 28}) + rank),
+          torch::tensor({rank, 1 - rank}))
           .backward();
       opt.step();
     });

@@ -52,15 +52,17 @@ TEST(Gpus, EachSlotGetsItsOwnGpusInOrder) {
   EXPECT_EQ(gpus_of_slot(node, 0, 1), "3");
   EXPECT_EQ(gpus_of_slot(node, 3, 1), "9");
   EXPECT_EQ(gpus_of_slot(node, 1, 2), "7,9");
-  expect_error<UsageError>([&] { gpus_of_slot(node, 2, 2); }, "worker slot 2 needs GPU #4 but the node has 4 GPUs");
+  expect_error<UsageError>([&] { gpus_of_slot(node, 2, 2); },
+                           "worker slot 2 needs GPU #4 but the node has 4 GPUs");
 }
 
 TEST(Gpus, ALaunchedRankTakesItsLocalRanksGpus) {
   EXPECT_EQ(device_index_of_local_rank(3, 1, 1), 0);  // the launcher gave it its own GPU
   EXPECT_EQ(device_index_of_local_rank(1, 2, 4), 2);
   EXPECT_EQ(device_index_of_local_rank(0, 1, 8), 0);
-  expect_error<UsageError>([] { device_index_of_local_rank(2, 1, 2); },
-                           "local rank 2 with 1 GPUs per worker needs GPUs 2-2 but this node shows 2");
+  expect_error<UsageError>(
+      [] { device_index_of_local_rank(2, 1, 2); },
+      "local rank 2 with 1 GPUs per worker needs GPUs 2-2 but this node shows 2");
 }
 
 TEST(Gpus, RequestsAreCheckedBeforeWorkersStart) {
@@ -73,8 +75,11 @@ TEST(Gpus, RequestsAreCheckedBeforeWorkersStart) {
                              "use_gpu is set but this libtorch sees no CUDA device");
   } else {
     EXPECT_EQ(check_gpu_request(true, 0, 1, {"0"}), 1);
-    expect_error<UsageError>([] { check_gpu_request(true, 2, 2, {"0", "1", "2"}); },
-                             "2 workers x 2 GPUs need 4 GPUs, but this node has 3 (0,1,2)");
+    expect_error<UsageError>(
+        [] {
+          check_gpu_request(true, 2, 2, {"0", "1", "2"});
+        },
+        "2 workers x 2 GPUs need 4 GPUs, but this node has 3 (0,1,2)");
   }
 }
 

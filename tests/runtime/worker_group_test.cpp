@@ -28,10 +28,11 @@ WorkerGroupOptions shell(int n, const std::string& script) {
 
 TEST(WorkerGroup, GivesEachWorkerItsRankAndCollectsOutputAndLogs) {
   auto dir = cohort::testing::temp_dir("group_logs");
-  auto options = shell(3, "echo \"out $RANK of $WORLD_SIZE role $COHORT_ROLE\"; echo err $LOCAL_RANK >&2");
+  auto options =
+      shell(3, "echo \"out $RANK of $WORLD_SIZE role $COHORT_ROLE\"; echo err $LOCAL_RANK >&2");
   options.rank_env = [](int rank) {
-    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "3"},
-                                              {"LOCAL_RANK", std::to_string(rank)}};
+    return std::map<std::string, std::string>{
+        {"RANK", std::to_string(rank)}, {"WORLD_SIZE", "3"}, {"LOCAL_RANK", std::to_string(rank)}};
   };
   options.log_dir = dir;
   WorkerGroup group(options);
@@ -45,7 +46,8 @@ TEST(WorkerGroup, GivesEachWorkerItsRankAndCollectsOutputAndLogs) {
   EXPECT_TRUE(outcome.success) << outcome.failure_reason;
   for (int r = 0; r < 3; ++r) {
     const auto& l = lines[r];
-    EXPECT_NE(std::find(l.begin(), l.end(), "O:out " + std::to_string(r) + " of 3 role worker"), l.end());
+    EXPECT_NE(std::find(l.begin(), l.end(), "O:out " + std::to_string(r) + " of 3 role worker"),
+              l.end());
     EXPECT_NE(std::find(l.begin(), l.end(), "E:err " + std::to_string(r)), l.end());
     auto log = cohort::testing::read_text((dir / ("rank-" + std::to_string(r) + ".log")).string());
     EXPECT_NE(log.find("out " + std::to_string(r) + " of 3"), std::string::npos) << log;
@@ -108,15 +110,17 @@ TEST(WorkerGroup, AKilledWorkerIsReportedWithItsSignal) {
   EXPECT_FALSE(outcome.success);
   ASSERT_TRUE(outcome.first_failure);
   EXPECT_EQ(outcome.first_failure->signal, SIGKILL);
-  EXPECT_NE(outcome.failure_reason.find("killed by signal 9"), std::string::npos) << outcome.failure_reason;
+  EXPECT_NE(outcome.failure_reason.find("killed by signal 9"), std::string::npos)
+      << outcome.failure_reason;
 }
 
 TEST(WorkerGroup, HelpersOfAWorkerThatDiedAreStoppedToo) {
   // Rank 1 starts a helper in its process group, then is killed; rank 0 runs on meanwhile.
   auto dir = cohort::testing::temp_dir("group_helpers");
   auto helper_file = (dir / "helper.pid").string();
-  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then exec sleep 60; else sleep 60 & echo $! > " + helper_file +
-                              ".tmp; mv " + helper_file + ".tmp " + helper_file + "; kill -9 $$; fi");
+  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then exec sleep 60; else sleep 60 & echo $! > " +
+                              helper_file + ".tmp; mv " + helper_file + ".tmp " + helper_file +
+                              "; kill -9 $$; fi");
   options.rank_env = [](int rank) {
     return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
   };
@@ -127,7 +131,8 @@ TEST(WorkerGroup, HelpersOfAWorkerThatDiedAreStoppedToo) {
   ASSERT_TRUE(outcome.first_failure);
   EXPECT_EQ(outcome.first_failure->rank, 1);
   const int helper = std::stoi(cohort::testing::read_text(helper_file));
-  EXPECT_TRUE(cohort::testing::wait_for_exit(helper, std::chrono::seconds(10))) << "helper " << helper << " outlived its worker";
+  EXPECT_TRUE(cohort::testing::wait_for_exit(helper, std::chrono::seconds(10)))
+      << "helper " << helper << " outlived its worker";
   EXPECT_FALSE(process_group_alive(group.pids()[1]));
   std::filesystem::remove_all(dir);
 }
@@ -140,9 +145,10 @@ TEST(WorkerGroup, AWorkersLastMessagesAreHandledBeforeItsExit) {
   const auto done = (dir / "done").string();
   // Rank 1 writes and exits only once the handler of rank 0's message is running, i.e. after
   // the group's poll() returned; that handler returns only once rank 1 has exited.
-  auto options = shell(2, "if [ \"$RANK\" = 0 ]; then echo first >&$COHORT_CONTROL_FD; while [ ! -f " + done +
-                              " ]; do sleep 0.05; done; else while [ ! -f " + go +
-                              " ]; do sleep 0.05; done; echo last >&$COHORT_CONTROL_FD; fi");
+  auto options =
+      shell(2, "if [ \"$RANK\" = 0 ]; then echo first >&$COHORT_CONTROL_FD; while [ ! -f " + done +
+                   " ]; do sleep 0.05; done; else while [ ! -f " + go +
+                   " ]; do sleep 0.05; done; echo last >&$COHORT_CONTROL_FD; fi");
   options.rank_env = [](int rank) {
     return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
   };
@@ -166,13 +172,16 @@ TEST(WorkerGroup, AWorkersLastMessagesAreHandledBeforeItsExit) {
     EXPECT_NE(info.si_pid, 0) << "rank 1 did not exit within 20 s";
     std::ofstream(done).flush();
   };
-  handlers.on_exit = [&](const WorkerExit& exit) { events.push_back(std::to_string(exit.rank) + ":exit"); };
+  handlers.on_exit = [&](const WorkerExit& exit) {
+    events.push_back(std::to_string(exit.rank) + ":exit");
+  };
   EXPECT_TRUE(group.wait(handlers).success);
   const auto last = std::find(events.begin(), events.end(), "1:last");
   const auto exit = std::find(events.begin(), events.end(), "1:exit");
   ASSERT_NE(last, events.end());
   ASSERT_NE(exit, events.end());
-  EXPECT_LT(last - events.begin(), exit - events.begin()) << "rank 1's exit was handled before its last message";
+  EXPECT_LT(last - events.begin(), exit - events.begin())
+      << "rank 1's exit was handled before its last message";
   std::filesystem::remove_all(dir);
 }
 

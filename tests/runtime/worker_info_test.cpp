@@ -67,8 +67,13 @@ class WorkerInfoTest : public ::testing::Test {
 TEST_F(WorkerInfoTest, AbsentWhenNotLaunched) { EXPECT_FALSE(worker_info_from_env().has_value()); }
 
 TEST_F(WorkerInfoTest, ReadsTorchrunVariables) {
-  set({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"},
-       {"GROUP_RANK", "1"}, {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "29500"}});
+  set({{"RANK", "3"},
+       {"WORLD_SIZE", "4"},
+       {"LOCAL_RANK", "1"},
+       {"LOCAL_WORLD_SIZE", "2"},
+       {"GROUP_RANK", "1"},
+       {"MASTER_ADDR", "10.1.2.3"},
+       {"MASTER_PORT", "29500"}});
   auto info = worker_info_from_env();
   ASSERT_TRUE(info);
   EXPECT_EQ(info->world_rank, 3);
@@ -97,11 +102,19 @@ TEST_F(WorkerInfoTest, InconsistentVariablesAreNamed) {
   expect_error("RANK is set but WORLD_SIZE is not");
 }
 
-TEST_F(WorkerInfoTest, NothingIsDetectedInAPlainStart) { EXPECT_FALSE(detect_launch().has_value()); }
+TEST_F(WorkerInfoTest, NothingIsDetectedInAPlainStart) {
+  EXPECT_FALSE(detect_launch().has_value());
+}
 
 TEST_F(WorkerInfoTest, DetectsTorchrunWithItsAgentStore) {
-  set({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"},
-       {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RUN_ID", "exp7"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+  set({{"RANK", "1"},
+       {"WORLD_SIZE", "2"},
+       {"LOCAL_RANK", "1"},
+       {"LOCAL_WORLD_SIZE", "2"},
+       {"MASTER_ADDR", "10.0.0.1"},
+       {"MASTER_PORT", "29500"},
+       {"TORCHELASTIC_RUN_ID", "exp7"},
+       {"TORCHELASTIC_RESTART_COUNT", "2"},
        {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
   auto info = detect_launch();
   ASSERT_TRUE(info);
@@ -114,8 +127,12 @@ TEST_F(WorkerInfoTest, DetectsTorchrunWithItsAgentStore) {
 }
 
 TEST_F(WorkerInfoTest, DetectsOpenMpi) {
-  set({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"OMPI_COMM_WORLD_NODE_RANK", "0"}, {"OMPI_MCA_ess_base_jobid", "123456"}});
+  set({{"OMPI_COMM_WORLD_RANK", "1"},
+       {"OMPI_COMM_WORLD_SIZE", "2"},
+       {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+       {"OMPI_COMM_WORLD_NODE_RANK", "0"},
+       {"OMPI_MCA_ess_base_jobid", "123456"}});
   auto info = detect_launch();
   ASSERT_TRUE(info);
   EXPECT_EQ(info->launcher, "openmpi");
@@ -129,12 +146,18 @@ TEST_F(WorkerInfoTest, DetectsOpenMpi) {
   set({{"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
   cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "mpirun -x MASTER_ADDR=");
   set({{"OMPI_COMM_WORLD_RANK", "2"}});
-  cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "OMPI_COMM_WORLD_RANK=2 must be < OMPI_COMM_WORLD_SIZE=2");
+  cohort::testing::expect_error<UsageError>(
+      [] { detect_launch(); }, "OMPI_COMM_WORLD_RANK=2 must be < OMPI_COMM_WORLD_SIZE=2");
 }
 
 TEST_F(WorkerInfoTest, DetectsSlurm) {
-  set({{"SLURM_PROCID", "5"}, {"SLURM_STEP_NUM_TASKS", "7"}, {"SLURM_LOCALID", "1"}, {"SLURM_NODEID", "2"},
-       {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"}, {"SLURM_JOB_ID", "4242"}, {"SLURM_STEP_ID", "0"},
+  set({{"SLURM_PROCID", "5"},
+       {"SLURM_STEP_NUM_TASKS", "7"},
+       {"SLURM_LOCALID", "1"},
+       {"SLURM_NODEID", "2"},
+       {"SLURM_STEP_TASKS_PER_NODE", "2(x3),1"},
+       {"SLURM_JOB_ID", "4242"},
+       {"SLURM_STEP_ID", "0"},
        {"SLURM_STEP_NODELIST", "gpu[07-09],cpu1"}});
   auto info = detect_launch();
   ASSERT_TRUE(info);
@@ -151,7 +174,8 @@ TEST_F(WorkerInfoTest, DetectsSlurm) {
   EXPECT_EQ(detect_launch()->master_addr, "10.9.8.7");
   EXPECT_EQ(detect_launch()->master_port, 23456);
   set({{"SLURM_PROCID", "7"}});
-  cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "SLURM_PROCID=7 must be < SLURM_STEP_NUM_TASKS=7");
+  cohort::testing::expect_error<UsageError>([] { detect_launch(); },
+                                            "SLURM_PROCID=7 must be < SLURM_STEP_NUM_TASKS=7");
 }
 
 TEST_F(WorkerInfoTest, ParsesSlurmListsAndTaskCounts) {
@@ -163,7 +187,8 @@ TEST_F(WorkerInfoTest, ParsesSlurmListsAndTaskCounts) {
   EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 2), 2);
   EXPECT_EQ(slurm_tasks_on_node("2(x3),1", 3), 1);
   EXPECT_EQ(slurm_tasks_on_node("4", 0), 4);
-  cohort::testing::expect_error<UsageError>([] { slurm_tasks_on_node("2(x3),1", 4); }, "no entry for node 4");
+  cohort::testing::expect_error<UsageError>([] { slurm_tasks_on_node("2(x3),1", 4); },
+                                            "no entry for node 4");
 }
 
 }  // namespace

@@ -3,10 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
-#define COHORT_REQUIRE_CUDA()                                                                   \
-  do {                                                                                          \
-    if (!torch::cuda::is_available()) {                                                         \
-      GTEST_SKIP() << "no CUDA device: this libtorch is a CPU build or the host has no GPU "    \
-                      "(scripts/gpu_check.sh runs these on a GPU host)";                        \
-    }                                                                                           \
+#define COHORT_REQUIRE_CUDA()                                                                \
+  do {                                                                                       \
+    if (!torch::cuda::is_available()) {                                                      \
+      GTEST_SKIP() << "no CUDA device: this libtorch is a CPU build or the host has no GPU " \
+                      "(scripts/gpu_check.sh runs these on a GPU host)";                     \
+    }                                                                                        \
   } while (0)

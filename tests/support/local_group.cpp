@@ -12,7 +12,8 @@ void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn,
   for (int rank = 0; rank < world; ++rank) {
     threads.emplace_back([&, rank] {
       try {
-        auto store = comm::Store::connect({.port = server.port(), .timeout = std::chrono::seconds(20)});
+        auto store =
+            comm::Store::connect({.port = server.port(), .timeout = std::chrono::seconds(20)});
         auto group = comm::ProcessGroup::create(store, rank, world, options);
         fn(group);
       } catch (...) {

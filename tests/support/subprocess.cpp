@@ -22,7 +22,8 @@ using Clock = std::chrono::steady_clock;
 
 }  // namespace
 
-Process::Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+Process::Process(const std::vector<std::string>& argv,
+                 const std::map<std::string, std::string>& env) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) throw std::runtime_error("pipe failed");
   posix_spawn_file_actions_t actions;
@@ -40,7 +41,8 @@ Process::Process(const std::vector<std::string>& argv, const std::map<std::strin
     vars[entry.substr(0, eq)] = entry.substr(eq + 1);
   }
   // The program under test must not believe it is one of our workers.
-  for (const char* k : {"COHORT_ROLE", "COHORT_DRIVER_PID", "COHORT_CONTROL_FD", "RANK", "WORLD_SIZE"}) {
+  for (const char* k :
+       {"COHORT_ROLE", "COHORT_DRIVER_PID", "COHORT_CONTROL_FD", "RANK", "WORLD_SIZE"}) {
     vars.erase(k);
   }
   for (const auto& [k, v] : env) vars[k] = v;

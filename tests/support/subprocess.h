@@ -32,7 +32,8 @@ class Process {
   int pid() const { return pid_; }
   // Reads output until a line contains `needle`; returns that line, or nullopt at the deadline
   // or at end of output.
-  std::optional<std::string> wait_for_line(const std::string& needle, std::chrono::milliseconds deadline);
+  std::optional<std::string> wait_for_line(const std::string& needle,
+                                           std::chrono::milliseconds deadline);
   void send_signal(int sig);
   // Waits for exit; kills at the deadline (timed_out set). Collects the rest of the output.
   CommandResult wait(std::chrono::milliseconds deadline);

@@ -21,7 +21,8 @@ std::filesystem::path write_tiny_mnist(const std::filesystem::path& dir, int64_t
       const int64_t c = labels[i].item<int64_t>();
       images[i].narrow(0, 2 + c * 2, 3).add_(150);
     }
-    data::write_idx(dir / (stem + "-images-idx3-ubyte" + ext), images.clamp(0, 255).to(torch::kUInt8));
+    data::write_idx(dir / (stem + "-images-idx3-ubyte" + ext),
+                    images.clamp(0, 255).to(torch::kUInt8));
     data::write_idx(dir / (stem + "-labels-idx1-ubyte" + ext), labels.to(torch::kUInt8));
   }
   return dir;

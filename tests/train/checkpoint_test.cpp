@@ -82,9 +82,9 @@ TEST_F(CheckpointTest, PlainNumpyReadsTheModelFile) {
       "a = np.frombuffer(b[8 + n + s:8 + n + e], dtype='<f4').reshape(info['shape'])\n"
       "print(repr(float(a.astype(np.float64).sum())), a.shape)\n";
   write_atomically(dir / "read.py", script);
-  auto r = cohort::testing::run_command({"/usr/bin/python3", (dir / "read.py").string(),
-                                         (dir / "model.safetensors").string()},
-                                        std::chrono::seconds(60));
+  auto r = cohort::testing::run_command(
+      {"/usr/bin/python3", (dir / "read.py").string(), (dir / "model.safetensors").string()},
+      std::chrono::seconds(60));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto named = model->named_parameters();
   const double expected = named["fc2.weight"].to(torch::kDouble).sum().item<double>();
@@ -99,15 +99,19 @@ TEST_F(CheckpointTest, LoadModelRestoresWeightsAndBuffersAndNamesMismatches) {
   train::save_model(*a, dir / "model.safetensors");
   train::load_model(*b, dir / "model.safetensors");
   auto pb = b->named_parameters();
-  for (const auto& p : a->named_parameters()) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
-  EXPECT_TRUE(torch::equal(b->named_buffers()["stem.1.running_mean"], a->named_buffers()["stem.1.running_mean"]));
+  for (const auto& p : a->named_parameters())
+    EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
+  EXPECT_TRUE(torch::equal(b->named_buffers()["stem.1.running_mean"],
+                           a->named_buffers()["stem.1.running_mean"]));
 
   auto other = models::create_model("cnn");
-  expect_error<UsageError>([&] { train::load_model(*other, dir / "model.safetensors"); }, "has no tensor 'conv1.weight'");
+  expect_error<UsageError>([&] { train::load_model(*other, dir / "model.safetensors"); },
+                           "has no tensor 'conv1.weight'");
   auto truncated = dir / "cut.safetensors";
   std::filesystem::copy_file(dir / "model.safetensors", truncated);
   std::filesystem::resize_file(truncated, std::filesystem::file_size(truncated) / 2);
-  expect_error<UsageError>([&] { train::load_model(*b, truncated); }, "does not fit its byte range");
+  expect_error<UsageError>([&] { train::load_model(*b, truncated); },
+                           "does not fit its byte range");
 }
 
 TEST_F(CheckpointTest, LoadOptimizerRestoresStateAndHyperparameters) {
@@ -121,17 +125,20 @@ TEST_F(CheckpointTest, LoadOptimizerRestoresStateAndHyperparameters) {
 
   torch::optim::SGD loaded(model->parameters(), torch::optim::SGDOptions(0.5).momentum(0.1));
   train::load_optimizer(loaded, dir / "optimizer.pt");
-  const auto& options = static_cast<const torch::optim::SGDOptions&>(loaded.param_groups()[0].options());
+  const auto& options =
+      static_cast<const torch::optim::SGDOptions&>(loaded.param_groups()[0].options());
   EXPECT_DOUBLE_EQ(options.lr(), 0.025);
   EXPECT_DOUBLE_EQ(options.momentum(), 0.9);
   const auto key = state_key(loaded.state(), model->weight);
   ASSERT_TRUE(loaded.state().count(key));
-  EXPECT_TRUE(torch::equal(static_cast<torch::optim::SGDParamState&>(*loaded.state()[key]).momentum_buffer(),
-                           static_cast<torch::optim::SGDParamState&>(*saved.state()[key]).momentum_buffer()));
+  EXPECT_TRUE(torch::equal(
+      static_cast<torch::optim::SGDParamState&>(*loaded.state()[key]).momentum_buffer(),
+      static_cast<torch::optim::SGDParamState&>(*saved.state()[key]).momentum_buffer()));
 
   train::linear_lr_scaling(loaded, 4, 2);
   EXPECT_DOUBLE_EQ(loaded.param_groups()[0].options().get_lr(), 0.0125);
-  expect_error<UsageError>([&] { train::linear_lr_scaling(loaded, 0, 2); }, "world sizes must be >= 1");
+  expect_error<UsageError>([&] { train::linear_lr_scaling(loaded, 0, 2); },
+                           "world sizes must be >= 1");
 }
 
 TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {
@@ -142,20 +149,25 @@ TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {
     f.seekp(10);
     f.put('Z');
   }
-  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "file weights.bin has checksum");
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
+                           "file weights.bin has checksum");
   std::filesystem::resize_file(path / "weights.bin", 40);
-  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "has 40 bytes, the manifest says 100 (truncated)");
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
+                           "has 40 bytes, the manifest says 100 (truncated)");
   std::filesystem::remove(path / "weights.bin");
-  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "file weights.bin is missing");
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
+                           "file weights.bin is missing");
   std::filesystem::remove(path / kManifestFile);
-  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, "not completely written");
+  expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
+                           "not completely written");
 }
 
 TEST_F(CheckpointTest, KeepsTheBestByScoreAndAlwaysTheLatest) {
   train::CheckpointManager manager(dir, {.num_to_keep = 2, .checkpoint_score_attribute = "acc"});
   const std::vector<double> scores{0.5, 0.9, 0.7, 0.8, 0.6};
   for (size_t i = 0; i < scores.size(); ++i) {
-    manager.add(make_checkpoint(static_cast<int64_t>(i), {{"acc", scores[i]}}), {{"acc", scores[i]}});
+    manager.add(make_checkpoint(static_cast<int64_t>(i), {{"acc", scores[i]}}),
+                {{"acc", scores[i]}});
   }
   // Best two (0.9 and 0.8) plus the latest (0.6); the worse newer ones never pushed out a better.
   std::vector<int64_t> kept;
@@ -170,16 +182,20 @@ TEST_F(CheckpointTest, KeepsTheBestByScoreAndAlwaysTheLatest) {
 }
 
 TEST_F(CheckpointTest, MinOrderAndRecencyWithoutAScore) {
-  train::CheckpointManager by_loss(dir, {.num_to_keep = 1, .checkpoint_score_attribute = "loss",
-                                         .checkpoint_score_order = "min"});
+  train::CheckpointManager by_loss(
+      dir,
+      {.num_to_keep = 1, .checkpoint_score_attribute = "loss", .checkpoint_score_order = "min"});
   by_loss.add(make_checkpoint(0, {{"loss", 0.3}}), {{"loss", 0.3}});
   by_loss.add(make_checkpoint(1, {{"loss", 0.1}}), {{"loss", 0.1}});
   by_loss.add(make_checkpoint(2, {{"loss", 0.2}}), {{"loss", 0.2}});
   EXPECT_EQ(checkpoint_index(by_loss.best().front().first.path()), 1);
   EXPECT_FALSE(std::filesystem::exists(dir / checkpoint_name(0)));
   EXPECT_THROW(train::CheckpointManager(dir, {.checkpoint_score_order = "best"}), UsageError);
-  expect_error<UsageError>([&] { by_loss.check_score_attribute({{"acc", 1}}); },
-                           "'loss' is not among the reported metrics [acc]");
+  expect_error<UsageError>(
+      [&] {
+        by_loss.check_score_attribute({{"acc", 1}});
+      },
+      "'loss' is not among the reported metrics [acc]");
 }
 
 TEST_F(CheckpointTest, AdoptingSkipsACorruptLatestWithAWarning) {

@@ -1,10 +1,10 @@
 // Fault injection: workers killed, stopped, throwing, never joining, or dying while a checkpoint
 // is being committed. Each injection fires once (a marker file in the run directory), so the
 // restarted group runs clean.
-#include <gtest/gtest.h>
-#include <torch/torch.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <poll.h>
+#include <torch/torch.h>
 #include <unistd.h>
 
 #include <csignal>
@@ -20,7 +20,8 @@ namespace {
 RunConfig run_config(const std::filesystem::path& dir, const std::string& name, int max_failures) {
   return RunConfig{.name = name,
                    .storage_path = dir,
-                   .failure_config = {.max_failures = max_failures, .heartbeat_timeout = std::chrono::seconds(3)},
+                   .failure_config = {.max_failures = max_failures,
+                                      .heartbeat_timeout = std::chrono::seconds(3)},
                    .verbose = 0,
                    .setup_timeout = std::chrono::seconds(10),
                    .collective_timeout = std::chrono::seconds(30)};
@@ -62,11 +63,13 @@ void regression_loop(const Json& c) {
       if (fault == "throw" && first_time(fault)) throw std::runtime_error("injected failure");
     }
     std::optional<Checkpoint> checkpoint;
-    const auto tmp = std::filesystem::temp_directory_path() / ("cohort-ft-" + std::to_string(::getpid()));
+    const auto tmp =
+        std::filesystem::temp_directory_path() / ("cohort-ft-" + std::to_string(::getpid()));
     if (ctx.get_world_rank() == 0) {
       checkpoint = train::save_checkpoint(tmp, *model, optimizer);
     }
-    train::report({{"step", step}, {"weight_sum", model->weight.sum().item<double>()},
+    train::report({{"step", step},
+                   {"weight_sum", model->weight.sum().item<double>()},
                    {"bias", model->bias.item<double>()}},
                   checkpoint);
     std::filesystem::remove_all(tmp);
@@ -77,9 +80,11 @@ void regression_loop(const Json& c) {
   }
 }
 
-Result run_regression(const std::filesystem::path& dir, const std::string& name, int max_failures, Json faults) {
+Result run_regression(const std::filesystem::path& dir, const std::string& name, int max_failures,
+                      Json faults) {
   faults["steps"] = 8;
-  Trainer trainer(regression_loop, ScalingConfig{.num_workers = 2}, run_config(dir, name, max_failures), faults);
+  Trainer trainer(regression_loop, ScalingConfig{.num_workers = 2},
+                  run_config(dir, name, max_failures), faults);
   return trainer.fit();
 }
 
@@ -95,7 +100,8 @@ TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
   // A SIGKILL right after a checkpoint, at several steps and ranks: exactly the same weights.
   for (const auto& [rank, step] : std::vector<std::pair<int, int>>{{1, 1}, {0, 4}, {1, 6}}) {
     const std::string name = "kill_r" + std::to_string(rank) + "_s" + std::to_string(step);
-    const Result result = run_regression(dir, name, 1, {{"fault", "kill"}, {"fault_rank", rank}, {"fault_step", step}});
+    const Result result = run_regression(
+        dir, name, 1, {{"fault", "kill"}, {"fault_rank", rank}, {"fault_step", step}});
     ASSERT_TRUE(result.ok()) << name << ": " << *result.error;
     EXPECT_EQ(result.metrics["step"], 7) << name;
     EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]) << name;
@@ -103,7 +109,8 @@ TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
     ASSERT_EQ(result.failures.size(), 1u) << name;
     const auto& failure = result.failures[0];
     EXPECT_EQ(failure["rank"], rank) << failure.dump();
-    EXPECT_NE(failure["cause"].get<std::string>().find("signal 9"), std::string::npos) << failure.dump();
+    EXPECT_NE(failure["cause"].get<std::string>().find("signal 9"), std::string::npos)
+        << failure.dump();
     // Rank 0's report of that step may or may not have reached the driver before the stop.
     EXPECT_GE(failure["reports"].get<int>(), step) << failure.dump();
     EXPECT_LE(failure["reports"].get<int>(), step + 1) << failure.dump();
@@ -116,7 +123,8 @@ TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
 }
 
 TEST_F(FaultTolerance, WithoutRestartsTheFailureIsTheResult) {
-  const Result result = run_regression(dir, "no_restart", 0, {{"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}});
+  const Result result = run_regression(dir, "no_restart", 0,
+                                       {{"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}});
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.error->find("rank 1"), std::string::npos) << *result.error;
   ASSERT_EQ(result.failures.size(), 1u);
@@ -126,14 +134,16 @@ TEST_F(FaultTolerance, WithoutRestartsTheFailureIsTheResult) {
 
 TEST_F(FaultTolerance, AStoppedRankIsFoundByItsMissingHeartbeat) {
   const auto start = std::chrono::steady_clock::now();
-  const Result hung = run_regression(dir, "stopped", 0, {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
+  const Result hung =
+      run_regression(dir, "stopped", 0, {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(25));
   ASSERT_FALSE(hung.ok());
   EXPECT_NE(hung.error->find("rank 1 sent no heartbeat"), std::string::npos) << *hung.error;
   // The stall inspector: rank 0 went on into the next step's all-reduce, rank 1 never did.
-  EXPECT_NE(hung.error->find("ranks [1] did not enter collective #"), std::string::npos) << *hung.error;
-  const Result recovered = run_regression(dir, "stopped_then_restarted", 1,
-                                          {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
+  EXPECT_NE(hung.error->find("ranks [1] did not enter collective #"), std::string::npos)
+      << *hung.error;
+  const Result recovered = run_regression(
+      dir, "stopped_then_restarted", 1, {{"fault", "stop"}, {"fault_rank", 1}, {"fault_step", 2}});
   ASSERT_TRUE(recovered.ok()) << *recovered.error;
   ASSERT_EQ(recovered.failures.size(), 1u);
   EXPECT_EQ(recovered.failures[0]["rank"], 1);
@@ -141,10 +151,12 @@ TEST_F(FaultTolerance, AStoppedRankIsFoundByItsMissingHeartbeat) {
 
 TEST_F(FaultTolerance, AnExceptionOnOneRankIsRetried) {
   const Result baseline = run_regression(dir, "baseline", 0, {});
-  const Result result = run_regression(dir, "throw", 2, {{"fault", "throw"}, {"fault_rank", 0}, {"fault_step", 3}});
+  const Result result =
+      run_regression(dir, "throw", 2, {{"fault", "throw"}, {"fault_rank", 0}, {"fault_step", 3}});
   ASSERT_TRUE(result.ok()) << *result.error;
   ASSERT_EQ(result.failures.size(), 1u);
-  EXPECT_NE(result.failures[0]["cause"].get<std::string>().find("rank 0 failed: injected failure"), std::string::npos)
+  EXPECT_NE(result.failures[0]["cause"].get<std::string>().find("rank 0 failed: injected failure"),
+            std::string::npos)
       << result.failures[0].dump();
   EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]);
 }
@@ -153,8 +165,9 @@ TEST_F(FaultTolerance, ACrashWhileACheckpointIsCommittedKeepsThePreviousOne) {
   const Result baseline = run_regression(dir, "baseline", 0, {});
   // Rank 1 dies before its report of step 3, while rank 0 has staged its checkpoint files and
   // waits: that checkpoint must never appear, and the restart resumes from step 2's.
-  const Result result = run_regression(dir, "commit_crash", 1,
-                                       {{"fault", "kill_before_report"}, {"fault_rank", 1}, {"fault_step", 3}});
+  const Result result =
+      run_regression(dir, "commit_crash", 1,
+                     {{"fault", "kill_before_report"}, {"fault_rank", 1}, {"fault_step", 3}});
   ASSERT_TRUE(result.ok()) << *result.error;
   EXPECT_EQ(result.failures[0]["reports"], 3);
   EXPECT_EQ(result.metrics["weight_sum"], baseline.metrics["weight_sum"]);
@@ -190,7 +203,8 @@ void elastic_loop(const Json& c) {
     std::vector<at::Tensor> totals{seen};
     ctx.get_process_group().allreduce(totals);
     if (ctx.get_world_rank() == 0 && ctx.get_world_size() < 3) std::filesystem::remove(busy);
-    const auto tmp = std::filesystem::temp_directory_path() / ("cohort-elastic-" + std::to_string(::getpid()));
+    const auto tmp =
+        std::filesystem::temp_directory_path() / ("cohort-elastic-" + std::to_string(::getpid()));
     std::optional<Checkpoint> checkpoint;
     if (ctx.get_world_rank() == 0) checkpoint = train::save_checkpoint(tmp, *model, optimizer);
     train::report({{"epoch", epoch},
@@ -218,7 +232,10 @@ void elastic_loop(const Json& c) {
 ScalingConfig elastic_scaling(const std::filesystem::path& run_dir, int min_workers) {
   return ScalingConfig{.num_workers = 3,
                        .min_workers = min_workers,
-                       .slot_available = [run_dir](int slot) { return slot != 2 || !std::filesystem::exists(run_dir / "slot-busy"); },
+                       .slot_available =
+                           [run_dir](int slot) {
+                             return slot != 2 || !std::filesystem::exists(run_dir / "slot-busy");
+                           },
                        .on_world_size_change = train::linear_lr_scaling};
 }
 
@@ -234,7 +251,8 @@ TEST_F(FaultTolerance, AnElasticGroupShrinksAfterAFailureAndGrowsBackWhenTheSlot
     // Re-sharded for every world size: each example exactly once per epoch.
     EXPECT_EQ(record["samples"], 24.0) << record.dump();
     EXPECT_EQ(record["id_sum"], 276.0) << record.dump();
-    EXPECT_NEAR(record["lr"].get<double>(), 0.1 * record["world_size"].get<int>(), 1e-9) << record.dump();
+    EXPECT_NEAR(record["lr"].get<double>(), 0.1 * record["world_size"].get<int>(), 1e-9)
+        << record.dump();
   }
   EXPECT_EQ(epochs, (std::vector<int>{0, 1, 2, 3, 4, 5}));
   EXPECT_EQ(sizes, (std::vector<int>{3, 3, 2, 3, 3, 3}));
@@ -256,11 +274,13 @@ TEST_F(FaultTolerance, AGroupBelowItsMinimumFailsNamingTheBusySlots) {
                   Json{{"epochs", 3}, {"kill_rank", 2}, {"kill_epoch", 0}});
   const Result result = trainer.fit();
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.error->find("only 2 of 3 worker slots are free (slots [2] still busy"), std::string::npos)
+  EXPECT_NE(result.error->find("only 2 of 3 worker slots are free (slots [2] still busy"),
+            std::string::npos)
       << *result.error;
   ASSERT_EQ(result.failures.size(), 1u);
   EXPECT_FALSE(result.failures[0]["restarted"].get<bool>());
-  EXPECT_THROW(Trainer(elastic_loop, ScalingConfig{.num_workers = 2, .min_workers = 3}), UsageError);
+  EXPECT_THROW(Trainer(elastic_loop, ScalingConfig{.num_workers = 2, .min_workers = 3}),
+               UsageError);
 }
 
 TEST_F(FaultTolerance, ARankThatNeverJoinsFailsWithinTheSetupDeadline) {
@@ -273,7 +293,8 @@ TEST_F(FaultTolerance, ARankThatNeverJoinsFailsWithinTheSetupDeadline) {
   const Result result = trainer.fit();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.error->find("ranks [1] of 2 did not join the rendezvous at 127.0.0.1:"), std::string::npos)
+  EXPECT_NE(result.error->find("ranks [1] of 2 did not join the rendezvous at 127.0.0.1:"),
+            std::string::npos)
       << *result.error;
 }
 

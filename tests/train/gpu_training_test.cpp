@@ -16,22 +16,29 @@ namespace {
 using cohort::testing::expect_error;
 
 RunConfig quiet_run(const std::filesystem::path& dir, const std::string& name) {
-  return RunConfig{.name = name, .storage_path = dir, .verbose = 0, .setup_timeout = std::chrono::seconds(60)};
+  return RunConfig{
+      .name = name, .storage_path = dir, .verbose = 0, .setup_timeout = std::chrono::seconds(60)};
 }
 
 TEST(GpuTraining, BadGpuRequestsAreRefusedBeforeAnyWorkerStarts) {
   auto loop = [](const Json&) {};
-  expect_error<UsageError>([&] { Trainer(loop, ScalingConfig{.backend = "mpi"}); }, "unknown communication backend 'mpi'");
-  expect_error<UsageError>([&] { Trainer(loop, ScalingConfig{.resources_per_worker = {.gpus = 1}}); },
-                           "gpus = 1 without use_gpu");
-  expect_error<UsageError>([&] { Trainer(loop, ScalingConfig{.use_gpu = true, .resources_per_worker = {.gpus = -2}}); },
-                           "gpus = -2 is negative");
+  expect_error<UsageError>([&] { Trainer(loop, ScalingConfig{.backend = "mpi"}); },
+                           "unknown communication backend 'mpi'");
+  expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.resources_per_worker = {.gpus = 1}}); },
+      "gpus = 1 without use_gpu");
+  expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.use_gpu = true, .resources_per_worker = {.gpus = -2}}); },
+      "gpus = -2 is negative");
   auto dir = cohort::testing::temp_dir("gpu_refusals");
-  const std::string fragment = torch::cuda::is_available() ? "GPUs, but this node has" : "sees no CUDA device";
+  const std::string fragment =
+      torch::cuda::is_available() ? "GPUs, but this node has" : "sees no CUDA device";
   const auto start = std::chrono::steady_clock::now();
   expect_error<UsageError>(
       [&] {
-        Trainer(loop, ScalingConfig{.num_workers = 1024, .use_gpu = true}, quiet_run(dir, "refused")).fit();
+        Trainer(loop, ScalingConfig{.num_workers = 1024, .use_gpu = true},
+                quiet_run(dir, "refused"))
+            .fit();
       },
       fragment);
   // Refused in the driver, before 1024 workers could have been started.
@@ -54,15 +61,18 @@ TEST(GpuTraining, AWorkerTrainsOnItsGpuAndCheckpointsLoadOnTheCpu) {
         }
         auto inputs = torch::randn({256, 8});
         auto targets = (inputs.sum(1) > 0).to(torch::kLong);
-        auto loader = train::prepare_data_loader({inputs, targets}, {.batch_size = 32, .shuffle = true});
+        auto loader =
+            train::prepare_data_loader({inputs, targets}, {.batch_size = 32, .shuffle = true});
         torch::optim::Adam optimizer(model->parameters(), torch::optim::AdamOptions(1e-2));
         double first = -1, last = 0;
         for (int epoch = 0; epoch < 5; ++epoch) {
           loader.set_epoch(epoch);
           for (auto& batch : loader) {
-            if (!batch.data.is_cuda()) throw RuntimeError("a batch arrived on " + batch.data.device().str());
+            if (!batch.data.is_cuda())
+              throw RuntimeError("a batch arrived on " + batch.data.device().str());
             optimizer.zero_grad();
-            auto loss = torch::nn::functional::cross_entropy(model->forward(batch.data), batch.target);
+            auto loss =
+                torch::nn::functional::cross_entropy(model->forward(batch.data), batch.target);
             loss.backward();
             optimizer.step();
             last = loss.item<double>();
@@ -76,7 +86,8 @@ TEST(GpuTraining, AWorkerTrainsOnItsGpuAndCheckpointsLoadOnTheCpu) {
         torch::optim::Adam cpu_optimizer(cpu_model->parameters(), torch::optim::AdamOptions(1e-2));
         train::load_checkpoint(Checkpoint::from_directory(saved), *cpu_model, cpu_optimizer);
         const bool same = torch::equal(cpu_model->weight, model->weight.cpu());
-        train::report({{"first", first}, {"last", last}, {"same", same}, {"device", ctx.get_device().str()}});
+        train::report(
+            {{"first", first}, {"last", last}, {"same", same}, {"device", ctx.get_device().str()}});
       },
       ScalingConfig{.num_workers = 1, .use_gpu = true}, quiet_run(dir, "gpu"));
   Result result = trainer.fit();

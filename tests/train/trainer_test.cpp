@@ -3,16 +3,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <csignal>
 #include <unistd.h>
+#include <csignal>
 
 #include <fstream>
 #include <iostream>
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
-#include "support/expect.h"
 #include "cohort/runtime/worker_group.h"
+#include "support/expect.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -68,7 +68,8 @@ TEST(Trainer, RunsTheLoopOnEveryRankAndKeepsRankZerosReports) {
   EXPECT_EQ(saved["workers"], 3);
   EXPECT_TRUE(saved["error"].is_null());
   for (int r = 0; r < 3; ++r) {
-    EXPECT_TRUE(std::filesystem::exists(dir / "reports" / "logs" / ("rank-" + std::to_string(r) + ".log")));
+    EXPECT_TRUE(
+        std::filesystem::exists(dir / "reports" / "logs" / ("rank-" + std::to_string(r) + ".log")));
   }
   std::filesystem::remove_all(dir);
 }
@@ -79,7 +80,8 @@ TEST(Trainer, TwoWorkersAverageGradientsLikeOneProcessOnTheUnionBatch) {
   auto dir = cohort::testing::temp_dir("trainer_average");
   auto make_batch = [] {
     auto g = torch::make_generator<at::CPUGeneratorImpl>(42);
-    return std::make_pair(torch::randn({16, 1, 28, 28}, g), torch::randint(0, 10, {16}, g, torch::kLong));
+    return std::make_pair(torch::randn({16, 1, 28, 28}, g),
+                          torch::randint(0, 10, {16}, g, torch::kLong));
   };
   auto make_model = [] {
     torch::manual_seed(3);
@@ -93,12 +95,15 @@ TEST(Trainer, TwoWorkersAverageGradientsLikeOneProcessOnTheUnionBatch) {
         torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(0.5));
         opt.zero_grad();
         const int64_t half = 8;
-        torch::nn::functional::cross_entropy(model->forward(x.narrow(0, ctx.get_world_rank() * half, half)),
-                                             y.narrow(0, ctx.get_world_rank() * half, half))
+        torch::nn::functional::cross_entropy(
+            model->forward(x.narrow(0, ctx.get_world_rank() * half, half)),
+            y.narrow(0, ctx.get_world_rank() * half, half))
             .backward();
         opt.step();
         std::vector<torch::Tensor> params = model->parameters();
-        torch::save(params, (ctx.get_storage_path() / ("params_" + std::to_string(ctx.get_world_rank()) + ".pt")).string());
+        torch::save(params, (ctx.get_storage_path() /
+                             ("params_" + std::to_string(ctx.get_world_rank()) + ".pt"))
+                                .string());
       },
       ScalingConfig{.num_workers = 2}, run_config(dir, "average"));
   Result result = trainer.fit();
@@ -138,7 +143,8 @@ TEST(Trainer, AnExceptionOnOneRankStopsAllAndNamesTheRank) {
   Result result = trainer.fit();
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.error->find("rank 1 failed: bad things on one rank"), std::string::npos) << *result.error;
+  EXPECT_NE(result.error->find("rank 1 failed: bad things on one rank"), std::string::npos)
+      << *result.error;
   auto saved = Json::parse(cohort::testing::read_text((dir / "throw" / "result.json").string()));
   EXPECT_NE(saved["error"].get<std::string>().find("rank 1"), std::string::npos);
   std::filesystem::remove_all(dir);
@@ -164,7 +170,8 @@ TEST(Trainer, AKilledWorkerEndsTheRunWithItsSignal) {
 TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
   auto loop = [](const Json&) {};
   EXPECT_THROW(Trainer(loop, ScalingConfig{.num_workers = 0}), UsageError);
-  EXPECT_THROW(Trainer(loop, ScalingConfig{.resources_per_worker = {.cpu_threads = 0}}), UsageError);
+  EXPECT_THROW(Trainer(loop, ScalingConfig{.resources_per_worker = {.cpu_threads = 0}}),
+               UsageError);
   auto dir = cohort::testing::temp_dir("trainer_storage");
   std::ofstream(dir / "a_file") << "x";
   Trainer trainer(loop, ScalingConfig{}, run_config(dir / "a_file", "x"));
@@ -179,7 +186,8 @@ TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
 
 // Writes `files` (name -> content) to a fresh folder for a checkpoint.
 Checkpoint folder_with(const std::string& tag, const std::map<std::string, std::string>& files) {
-  auto dir = std::filesystem::temp_directory_path() / ("cohort-test-ckpt-" + tag + "-" + std::to_string(::getpid()));
+  auto dir = std::filesystem::temp_directory_path() /
+             ("cohort-test-ckpt-" + tag + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   for (const auto& [name, content] : files) std::ofstream(dir / name) << content;
@@ -196,9 +204,10 @@ TEST(Trainer, CheckpointsFromAllRanksAreMergedAndKeptByScore) {
         const std::string rank = std::to_string(ctx.get_world_rank());
         const std::vector<double> acc{0.2, 0.9, 0.4};
         for (size_t i = 0; i < acc.size(); ++i) {
-          train::report({{"acc", acc[i]}, {"i", i}},
-                        folder_with(rank + std::to_string(i),
-                                    {{"shard-rank" + rank + ".txt", rank}, {"common.txt", "from rank " + rank}}));
+          train::report(
+              {{"acc", acc[i]}, {"i", i}},
+              folder_with(rank + std::to_string(i), {{"shard-rank" + rank + ".txt", rank},
+                                                     {"common.txt", "from rank " + rank}}));
         }
       },
       ScalingConfig{.num_workers = 2}, run);
@@ -238,21 +247,26 @@ TEST(Trainer, RunningAgainResumesFromTheLatestCheckpoint) {
   auto loop = [](const Json& config) {
     int start = 0;
     if (auto checkpoint = train::get_checkpoint()) {
-      start = std::stoi(cohort::testing::read_text((checkpoint->path() / "epoch.txt").string())) + 1;
+      start =
+          std::stoi(cohort::testing::read_text((checkpoint->path() / "epoch.txt").string())) + 1;
     }
     for (int epoch = start; epoch < config["epochs"].get<int>(); ++epoch) {
       const bool rank0 = train::get_context().get_world_rank() == 0;
       std::optional<Checkpoint> checkpoint;
-      if (rank0) checkpoint = folder_with("resume" + std::to_string(epoch), {{"epoch.txt", std::to_string(epoch)}});
+      if (rank0)
+        checkpoint =
+            folder_with("resume" + std::to_string(epoch), {{"epoch.txt", std::to_string(epoch)}});
       train::report({{"epoch", epoch}, {"started_at", start}}, checkpoint);
     }
   };
   {
-    Trainer first(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 2}});
+    Trainer first(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"),
+                  Json{{"epochs", 2}});
     ASSERT_TRUE(first.fit().ok());
   }
   // A corrupt latest checkpoint is skipped: the run resumes from the one before it.
-  Trainer again(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 4}});
+  Trainer again(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"),
+                Json{{"epochs", 4}});
   Result result = again.fit();
   ASSERT_TRUE(result.ok()) << *result.error;
   EXPECT_EQ(result.metrics["epoch"], 3);
@@ -261,7 +275,8 @@ TEST(Trainer, RunningAgainResumesFromTheLatestCheckpoint) {
   EXPECT_EQ(result.checkpoint->path().filename(), "checkpoint_000003");
 
   std::filesystem::resize_file(dir / "resume" / "checkpoint_000003" / "epoch.txt", 0);
-  Trainer after_corruption(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"), Json{{"epochs", 5}});
+  Trainer after_corruption(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"),
+                           Json{{"epochs", 5}});
   result = after_corruption.fit();
   ASSERT_TRUE(result.ok()) << *result.error;
   EXPECT_EQ(result.metrics["started_at"], 3);  // from checkpoint_000002 (epoch 2)
@@ -309,7 +324,8 @@ TEST(Trainer, AScoreAttributeNeverReportedIsAnErrorAtTheFirstReport) {
       ScalingConfig{.num_workers = 1}, run);
   Result result = trainer.fit();
   ASSERT_FALSE(result.ok());
-  EXPECT_NE(result.error->find("'accuracy' is not among the reported metrics [loss]"), std::string::npos)
+  EXPECT_NE(result.error->find("'accuracy' is not among the reported metrics [loss]"),
+            std::string::npos)
       << *result.error;
   std::filesystem::remove_all(dir);
 }
@@ -338,7 +354,8 @@ TEST(Trainer, BarrierBroadcastAndDatasetShards) {
         cohort::testing::expect_error<UsageError>([] { train::get_dataset_shard("absent"); },
                                                   "no dataset named 'absent'");
       },
-      ScalingConfig{.num_workers = 2}, run_config(dir, "shards"), Json::object(), {{"numbers", numbers}});
+      ScalingConfig{.num_workers = 2}, run_config(dir, "shards"), Json::object(),
+      {{"numbers", numbers}});
   Result result = trainer.fit();
   ASSERT_TRUE(result.ok()) << *result.error;
   EXPECT_EQ(result.metrics["broadcast_from"], 0);
@@ -354,16 +371,19 @@ TEST(Trainer, BarrierBroadcastAndDatasetShards) {
 // starts; both ranks step through the same number of batches, each an all-reduce.
 TEST(Trainer, UnevenShardsAfterAFilterGiveEveryRankTheSameBatchesWithOffload) {
   auto dir = cohort::testing::temp_dir("trainer_uneven");
-  auto rows = data::Dataset::from_tensors({{"x", torch::arange(32, torch::kFloat)}})
-                  .map_batches([](data::Block b) {
-                    b["x"] = b["x"] * 10;
-                    return b;
-                  }, {.name = "times ten", .batch_size = 4, .num_workers = 2})
-                  // Shards are strided: even ids go to rank 0, odd ones to rank 1.
-                  .filter([](const data::Block& b) {
-                    auto id = b[data::kIdColumn];
-                    return (id % 2 == 0).logical_and(id < 24).logical_or((id % 2 == 1).logical_and(id < 8));
-                  });
+  auto rows =
+      data::Dataset::from_tensors({{"x", torch::arange(32, torch::kFloat)}})
+          .map_batches(
+              [](data::Block b) {
+                b["x"] = b["x"] * 10;
+                return b;
+              },
+              {.name = "times ten", .batch_size = 4, .num_workers = 2})
+          // Shards are strided: even ids go to rank 0, odd ones to rank 1.
+          .filter([](const data::Block& b) {
+            auto id = b[data::kIdColumn];
+            return (id % 2 == 0).logical_and(id < 24).logical_or((id % 2 == 1).logical_and(id < 8));
+          });
   Trainer trainer(
       [](const Json&) {
         auto& ctx = train::get_context();
@@ -404,7 +424,8 @@ TEST(Trainer, IdenticalLinesFromAllRanksArePrintedOnce) {
   }
   auto dir = cohort::testing::temp_dir("trainer_dedup");
   auto r = cohort::testing::run_command(
-      {cohort::runtime::self_executable(), "--gtest_filter=Trainer.IdenticalLinesFromAllRanksArePrintedOnce"},
+      {cohort::runtime::self_executable(),
+       "--gtest_filter=Trainer.IdenticalLinesFromAllRanksArePrintedOnce"},
       std::chrono::seconds(60), {{"COHORT_DEDUP_DIR", dir.string()}});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   size_t count = 0;
@@ -413,9 +434,11 @@ TEST(Trainer, IdenticalLinesFromAllRanksArePrintedOnce) {
     ++count;
   }
   EXPECT_EQ(count, 1u) << r.output;
-  EXPECT_NE(r.output.find("the same words [repeated 2x across ranks]"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("the same words [repeated 2x across ranks]"), std::string::npos)
+      << r.output;
   for (int rank = 0; rank < 3; ++rank) {
-    auto log = cohort::testing::read_text((dir / "dedup" / "logs" / ("rank-" + std::to_string(rank) + ".log")).string());
+    auto log = cohort::testing::read_text(
+        (dir / "dedup" / "logs" / ("rank-" + std::to_string(rank) + ".log")).string());
     EXPECT_NE(log.find("the same words"), std::string::npos) << "rank " << rank;
   }
   std::filesystem::remove_all(dir);

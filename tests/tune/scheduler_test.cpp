@@ -15,7 +15,9 @@ using cohort::testing::expect_error;
 constexpr auto kGo = TrialDecision::kContinue;
 constexpr auto kStop = TrialDecision::kStop;
 
-Json result(int iteration, double score) { return Json{{"training_iteration", iteration}, {"score", score}}; }
+Json result(int iteration, double score) {
+  return Json{{"training_iteration", iteration}, {"score", score}};
+}
 
 TEST(ASHAScheduler, RungsFollowGracePeriodAndReductionFactor) {
   ASHAScheduler asha({.max_t = 16, .grace_period = 1, .reduction_factor = 2});
@@ -29,7 +31,8 @@ TEST(ASHAScheduler, RungsFollowGracePeriodAndReductionFactor) {
 }
 
 TEST(ASHAScheduler, KeepsTheTopFractionAtEachRungAndStopsTheRest) {
-  ASHAScheduler asha({.metric = "score", .mode = "max", .max_t = 8, .grace_period = 1, .reduction_factor = 2});
+  ASHAScheduler asha(
+      {.metric = "score", .mode = "max", .max_t = 8, .grace_period = 1, .reduction_factor = 2});
   asha.set_search_properties("", "");
   // Rung 1: the first to arrive always goes on; later ones must reach the median so far.
   EXPECT_EQ(asha.on_trial_result("a", result(1, 0.9)), kGo);
@@ -45,7 +48,8 @@ TEST(ASHAScheduler, KeepsTheTopFractionAtEachRungAndStopsTheRest) {
   EXPECT_EQ(asha.on_trial_result("d", result(8, 0.99)), TrialDecision::kFinish);
   EXPECT_EQ(asha.num_stopped(), 2);
   EXPECT_NE(asha.describe().find("num_stopped=2"), std::string::npos) << asha.describe();
-  EXPECT_NE(asha.describe().find("Iter 2: 0.9 | Iter 1: 0.7"), std::string::npos) << asha.describe();
+  EXPECT_NE(asha.describe().find("Iter 2: 0.9 | Iter 1: 0.7"), std::string::npos)
+      << asha.describe();
 }
 
 TEST(ASHAScheduler, MinModeStopsTheHigherValues) {
@@ -64,8 +68,10 @@ TEST(ASHAScheduler, MinModeStopsTheHigherValues) {
 TEST(ASHAScheduler, OnAKnownRankingTheBestSurvivesAtAFractionOfTheCost) {
   constexpr int kTrials = 16, kMaxT = 16;
   std::vector<double> quality(kTrials);
-  for (int i = 0; i < kTrials; ++i) quality[static_cast<size_t>(i)] = (i * 7 % kTrials) / double(kTrials);
-  const int best = static_cast<int>(std::max_element(quality.begin(), quality.end()) - quality.begin());
+  for (int i = 0; i < kTrials; ++i)
+    quality[static_cast<size_t>(i)] = (i * 7 % kTrials) / double(kTrials);
+  const int best =
+      static_cast<int>(std::max_element(quality.begin(), quality.end()) - quality.begin());
   ASHAScheduler asha({.max_t = kMaxT, .grace_period = 1, .reduction_factor = 4});
   asha.set_search_properties("score", "max");
   std::vector<int> iterations(kTrials, 0);
@@ -83,7 +89,8 @@ TEST(ASHAScheduler, OnAKnownRankingTheBestSurvivesAtAFractionOfTheCost) {
     }
   }
   EXPECT_EQ(iterations[static_cast<size_t>(best)], kMaxT);
-  EXPECT_LE(total * 2, kTrials * kMaxT) << "ASHA used " << total << " of " << kTrials * kMaxT << " iterations";
+  EXPECT_LE(total * 2, kTrials * kMaxT)
+      << "ASHA used " << total << " of " << kTrials * kMaxT << " iterations";
   // The first to reach a rung always goes on (the price of being asynchronous), yet those that ran
   // to the end are better on average than those stopped at the first rung.
   double finished = 0, stopped = 0;
@@ -100,7 +107,8 @@ TEST(ASHAScheduler, OnAKnownRankingTheBestSurvivesAtAFractionOfTheCost) {
 TEST(MedianStoppingRule, StopsATrialWorseThanTheMedianOfTheOthers) {
   MedianStoppingRule rule({.grace_period = 2, .min_samples_required = 3});
   rule.set_search_properties("score", "max");
-  for (const auto& [id, score] : std::vector<std::pair<std::string, double>>{{"a", 0.8}, {"b", 0.6}, {"c", 0.7}}) {
+  for (const auto& [id, score] :
+       std::vector<std::pair<std::string, double>>{{"a", 0.8}, {"b", 0.6}, {"c", 0.7}}) {
     EXPECT_EQ(rule.on_trial_result(id, result(1, score)), kGo);
     EXPECT_EQ(rule.on_trial_result(id, result(2, score)), kGo);
   }
@@ -115,7 +123,8 @@ TEST(MedianStoppingRule, StopsATrialWorseThanTheMedianOfTheOthers) {
 }
 
 TEST(Schedulers, TheyAreRebuiltFromTheirSavedForm) {
-  ASHAScheduler asha({.metric = "acc", .mode = "max", .max_t = 9, .grace_period = 3, .reduction_factor = 3});
+  ASHAScheduler asha(
+      {.metric = "acc", .mode = "max", .max_t = 9, .grace_period = 3, .reduction_factor = 3});
   auto rebuilt = scheduler_from_json(asha.to_json());
   EXPECT_EQ(rebuilt->to_json(), asha.to_json());
   EXPECT_EQ(scheduler_from_json(FIFOScheduler().to_json())->describe(), "FIFOScheduler");
@@ -125,10 +134,14 @@ TEST(Schedulers, TheyAreRebuiltFromTheirSavedForm) {
 }
 
 TEST(Schedulers, BadOptionsAreNamed) {
-  expect_error<UsageError>([] { ASHAScheduler({.max_t = 1, .grace_period = 4}); }, "max_t=1 must be >= grace_period=4");
-  expect_error<UsageError>([] { ASHAScheduler({.reduction_factor = 1}); }, "reduction_factor must be > 1");
-  expect_error<UsageError>([] { ASHAScheduler().set_search_properties("", "max"); }, "needs a metric");
-  expect_error<UsageError>([] { ASHAScheduler().set_search_properties("acc", "best"); }, "mode 'best'");
+  expect_error<UsageError>([] { ASHAScheduler({.max_t = 1, .grace_period = 4}); },
+                           "max_t=1 must be >= grace_period=4");
+  expect_error<UsageError>([] { ASHAScheduler({.reduction_factor = 1}); },
+                           "reduction_factor must be > 1");
+  expect_error<UsageError>([] { ASHAScheduler().set_search_properties("", "max"); },
+                           "needs a metric");
+  expect_error<UsageError>([] { ASHAScheduler().set_search_properties("acc", "best"); },
+                           "mode 'best'");
 }
 
 }  // namespace

@@ -88,7 +88,8 @@ TEST(SearchSpace, RandintExcludesItsUpperBoundAndChoiceCoversEveryCategory) {
   EXPECT_EQ(counts.rbegin()->first, 6);
   for (const auto& [value, count] : counts) EXPECT_NEAR(count / 4000.0, 0.25, 0.03) << value;
   std::map<std::string, int> picks;
-  for (const auto& v : draw(choice({"sgd", "adam", "rmsprop"}), 3000)) ++picks[v.get<std::string>()];
+  for (const auto& v : draw(choice({"sgd", "adam", "rmsprop"}), 3000))
+    ++picks[v.get<std::string>()];
   ASSERT_EQ(picks.size(), 3u);
   for (const auto& [name, count] : picks) EXPECT_NEAR(count / 3000.0, 1.0 / 3, 0.04) << name;
 }
@@ -141,12 +142,14 @@ TEST(SearchSpace, BadDomainsAreNamedByTheirPath) {
   };
   check(Json{{"lr", loguniform(0, 0.1)}}, "param_space/lr: loguniform needs 0 < lower");
   check(Json{{"n", randint(5, 5)}}, "param_space/n: randint needs lower < upper");
-  check(Json{{"opt", {{"kind", choice(Json::array())}}}}, "param_space/opt/kind: choice needs at least one value");
+  check(Json{{"opt", {{"kind", choice(Json::array())}}}},
+        "param_space/opt/kind: choice needs at least one value");
   check(Json{{"x", quniform(0, 1, 0)}}, "param_space/x: quniform needs a quantum q > 0");
   check(Json{{"x", Json{{"uniform", {0, "one"}}}}}, "uniform bound \"one\" is not a number");
   check(Json{{"x", choice({grid_search({1, 2})})}}, "cannot stand inside a choice");
   check(Json{{"n", Json{{"randint", {0.5, 3}}}}}, "randint takes integers");
-  expect_error<UsageError>([] { validate_param_space(Json::array()); }, "param_space must be a JSON object");
+  expect_error<UsageError>([] { validate_param_space(Json::array()); },
+                           "param_space must be a JSON object");
 }
 
 TEST(SearchSpace, TheCommandLineFormParsesEveryDomain) {
@@ -159,10 +162,12 @@ TEST(SearchSpace, TheCommandLineFormParsesEveryDomain) {
   EXPECT_EQ(parse_domain("grid:0.1,0.01"), grid_search({0.1, 0.01}));
   EXPECT_EQ(parse_domain("0.5"), Json(0.5));
   EXPECT_EQ(parse_domain("adam"), Json("adam"));
-  expect_error<UsageError>([] { parse_domain("loguniform:small:1"); }, "bound 'small' is not a number");
+  expect_error<UsageError>([] { parse_domain("loguniform:small:1"); },
+                           "bound 'small' is not a number");
   expect_error<UsageError>([] { parse_domain("loguniform:0:1"); }, "loguniform needs 0 < lower");
   expect_error<UsageError>([] { parse_domain("uniform:1"); }, "uniform takes [lower, upper]");
-  EXPECT_EQ(searched_parameters(Json{{"a", 1}, {"lr", parse_domain("uniform:0:1")},
+  EXPECT_EQ(searched_parameters(Json{{"a", 1},
+                                     {"lr", parse_domain("uniform:0:1")},
                                      {"optim", {{"m", parse_domain("choice:0.5,0.9")}}}}),
             (std::vector<std::string>{"lr", "optim/m"}));
 }

@@ -48,9 +48,11 @@ void quadratic(const Json& c) {
 
 TEST(Tuner, AGridOfTrialsFindsTheBestAndKeepsTheExperiment) {
   const auto dir = cohort::testing::temp_dir("tuner_grid");
-  Tuner tuner(quadratic, Json{{"x", grid_search({0.0, 1.0, 2.0, 3.5})}, {"iterations", 3}},
-              TuneConfig{.metric = "score", .mode = "max", .max_concurrent_trials = 2, .max_cpu_threads = 2},
-              RunConfig{.name = "grid", .storage_path = dir, .verbose = 1});
+  Tuner tuner(
+      quadratic, Json{{"x", grid_search({0.0, 1.0, 2.0, 3.5})}, {"iterations", 3}},
+      TuneConfig{
+          .metric = "score", .mode = "max", .max_concurrent_trials = 2, .max_cpu_threads = 2},
+      RunConfig{.name = "grid", .storage_path = dir, .verbose = 1});
   ::testing::internal::CaptureStdout();
   const ResultGrid grid = tuner.fit();
   const std::string output = ::testing::internal::GetCapturedStdout();
@@ -69,12 +71,16 @@ TEST(Tuner, AGridOfTrialsFindsTheBestAndKeepsTheExperiment) {
   ASSERT_EQ(state["trials"].size(), 4u);
   for (const auto& trial : state["trials"]) EXPECT_EQ(trial["status"], "TERMINATED");
   const std::string csv = cohort::testing::read_text((dir / "grid" / "trials.csv").string());
-  EXPECT_EQ(csv.substr(0, csv.find('\n')).find("trial_name,status,stopped_early,config/x,config/iterations"), 0u) << csv;
+  EXPECT_EQ(csv.substr(0, csv.find('\n'))
+                .find("trial_name,status,stopped_early,config/x,config/iterations"),
+            0u)
+      << csv;
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
   // The status table, as plain lines when stdout is not a terminal.
   EXPECT_NE(output.find("== Status =="), std::string::npos) << output;
   EXPECT_NE(output.find("Number of trials: 4/4 (4 TERMINATED)"), std::string::npos) << output;
-  EXPECT_NE(output.find("Current best trial: trial_00002 with score=0.03 and parameters={x=2}"), std::string::npos)
+  EXPECT_NE(output.find("Current best trial: trial_00002 with score=0.03 and parameters={x=2}"),
+            std::string::npos)
       << output;
   EXPECT_NE(output.find("trial_00003 iter 3: score="), std::string::npos) << output;
   // A second experiment of the same name is refused: it would mix with the first.
@@ -84,14 +90,16 @@ TEST(Tuner, AGridOfTrialsFindsTheBestAndKeepsTheExperiment) {
 TEST(Tuner, ATrialThatThrowsIsErroredWhileTheOthersFinish) {
   const auto dir = cohort::testing::temp_dir("tuner_errors");
   Tuner tuner(quadratic, Json{{"x", grid_search({0.0, 1.0, 2.0})}, {"throw_at", 1.0}},
-              TuneConfig{.metric = "score", .mode = "max", .max_cpu_threads = 2}, quiet_run(dir, "errors"));
+              TuneConfig{.metric = "score", .mode = "max", .max_cpu_threads = 2},
+              quiet_run(dir, "errors"));
   const ResultGrid grid = tuner.fit();
   ASSERT_EQ(grid.size(), 3u);
   EXPECT_EQ(grid.num_errors(), 1);
   EXPECT_EQ(grid.num_terminated(), 2);
   ASSERT_EQ(grid.errors().size(), 1u);
   EXPECT_NE(grid.errors()[0].find("trial_00001: "), std::string::npos) << grid.errors()[0];
-  EXPECT_NE(grid.errors()[0].find("x=1.000000 is out of its domain"), std::string::npos) << grid.errors()[0];
+  EXPECT_NE(grid.errors()[0].find("x=1.000000 is out of its domain"), std::string::npos)
+      << grid.errors()[0];
   EXPECT_FALSE(grid[1].ok());
   EXPECT_TRUE(grid[0].ok());
   EXPECT_TRUE(grid[2].ok());
@@ -102,12 +110,14 @@ TEST(Tuner, ATrialThatThrowsIsErroredWhileTheOthersFinish) {
 // ran at once.
 void timed_trial(const Json& c) {
   const auto now = [] {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
   };
   const double start = now();
   work_for(1.0);
   train::report({{"done", 1}});
-  std::ofstream(std::filesystem::path(c["log_dir"].get<std::string>()) / (std::to_string(::getpid()) + ".json"))
+  std::ofstream(std::filesystem::path(c["log_dir"].get<std::string>()) /
+                (std::to_string(::getpid()) + ".json"))
       << Json{{"start", start}, {"end", now()}, {"threads", torch::get_num_threads()}}.dump();
 }
 
@@ -116,7 +126,8 @@ TEST(Tuner, RunningTrialsNeverRequestMoreThreadsThanAllowed) {
   const auto logs = dir / "intervals";
   std::filesystem::create_directories(logs);
   Tuner tuner(timed_trial,
-              Json{{"scaling_config", {{"cpu_threads", grid_search({1, 2, 1, 1, 2})}}}, {"log_dir", logs.string()}},
+              Json{{"scaling_config", {{"cpu_threads", grid_search({1, 2, 1, 1, 2})}}},
+                   {"log_dir", logs.string()}},
               TuneConfig{.max_cpu_threads = 2}, quiet_run(dir, "threads"));
   const ResultGrid grid = tuner.fit();
   ASSERT_EQ(grid.num_terminated(), 5) << (grid.errors().empty() ? "" : grid.errors()[0]);
@@ -144,7 +155,8 @@ TEST(Tuner, RunningTrialsNeverRequestMoreThreadsThanAllowed) {
 void ranked_trial(const Json& c) {
   const double q = c["q"].get<double>();
   int start = 0;
-  if (auto checkpoint = train::get_checkpoint()) start = checkpoint->metrics()["iteration"].get<int>();
+  if (auto checkpoint = train::get_checkpoint())
+    start = checkpoint->metrics()["iteration"].get<int>();
   for (int i = start + 1; i <= 6; ++i) {
     work_for(0.1);
     train::report({{"score", q * (1 - 1.0 / (i + 1))}, {"iteration", i}});
@@ -189,11 +201,13 @@ void long_trial(const Json& c) {
 TEST(Tuner, TheTimeBudgetStopsRunningTrialsAndStartsNoMore) {
   const auto dir = cohort::testing::temp_dir("tuner_budget");
   const auto started = std::chrono::steady_clock::now();
-  const ResultGrid grid = Tuner(long_trial, Json{{"x", grid_search({1, 2, 3, 4, 5, 6})}},
-                                TuneConfig{.max_concurrent_trials = 2, .time_budget_s = 4, .max_cpu_threads = 2},
-                                quiet_run(dir, "budget"))
-                              .fit();
-  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const ResultGrid grid =
+      Tuner(long_trial, Json{{"x", grid_search({1, 2, 3, 4, 5, 6})}},
+            TuneConfig{.max_concurrent_trials = 2, .time_budget_s = 4, .max_cpu_threads = 2},
+            quiet_run(dir, "budget"))
+          .fit();
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   EXPECT_LT(took, 40) << "a 4 s budget, trials of 40 s";
   ASSERT_EQ(grid.size(), 2u);  // the first two, stopped; the other four never started
   for (const auto& t : grid.trials()) {
@@ -206,19 +220,28 @@ TEST(Tuner, TheTimeBudgetStopsRunningTrialsAndStartsNoMore) {
 TEST(Tuner, BadConfigurationsAreNamed) {
   const auto dir = cohort::testing::temp_dir("tuner_bad");
   expect_error<UsageError>(
-      [&] { Tuner(quadratic, Json{{"x", 1.0}}, TuneConfig{.metric = "score"}, quiet_run(dir, "a")).fit(); },
+      [&] {
+        Tuner(quadratic, Json{{"x", 1.0}}, TuneConfig{.metric = "score"}, quiet_run(dir, "a"))
+            .fit();
+      },
       "TuneConfig.metric='score' needs TuneConfig.mode");
   expect_error<UsageError>(
-      [&] { Tuner(quadratic, Json{{"x", loguniform(-1, 1)}}, TuneConfig{}, quiet_run(dir, "b")).fit(); },
+      [&] {
+        Tuner(quadratic, Json{{"x", loguniform(-1, 1)}}, TuneConfig{}, quiet_run(dir, "b")).fit();
+      },
       "param_space/x: loguniform needs 0 < lower");
   expect_error<UsageError>(
-      [&] { Tuner(quadratic, Json{{"x", 1.0}}, TuneConfig{.num_samples = 0}, quiet_run(dir, "c")).fit(); },
+      [&] {
+        Tuner(quadratic, Json{{"x", 1.0}}, TuneConfig{.num_samples = 0}, quiet_run(dir, "c")).fit();
+      },
       "num_samples=0 must be >= 1");
-  expect_error<UsageError>([&] { Tuner::restore(dir / "nothing", quadratic).fit(); }, "holds no experiment");
+  expect_error<UsageError>([&] { Tuner::restore(dir / "nothing", quadratic).fit(); },
+                           "holds no experiment");
   // A trial that can never fit is an error of its own, not a hang.
-  const ResultGrid grid = Tuner(quadratic, Json{{"x", 1.0}, {"scaling_config", {{"cpu_threads", 3}}}},
-                                TuneConfig{.max_cpu_threads = 2}, quiet_run(dir, "d"))
-                              .fit();
+  const ResultGrid grid =
+      Tuner(quadratic, Json{{"x", 1.0}, {"scaling_config", {{"cpu_threads", 3}}}},
+            TuneConfig{.max_cpu_threads = 2}, quiet_run(dir, "d"))
+          .fit();
   ASSERT_EQ(grid.num_errors(), 1);
   EXPECT_NE(grid.errors()[0].find("requests 3 CPU threads"), std::string::npos) << grid.errors()[0];
 }

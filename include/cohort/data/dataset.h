@@ -57,7 +57,8 @@ struct ExecutionOptions {
   int max_worker_restarts = 8;
   // Once every task of an epoch is handed out, workers with room in the window start on the
   // next epoch's tasks, so its first batches are ready when the consumer begins it (an epoch
-  // the consumer then skips, with set_epoch, costs that work). materialize(), count() and take() never do.
+  // the consumer then skips, with set_epoch, costs that work). materialize(), count() and take()
+  // never do.
   bool prefetch_next_epoch = true;
 };
 

@@ -23,6 +23,7 @@ void check_mnist_dir(const std::filesystem::path& dir);
 
 // Loads one split: inputs uint8 [N, 1, 28, 28] with a normalising transform to float, targets
 // int64 [N].
-TensorDataset load_mnist(const std::filesystem::path& dir, Split split, const MnistOptions& options = {});
+TensorDataset load_mnist(const std::filesystem::path& dir, Split split,
+                         const MnistOptions& options = {});
 
 }  // namespace cohort::data

@@ -88,7 +88,8 @@ class WorkerGroup {
   // forwards what arrives within `max_wait`, reacts to exits, and returns the outcome once the
   // group has ended (then never again). Hold an InterruptScope around the loop, so that Ctrl-C
   // stops the groups instead of ending this process.
-  std::optional<GroupOutcome> poll(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait);
+  std::optional<GroupOutcome> poll(const WorkerGroupHandlers& handlers,
+                                   std::chrono::milliseconds max_wait);
   // From a handler inside wait(): ends the group as failed, with this reason.
   void request_stop(std::string reason);
   // True once the group is being stopped (a failure, a request or a signal).

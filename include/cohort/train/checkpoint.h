@@ -49,7 +49,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
                            const torch::optim::Optimizer& optimizer);
 // In a worker of an elastic run whose checkpoint came from a group of another size, then runs
 // ScalingConfig::on_world_size_change.
-void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module, torch::optim::Optimizer& optimizer);
+void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
+                     torch::optim::Optimizer& optimizer);
 
 // An on_world_size_change for the linear scaling rule (Goyal et al. 2017): with the per-worker
 // batch fixed, the global batch scales with the world size, and so does every group's lr.

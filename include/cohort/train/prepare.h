@@ -23,7 +23,8 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options = {});
 
 template <typename M>
-std::shared_ptr<M> prepare_model(std::shared_ptr<M> model, const PrepareModelOptions& options = {}) {
+std::shared_ptr<M> prepare_model(std::shared_ptr<M> model,
+                                 const PrepareModelOptions& options = {}) {
   prepare_module(model, options);
   return model;
 }
@@ -46,7 +47,8 @@ inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
 
 // A loader over this rank's shard of `dataset`, batches on this worker's device
 // (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.
-data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options = {});
+data::DataLoader prepare_data_loader(data::TensorDataset dataset,
+                                     data::DataLoaderOptions options = {});
 
 // This rank's stream of the Dataset given to the Trainer under `name` (Ray Train's
 // get_dataset_shard): a strided shard of equal length (after the dataset's random_shuffle, redrawn

@@ -44,7 +44,9 @@ class TrialScheduler {
 // Runs every trial to its end (the default).
 class FIFOScheduler : public TrialScheduler {
  public:
-  TrialDecision on_trial_result(const std::string&, const Json&) override { return TrialDecision::kContinue; }
+  TrialDecision on_trial_result(const std::string&, const Json&) override {
+    return TrialDecision::kContinue;
+  }
   std::string describe() const override { return "FIFOScheduler"; }
   Json to_json() const override { return Json{{"type", "fifo"}}; }
 };
@@ -93,7 +95,8 @@ class ASHAScheduler : public TrialScheduler {
   // The value a trial must reach at this rung to go on: the (1 - 1/reduction_factor) percentile
   // of those recorded there; none while the rung is empty.
   std::optional<double> cutoff(const Rung& rung) const;
-  TrialDecision record(std::vector<Rung>& bracket, const std::string& trial_id, double progress, double value);
+  TrialDecision record(std::vector<Rung>& bracket, const std::string& trial_id, double progress,
+                       double value);
   ASHAOptions options_;
   double sign_ = 1;  // +1 for max, -1 for min
   std::vector<std::vector<Rung>> brackets_;

@@ -56,12 +56,14 @@ class Searcher {
  public:
   virtual ~Searcher() = default;
   // Called once before the first suggest().
-  virtual void set_search_properties(const std::string& metric, const std::string& mode, const Json& param_space) {}
+  virtual void set_search_properties(const std::string& metric, const std::string& mode,
+                                     const Json& param_space) {}
   // The config of the next trial, or nullopt once the searcher has no more.
   virtual std::optional<Json> suggest(const std::string& trial_id) = 0;
   // Every result of a trial, and its end (errored: it failed). Model-based searchers learn here.
   virtual void on_trial_result(const std::string& trial_id, const Json& result) {}
-  virtual void on_trial_complete(const std::string& trial_id, const Json& last_result, bool errored) {}
+  virtual void on_trial_complete(const std::string& trial_id, const Json& last_result,
+                                 bool errored) {}
   // The number of trials it will suggest in all, when known.
   virtual std::optional<int64_t> total_trials() const { return std::nullopt; }
 };
@@ -75,7 +77,8 @@ class BasicVariantGenerator : public Searcher {
   // num_samples: how often the whole grid is repeated (TuneConfig::num_samples).
   explicit BasicVariantGenerator(uint64_t seed = 0, int num_samples = 1)
       : seed_(seed), rng_(seed), num_samples_(num_samples) {}
-  void set_search_properties(const std::string& metric, const std::string& mode, const Json& param_space) override;
+  void set_search_properties(const std::string& metric, const std::string& mode,
+                             const Json& param_space) override;
   std::optional<Json> suggest(const std::string& trial_id) override;
   std::optional<int64_t> total_trials() const override;
 

@@ -62,8 +62,8 @@ struct TrialInfo {
 // order, each with the trial's config.
 class ResultGrid {
  public:
-  ResultGrid(std::filesystem::path experiment_path, std::vector<TrialInfo> trials, std::vector<Result> results,
-             std::string metric, std::string mode);
+  ResultGrid(std::filesystem::path experiment_path, std::vector<TrialInfo> trials,
+             std::vector<Result> results, std::string metric, std::string mode);
 
   size_t size() const { return results_.size(); }
   const Result& operator[](size_t i) const { return results_.at(i); }
@@ -73,7 +73,8 @@ class ResultGrid {
   // The trial with the best `metric` (default: TuneConfig's), by its last result (scope "last")
   // or its best result ever (scope "all"). Trials that never reported the metric are skipped;
   // throws UsageError when none did.
-  Result get_best_result(std::string metric = "", std::string mode = "", const std::string& scope = "last") const;
+  Result get_best_result(std::string metric = "", std::string mode = "",
+                         const std::string& scope = "last") const;
   int num_errors() const;
   int num_terminated() const;
   // "trial_00003: <error>" for every errored trial.
@@ -106,11 +107,12 @@ class ResultGrid {
 // and verbose (0: silent, 1: the status table) are used.
 class Tuner {
  public:
-  Tuner(Trainer trainable, Json param_space, TuneConfig tune_config = {}, RunConfig run_config = {});
+  Tuner(Trainer trainable, Json param_space, TuneConfig tune_config = {},
+        RunConfig run_config = {});
   // A function trainable: one worker per trial with `resources`, the function receiving the
   // trial's config; it calls train::report and may use checkpoints as a Trainer's loop does.
-  Tuner(TrainLoop trainable, Json param_space, TuneConfig tune_config = {}, RunConfig run_config = {},
-        WorkerResources resources = {});
+  Tuner(TrainLoop trainable, Json param_space, TuneConfig tune_config = {},
+        RunConfig run_config = {}, WorkerResources resources = {});
 
   // Whether `experiment_path` holds an experiment that Tuner::restore can continue.
   static bool can_restore(const std::filesystem::path& experiment_path);
@@ -118,9 +120,10 @@ class Tuner {
   // ERROR) are not rerun, unfinished ones resume from their latest checkpoints, and the rest
   // of the search goes on. The param space and TuneConfig come from the experiment; a custom
   // scheduler or search_alg (which cannot be saved) is given again in `objects`.
-  static Tuner restore(const std::filesystem::path& experiment_path, Trainer trainable, TuneConfig objects = {});
-  static Tuner restore(const std::filesystem::path& experiment_path, TrainLoop trainable, TuneConfig objects = {},
-                       WorkerResources resources = {});
+  static Tuner restore(const std::filesystem::path& experiment_path, Trainer trainable,
+                       TuneConfig objects = {});
+  static Tuner restore(const std::filesystem::path& experiment_path, TrainLoop trainable,
+                       TuneConfig objects = {}, WorkerResources resources = {});
 
   ResultGrid fit();
 

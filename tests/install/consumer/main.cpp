@@ -17,7 +17,8 @@ int main(int argc, char** argv) {
         }
         cohort::train::report({{"world_size", cohort::train::get_context().get_world_size()}});
       },
-      {.num_workers = 2}, {.name = "consumer", .storage_path = argc > 1 ? argv[1] : "./cohort_results", .verbose = 0});
+      {.num_workers = 2},
+      {.name = "consumer", .storage_path = argc > 1 ? argv[1] : "./cohort_results", .verbose = 0});
   auto result = trainer.fit();
   std::cout << "consumer world_size " << result.metrics.value("world_size", 0) << std::endl;
   return result.ok() ? 0 : 1;

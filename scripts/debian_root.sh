@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# Builds and tests cohort against another Debian suite's libtorch, inside a Debian root made with
+# debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
+#
+#   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-tests]
+#
+# The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
+# later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
+# bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the
+# library and CLI without the precompiled header (every file includes what it uses). --cuda
+# instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
+# download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
+# Needs root.
+set -euo pipefail
+src="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+suite=sid
+cuda=0
+core_pch=ON
+tests=1
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --suite) suite="$2"; shift 2 ;;
+    --cuda) cuda=1; shift ;;
+    --no-core-pch) core_pch=OFF; shift ;;
+    --no-tests) tests=0; shift ;;
+    *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
+  esac
+done
+case "$suite" in
+  sid|trixie) ;;
+  *) echo "debian_root.sh: --suite $suite: use sid (libtorch 2.x, newest) or trixie (libtorch 2.6)" >&2; exit 2 ;;
+esac
+if [ "$(id -u)" -ne 0 ]; then
+  echo "debian_root.sh: needs root (debootstrap, chroot, mounts): run it with sudo" >&2
+  exit 2
+fi
+
+roots="${COHORT_ROOTS:-/var/cache/cohort/roots}"
+root="$roots/$suite"
+[ "$cuda" -eq 1 ] && root="$roots/$suite-cuda"
+mirror="$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1)"
+mirror="${mirror:-http://deb.debian.org/debian}"
+components=main
+[ "$cuda" -eq 1 ] && components="main,contrib,non-free"
+
+log() { echo "debian_root ($suite): $*" >&2; }
+
+if ! command -v debootstrap >/dev/null; then
+  log "installing debootstrap"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >&2
+fi
+
+# A root is complete once the marker exists; a half-made one (killed run) is made again.
+if [ ! -f "$root/.cohort-ready" ]; then
+  rm -rf "$root"
+  mkdir -p "$roots"
+  log "creating the root at $root from $mirror (a few minutes, once per machine)"
+  debootstrap --variant=minbase --components="$components" "$suite" "$root" "$mirror" >&2 \
+    || { tail -20 "$root/debootstrap/debootstrap.log" >&2 2>/dev/null; exit 1; }
+  # The registry's copy of a moving suite can be past its Release file's Valid-Until date.
+  echo 'Acquire::Check-Valid-Until "false";' > "$root/etc/apt/apt.conf.d/99cohort-valid-until"
+  echo "deb $mirror $suite ${components//,/ }" > "$root/etc/apt/sources.list"
+  touch "$root/.cohort-ready"
+fi
+
+mounts=()
+cleanup() {
+  local m
+  for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+    m="${mounts[$i]}"
+    umount -l "$m" 2>/dev/null || true
+  done
+}
+trap cleanup EXIT
+bind() {  # bind <from> <to-inside-root>
+  mkdir -p "$root$2"
+  mount --bind "$1" "$root$2"
+  mounts+=("$root$2")
+}
+# The root a mount point of its own: `ip netns exec` remounts / (tests make hosts with it).
+mount --bind "$root" "$root" && mounts+=("$root")
+mount -t proc proc "$root/proc" && mounts+=("$root/proc")
+# All of /sys, with /sys/fs/cgroup (slurmd needs it); slave, so unmounting here leaves the host's.
+mount --rbind /sys "$root/sys" && mount --make-rslave "$root/sys" && mounts+=("$root/sys")
+bind /dev /dev
+bind /dev/pts /dev/pts
+mkdir -p "$root/dev/shm" "$root/run"
+mount -t tmpfs -o mode=1777 shm "$root/dev/shm" && mounts+=("$root/dev/shm")
+mount -t tmpfs run "$root/run" && mounts+=("$root/run")
+cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
+bind "$src" /src
+ccache_dir="${CCACHE_DIR:-$HOME/.cache/ccache}-$suite"
+mkdir -p "$ccache_dir"
+bind "$ccache_dir" /ccache
+
+in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+  CCACHE_DIR=/ccache CI="${CI:-}" LANG=C.UTF-8 "$@"; }
+
+stamp="$root/.cohort-upgraded"
+if [ ! -f "$stamp" ] || [ -n "$(find "$stamp" -mmin +1440)" ]; then
+  log "apt update and upgrade"
+  in_root apt-get update -qq >&2
+  in_root env DEBIAN_FRONTEND=noninteractive apt-get -y -qq -o Dpkg::Use-Pty=0 dist-upgrade >&2
+  touch "$stamp"
+fi
+if [ "$cuda" -eq 1 ]; then
+  # nvidia-cudnn's set-up downloads from NVIDIA and fails here; the headers are unpacked anyway.
+  in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    libtorch-cuda-dev libgloo-cuda-dev nlohmann-json3-dev g++ >&2 || true
+  in_root sh -c 'cd /tmp && apt-get download -qq libnccl-dev && dpkg -x libnccl-dev_*.deb / && rm libnccl-dev_*.deb'
+  status=0
+  for f in src/comm/*.cpp; do
+    if in_root sh -c "cd /src && g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
+        -Wno-missing-field-initializers -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_C10D_NCCL -DCOHORT_WITH_NCCL \
+        -Iinclude -Isrc -isystem /usr/include/torch/csrc/api/include $f"; then
+      log "$f compiles with NCCL against $(in_root dpkg-query -W -f='libtorch-cuda-dev ${Version}' libtorch-cuda-dev)"
+    else
+      status=1
+    fi
+  done
+  exit "$status"
+fi
+
+log "$(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev 2>/dev/null || echo 'libtorch-dev not installed yet')"
+build="build-$suite"
+# The configuration is made once per build folder; a changed option starts it afresh.
+if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt"; then rm -rf "${src:?}/$build"; fi
+in_root env COHORT_BUILD_DIR="/src/$build" COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch" /src/scripts/setup.sh
+log "built $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
+if [ "$tests" -eq 1 ]; then
+  in_root ctest --test-dir "/src/$build" --output-on-failure -j2
+fi

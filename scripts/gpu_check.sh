@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# GPU checks, on a host with a CUDA GPU and a CUDA build of torch (a Python wheel) but no package
+# registry. Two steps:
+#
+#   scripts/gpu_check.sh --stage        # here, with Debian's packages: copies what the GPU host
+#                                       # lacks into .gpu_deps/ (header-only libraries, Gloo's
+#                                       # headers, GoogleTest's sources, Fashion-MNIST)
+#   scripts/gpu_check.sh [--bench]      # there, in a copy of the tree with .gpu_deps/: builds
+#                                       # cohort against the wheel's libtorch, runs the CUDA tests,
+#                                       # then seed 002's job (ResNet-18, 10 epochs) on the GPU;
+#                                       # --bench adds bench/ddp_throughput on CPU at 2, 4, 8 workers
+#
+# Environment: PYTHON (default python3, the one with torch), JOBS (default: all cores),
+# EPOCHS (default 10).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+deps="$root/.gpu_deps"
+
+if [ "${1:-}" = "--stage" ]; then
+  rm -rf "$deps"
+  # The layout of /usr (include/, share/cmake/): the package configs find their headers three
+  # folders up from themselves, so .gpu_deps works as a prefix.
+  mkdir -p "$deps/include" "$deps/share/cmake" "$deps/src" "$deps/data"
+  cp -r /usr/include/nlohmann /usr/include/CLI /usr/include/gloo "$deps/include/"
+  cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 "$deps/share/cmake/"
+  cp -r /usr/src/googletest "$deps/src/"
+  cp -r /usr/share/datasets/fashion-mnist "$deps/data/"
+  echo "staged $(du -sh "$deps" | cut -f1) in $deps: carry .gpu_deps to the GPU host"
+  exit 0
+fi
+
+bench=0
+[ "${1:-}" = "--bench" ] && bench=1
+if [ ! -d "$deps" ]; then
+  echo "gpu_check: $deps is missing: run scripts/gpu_check.sh --stage on a Debian host first and carry it" >&2
+  exit 2
+fi
+python="${PYTHON:-python3}"
+jobs="${JOBS:-$(nproc)}"
+torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+torch_lib="$("$python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
+echo "gpu_check: torch $("$python" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') at $torch_prefix"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# The wheel's CUDA headers and libraries come in nvidia-* wheels beside torch.
+cuda_root="$("$python" -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)"
+
+# GoogleTest from Debian's sources, installed into the staging folder once.
+if [ ! -f "$deps/gtest/lib/cmake/GTest/GTestConfig.cmake" ] && [ ! -f "$deps/gtest/lib64/cmake/GTest/GTestConfig.cmake" ]; then
+  cmake -S "$deps/src/googletest" -B "$deps/gtest-build" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_INSTALL_PREFIX="$deps/gtest" -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DBUILD_GMOCK=OFF >/dev/null
+  cmake --build "$deps/gtest-build" -j "$jobs" --target install >/dev/null
+fi
+
+build="$root/build-gpu"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+  -DCMAKE_PREFIX_PATH="$torch_prefix;$deps;$deps/gtest" \
+  ${cuda_root:+-DCUDAToolkit_ROOT="$cuda_root"} \
+  -DCOHORT_GLOO_INCLUDE_DIR="$deps/include" -DCOHORT_WITH_OPENCV=OFF \
+  -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON
+cmake --build "$build" -j "$jobs" --target cohort_cli comm_test runtime_test parallel_test train_test ddp_throughput
+
+status=0
+run() { echo "+ $*"; "$@" || status=1; }
+run "$build/tests/comm_test" --gtest_filter='CudaCollectives.*:ProcessGroup.*'
+run "$build/tests/runtime_test" --gtest_filter='Gpus.*'
+run "$build/tests/train_test" --gtest_filter='GpuTraining.*:Trainer.*'
+run "$build/tests/parallel_test"
+
+# Seed 002: ResNet-18 with the 1-channel 7x7 stem on Fashion-MNIST, batch 128, Adam 1e-3.
+run "$build/cohort" train --model resnet18 --dataset fashion-mnist --data-dir "$deps/data/fashion-mnist" \
+  --workers 1 --use-gpu --batch-size 128 --optimizer adam --lr 0.001 --epochs "${EPOCHS:-10}" \
+  --storage-path "$build/runs" --name resnet18_gpu --no-resume --quiet
+run "$python" - "$build/runs/resnet18_gpu/result.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+m = r["metrics"]
+print(f"resnet18 on the GPU: test_accuracy {m['test_accuracy']:.4f}, {m['epochs']} epochs in "
+      f"{m['elapsed_s']:.1f} s ({m['elapsed_s'] / m['epochs']:.2f} s/epoch), "
+      f"{m['samples_per_second']:.0f} samples/s")
+EOF
+
+if [ "$bench" -eq 1 ]; then
+  for workers in 1 2 4 8; do
+    for mode in independent ddp; do
+      echo "ddp_throughput --mode $mode --workers $workers: $("$build/bench/ddp_throughput" --mode "$mode" \
+        --workers "$workers" --data-dir "$deps/data/fashion-mnist" --steps 200)"
+    done
+  done
+fi
+exit "$status"
