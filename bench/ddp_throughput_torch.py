@@ -44,8 +44,13 @@ def read_idx(path):
 
 def worker(rank, args, port, out):
     torch.set_num_threads(args.threads)
-    store = dist.TCPStore("127.0.0.1", port, args.workers, rank == 0,
-                          timeout=datetime.timedelta(seconds=60))
+    timeout = datetime.timedelta(seconds=60)
+    try:
+        # Debian's torch 2.x is built without libuv, which TCPStore otherwise asks for.
+        store = dist.TCPStore("127.0.0.1", port, args.workers, rank == 0, timeout=timeout,
+                              use_libuv=False)
+    except TypeError:  # torch 1.13 has no use_libuv
+        store = dist.TCPStore("127.0.0.1", port, args.workers, rank == 0, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.workers)
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(CNN())
