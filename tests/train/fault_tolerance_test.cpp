@@ -63,8 +63,8 @@ void regression_loop(const Json& c) {
       if (fault == "throw" && first_time(fault)) throw std::runtime_error("injected failure");
     }
     std::optional<Checkpoint> checkpoint;
-    const auto tmp =
-        std::filesystem::temp_directory_path() / ("cohort-ft-" + std::to_string(::getpid()));
+    // Inside the run directory: a rank killed before removing it leaves nothing in /tmp.
+    const auto tmp = ctx.get_storage_path() / ("ft-staging-" + std::to_string(::getpid()));
     if (ctx.get_world_rank() == 0) {
       checkpoint = train::save_checkpoint(tmp, *model, optimizer);
     }

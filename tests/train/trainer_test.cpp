@@ -184,10 +184,11 @@ TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
                                               "inside the function given to cohort::Trainer");
 }
 
-// Writes `files` (name -> content) to a fresh folder for a checkpoint.
+// Writes `files` (name -> content) to a fresh folder for a checkpoint, inside the run directory
+// so that the test's cleanup removes it (a worker ends with _Exit, running no cleanup of its own).
 Checkpoint folder_with(const std::string& tag, const std::map<std::string, std::string>& files) {
-  auto dir = std::filesystem::temp_directory_path() /
-             ("cohort-test-ckpt-" + tag + "-" + std::to_string(::getpid()));
+  auto dir = train::get_context().get_storage_path() /
+             ("test-ckpt-" + tag + "-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   for (const auto& [name, content] : files) std::ofstream(dir / name) << content;
