@@ -232,6 +232,10 @@ struct ProcessGroup::State {
     return Work(std::move(state));
   }
 
+  // A list call's tensors: one per rank, of one dtype and device with `other`.
+  void check_one_per_rank(const std::vector<at::Tensor>& list, const at::Tensor& other,
+                          const char* what, const char* name) const;
+
   void check_peer(int peer, const char* what) const {
     if (peer < 0 || peer >= world_size || peer == rank) {
       throw UsageError(describe(what) + ": peer " + std::to_string(peer) +
@@ -270,6 +274,18 @@ void check_numel(const at::Tensor& big, const at::Tensor& part, int64_t world, c
 }
 
 }  // namespace
+
+void ProcessGroup::State::check_one_per_rank(const std::vector<at::Tensor>& list,
+                                             const at::Tensor& other, const char* what,
+                                             const char* name) const {
+  if (list.size() != static_cast<size_t>(world_size)) {
+    throw UsageError(describe(what) + ": " + std::to_string(list.size()) + " " + name +
+                     " given, one per rank needed (" + std::to_string(world_size) + ")");
+  }
+  std::vector<at::Tensor> all = list;
+  all.push_back(other);
+  check_same_kind(all, what);
+}
 
 ProcessGroup::ProcessGroup(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
@@ -445,14 +461,7 @@ void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
 }
 
 Work ProcessGroup::allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
-  if (outputs.size() != static_cast<size_t>(state_->world_size)) {
-    throw UsageError(state_->describe("allgather") + ": " + std::to_string(outputs.size()) +
-                     " outputs given, one per rank needed (" + std::to_string(state_->world_size) +
-                     ")");
-  }
-  std::vector<at::Tensor> all = outputs;
-  all.push_back(input);
-  check_same_kind(all, "allgather");
+  state_->check_one_per_rank(outputs, input, "allgather", "outputs");
   return state_->run("allgather", input,
                      [&](Transport& t) { return t.allgather(outputs, input.contiguous()); });
 }
@@ -477,14 +486,7 @@ void ProcessGroup::allgather_into(at::Tensor& output, const at::Tensor& input) {
 
 Work ProcessGroup::reduce_scatter_async(at::Tensor& output, std::vector<at::Tensor>& inputs,
                                         ReduceOp op) {
-  if (inputs.size() != static_cast<size_t>(state_->world_size)) {
-    throw UsageError(state_->describe("reduce_scatter") + ": " + std::to_string(inputs.size()) +
-                     " inputs given, one per rank needed (" + std::to_string(state_->world_size) +
-                     ")");
-  }
-  std::vector<at::Tensor> all = inputs;
-  all.push_back(output);
-  check_same_kind(all, "reduce_scatter");
+  state_->check_one_per_rank(inputs, output, "reduce_scatter", "inputs");
   for (const auto& in : inputs) {
     if (in.sizes() != output.sizes()) {
       throw UsageError(state_->describe("reduce_scatter") +

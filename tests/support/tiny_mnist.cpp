@@ -1,5 +1,9 @@
 #include "support/tiny_mnist.h"
 
+#include <cstdlib>
+#include <system_error>
+#include <vector>
+
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -37,6 +41,15 @@ std::filesystem::path temp_dir(const std::string& tag) {
   if (spawned) return dir;
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  // The test process removes its folders when it exits, whether or not the test did.
+  static std::vector<std::filesystem::path> made;
+  if (made.empty()) {
+    std::atexit([] {
+      std::error_code ignored;
+      for (const auto& d : made) std::filesystem::remove_all(d, ignored);
+    });
+  }
+  made.push_back(dir);
   return dir;
 }
 
