@@ -291,6 +291,16 @@ ProcessGroup::ProcessGroup(std::shared_ptr<State> state) : state_(std::move(stat
 
 namespace {
 
+// The groups of this process, for group_activity(): observed, never used to run collectives.
+struct GroupRegistry {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<ProcessGroup::State>> groups;
+};
+GroupRegistry& group_registry() {
+  static GroupRegistry registry;
+  return registry;
+}
+
 std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world_size,
                                                 const ProcessGroupOptions& options,
                                                 std::vector<int> global_ranks, bool subgroup) {
@@ -318,6 +328,12 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
   state->rank = rank;
   state->world_size = world_size;
   state->global_ranks = std::move(global_ranks);
+  {
+    auto& registry = group_registry();
+    std::lock_guard lock(registry.mutex);
+    std::erase_if(registry.groups, [](const auto& g) { return g.expired(); });
+    registry.groups.push_back(state);
+  }
   if (options.backend != Backend::kNccl) {
     try {
       state->gloo = make_gloo_transport(state->keys, rank, world_size, options);
@@ -425,6 +441,21 @@ int ProcessGroup::group_rank(int global_rank) const {
   const auto& g = state_->global_ranks;
   const auto it = std::find(g.begin(), g.end(), global_rank);
   return it == g.end() ? -1 : static_cast<int>(it - g.begin());
+}
+
+std::vector<GroupActivity> group_activity() {
+  auto& registry = group_registry();
+  std::lock_guard lock(registry.mutex);
+  std::vector<GroupActivity> activity;
+  for (const auto& weak : registry.groups) {
+    if (auto state = weak.lock()) {
+      activity.push_back({.name = state->options.prefix,
+                          .global_ranks = state->global_ranks,
+                          .entered = state->entered.load(),
+                          .last = state->last.load()});
+    }
+  }
+  return activity;
 }
 
 int64_t ProcessGroup::collectives_entered() const { return state_ ? state_->entered.load() : 0; }

@@ -44,6 +44,19 @@ int64_t Store::add(const std::string& key, int64_t delta) { return state_->store
 
 bool Store::check(const std::vector<std::string>& keys) { return state_->store->check(keys); }
 
+std::vector<std::string> Store::get_many(const std::vector<std::string>& keys) {
+  return state_->store->get_many(keys);
+}
+
+int64_t Store::remove_prefix(const std::string& prefix) {
+  return state_->store->delete_prefix(prefix);
+}
+
+Store::Stats Store::stats() {
+  const auto values = state_->store->stats();
+  return {.keys = values.at(0), .bytes = values.at(1), .clients = values.at(2)};
+}
+
 void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout) {
   try {
     state_->store->wait(keys, timeout);
@@ -62,6 +75,17 @@ std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int r
                                                 const std::string& value, const std::string& what,
                                                 std::chrono::milliseconds timeout,
                                                 const std::string& members) {
+  // One name, one set of participants: a second barrier of another size under the same name
+  // would pass on the first one's keys.
+  const std::string participants = std::to_string(world) + " " + members;
+  const auto held = state_->store->compareSet(prefix + "@participants", {},
+                                              {participants.begin(), participants.end()});
+  if (std::string(held.begin(), held.end()) != participants) {
+    throw UsageError("barrier '" + prefix + "' was entered by rank " + std::to_string(rank) +
+                     " as a barrier of " + participants + " but it is a barrier of " +
+                     std::string(held.begin(), held.end()) +
+                     ": give each barrier its own name (e.g. add the step)");
+  }
   set(prefix + std::to_string(rank), value);
   std::vector<std::string> keys;
   for (int r = 0; r < world; ++r) keys.push_back(prefix + std::to_string(r));
@@ -76,9 +100,7 @@ std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int r
     throw TimeoutError(members + " [" + missing + "] of " + std::to_string(world) + " did not " +
                        what + " within " + std::to_string(timeout.count()) + " ms");
   }
-  std::vector<std::string> values;
-  for (const auto& key : keys) values.push_back(state_->store->get_present(key));
-  return values;
+  return get_many(keys);
 }
 
 }  // namespace cohort::comm

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <unordered_map>
 
 #include "cohort/error.h"
 
@@ -22,7 +23,20 @@ using Clock = std::chrono::steady_clock;
 
 // Wire format, both ways: u32 length of the rest, u64 request id, u8 op (request) or status
 // (reply: 0 ok, 1 error), u32 field count, then each field as u32 length + bytes.
-enum Op : uint8_t { kHello = 1, kSet, kGet, kAdd, kCheck, kWait, kDelete, kNumKeys, kCompareSet };
+enum Op : uint8_t {
+  kHello = 1,
+  kSet,
+  kGet,
+  kAdd,
+  kCheck,
+  kWait,
+  kDelete,
+  kNumKeys,
+  kCompareSet,
+  kGetMany,
+  kDeletePrefix,
+  kStats,
+};
 
 struct Frame {
   uint64_t id = 0;
@@ -126,7 +140,8 @@ TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string jo
     if (fd < 0) continue;
     const int one = 1;
     ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 1024) == 0) {
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0 &&
+        ::fcntl(fd, F_SETFL, O_NONBLOCK) == 0) {
       listen_fd_ = fd;
     } else {
       last_error = std::strerror(errno);
@@ -170,35 +185,57 @@ void TcpStoreServer::serve() {
     std::string in;
     bool greeted = false;
   };
+  // A wait for several keys: it is filed under the first of them that is missing, so a set
+  // looks only at the waits that key blocks (a barrier of n ranks costs O(n) lookups per key,
+  // not O(n^2)).
   struct Waiter {
     int fd;
     uint64_t id;
     std::vector<std::string> keys;
+    size_t next = 0;  // keys before it were seen set
   };
   std::map<std::string, std::string> data;
+  int64_t bytes = 0;  // of keys and values in `data`
   std::vector<Client> clients;
-  std::vector<Waiter> waiters;
+  std::map<uint64_t, Waiter> waiters;  // by a serial number
+  std::unordered_map<std::string, std::vector<uint64_t>> blocked_on;
+  uint64_t next_waiter = 0;
 
   auto reply = [](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
     send_all(
         fd,
         encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}));
   };
-  auto has_all = [&](const std::vector<std::string>& keys) {
-    for (const auto& k : keys) {
-      if (!data.count(k)) return false;
+  // Advances a wait past the keys that are set: replies and forgets it when none is left, else
+  // files it under the next missing key.
+  auto advance = [&](uint64_t serial) {
+    Waiter& w = waiters.at(serial);
+    while (w.next < w.keys.size() && data.count(w.keys[w.next])) ++w.next;
+    if (w.next == w.keys.size()) {
+      reply(w.fd, w.id, true, {});
+      waiters.erase(serial);
+    } else {
+      blocked_on[w.keys[w.next]].push_back(serial);
     }
-    return true;
   };
-  auto release_waiters = [&] {
-    for (auto it = waiters.begin(); it != waiters.end();) {
-      if (has_all(it->keys)) {
-        reply(it->fd, it->id, true, {});
-        it = waiters.erase(it);
-      } else {
-        ++it;
-      }
+  auto put = [&](const std::string& key, std::string value) {
+    auto [it, inserted] = data.try_emplace(key);
+    bytes +=
+        static_cast<int64_t>(value.size()) -
+        (inserted ? -static_cast<int64_t>(key.size()) : static_cast<int64_t>(it->second.size()));
+    it->second = std::move(value);
+    if (!inserted) return;
+    auto blocked = blocked_on.find(key);
+    if (blocked == blocked_on.end()) return;
+    const auto serials = std::move(blocked->second);
+    blocked_on.erase(blocked);
+    for (uint64_t serial : serials) {
+      if (waiters.count(serial)) advance(serial);  // else its client went away
     }
+  };
+  auto erase = [&](std::map<std::string, std::string>::iterator it) {
+    bytes -= static_cast<int64_t>(it->first.size() + it->second.size());
+    return data.erase(it);
   };
   // Returns false to drop the client.
   auto handle = [&](Client& c, const Frame& f) {
@@ -221,9 +258,8 @@ void TcpStoreServer::serve() {
     }
     switch (f.code) {
       case kSet:
-        data[arg(0)] = arg(1);
+        put(arg(0), arg(1));
         reply(c.fd, f.id, true, {});
-        release_waiters();
         break;
       case kGet: {
         auto it = data.find(arg(0));
@@ -234,37 +270,69 @@ void TcpStoreServer::serve() {
         }
         break;
       }
+      case kGetMany: {
+        std::vector<std::string> values;
+        values.reserve(a.size());
+        for (const auto& key : a) {
+          auto it = data.find(key);
+          if (it == data.end()) {
+            values = {"key '" + key + "' is not set"};
+            break;
+          }
+          values.push_back(it->second);
+        }
+        const bool all = values.size() == a.size();
+        reply(c.fd, f.id, all, std::move(values));
+        break;
+      }
       case kAdd: {
         auto it = data.find(arg(0));
         const int64_t value = (it == data.end() ? 0 : std::stoll(it->second)) + i64_of(arg(1));
-        data[arg(0)] = std::to_string(value);
+        put(arg(0), std::to_string(value));
         reply(c.fd, f.id, true, {i64_field(value)});
-        release_waiters();
         break;
       }
-      case kCheck:
-        reply(c.fd, f.id, true, {has_all(a) ? "1" : "0"});
+      case kCheck: {
+        bool all = true;
+        for (const auto& key : a) all = all && data.count(key);
+        reply(c.fd, f.id, true, {all ? "1" : "0"});
         break;
-      case kWait:
-        if (has_all(a)) {
-          reply(c.fd, f.id, true, {});
-        } else {
-          waiters.push_back({c.fd, f.id, a});
+      }
+      case kWait: {
+        const uint64_t serial = next_waiter++;
+        waiters.emplace(serial, Waiter{.fd = c.fd, .id = f.id, .keys = a});
+        advance(serial);
+        break;
+      }
+      case kDelete: {
+        auto it = data.find(arg(0));
+        const bool found = it != data.end();
+        if (found) erase(it);
+        reply(c.fd, f.id, true, {found ? "1" : "0"});
+        break;
+      }
+      case kDeletePrefix: {
+        int64_t count = 0;
+        for (auto it = data.lower_bound(arg(0));
+             it != data.end() && it->first.compare(0, arg(0).size(), arg(0)) == 0; ++count) {
+          it = erase(it);
         }
+        reply(c.fd, f.id, true, {i64_field(count)});
         break;
-      case kDelete:
-        reply(c.fd, f.id, true, {data.erase(arg(0)) ? "1" : "0"});
-        break;
+      }
       case kNumKeys:
         reply(c.fd, f.id, true, {i64_field(static_cast<int64_t>(data.size()))});
         break;
+      case kStats:
+        reply(c.fd, f.id, true,
+              {i64_field(static_cast<int64_t>(data.size())), i64_field(bytes),
+               i64_field(static_cast<int64_t>(clients.size()))});
+        break;
       case kCompareSet: {
         auto it = data.find(arg(0));
-        if (it == data.end() ? arg(1).empty() : it->second == arg(1)) {
-          data[arg(0)] = arg(2);
-          release_waiters();
-        }
-        reply(c.fd, f.id, true, {data.count(arg(0)) ? data[arg(0)] : arg(1)});
+        if (it == data.end() ? arg(1).empty() : it->second == arg(1)) put(arg(0), arg(2));
+        it = data.find(arg(0));
+        reply(c.fd, f.id, true, {it != data.end() ? it->second : arg(1)});
         break;
       }
       default:
@@ -273,23 +341,28 @@ void TcpStoreServer::serve() {
     return true;
   };
 
+  std::vector<pollfd> fds;
   while (true) {
-    std::vector<pollfd> fds{{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}};
+    fds.assign({{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}});
     for (const auto& c : clients) fds.push_back({c.fd, POLLIN, 0});
     if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
     if (fds[0].revents != 0) break;
+    const size_t polled = clients.size();
     if (fds[1].revents & POLLIN) {
-      const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd >= 0) {
+      // Every connection that is waiting (the listening socket does not block): a rendezvous of
+      // many ranks connects all at once.
+      while (true) {
+        const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd < 0) break;
         const int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         clients.push_back({fd, {}});
       }
     }
     std::vector<int> dropped;
-    for (size_t i = 2; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      Client& c = clients[i - 2];
+    for (size_t i = 0; i < polled; ++i) {
+      if (fds[i + 2].revents == 0) continue;
+      Client& c = clients[i];
       char buffer[65536];
       const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
       if (n <= 0) {
@@ -311,7 +384,7 @@ void TcpStoreServer::serve() {
       }
     }
     for (int fd : dropped) {
-      std::erase_if(waiters, [fd](const Waiter& w) { return w.fd == fd; });
+      std::erase_if(waiters, [fd](const auto& w) { return w.second.fd == fd; });
       std::erase_if(clients, [fd](const Client& c) { return c.fd == fd; });
       ::close(fd);
     }
@@ -430,6 +503,23 @@ std::string TcpStoreClient::get_present(const std::string& key) {
   auto r = call(kGet, {key}, timeout_);
   if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
   return r.fields.at(0);
+}
+
+std::vector<std::string> TcpStoreClient::get_many(const std::vector<std::string>& keys) {
+  auto r = call(kGetMany, keys, timeout_);
+  if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
+  return std::move(r.fields);
+}
+
+int64_t TcpStoreClient::delete_prefix(const std::string& prefix) {
+  return i64_of(call(kDeletePrefix, {prefix}, timeout_).fields.at(0));
+}
+
+std::vector<int64_t> TcpStoreClient::stats() {
+  const auto r = call(kStats, {}, timeout_);
+  std::vector<int64_t> values;
+  for (const auto& field : r.fields) values.push_back(i64_of(field));
+  return values;
 }
 
 int64_t TcpStoreClient::add(const std::string& key, int64_t value) {

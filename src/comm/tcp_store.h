@@ -47,6 +47,13 @@ class TcpStoreClient : public c10d::Store {
   std::vector<uint8_t> get(const std::string& key) override;
   // One round trip, for a key known to be set; throws RuntimeError when it is not.
   std::string get_present(const std::string& key);
+  // The values of keys known to be set, in one round trip; throws RuntimeError naming one that
+  // is not.
+  std::vector<std::string> get_many(const std::vector<std::string>& keys);
+  // Deletes the keys that start with `prefix`; returns how many.
+  int64_t delete_prefix(const std::string& prefix);
+  // Keys, bytes of keys and values, clients: what the server holds.
+  std::vector<int64_t> stats();
   int64_t add(const std::string& key, int64_t value) override;
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;

@@ -14,6 +14,7 @@
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
+#include "cohort/timeouts.h"
 #include "data/task_runner.h"
 #include "data/wire.h"
 
@@ -27,7 +28,7 @@ void serve(const Dataset& dataset, const std::string& address) {
   cv::setNumThreads(1);
 #endif
   const bool local = address.rfind("unix:", 0) == 0;
-  const int fd = wire::connect_to(address, std::chrono::seconds(60));
+  const int fd = wire::connect_to(address, kDefaultDataMessageTimeout);
   char host[256] = "?";
   ::gethostname(host, sizeof host - 1);
   wire::send(fd, Json{{"type", "hello"},
@@ -39,7 +40,7 @@ void serve(const Dataset& dataset, const std::string& address) {
   while (true) {
     Json message;
     int ignored = -1;
-    if (!wire::receive(fd, message, ignored, std::chrono::seconds(60))) break;
+    if (!wire::receive(fd, message, ignored, kDefaultDataMessageTimeout)) break;
     const auto type = message.value("type", std::string{});
     if (type == "stop") break;
     if (type == "refuse")

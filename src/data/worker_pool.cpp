@@ -15,6 +15,7 @@
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
+#include "cohort/timeouts.h"
 #include "data/task_runner.h"
 #include "data/wire.h"
 
@@ -23,7 +24,7 @@ namespace cohort::data {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr auto kMessageTimeout = std::chrono::seconds(60);
+constexpr auto kMessageTimeout = kDefaultDataMessageTimeout;
 
 class InlineRunner : public TaskRunner {
  public:

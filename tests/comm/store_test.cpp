@@ -114,5 +114,67 @@ TEST(Store, LosingTheServerIsAPeerFailure) {
                                                   "lost the rendezvous store");
 }
 
+TEST(Store, GetManyReadsKeysInOneCallAndNamesAMissingOne) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  server.set("a", "1");
+  server.set("b", "22");
+  EXPECT_EQ(server.get_many({"b", "a"}), (std::vector<std::string>{"22", "1"}));
+  cohort::testing::expect_error<RuntimeError>(
+      [&] {
+        server.get_many({"a", "nope"});
+      },
+      "key 'nope' is not set");
+}
+
+TEST(Store, RemovePrefixDeletesAStepsKeysAndStatsCountWhatIsLeft) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  server.set("step/1/a", "xx");
+  server.set("step/1/b", "yyy");
+  server.set("step/10/a", "z");
+  server.set("other", "12345");
+  auto stats = server.stats();
+  EXPECT_EQ(stats.keys, 4);
+  EXPECT_EQ(stats.bytes, (8 + 2) + (8 + 3) + (9 + 1) + (5 + 5));
+  EXPECT_EQ(stats.clients, 1);
+  EXPECT_EQ(server.remove_prefix("step/1/"), 2);
+  stats = server.stats();
+  EXPECT_EQ(stats.keys, 2);
+  EXPECT_EQ(stats.bytes, (9 + 1) + (5 + 5));
+  // Replacing a value counts its new size only.
+  server.set("other", "1");
+  EXPECT_EQ(server.stats().bytes, (9 + 1) + (5 + 1));
+  EXPECT_FALSE(server.check({"step/1/a"}));
+  EXPECT_TRUE(server.check({"step/10/a"}));
+}
+
+TEST(Store, ABarrierOfManyRanksReturnsEveryValue) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(30)});
+  constexpr int kWorld = 32;
+  std::vector<std::vector<std::string>> seen(kWorld);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kWorld; ++r) {
+    ranks.emplace_back([&, r] {
+      auto client = Store::connect({.port = server.port(), .timeout = std::chrono::seconds(30)});
+      seen[static_cast<size_t>(r)] = client.arrive_and_wait(
+          "many/", r, kWorld, "v" + std::to_string(r), "arrive", std::chrono::seconds(30));
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (const auto& values : seen) {
+    ASSERT_EQ(values.size(), static_cast<size_t>(kWorld));
+    for (int r = 0; r < kWorld; ++r)
+      EXPECT_EQ(values[static_cast<size_t>(r)], "v" + std::to_string(r));
+  }
+}
+
+TEST(Store, ABarrierNameReusedWithOtherParticipantsIsRefused) {
+  auto server = Store::connect({.is_server = true, .timeout = std::chrono::seconds(5)});
+  server.arrive_and_wait("once/", 0, 1, "1", "arrive", std::chrono::seconds(5));
+  cohort::testing::expect_error<UsageError>(
+      [&] { server.arrive_and_wait("once/", 0, 2, "1", "arrive", std::chrono::seconds(5)); },
+      "barrier 'once/' was entered by rank 0 as a barrier of 2 ranks but it is a barrier of 1 "
+      "ranks");
+}
+
 }  // namespace
 }  // namespace cohort::comm

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "cohort/comm/store.h"
+#include "cohort/timeouts.h"
 
 namespace cohort::comm {
 
@@ -34,9 +35,9 @@ struct ProcessGroupOptions {
   // Address of this host's interface that the transport binds to.
   std::string interface_address = "127.0.0.1";
   // Deadline for every rank to join the group.
-  std::chrono::milliseconds setup_timeout{60'000};
+  std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
   // Deadline of each collective.
-  std::chrono::milliseconds timeout{300'000};
+  std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
   // Transport threads of the backend; 1 keeps them from competing with compute on small hosts.
   int threads = 1;
   // Keys of this group live under this prefix in the store, so several groups share one store.
@@ -148,5 +149,17 @@ class ProcessGroup {
   explicit ProcessGroup(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
+
+// What one process group of this process has done, for the stall inspector: its name (its key
+// prefix in the store, the same on every member), its members by global rank, how many
+// collectives this rank entered in it and the last one's name.
+struct GroupActivity {
+  std::string name;
+  std::vector<int> global_ranks;
+  int64_t entered = 0;
+  std::string last;
+};
+// Every process group of this process that is still in use, sub-groups included, oldest first.
+std::vector<GroupActivity> group_activity();
 
 }  // namespace cohort::comm

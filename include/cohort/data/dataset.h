@@ -12,6 +12,7 @@
 
 #include "cohort/data/block.h"
 #include "cohort/data/mnist.h"
+#include "cohort/timeouts.h"
 
 namespace cohort::data {
 
@@ -52,7 +53,7 @@ struct ExecutionOptions {
   // Wait for this many remote workers before the first task (they add to the local ones).
   int remote_workers = 0;
   // Deadline for a worker to start and connect.
-  std::chrono::milliseconds worker_start_timeout{60'000};
+  std::chrono::milliseconds worker_start_timeout = kDefaultDataMessageTimeout;
   // Replacements started for workers that died, in all, before the run fails.
   int max_worker_restarts = 8;
   // Once every task of an epoch is handed out, workers with room in the window start on the

@@ -3,6 +3,8 @@
 #include <string>
 #include <vector>
 
+#include "cohort/timeouts.h"
+
 namespace cohort::runtime {
 
 // One node's share of a multi-node job on machines without a scheduler (what torchrun is for
@@ -25,9 +27,9 @@ struct NodeLaunchOptions {
   // Times the whole job is restarted after a worker or a node fails.
   int max_restarts = 0;
   // Every node must join each round within this.
-  std::chrono::milliseconds rendezvous_timeout{60'000};
+  std::chrono::milliseconds rendezvous_timeout = kDefaultSetupTimeout;
   // A node whose launcher is silent this long is lost.
-  std::chrono::milliseconds heartbeat_timeout{5'000};
+  std::chrono::milliseconds heartbeat_timeout = kDefaultNodeHeartbeatTimeout;
   // Checked when a node joins; empty: derived from the command line, so that another job given
   // the same master address is refused.
   std::string job_id;

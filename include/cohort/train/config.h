@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cohort/json.h"
+#include "cohort/timeouts.h"
 
 namespace torch::optim {
 class Optimizer;
@@ -62,7 +63,7 @@ struct FailureConfig {
   // heart-beating); each restart resumes from the latest valid checkpoint. 0: none; -1: unlimited.
   int max_failures = 0;
   // A worker that sends no heartbeat for this long is considered hung (or stopped) and fails.
-  std::chrono::milliseconds heartbeat_timeout{30'000};
+  std::chrono::milliseconds heartbeat_timeout = kDefaultHeartbeatTimeout;
 };
 
 // Which checkpoints a run keeps (Ray Train's CheckpointConfig).
@@ -89,9 +90,9 @@ struct RunConfig {
   // 0: silent driver; 1: a line per report and a progress bar on a terminal.
   int verbose = 1;
   // Rendezvous and process-group setup deadline.
-  std::chrono::milliseconds setup_timeout{60'000};
+  std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
   // Deadline of every collective (a peer that died or hangs ends in an error, not a hang).
-  std::chrono::milliseconds collective_timeout{300'000};
+  std::chrono::milliseconds collective_timeout = kDefaultCollectiveTimeout;
   // Called in the driver (under a launcher: in rank 0) after each report is committed, with the
   // record that metrics.jsonl gets: rank 0's metrics plus "training_iteration", "timestamp" and,
   // when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
