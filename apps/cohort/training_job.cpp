@@ -108,6 +108,10 @@ void validate(const TrainOptions& o) {
     throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
+  if (!(o.heartbeat_timeout_s > 0)) {
+    throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
+                     " must be > 0 seconds");
+  }
   const auto dir = data_dir_of(o);
   data::check_mnist_dir(dir);
   int64_t train_size = data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
@@ -154,7 +158,9 @@ ScalingConfig scaling_of(const TrainOptions& o) {
 RunConfig run_config_of(const TrainOptions& o) {
   return RunConfig{.name = o.name,
                    .storage_path = o.storage_path,
-                   .failure_config = {.max_failures = o.max_failures},
+                   .failure_config = {.max_failures = o.max_failures,
+                                      .heartbeat_timeout = std::chrono::milliseconds(
+                                          static_cast<int64_t>(o.heartbeat_timeout_s * 1000))},
                    .checkpoint_config = {.num_to_keep = o.num_to_keep,
                                          .checkpoint_score_attribute = "test_accuracy",
                                          .checkpoint_score_order = "max"},
@@ -322,6 +328,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option(
          "--max-failures", o.max_failures,
          "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
+      ->capture_default_str();
+  cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout_s,
+                  "seconds a rank may send no heartbeat before the coordinator stops the group "
+                  "naming it (a hung or stopped rank)")
       ->capture_default_str();
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")

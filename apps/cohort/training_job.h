@@ -36,6 +36,9 @@ struct TrainOptions {
   std::string name;
   bool resume = true;
   int max_failures = 0;
+  // FailureConfig.heartbeat_timeout, in seconds.
+  double heartbeat_timeout_s =
+      std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();
   int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
   bool quiet = false;
 };

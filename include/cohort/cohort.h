@@ -3,11 +3,13 @@
 
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "cohort/timeouts.h"
 
 #include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
 
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/worker_group.h"

@@ -1,10 +1,18 @@
 #include "cohort/runtime/control_channel.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <iostream>
 #include <mutex>
 #include <thread>
 
@@ -14,13 +22,15 @@
 namespace cohort::runtime {
 namespace {
 
-int control_fd() {
-  static const int fd = [] {
+// The driver's pipe (COHORT_CONTROL_FD), or the connection to rank 0's coordinator.
+std::atomic<int>& control_fd_slot() {
+  static std::atomic<int> fd = [] {
     const char* value = std::getenv(kControlFdVar);
     return value ? std::atoi(value) : -1;
   }();
   return fd;
 }
+int control_fd() { return control_fd_slot().load(); }
 
 std::mutex& control_mutex() {
   static std::mutex mutex;
@@ -31,22 +41,35 @@ std::function<void(const std::string&)>& control_sink() {
   static std::function<void(const std::string&)> sink;
   return sink;
 }
+// Held while the sink is replaced or called: the heartbeat thread calls it too.
+std::mutex& sink_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
 
 }  // namespace
 
 void set_control_sink(std::function<void(const std::string&)> sink) {
+  std::lock_guard lock(sink_mutex());
   control_sink() = std::move(sink);
 }
 
-bool has_control_channel() { return control_fd() >= 0 || control_sink() != nullptr; }
+bool has_control_channel() {
+  if (control_fd() >= 0) return true;
+  std::lock_guard lock(sink_mutex());
+  return control_sink() != nullptr;
+}
 
 void send_control_message(const std::string& line) {
   if (line.find('\n') != std::string::npos) {
     throw RuntimeError("control message must be one line");
   }
-  if (control_sink()) {
-    control_sink()(line);
-    return;
+  {
+    std::lock_guard lock(sink_mutex());
+    if (control_sink()) {
+      control_sink()(line);
+      return;
+    }
   }
   const int fd = control_fd();
   if (fd < 0) throw RuntimeError("no control channel: this process was not started by a driver");
@@ -55,7 +78,8 @@ void send_control_message(const std::string& line) {
   const char* data = framed.data();
   size_t left = framed.size();
   while (left > 0) {
-    ssize_t n = ::write(fd, data, left);
+    ssize_t n = ::send(fd, data, left, MSG_NOSIGNAL);             // the coordinator's socket
+    if (n < 0 && errno == ENOTSOCK) n = ::write(fd, data, left);  // the driver's pipe
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
       throw RuntimeError(std::string("cannot reach the driver over the control channel: ") +
@@ -68,43 +92,177 @@ void send_control_message(const std::string& line) {
 
 namespace {
 
-std::mutex& status_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
-std::function<std::string()>& status_source() {
-  static std::function<std::string()> source;
-  return source;
+struct HeartbeatThread {
+  std::mutex mutex;
+  std::condition_variable wake;
+  bool stop = false;
+  std::thread thread;
+};
+// Never destroyed: a process that ends without stop_heartbeat() must not join it at exit.
+HeartbeatThread& heartbeat_thread() {
+  static auto* beat = new HeartbeatThread;
+  return *beat;
 }
 
 }  // namespace
 
-void set_heartbeat_status(std::function<std::string()> status) {
-  std::lock_guard lock(status_mutex());
-  status_source() = std::move(status);
+void start_heartbeat(std::chrono::milliseconds interval) {
+  if (!has_control_channel()) return;
+  auto& beat = heartbeat_thread();
+  std::lock_guard lock(beat.mutex);
+  if (beat.thread.joinable()) return;
+  beat.stop = false;
+  beat.thread = std::thread([interval, &beat] {
+    while (true) {
+      const std::string status = activity_status().dump();
+      try {
+        send_control_message(R"({"type":"heartbeat","status":)" + status + "}");
+      } catch (const std::exception&) {
+        return;  // the driver is gone; PDEATHSIG ends this process
+      }
+      std::unique_lock wait(beat.mutex);
+      if (beat.wake.wait_for(wait, interval, [&] { return beat.stop; })) return;
+    }
+  });
 }
 
-void start_heartbeat(std::chrono::milliseconds interval) {
-  static std::once_flag started;
-  if (!has_control_channel()) return;
-  std::call_once(started, [interval] {
-    std::thread([interval] {
-      while (true) {
-        std::string status = "null";
-        {
-          std::lock_guard lock(status_mutex());
-          if (status_source()) status = status_source()();
-        }
-        try {
-          send_control_message(R"({"type":"heartbeat","status":)" + status + "}");
-        } catch (const std::exception&) {
-          return;  // the driver is gone; PDEATHSIG ends this process
-        }
-        std::this_thread::sleep_for(interval);
+void stop_heartbeat() {
+  auto& beat = heartbeat_thread();
+  std::thread thread;
+  {
+    std::lock_guard lock(beat.mutex);
+    beat.stop = true;
+    thread = std::move(beat.thread);
+  }
+  beat.wake.notify_all();
+  if (thread.joinable()) thread.join();
+}
+
+namespace {
+
+// This rank's end of its connection to rank 0's coordinator.
+struct CoordinatorLink {
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool leaving = false;
+  std::string address;
+  int rank = -1;
+};
+CoordinatorLink& link() {
+  static CoordinatorLink l;
+  return l;
+}
+
+[[noreturn]] void stop_process(const std::string& why) {
+  std::cerr << "cohort: " << why << std::endl;
+  std::cout.flush();
+  std::fflush(nullptr);
+  std::_Exit(1);
+}
+
+// Follows the coordinator: its beats, its abort, its silence, its end.
+void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
+  HeartbeatMonitor monitor(1, heartbeat);
+  monitor.heard(0);
+  std::string in;
+  const std::string who = "rank " + std::to_string(link().rank);
+  while (true) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, static_cast<int>(heartbeat.interval.count()));
+    {
+      std::lock_guard lock(link().mutex);
+      if (link().leaving) return;
+    }
+    if (ready < 0 && errno != EINTR) return;
+    if (ready > 0) {
+      char buffer[16384];
+      const ssize_t n = ::recv(fd, buffer, sizeof buffer, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        std::lock_guard lock(link().mutex);
+        if (link().leaving) return;
+        stop_process(who + " lost the coordinator at " + link().address +
+                     ": rank 0's process ended or its host went away");
       }
-    }).detach();
-  });
+      in.append(buffer, static_cast<size_t>(n));
+      monitor.heard(0);
+      for (size_t end; (end = in.find('\n')) != std::string::npos;) {
+        const std::string line = in.substr(0, end);
+        in.erase(0, end + 1);
+        Json message;
+        try {
+          message = Json::parse(line);
+        } catch (const std::exception&) {
+          continue;
+        }
+        const auto type = message.value("type", std::string{});
+        if (type == "abort" || type == "refused") {
+          stop_process(who + " stops: " + message.value("reason", std::string("told to stop")));
+        }
+      }
+    }
+    if (const auto silent = monitor.find_silent()) {
+      std::lock_guard lock(link().mutex);
+      if (!link().leaving) {
+        stop_process(
+            who + ": " +
+            silent->describe("rank 0, which hosts the coordinator at " + link().address + ","));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
+                            const HeartbeatOptions& heartbeat) {
+  heartbeat.validate();
+  const auto colon = address.rfind(':');
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(std::atoi(address.substr(colon + 1).c_str())));
+  if (colon == std::string::npos ||
+      ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr) != 1) {
+    throw RuntimeError("coordinator address '" + address + "' is not IPv4 host:port");
+  }
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+    const std::string why = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    throw PeerFailureError("rank " + std::to_string(rank) + " cannot reach the coordinator at " +
+                           address + " (" + why + "): is rank 0 running?");
+  }
+  const int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  {
+    std::lock_guard lock(link().mutex);
+    link().address = address;
+    link().rank = rank;
+  }
+  control_fd_slot().store(fd);
+  send_control_message(Json{{"type", "hello"}, {"rank", rank}, {"token", token}}.dump());
+  std::thread(follow_coordinator, fd, heartbeat).detach();
+}
+
+void leave_coordinator() {
+  {
+    std::lock_guard lock(link().mutex);
+    if (link().rank < 0 || link().leaving) return;
+    link().leaving = true;
+  }
+  link().changed.notify_all();
+  try {
+    send_control_message(R"({"type":"bye"})");
+  } catch (const std::exception&) {
+    // The coordinator is gone already: nothing to tell it.
+  }
+}
+
+void wait_for_coordinator(std::chrono::milliseconds within) {
+  std::unique_lock lock(link().mutex);
+  if (link().rank < 0) return;
+  // The follower thread ends the process when the coordinator names a cause; else this returns.
+  link().changed.wait_for(lock, within, [] { return link().leaving; });
 }
 
 }  // namespace cohort::runtime

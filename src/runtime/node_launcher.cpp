@@ -13,6 +13,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 
@@ -102,8 +103,10 @@ class NodeLauncher {
   int members_ = 0;       // data workers of the job
   int first_member_ = 0;  // this node's first
   int round_ = 0;
-  std::map<int, std::pair<int64_t, Clock::time_point>>
-      heard_;  // node -> last heartbeat, when it changed
+  // The nodes' launchers beat by counting up a store key each; the coordinator's monitor tells
+  // a lost one. Made afresh every round.
+  std::optional<HeartbeatMonitor> monitor_;
+  std::vector<int64_t> beats_;  // each node's count when last seen changing
   Clock::time_point last_beat_{};
 };
 
@@ -114,22 +117,26 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
   try {
     store_->add("launch/heartbeat/" + std::to_string(o_.node_rank), 1);
     if (store_->check({key("failed")})) return {.reason = store_->get(key("failed"))};
+    if (!monitor_) {
+      monitor_.emplace(o_.nnodes, HeartbeatOptions{.interval = std::chrono::milliseconds(200),
+                                                   .timeout = o_.heartbeat_timeout});
+      beats_.assign(static_cast<size_t>(o_.nnodes), -1);
+      monitor_->finished(o_.node_rank);  // this node is not watched by itself
+    }
     for (int node = 0; node < o_.nnodes; ++node) {
       if (node == o_.node_rank) continue;
       const int64_t beats = store_->add("launch/heartbeat/" + std::to_string(node), 0);
-      auto [it, fresh] = heard_.try_emplace(node, beats, now);
-      if (fresh || it->second.first != beats) {
-        it->second = {beats, now};
-      } else if (now - it->second.second > o_.heartbeat_timeout) {
-        return {.reason = "node " + std::to_string(node) + " (" +
-                          hosts_.at(static_cast<size_t>(node)) +
-                          ") is lost: its launcher sent no heartbeat for " +
-                          std::to_string(
-                              std::chrono::duration_cast<std::chrono::seconds>(o_.heartbeat_timeout)
-                                  .count()) +
-                          " s",
-                .node_lost = true};
+      if (beats != beats_[static_cast<size_t>(node)]) {
+        beats_[static_cast<size_t>(node)] = beats;
+        monitor_->heard(node);
       }
+    }
+    if (const auto silent = monitor_->find_silent()) {
+      const auto node = static_cast<size_t>(silent->member);
+      return {.reason = silent->describe("node " + std::to_string(node) + " (" + hosts_.at(node) +
+                                         ")'s launcher") +
+                        ": node " + std::to_string(node) + " is lost",
+              .node_lost = true};
     }
   } catch (const PeerFailureError&) {
     return {.reason = "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
@@ -218,7 +225,7 @@ int NodeLauncher::run() {
                 << "), which holds the rendezvous" << std::endl;
       return 1;
     }
-    heard_.clear();
+    monitor_.reset();
     WorkerGroupOptions group_options;
     group_options.num_workers = o_.nproc_per_node + o_.data_workers;
     group_options.executable = program;
@@ -314,7 +321,7 @@ int NodeLauncher::run() {
       // died: that is named first.
       const bool killed = outcome.first_failure && outcome.first_failure->signal != 0 &&
                           !outcome.first_failure->stopped_by_driver;
-      if (!killed) {
+      if (!killed && o_.nnodes > 1) {  // on one node there is no other node to blame
         if (auto cause = find_root_cause(); !cause.empty())
           reason = cause + " (then " + reason + ")";
       }

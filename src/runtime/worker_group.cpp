@@ -187,6 +187,8 @@ struct WorkerGroup::Impl {
     // Whoever already died did so on their own, not by our SIGTERM: record them as such.
     for (auto& w : workers) reap(w, false);
     signal_all(SIGTERM);
+    // A stopped worker (SIGSTOP, a debugger) takes the TERM only once it runs again.
+    signal_all(SIGCONT);
     kill_at = Clock::now() + options.stop_grace;
   }
 

@@ -1,5 +1,7 @@
 #include "train/driver.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <csignal>
 #include <iostream>
@@ -8,12 +10,15 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
+#include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/gpus.h"
+#include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/progress.h"
 #include "train/run_recorder.h"
 #include "train/worker_session.h"
+#include "train/worker_spec.h"
 
 namespace cohort::train {
 namespace {
@@ -36,29 +41,6 @@ std::string describe_failure(const runtime::GroupOutcome& outcome,
   std::string text = causes.front();
   for (size_t i = 1; i < causes.size(); ++i) text += (i == 1 ? " (then " : "; ") + causes[i];
   return causes.size() > 1 ? text + ")" : text;
-}
-
-// Horovod's stall inspector, from the heartbeats: names the ranks that did not enter the
-// collective the others are waiting in. "" when all ranks are level or nothing is known.
-std::string stall_report(const std::vector<Json>& status) {
-  int64_t most = -1;
-  for (const auto& s : status) {
-    if (s.is_object()) most = std::max(most, s.value("collectives", int64_t{0}));
-  }
-  if (most < 0) return "";
-  std::string behind, detail;
-  for (size_t r = 0; r < status.size(); ++r) {
-    const int64_t entered = status[r].is_object() ? status[r].value("collectives", int64_t{0}) : 0;
-    detail +=
-        (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r) + " entered " +
-        std::to_string(entered) +
-        (status[r].is_object() ? " (last " + status[r].value("last", std::string("none")) + ")"
-                               : "");
-    if (entered < most) behind += (behind.empty() ? "" : ", ") + std::to_string(r);
-  }
-  if (behind.empty()) return "";
-  return "ranks [" + behind + "] did not enter collective #" + std::to_string(most) + " (" +
-         detail + ")";
 }
 
 // Every rank must call report() equally often: a rank that finished with fewer calls than
@@ -296,29 +278,29 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   // No rank waits on a finished peer longer than on a collective.
   options.exit_skew_timeout = run_.collective_timeout;
   const std::string threads = std::to_string(scaling_.resources_per_worker.cpu_threads);
-  options.env = {
-      {kConfigVar, config_.dump()},
-      {kNameVar, recorder_->name()},
-      {kRunDirVar, recorder_->run_dir().string()},
-      {kRunStartVar, std::to_string(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                        started_wall_.time_since_epoch())
-                                        .count())},
-      {kThreadsVar, threads},
-      {"OMP_NUM_THREADS", threads},
-      {"MKL_NUM_THREADS", threads},
-      {kSetupTimeoutVar, std::to_string(run_.setup_timeout.count())},
-      {kCollectiveTimeoutVar, std::to_string(run_.collective_timeout.count())},
-      {kHeartbeatIntervalVar, std::to_string(std::clamp<int64_t>(
-                                  run_.failure_config.heartbeat_timeout.count() / 5, 10, 1000))},
-      {kGpusPerWorkerVar, std::to_string(gpus_per_worker_)},
-      {kBackendVar, scaling_.backend},
+  options.env = {{"OMP_NUM_THREADS", threads}, {"MKL_NUM_THREADS", threads}};
+  const runtime::HeartbeatOptions heartbeat = heartbeat_options(run_);
+  WorkerSpec spec{
+      .build = runtime::program_build_id(),
+      .driver_pid = ::getpid(),
       // A fresh token per start: nothing of a failed start's store keys or staging is reused.
-      {kRunTokenVar, new_run_token()},
-      {kResumeCheckpointVar, resume_from ? resume_from->path().string() : ""},
-      {kNextCheckpointVar, std::to_string(recorder_->next_checkpoint_index())},
-  };
+      .run_token = new_run_token(),
+      .config = config_,
+      .name = recorder_->name(),
+      .run_dir = recorder_->run_dir().string(),
+      .run_start_ns =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(started_wall_.time_since_epoch())
+              .count(),
+      .cpu_threads = scaling_.resources_per_worker.cpu_threads,
+      .setup_timeout = run_.setup_timeout,
+      .collective_timeout = run_.collective_timeout,
+      .heartbeat = heartbeat,
+      .gpus_per_worker = gpus_per_worker_,
+      .backend = scaling_.backend,
+      .resume_from = resume_from ? resume_from->path().string() : "",
+      .next_checkpoint_index = recorder_->next_checkpoint_index()};
   const int port = store_.port();
-  options.rank_env = [port, world, slots = slots_, gpus = gpus_,
+  options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
                       per_worker = gpus_per_worker_](int rank) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = rank,
@@ -328,7 +310,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                                     .master_addr = "127.0.0.1",
                                     .master_port = port});
     const int slot = slots[static_cast<size_t>(rank)];
-    env[kSlotVar] = std::to_string(slot);
+    WorkerSpec mine = spec;
+    mine.slot = slot;
+    env[kWorkerSpecVar] = to_text(mine);
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };
@@ -339,10 +323,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   std::vector<int> error_order;
   std::set<int> consequences;
   ReportCounter report_counter(world);
-  std::vector<Clock::time_point> last_heard(static_cast<size_t>(world), Clock::now());
-  std::vector<bool> heard(static_cast<size_t>(world), false);
+  // Heartbeats and the stall inspector; exits and errors the driver reads from the processes.
+  runtime::Coordinator coordinator(world, heartbeat);
   std::vector<bool> exited(static_cast<size_t>(world), false);
-  std::vector<Json> status(static_cast<size_t>(world));
   int hung_rank = -1;
   bool trained = false;
   auto stop_because = [&](const std::string& reason) {
@@ -357,32 +340,19 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
   handlers.on_exit = [&](const runtime::WorkerExit& exit) {
     exited[static_cast<size_t>(exit.rank)] = true;
+    coordinator.on_finished(exit.rank);
     if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
   };
   handlers.on_tick = [&] {
     console_.tick();
     if (group.stopping()) return;  // a failure is already being handled
-    const auto now = Clock::now();
-    for (int r = 0; r < world && hung_rank < 0; ++r) {
-      const auto k = static_cast<size_t>(r);
-      // Before its first heartbeat a rank is still starting up, which the rendezvous deadline
-      // covers (and names more precisely): it gets that much longer.
-      const auto allowed = heard[k] ? run_.failure_config.heartbeat_timeout
-                                    : run_.setup_timeout + run_.failure_config.heartbeat_timeout;
-      if (exited[k] || now - last_heard[k] < allowed) continue;
-      hung_rank = r;
-      attempt.detected = now;
-      const auto seconds = std::chrono::duration_cast<std::chrono::seconds>(allowed).count();
-      group.request_stop(heard[k] ? "rank " + std::to_string(r) + " sent no heartbeat for " +
-                                        std::to_string(seconds) + " s: it hangs or was stopped"
-                                  : "rank " + std::to_string(r) + " sent no heartbeat within " +
-                                        std::to_string(seconds) +
-                                        " s of its start: it hangs in start-up or was stopped");
+    if (const auto verdict = coordinator.verdict()) {
+      hung_rank = verdict->rank;
+      attempt.detected = Clock::now();
+      group.request_stop(verdict->reason);
     }
   };
   handlers.on_control = [&](int rank, const std::string& line) {
-    last_heard[static_cast<size_t>(rank)] = Clock::now();
-    heard[static_cast<size_t>(rank)] = true;
     Json message;
     try {
       message = Json::parse(line);
@@ -392,10 +362,10 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       return;
     }
     const auto type = message.value("type", std::string{});
-    if (type == "heartbeat") {
-      status[static_cast<size_t>(rank)] = message["status"];
-      return;
-    }
+    // Errors are the driver's to order (it sees the processes' exits too): the coordinator takes
+    // the signs of life.
+    coordinator.on_message(rank, type == "error" ? Json{{"type", "alive"}} : message);
+    if (type == "heartbeat") return;
     if (rank == 0 && !trained) {
       trained = true;
       // The group trains again: the previous failure is recovered.
@@ -448,11 +418,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                            ? attempt.outcome.stop_began
                            : Clock::now();
   }
-  const std::string stall = stall_report(status);
+  const std::string stall = coordinator.stall_report();
   if (!attempt.driver_error.empty()) {
     attempt.error = attempt.driver_error;
   } else if (hung_rank >= 0) {
-    attempt.error = attempt.outcome.failure_reason + (stall.empty() ? "" : "; " + stall);
+    attempt.error = attempt.outcome.failure_reason;
     attempt.failed_rank = hung_rank;
   } else if (!attempt.outcome.success) {
     std::stable_partition(error_order.begin(), error_order.end(),
@@ -470,6 +440,17 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
 }
 
 }  // namespace
+
+runtime::HeartbeatOptions heartbeat_options(const RunConfig& run) {
+  runtime::HeartbeatOptions heartbeat{
+      .interval = runtime::heartbeat_interval_for(run.failure_config.heartbeat_timeout),
+      .timeout = run.failure_config.heartbeat_timeout,
+      // Before its first heartbeat a rank is still starting up, which the rendezvous deadline
+      // covers (and names more precisely): it gets that much longer.
+      .startup_grace = run.setup_timeout};
+  heartbeat.validate();
+  return heartbeat;
+}
 
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
   return Driver(scaling, run, config).run();

@@ -5,6 +5,7 @@
 
 #include "cohort/data/dataset.h"
 #include "cohort/json.h"
+#include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/config.h"
 #include "cohort/train/result.h"
@@ -12,6 +13,10 @@
 namespace cohort::train {
 
 Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json& config);
+
+// The heartbeats of a run, under the driver and under launchers alike: an interval for
+// FailureConfig::heartbeat_timeout, and start-up given the rendezvous deadline too.
+runtime::HeartbeatOptions heartbeat_options(const RunConfig& run);
 
 // Under an external launcher (runtime::detect_launch): this process is one rank; rank 0 also
 // keeps the run directory and returns the Result, the other ranks end their process.

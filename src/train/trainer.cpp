@@ -44,7 +44,9 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
         " must be >= 0, or -1 for unlimited");
   }
   if (run_.failure_config.heartbeat_timeout.count() <= 0) {
-    throw UsageError("FailureConfig.heartbeat_timeout must be > 0");
+    throw UsageError("FailureConfig.heartbeat_timeout = " +
+                     std::to_string(run_.failure_config.heartbeat_timeout.count()) +
+                     " ms: it must be > 0");
   }
 }
 

@@ -4,11 +4,11 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/torch.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 
 #include <thread>
 
@@ -16,27 +16,42 @@
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/gpus.h"
+#include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/prepare.h"
 #include "train/driver.h"
 #include "train/progress.h"
 #include "train/run_recorder.h"
 #include "train/worker_session.h"
+#include "train/worker_spec.h"
 
 namespace cohort::train {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-long env_long(const char* name, long fallback) {
-  const char* value = std::getenv(name);
-  return value && *value ? std::atol(value) : fallback;
-}
-
 std::string env_string(const char* name) {
   const char* value = std::getenv(name);
   return value ? value : "";
+}
+
+// A whole number from a variable a launcher set, or `fallback` when unset; a UsageError naming the
+// variable when it is not one.
+long env_long(const char* name, long fallback) {
+  const std::string value = env_string(name);
+  if (value.empty()) return fallback;
+  size_t used = 0;
+  long parsed = 0;
+  try {
+    parsed = std::stol(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != value.size())
+    throw UsageError(std::string(name) + "='" + value + "' is not a number");
+  return parsed;
 }
 
 void set_threads(int threads) {
@@ -116,10 +131,6 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
                                                   .timeout = settings.collective_timeout,
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend});
-  runtime::set_heartbeat_status([group = ctx.process_group] {
-    return Json{{"collectives", group.collectives_entered()}, {"last", group.last_collective()}}
-        .dump();
-  });
   set_current_session(std::move(session));
 }
 
@@ -139,30 +150,15 @@ bool is_consequence(const std::exception& e) {
   std::_Exit(code);
 }
 
-// CRC-32 of this program's file: ranks built from different sources must not train together.
-std::string binary_fingerprint() {
-  std::ifstream in("/proc/self/exe", std::ios::binary);
-  std::vector<char> buffer(1 << 20);
-  uLong crc = crc32(0, nullptr, 0);
-  int64_t size = 0;
-  while (in) {
-    in.read(buffer.data(), static_cast<std::streamsize>(buffer.size()));
-    crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), static_cast<uInt>(in.gcount()));
-    size += in.gcount();
-  }
-  char text[48];
-  std::snprintf(text, sizeof text, "%08lx/%lld", crc, static_cast<long long>(size));
-  return text;
-}
-
 std::string host_name() {
   char name[256] = {};
   ::gethostname(name, sizeof name - 1);
   return name;
 }
 
-// What a process publishes about its program at the rendezvous: its fingerprint and host.
-std::string program_identity() { return binary_fingerprint() + " on " + host_name(); }
+// What a process publishes about its program at the rendezvous: its build and host (ranks built
+// from different sources must not train together).
+std::string program_identity() { return runtime::program_build_id() + " on " + host_name(); }
 
 // Throws naming `who` when the identity it published (program_identity) is of another build than
 // rank 0's.
@@ -185,32 +181,30 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     auto info = runtime::worker_info_from_env();
     if (!info) throw RuntimeError("worker started without RANK/WORLD_SIZE");
     rank = info->world_rank;
-    set_threads(static_cast<int>(env_long(kThreadsVar, 1)));
+    const WorkerSpec spec = worker_spec_from_env();
+    set_threads(spec.cpu_threads);
     // First of all, so that even a slow start is not taken for a hang.
-    runtime::start_heartbeat(std::chrono::milliseconds(env_long(kHeartbeatIntervalVar, 1000)));
+    runtime::start_heartbeat(spec.heartbeat.interval);
     SessionSettings settings;
     settings.info = *info;
-    settings.setup_timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
-    settings.collective_timeout =
-        std::chrono::milliseconds(env_long(kCollectiveTimeoutVar, 300'000));
+    settings.setup_timeout = spec.setup_timeout;
+    settings.collective_timeout = spec.collective_timeout;
     settings.store = comm::Store::connect({.host = info->master_addr,
                                            .port = info->master_port,
                                            .is_server = false,
                                            .timeout = settings.setup_timeout});
-    settings.run_token = env_string(kRunTokenVar);
-    settings.name = env_string(kNameVar);
-    settings.run_dir = env_string(kRunDirVar);
+    settings.run_token = spec.run_token;
+    settings.name = spec.name;
+    settings.run_dir = spec.run_dir;
     settings.run_start = std::chrono::system_clock::time_point(
         std::chrono::duration_cast<std::chrono::system_clock::duration>(
-            std::chrono::nanoseconds(std::atoll(env_string(kRunStartVar).c_str()))));
-    settings.resume_from = env_string(kResumeCheckpointVar);
-    settings.next_checkpoint_index = env_long(kNextCheckpointVar, 0);
-    settings.device = device_of(static_cast<int>(env_long(kGpusPerWorkerVar, 0)), info->local_rank);
-    settings.backend = comm::backend_from_string(
-        env_string(kBackendVar).empty() ? "auto" : env_string(kBackendVar));
+            std::chrono::nanoseconds(spec.run_start_ns)));
+    settings.resume_from = spec.resume_from;
+    settings.next_checkpoint_index = spec.next_checkpoint_index;
+    settings.device = device_of(spec.gpus_per_worker, info->local_rank);
+    settings.backend = comm::backend_from_string(spec.backend);
     open_session(std::move(settings), scaling, datasets);
-    const std::string config_text = env_string(kConfigVar);
-    train_loop(config_text.empty() ? Json::object() : Json::parse(config_text));
+    train_loop(spec.config);
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;
@@ -273,19 +267,46 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                        fingerprints[0]);
   }
 
-  // Rank 0 opens the run directory (on storage all nodes share) and tells the others.
+  // Rank 0 opens the run directory (on storage all nodes share), hosts the coordinator and tells
+  // the others where both are.
+  settings.interface_address = runtime::data_plane_address(info.master_addr);
+  const runtime::HeartbeatOptions heartbeat = heartbeat_options(run);
   Console console(rank0 ? run.verbose : 0);
   std::optional<RunRecorder> recorder;
+  // The recorder is written by rank 0's training thread (its reports) and, when the coordinator
+  // stops the job, by the coordinator's thread: whichever comes first finishes the run.
+  std::mutex bookkeeping;
+  bool finished = false;
+  std::unique_ptr<runtime::CoordinatorServer> coordinator;
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
     const auto resume_from = recorder->resume_point();
+    const std::string token =
+        info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token();
+    coordinator = std::make_unique<runtime::CoordinatorServer>(
+        runtime::CoordinatorServerOptions{.bind_address = settings.interface_address,
+                                          .world_size = info.world_size,
+                                          .heartbeat = heartbeat,
+                                          .token = token},
+        [&](const runtime::Coordinator::Verdict& verdict) {
+          // Rank 0's own error comes from its training thread, which finishes the run itself.
+          if (verdict.rank == 0) return;
+          std::lock_guard lock(bookkeeping);
+          if (finished) return;  // the training thread took the verdict as its error
+          finished = true;
+          std::cerr << "cohort: the coordinator stops the job: " << verdict.reason << std::endl;
+          console.tick(/*flush_all=*/true);
+          recorder->finish(verdict.reason, info.world_size,
+                           std::chrono::duration<double>(Clock::now() - started).count());
+          end_process(1);
+        });
     settings.store.set(round + "run",
                        Json{{"name", recorder->name()},
                             {"run_dir", recorder->run_dir().string()},
                             {"resume_from", resume_from ? resume_from->path().string() : ""},
                             {"next_checkpoint", recorder->next_checkpoint_index()},
-                            {"token", info.job_id + "-" + std::to_string(info.restart_round) + "-" +
-                                          new_run_token()},
+                            {"token", token},
+                            {"coordinator", coordinator->address()},
                             {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
                                              started_wall.time_since_epoch())
                                              .count()}}
@@ -315,12 +336,13 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                                            info.local_world_size, runtime::visible_gpus()),
                 info.local_rank);
   settings.backend = comm::backend_from_string(scaling.backend);
-  settings.interface_address = runtime::data_plane_address(info.master_addr);
 
   std::string broken;
   if (rank0) {
     runtime::set_control_sink([&](const std::string& line) {
+      coordinator->deliver(0, line);
       const Json message = Json::parse(line);
+      std::lock_guard lock(bookkeeping);
       const auto type = message.value("type", std::string{});
       if (type == "report") {
         recorder->on_report(message, broken);
@@ -329,20 +351,49 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
         console.progress(message["progress"]);
       }
     });
+  } else {
+    runtime::connect_to_coordinator(shared["coordinator"], info.world_rank, settings.run_token,
+                                    heartbeat);
   }
+  runtime::start_heartbeat(heartbeat.interval);
   std::optional<std::string> error;
   try {
     open_session(settings, scaling, datasets);
     train_loop(config);
+    // From here a rank that goes away is no longer a failure (the others may end first).
+    if (!rank0) runtime::leave_coordinator();
     // Rank 0 serves the store: nobody may still need it when it returns.
     settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1",
                                    "finish the train loop", run.collective_timeout);
   } catch (const std::exception& e) {
     error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
     std::cerr << "error: " << *error << std::endl;
+    // The coordinator learns of it, and names the cause: this rank's own error, or when the
+    // error is a peer's consequence, the peer (it ends this process then, with its reason).
+    const Json message{{"type", "error"},
+                       {"rank", info.world_rank},
+                       {"message", e.what()},
+                       {"consequence", is_consequence(e)}};
+    const auto within = 3 * heartbeat.interval;
+    if (rank0) {
+      coordinator->deliver(0, message.dump());
+      if (const auto verdict = coordinator->await_verdict(within)) error = verdict->reason;
+    } else {
+      try {
+        runtime::send_control_message(message.dump());
+      } catch (const std::exception&) {
+        // The coordinator is gone: this rank's own message is all there is.
+      }
+      runtime::wait_for_coordinator(within);
+    }
   }
+  runtime::stop_heartbeat();
   runtime::set_control_sink(nullptr);
   if (!rank0) end_process(error ? 1 : 0);
+  std::lock_guard lock(bookkeeping);
+  if (finished) end_process(1);  // the coordinator's thread finished the run with its verdict
+  finished = true;
+  coordinator->finish();
   console.tick(/*flush_all=*/true);
   return recorder->finish(error, info.world_size,
                           std::chrono::duration<double>(Clock::now() - started).count());
@@ -367,7 +418,7 @@ namespace {
                        runtime::kTrainRanksVar +
                        " must be set: start data workers with cohort launch --data-workers");
     }
-    const auto timeout = std::chrono::milliseconds(env_long(kSetupTimeoutVar, 60'000));
+    const auto timeout = kDefaultSetupTimeout;
     auto store = comm::Store::connect({.host = master,
                                        .port = static_cast<int>(store_port),
                                        .is_server = false,

@@ -5,8 +5,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <random>
+
+#include <torch/types.h>
 
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
@@ -125,15 +128,15 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (ingest.batches > 0)
     arrival +=
         ";" + std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
+  const std::string keys = "report/" + s.run_token + "/" + std::to_string(index) + "/";
   const auto arrivals =
-      s.store.arrive_and_wait("report/" + s.run_token + "/" + std::to_string(index) + "/",
-                              s.context.world_rank, s.context.world_size, arrival,
+      s.store.arrive_and_wait(keys, s.context.world_rank, s.context.world_size, arrival,
                               "reach report() call #" + std::to_string(index) +
                                   " (every rank must call report() equally often)",
                               s.collective_timeout);
   // Every rank returns only once rank 0 has handed the report (and its checkpoint) on: a rank
   // that dies right after report() then never takes a report it saw complete down with it.
-  const auto committed_key = "report/" + s.run_token + "/" + std::to_string(index) + "/committed";
+  const auto committed_key = keys + "committed";
   if (s.context.world_rank != 0) {
     try {
       s.store.wait({committed_key}, s.collective_timeout);
@@ -144,6 +147,10 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     }
     return;
   }
+  // Every rank has passed the previous report (they all arrived at this one): its keys go, so the
+  // store holds the same few keys at step 10 and at step 10,000.
+  if (index > 1)
+    s.store.remove_prefix("report/" + s.run_token + "/" + std::to_string(index - 1) + "/");
   Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
   bool with_checkpoint = false;
   std::optional<double> ingest_ms;
@@ -181,13 +188,24 @@ void barrier() { require_session("cohort::train::barrier()").context.process_gro
 
 Json broadcast_from_rank_zero(const Json& value) {
   auto& s = require_session("cohort::train::broadcast_from_rank_zero()");
-  const std::string key = "broadcast/" + s.run_token + "/" + std::to_string(++s.broadcasts);
-  if (s.context.world_rank == 0) {
-    s.store.set(key, value.dump());
-    return value;
-  }
-  s.store.wait({key}, s.collective_timeout);
-  return Json::parse(s.store.get(key));
+  if (s.context.world_size == 1) return value;
+  // Two broadcasts on the train group (the length, then the bytes): nothing left in the store.
+  auto group = s.context.process_group;
+  const std::string text = s.context.world_rank == 0 ? value.dump() : "";
+  const auto on = [&](torch::Dtype dtype) {
+    return torch::TensorOptions(dtype).device(s.context.device);
+  };
+  std::vector<at::Tensor> length{
+      torch::full({1}, static_cast<int64_t>(text.size()), on(torch::kInt64))};
+  group.broadcast(length, 0);
+  auto host = torch::empty({length[0].item<int64_t>()}, torch::kUInt8);
+  if (s.context.world_rank == 0) std::memcpy(host.data_ptr(), text.data(), text.size());
+  std::vector<at::Tensor> bytes{host.to(s.context.device)};
+  group.broadcast(bytes, 0);
+  if (s.context.world_rank == 0) return value;
+  host = bytes[0].cpu();
+  return Json::parse(
+      std::string(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(host.numel())));
 }
 
 data::Dataset dataset_shard(const data::Dataset& dataset, int rank, int world_size) {
@@ -233,19 +251,16 @@ data::DataIterator get_dataset_shard(const std::string& name) {
     });
   }
   if (world > 1) {
-    const std::string prefix =
-        "data/" + s.run_token + "/" + name + "#" + std::to_string(++s.shard_requests) + "/";
-    auto* session = &s;
+    // Whether every rank has this batch: an all-reduce (min) of one number, no store round trip
+    // per batch. It is a collective of the train group like DDP's, so a rank that stopped reading
+    // shows in the stall inspector.
     iterator.set_batch_agreement(
-        [session, prefix, rank, world](int64_t epoch, int64_t batch, bool have) {
-          const auto values = session->store.arrive_and_wait(
-              prefix + std::to_string(epoch) + "/" + std::to_string(batch) + "/", rank, world,
-              have ? "1" : "0",
-              "reach batch " + std::to_string(batch) + " of epoch " + std::to_string(epoch) +
-                  " of the dataset's stream",
-              session->collective_timeout);
-          return std::all_of(values.begin(), values.end(),
-                             [](const std::string& v) { return v == "1"; });
+        [group = s.context.process_group, device = s.context.device](int64_t, int64_t, bool have) {
+          std::vector<at::Tensor> flag{
+              torch::full({1}, have ? 1 : 0, torch::TensorOptions(torch::kInt32).device(device))};
+          auto g = group;
+          g.allreduce(flag, comm::ReduceOp::kMin);
+          return flag[0].item<int32_t>() == 1;
         });
   }
   return iterator;

@@ -26,8 +26,6 @@ struct WorkerSession {
   std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
   int64_t reports = 0;
-  int64_t shard_requests = 0;  // get_dataset_shard calls, for their store keys
-  int64_t broadcasts = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
   // This host's data-plane address, where remote data workers connect.
@@ -41,24 +39,6 @@ struct WorkerSession {
 WorkerSession* current_session();
 void set_current_session(std::unique_ptr<WorkerSession> session);
 
-// Environment variables by which the driver describes the run to its workers.
-inline constexpr const char* kConfigVar = "COHORT_TRAIN_LOOP_CONFIG";
-inline constexpr const char* kNameVar = "COHORT_EXPERIMENT_NAME";
-inline constexpr const char* kRunDirVar = "COHORT_RUN_DIR";
-inline constexpr const char* kRunStartVar = "COHORT_RUN_START_NS";
-inline constexpr const char* kThreadsVar = "COHORT_CPU_THREADS";
-inline constexpr const char* kSetupTimeoutVar = "COHORT_SETUP_TIMEOUT_MS";
-inline constexpr const char* kCollectiveTimeoutVar = "COHORT_COLLECTIVE_TIMEOUT_MS";
-// GPUs per worker (0: CPU training); the driver sets each worker's CUDA_VISIBLE_DEVICES.
-inline constexpr const char* kGpusPerWorkerVar = "COHORT_GPUS_PER_WORKER";
-// ScalingConfig::backend.
-inline constexpr const char* kBackendVar = "COHORT_BACKEND";
-inline constexpr const char* kRunTokenVar = "COHORT_RUN_TOKEN";
-inline constexpr const char* kHeartbeatIntervalVar = "COHORT_HEARTBEAT_INTERVAL_MS";
-inline constexpr const char* kResumeCheckpointVar = "COHORT_RESUME_CHECKPOINT";
-inline constexpr const char* kNextCheckpointVar = "COHORT_NEXT_CHECKPOINT_INDEX";
-// The worker slot (ScalingConfig) a rank runs in: its GPUs with use_gpu.
-inline constexpr const char* kSlotVar = "COHORT_WORKER_SLOT";
 // In a preprocessing worker of a rank: the name of the Trainer dataset it serves.
 inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";
 // Store keys: assignment n of data worker k ("<prefix>/<k>/<n>", a JSON object), and its count.

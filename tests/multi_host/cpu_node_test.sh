@@ -59,9 +59,9 @@ for key in ("train_loss", "test_accuracy", "steps"):
     assert split[key] == alone[key], key
 EOF
 
-# 3. Host B runs another build (the same binary with one byte appended; the job id is given, as
+# 3. Host B runs another build (the same binary with another build id; the job id is given, as
 #    the default one differs with the program's path).
-cp "$cli" "$work/cohort-other" && printf x >>"$work/cohort-other"
+"$(dirname "$0")/other_build.sh" "$cli" "$work/cohort-other" || fail "cannot make another build"
 launch "$a" 2 0 other --nproc-per-node 2 --job-id "other$$"
 pa=$launched
 program="$work/cohort-other" launch "$b" 2 1 other --nproc-per-node 0 --data-workers 2 --job-id "other$$"

@@ -28,8 +28,9 @@ out=$(RANK=0 WORLD_SIZE=2 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "
 grep -q "MASTER_ADDR is not set" <<<"$out" || fail "missing MASTER_ADDR not named: $out"
 out=$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --workers 3 --data-dir "$data" 2>&1)
 grep -q "num_workers=3 but the launcher started 2" <<<"$out" || fail "worker mismatch not named: $out"
-# A rank built differently (here: the same program with one byte appended) is refused at join.
-cp "$cli" "$work/cohort-other" && printf 'x' >>"$work/cohort-other"
+# A rank built differently (here: the same program with another build id, as the linker gives
+# any other build) is refused at join.
+"$(dirname "$0")/other_build.sh" "$cli" "$work/cohort-other" || fail "cannot make another build"
 port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 mismatch=()
 for rank in 0 1; do

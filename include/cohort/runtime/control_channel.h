@@ -3,6 +3,8 @@
 #include <functional>
 #include <string>
 
+#include "cohort/runtime/coordinator.h"
+
 namespace cohort::runtime {
 
 // The worker's end of the control plane to its local driver: one line per message, separate
@@ -20,10 +22,23 @@ void set_control_sink(std::function<void(const std::string&)> sink);
 // driver is gone.
 void send_control_message(const std::string& line);
 
-// Starts a background thread that sends {"type":"heartbeat", "status": ...} every `interval`, so
-// the driver can tell a hung or stopped worker (no heartbeats) from a busy one. Idempotent.
+// Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
+// `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one
+// and name the ranks a collective waits for. Idempotent; nothing without a control channel.
 void start_heartbeat(std::chrono::milliseconds interval);
-// What heartbeats carry from now on: a JSON value (as text) describing what this worker is doing.
-void set_heartbeat_status(std::function<std::string()> status);
+// Stops that thread and waits for it (before a process that sent heartbeats returns from its
+// run: nothing may beat once the run's state is gone). Start it again with start_heartbeat.
+void stop_heartbeat();
+// Under an external launcher, a rank other than 0 reaches the coordinator rank 0 hosts
+// (CoordinatorServer at `address`) over TCP: its control messages and heartbeats go there. A
+// thread follows the coordinator: told to stop, or hearing nothing from it for the heartbeat
+// timeout, or losing it, the process prints why (naming the rank) and exits with status 1.
+void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
+                            const HeartbeatOptions& heartbeat);
+// The rank's work is done: says so to the coordinator, which from now on may go away.
+void leave_coordinator();
+// After a collective failed because of a peer: gives the coordinator up to `within` to end this
+// process with the cause's name; returns when it does not.
+void wait_for_coordinator(std::chrono::milliseconds within);
 
 }  // namespace cohort::runtime

@@ -16,4 +16,9 @@ std::vector<std::string> child_environment(const std::map<std::string, std::stri
 // and stderr inherited, in a process group of its own. Returns its pid. Throws RuntimeError.
 int spawn_self(const std::string& role, const std::map<std::string, std::string>& env);
 
+// What identifies this program's build: the linker's GNU build id of the executable (hex), or,
+// for one linked without it, "exe:<size>-<mtime>" of /proc/self/exe. Processes that must run the
+// same build compare it.
+std::string program_build_id();
+
 }  // namespace cohort::runtime

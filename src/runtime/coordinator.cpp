@@ -1,0 +1,423 @@
+#include "cohort/runtime/coordinator.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "cohort/comm/process_group.h"
+#include "cohort/error.h"
+
+namespace cohort::runtime {
+
+using std::chrono::milliseconds;
+
+ClockSource steady_clock_source() {
+  return [] { return std::chrono::steady_clock::now(); };
+}
+
+void HeartbeatOptions::validate() const {
+  if (interval.count() <= 0) {
+    throw UsageError("heartbeat interval " + std::to_string(interval.count()) +
+                     " ms: it must be > 0");
+  }
+  if (timeout.count() <= 0) {
+    throw UsageError("heartbeat timeout " + std::to_string(timeout.count()) +
+                     " ms: it must be > 0 (FailureConfig.heartbeat_timeout, --heartbeat-timeout)");
+  }
+  if (startup_grace.count() < 0) {
+    throw UsageError("heartbeat start-up grace " + std::to_string(startup_grace.count()) +
+                     " ms: it must be >= 0");
+  }
+}
+
+milliseconds heartbeat_interval_for(milliseconds timeout) {
+  return std::clamp(timeout / 5, milliseconds(10), milliseconds(1'000));
+}
+
+// ---------------------------------------------------------------------------------------------
+// HeartbeatMonitor
+
+HeartbeatMonitor::HeartbeatMonitor(int members, HeartbeatOptions options, ClockSource clock)
+    : options_(options), clock_(std::move(clock)) {
+  options_.validate();
+  created_ = clock_();
+  last_.assign(static_cast<size_t>(members), created_);
+  heard_.assign(static_cast<size_t>(members), false);
+  finished_.assign(static_cast<size_t>(members), false);
+}
+
+void HeartbeatMonitor::heard(int member) {
+  last_.at(static_cast<size_t>(member)) = clock_();
+  heard_[static_cast<size_t>(member)] = true;
+}
+
+void HeartbeatMonitor::finished(int member) { finished_.at(static_cast<size_t>(member)) = true; }
+
+std::optional<HeartbeatMonitor::Silence> HeartbeatMonitor::find_silent() const {
+  const auto now = clock_();
+  for (size_t m = 0; m < last_.size(); ++m) {
+    if (finished_[m]) continue;
+    const milliseconds allowed =
+        heard_[m] ? options_.timeout : options_.startup_grace + options_.timeout;
+    if (now - last_[m] >= allowed) {
+      return Silence{.member = static_cast<int>(m), .allowed = allowed, .started = heard_[m]};
+    }
+  }
+  return std::nullopt;
+}
+
+std::string HeartbeatMonitor::Silence::describe(const std::string& who) const {
+  const auto ms = allowed.count();
+  const std::string span =
+      ms % 1000 == 0 ? std::to_string(ms / 1000) + " s" : std::to_string(ms) + " ms";
+  return started ? who + " sent no heartbeat for " + span + ": it hangs or was stopped"
+                 : who + " sent no heartbeat within " + span +
+                       " of its start: it hangs in start-up or was stopped";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stall inspector
+
+Json activity_status() {
+  Json groups = Json::array();
+  for (const auto& g : comm::group_activity()) {
+    groups.push_back(
+        {{"name", g.name}, {"ranks", g.global_ranks}, {"entered", g.entered}, {"last", g.last}});
+  }
+  return Json{{"groups", groups}};
+}
+
+std::string stall_report(const std::vector<Json>& status_by_rank) {
+  // Per group (by name, in order of first appearance): each member's count and last collective.
+  struct Seen {
+    std::vector<int> ranks;
+    std::map<int, std::pair<int64_t, std::string>> by_rank;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Seen> groups;
+  for (size_t r = 0; r < status_by_rank.size(); ++r) {
+    const Json& status = status_by_rank[r];
+    if (!status.is_object() || !status.contains("groups")) continue;
+    for (const auto& g : status["groups"]) {
+      const std::string name = g.value("name", std::string{});
+      auto [it, fresh] = groups.try_emplace(name);
+      if (fresh) order.push_back(name);
+      if (it->second.ranks.empty()) it->second.ranks = g.value("ranks", std::vector<int>{});
+      it->second.by_rank[static_cast<int>(r)] = {g.value("entered", int64_t{0}),
+                                                 g.value("last", std::string("none"))};
+    }
+  }
+  std::string report;
+  for (const auto& name : order) {
+    const Seen& seen = groups[name];
+    int64_t most = 0;
+    for (const auto& [rank, entry] : seen.by_rank) most = std::max(most, entry.first);
+    std::string behind, detail;
+    for (int rank : seen.ranks) {
+      const auto it = seen.by_rank.find(rank);
+      const int64_t entered = it == seen.by_rank.end() ? 0 : it->second.first;
+      detail += (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) +
+                (it == seen.by_rank.end()
+                     ? " unknown"
+                     : " entered " + std::to_string(entered) + " (last " + it->second.second + ")");
+      if (entered < most) behind += (behind.empty() ? "" : ", ") + std::to_string(rank);
+    }
+    if (behind.empty()) continue;
+    report += std::string(report.empty() ? "" : "; ") + "group " + name + ": ranks [" + behind +
+              "] did not enter collective #" + std::to_string(most) + " (" + detail + ")";
+  }
+  return report;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Coordinator
+
+Coordinator::Coordinator(int world_size, HeartbeatOptions options, ClockSource clock)
+    : monitor_(world_size, options, std::move(clock)), status_(static_cast<size_t>(world_size)) {}
+
+void Coordinator::on_message(int rank, const Json& message) {
+  if (rank < 0 || rank >= world_size()) return;
+  monitor_.heard(rank);
+  const auto type = message.value("type", std::string{});
+  if (type == "heartbeat") {
+    status_[static_cast<size_t>(rank)] = message.value("status", Json());
+  } else if (type == "error") {
+    Verdict v{.rank = rank,
+              .reason = "rank " + std::to_string(rank) +
+                        " failed: " + message.value("message", std::string("unknown error"))};
+    if (!message.value("consequence", false)) {
+      if (!cause_) cause_ = std::move(v);
+    } else if (!consequence_) {
+      consequence_ = std::move(v);
+      consequence_at_ = monitor_.now();
+    }
+  }
+}
+
+void Coordinator::on_finished(int rank) {
+  if (rank >= 0 && rank < world_size()) monitor_.finished(rank);
+}
+
+void Coordinator::on_lost(int rank, const std::string& how) {
+  if (rank < 0 || rank >= world_size()) return;
+  monitor_.finished(rank);
+  if (!cause_) cause_ = Verdict{.rank = rank, .reason = "rank " + std::to_string(rank) + " " + how};
+}
+
+std::string Coordinator::stall_report() const { return runtime::stall_report(status_); }
+
+std::optional<Coordinator::Verdict> Coordinator::verdict() {
+  if (verdict_) return verdict_;
+  if (cause_) {
+    verdict_ = cause_;
+  } else if (const auto silent = monitor_.find_silent()) {
+    const std::string stall = stall_report();
+    verdict_ = Verdict{.rank = silent->member,
+                       .reason = silent->describe("rank " + std::to_string(silent->member)) +
+                                 (stall.empty() ? "" : "; " + stall)};
+  } else if (consequence_ && monitor_.now() - consequence_at_ >= 2 * options().interval) {
+    verdict_ = consequence_;
+  }
+  return verdict_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// CoordinatorServer
+
+namespace {
+
+bool write_line(int fd, const std::string& line) {
+  const std::string framed = line + "\n";
+  size_t sent = 0;
+  while (sent < framed.size()) {
+    const ssize_t n = ::send(fd, framed.data() + sent, framed.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return false;
+    sent += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+}  // namespace
+
+struct CoordinatorServer::Impl {
+  CoordinatorServerOptions options;
+  std::function<void(const Coordinator::Verdict&)> on_verdict;
+  Coordinator coordinator;
+  int listen_fd = -1;
+  int wake[2] = {-1, -1};
+  std::string address;
+  std::mutex mutex;  // the coordinator, `finished`, `verdict`
+  std::condition_variable judged;
+  bool finished = false;
+  std::optional<Coordinator::Verdict> verdict;
+  std::thread thread;
+
+  struct Connection {
+    int fd;
+    int rank = -1;  // after its hello
+    std::string in;
+    bool left = false;  // said bye
+  };
+
+  Impl(CoordinatorServerOptions o, std::function<void(const Coordinator::Verdict&)> v,
+       ClockSource clock)
+      : options(std::move(o)),
+        on_verdict(std::move(v)),
+        coordinator(options.world_size, options.heartbeat, std::move(clock)) {}
+
+  void listen() {
+    sockaddr_in bind_to{};
+    bind_to.sin_family = AF_INET;
+    bind_to.sin_port = 0;
+    if (::inet_pton(AF_INET, options.bind_address.c_str(), &bind_to.sin_addr) != 1) {
+      throw UsageError("coordinator: '" + options.bind_address +
+                       "' is not an IPv4 address of this host");
+    }
+    listen_fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (listen_fd < 0 ||
+        ::bind(listen_fd, reinterpret_cast<sockaddr*>(&bind_to), sizeof bind_to) != 0 ||
+        ::listen(listen_fd, SOMAXCONN) != 0 || ::pipe2(wake, O_CLOEXEC) != 0) {
+      const std::string why = std::strerror(errno);
+      if (listen_fd >= 0) ::close(listen_fd);
+      throw RuntimeError("coordinator: cannot listen on " + options.bind_address + ": " + why);
+    }
+    sockaddr_in bound{};
+    socklen_t length = sizeof bound;
+    ::getsockname(listen_fd, reinterpret_cast<sockaddr*>(&bound), &length);
+    address = options.bind_address + ":" + std::to_string(ntohs(bound.sin_port));
+  }
+
+  // Under `mutex`.
+  void take(int rank, const std::string& line) {
+    Json message;
+    try {
+      message = Json::parse(line);
+    } catch (const std::exception&) {
+      return;  // not a message of ours
+    }
+    coordinator.on_message(rank, message);
+  }
+
+  // Under `mutex`: a verdict not acted on yet, else nullopt.
+  std::optional<Coordinator::Verdict> new_verdict() {
+    if (finished || verdict) return std::nullopt;
+    verdict = coordinator.verdict();
+    if (verdict) judged.notify_all();
+    return verdict;
+  }
+
+  void serve() {
+    std::vector<Connection> connections;
+    auto beat_due = std::chrono::steady_clock::now();
+    const auto interval = options.heartbeat.interval;
+    const std::string beat = R"({"type":"beat"})";
+    while (true) {
+      std::vector<pollfd> fds{{wake[0], POLLIN, 0}, {listen_fd, POLLIN, 0}};
+      for (const auto& c : connections) fds.push_back({c.fd, POLLIN, 0});
+      const auto wait =
+          std::chrono::duration_cast<milliseconds>(beat_due - std::chrono::steady_clock::now());
+      if (::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, wait.count()))) <
+              0 &&
+          errno != EINTR) {
+        break;
+      }
+      if (fds[0].revents != 0) break;
+      const size_t polled = connections.size();
+      if (fds[1].revents & POLLIN) {
+        while (true) {
+          const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+          if (fd < 0) break;
+          const int one = 1;
+          ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          connections.push_back({.fd = fd});
+        }
+      }
+      std::set<int> dropped;
+      for (size_t i = 0; i < polled; ++i) {
+        if (fds[i + 2].revents == 0) continue;
+        Connection& c = connections[i];
+        char buffer[16384];
+        const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
+        if (n < 0 && errno == EINTR) continue;
+        std::lock_guard lock(mutex);
+        if (n <= 0) {
+          dropped.insert(c.fd);
+          if (c.rank >= 0 && !c.left && !finished) {
+            coordinator.on_lost(c.rank,
+                                "ended without finishing: its connection to the coordinator "
+                                "closed (the process died or was killed)");
+          } else if (c.rank >= 0) {
+            coordinator.on_finished(c.rank);
+          }
+          continue;
+        }
+        c.in.append(buffer, static_cast<size_t>(n));
+        for (size_t end; (end = c.in.find('\n')) != std::string::npos;) {
+          const std::string line = c.in.substr(0, end);
+          c.in.erase(0, end + 1);
+          if (c.rank < 0) {
+            Json hello;
+            try {
+              hello = Json::parse(line);
+            } catch (const std::exception&) {
+            }
+            const int rank = hello.is_object() ? hello.value("rank", -1) : -1;
+            const std::string token = hello.is_object() ? hello.value("token", std::string{}) : "";
+            if (rank < 1 || rank >= options.world_size || token != options.token) {
+              write_line(c.fd, Json{{"type", "refused"},
+                                    {"reason", "this coordinator serves run " + options.token +
+                                                   " of " + std::to_string(options.world_size) +
+                                                   " ranks, not rank " + std::to_string(rank) +
+                                                   " of run " + token}}
+                                   .dump());
+              dropped.insert(c.fd);
+              break;
+            }
+            c.rank = rank;
+            coordinator.on_message(rank, hello);
+            continue;
+          }
+          if (line == R"({"type":"bye"})") {
+            c.left = true;
+            coordinator.on_finished(c.rank);
+            continue;
+          }
+          take(c.rank, line);
+        }
+      }
+      std::erase_if(connections, [&](const Connection& c) {
+        if (!dropped.count(c.fd)) return false;
+        ::close(c.fd);
+        return true;
+      });
+      std::optional<Coordinator::Verdict> stop;
+      {
+        std::lock_guard lock(mutex);
+        stop = new_verdict();
+      }
+      if (stop) {
+        const std::string abort = Json{{"type", "abort"}, {"reason", stop->reason}}.dump();
+        for (const auto& c : connections) write_line(c.fd, abort);
+        if (on_verdict) on_verdict(*stop);
+      }
+      if (std::chrono::steady_clock::now() >= beat_due) {
+        for (const auto& c : connections) write_line(c.fd, beat);
+        beat_due = std::chrono::steady_clock::now() + interval;
+      }
+    }
+    for (const auto& c : connections) ::close(c.fd);
+  }
+};
+
+CoordinatorServer::CoordinatorServer(CoordinatorServerOptions options,
+                                     std::function<void(const Coordinator::Verdict&)> on_verdict,
+                                     ClockSource clock)
+    : impl_(std::make_unique<Impl>(std::move(options), std::move(on_verdict), std::move(clock))) {
+  impl_->listen();
+  impl_->thread = std::thread([impl = impl_.get()] { impl->serve(); });
+}
+
+CoordinatorServer::~CoordinatorServer() {
+  const char byte = 0;
+  if (::write(impl_->wake[1], &byte, 1) < 0) {
+    // The thread ends at its next beat anyway.
+  }
+  if (impl_->thread.joinable()) impl_->thread.join();
+  ::close(impl_->listen_fd);
+  ::close(impl_->wake[0]);
+  ::close(impl_->wake[1]);
+}
+
+std::string CoordinatorServer::address() const { return impl_->address; }
+
+void CoordinatorServer::deliver(int rank, const std::string& line) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->take(rank, line);
+}
+
+std::optional<Coordinator::Verdict> CoordinatorServer::await_verdict(milliseconds within) {
+  std::unique_lock lock(impl_->mutex);
+  impl_->judged.wait_for(lock, within, [&] { return impl_->verdict.has_value(); });
+  return impl_->verdict;
+}
+
+void CoordinatorServer::finish() {
+  std::lock_guard lock(impl_->mutex);
+  impl_->finished = true;
+}
+
+}  // namespace cohort::runtime

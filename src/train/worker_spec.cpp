@@ -1,0 +1,117 @@
+#include "train/worker_spec.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+
+#include "cohort/error.h"
+#include "cohort/runtime/process.h"
+
+namespace cohort::train {
+namespace {
+
+constexpr int kFormat = 1;
+
+template <typename T>
+T field(const Json& spec, const char* key) {
+  if (!spec.contains(key)) {
+    throw UsageError(std::string("worker spec: field '") + key + "' is missing");
+  }
+  try {
+    return spec.at(key).get<T>();
+  } catch (const std::exception&) {
+    throw UsageError(std::string("worker spec: field '") + key + "' has the wrong type (" +
+                     spec.at(key).dump() + ")");
+  }
+}
+
+std::chrono::milliseconds positive_ms(const Json& spec, const char* key) {
+  const auto ms = field<int64_t>(spec, key);
+  if (ms <= 0) {
+    throw UsageError(std::string("worker spec: ") + key + " = " + std::to_string(ms) +
+                     ": it must be > 0");
+  }
+  return std::chrono::milliseconds(ms);
+}
+
+}  // namespace
+
+std::string to_text(const WorkerSpec& s) {
+  return Json{{"format", kFormat},
+              {"build", s.build},
+              {"driver_pid", s.driver_pid},
+              {"run_token", s.run_token},
+              {"config", s.config},
+              {"name", s.name},
+              {"run_dir", s.run_dir},
+              {"run_start_ns", s.run_start_ns},
+              {"cpu_threads", s.cpu_threads},
+              {"setup_timeout_ms", s.setup_timeout.count()},
+              {"collective_timeout_ms", s.collective_timeout.count()},
+              {"heartbeat_interval_ms", s.heartbeat.interval.count()},
+              {"heartbeat_timeout_ms", s.heartbeat.timeout.count()},
+              {"gpus_per_worker", s.gpus_per_worker},
+              {"backend", s.backend},
+              {"resume_from", s.resume_from},
+              {"next_checkpoint_index", s.next_checkpoint_index},
+              {"slot", s.slot}}
+      .dump();
+}
+
+WorkerSpec worker_spec_from_text(const std::string& text) {
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const std::exception& e) {
+    throw UsageError(std::string("worker spec (") + kWorkerSpecVar + ") is not JSON: " + e.what());
+  }
+  if (!j.is_object()) throw UsageError(std::string(kWorkerSpecVar) + " is not a JSON object");
+  if (const int format = field<int>(j, "format"); format != kFormat) {
+    throw UsageError("worker spec: format " + std::to_string(format) + ", this program reads " +
+                     std::to_string(kFormat) + ": the driver runs another build");
+  }
+  WorkerSpec s;
+  s.build = field<std::string>(j, "build");
+  if (const std::string mine = runtime::program_build_id(); s.build != mine) {
+    throw UsageError("worker spec: build " + s.build + " is not this program's (" + mine +
+                     "): the driver runs another build of the program");
+  }
+  s.driver_pid = field<int>(j, "driver_pid");
+  if (s.driver_pid != ::getppid()) {
+    throw UsageError("worker spec: driver_pid " + std::to_string(s.driver_pid) +
+                     " is not this process's parent (" + std::to_string(::getppid()) +
+                     "): the spec belongs to another run");
+  }
+  s.run_token = field<std::string>(j, "run_token");
+  s.config = field<Json>(j, "config");
+  s.name = field<std::string>(j, "name");
+  s.run_dir = field<std::string>(j, "run_dir");
+  s.run_start_ns = field<int64_t>(j, "run_start_ns");
+  s.cpu_threads = field<int>(j, "cpu_threads");
+  if (s.cpu_threads <= 0) {
+    throw UsageError("worker spec: cpu_threads = " + std::to_string(s.cpu_threads) +
+                     ": it must be > 0");
+  }
+  s.setup_timeout = positive_ms(j, "setup_timeout_ms");
+  s.collective_timeout = positive_ms(j, "collective_timeout_ms");
+  s.heartbeat.interval = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_interval_ms"));
+  s.heartbeat.timeout = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_timeout_ms"));
+  s.heartbeat.validate();
+  s.gpus_per_worker = field<int>(j, "gpus_per_worker");
+  s.backend = field<std::string>(j, "backend");
+  s.resume_from = field<std::string>(j, "resume_from");
+  s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
+  s.slot = field<int>(j, "slot");
+  return s;
+}
+
+WorkerSpec worker_spec_from_env() {
+  const char* text = std::getenv(kWorkerSpecVar);
+  if (text == nullptr || *text == '\0') {
+    throw UsageError(std::string(kWorkerSpecVar) +
+                     " is not set: worker processes are started by cohort's driver");
+  }
+  return worker_spec_from_text(text);
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,46 @@
+// What the local driver hands each worker it starts: one serialized spec in one variable
+// (COHORT_WORKER_SPEC), read and checked in one place, instead of a variable per setting.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "cohort/json.h"
+#include "cohort/runtime/coordinator.h"
+#include "cohort/timeouts.h"
+
+namespace cohort::train {
+
+inline constexpr const char* kWorkerSpecVar = "COHORT_WORKER_SPEC";
+
+struct WorkerSpec {
+  // The program that wrote it (runtime::program_build_id()) and the driver's pid: a spec left in
+  // the environment by another build or another run is refused.
+  std::string build;
+  int driver_pid = 0;
+  // Unique to this start of the group: nothing of an earlier start's store keys or staging
+  // folders is mistaken for this one's.
+  std::string run_token;
+  Json config = Json::object();  // the train loop's
+  std::string name;
+  std::string run_dir;
+  int64_t run_start_ns = 0;
+  int cpu_threads = 1;
+  std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
+  std::chrono::milliseconds collective_timeout = kDefaultCollectiveTimeout;
+  runtime::HeartbeatOptions heartbeat;
+  int gpus_per_worker = 0;  // 0: CPU training
+  std::string backend = "auto";
+  std::string resume_from;  // a checkpoint folder, or empty
+  int64_t next_checkpoint_index = 0;
+  int slot = 0;  // the worker slot (ScalingConfig) the rank runs in
+};
+
+std::string to_text(const WorkerSpec& spec);
+// Parses and checks a spec: a UsageError of one line naming the field and its value when it is
+// malformed, of another build, or of another driver than this process's parent.
+WorkerSpec worker_spec_from_text(const std::string& text);
+// This worker's spec, from its environment; a UsageError when there is none.
+WorkerSpec worker_spec_from_env();
+
+}  // namespace cohort::train

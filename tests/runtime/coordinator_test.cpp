@@ -1,0 +1,255 @@
+#include "cohort/runtime/coordinator.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "cohort/error.h"
+#include "support/expect.h"
+
+namespace cohort::runtime {
+namespace {
+
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// A clock the test moves by hand: the coordinator's timing without sleeping.
+struct FakeClock {
+  SteadyTime now{};
+  ClockSource source() {
+    return [this] { return now; };
+  }
+  void advance(milliseconds by) { now += by; }
+};
+
+HeartbeatOptions beats(milliseconds timeout, milliseconds grace = milliseconds(0)) {
+  return {.interval = heartbeat_interval_for(timeout), .timeout = timeout, .startup_grace = grace};
+}
+
+TEST(HeartbeatOptions, NonPositiveValuesAreRefusedNamingThem) {
+  cohort::testing::expect_error<UsageError>(
+      [] { HeartbeatOptions{.interval = milliseconds(0)}.validate(); },
+      "heartbeat interval 0 ms: it must be > 0");
+  cohort::testing::expect_error<UsageError>(
+      [] { HeartbeatOptions{.timeout = milliseconds(-5)}.validate(); },
+      "heartbeat timeout -5 ms: it must be > 0");
+  cohort::testing::expect_error<UsageError>(
+      [] { HeartbeatMonitor(2, HeartbeatOptions{.timeout = milliseconds(0)}); },
+      "heartbeat timeout 0 ms");
+}
+
+TEST(HeartbeatOptions, TheIntervalIsAFifthOfTheTimeoutWithinBounds) {
+  EXPECT_EQ(heartbeat_interval_for(seconds(3)), milliseconds(600));
+  EXPECT_EQ(heartbeat_interval_for(seconds(30)), milliseconds(1000));
+  EXPECT_EQ(heartbeat_interval_for(milliseconds(20)), milliseconds(10));
+}
+
+TEST(HeartbeatMonitor, AMemberIsSilentExactlyAtTheTimeout) {
+  FakeClock clock;
+  HeartbeatMonitor monitor(2, beats(seconds(3)), clock.source());
+  monitor.heard(0);
+  monitor.heard(1);
+  clock.advance(milliseconds(2'000));
+  monitor.heard(0);
+  clock.advance(milliseconds(999));
+  EXPECT_FALSE(monitor.find_silent());
+  clock.advance(milliseconds(1));
+  const auto silent = monitor.find_silent();
+  ASSERT_TRUE(silent);
+  EXPECT_EQ(silent->member, 1);
+  EXPECT_EQ(silent->describe("rank 1"),
+            "rank 1 sent no heartbeat for 3 s: it hangs or was stopped");
+}
+
+TEST(HeartbeatMonitor, StartUpGetsTheGraceAndFinishedMembersAreNotExpected) {
+  FakeClock clock;
+  HeartbeatMonitor monitor(2, beats(seconds(3), seconds(10)), clock.source());
+  monitor.heard(0);
+  clock.advance(seconds(12));
+  monitor.heard(0);
+  EXPECT_FALSE(monitor.find_silent());  // 12 s < 10 s grace + 3 s
+  clock.advance(seconds(1));
+  const auto silent = monitor.find_silent();
+  ASSERT_TRUE(silent);
+  EXPECT_EQ(silent->member, 1);
+  EXPECT_FALSE(silent->started);
+  EXPECT_NE(silent->describe("rank 1").find("within 13 s of its start"), std::string::npos);
+  monitor.finished(1);
+  EXPECT_FALSE(monitor.find_silent());
+}
+
+Json heartbeat(std::vector<std::tuple<std::string, std::vector<int>, int64_t>> groups) {
+  Json list = Json::array();
+  for (const auto& [name, ranks, entered] : groups) {
+    list.push_back({{"name", name}, {"ranks", ranks}, {"entered", entered}, {"last", "allreduce"}});
+  }
+  return Json{{"type", "heartbeat"}, {"status", {{"groups", list}}}};
+}
+
+TEST(StallReport, NamesTheMembersBehindInEveryGroupIncludingSubGroups) {
+  // Ranks 0-3; sub-groups {0,1} and {2,3}. Rank 3 stopped: group "world" and {2,3} wait for it.
+  std::vector<Json> status{
+      heartbeat({{"world", {0, 1, 2, 3}, 7}, {"world/1.0", {0, 1}, 3}})["status"],
+      heartbeat({{"world", {0, 1, 2, 3}, 7}, {"world/1.0", {0, 1}, 3}})["status"],
+      heartbeat({{"world", {0, 1, 2, 3}, 7}, {"world/1.1", {2, 3}, 5}})["status"],
+      heartbeat({{"world", {0, 1, 2, 3}, 6}, {"world/1.1", {2, 3}, 4}})["status"]};
+  const std::string report = stall_report(status);
+  EXPECT_NE(report.find("group world: ranks [3] did not enter collective #7"), std::string::npos)
+      << report;
+  EXPECT_NE(report.find("group world/1.1: ranks [3] did not enter collective #5 (rank 2 entered 5 "
+                        "(last allreduce), rank 3 entered 4 (last allreduce))"),
+            std::string::npos)
+      << report;
+  EXPECT_EQ(report.find("world/1.0"), std::string::npos) << report;  // level
+  status[3] = Json();  // nothing heard from rank 3: unknown, and behind
+  EXPECT_NE(stall_report(status).find("rank 3 unknown"), std::string::npos);
+  EXPECT_EQ(stall_report({Json(), Json()}), "");
+}
+
+TEST(Coordinator, ASilentRankIsNamedWithTheStallReport) {
+  FakeClock clock;
+  Coordinator coordinator(2, beats(seconds(3)), clock.source());
+  coordinator.on_message(0, heartbeat({{"train", {0, 1}, 5}}));
+  coordinator.on_message(1, heartbeat({{"train", {0, 1}, 4}}));
+  for (int i = 0; i < 4; ++i) {
+    clock.advance(milliseconds(600));
+    coordinator.on_message(0, heartbeat({{"train", {0, 1}, 5}}));
+    EXPECT_FALSE(coordinator.verdict()) << "after " << (i + 1) * 600 << " ms";
+  }
+  clock.advance(milliseconds(600));  // rank 1 silent for 3 s: the timeout
+  const auto verdict = coordinator.verdict();
+  ASSERT_TRUE(verdict);
+  EXPECT_EQ(verdict->rank, 1);
+  EXPECT_EQ(verdict->reason,
+            "rank 1 sent no heartbeat for 3 s: it hangs or was stopped; group train: ranks [1] did "
+            "not enter collective #5 (rank 0 entered 5 (last allreduce), rank 1 entered 4 (last "
+            "allreduce))");
+}
+
+TEST(Coordinator, ARanksOwnErrorIsTheCauseAndTheFirstVerdictStays) {
+  FakeClock clock;
+  Coordinator coordinator(3, beats(seconds(3)), clock.source());
+  coordinator.on_message(
+      0, {{"type", "error"}, {"message", "connection closed by peer"}, {"consequence", true}});
+  EXPECT_FALSE(coordinator.verdict());  // a consequence waits for its cause
+  coordinator.on_message(2, {{"type", "error"}, {"message", "injected failure"}});
+  auto verdict = coordinator.verdict();
+  ASSERT_TRUE(verdict);
+  EXPECT_EQ(verdict->rank, 2);
+  EXPECT_EQ(verdict->reason, "rank 2 failed: injected failure");
+  coordinator.on_lost(1, "ended without finishing");
+  clock.advance(seconds(10));
+  EXPECT_EQ(coordinator.verdict()->reason, "rank 2 failed: injected failure");
+}
+
+TEST(Coordinator, AConsequenceWithoutACauseIsTheVerdictTwoIntervalsLater) {
+  FakeClock clock;
+  const auto options = beats(seconds(3));
+  Coordinator coordinator(2, options, clock.source());
+  coordinator.on_message(1, {{"type", "heartbeat"}});
+  coordinator.on_message(0, {{"type", "error"}, {"message", "timed out"}, {"consequence", true}});
+  clock.advance(2 * options.interval - milliseconds(1));
+  coordinator.on_message(1, {{"type", "heartbeat"}});
+  EXPECT_FALSE(coordinator.verdict());
+  clock.advance(milliseconds(1));
+  ASSERT_TRUE(coordinator.verdict());
+  EXPECT_EQ(coordinator.verdict()->reason, "rank 0 failed: timed out");
+}
+
+TEST(Coordinator, ALostRankIsNamedAndAFinishedOneIsNot) {
+  FakeClock clock;
+  Coordinator coordinator(3, beats(seconds(3)), clock.source());
+  coordinator.on_finished(2);
+  clock.advance(seconds(2));
+  EXPECT_FALSE(coordinator.verdict());
+  coordinator.on_lost(1, "exited with code 1");
+  ASSERT_TRUE(coordinator.verdict());
+  EXPECT_EQ(coordinator.verdict()->rank, 1);
+  EXPECT_EQ(coordinator.verdict()->reason, "rank 1 exited with code 1");
+}
+
+// A rank's end of the coordinator's protocol, by hand: one line of JSON per message.
+class RawRank {
+ public:
+  explicit RawRank(const std::string& address) {
+    const auto colon = address.rfind(':');
+    sockaddr_in to{};
+    to.sin_family = AF_INET;
+    to.sin_port = htons(static_cast<uint16_t>(std::stoi(address.substr(colon + 1))));
+    ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr);
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    EXPECT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
+  }
+  ~RawRank() { close(); }
+  void send(const Json& message) {
+    const std::string line = message.dump() + "\n";
+    ASSERT_EQ(::write(fd_, line.data(), line.size()), static_cast<ssize_t>(line.size()));
+  }
+  // The next line from the coordinator that is not a beat, within 10 s.
+  Json next_message() {
+    const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      for (size_t end; (end = in_.find('\n')) != std::string::npos;) {
+        const Json message = Json::parse(in_.substr(0, end));
+        in_.erase(0, end + 1);
+        if (message.value("type", "") != "beat") return message;
+      }
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      char buffer[4096];
+      const ssize_t n = ::read(fd_, buffer, sizeof buffer);
+      if (n <= 0) break;
+      in_.append(buffer, static_cast<size_t>(n));
+    }
+    return Json();
+  }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string in_;
+};
+
+TEST(CoordinatorServer, ARankWhoseConnectionDropsIsNamedAndTheOthersAreToldToStop) {
+  std::optional<Coordinator::Verdict> seen;
+  CoordinatorServer server({.world_size = 3, .heartbeat = beats(seconds(30)), .token = "run-a"},
+                           [&](const Coordinator::Verdict& v) { seen = v; });
+  RawRank one(server.address()), two(server.address());
+  one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
+  two.send({{"type", "hello"}, {"rank", 2}, {"token", "run-a"}});
+  server.deliver(0, R"({"type":"heartbeat","status":null})");
+  two.close();  // rank 2 dies
+  const auto verdict = server.await_verdict(seconds(10));
+  ASSERT_TRUE(verdict);
+  EXPECT_EQ(verdict->rank, 2);
+  EXPECT_NE(verdict->reason.find("rank 2 ended without finishing"), std::string::npos)
+      << verdict->reason;
+  const Json abort = one.next_message();
+  EXPECT_EQ(abort.value("type", ""), "abort") << abort.dump();
+  EXPECT_EQ(abort.value("reason", ""), verdict->reason);
+}
+
+TEST(CoordinatorServer, ARankOfAnotherRunIsRefusedAndOneThatSaidByeMayLeave) {
+  CoordinatorServer server({.world_size = 2, .heartbeat = beats(seconds(30)), .token = "run-a"},
+                           nullptr);
+  RawRank stranger(server.address());
+  stranger.send({{"type", "hello"}, {"rank", 1}, {"token", "run-b"}});
+  const Json refused = stranger.next_message();
+  EXPECT_EQ(refused.value("type", ""), "refused") << refused.dump();
+  EXPECT_NE(refused.value("reason", "").find("not rank 1 of run run-b"), std::string::npos);
+  RawRank one(server.address());
+  one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
+  one.send({{"type", "bye"}});
+  one.close();
+  server.deliver(0, R"({"type":"heartbeat","status":null})");
+  EXPECT_FALSE(server.await_verdict(milliseconds(300)));
+}
+
+}  // namespace
+}  // namespace cohort::runtime

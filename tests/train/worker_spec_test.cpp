@@ -1,0 +1,74 @@
+#include "train/worker_spec.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include "cohort/error.h"
+#include "cohort/runtime/process.h"
+#include "support/expect.h"
+
+namespace cohort::train {
+namespace {
+
+// A spec as this process's parent (the driver) would write it.
+WorkerSpec spec_from_parent() {
+  WorkerSpec spec;
+  spec.build = runtime::program_build_id();
+  spec.driver_pid = ::getppid();
+  spec.run_token = "0123abcd";
+  spec.config = Json{{"lr", 0.1}};
+  spec.name = "run";
+  spec.run_dir = "/tmp/run";
+  spec.run_start_ns = 42;
+  spec.cpu_threads = 2;
+  spec.heartbeat = {.interval = std::chrono::milliseconds(600), .timeout = std::chrono::seconds(3)};
+  spec.resume_from = "/tmp/run/checkpoint_000001";
+  spec.next_checkpoint_index = 2;
+  spec.slot = 1;
+  return spec;
+}
+
+TEST(WorkerSpec, RoundTripsEverySetting) {
+  const WorkerSpec spec = spec_from_parent();
+  const WorkerSpec read = worker_spec_from_text(to_text(spec));
+  EXPECT_EQ(to_text(read), to_text(spec));
+  EXPECT_EQ(read.config["lr"], 0.1);
+  EXPECT_EQ(read.heartbeat.timeout, std::chrono::seconds(3));
+  EXPECT_EQ(read.setup_timeout, kDefaultSetupTimeout);
+  EXPECT_EQ(read.slot, 1);
+}
+
+TEST(WorkerSpec, ASpecOfAnotherBuildOrRunIsRefusedNamingTheValue) {
+  WorkerSpec spec = spec_from_parent();
+  spec.build = "feedface";
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(to_text(spec)); },
+                                            "worker spec: build feedface is not this program's");
+  spec = spec_from_parent();
+  spec.driver_pid = ::getppid() + 100000;
+  cohort::testing::expect_error<UsageError>(
+      [&] { worker_spec_from_text(to_text(spec)); },
+      "driver_pid " + std::to_string(::getppid() + 100000) + " is not this process's parent");
+}
+
+TEST(WorkerSpec, MalformedFieldsAreNamed) {
+  Json spec = Json::parse(to_text(spec_from_parent()));
+  spec["heartbeat_timeout_ms"] = 0;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "heartbeat timeout 0 ms");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["cpu_threads"] = "two";
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "field 'cpu_threads' has the wrong type (\"two\")");
+  spec.erase("cpu_threads");
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "field 'cpu_threads' is missing");
+  cohort::testing::expect_error<UsageError>([] { worker_spec_from_text("{not json"); },
+                                            "is not JSON");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["format"] = 7;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: format 7");
+}
+
+}  // namespace
+}  // namespace cohort::train
