@@ -228,6 +228,9 @@ int NodeLauncher::run() {
     monitor_.reset();
     WorkerGroupOptions group_options;
     group_options.num_workers = o_.nproc_per_node + o_.data_workers;
+    // The ranks' coordinator (on rank 0) stops them itself after a failure, naming its cause:
+    // the launcher lets it speak first.
+    group_options.failure_grace = std::chrono::seconds(2);
     group_options.executable = program;
     group_options.argv = o_.command;
     group_options.role.clear();

@@ -177,12 +177,14 @@ struct WorkerGroup::Impl {
   bool finished = false;
   std::optional<Clock::time_point> kill_at;        // stopping: SIGKILL after the grace period
   std::optional<Clock::time_point> skew_deadline;  // someone finished; the rest must follow
-  std::optional<Clock::time_point> drain_until;    // all exited; read what is left in the pipes
+  // A worker failed: the others may end on their own until then (failure_grace).
+  std::optional<std::pair<Clock::time_point, std::string>> stop_after_grace;
+  std::optional<Clock::time_point> drain_until;  // all exited; read what is left in the pipes
 
   void begin_stop(std::string reason) {
     if (kill_at) return;
     stopping = true;
-    outcome.stop_began = Clock::now();
+    if (outcome.stop_began == Clock::time_point{}) outcome.stop_began = Clock::now();
     if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
     // Whoever already died did so on their own, not by our SIGTERM: record them as such.
     for (auto& w : workers) reap(w, false);
@@ -397,7 +399,12 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
     if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
     if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
       outcome.first_failure = w->exit;
-      begin_stop(w->exit.describe());
+      if (options.failure_grace.count() > 0) {
+        outcome.stop_began = Clock::now();
+        stop_after_grace.emplace(Clock::now() + options.failure_grace, w->exit.describe());
+      } else {
+        begin_stop(w->exit.describe());
+      }
     } else if (w->exit.ok() && !skew_deadline) {
       skew_deadline = Clock::now() + options.exit_skew_timeout;
     }
@@ -412,6 +419,9 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
     begin_stop("ranks [" + hung + "] still running " +
                std::to_string(options.exit_skew_timeout.count() / 1000) +
                " s after another rank finished: stopped as hung");
+  }
+  if (stop_after_grace && now >= stop_after_grace->first && !kill_at) {
+    begin_stop(stop_after_grace->second);
   }
   if (kill_at && now > *kill_at) signal_all(SIGKILL);
   // A grandchild holding a pipe open must not keep the driver waiting once workers are gone.

@@ -29,6 +29,9 @@ struct WorkerGroupOptions {
   std::function<std::string(int rank)> rank_role;
   // How messages name worker `rank`; default "rank R".
   std::function<std::string(int rank)> rank_name;
+  // After a worker failed, how long the others may take to end on their own (told by their
+  // coordinator, which names the cause) before the group is stopped. 0: stopped at once.
+  std::chrono::milliseconds failure_grace{0};
   // Between SIGTERM and SIGKILL when the group is stopped.
   std::chrono::milliseconds stop_grace{3'000};
   // After one worker finished cleanly, how long the others may still run before they are
