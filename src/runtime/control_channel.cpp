@@ -154,7 +154,9 @@ CoordinatorLink& link() {
 }
 
 [[noreturn]] void stop_process(const std::string& why) {
-  std::cerr << "cohort: " << why << std::endl;
+  // One write: a launcher's own lines (mpirun's) must not land inside it.
+  const std::string line = "cohort: " + why + "\n";
+  [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
   std::cout.flush();
   std::fflush(nullptr);
   std::_Exit(1);

@@ -294,7 +294,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
           std::lock_guard lock(bookkeeping);
           if (finished) return;  // the training thread took the verdict as its error
           finished = true;
-          std::cerr << "cohort: the coordinator stops the job: " << verdict.reason << std::endl;
+          // One write: a launcher's own lines (mpirun's) must not land inside it.
+          const std::string line =
+              "cohort: the coordinator stops the job: " + verdict.reason + "\n";
+          [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
           console.tick(/*flush_all=*/true);
           recorder->finish(verdict.reason, info.world_size,
                            std::chrono::duration<double>(Clock::now() - started).count());
