@@ -20,15 +20,46 @@ std::filesystem::path data_dir_of(const TrainOptions& o) {
   throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
 }
 
+// The optimizer a job's config names, with its hyperparameters checked (UsageError naming the
+// value): cohort's flat optimizers by default, libtorch's own with flat_optimizer false.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
                                                         std::vector<torch::Tensor> params) {
-  double lr = c["lr"].get<double>();
-  if (c["optimizer"] == "adam") {
-    return std::make_unique<torch::optim::Adam>(params,
-                                                torch::optim::AdamOptions(lr > 0 ? lr : 1e-3));
+  const double lr = c["lr"].get<double>();
+  const auto weight_decay = c.contains("weight_decay") && c["weight_decay"].is_number()
+                                ? std::optional<double>(c["weight_decay"].get<double>())
+                                : std::nullopt;
+  const bool flat = c.value("flat_optimizer", true);
+  const auto name = c["optimizer"].get<std::string>();
+  if (name == "adam" || name == "adamw") {
+    const double decay = weight_decay.value_or(name == "adamw" ? 0.01 : 0.0);
+    if (name == "adamw") {
+      auto options = torch::optim::AdamWOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+      optim::validate(options);
+      if (flat) return std::make_unique<optim::FlatAdamW>(params, options);
+      return std::make_unique<torch::optim::AdamW>(params, options);
+    }
+    auto options = torch::optim::AdamOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+    optim::validate(options);
+    if (flat) return std::make_unique<optim::FlatAdam>(params, options);
+    return std::make_unique<torch::optim::Adam>(params, options);
   }
-  return std::make_unique<torch::optim::SGD>(
-      params, torch::optim::SGDOptions(lr > 0 ? lr : 0.02).momentum(c["momentum"].get<double>()));
+  auto options = torch::optim::SGDOptions(lr > 0 ? lr : 0.02)
+                     .momentum(c["momentum"].get<double>())
+                     .weight_decay(weight_decay.value_or(0.0));
+  optim::validate(options);
+  if (flat) return std::make_unique<optim::FlatSGD>(params, options);
+  return std::make_unique<torch::optim::SGD>(params, options);
+}
+
+// The lr schedule of a job that runs `total_steps` steps.
+optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
+  optim::LrScheduleOptions schedule{.warmup_steps = c.value("warmup_steps", int64_t{0}),
+                                    .decay = c.value("lr_decay", std::string("none")),
+                                    .total_steps = total_steps};
+  // A run shorter than its warmup decays over what is left: nothing.
+  if (schedule.decay != "none" && schedule.total_steps <= schedule.warmup_steps)
+    schedule.decay = "none";
+  return schedule;
 }
 
 struct Evaluation {
@@ -42,7 +73,11 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
   model.eval();
   double correct = 0, total = 0, loss_sum = 0;
   for (auto& batch : loader) {
-    auto output = model.forward(batch.data);
+    torch::Tensor output;
+    {
+      auto autocast = train::autocast();
+      output = model.forward(batch.data).to(torch::kFloat);
+    }
     loss_sum += torch::nn::functional::cross_entropy(
                     output, batch.target,
                     torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
@@ -78,9 +113,25 @@ void validate(const TrainOptions& o) {
     throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
   }
   models::create_model(o.model);  // throws, listing the zoo, for an unknown name
-  if (o.optimizer != "sgd" && o.optimizer != "adam") {
-    throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd or adam");
+  if (o.optimizer != "sgd" && o.optimizer != "adam" && o.optimizer != "adamw") {
+    throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd, adam or adamw");
   }
+  // The hyperparameters, checked as the workers will build them.
+  {
+    auto config = to_json(o);
+    config["data_dir"] = "";
+    auto probe = torch::zeros({1}, torch::requires_grad());
+    make_optimizer(config, {probe});
+  }
+  const auto precision = optim::precision_from_string(o.precision);
+  if (!o.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
+  if (o.gradient_clipping < 0)
+    throw UsageError("--gradient-clipping " + std::to_string(o.gradient_clipping) +
+                     " must be >= 0 (0: no clipping)");
+  if (o.warmup_steps < 0)
+    throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
+  if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
+    throw UsageError("unknown --lr-decay '" + o.lr_decay + "': choose none, cosine or linear");
   if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
   if (o.min_workers < 0 || o.min_workers > o.workers) {
     throw UsageError("--min-workers " + std::to_string(o.min_workers) +
@@ -138,11 +189,21 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
 }
 
 Json to_json(const TrainOptions& o) {
-  return Json{{"model", o.model},         {"data_dir", data_dir_of(o).string()},
-              {"epochs", o.epochs},       {"batch_size", o.batch_size},
-              {"optimizer", o.optimizer}, {"lr", o.lr},
-              {"momentum", o.momentum},   {"seed", o.seed},
-              {"max_steps", o.max_steps}, {"train_examples", o.train_examples}};
+  return Json{{"model", o.model},
+              {"data_dir", data_dir_of(o).string()},
+              {"epochs", o.epochs},
+              {"batch_size", o.batch_size},
+              {"optimizer", o.optimizer},
+              {"lr", o.lr},
+              {"momentum", o.momentum},
+              {"seed", o.seed},
+              {"max_steps", o.max_steps},
+              {"train_examples", o.train_examples},
+              {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
+              {"flat_optimizer", o.flat_optimizer},
+              {"gradient_clipping", o.gradient_clipping},
+              {"warmup_steps", o.warmup_steps},
+              {"lr_decay", o.lr_decay}};
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
@@ -152,6 +213,7 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .use_gpu = o.use_gpu,
       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
       .backend = o.backend,
+      .precision = o.precision,
       .on_world_size_change = train::linear_lr_scaling};
 }
 
@@ -188,6 +250,8 @@ void train_loop(const Json& c) {
                 << std::endl;
   }
   train::prepare_model(model);
+  const double clip = c.value("gradient_clipping", 0.0);
+  auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
   // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
@@ -198,6 +262,12 @@ void train_loop(const Json& c) {
 
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
+  const int64_t steps_per_epoch =
+      (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
+  // The decay spans every epoch (--max-steps stops a run early without changing its schedule, so
+  // that a run stopped and resumed follows the schedule of one never stopped). Resumed: the
+  // checkpoint's lr already has the schedule's factor for `steps`.
+  optim::LrScheduler schedule(*optimizer, schedule_of(c, epochs * steps_per_epoch), steps);
   constexpr int64_t kWarmupSteps = 10;
   const int64_t first_step = steps;
   int64_t timed_samples = 0;
@@ -215,9 +285,22 @@ void train_loop(const Json& c) {
          train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
       const auto& target = batch["label"];
       optimizer->zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
-      loss.backward();
-      optimizer->step();
+      torch::Tensor loss;
+      {
+        auto autocast = train::autocast();
+        loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
+      }
+      train::backward(loss);
+      if (clip > 0) {
+        train::get_loss_scaler().unscale(*optimizer);
+        if (flat != nullptr) {
+          flat->clip_grad_norm(clip);
+        } else {
+          optim::clip_grad_norm(model->parameters(), clip);
+        }
+      }
+      train::step_optimizer(*optimizer);
+      schedule.step();
       ++steps;
       ++step_in_epoch;
       const double loss_value = loss.item<double>();
@@ -305,7 +388,25 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
       ->capture_default_str();
-  cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum) or adam")->capture_default_str();
+  cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum), adam or adamw")
+      ->capture_default_str();
+  cmd->add_option("--weight-decay", o.weight_decay,
+                  "weight decay (default: 0; for adamw 0.01, decoupled)");
+  cmd->add_flag("--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
+                "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
+                "buffers; default) or libtorch's torch::optim");
+  cmd->add_option("--gradient-clipping", o.gradient_clipping,
+                  "clip the gradients' global L2 norm to this (0: no clipping)")
+      ->capture_default_str();
+  cmd->add_option("--warmup-steps", o.warmup_steps, "linear lr warmup over this many steps")
+      ->capture_default_str();
+  cmd->add_option("--lr-decay", o.lr_decay,
+                  "after the warmup: none, cosine or linear (to 0 at the end of the last epoch)")
+      ->capture_default_str();
+  cmd->add_option("--precision", o.precision,
+                  "fp32, bf16 (CPU or GPU: bfloat16 autocast) or fp16 (GPU: float16 autocast with "
+                  "dynamic loss scaling)")
+      ->capture_default_str();
   cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();

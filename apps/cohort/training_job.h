@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -28,6 +29,12 @@ struct TrainOptions {
   std::string optimizer = "sgd";
   double lr = 0;  // 0: the optimizer's default
   double momentum = 0.9;
+  std::optional<double> weight_decay;  // unset: the optimizer's default (0; adamw 0.01)
+  bool flat_optimizer = true;          // cohort's flat optimizers, else libtorch's torch::optim
+  double gradient_clipping = 0;        // the gradients' global norm at most this; 0: no clipping
+  int64_t warmup_steps = 0;
+  std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
+  std::string precision = "fp32";
   uint64_t seed = 0;
   int64_t max_steps = 0;       // 0: no limit
   int64_t train_examples = 0;  // the first N training examples only; 0: all

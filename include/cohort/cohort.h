@@ -15,6 +15,11 @@
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 
+#include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/loss_scaler.h"
+#include "cohort/optim/lr_scheduler.h"
+#include "cohort/optim/precision.h"
+
 #include "cohort/parallel/distributed_data_parallel.h"
 
 #include "cohort/data/block.h"

@@ -207,6 +207,11 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
   std::filesystem::create_directories(dir);
   save_model(module, dir / "model.safetensors");
   save_optimizer(optimizer, dir / "optimizer.pt");
+  // fp16: the loss scale and its counters, so that a resumed run scales as the original.
+  if (const auto* session = current_session();
+      session != nullptr && session->loss_scaler && session->loss_scaler->enabled()) {
+    write_atomically(dir / kLossScalerFile, session->loss_scaler->state_dict().dump(2) + "\n");
+  }
   return Checkpoint::from_directory(dir);
 }
 
@@ -214,7 +219,11 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
   load_model(module, checkpoint.path() / "model.safetensors");
   load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
-  const auto* session = current_session();
+  auto* session = current_session();
+  if (session != nullptr && session->loss_scaler && session->loss_scaler->enabled() &&
+      std::filesystem::exists(checkpoint.path() / kLossScalerFile)) {
+    session->loss_scaler->load_state_dict(read_json(checkpoint.path() / kLossScalerFile));
+  }
   if (session == nullptr || !session->on_world_size_change) return;
   const int previous = checkpoint.world_size();
   const int now = session->context.world_size;

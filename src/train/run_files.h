@@ -17,6 +17,8 @@ inline constexpr const char* kMetricsFile = "metrics.jsonl";
 inline constexpr const char* kMetricsCsvFile = "metrics.csv";
 inline constexpr const char* kCheckpointManagerFile = "checkpoint_manager.json";
 inline constexpr const char* kCheckpointPrefix = "checkpoint_";
+// The loss scaler's state in a checkpoint of an fp16 run (train::save_checkpoint).
+inline constexpr const char* kLossScalerFile = "loss_scaler.json";
 
 // Writes through `fill` to a temporary name, flushes it to disk and renames it over `path`:
 // a reader sees the old file or the new one, never half of one.

@@ -31,6 +31,11 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
                      std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
   }
   comm::backend_from_string(scaling_.backend);
+  {
+    const auto precision = optim::precision_from_string(scaling_.precision);
+    if (!scaling_.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
+    scaling_.loss_scaler.validate();
+  }
   if (scaling_.resources_per_worker.gpus < 0 ||
       (!scaling_.use_gpu && scaling_.resources_per_worker.gpus > 0)) {
     runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus, 0, {});

@@ -130,6 +130,10 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
                                                   .timeout = settings.collective_timeout,
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend});
+  ctx.precision = optim::precision_from_string(scaling.precision);
+  optim::check_precision_supported(ctx.precision, ctx.device);
+  session->loss_scaler = std::make_unique<optim::LossScaler>(
+      scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
   set_current_session(std::move(session));
 }
 

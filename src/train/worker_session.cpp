@@ -74,6 +74,24 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
   throw UsageError("this model was not passed to cohort::train::prepare_model");
 }
 
+optim::AutocastGuard autocast() {
+  const auto& ctx = require_session("cohort::train::autocast()").context;
+  return optim::AutocastGuard(ctx.precision, ctx.device);
+}
+
+optim::LossScaler& get_loss_scaler() {
+  return *require_session("cohort::train::get_loss_scaler()").loss_scaler;
+}
+
+void backward(const at::Tensor& loss) { get_loss_scaler().scale(loss).backward(); }
+
+bool step_optimizer(torch::optim::Optimizer& optimizer) {
+  auto& scaler = get_loss_scaler();
+  const bool stepped = scaler.step(optimizer);
+  scaler.update();
+  return stepped;
+}
+
 data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options) {
   auto& session = require_session("cohort::train::prepare_data_loader()");
   options.device = session.context.device;
@@ -152,6 +170,13 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (index > 1)
     s.store.remove_prefix("report/" + s.run_token + "/" + std::to_string(index - 1) + "/");
   Json message{{"type", "report"}, {"rank", 0}, {"index", index}, {"metrics", metrics}};
+  // fp16: how the loss scaling goes (the same on every rank).
+  if (s.loss_scaler && s.loss_scaler->enabled()) {
+    if (!metrics.contains("loss_scale"))
+      message["metrics"]["loss_scale"] = s.loss_scaler->get_scale();
+    if (!metrics.contains("skipped_steps"))
+      message["metrics"]["skipped_steps"] = s.loss_scaler->skipped_steps();
+  }
   bool with_checkpoint = false;
   std::optional<double> ingest_ms;
   for (const auto& a : arrivals) {

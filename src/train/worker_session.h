@@ -8,6 +8,7 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/data/dataset.h"
+#include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
@@ -33,6 +34,8 @@ struct WorkerSession {
   std::string remote_preprocessing_dataset;
   // Data workers of the job's `cohort launch --data-workers` nodes (0: none).
   int data_members = 0;
+  // Enabled for fp16 (ScalingConfig::precision); agrees on overflows over the context's group.
+  std::unique_ptr<optim::LossScaler> loss_scaler;
 };
 
 // The session of this process; nullptr outside a train loop.

@@ -79,10 +79,20 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "unknown communication backend 'mpi': use auto"},
       {{"--gpus-per-worker", "2", "--data-dir", data.string()},
        "--gpus-per-worker 2 needs --use-gpu"},
+      {{"--precision", "fp8", "--data-dir", data.string()}, "unknown precision 'fp8'"},
+      {{"--momentum", "1.5", "--data-dir", data.string()}, "SGD momentum 1.5 must be in [0, 1]"},
+      {{"--optimizer", "adamw", "--weight-decay", "-0.5", "--data-dir", data.string()},
+       "AdamW weight_decay -0.5 must be >= 0"},
+      {{"--gradient-clipping", "-1", "--data-dir", data.string()}, "--gradient-clipping -1"},
+      {{"--lr-decay", "exp", "--data-dir", data.string()}, "unknown --lr-decay 'exp'"},
+      {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
                      "use_gpu is set but this libtorch sees no CUDA device"});
+    cases.push_back(
+        {{"--precision", "fp16", "--data-dir", data.string()},
+         "precision fp16 needs a GPU: autocast on cpu has no float16. Use bf16 instead"});
   } else {
     cases.push_back(
         {{"--use-gpu", "--workers", "64", "--batch-size", "4", "--data-dir", data.string()},
@@ -180,6 +190,27 @@ TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
+  // The flat AdamW under bf16 autocast, with clipping and a warmup-cosine schedule: its state,
+  // the schedule's lr and the steps resume exactly too.
+  {
+    std::vector<std::string> fast = common;
+    fast[7] = "adamw";
+    fast.insert(fast.end(), {"--precision", "bf16", "--gradient-clipping", "1", "--warmup-steps",
+                             "5", "--lr-decay", "cosine"});
+    auto a = fast, b = fast, c = fast;
+    // Stopped after epoch 1 of 2 (16 steps of 16 examples per worker): the cosine spans both.
+    a.insert(a.end(), {"--epochs", "2", "--name", "fast_straight"});
+    b.insert(b.end(), {"--epochs", "2", "--max-steps", "16", "--name", "fast_resumed"});
+    c.insert(c.end(), {"--epochs", "2", "--name", "fast_resumed"});
+    ASSERT_EQ(train(a).exit_code, 0);
+    ASSERT_EQ(train(b).exit_code, 0);
+    auto again = train(c);
+    ASSERT_EQ(again.exit_code, 0) << again.output;
+    auto straight = result_of("fast_straight"), resumed = result_of("fast_resumed");
+    EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+    EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+    EXPECT_GT(straight["test_accuracy"].get<double>(), 0.3) << "bf16 training did not learn";
+  }
   ASSERT_EQ(train(with({"--epochs", "2", "--name", "straight"})).exit_code, 0);
   ASSERT_EQ(train(with({"--epochs", "1", "--name", "resumed"})).exit_code, 0);
   auto second = train(with({"--epochs", "2", "--name", "resumed"}));

@@ -179,6 +179,42 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
   std::filesystem::remove_all(dir);
 }
 
+TEST(Trainer, PrecisionReachesEveryWorkerAndFp16WithoutAGpuIsRefused) {
+  auto dir = cohort::testing::temp_dir("trainer_precision");
+  Trainer trainer(
+      [](const Json&) {
+        torch::manual_seed(0);
+        auto model = train::prepare_model(torch::nn::Linear(4, 2));
+        optim::FlatSGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+        torch::Tensor out;
+        {
+          auto autocast = train::autocast();
+          out = model->forward(torch::randn({3, 4}));
+        }
+        train::backward(out.to(torch::kFloat).pow(2).mean());
+        const bool stepped = train::step_optimizer(optimizer);
+        train::report({{"precision", optim::to_string(train::get_context().get_precision())},
+                       {"output_dtype", std::string(c10::toString(out.scalar_type()))},
+                       {"stepped", stepped},
+                       {"weight_dtype", std::string(c10::toString(model->weight.scalar_type()))}});
+      },
+      ScalingConfig{.num_workers = 2, .precision = "bf16"}, run_config(dir, "bf16"));
+  const auto result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["precision"], "bf16");
+  EXPECT_EQ(result.metrics["output_dtype"], "BFloat16");
+  EXPECT_EQ(result.metrics["weight_dtype"], "Float") << "parameters stay float32";
+  EXPECT_EQ(result.metrics["stepped"], true);
+  EXPECT_FALSE(result.metrics.contains("loss_scale")) << "bf16 needs no loss scaling";
+
+  auto loop = [](const Json&) {};
+  cohort::testing::expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.precision = "fp16"}); }, "Use bf16 instead");
+  cohort::testing::expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.loss_scaler = {.hysteresis = 0}}); }, "hysteresis 0");
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
   cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
                                               "inside the function given to cohort::Trainer");

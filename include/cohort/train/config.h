@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cohort/json.h"
+#include "cohort/optim/precision.h"
 #include "cohort/timeouts.h"
 
 namespace torch::optim {
@@ -42,6 +43,14 @@ struct ScalingConfig {
   // for CUDA ones), "gloo" (also for CUDA tensors: e.g. several workers sharing one GPU, which
   // NCCL refuses) or "nccl".
   std::string backend = "auto";
+  // The numerics of each training step, used by train::autocast(), train::backward() and
+  // train::step_optimizer(): "fp32"; "bf16" (CPU or GPU: the forward under bfloat16 autocast);
+  // "fp16" (GPU only: float16 autocast and dynamic loss scaling, an overflowing step skipped on
+  // every rank alike). Parameters and optimizer state stay float32. A UsageError before any
+  // worker starts for fp16 without use_gpu, naming bf16 as the fix.
+  std::string precision = "fp32";
+  // fp16's loss scaler.
+  optim::LossScalerOptions loss_scaler;
   // Whether slot s can take a worker now, asked on top of cohort's own check (no process of the
   // slot's previous worker is left, e.g. one stuck in the kernel after SIGKILL). For a health
   // check of the slot's device, or a test. Runs in the driver.

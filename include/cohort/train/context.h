@@ -6,6 +6,7 @@
 #include <c10/core/Device.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/optim/precision.h"
 
 namespace cohort::train {
 
@@ -21,6 +22,8 @@ class TrainContext {
   // The run directory, <storage_path>/<name>.
   const std::filesystem::path& get_storage_path() const { return storage_path; }
   c10::Device get_device() const { return device; }
+  // ScalingConfig::precision.
+  optim::Precision get_precision() const { return precision; }
   // The group of all workers, for the user's own collectives (e.g. summing evaluation counts).
   comm::ProcessGroup& get_process_group() { return process_group; }
   // When the driver started the run: for start-up timings.
@@ -34,6 +37,7 @@ class TrainContext {
   std::string experiment_name;
   std::filesystem::path storage_path;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
+  optim::Precision precision = optim::Precision::kFp32;
   comm::ProcessGroup process_group;
   std::chrono::system_clock::time_point run_start;
 };

@@ -7,6 +7,8 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/data/data_loader.h"
+#include "cohort/optim/loss_scaler.h"
+#include "cohort/optim/precision.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 
 namespace cohort::train {
@@ -44,6 +46,31 @@ inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
     const std::shared_ptr<torch::nn::Module>& module) {
   return get_ddp(module).no_sync();
 }
+
+// Mixed precision per ScalingConfig::precision, in an unchanged loop (Ray Train's
+// accelerate(amp=True) with backward() and prepare_optimizer()):
+//
+//   at::Tensor loss;
+//   {
+//     auto autocast = train::autocast();   // bf16 / fp16 forward; nothing for fp32
+//     loss = loss_fn(model->forward(x), y);
+//   }
+//   train::backward(loss);                 // fp16: the loss scaled first
+//   train::step_optimizer(*optimizer);     // fp16: unscaled, skipped on every rank on overflow
+//
+// Clip gradients after get_loss_scaler().unscale(optimizer), before step_optimizer().
+
+// Autocast on this worker's device at the run's precision while the guard lives.
+optim::AutocastGuard autocast();
+// loss.backward(), the loss scaled by the run's loss scaler (fp16 only).
+void backward(const at::Tensor& loss);
+// Steps the optimizer through the run's loss scaler and updates the scale: with fp16, gradients
+// are unscaled first and a step whose gradients overflowed on any rank is skipped by every rank
+// (counted in every report as "skipped_steps", beside "loss_scale"). Returns whether it stepped.
+bool step_optimizer(torch::optim::Optimizer& optimizer);
+// The run's loss scaler (disabled unless the precision is fp16); its state goes into
+// save_checkpoint and comes back with load_checkpoint.
+optim::LossScaler& get_loss_scaler();
 
 // A loader over this rank's shard of `dataset`, batches on this worker's device
 // (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.

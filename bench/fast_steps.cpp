@@ -1,0 +1,150 @@
+// Step time of seed 000's CNN and seed 002's ResNet-18 on this machine's CPU: libtorch's
+// torch::optim against cohort's flat optimizers (SGD with momentum, Adam), and bf16 autocast
+// against fp32. One process, one static batch of Fashion-MNIST resident in memory, so that the
+// figures are the step itself. The variants run interleaved, round by round, and each figure is
+// the median over rounds: a machine whose speed drifts treats them all alike.
+//
+// Prints a table, then one JSON line per model.
+#include <torch/torch.h>
+#include <torch/version.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <chrono>
+#include <iomanip>
+#include <iostream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/zoo.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Variant {
+  std::string optimizer;  // "sgd" or "adam"
+  bool flat;
+  cohort::optim::Precision precision;
+  std::string label() const {
+    return std::string(flat ? "flat " : "torch::optim ") + optimizer + ", " +
+           cohort::optim::to_string(precision);
+  }
+};
+
+struct Runner {
+  cohort::models::ImageClassifier model;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  Variant variant;
+  std::vector<double> step_ms, optimizer_ms;
+};
+
+std::unique_ptr<torch::optim::Optimizer> make(const Variant& v, std::vector<torch::Tensor> p) {
+  if (v.optimizer == "adam") {
+    torch::optim::AdamOptions o(1e-3);
+    if (v.flat) return std::make_unique<cohort::optim::FlatAdam>(p, o);
+    return std::make_unique<torch::optim::Adam>(p, o);
+  }
+  auto o = torch::optim::SGDOptions(0.01).momentum(0.9);
+  if (v.flat) return std::make_unique<cohort::optim::FlatSGD>(p, o);
+  return std::make_unique<torch::optim::SGD>(p, o);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cohort fast-step benchmark (CPU)"};
+  std::vector<std::string> models{"cnn", "resnet18"};
+  int64_t batch_size = 128;
+  int rounds = 5;
+  int steps = 5;
+  int threads = 1;
+  std::string data_dir = cohort::data::default_fashion_mnist_dir().string();
+  app.add_option("--models", models, "zoo models")->capture_default_str();
+  app.add_option("--batch-size", batch_size)->capture_default_str();
+  app.add_option("--rounds", rounds, "rounds; each variant runs `steps` timed steps per round")
+      ->capture_default_str();
+  app.add_option("--steps", steps)->capture_default_str();
+  app.add_option("--threads", threads, "torch intra-op threads")->capture_default_str();
+  app.add_option("--data-dir", data_dir)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  torch::set_num_threads(threads);
+  std::cout << "libtorch " << TORCH_VERSION << "; the flat optimizers step with "
+            << (cohort::optim::FlatOptimizer::has_fused_kernels()
+                    ? "libtorch's fused kernels"
+                    : "vectorised operations (libtorch < 2.4 has no fused CPU kernels)")
+            << std::endl;
+  const auto train = cohort::data::load_mnist(data_dir, cohort::data::Split::kTrain);
+  const auto batch = train.get_batch(torch::arange(0, batch_size));
+  const torch::Device cpu(torch::kCPU);
+  using cohort::optim::Precision;
+  const std::vector<Variant> variants{{"sgd", false, Precision::kFp32},
+                                      {"sgd", true, Precision::kFp32},
+                                      {"adam", false, Precision::kFp32},
+                                      {"adam", true, Precision::kFp32},
+                                      {"adam", true, Precision::kBf16}};
+  for (const auto& name : models) {
+    std::vector<Runner> runners;
+    for (const auto& v : variants) {
+      torch::manual_seed(0);
+      auto model = cohort::models::create_model(name);
+      auto optimizer = make(v, model->parameters());
+      runners.push_back(Runner{model, std::move(optimizer), v, {}, {}});
+    }
+    auto one_step = [&](Runner& r, bool timed) {
+      const auto start = Clock::now();
+      r.optimizer->zero_grad();
+      torch::Tensor loss;
+      {
+        cohort::optim::AutocastGuard autocast(r.variant.precision, cpu);
+        loss = torch::nn::functional::cross_entropy(r.model->forward(batch.data), batch.target);
+      }
+      loss.backward();
+      const auto before_step = Clock::now();
+      r.optimizer->step();
+      const auto end = Clock::now();
+      if (timed) {
+        r.step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
+        r.optimizer_ms.push_back(
+            std::chrono::duration<double, std::milli>(end - before_step).count());
+      }
+    };
+    for (auto& r : runners) one_step(r, false);  // warm-up: state allocation, first-call costs
+    for (int round = 0; round < rounds; ++round) {
+      std::cerr << "\r" << name << ": round " << round + 1 << "/" << rounds << std::flush;
+      for (auto& r : runners)
+        for (int s = 0; s < steps; ++s) one_step(r, true);
+    }
+    std::cerr << "\r" << std::string(40, ' ') << "\r";
+    int64_t parameters = 0;
+    for (const auto& p : runners.front().model->parameters()) parameters += p.numel();
+    std::cout << name << " (" << parameters << " parameters), batch " << batch_size << ", "
+              << threads << " thread(s), median of " << rounds * steps << " steps:\n";
+    cohort::Json line{{"model", name}, {"batch_size", batch_size}, {"threads", threads}};
+    for (auto& r : runners) {
+      const double step = median(r.step_ms);
+      const double opt = median(r.optimizer_ms);
+      std::cout << "  " << std::left << std::setw(28) << r.variant.label() << std::right
+                << std::fixed << std::setprecision(2) << std::setw(9) << step << " ms/step"
+                << std::setw(9) << opt << " ms in optimizer.step()\n";
+      line["variants"].push_back(
+          {{"variant", r.variant.label()}, {"step_ms", step}, {"optimizer_step_ms", opt}});
+    }
+    auto ms = [&](size_t i) { return median(runners[i].step_ms); };
+    auto opt_ms = [&](size_t i) { return median(runners[i].optimizer_ms); };
+    line["flat_sgd_speedup_optimizer"] = opt_ms(0) / opt_ms(1);
+    line["flat_adam_speedup_optimizer"] = opt_ms(2) / opt_ms(3);
+    line["flat_sgd_speedup_step"] = ms(0) / ms(1);
+    line["flat_adam_speedup_step"] = ms(2) / ms(3);
+    line["bf16_over_fp32_step"] = ms(4) / ms(3);
+    std::cout << "  optimizer.step(): flat SGD " << std::setprecision(2)
+              << line["flat_sgd_speedup_optimizer"].get<double>() << "x torch::optim, flat Adam "
+              << line["flat_adam_speedup_optimizer"].get<double>() << "x; whole step: bf16 takes "
+              << line["bf16_over_fp32_step"].get<double>() << "x fp32's time\n";
+    std::cout << line.dump() << std::endl;
+  }
+}

@@ -1,0 +1,100 @@
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+namespace cohort::optim {
+
+// An optimizer over flat buffers: the parameters of each param group (per dtype and device) are
+// views into one contiguous buffer, their gradients are gathered into another, and the optimizer
+// state lives in buffers of the same layout, so a step is a handful of vectorised operations
+// instead of a handful per parameter (libtorch's torch::optim loops over parameters). On
+// libtorch 2.4 and later the step is one fused kernel per buffer (has_fused_kernels()).
+//
+// A drop-in torch::optim::Optimizer: FlatSGD, FlatAdam and FlatAdamW take torch::optim's own
+// options, give the same results as torch::optim (the same arithmetic, elementwise), serve
+// zero_grad(), param_groups() (an lr set there applies at the next step), the LR schedules,
+// train::save_checkpoint / load_checkpoint and linear_lr_scaling.
+//
+// Parameters stored in bfloat16 or float16 are stepped through float32 master copies held here
+// (as are their gradients and state), and written back after each step.
+//
+// The parameters are re-pointed into the flat buffer at construction; a module moved afterwards
+// (module->to(device)) is picked up at the next step, its state moved along. A parameter without
+// a gradient in a step is left alone (as torch::optim does), the others still stepped.
+class FlatOptimizer : public torch::optim::Optimizer {
+ public:
+  ~FlatOptimizer() override;
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  // Scales every gradient so that their global L2 norm is at most max_norm, in two vectorised
+  // operations and without a host synchronisation; returns the norm before clipping (a 0-dim
+  // float32 tensor on the parameters' device). UsageError when max_norm <= 0.
+  torch::Tensor clip_grad_norm(double max_norm);
+
+  // The gradients, gathered into the flat float32 buffers (one per param group, dtype and
+  // device) that the next step() reads: for a loss scaler or for clipping. Valid until step().
+  std::vector<torch::Tensor> flat_gradients();
+
+  // "sgd", "adam" or "adamw".
+  const std::string& algorithm() const { return algorithm_; }
+  // Whether float32 buffers on CPU or CUDA step with libtorch's fused kernels (libtorch 2.4 and
+  // later: one pass over the buffers); otherwise with the vectorised operations.
+  static bool has_fused_kernels();
+  // Bytes held for master weights (low-precision parameters only), gradients and optimizer state.
+  int64_t state_bytes() const;
+
+ protected:
+  FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                std::unique_ptr<torch::optim::OptimizerOptions> defaults, std::string algorithm);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+  std::string algorithm_;
+};
+
+// SGD with momentum, dampening, Nesterov momentum and weight decay, as torch::optim::SGD.
+class FlatSGD : public FlatOptimizer {
+ public:
+  FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options);
+  FlatSGD(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions options);
+};
+
+// Adam (with amsgrad, and L2 weight decay added to the gradient), as torch::optim::Adam.
+class FlatAdam : public FlatOptimizer {
+ public:
+  FlatAdam(std::vector<torch::Tensor> params, torch::optim::AdamOptions options = {});
+  FlatAdam(std::vector<torch::optim::OptimizerParamGroup> groups,
+           torch::optim::AdamOptions options = {});
+};
+
+// AdamW (decoupled weight decay), as torch::optim::AdamW.
+class FlatAdamW : public FlatOptimizer {
+ public:
+  FlatAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options = {});
+  FlatAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+            torch::optim::AdamWOptions options = {});
+};
+
+// Checks an optimizer's hyperparameters (learning rate >= 0, momentum and dampening in [0, 1],
+// betas in [0, 1), eps > 0, weight decay >= 0, Nesterov with momentum and no dampening); throws
+// UsageError naming the value. The flat optimizers check theirs at construction.
+void validate(const torch::optim::SGDOptions& options);
+void validate(const torch::optim::AdamOptions& options);
+void validate(const torch::optim::AdamWOptions& options);
+
+// Clips the gradients of any parameters to a global L2 norm of max_norm without a host
+// synchronisation (torch::nn::utils::clip_grad_norm_ returns a double, which syncs); returns the
+// norm before clipping. For a FlatOptimizer, its clip_grad_norm is faster.
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm);
+
+}  // namespace cohort::optim

@@ -1,0 +1,647 @@
+#include "cohort/optim/flat_optimizer.h"
+
+#include <torch/serialize/archive.h>
+#include <torch/version.h>
+
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "cohort/error.h"
+
+// libtorch 2.4 and later have fused SGD, Adam and AdamW kernels for CPU and CUDA tensors: one
+// pass over the buffers instead of one per operation.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+#define COHORT_FUSED_OPTIMIZERS 1
+#endif
+
+namespace cohort::optim {
+namespace {
+
+std::string number(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+bool low_precision(c10::ScalarType t) {
+  return t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half;
+}
+
+// A tensor of `sizes` over flat's storage from element `offset` on: an alias made with set_()
+// rather than an autograd view, so that zero_grad()'s detach_() and set_data() accept it.
+at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
+  auto t = at::empty({0}, flat.options());
+  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
+  return t;
+}
+
+// The optimizer state buffers a param group keeps per element, by name (the checkpoint's keys).
+std::vector<std::string> state_names(const std::string& algorithm,
+                                     const torch::optim::OptimizerOptions& o) {
+  if (algorithm == "sgd") {
+    if (static_cast<const torch::optim::SGDOptions&>(o).momentum() == 0) return {};
+    return {"momentum_buffer"};
+  }
+  const bool amsgrad = algorithm == "adam"
+                           ? static_cast<const torch::optim::AdamOptions&>(o).amsgrad()
+                           : static_cast<const torch::optim::AdamWOptions&>(o).amsgrad();
+  if (amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  return {"exp_avg", "exp_avg_sq"};
+}
+
+// torch::optim::SGD's update, on whole buffers or one parameter's slices alike.
+void sgd_update(const torch::optim::SGDOptions& o, at::Tensor& p, const at::Tensor& g,
+                at::Tensor momentum_buffer, bool first_step) {
+  at::Tensor d_p = g;
+  if (o.weight_decay() != 0) d_p = d_p.add(p, o.weight_decay());
+  if (o.momentum() != 0) {
+    if (first_step) {
+      momentum_buffer.copy_(d_p);
+    } else {
+      momentum_buffer.mul_(o.momentum()).add_(d_p, 1 - o.dampening());
+    }
+    d_p = o.nesterov() ? d_p.add(momentum_buffer, o.momentum()) : momentum_buffer;
+  }
+  p.add_(d_p, -o.lr());
+}
+
+struct AdamHyper {
+  double lr, beta1, beta2, eps, weight_decay;
+  bool amsgrad, decoupled;
+};
+
+AdamHyper adam_hyper(const torch::optim::OptimizerOptions& options, const std::string& algorithm) {
+  if (algorithm == "adamw") {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
+    return {o.lr(),  std::get<0>(o.betas()), std::get<1>(o.betas()),
+            o.eps(), o.weight_decay(),       o.amsgrad(),
+            true};
+  }
+  const auto& o = static_cast<const torch::optim::AdamOptions&>(options);
+  return {o.lr(),  std::get<0>(o.betas()), std::get<1>(o.betas()),
+          o.eps(), o.weight_decay(),       o.amsgrad(),
+          false};
+}
+
+// torch::optim::Adam's and AdamW's update.
+void adam_update(const AdamHyper& h, at::Tensor& p, const at::Tensor& g,
+                 std::vector<at::Tensor>& state, int64_t step) {
+  if (h.decoupled && h.weight_decay != 0) p.mul_(1 - h.lr * h.weight_decay);
+  at::Tensor grad = g;
+  if (!h.decoupled && h.weight_decay != 0) grad = grad.add(p, h.weight_decay);
+  const double bias_correction1 = 1 - std::pow(h.beta1, static_cast<double>(step));
+  const double bias_correction2 = 1 - std::pow(h.beta2, static_cast<double>(step));
+  auto& exp_avg = state[0];
+  auto& exp_avg_sq = state[1];
+  exp_avg.mul_(h.beta1).add_(grad, 1 - h.beta1);
+  exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, 1 - h.beta2);
+  at::Tensor denom;
+  if (h.amsgrad) {
+    auto& max_exp_avg_sq = state[2];
+    at::maximum_out(max_exp_avg_sq, max_exp_avg_sq, exp_avg_sq);
+    denom = (max_exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(h.eps);
+  } else {
+    denom = (exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(h.eps);
+  }
+  p.addcdiv_(exp_avg, denom, -h.lr / bias_correction1);
+}
+
+// Scales `grads` so that their global L2 norm is at most max_norm, without a host sync; returns
+// the norm before clipping.
+at::Tensor clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm) {
+  if (!(max_norm > 0))
+    throw UsageError("gradient clipping max_norm " + number(max_norm) + " must be > 0");
+  torch::NoGradGuard no_grad;
+  if (grads.empty()) return at::zeros({}, at::kFloat);
+  const auto device = grads.front().device();
+  std::vector<at::Tensor> norms;
+  for (const auto& g : grads) norms.push_back(g.norm(2).to(device, at::kFloat));
+  auto total = at::stack(norms).norm(2);
+  const auto coefficient = (max_norm / (total + 1e-6)).clamp_max(1.0);
+  for (const auto& g : grads) {
+    auto target = g;
+    target.mul_(coefficient.to(g.device(), g.scalar_type()));
+  }
+  return total;
+}
+
+// The same updates with libtorch's fused kernels, on a partition's whole buffers; false where
+// this libtorch has none (then the vectorised updates above run).
+bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOptions& options,
+                  at::Tensor& p, const at::Tensor& g, std::vector<at::Tensor>& state,
+                  int64_t steps_done) {
+#ifdef COHORT_FUSED_OPTIMIZERS
+  if (p.scalar_type() != at::kFloat || (!p.is_cpu() && !p.is_cuda())) return false;
+  if (algorithm == "sgd") {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+    at::_fused_sgd_({p}, {g}, state, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
+                    o.nesterov(), /*maximize=*/false, /*is_first_step=*/steps_done == 0);
+    return true;
+  }
+  const auto h = adam_hyper(options, algorithm);
+  const auto step = at::full({}, static_cast<double>(steps_done + 1), p.options());
+  std::vector<at::Tensor> max_exp_avg_sqs;
+  if (h.amsgrad) max_exp_avg_sqs.push_back(state[2]);
+  if (h.decoupled) {
+    at::_fused_adamw_({p}, {g}, {state[0]}, {state[1]}, max_exp_avg_sqs, {step}, h.lr, h.beta1,
+                      h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
+  } else {
+    at::_fused_adam_({p}, {g}, {state[0]}, {state[1]}, max_exp_avg_sqs, {step}, h.lr, h.beta1,
+                     h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
+  }
+  return true;
+#else
+  (void)algorithm, (void)options, (void)p, (void)g, (void)state, (void)steps_done;
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool FlatOptimizer::has_fused_kernels() {
+#ifdef COHORT_FUSED_OPTIMIZERS
+  return true;
+#else
+  return false;
+#endif
+}
+
+void validate(const torch::optim::SGDOptions& o) {
+  if (!(o.lr() >= 0)) throw UsageError("SGD lr " + number(o.lr()) + " must be >= 0");
+  if (!(o.momentum() >= 0 && o.momentum() <= 1))
+    throw UsageError("SGD momentum " + number(o.momentum()) + " must be in [0, 1]");
+  if (!(o.dampening() >= 0 && o.dampening() <= 1))
+    throw UsageError("SGD dampening " + number(o.dampening()) + " must be in [0, 1]");
+  if (!(o.weight_decay() >= 0))
+    throw UsageError("SGD weight_decay " + number(o.weight_decay()) + " must be >= 0");
+  if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
+    throw UsageError("SGD nesterov needs a momentum > 0 and dampening 0 (momentum " +
+                     number(o.momentum()) + ", dampening " + number(o.dampening()) + ")");
+}
+
+namespace {
+template <typename Options>
+void validate_adam(const Options& o, const std::string& name) {
+  if (!(o.lr() >= 0)) throw UsageError(name + " lr " + number(o.lr()) + " must be >= 0");
+  const auto [beta1, beta2] = o.betas();
+  if (!(beta1 >= 0 && beta1 < 1))
+    throw UsageError(name + " beta1 " + number(beta1) + " must be in [0, 1)");
+  if (!(beta2 >= 0 && beta2 < 1))
+    throw UsageError(name + " beta2 " + number(beta2) + " must be in [0, 1)");
+  if (!(o.eps() > 0)) throw UsageError(name + " eps " + number(o.eps()) + " must be > 0");
+  if (!(o.weight_decay() >= 0))
+    throw UsageError(name + " weight_decay " + number(o.weight_decay()) + " must be >= 0");
+}
+}  // namespace
+
+void validate(const torch::optim::AdamOptions& o) { validate_adam(o, "Adam"); }
+void validate(const torch::optim::AdamWOptions& o) { validate_adam(o, "AdamW"); }
+
+// One flat layout: the parameters of a param group that share a dtype and a device.
+struct Partition {
+  std::vector<size_t> members;  // indices into the group's params()
+  std::vector<int64_t> offsets;
+  int64_t numel = 0;
+  at::Tensor params;  // the parameters' dtype; every member is an alias into it
+  at::Tensor master;  // float32 copy when the parameters are low precision; else `params`
+  at::Tensor grads;   // the master's dtype
+  std::vector<at::Tensor> state;
+  std::vector<int64_t> steps;  // per member, as torch::optim counts them
+  std::vector<at::Tensor> grad_aliases;
+  std::vector<const void*> param_addresses;
+  std::vector<char> has_grad;
+  bool stepped = false;  // since the layout or the last load
+};
+
+struct FlatOptimizer::Impl {
+  std::string algorithm;
+  std::vector<std::vector<Partition>> groups;  // per param group
+  bool grads_gathered = false;
+
+  static at::Tensor member_slice(const at::Tensor& flat, const Partition& part, size_t k,
+                                 const at::Tensor& param) {
+    return alias_into(flat, part.offsets[k], param.sizes());
+  }
+
+  // Lays the group's parameters out in flat buffers (copying their values) and points them
+  // there. `carried`: per parameter index, its steps and state values to keep (a relayout).
+  void lay_out(size_t g, std::vector<at::Tensor>& params, const torch::optim::OptimizerOptions& o,
+               const std::map<size_t, std::pair<int64_t, std::vector<at::Tensor>>>& carried) {
+    torch::NoGradGuard no_grad;
+    std::vector<Partition> parts;
+    std::map<std::pair<int, std::string>, size_t> index;  // (dtype, device) -> partition
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto key =
+          std::make_pair(static_cast<int>(params[i].scalar_type()), params[i].device().str());
+      auto it = index.find(key);
+      if (it == index.end()) {
+        it = index.emplace(key, parts.size()).first;
+        parts.emplace_back();
+      }
+      auto& part = parts[it->second];
+      part.members.push_back(i);
+      part.offsets.push_back(part.numel);
+      part.numel += params[i].numel();
+    }
+    const auto names = state_names(algorithm, o);
+    for (auto& part : parts) {
+      const auto& first = params[part.members.front()];
+      part.params = at::empty({part.numel}, first.options());
+      const auto compute =
+          low_precision(first.scalar_type()) ? c10::ScalarType::Float : first.scalar_type();
+      part.grads = at::zeros({part.numel}, first.options().dtype(compute));
+      for (size_t s = 0; s < names.size(); ++s)
+        part.state.push_back(at::zeros({part.numel}, part.grads.options()));
+      part.steps.assign(part.members.size(), 0);
+      part.has_grad.assign(part.members.size(), 0);
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        auto& p = params[part.members[k]];
+        auto slot = member_slice(part.params, part, k, p);
+        slot.copy_(p);
+        p.set_data(slot);
+        part.param_addresses.push_back(p.data_ptr());
+        part.grad_aliases.push_back(member_slice(part.grads, part, k, p));
+        auto c = carried.find(part.members[k]);
+        if (c != carried.end()) {
+          part.steps[k] = c->second.first;
+          for (size_t s = 0; s < names.size() && s < c->second.second.size(); ++s)
+            member_slice(part.state[s], part, k, p).copy_(c->second.second[s]);
+        }
+      }
+      part.master = low_precision(first.scalar_type()) ? part.params.to(compute) : part.params;
+    }
+    groups[g] = std::move(parts);
+  }
+
+  // Whether a parameter was moved or replaced since the layout (module->to(), load): then
+  // the group is laid out again, its state carried along.
+  bool moved(const std::vector<at::Tensor>& params, const std::vector<Partition>& parts) const {
+    size_t count = 0;
+    for (const auto& part : parts) {
+      count += part.members.size();
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        const auto& p = params[part.members[k]];
+        if (!p.defined() || p.data_ptr() != part.param_addresses[k]) return true;
+      }
+    }
+    return count != params.size();
+  }
+
+  void relayout_if_moved(size_t g, std::vector<at::Tensor>& params,
+                         const torch::optim::OptimizerOptions& o) {
+    if (g < groups.size() && !moved(params, groups[g])) return;
+    std::map<size_t, std::pair<int64_t, std::vector<at::Tensor>>> carried;
+    if (g < groups.size()) {
+      for (const auto& part : groups[g]) {
+        for (size_t k = 0; k < part.members.size(); ++k) {
+          const auto i = part.members[k];
+          if (i >= params.size()) continue;
+          std::vector<at::Tensor> values;
+          for (const auto& s : part.state) {
+            values.push_back(alias_into(s, part.offsets[k], params[i].sizes())
+                                 .to(params[i].device(), s.scalar_type(), false, true));
+          }
+          carried[i] = {part.steps[k], std::move(values)};
+        }
+      }
+    }
+    if (groups.size() <= g) groups.resize(g + 1);
+    lay_out(g, params, o, carried);
+  }
+
+  // Copies the parameters' gradients into the flat buffers (nothing for gradients that already
+  // are aliases there) and, where the gradient was a tensor of its own, leaves the alias as the
+  // parameter's .grad, so that later backward passes accumulate into the buffer directly.
+  void gather(std::vector<at::Tensor>& params, std::vector<Partition>& parts) {
+    torch::NoGradGuard no_grad;
+    for (auto& part : parts) {
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        auto& p = params[part.members[k]];
+        const auto& grad = p.grad();
+        part.has_grad[k] = grad.defined();
+        if (!grad.defined()) continue;
+        auto& slot = part.grad_aliases[k];
+        if (grad.data_ptr() == slot.data_ptr()) continue;
+        slot.copy_(grad);
+        const bool owns_storage =
+            grad.is_contiguous() && grad.storage_offset() == 0 &&
+            static_cast<int64_t>(grad.storage().nbytes()) == grad.numel() * grad.element_size();
+        if (owns_storage && grad.scalar_type() == slot.scalar_type() && !grad.is_sparse())
+          p.mutable_grad() = slot;
+      }
+    }
+  }
+};
+
+FlatOptimizer::FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                             std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+                             std::string algorithm)
+    : torch::optim::Optimizer(std::move(groups), std::move(defaults)),
+      impl_(std::make_unique<Impl>()),
+      algorithm_(std::move(algorithm)) {
+  impl_->algorithm = algorithm_;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const auto& p : param_groups_[g].params()) {
+      if (!p.defined())
+        throw UsageError("Flat optimizer: param group " + std::to_string(g) +
+                         " holds an undefined tensor");
+      if (p.is_sparse()) throw UsageError("Flat optimizer: sparse parameters are not supported");
+      if (!p.is_floating_point())
+        throw UsageError("Flat optimizer: parameter of dtype " +
+                         std::string(c10::toString(p.scalar_type())) + " in param group " +
+                         std::to_string(g) + " is not floating point");
+    }
+    impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
+  }
+}
+
+FlatOptimizer::~FlatOptimizer() = default;
+
+std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
+  std::vector<torch::Tensor> out;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
+    if (!impl_->grads_gathered) impl_->gather(param_groups_[g].params(), impl_->groups[g]);
+    for (auto& part : impl_->groups[g]) out.push_back(part.grads);
+  }
+  impl_->grads_gathered = true;
+  return out;
+}
+
+torch::Tensor FlatOptimizer::clip_grad_norm(double max_norm) {
+  if (!(max_norm > 0))
+    throw UsageError("gradient clipping max_norm " + number(max_norm) + " must be > 0");
+  auto grads = flat_gradients();
+  // The slot of a parameter without a gradient this step may hold an older one: it must
+  // neither count nor be stepped.
+  torch::NoGradGuard no_grad;
+  for (auto& parts : impl_->groups) {
+    for (auto& part : parts) {
+      for (size_t k = 0; k < part.members.size(); ++k)
+        if (!part.has_grad[k]) part.grad_aliases[k].zero_();
+    }
+  }
+  return clip_by_global_norm(grads, max_norm);
+}
+
+torch::Tensor FlatOptimizer::step(LossClosure closure) {
+  at::Tensor loss;
+  if (closure) {
+    torch::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& params = param_groups_[g].params();
+    const auto& options = param_groups_[g].options();
+    impl_->relayout_if_moved(g, params, options);
+    auto& parts = impl_->groups[g];
+    if (!impl_->grads_gathered) impl_->gather(params, parts);
+    for (auto& part : parts) {
+      // Low-precision parameters: the float32 masters start from the parameters' values as they
+      // are at the first step (after DDP gave every rank rank 0's weights, or a load).
+      if (!part.master.is_same(part.params) && !part.stepped) part.master.copy_(part.params);
+      part.stepped = true;
+      bool all = true, same_step = true;
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        all = all && part.has_grad[k];
+        same_step = same_step && part.steps[k] == part.steps.front();
+      }
+      if (all && same_step &&
+          fused_update(algorithm_, options, part.master, part.grads, part.state,
+                       part.steps.front())) {
+        // done in one pass
+      } else if (algorithm_ == "sgd") {
+        const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+        if (all && same_step) {
+          sgd_update(o, part.master, part.grads, part.state.empty() ? at::Tensor() : part.state[0],
+                     part.steps.front() == 0);
+        } else {
+          for (size_t k = 0; k < part.members.size(); ++k) {
+            if (!part.has_grad[k]) continue;
+            const auto& p = params[part.members[k]];
+            auto master = Impl::member_slice(part.master, part, k, p);
+            sgd_update(
+                o, master, part.grad_aliases[k],
+                part.state.empty() ? at::Tensor() : Impl::member_slice(part.state[0], part, k, p),
+                part.steps[k] == 0);
+          }
+        }
+      } else {
+        const auto hyper = adam_hyper(options, algorithm_);
+        if (all && same_step) {
+          adam_update(hyper, part.master, part.grads, part.state, part.steps.front() + 1);
+        } else {
+          for (size_t k = 0; k < part.members.size(); ++k) {
+            if (!part.has_grad[k]) continue;
+            const auto& p = params[part.members[k]];
+            auto master = Impl::member_slice(part.master, part, k, p);
+            std::vector<at::Tensor> state;
+            for (const auto& s : part.state) state.push_back(Impl::member_slice(s, part, k, p));
+            adam_update(hyper, master, part.grad_aliases[k], state, part.steps[k] + 1);
+          }
+        }
+      }
+      for (size_t k = 0; k < part.members.size(); ++k)
+        if (part.has_grad[k]) ++part.steps[k];
+      if (!part.master.is_same(part.params)) part.params.copy_(part.master);
+    }
+  }
+  impl_->grads_gathered = false;
+  return loss;
+}
+
+int64_t FlatOptimizer::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& parts : impl_->groups) {
+    for (const auto& part : parts) {
+      bytes += part.grads.numel() * part.grads.element_size();
+      for (const auto& s : part.state) bytes += s.numel() * s.element_size();
+      if (!part.master.is_same(part.params))
+        bytes += part.master.numel() * part.master.element_size();
+    }
+  }
+  return bytes;
+}
+
+namespace {
+constexpr const char* kFormat = "cohort.flat_optimizer.v1";
+}
+
+void FlatOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  // The param groups' options where libtorch's own optimizers keep them, so that
+  // train::load_optimizer restores lr and friends the same way for both.
+  torch::serialize::OutputArchive groups(archive.compilation_unit());
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    torch::serialize::OutputArchive group(archive.compilation_unit());
+    torch::serialize::OutputArchive options(archive.compilation_unit());
+    param_groups_[g].options().serialize(options);
+    group.write("options", options);
+    groups.write("param_groups/" + std::to_string(g), group);
+  }
+  archive.write("param_groups", groups);
+  torch::serialize::OutputArchive flat(archive.compilation_unit());
+  flat.write("format", c10::IValue(std::string(kFormat)));
+  flat.write("algorithm", c10::IValue(algorithm_));
+  for (size_t g = 0; g < impl_->groups.size(); ++g) {
+    const auto& parts = impl_->groups[g];
+    const auto names = state_names(algorithm_, param_groups_[g].options());
+    // Per parameter, in the group's order: steps and numel; state as one buffer per name in the
+    // parameters' order (independent of the dtype/device partitioning).
+    const auto& params = param_groups_[g].params();
+    std::vector<int64_t> steps(params.size(), 0), numels(params.size(), 0);
+    std::vector<std::vector<at::Tensor>> per_name(names.size(),
+                                                  std::vector<at::Tensor>(params.size()));
+    const std::string prefix = "group/" + std::to_string(g) + "/";
+    // One dtype per saved buffer: float32, or float64 when any parameter is float64.
+    auto saved_dtype = at::kFloat;
+    for (const auto& part : parts)
+      if (part.grads.scalar_type() == at::kDouble) saved_dtype = at::kDouble;
+    for (const auto& part : parts) {
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        const auto i = part.members[k];
+        steps[i] = part.steps[k];
+        numels[i] = params[i].numel();
+        for (size_t s = 0; s < names.size(); ++s)
+          per_name[s][i] =
+              part.state[s].narrow(0, part.offsets[k], params[i].numel()).to(at::kCPU, saved_dtype);
+      }
+    }
+    // Masters of low-precision parameters, so that a resumed run continues from the same float32
+    // values.
+    std::vector<at::Tensor> masters(params.size());
+    bool any_master = false;
+    for (const auto& part : parts) {
+      if (part.master.is_same(part.params)) continue;
+      any_master = true;
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        const auto i = part.members[k];
+        masters[i] =
+            part.master.narrow(0, part.offsets[k], params[i].numel()).to(at::kCPU, at::kFloat);
+      }
+    }
+    if (any_master) {
+      for (size_t i = 0; i < params.size(); ++i)
+        if (!masters[i].defined())
+          masters[i] = params[i].detach().reshape(-1).to(at::kCPU, at::kFloat);
+      flat.write(prefix + "master", at::cat(masters));
+    }
+    flat.write(prefix + "steps", at::tensor(steps, at::kLong));
+    flat.write(prefix + "numels", at::tensor(numels, at::kLong));
+    for (size_t s = 0; s < names.size(); ++s) {
+      flat.write(prefix + names[s],
+                 params.empty() ? at::zeros({0}, at::kFloat) : at::cat(per_name[s]));
+    }
+  }
+  archive.write("cohort_flat_state", flat);
+}
+
+void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
+  torch::serialize::InputArchive flat;
+  if (!archive.try_read("cohort_flat_state", flat)) {
+    throw UsageError(
+        "this optimizer state was not written by a cohort flat optimizer (no cohort_flat_state): "
+        "it comes from libtorch's torch::optim; load it into the torch::optim optimizer that "
+        "wrote it, or start the flat optimizer afresh");
+  }
+  c10::IValue format, algorithm;
+  flat.read("format", format);
+  flat.read("algorithm", algorithm);
+  if (!format.isString() || format.toStringRef() != kFormat)
+    throw UsageError("optimizer state has format '" +
+                     (format.isString() ? format.toStringRef() : std::string("?")) +
+                     "', expected " + kFormat);
+  if (algorithm.toStringRef() != algorithm_)
+    throw UsageError("optimizer state was written by a flat " + algorithm.toStringRef() +
+                     " optimizer, not " + algorithm_ + ": use the same --optimizer");
+  torch::NoGradGuard no_grad;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    auto& params = param_groups_[g].params();
+    impl_->relayout_if_moved(g, params, param_groups_[g].options());
+    const std::string prefix = "group/" + std::to_string(g) + "/";
+    at::Tensor steps, numels;
+    if (!flat.try_read(prefix + "steps", steps) || !flat.try_read(prefix + "numels", numels))
+      throw UsageError("optimizer state has no param group " + std::to_string(g) +
+                       ": it was written for an optimizer with fewer param groups");
+    if (numels.numel() != static_cast<int64_t>(params.size()))
+      throw UsageError("optimizer state's param group " + std::to_string(g) + " has " +
+                       std::to_string(numels.numel()) + " parameters, the optimizer " +
+                       std::to_string(params.size()));
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (numels[i].item<int64_t>() != params[i].numel())
+        throw UsageError("optimizer state's parameter " + std::to_string(i) + " of param group " +
+                         std::to_string(g) + " has " + std::to_string(numels[i].item<int64_t>()) +
+                         " elements, the model's " + std::to_string(params[i].numel()));
+    }
+    const auto names = state_names(algorithm_, param_groups_[g].options());
+    std::vector<at::Tensor> values(names.size());
+    for (size_t s = 0; s < names.size(); ++s) {
+      if (!flat.try_read(prefix + names[s], values[s]))
+        throw UsageError("optimizer state lacks '" + names[s] + "' of param group " +
+                         std::to_string(g) + " (saved with other options, e.g. amsgrad?)");
+    }
+    at::Tensor masters;
+    const bool has_masters = flat.try_read(prefix + "master", masters);
+    std::vector<int64_t> offsets(params.size(), 0);
+    for (size_t i = 1; i < params.size(); ++i) offsets[i] = offsets[i - 1] + params[i - 1].numel();
+    for (auto& part : impl_->groups[g]) {
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        const auto i = part.members[k];
+        part.steps[k] = steps[i].item<int64_t>();
+        for (size_t s = 0; s < names.size(); ++s)
+          part.state[s]
+              .narrow(0, part.offsets[k], params[i].numel())
+              .copy_(values[s].narrow(0, offsets[i], params[i].numel()));
+        if (!part.master.is_same(part.params)) {
+          part.master.narrow(0, part.offsets[k], params[i].numel())
+              .copy_(has_masters ? masters.narrow(0, offsets[i], params[i].numel())
+                                 : part.params.narrow(0, part.offsets[k], params[i].numel()));
+        }
+      }
+      part.stepped = true;
+    }
+  }
+}
+
+FlatSGD::FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options)
+    : FlatSGD(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                  std::move(params))},
+              std::move(options)) {}
+
+FlatSGD::FlatSGD(std::vector<torch::optim::OptimizerParamGroup> groups,
+                 torch::optim::SGDOptions options)
+    : FlatOptimizer(std::move(groups),
+                    (validate(options), std::make_unique<torch::optim::SGDOptions>(options)),
+                    "sgd") {}
+
+FlatAdam::FlatAdam(std::vector<torch::Tensor> params, torch::optim::AdamOptions options)
+    : FlatAdam(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                   std::move(params))},
+               std::move(options)) {}
+
+FlatAdam::FlatAdam(std::vector<torch::optim::OptimizerParamGroup> groups,
+                   torch::optim::AdamOptions options)
+    : FlatOptimizer(std::move(groups),
+                    (validate(options), std::make_unique<torch::optim::AdamOptions>(options)),
+                    "adam") {}
+
+FlatAdamW::FlatAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options)
+    : FlatAdamW(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                    std::move(params))},
+                std::move(options)) {}
+
+FlatAdamW::FlatAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+                     torch::optim::AdamWOptions options)
+    : FlatOptimizer(std::move(groups),
+                    (validate(options), std::make_unique<torch::optim::AdamWOptions>(options)),
+                    "adamw") {}
+
+torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
+  std::vector<at::Tensor> grads;
+  for (const auto& p : parameters)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  return clip_by_global_norm(grads, max_norm);
+}
+
+}  // namespace cohort::optim

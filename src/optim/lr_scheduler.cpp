@@ -1,0 +1,80 @@
+#include "cohort/optim/lr_scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "cohort/error.h"
+
+namespace cohort::optim {
+
+void LrScheduleOptions::validate() const {
+  if (warmup_steps < 0)
+    throw UsageError("lr schedule warmup_steps " + std::to_string(warmup_steps) + " must be >= 0");
+  if (decay != "none" && decay != "cosine" && decay != "linear" && decay != "step")
+    throw UsageError("unknown lr decay '" + decay + "': choose none, cosine, linear or step");
+  if ((decay == "cosine" || decay == "linear") && total_steps <= warmup_steps)
+    throw UsageError("lr decay " + decay + " needs total_steps (" + std::to_string(total_steps) +
+                     ") greater than warmup_steps (" + std::to_string(warmup_steps) + ")");
+  if (decay == "step" && step_size < 1)
+    throw UsageError("lr decay step needs step_size >= 1, got " + std::to_string(step_size));
+  if (decay == "step" && !(gamma > 0 && gamma <= 1)) {
+    std::ostringstream v;
+    v << gamma;
+    throw UsageError("lr decay step gamma " + v.str() + " must be in (0, 1]");
+  }
+  if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1)) {
+    std::ostringstream v;
+    v << min_lr_ratio;
+    throw UsageError("lr schedule min_lr_ratio " + v.str() + " must be in [0, 1]");
+  }
+}
+
+double LrScheduleOptions::factor(int64_t step) const {
+  if (step < warmup_steps) return static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  const double after = static_cast<double>(step - warmup_steps);
+  if (decay == "step") return std::pow(gamma, std::floor(after / static_cast<double>(step_size)));
+  if (decay == "none") return 1.0;
+  const double progress =
+      std::clamp(after / static_cast<double>(total_steps - warmup_steps), 0.0, 1.0);
+  const double shape = decay == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress)) : 1.0 - progress;
+  return min_lr_ratio + (1.0 - min_lr_ratio) * shape;
+}
+
+LrScheduler::LrScheduler(torch::optim::Optimizer& optimizer, LrScheduleOptions options,
+                         int64_t steps_done)
+    : optimizer_(optimizer), options_(std::move(options)), steps_done_(steps_done) {
+  options_.validate();
+  if (steps_done < 0)
+    throw UsageError("LrScheduler steps_done " + std::to_string(steps_done) + " must be >= 0");
+  const double now = options_.factor(steps_done_);
+  for (auto& group : optimizer_.param_groups()) {
+    const double lr = group.options().get_lr();
+    if (steps_done_ == 0) {
+      base_lrs_.push_back(lr);
+      group.options().set_lr(lr * now);
+    } else {
+      base_lrs_.push_back(now > 0 ? lr / now : lr);
+    }
+  }
+}
+
+void LrScheduler::step() {
+  const double previous = options_.factor(steps_done_);
+  ++steps_done_;
+  const double next = options_.factor(steps_done_);
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size() && g < base_lrs_.size(); ++g) {
+    auto& o = groups[g].options();
+    if (previous > 0) base_lrs_[g] = o.get_lr() / previous;
+    o.set_lr(base_lrs_[g] * next);
+  }
+}
+
+std::vector<double> LrScheduler::get_last_lr() const {
+  std::vector<double> out;
+  for (const auto& group : optimizer_.param_groups()) out.push_back(group.options().get_lr());
+  return out;
+}
+
+}  // namespace cohort::optim

@@ -1,0 +1,291 @@
+#include "cohort/optim/flat_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <sstream>
+
+#include "cohort/error.h"
+#include "support/expect.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort {
+namespace {
+
+// A small net with a weight matrix, a conv, biases and a branch used on some steps only.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 4, 3)));
+    fc = register_module("fc", torch::nn::Linear(4 * 6 * 6, 10));
+    side = register_module("side", torch::nn::Linear(10, 10));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_side) {
+    auto y = fc->forward(torch::relu(conv->forward(x)).flatten(1));
+    return use_side ? side->forward(y) : y;
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr}, side{nullptr};
+};
+TORCH_MODULE(Net);
+
+Net make_net(uint64_t seed) {
+  torch::manual_seed(seed);
+  return Net();
+}
+
+// Trains two copies of one net for `steps` steps, one with `make_reference`'s optimizer and one
+// with `make_flat`'s, on the same batches; the side branch is used on odd steps only when
+// `skip_side` is set.
+void expect_same_training(
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>&
+        make_reference,
+    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>&
+        make_flat,
+    int steps = 100, bool skip_side = false, double rtol = 1e-6) {
+  auto reference = make_net(1);
+  auto flat = make_net(1);
+  auto reference_optimizer = make_reference(reference->parameters());
+  auto flat_optimizer = make_flat(flat->parameters());
+  torch::manual_seed(2);
+  for (int step = 0; step < steps; ++step) {
+    const auto x = torch::randn({8, 1, 8, 8});
+    const auto target = torch::randint(0, 10, {8});
+    const bool use_side = !skip_side || step % 2 == 1;
+    for (auto* pair : {&reference, &flat}) {
+      auto& optimizer = pair == &reference ? *reference_optimizer : *flat_optimizer;
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy((*pair)->forward(x, use_side), target).backward();
+      optimizer.step();
+    }
+  }
+  const auto expected = reference->parameters();
+  const auto actual = flat->parameters();
+  ASSERT_EQ(expected.size(), actual.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double scale = expected[i].abs().max().item<double>();
+    const double diff = (expected[i] - actual[i]).abs().max().item<double>();
+    EXPECT_LE(diff, rtol * std::max(scale, 1e-3))
+        << "parameter " << i << " after " << steps << " steps: max |diff| " << diff;
+  }
+}
+
+TEST(FlatOptimizer, SgdMatchesTorchOptimOver100Steps) {
+  for (const auto& options :
+       {torch::optim::SGDOptions(0.05), torch::optim::SGDOptions(0.05).momentum(0.9),
+        torch::optim::SGDOptions(0.05).momentum(0.9).nesterov(true).weight_decay(1e-3),
+        torch::optim::SGDOptions(0.05).momentum(0.8).dampening(0.1).weight_decay(1e-2)}) {
+    expect_same_training([&](auto p) { return std::make_unique<torch::optim::SGD>(p, options); },
+                         [&](auto p) { return std::make_unique<optim::FlatSGD>(p, options); });
+  }
+}
+
+TEST(FlatOptimizer, AdamAndAdamWMatchTorchOptimOver100Steps) {
+  for (const auto& options :
+       {torch::optim::AdamOptions(1e-3), torch::optim::AdamOptions(2e-3).weight_decay(1e-2),
+        torch::optim::AdamOptions(1e-3).amsgrad(true).betas({0.8, 0.99})}) {
+    expect_same_training([&](auto p) { return std::make_unique<torch::optim::Adam>(p, options); },
+                         [&](auto p) { return std::make_unique<optim::FlatAdam>(p, options); });
+  }
+  for (const auto& options :
+       {torch::optim::AdamWOptions(1e-3), torch::optim::AdamWOptions(3e-3).weight_decay(0.1)}) {
+    expect_same_training([&](auto p) { return std::make_unique<torch::optim::AdamW>(p, options); },
+                         [&](auto p) { return std::make_unique<optim::FlatAdamW>(p, options); });
+  }
+}
+
+TEST(FlatOptimizer, ParametersWithoutGradientsAreLeftAloneAsTorchOptimDoes) {
+  // The side branch gets a gradient every other step: its Adam step count and moments must
+  // advance only then, exactly as torch::optim's per-parameter state does.
+  expect_same_training(
+      [](auto p) {
+        return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2));
+      },
+      [](auto p) { return std::make_unique<optim::FlatAdam>(p, torch::optim::AdamOptions(1e-2)); },
+      40, true);
+  expect_same_training(
+      [](auto p) {
+        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+      },
+      [](auto p) {
+        return std::make_unique<optim::FlatSGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9));
+      },
+      40, true);
+}
+
+TEST(FlatOptimizer, ParametersLiveInOneBufferAndGradientsAccumulateThere) {
+  auto net = make_net(3);
+  optim::FlatSGD optimizer(net->parameters(), torch::optim::SGDOptions(0.1));
+  const auto params = net->parameters();
+  const auto* base = static_cast<const char*>(params.front().data_ptr());
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    EXPECT_EQ(static_cast<const char*>(p.data_ptr()), base + offset * 4);
+    offset += p.numel();
+  }
+  const auto x = torch::randn({4, 1, 8, 8});
+  torch::nn::functional::cross_entropy(net->forward(x, true), torch::zeros({4}, torch::kLong))
+      .backward();
+  optimizer.step();
+  // After the first step the gradients are the flat buffer's slots: no copy at later steps.
+  const auto grads = optimizer.flat_gradients();
+  ASSERT_EQ(grads.size(), 1u);
+  EXPECT_EQ(params.front().grad().data_ptr(), grads.front().data_ptr());
+  EXPECT_EQ(grads.front().numel(), offset);
+}
+
+TEST(FlatOptimizer, ResumedFromACheckpointIsBitIdentical) {
+  const auto dir = testing::temp_dir("flat_optimizer_resume");
+  auto run = [&](Net& net, torch::optim::Optimizer& optimizer, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      torch::manual_seed(100 + step);
+      const auto x = torch::randn({8, 1, 8, 8});
+      const auto target = torch::randint(0, 10, {8});
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x, true), target).backward();
+      optimizer.step();
+    }
+  };
+  auto whole = make_net(4);
+  optim::FlatAdamW whole_optimizer(whole->parameters(), torch::optim::AdamWOptions(1e-2));
+  run(whole, whole_optimizer, 0, 20);
+
+  auto first = make_net(4);
+  optim::FlatAdamW first_optimizer(first->parameters(), torch::optim::AdamWOptions(1e-2));
+  run(first, first_optimizer, 0, 10);
+  torch::save(first, (dir / "model.pt").string());
+  torch::save(first_optimizer, (dir / "optimizer.pt").string());
+
+  auto resumed = make_net(99);
+  optim::FlatAdamW resumed_optimizer(resumed->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::load(resumed, (dir / "model.pt").string());
+  torch::load(resumed_optimizer, (dir / "optimizer.pt").string());
+  run(resumed, resumed_optimizer, 10, 20);
+  const auto a = whole->parameters();
+  const auto b = resumed->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FlatOptimizer, RefusesStateOfAnotherOptimizerNamingIt) {
+  const auto dir = testing::temp_dir("flat_optimizer_refuse");
+  auto net = make_net(5);
+  torch::optim::Adam plain(net->parameters(), torch::optim::AdamOptions(1e-3));
+  torch::save(plain, (dir / "plain.pt").string());
+  optim::FlatAdam flat(net->parameters(), torch::optim::AdamOptions(1e-3));
+  testing::expect_error<UsageError>([&] { torch::load(flat, (dir / "plain.pt").string()); },
+                                    "torch::optim");
+  torch::save(flat, (dir / "flat.pt").string());
+  optim::FlatSGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+  testing::expect_error<UsageError>([&] { torch::load(sgd, (dir / "flat.pt").string()); },
+                                    "flat adam optimizer, not sgd");
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FlatOptimizer, FollowsAModuleMovedAfterConstruction) {
+  auto reference = make_net(6);
+  auto flat = make_net(6);
+  torch::optim::SGD reference_optimizer(reference->parameters(),
+                                        torch::optim::SGDOptions(0.1).momentum(0.9));
+  optim::FlatSGD flat_optimizer(flat->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int step = 0; step < 6; ++step) {
+    if (step == 3) {  // moved mid-run: the momentum must come along
+      reference->to(torch::kDouble);
+      flat->to(torch::kDouble);
+    }
+    torch::manual_seed(200 + step);
+    const auto dtype = step >= 3 ? torch::kDouble : torch::kFloat;
+    const auto x = torch::randn({8, 1, 8, 8}, dtype);
+    const auto target = torch::randint(0, 10, {8});
+    for (auto* net : {&reference, &flat}) {
+      torch::optim::Optimizer& optimizer =
+          net == &reference ? static_cast<torch::optim::Optimizer&>(reference_optimizer)
+                            : flat_optimizer;
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy((*net)->forward(x, true), target).backward();
+      optimizer.step();
+    }
+  }
+  const auto a = reference->parameters();
+  const auto b = flat->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i].scalar_type(), torch::kDouble);
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-6, 1e-7)) << "parameter " << i;
+  }
+}
+
+TEST(FlatOptimizer, LowPrecisionParametersStepThroughFloat32Masters) {
+  // Steps of 1e-4 vanish against bfloat16's spacing of 2^-7 at 1.0: without a float32 master the
+  // parameter would never move.
+  auto w = torch::ones({16}, torch::kBFloat16).requires_grad_(true);
+  optim::FlatSGD optimizer({w}, torch::optim::SGDOptions(1.0));
+  EXPECT_EQ(optimizer.state_bytes(), 16 * 4 /*grads*/ + 16 * 4 /*float32 masters*/);
+  for (int step = 0; step < 100; ++step) {
+    w.mutable_grad() = torch::full({16}, 1e-4, torch::kBFloat16);
+    optimizer.step();
+  }
+  EXPECT_EQ(w.scalar_type(), torch::kBFloat16);
+  EXPECT_NEAR(w[0].item<float>(), 0.99f, 0.005f);
+  torch::optim::SGD plain({torch::ones({16}, torch::kBFloat16).requires_grad_(true)},
+                          torch::optim::SGDOptions(1.0));
+  auto& p = plain.param_groups()[0].params()[0];
+  for (int step = 0; step < 100; ++step) {
+    p.mutable_grad() = torch::full({16}, 1e-4, torch::kBFloat16);
+    plain.step();
+  }
+  EXPECT_EQ(p[0].item<float>(), 1.0f) << "plain bfloat16 SGD was expected to lose the updates";
+}
+
+TEST(FlatOptimizer, ClipsLikeTorchWithoutSyncing) {
+  auto reference = make_net(7);
+  auto flat = make_net(7);
+  optim::FlatSGD optimizer(flat->parameters(), torch::optim::SGDOptions(0.1));
+  const auto x = torch::randn({8, 1, 8, 8}) * 10;
+  const auto target = torch::randint(0, 10, {8});
+  torch::nn::functional::cross_entropy(reference->forward(x, true), target).backward();
+  torch::nn::functional::cross_entropy(flat->forward(x, true), target).backward();
+  const double expected = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+  const auto norm = optimizer.clip_grad_norm(0.5);
+  EXPECT_EQ(norm.dim(), 0);
+  EXPECT_NEAR(norm.item<double>(), expected, 1e-5 * expected);
+  const auto a = reference->parameters();
+  const auto b = flat->parameters();
+  optimizer.step();  // uses the clipped gradients
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad(), 1e-5, 1e-7)) << "gradient " << i;
+    EXPECT_TRUE(torch::allclose(b[i], a[i] - 0.1 * a[i].grad(), 1e-5, 1e-6)) << "parameter " << i;
+  }
+  // The free function for any parameters.
+  auto other = make_net(7);
+  torch::nn::functional::cross_entropy(other->forward(x, true), target).backward();
+  EXPECT_NEAR(optim::clip_grad_norm(other->parameters(), 0.5).item<double>(), expected,
+              1e-5 * expected);
+  testing::expect_error<UsageError>([&] { optimizer.clip_grad_norm(0); }, "max_norm 0");
+}
+
+TEST(FlatOptimizer, HyperparametersOutOfRangeAreNamed) {
+  auto w = torch::zeros({2}, torch::requires_grad());
+  using testing::expect_error;
+  expect_error<UsageError>(
+      [&] { optim::FlatSGD({w}, torch::optim::SGDOptions(0.1).momentum(1.5)); },
+      "SGD momentum 1.5");
+  expect_error<UsageError>([&] { optim::FlatSGD({w}, torch::optim::SGDOptions(-1)); }, "SGD lr -1");
+  expect_error<UsageError>(
+      [&] { optim::FlatSGD({w}, torch::optim::SGDOptions(0.1).nesterov(true)); }, "nesterov");
+  expect_error<UsageError>(
+      [&] {
+        optim::FlatAdam({w}, torch::optim::AdamOptions(1e-3).betas({0.9, 1.0}));
+      },
+      "Adam beta2 1");
+  expect_error<UsageError>([&] { optim::FlatAdamW({w}, torch::optim::AdamWOptions(1e-3).eps(0)); },
+                           "AdamW eps 0");
+  expect_error<UsageError>(
+      [&] { optim::FlatAdam({w}, torch::optim::AdamOptions(1e-3).weight_decay(-0.1)); },
+      "weight_decay -0.1");
+  expect_error<UsageError>(
+      [&] { optim::FlatSGD({torch::zeros({2}, torch::kLong)}, torch::optim::SGDOptions(0.1)); },
+      "not floating point");
+}
+
+}  // namespace
+}  // namespace cohort
