@@ -214,6 +214,28 @@ struct Partition {
   bool stepped = false;  // since the layout or the last load
 };
 
+namespace {
+
+// Runs an update over a partition's buffers a chunk at a time. The updates' temporaries are then
+// a chunk's size: they come from the allocator's free lists instead of fresh pages every step
+// (an 11 M-element temporary costs a page fault per 4 KiB, slower than the arithmetic), and the
+// handful of passes over one chunk stay in the cache.
+constexpr int64_t kChunkElements = int64_t{1} << 18;
+
+template <typename Update>
+void for_each_chunk(Partition& part, const Update& update) {
+  for (int64_t start = 0; start < part.numel; start += kChunkElements) {
+    const int64_t length = std::min(kChunkElements, part.numel - start);
+    auto p = part.master.narrow(0, start, length);
+    const auto g = part.grads.narrow(0, start, length);
+    std::vector<at::Tensor> state;
+    for (const auto& s : part.state) state.push_back(s.narrow(0, start, length));
+    update(p, g, state);
+  }
+}
+
+}  // namespace
+
 struct FlatOptimizer::Impl {
   std::string algorithm;
   std::vector<std::vector<Partition>> groups;  // per param group
@@ -415,8 +437,10 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
       } else if (algorithm_ == "sgd") {
         const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
         if (all && same_step) {
-          sgd_update(o, part.master, part.grads, part.state.empty() ? at::Tensor() : part.state[0],
-                     part.steps.front() == 0);
+          for_each_chunk(part, [&](at::Tensor& p, const at::Tensor& g,
+                                   std::vector<at::Tensor>& state) {
+            sgd_update(o, p, g, state.empty() ? at::Tensor() : state[0], part.steps.front() == 0);
+          });
         } else {
           for (size_t k = 0; k < part.members.size(); ++k) {
             if (!part.has_grad[k]) continue;
@@ -431,7 +455,10 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
       } else {
         const auto hyper = adam_hyper(options, algorithm_);
         if (all && same_step) {
-          adam_update(hyper, part.master, part.grads, part.state, part.steps.front() + 1);
+          for_each_chunk(part,
+                         [&](at::Tensor& p, const at::Tensor& g, std::vector<at::Tensor>& state) {
+                           adam_update(hyper, p, g, state, part.steps.front() + 1);
+                         });
         } else {
           for (size_t k = 0; k < part.members.size(); ++k) {
             if (!part.has_grad[k]) continue;
