@@ -1,4 +1,5 @@
 #pragma once
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -28,5 +29,12 @@ class PeerFailureError : public RuntimeError {
  public:
   using RuntimeError::RuntimeError;
 };
+
+// A number as error messages quote it: its shortest usual form (0.1, 1e-08, 1.5, -1).
+inline std::string format_number(double value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
 
 }  // namespace cohort

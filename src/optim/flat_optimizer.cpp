@@ -18,12 +18,6 @@
 namespace cohort::optim {
 namespace {
 
-std::string number(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
-
 bool low_precision(c10::ScalarType t) {
   return t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Half;
 }
@@ -111,7 +105,7 @@ void adam_update(const AdamHyper& h, at::Tensor& p, const at::Tensor& g,
 // the norm before clipping.
 at::Tensor clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_norm) {
   if (!(max_norm > 0))
-    throw UsageError("gradient clipping max_norm " + number(max_norm) + " must be > 0");
+    throw UsageError("gradient clipping max_norm " + format_number(max_norm) + " must be > 0");
   torch::NoGradGuard no_grad;
   if (grads.empty()) return at::zeros({}, at::kFloat);
   const auto device = grads.front().device();
@@ -168,30 +162,31 @@ bool FlatOptimizer::has_fused_kernels() {
 }
 
 void validate(const torch::optim::SGDOptions& o) {
-  if (!(o.lr() >= 0)) throw UsageError("SGD lr " + number(o.lr()) + " must be >= 0");
+  if (!(o.lr() >= 0)) throw UsageError("SGD lr " + format_number(o.lr()) + " must be >= 0");
   if (!(o.momentum() >= 0 && o.momentum() <= 1))
-    throw UsageError("SGD momentum " + number(o.momentum()) + " must be in [0, 1]");
+    throw UsageError("SGD momentum " + format_number(o.momentum()) + " must be in [0, 1]");
   if (!(o.dampening() >= 0 && o.dampening() <= 1))
-    throw UsageError("SGD dampening " + number(o.dampening()) + " must be in [0, 1]");
+    throw UsageError("SGD dampening " + format_number(o.dampening()) + " must be in [0, 1]");
   if (!(o.weight_decay() >= 0))
-    throw UsageError("SGD weight_decay " + number(o.weight_decay()) + " must be >= 0");
+    throw UsageError("SGD weight_decay " + format_number(o.weight_decay()) + " must be >= 0");
   if (o.nesterov() && (o.momentum() <= 0 || o.dampening() != 0))
     throw UsageError("SGD nesterov needs a momentum > 0 and dampening 0 (momentum " +
-                     number(o.momentum()) + ", dampening " + number(o.dampening()) + ")");
+                     format_number(o.momentum()) + ", dampening " + format_number(o.dampening()) +
+                     ")");
 }
 
 namespace {
 template <typename Options>
 void validate_adam(const Options& o, const std::string& name) {
-  if (!(o.lr() >= 0)) throw UsageError(name + " lr " + number(o.lr()) + " must be >= 0");
+  if (!(o.lr() >= 0)) throw UsageError(name + " lr " + format_number(o.lr()) + " must be >= 0");
   const auto [beta1, beta2] = o.betas();
   if (!(beta1 >= 0 && beta1 < 1))
-    throw UsageError(name + " beta1 " + number(beta1) + " must be in [0, 1)");
+    throw UsageError(name + " beta1 " + format_number(beta1) + " must be in [0, 1)");
   if (!(beta2 >= 0 && beta2 < 1))
-    throw UsageError(name + " beta2 " + number(beta2) + " must be in [0, 1)");
-  if (!(o.eps() > 0)) throw UsageError(name + " eps " + number(o.eps()) + " must be > 0");
+    throw UsageError(name + " beta2 " + format_number(beta2) + " must be in [0, 1)");
+  if (!(o.eps() > 0)) throw UsageError(name + " eps " + format_number(o.eps()) + " must be > 0");
   if (!(o.weight_decay() >= 0))
-    throw UsageError(name + " weight_decay " + number(o.weight_decay()) + " must be >= 0");
+    throw UsageError(name + " weight_decay " + format_number(o.weight_decay()) + " must be >= 0");
 }
 }  // namespace
 
@@ -393,7 +388,7 @@ std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
 
 torch::Tensor FlatOptimizer::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0))
-    throw UsageError("gradient clipping max_norm " + number(max_norm) + " must be > 0");
+    throw UsageError("gradient clipping max_norm " + format_number(max_norm) + " must be > 0");
   auto grads = flat_gradients();
   // The slot of a parameter without a gradient this step may hold an older one: it must
   // neither count nor be stepped.

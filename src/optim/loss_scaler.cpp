@@ -2,22 +2,10 @@
 
 #include <torch/torch.h>
 
-#include <sstream>
-
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
 
 namespace cohort::optim {
-namespace {
-
-std::string number(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
-
-}  // namespace
-
 LossScaler::LossScaler(LossScalerOptions options, std::optional<comm::ProcessGroup> group,
                        bool enabled)
     : options_(options),
@@ -115,7 +103,7 @@ void LossScaler::load_state_dict(const Json& state) {
   } catch (const Json::exception& e) {
     throw UsageError(std::string("loss scaler state is malformed: ") + e.what());
   }
-  if (!(scale_ > 0)) throw UsageError("loss scaler state has scale " + number(scale_));
+  if (!(scale_ > 0)) throw UsageError("loss scaler state has scale " + format_number(scale_));
 }
 
 }  // namespace cohort::optim

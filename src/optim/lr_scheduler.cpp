@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 
 #include "cohort/error.h"
 
@@ -18,16 +17,11 @@ void LrScheduleOptions::validate() const {
                      ") greater than warmup_steps (" + std::to_string(warmup_steps) + ")");
   if (decay == "step" && step_size < 1)
     throw UsageError("lr decay step needs step_size >= 1, got " + std::to_string(step_size));
-  if (decay == "step" && !(gamma > 0 && gamma <= 1)) {
-    std::ostringstream v;
-    v << gamma;
-    throw UsageError("lr decay step gamma " + v.str() + " must be in (0, 1]");
-  }
-  if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1)) {
-    std::ostringstream v;
-    v << min_lr_ratio;
-    throw UsageError("lr schedule min_lr_ratio " + v.str() + " must be in [0, 1]");
-  }
+  if (decay == "step" && !(gamma > 0 && gamma <= 1))
+    throw UsageError("lr decay step gamma " + format_number(gamma) + " must be in (0, 1]");
+  if (!(min_lr_ratio >= 0 && min_lr_ratio <= 1))
+    throw UsageError("lr schedule min_lr_ratio " + format_number(min_lr_ratio) +
+                     " must be in [0, 1]");
 }
 
 double LrScheduleOptions::factor(int64_t step) const {

@@ -52,12 +52,6 @@ void set_autocast_dtype(c10::DeviceType type, c10::ScalarType dtype) {
 #endif
 }
 
-std::string number(double v) {
-  std::ostringstream out;
-  out << v;
-  return out.str();
-}
-
 }  // namespace
 
 Precision precision_from_string(const std::string& name) {
@@ -106,21 +100,22 @@ void check_precision_supported(Precision precision, const c10::Device& device) {
 
 void LossScalerOptions::validate() const {
   if (!(initial_scale > 0))
-    throw UsageError("loss scaler initial_scale " + number(initial_scale) + " must be > 0");
+    throw UsageError("loss scaler initial_scale " + format_number(initial_scale) + " must be > 0");
   if (growth_interval < 1)
     throw UsageError("loss scaler growth_interval " + std::to_string(growth_interval) +
                      " must be >= 1");
   if (!(growth_factor > 1))
-    throw UsageError("loss scaler growth_factor " + number(growth_factor) + " must be > 1");
+    throw UsageError("loss scaler growth_factor " + format_number(growth_factor) + " must be > 1");
   if (!(backoff_factor > 0 && backoff_factor < 1))
-    throw UsageError("loss scaler backoff_factor " + number(backoff_factor) + " must be in (0, 1)");
+    throw UsageError("loss scaler backoff_factor " + format_number(backoff_factor) +
+                     " must be in (0, 1)");
   if (hysteresis < 1)
     throw UsageError("loss scaler hysteresis " + std::to_string(hysteresis) + " must be >= 1");
   if (!(min_scale > 0))
-    throw UsageError("loss scaler min_scale " + number(min_scale) + " must be > 0");
+    throw UsageError("loss scaler min_scale " + format_number(min_scale) + " must be > 0");
   if (min_scale > initial_scale)
-    throw UsageError("loss scaler min_scale " + number(min_scale) +
-                     " must not exceed initial_scale " + number(initial_scale));
+    throw UsageError("loss scaler min_scale " + format_number(min_scale) +
+                     " must not exceed initial_scale " + format_number(initial_scale));
 }
 
 AutocastGuard::AutocastGuard(Precision precision, const c10::Device& device) {
