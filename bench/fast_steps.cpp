@@ -1,10 +1,11 @@
-// Step time of seed 000's CNN and seed 002's ResNet-18 on this machine's CPU: libtorch's
+// Step time of seed 000's CNN and seed 002's ResNet-18 on the CPU (or --device cuda): libtorch's
 // torch::optim against cohort's flat optimizers (SGD with momentum, Adam), and bf16 autocast
 // against fp32. One process, one static batch of Fashion-MNIST resident in memory, so that the
 // figures are the step itself. The variants run interleaved, round by round, and each figure is
 // the median over rounds: a machine whose speed drifts treats them all alike.
 //
 // Prints a table, then one JSON line per model.
+#include <torch/cuda.h>
 #include <torch/torch.h>
 #include <torch/version.h>
 
@@ -72,6 +73,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps)->capture_default_str();
   app.add_option("--threads", threads, "torch intra-op threads")->capture_default_str();
   app.add_option("--data-dir", data_dir)->capture_default_str();
+  std::string device_name = "cpu";
+  app.add_option("--device", device_name, "cpu or cuda (batches resident there)")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   torch::set_num_threads(threads);
   at::globalContext().setFlushDenormal(true);
@@ -87,7 +91,16 @@ int main(int argc, char** argv) {
   std::vector<cohort::data::Batch> batches;
   for (int64_t b = 0; b < kBatches; ++b)
     batches.push_back(train.get_batch(torch::arange(b * batch_size, (b + 1) * batch_size)));
-  const torch::Device cpu(torch::kCPU);
+  const torch::Device device(device_name);
+  if (device.is_cuda() && !torch::cuda::is_available()) {
+    std::cerr << "--device cuda: this libtorch sees no CUDA device" << std::endl;
+    return 2;
+  }
+  for (auto& b : batches) b = {b.data.to(device), b.target.to(device)};
+  // The host waits for the device before reading the clock.
+  auto sync = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize();
+  };
   using cohort::optim::Precision;
   const std::vector<Variant> variants{{"sgd", false, Precision::kFp32},
                                       {"sgd", true, Precision::kFp32},
@@ -99,21 +112,25 @@ int main(int argc, char** argv) {
     for (const auto& v : variants) {
       torch::manual_seed(0);
       auto model = cohort::models::create_model(name);
+      model->to(device);
       auto optimizer = make(v, model->parameters());
       runners.push_back(Runner{model, std::move(optimizer), v, {}, {}});
     }
     auto one_step = [&](Runner& r, bool timed) {
       const auto& batch = batches[r.steps++ % kBatches];
+      sync();
       const auto start = Clock::now();
       r.optimizer->zero_grad();
       torch::Tensor loss;
       {
-        cohort::optim::AutocastGuard autocast(r.variant.precision, cpu);
+        cohort::optim::AutocastGuard autocast(r.variant.precision, device);
         loss = torch::nn::functional::cross_entropy(r.model->forward(batch.data), batch.target);
       }
       loss.backward();
+      sync();
       const auto before_step = Clock::now();
       r.optimizer->step();
+      sync();
       const auto end = Clock::now();
       if (timed) {
         r.step_ms.push_back(std::chrono::duration<double, std::milli>(end - start).count());
@@ -140,8 +157,10 @@ int main(int argc, char** argv) {
     for (int round = 0; round < rounds; ++round) {
       for (auto& r : runners) {
         for (int s = 0; s < steps; ++s) {
+          sync();
           const auto start = Clock::now();
           r.optimizer->step();
+          sync();
           r.isolated_ms.push_back(
               std::chrono::duration<double, std::milli>(Clock::now() - start).count());
         }
@@ -149,9 +168,13 @@ int main(int argc, char** argv) {
     }
     int64_t parameters = 0;
     for (const auto& p : runners.front().model->parameters()) parameters += p.numel();
-    std::cout << name << " (" << parameters << " parameters), batch " << batch_size << ", "
-              << threads << " thread(s), median of " << rounds * steps << " steps:\n";
-    cohort::Json line{{"model", name}, {"batch_size", batch_size}, {"threads", threads}};
+    std::cout << name << " (" << parameters << " parameters) on " << device << ", batch "
+              << batch_size << ", " << threads << " thread(s), median of " << rounds * steps
+              << " steps:\n";
+    cohort::Json line{{"model", name},
+                      {"device", device.str()},
+                      {"batch_size", batch_size},
+                      {"threads", threads}};
     for (auto& r : runners) {
       const double step = median(r.step_ms);
       const double opt = median(r.optimizer_ms);

@@ -9,6 +9,7 @@
 #                                       # cohort against the wheel's libtorch, runs the CUDA tests,
 #                                       # then seed 002's job (ResNet-18, 10 epochs) on the GPU;
 #                                       # --bench adds bench/ddp_throughput on CPU at 2, 4, 8 workers
+#                                       # and bench/fast_steps on the GPU
 #
 # Environment: PYTHON (default python3, the one with torch), JOBS (default: all cores),
 # EPOCHS (default 10).
@@ -58,7 +59,7 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_POLICY_VERSION_M
   ${cuda_root:+-DCUDAToolkit_ROOT="$cuda_root"} \
   -DCOHORT_GLOO_INCLUDE_DIR="$deps/include" -DCOHORT_WITH_OPENCV=OFF \
   -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON
-cmake --build "$build" -j "$jobs" --target cohort_cli comm_test runtime_test parallel_test train_test ddp_throughput
+cmake --build "$build" -j "$jobs" --target cohort_cli comm_test runtime_test parallel_test train_test optim_test ddp_throughput fast_steps
 
 status=0
 run() { echo "+ $*"; "$@" || status=1; }
@@ -66,6 +67,7 @@ run "$build/tests/comm_test" --gtest_filter='CudaCollectives.*:ProcessGroup.*'
 run "$build/tests/runtime_test" --gtest_filter='Gpus.*'
 run "$build/tests/train_test" --gtest_filter='GpuTraining.*:Trainer.*'
 run "$build/tests/parallel_test"
+run "$build/tests/optim_test"
 
 # Seed 002: ResNet-18 with the 1-channel 7x7 stem on Fashion-MNIST, batch 128, Adam 1e-3.
 run "$build/cohort" train --model resnet18 --dataset fashion-mnist --data-dir "$deps/data/fashion-mnist" \
@@ -81,6 +83,8 @@ print(f"resnet18 on the GPU: test_accuracy {m['test_accuracy']:.4f}, {m['epochs'
 EOF
 
 if [ "$bench" -eq 1 ]; then
+  # The fast-steps table on the GPU: torch::optim against the flat optimizers, fp32 and bf16.
+  run "$build/bench/fast_steps" --device cuda --data-dir "$deps/data/fashion-mnist" --rounds 5 --steps 20
   for workers in 1 2 4 8; do
     for mode in independent ddp; do
       echo "ddp_throughput --mode $mode --workers $workers: $("$build/bench/ddp_throughput" --mode "$mode" \
