@@ -206,6 +206,10 @@ struct Partition {
   std::vector<at::Tensor> grad_aliases;
   std::vector<const void*> param_addresses;
   std::vector<char> has_grad;
+  // Each member's .grad as the last gather saw it (its tensor and in-place version): a gradient
+  // that changed since (a backward, zero_grad(), DDP's all-reduce landing) is gathered again.
+  std::vector<const void*> gathered_grad;
+  std::vector<int64_t> gathered_version;
   bool stepped = false;  // since the layout or the last load
 };
 
@@ -234,7 +238,22 @@ void for_each_chunk(Partition& part, const Update& update) {
 struct FlatOptimizer::Impl {
   std::string algorithm;
   std::vector<std::vector<Partition>> groups;  // per param group
-  bool grads_gathered = false;
+
+  // Whether every parameter's .grad is what the last gather copied: then the flat buffers (which
+  // unscaling or clipping may have changed since) are the gradients to step with.
+  static bool gathered_is_current(const std::vector<at::Tensor>& params,
+                                  const std::vector<Partition>& parts) {
+    for (const auto& part : parts) {
+      if (part.gathered_grad.size() != part.members.size()) return false;
+      for (size_t k = 0; k < part.members.size(); ++k) {
+        const auto& grad = params[part.members[k]].grad();
+        const void* impl = grad.defined() ? grad.unsafeGetTensorImpl() : nullptr;
+        if (impl != part.gathered_grad[k]) return false;
+        if (grad.defined() && grad._version() != part.gathered_version[k]) return false;
+      }
+    }
+    return true;
+  }
 
   static at::Tensor member_slice(const at::Tensor& flat, const Partition& part, size_t k,
                                  const at::Tensor& param) {
@@ -332,20 +351,27 @@ struct FlatOptimizer::Impl {
   // parameter's .grad, so that later backward passes accumulate into the buffer directly.
   void gather(std::vector<at::Tensor>& params, std::vector<Partition>& parts) {
     torch::NoGradGuard no_grad;
+    if (gathered_is_current(params, parts)) return;
     for (auto& part : parts) {
+      part.gathered_grad.assign(part.members.size(), nullptr);
+      part.gathered_version.assign(part.members.size(), 0);
       for (size_t k = 0; k < part.members.size(); ++k) {
         auto& p = params[part.members[k]];
-        const auto& grad = p.grad();
+        const auto grad = p.grad();
         part.has_grad[k] = grad.defined();
         if (!grad.defined()) continue;
         auto& slot = part.grad_aliases[k];
-        if (grad.data_ptr() == slot.data_ptr()) continue;
-        slot.copy_(grad);
-        const bool owns_storage =
-            grad.is_contiguous() && grad.storage_offset() == 0 &&
-            static_cast<int64_t>(grad.storage().nbytes()) == grad.numel() * grad.element_size();
-        if (owns_storage && grad.scalar_type() == slot.scalar_type() && !grad.is_sparse())
-          p.mutable_grad() = slot;
+        if (grad.data_ptr() != slot.data_ptr()) {
+          slot.copy_(grad);
+          const bool owns_storage =
+              grad.is_contiguous() && grad.storage_offset() == 0 &&
+              static_cast<int64_t>(grad.storage().nbytes()) == grad.numel() * grad.element_size();
+          if (owns_storage && grad.scalar_type() == slot.scalar_type() && !grad.is_sparse())
+            p.mutable_grad() = slot;
+        }
+        const auto& now = p.grad();
+        part.gathered_grad[k] = now.unsafeGetTensorImpl();
+        part.gathered_version[k] = now._version();
       }
     }
   }
@@ -379,10 +405,9 @@ std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
   std::vector<torch::Tensor> out;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
-    if (!impl_->grads_gathered) impl_->gather(param_groups_[g].params(), impl_->groups[g]);
+    impl_->gather(param_groups_[g].params(), impl_->groups[g]);
     for (auto& part : impl_->groups[g]) out.push_back(part.grads);
   }
-  impl_->grads_gathered = true;
   return out;
 }
 
@@ -414,7 +439,7 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
     const auto& options = param_groups_[g].options();
     impl_->relayout_if_moved(g, params, options);
     auto& parts = impl_->groups[g];
-    if (!impl_->grads_gathered) impl_->gather(params, parts);
+    impl_->gather(params, parts);
     for (auto& part : parts) {
       // Low-precision parameters: the float32 masters start from the parameters' values as they
       // are at the first step (after DDP gave every rank rank 0's weights, or a load).
@@ -470,7 +495,9 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
       if (!part.master.is_same(part.params)) part.params.copy_(part.master);
     }
   }
-  impl_->grads_gathered = false;
+  // The next step gathers afresh even where .grad was left as it was (a loop without zero_grad).
+  for (auto& parts : impl_->groups)
+    for (auto& part : parts) part.gathered_grad.clear();
   return loss;
 }
 

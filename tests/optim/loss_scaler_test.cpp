@@ -52,6 +52,25 @@ TEST(LossScaler, AnOverflowSkipsTheStepAndTheScaleHalvesAfterHysteresis) {
   EXPECT_TRUE(torch::allclose(w, torch::full({3}, -1.0)));
 }
 
+TEST(LossScaler, AfterASkippedStepTheFlatOptimizerStepsWithTheNewGradients) {
+  // DDP's way: .grad is an alias into a bucket that the next backward refills in place.
+  auto w = torch::zeros({3}, torch::requires_grad());
+  auto bucket = torch::zeros({8});
+  auto alias = torch::empty({0});
+  alias.set_(bucket.storage(), 0, {3}, {1});
+  w.mutable_grad() = alias;
+  optim::FlatSGD optimizer({w}, torch::optim::SGDOptions(1.0));
+  optim::LossScaler scaler({.initial_scale = 4});
+  torch::NoGradGuard no_grad;
+  bucket.fill_(std::numeric_limits<float>::infinity());
+  EXPECT_FALSE(scaler.step(optimizer));
+  scaler.update();
+  bucket.fill_(4.0f);  // the next backward's scaled gradient: 1 after unscaling by 4
+  EXPECT_TRUE(scaler.step(optimizer));
+  scaler.update();
+  EXPECT_TRUE(torch::allclose(w, torch::full({3}, -1.0))) << w;
+}
+
 TEST(LossScaler, TheScaleGrowsAfterGrowthIntervalCleanSteps) {
   auto w = torch::zeros({1}, torch::requires_grad());
   torch::optim::SGD optimizer({w}, torch::optim::SGDOptions(0.0));
