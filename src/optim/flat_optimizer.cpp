@@ -359,7 +359,12 @@ struct FlatOptimizer::Impl {
         auto& p = params[part.members[k]];
         const auto grad = p.grad();
         part.has_grad[k] = grad.defined();
-        if (!grad.defined()) continue;
+        if (!grad.defined()) {
+          // An older gradient left in the slot must neither be stepped, nor counted by clipping,
+          // nor be taken for an overflow by the loss scaler.
+          part.grad_aliases[k].zero_();
+          continue;
+        }
         auto& slot = part.grad_aliases[k];
         if (grad.data_ptr() != slot.data_ptr()) {
           slot.copy_(grad);
@@ -414,17 +419,7 @@ std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
 torch::Tensor FlatOptimizer::clip_grad_norm(double max_norm) {
   if (!(max_norm > 0))
     throw UsageError("gradient clipping max_norm " + format_number(max_norm) + " must be > 0");
-  auto grads = flat_gradients();
-  // The slot of a parameter without a gradient this step may hold an older one: it must
-  // neither count nor be stepped.
-  torch::NoGradGuard no_grad;
-  for (auto& parts : impl_->groups) {
-    for (auto& part : parts) {
-      for (size_t k = 0; k < part.members.size(); ++k)
-        if (!part.has_grad[k]) part.grad_aliases[k].zero_();
-    }
-  }
-  return clip_by_global_norm(grads, max_norm);
+  return clip_by_global_norm(flat_gradients(), max_norm);
 }
 
 torch::Tensor FlatOptimizer::step(LossClosure closure) {
@@ -496,9 +491,13 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
     }
   }
   // The next step gathers afresh even where .grad was left as it was (a loop without zero_grad).
+  skip_step();
+  return loss;
+}
+
+void FlatOptimizer::skip_step() {
   for (auto& parts : impl_->groups)
     for (auto& part : parts) part.gathered_grad.clear();
-  return loss;
 }
 
 int64_t FlatOptimizer::state_bytes() const {

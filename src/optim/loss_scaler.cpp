@@ -64,6 +64,7 @@ bool LossScaler::step(torch::optim::Optimizer& optimizer) {
     ++skipped_steps_;
     // The skipped step's gradients must not leak into the next one.
     optimizer.zero_grad();
+    if (auto* flat = dynamic_cast<FlatOptimizer*>(&optimizer)) flat->skip_step();
   }
   return !found_inf_;
 }

@@ -65,7 +65,10 @@ TEST(LossScaler, AfterASkippedStepTheFlatOptimizerStepsWithTheNewGradients) {
   bucket.fill_(std::numeric_limits<float>::infinity());
   EXPECT_FALSE(scaler.step(optimizer));
   scaler.update();
-  bucket.fill_(4.0f);  // the next backward's scaled gradient: 1 after unscaling by 4
+  // The next backward: DDP points .grad at its bucket again (libtorch 2.x's zero_grad() left it
+  // undefined) and fills it with the scaled gradient, 1 after unscaling by 4.
+  if (!w.grad().defined()) w.mutable_grad() = alias;
+  bucket.fill_(4.0f);
   EXPECT_TRUE(scaler.step(optimizer));
   scaler.update();
   EXPECT_TRUE(torch::allclose(w, torch::full({3}, -1.0))) << w;

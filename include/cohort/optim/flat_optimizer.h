@@ -43,6 +43,9 @@ class FlatOptimizer : public torch::optim::Optimizer {
   // The gradients, gathered into the flat float32 buffers (one per param group, dtype and
   // device) that the next step() reads: for a loss scaler or for clipping. Valid until step().
   std::vector<torch::Tensor> flat_gradients();
+  // Ends a step without stepping (a loss scaler's overflow): the gathered gradients are dropped,
+  // as step() drops them, so the next step gathers the next backward's.
+  void skip_step();
 
   // "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }
