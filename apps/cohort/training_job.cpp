@@ -118,8 +118,7 @@ void validate(const TrainOptions& o) {
   }
   // The hyperparameters, checked as the workers will build them.
   {
-    auto config = to_json(o);
-    config["data_dir"] = "";
+    const auto config = to_json(o);
     auto probe = torch::zeros({1}, torch::requires_grad());
     make_optimizer(config, {probe});
   }

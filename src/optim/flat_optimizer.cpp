@@ -417,8 +417,6 @@ std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
 }
 
 torch::Tensor FlatOptimizer::clip_grad_norm(double max_norm) {
-  if (!(max_norm > 0))
-    throw UsageError("gradient clipping max_norm " + format_number(max_norm) + " must be > 0");
   return clip_by_global_norm(flat_gradients(), max_norm);
 }
 
