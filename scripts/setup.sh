@@ -22,8 +22,6 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
-# ccache keys on paths relative to the clone, so another clone of the same sources hits the cache.
-export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$root}"
 if [ ! -f "$build/build.ninja" ]; then
   # COHORT_CMAKE_ARGS: extra configure flags, e.g. -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON.
   # shellcheck disable=SC2086

@@ -17,6 +17,7 @@ int run_train_command(TrainOptions o, bool workers_given) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
   if (auto launch = runtime::detect_launch(); launch && !workers_given)
     o.workers = launch->world_size;
+  apply_deepspeed_config(o);
   validate(o);
   Trainer trainer(train_loop, scaling_of(o), run_config_of(o), to_json(o), datasets_of(o));
   Result result = trainer.fit();

@@ -34,11 +34,17 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
     const double decay = weight_decay.value_or(name == "adamw" ? 0.01 : 0.0);
     if (name == "adamw") {
       auto options = torch::optim::AdamWOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+      if (c.contains("betas"))
+        options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
+      if (c.contains("eps")) options.eps(c["eps"].get<double>());
       optim::validate(options);
       if (flat) return std::make_unique<optim::FlatAdamW>(params, options);
       return std::make_unique<torch::optim::AdamW>(params, options);
     }
     auto options = torch::optim::AdamOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+    if (c.contains("betas"))
+      options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
+    if (c.contains("eps")) options.eps(c["eps"].get<double>());
     optim::validate(options);
     if (flat) return std::make_unique<optim::FlatAdam>(params, options);
     return std::make_unique<torch::optim::Adam>(params, options);
@@ -53,6 +59,15 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
 
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
+  if (c.contains("schedule")) {
+    // A DeepSpeed scheduler: its own step counts.
+    const auto& j = c["schedule"];
+    return optim::LrScheduleOptions{.warmup_steps = j["warmup_steps"].get<int64_t>(),
+                                    .warmup_type = j["warmup_type"].get<std::string>(),
+                                    .warmup_start_ratio = j["warmup_start_ratio"].get<double>(),
+                                    .decay = j["decay"].get<std::string>(),
+                                    .total_steps = j["total_steps"].get<int64_t>()};
+  }
   optim::LrScheduleOptions schedule{.warmup_steps = c.value("warmup_steps", int64_t{0}),
                                     .decay = c.value("lr_decay", std::string("none")),
                                     .total_steps = total_steps};
@@ -92,11 +107,12 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
 }
 
-// Rank 0 writes the model (safetensors) and optimizer state; every rank reports, so that the
-// checkpoint is committed once all ranks got there.
+// Rank 0 writes the model (safetensors) and optimizer state (with ZeRO every rank its shard of
+// the state); every rank reports, so that the checkpoint is committed once all ranks got there.
 void report_with_checkpoint(const Json& metrics, const models::ImageClassifierImpl& model,
                             const torch::optim::Optimizer& optimizer) {
-  if (train::get_context().get_world_rank() != 0) {
+  const bool sharded = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr;
+  if (train::get_context().get_world_rank() != 0 && !sharded) {
     train::report(metrics);
     return;
   }
@@ -154,6 +170,15 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
+  if (o.gradient_accumulation_steps < 1) {
+    throw UsageError("--gradient-accumulation-steps " +
+                     std::to_string(o.gradient_accumulation_steps) + " must be >= 1");
+  }
+  o.zero.validate();
+  if (o.test_examples < 0) {
+    throw UsageError("--test-examples " + std::to_string(o.test_examples) +
+                     " must be >= 0 (0: all)");
+  }
   if (o.data_workers < -1)
     throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
@@ -188,7 +213,7 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
 }
 
 Json to_json(const TrainOptions& o) {
-  return Json{{"model", o.model},
+  Json config{{"model", o.model},
               {"data_dir", data_dir_of(o).string()},
               {"epochs", o.epochs},
               {"batch_size", o.batch_size},
@@ -198,11 +223,52 @@ Json to_json(const TrainOptions& o) {
               {"seed", o.seed},
               {"max_steps", o.max_steps},
               {"train_examples", o.train_examples},
+              {"test_examples", o.test_examples},
+              {"gradient_accumulation_steps", o.gradient_accumulation_steps},
+              {"zero",
+               {{"stage", o.zero.stage},
+                {"reduce_bucket_size", o.zero.reduce_bucket_size},
+                {"allgather_bucket_size", o.zero.allgather_bucket_size},
+                {"overlap_comm", o.zero.overlap_comm}}},
               {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
               {"flat_optimizer", o.flat_optimizer},
               {"gradient_clipping", o.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay}};
+  if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
+  if (o.eps) config["eps"] = *o.eps;
+  if (o.schedule) {
+    config["schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
+                          {"warmup_type", o.schedule->warmup_type},
+                          {"warmup_start_ratio", o.schedule->warmup_start_ratio},
+                          {"decay", o.schedule->decay},
+                          {"total_steps", o.schedule->total_steps}};
+  }
+  return config;
+}
+
+void apply_deepspeed_config(TrainOptions& o) {
+  if (o.deepspeed.empty()) return;
+  const auto ds = train::DeepSpeedConfig::load(o.deepspeed, o.workers);
+  if (!ds.unknown_keys.empty()) {
+    std::string keys;
+    for (const auto& k : ds.unknown_keys) keys += (keys.empty() ? "" : ", ") + k;
+    std::cerr << "warning: " << o.deepspeed << ": ignoring keys cohort does not know: " << keys
+              << std::endl;
+  }
+  o.batch_size = ds.micro_batch_size;
+  o.gradient_accumulation_steps = ds.gradient_accumulation_steps;
+  if (ds.optimizer) o.optimizer = *ds.optimizer;
+  if (ds.lr) o.lr = *ds.lr;
+  if (ds.weight_decay) o.weight_decay = ds.weight_decay;
+  if (ds.momentum) o.momentum = *ds.momentum;
+  o.betas = ds.betas;
+  o.eps = ds.eps;
+  o.schedule = ds.schedule;
+  o.precision = ds.precision;
+  o.loss_scaler = ds.loss_scaler;
+  o.gradient_clipping = ds.gradient_clipping;
+  o.zero = ds.zero;
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
@@ -213,6 +279,7 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
       .backend = o.backend,
       .precision = o.precision,
+      .loss_scaler = o.loss_scaler,
       .on_world_size_change = train::linear_lr_scaling};
 }
 
@@ -235,7 +302,18 @@ void train_loop(const Json& c) {
   torch::manual_seed(c["seed"].get<uint64_t>());
   const std::filesystem::path dir = c["data_dir"].get<std::string>();
   auto model = models::create_model(c["model"].get<std::string>());
-  auto optimizer = make_optimizer(c, model->parameters());
+  parallel::ZeroOptions zero;
+  if (c.contains("zero")) {
+    const auto& z = c["zero"];
+    zero = {.stage = z["stage"].get<int>(),
+            .reduce_bucket_size = z["reduce_bucket_size"].get<int64_t>(),
+            .allgather_bucket_size = z["allgather_bucket_size"].get<int64_t>(),
+            .overlap_comm = z["overlap_comm"].get<bool>()};
+  }
+  // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
+  // engine that shards it), then the checkpoint's state: the same files on every rank.
+  train::prepare_model(model, {.zero = zero});
+  auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
   int start_epoch = 0;
   int64_t steps = 0;
   if (auto checkpoint = train::get_checkpoint()) {
@@ -248,21 +326,28 @@ void train_loop(const Json& c) {
       std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string()
                 << std::endl;
   }
-  train::prepare_model(model);
   const double clip = c.value("gradient_clipping", 0.0);
   auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
   // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
   const int64_t batch_size = c["batch_size"].get<int64_t>();
-  auto test_loader =
-      train::prepare_data_loader(data::load_mnist(dir, data::Split::kTest),
-                                 {.batch_size = 500, .shuffle = false, .equal_shards = false});
+  auto test_set = data::load_mnist(dir, data::Split::kTest);
+  if (const int64_t n = c.value("test_examples", int64_t{0}); n > 0 && n < test_set.size()) {
+    test_set.inputs = test_set.inputs.narrow(0, 0, n);
+    test_set.targets = test_set.targets.narrow(0, 0, n);
+  }
+  auto test_loader = train::prepare_data_loader(
+      std::move(test_set), {.batch_size = 500, .shuffle = false, .equal_shards = false});
 
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
-  const int64_t steps_per_epoch =
+  // Each optimizer step takes `accumulation` micro-batches of batch_size (the last step of an
+  // epoch what is left), communicating only after the last.
+  const int64_t accumulation = c.value("gradient_accumulation_steps", int64_t{1});
+  const int64_t batches_per_epoch =
       (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
+  const int64_t steps_per_epoch = (batches_per_epoch + accumulation - 1) / accumulation;
   // The decay spans every epoch (--max-steps stops a run early without changing its schedule, so
   // that a run stopped and resumed follows the schedule of one never stopped). Resumed: the
   // checkpoint's lr already has the schedule's factor for `steps`.
@@ -277,19 +362,37 @@ void train_loop(const Json& c) {
     double loss_sum = 0;
     int64_t loss_count = 0;
     const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
-    const int64_t total = (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
     int64_t step_in_epoch = 0;
+    int64_t batch_index = 0;
+    int64_t micro = 0;  // micro-batches of the current step so far
+    int64_t step_samples = 0;
     auto segment_start = Clock::now();
     for (auto& batch :
          train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
       const auto& target = batch["label"];
-      optimizer->zero_grad();
+      const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
+      const bool last_micro = micro + 1 >= in_step;
+      if (micro == 0) optimizer->zero_grad();
       torch::Tensor loss;
       {
         auto autocast = train::autocast();
         loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
       }
-      train::backward(loss);
+      {
+        // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
+        std::optional<train::NoSyncGuard> local;
+        if (!last_micro) local.emplace(train::no_sync(model));
+        train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
+      }
+      ++batch_index;
+      loss_sum += loss.item<double>();
+      ++loss_count;
+      step_samples += target.size(0) * ctx.get_world_size();
+      if (!last_micro) {
+        ++micro;
+        continue;
+      }
+      micro = 0;
       if (clip > 0) {
         train::get_loss_scaler().unscale(*optimizer);
         if (flat != nullptr) {
@@ -302,9 +405,6 @@ void train_loop(const Json& c) {
       schedule.step();
       ++steps;
       ++step_in_epoch;
-      const double loss_value = loss.item<double>();
-      loss_sum += loss_value;
-      ++loss_count;
       const auto now = Clock::now();
       if (steps == first_step + 1) {
         time_to_first_step = std::chrono::duration<double>(std::chrono::system_clock::now() -
@@ -316,13 +416,14 @@ void train_loop(const Json& c) {
       }
       if (steps > first_step + kWarmupSteps) {
         timed_seconds += std::chrono::duration<double>(now - segment_start).count();
-        timed_samples += target.size(0) * ctx.get_world_size();
+        timed_samples += step_samples;
       }
+      step_samples = 0;
       segment_start = now;
       train::report_progress(
           {{"label", label},
            {"step", step_in_epoch},
-           {"total", total},
+           {"total", steps_per_epoch},
            {"loss", loss_sum / loss_count},
            {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
       if (max_steps > 0 && steps >= max_steps) break;
@@ -414,6 +515,20 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--train-examples", o.train_examples,
                   "train on the first N examples only (0: all)")
       ->capture_default_str();
+  cmd->add_option("--test-examples", o.test_examples,
+                  "evaluate on the first N test examples only (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps,
+                  "micro-batches of --batch-size per optimizer step, communicating after the "
+                  "last only")
+      ->capture_default_str();
+  cmd->add_option("--zero-stage", o.zero.stage,
+                  "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers) or 2 (gradients "
+                  "too)")
+      ->capture_default_str();
+  cmd->add_option("--deepspeed", o.deepspeed,
+                  "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
+                  "gradient_clipping and zero_optimization replace those options");
   cmd->add_option(
          "--data-workers", o.data_workers,
          "preprocessing processes per worker for the training data (0: the worker's own prefetch "

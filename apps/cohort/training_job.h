@@ -10,6 +10,8 @@
 
 #include "cohort/data/dataset.h"
 #include "cohort/json.h"
+#include "cohort/optim/lr_scheduler.h"
+#include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/config.h"
 
 namespace cohort::cli {
@@ -36,9 +38,19 @@ struct TrainOptions {
   std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
   std::string precision = "fp32";
   uint64_t seed = 0;
-  int64_t max_steps = 0;       // 0: no limit
-  int64_t train_examples = 0;  // the first N training examples only; 0: all
-  int data_workers = 0;        // preprocessing processes per worker; 0: its prefetch thread
+  int64_t max_steps = 0;                    // 0: no limit
+  int64_t train_examples = 0;               // the first N training examples only; 0: all
+  int64_t test_examples = 0;                // evaluate on the first N test examples only; 0: all
+  int64_t gradient_accumulation_steps = 1;  // micro-batches per optimizer step
+  parallel::ZeroOptions zero;               // stage 0: DDP
+  // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
+  std::string deepspeed;
+  // From a DeepSpeed config only: Adam's betas and eps, the lr schedule, the fp16 loss scaler.
+  std::optional<std::pair<double, double>> betas;
+  std::optional<double> eps;
+  std::optional<optim::LrScheduleOptions> schedule;
+  optim::LossScalerOptions loss_scaler;
+  int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
   std::string storage_path = "./cohort_results";
   std::string name;
   bool resume = true;
@@ -52,6 +64,10 @@ struct TrainOptions {
 
 // The flags of a training job, on `cmd`.
 void add_training_options(CLI::App* cmd, TrainOptions& options);
+
+// With --deepspeed: reads the file (for the job's world size) into the options, printing one
+// warning that lists the keys it does not know. UsageError naming the key on bad input.
+void apply_deepspeed_config(TrainOptions& options);
 
 // Checks the options and the data before any worker starts; UsageError on bad input.
 void validate(const TrainOptions& options);

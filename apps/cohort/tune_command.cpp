@@ -94,6 +94,7 @@ CLI::App* add_tune_command(CLI::App& app, TuneOptions& o) {
 }
 
 int run_tune_command(TuneOptions o) {
+  apply_deepspeed_config(o.job);
   validate(o.job);
   if (o.samples < 1) throw UsageError("--samples " + std::to_string(o.samples) + " must be >= 1");
   if (o.max_concurrent < 0) throw UsageError("--max-concurrent must be >= 0 (0: no limit)");

@@ -21,6 +21,7 @@
 #include "cohort/optim/precision.h"
 
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/zero_optimizer.h"
 
 #include "cohort/data/block.h"
 #include "cohort/data/data_iterator.h"
@@ -35,6 +36,7 @@
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
+#include "cohort/train/deepspeed_config.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "cohort/train/result.h"

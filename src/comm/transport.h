@@ -50,8 +50,12 @@ class Transport {
   Started barrier();
 
  private:
-  // Reduce-scatter as an all-reduce of a flat copy, of which each rank keeps its part: Gloo
-  // has no reduce-scatter in libtorch 1.13, and one path on every line keeps it tested.
+  // Gloo has no reduce-scatter in libtorch 1.13 (one path on every line keeps it tested):
+  // reduce_scatter_gloo picks an all-to-all of the pieces, reduced on arrival (float32 and
+  // float64 CPU tensors), or else an all-reduce of the flat tensor, of which each rank keeps its
+  // part. Both may reduce into `flat`.
+  Started reduce_scatter_gloo(at::Tensor& output, at::Tensor flat, ReduceOp op);
+  Started reduce_scatter_by_all_to_all(at::Tensor& output, at::Tensor flat, ReduceOp op);
   Started reduce_scatter_by_allreduce(at::Tensor& output, at::Tensor flat, ReduceOp op);
   // An all-reduce of 16-bit floats as an all-gather of their bits and a reduction in fp32 on
   // each rank: Gloo sums no bfloat16, libtorch 2.x's Gloo no float16 either, and the fp32

@@ -283,7 +283,11 @@ struct FlatOptimizer::Impl {
     const auto names = state_names(algorithm, o);
     for (auto& part : parts) {
       const auto& first = params[part.members.front()];
-      part.params = at::empty({part.numel}, first.options());
+      // A partition of one contiguous parameter steps it where it is (ZeRO's shards are such
+      // parameters, aliases into its flat buffers); others are copied into a new flat buffer.
+      const bool in_place = part.members.size() == 1 && first.is_contiguous();
+      part.params =
+          in_place ? alias_into(first, 0, {part.numel}) : at::empty({part.numel}, first.options());
       const auto compute =
           low_precision(first.scalar_type()) ? c10::ScalarType::Float : first.scalar_type();
       part.grads = at::zeros({part.numel}, first.options().dtype(compute));
@@ -293,9 +297,11 @@ struct FlatOptimizer::Impl {
       part.has_grad.assign(part.members.size(), 0);
       for (size_t k = 0; k < part.members.size(); ++k) {
         auto& p = params[part.members[k]];
-        auto slot = member_slice(part.params, part, k, p);
-        slot.copy_(p);
-        p.set_data(slot);
+        if (!in_place) {
+          auto slot = member_slice(part.params, part, k, p);
+          slot.copy_(p);
+          p.set_data(slot);
+        }
         part.param_addresses.push_back(p.data_ptr());
         part.grad_aliases.push_back(member_slice(part.grads, part, k, p));
         auto c = carried.find(part.members[k]);

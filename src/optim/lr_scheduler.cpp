@@ -10,6 +10,11 @@ namespace cohort::optim {
 void LrScheduleOptions::validate() const {
   if (warmup_steps < 0)
     throw UsageError("lr schedule warmup_steps " + std::to_string(warmup_steps) + " must be >= 0");
+  if (warmup_type != "linear" && warmup_type != "log")
+    throw UsageError("unknown lr warmup type '" + warmup_type + "': choose linear or log");
+  if (!(warmup_start_ratio >= 0 && warmup_start_ratio <= 1))
+    throw UsageError("lr schedule warmup_start_ratio " + format_number(warmup_start_ratio) +
+                     " must be in [0, 1]");
   if (decay != "none" && decay != "cosine" && decay != "linear" && decay != "step")
     throw UsageError("unknown lr decay '" + decay + "': choose none, cosine, linear or step");
   if ((decay == "cosine" || decay == "linear") && total_steps <= warmup_steps)
@@ -25,7 +30,13 @@ void LrScheduleOptions::validate() const {
 }
 
 double LrScheduleOptions::factor(int64_t step) const {
-  if (step < warmup_steps) return static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+  if (step < warmup_steps) {
+    const double way = warmup_type == "log"
+                           ? std::log(static_cast<double>(step + 2)) /
+                                 std::log(static_cast<double>(warmup_steps + 1))
+                           : static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
+    return warmup_start_ratio + (1.0 - warmup_start_ratio) * way;
+  }
   const double after = static_cast<double>(step - warmup_steps);
   if (decay == "step") return std::pow(gamma, std::floor(after / static_cast<double>(step_size)));
   if (decay == "none") return 1.0;

@@ -8,24 +8,12 @@
 #include <utility>
 
 #include "cohort/error.h"
+#include "replicas.h"
 
 namespace cohort::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-std::string format_shape(at::IntArrayRef dims) {
-  std::string out = "[";
-  for (size_t k = 0; k < dims.size(); ++k) {
-    if (k) out += ',';
-    out += std::to_string(dims[k]);
-  }
-  return out + "]";
-}
-
-std::string describe(const at::Tensor& t) {
-  return format_shape(t.sizes()) + " " + c10::toString(t.scalar_type());
-}
 
 // Sums `bucket` over the group through a narrower dtype.
 CommHook compress_hook(at::ScalarType wire) {
@@ -155,72 +143,6 @@ struct DistributedDataParallel::Impl {
     stats.buckets = static_cast<int64_t>(buckets.size());
   }
 
-  void verify_same_layout() {
-    // Every rank publishes its parameters' shapes and dtypes; a mismatch is named precisely
-    // instead of surfacing later as a hang or a size error inside the collective.
-    std::vector<int64_t> local;
-    for (const auto& p : params) {
-      local.push_back(p.dim());
-      for (int64_t d : p.sizes()) local.push_back(d);
-      local.push_back(static_cast<int64_t>(p.scalar_type()));
-    }
-    auto layout = torch::tensor(local, torch::kLong);
-    auto lengths = group.allgather(torch::tensor({layout.numel()}, torch::kLong));
-    for (size_t r = 0; r < lengths.size(); ++r) {
-      if (lengths[r].item<int64_t>() != layout.numel()) {
-        throw UsageError("prepare_model: the model on rank " + std::to_string(group.rank()) +
-                         " has " + std::to_string(params.size()) + " parameters laid out in " +
-                         std::to_string(layout.numel()) + " numbers, rank " + std::to_string(r) +
-                         "'s in " + std::to_string(lengths[r].item<int64_t>()) +
-                         ": every rank must build the same architecture");
-      }
-    }
-    auto layouts = group.allgather(layout);
-    for (size_t r = 0; r < layouts.size(); ++r) {
-      if (torch::equal(layouts[r], layout)) continue;
-      const auto& theirs = layouts[r];
-      int64_t offset = 0;
-      for (size_t i = 0; i < params.size(); ++i) {
-        const int64_t width = params[i].dim() + 2;
-        if (!torch::equal(theirs.narrow(0, offset, width), layout.narrow(0, offset, width))) {
-          const int64_t dims =
-              std::min(theirs[offset].item<int64_t>(), theirs.numel() - offset - 1);
-          auto shape = theirs.narrow(0, offset + 1, dims);
-          throw UsageError("prepare_model: parameter '" + names[i] + "' is " + describe(params[i]) +
-                           " on rank " + std::to_string(group.rank()) + " but " +
-                           format_shape(at::IntArrayRef(shape.data_ptr<int64_t>(), dims)) +
-                           " on rank " + std::to_string(r) +
-                           ": every rank must build the same architecture");
-        }
-        offset += width;
-      }
-    }
-  }
-
-  // One collective per dtype: buffers are flattened, sent, and copied back.
-  void broadcast_from_rank0(const std::vector<at::Tensor>& tensors) {
-    torch::NoGradGuard no_grad;
-    std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;
-    for (const auto& t : tensors) groups[{t.scalar_type(), t.device().str()}].push_back(t);
-    std::vector<std::pair<std::vector<at::Tensor>*, at::Tensor>> flats;
-    std::vector<comm::Work> works;
-    for (auto& [key, members] : groups) {
-      std::vector<at::Tensor> pieces;
-      for (auto& t : members) pieces.push_back(t.reshape(-1));
-      std::vector<at::Tensor> flat{torch::cat(pieces)};
-      works.push_back(group.broadcast_async(flat, 0));
-      flats.emplace_back(&members, flat[0]);
-    }
-    for (auto& w : works) w.wait();
-    for (auto& [members, flat] : flats) {
-      int64_t offset = 0;
-      for (auto& t : *members) {
-        t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-        offset += t.numel();
-      }
-    }
-  }
-
   void launch_ready_buckets(bool early) {
     while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0) {
       auto& bucket = buckets[next_bucket++];
@@ -313,7 +235,7 @@ struct DistributedDataParallel::Impl {
       }
       used_since_sync[i] = 0;
     }
-    if (options.broadcast_buffers && !buffers.empty()) broadcast_from_rank0(buffers);
+    if (options.broadcast_buffers && !buffers.empty()) detail::broadcast_from_rank0(group, buffers);
     ++stats.synchronized_steps;
     if (!stats.buckets_rebuilt) rebuild_from_arrival_order();
   }
@@ -372,11 +294,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   }
   for (const auto& b : impl.module->buffers()) impl.buffers.push_back(b);
   if (impl.group.world_size() > 1) {
-    impl.verify_same_layout();
+    detail::verify_same_layout(impl.group, impl.names, impl.params, "prepare_model");
     std::vector<at::Tensor> state;
     for (const auto& p : impl.params) state.push_back(p.detach());
     state.insert(state.end(), impl.buffers.begin(), impl.buffers.end());
-    impl.broadcast_from_rank0(state);
+    detail::broadcast_from_rank0(impl.group, state);
   }
   impl.ready.assign(impl.params.size(), 0);
   impl.used_since_sync.assign(impl.params.size(), 0);

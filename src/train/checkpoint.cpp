@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "cohort/parallel/zero_optimizer.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 
@@ -202,11 +203,29 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
   }
 }
 
+namespace {
+
+// A ZeRO optimizer's state is one file per rank, named for its rank and the world size.
+std::string zero_shard_file(const parallel::ZeroOptimizer& zero) {
+  const auto& group = zero.process_group();
+  return "optimizer.zero-rank" + std::to_string(group.rank()) + "-of-" +
+         std::to_string(group.world_size()) + ".pt";
+}
+
+}  // namespace
+
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer) {
   std::filesystem::create_directories(dir);
-  save_model(module, dir / "model.safetensors");
-  save_optimizer(optimizer, dir / "optimizer.pt");
+  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
+    // Every rank reports its own shard; the parameters are whole on every rank, rank 0 writes
+    // them.
+    if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
+    save_optimizer(optimizer, dir / zero_shard_file(*zero));
+  } else {
+    save_model(module, dir / "model.safetensors");
+    save_optimizer(optimizer, dir / "optimizer.pt");
+  }
   // fp16: the loss scale and its counters, so that a resumed run scales as the original.
   if (const auto* session = current_session();
       session != nullptr && session->loss_scaler && session->loss_scaler->enabled()) {
@@ -218,7 +237,22 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
   load_model(module, checkpoint.path() / "model.safetensors");
-  load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
+    const auto file = checkpoint.path() / zero_shard_file(*zero);
+    if (!std::filesystem::exists(file)) {
+      const int written_by = checkpoint.world_size();
+      throw UsageError(
+          "checkpoint " + checkpoint.path().string() + " has no " + file.filename().string() +
+          (std::filesystem::exists(checkpoint.path() / "optimizer.pt")
+               ? ": it was written without ZeRO"
+               : ": it was written by " + std::to_string(written_by) + " ranks") +
+          ", and loading ZeRO optimizer state at another world size or from DDP is not built "
+          "yet: resume with the same number of workers and ZeRO stage");
+    }
+    load_optimizer(optimizer, file);
+  } else {
+    load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+  }
   auto* session = current_session();
   if (session != nullptr && session->loss_scaler && session->loss_scaler->enabled() &&
       std::filesystem::exists(checkpoint.path() / kLossScalerFile)) {

@@ -56,14 +56,49 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options) {
   auto& session = require_session("cohort::train::prepare_model()");
   if (!module) throw UsageError("prepare_model: the model is null");
-  for (const auto& ddp : session.models) {
-    if (ddp->module() == module) {
-      throw UsageError("prepare_model: this model was already prepared; prepare it once");
-    }
-  }
+  bool prepared = false;
+  for (const auto& ddp : session.models) prepared = prepared || ddp->module() == module;
+  for (const auto& zero : session.zero_models) prepared = prepared || zero.module == module;
+  if (prepared) throw UsageError("prepare_model: this model was already prepared; prepare it once");
+  options.zero.validate();
   if (options.move_to_device) module->to(session.context.device);
+  if (options.zero.stage > 0) {
+    // The ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer.
+    session.zero_models.push_back({module, options.zero, nullptr});
+    return;
+  }
   session.models.push_back(std::make_unique<parallel::DistributedDataParallel>(
       module, session.context.process_group, options.ddp));
+}
+
+namespace {
+
+WorkerSession::ZeroModel* find_zero_model(WorkerSession& session,
+                                          const std::shared_ptr<torch::nn::Module>& module) {
+  for (auto& zero : session.zero_models)
+    if (zero.module == module) return &zero;
+  return nullptr;
+}
+
+}  // namespace
+
+std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
+    const std::shared_ptr<torch::nn::Module>& module,
+    std::unique_ptr<torch::optim::Optimizer> optimizer) {
+  auto& session = require_session("cohort::train::prepare_optimizer()");
+  if (!optimizer) throw UsageError("prepare_optimizer: the optimizer is null");
+  auto* zero = find_zero_model(session, module);
+  if (zero == nullptr) {
+    get_ddp(module);  // throws when the model was not prepared
+    return optimizer;
+  }
+  if (zero->optimizer != nullptr) {
+    throw UsageError("prepare_optimizer: this model already has its ZeRO optimizer; prepare one");
+  }
+  auto sharded = std::make_unique<parallel::ZeroOptimizer>(
+      module, *optimizer, session.context.process_group, zero->options);
+  zero->optimizer = sharded.get();
+  return sharded;
 }
 
 parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Module>& module) {
@@ -71,7 +106,26 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
   for (auto& ddp : session.models) {
     if (ddp->module() == module) return *ddp;
   }
+  if (find_zero_model(session, module) != nullptr) {
+    throw UsageError(
+        "this model was prepared with ZeRO: its engine is the ZeroOptimizer that "
+        "prepare_optimizer returned, not DDP");
+  }
   throw UsageError("this model was not passed to cohort::train::prepare_model");
+}
+
+NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
+  auto& session = require_session("cohort::train::no_sync()");
+  if (auto* zero = find_zero_model(session, module)) {
+    if (zero->optimizer == nullptr) {
+      throw UsageError(
+          "no_sync: this model was prepared with ZeRO; call prepare_optimizer "
+          "before the training loop");
+    }
+    return NoSyncGuard(std::make_unique<parallel::ZeroOptimizer::NoSyncGuard>(*zero->optimizer));
+  }
+  return NoSyncGuard(
+      std::make_unique<parallel::DistributedDataParallel::NoSyncGuard>(get_ddp(module)));
 }
 
 optim::AutocastGuard autocast() {

@@ -10,6 +10,7 @@
 #include "cohort/data/dataset.h"
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
@@ -24,6 +25,14 @@ struct WorkerSession {
   std::string run_token;
   std::chrono::milliseconds collective_timeout{};
   std::vector<std::unique_ptr<parallel::DistributedDataParallel>> models;
+  // Models prepared with ZeRO (stage >= 1), by model: their options, and the ZeroOptimizer that
+  // prepare_optimizer made for them (null until then).
+  struct ZeroModel {
+    std::shared_ptr<torch::nn::Module> module;
+    parallel::ZeroOptions options;
+    parallel::ZeroOptimizer* optimizer = nullptr;
+  };
+  std::vector<ZeroModel> zero_models;
   std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
   int64_t reports = 0;

@@ -108,6 +108,14 @@ TEST(ProcessGroup, AllgatherIntoOneTensorAndReduceScatter) {
     EXPECT_TRUE(torch::allclose(part, torch::arange(2.0 * r, 2.0 * r + 2) * 2)) << part;
     g.reduce_scatter_tensor(part, input, ReduceOp::kMax);
     EXPECT_TRUE(torch::equal(part, torch::arange(2.0 * r, 2.0 * r + 2) * 3)) << part;
+    // Gloo reduce-scatters float32 and float64 through an all-to-all, other dtypes through an
+    // all-reduce.
+    const auto longs = torch::arange(6, torch::kLong) * (g.rank() + 1);
+    auto long_part = torch::empty({2}, torch::kLong);
+    g.reduce_scatter_tensor(long_part, longs);
+    EXPECT_TRUE(torch::equal(long_part, torch::arange(2 * g.rank(), 2 * g.rank() + 2) * 6))
+        << long_part;
+    EXPECT_TRUE(torch::equal(longs, torch::arange(6, torch::kLong) * (g.rank() + 1)));
 
     std::vector<at::Tensor> inputs;
     for (int k = 0; k < 3; ++k) inputs.push_back(torch::full({2, 2}, (r + 1) * (k + 1)));

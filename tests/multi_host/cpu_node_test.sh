@@ -17,7 +17,7 @@ subnet=214
 source "$(dirname "$0")/two_hosts.sh"
 
 # launch NS NNODES NODE NAME LAUNCH_ARGS...: one host's launcher in the background ($launched).
-train_args=(train --model cnn --data-dir "$data" --batch-size 16 --epochs 1 --max-steps 12 --seed 5
+train_args=(train --model cnn --data-dir "$data" --test-examples 1000 --batch-size 16 --epochs 1 --max-steps 12 --seed 5
             --storage-path "$work" --quiet)
 launch() {
   local ns="$1" nnodes="$2" node="$3" name="$4"

@@ -13,7 +13,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 # timeout sends TERM, which mpirun passes to its ranks before it exits.
 timeout -k 10 180 mpirun -np 2 --oversubscribe --bind-to none --mca btl self,tcp --mca btl_tcp_if_include lo \
   --mca oob_tcp_if_include lo \
-  "$cli" train --model cnn --data-dir "$data" --epochs 1 --max-steps 10 --batch-size 16 \
+  "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 10 --batch-size 16 \
   --storage-path "$work" --name mpi --quiet
 status=$?
 [ "$status" = 0 ] || fail "mpirun exited $status"

@@ -88,7 +88,7 @@ extra=()
 getent hosts "$host" >/dev/null || { echo "($host does not resolve: MASTER_ADDR=127.0.0.1)"; extra=(--export=ALL,MASTER_ADDR=127.0.0.1); }
 
 # 1. Two ranks under srun.
-timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --epochs 1 --max-steps 12 \
+timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 12 \
   --batch-size 16 --storage-path "$work" --name slurm >"$work/train.log" 2>&1
 status=$?
 cat "$work/train.log"
@@ -98,7 +98,7 @@ python3 "$(dirname "$0")/check_result.py" "$work/slurm/result.json" 2 12 "srun -
 [ "$(find "$work/slurm" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
 
 # 2. Run again, as `srun --requeue` would: it resumes from the latest checkpoint.
-timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --epochs 2 --max-steps 12 \
+timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 2 --max-steps 12 \
   --batch-size 16 --storage-path "$work" --name slurm >"$work/again.log" 2>&1
 status=$?
 cat "$work/again.log"

@@ -12,7 +12,7 @@ trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$work"' 
 port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 for rank in 0 1; do
   RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout -k 5 120 "$cli" train --model cnn --data-dir "$data" --epochs 1 --max-steps 8 --batch-size 16 \
+    timeout -k 5 120 "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 8 --batch-size 16 \
     --storage-path "$work" --name env --quiet >"$work/rank$rank.log" 2>&1 &
   pids+=($!)
 done
@@ -36,7 +36,7 @@ mismatch=()
 for rank in 0 1; do
   program="$cli"; [ "$rank" = 1 ] && program="$work/cohort-other"
   RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    timeout -k 5 90 "$program" train --data-dir "$data" --epochs 1 --max-steps 8 --batch-size 16 \
+    timeout -k 5 90 "$program" train --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 8 --batch-size 16 \
     --storage-path "$work" --name mismatch --quiet >"$work/mismatch$rank.log" 2>&1 &
   pids+=($!); mismatch+=($!)
 done

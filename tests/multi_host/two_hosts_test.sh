@@ -21,7 +21,7 @@ launch() {
   shift 4
   ip netns exec "$ns" "$cli" launch --nnodes 2 --node-rank "$node" --master "$net.1:$port" \
     --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 ${restarts:+--max-restarts $restarts} -- \
-    "$cli" train --model cnn --data-dir "$data" --batch-size 16 --storage-path "$work" --name "$name" --quiet "$@" \
+    "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --batch-size 16 --storage-path "$work" --name "$name" --quiet "$@" \
     >"$work/$name-$node.log" 2>&1 &
   launched=$!
   pids+=("$launched")

@@ -38,14 +38,14 @@ class FlatOptimizer : public torch::optim::Optimizer {
   // Scales every gradient so that their global L2 norm is at most max_norm, in two vectorised
   // operations and without a host synchronisation; returns the norm before clipping (a 0-dim
   // float32 tensor on the parameters' device). UsageError when max_norm <= 0.
-  torch::Tensor clip_grad_norm(double max_norm);
+  virtual torch::Tensor clip_grad_norm(double max_norm);
 
   // The gradients, gathered into the flat float32 buffers (one per param group, dtype and
   // device) that the next step() reads: for a loss scaler or for clipping. Valid until step().
   std::vector<torch::Tensor> flat_gradients();
   // Ends a step without stepping (a loss scaler's overflow): the gathered gradients are dropped,
   // as step() drops them, so the next step gathers the next backward's.
-  void skip_step();
+  virtual void skip_step();
 
   // "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }

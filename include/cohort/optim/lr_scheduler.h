@@ -9,8 +9,12 @@ namespace cohort::optim {
 
 // A learning-rate schedule: linear warmup, then a decay, as a factor of each param group's lr.
 struct LrScheduleOptions {
-  // The first warmup_steps steps ramp linearly up to the full lr (step s uses (s+1)/warmup).
+  // The first warmup_steps steps ramp up to the full lr from warmup_start_ratio of it:
+  // "linear" (step s uses (s+1)/warmup of the way) or "log" (log(s+2)/log(warmup+1) of it,
+  // DeepSpeed's WarmupLR default).
   int64_t warmup_steps = 0;
+  std::string warmup_type = "linear";
+  double warmup_start_ratio = 0.0;
   // After the warmup: "none" (constant), "cosine" or "linear" (down to min_lr_ratio at
   // total_steps, then held), or "step" (times gamma every step_size steps).
   std::string decay = "none";

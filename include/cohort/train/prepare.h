@@ -10,17 +10,22 @@
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::train {
 
 struct PrepareModelOptions {
   bool move_to_device = true;
+  // Stage 0: DDP, with these options.
   parallel::DdpOptions ddp;
+  // Stage 1 or 2: ZeRO, its engine made by prepare_optimizer().
+  parallel::ZeroOptions zero;
 };
 
 // Moves the model to this worker's device and makes it data-parallel: rank 0's weights on every
 // rank, gradients averaged after every backward (Ray Train's prepare_model). Returns the same
-// model; the training loop stays unchanged.
+// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), pass the
+// optimizer through prepare_optimizer() too.
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options = {});
 
@@ -41,11 +46,33 @@ torch::nn::ModuleHolder<M> prepare_model(torch::nn::ModuleHolder<M> model,
 // The data-parallel engine attached to a prepared model. Throws when it was not prepared.
 parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Module>& module);
 
-// Gradient accumulation: no communication while the guard lives.
-inline parallel::DistributedDataParallel::NoSyncGuard no_sync(
-    const std::shared_ptr<torch::nn::Module>& module) {
-  return get_ddp(module).no_sync();
-}
+// For a model prepared with ZeRO: a ZeroOptimizer that shards `optimizer` (built over the
+// model's parameters, e.g. torch::optim::AdamW; its algorithm and options are taken over) and is
+// the model's data-parallel engine. For a model prepared with DDP: `optimizer` itself.
+//
+//   train::prepare_model(model, {.zero = {.stage = 2}});
+//   auto optimizer = train::prepare_optimizer(
+//       model, std::make_unique<torch::optim::AdamW>(model->parameters(), options));
+std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
+    const std::shared_ptr<torch::nn::Module>& module,
+    std::unique_ptr<torch::optim::Optimizer> optimizer);
+
+// While it lives, backward passes of the model accumulate gradients locally, without
+// communication; the first backward after it synchronises the sum.
+class NoSyncGuard {
+ public:
+  explicit NoSyncGuard(std::unique_ptr<parallel::DistributedDataParallel::NoSyncGuard> ddp)
+      : ddp_(std::move(ddp)) {}
+  explicit NoSyncGuard(std::unique_ptr<parallel::ZeroOptimizer::NoSyncGuard> zero)
+      : zero_(std::move(zero)) {}
+
+ private:
+  std::unique_ptr<parallel::DistributedDataParallel::NoSyncGuard> ddp_;
+  std::unique_ptr<parallel::ZeroOptimizer::NoSyncGuard> zero_;
+};
+
+// Gradient accumulation: no communication while the guard lives (DDP or ZeRO alike).
+NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module);
 
 // Mixed precision per ScalingConfig::precision, in an unchanged loop (Ray Train's
 // accelerate(amp=True) with backward() and prepare_optimizer()):

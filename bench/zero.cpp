@@ -1,0 +1,197 @@
+// ZeRO stages 1 and 2 against DDP: memory held per rank and training throughput.
+//
+//   bench/zero --workers 2 --modes ddp,1,2      (defaults: a 100.7 M-parameter MLP, Adam, fp32)
+//
+// For each mode, N worker processes train the MLP (--layers Linear layers of --width x --width,
+// batch --batch-size of random data) for --warmup + --steps steps, and print one JSON line:
+//   bytes_per_param: parameters, gradients and optimizer state held per rank after a step,
+//     counted from the live tensors (each storage once), beside the ZeRO paper's form for fp32
+//     Adam (DDP 16; stage 1 8 + 8/N; stage 2 4 + 12/N) and their ratio;
+//   transient_bucket_bytes_per_param: stage 2's gradient buckets in flight during backward;
+//   samples_per_s (all ranks, timed steps), bytes_sent_per_step per rank (DDP: a ring
+//     all-reduce, 2 (N - 1) / N of the gradients; ZeRO: its own count), peak_rss_mb.
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <set>
+#include <sstream>
+
+#include "cohort/cohort.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl(int layers, int64_t width) {
+    for (int k = 0; k < layers; ++k)
+      stack.push_back(register_module("layer" + std::to_string(k),
+                                      torch::nn::Linear(torch::nn::LinearOptions(width, width))));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (size_t k = 0; k < stack.size(); ++k) {
+      x = stack[k]->forward(x);
+      if (k + 1 < stack.size()) x = torch::relu(x);
+    }
+    return x;
+  }
+  std::vector<torch::nn::Linear> stack;
+};
+TORCH_MODULE(Mlp);
+
+// Bytes of the distinct storages behind `tensors`.
+int64_t storage_bytes(const std::vector<torch::Tensor>& tensors) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    const void* key = t.storage().unsafeGetStorageImpl();
+    if (seen.insert(key).second) bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return bytes;
+}
+
+void bench_loop(const cohort::Json& c) {
+  auto& ctx = cohort::train::get_context();
+  const std::string mode = c["mode"].get<std::string>();
+  const int stage = mode == "ddp" ? 0 : std::stoi(mode);
+  torch::manual_seed(0);
+  Mlp model(c["layers"].get<int>(), c["width"].get<int64_t>());
+  int64_t numel = 0;
+  for (const auto& p : model->parameters()) numel += p.numel();
+  cohort::train::PrepareModelOptions prepare;
+  prepare.zero.stage = stage;
+  prepare.zero.reduce_bucket_size = c["reduce_bucket_size"].get<int64_t>();
+  prepare.zero.allgather_bucket_size = c["reduce_bucket_size"].get<int64_t>();
+  prepare.ddp.bucket_cap_mb = c["reduce_bucket_size"].get<int64_t>() * 4.0 / (1024 * 1024);
+  cohort::train::prepare_model(model, prepare);
+  // torch::optim::Adam for DDP: its state is the 8 bytes per parameter of the paper's form.
+  auto optimizer = cohort::train::prepare_optimizer(
+      model.ptr(),
+      std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4)));
+  auto* zero = dynamic_cast<cohort::parallel::ZeroOptimizer*>(optimizer.get());
+  const int64_t batch = c["batch_size"].get<int64_t>();
+  const int64_t width = c["width"].get<int64_t>();
+  const int64_t warmup = c["warmup"].get<int64_t>();
+  const int64_t steps = c["steps"].get<int64_t>();
+  torch::manual_seed(1 + ctx.get_world_rank());
+  const auto x = torch::randn({batch, width});
+  const auto y = torch::randn({batch, width});
+  Clock::time_point start;
+  for (int64_t step = 0; step < warmup + steps; ++step) {
+    if (step == warmup) {
+      ctx.get_process_group().barrier();
+      start = Clock::now();
+    }
+    optimizer->zero_grad();
+    torch::mse_loss(model->forward(x), y).backward();
+    optimizer->step();
+  }
+  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+
+  // What this rank holds after a step.
+  double params = 0, grads = 0, state = 0, transient = 0, sent = 0;
+  std::vector<torch::Tensor> param_tensors, grad_tensors, state_tensors;
+  for (const auto& p : model->parameters()) {
+    param_tensors.push_back(p);
+    grad_tensors.push_back(p.grad());
+  }
+  if (zero != nullptr) {
+    const auto stats = zero->stats();
+    params = static_cast<double>(stats.parameter_bytes);
+    grads = static_cast<double>(stats.gradient_bytes);
+    state = static_cast<double>(stats.optimizer_state_bytes);
+    transient = static_cast<double>(stats.bucket_bytes_peak);
+    sent = static_cast<double>(stats.bytes_sent_last_step);
+  } else {
+    for (const auto& item : optimizer->state()) {
+      const auto& s = static_cast<const torch::optim::AdamParamState&>(*item.second);
+      state_tensors.push_back(s.exp_avg());
+      state_tensors.push_back(s.exp_avg_sq());
+    }
+    params = static_cast<double>(storage_bytes(param_tensors));
+    grads = static_cast<double>(storage_bytes(grad_tensors));
+    state = static_cast<double>(storage_bytes(state_tensors));
+    const int n = ctx.get_world_size();
+    sent = 2.0 * (n - 1) / n * static_cast<double>(numel) * 4;
+  }
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto mine = torch::tensor(
+      {seconds, params, grads, state, transient, sent, usage.ru_maxrss / 1024.0}, torch::kDouble);
+  auto all = ctx.get_process_group().allgather(mine);
+  double slowest = 0, rss = 0;
+  for (auto& r : all) {
+    slowest = std::max(slowest, r[0].item<double>());
+    rss = std::max(rss, r[6].item<double>());
+  }
+  const double n = ctx.get_world_size();
+  const double p = static_cast<double>(numel);
+  const double formula = stage == 0 ? 16 : stage == 1 ? 8 + 8 / n : 4 + 12 / n;
+  const double total = (params + grads + state) / p;
+  cohort::train::report({{"mode", stage == 0 ? "ddp" : "zero-" + mode},
+                         {"workers", ctx.get_world_size()},
+                         {"parameters", numel},
+                         {"bytes_per_param",
+                          {{"parameters", params / p},
+                           {"gradients", grads / p},
+                           {"optimizer_state", state / p},
+                           {"total", total},
+                           {"paper_form", formula},
+                           {"ratio_to_form", total / formula}}},
+                         {"transient_bucket_bytes_per_param", transient / p},
+                         {"samples_per_s", static_cast<double>(batch * steps) * n / slowest},
+                         {"seconds_per_step", slowest / static_cast<double>(steps)},
+                         {"bytes_sent_per_step", sent},
+                         {"peak_rss_mb", rss}});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"cohort ZeRO benchmark: memory per rank and throughput, DDP vs stages 1 and 2"};
+  std::string modes = "ddp,1,2";
+  int workers = 2, threads = 1, layers = 6;
+  int64_t width = 4096, batch = 8, steps = 5, warmup = 2, reduce_bucket_size = 25'000'000;
+  app.add_option("--modes", modes, "comma-separated: ddp, 1, 2")->capture_default_str();
+  app.add_option("--workers", workers)->capture_default_str();
+  app.add_option("--threads", threads, "CPU threads per worker")->capture_default_str();
+  app.add_option("--layers", layers)->capture_default_str();
+  app.add_option("--width", width)->capture_default_str();
+  app.add_option("--batch-size", batch)->capture_default_str();
+  app.add_option("--steps", steps, "timed steps")->capture_default_str();
+  app.add_option("--warmup", warmup)->capture_default_str();
+  app.add_option("--reduce-bucket-size", reduce_bucket_size,
+                 "elements per gradient bucket (DDP: the same bytes as bucket_cap_mb)")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  std::stringstream list(modes);
+  for (std::string mode; std::getline(list, mode, ',');) {
+    if (mode != "ddp" && mode != "1" && mode != "2") {
+      std::cerr << "error: --modes: '" << mode << "' is not ddp, 1 or 2" << std::endl;
+      return 2;
+    }
+    cohort::Trainer trainer(
+        bench_loop, {.num_workers = workers, .resources_per_worker = {.cpu_threads = threads}},
+        {.name = "zero_" + mode,
+         .storage_path = "/tmp/cohort_bench",
+         .resume = false,
+         .verbose = 0},
+        {{"mode", mode},
+         {"layers", layers},
+         {"width", width},
+         {"batch_size", batch},
+         {"steps", steps},
+         {"warmup", warmup},
+         {"reduce_bucket_size", reduce_bucket_size}});
+    auto result = trainer.fit();
+    if (!result.ok()) {
+      std::cerr << "error: " << *result.error << std::endl;
+      return 1;
+    }
+    std::cout << result.metrics.dump() << std::endl;
+  }
+  return 0;
+}

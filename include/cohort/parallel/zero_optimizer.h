@@ -1,0 +1,115 @@
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "cohort/comm/process_group.h"
+#include "cohort/optim/flat_optimizer.h"
+
+namespace cohort::parallel {
+
+// ZeRO (Rajbhandari et al. 2020), with DeepSpeed's names and defaults.
+struct ZeroOptions {
+  // 0: plain data parallelism (DDP, no ZeRO). 1: the optimizer state is sharded over the ranks.
+  // 2: the gradients too.
+  int stage = 0;
+  // Gradients are reduce-scattered in buckets of at most this many elements (a parameter larger
+  // than that is a bucket of its own).
+  int64_t reduce_bucket_size = 500'000'000;
+  // After the step, parameters are all-gathered at most this many elements at a time.
+  int64_t allgather_bucket_size = 500'000'000;
+  // Reduce-scatter each bucket from the backward hooks as soon as its gradients are ready, so
+  // that communication overlaps the rest of backward; else all buckets at the end of backward.
+  bool overlap_comm = true;
+  // After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast.
+  bool broadcast_buffers = true;
+
+  // Throws UsageError naming the option: a stage outside 0-2 (stage 3 is not built yet), a
+  // bucket size <= 0.
+  void validate() const;
+};
+
+// What a ZeroOptimizer holds and moves, for benchmarks and the curious.
+struct ZeroStats {
+  int64_t synchronized_steps = 0;
+  int64_t buckets = 0;
+  // Elements of the flat parameter buffer (padded so that every bucket splits evenly over the
+  // ranks), and of this rank's shard.
+  int64_t padded_numel = 0;
+  int64_t shard_numel = 0;
+  // Bytes held on this rank: full parameters, gradients (stage 1: the full gradient buffer and
+  // the reduced shard; stage 2: the reduced shard, plus bucket_bytes_peak while reducing: at
+  // most two buckets, and on Gloo a receive buffer of each's size), and the optimizer state of
+  // the shard (master weights included for 16-bit parameters).
+  int64_t parameter_bytes = 0;
+  int64_t gradient_bytes = 0;
+  int64_t optimizer_state_bytes = 0;
+  int64_t bucket_bytes_peak = 0;
+  // Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather).
+  int64_t bytes_sent_last_step = 0;
+  double wait_seconds = 0;
+};
+
+// A data-parallel engine and optimizer in one: ZeRO stage 1 or 2 for any torch::nn::Module.
+//
+// The module's trainable parameters are laid out in one flat buffer, in buckets (reverse order
+// of registration, the order backward produces gradients), each padded to a multiple of the
+// world size. Rank r owns the r-th piece of every bucket, so each bucket is one reduce-scatter:
+// launched from the backward hooks as the bucket fills (overlap_comm), like DDP's all-reduce.
+// The optimizer steps only this rank's shard (its state exists only for the shard), then every
+// bucket's parameters are all-gathered, so every rank again holds the whole model.
+//
+// It is a torch::optim::Optimizer (a FlatOptimizer over the shard): zero_grad(), step(),
+// param_groups() (one group per bucket, every one with the optimizer's options: an lr set on
+// them all, as the LR schedules and linear_lr_scaling do, applies at the next step),
+// clip_grad_norm() (the global norm over every rank's shard), a LossScaler and save/load
+// (this rank's shard) work unchanged. The parameters' .grad are consumed by the synchronising
+// backward: the averaged gradients live sharded here.
+//
+// At construction every rank checks that all ranks built the same parameters, then takes rank
+// 0's parameters and buffers. All trainable parameters must share one dtype and device, and
+// `optimizer` (torch::optim's or cohort's flat SGD, Adam or AdamW) must have one param group
+// holding exactly them: its algorithm and options are taken over, its state is not.
+class ZeroOptimizer : public optim::FlatOptimizer {
+ public:
+  ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, const torch::optim::Optimizer& optimizer,
+                comm::ProcessGroup group, ZeroOptions options);
+  ~ZeroOptimizer() override;
+
+  // Steps this rank's shard, then all-gathers the parameters. Before it, the backward that
+  // synchronised (the first outside no_sync()) must have run.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  // The global L2 norm over all ranks' shards, and the shard scaled to at most max_norm.
+  torch::Tensor clip_grad_norm(double max_norm) override;
+  void skip_step() override;
+
+  // While the guard lives, backward passes accumulate gradients locally without communication
+  // (gradient accumulation); the first backward after it ends reduces the sum.
+  class NoSyncGuard {
+   public:
+    explicit NoSyncGuard(ZeroOptimizer& zero);
+    ~NoSyncGuard();
+    NoSyncGuard(const NoSyncGuard&) = delete;
+    NoSyncGuard& operator=(const NoSyncGuard&) = delete;
+
+   private:
+    ZeroOptimizer& zero_;
+    bool previous_;
+  };
+  NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  int stage() const;
+  const comm::ProcessGroup& process_group() const;
+  ZeroStats stats() const;
+
+  struct Engine;  // defined in src/parallel/zero_optimizer.cpp
+
+ private:
+  explicit ZeroOptimizer(std::shared_ptr<Engine> engine);
+  std::shared_ptr<Engine> engine_;
+};
+
+}  // namespace cohort::parallel

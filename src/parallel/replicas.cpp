@@ -1,0 +1,92 @@
+#include "replicas.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <utility>
+
+#include "cohort/error.h"
+
+namespace cohort::parallel::detail {
+namespace {
+
+std::string format_shape(at::IntArrayRef dims) {
+  std::string out = "[";
+  for (size_t k = 0; k < dims.size(); ++k) {
+    if (k) out += ',';
+    out += std::to_string(dims[k]);
+  }
+  return out + "]";
+}
+
+}  // namespace
+
+std::string describe(const at::Tensor& t) {
+  return format_shape(t.sizes()) + " " + c10::toString(t.scalar_type());
+}
+
+void verify_same_layout(comm::ProcessGroup& group, const std::vector<std::string>& names,
+                        const std::vector<at::Tensor>& params, const std::string& who) {
+  std::vector<int64_t> local;
+  for (const auto& p : params) {
+    local.push_back(p.dim());
+    for (int64_t d : p.sizes()) local.push_back(d);
+    local.push_back(static_cast<int64_t>(p.scalar_type()));
+  }
+  auto layout = torch::tensor(local, torch::kLong);
+  auto lengths = group.allgather(torch::tensor({layout.numel()}, torch::kLong));
+  for (size_t r = 0; r < lengths.size(); ++r) {
+    if (lengths[r].item<int64_t>() != layout.numel()) {
+      throw UsageError(who + ": the model on rank " + std::to_string(group.rank()) + " has " +
+                       std::to_string(params.size()) + " parameters laid out in " +
+                       std::to_string(layout.numel()) + " numbers, rank " + std::to_string(r) +
+                       "'s in " + std::to_string(lengths[r].item<int64_t>()) +
+                       ": every rank must build the same architecture");
+    }
+  }
+  auto layouts = group.allgather(layout);
+  for (size_t r = 0; r < layouts.size(); ++r) {
+    if (torch::equal(layouts[r], layout)) continue;
+    const auto& theirs = layouts[r];
+    int64_t offset = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t width = params[i].dim() + 2;
+      if (!torch::equal(theirs.narrow(0, offset, width), layout.narrow(0, offset, width))) {
+        const int64_t dims = std::min(theirs[offset].item<int64_t>(), theirs.numel() - offset - 1);
+        auto shape = theirs.narrow(0, offset + 1, dims);
+        throw UsageError(who + ": parameter '" + names[i] + "' is " + describe(params[i]) +
+                         " on rank " + std::to_string(group.rank()) + " but " +
+                         format_shape(at::IntArrayRef(shape.data_ptr<int64_t>(), dims)) +
+                         " on rank " + std::to_string(r) +
+                         ": every rank must build the same architecture");
+      }
+      offset += width;
+    }
+  }
+}
+
+void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+  torch::NoGradGuard no_grad;
+  std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;
+  for (const auto& t : tensors) groups[{t.scalar_type(), t.device().str()}].push_back(t);
+  std::vector<std::pair<std::vector<at::Tensor>*, at::Tensor>> flats;
+  std::vector<comm::Work> works;
+  for (auto& [key, members] : groups) {
+    std::vector<at::Tensor> pieces;
+    for (auto& t : members) pieces.push_back(t.reshape(-1));
+    std::vector<at::Tensor> flat{torch::cat(pieces)};
+    works.push_back(group.broadcast_async(flat, 0));
+    flats.emplace_back(&members, flat[0]);
+  }
+  for (auto& w : works) w.wait();
+  for (auto& [members, flat] : flats) {
+    int64_t offset = 0;
+    for (auto& t : *members) {
+      auto target = t;
+      target.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace cohort::parallel::detail

@@ -1,0 +1,344 @@
+#include "cohort/parallel/zero_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "cohort/error.h"
+#include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/loss_scaler.h"
+#include "cohort/parallel/distributed_data_parallel.h"
+#include "support/expect.h"
+#include "support/local_group.h"
+
+namespace cohort::parallel {
+namespace {
+
+// Layers of different sizes (13 x 37, 37, 11 are multiples of no world size in the tests),
+// batch norm statistics, and a parameter that gets no gradient.
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    // No bias before batch norm: its gradient would be rounding noise, which Adam's
+    // normalisation turns into full steps of either sign.
+    first =
+        register_module("first", torch::nn::Linear(torch::nn::LinearOptions(13, 37).bias(false)));
+    norm = register_module("norm", torch::nn::BatchNorm1d(37));
+    second = register_module("second", torch::nn::Linear(37, 11));
+    head = register_module("head", torch::nn::Linear(11, 5));
+    unused = register_parameter("unused", torch::randn({3}));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head->forward(
+        torch::relu(second->forward(torch::relu(norm->forward(first->forward(x))))));
+  }
+  torch::nn::Linear first{nullptr}, second{nullptr}, head{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  torch::Tensor unused;
+};
+TORCH_MODULE(Net);
+
+// The ranks are threads of this process sharing torch's generator: seeding and drawing happen
+// under one lock, so that every draw is the same on every run.
+std::mutex& generator_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+Net make_net() {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(11);
+  return Net();
+}
+
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
+  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
+}
+
+// Rank r's micro-batch m of step s: the same on every run.
+std::pair<torch::Tensor, torch::Tensor> batch(int rank, int step, int micro) {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(1000 + 100 * rank + 10 * step + micro);
+  return {torch::randn({6, 13}), torch::randint(0, 5, {6})};
+}
+
+torch::Tensor loss_of(Net& net, int rank, int step, int micro, int micro_batches) {
+  auto [x, y] = batch(rank, step, micro);
+  return torch::nn::functional::cross_entropy(net->forward(x), y) / micro_batches;
+}
+
+std::unique_ptr<torch::optim::Optimizer> adamw(Net& net) {
+  return std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                               torch::optim::AdamWOptions(0.01).weight_decay(0.05));
+}
+
+// The losses of `steps` steps (each of `micro_batches` micro-batches) of a run with DDP and
+// torch::optim::AdamW, or with ZeRO at `stage`; and the parameters after them.
+struct Run {
+  std::vector<double> losses;
+  std::vector<torch::Tensor> parameters;
+  std::vector<std::string> names;
+};
+
+Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200) {
+  auto net = make_net();
+  std::unique_ptr<DistributedDataParallel> ddp;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (stage == 0) {
+    ddp = std::make_unique<DistributedDataParallel>(net.ptr(), g);
+    optimizer = adamw(net);
+  } else {
+    auto plain = adamw(net);
+    optimizer = std::make_unique<ZeroOptimizer>(
+        net.ptr(), *plain, g,
+        ZeroOptions{.stage = stage, .reduce_bucket_size = bucket, .allgather_bucket_size = bucket});
+  }
+  auto* zero = dynamic_cast<ZeroOptimizer*>(optimizer.get());
+  Run run;
+  for (int step = 0; step < steps; ++step) {
+    optimizer->zero_grad();
+    double loss_sum = 0;
+    for (int micro = 0; micro < micro_batches; ++micro) {
+      const bool last = micro + 1 == micro_batches;
+      std::optional<DistributedDataParallel::NoSyncGuard> ddp_guard;
+      std::optional<ZeroOptimizer::NoSyncGuard> zero_guard;
+      if (!last && ddp) ddp_guard.emplace(*ddp);
+      if (!last && zero) zero_guard.emplace(*zero);
+      auto loss = loss_of(net, g.rank(), step, micro, micro_batches);
+      loss.backward();
+      loss_sum += loss.item<double>();
+    }
+    run.losses.push_back(loss_sum);
+    optimizer->step();
+  }
+  for (const auto& p : net->named_parameters()) {
+    run.names.push_back(p.key());
+    run.parameters.push_back(p.value().detach().clone());
+  }
+  return run;
+}
+
+void expect_same_run(const Run& a, const Run& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t s = 0; s < a.losses.size(); ++s)
+    EXPECT_NEAR(a.losses[s], b.losses[s], 1e-5 * std::abs(b.losses[s])) << what << " step " << s;
+  ASSERT_EQ(a.parameters.size(), b.parameters.size());
+  for (size_t i = 0; i < a.parameters.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a.parameters[i], b.parameters[i], 1e-5, 1e-6))
+        << what << " parameter " << a.names[i] << " differs by "
+        << (a.parameters[i] - b.parameters[i]).abs().max().item<double>();
+  }
+}
+
+void expect_parity_with_ddp(int world, int micro_batches) {
+  run_ranks(world, [&](comm::ProcessGroup& g) {
+    const auto ddp = train(g, 0, 5, micro_batches);
+    for (int stage : {1, 2}) {
+      const auto zero = train(g, stage, 5, micro_batches);
+      expect_same_run(zero, ddp,
+                      "stage " + std::to_string(stage) + " on rank " + std::to_string(g.rank()) +
+                          " of " + std::to_string(world) + ", " + std::to_string(micro_batches) +
+                          " micro-batches");
+    }
+  });
+}
+
+TEST(ZeroOptimizer, StagesOneAndTwoTrainAsDdpOnTwoRanks) { expect_parity_with_ddp(2, 1); }
+TEST(ZeroOptimizer, StagesOneAndTwoTrainAsDdpOnThreeRanks) { expect_parity_with_ddp(3, 1); }
+TEST(ZeroOptimizer, GradientAccumulationTrainsAsDdpOnTwoAndThreeRanks) {
+  expect_parity_with_ddp(2, 3);
+  expect_parity_with_ddp(3, 2);
+}
+
+TEST(ZeroOptimizer, AccumulatedMicroBatchesEqualTheBigBatch) {
+  // Two micro-batches of 6 with the loss halved step exactly as one batch of 12 (no batch norm
+  // in the way: a linear model).
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto step_with = [&](bool accumulate) {
+      auto net = [] {
+        std::lock_guard lock(generator_mutex());
+        torch::manual_seed(3);
+        return torch::nn::Linear(13, 5);
+      }();
+      torch::optim::SGD plain(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      ZeroOptimizer zero(net.ptr(), plain, g, {.stage = 2, .reduce_bucket_size = 16});
+      auto [x0, y0] = batch(g.rank(), 0, 0);
+      auto [x1, y1] = batch(g.rank(), 0, 1);
+      for (int step = 0; step < 3; ++step) {
+        zero.zero_grad();
+        if (accumulate) {
+          {
+            auto guard = zero.no_sync();
+            (torch::nn::functional::cross_entropy(net->forward(x0), y0) / 2).backward();
+          }
+          (torch::nn::functional::cross_entropy(net->forward(x1), y1) / 2).backward();
+        } else {
+          torch::nn::functional::cross_entropy(net->forward(torch::cat({x0, x1})),
+                                               torch::cat({y0, y1}))
+              .backward();
+        }
+        zero.step();
+      }
+      return net->weight.detach().clone();
+    };
+    const auto accumulated = step_with(true);
+    const auto big = step_with(false);
+    EXPECT_TRUE(torch::allclose(accumulated, big, 1e-5, 1e-6))
+        << (accumulated - big).abs().max().item<double>();
+  });
+}
+
+TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    for (int stage : {1, 2}) {
+      auto net = make_net();
+      int64_t numel = 0;
+      for (const auto& p : net->parameters()) numel += p.numel();
+      auto plain = adamw(net);
+      ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = stage, .reduce_bucket_size = 200});
+      auto loss = loss_of(net, g.rank(), 0, 0, 1);
+      loss.backward();
+      zero.step();
+      const auto stats = zero.stats();
+      EXPECT_GT(stats.buckets, 3);
+      EXPECT_GE(stats.padded_numel, numel);
+      EXPECT_LT(stats.padded_numel, numel + stats.buckets * 2);
+      EXPECT_EQ(stats.shard_numel * 2, stats.padded_numel);
+      EXPECT_EQ(stats.parameter_bytes, stats.padded_numel * 4);
+      // Adam's two moments, for this rank's half only.
+      EXPECT_EQ(stats.optimizer_state_bytes, stats.shard_numel * 8);
+      // Stage 1 keeps every gradient (and the reduced shard); stage 2 the reduced shard only.
+      EXPECT_EQ(stats.gradient_bytes,
+                (stage == 1 ? stats.padded_numel * 4 : 0) + stats.shard_numel * 4);
+      if (stage == 2) {
+        EXPECT_GT(stats.bucket_bytes_peak, 0);
+        EXPECT_LE(stats.bucket_bytes_peak, stats.padded_numel * 4);
+      }
+      // Each collective sends the half another rank owns: the reduce-scatter and the all-gather.
+      EXPECT_EQ(stats.bytes_sent_last_step, stats.padded_numel / 2 * 4 * 2);
+      EXPECT_EQ(stats.synchronized_steps, 1);
+    }
+  });
+}
+
+TEST(ZeroOptimizer, ClipsByTheGlobalNormOverEveryRanksShard) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    // The reference: DDP's averaged gradients, clipped whole.
+    auto reference = make_net();
+    DistributedDataParallel ddp(reference.ptr(), g);
+    loss_of(reference, g.rank(), 0, 0, 1).backward();
+    const double expected = optim::clip_grad_norm(reference->parameters(), 1e9).item<double>();
+
+    auto net = make_net();
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 100});
+    loss_of(net, g.rank(), 0, 0, 1).backward();
+    const double norm = zero.clip_grad_norm(1e9).item<double>();
+    EXPECT_NEAR(norm, expected, 1e-5 * expected);
+    zero.clip_grad_norm(expected / 4);
+    EXPECT_NEAR(zero.clip_grad_norm(1e9).item<double>(), expected / 4, 1e-4 * expected);
+  });
+}
+
+TEST(ZeroOptimizer, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto net = make_net();
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 100});
+    optim::LossScaler scaler(optim::LossScalerOptions{}, g);
+    const auto before = net->first->weight.detach().clone();
+    auto loss = loss_of(net, g.rank(), 0, 0, 1);
+    if (g.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
+    scaler.scale(loss).backward();
+    EXPECT_FALSE(scaler.step(zero));
+    scaler.update();
+    EXPECT_TRUE(torch::equal(net->first->weight, before));
+    // The next, finite step steps.
+    zero.zero_grad();
+    scaler.scale(loss_of(net, g.rank(), 1, 0, 1)).backward();
+    EXPECT_TRUE(scaler.step(zero));
+    EXPECT_FALSE(torch::equal(net->first->weight, before));
+  });
+}
+
+TEST(ZeroOptimizer, SavedShardsResumeExactlyAtTheSameWorldSize) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    const auto straight = train(g, 2, 4, 1);
+    // Two steps, save, a fresh model and optimizer load the state and take the other two.
+    std::stringstream saved;
+    std::vector<torch::Tensor> weights;
+    {
+      auto net = make_net();
+      auto plain = adamw(net);
+      ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 200});
+      for (int step = 0; step < 2; ++step) {
+        zero.zero_grad();
+        loss_of(net, g.rank(), step, 0, 1).backward();
+        zero.step();
+      }
+      torch::serialize::OutputArchive archive;
+      zero.save(archive);
+      archive.save_to(saved);
+      for (const auto& p : net->parameters()) weights.push_back(p.detach().clone());
+      for (const auto& b : net->buffers()) weights.push_back(b.detach().clone());
+    }
+    auto net = make_net();
+    {
+      torch::NoGradGuard no_grad;
+      size_t k = 0;
+      for (auto& p : net->parameters()) p.copy_(weights[k++]);
+      for (auto& b : net->buffers()) b.copy_(weights[k++]);
+    }
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 200});
+    torch::serialize::InputArchive archive;
+    archive.load_from(saved);
+    zero.load(archive);
+    for (int step = 2; step < 4; ++step) {
+      zero.zero_grad();
+      loss_of(net, g.rank(), step, 0, 1).backward();
+      zero.step();
+    }
+    const auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(torch::equal(params[i], straight.parameters[i])) << "parameter " << i;
+  });
+}
+
+TEST(ZeroOptimizer, BadOptionsAndMisuseAreNamed) {
+  using cohort::testing::expect_error;
+  expect_error<UsageError>([] { ZeroOptions{.stage = 4}.validate(); }, "ZeRO stage 4 is not one");
+  expect_error<UsageError>([] { ZeroOptions{.stage = 3}.validate(); },
+                           "stage 3 (sharded parameters) is not built yet");
+  expect_error<UsageError>([] { ZeroOptions{.stage = 2, .reduce_bucket_size = 0}.validate(); },
+                           "reduce_bucket_size 0 must be > 0");
+  expect_error<UsageError>([] { ZeroOptions{.stage = 1, .allgather_bucket_size = -5}.validate(); },
+                           "allgather_bucket_size -5 must be > 0");
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto net = make_net();
+    expect_error<UsageError>(
+        [&] {
+          torch::optim::Adagrad other(net->parameters());
+          ZeroOptimizer zero(net.ptr(), other, g, {.stage = 1});
+        },
+        "neither SGD, Adam nor AdamW");
+    expect_error<UsageError>(
+        [&] {
+          torch::optim::SGD partial(net->head->parameters(), torch::optim::SGDOptions(0.1));
+          ZeroOptimizer zero(net.ptr(), partial, g, {.stage = 1});
+        },
+        "is not in the optimizer");
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2});
+    expect_error<UsageError>([&] { zero.step(); }, "no synchronised backward since the last step");
+    {
+      auto guard = zero.no_sync();
+      loss_of(net, g.rank(), 0, 0, 1).backward();
+    }
+    expect_error<UsageError>([&] { zero.step(); }, "run backward outside no_sync() first");
+  });
+}
+
+}  // namespace
+}  // namespace cohort::parallel

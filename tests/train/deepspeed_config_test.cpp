@@ -1,0 +1,173 @@
+#include "cohort/train/deepspeed_config.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cohort/error.h"
+#include "support/expect.h"
+
+namespace cohort::train {
+namespace {
+
+using cohort::testing::expect_error;
+
+// Seed 001's config, as written.
+Json seed001() {
+  return Json::parse(R"({
+    "train_batch_size": 32,
+    "train_micro_batch_size_per_gpu": 8,
+    "optimizer": {"type": "Adam", "params": {"lr": 0.001}},
+    "fp16": {"enabled": true},
+    "zero_optimization": {"stage": 2}
+  })");
+}
+
+TEST(DeepSpeedConfig, Seed001ResolvesItsBatchArithmeticPerWorldSize) {
+  const auto two = DeepSpeedConfig::from_json(seed001(), 2);
+  EXPECT_EQ(two.train_batch_size, 32);
+  EXPECT_EQ(two.micro_batch_size, 8);
+  EXPECT_EQ(two.gradient_accumulation_steps, 2);
+  EXPECT_EQ(two.optimizer, "adam");
+  EXPECT_EQ(two.lr, 0.001);
+  EXPECT_EQ(two.precision, "fp16");
+  EXPECT_EQ(two.loss_scaler.initial_scale, 65536.0);
+  EXPECT_EQ(two.zero.stage, 2);
+  EXPECT_EQ(two.zero.reduce_bucket_size, 500'000'000);
+  EXPECT_TRUE(two.unknown_keys.empty());
+  EXPECT_EQ(DeepSpeedConfig::from_json(seed001(), 4).gradient_accumulation_steps, 1);
+  expect_error<UsageError>(
+      [] { DeepSpeedConfig::from_json(seed001(), 3); },
+      "train_batch_size 32 is not train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps "
+      "1 x world size 3 (= 24)");
+}
+
+TEST(DeepSpeedConfig, AnyTwoBatchNumbersGiveTheThird) {
+  auto resolve = [](Json j) { return DeepSpeedConfig::from_json(j, 2); };
+  auto c = resolve({{"train_batch_size", 48}, {"gradient_accumulation_steps", 3}});
+  EXPECT_EQ(c.micro_batch_size, 8);
+  c = resolve({{"train_micro_batch_size_per_gpu", 4}, {"gradient_accumulation_steps", 5}});
+  EXPECT_EQ(c.train_batch_size, 40);
+  c = resolve({{"train_batch_size", 16}});
+  EXPECT_EQ(c.micro_batch_size, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  c = resolve({{"train_batch_size", 24},
+               {"train_micro_batch_size_per_gpu", 4},
+               {"gradient_accumulation_steps", 3}});
+  EXPECT_EQ(c.gradient_accumulation_steps, 3);
+  expect_error<UsageError>(
+      [&] {
+        resolve({{"train_batch_size", 24},
+                 {"train_micro_batch_size_per_gpu", 4},
+                 {"gradient_accumulation_steps", 2}});
+      },
+      "train_batch_size 24 is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps "
+      "2 x world size 2 (= 16)");
+  expect_error<UsageError>([&] { resolve(Json::object()); },
+                           "train_batch_size is missing, and so is train_micro_batch_size_per_gpu");
+  expect_error<UsageError>(
+      [&] {
+        resolve({{"train_micro_batch_size_per_gpu", 0}});
+      },
+      "train_micro_batch_size_per_gpu must be >= 1, got 0");
+}
+
+TEST(DeepSpeedConfig, EveryBlockMapsOntoCohortsOptions) {
+  const auto c = DeepSpeedConfig::from_json(Json::parse(R"({
+    "train_micro_batch_size_per_gpu": 16,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-7,
+                                               "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR",
+                  "params": {"warmup_min_lr": 1e-5, "warmup_max_lr": 2e-4,
+                             "warmup_num_steps": 10, "total_num_steps": 100}},
+    "fp16": {"enabled": true, "initial_scale_power": 12, "loss_scale_window": 50,
+             "hysteresis": 3, "min_loss_scale": 4},
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e7, "allgather_bucket_size": 2e8,
+                          "overlap_comm": false, "contiguous_gradients": true},
+    "steps_per_print": 100
+  })"),
+                                            2, "ds.json");
+  EXPECT_EQ(c.optimizer, "adamw");
+  EXPECT_EQ(c.betas, std::make_pair(0.8, 0.99));
+  EXPECT_EQ(c.eps, 1e-7);
+  EXPECT_EQ(c.weight_decay, 0.1);
+  // The scheduler's maximum is the lr; the warmup starts at min / max of it.
+  EXPECT_EQ(c.lr, 2e-4);
+  ASSERT_TRUE(c.schedule.has_value());
+  EXPECT_EQ(c.schedule->warmup_steps, 10);
+  EXPECT_EQ(c.schedule->warmup_type, "log");
+  EXPECT_DOUBLE_EQ(c.schedule->warmup_start_ratio, 0.05);
+  EXPECT_EQ(c.schedule->decay, "linear");
+  EXPECT_EQ(c.schedule->total_steps, 100);
+  EXPECT_DOUBLE_EQ(c.schedule->factor(9), 1.0);
+  EXPECT_DOUBLE_EQ(c.schedule->factor(55), 0.5);
+  EXPECT_EQ(c.precision, "fp16");
+  EXPECT_EQ(c.loss_scaler.initial_scale, 4096.0);
+  EXPECT_EQ(c.loss_scaler.growth_interval, 50);
+  EXPECT_EQ(c.loss_scaler.hysteresis, 3);
+  EXPECT_EQ(c.loss_scaler.min_scale, 4.0);
+  EXPECT_EQ(c.gradient_clipping, 1.0);
+  EXPECT_EQ(c.zero.stage, 1);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 50'000'000);
+  EXPECT_EQ(c.zero.allgather_bucket_size, 200'000'000);
+  EXPECT_FALSE(c.zero.overlap_comm);
+  EXPECT_TRUE(c.unknown_keys.empty());
+
+  // A static loss scale never moves.
+  const auto fixed = DeepSpeedConfig::from_json(
+      {{"train_batch_size", 8}, {"fp16", {{"enabled", true}, {"loss_scale", 128}}}}, 1);
+  EXPECT_EQ(fixed.loss_scaler.initial_scale, 128.0);
+  EXPECT_EQ(fixed.loss_scaler.min_scale, 128.0);
+  // "bf16" and Adam's adam_w_mode.
+  const auto bf16 = DeepSpeedConfig::from_json(
+      {{"train_batch_size", 8},
+       {"bf16", {{"enabled", true}}},
+       {"optimizer", {{"type", "Adam"}, {"params", {{"adam_w_mode", true}}}}}},
+      1);
+  EXPECT_EQ(bf16.precision, "bf16");
+  EXPECT_EQ(bf16.optimizer, "adamw");
+}
+
+TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
+  const auto c = DeepSpeedConfig::from_json(
+      Json::parse(R"({"train_batch_size": 8, "flops_profiler": {"enabled": true},
+                      "zero_optimization": {"stage": 1, "offload_optimizer": {}},
+                      "optimizer": {"type": "SGD", "params": {"lr": 0.1, "foo": 1}}})"),
+      1);
+  EXPECT_EQ(c.unknown_keys, (std::vector<std::string>{"flops_profiler", "optimizer.params.foo",
+                                                      "zero_optimization.offload_optimizer"}));
+  const std::vector<std::pair<std::string, std::string>> bad{
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": "two"}})",
+       "ds.json: zero_optimization.stage must be an integer, got \"two\""},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 4}})",
+       "zero_optimization.stage 4 is not one of 0, 1, 2, 3"},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})",
+       "ZeRO stage 3 (sharded parameters) is not built yet"},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "allgather_bucket_size": -1}})",
+       "zero_optimization.allgather_bucket_size must be > 0, got -1"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})",
+       "optimizer.type 'Lamb' is not one of Adam, AdamW, SGD"},
+      {R"({"train_batch_size": 8, "optimizer": {"type": "Adam", "params": {"betas": [0.9]}}})",
+       "optimizer.params.betas must be two numbers"},
+      {R"({"train_batch_size": 8, "scheduler": {"type": "OneCycle"}})",
+       "scheduler.type 'OneCycle' is not one of WarmupLR, WarmupDecayLR"},
+      {R"({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}})",
+       "scheduler.params.total_num_steps is missing"},
+      {R"({"train_batch_size": 8, "fp16": {"enabled": "yes"}})",
+       "fp16.enabled must be true or false, got \"yes\""},
+      {R"({"train_batch_size": 8, "fp16": {"enabled": true}, "bf16": {"enabled": true}})",
+       "fp16.enabled and bf16.enabled are both true"},
+      {R"({"train_batch_size": 8, "gradient_clipping": -1})", "gradient_clipping must be >= 0"},
+      {R"([1, 2])", "the top level must be a JSON object"},
+  };
+  for (const auto& [text, message] : bad) {
+    expect_error<UsageError>([&] { DeepSpeedConfig::from_json(Json::parse(text), 1, "ds.json"); },
+                             message);
+  }
+  expect_error<UsageError>([] { DeepSpeedConfig::load("/nonexistent/ds.json", 1); },
+                           "deepspeed config /nonexistent/ds.json cannot be read");
+}
+
+}  // namespace
+}  // namespace cohort::train
