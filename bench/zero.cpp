@@ -1,12 +1,14 @@
 // ZeRO stages 1 and 2 against DDP: memory held per rank and training throughput.
 //
-//   bench/zero --workers 2 --modes ddp,1,2      (defaults: a 100.7 M-parameter MLP, Adam, fp32)
+//   bench/zero --workers 2 --modes ddp,ddp-flat,1,2   (defaults: a 100.7 M-parameter MLP, Adam,
+//                                                      fp32)
 //
 // For each mode, N worker processes train the MLP (--layers Linear layers of --width x --width,
 // batch --batch-size of random data) for --warmup + --steps steps, and print one JSON line:
 //   bytes_per_param: parameters, gradients and optimizer state held per rank after a step,
 //     counted from the live tensors (each storage once), beside the ZeRO paper's form for fp32
-//     Adam (DDP 16; stage 1 8 + 8/N; stage 2 4 + 12/N) and their ratio;
+//     Adam (DDP 16; stage 1 8 + 8/N; stage 2 4 + 12/N) and their ratio (ddp-flat: DDP with
+//     cohort's FlatAdam, which holds its own gradient buffer: 20);
 //   transient_bucket_bytes_per_param: stage 2's gradient buckets in flight during backward;
 //   samples_per_s (all ranks, timed steps), bytes_sent_per_step per rank (DDP: a ring
 //     all-reduce, 2 (N - 1) / N of the gradients; ZeRO: its own count), peak_rss_mb.
@@ -56,7 +58,8 @@ int64_t storage_bytes(const std::vector<torch::Tensor>& tensors) {
 void bench_loop(const cohort::Json& c) {
   auto& ctx = cohort::train::get_context();
   const std::string mode = c["mode"].get<std::string>();
-  const int stage = mode == "ddp" ? 0 : std::stoi(mode);
+  const bool ddp = mode == "ddp" || mode == "ddp-flat";
+  const int stage = ddp ? 0 : std::stoi(mode);
   torch::manual_seed(0);
   Mlp model(c["layers"].get<int>(), c["width"].get<int64_t>());
   int64_t numel = 0;
@@ -67,10 +70,19 @@ void bench_loop(const cohort::Json& c) {
   prepare.zero.allgather_bucket_size = c["reduce_bucket_size"].get<int64_t>();
   prepare.ddp.bucket_cap_mb = c["reduce_bucket_size"].get<int64_t>() * 4.0 / (1024 * 1024);
   cohort::train::prepare_model(model, prepare);
-  // torch::optim::Adam for DDP: its state is the 8 bytes per parameter of the paper's form.
-  auto optimizer = cohort::train::prepare_optimizer(
-      model.ptr(),
-      std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4)));
+  // DDP with torch::optim::Adam: its state is the 8 bytes per parameter of the paper's form.
+  // "ddp-flat": with cohort's FlatAdam, the update ZeRO runs on its shard (faster, and 4 bytes
+  // per parameter more: its own gradient buffer).
+  std::unique_ptr<torch::optim::Optimizer> adam;
+  if (mode == "ddp-flat") {
+    adam = std::make_unique<cohort::optim::FlatAdam>(model->parameters(),
+                                                     torch::optim::AdamOptions(1e-4));
+  } else {
+    adam =
+        std::make_unique<torch::optim::Adam>(model->parameters(), torch::optim::AdamOptions(1e-4));
+  }
+  auto optimizer = cohort::train::prepare_optimizer(model.ptr(), std::move(adam));
+  auto* flat = dynamic_cast<cohort::optim::FlatOptimizer*>(optimizer.get());
   auto* zero = dynamic_cast<cohort::parallel::ZeroOptimizer*>(optimizer.get());
   const int64_t batch = c["batch_size"].get<int64_t>();
   const int64_t width = c["width"].get<int64_t>();
@@ -80,14 +92,20 @@ void bench_loop(const cohort::Json& c) {
   const auto x = torch::randn({batch, width});
   const auto y = torch::randn({batch, width});
   Clock::time_point start;
+  double backward_seconds = 0, step_seconds = 0;
   for (int64_t step = 0; step < warmup + steps; ++step) {
     if (step == warmup) {
       ctx.get_process_group().barrier();
       start = Clock::now();
+      backward_seconds = step_seconds = 0;
     }
     optimizer->zero_grad();
+    const auto t0 = Clock::now();
     torch::mse_loss(model->forward(x), y).backward();
+    const auto t1 = Clock::now();
     optimizer->step();
+    backward_seconds += std::chrono::duration<double>(t1 - t0).count();
+    step_seconds += std::chrono::duration<double>(Clock::now() - t1).count();
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
@@ -98,7 +116,13 @@ void bench_loop(const cohort::Json& c) {
     param_tensors.push_back(p);
     grad_tensors.push_back(p.grad());
   }
-  if (zero != nullptr) {
+  if (zero == nullptr && flat != nullptr) {
+    params = static_cast<double>(storage_bytes(param_tensors));
+    grads = static_cast<double>(storage_bytes(grad_tensors));
+    state = static_cast<double>(flat->state_bytes());
+    const int n = ctx.get_world_size();
+    sent = 2.0 * (n - 1) / n * static_cast<double>(numel) * 4;
+  } else if (zero != nullptr) {
     const auto stats = zero->stats();
     params = static_cast<double>(stats.parameter_bytes);
     grads = static_cast<double>(stats.gradient_bytes);
@@ -129,9 +153,12 @@ void bench_loop(const cohort::Json& c) {
   }
   const double n = ctx.get_world_size();
   const double p = static_cast<double>(numel);
-  const double formula = stage == 0 ? 16 : stage == 1 ? 8 + 8 / n : 4 + 12 / n;
+  const double formula = mode == "ddp-flat" ? 20
+                         : stage == 0       ? 16
+                         : stage == 1       ? 8 + 8 / n
+                                            : 4 + 12 / n;
   const double total = (params + grads + state) / p;
-  cohort::train::report({{"mode", stage == 0 ? "ddp" : "zero-" + mode},
+  cohort::train::report({{"mode", ddp ? mode : "zero-" + mode},
                          {"workers", ctx.get_world_size()},
                          {"parameters", numel},
                          {"bytes_per_param",
@@ -144,6 +171,10 @@ void bench_loop(const cohort::Json& c) {
                          {"transient_bucket_bytes_per_param", transient / p},
                          {"samples_per_s", static_cast<double>(batch * steps) * n / slowest},
                          {"seconds_per_step", slowest / static_cast<double>(steps)},
+                         // Rank 0's: forward and backward (with the gradient communication), and
+                         // step() (with ZeRO the shard's update and the all-gather).
+                         {"forward_backward_s", backward_seconds / static_cast<double>(steps)},
+                         {"optimizer_step_s", step_seconds / static_cast<double>(steps)},
                          {"bytes_sent_per_step", sent},
                          {"peak_rss_mb", rss}});
 }
@@ -152,10 +183,10 @@ void bench_loop(const cohort::Json& c) {
 
 int main(int argc, char** argv) {
   CLI::App app{"cohort ZeRO benchmark: memory per rank and throughput, DDP vs stages 1 and 2"};
-  std::string modes = "ddp,1,2";
+  std::string modes = "ddp,ddp-flat,1,2";
   int workers = 2, threads = 1, layers = 6;
   int64_t width = 4096, batch = 8, steps = 5, warmup = 2, reduce_bucket_size = 25'000'000;
-  app.add_option("--modes", modes, "comma-separated: ddp, 1, 2")->capture_default_str();
+  app.add_option("--modes", modes, "comma-separated: ddp, ddp-flat, 1, 2")->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "CPU threads per worker")->capture_default_str();
   app.add_option("--layers", layers)->capture_default_str();
@@ -169,8 +200,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   std::stringstream list(modes);
   for (std::string mode; std::getline(list, mode, ',');) {
-    if (mode != "ddp" && mode != "1" && mode != "2") {
-      std::cerr << "error: --modes: '" << mode << "' is not ddp, 1 or 2" << std::endl;
+    if (mode != "ddp" && mode != "ddp-flat" && mode != "1" && mode != "2") {
+      std::cerr << "error: --modes: '" << mode << "' is not ddp, ddp-flat, 1 or 2" << std::endl;
       return 2;
     }
     cohort::Trainer trainer(

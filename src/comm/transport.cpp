@@ -15,10 +15,16 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 
 #include "cohort/error.h"
 
 namespace cohort::comm {
+
+struct ScratchPool {
+  std::mutex mutex;
+  std::vector<at::Tensor> free;
+};
 
 Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank, int world_size,
                      std::chrono::milliseconds timeout)
@@ -26,7 +32,39 @@ Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank
       native_(std::move(native)),
       rank_(rank),
       world_size_(world_size),
-      timeout_(timeout) {}
+      timeout_(timeout),
+      scratch_pool_(std::make_shared<ScratchPool>()) {}
+
+std::shared_ptr<at::Tensor> Transport::scratch(int64_t numel, const at::Tensor& like) {
+  at::Tensor buffer;
+  {
+    std::lock_guard lock(scratch_pool_->mutex);
+    auto& free = scratch_pool_->free;
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if (it->numel() >= numel && it->scalar_type() == like.scalar_type() &&
+          it->device() == like.device()) {
+        buffer = *it;
+        free.erase(it);
+        break;
+      }
+    }
+  }
+  if (!buffer.defined()) buffer = at::empty({numel}, like.options());
+  std::weak_ptr<ScratchPool> pool = scratch_pool_;
+  return std::shared_ptr<at::Tensor>(new at::Tensor(buffer.narrow(0, 0, numel)),
+                                     [pool, buffer](at::Tensor* t) {
+                                       delete t;
+                                       if (auto p = pool.lock()) {
+                                         std::lock_guard lock(p->mutex);
+                                         p->free.push_back(buffer);
+                                       }
+                                     });
+}
+
+bool Transport::gloo_all_to_all_fits(const at::Tensor& t) const {
+  return kind_ == Kind::kGloo && t.is_cpu() &&
+         (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble);
+}
 
 c10d::ReduceOp Transport::native_op(ReduceOp op) const {
   switch (op) {
@@ -113,7 +151,18 @@ Started Transport::allgather_into(at::Tensor& output, const at::Tensor& input) {
   opts.timeout = timeout_;
   at::Tensor in = input;
   if (kind_ == Kind::kNccl) return {native_->_allgather_base(output, in, opts), nullptr};
-  // Gloo in 1.13 has no all-gather into one tensor; its list form writes into views of it.
+  if (gloo_all_to_all_fits(input) && output.is_contiguous()) {
+    // Gloo in 1.13 has no all-gather into one tensor, and its list form copies through a fresh
+    // buffer: an all-to-all of N copies of the input lands in `output` directly.
+    const int64_t n = input.numel();
+    auto copies = scratch(n * world_size_, input);
+    for (int r = 0; r < world_size_; ++r) copies->narrow(0, r * n, n).copy_(input.reshape({-1}));
+    auto flat = output.view({-1});
+    Started started = all_to_all(flat, *copies, {}, {});
+    started.finish = [copies] {};  // holds the copies until the all-to-all completed
+    return started;
+  }
+  // Otherwise the list form, writing into views of the output.
   std::vector<at::Tensor> views;
   const int64_t n = input.numel();
   for (int r = 0; r < world_size_; ++r)
@@ -150,27 +199,27 @@ Started Transport::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
 
 Started Transport::reduce_scatter_by_all_to_all(at::Tensor& output, at::Tensor flat, ReduceOp op) {
   // Each rank sends rank j its j-th piece and reduces the pieces it receives: (N - 1) / N of the
-  // input on the wire, half of what an all-reduce moves.
-  auto received = at::empty_like(flat);
-  Started started = all_to_all(received, flat, {}, {});
+  // input on the wire, half of what an all-reduce moves. The reduction reads only the received
+  // pieces, so `output` may be this rank's piece of the input (in place).
+  auto received = scratch(flat.numel(), flat);
+  Started started = all_to_all(*received, flat, {}, {});
   started.finish = [output, received, op, world = world_size_]() mutable {
-    auto pieces = received.view({world, -1});
-    at::Tensor reduced;
-    switch (op) {
-      case ReduceOp::kMax:
-        reduced = std::get<0>(pieces.max(0));
-        break;
-      case ReduceOp::kMin:
-        reduced = std::get<0>(pieces.min(0));
-        break;
-      case ReduceOp::kAvg:
-        reduced = pieces.sum(0).div_(static_cast<double>(world));
-        break;
-      case ReduceOp::kSum:
-        reduced = pieces.sum(0);
-        break;
+    auto pieces = received->view({world, -1});
+    auto target = output.view({-1});
+    const bool direct = target.is_contiguous();
+    at::Tensor result = direct ? target : at::empty_like(target);
+    result.copy_(pieces[0]);
+    for (int r = 1; r < world; ++r) {
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(result, result, pieces[r]);
+      } else if (op == ReduceOp::kMin) {
+        at::minimum_out(result, result, pieces[r]);
+      } else {
+        result.add_(pieces[r]);
+      }
     }
-    output.copy_(reduced.view_as(output));
+    if (op == ReduceOp::kAvg) result.div_(static_cast<double>(world));
+    if (!direct) target.copy_(result);
   };
   return started;
 }
@@ -178,9 +227,7 @@ Started Transport::reduce_scatter_by_all_to_all(at::Tensor& output, at::Tensor f
 Started Transport::reduce_scatter_gloo(at::Tensor& output, at::Tensor flat, ReduceOp op) {
   // Gloo has no reduce-scatter in libtorch 1.13: an all-to-all where Gloo has one (CPU tensors of
   // the common float types), an all-reduce otherwise.
-  const auto dtype = flat.scalar_type();
-  if (flat.is_cpu() && (dtype == at::kFloat || dtype == at::kDouble))
-    return reduce_scatter_by_all_to_all(output, std::move(flat), op);
+  if (gloo_all_to_all_fits(flat)) return reduce_scatter_by_all_to_all(output, std::move(flat), op);
   return reduce_scatter_by_allreduce(output, std::move(flat), op);
 }
 
@@ -194,9 +241,8 @@ Started Transport::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& i
   }
   // A copy where the reduction runs in place, so that the caller's input stays as it was.
   const auto flat = input.reshape({-1});
-  const auto dtype = flat.scalar_type();
-  const bool in_place = !(flat.is_cpu() && (dtype == at::kFloat || dtype == at::kDouble));
-  return reduce_scatter_gloo(output, in_place ? flat.clone() : flat.contiguous(), op);
+  return reduce_scatter_gloo(output, gloo_all_to_all_fits(flat) ? flat.contiguous() : flat.clone(),
+                             op);
 }
 
 Started Transport::all_to_all(at::Tensor& output, const at::Tensor& input,

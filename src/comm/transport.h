@@ -63,12 +63,20 @@ class Transport {
   Started allreduce_by_allgather(std::vector<at::Tensor>& tensors, ReduceOp op);
   std::function<void()> average(std::vector<at::Tensor> tensors) const;
   c10d::ReduceOp native_op(ReduceOp op) const;
+  // Whether Gloo moves this tensor with its all-to-all (CPU, float32 or float64), which the
+  // built-up reduce-scatter and all-gather use.
+  bool gloo_all_to_all_fits(const at::Tensor& t) const;
+  // A buffer of `numel` elements like `like`, from a pool that keeps the buffers of earlier
+  // collectives: a fresh 100 MB buffer costs a page fault per 4 KiB on every call. The buffer
+  // goes back to the pool when the last copy of the returned handle is gone.
+  std::shared_ptr<at::Tensor> scratch(int64_t numel, const at::Tensor& like);
 
   Kind kind_;
   c10::intrusive_ptr<NativeGroup> native_;
   int rank_;
   int world_size_;
   std::chrono::milliseconds timeout_;
+  std::shared_ptr<struct ScratchPool> scratch_pool_;
 };
 
 // Gloo over `store` (whose keys it prefixes itself) on options.interface_address.

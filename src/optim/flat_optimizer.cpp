@@ -290,7 +290,14 @@ struct FlatOptimizer::Impl {
           in_place ? alias_into(first, 0, {part.numel}) : at::empty({part.numel}, first.options());
       const auto compute =
           low_precision(first.scalar_type()) ? c10::ScalarType::Float : first.scalar_type();
-      part.grads = at::zeros({part.numel}, first.options().dtype(compute));
+      // An in-place parameter whose .grad is already a flat buffer of the compute dtype keeps it
+      // as the partition's gradient buffer (ZeRO stage 1: the shard's piece of the gradients).
+      const auto& own_grad = first.grad();
+      const bool adopt_grad = in_place && own_grad.defined() && own_grad.is_contiguous() &&
+                              own_grad.scalar_type() == compute && own_grad.numel() == part.numel &&
+                              own_grad.device() == first.device();
+      part.grads = adopt_grad ? alias_into(own_grad, 0, {part.numel})
+                              : at::zeros({part.numel}, first.options().dtype(compute));
       for (size_t s = 0; s < names.size(); ++s)
         part.state.push_back(at::zeros({part.numel}, part.grads.options()));
       part.steps.assign(part.members.size(), 0);

@@ -104,6 +104,9 @@ struct ZeroOptimizer::Engine {
   size_t next_bucket = 0;
   std::deque<size_t> in_flight;  // stage 2: buckets being reduce-scattered, oldest first
   static constexpr size_t kBucketsInFlight = 2;
+  std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers, reused in turn
+  size_t next_staging = 0;
+  int64_t max_bucket_numel = 0;
   std::vector<char> ready;
   ZeroStats stats;
 
@@ -207,7 +210,12 @@ struct ZeroOptimizer::Engine {
     for (auto& b : buckets) {
       const int64_t piece = b.numel / n;
       b.shard = alias_into(flat_params, b.offset + rank() * piece, {piece});
+      // Stage 1 reduces each bucket in place: the shard's gradient is its piece of the full
+      // gradient buffer (the flat optimizer adopts it).
+      if (options.stage == 1)
+        b.shard.mutable_grad() = alias_into(flat_grads, b.offset + rank() * piece, {piece});
       stats.shard_numel += piece;
+      max_bucket_numel = std::max(max_bucket_numel, b.numel);
     }
     ready.assign(params.size(), 0);
     stats.buckets = static_cast<int64_t>(buckets.size());
@@ -237,16 +245,19 @@ struct ZeroOptimizer::Engine {
 
   void update_memory_stats() {
     stats.parameter_bytes = flat_params.numel() * flat_params.element_size();
-    stats.gradient_bytes = 0;
-    if (flat_grads.defined())
-      stats.gradient_bytes += flat_grads.numel() * flat_grads.element_size();
+    int64_t shard_grad_bytes = 0;
     for (const auto& b : buckets)
-      stats.gradient_bytes += b.shard_grad.numel() * b.shard_grad.element_size();
+      shard_grad_bytes += b.shard_grad.numel() * b.shard_grad.element_size();
+    // Stage 1: the full gradient buffer, of which the shard's gradients are pieces; stage 2: the
+    // shard's gradients (and the buckets in flight, counted apart).
+    stats.gradient_bytes =
+        flat_grads.defined() ? flat_grads.numel() * flat_grads.element_size() : shard_grad_bytes;
+    int64_t staging_bytes = 0;
+    for (const auto& t : staging_pool) staging_bytes += t.numel() * t.element_size();
+    stats.bucket_bytes_peak = staging_bytes;
     // The flat optimizer's bytes are its gradient buffers (counted above), its state, and float32
     // masters for 16-bit parameters.
-    stats.optimizer_state_bytes = optimizer->state_bytes();
-    for (const auto& b : buckets)
-      stats.optimizer_state_bytes -= b.shard_grad.numel() * b.shard_grad.element_size();
+    stats.optimizer_state_bytes = optimizer->state_bytes() - shard_grad_bytes;
   }
 
   void install_hooks() {
@@ -321,18 +332,25 @@ struct ZeroOptimizer::Engine {
         oldest.staging = at::Tensor();
         in_flight.pop_front();
       }
-      bucket.staging = at::zeros({bucket.numel}, flat_params.options());
+      // The staging buffers are kept from step to step: a fresh 100 MB buffer costs a page fault
+      // per 4 KiB.
+      if (staging_pool.size() < kBucketsInFlight)
+        staging_pool.push_back(at::empty({max_bucket_numel}, flat_params.options()));
+      auto& buffer = staging_pool[next_staging++ % staging_pool.size()];
+      bucket.staging = buffer.narrow(0, 0, bucket.numel);
+      int64_t filled = 0;  // elements of the bucket written so far, in order
       for (size_t i : bucket.params) {
         auto& p = params[i];
+        auto slot = alias_into(bucket.staging, offsets[i] - bucket.offset, p.sizes());
         if (p.grad().defined()) {
-          alias_into(bucket.staging, offsets[i] - bucket.offset, p.sizes()).copy_(p.grad());
+          slot.copy_(p.grad());
           p.mutable_grad() = at::Tensor();
+        } else {
+          slot.zero_();
         }
+        filled += p.numel();
       }
-      int64_t live = 0;
-      for (const auto& b : buckets)
-        if (b.staging.defined()) live += b.staging.numel() * b.staging.element_size();
-      stats.bucket_bytes_peak = std::max(stats.bucket_bytes_peak, live);
+      bucket.staging.narrow(0, filled, bucket.numel - filled).zero_();  // the padding
     }
     bucket.work = group.reduce_scatter_tensor_async(bucket.shard_grad, bucket.staging);
     if (options.stage == 2) in_flight.push_back(static_cast<size_t>(&bucket - buckets.data()));
@@ -376,8 +394,9 @@ struct ZeroOptimizer::Engine {
         inputs.clear();
         in_flight = 0;
       }
-      // The input is a copy: rank r's piece of the output is the shard itself.
-      inputs.push_back(b.shard.clone());
+      // In place: this rank's piece of the output is the input (the transport copies it first
+      // where it needs to).
+      inputs.push_back(b.shard);
       auto output = flat_params.narrow(0, b.offset, b.numel);
       works.push_back(group.allgather_into_async(output, inputs.back()));
       stats.bytes_sent_last_step += b.numel / world() * (world() - 1) * flat_params.element_size();
