@@ -2,12 +2,13 @@
 # Builds and tests cohort against another Debian suite's libtorch, inside a Debian root made with
 # debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
 #
-#   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-tests]
+#   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--no-tests]
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
 # later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
 # bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the
-# library and CLI without the precompiled header (every file includes what it uses). --cuda
+# library and CLI without the precompiled header (every file includes what it uses); --no-bench
+# leaves the benchmarks out. --cuda
 # instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
 # download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
 # Needs root.
@@ -17,12 +18,14 @@ suite=sid
 cuda=0
 core_pch=ON
 tests=1
+bench=ON
 while [ $# -gt 0 ]; do
   case "$1" in
     --suite) suite="$2"; shift 2 ;;
     --cuda) cuda=1; shift ;;
     --no-core-pch) core_pch=OFF; shift ;;
     --no-tests) tests=0; shift ;;
+    --no-bench) bench=OFF; shift ;;
     *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
   esac
 done
@@ -125,7 +128,12 @@ log "$(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev 2>/dev/nu
 build="build-$suite"
 # The configuration is made once per build folder; a changed option starts it afresh.
 if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt"; then rm -rf "${src:?}/$build"; fi
-in_root env COHORT_BUILD_DIR="/src/$build" COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch" /src/scripts/setup.sh
+# --no-bench (CI: the benchmarks are built and compiled in the 1.13 lane) reconfigures in place.
+if [ -f "$src/$build/build.ninja" ] && ! grep -qs "^COHORT_BUILD_BENCH:BOOL=$bench\$" "$src/$build/CMakeCache.txt"; then
+  in_root cmake -S /src -B "/src/$build" -DCOHORT_BUILD_BENCH="$bench" >&2
+fi
+in_root env COHORT_BUILD_DIR="/src/$build" \
+  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench" /src/scripts/setup.sh
 log "built $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
 if [ "$tests" -eq 1 ]; then
   in_root ctest --test-dir "/src/$build" --output-on-failure -j2

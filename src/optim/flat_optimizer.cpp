@@ -506,6 +506,25 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
   return loss;
 }
 
+std::vector<std::string> FlatOptimizer::state_buffer_names() const {
+  return param_groups_.empty() ? std::vector<std::string>{}
+                               : state_names(algorithm_, param_groups_[0].options());
+}
+
+std::vector<torch::Tensor> FlatOptimizer::state_buffers(size_t group) const {
+  const auto& parts = impl_->groups.at(group);
+  return parts.empty() ? std::vector<torch::Tensor>{} : parts.front().state;
+}
+
+int64_t FlatOptimizer::steps_taken(size_t group) const {
+  const auto& parts = impl_->groups.at(group);
+  return parts.empty() || parts.front().steps.empty() ? 0 : parts.front().steps.front();
+}
+
+void FlatOptimizer::set_steps_taken(size_t group, int64_t steps) {
+  for (auto& part : impl_->groups.at(group)) std::fill(part.steps.begin(), part.steps.end(), steps);
+}
+
 void FlatOptimizer::skip_step() {
   for (auto& parts : impl_->groups)
     for (auto& part : parts) part.gathered_grad.clear();

@@ -489,6 +489,28 @@ void ZeroOptimizer::skip_step() {
   engine_->consume_gradients();
 }
 
+std::vector<ZeroOptimizer::ShardPiece> ZeroOptimizer::shard_pieces() const {
+  const auto& e = *engine_;
+  std::vector<ShardPiece> pieces;
+  for (size_t g = 0; g < e.buckets.size(); ++g) {
+    const auto& b = e.buckets[g];
+    const int64_t piece = b.numel / e.world();
+    const int64_t first = b.offset + e.rank() * piece;  // in the flat buffer
+    for (size_t i : b.params) {
+      const int64_t start = std::max(first, e.offsets[i]);
+      const int64_t end = std::min(first + piece, e.offsets[i] + e.params[i].numel());
+      if (start >= end) continue;
+      pieces.push_back({e.names[i], e.params[i].sizes().vec(), start - e.offsets[i], end - start, g,
+                        start - first});
+    }
+  }
+  return pieces;
+}
+
+void ZeroOptimizer::set_steps(int64_t steps) {
+  for (size_t g = 0; g < param_groups().size(); ++g) set_steps_taken(g, steps);
+}
+
 int ZeroOptimizer::stage() const { return engine_->options.stage; }
 
 const comm::ProcessGroup& ZeroOptimizer::process_group() const { return engine_->group; }

@@ -63,7 +63,7 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
   });
 }
 
-std::map<std::string, at::Tensor> read(const std::filesystem::path& file) {
+Header read_header(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UsageError("cannot open safetensors file " + file.string());
   const auto size = static_cast<int64_t>(std::filesystem::file_size(file));
@@ -79,27 +79,65 @@ std::map<std::string, at::Tensor> read(const std::filesystem::path& file) {
   }
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
-  Json header;
+  Json json;
   try {
-    header = Json::parse(text);
+    json = Json::parse(text);
   } catch (const std::exception& e) {
     throw UsageError("safetensors file " + file.string() + " has a corrupt header: " + e.what());
   }
-  const int64_t data_start = 8 + static_cast<int64_t>(header_size);
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, info] : header.items()) {
-    if (name == "__metadata__") continue;
-    const auto type = dtype_of(info.at("dtype").get<std::string>(), file);
-    const auto shape = info.at("shape").get<std::vector<int64_t>>();
-    const auto begin = info.at("data_offsets")[0].get<int64_t>();
-    const auto end = info.at("data_offsets")[1].get<int64_t>();
-    auto tensor = torch::empty(shape, torch::TensorOptions().dtype(type));
-    if (end - begin != tensor.numel() * tensor.element_size() || data_start + end > size) {
+  Header header;
+  header.data_start = 8 + static_cast<int64_t>(header_size);
+  for (const auto& [name, info] : json.items()) {
+    if (name == "__metadata__") {
+      for (const auto& [key, value] : info.items())
+        if (value.is_string()) header.metadata[key] = value.get<std::string>();
+      continue;
+    }
+    TensorInfo t;
+    t.dtype = dtype_of(info.at("dtype").get<std::string>(), file);
+    t.shape = info.at("shape").get<std::vector<int64_t>>();
+    t.begin = info.at("data_offsets")[0].get<int64_t>();
+    t.end = info.at("data_offsets")[1].get<int64_t>();
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    if (t.end - t.begin != numel * static_cast<int64_t>(c10::elementSize(t.dtype)) ||
+        header.data_start + t.end > size) {
       throw UsageError("safetensors file " + file.string() + ": tensor '" + name +
                        "' does not fit its byte range (truncated or corrupt file)");
     }
-    in.seekg(data_start + begin);
-    in.read(static_cast<char*>(tensor.data_ptr()), end - begin);
+    header.tensors[name] = std::move(t);
+  }
+  return header;
+}
+
+void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,
+                   int64_t first, at::Tensor& out) {
+  auto it = header.tensors.find(name);
+  if (it == header.tensors.end())
+    throw UsageError("safetensors file " + file.string() + " has no tensor '" + name + "'");
+  const auto& t = it->second;
+  const int64_t element = static_cast<int64_t>(c10::elementSize(t.dtype));
+  const int64_t begin = t.begin + first * element;
+  const int64_t bytes = out.numel() * element;
+  if (out.scalar_type() != t.dtype || !out.is_contiguous() || !out.is_cpu() || first < 0 ||
+      begin + bytes > t.end) {
+    throw UsageError("safetensors file " + file.string() + ": elements [" + std::to_string(first) +
+                     ", " + std::to_string(first + out.numel()) + ") of '" + name +
+                     "' are outside the tensor or of another dtype");
+  }
+  std::ifstream in(file, std::ios::binary);
+  in.seekg(header.data_start + begin);
+  if (!in.read(static_cast<char*>(out.data_ptr()), bytes))
+    throw UsageError("safetensors file " + file.string() + " is truncated in '" + name + "'");
+}
+
+std::map<std::string, at::Tensor> read(const std::filesystem::path& file) {
+  const auto header = read_header(file);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, info] : header.tensors) {
+    auto tensor = torch::empty(info.shape, torch::TensorOptions().dtype(info.dtype));
+    auto flat = tensor.view({-1});
+    read_elements(file, header, name, 0, flat);
     out[name] = tensor;
   }
   return out;
@@ -205,11 +243,121 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 
 namespace {
 
-// A ZeRO optimizer's state is one file per rank, named for its rank and the world size.
-std::string zero_shard_file(const parallel::ZeroOptimizer& zero) {
+// A ZeRO optimizer's state, sharded: every rank writes its pieces of each parameter's state as
+// "<parameter>/<state>/<first element>" into zero-rank<r>-of-<N>.safetensors, and rank 0 the
+// manifest, which lists the files, the parameters' shapes and what every piece needs to resume.
+// A load at any world size reads, for each piece of its own shard, only the overlapping
+// ranges.
+constexpr const char* kZeroManifest = "zero_manifest.json";
+constexpr const char* kZeroFormat = "cohort.zero.v1";
+
+std::string zero_shard_file(int rank, int world_size) {
+  return "zero-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) + ".safetensors";
+}
+
+void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
+  torch::NoGradGuard no_grad;
   const auto& group = zero.process_group();
-  return "optimizer.zero-rank" + std::to_string(group.rank()) + "-of-" +
-         std::to_string(group.world_size()) + ".pt";
+  const auto names = zero.state_names();
+  const auto pieces = zero.shard_pieces();
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& piece : pieces) {
+    const auto state = zero.shard_state(piece.group);
+    for (size_t s = 0; s < names.size(); ++s) {
+      tensors[piece.parameter + "/" + names[s] + "/" + std::to_string(piece.begin)] =
+          state[s].narrow(0, piece.offset, piece.length);
+    }
+  }
+  safetensors::write(dir / zero_shard_file(group.rank(), group.world_size()), tensors,
+                     {{"format", kZeroFormat}});
+  if (group.rank() != 0) return;
+  Json files = Json::array();
+  for (int r = 0; r < group.world_size(); ++r)
+    files.push_back(zero_shard_file(r, group.world_size()));
+  const auto& options = zero.param_groups().front().options();
+  write_atomically(dir / kZeroManifest, Json{{"format", kZeroFormat},
+                                             {"world_size", group.world_size()},
+                                             {"stage", zero.stage()},
+                                             {"algorithm", zero.algorithm()},
+                                             {"steps", zero.steps()},
+                                             {"lr", options.get_lr()},
+                                             {"state_names", names},
+                                             {"files", files}}
+                                                .dump(2) +
+                                            "\n");
+}
+
+void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
+  torch::NoGradGuard no_grad;
+  const auto manifest_file = dir / kZeroManifest;
+  const auto manifest = read_json(manifest_file);
+  if (manifest.value("format", "") != kZeroFormat) {
+    throw UsageError("checkpoint " + dir.string() + ": " + manifest_file.filename().string() +
+                     " is not a ZeRO manifest of format " + kZeroFormat);
+  }
+  const auto names = zero.state_names();
+  if (manifest.value("algorithm", "") != zero.algorithm() ||
+      manifest.value("state_names", Json::array()) != Json(names)) {
+    throw UsageError("checkpoint " + dir.string() + " holds " +
+                     manifest.value("algorithm", std::string("?")) + " state; this optimizer is " +
+                     zero.algorithm() + ": resume with the optimizer that wrote it");
+  }
+  // Every file's header, and its entries by parameter and state.
+  struct Entry {
+    std::filesystem::path file;
+    const safetensors::Header* header;
+    std::string name;
+    int64_t begin, length;
+  };
+  std::vector<std::pair<std::filesystem::path, safetensors::Header>> headers;
+  for (const auto& f : manifest.at("files")) {
+    const auto file = dir / f.get<std::string>();
+    if (!std::filesystem::exists(file)) {
+      throw UsageError("checkpoint " + dir.string() + ": the shard file " +
+                       file.filename().string() + " named by " + kZeroManifest + " is missing");
+    }
+    headers.emplace_back(file, safetensors::read_header(file));
+  }
+  std::map<std::string, std::vector<Entry>> entries;  // "<parameter>/<state>"
+  for (const auto& [file, header] : headers) {
+    for (const auto& [name, info] : header.tensors) {
+      const auto slash = name.rfind('/');
+      if (slash == std::string::npos || info.shape.size() != 1) continue;
+      entries[name.substr(0, slash)].push_back(
+          {file, &header, name, std::stoll(name.substr(slash + 1)), info.shape[0]});
+    }
+  }
+  for (const auto& piece : zero.shard_pieces()) {
+    auto state = zero.shard_state(piece.group);
+    for (size_t s = 0; s < names.size(); ++s) {
+      const auto key = piece.parameter + "/" + names[s];
+      int64_t covered = 0;
+      for (const auto& e : entries[key]) {
+        const int64_t start = std::max(piece.begin, e.begin);
+        const int64_t end = std::min(piece.begin + piece.length, e.begin + e.length);
+        if (start >= end) continue;
+        auto target = state[s].narrow(0, piece.offset + start - piece.begin, end - start);
+        auto buffer =
+            target.is_contiguous() && target.is_cpu() && target.scalar_type() == at::kFloat
+                ? target
+                : at::empty({end - start}, at::kFloat);
+        safetensors::read_elements(e.file, *e.header, e.name, start - e.begin, buffer);
+        if (!buffer.is_same(target)) target.copy_(buffer);
+        covered += end - start;
+      }
+      if (covered != piece.length) {
+        throw UsageError("checkpoint " + dir.string() + ": its ZeRO shards cover " +
+                         std::to_string(covered) + " of the " + std::to_string(piece.length) +
+                         " elements [" + std::to_string(piece.begin) + ", " +
+                         std::to_string(piece.begin + piece.length) + ") of " + names[s] +
+                         " of parameter '" + piece.parameter +
+                         "': a shard file is missing or altered, or the model differs");
+      }
+    }
+  }
+  zero.set_steps(manifest.at("steps").get<int64_t>());
+  const double lr = manifest.at("lr").get<double>();
+  for (auto& group : zero.param_groups()) group.options().set_lr(lr);
 }
 
 }  // namespace
@@ -221,7 +369,7 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
     // Every rank reports its own shard; the parameters are whole on every rank, rank 0 writes
     // them.
     if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
-    save_optimizer(optimizer, dir / zero_shard_file(*zero));
+    save_zero_shards(*zero, dir);
   } else {
     save_model(module, dir / "model.safetensors");
     save_optimizer(optimizer, dir / "optimizer.pt");
@@ -237,20 +385,20 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
   load_model(module, checkpoint.path() / "model.safetensors");
-  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
-    const auto file = checkpoint.path() / zero_shard_file(*zero);
-    if (!std::filesystem::exists(file)) {
-      const int written_by = checkpoint.world_size();
-      throw UsageError(
-          "checkpoint " + checkpoint.path().string() + " has no " + file.filename().string() +
-          (std::filesystem::exists(checkpoint.path() / "optimizer.pt")
-               ? ": it was written without ZeRO"
-               : ": it was written by " + std::to_string(written_by) + " ranks") +
-          ", and loading ZeRO optimizer state at another world size or from DDP is not built "
-          "yet: resume with the same number of workers and ZeRO stage");
+  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
+    if (!std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
+      throw UsageError("checkpoint " + checkpoint.path().string() +
+                       " was written without ZeRO (no " + kZeroManifest +
+                       "): loading DDP optimizer state into ZeRO is not built yet; resume "
+                       "with --zero-stage 0");
     }
-    load_optimizer(optimizer, file);
+    load_zero_shards(*zero, checkpoint.path());
   } else {
+    if (std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
+      throw UsageError("checkpoint " + checkpoint.path().string() +
+                       " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
+                       "workers); loading them into a DDP optimizer is not built yet");
+    }
     load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
   }
   auto* session = current_session();

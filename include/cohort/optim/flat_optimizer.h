@@ -59,6 +59,14 @@ class FlatOptimizer : public torch::optim::Optimizer {
   FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, std::string algorithm);
 
+  // For subclasses that own the layout (ZeRO's shards: one parameter per group): the names of the
+  // state buffers (e.g. exp_avg, exp_avg_sq), group g's buffers in that order (its first
+  // partition's), and the steps its first parameter took.
+  std::vector<std::string> state_buffer_names() const;
+  std::vector<torch::Tensor> state_buffers(size_t group) const;
+  int64_t steps_taken(size_t group) const;
+  void set_steps_taken(size_t group, int64_t steps);
+
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;

@@ -2,6 +2,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -66,8 +67,9 @@ struct ZeroStats {
 // param_groups() (one group per bucket, every one with the optimizer's options: an lr set on
 // them all, as the LR schedules and linear_lr_scaling do, applies at the next step),
 // clip_grad_norm() (the global norm over every rank's shard), a LossScaler and save/load
-// (this rank's shard) work unchanged. The parameters' .grad are consumed by the synchronising
-// backward: the averaged gradients live sharded here.
+// (this rank's shard, at the same world size) work unchanged; train::save_checkpoint and
+// load_checkpoint write and read sharded checkpoints that reload at any world size. The parameters'
+// .grad are consumed by the synchronising backward: the averaged gradients live sharded here.
 //
 // At construction every rank checks that all ranks built the same parameters, then takes rank
 // 0's parameters and buffers. All trainable parameters must share one dtype and device, and
@@ -104,6 +106,25 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   int stage() const;
   const comm::ProcessGroup& process_group() const;
   ZeroStats stats() const;
+
+  // What this rank's shard holds, for checkpoints that reload at any world size: each piece is
+  // the flattened elements [begin, begin + length) of one parameter, at `offset` in the state
+  // buffers of param group `group`.
+  struct ShardPiece {
+    std::string parameter;
+    std::vector<int64_t> shape;  // the parameter's
+    int64_t begin = 0;
+    int64_t length = 0;
+    size_t group = 0;
+    int64_t offset = 0;
+  };
+  std::vector<ShardPiece> shard_pieces() const;
+  // The optimizer state per element, by name (e.g. exp_avg, exp_avg_sq), and group g's buffers.
+  std::vector<std::string> state_names() const { return state_buffer_names(); }
+  std::vector<torch::Tensor> shard_state(size_t group) const { return state_buffers(group); }
+  // Optimizer steps taken (the same for every piece), e.g. Adam's bias correction.
+  int64_t steps() const { return steps_taken(0); }
+  void set_steps(int64_t steps);
 
   struct Engine;  // defined in src/parallel/zero_optimizer.cpp
 

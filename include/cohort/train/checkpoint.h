@@ -66,6 +66,26 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
            const std::map<std::string, std::string>& metadata = {});
 std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
 
+// A file's header: each tensor's dtype, shape and byte range (from the start of the data).
+struct TensorInfo {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+struct Header {
+  std::map<std::string, TensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+  int64_t data_start = 0;
+};
+// Reads and checks the header only (every byte range inside the file); UsageError naming the
+// file when it is truncated or corrupt.
+Header read_header(const std::filesystem::path& file);
+// Elements [first, first + out.numel()) of tensor `name`, flattened, into `out` (a contiguous
+// CPU tensor of its dtype), reading only their bytes.
+void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,
+                   int64_t first, at::Tensor& out);
+
 }  // namespace safetensors
 
 }  // namespace cohort
