@@ -223,6 +223,7 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::cout << result.metrics.dump() << std::endl;
+    std::filesystem::remove_all(result.path);
   }
   return 0;
 }

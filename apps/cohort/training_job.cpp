@@ -117,7 +117,8 @@ void report_with_checkpoint(const Json& metrics, const models::ImageClassifierIm
     return;
   }
   const auto dir =
-      std::filesystem::temp_directory_path() / ("cohort-checkpoint-" + std::to_string(::getpid()));
+      train::get_context().get_storage_path() /
+      (".report-checkpoint-rank" + std::to_string(train::get_context().get_world_rank()));
   train::report(metrics, train::save_checkpoint(dir, model, optimizer));
   std::filesystem::remove_all(dir);
 }

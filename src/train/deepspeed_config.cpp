@@ -270,18 +270,15 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
   zero.stage = static_cast<int>(r.integer(*z, "stage", "zero_optimization.stage").value_or(0));
   if (zero.stage < 0 || zero.stage > 3)
     r.fail("zero_optimization.stage", std::to_string(zero.stage) + " is not one of 0, 1, 2, 3");
-  zero.reduce_bucket_size =
-      r.integer(*z, "reduce_bucket_size", "zero_optimization.reduce_bucket_size")
-          .value_or(zero.reduce_bucket_size);
-  if (zero.reduce_bucket_size <= 0)
-    r.fail("zero_optimization.reduce_bucket_size",
-           "must be > 0, got " + std::to_string(zero.reduce_bucket_size));
-  zero.allgather_bucket_size =
-      r.integer(*z, "allgather_bucket_size", "zero_optimization.allgather_bucket_size")
-          .value_or(zero.allgather_bucket_size);
-  if (zero.allgather_bucket_size <= 0)
-    r.fail("zero_optimization.allgather_bucket_size",
-           "must be > 0, got " + std::to_string(zero.allgather_bucket_size));
+  // A bucket size: DeepSpeed's default when absent, else > 0.
+  const auto bucket = [&](const char* key, int64_t fallback) {
+    const std::string path = std::string("zero_optimization.") + key;
+    const int64_t value = r.integer(*z, key, path).value_or(fallback);
+    if (value <= 0) r.fail(path, "must be > 0, got " + std::to_string(value));
+    return value;
+  };
+  zero.reduce_bucket_size = bucket("reduce_bucket_size", zero.reduce_bucket_size);
+  zero.allgather_bucket_size = bucket("allgather_bucket_size", zero.allgather_bucket_size);
   zero.overlap_comm =
       r.boolean(*z, "overlap_comm", "zero_optimization.overlap_comm").value_or(zero.overlap_comm);
   for (const char* key :
