@@ -108,11 +108,11 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
 }
 
 // Rank 0 writes the model (safetensors) and optimizer state (with ZeRO every rank its shard of
-// the state); every rank reports, so that the checkpoint is committed once all ranks got there.
+// the state, with local SGD its own state); every rank reports, so that the checkpoint is committed
+// once all ranks got there.
 void report_with_checkpoint(const Json& metrics, const models::ImageClassifierImpl& model,
                             const torch::optim::Optimizer& optimizer) {
-  const bool sharded = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr;
-  if (train::get_context().get_world_rank() != 0 && !sharded) {
+  if (train::get_context().get_world_rank() != 0 && !train::checkpoint_per_rank(optimizer)) {
     train::report(metrics);
     return;
   }
@@ -176,6 +176,14 @@ void validate(const TrainOptions& o) {
                      std::to_string(o.gradient_accumulation_steps) + " must be >= 1");
   }
   o.zero.validate();
+  const auto sync = sync_of(o);
+  if (!parallel::is_synchronous(sync) && o.zero.stage > 0) {
+    throw UsageError("--sync " + o.sync + " cannot be combined with ZeRO stage " +
+                     std::to_string(o.zero.stage) +
+                     (o.deepspeed.empty() ? " (--zero-stage)" : " (from " + o.deepspeed + ")") +
+                     ": ZeRO's shards need every worker to step the same gradients; use "
+                     "--zero-stage 0 or --sync ddp");
+  }
   if (o.test_examples < 0) {
     throw UsageError("--test-examples " + std::to_string(o.test_examples) +
                      " must be >= 0 (0: all)");
@@ -213,6 +221,53 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
                         {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
 }
 
+parallel::SyncMode sync_of(const TrainOptions& o) {
+  auto mode = parallel::parse_sync_mode(o.sync);
+  auto* diloco = std::get_if<parallel::DiLoCo>(&mode);
+  if (diloco == nullptr && (o.outer_lr || o.outer_momentum || !o.nesterov)) {
+    throw UsageError(
+        "--outer-lr, --outer-momentum and --no-nesterov set DiLoCo's outer optimizer: use them "
+        "with --sync diloco:H, not --sync " +
+        o.sync);
+  }
+  if (diloco != nullptr) {
+    if (o.outer_lr) diloco->outer_lr = *o.outer_lr;
+    if (o.outer_momentum) diloco->outer_momentum = *o.outer_momentum;
+    diloco->nesterov = o.nesterov;
+  }
+  try {
+    parallel::validate(mode);
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("--sync ") + o.sync +
+                     " with --outer-lr / --outer-momentum: " + e.what());
+  }
+  return mode;
+}
+
+namespace {
+
+Json sync_to_json(const parallel::SyncMode& mode) {
+  Json j{{"mode", parallel::to_string(mode)}};
+  if (const auto* d = std::get_if<parallel::DiLoCo>(&mode)) {
+    j["outer_lr"] = d->outer_lr;
+    j["outer_momentum"] = d->outer_momentum;
+    j["nesterov"] = d->nesterov;
+  }
+  return j;
+}
+
+parallel::SyncMode sync_from_json(const Json& j) {
+  auto mode = parallel::parse_sync_mode(j.at("mode").get<std::string>());
+  if (auto* d = std::get_if<parallel::DiLoCo>(&mode)) {
+    d->outer_lr = j.at("outer_lr").get<double>();
+    d->outer_momentum = j.at("outer_momentum").get<double>();
+    d->nesterov = j.at("nesterov").get<bool>();
+  }
+  return mode;
+}
+
+}  // namespace
+
 Json to_json(const TrainOptions& o) {
   Json config{{"model", o.model},
               {"data_dir", data_dir_of(o).string()},
@@ -235,7 +290,8 @@ Json to_json(const TrainOptions& o) {
               {"flat_optimizer", o.flat_optimizer},
               {"gradient_clipping", o.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
-              {"lr_decay", o.lr_decay}};
+              {"lr_decay", o.lr_decay},
+              {"sync", sync_to_json(sync_of(o))}};
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
@@ -313,7 +369,8 @@ void train_loop(const Json& c) {
   }
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
-  train::prepare_model(model, {.zero = zero});
+  const auto sync = c.contains("sync") ? sync_from_json(c["sync"]) : parallel::SyncMode{};
+  train::prepare_model(model, {.zero = zero, .sync = sync});
   auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
   int start_epoch = 0;
   int64_t steps = 0;
@@ -429,6 +486,9 @@ void train_loop(const Json& c) {
            {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
       if (max_steps > 0 && steps >= max_steps) break;
     }
+    // Local SGD and DiLoCo: the replicas agree at the end of every epoch too, so that the
+    // evaluation and the checkpoint are of one model.
+    if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get())) local->sync();
     // The epoch's mean training loss over all ranks.
     std::vector<at::Tensor> loss_stats{
         torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
@@ -527,6 +587,20 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers) or 2 (gradients "
                   "too)")
       ->capture_default_str();
+  cmd->add_option("--sync", o.sync,
+                  "how the workers agree: ddp (gradients averaged every step), local-sgd:H "
+                  "(parameters averaged every H steps) or diloco:H (every H steps an outer "
+                  "Nesterov SGD step on the averaged parameter change); H >= 1. Local SGD and "
+                  "DiLoCo also synchronise at the end of every epoch")
+      ->capture_default_str();
+  cmd->add_option(
+      "--outer-lr", o.outer_lr,
+      "DiLoCo's outer learning rate (default: " + Json(parallel::DiLoCo{}.outer_lr).dump() + ")");
+  cmd->add_option(
+      "--outer-momentum", o.outer_momentum,
+      "DiLoCo's outer momentum (default: " + Json(parallel::DiLoCo{}.outer_momentum).dump() + ")");
+  cmd->add_flag("--nesterov,!--no-nesterov", o.nesterov,
+                "DiLoCo's outer momentum: Nesterov's (default) or plain");
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
                   "gradient_clipping and zero_optimization replace those options");

@@ -11,6 +11,7 @@
 #include "cohort/data/dataset.h"
 #include "cohort/json.h"
 #include "cohort/optim/lr_scheduler.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/config.h"
 
@@ -43,6 +44,12 @@ struct TrainOptions {
   int64_t test_examples = 0;                // evaluate on the first N test examples only; 0: all
   int64_t gradient_accumulation_steps = 1;  // micro-batches per optimizer step
   parallel::ZeroOptions zero;               // stage 0: DDP
+  // ddp, local-sgd:H or diloco:H (parallel::parse_sync_mode); DiLoCo's outer optimizer, unset:
+  // parallel::DiLoCo's defaults.
+  std::string sync = "ddp";
+  std::optional<double> outer_lr;
+  std::optional<double> outer_momentum;
+  bool nesterov = true;
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
   // From a DeepSpeed config only: Adam's betas and eps, the lr schedule, the fp16 loss scaler.
@@ -74,6 +81,9 @@ void validate(const TrainOptions& options);
 
 // The Trainer datasets of a job: "train", normalised by its preprocessing workers.
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
+
+// The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
+parallel::SyncMode sync_of(const TrainOptions& options);
 
 // The train_loop_config of a job: what every worker reads.
 Json to_json(const TrainOptions& options);

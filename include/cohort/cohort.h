@@ -21,6 +21,7 @@
 #include "cohort/optim/precision.h"
 
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 #include "cohort/data/block.h"

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <exception>
 #include <mutex>
 #include <optional>
@@ -164,6 +165,15 @@ struct ProcessGroup::State {
   // Read by the heartbeat thread while the training thread launches collectives.
   std::atomic<int64_t> entered{0};
   std::atomic<const char*> last{"none"};
+  // bytes_sent(): one counter for a group and its sub-groups.
+  std::shared_ptr<std::atomic<int64_t>> bytes_sent = std::make_shared<std::atomic<int64_t>>(0);
+  // Adds `fraction` x `bytes` to bytes_sent().
+  void count_sent(double fraction, int64_t bytes) {
+    bytes_sent->fetch_add(
+        static_cast<int64_t>(std::llround(fraction * static_cast<double>(bytes))));
+  }
+  double others() const { return static_cast<double>(world_size - 1); }
+  double share_of_others() const { return others() / world_size; }
 
   bool subgroup = false;  // made by new_group or split
 
@@ -399,8 +409,10 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks,
   sub.prefix = prefix;
   std::vector<int> global;
   for (int r : ranks) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
-  return ProcessGroup(make_group(state_->store, static_cast<int>(mine - ranks.begin()),
-                                 static_cast<int>(ranks.size()), sub, std::move(global), true));
+  auto group = make_group(state_->store, static_cast<int>(mine - ranks.begin()),
+                          static_cast<int>(ranks.size()), sub, std::move(global), true);
+  group->bytes_sent = state_->bytes_sent;
+  return ProcessGroup(std::move(group));
 }
 
 ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition) {
@@ -420,8 +432,10 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
     sub.prefix = state_->options.prefix + "/" + std::to_string(call) + "." + std::to_string(i);
     std::vector<int> global;
     for (int r : part) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
-    return ProcessGroup(make_group(state_->store, static_cast<int>(mine - part.begin()),
-                                   static_cast<int>(part.size()), sub, std::move(global), true));
+    auto group = make_group(state_->store, static_cast<int>(mine - part.begin()),
+                            static_cast<int>(part.size()), sub, std::move(global), true);
+    group->bytes_sent = state_->bytes_sent;
+    return ProcessGroup(std::move(group));
   }
   throw RuntimeError("split: rank " + std::to_string(state_->rank) + " is in no part");
 }
@@ -460,6 +474,7 @@ std::vector<GroupActivity> group_activity() {
 
 int64_t ProcessGroup::collectives_entered() const { return state_ ? state_->entered.load() : 0; }
 std::string ProcessGroup::last_collective() const { return state_ ? state_->last.load() : "none"; }
+int64_t ProcessGroup::bytes_sent() const { return state_ ? state_->bytes_sent->load() : 0; }
 
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
@@ -468,6 +483,7 @@ Backend ProcessGroup::backend() const { return state_->options.backend; }
 
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {
   check_same_kind(tensors, "allreduce");
+  for (const auto& t : tensors) state_->count_sent(2 * state_->share_of_others(), t.nbytes());
   return state_->run("allreduce", tensors[0],
                      [&](Transport& t) { return t.allreduce(tensors, op); });
 }
@@ -483,8 +499,10 @@ Work ProcessGroup::broadcast_async(std::vector<at::Tensor>& tensors, int root) {
                      " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) +
                      ")");
   }
-  return state_->run("broadcast", tensors[0],
-                     [&](Transport& t) { return t.broadcast(tensors, root); });
+  return state_->run("broadcast", tensors[0], [&](Transport& t) {
+    for (const auto& x : tensors) state_->count_sent(state_->share_of_others(), x.nbytes());
+    return t.broadcast(tensors, root);
+  });
 }
 
 void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
@@ -493,8 +511,10 @@ void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
 
 Work ProcessGroup::allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
   state_->check_one_per_rank(outputs, input, "allgather", "outputs");
-  return state_->run("allgather", input,
-                     [&](Transport& t) { return t.allgather(outputs, input.contiguous()); });
+  return state_->run("allgather", input, [&](Transport& t) {
+    state_->count_sent(state_->others(), input.nbytes());
+    return t.allgather(outputs, input.contiguous());
+  });
 }
 
 std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
@@ -507,8 +527,10 @@ std::vector<at::Tensor> ProcessGroup::allgather(const at::Tensor& tensor) {
 
 Work ProcessGroup::allgather_into_async(at::Tensor& output, const at::Tensor& input) {
   check_numel(output, input, state_->world_size, "allgather_into", "output", "input");
-  return state_->run("allgather_into", input,
-                     [&](Transport& t) { return t.allgather_into(output, input.contiguous()); });
+  return state_->run("allgather_into", input, [&](Transport& t) {
+    state_->count_sent(state_->others(), input.nbytes());
+    return t.allgather_into(output, input.contiguous());
+  });
 }
 
 void ProcessGroup::allgather_into(at::Tensor& output, const at::Tensor& input) {
@@ -525,8 +547,10 @@ Work ProcessGroup::reduce_scatter_async(at::Tensor& output, std::vector<at::Tens
                        ", got " + c10::str(in.sizes()));
     }
   }
-  return state_->run("reduce_scatter", output,
-                     [&](Transport& t) { return t.reduce_scatter(output, inputs, op); });
+  return state_->run("reduce_scatter", output, [&](Transport& t) {
+    state_->count_sent(state_->others(), output.nbytes());
+    return t.reduce_scatter(output, inputs, op);
+  });
 }
 
 void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
@@ -537,8 +561,10 @@ void ProcessGroup::reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& i
 Work ProcessGroup::reduce_scatter_tensor_async(at::Tensor& output, const at::Tensor& input,
                                                ReduceOp op) {
   check_numel(input, output, state_->world_size, "reduce_scatter_tensor", "input", "output");
-  return state_->run("reduce_scatter_tensor", output,
-                     [&](Transport& t) { return t.reduce_scatter_tensor(output, input, op); });
+  return state_->run("reduce_scatter_tensor", output, [&](Transport& t) {
+    state_->count_sent(state_->others(), output.nbytes());
+    return t.reduce_scatter_tensor(output, input, op);
+  });
 }
 
 void ProcessGroup::reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input, ReduceOp op) {
@@ -571,6 +597,11 @@ Work ProcessGroup::all_to_all_async(at::Tensor& output, const at::Tensor& input,
   check_splits(output_split_sizes, output, "output");
   check_splits(input_split_sizes, input, "input");
   return state_->run("all_to_all", input, [&](Transport& t) {
+    const int64_t mine = input_split_sizes.empty()
+                             ? input.size(0) / world
+                             : input_split_sizes[static_cast<size_t>(state_->rank)];
+    state_->count_sent(
+        1.0, input.nbytes() - (input.size(0) ? input.nbytes() / input.size(0) * mine : 0));
     return t.all_to_all(output, input.contiguous(), output_split_sizes, input_split_sizes);
   });
 }
@@ -583,8 +614,10 @@ void ProcessGroup::all_to_all(at::Tensor& output, const at::Tensor& input,
 
 Work ProcessGroup::send_async(const at::Tensor& tensor, int peer, int tag) {
   state_->check_peer(peer, "send");
-  return state_->run("send", tensor,
-                     [&](Transport& t) { return t.send(tensor.contiguous(), peer, tag); });
+  return state_->run("send", tensor, [&](Transport& t) {
+    state_->count_sent(1.0, tensor.nbytes());
+    return t.send(tensor.contiguous(), peer, tag);
+  });
 }
 
 void ProcessGroup::send(const at::Tensor& tensor, int peer, int tag) {

@@ -293,13 +293,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (impl.params[i].requires_grad()) impl.trainable.push_back(i);
   }
   for (const auto& b : impl.module->buffers()) impl.buffers.push_back(b);
-  if (impl.group.world_size() > 1) {
-    detail::verify_same_layout(impl.group, impl.names, impl.params, "prepare_model");
-    std::vector<at::Tensor> state;
-    for (const auto& p : impl.params) state.push_back(p.detach());
-    state.insert(state.end(), impl.buffers.begin(), impl.buffers.end());
-    detail::broadcast_from_rank0(impl.group, state);
-  }
+  detail::start_replicas(impl.group, impl.names, impl.params, impl.buffers, "prepare_model");
   impl.ready.assign(impl.params.size(), 0);
   impl.used_since_sync.assign(impl.params.size(), 0);
   impl.build_buckets(std::vector<size_t>(impl.trainable.rbegin(), impl.trainable.rend()));

@@ -2,7 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
+#include <set>
 #include <utility>
 
 #include "cohort/error.h"
@@ -23,6 +25,52 @@ std::string format_shape(at::IntArrayRef dims) {
 
 std::string describe(const at::Tensor& t) {
   return format_shape(t.sizes()) + " " + c10::toString(t.scalar_type());
+}
+
+void start_replicas(comm::ProcessGroup& group, const std::vector<std::string>& names,
+                    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
+                    const std::string& who) {
+  if (group.world_size() < 2) return;
+  verify_same_layout(group, names, params, who);
+  std::vector<at::Tensor> state;
+  for (const auto& p : params) state.push_back(p.detach());
+  state.insert(state.end(), buffers.begin(), buffers.end());
+  broadcast_from_rank0(group, state);
+}
+
+NamedParameters trainable_parameters(const torch::nn::Module& module,
+                                     const std::vector<at::Tensor>& optimizer_params,
+                                     const std::string& who) {
+  NamedParameters out;
+  for (const auto& item : module.named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    out.names.push_back(item.key());
+    out.params.push_back(item.value());
+  }
+  if (out.params.empty()) throw UsageError(who + ": the module has no trainable parameters");
+  std::set<const void*> theirs;
+  for (const auto& p : optimizer_params) theirs.insert(p.unsafeGetTensorImpl());
+  const auto& first = out.params[0];
+  for (size_t i = 0; i < out.params.size(); ++i) {
+    const auto& p = out.params[i];
+    if (!theirs.count(p.unsafeGetTensorImpl())) {
+      throw UsageError(who + ": parameter '" + out.names[i] +
+                       "' of the module is not in the optimizer: build the optimizer over "
+                       "module->parameters()");
+    }
+    if (p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
+      throw UsageError(who + ": parameter '" + out.names[i] + "' is " + describe(p) + " on " +
+                       p.device().str() + ", '" + out.names[0] + "' " + describe(first) + " on " +
+                       first.device().str() + ": " + who +
+                       " needs one dtype and device for all trainable parameters");
+    }
+  }
+  if (theirs.size() != out.params.size()) {
+    throw UsageError(who + ": the optimizer holds " + std::to_string(theirs.size()) +
+                     " parameters, the module " + std::to_string(out.params.size()) +
+                     " trainable ones: build the optimizer over module->parameters()");
+  }
+  return out;
 }
 
 void verify_same_layout(comm::ProcessGroup& group, const std::vector<std::string>& names,
@@ -65,7 +113,12 @@ void verify_same_layout(comm::ProcessGroup& group, const std::vector<std::string
   }
 }
 
-void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+namespace {
+
+// Runs `collective` on one flat copy of `tensors` per dtype and device (all launched, then all
+// waited for), and copies the results back.
+void through_flat_copies(const std::vector<at::Tensor>& tensors,
+                         const std::function<comm::Work(std::vector<at::Tensor>&)>& collective) {
   torch::NoGradGuard no_grad;
   std::map<std::pair<at::ScalarType, std::string>, std::vector<at::Tensor>> groups;
   for (const auto& t : tensors) groups[{t.scalar_type(), t.device().str()}].push_back(t);
@@ -75,7 +128,7 @@ void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tenso
     std::vector<at::Tensor> pieces;
     for (auto& t : members) pieces.push_back(t.reshape(-1));
     std::vector<at::Tensor> flat{torch::cat(pieces)};
-    works.push_back(group.broadcast_async(flat, 0));
+    works.push_back(collective(flat));
     flats.emplace_back(&members, flat[0]);
   }
   for (auto& w : works) w.wait();
@@ -87,6 +140,19 @@ void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tenso
       offset += t.numel();
     }
   }
+}
+
+}  // namespace
+
+void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+  through_flat_copies(
+      tensors, [&](std::vector<at::Tensor>& flat) { return group.broadcast_async(flat, 0); });
+}
+
+void average_across_ranks(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors) {
+  through_flat_copies(tensors, [&](std::vector<at::Tensor>& flat) {
+    return group.allreduce_async(flat, comm::ReduceOp::kAvg);
+  });
 }
 
 }  // namespace cohort::parallel::detail

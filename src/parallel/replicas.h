@@ -3,6 +3,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include "cohort/comm/process_group.h"
 
@@ -17,6 +18,27 @@ void verify_same_layout(comm::ProcessGroup& group, const std::vector<std::string
 
 // Overwrites `tensors` with rank 0's values: one broadcast per dtype and device.
 void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors);
+// Replaces `tensors` (floating point) with their mean over the ranks: one all-reduce per dtype
+// and device.
+void average_across_ranks(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors);
+
+// Where data parallelism starts: verify_same_layout, then every rank takes rank 0's parameters
+// and buffers (nothing with one rank).
+void start_replicas(comm::ProcessGroup& group, const std::vector<std::string>& names,
+                    const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
+                    const std::string& who);
+
+// A module's trainable parameters (requires_grad), in registration order, with their names.
+struct NamedParameters {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+};
+// The module's trainable parameters, checked to be exactly `optimizer_params` (each one in it,
+// none other) and of one dtype and device: a UsageError starting with `who` names the parameter
+// otherwise, and one without any.
+NamedParameters trainable_parameters(const torch::nn::Module& module,
+                                     const std::vector<at::Tensor>& optimizer_params,
+                                     const std::string& who);
 
 // "[2,3] Float": a tensor's shape and dtype, for messages.
 std::string describe(const at::Tensor& t);

@@ -11,7 +11,6 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
-#include <set>
 #include <utility>
 
 #include "cohort/error.h"
@@ -129,43 +128,12 @@ struct ZeroOptimizer::Engine {
                        " param groups; ZeRO supports one, holding the module's parameters");
     }
     optimizer_options = optimizer.param_groups()[0].options().clone();
-    for (const auto& item : module->named_parameters()) {
-      if (!item.value().requires_grad()) continue;
-      names.push_back(item.key());
-      params.push_back(item.value());
-    }
-    if (params.empty()) throw UsageError("ZeroOptimizer: the module has no trainable parameters");
-    std::set<const void*> theirs;
-    for (const auto& p : optimizer.param_groups()[0].params())
-      theirs.insert(p.unsafeGetTensorImpl());
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (!theirs.count(params[i].unsafeGetTensorImpl())) {
-        throw UsageError("ZeroOptimizer: parameter '" + names[i] +
-                         "' of the module is not in the optimizer: build the optimizer over "
-                         "module->parameters()");
-      }
-      if (params[i].scalar_type() != params[0].scalar_type() ||
-          params[i].device() != params[0].device()) {
-        throw UsageError("ZeroOptimizer: parameter '" + names[i] + "' is " +
-                         detail::describe(params[i]) + " on " + params[i].device().str() + ", '" +
-                         names[0] + "' " + detail::describe(params[0]) + " on " +
-                         params[0].device().str() +
-                         ": ZeRO needs one dtype and device for all trainable parameters");
-      }
-    }
-    if (theirs.size() != params.size()) {
-      throw UsageError("ZeroOptimizer: the optimizer holds " + std::to_string(theirs.size()) +
-                       " parameters, the module " + std::to_string(params.size()) +
-                       " trainable ones: build the optimizer over module->parameters()");
-    }
+    auto trainable = detail::trainable_parameters(*module, optimizer.param_groups()[0].params(),
+                                                  "ZeroOptimizer");
+    names = std::move(trainable.names);
+    params = std::move(trainable.params);
     for (const auto& b : module->buffers()) buffers.push_back(b);
-    if (world() > 1) {
-      detail::verify_same_layout(group, names, params, "ZeroOptimizer");
-      std::vector<at::Tensor> state;
-      for (const auto& p : params) state.push_back(p.detach());
-      state.insert(state.end(), buffers.begin(), buffers.end());
-      detail::broadcast_from_rank0(group, state);
-    }
+    detail::start_replicas(group, names, params, buffers, "ZeroOptimizer");
     lay_out();
   }
 

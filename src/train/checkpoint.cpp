@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
@@ -360,7 +361,96 @@ void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path
   for (auto& group : zero.param_groups()) group.options().set_lr(lr);
 }
 
+// Local SGD and DiLoCo: rank 0 writes the global parameters as model.safetensors, the outer
+// momentum and local_sgd.json; every rank its own parameters and inner optimizer state, which
+// differ between synchronisations. Loaded by as many ranks, each continues exactly; by another
+// number, all start a new period from the global parameters.
+constexpr const char* kLocalSgdManifest = "local_sgd.json";
+constexpr const char* kLocalSgdFormat = "cohort.local_sgd.v1";
+constexpr const char* kOuterMomentumFile = "outer_momentum.safetensors";
+
+std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
+  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
+         extension;
+}
+
+void save_local_sgd(const parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
+                    const std::filesystem::path& dir) {
+  const auto& group = local.process_group();
+  const int rank = group.rank();
+  const int world = group.world_size();
+  save_model(module, dir / rank_file("local", rank, world, ".safetensors"));
+  save_optimizer(local, dir / rank_file("optimizer", rank, world, ".pt"));
+  if (rank != 0) return;
+  safetensors::write(dir / "model.safetensors", local.global_state(), {{"format", "pt"}});
+  const auto momentum = local.outer_momentum();
+  if (!momentum.empty()) safetensors::write(dir / kOuterMomentumFile, momentum);
+  const auto stats = local.stats();
+  write_atomically(dir / kLocalSgdManifest, Json{{"format", kLocalSgdFormat},
+                                                 {"world_size", world},
+                                                 {"sync", parallel::to_string(local.mode())},
+                                                 {"steps_since_sync", local.steps_since_sync()},
+                                                 {"inner_steps", stats.inner_steps},
+                                                 {"outer_steps", stats.outer_steps}}
+                                                    .dump(2) +
+                                                "\n");
+}
+
+// The manifest of a local SGD checkpoint, checked; nullopt when `dir` has none.
+std::optional<Json> read_local_sgd_manifest(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir / kLocalSgdManifest)) return std::nullopt;
+  auto manifest = read_json(dir / kLocalSgdManifest);
+  if (manifest.value("format", "") != kLocalSgdFormat || !manifest.contains("world_size") ||
+      manifest["world_size"].get<int>() < 1) {
+    throw UsageError("checkpoint " + dir.string() + ": " + kLocalSgdManifest + " is not a " +
+                     kLocalSgdFormat + " manifest: it was altered or written by another program");
+  }
+  return manifest;
+}
+
+// Which rank's inner optimizer state rank `rank` of `world` takes from a local SGD checkpoint of
+// `written` ranks: its own when the sizes match, else that of rank (rank mod written).
+std::filesystem::path local_optimizer_file(const std::filesystem::path& dir, int rank,
+                                           int written) {
+  const auto file = dir / rank_file("optimizer", rank % written, written, ".pt");
+  if (!std::filesystem::exists(file)) {
+    throw UsageError("checkpoint " + dir.string() + " lacks " + file.filename().string() +
+                     ", which its " + kLocalSgdManifest + " lists: the checkpoint is incomplete");
+  }
+  return file;
+}
+
+void load_local_sgd(parallel::LocalSgdOptimizer& local, const std::filesystem::path& dir) {
+  const int rank = local.process_group().rank();
+  const int world = local.process_group().world_size();
+  const auto manifest = read_local_sgd_manifest(dir);
+  if (!manifest) {
+    // A checkpoint of synchronous training: its optimizer state for every rank, a new period.
+    if (std::filesystem::exists(dir / "optimizer.pt")) load_optimizer(local, dir / "optimizer.pt");
+    local.restore({}, nullptr, 0, {});
+    return;
+  }
+  const int written = (*manifest)["world_size"].get<int>();
+  load_optimizer(local, local_optimizer_file(dir, rank, written));
+  std::map<std::string, at::Tensor> momentum;
+  if (std::filesystem::exists(dir / kOuterMomentumFile))
+    momentum = safetensors::read(dir / kOuterMomentumFile);
+  const parallel::LocalSgdStats stats{.inner_steps = manifest->value("inner_steps", int64_t{0}),
+                                      .outer_steps = manifest->value("outer_steps", int64_t{0})};
+  if (written != world) {
+    local.restore(momentum, nullptr, 0, stats);
+    return;
+  }
+  const auto own = safetensors::read(dir / rank_file("local", rank, world, ".safetensors"));
+  local.restore(momentum, &own, manifest->value("steps_since_sync", int64_t{0}), stats);
+}
+
 }  // namespace
+
+bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
+  return dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr ||
+         dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr;
+}
 
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer) {
@@ -370,6 +460,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
     // them.
     if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
     save_zero_shards(*zero, dir);
+  } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
+    save_local_sgd(*local, module, dir);
   } else {
     save_model(module, dir / "model.safetensors");
     save_optimizer(optimizer, dir / "optimizer.pt");
@@ -397,11 +489,24 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
     if (std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
       throw UsageError("checkpoint " + checkpoint.path().string() +
                        " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
-                       "workers); loading them into a DDP optimizer is not built yet");
+                       "workers); loading them into a DDP or local SGD optimizer is not built yet");
     }
-    load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+    auto* session = current_session();
+    if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
+      load_local_sgd(*local, checkpoint.path());
+    } else if (const auto manifest = read_local_sgd_manifest(checkpoint.path())) {
+      // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
+      // and one rank's inner optimizer state.
+      load_optimizer(optimizer, local_optimizer_file(checkpoint.path(),
+                                                     session ? session->context.world_rank : 0,
+                                                     (*manifest)["world_size"].get<int>()));
+    } else {
+      load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
+    }
   }
   auto* session = current_session();
+  // Steps taken before the checkpoint are not this start's: per-step metrics count from here.
+  if (session != nullptr) session->steps_at_report = optimizer_steps(*session);
   if (session != nullptr && session->loss_scaler && session->loss_scaler->enabled() &&
       std::filesystem::exists(checkpoint.path() / kLossScalerFile)) {
     session->loss_scaler->load_state_dict(read_json(checkpoint.path() / kLossScalerFile));

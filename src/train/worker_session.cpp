@@ -46,6 +46,16 @@ std::string new_run_token() {
 
 WorkerSession* current_session() { return session_slot().get(); }
 
+int64_t optimizer_steps(const WorkerSession& session) {
+  int64_t steps = 0;
+  for (const auto& ddp : session.models) steps = std::max(steps, ddp->synchronized_steps());
+  for (const auto& zero : session.zero_models)
+    if (zero.optimizer) steps = std::max(steps, zero.optimizer->steps());
+  for (const auto& local : session.local_sgd_models)
+    if (local.optimizer) steps = std::max(steps, local.optimizer->stats().inner_steps);
+  return steps;
+}
+
 void set_current_session(std::unique_ptr<WorkerSession> session) {
   session_slot() = std::move(session);
 }
@@ -59,9 +69,36 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
   bool prepared = false;
   for (const auto& ddp : session.models) prepared = prepared || ddp->module() == module;
   for (const auto& zero : session.zero_models) prepared = prepared || zero.module == module;
+  for (const auto& local : session.local_sgd_models) prepared = prepared || local.module == module;
   if (prepared) throw UsageError("prepare_model: this model was already prepared; prepare it once");
   options.zero.validate();
+  parallel::validate(options.sync);
+  if (!parallel::is_synchronous(options.sync) && options.zero.stage > 0) {
+    throw UsageError("prepare_model: sync " + parallel::to_string(options.sync) +
+                     " cannot be combined with ZeRO stage " + std::to_string(options.zero.stage) +
+                     ": ZeRO's shards need every rank to step the same gradients; use ZeRO "
+                     "stage 0 or the ddp sync");
+  }
   if (options.move_to_device) module->to(session.context.device);
+  if (!parallel::is_synchronous(options.sync)) {
+    // The LocalSgdOptimizer that prepare_optimizer() makes is the engine; a backward before it
+    // exists would train the replicas apart unnoticed.
+    WorkerSession::LocalSgdModel local{.module = module, .mode = options.sync};
+    for (const auto& p : module->parameters()) {
+      if (!p.requires_grad()) continue;
+      local.guarded = p;
+      const std::string mode = parallel::to_string(options.sync);
+      local.hook = p.register_hook([mode](const at::Tensor& grad) -> at::Tensor {
+        throw UsageError("backward on a model prepared with sync " + mode +
+                         " before its optimizer was passed through "
+                         "cohort::train::prepare_optimizer(model, optimizer): the replicas would "
+                         "never synchronise");
+      });
+      break;
+    }
+    session.local_sgd_models.push_back(std::move(local));
+    return;
+  }
   if (options.zero.stage > 0) {
     // The ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer.
     session.zero_models.push_back({module, options.zero, nullptr});
@@ -80,6 +117,13 @@ WorkerSession::ZeroModel* find_zero_model(WorkerSession& session,
   return nullptr;
 }
 
+WorkerSession::LocalSgdModel* find_local_sgd_model(
+    WorkerSession& session, const std::shared_ptr<torch::nn::Module>& module) {
+  for (auto& local : session.local_sgd_models)
+    if (local.module == module) return &local;
+  return nullptr;
+}
+
 }  // namespace
 
 std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
@@ -87,6 +131,18 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> optimizer) {
   auto& session = require_session("cohort::train::prepare_optimizer()");
   if (!optimizer) throw UsageError("prepare_optimizer: the optimizer is null");
+  if (auto* local = find_local_sgd_model(session, module)) {
+    if (local->optimizer != nullptr) {
+      throw UsageError("prepare_optimizer: this model already has its " +
+                       parallel::to_string(local->mode) + " optimizer; prepare one");
+    }
+    auto wrapped = std::make_unique<parallel::LocalSgdOptimizer>(
+        module, std::move(optimizer), session.context.process_group, local->mode);
+    local->optimizer = wrapped.get();
+    if (local->guarded.defined()) local->guarded.remove_hook(local->hook);
+    local->guarded = at::Tensor();
+    return wrapped;
+  }
   auto* zero = find_zero_model(session, module);
   if (zero == nullptr) {
     get_ddp(module);  // throws when the model was not prepared
@@ -111,11 +167,17 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
         "this model was prepared with ZeRO: its engine is the ZeroOptimizer that "
         "prepare_optimizer returned, not DDP");
   }
+  if (auto* local = find_local_sgd_model(session, module)) {
+    throw UsageError("this model was prepared with sync " + parallel::to_string(local->mode) +
+                     ": its engine is the LocalSgdOptimizer that prepare_optimizer returned, "
+                     "not DDP");
+  }
   throw UsageError("this model was not passed to cohort::train::prepare_model");
 }
 
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
   auto& session = require_session("cohort::train::no_sync()");
+  if (find_local_sgd_model(session, module) != nullptr) return NoSyncGuard();
   if (auto* zero = find_zero_model(session, module)) {
     if (zero->optimizer == nullptr) {
       throw UsageError(
@@ -175,6 +237,16 @@ void merge_files(const std::filesystem::path& from, const std::filesystem::path&
   }
 }
 
+// "a;b;;c" -> {"a", "b", "", "c"}.
+std::vector<std::string> split_fields(const std::string& text) {
+  std::vector<std::string> fields;
+  size_t begin = 0;
+  for (size_t end; (end = text.find(';', begin)) != std::string::npos; begin = end + 1)
+    fields.push_back(text.substr(begin, end - begin));
+  fields.push_back(text.substr(begin));
+  return fields;
+}
+
 }  // namespace
 
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
@@ -193,13 +265,18 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   const auto staging =
       s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
-  // Each rank's mean wait for data per batch since its last report rides along with whether it
-  // brings a checkpoint: "<0|1>[;<ms>]".
+  // Each rank's mean wait for data per batch, bytes sent and optimizer steps since its last
+  // report ride along with whether it brings a checkpoint: "<0|1>;[<ms>];<bytes>;<steps>".
   const auto ingest = data::take_ingest_stats();
-  std::string arrival = checkpoint ? "1" : "0";
+  const int64_t bytes = s.context.process_group.bytes_sent();
+  const int64_t steps = optimizer_steps(s);
+  std::string arrival = checkpoint ? "1;" : "0;";
   if (ingest.batches > 0)
-    arrival +=
-        ";" + std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
+    arrival += std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
+  arrival += ";" + std::to_string(bytes - s.bytes_at_report) + ";" +
+             std::to_string(steps - s.steps_at_report);
+  s.bytes_at_report = bytes;
+  s.steps_at_report = steps;
   const std::string keys = "report/" + s.run_token + "/" + std::to_string(index) + "/";
   const auto arrivals =
       s.store.arrive_and_wait(keys, s.context.world_rank, s.context.world_size, arrival,
@@ -233,14 +310,22 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   bool with_checkpoint = false;
   std::optional<double> ingest_ms;
+  double bytes_per_step = 0;
+  int workers_stepping = 0;
   for (const auto& a : arrivals) {
-    with_checkpoint |= a.rfind('1', 0) == 0;
-    if (const auto semicolon = a.find(';'); semicolon != std::string::npos) {
-      ingest_ms = std::max(ingest_ms.value_or(0.0), std::stod(a.substr(semicolon + 1)));
+    const auto fields = split_fields(a);
+    with_checkpoint |= fields.at(0) == "1";
+    if (!fields.at(1).empty())
+      ingest_ms = std::max(ingest_ms.value_or(0.0), std::stod(fields.at(1)));
+    if (const int64_t rank_steps = std::stoll(fields.at(3)); rank_steps > 0) {
+      bytes_per_step += static_cast<double>(std::stoll(fields.at(2))) / rank_steps;
+      ++workers_stepping;
     }
   }
   // The exposed ingest time: how long the slowest-fed rank waited for data per batch.
   if (ingest_ms && !metrics.contains(kIngestMetric)) message["metrics"][kIngestMetric] = *ingest_ms;
+  if (workers_stepping > 0 && !metrics.contains(kCommBytesMetric))
+    message["metrics"][kCommBytesMetric] = bytes_per_step / workers_stepping;
   if (with_checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.

@@ -10,6 +10,7 @@
 #include "cohort/data/dataset.h"
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
@@ -33,6 +34,20 @@ struct WorkerSession {
     parallel::ZeroOptimizer* optimizer = nullptr;
   };
   std::vector<ZeroModel> zero_models;
+  // Models prepared with local SGD or DiLoCo: their mode, and the LocalSgdOptimizer that
+  // prepare_optimizer made for them (null until then; until then a hook on the first parameter's
+  // gradient stops a backward that would train without synchronising).
+  struct LocalSgdModel {
+    std::shared_ptr<torch::nn::Module> module;
+    parallel::SyncMode mode;
+    parallel::LocalSgdOptimizer* optimizer = nullptr;
+    at::Tensor guarded;  // the parameter that holds the hook
+    unsigned hook = 0;
+  };
+  std::vector<LocalSgdModel> local_sgd_models;
+  // At the last report: this rank's bytes sent by its process group and optimizer steps.
+  int64_t bytes_at_report = 0;
+  int64_t steps_at_report = 0;
   std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
   int64_t reports = 0;
@@ -47,6 +62,9 @@ struct WorkerSession {
   std::unique_ptr<optim::LossScaler> loss_scaler;
 };
 
+// Optimizer steps taken by the session's prepared models so far (the most of any of them).
+int64_t optimizer_steps(const WorkerSession& session);
+
 // The session of this process; nullptr outside a train loop.
 WorkerSession* current_session();
 void set_current_session(std::unique_ptr<WorkerSession> session);
@@ -59,6 +77,8 @@ inline std::string data_member_key(const std::string& run_token, int member) {
 }
 // The metric report() adds: the most any rank waited for data per batch since the last report.
 inline constexpr const char* kIngestMetric = "ingest_wait_ms";
+// And the bytes a worker sent per optimizer step since the last report (mean over the workers).
+inline constexpr const char* kCommBytesMetric = "comm_bytes_per_step";
 
 // A fresh token for one start of a group: nothing of an earlier start's store keys or staging
 // folders is mistaken for this one's.

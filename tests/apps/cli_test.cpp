@@ -50,6 +50,16 @@ class Cli : public ::testing::Test {
             "--data-dir",    data.string(), "--epochs",       "100000",
             "--batch-size",  "8",           "--name",         name};
   }
+  // A short run of 2 workers on the tiny data set (32 steps an epoch) with `optimizer`, then
+  // `extra`.
+  std::vector<std::string> small_run(const std::string& optimizer,
+                                     const std::vector<std::string>& extra) const {
+    std::vector<std::string> args{"--data-dir",   data.string(), "--workers",   "2",
+                                  "--batch-size", "8",           "--optimizer", optimizer,
+                                  "--seed",       "4",           "--quiet"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  }
   Json result_of(const std::string& name) {
     return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
   }
@@ -88,6 +98,14 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--lr-decay", "exp", "--data-dir", data.string()}, "unknown --lr-decay 'exp'"},
       {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
       {{"--test-examples", "-5", "--data-dir", data.string()}, "--test-examples -5 must be >= 0"},
+      {{"--sync", "local-sgd:0", "--data-dir", data.string()},
+       "sync mode 'local-sgd:0': H 0 must be >= 1"},
+      {{"--sync", "gossip", "--data-dir", data.string()},
+       "unknown sync mode 'gossip': choose ddp, local-sgd:H or diloco:H"},
+      {{"--sync", "diloco:8", "--zero-stage", "2", "--data-dir", data.string()},
+       "--sync diloco:8 cannot be combined with ZeRO stage 2"},
+      {{"--outer-lr", "0.5", "--data-dir", data.string()},
+       "use them with --sync diloco:H, not --sync ddp"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
@@ -231,14 +249,7 @@ TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
 // ZeRO through the CLI: every stage trains to the DDP run's result (the same arithmetic, in
 // another order of float sums), and a stage-2 run with accumulation resumes exactly.
 TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
-  const std::vector<std::string> common{"--data-dir",   data.string(), "--workers",   "2",
-                                        "--batch-size", "8",           "--optimizer", "adamw",
-                                        "--seed",       "4",           "--quiet"};
-  auto with = [&](std::vector<std::string> extra) {
-    auto args = common;
-    args.insert(args.end(), extra.begin(), extra.end());
-    return args;
-  };
+  auto with = [&](const std::vector<std::string>& extra) { return small_run("adamw", extra); };
   ASSERT_EQ(train(with({"--epochs", "1", "--name", "ddp"})).exit_code, 0);
   for (const char* stage : {"1", "2"}) {
     auto r = train(
@@ -279,6 +290,36 @@ TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
   ASSERT_EQ(other.exit_code, 0) << other.output;
   EXPECT_NE(other.output.find("resuming from"), std::string::npos) << other.output;
   EXPECT_EQ(result_of("z_resumed")["epochs"], 3);
+}
+
+// DiLoCo with H = 1, an outer lr of 1 and no momentum trains as DDP; diloco:4 sends about a
+// quarter of DDP's bytes per step, and a run stopped after one epoch resumes to the same result.
+TEST_F(Cli, LocalSgdAndDiLoCoTrainAndResumeExactly) {
+  auto with = [&](const std::vector<std::string>& extra) { return small_run("sgd", extra); };
+  ASSERT_EQ(train(with({"--epochs", "1", "--name", "ddp"})).exit_code, 0);
+  auto r = train(with({"--epochs", "1", "--sync", "diloco:1", "--outer-lr", "1", "--outer-momentum",
+                       "0", "--name", "diloco1"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ddp = result_of("ddp"), diloco1 = result_of("diloco1");
+  EXPECT_NEAR(diloco1["train_loss"].get<double>(), ddp["train_loss"].get<double>(),
+              1e-4 * ddp["train_loss"].get<double>());
+  ASSERT_EQ(train(with({"--epochs", "2", "--sync", "diloco:4", "--name", "straight"})).exit_code,
+            0);
+  const auto straight = result_of("straight");
+  EXPECT_EQ(straight["replica_spread"].get<double>(), 0.0) << "synchronised at the epoch's end";
+  EXPECT_LT(straight["comm_bytes_per_step"].get<double>(),
+            ddp["comm_bytes_per_step"].get<double>() / 3);
+  ASSERT_EQ(
+      train(with({"--epochs", "2", "--sync", "diloco:4", "--max-steps", "32", "--name", "resumed"}))
+          .exit_code,
+      0);
+  auto again = train(with({"--epochs", "2", "--sync", "diloco:4", "--name", "resumed"}));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
+  const auto resumed = result_of("resumed");
+  EXPECT_EQ(resumed["steps"], straight["steps"]);
+  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
 }
 
 // Seed 001's DeepSpeed JSON: as written it asks for fp16, which a CPU refuses naming bf16; with

@@ -39,15 +39,8 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-// The ranks are threads of this process sharing torch's generator: seeding and drawing happen
-// under one lock, so that every draw is the same on every run.
-std::mutex& generator_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
 Net make_net() {
-  std::lock_guard lock(generator_mutex());
+  std::lock_guard lock(testing::generator_mutex());
   torch::manual_seed(11);
   return Net();
 }
@@ -58,7 +51,7 @@ void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
 
 // Rank r's micro-batch m of step s: the same on every run.
 std::pair<torch::Tensor, torch::Tensor> batch(int rank, int step, int micro) {
-  std::lock_guard lock(generator_mutex());
+  std::lock_guard lock(testing::generator_mutex());
   torch::manual_seed(1000 + 100 * rank + 10 * step + micro);
   return {torch::randn({6, 13}), torch::randint(0, 5, {6})};
 }
@@ -157,7 +150,7 @@ TEST(ZeroOptimizer, AccumulatedMicroBatchesEqualTheBigBatch) {
   run_ranks(2, [](comm::ProcessGroup& g) {
     auto step_with = [&](bool accumulate) {
       auto net = [] {
-        std::lock_guard lock(generator_mutex());
+        std::lock_guard lock(testing::generator_mutex());
         torch::manual_seed(3);
         return torch::nn::Linear(13, 5);
       }();

@@ -1,6 +1,7 @@
 // A process group whose ranks are threads of the test process (Gloo is happy with that).
 #pragma once
 #include <functional>
+#include <mutex>
 
 #include "cohort/comm/process_group.h"
 
@@ -9,5 +10,12 @@ namespace cohort::testing {
 // Runs fn(group) on `world` threads, each rank of one group; rethrows the first failure.
 void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn,
                comm::ProcessGroupOptions options = {});
+
+// The ranks are threads sharing torch's generator: seed and draw under this lock, so that every
+// draw is the same on every run.
+inline std::mutex& generator_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
 
 }  // namespace cohort::testing

@@ -215,6 +215,57 @@ TEST(Trainer, PrecisionReachesEveryWorkerAndFp16WithoutAGpuIsRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// prepare_model with DiLoCo: a backward before prepare_optimizer is stopped naming the fix, ZeRO
+// is refused, and report() counts the bytes each worker sent per step: one all-reduce of the
+// parameters every H steps, DDP's bytes divided by H.
+TEST(Trainer, DiLoCoThroughPrepareModelSendsDdpsBytesDividedByH) {
+  auto dir = cohort::testing::temp_dir("trainer_diloco");
+  Trainer trainer(
+      [](const Json&) {
+        const parallel::DiLoCo diloco{.inner_steps = 2};
+        auto forgotten = train::prepare_model(torch::nn::Linear(4, 3), {.sync = diloco});
+        std::string guard_message;
+        try {
+          forgotten->forward(torch::randn({2, 4})).sum().backward();
+        } catch (const std::exception& e) {
+          guard_message = e.what();
+        }
+        std::string zero_message;
+        try {
+          train::prepare_model(torch::nn::Linear(4, 3), {.zero = {.stage = 2}, .sync = diloco});
+        } catch (const UsageError& e) {
+          zero_message = e.what();
+        }
+        torch::manual_seed(1);
+        auto model = train::prepare_model(torch::nn::Linear(4, 3), {.sync = diloco});
+        auto optimizer = train::prepare_optimizer(
+            model, std::make_unique<torch::optim::SGD>(model->parameters(),
+                                                       torch::optim::SGDOptions(0.1)));
+        train::report({{"phase", "prepared"}});  // the start's broadcast is not per-step traffic
+        for (int step = 0; step < 4; ++step) {
+          optimizer->zero_grad();
+          auto no_sync = train::no_sync(model);  // nothing to hold: no communication anyway
+          model->forward(torch::randn({2, 4})).pow(2).mean().backward();
+          optimizer->step();
+        }
+        train::report({{"guard", guard_message}, {"zero", zero_message}});
+      },
+      ScalingConfig{.num_workers = 2}, run_config(dir, "diloco"));
+  const auto result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_NE(result.metrics["guard"].get<std::string>().find(
+                "before its optimizer was passed through cohort::train::prepare_optimizer"),
+            std::string::npos)
+      << result.metrics["guard"];
+  EXPECT_NE(result.metrics["zero"].get<std::string>().find(
+                "sync diloco:2 cannot be combined with ZeRO stage 2"),
+            std::string::npos)
+      << result.metrics["zero"];
+  // 15 float32 parameters, all-reduced twice in 4 steps at 2 (N - 1) / N x 4 bytes each.
+  EXPECT_DOUBLE_EQ(result.metrics["comm_bytes_per_step"].get<double>(), 2 * 15 * 4.0 / 4);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
   cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
                                               "inside the function given to cohort::Trainer");

@@ -18,14 +18,9 @@ namespace {
 using parallel::ZeroOptimizer;
 using parallel::ZeroOptions;
 
-std::mutex& generator_mutex() {
-  static std::mutex mutex;
-  return mutex;
-}
-
 // Sizes that split unevenly over 2, 3, 4 and 5 ranks.
 torch::nn::Sequential make_net() {
-  std::lock_guard lock(generator_mutex());
+  std::lock_guard lock(cohort::testing::generator_mutex());
   torch::manual_seed(21);
   return torch::nn::Sequential(torch::nn::Linear(7, 23), torch::nn::ReLU(),
                                torch::nn::Linear(23, 3));
@@ -33,7 +28,7 @@ torch::nn::Sequential make_net() {
 
 // The global batch of step s: 60 examples, split evenly over 1 to 5 ranks.
 std::pair<torch::Tensor, torch::Tensor> global_batch(int step) {
-  std::lock_guard lock(generator_mutex());
+  std::lock_guard lock(cohort::testing::generator_mutex());
   torch::manual_seed(500 + step);
   return {torch::randn({60, 7}), torch::randint(0, 3, {60})};
 }

@@ -142,6 +142,11 @@ class ProcessGroup {
   // inspector compares across ranks to name those that did not enter a collective.
   int64_t collectives_entered() const;
   std::string last_collective() const;
+  // Payload bytes this rank has sent through this group and the sub-groups made from it, counted
+  // as the bandwidth-optimal algorithms send them (what NCCL's tests call bus bytes): of B bytes,
+  // an all-reduce sends 2(N-1)/N B, a broadcast (N-1)/N B, a reduce-scatter (N-1)/N of its input,
+  // an all-gather N-1 times its input, an all-to-all what goes to other ranks, a send B.
+  int64_t bytes_sent() const;
 
   struct State;  // defined in src/comm/process_group.cpp
 

@@ -44,9 +44,13 @@ void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesys
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
 
 // The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
-// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report().
+// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With a
+// ZeroOptimizer or LocalSgdOptimizer every rank writes its part (see checkpoint_per_rank).
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
+// Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
+// shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
+bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
 // In a worker of an elastic run whose checkpoint came from a group of another size, then runs
 // ScalingConfig::on_world_size_change.
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,

@@ -10,6 +10,7 @@
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::train {
@@ -20,12 +21,17 @@ struct PrepareModelOptions {
   parallel::DdpOptions ddp;
   // Stage 1 or 2: ZeRO, its engine made by prepare_optimizer().
   parallel::ZeroOptions zero;
+  // How the replicas agree: synchronous DDP (or ZeRO), or parallel::LocalSgd / parallel::DiLoCo,
+  // whose engine is the LocalSgdOptimizer that prepare_optimizer() makes:
+  //   train::prepare_model(model, {.sync = parallel::DiLoCo{.inner_steps = 32}});
+  parallel::SyncMode sync;
 };
 
 // Moves the model to this worker's device and makes it data-parallel: rank 0's weights on every
 // rank, gradients averaged after every backward (Ray Train's prepare_model). Returns the same
-// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), pass the
-// optimizer through prepare_optimizer() too.
+// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), local SGD or
+// DiLoCo (options.sync), pass the optimizer through prepare_optimizer() too: a backward before
+// that is a UsageError saying so.
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options = {});
 
@@ -48,7 +54,9 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
 
 // For a model prepared with ZeRO: a ZeroOptimizer that shards `optimizer` (built over the
 // model's parameters, e.g. torch::optim::AdamW; its algorithm and options are taken over) and is
-// the model's data-parallel engine. For a model prepared with DDP: `optimizer` itself.
+// the model's data-parallel engine. With local SGD or DiLoCo: a LocalSgdOptimizer that steps
+// `optimizer` and synchronises the replicas every H steps. For a model prepared with DDP:
+// `optimizer` itself.
 //
 //   train::prepare_model(model, {.zero = {.stage = 2}});
 //   auto optimizer = train::prepare_optimizer(
@@ -57,10 +65,18 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     const std::shared_ptr<torch::nn::Module>& module,
     std::unique_ptr<torch::optim::Optimizer> optimizer);
 
+template <typename M>
+std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
+    const torch::nn::ModuleHolder<M>& module, std::unique_ptr<torch::optim::Optimizer> optimizer) {
+  return prepare_optimizer(module.ptr(), std::move(optimizer));
+}
+
 // While it lives, backward passes of the model accumulate gradients locally, without
 // communication; the first backward after it synchronises the sum.
 class NoSyncGuard {
  public:
+  // Nothing to hold: local SGD and DiLoCo never communicate in backward.
+  NoSyncGuard() = default;
   explicit NoSyncGuard(std::unique_ptr<parallel::DistributedDataParallel::NoSyncGuard> ddp)
       : ddp_(std::move(ddp)) {}
   explicit NoSyncGuard(std::unique_ptr<parallel::ZeroOptimizer::NoSyncGuard> zero)
@@ -73,6 +89,10 @@ class NoSyncGuard {
 
 // Gradient accumulation: no communication while the guard lives (DDP or ZeRO alike).
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module);
+template <typename M>
+NoSyncGuard no_sync(const torch::nn::ModuleHolder<M>& module) {
+  return no_sync(module.ptr());
+}
 
 // Mixed precision per ScalingConfig::precision, in an unchanged loop (Ray Train's
 // accelerate(amp=True) with backward() and prepare_optimizer()):

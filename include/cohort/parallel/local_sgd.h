@@ -1,0 +1,115 @@
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <variant>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include "cohort/comm/process_group.h"
+
+namespace cohort::parallel {
+
+// How the replicas of a data-parallel model agree.
+//
+// Synchronous: DDP, the gradients averaged in every backward.
+struct Synchronous {};
+
+// Local SGD: every rank steps on its own gradients; every `every` optimizer steps the ranks'
+// parameters (and floating-point buffers) are averaged.
+struct LocalSgd {
+  int64_t every = 8;
+};
+
+// DiLoCo (Douillard et al. 2023): `inner_steps` local steps, then the pseudo-gradient (the
+// global parameters minus the local ones) is averaged over the ranks and applied to the global
+// parameters by an outer SGD with (Nesterov) momentum; every rank continues from the result.
+// With inner_steps 1, outer_lr 1 and no momentum it is synchronous DDP (for SGD inner steps).
+struct DiLoCo {
+  int64_t inner_steps = 32;
+  double outer_lr = 0.7;
+  double outer_momentum = 0.9;
+  bool nesterov = true;
+};
+
+using SyncMode = std::variant<Synchronous, LocalSgd, DiLoCo>;
+
+// "ddp", "local-sgd:H" or "diloco:H" (DiLoCo's outer options at their defaults); anything else,
+// or H < 1, is a UsageError naming the value.
+SyncMode parse_sync_mode(const std::string& text);
+// The inverse of parse_sync_mode, with DiLoCo's outer options when not the defaults.
+std::string to_string(const SyncMode& mode);
+// UsageError naming the field: H < 1, an outer lr <= 0 or not finite, a momentum outside [0, 1).
+void validate(const SyncMode& mode);
+bool is_synchronous(const SyncMode& mode);
+
+// Counters for reports and benchmarks.
+struct LocalSgdStats {
+  int64_t inner_steps = 0;  // optimizer steps taken on this rank
+  int64_t outer_steps = 0;  // synchronisations
+  double sync_seconds = 0;  // time spent in them (communication included)
+};
+
+// The optimizer of a model trained with local SGD or DiLoCo: it steps the wrapped (inner)
+// optimizer, and after every H-th step synchronises the replicas. The inner optimizer may be any
+// torch::optim or cohort optimizer; its state stays this rank's own. Its param groups are this
+// optimizer's (options and lr changes made here, e.g. by an LrScheduler, reach the inner one at
+// its next step); save() and load() are the inner optimizer's state.
+//
+// The global parameters (those of the last synchronisation) and DiLoCo's outer momentum are kept
+// in flat buffers (2 or 3 copies of the parameters in all); a synchronisation all-reduces one
+// flat pseudo-gradient, so the bytes sent per step are DDP's divided by H.
+class LocalSgdOptimizer : public torch::optim::Optimizer {
+ public:
+  // `mode` LocalSgd or DiLoCo; the module's trainable parameters, all of one dtype and device,
+  // must be the inner optimizer's (UsageError naming a parameter otherwise).
+  LocalSgdOptimizer(std::shared_ptr<torch::nn::Module> module,
+                    std::unique_ptr<torch::optim::Optimizer> inner, comm::ProcessGroup group,
+                    const SyncMode& mode);
+  ~LocalSgdOptimizer() override;
+
+  // One inner step; after the H-th since the last synchronisation, synchronises.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  // Synchronises now when any inner step was taken since the last synchronisation (e.g. at the
+  // end of an epoch, before evaluating); every rank must call it at the same point.
+  void sync();
+
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  torch::optim::Optimizer& inner() { return *inner_; }
+  const SyncMode& mode() const { return mode_; }
+  // H: inner steps between synchronisations.
+  int64_t period() const;
+  int64_t steps_since_sync() const { return steps_since_sync_; }
+  const comm::ProcessGroup& process_group() const { return group_; }
+  LocalSgdStats stats() const { return stats_; }
+
+  // For checkpoints, by the module's names: the global parameters (views of the flat buffer) and
+  // the module's buffers; DiLoCo's outer momentum (empty without momentum).
+  std::map<std::string, at::Tensor> global_state() const;
+  std::map<std::string, at::Tensor> outer_momentum() const;
+  // After the module's parameters were loaded: they become the global parameters. Then, when
+  // `local` is given (this rank's own parameters of the same checkpoint), the module continues
+  // from those, `steps_since_sync` steps into the period; else a new period starts from the
+  // global parameters.
+  void restore(const std::map<std::string, at::Tensor>& momentum,
+               const std::map<std::string, at::Tensor>* local, int64_t steps_since_sync,
+               const LocalSgdStats& stats);
+
+ private:
+  struct Flat;
+  void copy_options_to_inner();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  std::unique_ptr<torch::optim::Optimizer> inner_;
+  comm::ProcessGroup group_;
+  SyncMode mode_;
+  std::unique_ptr<Flat> flat_;
+  int64_t steps_since_sync_ = 0;
+  LocalSgdStats stats_;
+};
+
+}  // namespace cohort::parallel

@@ -1,0 +1,160 @@
+// Local SGD and DiLoCo checkpoints: each rank's own state, the global parameters and the outer
+// momentum; reloaded by as many ranks exactly, by another number from the global parameters.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <mutex>
+
+#include "cohort/error.h"
+#include "cohort/parallel/local_sgd.h"
+#include "cohort/train/checkpoint.h"
+#include "support/expect.h"
+#include "support/local_group.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort::train {
+namespace {
+
+using parallel::DiLoCo;
+using parallel::LocalSgdOptimizer;
+
+torch::nn::Sequential make_net() {
+  std::lock_guard lock(cohort::testing::generator_mutex());
+  torch::manual_seed(8);
+  return torch::nn::Sequential(torch::nn::Linear(6, 10), torch::nn::ReLU(),
+                               torch::nn::Linear(10, 3));
+}
+
+const DiLoCo kMode{.inner_steps = 3, .outer_lr = 0.7, .outer_momentum = 0.9, .nesterov = true};
+
+std::unique_ptr<LocalSgdOptimizer> make_optimizer(torch::nn::Sequential& net,
+                                                  comm::ProcessGroup& g) {
+  return std::make_unique<LocalSgdOptimizer>(
+      net.ptr(),
+      std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.01)), g,
+      kMode);
+}
+
+void train_step(torch::nn::Sequential& net, torch::optim::Optimizer& optimizer, int rank,
+                int step) {
+  torch::Tensor x, y;
+  {
+    std::lock_guard lock(cohort::testing::generator_mutex());
+    torch::manual_seed(700 + 10 * rank + step);
+    x = torch::randn({5, 6});
+    y = torch::randint(0, 3, {5});
+  }
+  optimizer.zero_grad();
+  torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+  optimizer.step();
+}
+
+std::vector<torch::Tensor> parameters_of(torch::nn::Sequential& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
+  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
+}
+
+// Two ranks: 4 steps (one synchronisation, then one step into the next period), a checkpoint,
+// 4 more steps. Returns each rank's parameters at the end.
+std::vector<std::vector<torch::Tensor>> straight_run(const std::filesystem::path& dir) {
+  std::vector<std::vector<torch::Tensor>> result(2);
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    auto optimizer = make_optimizer(net, g);
+    for (int s = 0; s < 4; ++s) train_step(net, *optimizer, g.rank(), s);
+    EXPECT_EQ(optimizer->steps_since_sync(), 1);
+    save_checkpoint(dir, *net, *optimizer);
+    g.barrier();  // every rank's files are there before anyone goes on
+    for (int s = 4; s < 8; ++s) train_step(net, *optimizer, g.rank(), s);
+    result[static_cast<size_t>(g.rank())] = parameters_of(net);
+  });
+  return result;
+}
+
+TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint");
+  const auto straight = straight_run(dir);
+  EXPECT_TRUE(std::filesystem::exists(dir / "local-rank1-of-2.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "optimizer-rank1-of-2.pt"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "outer_momentum.safetensors"));
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    auto optimizer = make_optimizer(net, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
+    EXPECT_EQ(optimizer->steps_since_sync(), 1);
+    EXPECT_EQ(optimizer->stats().outer_steps, 1);
+    for (int s = 4; s < 8; ++s) train_step(net, *optimizer, g.rank(), s);
+    const auto resumed = parameters_of(net);
+    const auto& expected = straight[static_cast<size_t>(g.rank())];
+    for (size_t i = 0; i < resumed.size(); ++i)
+      EXPECT_TRUE(torch::equal(resumed[i], expected[i])) << "rank " << g.rank() << " param " << i;
+  });
+  std::filesystem::remove_all(dir);
+}
+
+TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalParameters) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint_elastic");
+  straight_run(dir);
+  const auto global = safetensors::read(dir / "model.safetensors");
+  run_ranks(3, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    auto optimizer = make_optimizer(net, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
+    EXPECT_EQ(optimizer->steps_since_sync(), 0);
+    for (const auto& p : net->named_parameters())
+      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
+    // A new period from there: after H steps the three replicas agree again.
+    for (int s = 0; s < kMode.inner_steps; ++s) train_step(net, *optimizer, g.rank(), s);
+    const auto all = g.allgather(net->parameters()[0].detach().clone());
+    EXPECT_TRUE(torch::equal(all[0], all[1]) && torch::equal(all[0], all[2]));
+  });
+  // Synchronous training picks up the global parameters and a rank's inner state.
+  run_ranks(1, [&](comm::ProcessGroup&) {
+    auto net = make_net();
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
+    load_checkpoint(Checkpoint::from_directory(dir), *net, adamw);
+    EXPECT_EQ(adamw.state().size(), net->parameters().size());
+    for (const auto& p : net->named_parameters())
+      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
+  });
+  // A missing rank file is named.
+  std::filesystem::remove(dir / "optimizer-rank1-of-2.pt");
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    auto optimizer = make_optimizer(net, g);
+    if (g.rank() == 1) {
+      cohort::testing::expect_error<UsageError>(
+          [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer); },
+          "lacks optimizer-rank1-of-2.pt");
+    }
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// A checkpoint of synchronous training starts local SGD: its model, its optimizer state.
+TEST(LocalSgdCheckpoint, ACheckpointOfSynchronousTrainingStartsAPeriod) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_from_ddp");
+  run_ranks(1, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
+    train_step(net, adamw, 0, 0);
+    save_checkpoint(dir, *net, adamw);
+    auto other = make_net();
+    auto optimizer = make_optimizer(other, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *other, *optimizer);
+    EXPECT_EQ(optimizer->inner().state().size(), other->parameters().size());
+    const auto expected = parameters_of(net);
+    const auto loaded = parameters_of(other);
+    for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], expected[i]));
+  });
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace cohort::train
