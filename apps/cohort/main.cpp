@@ -1,5 +1,8 @@
 // cohort: the command-line tool. A plain user of the public API.
+#include <cmath>
+#include <cstdlib>
 #include <iostream>
+#include <string>
 
 #include <CLI/CLI.hpp>
 
@@ -7,6 +10,28 @@
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
+
+namespace {
+
+// CLI11 reads "nan" and "inf" into a double as numbers; no option of cohort means either. Every
+// floating-point option given (of `app` and its subcommands) must be finite: UsageError naming it.
+void reject_non_finite(const CLI::App& app) {
+  for (const auto* option : app.get_options()) {
+    if (option->count() == 0 || option->get_type_name() != "FLOAT") continue;
+    for (const auto& text : option->results()) {
+      char* end = nullptr;
+      const double value = std::strtod(text.c_str(), &end);
+      if (end != text.c_str() && !std::isfinite(value)) {
+        throw cohort::UsageError(
+            option->get_name() + " " + text + " is not a finite number: give a number such as " +
+            (option->get_default_str().empty() ? std::string("0.1") : option->get_default_str()));
+      }
+    }
+  }
+  for (const auto* sub : app.get_subcommands()) reject_non_finite(*sub);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training for libtorch"};
@@ -28,6 +53,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    reject_non_finite(app);
     if (train_cmd->parsed())
       return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
     if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune);

@@ -203,6 +203,12 @@ void validate(const TrainOptions& o) {
                                              : dir / "train-labels-idx1-ubyte.gz")
                            .shape[0];
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
+  if (o.workers > train_size) {
+    throw UsageError("--workers " + std::to_string(o.workers) + " is more than the " +
+                     std::to_string(train_size) +
+                     " training examples (each worker needs a shard): use at most " +
+                     std::to_string(train_size) + " workers");
+  }
   const int64_t shard = train_size / o.workers;
   if (o.batch_size > shard) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +

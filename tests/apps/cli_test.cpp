@@ -106,6 +106,10 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "--sync diloco:8 cannot be combined with ZeRO stage 2"},
       {{"--outer-lr", "0.5", "--data-dir", data.string()},
        "use them with --sync diloco:H, not --sync ddp"},
+      {{"--lr", "nan", "--data-dir", data.string()}, "--lr nan is not a finite number"},
+      {{"--momentum", "inf", "--data-dir", data.string()}, "--momentum inf is not a finite number"},
+      {{"--workers", "100000", "--data-dir", data.string()},
+       "--workers 100000 is more than the 512 training examples"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
