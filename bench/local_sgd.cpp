@@ -15,8 +15,6 @@
 #include <sstream>
 #include <thread>
 
-#include <unistd.h>
-
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
 
@@ -125,8 +123,8 @@ int main(int argc, char** argv) {
   app.add_option("--slow-steps", slow_steps, "steps per worker of the slowed runs (0: none)");
   app.add_option("--data-dir", data_dir);
   CLI11_PARSE(app, argc, argv);
-  const auto storage = std::filesystem::temp_directory_path() /
-                       ("cohort_bench_local_sgd_" + std::to_string(::getpid()));
+  // The same path in the driver and in the workers, which re-run main() up to fit().
+  const auto storage = std::filesystem::temp_directory_path() / "cohort_bench_local_sgd";
   std::vector<cohort::Json> rows;
   auto run = [&](int workers, const std::string& mode, int64_t max_steps, double factor) {
     cohort::parallel::parse_sync_mode(mode);  // a usage error before any worker starts

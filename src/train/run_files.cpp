@@ -1,17 +1,43 @@
 #include "train/run_files.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <ctime>
 #include <fstream>
+#include <sstream>
 
 #include "cohort/error.h"
 
 namespace cohort {
 namespace {
+
+std::string read_fd(int fd) {
+  std::string text;
+  char buffer[512];
+  ::lseek(fd, 0, SEEK_SET);
+  for (ssize_t n; (n = ::read(fd, buffer, sizeof buffer)) > 0;) text.append(buffer, n);
+  return text;
+}
+
+// "pid 123 on host h, started 2026-11-23 20:01:02" from a lock file's JSON; the raw text if
+// it is not JSON.
+std::string describe_owner(const std::string& text) {
+  try {
+    const auto owner = Json::parse(text);
+    return "pid " + std::to_string(owner.at("pid").get<long>()) + " on host " +
+           owner.at("host").get<std::string>() + ", started " +
+           owner.at("started").get<std::string>();
+  } catch (const std::exception&) {
+    return "'" + text + "'";
+  }
+}
 
 void fsync_path(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY);
@@ -165,6 +191,47 @@ void write_csv(const std::filesystem::path& file, const std::vector<Json>& histo
       out << '\n';
     }
   });
+}
+
+RunDirLock::RunDirLock(const std::filesystem::path& dir,
+                       const std::function<void(const std::string&)>& on_takeover) {
+  const auto file = dir / ".driver.lock";
+  fd_ = ::open(file.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    throw UsageError("cannot open " + file.string() + " (" + std::strerror(errno) +
+                     "): give a writable --storage-path / RunConfig.storage_path");
+  }
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const auto owner = describe_owner(read_fd(fd_));
+    ::close(fd_);
+    fd_ = -1;
+    throw UsageError("run directory " + dir.string() + " is in use by the driver with " + owner +
+                     ": wait for it to finish or stop it, or give another --name / "
+                     "RunConfig.name");
+  }
+  const auto previous = read_fd(fd_);
+  if (!previous.empty() && on_takeover) {
+    on_takeover("cohort: taking over the run directory from a driver that is gone (" +
+                describe_owner(previous) + ")");
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::time_t now = std::time(nullptr);
+  char started[64];
+  std::strftime(started, sizeof started, "%Y-%m-%d %H:%M:%S", std::localtime(&now));
+  const auto me =
+      Json{{"pid", static_cast<long>(::getpid())}, {"host", host}, {"started", started}}.dump();
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, me.data(), me.size(), 0) < 0) {
+    // The lock holds without the description; a second driver's message is only vaguer.
+  }
+}
+
+RunDirLock::~RunDirLock() {
+  if (fd_ < 0) return;
+  // Emptied: the next driver finds no owner to take over from.
+  if (::ftruncate(fd_, 0) != 0) {
+  }
+  ::close(fd_);
 }
 
 }  // namespace cohort

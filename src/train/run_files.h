@@ -34,6 +34,22 @@ std::vector<Json> read_jsonl(const std::filesystem::path& path);
 // first seen; strings unquoted unless they need it, other values as JSON.
 void write_csv(const std::filesystem::path& file, const std::vector<Json>& rows);
 
+// Held by the driver that owns a run directory, from start to finish: `<dir>/.driver.lock`, an
+// flock (the kernel drops it when the process dies) holding the owner's pid, host and start
+// time. A second driver of the same directory gets a UsageError naming the owner; a lock file
+// whose owner died is taken over, and `on_takeover` gets a line saying so.
+class RunDirLock {
+ public:
+  RunDirLock(const std::filesystem::path& dir,
+             const std::function<void(const std::string&)>& on_takeover);
+  ~RunDirLock();
+  RunDirLock(const RunDirLock&) = delete;
+  RunDirLock& operator=(const RunDirLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // manifest.json: every file under `dir` with its size and CRC-32.
 void write_manifest(const std::filesystem::path& dir);
 // Throws UsageError naming the first file that is missing, truncated or altered.

@@ -37,8 +37,6 @@ std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& n
                      " is not writable: give a writable --storage-path / RunConfig.storage_path");
   }
   std::filesystem::remove(dir / ".write_test", ec);
-  // Half-assembled checkpoints of a start that crashed are never valid.
-  std::filesystem::remove_all(dir / kStagingDir, ec);
   return dir;
 }
 
@@ -69,8 +67,12 @@ RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Js
       run_dir_(std::filesystem::absolute(prepare_run_dir(run, name))),
       resume_(run.resume),
       console_(console),
+      lock_(run_dir_, [&console](const std::string& line) { console.message(line); }),
       checkpoints_(run_dir_, run.checkpoint_config),
       on_report_(run.on_report) {
+  // Ours now: half-assembled checkpoints of a start that crashed are never valid.
+  std::error_code ec;
+  std::filesystem::remove_all(run_dir_ / kStagingDir, ec);
   result_.path = run_dir_;
   result_.config = config;
 }

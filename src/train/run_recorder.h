@@ -12,6 +12,7 @@
 #include "cohort/train/result.h"
 #include "train/checkpoint_manager.h"
 #include "train/progress.h"
+#include "train/run_files.h"
 
 namespace cohort::train {
 
@@ -47,6 +48,7 @@ class RunRecorder {
   std::filesystem::path run_dir_;
   bool resume_;
   Console& console_;
+  RunDirLock lock_;
   CheckpointManager checkpoints_;
   Result result_;
   std::ofstream metrics_log_;

@@ -408,10 +408,21 @@ TEST_F(Cli, InterruptStopsEveryProcess) {
       << result.dump();
 }
 
-TEST_F(Cli, WorkersDieWithAKilledDriver) {
+// While a driver runs, a second one for its run directory is refused naming it; killed, its
+// workers end by themselves, and the next driver takes the directory over saying so.
+TEST_F(Cli, WorkersDieWithAKilledDriverAndItsRunDirectoryIsTakenOver) {
   cohort::testing::Process driver(endless_run("killed"));
   auto pids = wait_until_training(driver);
   ASSERT_EQ(pids.size(), 2u);
+  const std::vector<std::string> again{"--data-dir",   data.string(), "--name",   "killed",
+                                       "--batch-size", "8",           "--epochs", "1",
+                                       "--no-resume",  "--quiet"};
+  auto second = train(again);
+  EXPECT_EQ(second.exit_code, 2) << second.output;
+  EXPECT_NE(second.output.find("is in use by the driver with pid " + std::to_string(driver.pid()) +
+                               " on host "),
+            std::string::npos)
+      << second.output;
   // SIGKILL gives the driver no chance to clean up: the workers must notice by themselves.
   ::kill(driver.pid(), SIGKILL);
   driver.wait(std::chrono::seconds(10));
@@ -419,6 +430,12 @@ TEST_F(Cli, WorkersDieWithAKilledDriver) {
     EXPECT_TRUE(cohort::testing::wait_for_exit(pid, std::chrono::seconds(10)))
         << "worker " << pid << " outlived its driver";
   }
+  auto third = train(again);
+  EXPECT_EQ(third.exit_code, 0) << third.output;
+  EXPECT_NE(third.output.find("taking over the run directory from a driver that is gone (pid " +
+                              std::to_string(driver.pid())),
+            std::string::npos)
+      << third.output;
 }
 
 // The driver itself killed mid-run: the same command again continues from the latest checkpoint
