@@ -98,6 +98,7 @@ void validate(const SyncMode& mode) {
 }
 
 struct LocalSgdOptimizer::Flat {
+  DiLoCo outer;  // the mode as DiLoCo: local SGD is an outer SGD of lr 1 without momentum
   std::vector<std::string> names;
   std::vector<at::Tensor> params;
   std::vector<int64_t> offsets;
@@ -131,7 +132,7 @@ LocalSgdOptimizer::LocalSgdOptimizer(std::shared_ptr<torch::nn::Module> module,
       mode_(mode),
       flat_(std::make_unique<Flat>()) {
   validate(mode_);
-  const auto outer = outer_of(mode_);
+  flat_->outer = outer_of(mode_);
   if (!module_) throw UsageError("LocalSgdOptimizer: the module is null");
   std::vector<at::Tensor> theirs;
   for (const auto& g : inner_->param_groups())
@@ -153,13 +154,13 @@ LocalSgdOptimizer::LocalSgdOptimizer(std::shared_ptr<torch::nn::Module> module,
   const auto options = flat_->params.front().options().requires_grad(false);
   flat_->global = at::empty({total}, options);
   flat_->delta = at::empty({total}, options);
-  if (outer.outer_momentum > 0) flat_->momentum = at::zeros({total}, options);
+  if (flat_->outer.outer_momentum > 0) flat_->momentum = at::zeros({total}, options);
   flat_->take_global_from_params();
 }
 
 LocalSgdOptimizer::~LocalSgdOptimizer() = default;
 
-int64_t LocalSgdOptimizer::period() const { return outer_of(mode_).inner_steps; }
+int64_t LocalSgdOptimizer::period() const { return flat_->outer.inner_steps; }
 
 void LocalSgdOptimizer::copy_options_to_inner() {
   auto& theirs = inner_->param_groups();
@@ -184,7 +185,7 @@ torch::Tensor LocalSgdOptimizer::step(LossClosure closure) {
 void LocalSgdOptimizer::sync() {
   if (steps_since_sync_ == 0) return;
   const auto start = std::chrono::steady_clock::now();
-  const auto outer = outer_of(mode_);
+  const auto& outer = flat_->outer;
   auto& f = *flat_;
   {
     torch::NoGradGuard no_grad;

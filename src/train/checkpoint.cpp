@@ -252,8 +252,14 @@ namespace {
 constexpr const char* kZeroManifest = "zero_manifest.json";
 constexpr const char* kZeroFormat = "cohort.zero.v1";
 
+// "<stem>-rank<r>-of-<N><extension>": a file one rank of N writes into a checkpoint.
+std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
+  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
+         extension;
+}
+
 std::string zero_shard_file(int rank, int world_size) {
-  return "zero-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) + ".safetensors";
+  return rank_file("zero", rank, world_size, ".safetensors");
 }
 
 void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
@@ -368,11 +374,6 @@ void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path
 constexpr const char* kLocalSgdManifest = "local_sgd.json";
 constexpr const char* kLocalSgdFormat = "cohort.local_sgd.v1";
 constexpr const char* kOuterMomentumFile = "outer_momentum.safetensors";
-
-std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
-  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
-         extension;
-}
 
 void save_local_sgd(const parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
                     const std::filesystem::path& dir) {
@@ -491,12 +492,12 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                        " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
                        "workers); loading them into a DDP or local SGD optimizer is not built yet");
     }
-    auto* session = current_session();
     if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
       load_local_sgd(*local, checkpoint.path());
     } else if (const auto manifest = read_local_sgd_manifest(checkpoint.path())) {
       // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
       // and one rank's inner optimizer state.
+      const auto* session = current_session();
       load_optimizer(optimizer, local_optimizer_file(checkpoint.path(),
                                                      session ? session->context.world_rank : 0,
                                                      (*manifest)["world_size"].get<int>()));

@@ -203,8 +203,8 @@ void elastic_loop(const Json& c) {
     std::vector<at::Tensor> totals{seen};
     ctx.get_process_group().allreduce(totals);
     if (ctx.get_world_rank() == 0 && ctx.get_world_size() < 3) std::filesystem::remove(busy);
-    const auto tmp =
-        std::filesystem::temp_directory_path() / ("cohort-elastic-" + std::to_string(::getpid()));
+    // Inside the run directory, which the test removes, also when this worker is killed.
+    const auto tmp = ctx.get_storage_path() / ("elastic-ckpt-" + std::to_string(::getpid()));
     std::optional<Checkpoint> checkpoint;
     if (ctx.get_world_rank() == 0) checkpoint = train::save_checkpoint(tmp, *model, optimizer);
     train::report({{"epoch", epoch},
