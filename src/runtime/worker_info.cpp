@@ -182,7 +182,11 @@ std::optional<WorkerInfo> detect_launch() {
     info->local_world_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", info->world_size, 1);
     info->node_rank = env_int("OMPI_COMM_WORLD_NODE_RANK", 0, 0);
     check_ranks(*info, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE");
-    const std::string job = env("OMPI_MCA_ess_base_jobid").value_or("");
+    // Open MPI 4 names the job in OMPI_MCA_ess_base_jobid; Open MPI 5 (PRRTE) only in
+    // PMIX_NAMESPACE ("prterun-<host>-<pid>@1"). Without either, two jobs on a host would share
+    // one default port.
+    const std::string job =
+        env("OMPI_MCA_ess_base_jobid").value_or(env("PMIX_NAMESPACE").value_or(""));
     info->job_id = env(kJobIdVar).value_or(job.empty() ? "" : "openmpi-" + job);
     const bool one_host = info->local_world_size == info->world_size;
     rendezvous_from_env(

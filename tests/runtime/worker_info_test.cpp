@@ -29,6 +29,7 @@ class WorkerInfoTest : public ::testing::Test {
                                       "OMPI_COMM_WORLD_LOCAL_SIZE",
                                       "OMPI_COMM_WORLD_NODE_RANK",
                                       "OMPI_MCA_ess_base_jobid",
+                                      "PMIX_NAMESPACE",
                                       "SLURM_PROCID",
                                       "SLURM_STEP_NUM_TASKS",
                                       "SLURM_LOCALID",
@@ -142,6 +143,13 @@ TEST_F(WorkerInfoTest, DetectsOpenMpi) {
   EXPECT_EQ(info->master_addr, "127.0.0.1");  // every rank on this host
   EXPECT_EQ(info->master_port, 15000 + 123456 % 10000);
   EXPECT_EQ(info->job_id, "openmpi-123456");
+  // Open MPI 5 names its job only in PMIX_NAMESPACE: two jobs on one host get different ports.
+  unsetenv("OMPI_MCA_ess_base_jobid");
+  set({{"PMIX_NAMESPACE", "prterun-vm-11490@1"}});
+  EXPECT_EQ(detect_launch()->master_port, 15000 + 114901 % 10000);
+  EXPECT_EQ(detect_launch()->job_id, "openmpi-prterun-vm-11490@1");
+  set({{"PMIX_NAMESPACE", "prterun-vm-11502@1"}});
+  EXPECT_NE(detect_launch()->master_port, 15000 + 114901 % 10000);
   // Across hosts there is no address to guess.
   set({{"OMPI_COMM_WORLD_LOCAL_SIZE", "1"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}});
   cohort::testing::expect_error<UsageError>([] { detect_launch(); }, "mpirun -x MASTER_ADDR=");
