@@ -1,13 +1,7 @@
 #include "data/wire.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <torch/types.h>
 #include <unistd.h>
 
@@ -16,27 +10,18 @@
 #include <memory>
 
 #include "cohort/error.h"
+#include "comm/socket.h"
 
 namespace cohort::data::wire {
 
 namespace {
 
 constexpr size_t kAlign = 64;
+constexpr const char* kPeer = "a preprocessing peer";
 
 std::string errno_text() { return std::strerror(errno); }
 
 size_t aligned(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
-void wait_readable(int fd, std::chrono::milliseconds timeout) {
-  pollfd p{fd, POLLIN, 0};
-  int rc;
-  do {
-    rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
-  } while (rc < 0 && errno == EINTR);
-  if (rc == 0)
-    throw TimeoutError("a preprocessing message did not arrive whole within " +
-                       std::to_string(timeout.count()) + " ms");
-}
 
 // A message's 4-byte length prefix as a msghdr with room for one passed descriptor: the prefix
 // carries the descriptor, so it arrives with the message's first bytes.
@@ -78,29 +63,11 @@ std::vector<int64_t> shape_of(const Json& column) {
 }  // namespace
 
 void write_all(int fd, const void* data, size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
-      throw PeerGone("the peer closed its connection");
-    if (n <= 0) throw RuntimeError("sending to a preprocessing peer failed: " + errno_text());
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
+  comm::socket::write_all(fd, data, bytes, kPeer);
 }
 
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout) {
-  auto* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    wait_readable(fd, timeout);
-    const ssize_t n = ::recv(fd, p, bytes, 0);
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
-    if (n <= 0)
-      throw RuntimeError("a preprocessing peer closed its connection in the middle of a message");
-    p += n;
-    bytes -= static_cast<size_t>(n);
-  }
+  comm::socket::read_all(fd, data, bytes, timeout, kPeer);
 }
 
 void send(int socket, const Json& header, int payload_fd) {
@@ -247,110 +214,14 @@ Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
   return block;
 }
 
-namespace {
-
-sockaddr_un unix_address(const std::string& name, socklen_t& length) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  // Abstract namespace: no file to clean up, gone with the socket.
-  addr.sun_path[0] = '\0';
-  std::memcpy(addr.sun_path + 1, name.data(), std::min(name.size(), sizeof addr.sun_path - 2));
-  length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
-                                  std::min(name.size(), sizeof addr.sun_path - 2));
-  return addr;
-}
-
-void split_host_port(const std::string& address, std::string& host, int& port) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos) throw UsageError("address '" + address + "' must be host:port");
-  host = address.substr(0, colon);
-  try {
-    port = std::stoi(address.substr(colon + 1));
-  } catch (const std::exception&) {
-    throw UsageError("address '" + address + "': the port is not a number");
-  }
-  if (port < 0 || port > 65535) throw UsageError("address '" + address + "': port out of range");
-}
-
-}  // namespace
-
 int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
-  if (address.rfind("unix:", 0) == 0) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t length = 0;
-    auto addr = unix_address(address.substr(5), length);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
-      const auto why = errno_text();
-      ::close(fd);
-      throw PeerGone("cannot connect to the consumer at " + address + ": " + why);
-    }
-    return fd;
-  }
-  std::string host;
-  int port = 0;
-  split_host_port(address, host, port);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::string why;
-  while (std::chrono::steady_clock::now() < deadline) {
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-      ::close(fd);
-      throw UsageError("address '" + address + "': '" + host + "' is not an IPv4 address");
-    }
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
-      int one = 1;
-      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-      return fd;
-    }
-    why = errno_text();
-    ::close(fd);
-    ::poll(nullptr, 0, 100);
-  }
-  throw TimeoutError("cannot connect to the consumer at " + address + " within " +
-                     std::to_string(timeout.count()) + " ms: " + why +
-                     " (is the training process running, and does it listen on that address?)");
+  return comm::socket::connect_to(
+      address, timeout, "the consumer",
+      " (is the training process running, and does it listen on that address?)");
 }
 
 int listen_on(const std::string& address, std::string& bound) {
-  if (address.rfind("unix:", 0) == 0) {
-    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    socklen_t length = 0;
-    auto addr = unix_address(address.substr(5), length);
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0 || ::listen(fd, 64) != 0) {
-      const auto why = errno_text();
-      ::close(fd);
-      throw RuntimeError("cannot listen on " + address + ": " + why);
-    }
-    bound = address;
-    return fd;
-  }
-  std::string host;
-  int port = 0;
-  split_host_port(address, host, port);
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int one = 1;
-  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1) {
-    ::close(fd);
-    throw UsageError("listen address '" + address + "': '" + host + "' is not an IPv4 address");
-  }
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0) {
-    const auto why = errno_text();
-    ::close(fd);
-    throw UsageError(
-        "cannot listen for preprocessing workers on " + address + ": " + why +
-        (errno == EADDRINUSE ? " (the port is taken: pick another, or 0 for any)" : ""));
-  }
-  socklen_t len = sizeof addr;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  bound = host + ":" + std::to_string(ntohs(addr.sin_port));
-  return fd;
+  return comm::socket::listen_on(address, bound, "preprocessing workers");
 }
 
 }  // namespace cohort::data::wire

@@ -8,13 +8,12 @@
 #include "cohort/data/block.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "comm/socket.h"
 
 namespace cohort::data::wire {
 
 // The other end closed its connection (or was never there): for a worker, its consumer is done.
-struct PeerGone : RuntimeError {
-  using RuntimeError::RuntimeError;
-};
+using PeerGone = comm::socket::PeerGone;
 
 // Sends `header`; with `payload_fd` >= 0 passes that descriptor along (Unix sockets only).
 void send(int socket, const Json& header, int payload_fd = -1);

@@ -1,0 +1,160 @@
+#include "comm/socket.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstddef>
+#include <cstring>
+
+namespace cohort::comm::socket {
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+sockaddr_un unix_address(const std::string& name, socklen_t& length) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  // Abstract namespace: no file to clean up, gone with the socket.
+  addr.sun_path[0] = '\0';
+  std::memcpy(addr.sun_path + 1, name.data(), std::min(name.size(), sizeof addr.sun_path - 2));
+  length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
+                                  std::min(name.size(), sizeof addr.sun_path - 2));
+  return addr;
+}
+
+void split_host_port(const std::string& address, std::string& host, int& port) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos) throw UsageError("address '" + address + "' must be host:port");
+  host = address.substr(0, colon);
+  try {
+    port = std::stoi(address.substr(colon + 1));
+  } catch (const std::exception&) {
+    throw UsageError("address '" + address + "': the port is not a number");
+  }
+  if (port < 0 || port > 65535) throw UsageError("address '" + address + "': port out of range");
+}
+
+sockaddr_in ipv4_address(const std::string& address, const std::string& host, int port) {
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &addr.sin_addr) != 1)
+    throw UsageError("address '" + address + "': '" + host + "' is not an IPv4 address");
+  return addr;
+}
+
+}  // namespace
+
+void wait_readable(int fd, std::chrono::milliseconds timeout, const std::string& peer) {
+  pollfd p{fd, POLLIN, 0};
+  int rc;
+  do {
+    rc = ::poll(&p, 1, static_cast<int>(timeout.count()));
+  } while (rc < 0 && errno == EINTR);
+  if (rc == 0)
+    throw TimeoutError("a message from " + peer + " did not arrive whole within " +
+                       std::to_string(timeout.count()) + " ms");
+}
+
+void write_all(int fd, const void* data, size_t bytes, const std::string& peer) {
+  const auto* p = static_cast<const char*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
+      throw PeerGone(peer + " closed its connection");
+    if (n <= 0) throw RuntimeError("sending to " + peer + " failed: " + errno_text());
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout,
+              const std::string& peer) {
+  auto* p = static_cast<char*>(data);
+  while (bytes > 0) {
+    wait_readable(fd, timeout, peer);
+    const ssize_t n = ::recv(fd, p, bytes, 0);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    if (n <= 0) throw RuntimeError(peer + " closed its connection in the middle of a message");
+    p += n;
+    bytes -= static_cast<size_t>(n);
+  }
+}
+
+int connect_to(const std::string& address, std::chrono::milliseconds timeout,
+               const std::string& peer, const std::string& hint) {
+  if (address.rfind("unix:", 0) == 0) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t length = 0;
+    auto addr = unix_address(address.substr(5), length);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
+      const auto why = errno_text();
+      ::close(fd);
+      throw PeerGone("cannot connect to " + peer + " at " + address + ": " + why);
+    }
+    return fd;
+  }
+  std::string host;
+  int port = 0;
+  split_host_port(address, host, port);
+  const auto addr = ipv4_address(address, host, port);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::string why;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+      int one = 1;
+      ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      return fd;
+    }
+    why = errno_text();
+    ::close(fd);
+    ::poll(nullptr, 0, 100);
+  }
+  throw TimeoutError("cannot connect to " + peer + " at " + address + " within " +
+                     std::to_string(timeout.count()) + " ms: " + why + hint);
+}
+
+int listen_on(const std::string& address, std::string& bound, const std::string& what) {
+  if (address.rfind("unix:", 0) == 0) {
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    socklen_t length = 0;
+    auto addr = unix_address(address.substr(5), length);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0 || ::listen(fd, 64) != 0) {
+      const auto why = errno_text();
+      ::close(fd);
+      throw RuntimeError("cannot listen for " + what + " on " + address + ": " + why);
+    }
+    bound = address;
+    return fd;
+  }
+  std::string host;
+  int port = 0;
+  split_host_port(address, host, port);
+  auto addr = ipv4_address(address, host, port);
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(fd, 64) != 0) {
+    const int error = errno;
+    const auto why = errno_text();
+    ::close(fd);
+    throw UsageError(
+        "cannot listen for " + what + " on " + address + ": " + why +
+        (error == EADDRINUSE ? " (the port is taken: pick another, or 0 for any)" : ""));
+  }
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  bound = host + ":" + std::to_string(ntohs(addr.sin_port));
+  return fd;
+}
+
+}  // namespace cohort::comm::socket
