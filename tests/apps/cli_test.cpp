@@ -16,6 +16,7 @@
 namespace cohort {
 namespace {
 
+using cohort::testing::cli_path;
 using cohort::testing::CommandResult;
 using cohort::testing::run_command;
 
@@ -27,8 +28,7 @@ class Cli : public ::testing::Test {
 
   CommandResult train(std::vector<std::string> args,
                       std::chrono::seconds deadline = std::chrono::seconds(120)) {
-    std::vector<std::string> argv{COHORT_CLI_PATH, "train", "--storage-path",
-                                  (dir / "runs").string()};
+    std::vector<std::string> argv{cli_path(), "train", "--storage-path", (dir / "runs").string()};
     argv.insert(argv.end(), args.begin(), args.end());
     return run_command(argv, deadline);
   }
@@ -46,9 +46,9 @@ class Cli : public ::testing::Test {
     return pids;
   }
   std::vector<std::string> endless_run(const std::string& name) {
-    return {COHORT_CLI_PATH, "train",       "--storage-path", (dir / "runs").string(),
-            "--data-dir",    data.string(), "--epochs",       "100000",
-            "--batch-size",  "8",           "--name",         name};
+    return {cli_path(),     "train",       "--storage-path", (dir / "runs").string(),
+            "--data-dir",   data.string(), "--epochs",       "100000",
+            "--batch-size", "8",           "--name",         name};
   }
   // A short run of 2 workers on the tiny data set (32 steps an epoch) with `optimizer`, then
   // `extra`.
@@ -129,12 +129,12 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
         << "expected '" << fragment << "' in: " << r.output;
     EXPECT_LE(std::count(r.output.begin(), r.output.end(), '\n'), 2) << r.output;
   }
-  auto none = run_command({COHORT_CLI_PATH}, std::chrono::seconds(30));
+  auto none = run_command({cli_path()}, std::chrono::seconds(30));
   EXPECT_EQ(none.exit_code, 2) << none.output;
 }
 
 TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
-  const std::string cli = COHORT_CLI_PATH;
+  const std::string cli = cli_path();
   for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--nnodes", "2", "--node-rank", "2", "--", "/bin/true"},
             "--node-rank 2 must be in [0, 2)"},
@@ -445,8 +445,8 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
                                         "--batch-size", "16",          "--epochs",  "3",
                                         "--optimizer",  "adam"};
   auto args = [&](const std::string& name, bool quiet) {
-    std::vector<std::string> argv{COHORT_CLI_PATH,         "train",  "--storage-path",
-                                  (dir / "runs").string(), "--name", name};
+    std::vector<std::string> argv{cli_path(), "train", "--storage-path", (dir / "runs").string(),
+                                  "--name",   name};
     argv.insert(argv.end(), common.begin(), common.end());
     if (quiet) argv.push_back("--quiet");
     return argv;
@@ -468,7 +468,7 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
 }
 
 TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {
-  auto r = run_command({COHORT_CLI_PATH,
+  auto r = run_command({cli_path(),
                         "tune",
                         "--storage-path",
                         (dir / "runs").string(),
@@ -529,8 +529,8 @@ TEST_F(Cli, TuneRejectsABadSearchWithAUsageError) {
       {{}, "give at least one --param"},
   };
   for (const auto& [args, fragment] : cases) {
-    std::vector<std::string> argv{COHORT_CLI_PATH,         "tune",       "--storage-path",
-                                  (dir / "runs").string(), "--data-dir", data.string()};
+    std::vector<std::string> argv{
+        cli_path(), "tune", "--storage-path", (dir / "runs").string(), "--data-dir", data.string()};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
     EXPECT_EQ(r.exit_code, 2) << r.output;
@@ -541,7 +541,7 @@ TEST_F(Cli, TuneRejectsABadSearchWithAUsageError) {
 
 TEST_F(Cli, AKilledTuneResumesWhenRunAgain) {
   const std::vector<std::string> argv{
-      COHORT_CLI_PATH,    "tune",   "--storage-path", (dir / "runs").string(),
+      cli_path(),         "tune",   "--storage-path", (dir / "runs").string(),
       "--name",           "killed", "--data-dir",     data.string(),
       "--workers",        "1",      "--epochs",       "3",
       "--batch-size",     "16",     "--param",        "lr=grid:0.01,0.02,0.03",
@@ -585,7 +585,7 @@ TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
   if (!std::filesystem::exists("/usr/share/datasets/fashion-mnist"))
     GTEST_SKIP() << "no Fashion-MNIST";
   auto dir = cohort::testing::temp_dir("cli_fashion");
-  auto r = run_command({COHORT_CLI_PATH, "train", "--storage-path", dir.string(), "--name", "short",
+  auto r = run_command({cli_path(), "train", "--storage-path", dir.string(), "--name", "short",
                         "--max-steps", "40", "--test-examples", "2000"},
                        std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;

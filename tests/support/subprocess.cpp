@@ -16,6 +16,9 @@
 extern char** environ;
 
 namespace cohort::testing {
+
+std::string cli_path() { return COHORT_CLI_PATH; }
+
 namespace {
 
 using Clock = std::chrono::steady_clock;

@@ -8,6 +8,10 @@
 
 namespace cohort::testing {
 
+// The cohort command-line program built with these tests (its path is compiled into one support
+// file only, so that the other test objects stay cacheable across build folders).
+std::string cli_path();
+
 struct CommandResult {
   int exit_code = -1;  // -1 when a signal ended it
   int signal = 0;
