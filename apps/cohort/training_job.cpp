@@ -184,6 +184,22 @@ void validate(const TrainOptions& o) {
                      ": ZeRO's shards need every worker to step the same gradients; use "
                      "--zero-stage 0 or --sync ddp");
   }
+  if (o.parameter_servers < 0) {
+    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
+                     " must be >= 0 (0: one, with --sync async-ps:K)");
+  }
+  if (o.parameter_servers > 0 && !std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
+    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
+                     " with --sync " + o.sync +
+                     ": parameter servers serve only --sync async-ps:K (K: steps a worker may "
+                     "run ahead of the slowest)");
+  }
+  if (o.parameter_servers > o.workers) {
+    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
+                     " with --workers " + std::to_string(o.workers) +
+                     ": the servers run in the worker processes, so at most one per worker (" +
+                     std::to_string(o.workers) + ")");
+  }
   if (o.test_examples < 0) {
     throw UsageError("--test-examples " + std::to_string(o.test_examples) +
                      " must be >= 0 (0: all)");
@@ -343,7 +359,8 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .backend = o.backend,
       .precision = o.precision,
       .loss_scaler = o.loss_scaler,
-      .on_world_size_change = train::linear_lr_scaling};
+      .on_world_size_change = train::linear_lr_scaling,
+      .num_parameter_servers = o.parameter_servers};
 }
 
 RunConfig run_config_of(const TrainOptions& o) {
@@ -492,9 +509,10 @@ void train_loop(const Json& c) {
            {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
       if (max_steps > 0 && steps >= max_steps) break;
     }
-    // Local SGD and DiLoCo: the replicas agree at the end of every epoch too, so that the
-    // evaluation and the checkpoint are of one model.
+    // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
+    // too, so that the evaluation and the checkpoint are of one model.
     if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get())) local->sync();
+    if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(optimizer.get())) ps->sync();
     // The epoch's mean training loss over all ranks.
     std::vector<at::Tensor> loss_stats{
         torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
@@ -596,8 +614,15 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--sync", o.sync,
                   "how the workers agree: ddp (gradients averaged every step), local-sgd:H "
                   "(parameters averaged every H steps) or diloco:H (every H steps an outer "
-                  "Nesterov SGD step on the averaged parameter change); H >= 1. Local SGD and "
-                  "DiLoCo also synchronise at the end of every epoch")
+                  "Nesterov SGD step on the averaged parameter change); H >= 1; or async-ps:K "
+                  "(an asynchronous parameter server: workers push gradients and pull "
+                  "parameters without waiting for each other, at most K steps ahead of the "
+                  "slowest; K >= 0). All but ddp also synchronise at the end of every epoch")
+      ->capture_default_str();
+  cmd->add_option("--parameter-servers", o.parameter_servers,
+                  "with --sync async-ps:K: parameter servers, each holding a shard of the "
+                  "parameters and optimizer state, in the first workers' processes (1 to "
+                  "--workers; 0: one)")
       ->capture_default_str();
   cmd->add_option(
       "--outer-lr", o.outer_lr,

@@ -44,9 +44,10 @@ struct TrainOptions {
   int64_t test_examples = 0;                // evaluate on the first N test examples only; 0: all
   int64_t gradient_accumulation_steps = 1;  // micro-batches per optimizer step
   parallel::ZeroOptions zero;               // stage 0: DDP
-  // ddp, local-sgd:H or diloco:H (parallel::parse_sync_mode); DiLoCo's outer optimizer, unset:
-  // parallel::DiLoCo's defaults.
+  // ddp, local-sgd:H, diloco:H or async-ps:K (parallel::parse_sync_mode); DiLoCo's outer
+  // optimizer, unset: parallel::DiLoCo's defaults.
   std::string sync = "ddp";
+  int parameter_servers = 0;  // with async-ps: servers in the first workers; 0: one
   std::optional<double> outer_lr;
   std::optional<double> outer_momentum;
   bool nesterov = true;

@@ -22,6 +22,8 @@
 
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/parameter_server.h"
+#include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 #include "cohort/data/block.h"

@@ -480,6 +480,10 @@ int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->options.timeout; }
 Backend ProcessGroup::backend() const { return state_->options.backend; }
+const std::string& ProcessGroup::interface_address() const {
+  return state_->options.interface_address;
+}
+void ProcessGroup::add_bytes_sent(int64_t bytes) { state_->count_sent(1.0, bytes); }
 
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {
   check_same_kind(tensors, "allreduce");

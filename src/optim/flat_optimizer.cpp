@@ -715,6 +715,34 @@ FlatAdamW::FlatAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
                     (validate(options), std::make_unique<torch::optim::AdamWOptions>(options)),
                     "adamw") {}
 
+std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
+                         const std::string& why) {
+  if (const auto* flat = dynamic_cast<const FlatOptimizer*>(&optimizer)) return flat->algorithm();
+  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "sgd";
+  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "adamw";
+  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "adam";
+  throw UsageError(who +
+                   ": the optimizer is neither SGD, Adam nor AdamW (torch::optim's or cohort's "
+                   "flat ones): " +
+                   why);
+}
+
+std::unique_ptr<FlatOptimizer> make_flat_optimizer(
+    std::vector<torch::optim::OptimizerParamGroup> groups, const std::string& algorithm,
+    const torch::optim::OptimizerOptions& options) {
+  if (algorithm == "sgd")
+    return std::make_unique<FlatSGD>(std::move(groups),
+                                     dynamic_cast<const torch::optim::SGDOptions&>(options));
+  if (algorithm == "adam")
+    return std::make_unique<FlatAdam>(std::move(groups),
+                                      dynamic_cast<const torch::optim::AdamOptions&>(options));
+  if (algorithm == "adamw")
+    return std::make_unique<FlatAdamW>(std::move(groups),
+                                       dynamic_cast<const torch::optim::AdamWOptions&>(options));
+  throw UsageError("make_flat_optimizer: unknown algorithm '" + algorithm +
+                   "': choose sgd, adam or adamw");
+}
+
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm) {
   std::vector<at::Tensor> grads;
   for (const auto& p : parameters)

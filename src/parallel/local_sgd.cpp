@@ -3,12 +3,10 @@
 #include <torch/torch.h>
 
 #include <chrono>
-#include <cmath>
 #include <type_traits>
 #include <utility>
 
 #include "cohort/error.h"
-#include "cohort/json.h"
 #include "replicas.h"
 
 namespace cohort::parallel {
@@ -20,82 +18,11 @@ DiLoCo outer_of(const SyncMode& mode) {
     return {.inner_steps = local->every, .outer_lr = 1.0, .outer_momentum = 0.0, .nesterov = false};
   }
   if (const auto* diloco = std::get_if<DiLoCo>(&mode)) return *diloco;
-  throw UsageError(
-      "LocalSgdOptimizer: the sync mode is synchronous (DDP): prepare the model with DDP and "
-      "step its optimizer directly");
-}
-
-std::vector<torch::optim::OptimizerParamGroup> groups_of(const torch::optim::Optimizer* inner) {
-  if (inner == nullptr) throw UsageError("LocalSgdOptimizer: the inner optimizer is null");
-  return inner->param_groups();
-}
-
-std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(const torch::optim::Optimizer* inner) {
-  if (inner == nullptr) throw UsageError("LocalSgdOptimizer: the inner optimizer is null");
-  return inner->defaults().clone();
+  throw UsageError("LocalSgdOptimizer: the sync mode is " + to_string(mode) +
+                   ", not local-sgd or diloco: prepare the model with that mode's engine");
 }
 
 }  // namespace
-
-SyncMode parse_sync_mode(const std::string& text) {
-  if (text == "ddp") return Synchronous{};
-  const auto colon = text.find(':');
-  const std::string kind = text.substr(0, colon);
-  const std::string usage =
-      "choose ddp, local-sgd:H or diloco:H (H: optimizer steps between synchronisations, >= 1)";
-  if (colon == std::string::npos || (kind != "local-sgd" && kind != "diloco")) {
-    throw UsageError("unknown sync mode '" + text + "': " + usage);
-  }
-  const std::string digits = text.substr(colon + 1);
-  int64_t every = 0;
-  size_t used = 0;
-  try {
-    every = std::stoll(digits, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (digits.empty() || used != digits.size()) {
-    throw UsageError("sync mode '" + text + "': H '" + digits + "' is not an integer; " + usage);
-  }
-  SyncMode mode = kind == "local-sgd" ? SyncMode(LocalSgd{.every = every})
-                                      : SyncMode(DiLoCo{.inner_steps = every});
-  if (every < 1) {
-    throw UsageError("sync mode '" + text + "': H " + digits +
-                     " must be >= 1 optimizer steps between synchronisations");
-  }
-  return mode;
-}
-
-std::string to_string(const SyncMode& mode) {
-  if (const auto* local = std::get_if<LocalSgd>(&mode))
-    return "local-sgd:" + std::to_string(local->every);
-  if (const auto* diloco = std::get_if<DiLoCo>(&mode))
-    return "diloco:" + std::to_string(diloco->inner_steps);
-  return "ddp";
-}
-
-bool is_synchronous(const SyncMode& mode) { return std::holds_alternative<Synchronous>(mode); }
-
-void validate(const SyncMode& mode) {
-  if (const auto* local = std::get_if<LocalSgd>(&mode); local && local->every < 1) {
-    throw UsageError("local SGD: every " + std::to_string(local->every) +
-                     " must be >= 1 optimizer steps between synchronisations");
-  }
-  if (const auto* d = std::get_if<DiLoCo>(&mode)) {
-    if (d->inner_steps < 1) {
-      throw UsageError("DiLoCo: inner_steps " + std::to_string(d->inner_steps) +
-                       " must be >= 1 optimizer steps between synchronisations");
-    }
-    if (!std::isfinite(d->outer_lr) || d->outer_lr <= 0) {
-      throw UsageError("DiLoCo: outer_lr " + Json(d->outer_lr).dump() +
-                       " must be a finite number > 0 (the paper's: 0.7)");
-    }
-    if (!std::isfinite(d->outer_momentum) || d->outer_momentum < 0 || d->outer_momentum >= 1) {
-      throw UsageError("DiLoCo: outer_momentum " + Json(d->outer_momentum).dump() +
-                       " must be in [0, 1) (the paper's: 0.9; 0: none)");
-    }
-  }
-}
 
 struct LocalSgdOptimizer::Flat {
   DiLoCo outer;  // the mode as DiLoCo: local SGD is an outer SGD of lr 1 without momentum
@@ -125,7 +52,8 @@ struct LocalSgdOptimizer::Flat {
 LocalSgdOptimizer::LocalSgdOptimizer(std::shared_ptr<torch::nn::Module> module,
                                      std::unique_ptr<torch::optim::Optimizer> inner,
                                      comm::ProcessGroup group, const SyncMode& mode)
-    : torch::optim::Optimizer(groups_of(inner.get()), defaults_of(inner.get())),
+    : torch::optim::Optimizer(detail::param_groups_of(inner.get(), "LocalSgdOptimizer"),
+                              detail::defaults_of(inner.get(), "LocalSgdOptimizer")),
       module_(std::move(module)),
       inner_(std::move(inner)),
       group_(std::move(group)),
@@ -223,11 +151,8 @@ void LocalSgdOptimizer::save(torch::serialize::OutputArchive& archive) const {
 }
 
 void LocalSgdOptimizer::load(torch::serialize::InputArchive& archive) {
-  inner_->load(archive);
   // The loaded options (a scheduled lr among them) are this optimizer's from now on.
-  const auto& theirs = inner_->param_groups();
-  for (size_t i = 0; i < theirs.size() && i < param_groups_.size(); ++i)
-    param_groups_[i].set_options(theirs[i].options().clone());
+  detail::load_wrapped(*this, *inner_, archive);
 }
 
 std::map<std::string, at::Tensor> LocalSgdOptimizer::global_state() const {

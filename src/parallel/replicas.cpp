@@ -155,4 +155,25 @@ void average_across_ranks(comm::ProcessGroup& group, const std::vector<at::Tenso
   });
 }
 
+std::vector<torch::optim::OptimizerParamGroup> param_groups_of(
+    const torch::optim::Optimizer* optimizer, const std::string& who) {
+  if (optimizer == nullptr) throw UsageError(who + ": the optimizer is null");
+  return optimizer->param_groups();
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(
+    const torch::optim::Optimizer* optimizer, const std::string& who) {
+  if (optimizer == nullptr) throw UsageError(who + ": the optimizer is null");
+  return optimizer->defaults().clone();
+}
+
+void load_wrapped(torch::optim::Optimizer& wrapper, torch::optim::Optimizer& inner,
+                  torch::serialize::InputArchive& archive) {
+  inner.load(archive);
+  const auto& theirs = inner.param_groups();
+  auto& ours = wrapper.param_groups();
+  for (size_t i = 0; i < theirs.size() && i < ours.size(); ++i)
+    ours[i].set_options(theirs[i].options().clone());
+}
+
 }  // namespace cohort::parallel::detail

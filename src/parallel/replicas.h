@@ -1,9 +1,11 @@
 #pragma once
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include "cohort/comm/process_group.h"
 
@@ -39,6 +41,18 @@ struct NamedParameters {
 NamedParameters trainable_parameters(const torch::nn::Module& module,
                                      const std::vector<at::Tensor>& optimizer_params,
                                      const std::string& who);
+
+// For an optimizer that wraps another (local SGD, the parameter server): the wrapped one's param
+// groups and a copy of its defaults; a UsageError starting with `who` when it is null.
+std::vector<torch::optim::OptimizerParamGroup> param_groups_of(
+    const torch::optim::Optimizer* optimizer, const std::string& who);
+std::unique_ptr<torch::optim::OptimizerOptions> defaults_of(
+    const torch::optim::Optimizer* optimizer, const std::string& who);
+
+// Loads `inner`'s state, then gives its param groups' options (a scheduled lr among them) to
+// `wrapper`, the optimizer that wraps it.
+void load_wrapped(torch::optim::Optimizer& wrapper, torch::optim::Optimizer& inner,
+                  torch::serialize::InputArchive& archive);
 
 // "[2,3] Float": a tensor's shape and dtype, for messages.
 std::string describe(const at::Tensor& t);

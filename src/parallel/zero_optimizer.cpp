@@ -29,18 +29,6 @@ at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef si
   return t;
 }
 
-// The optimizer's algorithm ("sgd", "adam" or "adamw"), from its type.
-std::string algorithm_of(const torch::optim::Optimizer& optimizer) {
-  if (const auto* flat = dynamic_cast<const optim::FlatOptimizer*>(&optimizer))
-    return flat->algorithm();
-  if (dynamic_cast<const torch::optim::SGD*>(&optimizer)) return "sgd";
-  if (dynamic_cast<const torch::optim::AdamW*>(&optimizer)) return "adamw";
-  if (dynamic_cast<const torch::optim::Adam*>(&optimizer)) return "adam";
-  throw UsageError(
-      "ZeroOptimizer: the optimizer is neither SGD, Adam nor AdamW (torch::optim's or cohort's "
-      "flat ones): ZeRO shards only those");
-}
-
 }  // namespace
 
 void ZeroOptions::validate() const {
@@ -121,7 +109,7 @@ struct ZeroOptimizer::Engine {
           "ZeroOptimizer: stage 0 is plain data parallelism: use DistributedDataParallel "
           "(train::prepare_model without ZeRO)");
     }
-    algorithm = algorithm_of(optimizer);
+    algorithm = optim::algorithm_of(optimizer, "ZeroOptimizer", "ZeRO shards only those");
     if (optimizer.param_groups().size() != 1) {
       throw UsageError("ZeroOptimizer: the optimizer has " +
                        std::to_string(optimizer.param_groups().size()) +

@@ -7,6 +7,7 @@
 
 #include "cohort/error.h"
 #include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
@@ -446,11 +447,108 @@ void load_local_sgd(parallel::LocalSgdOptimizer& local, const std::filesystem::p
   local.restore(momentum, &own, manifest->value("steps_since_sync", int64_t{0}), stats);
 }
 
+// The asynchronous parameter server: save_checkpoint first synchronises (every worker's pushes
+// applied, every rank holding the servers' parameters); rank 0 writes those as
+// model.safetensors, its optimizer's options and parameter_server.json; every server rank its
+// shard's parameters and optimizer state (ps-shard-rank<s>-of-<S>.safetensors) with the shard's
+// range, version and push counts (.json). Any number of servers and workers loads it: each
+// server reads the ranges of the saved shards that overlap its own.
+constexpr const char* kPsManifest = "parameter_server.json";
+constexpr const char* kPsFormat = "cohort.parameter_server.v1";
+
+void save_parameter_server(const parallel::ParameterServerOptimizer& ps,
+                           const torch::nn::Module& module, const std::filesystem::path& dir) {
+  // The servers' state does not change: every rank is only brought to it.
+  const_cast<parallel::ParameterServerOptimizer&>(ps).sync();
+  const int rank = ps.process_group().rank();
+  if (ps.serves()) {
+    const auto shard = ps.checkpoint();
+    std::map<std::string, at::Tensor> tensors{{"params", shard.params}};
+    for (const auto& [name, tensor] : shard.state) tensors["state/" + name] = tensor;
+    safetensors::write(dir / rank_file("ps-shard", rank, ps.servers(), ".safetensors"), tensors,
+                       {{"format", kPsFormat}});
+    write_atomically(dir / rank_file("ps-shard", rank, ps.servers(), ".json"),
+                     Json{{"begin", shard.begin},
+                          {"end", shard.end},
+                          {"optimizer_steps", shard.optimizer_steps},
+                          {"version", shard.version},
+                          {"pushes_by_worker", shard.pushes_by_worker}}
+                             .dump(2) +
+                         "\n");
+  }
+  if (rank != 0) return;
+  save_model(module, dir / "model.safetensors");
+  save_optimizer(ps, dir / "optimizer.pt");
+  write_atomically(dir / kPsManifest, Json{{"format", kPsFormat},
+                                           {"servers", ps.servers()},
+                                           {"workers", ps.process_group().world_size()},
+                                           {"numel", ps.numel()},
+                                           {"sync", parallel::to_string(ps.mode())}}
+                                              .dump(2) +
+                                          "\n");
+}
+
+void load_parameter_server(parallel::ParameterServerOptimizer& ps,
+                           const std::filesystem::path& dir) {
+  if (std::filesystem::exists(dir / "optimizer.pt")) load_optimizer(ps, dir / "optimizer.pt");
+  if (!std::filesystem::exists(dir / kPsManifest)) {
+    // A checkpoint of another sync mode: the servers start from its parameters (loaded above).
+    ps.restore({});
+    return;
+  }
+  const auto manifest = read_json(dir / kPsManifest);
+  if (manifest.value("format", "") != kPsFormat || manifest.value("servers", 0) < 1) {
+    throw UsageError("checkpoint " + dir.string() + ": " + kPsManifest + " is not a " + kPsFormat +
+                     " manifest: it was altered or written by another program");
+  }
+  if (manifest.value("numel", int64_t{-1}) != ps.numel()) {
+    throw UsageError("checkpoint " + dir.string() + " holds " +
+                     std::to_string(manifest.value("numel", int64_t{-1})) +
+                     " parameters on its servers, the model " + std::to_string(ps.numel()) +
+                     ": it was saved from a different model");
+  }
+  std::vector<parallel::ParameterServerShard> shards;
+  if (ps.serves()) {
+    const int written = manifest["servers"].get<int>();
+    for (int s = 0; s < written; ++s) {
+      const auto tensors_file = dir / rank_file("ps-shard", s, written, ".safetensors");
+      const auto info_file = dir / rank_file("ps-shard", s, written, ".json");
+      if (!std::filesystem::exists(tensors_file) || !std::filesystem::exists(info_file)) {
+        throw UsageError("checkpoint " + dir.string() + " lacks server " + std::to_string(s) +
+                         "'s shard (" + tensors_file.filename().string() + " and .json), which " +
+                         kPsManifest + " lists: the checkpoint is incomplete");
+      }
+      const auto info = read_json(info_file);
+      auto tensors = safetensors::read(tensors_file);
+      parallel::ParameterServerShard shard;
+      shard.begin = info.at("begin").get<int64_t>();
+      shard.end = info.at("end").get<int64_t>();
+      shard.optimizer_steps = info.at("optimizer_steps").get<int64_t>();
+      shard.version = info.at("version").get<int64_t>();
+      shard.pushes_by_worker = info.at("pushes_by_worker").get<std::vector<int64_t>>();
+      for (auto& [name, tensor] : tensors) {
+        if (name == "params") {
+          shard.params = tensor;
+        } else if (name.rfind("state/", 0) == 0) {
+          shard.state[name.substr(6)] = tensor;
+        }
+      }
+      if (!shard.params.defined()) {
+        throw UsageError("checkpoint " + dir.string() + ": " + tensors_file.filename().string() +
+                         " has no 'params': it was altered or written by another program");
+      }
+      shards.push_back(std::move(shard));
+    }
+  }
+  ps.restore(shards);
+}
+
 }  // namespace
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr ||
-         dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr;
+         dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
+         dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) != nullptr;
 }
 
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
@@ -463,6 +561,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
     save_zero_shards(*zero, dir);
   } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
+  } else if (const auto* ps = dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer)) {
+    save_parameter_server(*ps, module, dir);
   } else {
     save_model(module, dir / "model.safetensors");
     save_optimizer(optimizer, dir / "optimizer.pt");
@@ -494,6 +594,8 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
     }
     if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
       load_local_sgd(*local, checkpoint.path());
+    } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
+      load_parameter_server(*ps, checkpoint.path());
     } else if (const auto manifest = read_local_sgd_manifest(checkpoint.path())) {
       // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
       // and one rank's inner optimizer state.

@@ -26,6 +26,12 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
                      " must be between 1 and num_workers=" + std::to_string(scaling_.num_workers) +
                      " (or 0 for a fixed-size group)");
   }
+  if (scaling_.num_parameter_servers < 0 || scaling_.num_parameter_servers > scaling_.num_workers) {
+    throw UsageError(
+        "ScalingConfig.num_parameter_servers=" + std::to_string(scaling_.num_parameter_servers) +
+        " must be between 0 and num_workers=" + std::to_string(scaling_.num_workers) +
+        ": the parameter servers run in the workers' processes (0: one)");
+  }
   if (scaling_.resources_per_worker.cpu_threads < 1) {
     throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +
                      std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");

@@ -106,6 +106,7 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
     data::set_default_data_workers(std::max(1, (cpus - trainers) / local));
   }
   session->on_world_size_change = scaling.on_world_size_change;
+  session->num_parameter_servers = scaling.num_parameter_servers;
   session->interface_address = settings.interface_address;
   session->remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
   if (const char* members = std::getenv(runtime::kDataMembersVar))

@@ -51,8 +51,10 @@ int64_t optimizer_steps(const WorkerSession& session) {
   for (const auto& ddp : session.models) steps = std::max(steps, ddp->synchronized_steps());
   for (const auto& zero : session.zero_models)
     if (zero.optimizer) steps = std::max(steps, zero.optimizer->steps());
-  for (const auto& local : session.local_sgd_models)
-    if (local.optimizer) steps = std::max(steps, local.optimizer->stats().inner_steps);
+  for (const auto& model : session.sync_mode_models) {
+    if (model.local_sgd) steps = std::max(steps, model.local_sgd->stats().inner_steps);
+    if (model.parameter_server) steps = std::max(steps, model.parameter_server->stats().pushes);
+  }
   return steps;
 }
 
@@ -69,25 +71,37 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
   bool prepared = false;
   for (const auto& ddp : session.models) prepared = prepared || ddp->module() == module;
   for (const auto& zero : session.zero_models) prepared = prepared || zero.module == module;
-  for (const auto& local : session.local_sgd_models) prepared = prepared || local.module == module;
+  for (const auto& model : session.sync_mode_models) prepared = prepared || model.module == module;
   if (prepared) throw UsageError("prepare_model: this model was already prepared; prepare it once");
   options.zero.validate();
   parallel::validate(options.sync);
-  if (!parallel::is_synchronous(options.sync) && options.zero.stage > 0) {
-    throw UsageError("prepare_model: sync " + parallel::to_string(options.sync) +
+  auto sync = options.sync;
+  if (auto* ps = std::get_if<parallel::AsyncParameterServer>(&sync)) {
+    // Servers run in worker processes: an elastic group smaller than asked runs one per worker.
+    if (ps->servers == 0) ps->servers = std::max(1, session.num_parameter_servers);
+    ps->servers = std::min(ps->servers, session.context.world_size);
+  } else if (session.num_parameter_servers > 0) {
+    throw UsageError("prepare_model: ScalingConfig.num_parameter_servers=" +
+                     std::to_string(session.num_parameter_servers) + " but the sync mode is " +
+                     parallel::to_string(sync) +
+                     ": parameter servers serve only parallel::AsyncParameterServer (sync "
+                     "async-ps:K); set 0 servers or that mode");
+  }
+  if (!parallel::is_synchronous(sync) && options.zero.stage > 0) {
+    throw UsageError("prepare_model: sync " + parallel::to_string(sync) +
                      " cannot be combined with ZeRO stage " + std::to_string(options.zero.stage) +
                      ": ZeRO's shards need every rank to step the same gradients; use ZeRO "
                      "stage 0 or the ddp sync");
   }
   if (options.move_to_device) module->to(session.context.device);
-  if (!parallel::is_synchronous(options.sync)) {
-    // The LocalSgdOptimizer that prepare_optimizer() makes is the engine; a backward before it
-    // exists would train the replicas apart unnoticed.
-    WorkerSession::LocalSgdModel local{.module = module, .mode = options.sync};
+  if (!parallel::is_synchronous(sync)) {
+    // The optimizer that prepare_optimizer() makes is the engine; a backward before it exists
+    // would train the replicas apart unnoticed.
+    WorkerSession::SyncModeModel local{.module = module, .mode = sync};
     for (const auto& p : module->parameters()) {
       if (!p.requires_grad()) continue;
       local.guarded = p;
-      const std::string mode = parallel::to_string(options.sync);
+      const std::string mode = parallel::to_string(sync);
       local.hook = p.register_hook([mode](const at::Tensor& grad) -> at::Tensor {
         throw UsageError("backward on a model prepared with sync " + mode +
                          " before its optimizer was passed through "
@@ -96,7 +110,7 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
       });
       break;
     }
-    session.local_sgd_models.push_back(std::move(local));
+    session.sync_mode_models.push_back(std::move(local));
     return;
   }
   if (options.zero.stage > 0) {
@@ -117,11 +131,17 @@ WorkerSession::ZeroModel* find_zero_model(WorkerSession& session,
   return nullptr;
 }
 
-WorkerSession::LocalSgdModel* find_local_sgd_model(
+WorkerSession::SyncModeModel* find_sync_mode_model(
     WorkerSession& session, const std::shared_ptr<torch::nn::Module>& module) {
-  for (auto& local : session.local_sgd_models)
-    if (local.module == module) return &local;
+  for (auto& model : session.sync_mode_models)
+    if (model.module == module) return &model;
   return nullptr;
+}
+
+// The engine's name of a model prepared with a sync mode other than DDP, for messages.
+const char* engine_name(const parallel::SyncMode& mode) {
+  return std::holds_alternative<parallel::AsyncParameterServer>(mode) ? "ParameterServerOptimizer"
+                                                                      : "LocalSgdOptimizer";
 }
 
 }  // namespace
@@ -131,16 +151,25 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> optimizer) {
   auto& session = require_session("cohort::train::prepare_optimizer()");
   if (!optimizer) throw UsageError("prepare_optimizer: the optimizer is null");
-  if (auto* local = find_local_sgd_model(session, module)) {
-    if (local->optimizer != nullptr) {
+  if (auto* model = find_sync_mode_model(session, module)) {
+    if (model->has_optimizer()) {
       throw UsageError("prepare_optimizer: this model already has its " +
-                       parallel::to_string(local->mode) + " optimizer; prepare one");
+                       parallel::to_string(model->mode) + " optimizer; prepare one");
     }
-    auto wrapped = std::make_unique<parallel::LocalSgdOptimizer>(
-        module, std::move(optimizer), session.context.process_group, local->mode);
-    local->optimizer = wrapped.get();
-    if (local->guarded.defined()) local->guarded.remove_hook(local->hook);
-    local->guarded = at::Tensor();
+    std::unique_ptr<torch::optim::Optimizer> wrapped;
+    if (const auto* ps = std::get_if<parallel::AsyncParameterServer>(&model->mode)) {
+      auto engine = std::make_unique<parallel::ParameterServerOptimizer>(
+          module, std::move(optimizer), session.context.process_group, *ps);
+      model->parameter_server = engine.get();
+      wrapped = std::move(engine);
+    } else {
+      auto engine = std::make_unique<parallel::LocalSgdOptimizer>(
+          module, std::move(optimizer), session.context.process_group, model->mode);
+      model->local_sgd = engine.get();
+      wrapped = std::move(engine);
+    }
+    if (model->guarded.defined()) model->guarded.remove_hook(model->hook);
+    model->guarded = at::Tensor();
     return wrapped;
   }
   auto* zero = find_zero_model(session, module);
@@ -167,17 +196,17 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
         "this model was prepared with ZeRO: its engine is the ZeroOptimizer that "
         "prepare_optimizer returned, not DDP");
   }
-  if (auto* local = find_local_sgd_model(session, module)) {
-    throw UsageError("this model was prepared with sync " + parallel::to_string(local->mode) +
-                     ": its engine is the LocalSgdOptimizer that prepare_optimizer returned, "
-                     "not DDP");
+  if (auto* model = find_sync_mode_model(session, module)) {
+    throw UsageError("this model was prepared with sync " + parallel::to_string(model->mode) +
+                     ": its engine is the " + engine_name(model->mode) +
+                     " that prepare_optimizer returned, not DDP");
   }
   throw UsageError("this model was not passed to cohort::train::prepare_model");
 }
 
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
   auto& session = require_session("cohort::train::no_sync()");
-  if (find_local_sgd_model(session, module) != nullptr) return NoSyncGuard();
+  if (find_sync_mode_model(session, module) != nullptr) return NoSyncGuard();
   if (auto* zero = find_zero_model(session, module)) {
     if (zero->optimizer == nullptr) {
       throw UsageError(
@@ -266,7 +295,8 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
   // Each rank's mean wait for data per batch, bytes sent and optimizer steps since its last
-  // report ride along with whether it brings a checkpoint: "<0|1>;[<ms>];<bytes>;<steps>".
+  // report ride along with whether it brings a checkpoint, and with the parameter server its
+  // pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>[;<staleness sum>;<pushes>;<max>]".
   const auto ingest = data::take_ingest_stats();
   const int64_t bytes = s.context.process_group.bytes_sent();
   const int64_t steps = optimizer_steps(s);
@@ -277,6 +307,16 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
              std::to_string(steps - s.steps_at_report);
   s.bytes_at_report = bytes;
   s.steps_at_report = steps;
+  for (const auto& model : s.sync_mode_models) {
+    if (model.parameter_server == nullptr) continue;
+    const auto ps = model.parameter_server->stats();
+    arrival += ";" + std::to_string(ps.staleness_sum - s.staleness_at_report) + ";" +
+               std::to_string(ps.pushes - s.pushes_at_report) + ";" +
+               std::to_string(ps.staleness_max);
+    s.staleness_at_report = ps.staleness_sum;
+    s.pushes_at_report = ps.pushes;
+    break;
+  }
   const std::string keys = "report/" + s.run_token + "/" + std::to_string(index) + "/";
   const auto arrivals =
       s.store.arrive_and_wait(keys, s.context.world_rank, s.context.world_size, arrival,
@@ -312,6 +352,9 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   std::optional<double> ingest_ms;
   double bytes_per_step = 0;
   int workers_stepping = 0;
+  int64_t staleness_sum = 0;
+  int64_t pushes = 0;
+  std::optional<int64_t> staleness_max;
   for (const auto& a : arrivals) {
     const auto fields = split_fields(a);
     with_checkpoint |= fields.at(0) == "1";
@@ -321,6 +364,16 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       bytes_per_step += static_cast<double>(std::stoll(fields.at(2))) / rank_steps;
       ++workers_stepping;
     }
+    if (fields.size() >= 7) {
+      staleness_sum += std::stoll(fields[4]);
+      pushes += std::stoll(fields[5]);
+      staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[6]));
+    }
+  }
+  if (staleness_max && !metrics.contains(kStalenessMeanMetric)) {
+    message["metrics"][kStalenessMeanMetric] =
+        pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : 0.0;
+    message["metrics"][kStalenessMaxMetric] = *staleness_max;
   }
   // The exposed ingest time: how long the slowest-fed rank waited for data per batch.
   if (ingest_ms && !metrics.contains(kIngestMetric)) message["metrics"][kIngestMetric] = *ingest_ms;

@@ -11,6 +11,7 @@
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
@@ -34,17 +35,25 @@ struct WorkerSession {
     parallel::ZeroOptimizer* optimizer = nullptr;
   };
   std::vector<ZeroModel> zero_models;
-  // Models prepared with local SGD or DiLoCo: their mode, and the LocalSgdOptimizer that
-  // prepare_optimizer made for them (null until then; until then a hook on the first parameter's
-  // gradient stops a backward that would train without synchronising).
-  struct LocalSgdModel {
+  // Models prepared with a sync mode other than DDP (local SGD, DiLoCo, the parameter server):
+  // their mode, and the optimizer that prepare_optimizer made for them, its engine (null until
+  // then; until then a hook on the first parameter's gradient stops a backward that would train
+  // without synchronising).
+  struct SyncModeModel {
     std::shared_ptr<torch::nn::Module> module;
     parallel::SyncMode mode;
-    parallel::LocalSgdOptimizer* optimizer = nullptr;
+    parallel::LocalSgdOptimizer* local_sgd = nullptr;
+    parallel::ParameterServerOptimizer* parameter_server = nullptr;
     at::Tensor guarded;  // the parameter that holds the hook
     unsigned hook = 0;
+    bool has_optimizer() const { return local_sgd != nullptr || parameter_server != nullptr; }
   };
-  std::vector<LocalSgdModel> local_sgd_models;
+  std::vector<SyncModeModel> sync_mode_models;
+  // ScalingConfig::num_parameter_servers.
+  int num_parameter_servers = 0;
+  // At the last report: the parameter servers' staleness sum and pushes of this rank.
+  int64_t staleness_at_report = 0;
+  int64_t pushes_at_report = 0;
   // At the last report: this rank's bytes sent by its process group and optimizer steps.
   int64_t bytes_at_report = 0;
   int64_t steps_at_report = 0;
@@ -79,6 +88,10 @@ inline std::string data_member_key(const std::string& run_token, int member) {
 inline constexpr const char* kIngestMetric = "ingest_wait_ms";
 // And the bytes a worker sent per optimizer step since the last report (mean over the workers).
 inline constexpr const char* kCommBytesMetric = "comm_bytes_per_step";
+// With the parameter server: the mean staleness of the workers' pushes since the last report
+// (updates the servers applied between a worker's pull and its push), and the largest so far.
+inline constexpr const char* kStalenessMeanMetric = "staleness_mean";
+inline constexpr const char* kStalenessMaxMetric = "staleness_max";
 
 // A fresh token for one start of a group: nothing of an earlier start's store keys or staging
 // folders is mistaken for this one's.

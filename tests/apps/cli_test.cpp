@@ -101,7 +101,19 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--sync", "local-sgd:0", "--data-dir", data.string()},
        "sync mode 'local-sgd:0': H 0 must be >= 1"},
       {{"--sync", "gossip", "--data-dir", data.string()},
-       "unknown sync mode 'gossip': choose ddp, local-sgd:H or diloco:H"},
+       "unknown sync mode 'gossip': choose ddp, local-sgd:H, diloco:H (H: optimizer steps between "
+       "synchronisations, >= 1) or async-ps:K"},
+      {{"--sync", "async-ps:-1", "--data-dir", data.string()},
+       "sync mode 'async-ps:-1': K -1 must be >= 0"},
+      {{"--parameter-servers", "2", "--data-dir", data.string()},
+       "--parameter-servers 2 with --sync ddp: parameter servers serve only --sync async-ps:K"},
+      {{"--parameter-servers", "3", "--workers", "2", "--sync", "async-ps:1", "--data-dir",
+        data.string()},
+       "--parameter-servers 3 with --workers 2: the servers run in the worker processes"},
+      {{"--parameter-servers", "-1", "--sync", "async-ps:1", "--data-dir", data.string()},
+       "--parameter-servers -1 must be >= 0"},
+      {{"--sync", "async-ps:2", "--zero-stage", "1", "--data-dir", data.string()},
+       "--sync async-ps:2 cannot be combined with ZeRO stage 1"},
       {{"--sync", "diloco:8", "--zero-stage", "2", "--data-dir", data.string()},
        "--sync diloco:8 cannot be combined with ZeRO stage 2"},
       {{"--outer-lr", "0.5", "--data-dir", data.string()},
@@ -324,6 +336,40 @@ TEST_F(Cli, LocalSgdAndDiLoCoTrainAndResumeExactly) {
   EXPECT_EQ(resumed["steps"], straight["steps"]);
   EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
   EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+}
+
+// The asynchronous parameter server: trains with two servers in the two workers, reports its
+// staleness and bytes, checkpoints every server's shard, and resumes from them, also into
+// another number of servers.
+TEST_F(Cli, AsyncParameterServerTrainsReportsStalenessAndResumes) {
+  auto with = [&](const std::vector<std::string>& extra) { return small_run("adam", extra); };
+  ASSERT_EQ(train(with({"--epochs", "1", "--name", "ddp"})).exit_code, 0);
+  const auto ddp = result_of("ddp");
+  auto r = train(
+      with({"--epochs", "1", "--sync", "async-ps:1", "--parameter-servers", "2", "--name", "ps"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ps = result_of("ps");
+  EXPECT_EQ(ps["replica_spread"].get<double>(), 0.0) << "synchronised at the epoch's end";
+  EXPECT_GE(ps["staleness_mean"].get<double>(), 0.0);
+  // Two workers, at most one push ahead: at most 3 updates between a pull and its push.
+  EXPECT_LE(ps["staleness_max"].get<int64_t>(), 3);
+  // A push of the gradients and a pull of the parameters per step, DDP's all-reduce twice.
+  EXPECT_NEAR(ps["comm_bytes_per_step"].get<double>(), 2 * ddp["comm_bytes_per_step"].get<double>(),
+              0.05 * ddp["comm_bytes_per_step"].get<double>());
+  EXPECT_GT(ps["test_accuracy"].get<double>(), ddp["test_accuracy"].get<double>() - 0.15)
+      << "ddp " << ddp["test_accuracy"] << ", async-ps " << ps["test_accuracy"];
+  const auto checkpoint = dir / "runs" / "ps" / "checkpoint_000000";
+  for (const char* file : {"parameter_server.json", "ps-shard-rank0-of-2.safetensors",
+                           "ps-shard-rank1-of-2.safetensors", "ps-shard-rank1-of-2.json"})
+    EXPECT_TRUE(std::filesystem::exists(checkpoint / file)) << file;
+  // Resumed, also with one server instead of two (the shards are read where they overlap).
+  r = train(
+      with({"--epochs", "2", "--sync", "async-ps:1", "--parameter-servers", "1", "--name", "ps"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
+  const auto resumed = result_of("ps");
+  EXPECT_EQ(resumed["steps"].get<int64_t>(), 2 * ps["steps"].get<int64_t>());
+  EXPECT_LT(resumed["train_loss"].get<double>(), ps["train_loss"].get<double>());
 }
 
 // Seed 001's DeepSpeed JSON: as written it asks for fp16, which a CPU refuses naming bf16; with

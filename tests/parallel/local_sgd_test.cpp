@@ -8,43 +8,21 @@
 
 #include "cohort/error.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "small_net.h"
 #include "support/expect.h"
 #include "support/local_group.h"
 
 namespace cohort::parallel {
 namespace {
 
-torch::nn::Sequential make_net() {
-  std::lock_guard lock(testing::generator_mutex());
-  torch::manual_seed(5);
-  return torch::nn::Sequential(torch::nn::Linear(9, 17), torch::nn::ReLU(),
-                               torch::nn::Linear(17, 4));
-}
-
-// Rank r's batch of step s: different on every rank, the same on every run.
-std::pair<torch::Tensor, torch::Tensor> batch(int rank, int step) {
-  std::lock_guard lock(testing::generator_mutex());
-  torch::manual_seed(300 + 10 * rank + step);
-  return {torch::randn({8, 9}), torch::randint(0, 4, {8})};
-}
-
-void train_step(torch::nn::Sequential& net, torch::optim::Optimizer& optimizer, int rank,
-                int step) {
-  optimizer.zero_grad();
-  auto [x, y] = batch(rank, step);
-  torch::nn::functional::cross_entropy(net->forward(x), y).backward();
-  optimizer.step();
-}
+using testing::batch;
+using testing::make_net;
+using testing::parameters_of;
+using testing::train_step;
 
 std::unique_ptr<torch::optim::Optimizer> sgd(torch::nn::Sequential& net, double momentum = 0.9) {
   return std::make_unique<torch::optim::SGD>(net->parameters(),
                                              torch::optim::SGDOptions(0.1).momentum(momentum));
-}
-
-std::vector<torch::Tensor> parameters_of(torch::nn::Sequential& net) {
-  std::vector<torch::Tensor> out;
-  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
-  return out;
 }
 
 void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
@@ -71,7 +49,7 @@ TEST(SyncMode, ParsesTheCliFormsAndNamesBadOnes) {
   testing::expect_error<UsageError>([&] { parse_sync_mode("diloco:4x"); },
                                     "'4x' is not an integer");
   testing::expect_error<UsageError>([&] { parse_sync_mode("async"); },
-                                    "choose ddp, local-sgd:H or diloco:H");
+                                    "choose ddp, local-sgd:H, diloco:H");
   testing::expect_error<UsageError>([&] { validate(DiLoCo{.outer_momentum = 1.0}); }, "[0, 1)");
   testing::expect_error<UsageError>([&] { validate(DiLoCo{.outer_lr = std::nan("")}); },
                                     "outer_lr");
@@ -210,7 +188,8 @@ TEST(LocalSgdOptimizer, RejectsAnOptimizerOverOtherParametersNamingOne) {
         [&] { LocalSgdOptimizer(net.ptr(), std::move(partial), g, LocalSgd{}); },
         "parameter '0.bias' of the module is not in the optimizer");
     testing::expect_error<UsageError>(
-        [&] { LocalSgdOptimizer(net.ptr(), sgd(net), g, Synchronous{}); }, "synchronous");
+        [&] { LocalSgdOptimizer(net.ptr(), sgd(net), g, Synchronous{}); },
+        "the sync mode is ddp, not local-sgd or diloco");
     testing::expect_error<UsageError>([&] { LocalSgdOptimizer(net.ptr(), nullptr, g, LocalSgd{}); },
                                       "null");
   });

@@ -88,6 +88,39 @@ Result run_regression(const std::filesystem::path& dir, const std::string& name,
   return trainer.fit();
 }
 
+// The same regression with an asynchronous parameter server (two servers, in the two workers):
+// every rank checkpoints its server's shard after every step; config {"steps", "fault_rank",
+// "fault_step"} kills that rank once, after its report.
+void parameter_server_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  torch::manual_seed(7);
+  auto model = torch::nn::Linear(4, 1);
+  train::prepare_model(model.ptr(), {.sync = parallel::AsyncParameterServer{.max_staleness = 1}});
+  auto optimizer = train::prepare_optimizer(
+      model.ptr(),
+      std::make_unique<torch::optim::SGD>(model->parameters(), torch::optim::SGDOptions(0.05)));
+  int start = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    train::load_checkpoint(*checkpoint, *model, *optimizer);
+    start = checkpoint->metrics()["step"].get<int>() + 1;
+  }
+  for (int step = start; step < c["steps"].get<int>(); ++step) {
+    auto g = torch::make_generator<at::CPUGeneratorImpl>(1000 * step + ctx.get_world_rank());
+    auto x = torch::randn({8, 4}, g);
+    optimizer->zero_grad();
+    auto loss = torch::mse_loss(model->forward(x), x.sum(1, true));
+    loss.backward();
+    optimizer->step();
+    const auto tmp = ctx.get_storage_path() / ("ps-staging-" + std::to_string(::getpid()));
+    auto checkpoint = train::save_checkpoint(tmp, *model, *optimizer);  // on every rank
+    train::report({{"step", step}, {"loss", loss.item<double>()}}, checkpoint);
+    std::filesystem::remove_all(tmp);
+    if (ctx.get_world_rank() == c["fault_rank"].get<int>() && step == c["fault_step"].get<int>() &&
+        first_time("kill"))
+      std::raise(SIGKILL);
+  }
+}
+
 class FaultTolerance : public ::testing::Test {
  protected:
   std::filesystem::path dir = cohort::testing::temp_dir("fault");
@@ -120,6 +153,22 @@ TEST_F(FaultTolerance, KilledWorkersRecoverToTheUninterruptedResult) {
     EXPECT_EQ(saved["failures"].size(), 1u);
     EXPECT_EQ(Result::from_path(dir / name).failures, result.failures) << name;
   }
+}
+
+// A dead parameter server is a dead worker: the group restarts from the latest checkpoint, each
+// server reading its shard back, and trains to the end.
+TEST_F(FaultTolerance, AKilledParameterServerRestartsFromItsShard) {
+  Trainer trainer(
+      parameter_server_loop, ScalingConfig{.num_workers = 2, .num_parameter_servers = 2},
+      run_config(dir, "ps", 1), Json{{"steps", 8}, {"fault_rank", 1}, {"fault_step", 3}});
+  const Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["step"], 7);
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_EQ(result.failures[0]["rank"], 1) << result.failures[0].dump();
+  EXPECT_TRUE(result.failures[0]["restarted"].get<bool>());
+  const auto shards = result.checkpoint->path();
+  EXPECT_TRUE(std::filesystem::exists(shards / "ps-shard-rank1-of-2.safetensors"));
 }
 
 TEST_F(FaultTolerance, WithoutRestartsTheFailureIsTheResult) {

@@ -172,6 +172,10 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
   EXPECT_THROW(Trainer(loop, ScalingConfig{.num_workers = 0}), UsageError);
   EXPECT_THROW(Trainer(loop, ScalingConfig{.resources_per_worker = {.cpu_threads = 0}}),
                UsageError);
+  cohort::testing::expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.num_workers = 2, .num_parameter_servers = 3}); },
+      "num_parameter_servers=3 must be between 0 and num_workers=2: the parameter servers run in "
+      "the workers' processes");
   auto dir = cohort::testing::temp_dir("trainer_storage");
   std::ofstream(dir / "a_file") << "x";
   Trainer trainer(loop, ScalingConfig{}, run_config(dir / "a_file", "x"));

@@ -83,6 +83,9 @@ class ProcessGroup {
   int world_size() const;
   std::chrono::milliseconds timeout() const;
   Backend backend() const;
+  // The address of this host's interface that the group's transport binds to (other services
+  // between the same ranks, e.g. parameter servers, listen there too).
+  const std::string& interface_address() const;
 
   // Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
   // group), in the same order as its other new_group/split calls; members get the new group,
@@ -147,6 +150,9 @@ class ProcessGroup {
   // an all-reduce sends 2(N-1)/N B, a broadcast (N-1)/N B, a reduce-scatter (N-1)/N of its input,
   // an all-gather N-1 times its input, an all-to-all what goes to other ranks, a send B.
   int64_t bytes_sent() const;
+  // Counts bytes sent to the group's ranks outside its collectives (a parameter server's
+  // sockets) into bytes_sent().
+  void add_bytes_sent(int64_t bytes);
 
   struct State;  // defined in src/comm/process_group.cpp
 

@@ -103,6 +103,16 @@ void validate(const torch::optim::SGDOptions& options);
 void validate(const torch::optim::AdamOptions& options);
 void validate(const torch::optim::AdamWOptions& options);
 
+// The algorithm of a torch::optim or flat optimizer: "sgd", "adam" or "adamw". For another
+// optimizer a UsageError starting with `who` and ending with `why` (what supports only those).
+std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
+                         const std::string& why);
+// A flat optimizer of `algorithm` ("sgd", "adam" or "adamw") with `options` of that algorithm's
+// type (e.g. another optimizer's param-group options), over `groups`.
+std::unique_ptr<FlatOptimizer> make_flat_optimizer(
+    std::vector<torch::optim::OptimizerParamGroup> groups, const std::string& algorithm,
+    const torch::optim::OptimizerOptions& options);
+
 // Clips the gradients of any parameters to a global L2 norm of max_norm without a host
 // synchronisation (torch::nn::utils::clip_grad_norm_ returns a double, which syncs); returns the
 // norm before clipping. For a FlatOptimizer, its clip_grad_norm is faster.

@@ -3,47 +3,14 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <variant>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/parallel/sync_mode.h"
 
 namespace cohort::parallel {
-
-// How the replicas of a data-parallel model agree.
-//
-// Synchronous: DDP, the gradients averaged in every backward.
-struct Synchronous {};
-
-// Local SGD: every rank steps on its own gradients; every `every` optimizer steps the ranks'
-// parameters (and floating-point buffers) are averaged.
-struct LocalSgd {
-  int64_t every = 8;
-};
-
-// DiLoCo (Douillard et al. 2023): `inner_steps` local steps, then the pseudo-gradient (the
-// global parameters minus the local ones) is averaged over the ranks and applied to the global
-// parameters by an outer SGD with (Nesterov) momentum; every rank continues from the result.
-// With inner_steps 1, outer_lr 1 and no momentum it is synchronous DDP (for SGD inner steps).
-struct DiLoCo {
-  int64_t inner_steps = 32;
-  double outer_lr = 0.7;
-  double outer_momentum = 0.9;
-  bool nesterov = true;
-};
-
-using SyncMode = std::variant<Synchronous, LocalSgd, DiLoCo>;
-
-// "ddp", "local-sgd:H" or "diloco:H" (DiLoCo's outer options at their defaults); anything else,
-// or H < 1, is a UsageError naming the value.
-SyncMode parse_sync_mode(const std::string& text);
-// The inverse of parse_sync_mode, with DiLoCo's outer options when not the defaults.
-std::string to_string(const SyncMode& mode);
-// UsageError naming the field: H < 1, an outer lr <= 0 or not finite, a momentum outside [0, 1).
-void validate(const SyncMode& mode);
-bool is_synchronous(const SyncMode& mode);
 
 // Counters for reports and benchmarks.
 struct LocalSgdStats {

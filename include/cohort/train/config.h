@@ -59,6 +59,11 @@ struct ScalingConfig {
   // another size, after the optimizer state is loaded: e.g. train::linear_lr_scaling.
   std::function<void(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size)>
       on_world_size_change;
+  // Parameter servers of a model prepared with sync parallel::AsyncParameterServer whose
+  // `servers` is 0 (`cohort train --sync async-ps:K --parameter-servers S`): they run in the first
+  // S workers' processes, so 1 to num_workers; 0 means 1. Set with another sync mode, a
+  // UsageError at prepare_model. An elastic group smaller than S runs one server per worker.
+  int num_parameter_servers = 0;
   // Preprocessing on other nodes: under `cohort launch`, a node started with --data-workers N
   // (a CPU-only node: --nproc-per-node 0) runs N data workers for the job. They take the
   // map_batches work of this Trainer dataset's shards over TCP, beside each rank's own workers,

@@ -22,16 +22,19 @@ struct PrepareModelOptions {
   // Stage 1 or 2: ZeRO, its engine made by prepare_optimizer().
   parallel::ZeroOptions zero;
   // How the replicas agree: synchronous DDP (or ZeRO), or parallel::LocalSgd / parallel::DiLoCo,
-  // whose engine is the LocalSgdOptimizer that prepare_optimizer() makes:
+  // whose engine is the LocalSgdOptimizer that prepare_optimizer() makes, or
+  // parallel::AsyncParameterServer, whose engine is a ParameterServerOptimizer:
   //   train::prepare_model(model, {.sync = parallel::DiLoCo{.inner_steps = 32}});
   parallel::SyncMode sync;
 };
 
 // Moves the model to this worker's device and makes it data-parallel: rank 0's weights on every
 // rank, gradients averaged after every backward (Ray Train's prepare_model). Returns the same
-// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), local SGD or
-// DiLoCo (options.sync), pass the optimizer through prepare_optimizer() too: a backward before
-// that is a UsageError saying so.
+// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), local SGD,
+// DiLoCo or the parameter server (options.sync), pass the optimizer through prepare_optimizer()
+// too: a backward before that is a UsageError saying so. The parameter server's count of
+// servers, when its mode leaves it at 0, is ScalingConfig::num_parameter_servers; that count set
+// with another sync mode is a UsageError.
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options = {});
 
@@ -55,8 +58,9 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
 // For a model prepared with ZeRO: a ZeroOptimizer that shards `optimizer` (built over the
 // model's parameters, e.g. torch::optim::AdamW; its algorithm and options are taken over) and is
 // the model's data-parallel engine. With local SGD or DiLoCo: a LocalSgdOptimizer that steps
-// `optimizer` and synchronises the replicas every H steps. For a model prepared with DDP:
-// `optimizer` itself.
+// `optimizer` and synchronises the replicas every H steps. With the parameter server: a
+// ParameterServerOptimizer whose servers step `optimizer`'s algorithm on the pushed gradients.
+// For a model prepared with DDP: `optimizer` itself.
 //
 //   train::prepare_model(model, {.zero = {.stage = 2}});
 //   auto optimizer = train::prepare_optimizer(

@@ -1,11 +1,13 @@
-// Communication-efficient training on seed 000's CNN and Fashion-MNIST: for each sync mode
-// (ddp, local-sgd:H, diloco:H) and worker count, the bytes each worker sent per step and the
-// test accuracy after the same number of samples; then, with one worker slowed down (a sleep of
-// (factor - 1) x its own step time after every step), the throughput of each mode.
-//   local_sgd [--workers 2,4] [--modes ddp,local-sgd:8,local-sgd:32,diloco:32] [--epochs 1]
-//             [--slow-factor 2] [--slow-steps 192]
-// Prints one JSON line per run, then a table. Every mode trains with the same inner optimizer
-// (Adam, lr 1e-3, batch 32 per worker); DiLoCo's outer optimizer at the paper's defaults.
+// Synchronous, communication-efficient and asynchronous training on seed 000's CNN and
+// Fashion-MNIST: for each sync mode (ddp, local-sgd:H, diloco:H, async-ps:K) and worker count,
+// the bytes each worker sent per step and the test accuracy after the same number of samples;
+// then, with one worker slowed down (a sleep of (factor - 1) x its own step time after every
+// step), the throughput of each mode.
+//   sync_modes [--workers 2,4] [--modes ddp,local-sgd:8,local-sgd:32,diloco:32,async-ps:4]
+//              [--parameter-servers 1] [--epochs 1] [--slow-factor 2] [--slow-steps 192]
+// Prints one JSON line per run, then a table. Every mode trains with the same optimizer (Adam,
+// lr 1e-3, batch 32 per worker); DiLoCo's outer optimizer at the paper's defaults; the parameter
+// servers run in the first workers' processes.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -57,6 +59,7 @@ void bench_loop(const cohort::Json& c) {
   const bool slowed = ctx.get_world_rank() == c["slow_rank"].get<int>();
   const double slow_factor = c["slow_factor"].get<double>();
   auto* local = dynamic_cast<cohort::parallel::LocalSgdOptimizer*>(optimizer.get());
+  auto* ps = dynamic_cast<cohort::parallel::ParameterServerOptimizer*>(optimizer.get());
   const int64_t bytes_before = ctx.get_process_group().bytes_sent();
   ctx.get_process_group().barrier();
   const auto start = Clock::now();
@@ -78,6 +81,7 @@ void bench_loop(const cohort::Json& c) {
       if (max_steps > 0 && steps >= max_steps) break;
     }
     if (local != nullptr) local->sync();
+    if (ps != nullptr) ps->sync();
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const int64_t bytes = ctx.get_process_group().bytes_sent() - bytes_before;
@@ -90,7 +94,25 @@ void bench_loop(const cohort::Json& c) {
     rate += r[0].item<double>() / r[1].item<double>();
     bytes_per_step += r[2].item<double>() / static_cast<double>(all.size());
   }
+  // The parameter server's staleness: mean and largest over every worker's pushes.
+  double staleness_mean = 0, staleness_max = 0;
+  if (ps != nullptr) {
+    const auto stats = ps->stats();
+    auto staleness = ctx.get_process_group().allgather(
+        torch::tensor({static_cast<double>(stats.staleness_sum), static_cast<double>(stats.pushes),
+                       static_cast<double>(stats.staleness_max)},
+                      torch::kDouble));
+    double sum = 0, pushes = 0;
+    for (auto& s : staleness) {
+      sum += s[0].item<double>();
+      pushes += s[1].item<double>();
+      staleness_max = std::max(staleness_max, s[2].item<double>());
+    }
+    staleness_mean = pushes > 0 ? sum / pushes : 0;
+  }
   cohort::train::report({{"mode", c["mode"]},
+                         {"staleness_mean", staleness_mean},
+                         {"staleness_max", staleness_max},
                          {"workers", ctx.get_world_size()},
                          {"steps_per_worker", steps},
                          {"samples", samples * ctx.get_world_size()},
@@ -110,28 +132,35 @@ std::vector<std::string> split(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cohort local SGD / DiLoCo benchmark"};
-  std::string workers_list = "2,4", modes_list = "ddp,local-sgd:8,local-sgd:32,diloco:32";
+  CLI::App app{"cohort sync modes benchmark: DDP, local SGD, DiLoCo, the parameter server"};
+  std::string workers_list = "2,4",
+              modes_list = "ddp,local-sgd:8,local-sgd:32,diloco:32,async-ps:4";
+  int parameter_servers = 1;
   std::string data_dir = cohort::data::default_fashion_mnist_dir();
   int epochs = 1;
   double slow_factor = 2;
   int64_t slow_steps = 192;
   app.add_option("--workers", workers_list, "worker counts, comma-separated");
   app.add_option("--modes", modes_list, "sync modes, comma-separated");
+  app.add_option("--parameter-servers", parameter_servers, "servers of the async-ps runs");
   app.add_option("--epochs", epochs, "epochs of the accuracy runs");
   app.add_option("--slow-factor", slow_factor, "the slowed worker's step time x this (1: none)");
   app.add_option("--slow-steps", slow_steps, "steps per worker of the slowed runs (0: none)");
   app.add_option("--data-dir", data_dir);
   CLI11_PARSE(app, argc, argv);
   // The same path in the driver and in the workers, which re-run main() up to fit().
-  const auto storage = std::filesystem::temp_directory_path() / "cohort_bench_local_sgd";
+  const auto storage = std::filesystem::temp_directory_path() / "cohort_bench_sync_modes";
   std::vector<cohort::Json> rows;
   auto run = [&](int workers, const std::string& mode, int64_t max_steps, double factor) {
-    cohort::parallel::parse_sync_mode(mode);  // a usage error before any worker starts
+    // A usage error before any worker starts.
+    const bool async = std::holds_alternative<cohort::parallel::AsyncParameterServer>(
+        cohort::parallel::parse_sync_mode(mode));
     std::fprintf(stderr, "running %s on %d workers%s...\n", mode.c_str(), workers,
                  factor > 1 ? " (one slowed)" : "");
     cohort::Trainer trainer(
-        bench_loop, {.num_workers = workers},
+        bench_loop,
+        {.num_workers = workers,
+         .num_parameter_servers = async ? std::min(parameter_servers, workers) : 0},
         {.name = "run" + std::to_string(rows.size()), .storage_path = storage, .verbose = 0},
         {{"mode", mode},
          {"data_dir", data_dir},
@@ -160,17 +189,18 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::filesystem::remove_all(storage);
-  std::printf("\n%-14s %7s %6s %14s %12s %10s %13s\n", "mode", "workers", "slow", "bytes/step",
-              "vs ddp", "accuracy", "samples/s");
+  std::printf("\n%-14s %7s %6s %14s %12s %10s %13s %16s\n", "mode", "workers", "slow", "bytes/step",
+              "vs ddp", "accuracy", "samples/s", "staleness mean/max");
   for (const auto& r : rows) {
     double ddp_bytes = 0;
     for (const auto& o : rows)
       if (o["mode"] == "ddp" && o["workers"] == r["workers"]) ddp_bytes = o["bytes_per_step"];
     const double bytes = r["bytes_per_step"];
-    std::printf("%-14s %7d %6.1f %14.0f %11.1fx %10.4f %13.1f\n",
+    std::printf("%-14s %7d %6.1f %14.0f %11.1fx %10.4f %13.1f %10.2f / %3.0f\n",
                 r["mode"].get<std::string>().c_str(), r["workers"].get<int>(),
                 r["slow_factor"].get<double>(), bytes, bytes > 0 ? ddp_bytes / bytes : 0.0,
-                r["test_accuracy"].get<double>(), r["samples_per_s"].get<double>());
+                r["test_accuracy"].get<double>(), r["samples_per_s"].get<double>(),
+                r["staleness_mean"].get<double>(), r["staleness_max"].get<double>());
   }
   return 0;
 }

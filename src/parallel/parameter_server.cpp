@@ -1,0 +1,602 @@
+#include "cohort/parallel/parameter_server.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include <torch/torch.h>
+
+#include "cohort/error.h"
+#include "cohort/optim/flat_optimizer.h"
+#include "comm/socket.h"
+#include "replicas.h"
+
+namespace cohort::parallel {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint32_t kMagic = 0x31535043;  // "CPS1"
+enum Kind : uint32_t { kPush = 1, kPull = 2, kBye = 3 };
+
+// A worker's message to a server; a push's gradient (numel float32) follows.
+struct Request {
+  uint32_t magic = kMagic;
+  uint32_t kind = kPush;
+  int64_t worker = 0;
+  int64_t base_version = 0;  // the server's version of the parameters the gradient was taken on
+  double lr = 0;
+  int64_t numel = 0;
+};
+
+// A server's answer to a push or a pull; the shard's parameters (numel float32) follow.
+struct Reply {
+  uint32_t magic = kMagic;
+  uint32_t kind = kPush;
+  int64_t version = 0;
+  int64_t staleness = 0;  // of the push answered: updates applied after its base version
+  int64_t numel = 0;
+};
+
+std::string server_name(int index) { return "parameter server " + std::to_string(index); }
+
+// The servers' addresses travel through the group as fixed-size strings.
+constexpr int64_t kAddressBytes = 128;
+
+// The flat optimizer of one shard, with the state accessors a checkpoint needs.
+class ShardOptimizer : public optim::FlatOptimizer {
+ public:
+  ShardOptimizer(const at::Tensor& shard, const std::string& algorithm,
+                 const torch::optim::OptimizerOptions& options)
+      : FlatOptimizer({torch::optim::OptimizerParamGroup({shard}, options.clone())},
+                      options.clone(), algorithm) {}
+  using FlatOptimizer::set_steps_taken;
+  using FlatOptimizer::state_buffer_names;
+  using FlatOptimizer::state_buffers;
+  using FlatOptimizer::steps_taken;
+};
+
+}  // namespace
+
+// One shard's server: a thread that answers every worker's pushes and pulls over TCP.
+struct ParameterServerOptimizer::Server {
+  int index = 0;
+  int workers = 0;
+  int64_t max_staleness = 0;
+  std::chrono::milliseconds timeout{0};
+  comm::ProcessGroup group;
+  int64_t begin = 0;
+  int64_t end = 0;
+  at::Tensor shard;  // the optimizer's parameter: float32, end - begin elements
+  std::unique_ptr<ShardOptimizer> optimizer;
+  int listener = -1;
+  std::string address;
+
+  struct Connection {
+    int fd = -1;
+    int worker = -1;
+    bool waiting = false;  // a push answered once the staleness bound allows
+    int64_t staleness = 0;
+  };
+  std::vector<Connection> connections;
+
+  std::mutex mutex;  // the state below, and the shard against restore()
+  std::condition_variable finished_cv;
+  bool finished = false;
+  std::string error;  // why the thread failed, for this rank's next step
+  int64_t version = 0;
+  std::vector<int64_t> pushes;  // by worker
+  std::vector<char> done;       // said goodbye, or closed its connection
+  ParameterServerShard snapshot;
+  std::atomic<bool> stop{false};
+  std::thread thread;
+
+  Server(int index_, int workers_, int64_t max_staleness_, comm::ProcessGroup group_,
+         int64_t begin_, int64_t end_, const at::Tensor& initial, const std::string& algorithm,
+         const torch::optim::OptimizerOptions& options)
+      : index(index_),
+        workers(workers_),
+        max_staleness(max_staleness_),
+        timeout(group_.timeout()),
+        group(std::move(group_)),
+        begin(begin_),
+        end(end_),
+        pushes(static_cast<size_t>(workers_), 0),
+        done(static_cast<size_t>(workers_), 0) {
+    shard = initial.to(at::kFloat).contiguous().clone();
+    optimizer = std::make_unique<ShardOptimizer>(shard, algorithm, options);
+    shard.mutable_grad() = at::zeros_like(shard);
+    listener = comm::socket::listen_on(group.interface_address() + ":0", address,
+                                       "the workers of " + server_name(index));
+    take_snapshot();
+  }
+
+  ~Server() {
+    stop = true;
+    if (thread.joinable()) thread.join();
+    for (auto& c : connections) ::close(c.fd);
+    if (listener >= 0) ::close(listener);
+  }
+
+  void start() {
+    thread = std::thread([this] { run(); });
+  }
+
+  void take_snapshot() {
+    snapshot.begin = begin;
+    snapshot.end = end;
+    snapshot.params = shard.detach().clone();
+    snapshot.state.clear();
+    const auto names = optimizer->state_buffer_names();
+    const auto buffers = optimizer->state_buffers(0);
+    for (size_t i = 0; i < names.size() && i < buffers.size(); ++i)
+      snapshot.state[names[i]] = buffers[i].detach().clone();
+    snapshot.optimizer_steps = optimizer->steps_taken(0);
+    snapshot.version = version;
+    snapshot.pushes_by_worker = pushes;
+  }
+
+  // Waits until every worker said goodbye, up to the group's timeout; then stops the thread.
+  void finish(bool wait_for_workers) {
+    if (wait_for_workers) {
+      std::unique_lock lock(mutex);
+      finished_cv.wait_for(lock, timeout, [&] { return finished; });
+    }
+    stop = true;
+    if (thread.joinable()) thread.join();
+  }
+
+  void run() {
+    try {
+      serve();
+    } catch (const std::exception& e) {
+      std::lock_guard lock(mutex);
+      error = e.what();
+      // The workers waiting on this server learn at once that it is gone.
+      for (auto& c : connections) ::shutdown(c.fd, SHUT_RDWR);
+    }
+    std::lock_guard lock(mutex);
+    finished = true;
+    finished_cv.notify_all();
+  }
+
+  bool everyone_done() {
+    std::lock_guard lock(mutex);
+    return std::all_of(done.begin(), done.end(), [](char d) { return d != 0; });
+  }
+
+  void serve() {
+    while (!stop && !everyone_done()) {
+      std::vector<pollfd> fds{{listener, POLLIN, 0}};
+      for (const auto& c : connections) fds.push_back({c.fd, POLLIN, 0});
+      const int rc = ::poll(fds.data(), fds.size(), 100);
+      if (rc < 0 && errno != EINTR)
+        throw RuntimeError(server_name(index) + ": poll failed: " + std::strerror(errno));
+      if (rc <= 0) continue;
+      if (fds[0].revents & POLLIN) {
+        const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+        if (fd >= 0) connections.push_back({.fd = fd});
+      }
+      for (size_t i = 1; i < fds.size(); ++i) {
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) handle(connections[i - 1]);
+      }
+      connections.erase(std::remove_if(connections.begin(), connections.end(),
+                                       [](const Connection& c) { return c.fd < 0; }),
+                        connections.end());
+      release_waiting();
+    }
+  }
+
+  void close_connection(Connection& c) {
+    ::close(c.fd);
+    c.fd = -1;
+    if (c.worker >= 0) {
+      std::lock_guard lock(mutex);
+      done[static_cast<size_t>(c.worker)] = 1;
+    }
+  }
+
+  void handle(Connection& c) {
+    char first = 0;
+    const ssize_t peeked = ::recv(c.fd, &first, 1, MSG_PEEK);
+    if (peeked <= 0) {  // the worker closed its connection (or its process is gone)
+      close_connection(c);
+      return;
+    }
+    const std::string peer = c.worker >= 0 ? "worker " + std::to_string(c.worker) : "a worker";
+    Request request;
+    comm::socket::read_all(c.fd, &request, sizeof request, timeout, peer);
+    if (request.magic != kMagic || request.worker < 0 || request.worker >= workers) {
+      throw RuntimeError(server_name(index) + ": a malformed request from " + peer +
+                         " (another program on its port?)");
+    }
+    c.worker = static_cast<int>(request.worker);
+    if (request.kind == kBye) {
+      close_connection(c);
+      return;
+    }
+    if (request.kind == kPull) {
+      std::lock_guard lock(mutex);
+      reply(c, kPull, 0);
+      return;
+    }
+    if (request.numel != end - begin) {
+      throw RuntimeError(server_name(index) + ": worker " + std::to_string(c.worker) + " pushed " +
+                         std::to_string(request.numel) + " elements, the shard has " +
+                         std::to_string(end - begin) + ": the workers run different models");
+    }
+    // Into the shard's .grad: after the first step that is the optimizer's own flat gradient
+    // buffer, which its next step reads without a copy.
+    const auto grad = shard.grad();
+    comm::socket::read_all(c.fd, grad.data_ptr(), static_cast<size_t>(grad.numel()) * sizeof(float),
+                           timeout, peer);
+    std::lock_guard lock(mutex);
+    auto& options = optimizer->param_groups()[0].options();
+    options.set_lr(request.lr);
+    optimizer->step();
+    c.staleness = version - request.base_version;
+    ++version;
+    ++pushes[static_cast<size_t>(c.worker)];
+    c.waiting = true;
+  }
+
+  // Answers the pushes whose workers are no more than max_staleness pushes ahead of the slowest
+  // worker still running.
+  void release_waiting() {
+    std::lock_guard lock(mutex);
+    int64_t slowest = -1;
+    for (size_t w = 0; w < pushes.size(); ++w) {
+      if (done[w] == 0) slowest = slowest < 0 ? pushes[w] : std::min(slowest, pushes[w]);
+    }
+    for (auto& c : connections) {
+      if (!c.waiting || c.fd < 0) continue;
+      if (slowest >= 0 && pushes[static_cast<size_t>(c.worker)] - slowest > max_staleness) continue;
+      c.waiting = false;
+      reply(c, kPush, c.staleness);
+    }
+  }
+
+  // Under the mutex.
+  void reply(Connection& c, Kind kind, int64_t staleness) {
+    Reply r{.kind = kind, .version = version, .staleness = staleness, .numel = end - begin};
+    const std::string peer = "worker " + std::to_string(c.worker);
+    try {
+      comm::socket::write_all(c.fd, &r, sizeof r, peer);
+      comm::socket::write_all(c.fd, shard.data_ptr(),
+                              static_cast<size_t>(shard.numel()) * sizeof(float), peer);
+    } catch (const comm::socket::PeerGone&) {
+      ::close(c.fd);
+      c.fd = -1;
+      done[static_cast<size_t>(c.worker)] = 1;
+      return;
+    }
+    group.add_bytes_sent(static_cast<int64_t>(sizeof r) + shard.numel() * 4);
+  }
+};
+
+// A worker's side: one connection per server, the flat gradients and parameters.
+struct ParameterServerOptimizer::Client {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> offsets;
+  std::vector<at::Tensor> float_buffers;
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // per server
+  std::vector<int> fds;                             // per server
+  std::vector<int64_t> versions;                    // per server: of the parameters last pulled
+  at::Tensor grads;                                 // flat float32 on the CPU
+  at::Tensor pulled;                                // flat float32 on the CPU
+  int64_t numel = 0;
+
+  ~Client() {
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+  }
+
+  at::Tensor view(const at::Tensor& flat, size_t i) const {
+    return flat.narrow(0, offsets[i], params[i].numel()).view(params[i].sizes());
+  }
+
+  // One round trip with server s: a request (and a push's gradient), then its reply and shard.
+  Reply exchange(int rank, size_t s, Kind kind, double lr, std::chrono::milliseconds timeout,
+                 int64_t max_staleness, ParameterServerStats& stats) {
+    const auto [begin, end] = ranges[s];
+    const std::string peer = server_name(static_cast<int>(s));
+    Request request{.kind = kind,
+                    .worker = rank,
+                    .base_version = versions[s],
+                    .lr = lr,
+                    .numel = kind == kPush ? end - begin : 0};
+    comm::socket::write_all(fds[s], &request, sizeof request, peer);
+    int64_t sent = sizeof request;
+    if (kind == kPush) {
+      comm::socket::write_all(fds[s], grads.data_ptr<float>() + begin,
+                              static_cast<size_t>(end - begin) * sizeof(float), peer);
+      sent += (end - begin) * 4;
+    }
+    if (kind != kBye) stats.bytes_sent += sent;
+    if (kind == kBye) return {};
+    Reply reply;
+    try {
+      comm::socket::read_all(fds[s], &reply, sizeof reply, timeout, peer);
+    } catch (const TimeoutError&) {
+      throw TimeoutError(peer + " did not answer rank " + std::to_string(rank) + "'s " +
+                         (kind == kPush ? "push" : "pull") + " within " +
+                         std::to_string(timeout.count()) + " ms: a worker more than " +
+                         std::to_string(max_staleness) +
+                         " steps behind holds it back, or the server's process hangs");
+    } catch (const RuntimeError& e) {
+      throw comm::socket::PeerGone(peer + " (rank " + std::to_string(s) +
+                                   ") went away: " + e.what());
+    }
+    if (reply.magic != kMagic || reply.numel != end - begin) {
+      throw RuntimeError(peer + " answered rank " + std::to_string(rank) +
+                         " with a malformed reply (another program on its port?)");
+    }
+    comm::socket::read_all(fds[s], pulled.data_ptr<float>() + begin,
+                           static_cast<size_t>(end - begin) * sizeof(float), timeout, peer);
+    versions[s] = reply.version;
+    return reply;
+  }
+
+  void copy_pulled_into_params() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < params.size(); ++i) params[i].copy_(view(pulled, i));
+  }
+};
+
+ParameterServerOptimizer::ParameterServerOptimizer(
+    std::shared_ptr<torch::nn::Module> module, std::unique_ptr<torch::optim::Optimizer> optimizer,
+    comm::ProcessGroup group, const AsyncParameterServer& mode)
+    : torch::optim::Optimizer(detail::param_groups_of(optimizer.get(), "ParameterServerOptimizer"),
+                              detail::defaults_of(optimizer.get(), "ParameterServerOptimizer")),
+      module_(std::move(module)),
+      optimizer_(std::move(optimizer)),
+      group_(std::move(group)),
+      mode_(mode),
+      client_(std::make_unique<Client>()) {
+  validate(SyncMode(mode_));
+  const std::string who = "ParameterServerOptimizer";
+  if (!module_) throw UsageError(who + ": the module is null");
+  const int world = group_.world_size();
+  if (mode_.servers < 1 || mode_.servers > world) {
+    throw UsageError(who + ": " + std::to_string(mode_.servers) + " parameter servers for " +
+                     std::to_string(world) +
+                     " workers: the servers run in the worker processes, so choose 1 to " +
+                     std::to_string(world));
+  }
+  const std::string algorithm =
+      optim::algorithm_of(*optimizer_, who, "the parameter servers step only those");
+  if (optimizer_->param_groups().size() != 1) {
+    throw UsageError(who + ": the optimizer has " +
+                     std::to_string(optimizer_->param_groups().size()) +
+                     " param groups; the parameter servers support one, holding the module's "
+                     "parameters");
+  }
+  auto& c = *client_;
+  auto trainable =
+      detail::trainable_parameters(*module_, optimizer_->param_groups()[0].params(), who);
+  c.names = std::move(trainable.names);
+  c.params = std::move(trainable.params);
+  if (c.params.front().scalar_type() != at::kFloat) {
+    throw UsageError(who + ": the parameters are " +
+                     std::string(c10::toString(c.params.front().scalar_type())) +
+                     "; the parameter servers hold float32 parameters (train in fp32, or with "
+                     "autocast's bf16/fp16 compute over fp32 parameters)");
+  }
+  std::vector<at::Tensor> buffers;
+  for (const auto& b : module_->buffers()) {
+    buffers.push_back(b);
+    if (b.is_floating_point()) c.float_buffers.push_back(b);
+  }
+  detail::start_replicas(group_, c.names, c.params, buffers, who);
+  for (const auto& p : c.params) {
+    c.offsets.push_back(c.numel);
+    c.numel += p.numel();
+  }
+  const auto cpu_float = at::TensorOptions().dtype(at::kFloat).device(at::kCPU);
+  c.grads = at::zeros({c.numel}, cpu_float);
+  c.pulled = at::empty({c.numel}, cpu_float);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < c.params.size(); ++i) c.view(c.pulled, i).copy_(c.params[i]);
+  }
+  for (int s = 0; s < mode_.servers; ++s)
+    c.ranges.emplace_back(c.numel * s / mode_.servers, c.numel * (s + 1) / mode_.servers);
+  c.versions.assign(static_cast<size_t>(mode_.servers), 0);
+
+  const int rank = group_.rank();
+  std::string address;
+  if (rank < mode_.servers) {
+    const auto [begin, end] = c.ranges[static_cast<size_t>(rank)];
+    server_ = std::make_unique<Server>(rank, world, mode_.max_staleness, group_, begin, end,
+                                       c.pulled.narrow(0, begin, end - begin), algorithm,
+                                       optimizer_->param_groups()[0].options());
+    server_->start();
+    address = server_->address;
+  }
+  // Every rank learns the servers' addresses, then connects to each.
+  auto mine = at::zeros({kAddressBytes}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(mine.data_ptr(), address.data(),
+              std::min<size_t>(address.size(), static_cast<size_t>(kAddressBytes - 1)));
+  const auto all = group_.allgather(mine);
+  for (int s = 0; s < mode_.servers; ++s) {
+    const std::string at(static_cast<const char*>(all[static_cast<size_t>(s)].data_ptr()));
+    c.fds.push_back(comm::socket::connect_to(
+        at, group_.timeout(), server_name(s) + " (rank " + std::to_string(s) + ")",
+        ": does its rank run, and is its address reachable from this host?"));
+  }
+}
+
+ParameterServerOptimizer::~ParameterServerOptimizer() {
+  const bool failing = std::uncaught_exceptions() > 0;
+  for (size_t s = 0; s < client_->fds.size(); ++s) {
+    try {
+      client_->exchange(group_.rank(), s, kBye, 0, group_.timeout(), mode_.max_staleness, stats_);
+    } catch (const std::exception&) {
+      // The server is gone already: nothing to say goodbye to.
+    }
+  }
+  for (int& fd : client_->fds) {
+    ::close(fd);
+    fd = -1;
+  }
+  if (server_) server_->finish(!failing);
+}
+
+bool ParameterServerOptimizer::serves() const { return server_ != nullptr; }
+
+int64_t ParameterServerOptimizer::numel() const { return client_->numel; }
+
+std::vector<std::pair<int64_t, int64_t>> ParameterServerOptimizer::shard_ranges() const {
+  return client_->ranges;
+}
+
+torch::Tensor ParameterServerOptimizer::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    torch::AutoGradMode enable(true);
+    loss = closure();
+  }
+  if (server_) {
+    std::lock_guard lock(server_->mutex);
+    if (!server_->error.empty()) {
+      throw RuntimeError("the parameter server on rank " + std::to_string(group_.rank()) +
+                         " failed: " + server_->error);
+    }
+  }
+  auto& c = *client_;
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      const auto& g = c.params[i].grad();
+      if (g.defined()) {
+        c.view(c.grads, i).copy_(g);
+      } else {
+        c.view(c.grads, i).zero_();
+      }
+    }
+  }
+  const double lr = param_groups_[0].options().get_lr();
+  const auto start = Clock::now();
+  const int64_t sent_before = stats_.bytes_sent;
+  int64_t staleness = 0;
+  for (size_t s = 0; s < c.fds.size(); ++s) {
+    const auto reply =
+        c.exchange(group_.rank(), s, kPush, lr, group_.timeout(), mode_.max_staleness, stats_);
+    staleness = std::max(staleness, reply.staleness);
+  }
+  c.copy_pulled_into_params();
+  group_.add_bytes_sent(stats_.bytes_sent - sent_before);
+  ++stats_.pushes;
+  stats_.staleness_sum += staleness;
+  stats_.staleness_max = std::max(stats_.staleness_max, staleness);
+  stats_.wait_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+  return loss;
+}
+
+void ParameterServerOptimizer::sync() {
+  // Every push of every worker is answered (so applied) once all have reached the barrier.
+  group_.barrier();
+  auto& c = *client_;
+  for (size_t s = 0; s < c.fds.size(); ++s)
+    c.exchange(group_.rank(), s, kPull, 0, group_.timeout(), mode_.max_staleness, stats_);
+  c.copy_pulled_into_params();
+  if (group_.world_size() > 1 && !c.float_buffers.empty())
+    detail::average_across_ranks(group_, c.float_buffers);
+  if (server_) {
+    std::lock_guard lock(server_->mutex);
+    server_->take_snapshot();
+  }
+  // Nobody pushes again before every rank pulled and every server took its snapshot.
+  group_.barrier();
+}
+
+void ParameterServerOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  optimizer_->save(archive);
+}
+
+void ParameterServerOptimizer::load(torch::serialize::InputArchive& archive) {
+  // The loaded options (a scheduled lr among them) are this optimizer's from now on.
+  detail::load_wrapped(*this, *optimizer_, archive);
+}
+
+ParameterServerShard ParameterServerOptimizer::checkpoint() const {
+  if (!server_) return {};
+  std::lock_guard lock(server_->mutex);
+  return server_->snapshot;
+}
+
+void ParameterServerOptimizer::restore(const std::vector<ParameterServerShard>& shards) {
+  group_.barrier();
+  if (server_) {
+    auto& s = *server_;
+    std::lock_guard lock(s.mutex);
+    torch::NoGradGuard no_grad;
+    const auto names = s.optimizer->state_buffer_names();
+    const auto buffers = s.optimizer->state_buffers(0);
+    for (const auto& b : buffers) b.zero_();
+    if (shards.empty()) {
+      // No server state saved: the shard starts from the module's (loaded) parameters.
+      auto& c = *client_;
+      for (size_t i = 0; i < c.params.size(); ++i) c.view(c.pulled, i).copy_(c.params[i]);
+      s.shard.copy_(c.pulled.narrow(0, s.begin, s.end - s.begin));
+    }
+    int64_t covered = shards.empty() ? s.end - s.begin : 0;
+    for (const auto& shard : shards) {
+      const int64_t from = std::max(shard.begin, s.begin);
+      const int64_t to = std::min(shard.end, s.end);
+      if (from >= to) continue;
+      if (shard.params.numel() != shard.end - shard.begin) {
+        throw UsageError("ParameterServerOptimizer: a checkpoint's shard [" +
+                         std::to_string(shard.begin) + ", " + std::to_string(shard.end) +
+                         ") holds " + std::to_string(shard.params.numel()) +
+                         " parameters: the checkpoint is damaged");
+      }
+      covered += to - from;
+      s.shard.narrow(0, from - s.begin, to - from)
+          .copy_(shard.params.narrow(0, from - shard.begin, to - from));
+      for (size_t i = 0; i < names.size() && i < buffers.size(); ++i) {
+        const auto it = shard.state.find(names[i]);
+        if (it == shard.state.end()) {
+          throw UsageError("ParameterServerOptimizer: the checkpoint has no optimizer state '" +
+                           names[i] + "': it was saved with another optimizer than " +
+                           s.optimizer->algorithm());
+        }
+        buffers[i]
+            .narrow(0, from - s.begin, to - from)
+            .copy_(it->second.narrow(0, from - shard.begin, to - from));
+      }
+    }
+    if (covered != s.end - s.begin) {
+      throw UsageError("ParameterServerOptimizer: the checkpoint's shards cover " +
+                       std::to_string(covered) + " of the " + std::to_string(s.end - s.begin) +
+                       " parameters of server " + std::to_string(s.index) +
+                       ": it was saved from a different model");
+    }
+    if (!shards.empty()) {
+      s.optimizer->set_steps_taken(0, shards.front().optimizer_steps);
+      s.version = shards.front().version;
+      const auto& pushes = shards.front().pushes_by_worker;
+      if (pushes.size() == s.pushes.size()) {
+        s.pushes = pushes;
+      } else {
+        // Another number of workers: every worker starts level with the slowest of before.
+        const int64_t least = pushes.empty() ? 0 : *std::min_element(pushes.begin(), pushes.end());
+        std::fill(s.pushes.begin(), s.pushes.end(), least);
+      }
+    }
+  }
+  sync();
+}
+
+}  // namespace cohort::parallel

@@ -1,0 +1,237 @@
+#include "cohort/parallel/parameter_server.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <future>
+#include <mutex>
+
+#include "cohort/error.h"
+#include "small_net.h"
+#include "support/expect.h"
+#include "support/local_group.h"
+
+namespace cohort::parallel {
+namespace {
+
+using testing::make_net;
+using testing::parameters_of;
+using testing::train_step;
+
+void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn,
+               std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
+  cohort::testing::run_ranks(world, fn, {.timeout = timeout});
+}
+
+// One worker and one server: the server's optimizer is the worker's, stepped on the same
+// gradients, so the trajectory is torch::optim's (SGD with momentum, and Adam).
+TEST(ParameterServer, OneWorkerFollowsItsOptimizerExactly) {
+  for (const bool adam : {false, true}) {
+    auto reference = make_net();
+    std::unique_ptr<torch::optim::Optimizer> plain =
+        adam ? std::unique_ptr<torch::optim::Optimizer>(std::make_unique<torch::optim::Adam>(
+                   reference->parameters(), torch::optim::AdamOptions(0.01)))
+             : std::make_unique<torch::optim::SGD>(reference->parameters(),
+                                                   torch::optim::SGDOptions(0.1).momentum(0.9));
+    for (int step = 0; step < 6; ++step) train_step(reference, *plain, 0, step);
+    run_ranks(1, [&](comm::ProcessGroup& group) {
+      auto net = make_net();
+      std::unique_ptr<torch::optim::Optimizer> inner =
+          adam ? std::unique_ptr<torch::optim::Optimizer>(std::make_unique<torch::optim::Adam>(
+                     net->parameters(), torch::optim::AdamOptions(0.01)))
+               : std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                     torch::optim::SGDOptions(0.1).momentum(0.9));
+      ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
+                                  {.max_staleness = 0, .servers = 1});
+      for (int step = 0; step < 6; ++step) train_step(net, ps, 0, step);
+      const auto got = parameters_of(*net);
+      const auto want = parameters_of(*reference);
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_TRUE(torch::allclose(got[i], want[i], 1e-6, 1e-6)) << (adam ? "adam " : "sgd ") << i;
+      EXPECT_EQ(ps.stats().pushes, 6);
+      EXPECT_EQ(ps.stats().staleness_max, 0) << "nobody else pushes";
+    });
+  }
+}
+
+// A loss whose gradient is constant makes plain SGD's updates commute: whatever order the
+// servers apply the pushes in, after a synchronisation every rank holds the start minus lr times
+// every gradient pushed, so every push was applied exactly once, on every shard.
+TEST(ParameterServer, EveryPushIsAppliedOnceOnEveryShard) {
+  constexpr int kWorld = 3;
+  constexpr int kSteps = 7;
+  for (const int servers : {1, 2, 3}) {
+    run_ranks(kWorld, [&](comm::ProcessGroup& group) {
+      auto net = make_net();
+      const auto start = parameters_of(*net);
+      auto inner =
+          std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+      ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
+                                  {.max_staleness = 2, .servers = servers});
+      for (int step = 0; step < kSteps; ++step) {
+        ps.zero_grad();
+        // d/dp of sum(p * (rank + 1)): the rank's constant gradient.
+        torch::Tensor loss = torch::zeros({});
+        for (const auto& p : net->parameters()) loss = loss + (p * (group.rank() + 1)).sum();
+        loss.backward();
+        ps.step();
+      }
+      ps.sync();
+      // Every rank's gradient (r + 1) was applied kSteps times: 0.01 * 7 * (1 + 2 + 3).
+      const auto now = parameters_of(*net);
+      for (size_t i = 0; i < now.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(now[i], start[i] - 0.01 * kSteps * 6.0, 1e-5, 1e-5))
+            << servers << " servers, parameter " << i;
+      }
+      EXPECT_EQ(ps.stats().pushes, kSteps);
+      EXPECT_LE(ps.stats().staleness_max, (2 + 1) * (kWorld - 1));
+      EXPECT_GT(ps.stats().bytes_sent, 0);
+      EXPECT_EQ(ps.shard_ranges().size(), static_cast<size_t>(servers));
+      EXPECT_EQ(ps.shard_ranges().back().second, ps.numel());
+    });
+  }
+}
+
+// Stale synchronous parallel: with max_staleness 1, a worker may push one step ahead of the
+// slowest; its second push waits, here past the group's deadline, as the other (running, not
+// finished: a finished worker holds nobody back) never pushes.
+TEST(ParameterServer, AWorkerMoreThanKStepsAheadWaitsForTheSlowest) {
+  std::promise<void> timed_out;
+  auto rank0_done = timed_out.get_future().share();
+  run_ranks(
+      2,
+      [&](comm::ProcessGroup& group) {
+        auto net = make_net();
+        auto inner =
+            std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
+        ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
+                                    {.max_staleness = 1, .servers = 2});
+        if (group.rank() == 0) {
+          train_step(net, ps, 0, 0);  // one ahead of rank 1: allowed
+          testing::expect_error<TimeoutError>([&] { train_step(net, ps, 0, 1); },
+                                              "a worker more than 1 steps behind holds it back");
+          timed_out.set_value();
+        } else {
+          ASSERT_EQ(rank0_done.wait_for(std::chrono::seconds(30)), std::future_status::ready);
+        }
+      },
+      std::chrono::milliseconds(1500));
+}
+
+// sync() brings every rank to the servers' parameters; the servers' state at that point is a
+// checkpoint that restores exactly, into as many servers or another number of them.
+TEST(ParameterServer, ShardsRestoreIntoAnyNumberOfServers) {
+  std::vector<ParameterServerShard> saved(2);
+  std::vector<torch::Tensor> synced;
+  std::mutex mutex;
+  run_ranks(2, [&](comm::ProcessGroup& group) {
+    auto net = make_net();
+    auto inner =
+        std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01));
+    ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
+                                {.max_staleness = 1, .servers = 2});
+    for (int step = 0; step < 5; ++step) train_step(net, ps, group.rank(), step);
+    ps.sync();
+    std::lock_guard lock(mutex);
+    saved[static_cast<size_t>(group.rank())] = ps.checkpoint();
+    if (group.rank() == 0) synced = parameters_of(*net);
+  });
+  ASSERT_EQ(saved[0].end, saved[1].begin);
+  EXPECT_EQ(saved[0].version, 10) << "two workers, five pushes each";
+  EXPECT_EQ(saved[1].pushes_by_worker, (std::vector<int64_t>{5, 5}));
+  ASSERT_EQ(saved[0].state.count("exp_avg_sq"), 1u);
+  const auto whole_params = torch::cat({saved[0].params, saved[1].params});
+  const auto whole_exp_avg = torch::cat({saved[0].state["exp_avg"], saved[1].state["exp_avg"]});
+  // The servers' parameters are what every rank holds after sync().
+  int64_t offset = 0;
+  for (const auto& p : synced) {
+    EXPECT_TRUE(torch::equal(whole_params.narrow(0, offset, p.numel()).view(p.sizes()), p));
+    offset += p.numel();
+  }
+  for (const int world : {1, 3}) {
+    run_ranks(world, [&](comm::ProcessGroup& group) {
+      auto net = make_net();
+      {
+        torch::NoGradGuard no_grad;
+        for (size_t i = 0; i < synced.size(); ++i) net->parameters()[i].copy_(synced[i]);
+      }
+      auto inner =
+          std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01));
+      ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
+                                  {.max_staleness = 1, .servers = world});
+      ps.restore(saved);
+      const auto mine = ps.checkpoint();
+      if (!ps.serves()) return;
+      EXPECT_TRUE(torch::equal(mine.params, whole_params.slice(0, mine.begin, mine.end)));
+      EXPECT_TRUE(
+          torch::equal(mine.state.at("exp_avg"), whole_exp_avg.slice(0, mine.begin, mine.end)));
+      EXPECT_EQ(mine.optimizer_steps, saved[0].optimizer_steps);
+      EXPECT_EQ(mine.version, 10);
+    });
+  }
+  // A shard that does not cover the parameters, or another optimizer's state, is refused.
+  run_ranks(1, [&](comm::ProcessGroup& group) {
+    auto net = make_net();
+    auto inner =
+        std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01));
+    ParameterServerOptimizer ps(net.ptr(), std::move(inner), group, {.servers = 1});
+    testing::expect_error<UsageError>([&] { ps.restore({saved[0]}); },
+                                      "it was saved from a different model");
+  });
+  run_ranks(1, [&](comm::ProcessGroup& group) {
+    auto net = make_net();
+    auto inner = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                     torch::optim::SGDOptions(0.1).momentum(0.9));
+    ParameterServerOptimizer ps(net.ptr(), std::move(inner), group, {.servers = 1});
+    testing::expect_error<UsageError>([&] { ps.restore(saved); },
+                                      "saved with another optimizer than sgd");
+  });
+}
+
+TEST(ParameterServer, BadConfigurationsAreNamed) {
+  testing::expect_error<UsageError>([] { parse_sync_mode("async-ps:-1"); }, "must be >= 0");
+  testing::expect_error<UsageError>([] { parse_sync_mode("async-ps:x"); },
+                                    "K 'x' is not an integer");
+  EXPECT_EQ(std::get<AsyncParameterServer>(parse_sync_mode("async-ps:3")).max_staleness, 3);
+  EXPECT_EQ(to_string(parse_sync_mode("async-ps:0")), "async-ps:0");
+  testing::expect_error<UsageError>(
+      [] { validate(SyncMode(AsyncParameterServer{.max_staleness = -2})); },
+      "max_staleness -2 must be >= 0");
+  run_ranks(2, [&](comm::ProcessGroup& group) {
+    auto make = [&](int servers) {
+      auto net = make_net();
+      auto inner =
+          std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
+      ParameterServerOptimizer ps(net.ptr(), std::move(inner), group, {.servers = servers});
+    };
+    testing::expect_error<UsageError>([&] { make(3); },
+                                      "3 parameter servers for 2 workers: the servers run in the "
+                                      "worker processes, so choose 1 to 2");
+    testing::expect_error<UsageError>([&] { make(0); }, "0 parameter servers");
+  });
+  run_ranks(1, [&](comm::ProcessGroup& group) {
+    auto net = make_net();
+    auto groups = std::vector<torch::optim::OptimizerParamGroup>{
+        torch::optim::OptimizerParamGroup({net->parameters()[0], net->parameters()[1]}),
+        torch::optim::OptimizerParamGroup({net->parameters()[2], net->parameters()[3]})};
+    auto two_groups = std::make_unique<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.1));
+    testing::expect_error<UsageError>(
+        [&] { ParameterServerOptimizer(net.ptr(), std::move(two_groups), group, {.servers = 1}); },
+        "2 param groups; the parameter servers support one");
+    auto doubles = make_net();
+    doubles->to(torch::kDouble);
+    auto inner =
+        std::make_unique<torch::optim::SGD>(doubles->parameters(), torch::optim::SGDOptions(0.1));
+    testing::expect_error<UsageError>(
+        [&] { ParameterServerOptimizer(doubles.ptr(), std::move(inner), group, {.servers = 1}); },
+        "the parameter servers hold float32 parameters");
+    auto other = make_net();
+    auto rms = std::make_unique<torch::optim::RMSprop>(other->parameters());
+    testing::expect_error<UsageError>(
+        [&] { ParameterServerOptimizer(other.ptr(), std::move(rms), group, {.servers = 1}); },
+        "the parameter servers step only those");
+  });
+}
+
+}  // namespace
+}  // namespace cohort::parallel
