@@ -41,6 +41,20 @@ cat "$work/sync-0.log" "$work/sync-1.log"
 python3 "$(dirname "$0")/check_result.py" "$work/sync/result.json" 4 12 "two hosts" || fail "result.json"
 grep -q "ranks 2-3 of 4" "$work/sync-1.log" || fail "host B did not run ranks 2-3"
 
+# The asynchronous parameter server across the hosts: a server in each of the 4 ranks, every
+# worker pushing to the servers of both hosts over the veth pair.
+launch "$a" 0 29403 ps --epochs 1 --max-steps 12 --sync async-ps:2 --parameter-servers 4
+pa=$launched
+launch "$b" 1 29403 ps --epochs 1 --max-steps 12 --sync async-ps:2 --parameter-servers 4
+pb=$launched
+wait_for "$pa" 120; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/ps-0.log" "$work/ps-1.log"
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "parameter server: launchers exited $ca and $cb"
+python3 "$(dirname "$0")/check_result.py" "$work/ps/result.json" 4 12 "two hosts" || fail "ps result.json"
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['staleness_max'] >= 0, r" \
+  "$work/ps/result.json" || fail "the parameter server's result has no staleness"
+
 # 2. Host B's launcher is killed while training: host A must fail fast and name node 1.
 launch "$a" 0 29401 lost --epochs 50
 pa=$launched
