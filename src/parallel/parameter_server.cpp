@@ -296,6 +296,9 @@ struct ParameterServerOptimizer::Client {
   at::Tensor grads;                                 // flat float32 on the CPU
   at::Tensor pulled;                                // flat float32 on the CPU
   int64_t numel = 0;
+  int rank = 0;
+  std::chrono::milliseconds timeout{0};
+  int64_t max_staleness = 0;  // for messages
 
   ~Client() {
     for (int fd : fds)
@@ -306,9 +309,15 @@ struct ParameterServerOptimizer::Client {
     return flat.narrow(0, offsets[i], params[i].numel()).view(params[i].sizes());
   }
 
-  // One round trip with server s: a request (and a push's gradient), then its reply and shard.
-  Reply exchange(int rank, size_t s, Kind kind, double lr, std::chrono::milliseconds timeout,
-                 int64_t max_staleness, ParameterServerStats& stats) {
+  // Tells server s that this worker is done; nothing comes back.
+  void say_goodbye(size_t s) {
+    const Request request{.kind = kBye, .worker = rank};
+    comm::socket::write_all(fds[s], &request, sizeof request, server_name(static_cast<int>(s)));
+  }
+
+  // One round trip with server s (a push or a pull): the request (and a push's gradient), then
+  // the reply and the shard.
+  Reply exchange(size_t s, Kind kind, double lr, ParameterServerStats& stats) {
     const auto [begin, end] = ranges[s];
     const std::string peer = server_name(static_cast<int>(s));
     Request request{.kind = kind,
@@ -323,8 +332,7 @@ struct ParameterServerOptimizer::Client {
                               static_cast<size_t>(end - begin) * sizeof(float), peer);
       sent += (end - begin) * 4;
     }
-    if (kind != kBye) stats.bytes_sent += sent;
-    if (kind == kBye) return {};
+    stats.bytes_sent += sent;
     Reply reply;
     try {
       comm::socket::read_all(fds[s], &reply, sizeof reply, timeout, peer);
@@ -383,6 +391,9 @@ ParameterServerOptimizer::ParameterServerOptimizer(
                      "parameters");
   }
   auto& c = *client_;
+  c.rank = group_.rank();
+  c.timeout = group_.timeout();
+  c.max_staleness = mode_.max_staleness;
   auto trainable =
       detail::trainable_parameters(*module_, optimizer_->param_groups()[0].params(), who);
   c.names = std::move(trainable.names);
@@ -441,7 +452,7 @@ ParameterServerOptimizer::~ParameterServerOptimizer() {
   const bool failing = std::uncaught_exceptions() > 0;
   for (size_t s = 0; s < client_->fds.size(); ++s) {
     try {
-      client_->exchange(group_.rank(), s, kBye, 0, group_.timeout(), mode_.max_staleness, stats_);
+      client_->say_goodbye(s);
     } catch (const std::exception&) {
       // The server is gone already: nothing to say goodbye to.
     }
@@ -491,8 +502,7 @@ torch::Tensor ParameterServerOptimizer::step(LossClosure closure) {
   const int64_t sent_before = stats_.bytes_sent;
   int64_t staleness = 0;
   for (size_t s = 0; s < c.fds.size(); ++s) {
-    const auto reply =
-        c.exchange(group_.rank(), s, kPush, lr, group_.timeout(), mode_.max_staleness, stats_);
+    const auto reply = c.exchange(s, kPush, lr, stats_);
     staleness = std::max(staleness, reply.staleness);
   }
   c.copy_pulled_into_params();
@@ -508,8 +518,7 @@ void ParameterServerOptimizer::sync() {
   // Every push of every worker is answered (so applied) once all have reached the barrier.
   group_.barrier();
   auto& c = *client_;
-  for (size_t s = 0; s < c.fds.size(); ++s)
-    c.exchange(group_.rank(), s, kPull, 0, group_.timeout(), mode_.max_staleness, stats_);
+  for (size_t s = 0; s < c.fds.size(); ++s) c.exchange(s, kPull, 0, stats_);
   c.copy_pulled_into_params();
   if (group_.world_size() > 1 && !c.float_buffers.empty())
     detail::average_across_ranks(group_, c.float_buffers);
