@@ -177,12 +177,21 @@ struct ProcessGroup::State {
 
   bool subgroup = false;  // made by new_group or split
 
+  // set_activity(): written by the training thread, read by the heartbeat thread.
+  mutable std::mutex activity_mutex;
+  std::string activity;
+  std::string current_activity() const {
+    std::lock_guard lock(activity_mutex);
+    return activity;
+  }
+
   std::string describe(const std::string& what) const {
     std::string out = what + " on rank " + std::to_string(rank);
     if (subgroup) {
       out += " of group '" + options.prefix + "' (global rank " +
              std::to_string(global_ranks[static_cast<size_t>(rank)]) + ")";
     }
+    if (const std::string doing = current_activity(); !doing.empty()) out += " in " + doing;
     return out;
   }
 
@@ -466,10 +475,16 @@ std::vector<GroupActivity> group_activity() {
       activity.push_back({.name = state->options.prefix,
                           .global_ranks = state->global_ranks,
                           .entered = state->entered.load(),
-                          .last = state->last.load()});
+                          .last = state->last.load(),
+                          .activity = state->current_activity()});
     }
   }
   return activity;
+}
+
+void ProcessGroup::set_activity(std::string activity) {
+  std::lock_guard lock(state_->activity_mutex);
+  state_->activity = std::move(activity);
 }
 
 int64_t ProcessGroup::collectives_entered() const { return state_ ? state_->entered.load() : 0; }

@@ -94,17 +94,24 @@ std::string HeartbeatMonitor::Silence::describe(const std::string& who) const {
 Json activity_status() {
   Json groups = Json::array();
   for (const auto& g : comm::group_activity()) {
-    groups.push_back(
-        {{"name", g.name}, {"ranks", g.global_ranks}, {"entered", g.entered}, {"last", g.last}});
+    Json group{
+        {"name", g.name}, {"ranks", g.global_ranks}, {"entered", g.entered}, {"last", g.last}};
+    if (!g.activity.empty()) group["activity"] = g.activity;
+    groups.push_back(std::move(group));
   }
   return Json{{"groups", groups}};
 }
 
 std::string stall_report(const std::vector<Json>& status_by_rank) {
-  // Per group (by name, in order of first appearance): each member's count and last collective.
+  // Per group (by name, in order of first appearance): each member's count, last collective and
+  // activity.
+  struct Entry {
+    int64_t entered = 0;
+    std::string last, activity;
+  };
   struct Seen {
     std::vector<int> ranks;
-    std::map<int, std::pair<int64_t, std::string>> by_rank;
+    std::map<int, Entry> by_rank;
   };
   std::vector<std::string> order;
   std::map<std::string, Seen> groups;
@@ -117,27 +124,38 @@ std::string stall_report(const std::vector<Json>& status_by_rank) {
       if (fresh) order.push_back(name);
       if (it->second.ranks.empty()) it->second.ranks = g.value("ranks", std::vector<int>{});
       it->second.by_rank[static_cast<int>(r)] = {g.value("entered", int64_t{0}),
-                                                 g.value("last", std::string("none"))};
+                                                 g.value("last", std::string("none")),
+                                                 g.value("activity", std::string{})};
     }
   }
   std::string report;
   for (const auto& name : order) {
     const Seen& seen = groups[name];
     int64_t most = 0;
-    for (const auto& [rank, entry] : seen.by_rank) most = std::max(most, entry.first);
+    bool active = false;
+    for (const auto& [rank, entry] : seen.by_rank) {
+      most = std::max(most, entry.entered);
+      active = active || !entry.activity.empty();
+    }
     std::string behind, detail;
     for (int rank : seen.ranks) {
       const auto it = seen.by_rank.find(rank);
-      const int64_t entered = it == seen.by_rank.end() ? 0 : it->second.first;
-      detail += (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) +
-                (it == seen.by_rank.end()
-                     ? " unknown"
-                     : " entered " + std::to_string(entered) + " (last " + it->second.second + ")");
+      const int64_t entered = it == seen.by_rank.end() ? 0 : it->second.entered;
+      std::string about = " unknown";
+      if (it != seen.by_rank.end()) {
+        about = " entered " + std::to_string(entered) + " (last " + it->second.last +
+                (it->second.activity.empty() ? "" : ", in " + it->second.activity) + ")";
+      }
+      detail += (detail.empty() ? "" : ", ") + std::string("rank ") + std::to_string(rank) + about;
       if (entered < most) behind += (behind.empty() ? "" : ", ") + std::to_string(rank);
     }
-    if (behind.empty()) continue;
-    report += std::string(report.empty() ? "" : "; ") + "group " + name + ": ranks [" + behind +
-              "] did not enter collective #" + std::to_string(most) + " (" + detail + ")";
+    // Point-to-point groups (pipelines) legitimately differ in counts; their activity says where
+    // each rank waits.
+    if (behind.empty() && !active) continue;
+    report += std::string(report.empty() ? "" : "; ") + "group " + name + ": ";
+    report += behind.empty() || active ? "ranks wait in (" + detail + ")"
+                                       : "ranks [" + behind + "] did not enter collective #" +
+                                             std::to_string(most) + " (" + detail + ")";
   }
   return report;
 }

@@ -109,6 +109,24 @@ TEST(StallReport, NamesTheMembersBehindInEveryGroupIncludingSubGroups) {
   EXPECT_EQ(stall_report({Json(), Json()}), "");
 }
 
+TEST(StallReport, NamesWhereEachRankOfAPipelineWaits) {
+  // Point-to-point groups differ in counts by design; their activity says where a rank waits.
+  auto pipeline = [](int64_t entered, const std::string& activity) {
+    Json status = heartbeat({{"world/0.0", {0, 1}, entered}})["status"];
+    status["groups"][0]["last"] = "recv";
+    status["groups"][0]["activity"] = activity;
+    return status;
+  };
+  const std::string report =
+      stall_report({pipeline(4, "pipeline stage 0: recv gradient of micro-batch 1"),
+                    pipeline(4, "pipeline stage 1: recv activation of micro-batch 2")});
+  EXPECT_NE(report.find("group world/0.0: ranks wait in (rank 0 entered 4 (last recv, in pipeline "
+                        "stage 0: recv gradient of micro-batch 1), rank 1 entered 4 (last recv, "
+                        "in pipeline stage 1: recv activation of micro-batch 2))"),
+            std::string::npos)
+      << report;
+}
+
 TEST(Coordinator, ASilentRankIsNamedWithTheStallReport) {
   FakeClock clock;
   Coordinator coordinator(2, beats(seconds(3)), clock.source());

@@ -144,6 +144,10 @@ class ProcessGroup {
   // How many collectives this rank has entered, and the name of the last: what a stall
   // inspector compares across ranks to name those that did not enter a collective.
   int64_t collectives_entered() const;
+  // What this rank does with the group beyond the collective's name, e.g. "pipeline stage 1,
+  // recv activation of micro-batch 3": errors of the collectives that follow and the stall
+  // inspector quote it. Empty (the default): nothing more to say.
+  void set_activity(std::string activity);
   std::string last_collective() const;
   // Payload bytes this rank has sent through this group and the sub-groups made from it, counted
   // as the bandwidth-optimal algorithms send them (what NCCL's tests call bus bytes): of B bytes,
@@ -163,12 +167,14 @@ class ProcessGroup {
 
 // What one process group of this process has done, for the stall inspector: its name (its key
 // prefix in the store, the same on every member), its members by global rank, how many
-// collectives this rank entered in it and the last one's name.
+// collectives this rank entered in it, the last one's name and what it was doing
+// (ProcessGroup::set_activity).
 struct GroupActivity {
   std::string name;
   std::vector<int> global_ranks;
   int64_t entered = 0;
   std::string last;
+  std::string activity;
 };
 // Every process group of this process that is still in use, sub-groups included, oldest first.
 std::vector<GroupActivity> group_activity();

@@ -1,0 +1,100 @@
+// Pipeline parallelism: a model cut into stages, each on its own rank, trained by running a
+// compiled schedule (schedule.h): activations go forward and gradients back by send/recv.
+#pragma once
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include "cohort/comm/process_group.h"
+#include "cohort/parallel/pipeline/schedule.h"
+
+namespace cohort::parallel::pipeline {
+
+// One stage: a module and how to call it on one tensor. Any module holder with
+// `Tensor forward(Tensor)` converts, torch::nn::Sequential included.
+class Stage {
+ public:
+  template <typename Impl>
+  Stage(torch::nn::ModuleHolder<Impl> module)  // NOLINT: implicit on purpose
+      : module_(module.ptr()),
+        forward_([module](const at::Tensor& x) mutable { return module->forward(x); }) {}
+  at::Tensor forward(const at::Tensor& input) const { return forward_(input); }
+  torch::nn::Module& module() const { return *module_; }
+  std::shared_ptr<torch::nn::Module> ptr() const { return module_; }
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+  std::function<at::Tensor(const at::Tensor&)> forward_;
+};
+
+// Cuts a Sequential into consecutive stages of `layers_per_stage[i]` layers (they must add up to
+// its size, each >= 1). The stages share the layers (no copy) and keep their names ("3.weight"
+// stays "3.weight"), so a stage's state dict is a slice of the whole model's.
+std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential& model,
+                                                    const std::vector<int>& layers_per_stage);
+// Layer counts for `stages` stages as even as possible (earlier stages get the extra layers).
+// More stages than layers is a UsageError.
+std::vector<int> even_split(int layers, int stages);
+// Layer counts that balance the measured time: forward and backward of every layer on `sample`
+// (`repeats` times, the median kept), then the cut that minimises the slowest stage.
+std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const at::Tensor& sample,
+                                int repeats = 3);
+
+// The loss of one micro-batch, the mean over its rows (as torch's losses by default): the
+// pipeline weights each micro-batch by its rows so that the gradients are those of the mean over
+// the whole batch.
+using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
+
+struct PipelineOptions {
+  ScheduleKind schedule = ScheduleKind::kOneFOneB;
+  // Micro-batches per step; each batch is split along dim 0 (its rows must be >= this).
+  int micro_batches = 4;
+  // Stages per rank (the interleaved schedule): rank r holds stages r, r + p, r + 2p, ...
+  int virtual_stages = 1;
+  // Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
+  // reduce them over the data-parallel group and step). None: step() only leaves the gradients.
+  std::function<void()> optimizer_step;
+};
+
+// Runs a schedule on this rank's stages. Every rank of `group` (its pipeline ranks, in stage
+// order) constructs one with the same options and calls step() with the same batch.
+//
+// Activations keep the batch in dim 0 and the stage's outputs are one tensor. At the first step
+// the stages check that each stage's output fits the next stage's input (a no-grad forward of
+// one micro-batch, stage by stage); a mismatch is a UsageError on every rank naming both stages
+// and the shape. Every send and receive has the group's deadline; while one waits, the group's
+// activity (timeout errors, the stall inspector) names the stage, micro-batch and action.
+class Pipeline {
+ public:
+  Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
+           PipelineOptions options = {});
+  ~Pipeline();
+  Pipeline(Pipeline&&) noexcept;
+  Pipeline& operator=(Pipeline&&) noexcept;
+
+  // One training step: forward and backward of every micro-batch as the schedule says. The
+  // gradients of the batch's mean loss are added to the parameters' .grad (zero them between
+  // steps, as usual). Returns the mean loss on the last stage's rank, an undefined tensor on the
+  // others. `inputs` matter on the first stage's rank and `targets` on the last's.
+  at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // The parameters of this rank's stages.
+  std::vector<at::Tensor> parameters() const;
+  const std::vector<Stage>& stages() const;
+  // This rank's global stage indices.
+  std::vector<int> stage_indices() const;
+  const Program& program() const;
+  bool is_first() const;
+  bool is_last() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace cohort::parallel::pipeline

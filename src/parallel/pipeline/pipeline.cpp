@@ -1,0 +1,486 @@
+#include "cohort/parallel/pipeline/pipeline.h"
+
+#include <ATen/ops/tensor.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+
+#include "cohort/error.h"
+
+namespace cohort::parallel::pipeline {
+namespace {
+
+std::string shape_text(at::IntArrayRef sizes, at::ScalarType dtype) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "] " + c10::toString(dtype);
+}
+
+// The activation entering a stage, as the first step's probe found it: every dim but the batch
+// (dim 0), and the dtype.
+struct Activation {
+  std::vector<int64_t> tail;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// What a stage's output looks like, sent ahead of the first step: [failed, dtype, ndim, dims...].
+constexpr int kMetaLength = 16;
+constexpr int kMaxDims = kMetaLength - 3;
+constexpr int kMessageBytes = 1024;
+
+// One (stage, micro-batch) between its forward and its backward.
+struct Slot {
+  at::Tensor input;        // requires grad for stages after the first
+  at::Tensor root;         // the stage's output, or the weighted loss on the last stage
+  at::Tensor grad_output;  // the gradient of the output (none on the last stage)
+  at::Tensor input_grad;   // the gradient of the input, once the (input) backward ran
+};
+
+}  // namespace
+
+struct Pipeline::State {
+  std::vector<Stage> stages;
+  comm::ProcessGroup group;
+  LossFunction loss;
+  PipelineOptions options;
+  Program program;
+  int rank = 0;
+  int num_stages = 1;
+  std::vector<int> indices;  // this rank's global stage indices
+  std::vector<Activation> inputs_by_stage;
+  bool probed = false;
+  // Per local stage, per micro-batch.
+  std::vector<std::vector<Slot>> slots;
+  std::vector<std::pair<comm::Work, at::Tensor>> sends;
+
+  int local(int stage) const { return stage / program.layout.ranks; }
+  bool remote(int stage) const { return program.layout.rank_of(stage) != rank; }
+  int tag(int stage, int mb, int kind) const { return (mb * num_stages + stage) * 2 + kind; }
+  int probe_tag(int stage) const { return 2 * num_stages * program.micro_batches + stage; }
+  c10::Device device_of(int stage) const {
+    for (const auto& p : stages[local(stage)].module().parameters()) return p.device();
+    return c10::Device(c10::kCPU);
+  }
+  std::string where(const Action& a) const {
+    return "pipeline rank " + std::to_string(rank) + ", " + to_string(a);
+  }
+
+  void probe(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets);
+  void run(const Action& a, const std::vector<at::Tensor>& inputs,
+           const std::vector<at::Tensor>& targets, const std::vector<double>& weights,
+           at::Tensor& loss_sum);
+  void backward_input(int stage, Slot& slot, bool whole);
+  void backward_weight(int stage, Slot& slot);
+  void hand_over_gradient(int stage, int mb, Slot& slot);
+};
+
+// The first step: a no-grad forward of micro-batch 0 stage by stage, each stage's output shape
+// sent to the next stage's rank, which tries it; every rank's verdict is gathered so that a
+// mismatch is the same error everywhere.
+void Pipeline::State::probe(const std::vector<at::Tensor>& inputs,
+                            const std::vector<at::Tensor>& targets) {
+  torch::NoGradGuard no_grad;
+  const int last = num_stages - 1;
+  const int64_t rows = inputs.empty() ? targets.at(0).size(0) : inputs[0].size(0);
+  std::string error;
+  at::Tensor carried;  // the output of the previous stage when it is on this rank
+  inputs_by_stage.assign(static_cast<size_t>(num_stages), {});
+  for (int s : indices) {
+    at::Tensor x;
+    bool upstream_failed = false;
+    if (s == 0) {
+      x = inputs.at(0).to(device_of(s));
+    } else if (!remote(s - 1)) {
+      upstream_failed = !carried.defined();
+      x = carried;
+    } else {
+      at::Tensor meta = at::zeros({kMetaLength}, at::kLong);
+      group.set_activity("pipeline stage " + std::to_string(s) + ": receiving the shape of stage " +
+                         std::to_string(s - 1) + "'s output");
+      group.recv(meta, program.layout.rank_of(s - 1), probe_tag(s));
+      const int64_t* m = meta.data_ptr<int64_t>();
+      upstream_failed = m[0] != 0;
+      if (!upstream_failed) {
+        std::vector<int64_t> sizes(m + 3, m + 3 + m[2]);
+        x = at::zeros(sizes,
+                      at::TensorOptions(static_cast<at::ScalarType>(m[1])).device(device_of(s)));
+      }
+    }
+    at::Tensor out;
+    if (!upstream_failed && error.empty()) {
+      if (s > 0) {
+        inputs_by_stage[s] = {{x.sizes().begin() + 1, x.sizes().end()}, x.scalar_type()};
+      }
+      try {
+        out = stages[local(s)].forward(x);
+        if (!out.defined() || out.dim() == 0 || out.size(0) != rows) {
+          error = "stage " + std::to_string(s) + " (rank " + std::to_string(rank) + ") returned " +
+                  (out.defined() ? shape_text(out.sizes(), out.scalar_type())
+                                 : std::string("no tensor")) +
+                  " for a micro-batch of " + std::to_string(rows) +
+                  " rows: a pipeline stage must keep the batch in dim 0";
+          out = at::Tensor();
+        } else if (s == last) {
+          loss(out, targets.at(0).to(out.device()));
+        } else if (out.dim() > kMaxDims) {
+          error = "stage " + std::to_string(s) + " returned " + std::to_string(out.dim()) +
+                  " dims; a pipeline passes at most " + std::to_string(kMaxDims);
+          out = at::Tensor();
+        }
+      } catch (const std::exception& e) {
+        const std::string what = e.what();
+        const std::string first_line = what.substr(0, what.find('\n'));
+        if (s == last && out.defined()) {
+          error = "the loss cannot take the last stage's (stage " + std::to_string(s) + ", rank " +
+                  std::to_string(rank) + ") output " + shape_text(out.sizes(), out.scalar_type()) +
+                  " with targets " +
+                  shape_text(targets.at(0).sizes(), targets.at(0).scalar_type()) + ": " +
+                  first_line;
+        } else if (s == 0) {
+          error = "stage 0 (rank " + std::to_string(rank) + ") cannot take the input " +
+                  shape_text(x.sizes(), x.scalar_type()) + ": " + first_line;
+        } else {
+          error = "stage " + std::to_string(s) + " (rank " + std::to_string(rank) +
+                  ") cannot take stage " + std::to_string(s - 1) + "'s output " +
+                  shape_text(x.sizes(), x.scalar_type()) + ": " + first_line + ": make stage " +
+                  std::to_string(s - 1) + "'s output match stage " + std::to_string(s) +
+                  "'s input, or cut the model elsewhere";
+        }
+        out = at::Tensor();
+      }
+    }
+    if (s < last && remote(s + 1)) {
+      at::Tensor meta = at::zeros({kMetaLength}, at::kLong);
+      int64_t* m = meta.data_ptr<int64_t>();
+      m[0] = out.defined() ? 0 : 1;
+      if (out.defined()) {
+        m[1] = static_cast<int64_t>(out.scalar_type());
+        m[2] = out.dim();
+        for (int64_t d = 0; d < out.dim(); ++d) m[3 + d] = out.size(d);
+      }
+      group.send(meta, program.layout.rank_of(s + 1), probe_tag(s + 1));
+    }
+    carried = out;
+  }
+  // Every rank's verdict: the first error, on every rank.
+  group.set_activity("pipeline: comparing the stages' shapes");
+  at::Tensor message = at::zeros({kMessageBytes}, at::kByte);
+  std::memcpy(message.data_ptr(), error.data(),
+              std::min(error.size(), static_cast<size_t>(kMessageBytes - 1)));
+  const std::vector<at::Tensor> all = group.allgather(message);
+  group.set_activity("");
+  for (const at::Tensor& m : all) {
+    const char* text = static_cast<const char*>(m.data_ptr());
+    if (text[0] != '\0') throw UsageError(std::string(text, strnlen(text, kMessageBytes)));
+  }
+  probed = true;
+}
+
+void Pipeline::State::backward_input(int stage, Slot& slot, bool whole) {
+  const bool last = stage == num_stages - 1;
+  std::vector<at::Tensor> grad_outputs;
+  if (!last) grad_outputs.push_back(slot.grad_output);
+  if (whole) {
+    torch::autograd::backward({slot.root}, grad_outputs);
+    if (stage > 0) slot.input_grad = slot.input.grad();
+    return;
+  }
+  // Only the input's gradient; the graph stays for the weight backward.
+  if (stage == 0) return;
+  slot.input_grad = torch::autograd::grad({slot.root}, {slot.input}, grad_outputs,
+                                          /*retain_graph=*/true)[0];
+}
+
+void Pipeline::State::backward_weight(int stage, Slot& slot) {
+  std::vector<at::Tensor> params;
+  for (const auto& p : stages[local(stage)].module().parameters())
+    if (p.requires_grad()) params.push_back(p);
+  if (params.empty()) return;
+  std::vector<at::Tensor> grad_outputs;
+  if (stage != num_stages - 1) grad_outputs.push_back(slot.grad_output);
+  const auto grads = torch::autograd::grad({slot.root}, params, grad_outputs,
+                                           /*retain_graph=*/false, /*create_graph=*/false,
+                                           /*allow_unused=*/true);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!grads[i].defined()) continue;
+    at::Tensor& grad = params[i].mutable_grad();
+    if (grad.defined()) {
+      grad.add_(grads[i]);
+    } else {
+      grad = grads[i].detach();
+    }
+  }
+}
+
+// After the (input) backward: the input's gradient goes to the previous stage, on this rank
+// directly.
+void Pipeline::State::hand_over_gradient(int stage, int mb, Slot& slot) {
+  if (stage > 0 && !remote(stage - 1)) {
+    slots[local(stage - 1)][mb].grad_output = slot.input_grad;
+    slot.input_grad = at::Tensor();
+  }
+}
+
+void Pipeline::State::run(const Action& a, const std::vector<at::Tensor>& inputs,
+                          const std::vector<at::Tensor>& targets,
+                          const std::vector<double>& weights, at::Tensor& loss_sum) {
+  const int s = a.stage, mb = a.micro_batch, last = num_stages - 1;
+  switch (a.type) {
+    case ActionType::kRecvActivation: {
+      const Activation& act = inputs_by_stage[s];
+      std::vector<int64_t> sizes{inputs.empty() ? targets[mb].size(0) : inputs[mb].size(0)};
+      sizes.insert(sizes.end(), act.tail.begin(), act.tail.end());
+      at::Tensor buffer = at::empty(sizes, at::TensorOptions(act.dtype).device(device_of(s)));
+      group.recv(buffer, program.layout.rank_of(s - 1), tag(s, mb, 0));
+      slots[local(s)][mb].input = buffer.requires_grad_(true);
+      return;
+    }
+    case ActionType::kForward: {
+      Slot& slot = slots[local(s)][mb];
+      if (s == 0) slot.input = inputs[mb].to(device_of(s));
+      at::Tensor out = stages[local(s)].forward(slot.input);
+      if (s == last) {
+        at::Tensor l = loss(out, targets[mb].to(out.device())) * weights[mb];
+        loss_sum = loss_sum.defined() ? loss_sum + l.detach() : l.detach();
+        slot.root = l;
+      } else {
+        slot.root = out;
+        if (!remote(s + 1)) {
+          slots[local(s + 1)][mb].input = out.detach().requires_grad_(true);
+        }
+      }
+      return;
+    }
+    case ActionType::kSendActivation: {
+      at::Tensor out = slots[local(s)][mb].root.detach();
+      sends.emplace_back(group.send_async(out, program.layout.rank_of(s + 1), tag(s + 1, mb, 0)),
+                         out);
+      return;
+    }
+    case ActionType::kRecvGradient: {
+      Slot& slot = slots[local(s)][mb];
+      at::Tensor buffer = at::empty_like(slot.root, at::MemoryFormat::Contiguous);
+      group.recv(buffer, program.layout.rank_of(s + 1), tag(s, mb, 1));
+      slot.grad_output = buffer;
+      return;
+    }
+    case ActionType::kBackward:
+    case ActionType::kBackwardInput: {
+      Slot& slot = slots[local(s)][mb];
+      const bool whole = a.type == ActionType::kBackward;
+      backward_input(s, slot, whole);
+      hand_over_gradient(s, mb, slot);
+      if (whole) {
+        const at::Tensor keep = slot.input_grad;
+        slot = Slot{};
+        slot.input_grad = keep;
+      }
+      return;
+    }
+    case ActionType::kBackwardWeight: {
+      Slot& slot = slots[local(s)][mb];
+      backward_weight(s, slot);
+      const at::Tensor keep = slot.input_grad;
+      slot = Slot{};
+      slot.input_grad = keep;
+      return;
+    }
+    case ActionType::kSendGradient: {
+      Slot& slot = slots[local(s)][mb];
+      sends.emplace_back(
+          group.send_async(slot.input_grad, program.layout.rank_of(s - 1), tag(s - 1, mb, 1)),
+          slot.input_grad);
+      slot.input_grad = at::Tensor();
+      return;
+    }
+    case ActionType::kOptimizerStep: {
+      for (auto& [work, tensor] : sends) work.wait();
+      sends.clear();
+      if (options.optimizer_step) options.optimizer_step();
+      return;
+    }
+  }
+}
+
+Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
+                   PipelineOptions options)
+    : state_(std::make_unique<State>()) {
+  State& st = *state_;
+  if (!group.valid()) throw UsageError("Pipeline: the pipeline process group is empty");
+  if (!loss) throw UsageError("Pipeline: no loss function given");
+  st.program = compile_schedule(
+      {.kind = options.schedule,
+       .layout = {.ranks = group.world_size(), .virtual_stages = options.virtual_stages},
+       .micro_batches = options.micro_batches});
+  if (static_cast<int>(stages.size()) != options.virtual_stages) {
+    throw UsageError("Pipeline on rank " + std::to_string(group.rank()) + ": " +
+                     std::to_string(stages.size()) + " stage modules given for " +
+                     std::to_string(options.virtual_stages) +
+                     " virtual stages per rank: give one module per stage this rank holds");
+  }
+  st.stages = std::move(stages);
+  st.group = std::move(group);
+  st.loss = std::move(loss);
+  st.options = std::move(options);
+  st.rank = st.group.rank();
+  st.num_stages = st.program.layout.stages();
+  st.indices = st.program.layout.stages_of(st.rank);
+  st.slots.assign(st.stages.size(),
+                  std::vector<Slot>(static_cast<size_t>(st.program.micro_batches)));
+}
+
+Pipeline::~Pipeline() = default;
+Pipeline::Pipeline(Pipeline&&) noexcept = default;
+Pipeline& Pipeline::operator=(Pipeline&&) noexcept = default;
+
+at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  State& st = *state_;
+  const int m = st.program.micro_batches;
+  if (!inputs.defined() || inputs.dim() == 0)
+    throw UsageError("Pipeline::step: inputs must be a tensor with the batch in dim 0");
+  if (!targets.defined() || targets.dim() == 0 || targets.size(0) != inputs.size(0)) {
+    throw UsageError("Pipeline::step: targets must have the inputs' " +
+                     std::to_string(inputs.size(0)) + " rows in dim 0");
+  }
+  const int64_t rows = inputs.size(0);
+  if (rows < m) {
+    throw UsageError("Pipeline::step: a batch of " + std::to_string(rows) +
+                     " rows cannot be split into " + std::to_string(m) +
+                     " micro-batches: use batches of at least " + std::to_string(m) +
+                     " rows or fewer micro-batches");
+  }
+  const std::vector<at::Tensor> in = inputs.tensor_split(m);
+  const std::vector<at::Tensor> tgt = targets.tensor_split(m);
+  std::vector<double> weights;
+  for (const auto& t : in) weights.push_back(static_cast<double>(t.size(0)) / rows);
+  if (!st.probed) st.probe(in, tgt);
+  at::Tensor loss_sum;
+  for (const Action& a : st.program.ranks[st.rank]) {
+    st.group.set_activity(st.where(a));
+    try {
+      st.run(a, in, tgt, weights, loss_sum);
+    } catch (const c10::Error& e) {
+      st.group.set_activity("");
+      throw RuntimeError(st.where(a) + ": " + e.what_without_backtrace());
+    } catch (...) {
+      st.group.set_activity("");
+      throw;
+    }
+  }
+  st.group.set_activity("");
+  return loss_sum;
+}
+
+std::vector<at::Tensor> Pipeline::parameters() const {
+  std::vector<at::Tensor> out;
+  for (const Stage& s : state_->stages)
+    for (const auto& p : s.module().parameters()) out.push_back(p);
+  return out;
+}
+
+const std::vector<Stage>& Pipeline::stages() const { return state_->stages; }
+std::vector<int> Pipeline::stage_indices() const { return state_->indices; }
+const Program& Pipeline::program() const { return state_->program; }
+bool Pipeline::is_first() const { return state_->rank == 0; }
+bool Pipeline::is_last() const {
+  return state_->program.layout.rank_of(state_->num_stages - 1) == state_->rank;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cutting a Sequential
+
+std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential& model,
+                                                    const std::vector<int>& layers_per_stage) {
+  const auto children = model->named_children();
+  int total = 0;
+  for (int n : layers_per_stage) {
+    if (n < 1) {
+      throw UsageError("split_sequential: every stage needs at least one layer, got a stage of " +
+                       std::to_string(n));
+    }
+    total += n;
+  }
+  if (total != static_cast<int>(model->size())) {
+    throw UsageError("split_sequential: the stages hold " + std::to_string(total) +
+                     " layers but the model has " + std::to_string(model->size()));
+  }
+  std::vector<torch::nn::Sequential> stages;
+  size_t next = 0;
+  auto it = model->begin();
+  for (int n : layers_per_stage) {
+    torch::nn::Sequential stage;
+    for (int i = 0; i < n; ++i, ++next, ++it) stage->push_back(children[next].key(), *it);
+    stages.push_back(stage);
+  }
+  return stages;
+}
+
+std::vector<int> even_split(int layers, int stages) {
+  if (stages < 1) throw UsageError("pipeline stages must be >= 1, got " + std::to_string(stages));
+  if (stages > layers) {
+    throw UsageError("cannot cut " + std::to_string(layers) + " layers into " +
+                     std::to_string(stages) + " pipeline stages: use at most " +
+                     std::to_string(layers) + " stages");
+  }
+  std::vector<int> counts(static_cast<size_t>(stages), layers / stages);
+  for (int i = 0; i < layers % stages; ++i) ++counts[i];
+  return counts;
+}
+
+std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const at::Tensor& sample,
+                                int repeats) {
+  const int n = static_cast<int>(model->size());
+  even_split(n, stages);  // the same bad-input checks
+  std::vector<std::vector<double>> runs(static_cast<size_t>(n));
+  for (int r = 0; r < std::max(1, repeats); ++r) {
+    at::Tensor x = sample;
+    int i = 0;
+    for (auto& layer : *model) {
+      const at::Tensor in = x.detach().requires_grad_(x.is_floating_point());
+      const auto start = std::chrono::steady_clock::now();
+      at::Tensor y = layer.forward(in);
+      if (y.requires_grad()) y.sum().backward();
+      runs[i++].push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      x = y.detach();
+    }
+  }
+  model->zero_grad();
+  std::vector<double> cost(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    auto& v = runs[i];
+    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
+    cost[i] = v[v.size() / 2];
+  }
+  // best[k][i]: the smallest slowest stage for the first i layers in k stages.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(n + 1, 0));
+  best[0][0] = 0.0;
+  for (int k = 1; k <= stages; ++k) {
+    for (int i = k; i <= n; ++i) {
+      double tail = 0.0;
+      for (int j = i - 1; j >= k - 1; --j) {
+        tail += cost[j];
+        const double slowest = std::max(best[k - 1][j], tail);
+        if (slowest < best[k][i]) {
+          best[k][i] = slowest;
+          cut[k][i] = j;
+        }
+      }
+    }
+  }
+  std::vector<int> counts(static_cast<size_t>(stages));
+  for (int k = stages, i = n; k > 0; --k) {
+    counts[k - 1] = i - cut[k][i];
+    i = cut[k][i];
+  }
+  return counts;
+}
+
+}  // namespace cohort::parallel::pipeline

@@ -1,0 +1,208 @@
+#include "cohort/parallel/pipeline/pipeline.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <future>
+#include <map>
+#include <mutex>
+
+#include "support/local_group.h"
+
+namespace cohort::parallel::pipeline {
+namespace {
+
+using cohort::testing::generator_mutex;
+using cohort::testing::run_ranks;
+
+// Seven layers, the same weights on every rank and run.
+torch::nn::Sequential make_mlp() {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(11);
+  return torch::nn::Sequential(
+      torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(),
+      torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+std::pair<torch::Tensor, torch::Tensor> make_batch(int64_t rows) {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(12);
+  return {torch::randn({rows, 8}), torch::randint(0, 4, {rows})};
+}
+
+at::Tensor cross_entropy(const at::Tensor& output, const at::Tensor& target) {
+  return torch::nn::functional::cross_entropy(output, target);
+}
+
+struct Case {
+  ScheduleKind schedule;
+  int ranks;
+  int virtual_stages;
+  int micro_batches;
+  int64_t rows;
+};
+
+// Every rank's stages against the whole model on the whole batch: the same loss and gradients.
+void expect_same_as_unpipelined(const Case& c) {
+  SCOPED_TRACE(std::string(to_string(c.schedule)) + " p=" + std::to_string(c.ranks) +
+               " v=" + std::to_string(c.virtual_stages) + " m=" + std::to_string(c.micro_batches) +
+               " rows=" + std::to_string(c.rows));
+  const auto [x, y] = make_batch(c.rows);
+  torch::nn::Sequential whole = make_mlp();
+  const at::Tensor expected_loss = cross_entropy(whole->forward(x), y);
+  expected_loss.backward();
+  std::map<std::string, at::Tensor> expected_grads;
+  for (const auto& p : whole->named_parameters()) expected_grads[p.key()] = p.value().grad();
+
+  const int stages = c.ranks * c.virtual_stages;
+  run_ranks(c.ranks, [&](comm::ProcessGroup& group) {
+    const auto all = split_sequential(make_mlp(), even_split(7, stages));
+    std::vector<Stage> mine;
+    for (int s : PipelineLayout{c.ranks, c.virtual_stages}.stages_of(group.rank()))
+      mine.emplace_back(all[s]);
+    Pipeline pipeline(std::move(mine), group, cross_entropy,
+                      {.schedule = c.schedule,
+                       .micro_batches = c.micro_batches,
+                       .virtual_stages = c.virtual_stages});
+    const at::Tensor loss = pipeline.step(x, y);
+    if (pipeline.is_last()) {
+      ASSERT_TRUE(loss.defined());
+      EXPECT_NEAR(loss.item<double>(), expected_loss.item<double>(), 1e-5);
+    } else {
+      EXPECT_FALSE(loss.defined());
+    }
+    for (const Stage& stage : pipeline.stages()) {
+      for (const auto& p : stage.module().named_parameters()) {
+        ASSERT_TRUE(p.value().grad().defined()) << p.key();
+        EXPECT_TRUE(torch::allclose(p.value().grad(), expected_grads.at(p.key()), 1e-5, 1e-7))
+            << p.key() << " on rank " << group.rank();
+      }
+    }
+  });
+}
+
+TEST(Pipeline, EveryScheduleGivesTheGradientsOfTheWholeModel) {
+  for (ScheduleKind kind :
+       {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubble}) {
+    expect_same_as_unpipelined({kind, 2, 1, 4, 16});
+    // Fewer micro-batches than stages, and micro-batches of unequal rows (10 = 3 + 3 + 2 + 2).
+    expect_same_as_unpipelined({kind, 4, 1, 1, 6});
+    expect_same_as_unpipelined({kind, 4, 1, 4, 10});
+  }
+  expect_same_as_unpipelined({ScheduleKind::kInterleaved, 2, 2, 4, 12});
+  expect_same_as_unpipelined({ScheduleKind::kInterleaved, 2, 3, 2, 8});
+  // One rank: every stage local, no messages.
+  expect_same_as_unpipelined({ScheduleKind::kInterleaved, 1, 3, 3, 9});
+}
+
+TEST(Pipeline, RepeatedStepsAccumulateAndTheOptimizerStepRunsOncePerStep) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto all = split_sequential(make_mlp(), {4, 3});
+    int steps = 0;
+    Pipeline pipeline({all[group.rank()]}, group, cross_entropy,
+                      {.micro_batches = 2, .optimizer_step = [&] { ++steps; }});
+    const auto [x, y] = make_batch(8);
+    pipeline.step(x, y);
+    std::vector<at::Tensor> once;
+    for (const auto& p : pipeline.parameters()) once.push_back(p.grad().clone());
+    pipeline.step(x, y);
+    EXPECT_EQ(steps, 2);
+    const auto params = pipeline.parameters();
+    for (size_t i = 0; i < params.size(); ++i)
+      EXPECT_TRUE(torch::allclose(params[i].grad(), 2 * once[i], 1e-5, 1e-7));
+  });
+}
+
+TEST(Pipeline, AStageThatCannotTakeThePreviousOutputIsNamedOnBothRanks) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  run_ranks(2, [&](comm::ProcessGroup& group) {
+    // Stage 0 ends in 16 features; stage 1 starts with a Linear of 12 inputs.
+    torch::nn::Sequential stage =
+        group.rank() == 0 ? torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh())
+                          : torch::nn::Sequential(torch::nn::Linear(12, 4));
+    Pipeline pipeline({stage}, group, cross_entropy, {.micro_batches = 2});
+    const auto [x, y] = make_batch(8);
+    try {
+      pipeline.step(x, y);
+      ADD_FAILURE() << "no error on rank " << group.rank();
+    } catch (const UsageError& e) {
+      std::lock_guard lock(mutex);
+      errors.push_back(e.what());
+    }
+  });
+  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_EQ(errors[0], errors[1]);
+  EXPECT_NE(errors[0].find("stage 1 (rank 1) cannot take stage 0's output [4, 16] Float"),
+            std::string::npos)
+      << errors[0];
+  EXPECT_NE(errors[0].find("make stage 0's output match stage 1's input"), std::string::npos)
+      << errors[0];
+}
+
+TEST(Pipeline, AWaitThatTimesOutNamesTheStageMicroBatchAndAction) {
+  std::promise<void> rank0_done;
+  auto done = rank0_done.get_future().share();
+  run_ranks(2,
+            [&](comm::ProcessGroup& group) {
+              const auto all = split_sequential(make_mlp(), {4, 3});
+              Pipeline pipeline({all[group.rank()]}, group, cross_entropy, {.micro_batches = 2});
+              const auto [x, y] = make_batch(8);
+              pipeline.step(x, y);
+              if (group.rank() == 1) {
+                done.wait();  // alive, but skips the second step
+                return;
+              }
+              try {
+                pipeline.step(x, y);
+                ADD_FAILURE() << "no timeout";
+              } catch (const TimeoutError& e) {
+                EXPECT_NE(std::string(e.what()).find(
+                              "recv (gloo) on rank 0 in pipeline rank 0, recv gradient of stage 0, "
+                              "micro-batch 0 did not complete within 500 ms"),
+                          std::string::npos)
+                    << e.what();
+              }
+              rank0_done.set_value();
+            },
+            {.timeout = std::chrono::milliseconds(500)});
+}
+
+TEST(Pipeline, BadInputIsNamed) {
+  EXPECT_THROW(even_split(7, 8), UsageError);
+  EXPECT_EQ(even_split(7, 3), (std::vector<int>{3, 2, 2}));
+  EXPECT_THROW(split_sequential(make_mlp(), {3, 3}), UsageError);
+  EXPECT_THROW(split_sequential(make_mlp(), {7, 0}), UsageError);
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto all = split_sequential(make_mlp(), {4, 3});
+    EXPECT_THROW(Pipeline({all[0], all[1]}, group, cross_entropy), UsageError);
+    EXPECT_THROW(Pipeline({all[group.rank()]}, group, cross_entropy, {.micro_batches = 0}),
+                 UsageError);
+    Pipeline pipeline({all[group.rank()]}, group, cross_entropy, {.micro_batches = 4});
+    const auto [x, y] = make_batch(3);
+    try {
+      pipeline.step(x, y);
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("a batch of 3 rows cannot be split into 4 "
+                                           "micro-batches"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+TEST(Pipeline, SplitKeepsTheLayerNamesAndBalancingFollowsTheCost) {
+  const auto stages = split_sequential(make_mlp(), {2, 5});
+  EXPECT_EQ(
+      stages[1]->named_parameters().keys(),
+      (std::vector<std::string>{"2.weight", "2.bias", "4.weight", "4.bias", "6.weight", "6.bias"}));
+  // Four heavy layers, then four nearly free ones: an even cut puts all the work in stage 0.
+  torch::nn::Sequential model;
+  for (int i = 0; i < 4; ++i) model->push_back(torch::nn::Linear(384, 384));
+  for (int i = 0; i < 4; ++i) model->push_back(torch::nn::Identity());
+  EXPECT_EQ(balanced_split(model, 2, torch::randn({256, 384})), (std::vector<int>{2, 6}));
+}
+
+}  // namespace
+}  // namespace cohort::parallel::pipeline
