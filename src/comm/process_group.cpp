@@ -424,7 +424,8 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks,
   return ProcessGroup(std::move(group));
 }
 
-ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition) {
+ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition,
+                                 const std::string& name) {
   std::vector<int> all;
   for (const auto& part : partition) all.insert(all.end(), part.begin(), part.end());
   check_member_list(all, state_->world_size, "split");
@@ -438,7 +439,8 @@ ProcessGroup ProcessGroup::split(const std::vector<std::vector<int>>& partition)
     const auto mine = std::find(part.begin(), part.end(), state_->rank);
     if (mine == part.end()) continue;
     ProcessGroupOptions sub = state_->options;
-    sub.prefix = state_->options.prefix + "/" + std::to_string(call) + "." + std::to_string(i);
+    sub.prefix = state_->options.prefix + "/" + std::to_string(call) + "." +
+                 (name.empty() ? "" : name + ".") + std::to_string(i);
     std::vector<int> global;
     for (int r : part) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
     auto group = make_group(state_->store, static_cast<int>(mine - part.begin()),

@@ -95,7 +95,8 @@ class ProcessGroup {
   ProcessGroup new_group(const std::vector<int>& ranks);
   // Splits this group into disjoint groups that cover all of its ranks (e.g. the data-parallel
   // groups of a mesh); every rank calls it with the same partition and gets its own group.
-  ProcessGroup split(const std::vector<std::vector<int>>& partition);
+  // `name` (e.g. "dp") goes into the parts' names, which the stall inspector quotes.
+  ProcessGroup split(const std::vector<std::vector<int>>& partition, const std::string& name = "");
   // The ranks of the first group (the one made by create()) that form this group, by group rank.
   const std::vector<int>& global_ranks() const;
   int global_rank(int group_rank) const;

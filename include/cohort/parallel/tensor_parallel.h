@@ -1,0 +1,86 @@
+// Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): a layer's weight cut in slices over the
+// ranks of a tensor-parallel group. A column-parallel layer followed by a row-parallel one (an
+// MLP, or attention's projections by heads) needs one all-reduce in forward and one in backward.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include "cohort/comm/process_group.h"
+
+namespace cohort::parallel {
+
+// Identity forward; the gradient is summed over `group` in backward (where a replicated input
+// enters column-parallel layers: each rank's slice contributes to its gradient).
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, comm::ProcessGroup group);
+// Sum over `group` forward (the partial outputs of a row-parallel layer); identity backward.
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, comm::ProcessGroup group);
+
+// y = x A^T + b with A's rows (the output features) cut over the group: rank r computes output
+// features [r out/tp, (r+1) out/tp). `out` must be divisible by the group's size.
+class ColumnParallelLinearImpl : public torch::nn::Module {
+ public:
+  ColumnParallelLinearImpl(int64_t in, int64_t out, comm::ProcessGroup group, bool bias = true);
+  // Takes this rank's rows of a dense layer of the same shape.
+  void load_from_dense(const torch::nn::Linear& dense);
+  // x: [..., in] (the same on every rank) -> [..., out / tp].
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+
+ private:
+  comm::ProcessGroup group_;
+};
+TORCH_MODULE(ColumnParallelLinear);
+
+// y = x A^T + b with A's columns (the input features) cut over the group: rank r takes input
+// features [r in/tp, (r+1) in/tp), the partial products are summed over the group, b added once.
+class RowParallelLinearImpl : public torch::nn::Module {
+ public:
+  RowParallelLinearImpl(int64_t in, int64_t out, comm::ProcessGroup group, bool bias = true);
+  void load_from_dense(const torch::nn::Linear& dense);
+  // x: [..., in / tp] (this rank's slice) -> [..., out], the same on every rank.
+  at::Tensor forward(const at::Tensor& x);
+  at::Tensor weight, bias;
+
+ private:
+  comm::ProcessGroup group_;
+};
+TORCH_MODULE(RowParallelLinear);
+
+// Linear(width, hidden), GELU, Linear(hidden, width), the hidden features cut over the group:
+// one all-reduce forward, one backward. `hidden` must be divisible by the group's size.
+class TensorParallelMlpImpl : public torch::nn::Module {
+ public:
+  TensorParallelMlpImpl(int64_t width, int64_t hidden, comm::ProcessGroup group);
+  // From a dense Sequential(Linear(width, hidden), GELU, Linear(hidden, width)).
+  void load_from_dense(const torch::nn::Sequential& dense);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  ColumnParallelLinear fc1_{nullptr};
+  RowParallelLinear fc2_{nullptr};
+};
+TORCH_MODULE(TensorParallelMlp);
+
+// Self-attention with the heads cut over the group (torch::nn::MultiheadAttention's math and
+// layout, [tokens, batch, width]): q, k and v column-parallel by heads, the output projection
+// row-parallel. `heads` must be divisible by the group's size.
+class TensorParallelSelfAttentionImpl : public torch::nn::Module {
+ public:
+  TensorParallelSelfAttentionImpl(int64_t width, int64_t heads, comm::ProcessGroup group);
+  // Takes this rank's heads of a dense torch::nn::MultiheadAttention(width, heads).
+  void load_from_dense(const torch::nn::MultiheadAttention& dense);
+  at::Tensor forward(const at::Tensor& x);
+
+ private:
+  int64_t width_, heads_, local_heads_;
+  comm::ProcessGroup group_;
+  at::Tensor in_proj_weight_, in_proj_bias_;  // this rank's q, k and v rows, stacked
+  RowParallelLinear out_proj_{nullptr};
+};
+TORCH_MODULE(TensorParallelSelfAttention);
+
+}  // namespace cohort::parallel

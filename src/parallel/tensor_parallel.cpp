@@ -1,0 +1,179 @@
+#include "cohort/parallel/tensor_parallel.h"
+
+#include <ATen/ops/empty.h>
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <memory>
+#include <string>
+
+#include "cohort/error.h"
+
+namespace cohort::parallel {
+namespace {
+
+namespace F = torch::nn::functional;
+
+int64_t slice_of(int64_t size, const comm::ProcessGroup& group, const std::string& what) {
+  if (!group.valid()) throw UsageError(what + ": the tensor-parallel group is empty");
+  const int64_t tp = group.world_size();
+  if (size % tp != 0) {
+    throw UsageError(what + ": " + std::to_string(size) + " is not divisible by the tensor-" +
+                     "parallel degree " + std::to_string(tp) + ": use a tp degree that divides " +
+                     std::to_string(size));
+  }
+  return size / tp;
+}
+
+// torch::nn::Linear's initialisation, with the dense layer's fan-in.
+void init_like_linear(at::Tensor& weight, at::Tensor& bias, int64_t fan_in) {
+  const double bound = 1.0 / std::sqrt(static_cast<double>(fan_in));
+  torch::NoGradGuard no_grad;
+  weight.uniform_(-bound, bound);
+  if (bias.defined()) bias.uniform_(-bound, bound);
+}
+
+void check_dense(const at::Tensor& dense, at::IntArrayRef expected, const std::string& what) {
+  if (dense.sizes() != expected) {
+    throw UsageError(what + ": the dense weight is " + c10::str(dense.sizes()) + ", expected " +
+                     c10::str(expected));
+  }
+}
+
+}  // namespace
+
+at::Tensor copy_to_tensor_parallel(const at::Tensor& x, comm::ProcessGroup group) {
+  at::Tensor y = x.view_as(x);
+  if (y.requires_grad() && group.world_size() > 1) {
+    // A handle copy the (const) hook may call collectives on.
+    auto handle = std::make_shared<comm::ProcessGroup>(std::move(group));
+    y.register_hook([handle](const at::Tensor& grad) {
+      std::vector<at::Tensor> summed{grad.clone(at::MemoryFormat::Contiguous)};
+      handle->allreduce(summed);
+      return summed[0];
+    });
+  }
+  return y;
+}
+
+at::Tensor reduce_from_tensor_parallel(const at::Tensor& x, comm::ProcessGroup group) {
+  if (group.world_size() == 1) return x;
+  std::vector<at::Tensor> summed{x.detach().clone(at::MemoryFormat::Contiguous)};
+  group.allreduce(summed);
+  // The value of the sum, the gradient of the identity.
+  return x + (summed[0] - x).detach();
+}
+
+ColumnParallelLinearImpl::ColumnParallelLinearImpl(int64_t in, int64_t out,
+                                                   comm::ProcessGroup group, bool with_bias)
+    : group_(std::move(group)) {
+  const int64_t rows = slice_of(out, group_,
+                                "ColumnParallelLinear(" + std::to_string(in) + ", " +
+                                    std::to_string(out) + ") output features");
+  weight = register_parameter("weight", at::empty({rows, in}));
+  if (with_bias) bias = register_parameter("bias", at::empty({rows}));
+  init_like_linear(weight, bias, in);
+}
+
+void ColumnParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
+  const int64_t rows = weight.size(0), r = group_.rank();
+  check_dense(dense->weight, {rows * group_.world_size(), weight.size(1)}, "ColumnParallelLinear");
+  torch::NoGradGuard no_grad;
+  weight.copy_(dense->weight.narrow(0, r * rows, rows));
+  if (bias.defined()) bias.copy_(dense->bias.narrow(0, r * rows, rows));
+}
+
+at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
+  return F::linear(copy_to_tensor_parallel(x, group_), weight, bias);
+}
+
+RowParallelLinearImpl::RowParallelLinearImpl(int64_t in, int64_t out, comm::ProcessGroup group,
+                                             bool with_bias)
+    : group_(std::move(group)) {
+  const int64_t columns = slice_of(
+      in, group_,
+      "RowParallelLinear(" + std::to_string(in) + ", " + std::to_string(out) + ") input features");
+  weight = register_parameter("weight", at::empty({out, columns}));
+  if (with_bias) bias = register_parameter("bias", at::empty({out}));
+  init_like_linear(weight, bias, in);
+}
+
+void RowParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
+  const int64_t columns = weight.size(1), r = group_.rank();
+  check_dense(dense->weight, {weight.size(0), columns * group_.world_size()}, "RowParallelLinear");
+  torch::NoGradGuard no_grad;
+  weight.copy_(dense->weight.narrow(1, r * columns, columns));
+  if (bias.defined()) bias.copy_(dense->bias);
+}
+
+at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
+  at::Tensor y = reduce_from_tensor_parallel(F::linear(x, weight), group_);
+  return bias.defined() ? y + bias : y;
+}
+
+TensorParallelMlpImpl::TensorParallelMlpImpl(int64_t width, int64_t hidden,
+                                             comm::ProcessGroup group) {
+  fc1_ = register_module("fc1", ColumnParallelLinear(width, hidden, group));
+  fc2_ = register_module("fc2", RowParallelLinear(hidden, width, group));
+}
+
+void TensorParallelMlpImpl::load_from_dense(const torch::nn::Sequential& dense) {
+  if (dense->size() != 3) {
+    throw UsageError("TensorParallelMlp: the dense MLP has " + std::to_string(dense->size()) +
+                     " layers; expected Linear, GELU, Linear");
+  }
+  fc1_->load_from_dense(dense->ptr<torch::nn::LinearImpl>(0));
+  fc2_->load_from_dense(dense->ptr<torch::nn::LinearImpl>(2));
+}
+
+at::Tensor TensorParallelMlpImpl::forward(const at::Tensor& x) {
+  return fc2_->forward(F::gelu(fc1_->forward(x)));
+}
+
+TensorParallelSelfAttentionImpl::TensorParallelSelfAttentionImpl(int64_t width, int64_t heads,
+                                                                 comm::ProcessGroup group)
+    : width_(width), heads_(heads), group_(std::move(group)) {
+  if (heads < 1 || width % heads != 0) {
+    throw UsageError("TensorParallelSelfAttention: width " + std::to_string(width) +
+                     " is not divisible by heads " + std::to_string(heads));
+  }
+  local_heads_ = slice_of(heads, group_, "TensorParallelSelfAttention heads");
+  const int64_t local = local_heads_ * (width / heads);
+  in_proj_weight_ = register_parameter("in_proj_weight", at::empty({3 * local, width}));
+  in_proj_bias_ = register_parameter("in_proj_bias", at::empty({3 * local}));
+  init_like_linear(in_proj_weight_, in_proj_bias_, width);
+  out_proj_ = register_module("out_proj", RowParallelLinear(width, width, group_));
+}
+
+void TensorParallelSelfAttentionImpl::load_from_dense(const torch::nn::MultiheadAttention& dense) {
+  const int64_t local = local_heads_ * (width_ / heads_), r = group_.rank();
+  check_dense(dense->in_proj_weight, {3 * width_, width_}, "TensorParallelSelfAttention");
+  torch::NoGradGuard no_grad;
+  for (int64_t part = 0; part < 3; ++part) {  // q, k, v
+    in_proj_weight_.narrow(0, part * local, local)
+        .copy_(dense->in_proj_weight.narrow(0, part * width_ + r * local, local));
+    in_proj_bias_.narrow(0, part * local, local)
+        .copy_(dense->in_proj_bias.narrow(0, part * width_ + r * local, local));
+  }
+  out_proj_->load_from_dense(dense->out_proj);
+}
+
+at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {
+  const int64_t tokens = x.size(0), batch = x.size(1), head_dim = width_ / heads_;
+  const auto qkv =
+      F::linear(copy_to_tensor_parallel(x, group_), in_proj_weight_, in_proj_bias_).chunk(3, -1);
+  // [tokens, batch, local heads x head_dim] -> [batch x local heads, tokens, head_dim]
+  auto heads = [&](const at::Tensor& t) {
+    return t.reshape({tokens, batch * local_heads_, head_dim}).transpose(0, 1);
+  };
+  const at::Tensor q = heads(qkv[0]) / std::sqrt(static_cast<double>(head_dim));
+  const at::Tensor weights = at::softmax(at::bmm(q, heads(qkv[1]).transpose(1, 2)), -1);
+  const at::Tensor out = at::bmm(weights, heads(qkv[2]))
+                             .transpose(0, 1)
+                             .reshape({tokens, batch, local_heads_ * head_dim});
+  return out_proj_->forward(out);
+}
+
+}  // namespace cohort::parallel

@@ -1,0 +1,119 @@
+#include "cohort/parallel/tensor_parallel.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+
+#include "cohort/error.h"
+#include "support/local_group.h"
+
+namespace cohort::parallel {
+namespace {
+
+using cohort::testing::generator_mutex;
+using cohort::testing::run_ranks;
+
+template <typename Make>
+auto seeded(int seed, Make make) {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(seed);
+  return make();
+}
+
+void expect_same_parameters(torch::nn::Module& a, torch::nn::Module& b, double tol) {
+  const auto pa = a.named_parameters(), pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(pa[i].value(), pb[i].value(), tol, tol))
+        << pa[i].key() << ": largest difference "
+        << (pa[i].value() - pb[i].value()).abs().max().item<double>();
+  }
+}
+
+// A tensor-parallel module against its dense version: the same output, the same input gradient,
+// and after one SGD step the slices of the dense module's new weights.
+template <typename Parallel, typename Dense>
+void expect_matches_dense(comm::ProcessGroup& group, Parallel parallel, Dense dense, Parallel fresh,
+                          const at::Tensor& x) {
+  parallel->load_from_dense(dense);
+  const at::Tensor xp = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
+  const at::Tensor yp = parallel->forward(xp);
+  at::Tensor yd;
+  if constexpr (std::is_same_v<Dense, torch::nn::MultiheadAttention>) {
+    yd = std::get<0>(dense->forward(xd, xd, xd, {}, /*need_weights=*/false));
+  } else {
+    yd = dense->forward(xd);
+  }
+  EXPECT_TRUE(torch::allclose(yp, yd, 1e-5, 1e-6)) << "output on rank " << group.rank();
+  // A loss that weighs every output element differently.
+  const at::Tensor w = seeded(9, [&] { return torch::randn(yd.sizes()); });
+  (yp * w).sum().backward();
+  (yd * w).sum().backward();
+  EXPECT_TRUE(torch::allclose(xp.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient";
+  torch::optim::SGD(parallel->parameters(), 1.0).step();
+  torch::optim::SGD(dense->parameters(), 1.0).step();
+  fresh->load_from_dense(dense);
+  expect_same_parameters(*parallel, *fresh, 1e-5);
+}
+
+TEST(TensorParallel, MlpMatchesTheDenseMlp) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    auto dense = seeded(3, [] {
+      return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::GELU(),
+                                   torch::nn::Linear(32, 12));
+    });
+    const at::Tensor x = seeded(4, [] { return torch::randn({5, 12}); });
+    expect_matches_dense(group, TensorParallelMlp(12, 32, group), dense,
+                         TensorParallelMlp(12, 32, group), x);
+  });
+}
+
+TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    auto dense = seeded(5, [] { return torch::nn::MultiheadAttention(16, 4); });
+    const at::Tensor x = seeded(6, [] { return torch::randn({7, 3, 16}); });  // tokens, batch
+    expect_matches_dense(group, TensorParallelSelfAttention(16, 4, group), dense,
+                         TensorParallelSelfAttention(16, 4, group), x);
+  });
+}
+
+TEST(TensorParallel, ColumnThenRowIsTheDenseProductWithOneAllReduceEachWay) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    auto [a, b] = seeded(7, [] {
+      return std::pair{torch::nn::Linear(6, 8), torch::nn::Linear(8, 6)};
+    });
+    ColumnParallelLinear column(6, 8, group);
+    RowParallelLinear row(8, 6, group);
+    column->load_from_dense(a);
+    row->load_from_dense(b);
+    EXPECT_EQ(column->weight.sizes(), (std::vector<int64_t>{4, 6}));
+    EXPECT_EQ(row->weight.sizes(), (std::vector<int64_t>{6, 4}));
+    const at::Tensor x = seeded(8, [] { return torch::randn({3, 6}); }).requires_grad_(true);
+    const int64_t before = group.collectives_entered();
+    const at::Tensor y = row->forward(column->forward(x));
+    EXPECT_EQ(group.collectives_entered() - before, 1);
+    y.sum().backward();
+    EXPECT_EQ(group.collectives_entered() - before, 2);
+    EXPECT_TRUE(torch::allclose(y, b->forward(a->forward(x)), 1e-5, 1e-6));
+  });
+}
+
+TEST(TensorParallel, ADegreeThatDoesNotDivideIsNamed) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    try {
+      TensorParallelSelfAttention(15, 3, group);
+      ADD_FAILURE() << "no error";
+    } catch (const UsageError& e) {
+      EXPECT_NE(std::string(e.what()).find("heads: 3 is not divisible by the tensor-parallel "
+                                           "degree 2"),
+                std::string::npos)
+          << e.what();
+    }
+    EXPECT_THROW(ColumnParallelLinear(4, 7, group), UsageError);
+    EXPECT_THROW(TensorParallelMlp(4, 9, group), UsageError);
+  });
+}
+
+}  // namespace
+}  // namespace cohort::parallel
