@@ -22,8 +22,13 @@
 
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/mesh.h"
 #include "cohort/parallel/parameter_server.h"
+#include "cohort/parallel/pipeline/pipeline.h"
+#include "cohort/parallel/pipeline/schedule.h"
+#include "cohort/parallel/pipeline/simulator.h"
 #include "cohort/parallel/sync_mode.h"
+#include "cohort/parallel/tensor_parallel.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 #include "cohort/data/block.h"
