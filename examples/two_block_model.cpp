@@ -42,8 +42,10 @@ void pipeline_loop(const cohort::Json& config) {
   namespace pipeline = cohort::parallel::pipeline;
   auto& ctx = cohort::train::get_context();
   if (ctx.get_world_size() != 2) {
-    throw cohort::UsageError("--pipeline puts block 1 on rank 0 and block 2 on rank 1: use "
-                             "--workers 2, got " + std::to_string(ctx.get_world_size()));
+    throw cohort::UsageError(
+        "--pipeline puts block 1 on rank 0 and block 2 on rank 1: use "
+        "--workers 2, got " +
+        std::to_string(ctx.get_world_size()));
   }
   torch::manual_seed(0);
   auto model = std::make_shared<TwoBlockNN>(c10::Device(c10::kCPU), c10::Device(c10::kCPU));
@@ -120,8 +122,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   // Two GPUs per worker where the node has them. Only the driver's view counts: each worker then
   // sees just its own two, from the driver.
-  const bool two_gpus = !pipeline && cohort::runtime::visible_gpus().size() >=
-                                         static_cast<size_t>(2 * workers);
+  const bool two_gpus =
+      !pipeline && cohort::runtime::visible_gpus().size() >= static_cast<size_t>(2 * workers);
   cohort::Trainer trainer(train_loop,
                           {.num_workers = workers,
                            .use_gpu = two_gpus,

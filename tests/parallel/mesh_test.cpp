@@ -72,9 +72,9 @@ struct DenseBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DenseBlock);
 
-// The whole model: Linear, Tanh, MLP block, Tanh, MLP block, Linear.
+// The whole model: Linear, Tanh, MLP block, Tanh, MLP block, Linear. Seeded: call it under
+// generator_mutex().
 torch::nn::Sequential make_dense() {
-  std::lock_guard lock(generator_mutex());
   torch::manual_seed(21);
   return torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::Tanh(), DenseBlock(),
                                torch::nn::Tanh(), DenseBlock(), torch::nn::Linear(16, 4));
@@ -120,7 +120,10 @@ TEST(Mesh, HybridTwoByTwoByTwoTrainsLikeOneProcess) {
   constexpr int kSteps = 5;
   constexpr double kLr = 0.2;
   // One process, the whole batch.
-  torch::nn::Sequential reference = make_dense();
+  torch::nn::Sequential reference = [] {
+    std::lock_guard lock(generator_mutex());
+    return make_dense();
+  }();
   torch::optim::SGD reference_sgd(reference->parameters(), kLr);
   for (int step = 0; step < kSteps; ++step) {
     const auto [x, y] = global_batch(step);
@@ -128,38 +131,46 @@ TEST(Mesh, HybridTwoByTwoByTwoTrainsLikeOneProcess) {
     cross_entropy(reference->forward(x), y).backward();
     reference_sgd.step();
   }
-  run_ranks(8, [&](comm::ProcessGroup& world) {
-    const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 2});
-    torch::nn::Sequential stage = hybrid_stage(make_dense(), mesh.pp_index(), mesh.tp());
-    torch::optim::SGD sgd(stage->parameters(), kLr);
-    comm::ProcessGroup dp = mesh.dp();
-    pipeline::Pipeline pipe(
-        {stage}, mesh.pp(), cross_entropy,
-        {.schedule = pipeline::ScheduleKind::kOneFOneB, .micro_batches = 2, .optimizer_step = [&] {
-           for (auto& p : stage->parameters()) {
-             std::vector<at::Tensor> grad{p.grad()};
-             dp.allreduce(grad, comm::ReduceOp::kAvg);
-           }
-           sgd.step();
-         }});
-    for (int step = 0; step < kSteps; ++step) {
-      const auto [x, y] = global_batch(step);
-      sgd.zero_grad();
-      pipe.step(x.chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
-    }
-    // The reference's weights, cut the same way.
-    torch::nn::Sequential expected = hybrid_stage(reference, mesh.pp_index(), mesh.tp());
-    const auto got = stage->named_parameters(), want = expected->named_parameters();
-    ASSERT_EQ(got.size(), want.size());
-    double worst = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      worst = std::max(worst, (got[i].value() - want[i].value()).abs().max().item<double>());
-      EXPECT_TRUE(torch::allclose(got[i].value(), want[i].value(), 1e-4, 1e-5))
-          << got[i].key() << " on rank " << world.rank();
-    }
-    if (world.rank() == 0)
-      std::printf("hybrid 2x2x2 vs one process: largest difference %g\n", worst);
-  });
+  // The whole backward in one (1F1B), and split into input and weight backwards (zero bubble).
+  for (const auto schedule :
+       {pipeline::ScheduleKind::kOneFOneB, pipeline::ScheduleKind::kZeroBubble}) {
+    run_ranks(8, [&](comm::ProcessGroup& world) {
+      const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 2});
+      // Every draw from torch's generator under its lock (the tensor-parallel layers draw their
+      // initial weights too): another rank's draws would change this rank's dense model.
+      std::unique_lock lock(generator_mutex());
+      torch::nn::Sequential stage = hybrid_stage(make_dense(), mesh.pp_index(), mesh.tp());
+      lock.unlock();
+      torch::optim::SGD sgd(stage->parameters(), kLr);
+      // The gradients averaged over dp by the DDP engine, in each stage's last backward.
+      pipeline::Pipeline pipe({stage}, mesh.pp(), cross_entropy,
+                              {.schedule = schedule,
+                               .micro_batches = 2,
+                               .data_parallel_group = mesh.dp(),
+                               .optimizer_step = [&] { sgd.step(); }});
+      for (int step = 0; step < kSteps; ++step) {
+        const auto [x, y] = global_batch(step);
+        sgd.zero_grad();
+        pipe.step(x.chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
+      }
+      // The reference's weights, cut the same way.
+      lock.lock();
+      torch::nn::Sequential expected = hybrid_stage(reference, mesh.pp_index(), mesh.tp());
+      lock.unlock();
+      const auto got = stage->named_parameters(), want = expected->named_parameters();
+      ASSERT_EQ(got.size(), want.size());
+      double worst = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        worst = std::max(worst, (got[i].value() - want[i].value()).abs().max().item<double>());
+        EXPECT_TRUE(torch::allclose(got[i].value(), want[i].value(), 1e-4, 1e-5))
+            << got[i].key() << " on rank " << world.rank() << " (" << to_string(schedule) << ")";
+      }
+      if (world.rank() == 0) {
+        std::printf("hybrid 2x2x2 (%s) vs one process after %d steps: largest difference %g\n",
+                    to_string(schedule), kSteps, worst);
+      }
+    });
+  }
 }
 
 }  // namespace

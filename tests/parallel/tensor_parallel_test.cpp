@@ -64,8 +64,12 @@ TEST(TensorParallel, MlpMatchesTheDenseMlp) {
                                    torch::nn::Linear(32, 12));
     });
     const at::Tensor x = seeded(4, [] { return torch::randn({5, 12}); });
-    expect_matches_dense(group, TensorParallelMlp(12, 32, group), dense,
-                         TensorParallelMlp(12, 32, group), x);
+    // Every draw from torch's generator under its lock: another rank's draws would change this
+    // rank's dense weights.
+    auto [parallel, fresh] = seeded(0, [&] {
+      return std::pair{TensorParallelMlp(12, 32, group), TensorParallelMlp(12, 32, group)};
+    });
+    expect_matches_dense(group, parallel, dense, fresh, x);
   });
 }
 
@@ -73,8 +77,11 @@ TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {
   run_ranks(2, [](comm::ProcessGroup& group) {
     auto dense = seeded(5, [] { return torch::nn::MultiheadAttention(16, 4); });
     const at::Tensor x = seeded(6, [] { return torch::randn({7, 3, 16}); });  // tokens, batch
-    expect_matches_dense(group, TensorParallelSelfAttention(16, 4, group), dense,
-                         TensorParallelSelfAttention(16, 4, group), x);
+    auto [parallel, fresh] = seeded(0, [&] {
+      return std::pair{TensorParallelSelfAttention(16, 4, group),
+                       TensorParallelSelfAttention(16, 4, group)};
+    });
+    expect_matches_dense(group, parallel, dense, fresh, x);
   });
 }
 
@@ -83,8 +90,9 @@ TEST(TensorParallel, ColumnThenRowIsTheDenseProductWithOneAllReduceEachWay) {
     auto [a, b] = seeded(7, [] {
       return std::pair{torch::nn::Linear(6, 8), torch::nn::Linear(8, 6)};
     });
-    ColumnParallelLinear column(6, 8, group);
-    RowParallelLinear row(8, 6, group);
+    auto [column, row] = seeded(0, [&] {
+      return std::pair{ColumnParallelLinear(6, 8, group), RowParallelLinear(8, 6, group)};
+    });
     column->load_from_dense(a);
     row->load_from_dense(b);
     EXPECT_EQ(column->weight.sizes(), (std::vector<int64_t>{4, 6}));

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <optional>
 
 #include "cohort/error.h"
 
@@ -34,6 +35,10 @@ constexpr int kMaxDims = kMetaLength - 3;
 constexpr int kMessageBytes = 1024;
 
 // One (stage, micro-batch) between its forward and its backward.
+double seconds_now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 struct Slot {
   at::Tensor input;        // requires grad for stages after the first
   at::Tensor root;         // the stage's output, or the weighted loss on the last stage
@@ -57,6 +62,11 @@ struct Pipeline::State {
   // Per local stage, per micro-batch.
   std::vector<std::vector<Slot>> slots;
   std::vector<std::pair<comm::Work, at::Tensor>> sends;
+  std::vector<TimedAction> timeline;
+  // Data parallelism: one DDP engine per local stage, and the position in this rank's action list
+  // of each stage's last gradient-producing action, the one that synchronises.
+  std::vector<std::unique_ptr<DistributedDataParallel>> data_parallel;
+  std::vector<size_t> last_gradient_action;
 
   int local(int stage) const { return stage / program.layout.ranks; }
   bool remote(int stage) const { return program.layout.rank_of(stage) != rank; }
@@ -203,18 +213,10 @@ void Pipeline::State::backward_weight(int stage, Slot& slot) {
   if (params.empty()) return;
   std::vector<at::Tensor> grad_outputs;
   if (stage != num_stages - 1) grad_outputs.push_back(slot.grad_output);
-  const auto grads = torch::autograd::grad({slot.root}, params, grad_outputs,
-                                           /*retain_graph=*/false, /*create_graph=*/false,
-                                           /*allow_unused=*/true);
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (!grads[i].defined()) continue;
-    at::Tensor& grad = params[i].mutable_grad();
-    if (grad.defined()) {
-      grad.add_(grads[i]);
-    } else {
-      grad = grads[i].detach();
-    }
-  }
+  // Into .grad through the parameters' gradient accumulators, whose hooks data parallelism
+  // listens to.
+  torch::autograd::backward({slot.root}, grad_outputs, /*retain_graph=*/false,
+                            /*create_graph=*/false, params);
 }
 
 // After the (input) backward: the input's gradient goes to the previous stage, on this rank
@@ -332,6 +334,20 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
   st.indices = st.program.layout.stages_of(st.rank);
   st.slots.assign(st.stages.size(),
                   std::vector<Slot>(static_cast<size_t>(st.program.micro_batches)));
+  comm::ProcessGroup& dp = st.options.data_parallel_group;
+  if (dp.valid() && dp.world_size() > 1) {
+    const auto& actions = st.program.ranks[st.rank];
+    st.last_gradient_action.assign(st.stages.size(), 0);
+    for (size_t i = 0; i < actions.size(); ++i) {
+      const ActionType type = actions[i].type;
+      if (type == ActionType::kBackward || type == ActionType::kBackwardWeight)
+        st.last_gradient_action[st.local(actions[i].stage)] = i;
+    }
+    for (const Stage& stage : st.stages) {
+      st.data_parallel.push_back(
+          std::make_unique<DistributedDataParallel>(stage.ptr(), dp, st.options.data_parallel));
+    }
+  }
 }
 
 Pipeline::~Pipeline() = default;
@@ -360,10 +376,22 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   for (const auto& t : in) weights.push_back(static_cast<double>(t.size(0)) / rows);
   if (!st.probed) st.probe(in, tgt);
   at::Tensor loss_sum;
-  for (const Action& a : st.program.ranks[st.rank]) {
+  st.timeline.clear();
+  const auto& actions = st.program.ranks[st.rank];
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const Action& a = actions[i];
     st.group.set_activity(st.where(a));
     try {
+      const double start = st.options.record_timeline ? seconds_now() : 0.0;
+      // A stage's gradients are averaged over the data-parallel group once, in its last backward.
+      std::optional<DistributedDataParallel::NoSyncGuard> accumulate;
+      if (!st.data_parallel.empty() && a.stage >= 0 &&
+          (a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
+          i != st.last_gradient_action[st.local(a.stage)]) {
+        accumulate.emplace(*st.data_parallel[st.local(a.stage)]);
+      }
       st.run(a, in, tgt, weights, loss_sum);
+      if (st.options.record_timeline) st.timeline.push_back({a, start, seconds_now()});
     } catch (const c10::Error& e) {
       st.group.set_activity("");
       throw RuntimeError(st.where(a) + ": " + e.what_without_backtrace());
@@ -374,6 +402,25 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   }
   st.group.set_activity("");
   return loss_sum;
+}
+
+const std::vector<TimedAction>& Pipeline::timeline() const { return state_->timeline; }
+
+double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines) {
+  double first = std::numeric_limits<double>::infinity(), last = -first, busy = 0.0;
+  for (const auto& rank : timelines) {
+    for (const TimedAction& t : rank) {
+      first = std::min(first, t.start);
+      last = std::max(last, t.end);
+      const ActionType type = t.action.type;
+      if (type == ActionType::kForward || type == ActionType::kBackward ||
+          type == ActionType::kBackwardInput || type == ActionType::kBackwardWeight) {
+        busy += t.end - t.start;
+      }
+    }
+  }
+  if (timelines.empty() || !(last > first)) return 0.0;
+  return 1.0 - busy / (static_cast<double>(timelines.size()) * (last - first));
 }
 
 std::vector<at::Tensor> Pipeline::parameters() const {

@@ -95,14 +95,29 @@ TEST(Pipeline, EveryScheduleGivesTheGradientsOfTheWholeModel) {
   expect_same_as_unpipelined({ScheduleKind::kInterleaved, 1, 3, 3, 9});
 }
 
-TEST(Pipeline, RepeatedStepsAccumulateAndTheOptimizerStepRunsOncePerStep) {
+TEST(Pipeline, RepeatedStepsAccumulateTheOptimizerStepRunsOnceAndTheTimelineIsKept) {
   run_ranks(2, [](comm::ProcessGroup& group) {
     const auto all = split_sequential(make_mlp(), {4, 3});
     int steps = 0;
-    Pipeline pipeline({all[group.rank()]}, group, cross_entropy,
-                      {.micro_batches = 2, .optimizer_step = [&] { ++steps; }});
+    Pipeline pipeline(
+        {all[group.rank()]}, group, cross_entropy,
+        {.micro_batches = 2, .optimizer_step = [&] { ++steps; }, .record_timeline = true});
     const auto [x, y] = make_batch(8);
     pipeline.step(x, y);
+    // The timeline: every action of this rank's list, in order, one after the other.
+    const auto& timeline = pipeline.timeline();
+    const auto& actions = pipeline.program().ranks[group.rank()];
+    ASSERT_EQ(timeline.size(), actions.size());
+    for (size_t i = 0; i < timeline.size(); ++i) {
+      EXPECT_EQ(timeline[i].action, actions[i]);
+      EXPECT_LE(timeline[i].start, timeline[i].end);
+      if (i > 0) {
+        EXPECT_GE(timeline[i].start, timeline[i - 1].end);
+      }
+    }
+    const double bubble = measured_bubble({timeline});
+    EXPECT_GE(bubble, 0.0);
+    EXPECT_LT(bubble, 1.0);
     std::vector<at::Tensor> once;
     for (const auto& p : pipeline.parameters()) once.push_back(p.grad().clone());
     pipeline.step(x, y);

@@ -11,6 +11,7 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/pipeline/schedule.h"
 
 namespace cohort::parallel::pipeline {
@@ -56,10 +57,29 @@ struct PipelineOptions {
   int micro_batches = 4;
   // Stages per rank (the interleaved schedule): rank r holds stages r, r + p, r + 2p, ...
   int virtual_stages = 1;
+  // Data parallelism over pipelines (a mesh's dp group: the ranks that hold the same stages):
+  // each stage is wrapped in the DDP engine over this group, which takes rank 0's parameters at
+  // construction and averages the gradients in the stage's last backward of each step (the
+  // earlier ones accumulate under no_sync). Empty or of size 1: none.
+  comm::ProcessGroup data_parallel_group;
+  DdpOptions data_parallel;
   // Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
-  // reduce them over the data-parallel group and step). None: step() only leaves the gradients.
+  // step the optimizer). None: step() only leaves the gradients.
   std::function<void()> optimizer_step;
+  // Keep when each action of the last step started and ended (Pipeline::timeline()).
+  bool record_timeline = false;
 };
+
+// One action of a step as it ran: seconds on the steady clock, which every process of a host
+// shares, so that the ranks' timelines line up.
+struct TimedAction {
+  Action action;
+  double start = 0.0;
+  double end = 0.0;
+};
+// 1 - (time spent computing, summed over ranks) / (ranks x the span from the first start to the
+// last end): the bubble of a step as measured, the simulator's bubble_fraction's counterpart.
+double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines);
 
 // Runs a schedule on this rank's stages. Every rank of `group` (its pipeline ranks, in stage
 // order) constructs one with the same options and calls step() with the same batch.
@@ -71,6 +91,7 @@ struct PipelineOptions {
 // activity (timeout errors, the stall inspector) names the stage, micro-batch and action.
 class Pipeline {
  public:
+  // `options.data_parallel_group` valid: a collective over it (the DDP engines' checks).
   Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
            PipelineOptions options = {});
   ~Pipeline();
@@ -82,6 +103,10 @@ class Pipeline {
   // steps, as usual). Returns the mean loss on the last stage's rank, an undefined tensor on the
   // others. `inputs` matter on the first stage's rank and `targets` on the last's.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
+
+  // The actions of the last step with their times (PipelineOptions::record_timeline), else
+  // empty.
+  const std::vector<TimedAction>& timeline() const;
 
   // The parameters of this rank's stages.
   std::vector<at::Tensor> parameters() const;
