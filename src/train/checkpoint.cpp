@@ -8,6 +8,7 @@
 #include "cohort/error.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/parameter_server.h"
+#include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
@@ -201,6 +202,53 @@ void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
     throw UsageError("load_model: " + file.string() + " has tensor '" + tensors.begin()->first +
                      "' that the model lacks: it was saved from a different model");
   }
+}
+
+void save_pipeline_stages(const std::filesystem::path& dir,
+                          const parallel::pipeline::Pipeline& pipeline) {
+  std::filesystem::create_directories(dir);
+  const std::vector<int> indices = pipeline.stage_indices();
+  for (size_t i = 0; i < indices.size(); ++i) {
+    save_model(pipeline.stages()[i].module(),
+               dir / ("stage-" + std::to_string(indices[i]) + ".safetensors"));
+  }
+}
+
+void load_by_name(torch::nn::Module& module, const std::filesystem::path& dir) {
+  if (!std::filesystem::is_directory(dir))
+    throw UsageError("load_by_name: " + dir.string() + " is not a folder");
+  // Which file holds each name.
+  struct Source {
+    std::filesystem::path file;
+    std::shared_ptr<const safetensors::Header> header;
+  };
+  std::map<std::string, Source> sources;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    auto header = std::make_shared<const safetensors::Header>(safetensors::read_header(entry));
+    for (const auto& [name, info] : header->tensors) sources[name] = {entry.path(), header};
+  }
+  torch::NoGradGuard no_grad;
+  auto load = [&](const std::string& name, at::Tensor& target) {
+    const auto it = sources.find(name);
+    if (it == sources.end()) {
+      throw UsageError("load_by_name: no .safetensors file in " + dir.string() + " has '" + name +
+                       "': the files were saved from a different model");
+    }
+    const safetensors::TensorInfo& info = it->second.header->tensors.at(name);
+    if (info.shape != target.sizes() || info.dtype != target.scalar_type()) {
+      throw UsageError("load_by_name: '" + name + "' in " + it->second.file.string() + " is " +
+                       c10::str(at::IntArrayRef(info.shape)) + " " + c10::toString(info.dtype) +
+                       ", the model's is " + c10::str(target.sizes()) + " " +
+                       c10::toString(target.scalar_type()) +
+                       ": the files were saved from a different model");
+    }
+    at::Tensor staging = at::empty(info.shape, at::TensorOptions(info.dtype));
+    safetensors::read_elements(it->second.file, *it->second.header, name, 0, staging);
+    target.copy_(staging);
+  };
+  for (auto& p : module.named_parameters()) load(p.key(), p.value());
+  for (auto& b : module.named_buffers()) load(b.key(), b.value());
 }
 
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {

@@ -9,6 +9,10 @@
 
 #include "cohort/json.h"
 
+namespace cohort::parallel::pipeline {
+class Pipeline;
+}
+
 namespace cohort {
 
 // A directory of files that together are a checkpoint (Ray Train's Checkpoint). A worker writes
@@ -38,6 +42,18 @@ void save_model(const torch::nn::Module& module, const std::filesystem::path& fi
 // Loads a file written by save_model into a module of the same architecture; throws UsageError
 // naming the missing, unexpected or mis-shaped tensor.
 void load_model(torch::nn::Module& module, const std::filesystem::path& file);
+
+// Pipelines: writes this rank's stages' parameters and buffers, under the whole model's names
+// (split_sequential keeps them), as `dir`/stage-<s>.safetensors (dir created). Call it on the
+// ranks of one pipeline (e.g. dp index 0): the stage files together are the model.
+void save_pipeline_stages(const std::filesystem::path& dir,
+                          const parallel::pipeline::Pipeline& pipeline);
+// Loads every parameter and buffer of `module` by name from the .safetensors files in `dir`:
+// model.safetensors of an unsplit model, or the stage files of a pipeline cut any way. So a whole
+// model loads from a pipeline's stages, a stage from a whole model, and a stage of one cut from
+// another cut's files. Reads only the bytes of the tensors it needs. A name found in no file, or
+// with another shape or dtype, is a UsageError naming it and the folder.
+void load_by_name(torch::nn::Module& module, const std::filesystem::path& dir);
 
 // Optimizer state (libtorch's own format), alongside the model.
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
