@@ -153,9 +153,9 @@ std::string stall_report(const std::vector<Json>& status_by_rank) {
     // each rank waits.
     if (behind.empty() && !active) continue;
     report += std::string(report.empty() ? "" : "; ") + "group " + name + ": ";
-    report += behind.empty() || active ? "ranks wait in (" + detail + ")"
-                                       : "ranks [" + behind + "] did not enter collective #" +
-                                             std::to_string(most) + " (" + detail + ")";
+    report += active ? "ranks wait in (" + detail + ")"
+                     : "ranks [" + behind + "] did not enter collective #" + std::to_string(most) +
+                           " (" + detail + ")";
   }
   return report;
 }

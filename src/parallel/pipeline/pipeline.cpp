@@ -34,17 +34,25 @@ constexpr int kMetaLength = 16;
 constexpr int kMaxDims = kMetaLength - 3;
 constexpr int kMessageBytes = 1024;
 
-// One (stage, micro-batch) between its forward and its backward.
 double seconds_now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// One (stage, micro-batch) between its forward and its backward.
 struct Slot {
   at::Tensor input;        // requires grad for stages after the first
   at::Tensor root;         // the stage's output, or the weighted loss on the last stage
   at::Tensor grad_output;  // the gradient of the output (none on the last stage)
   at::Tensor input_grad;   // the gradient of the input, once the (input) backward ran
 };
+
+// Frees a (stage, micro-batch) once its backward is done; only the input's gradient may still
+// wait for its send.
+void release(Slot& slot) {
+  const at::Tensor keep = slot.input_grad;
+  slot = Slot{};
+  slot.input_grad = keep;
+}
 
 }  // namespace
 
@@ -57,6 +65,8 @@ struct Pipeline::State {
   int rank = 0;
   int num_stages = 1;
   std::vector<int> indices;  // this rank's global stage indices
+  // Per local stage: the parameters its weight backward accumulates into.
+  std::vector<std::vector<at::Tensor>> trainable;
   std::vector<Activation> inputs_by_stage;
   bool probed = false;
   // Per local stage, per micro-batch.
@@ -96,7 +106,7 @@ void Pipeline::State::probe(const std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& targets) {
   torch::NoGradGuard no_grad;
   const int last = num_stages - 1;
-  const int64_t rows = inputs.empty() ? targets.at(0).size(0) : inputs[0].size(0);
+  const int64_t rows = inputs.at(0).size(0);
   std::string error;
   at::Tensor carried;  // the output of the previous stage when it is on this rank
   inputs_by_stage.assign(static_cast<size_t>(num_stages), {});
@@ -207,9 +217,7 @@ void Pipeline::State::backward_input(int stage, Slot& slot, bool whole) {
 }
 
 void Pipeline::State::backward_weight(int stage, Slot& slot) {
-  std::vector<at::Tensor> params;
-  for (const auto& p : stages[local(stage)].module().parameters())
-    if (p.requires_grad()) params.push_back(p);
+  const std::vector<at::Tensor>& params = trainable[local(stage)];
   if (params.empty()) return;
   std::vector<at::Tensor> grad_outputs;
   if (stage != num_stages - 1) grad_outputs.push_back(slot.grad_output);
@@ -235,7 +243,7 @@ void Pipeline::State::run(const Action& a, const std::vector<at::Tensor>& inputs
   switch (a.type) {
     case ActionType::kRecvActivation: {
       const Activation& act = inputs_by_stage[s];
-      std::vector<int64_t> sizes{inputs.empty() ? targets[mb].size(0) : inputs[mb].size(0)};
+      std::vector<int64_t> sizes{inputs[mb].size(0)};
       sizes.insert(sizes.end(), act.tail.begin(), act.tail.end());
       at::Tensor buffer = at::empty(sizes, at::TensorOptions(act.dtype).device(device_of(s)));
       group.recv(buffer, program.layout.rank_of(s - 1), tag(s, mb, 0));
@@ -277,19 +285,13 @@ void Pipeline::State::run(const Action& a, const std::vector<at::Tensor>& inputs
       const bool whole = a.type == ActionType::kBackward;
       backward_input(s, slot, whole);
       hand_over_gradient(s, mb, slot);
-      if (whole) {
-        const at::Tensor keep = slot.input_grad;
-        slot = Slot{};
-        slot.input_grad = keep;
-      }
+      if (whole) release(slot);
       return;
     }
     case ActionType::kBackwardWeight: {
       Slot& slot = slots[local(s)][mb];
       backward_weight(s, slot);
-      const at::Tensor keep = slot.input_grad;
-      slot = Slot{};
-      slot.input_grad = keep;
+      release(slot);
       return;
     }
     case ActionType::kSendGradient: {
@@ -332,6 +334,11 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
   st.rank = st.group.rank();
   st.num_stages = st.program.layout.stages();
   st.indices = st.program.layout.stages_of(st.rank);
+  for (const Stage& stage : st.stages) {
+    auto& params = st.trainable.emplace_back();
+    for (const auto& p : stage.module().parameters())
+      if (p.requires_grad()) params.push_back(p);
+  }
   st.slots.assign(st.stages.size(),
                   std::vector<Slot>(static_cast<size_t>(st.program.micro_batches)));
   comm::ProcessGroup& dp = st.options.data_parallel_group;

@@ -27,12 +27,13 @@ SimulationResult simulate(const Program& program, const SimulationCosts& costs) 
       while (next[r] < actions.size()) {
         const Action& a = actions[next[r]];
         double start = clock[r], cost = 0.0;
+        bool waiting = false;  // a receive whose message has not been sent yet
         switch (a.type) {
           case ActionType::kRecvActivation:
           case ActionType::kRecvGradient: {
             const auto it = arrival.find({a.type, a.stage, a.micro_batch});
-            if (it == arrival.end()) break;
-            start = std::max(start, it->second);
+            waiting = it == arrival.end();
+            if (!waiting) start = std::max(start, it->second);
             break;
           }
           case ActionType::kSendActivation:
@@ -62,9 +63,7 @@ SimulationResult simulate(const Program& program, const SimulationCosts& costs) 
             cost = costs.optimizer_step;
             break;
         }
-        const bool is_recv =
-            a.type == ActionType::kRecvActivation || a.type == ActionType::kRecvGradient;
-        if (is_recv && !arrival.count({a.type, a.stage, a.micro_batch})) break;
+        if (waiting) break;
         result.start[r].push_back(start);
         clock[r] = start + cost;
         result.busy[r] += cost;

@@ -91,7 +91,8 @@ double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines);
 // activity (timeout errors, the stall inspector) names the stage, micro-batch and action.
 class Pipeline {
  public:
-  // `options.data_parallel_group` valid: a collective over it (the DDP engines' checks).
+  // Compiles the schedule and checks the stage count. With a data-parallel group, every rank of
+  // that group constructs at the same point too: the DDP engines check and broadcast there.
   Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
            PipelineOptions options = {});
   ~Pipeline();
