@@ -13,6 +13,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <signal.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -277,9 +279,30 @@ Started Transport::barrier() {
   return {native_->barrier(opts), nullptr};
 }
 
+namespace {
+
+// Gloo writes to its peers' sockets without MSG_NOSIGNAL: a peer that died would kill this
+// process with SIGPIPE instead of failing the collective with a PeerFailureError. A program that
+// chose its own SIGPIPE handling keeps it; the default (terminate) becomes "ignore", as in Python.
+void ignore_sigpipe_unless_handled() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction current {};
+    if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL) {
+      struct sigaction ignore {};
+      ignore.sa_handler = SIG_IGN;
+      sigemptyset(&ignore.sa_mask);
+      ::sigaction(SIGPIPE, &ignore, nullptr);
+    }
+  });
+}
+
+}  // namespace
+
 std::unique_ptr<Transport> make_gloo_transport(const c10::intrusive_ptr<c10d::Store>& store,
                                                int rank, int world_size,
                                                const ProcessGroupOptions& options) {
+  ignore_sigpipe_unless_handled();
   auto gloo_options = c10d::ProcessGroupGloo::Options::create(options.timeout);
   try {
     gloo_options->devices.push_back(

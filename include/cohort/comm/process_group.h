@@ -70,6 +70,10 @@ class Work {
 // A group of ranks that run collectives together (Gloo and NCCL underneath, by tensor device).
 // Passed by value: copies refer to the same group. Every collective must be called by every
 // rank of the group in the same order; tensors of one call share dtype and device.
+//
+// A peer that dies fails the collectives that wait on it (PeerFailureError). So that writing to
+// its closed socket cannot kill this process instead, the first Gloo group sets SIGPIPE to
+// "ignore" when it is at its default (a handler the program installed is kept).
 class ProcessGroup {
  public:
   // An empty handle; use create() or new_group().
