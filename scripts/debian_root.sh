@@ -3,12 +3,14 @@
 # debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
 #
 #   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--no-tests]
+#                          [--prepare-only]
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
 # later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
 # bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the
 # library and CLI without the precompiled header (every file includes what it uses); --no-bench
-# leaves the benchmarks out. --cuda
+# leaves the benchmarks out. --prepare-only makes the root and installs the packages, no more
+# (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
 # instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
 # download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
 # Needs root.
@@ -19,6 +21,7 @@ cuda=0
 core_pch=ON
 tests=1
 bench=ON
+prepare_only=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --suite) suite="$2"; shift 2 ;;
@@ -26,6 +29,7 @@ while [ $# -gt 0 ]; do
     --no-core-pch) core_pch=OFF; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=OFF; shift ;;
+    --prepare-only) prepare_only=1; shift ;;
     *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +54,8 @@ log() { echo "debian_root ($suite): $*" >&2; }
 
 if ! command -v debootstrap >/dev/null; then
   log "installing debootstrap"
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >&2
+  apt-get -o DPkg::Lock::Timeout=900 update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=900 install -y -qq debootstrap >&2
 fi
 
 # A root is complete once the marker exists; a half-made one (killed run) is made again.
@@ -125,6 +130,11 @@ if [ "$cuda" -eq 1 ]; then
 fi
 
 log "$(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev 2>/dev/null || echo 'libtorch-dev not installed yet')"
+if [ "$prepare_only" -eq 1 ]; then
+  in_root /src/scripts/setup.sh --install-only
+  log "prepared: $(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev)"
+  exit 0
+fi
 build="build-$suite"
 # The configuration is made once per build folder; a changed option starts it afresh.
 if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt"; then rm -rf "${src:?}/$build"; fi
@@ -136,5 +146,6 @@ in_root env COHORT_BUILD_DIR="/src/$build" \
   COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench" /src/scripts/setup.sh
 log "built $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
 if [ "$tests" -eq 1 ]; then
-  in_root ctest --test-dir "/src/$build" --output-on-failure -j2
+  # The format check reads the same sources as the first lane: run there only.
+  in_root ctest --test-dir "/src/$build" --output-on-failure -j2 -E '^format\.'
 fi

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Installs cohort's Debian dependencies (when missing), configures and builds.
-# Idempotent: a second run only rebuilds what changed.
+# Idempotent: a second run only rebuilds what changed. --install-only stops after the packages.
 set -euo pipefail
+install_only=0
+case "${1:-}" in
+  "") ;;
+  --install-only) install_only=1 ;;
+  *) echo "setup.sh: unknown option '$1' (the only one is --install-only)" >&2; exit 2 ;;
+esac
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${COHORT_BUILD_DIR:-$root/build}"
 
@@ -18,9 +24,12 @@ if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}" >&2
   sudo_cmd=()
   [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
-  "${sudo_cmd[@]}" apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  # Another apt (CI prepares a Debian root beside this) waits for the lock instead of failing.
+  "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 install -y -qq \
+    --no-install-recommends "${missing[@]}" >&2
 fi
+[ "$install_only" -eq 1 ] && exit 0
 
 if [ ! -f "$build/build.ninja" ]; then
   # COHORT_CMAKE_ARGS: extra configure flags, e.g. -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON.
