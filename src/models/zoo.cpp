@@ -5,10 +5,63 @@
 #include <torch/nn/modules/pooling.h>
 #include <torch/types.h>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+
+#include <functional>
+#include <mutex>
+#include <utility>
+
 #include "cohort/error.h"
+#include "cohort/parallel/tensor_parallel.h"
 
 namespace cohort::models {
 namespace F = torch::nn::functional;
+
+namespace {
+
+using NamedModules = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+// One pipeline layer: modules and parameters of a model, registered here too (the same
+// tensors, so that a stage's parameters are the model's), and how to apply them.
+class LayerImpl : public torch::nn::Module {
+ public:
+  using Function = std::function<torch::Tensor(const torch::Tensor&)>;
+  LayerImpl(NamedModules modules, NamedTensors parameters, Function function)
+      : function_(std::move(function)) {
+    for (auto& [name, module] : modules) register_module(name, std::move(module));
+    for (auto& [name, tensor] : parameters) register_parameter(name, tensor);
+  }
+  torch::Tensor forward(torch::Tensor x) { return function_(x); }
+
+ private:
+  Function function_;
+};
+TORCH_MODULE(Layer);
+
+// A layer of one module with what comes before and after it (reshaping, activation, pooling).
+template <typename Holder>
+Layer layer(const std::string& name, Holder module,
+            std::function<torch::Tensor(const torch::Tensor&)> before,
+            std::function<torch::Tensor(const torch::Tensor&)> after) {
+  return Layer(NamedModules{{name, module.ptr()}}, NamedTensors{},
+               [module, before = std::move(before), after = std::move(after)](
+                   const torch::Tensor& x) mutable { return after(module->forward(before(x))); });
+}
+
+torch::Tensor identity(const torch::Tensor& x) { return x; }
+torch::Tensor relu(const torch::Tensor& x) { return torch::relu(x); }
+torch::Tensor relu_pool(const torch::Tensor& x) { return torch::max_pool2d(torch::relu(x), 2); }
+
+}  // namespace
+
+torch::nn::Sequential ImageClassifierImpl::pipeline_layers() {
+  throw UsageError(name() +
+                   " does not say where it may be cut into pipeline stages: override "
+                   "pipeline_layers() to return its layers in order, or give the pipeline a "
+                   "torch::nn::Sequential");
+}
 
 MlpImpl::MlpImpl(const ModelOptions& o) {
   const int64_t in = o.in_channels * o.image_size * o.image_size;
@@ -22,6 +75,15 @@ torch::Tensor MlpImpl::forward(torch::Tensor x) {
   x = torch::relu(fc1_->forward(x));
   x = torch::relu(fc2_->forward(x));
   return fc3_->forward(x);
+}
+
+torch::nn::Sequential MlpImpl::pipeline_layers() {
+  torch::nn::Sequential layers;
+  layers->push_back(layer(
+      "fc1", fc1_, [](const torch::Tensor& x) { return x.flatten(1); }, relu));
+  layers->push_back(layer("fc2", fc2_, identity, relu));
+  layers->push_back(fc3_);
+  return layers;
 }
 
 CnnImpl::CnnImpl(const ModelOptions& o) {
@@ -41,6 +103,21 @@ torch::Tensor CnnImpl::forward(torch::Tensor x) {
   x = x.reshape({x.size(0), flat_features_});
   x = torch::relu(fc1_->forward(x));
   return fc2_->forward(x);
+}
+
+torch::nn::Sequential CnnImpl::pipeline_layers() {
+  const int64_t features = flat_features_;
+  torch::nn::Sequential layers;
+  layers->push_back(layer("conv1", conv1_, identity, relu_pool));
+  layers->push_back(layer("conv2", conv2_, identity, relu_pool));
+  layers->push_back(layer(
+      "fc1", fc1_,
+      [features](const torch::Tensor& x) {
+        return x.reshape({x.size(0), features});
+      },
+      relu));
+  layers->push_back(fc2_);
+  return layers;
 }
 
 namespace {
@@ -78,25 +155,51 @@ TORCH_MODULE(BasicBlock);
 
 class EncoderBlockImpl : public torch::nn::Module {
  public:
-  EncoderBlockImpl(int64_t width, int64_t heads, int64_t mlp_ratio) {
+  EncoderBlockImpl(int64_t width, int64_t heads, int64_t mlp_ratio,
+                   const comm::ProcessGroup& tensor_parallel) {
     norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    attention_ = register_module("attention", torch::nn::MultiheadAttention(width, heads));
-    norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    mlp_ = register_module(
-        "mlp", torch::nn::Sequential(torch::nn::Linear(width, width * mlp_ratio), torch::nn::GELU(),
-                                     torch::nn::Linear(width * mlp_ratio, width)));
+    torch::nn::MultiheadAttention attention(width, heads);
+    torch::nn::Sequential mlp(torch::nn::Linear(width, width * mlp_ratio), torch::nn::GELU(),
+                              torch::nn::Linear(width * mlp_ratio, width));
+    if (tensor_parallel.valid() && tensor_parallel.world_size() > 1) {
+      // The dense layers drew their weights from torch's generator as the dense model's do; the
+      // sliced layers' own draws are undone, so that the model is the dense one, sliced, and the
+      // blocks after this one draw what they would in a dense model.
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::unique_lock lock(generator.mutex());
+      const auto state = generator.get_state();
+      lock.unlock();
+      parallel::TensorParallelSelfAttention sliced_attention(width, heads, tensor_parallel);
+      parallel::TensorParallelMlp sliced_mlp(width, width * mlp_ratio, tensor_parallel);
+      lock.lock();
+      generator.set_state(state);
+      lock.unlock();
+      sliced_attention->load_from_dense(attention);
+      sliced_mlp->load_from_dense(mlp);
+      tp_attention_ = register_module("attention", sliced_attention);
+      norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+      tp_mlp_ = register_module("mlp", sliced_mlp);
+    } else {
+      attention_ = register_module("attention", attention);
+      norm2_ = register_module("norm2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
+      mlp_ = register_module("mlp", mlp);
+    }
   }
   // x: [tokens, batch, width], the layout of torch::nn::MultiheadAttention.
   torch::Tensor forward(torch::Tensor x) {
     auto h = norm1_->forward(x);
-    x = x + std::get<0>(attention_->forward(h, h, h, {}, /*need_weights=*/false));
-    return x + mlp_->forward(norm2_->forward(x));
+    x = x + (tp_attention_ ? tp_attention_->forward(h)
+                           : std::get<0>(attention_->forward(h, h, h, {}, /*need_weights=*/false)));
+    h = norm2_->forward(x);
+    return x + (tp_mlp_ ? tp_mlp_->forward(h) : mlp_->forward(h));
   }
 
  private:
   torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   torch::nn::MultiheadAttention attention_{nullptr};
   torch::nn::Sequential mlp_{nullptr};
+  parallel::TensorParallelSelfAttention tp_attention_{nullptr};
+  parallel::TensorParallelMlp tp_mlp_{nullptr};
 };
 TORCH_MODULE(EncoderBlock);
 
@@ -125,6 +228,20 @@ torch::Tensor ResNet18Impl::forward(torch::Tensor x) {
   return fc_->forward(x);
 }
 
+torch::nn::Sequential ResNet18Impl::pipeline_layers() {
+  torch::nn::Sequential layers;
+  layers->push_back(layer("stem", stem_, identity, identity));
+  for (size_t i = 0; i < layers_->size(); ++i)
+    layers->push_back(BasicBlock(layers_->ptr<BasicBlockImpl>(i)));
+  layers->push_back(layer(
+      "fc", fc_,
+      [](const torch::Tensor& x) {
+        return F::adaptive_avg_pool2d(x, F::AdaptiveAvgPool2dFuncOptions(1)).flatten(1);
+      },
+      identity));
+  return layers;
+}
+
 VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
   const int64_t tokens = (o.image_size / o.patch_size) * (o.image_size / o.patch_size);
   patch_embed_ = register_module(
@@ -135,7 +252,7 @@ VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
   positions_ = register_parameter("positions", torch::randn({tokens + 1, 1, o.width}) * 0.02);
   torch::nn::Sequential blocks;
   for (int64_t i = 0; i < o.depth; ++i)
-    blocks->push_back(EncoderBlock(o.width, o.heads, o.mlp_ratio));
+    blocks->push_back(EncoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group));
   blocks_ = register_module("blocks", blocks);
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
   head_ = register_module("head", torch::nn::Linear(o.width, o.num_classes));
@@ -147,6 +264,27 @@ torch::Tensor VisionTransformerImpl::forward(torch::Tensor x) {
   x = torch::cat({cls_token_.expand({1, x.size(1), cls_token_.size(2)}), x}, 0) + positions_;
   x = norm_->forward(blocks_->forward(x));
   return head_->forward(x[0]);
+}
+
+torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
+  torch::nn::Sequential layers;
+  auto patch_embed = patch_embed_;
+  auto cls_token = cls_token_, positions = positions_;
+  layers->push_back(Layer(
+      NamedModules{{"patch_embed", patch_embed.ptr()}},
+      NamedTensors{{"cls_token", cls_token}, {"positions", positions}},
+      [patch_embed, cls_token, positions](const torch::Tensor& images) mutable {
+        auto x = patch_embed->forward(images).flatten(2).permute({2, 0, 1});
+        return torch::cat({cls_token.expand({1, x.size(1), cls_token.size(2)}), x}, 0) + positions;
+      }));
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    layers->push_back(EncoderBlock(blocks_->ptr<EncoderBlockImpl>(i)));
+  auto norm = norm_;
+  auto head = head_;
+  layers->push_back(Layer(
+      NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
+      [norm, head](const torch::Tensor& x) mutable { return head->forward(norm->forward(x)[0]); }));
+  return layers;
 }
 
 const std::vector<std::string>& model_names() {
@@ -163,6 +301,11 @@ ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
   positive("num_classes", o.num_classes);
   positive("in_channels", o.in_channels);
   positive("image_size", o.image_size);
+  if (o.tensor_parallel_group.valid() && o.tensor_parallel_group.world_size() > 1 &&
+      name != "vit") {
+    throw UsageError(name + " has no tensor-parallel layers: use vit with tensor parallelism, or " +
+                     "pipeline " + name + " instead");
+  }
   if (name == "mlp") return std::make_shared<MlpImpl>(o);
   if (name == "cnn") {
     if (o.image_size % 4 != 0) {
@@ -184,6 +327,15 @@ ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
     if (o.width % o.heads != 0) {
       throw UsageError("vit: width " + std::to_string(o.width) + " is not divisible by heads " +
                        std::to_string(o.heads));
+    }
+    if (const auto& tp = o.tensor_parallel_group; tp.valid() && tp.world_size() > 1) {
+      const int64_t ways = tp.world_size();
+      if (o.heads % ways != 0 || (o.width * o.mlp_ratio) % ways != 0) {
+        throw UsageError("vit: tensor parallelism over " + std::to_string(ways) +
+                         " ranks cuts the " + std::to_string(o.heads) + " heads and the " +
+                         std::to_string(o.width * o.mlp_ratio) +
+                         " MLP features into equal slices: use a tp degree that divides both");
+      }
     }
     return std::make_shared<VisionTransformerImpl>(o);
   }

@@ -3,8 +3,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <mutex>
+#include <set>
+
 #include "cohort/error.h"
 #include "support/expect.h"
+#include "support/local_group.h"
 
 namespace cohort::models {
 namespace {
@@ -46,6 +51,93 @@ TEST(Zoo, VitIsConfigurable) {
   EXPECT_EQ(vit->forward(torch::randn({2, 3, 32, 32})).sizes(), (std::vector<int64_t>{2, 5}));
   EXPECT_THROW(create_model("vit", {.image_size = 30, .patch_size = 7}), UsageError);
   EXPECT_THROW(create_model("vit", {.width = 100, .heads = 3}), UsageError);
+}
+
+TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
+  const std::map<std::string, size_t> layer_counts{
+      {"mlp", 3}, {"cnn", 4}, {"resnet18", 10}, {"vit", 4 + 2}};
+  for (const auto& name : model_names()) {
+    torch::manual_seed(5);
+    auto model = create_model(name);
+    model->eval();  // batch norm with its running statistics: both passes alike
+    const auto x = torch::randn({3, 1, 28, 28});
+    auto layers = model->pipeline_layers();
+    EXPECT_EQ(layers->size(), layer_counts.at(name)) << name;
+    const auto whole = model->forward(x);
+    const auto composed = layers->forward(x);
+    EXPECT_TRUE(torch::equal(whole, composed)) << name;
+    // The layers' parameters are the model's own tensors, each in exactly one layer.
+    std::set<const void*> model_params, seen;
+    for (const auto& p : model->parameters()) model_params.insert(p.unsafeGetTensorImpl());
+    for (const auto& child : layers->children()) {
+      for (const auto& p : child->parameters()) {
+        EXPECT_TRUE(model_params.count(p.unsafeGetTensorImpl())) << name << ": a copy";
+        EXPECT_TRUE(seen.insert(p.unsafeGetTensorImpl()).second) << name << ": in two layers";
+      }
+    }
+    EXPECT_EQ(seen, model_params) << name << ": a parameter in no layer";
+    // Training through the layers trains the model.
+    composed.sum().backward();
+    for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined()) << name;
+  }
+}
+
+TEST(Zoo, AModelWithoutPipelineLayersSaysHowToGiveThem) {
+  struct Custom : ImageClassifierImpl {
+    torch::Tensor forward(torch::Tensor x) override { return x; }
+  };
+  cohort::testing::expect_error<UsageError>([] { Custom().pipeline_layers(); },
+                                            "override pipeline_layers()");
+}
+
+TEST(Zoo, TensorParallelVitIsTheDenseVitSliced) {
+  const ModelOptions options{
+      .image_size = 28, .patch_size = 7, .depth = 2, .width = 32, .heads = 4};
+  cohort::testing::run_ranks(2, [&](comm::ProcessGroup& tp) {
+    std::unique_lock lock(cohort::testing::generator_mutex());
+    torch::manual_seed(8);
+    auto dense = create_model("vit", options);
+    torch::manual_seed(8);
+    auto sliced = create_model("vit", [&] {
+      auto o = options;
+      o.tensor_parallel_group = tp;
+      return o;
+    }());
+    torch::manual_seed(9);
+    const auto x = torch::randn({4, 1, 28, 28});
+    lock.unlock();
+    // Fewer parameters per rank: the blocks' attention and MLP weights are halves.
+    int64_t dense_count = 0, sliced_count = 0;
+    for (const auto& p : dense->parameters()) dense_count += p.numel();
+    for (const auto& p : sliced->parameters()) sliced_count += p.numel();
+    EXPECT_LT(sliced_count, dense_count);
+    const auto y_dense = dense->forward(x), y_sliced = sliced->forward(x);
+    EXPECT_TRUE(torch::allclose(y_dense, y_sliced, 1e-5, 1e-6))
+        << "largest difference " << (y_dense - y_sliced).abs().max().item<double>();
+    y_dense.pow(2).sum().backward();
+    y_sliced.pow(2).sum().backward();
+    // The replicated parameters (embedding, norms, head) get the dense gradients, to float
+    // rounding (relative to the gradient's largest element).
+    const auto dense_params = dense->named_parameters(), sliced_params = sliced->named_parameters();
+    for (const auto* key :
+         {"patch_embed.weight", "cls_token", "positions", "blocks.0.norm1.weight", "head.weight"}) {
+      const auto want = dense_params[key].grad(), got = sliced_params[key].grad();
+      const double scale = want.abs().max().item<double>();
+      EXPECT_LT((want - got).abs().max().item<double>(), 1e-5 * scale)
+          << key << " on rank " << tp.rank();
+    }
+  });
+}
+
+TEST(Zoo, TensorParallelismThatDoesNotFitIsNamed) {
+  cohort::testing::run_ranks(2, [](comm::ProcessGroup& tp) {
+    cohort::testing::expect_error<UsageError>(
+        [&] { create_model("mlp", {.tensor_parallel_group = tp}); },
+        "mlp has no tensor-parallel layers");
+    cohort::testing::expect_error<UsageError>(
+        [&] { create_model("vit", {.width = 96, .heads = 3, .tensor_parallel_group = tp}); },
+        "use a tp degree that divides both");
+  });
 }
 
 TEST(Zoo, UnknownNameListsTheZoo) {

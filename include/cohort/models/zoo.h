@@ -9,12 +9,20 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include "cohort/comm/process_group.h"
+
 namespace cohort::models {
 
 // The classifiers of the seed examples. Every model maps [N, C, H, W] images to [N, classes].
 class ImageClassifierImpl : public torch::nn::Module {
  public:
   virtual torch::Tensor forward(torch::Tensor x) = 0;
+  // The model as consecutive layers whose composition is forward(): where a pipeline may cut it
+  // (parallel::pipeline::split_sequential). The layers are the model's own modules, shared, not
+  // copied, each with its activation, pooling or reshaping; every parameter of the model is in
+  // exactly one layer. mlp: 3 layers, cnn: 4, resnet18: 10 (stem, 8 blocks, head), vit: depth + 2
+  // (embedding, blocks, head). A model of the user's that does not override it: a UsageError.
+  virtual torch::nn::Sequential pipeline_layers();
 };
 using ImageClassifier = std::shared_ptr<ImageClassifierImpl>;
 
@@ -28,6 +36,13 @@ struct ModelOptions {
   int64_t width = 128;
   int64_t heads = 4;
   int64_t mlp_ratio = 4;
+  // Vision Transformer only: each block's attention heads and MLP cut over this group
+  // (Megatron-style tensor parallelism: one all-reduce forward and one backward per attention
+  // and per MLP). Every rank of the group builds the model at the same point with the same
+  // torch seed and feeds it the same input; the initial weights are then those of the dense model
+  // with that seed, sliced. heads and width x mlp_ratio must be divisible by the group's size.
+  // Empty or of size 1: dense blocks.
+  comm::ProcessGroup tensor_parallel_group;
 };
 
 // Seed 000: 784-128-64-10.
@@ -35,6 +50,7 @@ class MlpImpl : public ImageClassifierImpl {
  public:
   explicit MlpImpl(const ModelOptions& options = {});
   torch::Tensor forward(torch::Tensor x) override;
+  torch::nn::Sequential pipeline_layers() override;
 
  private:
   torch::nn::Linear fc1_{nullptr}, fc2_{nullptr}, fc3_{nullptr};
@@ -45,6 +61,7 @@ class CnnImpl : public ImageClassifierImpl {
  public:
   explicit CnnImpl(const ModelOptions& options = {});
   torch::Tensor forward(torch::Tensor x) override;
+  torch::nn::Sequential pipeline_layers() override;
 
  private:
   torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
@@ -57,6 +74,7 @@ class ResNet18Impl : public ImageClassifierImpl {
  public:
   explicit ResNet18Impl(const ModelOptions& options = {});
   torch::Tensor forward(torch::Tensor x) override;
+  torch::nn::Sequential pipeline_layers() override;
 
  private:
   torch::nn::Sequential stem_{nullptr}, layers_{nullptr};
@@ -69,6 +87,7 @@ class VisionTransformerImpl : public ImageClassifierImpl {
  public:
   explicit VisionTransformerImpl(const ModelOptions& options = {});
   torch::Tensor forward(torch::Tensor x) override;
+  torch::nn::Sequential pipeline_layers() override;
 
  private:
   torch::nn::Conv2d patch_embed_{nullptr};
