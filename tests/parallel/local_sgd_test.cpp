@@ -25,9 +25,7 @@ std::unique_ptr<torch::optim::Optimizer> sgd(torch::nn::Sequential& net, double 
                                              torch::optim::SGDOptions(0.1).momentum(momentum));
 }
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
-  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
-}
+using cohort::testing::run_ranks;
 
 void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                   double tolerance) {

@@ -18,10 +18,7 @@ using testing::make_net;
 using testing::parameters_of;
 using testing::train_step;
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn,
-               std::chrono::milliseconds timeout = std::chrono::seconds(30)) {
-  cohort::testing::run_ranks(world, fn, {.timeout = timeout});
-}
+using cohort::testing::run_ranks;
 
 // One worker and one server: the server's optimizer is the worker's, stepped on the same
 // gradients, so the trajectory is torch::optim's (SGD with momentum, and Adam).
@@ -115,7 +112,7 @@ TEST(ParameterServer, AWorkerMoreThanKStepsAheadWaitsForTheSlowest) {
           ASSERT_EQ(rank0_done.wait_for(std::chrono::seconds(30)), std::future_status::ready);
         }
       },
-      std::chrono::milliseconds(1500));
+      {.timeout = std::chrono::milliseconds(1500)});
 }
 
 // sync() brings every rank to the servers' parameters; the servers' state at that point is a

@@ -39,15 +39,13 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
-Net make_net() {
+Net make_zero_net() {
   std::lock_guard lock(testing::generator_mutex());
   torch::manual_seed(11);
   return Net();
 }
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
-  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
-}
+using cohort::testing::run_ranks;
 
 // Rank r's micro-batch m of step s: the same on every run.
 std::pair<torch::Tensor, torch::Tensor> batch(int rank, int step, int micro) {
@@ -75,7 +73,7 @@ struct Run {
 };
 
 Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200) {
-  auto net = make_net();
+  auto net = make_zero_net();
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (stage == 0) {
@@ -185,7 +183,7 @@ TEST(ZeroOptimizer, AccumulatedMicroBatchesEqualTheBigBatch) {
 TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
   run_ranks(2, [](comm::ProcessGroup& g) {
     for (int stage : {1, 2}) {
-      auto net = make_net();
+      auto net = make_zero_net();
       int64_t numel = 0;
       for (const auto& p : net->parameters()) numel += p.numel();
       auto plain = adamw(net);
@@ -220,12 +218,12 @@ TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
 TEST(ZeroOptimizer, ClipsByTheGlobalNormOverEveryRanksShard) {
   run_ranks(2, [](comm::ProcessGroup& g) {
     // The reference: DDP's averaged gradients, clipped whole.
-    auto reference = make_net();
+    auto reference = make_zero_net();
     DistributedDataParallel ddp(reference.ptr(), g);
     loss_of(reference, g.rank(), 0, 0, 1).backward();
     const double expected = optim::clip_grad_norm(reference->parameters(), 1e9).item<double>();
 
-    auto net = make_net();
+    auto net = make_zero_net();
     auto plain = adamw(net);
     ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 100});
     loss_of(net, g.rank(), 0, 0, 1).backward();
@@ -238,7 +236,7 @@ TEST(ZeroOptimizer, ClipsByTheGlobalNormOverEveryRanksShard) {
 
 TEST(ZeroOptimizer, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
   run_ranks(2, [](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_zero_net();
     auto plain = adamw(net);
     ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 100});
     optim::LossScaler scaler(optim::LossScalerOptions{}, g);
@@ -264,7 +262,7 @@ TEST(ZeroOptimizer, SavedShardsResumeExactlyAtTheSameWorldSize) {
     std::stringstream saved;
     std::vector<torch::Tensor> weights;
     {
-      auto net = make_net();
+      auto net = make_zero_net();
       auto plain = adamw(net);
       ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 200});
       for (int step = 0; step < 2; ++step) {
@@ -278,7 +276,7 @@ TEST(ZeroOptimizer, SavedShardsResumeExactlyAtTheSameWorldSize) {
       for (const auto& p : net->parameters()) weights.push_back(p.detach().clone());
       for (const auto& b : net->buffers()) weights.push_back(b.detach().clone());
     }
-    auto net = make_net();
+    auto net = make_zero_net();
     {
       torch::NoGradGuard no_grad;
       size_t k = 0;
@@ -311,7 +309,7 @@ TEST(ZeroOptimizer, BadOptionsAndMisuseAreNamed) {
   expect_error<UsageError>([] { ZeroOptions{.stage = 1, .allgather_bucket_size = -5}.validate(); },
                            "allgather_bucket_size -5 must be > 0");
   run_ranks(2, [](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_zero_net();
     expect_error<UsageError>(
         [&] {
           torch::optim::Adagrad other(net->parameters());

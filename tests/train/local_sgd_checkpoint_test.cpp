@@ -19,7 +19,7 @@ namespace {
 using parallel::DiLoCo;
 using parallel::LocalSgdOptimizer;
 
-torch::nn::Sequential make_net() {
+torch::nn::Sequential make_local_sgd_net() {
   std::lock_guard lock(cohort::testing::generator_mutex());
   torch::manual_seed(8);
   return torch::nn::Sequential(torch::nn::Linear(6, 10), torch::nn::ReLU(),
@@ -56,16 +56,14 @@ std::vector<torch::Tensor> parameters_of(torch::nn::Sequential& net) {
   return out;
 }
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
-  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
-}
+using cohort::testing::run_ranks;
 
 // Two ranks: 4 steps (one synchronisation, then one step into the next period), a checkpoint,
 // 4 more steps. Returns each rank's parameters at the end.
 std::vector<std::vector<torch::Tensor>> straight_run(const std::filesystem::path& dir) {
   std::vector<std::vector<torch::Tensor>> result(2);
   run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     for (int s = 0; s < 4; ++s) train_step(net, *optimizer, g.rank(), s);
     EXPECT_EQ(optimizer->steps_since_sync(), 1);
@@ -84,7 +82,7 @@ TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
   EXPECT_TRUE(std::filesystem::exists(dir / "optimizer-rank1-of-2.pt"));
   EXPECT_TRUE(std::filesystem::exists(dir / "outer_momentum.safetensors"));
   run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
     EXPECT_EQ(optimizer->steps_since_sync(), 1);
@@ -103,7 +101,7 @@ TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalPara
   straight_run(dir);
   const auto global = safetensors::read(dir / "model.safetensors");
   run_ranks(3, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
     EXPECT_EQ(optimizer->steps_since_sync(), 0);
@@ -116,7 +114,7 @@ TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalPara
   });
   // Synchronous training picks up the global parameters and a rank's inner state.
   run_ranks(1, [&](comm::ProcessGroup&) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
     load_checkpoint(Checkpoint::from_directory(dir), *net, adamw);
     EXPECT_EQ(adamw.state().size(), net->parameters().size());
@@ -126,7 +124,7 @@ TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalPara
   // A missing rank file is named.
   std::filesystem::remove(dir / "optimizer-rank1-of-2.pt");
   run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     if (g.rank() == 1) {
       cohort::testing::expect_error<UsageError>(
@@ -141,11 +139,11 @@ TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalPara
 TEST(LocalSgdCheckpoint, ACheckpointOfSynchronousTrainingStartsAPeriod) {
   const auto dir = cohort::testing::temp_dir("local_sgd_from_ddp");
   run_ranks(1, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_local_sgd_net();
     torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
     train_step(net, adamw, 0, 0);
     save_checkpoint(dir, *net, adamw);
-    auto other = make_net();
+    auto other = make_local_sgd_net();
     auto optimizer = make_optimizer(other, g);
     load_checkpoint(Checkpoint::from_directory(dir), *other, *optimizer);
     EXPECT_EQ(optimizer->inner().state().size(), other->parameters().size());

@@ -19,7 +19,7 @@ using parallel::ZeroOptimizer;
 using parallel::ZeroOptions;
 
 // Sizes that split unevenly over 2, 3, 4 and 5 ranks.
-torch::nn::Sequential make_net() {
+torch::nn::Sequential make_checkpoint_net() {
   std::lock_guard lock(cohort::testing::generator_mutex());
   torch::manual_seed(21);
   return torch::nn::Sequential(torch::nn::Linear(7, 23), torch::nn::ReLU(),
@@ -51,9 +51,7 @@ std::unique_ptr<ZeroOptimizer> make_zero(torch::nn::Sequential& net, comm::Proce
                                          ZeroOptions{.stage = stage, .reduce_bucket_size = 40});
 }
 
-void run_ranks(int world, const std::function<void(comm::ProcessGroup&)>& fn) {
-  cohort::testing::run_ranks(world, fn, {.timeout = std::chrono::seconds(30)});
-}
+using cohort::testing::run_ranks;
 
 // N ranks train two steps and save; the parameters after one more step taken at M ranks from
 // the checkpoint (at another stage too).
@@ -61,7 +59,7 @@ std::vector<torch::Tensor> resume_at(const std::filesystem::path& dir, int world
   std::vector<torch::Tensor> result;
   std::mutex mutex;
   run_ranks(world, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_checkpoint_net();
     auto zero = make_zero(net, g, stage);
     load_checkpoint(Checkpoint::from_directory(dir), *net, *zero);
     train_step(net, *zero, 2);
@@ -78,7 +76,7 @@ TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
     const auto dir = root / ("from" + std::to_string(n));
     std::vector<torch::Tensor> straight;
     run_ranks(n, [&](comm::ProcessGroup& g) {
-      auto net = make_net();
+      auto net = make_checkpoint_net();
       auto zero = make_zero(net, g, 2);
       train_step(net, *zero, 0);
       train_step(net, *zero, 1);
@@ -109,14 +107,14 @@ TEST(ZeroCheckpoint, AMissingOrAlteredShardOrAnotherOptimizerIsNamed) {
   using cohort::testing::expect_error;
   const auto dir = cohort::testing::temp_dir("zero_checkpoint_bad");
   run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_net();
+    auto net = make_checkpoint_net();
     auto zero = make_zero(net, g, 2);
     train_step(net, *zero, 0);
     save_checkpoint(dir, *net, *zero);
   });
   auto load_at_one = [&](const std::string& fragment) {
     run_ranks(1, [&](comm::ProcessGroup& g) {
-      auto net = make_net();
+      auto net = make_checkpoint_net();
       auto zero = make_zero(net, g, 2);
       expect_error<UsageError>(
           [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *zero); }, fragment);
@@ -131,14 +129,14 @@ TEST(ZeroCheckpoint, AMissingOrAlteredShardOrAnotherOptimizerIsNamed) {
   std::filesystem::remove(shard);
   load_at_one("the shard file zero-rank1-of-2.safetensors named by zero_manifest.json is missing");
   // Into a DDP optimizer, and a DDP checkpoint into ZeRO.
-  auto net = make_net();
+  auto net = make_checkpoint_net();
   torch::optim::AdamW plain(net->parameters(), torch::optim::AdamWOptions(0.01));
   expect_error<UsageError>([&] { load_checkpoint(Checkpoint::from_directory(dir), *net, plain); },
                            "holds ZeRO optimizer shards");
   const auto ddp_dir = dir / "ddp";
   save_checkpoint(ddp_dir, *net, plain);
   run_ranks(1, [&](comm::ProcessGroup& g) {
-    auto other = make_net();
+    auto other = make_checkpoint_net();
     auto zero = make_zero(other, g, 1);
     expect_error<UsageError>(
         [&] { load_checkpoint(Checkpoint::from_directory(ddp_dir), *other, *zero); },
