@@ -32,6 +32,15 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
         " must be between 0 and num_workers=" + std::to_string(scaling_.num_workers) +
         ": the parameter servers run in the workers' processes (0: one)");
   }
+  if (const auto& mesh = scaling_.mesh; mesh.pp < 1 || mesh.tp < 1 || mesh.dp < 0) {
+    throw UsageError("ScalingConfig.mesh " + parallel::to_string(mesh) +
+                     ": pp and tp must be >= 1, dp >= 0 (0: the workers that pp x tp leave)");
+  } else if (mesh.pp * mesh.tp > 1 && scaling_.min_workers > 0) {
+    throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
+                     " with the mesh " + parallel::to_string(mesh) +
+                     ": an elastic group restarts with any number of workers, a mesh needs "
+                     "whole pipelines and tensor-parallel groups; use min_workers 0");
+  }
   if (scaling_.resources_per_worker.cpu_threads < 1) {
     throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +
                      std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
@@ -67,6 +76,8 @@ Result Trainer::fit() {
   if (auto launch = runtime::detect_launch()) {
     return train::run_launched(train_loop_, scaling_, run_, config_, datasets_, *launch);
   }
+  // Under a launcher the world's size is the launcher's: the worker checks the mesh against it.
+  parallel::resolve_mesh(scaling_.mesh, scaling_.num_workers);
   return train::run_driver(scaling_, run_, config_);
 }
 

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <mutex>
@@ -131,6 +132,8 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
                                                   .timeout = settings.collective_timeout,
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend});
+  if (scaling.mesh.pp * scaling.mesh.tp > 1)
+    ctx.mesh = parallel::DeviceMesh::create(ctx.process_group, scaling.mesh);
   ctx.precision = optim::precision_from_string(scaling.precision);
   optim::check_precision_supported(ctx.precision, ctx.device);
   session->loss_scaler = std::make_unique<optim::LossScaler>(
@@ -477,14 +480,17 @@ void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
   if (const char* member = std::getenv(runtime::kDataMemberVar))
     serve_as_data_member(datasets, std::atoi(member));
   const char* name = std::getenv(kDataDatasetVar);
-  const auto info = runtime::worker_info_from_env();
+  const char* shard_var = std::getenv(kDataShardVar);
+  int shard_rank = -1, shards = 0;
+  if (shard_var != nullptr) std::sscanf(shard_var, "%d/%d", &shard_rank, &shards);
   std::string problem;
   if (name == nullptr || datasets.count(name) == 0) {
     problem = std::string("no dataset '") + (name ? name : "") + "' was given to this Trainer";
-  } else if (!info) {
-    problem = "RANK and WORLD_SIZE are not set";
+  } else if (shard_rank < 0 || shards < 1 || shard_rank >= shards) {
+    problem = std::string(kDataShardVar) + " is '" + (shard_var ? shard_var : "") +
+              "', not the rank's shard as r/n";
   } else {
-    const auto shard = dataset_shard(datasets.at(name), info->world_rank, info->world_size);
+    const auto shard = dataset_shard(datasets.at(name), shard_rank, shards);
     // Returns only when the shard built here differs from the rank's (it ends the process else).
     data::serve_if_data_worker(shard);
     problem =

@@ -64,6 +64,24 @@ void set_current_session(std::unique_ptr<WorkerSession> session) {
 
 TrainContext& get_context() { return require_session("cohort::train::get_context()").context; }
 
+const parallel::DeviceMesh& TrainContext::get_mesh() const {
+  if (!has_mesh()) {
+    throw UsageError(
+        "get_mesh: this run has no mesh: set ScalingConfig::mesh's pp or tp above 1 (cohort "
+        "train --pp/--tp); without them every worker is data-parallel over the whole group");
+  }
+  return mesh;
+}
+
+namespace {
+
+// The group a prepared model's replicas average over: the mesh's dp group, else every worker.
+comm::ProcessGroup data_parallel_group(WorkerSession& session) {
+  return session.context.has_mesh() ? session.context.mesh.dp() : session.context.process_group;
+}
+
+}  // namespace
+
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options) {
   auto& session = require_session("cohort::train::prepare_model()");
@@ -119,7 +137,7 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
     return;
   }
   session.models.push_back(std::make_unique<parallel::DistributedDataParallel>(
-      module, session.context.process_group, options.ddp));
+      module, data_parallel_group(session), options.ddp));
 }
 
 namespace {
@@ -159,12 +177,12 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> wrapped;
     if (const auto* ps = std::get_if<parallel::AsyncParameterServer>(&model->mode)) {
       auto engine = std::make_unique<parallel::ParameterServerOptimizer>(
-          module, std::move(optimizer), session.context.process_group, *ps);
+          module, std::move(optimizer), data_parallel_group(session), *ps);
       model->parameter_server = engine.get();
       wrapped = std::move(engine);
     } else {
       auto engine = std::make_unique<parallel::LocalSgdOptimizer>(
-          module, std::move(optimizer), session.context.process_group, model->mode);
+          module, std::move(optimizer), data_parallel_group(session), model->mode);
       model->local_sgd = engine.get();
       wrapped = std::move(engine);
     }
@@ -181,7 +199,7 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     throw UsageError("prepare_optimizer: this model already has its ZeRO optimizer; prepare one");
   }
   auto sharded = std::make_unique<parallel::ZeroOptimizer>(
-      module, *optimizer, session.context.process_group, zero->options);
+      module, *optimizer, data_parallel_group(session), zero->options);
   zero->optimizer = sharded.get();
   return sharded;
 }
@@ -438,13 +456,17 @@ data::DataIterator get_dataset_shard(const std::string& name) {
     throw UsageError("get_dataset_shard: no dataset named '" + name +
                      "' was given to the Trainer (it has [" + names + "])");
   }
-  const int rank = s.context.world_rank;
-  const int world = s.context.world_size;
+  // With a mesh, the data-parallel coordinates: a pipeline's and a tensor-parallel group's ranks
+  // read the same rows.
+  const bool mesh = s.context.has_mesh();
+  const int rank = mesh ? s.context.mesh.dp_index() : s.context.world_rank;
+  const int world = mesh ? s.context.mesh.shape().dp : s.context.world_size;
   auto shard = dataset_shard(it->second, rank, world);
   // The job's data workers on other nodes (cohort launch --data-workers): this rank's share.
   std::vector<int> members;
   if (name == s.remote_preprocessing_dataset && shard.has_map_stage()) {
-    for (int k = rank; k < s.data_members; k += world) members.push_back(k);
+    const int ranks = s.context.world_size;
+    for (int k = s.context.world_rank; k < s.data_members; k += ranks) members.push_back(k);
   }
   if (!members.empty()) {
     auto execution = shard.execution();
@@ -454,7 +476,9 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   }
   data::DataIterator iterator(shard);
   // Its preprocessing workers find the same shard: they re-run this program up to fit().
-  iterator.set_worker_environment({{kDataDatasetVar, name}});
+  iterator.set_worker_environment(
+      {{kDataDatasetVar, name},
+       {kDataShardVar, std::to_string(rank) + "/" + std::to_string(world)}});
   if (!members.empty()) {
     auto* session = &s;
     iterator.set_on_listening([session, members, name, rank, world](const std::string& address) {
@@ -467,7 +491,7 @@ data::DataIterator get_dataset_shard(const std::string& name) {
       }
     });
   }
-  if (world > 1) {
+  if (s.context.world_size > 1) {
     // Whether every rank has this batch: an all-reduce (min) of one number, no store round trip
     // per batch. It is a collective of the train group like DDP's, so a rank that stopped reading
     // shows in the stall inspector.

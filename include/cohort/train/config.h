@@ -6,6 +6,7 @@
 
 #include "cohort/json.h"
 #include "cohort/optim/precision.h"
+#include "cohort/parallel/mesh.h"
 #include "cohort/timeouts.h"
 
 namespace torch::optim {
@@ -64,6 +65,13 @@ struct ScalingConfig {
   // S workers' processes, so 1 to num_workers; 0 means 1. Set with another sync mode, a
   // UsageError at prepare_model. An elastic group smaller than S runs one server per worker.
   int num_parameter_servers = 0;
+  // Parallel degrees over the workers: data x pipeline x tensor parallelism, e.g.
+  // {.dp = 2, .pp = 2, .tp = 2} for 8 workers; they multiply to num_workers (dp 0: what is left).
+  // With pp or tp > 1 every worker gets the mesh's named sub-groups (get_context().get_mesh())
+  // and get_dataset_shard() shards the data over dp: the ranks of one pipeline and of one
+  // tensor-parallel group read the same rows. Not with min_workers (a restarted group must keep
+  // whole pipelines).
+  parallel::MeshShape mesh;
   // Preprocessing on other nodes: under `cohort launch`, a node started with --data-workers N
   // (a CPU-only node: --nproc-per-node 0) runs N data workers for the job. They take the
   // map_batches work of this Trainer dataset's shards over TCP, beside each rank's own workers,

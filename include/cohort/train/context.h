@@ -7,6 +7,7 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/optim/precision.h"
+#include "cohort/parallel/mesh.h"
 
 namespace cohort::train {
 
@@ -26,6 +27,11 @@ class TrainContext {
   optim::Precision get_precision() const { return precision; }
   // The group of all workers, for the user's own collectives (e.g. summing evaluation counts).
   comm::ProcessGroup& get_process_group() { return process_group; }
+  // Whether ScalingConfig::mesh asked for pipeline or tensor parallelism (pp or tp > 1).
+  bool has_mesh() const { return mesh.world().valid(); }
+  // The mesh of ScalingConfig::mesh: this rank's coordinates and its dp, pp and tp groups.
+  // Throws UsageError when the run has none (has_mesh() false).
+  const parallel::DeviceMesh& get_mesh() const;
   // When the driver started the run: for start-up timings.
   std::chrono::system_clock::time_point get_run_start_time() const { return run_start; }
 
@@ -39,6 +45,7 @@ class TrainContext {
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   optim::Precision precision = optim::Precision::kFp32;
   comm::ProcessGroup process_group;
+  parallel::DeviceMesh mesh;
   std::chrono::system_clock::time_point run_start;
 };
 
