@@ -20,8 +20,10 @@ std::filesystem::path data_dir_of(const TrainOptions& o) {
   throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
 }
 
-// The optimizer a job's config names, with its hyperparameters checked (UsageError naming the
-// value): cohort's flat optimizers by default, libtorch's own with flat_optimizer false.
+}  // namespace
+
+// Cohort's flat optimizers by default, libtorch's own with flat_optimizer false; UsageError
+// naming a bad hyperparameter.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
                                                         std::vector<torch::Tensor> params) {
   const double lr = c["lr"].get<double>();
@@ -57,7 +59,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
   return std::make_unique<torch::optim::SGD>(params, options);
 }
 
-// The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   if (c.contains("schedule")) {
     // A DeepSpeed scheduler: its own step counts.
@@ -77,13 +78,10 @@ optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   return schedule;
 }
 
-struct Evaluation {
-  double accuracy = 0;
-  double loss = 0;
-};
-
-// Each rank scores its strided share of the test set; the counts are summed across ranks.
-Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader) {
+// Each rank scores its share of the test set; the counts are summed over the group.
+Evaluation evaluate(torch::nn::Module& model,
+                    const std::function<torch::Tensor(torch::Tensor)>& forward,
+                    data::DataLoader& loader, comm::ProcessGroup group) {
   torch::NoGradGuard no_grad;
   model.eval();
   double correct = 0, total = 0, loss_sum = 0;
@@ -91,7 +89,7 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
     torch::Tensor output;
     {
       auto autocast = train::autocast();
-      output = model.forward(batch.data).to(torch::kFloat);
+      output = forward(batch.data).to(torch::kFloat);
     }
     loss_sum += torch::nn::functional::cross_entropy(
                     output, batch.target,
@@ -102,10 +100,21 @@ Evaluation evaluate(models::ImageClassifierImpl& model, data::DataLoader& loader
   }
   model.train();
   std::vector<at::Tensor> sums{torch::tensor({correct, total, loss_sum}, torch::kDouble)};
-  train::get_context().get_process_group().allreduce(sums);
+  group.allreduce(sums);
   auto s = sums[0];
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
 }
+
+data::TensorDataset test_set_of(const Json& c) {
+  auto test_set = data::load_mnist(c["data_dir"].get<std::string>(), data::Split::kTest);
+  if (const int64_t n = c.value("test_examples", int64_t{0}); n > 0 && n < test_set.size()) {
+    test_set.inputs = test_set.inputs.narrow(0, 0, n);
+    test_set.targets = test_set.targets.narrow(0, 0, n);
+  }
+  return test_set;
+}
+
+namespace {
 
 // Rank 0 writes the model (safetensors) and optimizer state (with ZeRO every rank its shard of
 // the state, with local SGD its own state); every rank reports, so that the checkpoint is committed
@@ -176,6 +185,7 @@ void validate(const TrainOptions& o) {
                      std::to_string(o.gradient_accumulation_steps) + " must be >= 1");
   }
   o.zero.validate();
+  validate_mesh(o);
   const auto sync = sync_of(o);
   if (!parallel::is_synchronous(sync) && o.zero.stage > 0) {
     throw UsageError("--sync " + o.sync + " cannot be combined with ZeRO stage " +
@@ -225,7 +235,8 @@ void validate(const TrainOptions& o) {
                      " training examples (each worker needs a shard): use at most " +
                      std::to_string(train_size) + " workers");
   }
-  const int64_t shard = train_size / o.workers;
+  // With a mesh the data is sharded over the data-parallel degree only.
+  const int64_t shard = train_size / std::max(1, o.workers / (o.pp * o.tp));
   if (o.batch_size > shard) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
                      std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
@@ -313,7 +324,11 @@ Json to_json(const TrainOptions& o) {
               {"gradient_clipping", o.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
-              {"sync", sync_to_json(sync_of(o))}};
+              {"sync", sync_to_json(sync_of(o))},
+              {"pp", o.pp},
+              {"tp", o.tp},
+              {"micro_batches", micro_batches_of(o)},
+              {"pipeline_schedule", o.pipeline_schedule}};
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
@@ -360,7 +375,8 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .precision = o.precision,
       .loss_scaler = o.loss_scaler,
       .on_world_size_change = train::linear_lr_scaling,
-      .num_parameter_servers = o.parameter_servers};
+      .num_parameter_servers = o.parameter_servers,
+      .mesh = {.pp = o.pp, .tp = o.tp}};
 }
 
 RunConfig run_config_of(const TrainOptions& o) {
@@ -378,9 +394,9 @@ RunConfig run_config_of(const TrainOptions& o) {
 
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
+  if (ctx.has_mesh()) return train_loop_on_mesh(c);
   const bool rank0 = ctx.get_world_rank() == 0;
   torch::manual_seed(c["seed"].get<uint64_t>());
-  const std::filesystem::path dir = c["data_dir"].get<std::string>();
   auto model = models::create_model(c["model"].get<std::string>());
   parallel::ZeroOptions zero;
   if (c.contains("zero")) {
@@ -399,6 +415,7 @@ void train_loop(const Json& c) {
   int64_t steps = 0;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
+    refuse_mesh_checkpoint(*checkpoint);
     train::load_checkpoint(*checkpoint, *model, *optimizer);
     const auto metrics = checkpoint->metrics();
     start_epoch = metrics.value("epoch", 0);
@@ -413,13 +430,8 @@ void train_loop(const Json& c) {
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
   const int64_t batch_size = c["batch_size"].get<int64_t>();
-  auto test_set = data::load_mnist(dir, data::Split::kTest);
-  if (const int64_t n = c.value("test_examples", int64_t{0}); n > 0 && n < test_set.size()) {
-    test_set.inputs = test_set.inputs.narrow(0, 0, n);
-    test_set.targets = test_set.targets.narrow(0, 0, n);
-  }
   auto test_loader = train::prepare_data_loader(
-      std::move(test_set), {.batch_size = 500, .shuffle = false, .equal_shards = false});
+      test_set_of(c), {.batch_size = 500, .shuffle = false, .equal_shards = false});
 
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
@@ -518,7 +530,9 @@ void train_loop(const Json& c) {
         torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
     ctx.get_process_group().allreduce(loss_stats);
     const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
-    const auto eval = evaluate(*model, test_loader);
+    const auto eval = evaluate(
+        *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
+        ctx.get_process_group());
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
             .count();
@@ -635,6 +649,22 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
                   "gradient_clipping and zero_optimization replace those options");
+  cmd->add_option("--pp", o.pp,
+                  "pipeline parallelism: cut the model into this many stages, each on its own "
+                  "worker (mlp, cnn, resnet18, vit); the workers form pipelines of --pp x --tp")
+      ->capture_default_str();
+  cmd->add_option("--tp", o.tp,
+                  "tensor parallelism: cut the vit's attention heads and MLP over this many "
+                  "workers; --workers / (pp x tp) pipelines train data-parallel, the global "
+                  "batch --batch-size x that")
+      ->capture_default_str();
+  cmd->add_option("--micro-batches", o.micro_batches,
+                  "micro-batches each batch is split into along a pipeline (0: 2 x --pp)")
+      ->capture_default_str();
+  cmd->add_option("--schedule", o.pipeline_schedule,
+                  "the pipeline schedule: gpipe, 1f1b, interleaved (2 stages per worker) or "
+                  "zero-bubble (backward split into input and weight gradients)")
+      ->capture_default_str();
   cmd->add_option(
          "--data-workers", o.data_workers,
          "preprocessing processes per worker for the training data (0: the worker's own prefetch "

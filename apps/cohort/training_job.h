@@ -2,17 +2,23 @@
 // on an MNIST-format data set, its options, and the loop every worker runs.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
+#include "cohort/data/data_loader.h"
 #include "cohort/data/dataset.h"
+#include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 
 namespace cohort::cli {
@@ -58,6 +64,12 @@ struct TrainOptions {
   std::optional<double> eps;
   std::optional<optim::LrScheduleOptions> schedule;
   optim::LossScalerOptions loss_scaler;
+  // Pipeline and tensor parallelism: the workers form a mesh of dp x pp x tp (dp = workers /
+  // (pp x tp)); each pipeline runs `schedule` over `micro_batches` micro-batches of each batch.
+  int pp = 1;
+  int tp = 1;
+  int micro_batches = 0;  // 0: 2 x pp (1 without a pipeline)
+  std::string pipeline_schedule = "1f1b";
   int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
   std::string storage_path = "./cohort_results";
   std::string name;
@@ -94,7 +106,35 @@ ScalingConfig scaling_of(const TrainOptions& options);
 RunConfig run_config_of(const TrainOptions& options);
 
 // The loop each worker runs: trains, evaluates on the test set and reports (with a checkpoint)
-// once per epoch.
+// once per epoch. With a mesh (pp or tp > 1), train_loop_on_mesh.
 void train_loop(const Json& config);
+
+// The loop of a mesh run (mesh_training.cpp): the zoo model cut into pipeline stages and, for the
+// ViT, its blocks tensor-parallel; DDP over each stage's dp group.
+void train_loop_on_mesh(const Json& config);
+// A UsageError naming the degrees when `checkpoint` was written by a mesh run.
+void refuse_mesh_checkpoint(const Checkpoint& checkpoint);
+// The mesh options' checks before any worker starts (UsageError naming the flag and the fix).
+void validate_mesh(const TrainOptions& options);
+// --micro-batches with its default resolved.
+int micro_batches_of(const TrainOptions& options);
+
+// Parts of the loop that both loops use.
+struct Evaluation {
+  double accuracy = 0;
+  double loss = 0;
+};
+// The optimizer a job's config names, over `params`, its hyperparameters checked.
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
+                                                        std::vector<torch::Tensor> params);
+// The lr schedule of a job that runs `total_steps` steps.
+optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
+// Accuracy and mean loss of `model` over the loader's shard, summed over every rank of `group`
+// (ranks that evaluate the same rows, e.g. a tensor-parallel group, count alike: the ratios hold).
+Evaluation evaluate(torch::nn::Module& model,
+                    const std::function<torch::Tensor(torch::Tensor)>& forward,
+                    data::DataLoader& loader, comm::ProcessGroup group);
+// The test set of a job (its first test_examples rows when set).
+data::TensorDataset test_set_of(const Json& config);
 
 }  // namespace cohort::cli

@@ -96,6 +96,22 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "AdamW weight_decay -0.5 must be >= 0"},
       {{"--gradient-clipping", "-1", "--data-dir", data.string()}, "--gradient-clipping -1"},
       {{"--lr-decay", "exp", "--data-dir", data.string()}, "unknown --lr-decay 'exp'"},
+      {{"--pp", "3", "--data-dir", data.string()},
+       "--pp 3 --tp 1 makes groups of 3 workers, which does not divide --workers 2"},
+      {{"--pp", "0", "--data-dir", data.string()}, "--pp 0 must be >= 1"},
+      {{"--tp", "2", "--model", "mlp", "--data-dir", data.string()},
+       "mlp has no tensor-parallel layers; use --model vit"},
+      {{"--pp", "2", "--model", "mlp", "--schedule", "interleaved", "--data-dir", data.string()},
+       "mlp has 3 layers, too few for 4 pipeline stages"},
+      {{"--pp", "2", "--model", "resnet18", "--schedule", "interleaved", "--micro-batches", "3",
+        "--data-dir", data.string()},
+       "the interleaved schedule needs micro-batches a multiple of"},
+      {{"--schedule", "pipedream", "--data-dir", data.string()},
+       "unknown pipeline schedule 'pipedream'"},
+      {{"--pp", "2", "--zero-stage", "1", "--data-dir", data.string()},
+       "--zero-stage 1 with --pp 2 --tp 1 is not supported yet"},
+      {{"--pp", "2", "--micro-batches", "16", "--batch-size", "8", "--data-dir", data.string()},
+       "--batch-size 8 cannot be split into 16 micro-batches"},
       {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
       {{"--test-examples", "-5", "--data-dir", data.string()}, "--test-examples -5 must be >= 0"},
       {{"--sync", "local-sgd:0", "--data-dir", data.string()},
@@ -306,6 +322,69 @@ TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
   ASSERT_EQ(other.exit_code, 0) << other.output;
   EXPECT_NE(other.output.find("resuming from"), std::string::npos) << other.output;
   EXPECT_EQ(result_of("z_resumed")["epochs"], 3);
+}
+
+// A pipeline of two workers trains the MLP as one worker does (the same batches, the gradient
+// of each batch's mean summed over micro-batches in another order); the ViT tensor-parallel over
+// two workers likewise. A zero-bubble pipeline stopped after an epoch resumes exactly, and a run
+// without the pipeline refuses its checkpoint by name.
+TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
+  auto with = [&](const std::vector<std::string>& extra) { return small_run("sgd", extra); };
+  auto one_worker = [&](std::vector<std::string> args) {
+    args[3] = "1";  // --workers
+    return args;
+  };
+  ASSERT_EQ(train(one_worker(with({"--model", "mlp", "--epochs", "1", "--name", "one"}))).exit_code,
+            0);
+  auto piped = train(with({"--model", "mlp", "--epochs", "1", "--pp", "2", "--name", "pp"}));
+  ASSERT_EQ(piped.exit_code, 0) << piped.output;
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "pp" / "logs" / "rank-0.log").string())
+                .find("mesh dp 1 x pp 2 x tp 1: 3 layers in 2 stages, 1f1b over 4 micro-batches"),
+            std::string::npos);
+  const auto one = result_of("one"), pp = result_of("pp");
+  EXPECT_EQ(pp["steps"], one["steps"]);
+  EXPECT_NEAR(pp["train_loss"].get<double>(), one["train_loss"].get<double>(),
+              1e-4 * one["train_loss"].get<double>());
+  EXPECT_NEAR(pp["test_accuracy"].get<double>(), one["test_accuracy"].get<double>(), 0.02);
+
+  const std::vector<std::string> vit{"--model",     "vit", "--epochs",        "1",
+                                     "--max-steps", "4",   "--test-examples", "32"};
+  auto vit_run = [&](std::vector<std::string> extra) {
+    auto args = vit;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return with(args);
+  };
+  ASSERT_EQ(train(one_worker(vit_run({"--name", "vit_one"}))).exit_code, 0);
+  auto sliced = train(vit_run({"--tp", "2", "--name", "vit_tp"}));
+  ASSERT_EQ(sliced.exit_code, 0) << sliced.output;
+  EXPECT_NEAR(result_of("vit_tp")["train_loss"].get<double>(),
+              result_of("vit_one")["train_loss"].get<double>(),
+              1e-4 * result_of("vit_one")["train_loss"].get<double>());
+
+  auto zb = [&](std::vector<std::string> extra) {
+    auto args = small_run("adam", {"--model", "cnn", "--pp", "2", "--schedule", "zero-bubble"});
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  for (const auto& [epochs, name] : {std::pair{"2", "zb_straight"}, std::pair{"1", "zb_resumed"}}) {
+    auto r = train(zb({"--epochs", epochs, "--name", name}));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  }
+  auto again = train(zb({"--epochs", "2", "--name", "zb_resumed"}));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
+  const auto straight = result_of("zb_straight"), resumed = result_of("zb_resumed");
+  EXPECT_EQ(resumed["steps"], straight["steps"]);
+  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  // The same run without the pipeline cannot take the pipeline's optimizer state.
+  auto flat = small_run("adam", {"--model", "cnn", "--epochs", "3", "--name", "zb_resumed"});
+  auto refused = train(flat);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.output.find("was written by a mesh run (--pp 2 --tp 1): resume it with the "
+                                "same --pp and --tp"),
+            std::string::npos)
+      << refused.output;
 }
 
 // DiLoCo with H = 1, an outer lr of 1 and no momentum trains as DDP; diloco:4 sends about a

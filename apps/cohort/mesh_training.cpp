@@ -1,0 +1,330 @@
+// `cohort train --pp P --tp T`: the zoo's model on a mesh of dp x pp x tp workers. Every rank
+// builds the whole model from the same seed (with T > 1 the ViT's blocks tensor-parallel over its
+// tp group), cuts it into the pipeline's stages at its pipeline_layers() and trains its own
+// stages; the stages' gradients are averaged over the dp group by the DDP engine.
+#include <torch/torch.h>
+
+#include <fstream>
+#include <iostream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/zoo.h"
+#include "training_job.h"
+
+namespace cohort::cli {
+namespace {
+
+namespace pipeline = parallel::pipeline;
+
+// Stages per worker: the interleaved schedule's two, else one.
+int virtual_stages_of(pipeline::ScheduleKind kind) {
+  return kind == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+}
+
+// Copies every stage's parameters and buffers from the pipeline rank that trains it to the
+// pipeline's other ranks: afterwards every rank holds the whole current model (for evaluation and
+// the checkpoint). Collective over the pp group.
+void share_stages(const std::vector<torch::nn::Sequential>& stages,
+                  const pipeline::PipelineLayout& layout, comm::ProcessGroup pp) {
+  if (pp.world_size() == 1) return;
+  torch::NoGradGuard no_grad;
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const int owner = layout.rank_of(static_cast<int>(s));
+    std::vector<at::Tensor> tensors;
+    for (const auto& p : stages[s]->parameters()) tensors.push_back(p.detach());
+    for (const auto& b : stages[s]->buffers()) tensors.push_back(b);
+    for (auto& t : tensors) {
+      std::vector<at::Tensor> one{t};
+      pp.broadcast(one, owner);
+    }
+  }
+}
+
+// What a mesh checkpoint holds besides the files, to refuse another layout by name.
+constexpr const char* kMeshFile = "mesh.json";
+
+std::string model_file(const parallel::DeviceMesh& mesh) {
+  const auto& s = mesh.shape();
+  if (s.tp == 1) return "model.safetensors";
+  return "model-tp" + std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp) +
+         ".safetensors";
+}
+
+std::string optimizer_file(const parallel::DeviceMesh& mesh) {
+  const auto& s = mesh.shape();
+  return "optimizer-pp" + std::to_string(mesh.pp_index()) + "-of-" + std::to_string(s.pp) + "-tp" +
+         std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp) + ".pt";
+}
+
+// The ranks of dp index 0 write the checkpoint (their replicas' are the same): the model (whole
+// after share_stages; with tp > 1 each tp rank its slices) from pp index 0, every stage's
+// optimizer state from its rank. Every rank reports, so that the checkpoint is committed once
+// all got there.
+void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mesh,
+                            const torch::nn::Module& model,
+                            const torch::optim::Optimizer& optimizer, const std::string& schedule) {
+  auto& ctx = train::get_context();
+  if (mesh.dp_index() != 0) {
+    train::report(metrics);
+    return;
+  }
+  const auto dir =
+      ctx.get_storage_path() / (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
+  std::filesystem::create_directories(dir);
+  if (mesh.pp_index() == 0) train::save_model(model, dir / model_file(mesh));
+  train::save_optimizer(optimizer, dir / optimizer_file(mesh));
+  if (ctx.get_world_rank() == 0) {
+    const auto& s = mesh.shape();
+    std::ofstream(dir / kMeshFile)
+        << Json{{"pp", s.pp}, {"tp", s.tp}, {"schedule", schedule}}.dump(2) << "\n";
+  }
+  train::report(metrics, Checkpoint::from_directory(dir));
+  std::filesystem::remove_all(dir);
+}
+
+// Loads this rank's part of a mesh checkpoint of the same pp and tp (any dp: the replicas' state
+// is the same); another layout, or a checkpoint of a run without a mesh, is a UsageError.
+void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
+                          torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  const auto dir = checkpoint.path();
+  const auto& s = mesh.shape();
+  const std::string here = "--pp " + std::to_string(s.pp) + " --tp " + std::to_string(s.tp);
+  if (!std::filesystem::exists(dir / kMeshFile)) {
+    throw UsageError("checkpoint " + dir.string() +
+                     " was written without pipeline or tensor parallelism: resume it without " +
+                     here + " (resharding a checkpoint into a mesh is not built yet)");
+  }
+  const auto written = Json::parse(std::ifstream(dir / kMeshFile));
+  const int pp = written.value("pp", 0), tp = written.value("tp", 0);
+  if (pp != s.pp || tp != s.tp) {
+    throw UsageError("checkpoint " + dir.string() + " was written with --pp " + std::to_string(pp) +
+                     " --tp " + std::to_string(tp) + ", this run has " + here +
+                     ": resume with the same degrees (any --workers that keeps them whole)");
+  }
+  train::load_model(model, dir / model_file(mesh));
+  train::load_optimizer(optimizer, dir / optimizer_file(mesh));
+}
+
+}  // namespace
+
+void refuse_mesh_checkpoint(const Checkpoint& checkpoint) {
+  const auto file = checkpoint.path() / kMeshFile;
+  if (!std::filesystem::exists(file)) return;
+  const auto written = Json::parse(std::ifstream(file));
+  throw UsageError("checkpoint " + checkpoint.path().string() +
+                   " was written by a mesh run (--pp " + std::to_string(written.value("pp", 0)) +
+                   " --tp " + std::to_string(written.value("tp", 0)) +
+                   "): resume it with the same --pp and --tp (loading a mesh checkpoint into a run "
+                   "without one is not built yet)");
+}
+
+int micro_batches_of(const TrainOptions& o) {
+  if (o.micro_batches > 0) return o.micro_batches;
+  return o.pp > 1 ? 2 * o.pp : 1;
+}
+
+void validate_mesh(const TrainOptions& o) {
+  if (o.pp < 1) throw UsageError("--pp " + std::to_string(o.pp) + " must be >= 1 (1: no pipeline)");
+  if (o.tp < 1) {
+    throw UsageError("--tp " + std::to_string(o.tp) + " must be >= 1 (1: no tensor parallelism)");
+  }
+  if (o.micro_batches < 0) {
+    throw UsageError("--micro-batches " + std::to_string(o.micro_batches) +
+                     " must be >= 1 (0: 2 x --pp)");
+  }
+  const auto kind = pipeline::schedule_from_string(o.pipeline_schedule);
+  if (o.pp == 1 && o.tp == 1) return;
+  const std::string flags = "--pp " + std::to_string(o.pp) + " --tp " + std::to_string(o.tp);
+  // The degrees multiply to the workers; the rest is data parallelism.
+  if (o.workers % (o.pp * o.tp) != 0) {
+    throw UsageError(flags + " makes groups of " + std::to_string(o.pp * o.tp) +
+                     " workers, which does not divide --workers " + std::to_string(o.workers) +
+                     ": use --workers a multiple of " + std::to_string(o.pp * o.tp));
+  }
+  const int m = micro_batches_of(o);
+  if (o.batch_size < m) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " cannot be split into " +
+                     std::to_string(m) +
+                     " micro-batches (--micro-batches): use a batch of at "
+                     "least " +
+                     std::to_string(m) + " rows");
+  }
+  // The schedule compiles (e.g. interleaved needs m a multiple of pp).
+  pipeline::compile_schedule({.kind = kind,
+                              .layout = {.ranks = o.pp, .virtual_stages = virtual_stages_of(kind)},
+                              .micro_batches = m});
+  auto model = models::create_model(o.model);
+  const int stages = o.pp * virtual_stages_of(kind);
+  const auto layers = static_cast<int>(model->pipeline_layers()->size());
+  if (layers < stages) {
+    throw UsageError(
+        o.model + " has " + std::to_string(layers) + " layers, too few for " +
+        std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.pp) +
+        (virtual_stages_of(kind) > 1 ? ", 2 per worker with --schedule interleaved" : "") +
+        "): use a smaller --pp or a deeper model (resnet18 has 10, vit depth + 2)");
+  }
+  if (o.tp > 1 && o.model != "vit") {
+    throw UsageError("--tp " + std::to_string(o.tp) + ": " + o.model +
+                     " has no tensor-parallel layers; use --model vit, or --pp to cut " + o.model +
+                     " into pipeline stages");
+  }
+  if (o.tp > 1) {
+    const models::ModelOptions vit;
+    if (vit.heads % o.tp != 0 || (vit.width * vit.mlp_ratio) % o.tp != 0) {
+      throw UsageError("--tp " + std::to_string(o.tp) + " must divide the vit's " +
+                       std::to_string(vit.heads) + " heads and " +
+                       std::to_string(vit.width * vit.mlp_ratio) + " MLP features");
+    }
+  }
+  // What the mesh loop does not combine with yet.
+  auto refuse = [&](bool set, const std::string& what, const std::string& fix) {
+    if (set) throw UsageError(what + " with " + flags + " is not supported yet: " + fix);
+  };
+  refuse(o.zero.stage > 0, "--zero-stage " + std::to_string(o.zero.stage),
+         "the pipeline's data parallelism is DDP; use --zero-stage 0");
+  refuse(o.sync != "ddp", "--sync " + o.sync, "use --sync ddp");
+  refuse(o.gradient_accumulation_steps > 1, "--gradient-accumulation-steps",
+         "a pipeline accumulates its micro-batches: raise --micro-batches and --batch-size");
+  refuse(o.gradient_clipping > 0, "--gradient-clipping", "leave it at 0");
+  refuse(o.precision == "fp16", "--precision fp16", "use bf16 or fp32");
+  refuse(o.min_workers > 0, "--min-workers", "a restarted group must keep whole pipelines");
+}
+
+void train_loop_on_mesh(const Json& c) {
+  auto& ctx = train::get_context();
+  const auto& mesh = ctx.get_mesh();
+  const auto& shape = mesh.shape();
+  const bool rank0 = ctx.get_world_rank() == 0;
+  const auto kind = pipeline::schedule_from_string(c["pipeline_schedule"].get<std::string>());
+  const int micro_batches = c["micro_batches"].get<int>();
+  const pipeline::PipelineLayout layout{.ranks = shape.pp,
+                                        .virtual_stages = virtual_stages_of(kind)};
+
+  // The whole model on every rank, the same weights (the same seed; the tensor-parallel slices
+  // are the dense model's), cut into the stages of every rank.
+  torch::manual_seed(c["seed"].get<uint64_t>());
+  models::ModelOptions model_options;
+  model_options.tensor_parallel_group = mesh.tp();
+  auto model = models::create_model(c["model"].get<std::string>(), model_options);
+  model->to(ctx.get_device());
+  auto layers = model->pipeline_layers();
+  const auto all_stages = pipeline::split_sequential(
+      layers, pipeline::even_split(static_cast<int>(layers->size()), layout.stages()));
+  std::vector<pipeline::Stage> stages;
+  std::vector<torch::Tensor> params;
+  for (int s : layout.stages_of(mesh.pp_index())) {
+    stages.emplace_back(all_stages[static_cast<size_t>(s)]);
+    for (const auto& p : all_stages[static_cast<size_t>(s)]->parameters()) params.push_back(p);
+  }
+  auto optimizer = make_optimizer(c, params);
+  pipeline::Pipeline pipe(std::move(stages), mesh.pp(),
+                          [](const at::Tensor& output, const at::Tensor& target) {
+                            return torch::nn::functional::cross_entropy(output, target);
+                          },
+                          {.schedule = kind,
+                           .micro_batches = micro_batches,
+                           .virtual_stages = layout.virtual_stages,
+                           .data_parallel_group = mesh.dp()});
+  if (rank0) {
+    std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
+              << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
+              << " micro-batches" << std::endl;
+  }
+
+  int start_epoch = 0;
+  int64_t steps = 0;
+  if (auto checkpoint = train::get_checkpoint()) {
+    load_mesh_checkpoint(*checkpoint, mesh, *model, *optimizer);
+    const auto metrics = checkpoint->metrics();
+    start_epoch = metrics.value("epoch", 0);
+    steps = metrics.value("steps", int64_t{0});
+    if (rank0)
+      std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string()
+                << std::endl;
+  }
+
+  // This dp rank's shard (the same rows on every rank of a pipeline and of a tp group).
+  auto train_stream = train::get_dataset_shard("train");
+  const int64_t batch_size = c["batch_size"].get<int64_t>();
+  // Evaluation: every rank holds the whole model then; a tp group scores the same rows.
+  data::DataLoader test_loader(
+      test_set_of(c),
+      {.batch_size = 500, .shuffle = false, .device = ctx.get_device(), .equal_shards = false},
+      ctx.get_world_rank() / shape.tp, ctx.get_world_size() / shape.tp);
+  const int epochs = c["epochs"].get<int>();
+  const int64_t max_steps = c["max_steps"].get<int64_t>();
+  const int64_t steps_per_epoch =
+      (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
+  optim::LrScheduler schedule(*optimizer, schedule_of(c, epochs * steps_per_epoch), steps);
+  // Throughput over the steps after the first few (start-up, first-step probe).
+  constexpr int64_t kWarmupSteps = 5;
+  const int64_t first_step = steps;
+  int64_t timed_samples = 0;
+  double timed_seconds = 0;
+  auto step_start = std::chrono::steady_clock::now();
+  for (int epoch = start_epoch; epoch < epochs; ++epoch) {
+    train_stream.set_epoch(epoch);
+    step_start = std::chrono::steady_clock::now();  // not the evaluation's time
+    double loss_sum = 0;
+    int64_t loss_count = 0;
+    const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
+    int64_t step_in_epoch = 0;
+    for (auto& batch :
+         train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
+      const auto& images = batch["image"];
+      // A last batch too small to split: every rank of the pipeline has the same rows, and
+      // every dp rank as many: all skip it alike.
+      if (images.size(0) < micro_batches) continue;
+      optimizer->zero_grad();
+      at::Tensor loss;
+      {
+        auto autocast = train::autocast();
+        loss = pipe.step(images, batch["label"]);
+      }
+      optimizer->step();
+      schedule.step();
+      ++steps;
+      ++step_in_epoch;
+      const auto now = std::chrono::steady_clock::now();
+      if (steps > first_step + kWarmupSteps) {
+        timed_seconds += std::chrono::duration<double>(now - step_start).count();
+        timed_samples += images.size(0) * shape.dp;
+      }
+      step_start = now;
+      if (loss.defined()) {
+        loss_sum += loss.item<double>();
+        ++loss_count;
+      }
+      Json progress{{"label", label},
+                    {"step", step_in_epoch},
+                    {"total", steps_per_epoch},
+                    {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
+      if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
+      train::report_progress(progress);
+      if (max_steps > 0 && steps >= max_steps) break;
+    }
+    // The epoch's mean loss over the last stages' ranks.
+    std::vector<at::Tensor> loss_stats{
+        torch::tensor({loss_sum, static_cast<double>(loss_count)}, torch::kDouble)};
+    ctx.get_process_group().allreduce(loss_stats);
+    const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
+    share_stages(all_stages, layout, mesh.pp());
+    const auto eval = evaluate(
+        *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
+        ctx.get_process_group());
+    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
+    report_with_checkpoint(
+        {{"epoch", epoch + 1},
+         {"world_size", ctx.get_world_size()},
+         {"mesh", parallel::to_string(shape)},
+         {"steps", steps},
+         {"train_loss", train_loss},
+         {"test_loss", eval.loss},
+         {"test_accuracy", eval.accuracy},
+         {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}},
+        mesh, *model, *optimizer, to_string(kind));
+    if (last) break;
+  }
+}
+
+}  // namespace cohort::cli
