@@ -43,25 +43,27 @@ void share_stages(const std::vector<torch::nn::Sequential>& stages,
 // What a mesh checkpoint holds besides the files, to refuse another layout by name.
 constexpr const char* kMeshFile = "mesh.json";
 
-std::string model_file(const parallel::DeviceMesh& mesh) {
-  const auto& s = mesh.shape();
-  if (s.tp == 1) return "model.safetensors";
-  return "model-tp" + std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp) +
-         ".safetensors";
-}
-
 std::string optimizer_file(const parallel::DeviceMesh& mesh) {
   const auto& s = mesh.shape();
   return "optimizer-pp" + std::to_string(mesh.pp_index()) + "-of-" + std::to_string(s.pp) + "-tp" +
          std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp) + ".pt";
 }
 
+// The model a checkpoint holds: the whole, unsplit model, which loads into a run without a mesh
+// too. With tp > 1 the ViT's slices are gathered into `dense`.
+struct CheckpointedModel {
+  models::ImageClassifier model;
+  std::shared_ptr<models::VisionTransformerImpl> dense;  // with tp > 1
+  models::VisionTransformerImpl& sliced() const {
+    return dynamic_cast<models::VisionTransformerImpl&>(*model);
+  }
+};
+
 // The ranks of dp index 0 write the checkpoint (their replicas' are the same): the model (whole
-// after share_stages; with tp > 1 each tp rank its slices) from pp index 0, every stage's
-// optimizer state from its rank. Every rank reports, so that the checkpoint is committed once
-// all got there.
+// after share_stages) from pp index 0, every stage's optimizer state from its rank. Every rank
+// reports, so that the checkpoint is committed once all got there.
 void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mesh,
-                            const torch::nn::Module& model,
+                            const CheckpointedModel& model,
                             const torch::optim::Optimizer& optimizer, const std::string& schedule) {
   auto& ctx = train::get_context();
   if (mesh.dp_index() != 0) {
@@ -71,7 +73,11 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
   const auto dir =
       ctx.get_storage_path() / (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
   std::filesystem::create_directories(dir);
-  if (mesh.pp_index() == 0) train::save_model(model, dir / model_file(mesh));
+  if (mesh.pp_index() == 0) {
+    if (model.dense) model.sliced().copy_to_dense(*model.dense);  // collective over tp
+    if (mesh.tp_index() == 0)
+      train::save_model(model.dense ? *model.dense : *model.model, dir / "model.safetensors");
+  }
   train::save_optimizer(optimizer, dir / optimizer_file(mesh));
   if (ctx.get_world_rank() == 0) {
     const auto& s = mesh.shape();
@@ -82,10 +88,11 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
   std::filesystem::remove_all(dir);
 }
 
-// Loads this rank's part of a mesh checkpoint of the same pp and tp (any dp: the replicas' state
-// is the same); another layout, or a checkpoint of a run without a mesh, is a UsageError.
+// Loads the whole model and this rank's optimizer state from a mesh checkpoint of the same pp
+// and tp (any dp: the replicas' state is the same); another layout, or a checkpoint of a run
+// without a mesh, is a UsageError.
 void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
-                          torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+                          const CheckpointedModel& model, torch::optim::Optimizer& optimizer) {
   const auto dir = checkpoint.path();
   const auto& s = mesh.shape();
   const std::string here = "--pp " + std::to_string(s.pp) + " --tp " + std::to_string(s.tp);
@@ -101,7 +108,12 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
                      " --tp " + std::to_string(tp) + ", this run has " + here +
                      ": resume with the same degrees (any --workers that keeps them whole)");
   }
-  train::load_model(model, dir / model_file(mesh));
+  if (model.dense) {
+    train::load_model(*model.dense, dir / "model.safetensors");
+    model.sliced().load_from_dense(*model.dense);
+  } else {
+    train::load_model(*model.model, dir / "model.safetensors");
+  }
   train::load_optimizer(optimizer, dir / optimizer_file(mesh));
 }
 
@@ -202,11 +214,22 @@ void train_loop_on_mesh(const Json& c) {
 
   // The whole model on every rank, the same weights (the same seed; the tensor-parallel slices
   // are the dense model's), cut into the stages of every rank.
-  torch::manual_seed(c["seed"].get<uint64_t>());
+  const auto seed = c["seed"].get<uint64_t>();
+  const auto name = c["model"].get<std::string>();
+  CheckpointedModel checkpointed;
+  if (shape.tp > 1) {
+    // The dense ViT that checkpoints hold, made first: after the same seed, the sliced model's
+    // weights are its slices.
+    torch::manual_seed(seed);
+    checkpointed.dense =
+        std::dynamic_pointer_cast<models::VisionTransformerImpl>(models::create_model(name));
+  }
+  torch::manual_seed(seed);
   models::ModelOptions model_options;
   model_options.tensor_parallel_group = mesh.tp();
-  auto model = models::create_model(c["model"].get<std::string>(), model_options);
+  auto model = models::create_model(name, model_options);
   model->to(ctx.get_device());
+  checkpointed.model = model;
   auto layers = model->pipeline_layers();
   const auto all_stages = pipeline::split_sequential(
       layers, pipeline::even_split(static_cast<int>(layers->size()), layout.stages()));
@@ -234,7 +257,7 @@ void train_loop_on_mesh(const Json& c) {
   int start_epoch = 0;
   int64_t steps = 0;
   if (auto checkpoint = train::get_checkpoint()) {
-    load_mesh_checkpoint(*checkpoint, mesh, *model, *optimizer);
+    load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer);
     const auto metrics = checkpoint->metrics();
     start_epoch = metrics.value("epoch", 0);
     steps = metrics.value("steps", int64_t{0});
@@ -322,7 +345,7 @@ void train_loop_on_mesh(const Json& c) {
          {"test_loss", eval.loss},
          {"test_accuracy", eval.accuracy},
          {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}},
-        mesh, *model, *optimizer, to_string(kind));
+        mesh, checkpointed, *optimizer, to_string(kind));
     if (last) break;
   }
 }

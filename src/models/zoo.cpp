@@ -50,6 +50,17 @@ Layer layer(const std::string& name, Holder module,
                    const torch::Tensor& x) mutable { return after(module->forward(before(x))); });
 }
 
+// The parameters of `from` into those of the same name and shape in `to` (tensor-parallel
+// slices, of other shapes, are left to their layers).
+void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  const auto source = from.named_parameters();
+  for (auto& p : to.named_parameters()) {
+    const auto* s = source.find(p.key());
+    if (s != nullptr && s->sizes() == p.value().sizes()) p.value().copy_(*s);
+  }
+}
+
 torch::Tensor identity(const torch::Tensor& x) { return x; }
 torch::Tensor relu(const torch::Tensor& x) { return torch::relu(x); }
 torch::Tensor relu_pool(const torch::Tensor& x) { return torch::max_pool2d(torch::relu(x), 2); }
@@ -185,6 +196,26 @@ class EncoderBlockImpl : public torch::nn::Module {
       mlp_ = register_module("mlp", mlp);
     }
   }
+  // With tensor parallelism: the dense block's attention and MLP sliced into this one, or this
+  // one's gathered over the group into the dense block (collective). Dense: copies.
+  void load_from_dense(EncoderBlockImpl& dense) {
+    if (tp_attention_) {
+      tp_attention_->load_from_dense(dense.attention_);
+      tp_mlp_->load_from_dense(dense.mlp_);
+    } else {
+      copy_parameters(*dense.attention_, *attention_);
+      copy_parameters(*dense.mlp_, *mlp_);
+    }
+  }
+  void copy_to_dense(EncoderBlockImpl& dense) {
+    if (tp_attention_) {
+      tp_attention_->copy_to_dense(dense.attention_);
+      tp_mlp_->copy_to_dense(dense.mlp_);
+    } else {
+      copy_parameters(*attention_, *dense.attention_);
+      copy_parameters(*mlp_, *dense.mlp_);
+    }
+  }
   // x: [tokens, batch, width], the layout of torch::nn::MultiheadAttention.
   torch::Tensor forward(torch::Tensor x) {
     auto h = norm1_->forward(x);
@@ -266,6 +297,20 @@ torch::Tensor VisionTransformerImpl::forward(torch::Tensor x) {
   return head_->forward(x[0]);
 }
 
+void VisionTransformerImpl::load_from_dense(VisionTransformerImpl& dense) {
+  copy_parameters(dense, *this);  // all but the sliced weights
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    blocks_->ptr<EncoderBlockImpl>(i)->load_from_dense(*dense.blocks_->ptr<EncoderBlockImpl>(i));
+}
+
+void VisionTransformerImpl::copy_to_dense(VisionTransformerImpl& dense) {
+  copy_parameters(*this, dense);
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    blocks_->ptr<EncoderBlockImpl>(i)->copy_to_dense(*dense.blocks_->ptr<EncoderBlockImpl>(i));
+}
+
+// Between the layers the batch comes first, [N, tokens, width], as a pipeline needs; the blocks
+// take the layout of torch::nn::MultiheadAttention, [tokens, N, width].
 torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
   torch::nn::Sequential layers;
   auto patch_embed = patch_embed_;
@@ -275,15 +320,22 @@ torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
       NamedTensors{{"cls_token", cls_token}, {"positions", positions}},
       [patch_embed, cls_token, positions](const torch::Tensor& images) mutable {
         auto x = patch_embed->forward(images).flatten(2).permute({2, 0, 1});
-        return torch::cat({cls_token.expand({1, x.size(1), cls_token.size(2)}), x}, 0) + positions;
+        x = torch::cat({cls_token.expand({1, x.size(1), cls_token.size(2)}), x}, 0) + positions;
+        return x.transpose(0, 1);
       }));
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    layers->push_back(EncoderBlock(blocks_->ptr<EncoderBlockImpl>(i)));
+  for (size_t i = 0; i < blocks_->size(); ++i) {
+    EncoderBlock block(blocks_->ptr<EncoderBlockImpl>(i));
+    layers->push_back(Layer(NamedModules{{"block", block.ptr()}}, NamedTensors{},
+                            [block](const torch::Tensor& x) mutable {
+                              return block->forward(x.transpose(0, 1)).transpose(0, 1);
+                            }));
+  }
   auto norm = norm_;
   auto head = head_;
-  layers->push_back(Layer(
-      NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
-      [norm, head](const torch::Tensor& x) mutable { return head->forward(norm->forward(x)[0]); }));
+  layers->push_back(Layer(NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
+                          [norm, head](const torch::Tensor& x) mutable {
+                            return head->forward(norm->forward(x.select(1, 0)));
+                          }));
   return layers;
 }
 

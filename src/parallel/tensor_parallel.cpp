@@ -1,5 +1,6 @@
 #include "cohort/parallel/tensor_parallel.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
@@ -40,6 +41,11 @@ void check_dense(const at::Tensor& dense, at::IntArrayRef expected, const std::s
     throw UsageError(what + ": the dense weight is " + c10::str(dense.sizes()) + ", expected " +
                      c10::str(expected));
   }
+}
+
+// Every rank's slice of `t`, joined along `dim` in rank order.
+at::Tensor gather_slices(comm::ProcessGroup& group, const at::Tensor& t, int64_t dim) {
+  return at::cat(group.allgather(t.detach().contiguous()), dim);
 }
 
 }  // namespace
@@ -85,6 +91,16 @@ void ColumnParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
   if (bias.defined()) bias.copy_(dense->bias.narrow(0, r * rows, rows));
 }
 
+void ColumnParallelLinearImpl::copy_to_dense(torch::nn::Linear& dense) {
+  check_dense(dense->weight, {weight.size(0) * group_.world_size(), weight.size(1)},
+              "ColumnParallelLinear");
+  const at::Tensor w = gather_slices(group_, weight, 0);
+  const at::Tensor b = bias.defined() ? gather_slices(group_, bias, 0) : at::Tensor();
+  torch::NoGradGuard no_grad;
+  dense->weight.copy_(w);
+  if (b.defined()) dense->bias.copy_(b);
+}
+
 at::Tensor ColumnParallelLinearImpl::forward(const at::Tensor& x) {
   return F::linear(copy_to_tensor_parallel(x, group_), weight, bias);
 }
@@ -108,6 +124,15 @@ void RowParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
   if (bias.defined()) bias.copy_(dense->bias);
 }
 
+void RowParallelLinearImpl::copy_to_dense(torch::nn::Linear& dense) {
+  check_dense(dense->weight, {weight.size(0), weight.size(1) * group_.world_size()},
+              "RowParallelLinear");
+  const at::Tensor w = gather_slices(group_, weight, 1);
+  torch::NoGradGuard no_grad;
+  dense->weight.copy_(w);
+  if (bias.defined()) dense->bias.copy_(bias);  // the same on every rank
+}
+
 at::Tensor RowParallelLinearImpl::forward(const at::Tensor& x) {
   at::Tensor y = reduce_from_tensor_parallel(F::linear(x, weight), group_);
   return bias.defined() ? y + bias : y;
@@ -126,6 +151,17 @@ void TensorParallelMlpImpl::load_from_dense(const torch::nn::Sequential& dense) 
   }
   fc1_->load_from_dense(dense->ptr<torch::nn::LinearImpl>(0));
   fc2_->load_from_dense(dense->ptr<torch::nn::LinearImpl>(2));
+}
+
+void TensorParallelMlpImpl::copy_to_dense(torch::nn::Sequential& dense) {
+  if (dense->size() != 3) {
+    throw UsageError("TensorParallelMlp: the dense MLP has " + std::to_string(dense->size()) +
+                     " layers; expected Linear, GELU, Linear");
+  }
+  torch::nn::Linear fc1(dense->ptr<torch::nn::LinearImpl>(0));
+  torch::nn::Linear fc2(dense->ptr<torch::nn::LinearImpl>(2));
+  fc1_->copy_to_dense(fc1);
+  fc2_->copy_to_dense(fc2);
 }
 
 at::Tensor TensorParallelMlpImpl::forward(const at::Tensor& x) {
@@ -158,6 +194,23 @@ void TensorParallelSelfAttentionImpl::load_from_dense(const torch::nn::Multihead
         .copy_(dense->in_proj_bias.narrow(0, part * width_ + r * local, local));
   }
   out_proj_->load_from_dense(dense->out_proj);
+}
+
+void TensorParallelSelfAttentionImpl::copy_to_dense(torch::nn::MultiheadAttention& dense) {
+  const int64_t local = local_heads_ * (width_ / heads_);
+  check_dense(dense->in_proj_weight, {3 * width_, width_}, "TensorParallelSelfAttention");
+  // Rank r's rows are its q, k and v slices stacked: dense q is every rank's q slice in order.
+  const auto weights = group_.allgather(in_proj_weight_.detach().contiguous());
+  const auto biases = group_.allgather(in_proj_bias_.detach().contiguous());
+  torch::NoGradGuard no_grad;
+  for (int64_t part = 0; part < 3; ++part) {
+    for (size_t r = 0; r < weights.size(); ++r) {
+      const int64_t row = part * width_ + static_cast<int64_t>(r) * local;
+      dense->in_proj_weight.narrow(0, row, local).copy_(weights[r].narrow(0, part * local, local));
+      dense->in_proj_bias.narrow(0, row, local).copy_(biases[r].narrow(0, part * local, local));
+    }
+  }
+  out_proj_->copy_to_dense(dense->out_proj);
 }
 
 at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {

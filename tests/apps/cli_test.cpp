@@ -10,6 +10,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/data/idx.h"
 #include "cohort/json.h"
+#include "cohort/train/checkpoint.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -360,6 +361,19 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   EXPECT_NEAR(result_of("vit_tp")["train_loss"].get<double>(),
               result_of("vit_one")["train_loss"].get<double>(),
               1e-4 * result_of("vit_one")["train_loss"].get<double>());
+  // The checkpoints hold the whole model: the pipeline's and the tensor-parallel run's weights
+  // are one worker's, to float rounding.
+  for (const auto& [mesh_run, plain] : {std::pair{"pp", "one"}, std::pair{"vit_tp", "vit_one"}}) {
+    const auto file = [&](const char* run) {
+      return dir / "runs" / run / "checkpoint_000000" / "model.safetensors";
+    };
+    const auto got = safetensors::read(file(mesh_run)), want = safetensors::read(file(plain));
+    ASSERT_EQ(got.size(), want.size()) << mesh_run;
+    for (const auto& [name, tensor] : want) {
+      ASSERT_TRUE(got.count(name)) << mesh_run << " lacks " << name;
+      EXPECT_TRUE(torch::allclose(got.at(name), tensor, 1e-3, 1e-5)) << mesh_run << " " << name;
+    }
+  }
 
   auto zb = [&](std::vector<std::string> extra) {
     auto args = small_run("adam", {"--model", "cnn", "--pp", "2", "--schedule", "zero-bubble"});

@@ -129,6 +129,33 @@ TEST(Zoo, TensorParallelVitIsTheDenseVitSliced) {
   });
 }
 
+// A checkpoint of a tensor-parallel ViT holds the dense model: gathering the slices gives the
+// dense weights back, and slicing them gives the same model again.
+TEST(Zoo, TensorParallelVitGathersIntoTheDenseVitAndBack) {
+  const ModelOptions options{
+      .image_size = 28, .patch_size = 7, .depth = 2, .width = 32, .heads = 4};
+  cohort::testing::run_ranks(2, [&](comm::ProcessGroup& tp) {
+    std::unique_lock lock(cohort::testing::generator_mutex());
+    torch::manual_seed(21);
+    auto trained = create_model("vit", options);  // stands for any dense weights
+    torch::manual_seed(22);
+    auto sliced_options = options;
+    sliced_options.tensor_parallel_group = tp;
+    auto sliced = create_model("vit", sliced_options);
+    torch::manual_seed(23);
+    auto gathered = create_model("vit", options);
+    lock.unlock();
+    auto& vit = dynamic_cast<VisionTransformerImpl&>(*sliced);
+    vit.load_from_dense(dynamic_cast<VisionTransformerImpl&>(*trained));
+    vit.copy_to_dense(dynamic_cast<VisionTransformerImpl&>(*gathered));
+    const auto want = trained->named_parameters(), got = gathered->named_parameters();
+    ASSERT_EQ(want.size(), got.size());
+    for (const auto& p : want) {
+      EXPECT_TRUE(torch::equal(p.value(), got[p.key()])) << p.key() << " on rank " << tp.rank();
+    }
+  });
+}
+
 TEST(Zoo, TensorParallelismThatDoesNotFitIsNamed) {
   cohort::testing::run_ranks(2, [](comm::ProcessGroup& tp) {
     cohort::testing::expect_error<UsageError>(

@@ -55,6 +55,15 @@ void expect_matches_dense(comm::ProcessGroup& group, Parallel parallel, Dense de
   torch::optim::SGD(dense->parameters(), 1.0).step();
   fresh->load_from_dense(dense);
   expect_same_parameters(*parallel, *fresh, 1e-5);
+  // Gathered from the ranks' slices, the weights are the dense module's (load_from_dense's
+  // inverse, e.g. for a checkpoint of the unsplit model).
+  Dense gathered(std::dynamic_pointer_cast<typename Dense::ContainedType>(dense->clone()));
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : gathered->parameters()) p.zero_();
+  }
+  parallel->copy_to_dense(gathered);
+  expect_same_parameters(*gathered, *dense, 1e-5);
 }
 
 TEST(TensorParallel, MlpMatchesTheDenseMlp) {

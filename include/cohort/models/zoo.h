@@ -88,6 +88,12 @@ class VisionTransformerImpl : public ImageClassifierImpl {
   explicit VisionTransformerImpl(const ModelOptions& options = {});
   torch::Tensor forward(torch::Tensor x) override;
   torch::nn::Sequential pipeline_layers() override;
+  // With a tensor_parallel_group: takes this rank's slices of a dense ViT of the same options
+  // (without the group), or gathers the whole weights from the group's slices into one (a
+  // collective: every rank of the group calls it), e.g. to save a checkpoint that loads into the
+  // unsplit model. Without a group: copies.
+  void load_from_dense(VisionTransformerImpl& dense);
+  void copy_to_dense(VisionTransformerImpl& dense);
 
  private:
   torch::nn::Conv2d patch_embed_{nullptr};

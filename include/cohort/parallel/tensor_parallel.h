@@ -26,6 +26,9 @@ class ColumnParallelLinearImpl : public torch::nn::Module {
   ColumnParallelLinearImpl(int64_t in, int64_t out, comm::ProcessGroup group, bool bias = true);
   // Takes this rank's rows of a dense layer of the same shape.
   void load_from_dense(const torch::nn::Linear& dense);
+  // Gathers the whole layer from the group's slices into `dense` (a collective: every rank of
+  // the group calls it). load_from_dense's inverse.
+  void copy_to_dense(torch::nn::Linear& dense);
   // x: [..., in] (the same on every rank) -> [..., out / tp].
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight, bias;
@@ -41,6 +44,7 @@ class RowParallelLinearImpl : public torch::nn::Module {
  public:
   RowParallelLinearImpl(int64_t in, int64_t out, comm::ProcessGroup group, bool bias = true);
   void load_from_dense(const torch::nn::Linear& dense);
+  void copy_to_dense(torch::nn::Linear& dense);
   // x: [..., in / tp] (this rank's slice) -> [..., out], the same on every rank.
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight, bias;
@@ -57,6 +61,7 @@ class TensorParallelMlpImpl : public torch::nn::Module {
   TensorParallelMlpImpl(int64_t width, int64_t hidden, comm::ProcessGroup group);
   // From a dense Sequential(Linear(width, hidden), GELU, Linear(hidden, width)).
   void load_from_dense(const torch::nn::Sequential& dense);
+  void copy_to_dense(torch::nn::Sequential& dense);
   at::Tensor forward(const at::Tensor& x);
 
  private:
@@ -73,6 +78,7 @@ class TensorParallelSelfAttentionImpl : public torch::nn::Module {
   TensorParallelSelfAttentionImpl(int64_t width, int64_t heads, comm::ProcessGroup group);
   // Takes this rank's heads of a dense torch::nn::MultiheadAttention(width, heads).
   void load_from_dense(const torch::nn::MultiheadAttention& dense);
+  void copy_to_dense(torch::nn::MultiheadAttention& dense);
   at::Tensor forward(const at::Tensor& x);
 
  private:
