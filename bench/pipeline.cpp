@@ -3,7 +3,8 @@
 //            [--blocks 8] [--width 256] [--rows 16] [--steps 6]
 // For each schedule and number of micro-batches m: the bubble by the formula, by the simulator
 // (fed with the forward and backward times this run measured) and as measured from the ranks'
-// timelines (the median step), the step time, and the peak live activations per rank (the
+// timelines (the median step), the step time, the peak heap growth per rank during a step
+// (measured: activations and gradients) and the peak live activations per rank (the
 // simulator's count of micro-batch activations a stage holds at once). First, the whole model in
 // one process on the same batch (m x rows rows), for the throughput ratio. Blocks are
 // Linear(width, 2 width), GELU, Linear(2 width, width); with --ranks p each stage holds
@@ -145,8 +146,9 @@ void bench_loop(const cohort::Json& c) {
   }
   world.barrier();
   if (rank == 0) {
-    std::printf("%-12s %4s %9s %9s %9s %10s %10s %8s  %s\n", "schedule", "m", "formula",
-                "simulated", "measured", "step ms", "1-proc ms", "speedup", "peak live/rank");
+    std::printf("%-12s %4s %9s %9s %9s %10s %10s %8s  %-16s %s\n", "schedule", "m", "formula",
+                "simulated", "measured", "step ms", "1-proc ms", "speedup", "peak live/rank",
+                "peak heap MB/rank");
   }
   for (const std::string& name : c["schedules"].get<std::vector<std::string>>()) {
     const pp::ScheduleKind kind = pp::schedule_from_string(name);
@@ -163,10 +165,16 @@ void bench_loop(const cohort::Json& c) {
       auto [x, y] = make_batch(m);
       std::vector<double> bubbles, times;
       pp::SimulationCosts costs;
+      // The most this rank's heap grew during a step over its size before: the activations it
+      // holds at once, plus the gradients (the same for every schedule).
+      int64_t peak_heap = 0;
       for (int s = 0; s <= steps; ++s) {
         for (auto& param : pipe.parameters()) param.mutable_grad() = at::Tensor();
         world.barrier();
+        const int64_t heap_before = pp::heap_bytes_in_use();
         pipe.step(x, y);
+        for (const auto& t : pipe.timeline())
+          peak_heap = std::max(peak_heap, t.heap_bytes - heap_before);
         const auto timelines = gather_timelines(world, pipe);
         if (s == 0) continue;  // warm-up
         double first = 1e300, last = 0;
@@ -177,15 +185,22 @@ void bench_loop(const cohort::Json& c) {
         bubbles.push_back(pp::measured_bubble(timelines));
         costs = measured_costs(timelines);
       }
+      const auto heaps = world.allgather(torch::tensor({peak_heap}, torch::kInt64));
       if (rank != 0) continue;
+      std::string heap_mb;
+      for (const auto& h : heaps) {
+        char mb[32];
+        std::snprintf(mb, sizeof mb, "%.1f ", h.item<int64_t>() / 1e6);
+        heap_mb += mb;
+      }
       const pp::ScheduleOptions options{.kind = kind, .layout = {p, v}, .micro_batches = m};
       const pp::SimulationResult sim = pp::simulate(pp::compile_schedule(options), costs);
       std::string peaks;
       for (int live : sim.peak_live_activations) peaks += std::to_string(live) + " ";
       const double step = median(times);
-      std::printf("%-12s %4d %9.3f %9.3f %9.3f %10.1f %10.1f %8.2f  %s\n", name.c_str(), m,
+      std::printf("%-12s %4d %9.3f %9.3f %9.3f %10.1f %10.1f %8.2f  %-16s %s\n", name.c_str(), m,
                   pp::expected_bubble(options, costs), sim.bubble_fraction, median(bubbles),
-                  step * 1e3, single[m] * 1e3, single[m] / step, peaks.c_str());
+                  step * 1e3, single[m] * 1e3, single[m] / step, peaks.c_str(), heap_mb.c_str());
       std::fflush(stdout);
     }
   }

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <iostream>
+#include <tuple>
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
@@ -258,12 +259,7 @@ void train_loop_on_mesh(const Json& c) {
   int64_t steps = 0;
   if (auto checkpoint = train::get_checkpoint()) {
     load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer);
-    const auto metrics = checkpoint->metrics();
-    start_epoch = metrics.value("epoch", 0);
-    steps = metrics.value("steps", int64_t{0});
-    if (rank0)
-      std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string()
-                << std::endl;
+    std::tie(start_epoch, steps) = resume_point(*checkpoint);
   }
 
   // This dp rank's shard (the same rows on every rank of a pipeline and of a tp group).

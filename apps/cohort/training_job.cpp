@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <iostream>
+#include <tuple>
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
@@ -103,6 +104,16 @@ Evaluation evaluate(torch::nn::Module& model,
   group.allreduce(sums);
   auto s = sums[0];
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
+}
+
+std::pair<int, int64_t> resume_point(const Checkpoint& checkpoint) {
+  const auto metrics = checkpoint.metrics();
+  const int epoch = metrics.value("epoch", 0);
+  if (train::get_context().get_world_rank() == 0) {
+    std::cout << "resuming after epoch " << epoch << " from " << checkpoint.path().string()
+              << std::endl;
+  }
+  return {epoch, metrics.value("steps", int64_t{0})};
 }
 
 data::TensorDataset test_set_of(const Json& c) {
@@ -417,12 +428,7 @@ void train_loop(const Json& c) {
     // Resume where the checkpoint left off, not at epoch 1.
     refuse_mesh_checkpoint(*checkpoint);
     train::load_checkpoint(*checkpoint, *model, *optimizer);
-    const auto metrics = checkpoint->metrics();
-    start_epoch = metrics.value("epoch", 0);
-    steps = metrics.value("steps", int64_t{0});
-    if (rank0)
-      std::cout << "resuming after epoch " << start_epoch << " from " << checkpoint->path().string()
-                << std::endl;
+    std::tie(start_epoch, steps) = resume_point(*checkpoint);
   }
   const double clip = c.value("gradient_clipping", 0.0);
   auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());

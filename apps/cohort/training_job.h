@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -134,6 +135,8 @@ optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 Evaluation evaluate(torch::nn::Module& model,
                     const std::function<torch::Tensor(torch::Tensor)>& forward,
                     data::DataLoader& loader, comm::ProcessGroup group);
+// The epoch and step a checkpoint's run stopped after (its metrics), said on rank 0.
+std::pair<int, int64_t> resume_point(const Checkpoint& checkpoint);
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
 

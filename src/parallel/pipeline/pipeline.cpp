@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -398,7 +400,8 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
         accumulate.emplace(*st.data_parallel[st.local(a.stage)]);
       }
       st.run(a, in, tgt, weights, loss_sum);
-      if (st.options.record_timeline) st.timeline.push_back({a, start, seconds_now()});
+      if (st.options.record_timeline)
+        st.timeline.push_back({a, start, seconds_now(), heap_bytes_in_use()});
     } catch (const c10::Error& e) {
       st.group.set_activity("");
       throw RuntimeError(st.where(a) + ": " + e.what_without_backtrace());
@@ -412,6 +415,15 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
 }
 
 const std::vector<TimedAction>& Pipeline::timeline() const { return state_->timeline; }
+
+int64_t heap_bytes_in_use() {
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+  const struct mallinfo2 info = ::mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+#else
+  return -1;
+#endif
+}
 
 double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines) {
   double first = std::numeric_limits<double>::infinity(), last = -first, busy = 0.0;

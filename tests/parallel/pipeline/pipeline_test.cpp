@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
@@ -126,6 +127,46 @@ TEST(Pipeline, RepeatedStepsAccumulateTheOptimizerStepRunsOnceAndTheTimelineIsKe
     for (size_t i = 0; i < params.size(); ++i)
       EXPECT_TRUE(torch::allclose(params[i].grad(), 2 * once[i], 1e-5, 1e-7));
   });
+}
+
+// The timeline's heap readings show what a schedule keeps alive: on one rank, GPipe holds every
+// micro-batch's activations before the first backward, 1F1B one at a time.
+TEST(Pipeline, TheTimelinesHeapShowsGPipeHoldingEveryMicroBatch) {
+  if (heap_bytes_in_use() < 0) GTEST_SKIP() << "the C library does not report its heap";
+  constexpr int kMicroBatches = 8;
+  std::map<ScheduleKind, int64_t> peak;
+  run_ranks(1, [&](comm::ProcessGroup& group) {
+    torch::nn::Sequential wide = [] {
+      std::lock_guard lock(generator_mutex());
+      torch::manual_seed(3);
+      return torch::nn::Sequential(torch::nn::Linear(64, 1024), torch::nn::Tanh(),
+                                   torch::nn::Linear(1024, 1024), torch::nn::Tanh(),
+                                   torch::nn::Linear(1024, 4));
+    }();
+    const at::Tensor x = torch::ones({kMicroBatches * 32, 64});
+    const at::Tensor y = torch::zeros({kMicroBatches * 32}, torch::kLong);
+    for (const auto kind : {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB}) {
+      Pipeline pipe({wide}, group, cross_entropy,
+                    {.schedule = kind, .micro_batches = kMicroBatches, .record_timeline = true});
+      for (int step = 0; step < 2; ++step) {  // the second step: gradients already allocated
+        const int64_t before = heap_bytes_in_use();
+        pipe.step(x, y);
+        int64_t most = 0;
+        for (const auto& t : pipe.timeline()) most = std::max(most, t.heap_bytes - before);
+        peak[kind] = most;
+      }
+    }
+  });
+  std::printf(
+      "peak heap growth over a step of 8 micro-batches on one rank: gpipe %.2f MB, "
+      "1f1b %.2f MB\n",
+      peak[ScheduleKind::kGPipe] / 1e6, peak[ScheduleKind::kOneFOneB] / 1e6);
+  // A micro-batch's activations: 32 rows x 4 x 1024 floats (two Linear outputs, two Tanh
+  // outputs), about 0.5 MB.
+  EXPECT_GT(peak[ScheduleKind::kGPipe], 4 * 400'000) << "GPipe: " << peak[ScheduleKind::kGPipe];
+  EXPECT_GT(peak[ScheduleKind::kGPipe], 2 * peak[ScheduleKind::kOneFOneB])
+      << "GPipe " << peak[ScheduleKind::kGPipe] << " B, 1F1B " << peak[ScheduleKind::kOneFOneB]
+      << " B";
 }
 
 TEST(Pipeline, AStageThatCannotTakeThePreviousOutputIsNamedOnBothRanks) {

@@ -1,6 +1,7 @@
 // Pipeline parallelism: a model cut into stages, each on its own rank, trained by running a
 // compiled schedule (schedule.h): activations go forward and gradients back by send/recv.
 #pragma once
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -76,7 +77,13 @@ struct TimedAction {
   Action action;
   double start = 0.0;
   double end = 0.0;
+  // heap_bytes_in_use() when the action ended: with a baseline taken before the step, the
+  // activations and gradients this rank holds.
+  int64_t heap_bytes = -1;
 };
+// Bytes this process's heap holds now (glibc's mallinfo2: in use plus mmapped blocks; CPU tensors
+// live there), or -1 where the C library cannot tell.
+int64_t heap_bytes_in_use();
 // 1 - (time spent computing, summed over ranks) / (ranks x the span from the first start to the
 // last end): the bubble of a step as measured, the simulator's bubble_fraction's counterpart.
 double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines);
