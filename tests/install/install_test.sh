@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs cohort from BUILD_DIR into a temporary prefix, builds the outside project in
-# tests/install/consumer against it with find_package(cohort), and runs it.
+# tests/install/consumer against it with find_package(cohort), and runs it. The project also
+# compiles the README's first C++ program, as a new user copies it.
 set -euo pipefail
 build_dir="$1"
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -9,8 +10,15 @@ trap 'rm -rf "$work"' EXIT
 cmake --install "$build_dir" --prefix "$work/prefix" > "$work/install.log"
 test -f "$work/prefix/include/cohort/cohort.h"
 test -f "$work/prefix/lib/cmake/cohort/cohortConfig.cmake"
+# The first ```cpp block after "## Using the library".
+awk '/^## Using the library/ { section = 1 }
+     section && /^```cpp/ { inside = 1; next }
+     inside && /^```/ { exit }
+     inside { print }' "$here/../../README.md" > "$work/readme_first.cpp"
+grep -q "int main" "$work/readme_first.cpp" || { echo "the README's first program was not found" >&2; exit 1; }
 cmake -S "$here/consumer" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
-cmake --build "$work/build" > "$work/build.log"
+  -DCMAKE_PREFIX_PATH="$work/prefix" -DREADME_PROGRAM="$work/readme_first.cpp" \
+  > "$work/configure.log"
+cmake --build "$work/build" > "$work/build.log" || { tail -30 "$work/build.log" >&2; exit 1; }
 "$work/build/consumer" "$work/runs" | tee "$work/run.log"
 grep -q "consumer world_size 2" "$work/run.log"
