@@ -7,6 +7,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/error.h"
+#include "completion_command.h"
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
@@ -42,6 +43,8 @@ int main(int argc, char** argv) {
   auto* tune_cmd = cohort::cli::add_tune_command(app, tune);
   cohort::cli::LaunchOptions launch;
   auto* launch_cmd = cohort::cli::add_launch_command(app, launch);
+  std::string shell;
+  auto* completion_cmd = cohort::cli::add_completion_command(app, shell);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -58,6 +61,7 @@ int main(int argc, char** argv) {
       return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
     if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
+    if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 2;

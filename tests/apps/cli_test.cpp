@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <csignal>
 #include <fstream>
+#include <iterator>
+#include <set>
 #include <sstream>
 
 #include "cohort/comm/store.h"
@@ -160,6 +162,32 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
   }
   auto none = run_command({cli_path()}, std::chrono::seconds(30));
   EXPECT_EQ(none.exit_code, 2) << none.output;
+}
+
+// `cohort completion bash` completes the subcommands and each one's flags, as bash runs it.
+TEST_F(Cli, CompletionScriptCompletesSubcommandsAndTheirFlags) {
+  const auto script = run_command({cli_path(), "completion", "bash"});
+  ASSERT_EQ(script.exit_code, 0) << script.output;
+  const auto file = dir / "cohort.bash";
+  std::ofstream(file) << script.output;
+  auto complete = [&](const std::string& words, int current) {
+    const auto r = run_command({"bash", "-c",
+                                "source " + file.string() + "; COMP_WORDS=(" + words +
+                                    "); COMP_CWORD=" + std::to_string(current) +
+                                    "; _cohort; echo \"${COMPREPLY[*]}\""});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r.output;
+  };
+  EXPECT_EQ(complete("cohort tr", 1), "train\n");
+  EXPECT_EQ(complete("cohort train --micro", 2), "--micro-batches\n");
+  const auto sched = complete("cohort tune --model cnn --sched", 4);  // tune's and the pipeline's
+  std::istringstream words(sched);
+  const std::set<std::string> offered{std::istream_iterator<std::string>(words), {}};
+  EXPECT_EQ(offered, (std::set<std::string>{"--scheduler", "--schedule"})) << sched;
+  EXPECT_EQ(complete("cohort launch --nproc", 2), "--nproc-per-node\n");
+  const auto zsh = run_command({cli_path(), "completion", "zsh"});
+  EXPECT_EQ(zsh.exit_code, 2);
+  EXPECT_NE(zsh.output.find("use `cohort completion bash`"), std::string::npos) << zsh.output;
 }
 
 TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
