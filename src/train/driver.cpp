@@ -428,12 +428,18 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     std::stable_partition(error_order.begin(), error_order.end(),
                           [&](int r) { return !consequences.count(r); });
     attempt.error = describe_failure(attempt.outcome, worker_errors, error_order);
+    // The rank blamed is the first cause the error names: a rank killed by a signal, else the
+    // first whose error is not a consequence of another's failure (a peer's closed connection,
+    // reported before the kill was seen, must not take the blame).
     attempt.failed_rank = attempt.outcome.first_failure ? attempt.outcome.first_failure->rank : -1;
-    for (const auto& e : attempt.outcome.exits) {
-      if (e.signal != 0 && !e.stopped_by_driver) attempt.failed_rank = e.rank;
-    }
     if (!error_order.empty() && !consequences.count(error_order.front()))
       attempt.failed_rank = error_order.front();
+    for (const auto& e : attempt.outcome.exits) {
+      if (e.signal != 0 && !e.stopped_by_driver) {
+        attempt.failed_rank = e.rank;
+        break;
+      }
+    }
     if (!consequences.empty() && !stall.empty()) attempt.error += "; " + stall;
   }
   return attempt;
