@@ -56,19 +56,13 @@ void bench_loop(const cohort::Json& c) {
       loss.backward();
       return loss;
     };
-  }
-  auto layers = model->pipeline_layers();
-  const pp::PipelineLayout layout{.ranks = shape[1], .virtual_stages = 1};
-  const auto stages = pp::split_sequential(
-      layers, pp::even_split(static_cast<int>(layers->size()), layout.stages()));
-  std::vector<pp::Stage> mine;
-  std::vector<torch::Tensor> params;
-  for (int s : layout.stages_of(mesh.pp_index())) {
-    mine.emplace_back(stages[static_cast<size_t>(s)]);
-    for (const auto& p : stages[static_cast<size_t>(s)]->parameters()) params.push_back(p);
-  }
-  if (!train_step) {
-    optimizer = std::make_unique<torch::optim::SGD>(params, sgd);
+  } else {
+    auto layers = model->pipeline_layers();
+    const pp::PipelineLayout layout{.ranks = shape[1], .virtual_stages = 1};
+    const auto stages = pp::split_sequential(
+        layers, pp::even_split(static_cast<int>(layers->size()), layout.stages()));
+    std::vector<pp::Stage> mine;
+    for (int s : layout.stages_of(mesh.pp_index())) mine.emplace_back(stages[size_t(s)]);
     pipe = std::make_unique<pp::Pipeline>(
         std::move(mine), mesh.pp(),
         [](const at::Tensor& out, const at::Tensor& y) {
@@ -76,6 +70,7 @@ void bench_loop(const cohort::Json& c) {
         },
         pp::PipelineOptions{
             .schedule = kind, .micro_batches = micro_batches, .data_parallel_group = mesh.dp()});
+    optimizer = std::make_unique<torch::optim::SGD>(pipe->parameters(), sgd);
     train_step = [&](const at::Tensor& x, const at::Tensor& y) { return pipe->step(x, y); };
   }
 

@@ -235,12 +235,7 @@ void train_loop_on_mesh(const Json& c) {
   const auto all_stages = pipeline::split_sequential(
       layers, pipeline::even_split(static_cast<int>(layers->size()), layout.stages()));
   std::vector<pipeline::Stage> stages;
-  std::vector<torch::Tensor> params;
-  for (int s : layout.stages_of(mesh.pp_index())) {
-    stages.emplace_back(all_stages[static_cast<size_t>(s)]);
-    for (const auto& p : all_stages[static_cast<size_t>(s)]->parameters()) params.push_back(p);
-  }
-  auto optimizer = make_optimizer(c, params);
+  for (int s : layout.stages_of(mesh.pp_index())) stages.emplace_back(all_stages[size_t(s)]);
   pipeline::Pipeline pipe(std::move(stages), mesh.pp(),
                           [](const at::Tensor& output, const at::Tensor& target) {
                             return torch::nn::functional::cross_entropy(output, target);
@@ -249,6 +244,7 @@ void train_loop_on_mesh(const Json& c) {
                            .micro_batches = micro_batches,
                            .virtual_stages = layout.virtual_stages,
                            .data_parallel_group = mesh.dp()});
+  auto optimizer = make_optimizer(c, pipe.parameters());
   if (rank0) {
     std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
               << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
