@@ -14,7 +14,8 @@ build="${COHORT_BUILD_DIR:-$root/build}"
 packages=(build-essential cmake ninja-build ccache pkg-config clang-format git libtorch-dev dataset-fashion-mnist
   nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
-  openmpi-bin iproute2 slurmctld slurmd slurm-client munge)
+  openmpi-bin iproute2 slurmctld slurmd slurm-client munge
+  python3-protobuf protobuf-compiler)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -8,6 +8,7 @@
 
 #include "cohort/error.h"
 #include "completion_command.h"
+#include "config_file.h"
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
@@ -37,6 +38,17 @@ void reject_non_finite(const CLI::App& app) {
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training for libtorch"};
   app.require_subcommand(1);
+  app.footer(
+      "Examples:\n"
+      "  cohort train --model cnn --workers 2 --epochs 5        train on Fashion-MNIST\n"
+      "  cohort train --config run.json --lr 0.05                options from a file, one changed\n"
+      "  cohort train --model vit --workers 8 --pp 2 --tp 2      a data x pipeline x tensor mesh\n"
+      "  cohort tune --param lr=loguniform:1e-4:1e-1 --samples 8 --scheduler asha\n"
+      "  cohort launch --nnodes 2 --node-rank 0 --master host0:29500 --nproc-per-node 2 -- \\\n"
+      "      cohort train --workers 4                             one node of a two-node job\n"
+      "\n"
+      "`cohort SUBCOMMAND --help` lists a subcommand's options by group; "
+      "`source <(cohort completion bash)` completes them.");
   cohort::cli::TrainOptions train;
   auto* train_cmd = cohort::cli::add_train_command(app, train);
   cohort::cli::TuneOptions tune;
@@ -56,10 +68,11 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (train_cmd->parsed()) cohort::cli::apply_config_file(train_cmd, train.config_file);
+    if (tune_cmd->parsed()) cohort::cli::apply_config_file(tune_cmd, tune.job.config_file);
     reject_non_finite(app);
-    if (train_cmd->parsed())
-      return cohort::cli::run_train_command(train, train_cmd->count("--workers") > 0);
-    if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune);
+    if (train_cmd->parsed()) return cohort::cli::run_train_command(train, *train_cmd);
+    if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune, *tune_cmd);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
     if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
   } catch (const cohort::UsageError& e) {

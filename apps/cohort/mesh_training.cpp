@@ -253,10 +253,14 @@ void train_loop_on_mesh(const Json& c) {
 
   int start_epoch = 0;
   int64_t steps = 0;
+  ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer);
-    std::tie(start_epoch, steps) = resume_point(*checkpoint);
+    resumed = resume_point(*checkpoint);
+    start_epoch = resumed.epoch;
+    steps = resumed.steps;
   }
+  bool stopping = false;  // a Ctrl-C asked to stop after a checkpoint
 
   // This dp rank's shard (the same rows on every rank of a pipeline and of a tp group).
   auto train_stream = train::get_dataset_shard("train");
@@ -284,19 +288,26 @@ void train_loop_on_mesh(const Json& c) {
     int64_t loss_count = 0;
     const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
     int64_t step_in_epoch = 0;
+    // Resumed inside this epoch: its first steps' batches were trained on already.
+    int64_t skip = epoch == start_epoch ? resumed.epoch_steps_done : 0;
     for (auto& batch :
          train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
       const auto& images = batch["image"];
       // A last batch too small to split: every rank of the pipeline has the same rows, and
       // every dp rank as many: all skip it alike.
       if (images.size(0) < micro_batches) continue;
+      if (skip > 0) {
+        --skip;
+        ++step_in_epoch;
+        continue;
+      }
       optimizer->zero_grad();
       at::Tensor loss;
       {
         auto autocast = train::autocast();
         loss = pipe.step(images, batch["label"]);
       }
-      optimizer->step();
+      train::step_optimizer(*optimizer);
       schedule.step();
       ++steps;
       ++step_in_epoch;
@@ -317,6 +328,10 @@ void train_loop_on_mesh(const Json& c) {
       if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
       train::report_progress(progress);
       if (max_steps > 0 && steps >= max_steps) break;
+      if (train::should_stop()) {
+        stopping = true;
+        break;
+      }
     }
     // The epoch's mean loss over the last stages' ranks.
     std::vector<at::Tensor> loss_stats{
@@ -327,17 +342,18 @@ void train_loop_on_mesh(const Json& c) {
     const auto eval = evaluate(
         *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
         ctx.get_process_group());
-    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
-    report_with_checkpoint(
-        {{"epoch", epoch + 1},
-         {"world_size", ctx.get_world_size()},
-         {"mesh", parallel::to_string(shape)},
-         {"steps", steps},
-         {"train_loss", train_loss},
-         {"test_loss", eval.loss},
-         {"test_accuracy", eval.accuracy},
-         {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}},
-        mesh, checkpointed, *optimizer, to_string(kind));
+    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps) || stopping;
+    Json metrics{{"epoch", epoch + 1},
+                 {"world_size", ctx.get_world_size()},
+                 {"mesh", parallel::to_string(shape)},
+                 {"steps", steps},
+                 {"train_loss", train_loss},
+                 {"test_loss", eval.loss},
+                 {"test_accuracy", eval.accuracy},
+                 {"lr", current_lr(*optimizer)},
+                 {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
+    if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
+    report_with_checkpoint(metrics, mesh, checkpointed, *optimizer, to_string(kind));
     if (last) break;
   }
 }

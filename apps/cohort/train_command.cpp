@@ -1,8 +1,10 @@
 #include "train_command.h"
 
+#include <csignal>
 #include <iostream>
 
 #include "cohort/cohort.h"
+#include "config_file.h"
 #include "training_job.h"
 
 namespace cohort::cli {
@@ -10,21 +12,39 @@ namespace cohort::cli {
 CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
   auto* cmd = app.add_subcommand("train", "Train a model of the zoo on an MNIST-format data set");
   add_training_options(cmd, o);
+  cmd->footer(
+      "Examples:\n"
+      "  cohort train --model resnet18 --workers 2 --epochs 10 --name fashion\n"
+      "  cohort train --name fashion                       continue that run from its checkpoint\n"
+      "  cohort train --config cohort_results/fashion/config.json --epochs 20\n"
+      "  cohort train --zero-stage 2 --precision bf16 --profile-steps 100-110\n"
+      "  cohort train --deepspeed ds_config.json --workers 4\n"
+      "\n"
+      "Bad input is one line naming the value and the fix, exit code 2; a failure while "
+      "running, exit code 1.");
   return cmd;
 }
 
-int run_train_command(TrainOptions o, bool workers_given) {
+int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
-  if (auto launch = runtime::detect_launch(); launch && !workers_given)
+  if (auto launch = runtime::detect_launch(); launch && cmd.count("--workers") == 0)
     o.workers = launch->world_size;
   apply_deepspeed_config(o);
   validate(o);
-  Trainer trainer(train_loop, scaling_of(o), run_config_of(o), to_json(o), datasets_of(o));
+  RunConfig run = run_config_of(o);
+  // `cohort train --config <run>/config.json` runs it again.
+  run.extra_files[kConfigFile] = effective_options(&cmd).dump(2) + "\n";
+  Trainer trainer(train_loop, scaling_of(o), run, to_json(o), datasets_of(o));
   Result result = trainer.fit();
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << "\n(logs: " << (result.path / "logs").string()
               << ")\n";
     return 1;
+  }
+  if (result.interrupted) {
+    std::cout << "resume with: cohort train --config " << (result.path / kConfigFile).string()
+              << std::endl;
+    return 128 + SIGINT;
   }
   const auto& m = result.metrics;
   std::cout << "test_accuracy " << m.value("test_accuracy", 0.0) << " | train_loss "

@@ -1,5 +1,7 @@
 #include "training_job.h"
 
+#include "config_file.h"
+
 #include <torch/torch.h>
 
 #include <unistd.h>
@@ -89,7 +91,9 @@ Evaluation evaluate(torch::nn::Module& model,
   for (auto& batch : loader) {
     torch::Tensor output;
     {
-      auto autocast = train::autocast();
+      // Autocast as training does, without timing it as a training step's forward.
+      const auto& ctx = train::get_context();
+      optim::AutocastGuard autocast(ctx.get_precision(), ctx.get_device());
       output = forward(batch.data).to(torch::kFloat);
     }
     loss_sum += torch::nn::functional::cross_entropy(
@@ -106,14 +110,19 @@ Evaluation evaluate(torch::nn::Module& model,
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
 }
 
-std::pair<int, int64_t> resume_point(const Checkpoint& checkpoint) {
+ResumePoint resume_point(const Checkpoint& checkpoint) {
   const auto metrics = checkpoint.metrics();
   const int epoch = metrics.value("epoch", 0);
+  const int64_t epoch_step = metrics.value(kEpochStepMetric, int64_t{0});
   if (train::get_context().get_world_rank() == 0) {
-    std::cout << "resuming after epoch " << epoch << " from " << checkpoint.path().string()
-              << std::endl;
+    std::cout << "resuming "
+              << (epoch_step > 0 ? "epoch " + std::to_string(epoch) + " after step " +
+                                       std::to_string(epoch_step)
+                                 : "after epoch " + std::to_string(epoch))
+              << " from " << checkpoint.path().string() << std::endl;
   }
-  return {epoch, metrics.value("steps", int64_t{0})};
+  if (epoch_step > 0) return {epoch - 1, metrics.value("steps", int64_t{0}), epoch_step};
+  return {epoch, metrics.value("steps", int64_t{0}), 0};
 }
 
 data::TensorDataset test_set_of(const Json& c) {
@@ -175,6 +184,7 @@ void validate(const TrainOptions& o) {
                      " (0: a fixed-size group)");
   }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
+  profile_steps_of(o);
   comm::backend_from_string(o.backend);
   if (o.gpus_per_worker < 0) {
     throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
@@ -390,17 +400,56 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .mesh = {.pp = o.pp, .tp = o.tp}};
 }
 
+RunConfig::ProfileSteps profile_steps_of(const TrainOptions& o) {
+  if (o.profile_steps.empty()) return {};
+  const std::string& text = o.profile_steps;
+  const auto fail = [&](const std::string& why) {
+    return UsageError("--profile-steps '" + text + "': " + why +
+                      "; give the steps to trace as A-B (e.g. 100-110) or N, counted from 1");
+  };
+  RunConfig::ProfileSteps steps;
+  const auto dash = text.find('-', 1);
+  try {
+    size_t used = 0;
+    steps.first = std::stoll(text.substr(0, dash), &used);
+    if (used != text.substr(0, dash).size()) throw std::invalid_argument(text);
+    steps.last = steps.first;
+    if (dash != std::string::npos) {
+      const std::string last = text.substr(dash + 1);
+      steps.last = std::stoll(last, &used);
+      if (used != last.size()) throw std::invalid_argument(text);
+    }
+  } catch (const std::logic_error&) {
+    throw fail("not a step range");
+  }
+  if (steps.first < 1) throw fail("steps count from 1");
+  if (steps.last < steps.first) throw fail("the last step is before the first");
+  if (o.max_steps > 0 && steps.first > o.max_steps) {
+    throw fail("the run stops after --max-steps " + std::to_string(o.max_steps) + ", before step " +
+               std::to_string(steps.first));
+  }
+  return steps;
+}
+
+double current_lr(torch::optim::Optimizer& optimizer) {
+  return optimizer.param_groups().empty() ? 0.0
+                                          : optimizer.param_groups().front().options().get_lr();
+}
+
 RunConfig run_config_of(const TrainOptions& o) {
-  return RunConfig{.name = o.name,
-                   .storage_path = o.storage_path,
-                   .failure_config = {.max_failures = o.max_failures,
-                                      .heartbeat_timeout = std::chrono::milliseconds(
-                                          static_cast<int64_t>(o.heartbeat_timeout_s * 1000))},
-                   .checkpoint_config = {.num_to_keep = o.num_to_keep,
-                                         .checkpoint_score_attribute = "test_accuracy",
-                                         .checkpoint_score_order = "max"},
-                   .resume = o.resume,
-                   .verbose = o.quiet ? 0 : 1};
+  return RunConfig{
+      .name = o.name,
+      .storage_path = o.storage_path,
+      .failure_config = {.max_failures = o.max_failures,
+                         .heartbeat_timeout = std::chrono::milliseconds(
+                             static_cast<int64_t>(o.heartbeat_timeout_s * 1000))},
+      .checkpoint_config = {.num_to_keep = o.num_to_keep,
+                            .checkpoint_score_attribute = "test_accuracy",
+                            .checkpoint_score_order = "max"},
+      .resume = o.resume,
+      .verbose = o.quiet ? 0 : 1,
+      .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
+      .profile_steps = profile_steps_of(o)};
 }
 
 void train_loop(const Json& c) {
@@ -422,14 +471,20 @@ void train_loop(const Json& c) {
   const auto sync = c.contains("sync") ? sync_from_json(c["sync"]) : parallel::SyncMode{};
   train::prepare_model(model, {.zero = zero, .sync = sync});
   auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
-  int start_epoch = 0;
-  int64_t steps = 0;
+  ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
     refuse_mesh_checkpoint(*checkpoint);
     train::load_checkpoint(*checkpoint, *model, *optimizer);
-    std::tie(start_epoch, steps) = resume_point(*checkpoint);
+    resumed = resume_point(*checkpoint);
   }
+  const int start_epoch = resumed.epoch;
+  int64_t steps = resumed.steps;
+  // A Ctrl-C asks the loop to stop after a checkpoint (train::should_stop(), a collective): after
+  // every step, or where the workers agree anyway (epoch ends) with local SGD, DiLoCo and the
+  // parameter server, whose workers must not wait for each other every step.
+  const bool stop_every_step = parallel::is_synchronous(sync);
+  bool stopping = false;
   const double clip = c.value("gradient_clipping", 0.0);
   auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
   // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
@@ -465,9 +520,17 @@ void train_loop(const Json& c) {
     int64_t batch_index = 0;
     int64_t micro = 0;  // micro-batches of the current step so far
     int64_t step_samples = 0;
+    // Resumed inside this epoch: its first steps' batches were trained on already.
+    int64_t skip_batches = epoch == start_epoch ? resumed.epoch_steps_done * accumulation : 0;
+    step_in_epoch = epoch == start_epoch ? resumed.epoch_steps_done : 0;
     auto segment_start = Clock::now();
     for (auto& batch :
          train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
+      if (skip_batches > 0) {
+        --skip_batches;
+        ++batch_index;
+        continue;
+      }
       const auto& target = batch["label"];
       const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
       const bool last_micro = micro + 1 >= in_step;
@@ -526,11 +589,16 @@ void train_loop(const Json& c) {
            {"loss", loss_sum / loss_count},
            {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
       if (max_steps > 0 && steps >= max_steps) break;
+      if (stop_every_step && train::should_stop()) {
+        stopping = true;
+        break;
+      }
     }
     // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
     // too, so that the evaluation and the checkpoint are of one model.
     if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get())) local->sync();
     if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(optimizer.get())) ps->sync();
+    if (!stop_every_step) stopping = train::should_stop();
     // The epoch's mean training loss over all ranks.
     std::vector<at::Tensor> loss_stats{
         torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
@@ -542,7 +610,7 @@ void train_loop(const Json& c) {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
             .count();
-    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps);
+    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps) || stopping;
     // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
     double checksum = 0;
     for (const auto& p : model->parameters())
@@ -550,29 +618,42 @@ void train_loop(const Json& c) {
     const auto checksums =
         ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
     const auto all = torch::cat(checksums);
-    report_with_checkpoint(
-        {{"epoch", epoch + 1},
-         {"replica_spread", (all.max() - all.min()).item<double>()},
-         {"world_size", ctx.get_world_size()},
-         {"epochs", epoch + 1},
-         {"steps", steps},
-         {"train_loss", train_loss},
-         {"test_loss", eval.loss},
-         {"test_accuracy", eval.accuracy},
-         {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
-         {"elapsed_s", elapsed},
-         {"time_to_first_step_s", time_to_first_step}},
-        *model, *optimizer);
+    Json metrics{{"epoch", epoch + 1},
+                 {"replica_spread", (all.max() - all.min()).item<double>()},
+                 {"world_size", ctx.get_world_size()},
+                 {"epochs", epoch + 1},
+                 {"steps", steps},
+                 {"train_loss", train_loss},
+                 {"test_loss", eval.loss},
+                 {"test_accuracy", eval.accuracy},
+                 {"lr", current_lr(*optimizer)},
+                 {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
+                 {"elapsed_s", elapsed},
+                 {"time_to_first_step_s", time_to_first_step}};
+    if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
+    report_with_checkpoint(metrics, *model, *optimizer);
     if (last) break;
   }
 }
 
+namespace {
+
+// A flag whose default is in its help and in the effective options (config.json).
+CLI::Option* add_bool_flag(CLI::App* cmd, const std::string& names, bool& value,
+                           const std::string& help) {
+  return cmd->add_flag(names, value, help)->default_str(value ? "true" : "false");
+}
+
+}  // namespace
+
 void add_training_options(CLI::App* cmd, TrainOptions& o) {
+  cmd->option_defaults()->group("Model and data");
   cmd->add_option("--model", o.model, "mlp, cnn, resnet18 or vit")->capture_default_str();
   cmd->add_option("--dataset", o.dataset, "fashion-mnist or mnist")->capture_default_str();
   cmd->add_option("--data-dir", o.data_dir,
                   "folder with the four IDX files (default for fashion-mnist: " +
                       data::default_fashion_mnist_dir().string() + ")");
+  cmd->option_defaults()->group("Workers and devices");
   cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
   cmd->add_option(
          "--min-workers", o.min_workers,
@@ -580,7 +661,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
          "linearly), growing back when slots are free; 0: always --workers")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
-  cmd->add_flag("--use-gpu", o.use_gpu,
+  add_bool_flag(cmd, "--use-gpu", o.use_gpu,
                 "train on GPUs: each worker gets its own (CUDA_VISIBLE_DEVICES)");
   cmd->add_option("--gpus-per-worker", o.gpus_per_worker,
                   "GPUs of each worker with --use-gpu (0: 1)")
@@ -590,6 +671,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
          "collectives: auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo (also for CUDA "
          "tensors, e.g. workers sharing a GPU) or nccl")
       ->capture_default_str();
+  cmd->option_defaults()->group("Training");
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
       ->capture_default_str();
@@ -597,7 +679,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--weight-decay", o.weight_decay,
                   "weight decay (default: 0; for adamw 0.01, decoupled)");
-  cmd->add_flag("--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
+  add_bool_flag(cmd, "--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
                 "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
                 "buffers; default) or libtorch's torch::optim");
   cmd->add_option("--gradient-clipping", o.gradient_clipping,
@@ -619,14 +701,17 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--train-examples", o.train_examples,
                   "train on the first N examples only (0: all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->group("Model and data");
   cmd->add_option("--test-examples", o.test_examples,
                   "evaluate on the first N test examples only (0: all)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->group("Model and data");
   cmd->add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps,
                   "micro-batches of --batch-size per optimizer step, communicating after the "
                   "last only")
       ->capture_default_str();
+  cmd->option_defaults()->group("Parallelism and synchronisation");
   cmd->add_option("--zero-stage", o.zero.stage,
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers) or 2 (gradients "
                   "too)")
@@ -650,7 +735,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option(
       "--outer-momentum", o.outer_momentum,
       "DiLoCo's outer momentum (default: " + Json(parallel::DiLoCo{}.outer_momentum).dump() + ")");
-  cmd->add_flag("--nesterov,!--no-nesterov", o.nesterov,
+  add_bool_flag(cmd, "--nesterov,!--no-nesterov", o.nesterov,
                 "DiLoCo's outer momentum: Nesterov's (default) or plain");
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
@@ -675,11 +760,14 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
          "--data-workers", o.data_workers,
          "preprocessing processes per worker for the training data (0: the worker's own prefetch "
          "thread; -1: one per CPU the workers leave free)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->group("Model and data");
+  cmd->option_defaults()->group("Run directory and recovery");
+  add_config_option(cmd, o.config_file);
   cmd->add_option("--storage-path", o.storage_path, "where run directories go")
       ->capture_default_str();
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
-  cmd->add_flag("--resume,!--no-resume", o.resume,
+  add_bool_flag(cmd, "--resume,!--no-resume", o.resume,
                 "continue a run with the same --storage-path and --name from its latest checkpoint "
                 "(default)");
   cmd->add_option(
@@ -693,7 +781,17 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")
       ->capture_default_str();
-  cmd->add_flag("--quiet", o.quiet, "no progress bar or report lines");
+  cmd->option_defaults()->group("Output and observability");
+  add_bool_flag(cmd, "--quiet", o.quiet, "no progress bar or report lines");
+  add_bool_flag(cmd, "--tensorboard,!--no-tensorboard", o.tensorboard,
+                "write TensorBoard event files under <run>/tensorboard/: every reported metric, "
+                "the config (default)");
+  add_bool_flag(cmd, "--tensorboard-histograms", o.tensorboard_histograms,
+                "also histograms of the parameters and gradients at each report");
+  cmd->add_option("--profile-steps", o.profile_steps,
+                  "trace these steps (A-B or N, from 1): each rank writes its data wait, "
+                  "forward, backward, communication wait, optimizer and checkpoint spans to "
+                  "<run>/trace/rank-R.json (Chrome trace JSON, for ui.perfetto.dev)");
 }
 
 }  // namespace cohort::cli

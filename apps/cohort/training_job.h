@@ -81,7 +81,15 @@ struct TrainOptions {
       std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();
   int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
   bool quiet = false;
+  bool tensorboard = true;              // <run>/tensorboard/ event files
+  bool tensorboard_histograms = false;  // with them, parameter and gradient histograms
+  std::string profile_steps;            // "A-B" or "N": RunConfig::profile_steps; empty: none
+  std::string config_file;              // --config: a JSON or TOML file of these options
 };
+
+// --profile-steps "A-B" or "N" as RunConfig::profile_steps; a UsageError naming the value
+// otherwise (steps count from 1; A <= B; not past --max-steps).
+RunConfig::ProfileSteps profile_steps_of(const TrainOptions& options);
 
 // The flags of a training job, on `cmd`.
 void add_training_options(CLI::App* cmd, TrainOptions& options);
@@ -101,6 +109,9 @@ parallel::SyncMode sync_of(const TrainOptions& options);
 
 // The train_loop_config of a job: what every worker reads.
 Json to_json(const TrainOptions& options);
+
+// The learning rate of the optimizer's first param group now (0 when it has none).
+double current_lr(torch::optim::Optimizer& optimizer);
 
 // The workers and the run of a job.
 ScalingConfig scaling_of(const TrainOptions& options);
@@ -135,8 +146,17 @@ optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 Evaluation evaluate(torch::nn::Module& model,
                     const std::function<torch::Tensor(torch::Tensor)>& forward,
                     data::DataLoader& loader, comm::ProcessGroup group);
-// The epoch and step a checkpoint's run stopped after (its metrics), said on rank 0.
-std::pair<int, int64_t> resume_point(const Checkpoint& checkpoint);
+// Where a checkpoint's run stopped (its metrics), said on rank 0: the epoch to start at, the
+// optimizer steps done, and the steps of that epoch already done (a run stopped inside an epoch
+// at a Ctrl-C reports "epoch_step"; resumed, it skips those batches of the same order).
+struct ResumePoint {
+  int epoch = 0;
+  int64_t steps = 0;
+  int64_t epoch_steps_done = 0;
+};
+ResumePoint resume_point(const Checkpoint& checkpoint);
+// The metric of a checkpoint taken inside an epoch: the steps of that epoch done.
+inline constexpr const char* kEpochStepMetric = "epoch_step";
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
 

@@ -1,5 +1,7 @@
 #include "tune_command.h"
 
+#include "config_file.h"
+
 #include <iostream>
 #include <set>
 
@@ -63,6 +65,7 @@ CLI::App* add_tune_command(CLI::App& app, TuneOptions& o) {
   auto* cmd = app.add_subcommand(
       "tune", "Search the hyperparameters of a training job (each trial a worker group)");
   add_training_options(cmd, o.job);
+  cmd->option_defaults()->group("Search");
   cmd->add_option(
       "--param", o.params,
       "NAME=DOMAIN, repeatable; DOMAIN is loguniform:LO:HI, uniform:LO:HI, quniform:LO:HI:Q, "
@@ -93,7 +96,7 @@ CLI::App* add_tune_command(CLI::App& app, TuneOptions& o) {
   return cmd;
 }
 
-int run_tune_command(TuneOptions o) {
+int run_tune_command(TuneOptions o, const CLI::App& cmd) {
   apply_deepspeed_config(o.job);
   validate(o.job);
   if (o.samples < 1) throw UsageError("--samples " + std::to_string(o.samples) + " must be >= 1");
@@ -123,7 +126,8 @@ int run_tune_command(TuneOptions o) {
                                 .metric_columns = {o.metric, "train_loss", "epoch", "steps"}},
                RunConfig{.name = name,
                          .storage_path = o.job.storage_path,
-                         .verbose = o.job.quiet ? 0 : 1})
+                         .verbose = o.job.quiet ? 0 : 1,
+                         .extra_files = {{kConfigFile, effective_options(&cmd).dump(2) + "\n"}}})
         .fit();
   }();
   int64_t steps = 0, stopped = 0;

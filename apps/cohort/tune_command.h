@@ -28,6 +28,6 @@ CLI::App* add_tune_command(CLI::App& app, TuneOptions& options);
 
 // Searches the hyperparameters of the training job; continues the experiment of the same
 // --storage-path and --name when there is one (unless --no-resume). Returns the exit code.
-int run_tune_command(TuneOptions options);
+int run_tune_command(TuneOptions options, const CLI::App& cmd);
 
 }  // namespace cohort::cli

@@ -4,6 +4,7 @@
 #include "cohort/error.h"
 #include "cohort/json.h"
 #include "cohort/timeouts.h"
+#include "cohort/trace.h"
 
 #include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
@@ -48,6 +49,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "cohort/train/result.h"
+#include "cohort/train/summary_writer.h"
 #include "cohort/train/trainer.h"
 
 #include "cohort/tune/scheduler.h"

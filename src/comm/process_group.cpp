@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "cohort/error.h"
+#include "cohort/trace.h"
 #include "comm/store_state.h"
 #include "comm/transport.h"
 
@@ -94,6 +95,7 @@ std::string message_of(const std::exception_ptr& error) {
 
 void Work::wait() {
   if (!state_) return;
+  trace::Span span(trace::Phase::kCommWait);
   try {
     if (state_->cuda_device) {
       // No deadline here: c10d's NCCL work blocks the host when given one. The transport's own

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cohort/error.h"
+#include "cohort/trace.h"
 #include "data/plan.h"
 #include "data/task_runner.h"
 #include "data/to_device.h"
@@ -32,6 +33,7 @@ IngestStats take_ingest_stats() {
 }
 
 void add_ingest_wait(double seconds, int64_t batches) {
+  trace::add(trace::Phase::kDataWait, seconds);
   std::lock_guard lock(g_ingest_mutex);
   g_ingest.wait_seconds += seconds;
   g_ingest.batches += batches;

@@ -106,6 +106,21 @@ HeartbeatThread& heartbeat_thread() {
 
 }  // namespace
 
+namespace {
+volatile sig_atomic_t g_stop_requested = 0;
+void on_stop_request(int) { g_stop_requested = 1; }
+}  // namespace
+
+void watch_stop_requests() {
+  struct sigaction action {};
+  action.sa_handler = on_stop_request;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(kStopRequestSignal, &action, nullptr);
+}
+
+bool stop_requested() { return g_stop_requested != 0; }
+
 void start_heartbeat(std::chrono::milliseconds interval) {
   if (!has_control_channel()) return;
   auto& beat = heartbeat_thread();

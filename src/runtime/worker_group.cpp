@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "cohort/error.h"
+#include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
 #include "runtime/spawn.h"
@@ -29,8 +30,10 @@ using Clock = std::chrono::steady_clock;
 // Written from signal handlers; read by the event loop.
 int g_wake_pipe[2] = {-1, -1};
 volatile sig_atomic_t g_interrupt = 0;
+volatile sig_atomic_t g_sigints = 0;  // SIGINTs since the outermost InterruptScope began
 
 void on_signal(int sig) {
+  if (sig == SIGINT && g_sigints < 100) ++g_sigints;
   if (sig == SIGINT || sig == SIGTERM) g_interrupt = sig;
   const int saved = errno;
   if (g_wake_pipe[1] >= 0) {
@@ -97,6 +100,7 @@ InterruptScope::InterruptScope() {
   ::fcntl(p[0], F_SETFL, O_NONBLOCK);
   ::fcntl(p[1], F_SETFL, O_NONBLOCK);
   g_interrupt = 0;
+  g_sigints = 0;
   struct sigaction action {};
   action.sa_handler = on_signal;
   sigemptyset(&action.sa_mask);
@@ -172,6 +176,7 @@ struct WorkerGroup::Impl {
   bool started = false;
   std::string requested_stop;
   bool stopping = false;
+  bool accepts_stop_requests = false;
   // The state of wait()/poll() between steps.
   GroupOutcome outcome;
   bool finished = false;
@@ -377,8 +382,20 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
 
   if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
   if (g_interrupt != 0 && outcome.interrupted_by == 0) {
-    outcome.interrupted_by = g_interrupt;
-    begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
+    if (accepts_stop_requests && g_interrupt == SIGINT && g_sigints == 1) {
+      // Passed on once: the workers stop after their next checkpoint.
+      if (!outcome.stop_requested) {
+        outcome.stop_requested = true;
+        // Each worker only, not its process group: its preprocessing helpers keep the default
+        // action, which would end them.
+        for (auto& w : workers)
+          if (w.running) ::kill(w.pid, kStopRequestSignal);
+        if (handlers.on_stop_request) handlers.on_stop_request();
+      }
+    } else {
+      outcome.interrupted_by = g_interrupt;
+      begin_stop(std::string("interrupted by ") + strsignal(g_interrupt));
+    }
   }
   std::vector<Worker*> exited;
   for (auto& w : workers) {
@@ -469,6 +486,8 @@ void WorkerGroup::request_stop(std::string reason) {
 }
 
 bool WorkerGroup::stopping() const { return impl_->stopping || !impl_->requested_stop.empty(); }
+
+void WorkerGroup::accept_stop_requests() { impl_->accepts_stop_requests = true; }
 
 void WorkerGroup::stop() {
   auto& workers = impl_->workers;

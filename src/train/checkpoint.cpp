@@ -10,6 +10,7 @@
 #include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "cohort/trace.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 
@@ -601,6 +602,7 @@ bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
 
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer) {
+  trace::Span span(trace::Phase::kCheckpoint);
   std::filesystem::create_directories(dir);
   if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
     // Every rank reports its own shard; the parameters are whole on every rank, rank 0 writes

@@ -215,7 +215,7 @@ Result Driver::run() {
       continue;
     }
     if (attempt.error.empty() || attempt.outcome.interrupted_by != 0 ||
-        !attempt.driver_error.empty())
+        attempt.outcome.stop_requested || !attempt.driver_error.empty())
       break;
     const int failures = static_cast<int>(recorder_->result().failures.size()) + 1;
     const bool restart = max_failures == -1 || failures <= max_failures;
@@ -259,7 +259,15 @@ Result Driver::run() {
                 ? "after " + std::to_string(restarts) + " restart(s): " + attempt.error
                 : attempt.error;
   }
+  recorder_->result().interrupted =
+      attempt.outcome.stop_requested && attempt.outcome.interrupted_by == 0 && !error;
   Result result = recorder_->finish(error, static_cast<int>(slots_.size()), since_start());
+  if (result.interrupted && run_.verbose >= 1) {
+    console_.message("cohort: stopped at your request" +
+                     (result.checkpoint ? " after " + result.checkpoint->path().string()
+                                        : std::string(" before any checkpoint")) +
+                     "; run it again with the same storage path and name to resume");
+  }
   if (attempt.outcome.interrupted_by != 0) {
     // Ctrl-C or SIGTERM stops the whole program, as the user asked, now that nothing is left
     // running and the result is on disk.
@@ -298,7 +306,10 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .gpus_per_worker = gpus_per_worker_,
       .backend = scaling_.backend,
       .resume_from = resume_from ? resume_from->path().string() : "",
-      .next_checkpoint_index = recorder_->next_checkpoint_index()};
+      .next_checkpoint_index = recorder_->next_checkpoint_index(),
+      .tensorboard_histograms = run_.tensorboard.enabled && run_.tensorboard.histograms,
+      .profile_first = run_.profile_steps.first,
+      .profile_last = run_.profile_steps.last};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
                       per_worker = gpus_per_worker_](int rank) {
@@ -328,6 +339,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   std::vector<bool> exited(static_cast<size_t>(world), false);
   int hung_rank = -1;
   bool trained = false;
+  bool stop_asked = false;  // the first Ctrl-C was passed on to the workers
+  bool accepts_stop_requests = false;
   auto stop_because = [&](const std::string& reason) {
     if (reason.empty() || !attempt.driver_error.empty()) return;
     attempt.driver_error = reason;
@@ -351,6 +364,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       attempt.detected = Clock::now();
       group.request_stop(verdict->reason);
     }
+  };
+  handlers.on_stop_request = [&] {
+    stop_asked = true;
+    console_.message(
+        "cohort: stopping after the next checkpoint (Ctrl-C again stops the workers at once)");
   };
   handlers.on_control = [&](int rank, const std::string& line) {
     Json message;
@@ -384,11 +402,18 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
       if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers &&
-          !group.stopping() && std::find(exited.begin(), exited.end(), true) == exited.end() &&
+          !group.stopping() && !stop_asked &&
+          std::find(exited.begin(), exited.end(), true) == exited.end() &&
           free_slots_beyond_group() > 0) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");
       }
+    } else if (type == "accepts_stop_requests") {
+      if (!accepts_stop_requests && run_.verbose >= 1) {
+        console_.message("cohort: Ctrl-C stops the run after its next checkpoint; twice, at once");
+      }
+      accepts_stop_requests = true;
+      group.accept_stop_requests();
     } else if (type == "progress") {
       console_.progress(message["progress"]);
     } else if (type == "error") {

@@ -32,6 +32,7 @@ Result Result::from_path(const std::filesystem::path& run_dir) {
   for (const auto& failure : saved.value("failures", Json::array()))
     result.failures.push_back(failure);
   for (const auto& resize : saved.value("resizes", Json::array())) result.resizes.push_back(resize);
+  result.interrupted = saved.value("interrupted", false);
   return result;
 }
 

@@ -86,6 +86,18 @@ void write_atomically(const std::filesystem::path& path, const std::string& cont
   write_atomically(path, [&](std::ostream& out) { out << content; });
 }
 
+void write_extra_files(const std::filesystem::path& dir,
+                       const std::map<std::string, std::string>& files) {
+  for (const auto& [file, content] : files) {
+    const std::filesystem::path path(file);
+    if (file.empty() || path.has_parent_path() || file == "." || file == "..") {
+      throw UsageError("RunConfig.extra_files: '" + file +
+                       "' must be a plain file name (no folder)");
+    }
+    write_atomically(dir / path, content);
+  }
+}
+
 Json read_json(const std::filesystem::path& path) {
   std::ifstream in(path);
   if (!in) throw UsageError("cannot read " + path.string());

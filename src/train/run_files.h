@@ -2,6 +2,7 @@
 #pragma once
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -25,6 +26,10 @@ inline constexpr const char* kLossScalerFile = "loss_scaler.json";
 void write_atomically(const std::filesystem::path& path,
                       const std::function<void(std::ostream&)>& fill);
 void write_atomically(const std::filesystem::path& path, const std::string& content);
+
+// RunConfig::extra_files, into `dir`; a name that is not a plain file name is a UsageError.
+void write_extra_files(const std::filesystem::path& dir,
+                       const std::map<std::string, std::string>& files);
 
 Json read_json(const std::filesystem::path& path);
 // One JSON value per line; ends before a line cut by a crash mid-write.

@@ -1,6 +1,7 @@
 #include "train/run_recorder.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <ctime>
 
 #include "cohort/error.h"
@@ -55,17 +56,40 @@ Json result_json(const Result& result) {
   out["best_checkpoints"] = best;
   out["failures"] = result.failures;
   out["resizes"] = result.resizes;
+  out["interrupted"] = result.interrupted;
   out["error"] = result.error ? Json(*result.error) : Json(nullptr);
   return out;
 }
 
 }  // namespace
 
+std::optional<std::string> straggler_line(const Json& metrics) {
+  const auto number = [&](const char* key) -> std::optional<double> {
+    if (!metrics.contains(key) || !metrics[key].is_number()) return std::nullopt;
+    return metrics[key].get<double>();
+  };
+  const auto slowest = number("slowest_rank");
+  const auto max = number("step_time_ms_max");
+  const auto median = number("step_time_ms_median");
+  if (!slowest || !max || !median || *max <= kStragglerRatio * *median ||
+      *max - *median < kStragglerMinMs)
+    return std::nullopt;
+  char more[32] = "";
+  if (*median > 0) std::snprintf(more, sizeof more, ", %.0f%% more", 100 * (*max / *median - 1));
+  char line[256];
+  std::snprintf(line, sizeof line,
+                "cohort: straggler: rank %d takes %.1f ms per step against the median rank's "
+                "%.1f ms%s (waits for peers not counted)",
+                static_cast<int>(*slowest), *max, *median, more);
+  return std::string(line);
+}
+
 RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Json& config,
                          Console& console)
     : name_(name),
       run_dir_(std::filesystem::absolute(prepare_run_dir(run, name))),
       resume_(run.resume),
+      tensorboard_config_(run.tensorboard),
       console_(console),
       lock_(run_dir_, [&console](const std::string& line) { console.message(line); }),
       checkpoints_(run_dir_, run.checkpoint_config),
@@ -73,6 +97,7 @@ RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Js
   // Ours now: half-assembled checkpoints of a start that crashed are never valid.
   std::error_code ec;
   std::filesystem::remove_all(run_dir_ / kStagingDir, ec);
+  write_extra_files(run_dir_, run.extra_files);
   result_.path = run_dir_;
   result_.config = config;
 }
@@ -92,6 +117,10 @@ std::optional<Checkpoint> RunRecorder::resume_point() {
   metrics_log_.open(run_dir_ / kMetricsFile, std::ios::trunc);
   for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
   metrics_log_.flush();
+  if (tensorboard_config_.enabled) {
+    tensorboard_.emplace(run_dir_, tensorboard_config_, result_.config,
+                         result_.metrics_history.empty());
+  }
   return resume_from;
 }
 
@@ -121,7 +150,9 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
   metrics_log_ << record.dump() << '\n';
   metrics_log_.flush();
   result_.metrics_history.push_back(record);
+  if (tensorboard_) tensorboard_->on_report(record, message.value("histograms", Json()));
   console_.report(record["training_iteration"].get<int64_t>(), metrics);
+  if (const auto line = straggler_line(metrics)) console_.message(*line);
   if (on_report_) on_report_(record);
 }
 
@@ -134,6 +165,7 @@ Result RunRecorder::finish(const std::optional<std::string>& error, int workers,
   result_.workers = workers;
   result_.error = error;
   write_csv(run_dir_ / kMetricsCsvFile, result_.metrics_history);
+  if (tensorboard_) tensorboard_->on_finish(!error);
   write_atomically(run_dir_ / kResultFile, result_json(result_).dump(2) + "\n");
   return result_;
 }

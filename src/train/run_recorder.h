@@ -13,11 +13,21 @@
 #include "train/checkpoint_manager.h"
 #include "train/progress.h"
 #include "train/run_files.h"
+#include "train/tensorboard_log.h"
 
 namespace cohort::train {
 
 // "cohort_<date>_<time>": the run name when RunConfig gives none.
 std::string default_run_name();
+
+// A rank whose step time (its waits for peers not counted) is more than this times the median
+// rank's is a straggler: each report that finds one prints a line naming it.
+inline constexpr double kStragglerRatio = 1.2;
+// ... and at least this much slower: differences in steps of microseconds are noise.
+inline constexpr double kStragglerMinMs = 1.0;
+// That line, for a report's metrics (slowest_rank, step_time_ms_max, step_time_ms_median), or
+// nothing.
+std::optional<std::string> straggler_line(const Json& metrics);
 
 class RunRecorder {
  public:
@@ -33,7 +43,8 @@ class RunRecorder {
   std::optional<Checkpoint> latest_on_disk();
   int64_t next_checkpoint_index() const { return checkpoints_.next_index(); }
 
-  // A "report" control message of rank 0. Sets `driver_error` when the run broke a rule.
+  // A "report" control message of rank 0 (with "histograms" when RunConfig::tensorboard asks for
+  // them). Sets `driver_error` when the run broke a rule.
   void on_report(const Json& message, std::string& driver_error);
 
   // Writes metrics.csv and result.json; returns the final Result.
@@ -47,12 +58,14 @@ class RunRecorder {
   std::string name_;
   std::filesystem::path run_dir_;
   bool resume_;
+  TensorBoardConfig tensorboard_config_;
   Console& console_;
   RunDirLock lock_;
   CheckpointManager checkpoints_;
   Result result_;
   std::ofstream metrics_log_;
   std::function<void(const Json&)> on_report_;
+  std::optional<TensorBoardLog> tensorboard_;  // from resume_point() on, when enabled
 };
 
 }  // namespace cohort::train

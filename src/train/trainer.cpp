@@ -58,6 +58,12 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
   if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
     throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
   }
+  if (const auto& p = run_.profile_steps;
+      !(p.first == 0 && p.last == 0) && !(p.first >= 1 && p.last >= p.first)) {
+    throw UsageError("RunConfig.profile_steps {" + std::to_string(p.first) + ", " +
+                     std::to_string(p.last) +
+                     "}: give 1 <= first <= last (e.g. {100, 110}), or {0, 0} for none");
+  }
   if (run_.failure_config.max_failures < -1) {
     throw UsageError(
         "FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +

@@ -78,6 +78,8 @@ struct SessionSettings {
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   comm::Backend backend = comm::Backend::kAuto;
   std::string interface_address = "127.0.0.1";
+  bool tensorboard_histograms = false;
+  RunConfig::ProfileSteps profile_steps;
 };
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
@@ -113,6 +115,7 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
   if (const char* members = std::getenv(runtime::kDataMembersVar))
     session->data_members = std::atoi(members);
   session->next_checkpoint_index = settings.next_checkpoint_index;
+  session->tensorboard_histograms = settings.tensorboard_histograms;
   if (!settings.resume_from.empty())
     session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;
@@ -139,6 +142,23 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
   session->loss_scaler = std::make_unique<optim::LossScaler>(
       scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
   set_current_session(std::move(session));
+  runtime::watch_stop_requests();
+  if (settings.profile_steps.first > 0) {
+    const auto file =
+        settings.run_dir / kTraceDir / ("rank-" + std::to_string(info.world_rank) + ".json");
+    const auto steps = settings.profile_steps;
+    trace::set_profile_steps(
+        steps.first, steps.last,
+        [file, steps, rank = info.world_rank](const std::vector<trace::Event>& events) {
+          std::filesystem::create_directories(file.parent_path());
+          write_atomically(file, trace::chrome_trace(events, rank));
+          if (rank == 0) {
+            std::cout << "trace of steps " << steps.first << "-" << steps.last
+                      << " written: " << (file.parent_path() / "rank-<R>.json").string()
+                      << " for each rank R (open them in ui.perfetto.dev)" << std::endl;
+          }
+        });
+  }
 }
 
 // A collective that failed or timed out because of a peer is a consequence of that peer's
@@ -210,8 +230,11 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.next_checkpoint_index = spec.next_checkpoint_index;
     settings.device = device_of(spec.gpus_per_worker, info->local_rank);
     settings.backend = comm::backend_from_string(spec.backend);
+    settings.tensorboard_histograms = spec.tensorboard_histograms;
+    settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
     open_session(std::move(settings), scaling, datasets);
     train_loop(spec.config);
+    trace::finish_profile();
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;
@@ -257,6 +280,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.info = info;
   settings.setup_timeout = run.setup_timeout;
   settings.collective_timeout = run.collective_timeout;
+  settings.tensorboard_histograms = run.tensorboard.enabled && run.tensorboard.histograms;
+  settings.profile_steps = run.profile_steps;
   settings.store = comm::Store::connect({.host = info.master_addr,
                                          .port = info.store_port,
                                          .is_server = serve,
@@ -370,6 +395,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   try {
     open_session(settings, scaling, datasets);
     train_loop(config);
+    trace::finish_profile();
     // From here a rank that goes away is no longer a failure (the others may end first).
     if (!rank0) runtime::leave_coordinator();
     // Rank 0 serves the store: nobody may still need it when it returns.

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +17,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "train/run_files.h"
+#include "train/tensorboard_log.h"
 
 namespace cohort::train {
 namespace {
@@ -237,21 +239,32 @@ NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
       std::make_unique<parallel::DistributedDataParallel::NoSyncGuard>(get_ddp(module)));
 }
 
-optim::AutocastGuard autocast() {
+ForwardScope::ForwardScope(optim::Precision precision, const c10::Device& device)
+    : span_(trace::Phase::kForward), autocast_(precision, device) {}
+
+ForwardScope autocast() {
   const auto& ctx = require_session("cohort::train::autocast()").context;
-  return optim::AutocastGuard(ctx.precision, ctx.device);
+  return ForwardScope(ctx.precision, ctx.device);
 }
 
 optim::LossScaler& get_loss_scaler() {
   return *require_session("cohort::train::get_loss_scaler()").loss_scaler;
 }
 
-void backward(const at::Tensor& loss) { get_loss_scaler().scale(loss).backward(); }
+void backward(const at::Tensor& loss) {
+  trace::Span span(trace::Phase::kBackward);
+  get_loss_scaler().scale(loss).backward();
+}
 
 bool step_optimizer(torch::optim::Optimizer& optimizer) {
   auto& scaler = get_loss_scaler();
-  const bool stepped = scaler.step(optimizer);
-  scaler.update();
+  bool stepped;
+  {
+    trace::Span span(trace::Phase::kOptimizer);
+    stepped = scaler.step(optimizer);
+    scaler.update();
+  }
+  trace::end_step();
   return stepped;
 }
 
@@ -294,6 +307,69 @@ std::vector<std::string> split_fields(const std::string& text) {
   return fields;
 }
 
+// What a rank's trace recorded since its last report.
+struct RankTimes {
+  int64_t steps = 0;
+  double wall_seconds = 0;
+  std::array<double, trace::kPhases> seconds{};
+};
+
+// Where the step time goes, added to a report when the ranks ended steps (train::step_optimizer)
+// since the last: each rank's step time without its waits for peers (so that a rank that
+// computes slowly stands out from the ones that wait for it), its lower median, min and max and
+// the slowest rank; the phases' ms per step averaged over the ranks; the slowest checkpoint.
+// A metric the loop reported itself is kept.
+void add_step_times(const std::vector<RankTimes>& times, Json& metrics) {
+  std::vector<std::pair<double, int>> step_ms;
+  std::array<double, trace::kPhases> phase_ms{};
+  double checkpoint_ms = 0;
+  for (size_t r = 0; r < times.size(); ++r) {
+    const auto& t = times[r];
+    const auto& comm = t.seconds[static_cast<size_t>(trace::Phase::kCommWait)];
+    checkpoint_ms =
+        std::max(checkpoint_ms, 1000 * t.seconds[static_cast<size_t>(trace::Phase::kCheckpoint)]);
+    if (t.steps == 0) continue;
+    const double per_step = 1000.0 / static_cast<double>(t.steps);
+    step_ms.emplace_back(std::max(0.0, t.wall_seconds - comm) * per_step, static_cast<int>(r));
+    for (size_t p = 0; p < phase_ms.size(); ++p) phase_ms[p] += t.seconds[p] * per_step;
+  }
+  const auto put = [&](const std::string& key, const Json& value) {
+    if (!metrics.contains(key)) metrics[key] = value;
+  };
+  if (checkpoint_ms > 0) put("checkpoint_ms", checkpoint_ms);
+  if (step_ms.empty()) return;
+  std::sort(step_ms.begin(), step_ms.end());
+  put("step_time_ms_min", step_ms.front().first);
+  put("step_time_ms_median", step_ms[(step_ms.size() - 1) / 2].first);
+  put("step_time_ms_max", step_ms.back().first);
+  put("slowest_rank", step_ms.back().second);
+  for (size_t p = 0; p < phase_ms.size(); ++p) {
+    const auto phase = static_cast<trace::Phase>(p);
+    if (phase == trace::Phase::kCheckpoint) continue;
+    put(std::string(trace::to_string(phase)) + "_ms",
+        phase_ms[p] / static_cast<double>(step_ms.size()));
+  }
+}
+
+// TensorBoard's histograms of the prepared models' parameters and gradients, by tag
+// ("parameters/<name>", with several models "model<i>/parameters/<name>").
+Json model_histograms(const WorkerSession& s) {
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& ddp : s.models) modules.push_back(ddp->module());
+  for (const auto& zero : s.zero_models) modules.push_back(zero.module);
+  for (const auto& model : s.sync_mode_models) modules.push_back(model.module);
+  Json out = Json::object();
+  for (size_t i = 0; i < modules.size(); ++i) {
+    const std::string prefix = modules.size() > 1 ? "model" + std::to_string(i) + "/" : "";
+    for (const auto& p : modules[i]->named_parameters()) {
+      out[prefix + "parameters/" + p.key()] = histogram_to_json(Histogram::of(p.value()));
+      if (p.value().grad().defined())
+        out[prefix + "gradients/" + p.key()] = histogram_to_json(Histogram::of(p.value().grad()));
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
@@ -311,11 +387,17 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   const auto staging =
       s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
-  if (checkpoint) merge_files(checkpoint->path(), staging, s.context.world_rank);
-  // Each rank's mean wait for data per batch, bytes sent and optimizer steps since its last
-  // report ride along with whether it brings a checkpoint, and with the parameter server its
-  // pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>[;<staleness sum>;<pushes>;<max>]".
+  if (checkpoint) {
+    trace::Span span(trace::Phase::kCheckpoint);
+    merge_files(checkpoint->path(), staging, s.context.world_rank);
+  }
+  // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
+  // wall seconds and seconds per phase (cohort/trace.h) since its last report ride along with
+  // whether it brings a checkpoint, and with the parameter server its pushes' staleness:
+  // "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<wall s>;<phase s>x6[;<staleness sum>;<pushes>;
+  // <max>]".
   const auto ingest = data::take_ingest_stats();
+  const auto traced = trace::take_totals();
   const int64_t bytes = s.context.process_group.bytes_sent();
   const int64_t steps = optimizer_steps(s);
   std::string arrival = checkpoint ? "1;" : "0;";
@@ -323,6 +405,8 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     arrival += std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
   arrival += ";" + std::to_string(bytes - s.bytes_at_report) + ";" +
              std::to_string(steps - s.steps_at_report);
+  arrival += ";" + std::to_string(traced.steps) + ";" + std::to_string(traced.wall_seconds);
+  for (double seconds : traced.seconds) arrival += ";" + std::to_string(seconds);
   s.bytes_at_report = bytes;
   s.steps_at_report = steps;
   for (const auto& model : s.sync_mode_models) {
@@ -373,6 +457,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   int64_t staleness_sum = 0;
   int64_t pushes = 0;
   std::optional<int64_t> staleness_max;
+  std::vector<RankTimes> times;
   for (const auto& a : arrivals) {
     const auto fields = split_fields(a);
     with_checkpoint |= fields.at(0) == "1";
@@ -382,12 +467,16 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       bytes_per_step += static_cast<double>(std::stoll(fields.at(2))) / rank_steps;
       ++workers_stepping;
     }
-    if (fields.size() >= 7) {
-      staleness_sum += std::stoll(fields[4]);
-      pushes += std::stoll(fields[5]);
-      staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[6]));
+    RankTimes t{.steps = std::stoll(fields.at(4)), .wall_seconds = std::stod(fields.at(5))};
+    for (size_t p = 0; p < t.seconds.size(); ++p) t.seconds[p] = std::stod(fields.at(6 + p));
+    times.push_back(t);
+    if (fields.size() >= 15) {
+      staleness_sum += std::stoll(fields[12]);
+      pushes += std::stoll(fields[13]);
+      staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[14]));
     }
   }
+  add_step_times(times, message["metrics"]);
   if (staleness_max && !metrics.contains(kStalenessMeanMetric)) {
     message["metrics"][kStalenessMeanMetric] =
         pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : 0.0;
@@ -411,8 +500,23 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     std::filesystem::rename(staging, final_path);
     message["checkpoint"] = final_path.string();
   }
+  if (s.tensorboard_histograms) message["histograms"] = model_histograms(s);
   if (runtime::has_control_channel()) runtime::send_control_message(message.dump());
   s.store.set(committed_key, "1");
+}
+
+bool should_stop() {
+  auto& s = require_session("cohort::train::should_stop()");
+  if (!s.accepts_stop_requests) {
+    s.accepts_stop_requests = true;
+    if (runtime::has_control_channel()) {
+      runtime::send_control_message(
+          Json{{"type", "accepts_stop_requests"}, {"rank", s.context.world_rank}}.dump());
+    }
+  }
+  std::vector<at::Tensor> flag{torch::tensor({runtime::stop_requested() ? 1 : 0}, torch::kInt)};
+  s.context.process_group.allreduce(flag, comm::ReduceOp::kMax);
+  return flag[0].item<int>() > 0;
 }
 
 std::optional<Checkpoint> get_checkpoint() {

@@ -67,6 +67,10 @@ struct WorkerSession {
   std::string remote_preprocessing_dataset;
   // Data workers of the job's `cohort launch --data-workers` nodes (0: none).
   int data_members = 0;
+  // The loop called should_stop(): the driver was told it honours stop requests.
+  bool accepts_stop_requests = false;
+  // RunConfig::tensorboard.histograms: rank 0's reports carry its models' histograms.
+  bool tensorboard_histograms = false;
   // Enabled for fp16 (ScalingConfig::precision); agrees on overflows over the context's group.
   std::unique_ptr<optim::LossScaler> loss_scaler;
 };
@@ -99,6 +103,9 @@ inline constexpr const char* kStalenessMaxMetric = "staleness_max";
 // A fresh token for one start of a group: nothing of an earlier start's store keys or staging
 // folders is mistaken for this one's.
 std::string new_run_token();
+
+// RunConfig::profile_steps: each rank's Chrome trace, <run>/trace/rank-R.json.
+inline constexpr const char* kTraceDir = "trace";
 
 // Where ranks assemble a checkpoint before rank 0 renames it into place.
 inline constexpr const char* kStagingDir = ".staging";

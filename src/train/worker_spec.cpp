@@ -54,7 +54,10 @@ std::string to_text(const WorkerSpec& s) {
               {"backend", s.backend},
               {"resume_from", s.resume_from},
               {"next_checkpoint_index", s.next_checkpoint_index},
-              {"slot", s.slot}}
+              {"slot", s.slot},
+              {"tensorboard_histograms", s.tensorboard_histograms},
+              {"profile_first", s.profile_first},
+              {"profile_last", s.profile_last}}
       .dump();
 }
 
@@ -102,6 +105,9 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.resume_from = field<std::string>(j, "resume_from");
   s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
   s.slot = field<int>(j, "slot");
+  s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");
+  s.profile_first = field<int64_t>(j, "profile_first");
+  s.profile_last = field<int64_t>(j, "profile_last");
   return s;
 }
 

@@ -33,7 +33,10 @@ struct WorkerSpec {
   std::string backend = "auto";
   std::string resume_from;  // a checkpoint folder, or empty
   int64_t next_checkpoint_index = 0;
-  int slot = 0;  // the worker slot (ScalingConfig) the rank runs in
+  int slot = 0;                         // the worker slot (ScalingConfig) the rank runs in
+  bool tensorboard_histograms = false;  // RunConfig::tensorboard.histograms
+  int64_t profile_first = 0;            // RunConfig::profile_steps
+  int64_t profile_last = 0;
 };
 
 std::string to_text(const WorkerSpec& spec);

@@ -16,6 +16,7 @@
 #include "cohort/runtime/worker_info.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
+#include "train/tensorboard_log.h"
 #include "tune/status_table.h"
 
 namespace cohort::tune {
@@ -99,6 +100,38 @@ int requested_threads(const Trainer& trainer) {
          trainer.scaling_config().resources_per_worker.cpu_threads;
 }
 
+// The hparams plugin's session of a trial: every value of its config by path ("lr",
+// "scaling_config/num_workers"); the experiment's summary picks the searched ones as columns.
+Json trial_hparams(const Json& config) {
+  Json out = Json::object();
+  if (!config.is_object() || config.empty()) return out;
+  const Json leaves = config.flatten();
+  for (const auto& [pointer, value] : leaves.items())
+    if (!pointer.empty() && value.is_primitive() && !value.is_null())
+      out[pointer.substr(1)] = value;
+  return out;
+}
+
+// The hparams plugin's domains of the searched parameters: the values of a grid or a choice, the
+// bounds of the others.
+Json hparam_domains(const Json& param_space, const std::vector<std::string>& parameters) {
+  Json out = Json::object();
+  for (const auto& path : parameters) {
+    const Json& domain = param_space.at(Json::json_pointer("/" + path));
+    const std::string kind = domain.begin().key();
+    const Json& args = domain.begin().value();
+    if (kind == "grid_search" || kind == "choice") {
+      const bool plain = std::all_of(args.begin(), args.end(), [](const Json& v) {
+        return v.is_number() || v.is_string() || v.is_boolean();
+      });
+      out[path] = plain ? Json{{"values", args}} : Json::object();
+    } else {
+      out[path] = {{"min", args[0]}, {"max", args[1]}};
+    }
+  }
+  return out;
+}
+
 // In a trial process (and its workers): run the trial's Trainer, then end the process.
 [[noreturn]] void run_trial(const Trainer& base, const std::filesystem::path& trial_dir) {
   const Json config = read_json(trial_dir / kParamsFile);
@@ -107,6 +140,7 @@ int requested_threads(const Trainer& trainer) {
   run.name = trial_dir.filename().string();
   run.verbose = 0;  // the Tuner's status table speaks for the trials
   run.resume = true;
+  run.tensorboard.hparams = trial_hparams(config);
   run.on_report = [user = run.on_report](const Json& record) {
     if (user) user(record);
     if (runtime::has_control_channel()) {
@@ -221,6 +255,18 @@ class Experiment {
     searcher_->set_search_properties(config_.metric, config_.mode, param_space_);
     parameters_ = searched_parameters(param_space_);
     std::filesystem::create_directories(dir_);
+    write_extra_files(dir_, run.extra_files);
+    if (base_.run_config().tensorboard.enabled) {
+      // The hparams plugin's table: the searched parameters and the ranked metrics as columns,
+      // one row per trial folder (each trial's own files hold its values).
+      std::vector<std::string> metrics;
+      if (!config_.metric.empty()) metrics.push_back(config_.metric);
+      for (const auto& m : config_.metric_columns)
+        if (m != config_.metric) metrics.push_back(m);
+      train::SummaryWriter writer(dir_ / train::kTensorBoardDir);
+      writer.add_hparams_experiment(hparam_domains(param_space_, parameters_), metrics);
+      writer.flush();
+    }
     if (restoring) load();
   }
 

@@ -141,6 +141,14 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--momentum", "inf", "--data-dir", data.string()}, "--momentum inf is not a finite number"},
       {{"--workers", "100000", "--data-dir", data.string()},
        "--workers 100000 is more than the 512 training examples"},
+      {{"--profile-steps", "0-5", "--data-dir", data.string()},
+       "--profile-steps '0-5': steps count from 1; give the steps to trace as A-B"},
+      {{"--profile-steps", "9-3", "--data-dir", data.string()},
+       "--profile-steps '9-3': the last step is before the first"},
+      {{"--profile-steps", "ten", "--data-dir", data.string()},
+       "--profile-steps 'ten': not a step range"},
+      {{"--profile-steps", "40-45", "--max-steps", "30", "--data-dir", data.string()},
+       "the run stops after --max-steps 30, before step 40"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
@@ -217,6 +225,88 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+TEST_F(Cli, ConfigFilesGiveEveryOptionTheCommandLineOverridesAndRunsSaveTheirOwn) {
+  const auto write = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  };
+  const std::string json =
+      write("run.json", "{\"data_dir\": \"" + data.string() +
+                            "\", \"model\": \"mlp\", \"workers\": 1, \"batch-size\": 32, "
+                            "\"epochs\": 5, \"max-steps\": 3, \"quiet\": true}");
+  // The command line wins over the file: 1 epoch, not 5.
+  auto r = train({"--config", json, "--epochs", "1", "--name", "from_json"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto saved_path = dir / "runs" / "from_json" / "config.json";
+  const Json saved = Json::parse(cohort::testing::read_text(saved_path.string()));
+  EXPECT_EQ(saved["model"], "mlp");
+  EXPECT_EQ(saved["workers"], 1);
+  EXPECT_EQ(saved["batch-size"], 32);
+  EXPECT_EQ(saved["epochs"], 1);
+  EXPECT_EQ(saved["max-steps"], 3);
+  EXPECT_EQ(saved["quiet"], true);
+  EXPECT_EQ(saved["resume"], true);  // a default
+  EXPECT_EQ(saved["name"], "from_json");
+  EXPECT_FALSE(saved.contains("lr")) << "unset, its default depends on the optimizer";
+  EXPECT_EQ(result_of("from_json")["steps"], 3);
+
+  // A run's config.json runs it again; TOML says the same.
+  r = train({"--config", saved_path.string(), "--name", "again"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  Json again =
+      Json::parse(cohort::testing::read_text((dir / "runs" / "again" / "config.json").string()));
+  again["name"] = "from_json";
+  EXPECT_EQ(again, saved);
+  const std::string toml =
+      write("run.toml", "data-dir = \"" + data.string() +
+                            "\"\nmodel = \"mlp\"\nworkers = 1\nepochs = "
+                            "1\nmax_steps = 2\nresume = false\nquiet = true\n");
+  r = train({"--config", toml, "--name", "from_toml"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(result_of("from_toml")["steps"], 2);
+  EXPECT_EQ(Json::parse(cohort::testing::read_text(
+                (dir / "runs" / "from_toml" / "config.json").string()))["resume"],
+            false);
+
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {write("unknown.json", "{\"modle\": \"mlp\"}"),
+       "unknown.json: unknown key 'modle': it is no option of `cohort train`"},
+      {write("type.json", "{\"workers\": \"many\"}"),
+       "type.json: key 'workers' = many has the wrong type: give a value of type INT"},
+      {write("flag.toml", "quiet = 3\n"),
+       "flag.toml: key 'quiet' = 3 has the wrong type: give true or false"},
+      {write("broken.json", "{\"workers\": 2,"), "broken.json is not valid JSON"},
+      {write("nested.json", "{\"zero\": {\"stage\": 2}}"),
+       "nested.json: key 'zero' has the value {\"stage\":2}: give a number, a string"},
+      {write("section.toml", "[train]\nworkers = 2\n"),
+       "section.toml: key 'train.workers' is in a section"},
+      {(dir / "missing.json").string(), "missing.json: cannot read the file"},
+  };
+  for (const auto& [file, fragment] : bad) {
+    r = train({"--config", file}, std::chrono::seconds(30));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos)
+        << "expected '" << fragment << "' in: " << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  }
+}
+
+TEST_F(Cli, HelpIsGroupedWithExamples) {
+  auto r = run_command({cli_path(), "--help"}, std::chrono::seconds(30));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("Examples:\n  cohort train --model cnn"), std::string::npos) << r.output;
+  r = run_command({cli_path(), "train", "--help"}, std::chrono::seconds(30));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  size_t at = 0;
+  for (const char* group :
+       {"Model and data:", "Workers and devices:", "Training:", "Parallelism and synchronisation:",
+        "Run directory and recovery:", "Output and observability:", "Examples:"}) {
+    const auto found = r.output.find(group, at);
+    EXPECT_NE(found, std::string::npos) << group << " (in order) in " << r.output;
+    if (found != std::string::npos) at = found;
+  }
 }
 
 TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
@@ -560,19 +650,83 @@ TEST_F(Cli, DeepSpeedConfigOfSeed001) {
       << r.output;
 }
 
-TEST_F(Cli, InterruptStopsEveryProcess) {
-  cohort::testing::Process driver(endless_run("interrupted"));
-  auto pids = wait_until_training(driver);
-  ASSERT_EQ(pids.size(), 2u);
-  driver.send_signal(SIGINT);
-  auto r = driver.wait(std::chrono::seconds(30));
-  EXPECT_FALSE(r.timed_out) << r.output;
-  EXPECT_EQ(r.signal, SIGINT) << r.output;
-  for (int pid : pids)
-    EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
-  auto result = result_of("interrupted");
-  EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos)
-      << result.dump();
+// Whether the driver said that the loop honours stop requests (before or after its first step).
+bool accepts_stop_requests(cohort::testing::Process& driver) {
+  const std::string line = "Ctrl-C stops the run after its next checkpoint";
+  return driver.output().find(line) != std::string::npos ||
+         driver.wait_for_line(line, std::chrono::seconds(30)).has_value();
+}
+
+// The first Ctrl-C stops the run after a checkpoint, which resumes where it stopped; the second
+// stops every process at once.
+TEST_F(Cli, CtrlCStopsAfterACheckpointThatResumesAndTwiceStopsAtOnce) {
+  {
+    cohort::testing::Process driver(endless_run("graceful"));
+    auto pids = wait_until_training(driver);
+    ASSERT_EQ(pids.size(), 2u);
+    ASSERT_TRUE(accepts_stop_requests(driver)) << driver.output();
+    driver.send_signal(SIGINT);
+    auto r = driver.wait(std::chrono::seconds(60));
+    EXPECT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.output;
+    const auto run_dir = dir / "runs" / "graceful";
+    for (const char* line :
+         {"cohort: stopping after the next checkpoint (Ctrl-C again stops the workers at once)",
+          "cohort: stopped at your request after ",
+          "run it again with the same storage path and name to resume"}) {
+      EXPECT_NE(r.output.find(line), std::string::npos) << line << " in " << r.output;
+    }
+    EXPECT_NE(
+        r.output.find("resume with: cohort train --config " + (run_dir / "config.json").string()),
+        std::string::npos)
+        << r.output;
+    for (int pid : pids)
+      EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
+    const auto result = result_of("graceful");
+    EXPECT_TRUE(result["error"].is_null()) << result.dump();
+    EXPECT_EQ(result["interrupted"], true) << result.dump();
+    const int64_t steps = result["steps"].get<int64_t>();
+    ASSERT_GT(steps, 0);
+
+    // The printed command continues from that checkpoint (inside an epoch: after its step).
+    const int64_t in_epoch = result.value("epoch_step", int64_t{0});
+    r = train(
+        {"--config", (run_dir / "config.json").string(), "--max-steps", std::to_string(steps + 3)});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(in_epoch > 0 ? "after step " + std::to_string(in_epoch)
+                                         : std::string("resuming after epoch")),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(result_of("graceful")["steps"], steps + 3);
+    EXPECT_EQ(result_of("graceful")["interrupted"], false);
+    // Exactly where a run never stopped is after as many steps.
+    auto straight = endless_run("straight");
+    straight.insert(straight.end(), {"--max-steps", std::to_string(steps + 3)});
+    r = run_command(straight, std::chrono::seconds(120));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_EQ(result_of("straight")["test_loss"], result_of("graceful")["test_loss"]);
+  }
+  {
+    cohort::testing::Process driver(endless_run("at_once"));
+    auto pids = wait_until_training(driver);
+    ASSERT_EQ(pids.size(), 2u);
+    ASSERT_TRUE(accepts_stop_requests(driver)) << driver.output();
+    // Rank 1 stopped: the group cannot reach a checkpoint, so only the second Ctrl-C ends it.
+    ::kill(pids[1], SIGSTOP);
+    driver.send_signal(SIGINT);
+    ASSERT_TRUE(
+        driver.wait_for_line("stopping after the next checkpoint", std::chrono::seconds(30)))
+        << driver.output();
+    driver.send_signal(SIGINT);
+    auto r = driver.wait(std::chrono::seconds(30));
+    EXPECT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.signal, SIGINT) << r.output;
+    for (int pid : pids)
+      EXPECT_FALSE(cohort::testing::process_alive(pid)) << "worker " << pid << " survived";
+    auto result = result_of("at_once");
+    EXPECT_NE(result["error"].get<std::string>().find("interrupted"), std::string::npos)
+        << result.dump();
+  }
 }
 
 // While a driver runs, a second one for its run directory is refused naming it; killed, its

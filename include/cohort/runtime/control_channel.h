@@ -1,5 +1,6 @@
 #pragma once
 #include <chrono>
+#include <csignal>
 #include <functional>
 #include <string>
 
@@ -21,6 +22,15 @@ void set_control_sink(std::function<void(const std::string&)> sink);
 // Sends one message (must not contain a newline). Thread-safe. Throws RuntimeError when the
 // driver is gone.
 void send_control_message(const std::string& line);
+
+// The signal that asks a worker to stop at its next checkpoint: the local driver sends it at the
+// first Ctrl-C to workers that accept stop requests (train::should_stop()); under a launcher send
+// it to every rank yourself (Slurm: scancel --signal=USR1 --full JOB).
+inline constexpr int kStopRequestSignal = SIGUSR1;
+// Installs the handler of kStopRequestSignal in this process (idempotent).
+void watch_stop_requests();
+// Whether this process received kStopRequestSignal since watch_stop_requests().
+bool stop_requested();
 
 // Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
 // `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one

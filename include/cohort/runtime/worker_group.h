@@ -54,6 +54,8 @@ struct GroupOutcome {
   bool success = false;
   // SIGINT or SIGTERM received by this process, which then stopped the group.
   int interrupted_by = 0;
+  // A SIGINT asked the workers to stop on their own (accept_stop_requests); they did or not.
+  bool stop_requested = false;
   std::vector<WorkerExit> exits;  // by rank
   std::optional<WorkerExit> first_failure;
   std::string failure_reason;  // one line, when !success
@@ -70,6 +72,8 @@ struct WorkerGroupHandlers {
   std::function<void(const WorkerExit& exit)> on_exit;
   // Called about every 100 ms while waiting.
   std::function<void()> on_tick;
+  // The first SIGINT was passed on to workers that accept stop requests (accept_stop_requests).
+  std::function<void()> on_stop_request;
 };
 
 // A group of local worker processes, each a re-execution of this program with its rank in the
@@ -97,6 +101,11 @@ class WorkerGroup {
   void request_stop(std::string reason);
   // True once the group is being stopped (a failure, a request or a signal).
   bool stopping() const;
+  // From a handler inside wait(): the workers stop on their own when asked (they poll
+  // train::should_stop()). From then on the first SIGINT sends each worker kStopRequestSignal
+  // (control_channel.h) instead of stopping the group, and the group waits for them to end; a
+  // second SIGINT, or a SIGTERM, stops it at once.
+  void accept_stop_requests();
   // SIGTERM, then SIGKILL after stop_grace; reaps every worker.
   void stop();
   std::vector<int> pids() const;

@@ -2,6 +2,7 @@
 #include <chrono>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <string>
 
 #include "cohort/json.h"
@@ -98,6 +99,21 @@ struct CheckpointConfig {
   std::string checkpoint_score_order = "max";
 };
 
+// TensorBoard event files of a run, under <run>/tensorboard/ (Ray Tune's TBXLogger; see
+// train/summary_writer.h). The driver writes them (under a launcher, rank 0).
+struct TensorBoardConfig {
+  // Every numeric metric of every report as a scalar at its training_iteration (nested objects as
+  // "outer/inner"), the train_loop_config as text; a resumed run tells TensorBoard to drop the
+  // steps past its checkpoint that the crashed attempt wrote.
+  bool enabled = true;
+  // Also histograms of rank 0's prepared models' parameters and gradients at each report
+  // ("parameters/<name>", "gradients/<name>").
+  bool histograms = false;
+  // The hparams plugin's session: these hyperparameter values (name -> number, string or bool),
+  // and the run's end status. A Tune trial gets its sampled config here. Empty: no session.
+  Json hparams = Json::object();
+};
+
 // Where results go and how the run behaves (Ray Train's RunConfig).
 struct RunConfig {
   // The run's folder under storage_path; empty: "cohort_<date>_<time>".
@@ -119,6 +135,19 @@ struct RunConfig {
   // record that metrics.jsonl gets: rank 0's metrics plus "training_iteration", "timestamp" and,
   // when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
   std::function<void(const Json& record)> on_report;
+  TensorBoardConfig tensorboard;
+  // Files the driver writes into the run directory once it owns it (file name -> content), each
+  // atomically, replacing what a previous start wrote: e.g. `cohort train` writes its effective
+  // options as config.json. Names are plain file names.
+  std::map<std::string, std::string> extra_files;
+  // Steps whose phases (cohort/trace.h) each rank records as a Chrome trace,
+  // <run>/trace/rank-R.json, written when step `last` ends (or when the loop ends inside the
+  // range): open the files in Perfetto (ui.perfetto.dev) or chrome://tracing, several ranks at
+  // once. Steps count from 1 as train::step_optimizer ends them. {0, 0}: none.
+  struct ProfileSteps {
+    int64_t first = 0;
+    int64_t last = 0;
+  } profile_steps;
 };
 
 }  // namespace cohort

@@ -12,6 +12,7 @@
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "cohort/trace.h"
 
 namespace cohort::train {
 
@@ -111,13 +112,25 @@ NoSyncGuard no_sync(const torch::nn::ModuleHolder<M>& module) {
 //
 // Clip gradients after get_loss_scaler().unscale(optimizer), before step_optimizer().
 
-// Autocast on this worker's device at the run's precision while the guard lives.
-optim::AutocastGuard autocast();
-// loss.backward(), the loss scaled by the run's loss scaler (fp16 only).
+// The forward pass of a step: autocast on this worker's device at the run's precision, timed as
+// the forward phase (cohort/trace.h), while it lives.
+class ForwardScope {
+ public:
+  ForwardScope(optim::Precision precision, const c10::Device& device);
+
+ private:
+  trace::Span span_;
+  optim::AutocastGuard autocast_;
+};
+ForwardScope autocast();
+// loss.backward(), the loss scaled by the run's loss scaler (fp16 only); timed as the backward
+// phase.
 void backward(const at::Tensor& loss);
 // Steps the optimizer through the run's loss scaler and updates the scale: with fp16, gradients
 // are unscaled first and a step whose gradients overflowed on any rank is skipped by every rank
 // (counted in every report as "skipped_steps", beside "loss_scale"). Returns whether it stepped.
+// Timed as the optimizer phase; it ends the step (trace::end_step) that reports and profiles
+// count.
 bool step_optimizer(torch::optim::Optimizer& optimizer);
 // The run's loss scaler (disabled unless the precision is fp16); its state goes into
 // save_checkpoint and comes back with load_checkpoint.

@@ -24,6 +24,14 @@ std::optional<Checkpoint> get_checkpoint();
 // Only rank 0's are shown; calls are rate-limited here, so calling every step is cheap.
 void report_progress(const Json& progress);
 
+// Whether the run was asked to stop: true on every rank alike once any rank received a stop
+// request (the first Ctrl-C of the driver, or runtime::kStopRequestSignal). A collective: every
+// rank calls it at the same points, e.g. after each step; the loop then reports a checkpoint and
+// returns, and the Result says `interrupted`. A loop that calls it tells the driver that it
+// honours requests: from then on the first Ctrl-C asks instead of stopping the workers at once
+// (a second one still does). Costs one all-reduce of one number.
+bool should_stop();
+
 // Waits until every rank got here (within the collective timeout).
 void barrier();
 

@@ -36,6 +36,9 @@ struct Result {
   // Elastic training: one entry per change of the group's size: {"from", "to", "reports",
   // "at_s", "reason"}.
   std::vector<Json> resizes;
+  // The run stopped early at a request (the first Ctrl-C, or kStopRequestSignal under a
+  // launcher) after committing a checkpoint: running it again resumes there.
+  bool interrupted = false;
 
   bool ok() const { return !error.has_value(); }
 

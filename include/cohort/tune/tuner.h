@@ -103,8 +103,9 @@ class ResultGrid {
 // Trainer's own), except "scaling_config" ({"num_workers", "min_workers", "cpu_threads"}) which
 // changes the trial's ScalingConfig; Ray's nesting under "train_loop_config" works too. Each
 // trial runs with the Trainer's RunConfig (failure_config, checkpoints, timeouts) in its own
-// folder <storage_path>/<name>/trial_NNNNN. Of the Tuner's RunConfig only name, storage_path
-// and verbose (0: silent, 1: the status table) are used.
+// folder <storage_path>/<name>/trial_NNNNN. Of the Tuner's RunConfig only name, storage_path,
+// verbose (0: silent, 1: the status table) and extra_files (written into the experiment's
+// folder) are used.
 class Tuner {
  public:
   Tuner(Trainer trainable, Json param_space, TuneConfig tune_config = {},

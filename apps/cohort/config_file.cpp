@@ -1,0 +1,156 @@
+#include "config_file.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "cohort/error.h"
+
+namespace cohort::cli {
+
+namespace {
+
+constexpr const char* kConfigOption = "--config";
+
+bool is_flag(const CLI::Option* option) { return option->get_expected_max() == 0; }
+
+// The file's keys and values, as CLI11's config items (name, input strings).
+std::vector<CLI::ConfigItem> read_items(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) {
+    throw UsageError("--config " + file +
+                     ": cannot read the file; give the path of a JSON or TOML file");
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string content = text.str();
+  const auto first = content.find_first_not_of(" \t\r\n");
+  const bool json = std::filesystem::path(file).extension() == ".json" ||
+                    (first != std::string::npos && content[first] == '{');
+  std::vector<CLI::ConfigItem> items;
+  if (!json) {
+    std::istringstream toml(content);
+    try {
+      for (auto& item : CLI::ConfigTOML().from_config(toml)) {
+        // CLI11 marks sections with "++" and "--" items; options live at the top.
+        if (item.name == "++" || item.name == "--") continue;
+        if (!item.parents.empty()) {
+          throw UsageError("--config " + file + ": key '" + item.fullname() +
+                           "' is in a section; give the options at the top of the file");
+        }
+        items.push_back(std::move(item));
+      }
+    } catch (const CLI::Error& e) {
+      throw UsageError("--config " + file + " is not valid TOML: " + e.what());
+    }
+    return items;
+  }
+  Json j;
+  try {
+    j = Json::parse(content);
+  } catch (const Json::exception& e) {
+    throw UsageError("--config " + file + " is not valid JSON: " + e.what());
+  }
+  if (!j.is_object())
+    throw UsageError("--config " + file + ": the file must hold one JSON object of options");
+  for (const auto& [key, value] : j.items()) {
+    CLI::ConfigItem item;
+    item.name = key;
+    const auto input = [&](const Json& v) -> std::string {
+      if (v.is_string()) return v.get<std::string>();
+      if (v.is_boolean() || v.is_number()) return v.dump();
+      throw UsageError("--config " + file + ": key '" + key + "' has the value " + v.dump() +
+                       ": give a number, a string, true/false or a list of them");
+    };
+    if (value.is_array()) {
+      for (const auto& v : value) item.inputs.push_back(input(v));
+    } else {
+      item.inputs.push_back(input(value));
+    }
+    items.push_back(std::move(item));
+  }
+  return items;
+}
+
+}  // namespace
+
+void add_config_option(CLI::App* cmd, std::string& file) {
+  cmd->add_option(kConfigOption, file,
+                  "read the options from a JSON or TOML file (keys as the flags without dashes, "
+                  "e.g. {\"model\": \"vit\", \"batch-size\": 32}); the command line overrides "
+                  "it; a run's config.json is such a file");
+}
+
+void apply_config_file(CLI::App* cmd, const std::string& file) {
+  if (file.empty()) return;
+  for (const auto& item : read_items(file)) {
+    std::string name = item.name;
+    std::replace(name.begin(), name.end(), '_', '-');
+    CLI::Option* option = cmd->get_option_no_throw("--" + name);
+    if (option == nullptr || name == "config" || name == "help") {
+      throw UsageError("--config " + file + ": unknown key '" + item.name +
+                       "': it is no option of `cohort " + cmd->get_name() + "` (see cohort " +
+                       cmd->get_name() + " --help)");
+    }
+    if (option->count() > 0) continue;  // the command line overrides the file
+    try {
+      if (is_flag(option)) {
+        if (item.inputs.size() != 1) throw CLI::ConversionError(item.name, "one value");
+        const std::string value = item.inputs.front();
+        if (value != "true" && value != "false")
+          throw CLI::ConversionError("--" + name + " = " + value, "");
+        option->add_result(option->get_flag_value(name, value));
+      } else {
+        if (item.inputs.size() > 1 && option->get_items_expected_max() < 2) {
+          throw CLI::ConversionError("--" + name, "one value, not a list");
+        }
+        option->add_result(item.inputs);
+      }
+      option->run_callback();
+    } catch (const CLI::Error& e) {
+      const std::string expected = is_flag(option) ? "true or false"
+                                   : option->get_type_name().empty()
+                                       ? "a value"
+                                       : "a value of type " + option->get_type_name();
+      throw UsageError("--config " + file + ": key '" + item.name +
+                       "' = " + CLI::detail::join(item.inputs, ",") + " has the wrong type: give " +
+                       expected + " (" + e.what() + ")");
+    }
+  }
+}
+
+Json effective_options(const CLI::App* cmd) {
+  Json out = Json::object();
+  for (const CLI::Option* option : cmd->get_options()) {
+    if (option->get_lnames().empty()) continue;
+    const std::string name = option->get_lnames().front();
+    if (name == "help" || name == "config") continue;
+    std::vector<std::string> values = option->results();
+    if (option->count() == 0) {
+      if (option->get_default_str().empty()) continue;
+      values = {option->get_default_str()};
+    }
+    const auto typed = [&](const std::string& v) -> Json {
+      if (is_flag(option)) return v == "true" || v == "1";
+      const std::string type = option->get_type_name();
+      if (type == "FLOAT" || type == "INT" || type == "UINT") {
+        try {
+          return Json::parse(v);
+        } catch (const Json::exception&) {
+        }
+      }
+      return v;
+    };
+    if (is_flag(option)) {
+      out[name] = option->count() > 0 ? Json(option->as<bool>()) : typed(values.front());
+    } else if (option->get_items_expected_max() > 1) {
+      Json list = Json::array();
+      for (const auto& v : values) list.push_back(typed(v));
+      out[name] = list;
+    } else if (!values.empty()) {
+      out[name] = typed(values.back());
+    }
+  }
+  return out;
+}
+
+}  // namespace cohort::cli
