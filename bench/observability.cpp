@@ -1,8 +1,8 @@
-// What seeing a run costs: seed 000's CNN on Fashion-MNIST, the same training with TensorBoard
-// files (every metric, histograms of every parameter and gradient at each report), a Chrome trace
-// of a window of steps and the per-phase timing on, against TensorBoard and the trace off (the
-// phase timing itself is always on: it is the cheap part). Runs alternate off / on so that drift
-// of the machine hits both alike.
+// What seeing a run costs: seed 000's CNN on Fashion-MNIST, the same training with the driver's
+// dashboard serving, TensorBoard files (every metric, histograms of every parameter and gradient
+// at each report), a Chrome trace of a window of steps and the per-phase timing on, against the
+// dashboard, TensorBoard and the trace off (the phase timing and status.json are always on: they
+// are the cheap part). Runs alternate off / on so that drift of the machine hits both alike.
 //   observability [--workers 2] [--steps 200] [--report-every 20] [--repeats 3]
 //                 [--data-dir /usr/share/datasets/fashion-mnist]
 // Prints one line per run, then the median samples/s of each and their ratio.
@@ -91,7 +91,10 @@ int main(int argc, char** argv) {
                           .resume = false,
                           .verbose = 0};
     run.tensorboard = {.enabled = observed, .histograms = observed};
-    if (observed) run.profile_steps = {.first = steps / 2, .last = steps / 2 + 10};
+    if (observed) {
+      run.profile_steps = {.first = steps / 2, .last = steps / 2 + 10};
+      run.dashboard = cohort::DashboardOptions{.port = 0};
+    }
     cohort::Trainer trainer(bench_loop, {.num_workers = workers}, run, config);
     const cohort::Result result = trainer.fit();
     if (!result.ok()) {
@@ -111,7 +114,8 @@ int main(int argc, char** argv) {
     return v[v.size() / 2];
   };
   std::printf(
-      "observability on (TensorBoard scalars + histograms, a %d-step trace, phase timing) vs "
+      "observability on (dashboard, TensorBoard scalars + histograms, a %d-step trace, phase "
+      "timing) vs "
       "off: %.1f vs %.1f samples/s, ratio %.3f (medians of %d runs, %d workers, %lld steps, "
       "a report every %lld)\n",
       11, median(on), median(off), median(on) / median(off), repeats, workers,

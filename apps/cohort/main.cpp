@@ -9,6 +9,7 @@
 #include "cohort/error.h"
 #include "completion_command.h"
 #include "config_file.h"
+#include "dashboard_command.h"
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
@@ -44,6 +45,7 @@ int main(int argc, char** argv) {
       "  cohort train --config run.json --lr 0.05                options from a file, one changed\n"
       "  cohort train --model vit --workers 8 --pp 2 --tp 2      a data x pipeline x tensor mesh\n"
       "  cohort tune --param lr=loguniform:1e-4:1e-1 --samples 8 --scheduler asha\n"
+      "  cohort dashboard ./cohort_results                       the runs' live dashboard\n"
       "  cohort launch --nnodes 2 --node-rank 0 --master host0:29500 --nproc-per-node 2 -- \\\n"
       "      cohort train --workers 4                             one node of a two-node job\n"
       "\n"
@@ -55,6 +57,8 @@ int main(int argc, char** argv) {
   auto* tune_cmd = cohort::cli::add_tune_command(app, tune);
   cohort::cli::LaunchOptions launch;
   auto* launch_cmd = cohort::cli::add_launch_command(app, launch);
+  cohort::cli::DashboardCommandOptions dashboard;
+  auto* dashboard_cmd = cohort::cli::add_dashboard_command(app, dashboard);
   std::string shell;
   auto* completion_cmd = cohort::cli::add_completion_command(app, shell);
   try {
@@ -74,6 +78,7 @@ int main(int argc, char** argv) {
     if (train_cmd->parsed()) return cohort::cli::run_train_command(train, *train_cmd);
     if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune, *tune_cmd);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
+    if (dashboard_cmd->parsed()) return cohort::cli::run_dashboard_command(dashboard);
     if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';

@@ -185,6 +185,7 @@ void validate(const TrainOptions& o) {
   }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
   profile_steps_of(o);
+  dashboard_of(o);
   comm::backend_from_string(o.backend);
   if (o.gpus_per_worker < 0) {
     throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
@@ -431,6 +432,26 @@ RunConfig::ProfileSteps profile_steps_of(const TrainOptions& o) {
   return steps;
 }
 
+std::optional<DashboardOptions> dashboard_of(const TrainOptions& o) {
+  if (!o.dashboard) return std::nullopt;
+  DashboardOptions options{.host = o.dashboard_host};
+  if (!o.dashboard->empty()) {
+    try {
+      size_t used = 0;
+      options.port = std::stoi(*o.dashboard, &used);
+      if (used != o.dashboard->size()) throw std::invalid_argument(*o.dashboard);
+    } catch (const std::logic_error&) {
+      throw UsageError("--dashboard '" + *o.dashboard +
+                       "' is not a port: give a number such as 8265, or 0 for a free port");
+    }
+    if (options.port < 0 || options.port > 65535) {
+      throw UsageError("--dashboard " + *o.dashboard +
+                       " is out of range: give a port from 1 to 65535, or 0 for a free one");
+    }
+  }
+  return options;
+}
+
 double current_lr(torch::optim::Optimizer& optimizer) {
   return optimizer.param_groups().empty() ? 0.0
                                           : optimizer.param_groups().front().options().get_lr();
@@ -449,6 +470,7 @@ RunConfig run_config_of(const TrainOptions& o) {
       .resume = o.resume,
       .verbose = o.quiet ? 0 : 1,
       .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
+      .dashboard = dashboard_of(o),
       .profile_steps = profile_steps_of(o)};
 }
 
@@ -788,6 +810,13 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "the config (default)");
   add_bool_flag(cmd, "--tensorboard-histograms", o.tensorboard_histograms,
                 "also histograms of the parameters and gradients at each report");
+  cmd->add_option("--dashboard", o.dashboard,
+                  "serve a live dashboard of the runs under --storage-path while training, on "
+                  "this port (default 8265; 0: a free one); the address is printed")
+      ->expected(0, 1);
+  cmd->add_option("--dashboard-host", o.dashboard_host,
+                  "the dashboard's address (0.0.0.0: reachable from other hosts)")
+      ->capture_default_str();
   cmd->add_option("--profile-steps", o.profile_steps,
                   "trace these steps (A-B or N, from 1): each rank writes its data wait, "
                   "forward, backward, communication wait, optimizer and checkpoint spans to "

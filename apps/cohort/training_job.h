@@ -85,7 +85,13 @@ struct TrainOptions {
   bool tensorboard_histograms = false;  // with them, parameter and gradient histograms
   std::string profile_steps;            // "A-B" or "N": RunConfig::profile_steps; empty: none
   std::string config_file;              // --config: a JSON or TOML file of these options
+  // --dashboard [PORT] (empty: the default port) and --dashboard-host; unset: no dashboard.
+  std::optional<std::string> dashboard;
+  std::string dashboard_host = DashboardOptions{}.host;
 };
+
+// The dashboard of --dashboard [PORT], or none; UsageError for a port that is no number.
+std::optional<DashboardOptions> dashboard_of(const TrainOptions& options);
 
 // --profile-steps "A-B" or "N" as RunConfig::profile_steps; a UsageError naming the value
 // otherwise (steps count from 1; A <= B; not past --max-steps).

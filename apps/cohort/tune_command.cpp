@@ -106,6 +106,15 @@ int run_tune_command(TuneOptions o, const CLI::App& cmd) {
   const Json space = param_space_of(o);
   RunConfig trial_run = run_config_of(o.job);
   trial_run.name.clear();
+  // One dashboard for the experiment, served here: each trial's driver must not start its own.
+  trial_run.dashboard.reset();
+  std::optional<train::Dashboard> dashboard;
+  // In the experiment's own process only (fit() runs this program again for each trial).
+  if (const auto options = dashboard_of(o.job); options && runtime::spawned_role().empty()) {
+    std::filesystem::create_directories(o.job.storage_path);
+    dashboard.emplace(o.job.storage_path, *options);
+    std::cout << "dashboard at " << dashboard->url() << std::endl;
+  }
   Trainer trainer(train_loop, scaling_of(o.job), trial_run, to_json(o.job), datasets_of(o.job));
   const std::string name =
       o.job.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.name;

@@ -45,6 +45,7 @@
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
+#include "cohort/train/dashboard.h"
 #include "cohort/train/deepspeed_config.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"

@@ -15,8 +15,10 @@
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
+#include "cohort/train/dashboard.h"
 #include "train/progress.h"
 #include "train/run_recorder.h"
+#include "train/run_status.h"
 #include "train/worker_session.h"
 #include "train/worker_spec.h"
 
@@ -121,7 +123,9 @@ class Driver {
   Console console_;
   Clock::time_point started_ = Clock::now();
   std::chrono::system_clock::time_point started_wall_ = std::chrono::system_clock::now();
+  std::optional<Dashboard> dashboard_;  // RunConfig::dashboard, while the driver runs
   std::optional<RunRecorder> recorder_;
+  std::optional<RunStatus> status_;
   comm::Store store_;
   // Elastic training: the slots the current group runs in (rank r in slots_[r]), and the pid of
   // the last worker of every slot (its process group tells whether anything of it is left).
@@ -196,7 +200,14 @@ Result Driver::run() {
   gpus_ = runtime::visible_gpus();
   gpus_per_worker_ = runtime::check_gpu_request(
       scaling_.use_gpu, scaling_.resources_per_worker.gpus, scaling_.num_workers, gpus_);
+  // First: a port in use is refused before the run directory is touched.
+  if (run_.dashboard) {
+    std::filesystem::create_directories(run_.storage_path);
+    dashboard_.emplace(run_.storage_path, *run_.dashboard);
+    console_.message("cohort: dashboard at " + dashboard_->url());
+  }
   recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, config_, console_);
+  status_.emplace(recorder_->run_dir());
   std::optional<Checkpoint> resume_from = recorder_->resume_point();
   store_ = comm::Store::connect(
       {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
@@ -262,6 +273,10 @@ Result Driver::run() {
   recorder_->result().interrupted =
       attempt.outcome.stop_requested && attempt.outcome.interrupted_by == 0 && !error;
   Result result = recorder_->finish(error, static_cast<int>(slots_.size()), since_start());
+  status_->write(!result.ok()         ? "failed"
+                 : result.interrupted ? "interrupted"
+                                      : "finished",
+                 result.failures, /*force=*/true);
   if (result.interrupted && run_.verbose >= 1) {
     console_.message("cohort: stopped at your request" +
                      (result.checkpoint ? " after " + result.checkpoint->path().string()
@@ -353,11 +368,13 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
   handlers.on_exit = [&](const runtime::WorkerExit& exit) {
     exited[static_cast<size_t>(exit.rank)] = true;
+    status_->on_exit(exit.rank, exit.ok());
     coordinator.on_finished(exit.rank);
     if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
   };
   handlers.on_tick = [&] {
     console_.tick();
+    status_->write("running", recorder_->result().failures);
     if (group.stopping()) return;  // a failure is already being handled
     if (const auto verdict = coordinator.verdict()) {
       hung_rank = verdict->rank;
@@ -386,6 +403,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (type == "heartbeat") return;
     if (rank == 0 && !trained) {
       trained = true;
+      status_->on_training();
       // The group trains again: the previous failure is recovered.
       if (!recorder_->result().failures.empty() &&
           recorder_->result().failures.back()["recovery_s"].is_null()) {
@@ -398,6 +416,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     } else if (type == "report" && rank == 0) {
       std::string broken;
       recorder_->on_report(message, broken);
+      status_->on_report(message);
       stop_because(broken);
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
@@ -416,6 +435,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       group.accept_stop_requests();
     } else if (type == "progress") {
       console_.progress(message["progress"]);
+      status_->on_progress(message["progress"]);
     } else if (type == "error") {
       if (!worker_errors.count(rank)) {
         error_order.push_back(rank);
@@ -426,10 +446,17 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
 
   group.start();
+  std::vector<std::string> devices;
   for (int rank = 0; rank < world; ++rank) {
-    slot_pids_[static_cast<size_t>(slots_[static_cast<size_t>(rank)])] =
-        group.pids()[static_cast<size_t>(rank)];
+    const int slot = slots_[static_cast<size_t>(rank)];
+    slot_pids_[static_cast<size_t>(slot)] = group.pids()[static_cast<size_t>(rank)];
+    devices.push_back(gpus_per_worker_ > 0
+                          ? "cuda (GPU " + runtime::gpus_of_slot(gpus_, slot, gpus_per_worker_) +
+                                ")"
+                          : "cpu");
   }
+  status_->on_group_start(group.pids(), devices);
+  status_->write("running", recorder_->result().failures, /*force=*/true);
   if (run_.verbose >= 1) {
     std::string pids;
     for (int pid : group.pids()) pids += (pids.empty() ? "" : " ") + std::to_string(pid);

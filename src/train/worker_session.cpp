@@ -318,8 +318,11 @@ struct RankTimes {
 // since the last: each rank's step time without its waits for peers (so that a rank that
 // computes slowly stands out from the ones that wait for it), its lower median, min and max and
 // the slowest rank; the phases' ms per step averaged over the ranks; the slowest checkpoint.
-// A metric the loop reported itself is kept.
-void add_step_times(const std::vector<RankTimes>& times, Json& metrics) {
+// A metric the loop reported itself is kept. Each rank's step time also goes into the message as
+// "rank_step_time_ms" (null for a rank without steps), for dashboards.
+void add_step_times(const std::vector<RankTimes>& times, Json& message) {
+  Json& metrics = message["metrics"];
+  Json by_rank = Json::array();
   std::vector<std::pair<double, int>> step_ms;
   std::array<double, trace::kPhases> phase_ms{};
   double checkpoint_ms = 0;
@@ -328,9 +331,13 @@ void add_step_times(const std::vector<RankTimes>& times, Json& metrics) {
     const auto& comm = t.seconds[static_cast<size_t>(trace::Phase::kCommWait)];
     checkpoint_ms =
         std::max(checkpoint_ms, 1000 * t.seconds[static_cast<size_t>(trace::Phase::kCheckpoint)]);
-    if (t.steps == 0) continue;
+    if (t.steps == 0) {
+      by_rank.push_back(nullptr);
+      continue;
+    }
     const double per_step = 1000.0 / static_cast<double>(t.steps);
     step_ms.emplace_back(std::max(0.0, t.wall_seconds - comm) * per_step, static_cast<int>(r));
+    by_rank.push_back(step_ms.back().first);
     for (size_t p = 0; p < phase_ms.size(); ++p) phase_ms[p] += t.seconds[p] * per_step;
   }
   const auto put = [&](const std::string& key, const Json& value) {
@@ -349,6 +356,7 @@ void add_step_times(const std::vector<RankTimes>& times, Json& metrics) {
     put(std::string(trace::to_string(phase)) + "_ms",
         phase_ms[p] / static_cast<double>(step_ms.size()));
   }
+  message["rank_step_time_ms"] = by_rank;  // last: `metrics` refers into `message`
 }
 
 // TensorBoard's histograms of the prepared models' parameters and gradients, by tag
@@ -476,7 +484,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[14]));
     }
   }
-  add_step_times(times, message["metrics"]);
+  add_step_times(times, message);
   if (staleness_max && !metrics.contains(kStalenessMeanMetric)) {
     message["metrics"][kStalenessMeanMetric] =
         pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : 0.0;

@@ -3,6 +3,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "cohort/json.h"
@@ -114,6 +115,14 @@ struct TensorBoardConfig {
   Json hparams = Json::object();
 };
 
+// Where a dashboard (train/dashboard.h) listens. Ray's dashboard port is the default.
+struct DashboardOptions {
+  // 127.0.0.1: this host only; "0.0.0.0" lets other hosts in.
+  std::string host = "127.0.0.1";
+  // 0: a free port.
+  int port = 8265;
+};
+
 // Where results go and how the run behaves (Ray Train's RunConfig).
 struct RunConfig {
   // The run's folder under storage_path; empty: "cohort_<date>_<time>".
@@ -140,6 +149,10 @@ struct RunConfig {
   // atomically, replacing what a previous start wrote: e.g. `cohort train` writes its effective
   // options as config.json. Names are plain file names.
   std::map<std::string, std::string> extra_files;
+  // A live dashboard of the storage path's runs, served by the driver while it runs
+  // (`cohort train --dashboard [PORT]`); the driver prints its address. `cohort dashboard
+  // STORAGE_PATH` serves the same page for running and finished runs. Unset: none.
+  std::optional<DashboardOptions> dashboard;
   // Steps whose phases (cohort/trace.h) each rank records as a Chrome trace,
   // <run>/trace/rank-R.json, written when step `last` ends (or when the loop ends inside the
   // range): open the files in Perfetto (ui.perfetto.dev) or chrome://tracing, several ranks at

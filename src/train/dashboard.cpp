@@ -1,0 +1,304 @@
+#include "cohort/train/dashboard.h"
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "cohort/error.h"
+#include "train/run_files.h"
+
+namespace cohort::train {
+
+// The page and uPlot, compiled in (cmake/embed_files.cmake).
+namespace assets {
+std::string_view index_html();
+std::string_view uplot_js();
+std::string_view uplot_css();
+}  // namespace assets
+
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kExperimentStateFile = "experiment_state.json";
+constexpr size_t kMaxMetricRecords = 5000;  // the newest, for long runs
+
+// A JSON file of the run, or null when it is missing or being replaced (the next poll gets it).
+Json read_or_null(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return nullptr;
+  try {
+    return read_json(file);
+  } catch (const std::exception&) {
+    return nullptr;
+  }
+}
+
+bool is_run(const fs::path& dir) {
+  for (const char* file : {kStatusFile, kMetricsFile, kResultFile})
+    if (fs::exists(dir / file)) return true;
+  return false;
+}
+
+bool is_experiment(const fs::path& dir) { return fs::exists(dir / kExperimentStateFile); }
+
+// A run's state: running while its driver keeps status.json fresh, else what result.json says.
+std::string run_state(const fs::path& dir) {
+  const Json result = read_or_null(dir / kResultFile);
+  const Json status = read_or_null(dir / kStatusFile);
+  if (status.is_object() && status.value("state", std::string{}) == "running") {
+    const double age = static_cast<double>(std::time(nullptr)) - status.value("updated", 0.0);
+    if (age < 30) return "running";
+  }
+  if (result.is_object()) {
+    if (!result["error"].is_null()) return "failed";
+    return result.value("interrupted", false) ? "interrupted" : "finished";
+  }
+  return status.is_object() ? "stale" : "unknown";
+}
+
+Json list_runs(const fs::path& storage) {
+  Json runs = Json::array();
+  std::error_code ec;
+  std::vector<fs::path> dirs;
+  for (const auto& entry : fs::directory_iterator(storage, ec))
+    if (entry.is_directory()) dirs.push_back(entry.path());
+  std::sort(dirs.begin(), dirs.end(), [](const fs::path& a, const fs::path& b) {
+    std::error_code e;
+    return fs::last_write_time(a, e) > fs::last_write_time(b, e);
+  });
+  for (const auto& dir : dirs) {
+    if (is_experiment(dir)) {
+      runs.push_back({{"name", dir.filename().string()}, {"kind", "experiment"}});
+    } else if (is_run(dir)) {
+      runs.push_back(
+          {{"name", dir.filename().string()}, {"kind", "run"}, {"state", run_state(dir)}});
+    }
+  }
+  return runs;
+}
+
+Json run_details(const fs::path& dir) {
+  std::vector<Json> records = read_jsonl(dir / kMetricsFile);
+  if (records.size() > kMaxMetricRecords)
+    records.erase(records.begin(), records.end() - static_cast<long>(kMaxMetricRecords));
+  const Json result = read_or_null(dir / kResultFile);
+  const Json manager = read_or_null(dir / kCheckpointManagerFile);
+  const Json status = read_or_null(dir / kStatusFile);
+  Json failures = Json::array();
+  if (status.is_object() && status.contains("failures")) {
+    failures = status["failures"];
+  } else if (result.is_object() && result.contains("failures")) {
+    failures = result["failures"];
+  }
+  return Json{{"name", dir.filename().string()},
+              {"kind", "run"},
+              {"state", run_state(dir)},
+              {"status", status},
+              {"metrics", records},
+              {"checkpoints", manager.is_object() ? manager["checkpoints"] : Json::array()},
+              {"failures", failures},
+              {"error", result.is_object() ? result["error"] : Json(nullptr)}};
+}
+
+Json experiment_details(const fs::path& dir) {
+  const Json state = read_or_null(dir / kExperimentStateFile);
+  Json trials = Json::array();
+  if (state.is_object()) {
+    for (const auto& t : state.value("trials", Json::array())) {
+      Json row = t;
+      row["state"] = is_run(dir / t.value("name", std::string{}))
+                         ? run_state(dir / t.value("name", std::string{}))
+                         : "pending";
+      trials.push_back(row);
+    }
+  }
+  return Json{{"name", dir.filename().string()},
+              {"kind", "experiment"},
+              {"metric", state.is_object() ? state.value("metric", Json(nullptr)) : Json(nullptr)},
+              {"trials", trials}};
+}
+
+// A name from the query: one folder of the storage path, nothing else.
+std::optional<fs::path> run_dir_of(const fs::path& storage, const std::string& name) {
+  if (name.empty() || name.find('/') != std::string::npos || name == "." || name == "..")
+    return std::nullopt;
+  const auto dir = storage / name;
+  if (!fs::is_directory(dir)) return std::nullopt;
+  return dir;
+}
+
+std::string label_value(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+void gauge(std::ostringstream& out, const std::string& name, const std::string& help) {
+  out << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n";
+}
+
+}  // namespace
+
+std::string prometheus_metrics(const fs::path& storage) {
+  struct Sample {
+    std::string labels;
+    double value;
+  };
+  std::map<std::string, std::vector<Sample>> samples;
+  const auto add = [&](const std::string& metric, const std::string& labels, const Json& v) {
+    if (v.is_number() && std::isfinite(v.get<double>()))
+      samples[metric].push_back({labels, v.get<double>()});
+  };
+  const auto collect = [&](const fs::path& dir, const std::string& run) {
+    const std::string labels = "run=\"" + label_value(run) + "\"";
+    const auto records = read_jsonl(dir / kMetricsFile);
+    const Json last = records.empty() ? Json::object() : records.back();
+    add("cohort_training_iteration", labels, last.value("training_iteration", Json()));
+    add("cohort_loss", labels,
+        last.contains("loss") ? last["loss"] : last.value("train_loss", Json()));
+    add("cohort_samples_per_second", labels,
+        last.contains("samples_per_second") ? last["samples_per_second"]
+                                            : last.value("samples_per_s", Json()));
+    add("cohort_ingest_wait_ms", labels, last.value("ingest_wait_ms", Json()));
+    add("cohort_comm_wait_ms", labels, last.value("comm_wait_ms", Json()));
+    const Json status = read_or_null(dir / kStatusFile);
+    const Json result = read_or_null(dir / kResultFile);
+    const Json& failures = status.is_object() && status.contains("failures") ? status["failures"]
+                           : result.is_object() ? result.value("failures", Json::array())
+                                                : Json::array();
+    int64_t restarts = 0;
+    for (const auto& f : failures) restarts += f.value("restarted", false) ? 1 : 0;
+    add("cohort_restarts", labels, restarts);
+    add("cohort_running", labels, run_state(dir) == "running" ? 1 : 0);
+    if (status.is_object()) {
+      for (const auto& w : status.value("workers", Json::array())) {
+        const std::string rank_labels =
+            labels + ",rank=\"" + std::to_string(w.value("rank", -1)) + "\"";
+        add("cohort_rank_step_time_ms", rank_labels, w.value("step_time_ms", Json()));
+        add("cohort_rank_memory_mb", rank_labels, w.value("memory_mb", Json()));
+      }
+    }
+  };
+  for (const auto& run : list_runs(storage)) {
+    const auto dir = storage / run["name"].get<std::string>();
+    if (run["kind"] == "run") {
+      collect(dir, run["name"].get<std::string>());
+    } else {
+      std::error_code ec;
+      for (const auto& entry : fs::directory_iterator(dir, ec))
+        if (entry.is_directory() && is_run(entry.path()))
+          collect(entry.path(),
+                  run["name"].get<std::string>() + "/" + entry.path().filename().string());
+    }
+  }
+  static const std::map<std::string, std::string> help = {
+      {"cohort_training_iteration", "Reports committed so far."},
+      {"cohort_loss", "The loss of the last report (loss or train_loss)."},
+      {"cohort_samples_per_second", "Training samples per second of the last report."},
+      {"cohort_ingest_wait_ms", "The most any rank waited for data per batch, last report."},
+      {"cohort_comm_wait_ms", "Mean ms per step the ranks waited in collectives, last report."},
+      {"cohort_restarts", "Restarts of the worker group after failures."},
+      {"cohort_running", "1 while the run's driver runs."},
+      {"cohort_rank_step_time_ms", "A rank's step time without its waits for peers."},
+      {"cohort_rank_memory_mb", "A rank's resident memory."}};
+  std::ostringstream out;
+  for (const auto& [metric, values] : samples) {
+    gauge(out, metric, help.count(metric) ? help.at(metric) : metric);
+    for (const auto& s : values) out << metric << "{" << s.labels << "} " << s.value << "\n";
+  }
+  return out.str();
+}
+
+struct Dashboard::Impl {
+  fs::path storage;
+  std::string host;
+  int port = 0;
+  httplib::Server server;
+  std::thread thread;
+};
+
+Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->storage = std::filesystem::absolute(storage_path);
+  impl_->host = options.host;
+  auto& server = impl_->server;
+  const auto storage = impl_->storage;
+  server.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(std::string(assets::index_html()), "text/html; charset=utf-8");
+  });
+  server.Get("/uplot.min.js", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(std::string(assets::uplot_js()), "text/javascript");
+  });
+  server.Get("/uplot.min.css", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content(std::string(assets::uplot_css()), "text/css");
+  });
+  server.Get("/api/runs", [storage](const httplib::Request&, httplib::Response& res) {
+    res.set_content(Json{{"storage_path", storage.string()}, {"runs", list_runs(storage)}}.dump(),
+                    "application/json");
+  });
+  server.Get("/api/run", [storage](const httplib::Request& req, httplib::Response& res) {
+    auto dir = run_dir_of(storage, req.get_param_value("name"));
+    // A Tune trial: ?name=<experiment>&trial=<trial_NNNNN>.
+    if (dir && req.has_param("trial")) dir = run_dir_of(*dir, req.get_param_value("trial"));
+    if (!dir) {
+      res.status = 404;
+      res.set_content(
+          Json{{"error", "no run '" + req.get_param_value("name") + "' under " + storage.string()}}
+              .dump(),
+          "application/json");
+      return;
+    }
+    const Json details = is_experiment(*dir) ? experiment_details(*dir) : run_details(*dir);
+    res.set_content(details.dump(), "application/json");
+  });
+  server.Get("/metrics", [storage](const httplib::Request&, httplib::Response& res) {
+    res.set_content(prometheus_metrics(storage), "text/plain; version=0.0.4");
+  });
+  // httplib's default also sets SO_REUSEPORT, with which a second server binds a port in use
+  // without an error; SO_REUSEADDR alone lets a restarted dashboard take its port back.
+  server.set_socket_options([](int sock) {
+    int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+  });
+  const std::string where = options.host + ":" + std::to_string(options.port);
+  if (options.port < 0 || options.port > 65535) {
+    throw UsageError("dashboard port " + std::to_string(options.port) +
+                     " is out of range: give 1 to 65535, or 0 for a free one");
+  }
+  if (options.port == 0) {
+    impl_->port = server.bind_to_any_port(options.host);
+  } else {
+    impl_->port = server.bind_to_port(options.host, options.port) ? options.port : -1;
+  }
+  if (impl_->port <= 0) {
+    throw UsageError("the dashboard cannot listen on " + where +
+                     ": the port is in use (another dashboard or program) or the address is not "
+                     "this host's; give another port (e.g. --dashboard 8266, or 0 for a free one)");
+  }
+  impl_->thread = std::thread([this] { impl_->server.listen_after_bind(); });
+}
+
+Dashboard::~Dashboard() {
+  impl_->server.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+int Dashboard::port() const { return impl_->port; }
+
+std::string Dashboard::url() const {
+  return "http://" + impl_->host + ":" + std::to_string(impl_->port) + "/";
+}
+
+}  // namespace cohort::train

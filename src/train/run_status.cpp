@@ -1,0 +1,97 @@
+#include "train/run_status.h"
+
+#include <unistd.h>
+
+#include <ctime>
+#include <fstream>
+
+#include "cohort/train/dashboard.h"
+#include "train/run_files.h"
+
+namespace cohort::train {
+
+namespace {
+
+// Resident memory of a process in MB, from /proc; null when it is gone.
+Json resident_mb(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  }
+  return nullptr;
+}
+
+std::string this_host() {
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  return name;
+}
+
+}  // namespace
+
+RunStatus::RunStatus(std::filesystem::path run_dir) : file_(std::move(run_dir) / kStatusFile) {}
+
+void RunStatus::on_group_start(const std::vector<int>& pids,
+                               const std::vector<std::string>& devices) {
+  workers_.assign(pids.size(), Worker{});
+  for (size_t r = 0; r < pids.size(); ++r) {
+    workers_[r].pid = pids[r];
+    workers_[r].device = r < devices.size() ? devices[r] : "cpu";
+  }
+}
+
+void RunStatus::on_training() {
+  for (auto& w : workers_)
+    if (w.state == "starting") w.state = "running";
+}
+
+void RunStatus::on_progress(const Json& progress) {
+  if (progress.is_object()) progress_ = progress;
+}
+
+void RunStatus::on_report(const Json& message) {
+  last_metrics_ = message.value("metrics", Json::object());
+  const Json times = message.value("rank_step_time_ms", Json::array());
+  for (size_t r = 0; r < workers_.size() && r < times.size(); ++r)
+    workers_[r].step_time_ms = times[r];
+}
+
+void RunStatus::on_exit(int rank, bool ok) {
+  if (rank >= 0 && static_cast<size_t>(rank) < workers_.size())
+    workers_[static_cast<size_t>(rank)].state = ok ? "finished" : "failed";
+}
+
+void RunStatus::write(const std::string& state, const Json& failures, bool force) {
+  const auto now = std::chrono::steady_clock::now();
+  if (!force && now - written_ < std::chrono::seconds(1)) return;
+  written_ = now;
+  static const std::string host = this_host();
+  Json workers = Json::array();
+  for (size_t r = 0; r < workers_.size(); ++r) {
+    const auto& w = workers_[r];
+    const bool alive = w.state == "running" || w.state == "starting";
+    workers.push_back({{"rank", r},
+                       {"host", host},
+                       {"pid", w.pid},
+                       {"state", w.state},
+                       {"device", w.device},
+                       {"step", progress_.value("step", Json())},
+                       {"step_time_ms", w.step_time_ms},
+                       {"samples_per_s", progress_.value("samples_per_s", Json())},
+                       {"ingest_wait_ms", last_metrics_.value("ingest_wait_ms", Json())},
+                       {"memory_mb", alive ? resident_mb(w.pid) : Json(nullptr)}});
+  }
+  const Json status{{"state", state},
+                    {"updated", static_cast<double>(std::time(nullptr))},
+                    {"driver", {{"pid", ::getpid()}, {"host", host}}},
+                    {"progress", progress_},
+                    {"workers", workers},
+                    {"failures", failures}};
+  try {
+    write_atomically(file_, status.dump() + "\n");
+  } catch (const std::exception&) {
+    // A dashboard's view is not worth failing a run for; the next write tries again.
+  }
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,44 @@
+// <run>/status.json: the live state of a run's workers, kept by its driver for dashboards
+// (train/dashboard.h), rewritten atomically at most once a second.
+#pragma once
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "cohort/json.h"
+
+namespace cohort::train {
+
+class RunStatus {
+ public:
+  explicit RunStatus(std::filesystem::path run_dir);
+
+  // A worker group started: rank r is `pids[r]` on `devices[r]` ("cpu", "cuda:0").
+  void on_group_start(const std::vector<int>& pids, const std::vector<std::string>& devices);
+  void on_training();
+  // Rank 0's progress (step, total, samples_per_s, loss).
+  void on_progress(const Json& progress);
+  // A committed report: its metrics and each rank's step time ("rank_step_time_ms").
+  void on_report(const Json& message);
+  void on_exit(int rank, bool ok);
+
+  // Writes status.json with the run's `state` ("running", "finished", "failed", "interrupted")
+  // and its failures, unless it was written less than a second ago and `force` is false.
+  void write(const std::string& state, const Json& failures, bool force = false);
+
+ private:
+  struct Worker {
+    int pid = 0;
+    std::string device;
+    std::string state = "starting";
+    Json step_time_ms;  // null until a report gives it
+  };
+  std::filesystem::path file_;
+  std::vector<Worker> workers_;
+  Json progress_ = Json::object();
+  Json last_metrics_ = Json::object();
+  std::chrono::steady_clock::time_point written_{};
+};
+
+}  // namespace cohort::train

@@ -1,0 +1,64 @@
+#include "cohort/train/dashboard.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "cohort/error.h"
+#include "support/expect.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort::train {
+namespace {
+
+namespace fs = std::filesystem;
+
+void write(const fs::path& file, const std::string& text) {
+  fs::create_directories(file.parent_path());
+  std::ofstream(file) << text;
+}
+
+TEST(Dashboard, PrometheusTextHasEveryRunsFiguresAndEachRanksStepTime) {
+  const auto storage = testing::temp_dir("dashboard_metrics");
+  write(storage / "a" / "metrics.jsonl",
+        "{\"train_loss\": 0.5, \"samples_per_second\": 100, \"training_iteration\": 1}\n"
+        "{\"train_loss\": 0.25, \"samples_per_second\": 120, \"comm_wait_ms\": 3.5, "
+        "\"ingest_wait_ms\": 0.5, \"training_iteration\": 2}\n");
+  write(storage / "a" / kStatusFile,
+        "{\"state\": \"running\", \"updated\": " + std::to_string(std::time(nullptr)) +
+            ", \"workers\": [{\"rank\": 0, \"step_time_ms\": 70}, {\"rank\": 1, "
+            "\"step_time_ms\": 90, \"memory_mb\": 250}], \"failures\": [{\"restarted\": true}]}\n");
+  write(storage / "b\"q" / "result.json", "{\"error\": \"boom\", \"failures\": []}\n");
+  const std::string text = prometheus_metrics(storage);
+  for (const char* line :
+       {"# TYPE cohort_loss gauge\n", "cohort_loss{run=\"a\"} 0.25\n",
+        "cohort_samples_per_second{run=\"a\"} 120\n", "cohort_comm_wait_ms{run=\"a\"} 3.5\n",
+        "cohort_ingest_wait_ms{run=\"a\"} 0.5\n", "cohort_training_iteration{run=\"a\"} 2\n",
+        "cohort_restarts{run=\"a\"} 1\n", "cohort_running{run=\"a\"} 1\n",
+        "cohort_rank_step_time_ms{run=\"a\",rank=\"0\"} 70\n",
+        "cohort_rank_step_time_ms{run=\"a\",rank=\"1\"} 90\n",
+        "cohort_rank_memory_mb{run=\"a\",rank=\"1\"} 250\n",
+        // A label value is escaped; a failed run is not running.
+        "cohort_running{run=\"b\\\"q\"} 0\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
+  }
+  fs::remove_all(storage);
+}
+
+TEST(Dashboard, APortInUseIsRefusedNamingItAndTheFix) {
+  const auto storage = testing::temp_dir("dashboard_port");
+  Dashboard first(storage, {.port = 0});
+  ASSERT_GT(first.port(), 0);
+  EXPECT_EQ(first.url(), "http://127.0.0.1:" + std::to_string(first.port()) + "/");
+  testing::expect_error<UsageError>(
+      [&] { Dashboard second(storage, {.port = first.port()}); },
+      "cannot listen on 127.0.0.1:" + std::to_string(first.port()) +
+          ": the port is in use (another dashboard or program) or the address is not this "
+          "host's; give another port");
+  testing::expect_error<UsageError>([&] { Dashboard bad(storage, {.port = 70000}); },
+                                    "dashboard port 70000 is out of range");
+  fs::remove_all(storage);
+}
+
+}  // namespace
+}  // namespace cohort::train
