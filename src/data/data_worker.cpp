@@ -29,12 +29,10 @@ void serve(const Dataset& dataset, const std::string& address) {
 #endif
   const bool local = address.rfind("unix:", 0) == 0;
   const int fd = wire::connect_to(address, kDefaultDataMessageTimeout);
-  char host[256] = "?";
-  ::gethostname(host, sizeof host - 1);
   wire::send(fd, Json{{"type", "hello"},
                       {"pipeline", dataset.fingerprint()},
                       {"pid", ::getpid()},
-                      {"host", std::string(host)},
+                      {"host", runtime::host_name()},
                       {"local", local}});
   const auto& plan = dataset.plan();
   while (true) {

@@ -22,12 +22,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string host_name() {
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
-}
-
 // The program as posix_spawn needs it: a path, looked up in PATH when it has no '/'.
 std::string resolve_program(const std::string& program) {
   if (program.find('/') != std::string::npos) {

@@ -301,4 +301,10 @@ const bool kBound = [] {
 }();
 }  // namespace
 
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "localhost";
+  return name;
+}
+
 }  // namespace cohort::runtime

@@ -46,19 +46,36 @@ bool is_run(const fs::path& dir) {
 
 bool is_experiment(const fs::path& dir) { return fs::exists(dir / kExperimentStateFile); }
 
-// A run's state: running while its driver keeps status.json fresh, else what result.json says.
-std::string run_state(const fs::path& dir) {
-  const Json result = read_or_null(dir / kResultFile);
-  const Json status = read_or_null(dir / kStatusFile);
-  if (status.is_object() && status.value("state", std::string{}) == "running") {
-    const double age = static_cast<double>(std::time(nullptr)) - status.value("updated", 0.0);
-    if (age < 30) return "running";
+// What a run's files say, each read once per request.
+struct RunFiles {
+  Json status;  // status.json, or null
+  Json result;  // result.json, or null
+  // Running while its driver keeps status.json fresh, else what result.json says.
+  std::string state;
+  // The driver's failures while it runs, result.json's after.
+  Json failures() const {
+    if (status.is_object() && status.contains("failures")) return status["failures"];
+    if (result.is_object()) return result.value("failures", Json::array());
+    return Json::array();
   }
-  if (result.is_object()) {
-    if (!result["error"].is_null()) return "failed";
-    return result.value("interrupted", false) ? "interrupted" : "finished";
+};
+
+RunFiles read_run(const fs::path& dir) {
+  RunFiles run{read_or_null(dir / kStatusFile), read_or_null(dir / kResultFile), ""};
+  const auto& status = run.status;
+  const auto& result = run.result;
+  const double age = static_cast<double>(std::time(nullptr)) -
+                     (status.is_object() ? status.value("updated", 0.0) : 0.0);
+  if (status.is_object() && status.value("state", std::string{}) == "running" && age < 30) {
+    run.state = "running";
+  } else if (result.is_object()) {
+    run.state = !result["error"].is_null()           ? "failed"
+                : result.value("interrupted", false) ? "interrupted"
+                                                     : "finished";
+  } else {
+    run.state = status.is_object() ? "stale" : "unknown";
   }
-  return status.is_object() ? "stale" : "unknown";
+  return run;
 }
 
 Json list_runs(const fs::path& storage) {
@@ -76,7 +93,7 @@ Json list_runs(const fs::path& storage) {
       runs.push_back({{"name", dir.filename().string()}, {"kind", "experiment"}});
     } else if (is_run(dir)) {
       runs.push_back(
-          {{"name", dir.filename().string()}, {"kind", "run"}, {"state", run_state(dir)}});
+          {{"name", dir.filename().string()}, {"kind", "run"}, {"state", read_run(dir).state}});
     }
   }
   return runs;
@@ -86,23 +103,16 @@ Json run_details(const fs::path& dir) {
   std::vector<Json> records = read_jsonl(dir / kMetricsFile);
   if (records.size() > kMaxMetricRecords)
     records.erase(records.begin(), records.end() - static_cast<long>(kMaxMetricRecords));
-  const Json result = read_or_null(dir / kResultFile);
   const Json manager = read_or_null(dir / kCheckpointManagerFile);
-  const Json status = read_or_null(dir / kStatusFile);
-  Json failures = Json::array();
-  if (status.is_object() && status.contains("failures")) {
-    failures = status["failures"];
-  } else if (result.is_object() && result.contains("failures")) {
-    failures = result["failures"];
-  }
+  const RunFiles run = read_run(dir);
   return Json{{"name", dir.filename().string()},
               {"kind", "run"},
-              {"state", run_state(dir)},
-              {"status", status},
+              {"state", run.state},
+              {"status", run.status},
               {"metrics", records},
               {"checkpoints", manager.is_object() ? manager["checkpoints"] : Json::array()},
-              {"failures", failures},
-              {"error", result.is_object() ? result["error"] : Json(nullptr)}};
+              {"failures", run.failures()},
+              {"error", run.result.is_object() ? run.result["error"] : Json(nullptr)}};
 }
 
 Json experiment_details(const fs::path& dir) {
@@ -111,9 +121,8 @@ Json experiment_details(const fs::path& dir) {
   if (state.is_object()) {
     for (const auto& t : state.value("trials", Json::array())) {
       Json row = t;
-      row["state"] = is_run(dir / t.value("name", std::string{}))
-                         ? run_state(dir / t.value("name", std::string{}))
-                         : "pending";
+      const auto trial_dir = dir / t.value("name", std::string{});
+      row["state"] = is_run(trial_dir) ? read_run(trial_dir).state : "pending";
       trials.push_back(row);
     }
   }
@@ -173,17 +182,13 @@ std::string prometheus_metrics(const fs::path& storage) {
                                             : last.value("samples_per_s", Json()));
     add("cohort_ingest_wait_ms", labels, last.value("ingest_wait_ms", Json()));
     add("cohort_comm_wait_ms", labels, last.value("comm_wait_ms", Json()));
-    const Json status = read_or_null(dir / kStatusFile);
-    const Json result = read_or_null(dir / kResultFile);
-    const Json& failures = status.is_object() && status.contains("failures") ? status["failures"]
-                           : result.is_object() ? result.value("failures", Json::array())
-                                                : Json::array();
+    const RunFiles files = read_run(dir);
     int64_t restarts = 0;
-    for (const auto& f : failures) restarts += f.value("restarted", false) ? 1 : 0;
+    for (const auto& f : files.failures()) restarts += f.value("restarted", false) ? 1 : 0;
     add("cohort_restarts", labels, restarts);
-    add("cohort_running", labels, run_state(dir) == "running" ? 1 : 0);
-    if (status.is_object()) {
-      for (const auto& w : status.value("workers", Json::array())) {
+    add("cohort_running", labels, files.state == "running" ? 1 : 0);
+    if (files.status.is_object()) {
+      for (const auto& w : files.status.value("workers", Json::array())) {
         const std::string rank_labels =
             labels + ",rank=\"" + std::to_string(w.value("rank", -1)) + "\"";
         add("cohort_rank_step_time_ms", rank_labels, w.value("step_time_ms", Json()));

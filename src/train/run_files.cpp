@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "cohort/error.h"
+#include "cohort/runtime/worker_info.h"
 
 namespace cohort {
 namespace {
@@ -226,8 +227,7 @@ RunDirLock::RunDirLock(const std::filesystem::path& dir,
     on_takeover("cohort: taking over the run directory from a driver that is gone (" +
                 describe_owner(previous) + ")");
   }
-  char host[256] = {};
-  ::gethostname(host, sizeof host - 1);
+  const std::string host = runtime::host_name();
   const std::time_t now = std::time(nullptr);
   char started[64];
   std::strftime(started, sizeof started, "%Y-%m-%d %H:%M:%S", std::localtime(&now));

@@ -5,6 +5,7 @@
 #include <ctime>
 #include <fstream>
 
+#include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
 #include "train/run_files.h"
 
@@ -19,12 +20,6 @@ Json resident_mb(int pid) {
     if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
   }
   return nullptr;
-}
-
-std::string this_host() {
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
 }
 
 }  // namespace
@@ -65,7 +60,7 @@ void RunStatus::write(const std::string& state, const Json& failures, bool force
   const auto now = std::chrono::steady_clock::now();
   if (!force && now - written_ < std::chrono::seconds(1)) return;
   written_ = now;
-  static const std::string host = this_host();
+  static const std::string host = runtime::host_name();
   Json workers = Json::array();
   for (size_t r = 0; r < workers_.size(); ++r) {
     const auto& w = workers_[r];

@@ -9,10 +9,12 @@
 #include <cmath>
 #include <cstring>
 #include <string_view>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 
 #include "cohort/error.h"
+#include "cohort/runtime/worker_info.h"
 
 namespace cohort::train {
 
@@ -53,6 +55,15 @@ uint64_t read_little_endian(const char* data, int bytes) {
   return value;
 }
 
+// A double or float as protocol buffers' fixed64 / fixed32: its bits, little-endian.
+template <typename T>
+std::string fixed(T value) {
+  static_assert(sizeof(T) == 8 || sizeof(T) == 4);
+  std::conditional_t<sizeof(T) == 8, uint64_t, uint32_t> bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return little_endian(bits, sizeof bits);
+}
+
 // Protocol-buffer encoding of the few messages an event file holds.
 class Message {
  public:
@@ -63,16 +74,12 @@ class Message {
   }
   Message& f64(int field, double value) {
     key(field, 1);
-    uint64_t bits;
-    std::memcpy(&bits, &value, sizeof bits);
-    bytes_ += little_endian(bits, 8);
+    bytes_ += fixed(value);
     return *this;
   }
   Message& f32(int field, float value) {
     key(field, 5);
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof bits);
-    bytes_ += little_endian(bits, 4);
+    bytes_ += fixed(value);
     return *this;
   }
   Message& bytes(int field, std::string_view value) {
@@ -83,13 +90,9 @@ class Message {
   }
   Message& message(int field, const Message& value) { return bytes(field, value.bytes_); }
   Message& packed_f64(int field, const std::vector<double>& values) {
-    Message packed;
-    for (double v : values) {
-      uint64_t bits;
-      std::memcpy(&bits, &v, sizeof bits);
-      packed.bytes_ += little_endian(bits, 8);
-    }
-    return bytes(field, packed.bytes_);
+    std::string packed;
+    for (double v : values) packed += fixed(v);
+    return bytes(field, packed);
   }
   const std::string& str() const { return bytes_; }
 
@@ -168,12 +171,6 @@ std::string hparams_event(int field, const Message& content, const std::string& 
   Message value;
   value.bytes(kTag, tag).message(kMetadata, plugin_metadata(kHparamsPlugin, plugin_data.str()));
   return summary_event(0, value);
-}
-
-std::string host_name() {
-  char buffer[256] = {};
-  if (gethostname(buffer, sizeof buffer - 1) != 0) return "localhost";
-  return buffer;
 }
 
 // Decoding, for read_events.
@@ -380,11 +377,11 @@ Histogram Histogram::of(const at::Tensor& values, int bins) {
     return h;
   }
   const auto counts = at::histc(v, bins, h.min, h.max).contiguous();
+  const double* count = counts.data_ptr<double>();
+  h.bucket.assign(count, count + bins);
   const double width = (h.max - h.min) / bins;
-  for (int i = 0; i < bins; ++i) {
+  for (int i = 0; i < bins; ++i)
     h.bucket_limit.push_back(i + 1 == bins ? h.max : h.min + width * (i + 1));
-    h.bucket.push_back(counts[i].item<double>());
-  }
   return h;
 }
 
@@ -393,8 +390,8 @@ SummaryWriter::SummaryWriter(const std::filesystem::path& log_dir) {
   std::error_code ec;
   std::filesystem::create_directories(log_dir, ec);
   const auto seconds = static_cast<int64_t>(now_seconds());
-  path_ = log_dir / ("events.out.tfevents." + std::to_string(seconds) + "." + host_name() + "." +
-                     std::to_string(getpid()) + "." + std::to_string(files++));
+  path_ = log_dir / ("events.out.tfevents." + std::to_string(seconds) + "." + runtime::host_name() +
+                     "." + std::to_string(getpid()) + "." + std::to_string(files++));
   out_.open(path_, std::ios::binary | std::ios::trunc);
   if (ec || !out_) {
     throw UsageError("TensorBoard folder " + log_dir.string() + " is not writable" +

@@ -177,15 +177,11 @@ bool is_consequence(const std::exception& e) {
   std::_Exit(code);
 }
 
-std::string host_name() {
-  char name[256] = {};
-  ::gethostname(name, sizeof name - 1);
-  return name;
-}
-
 // What a process publishes about its program at the rendezvous: its build and host (ranks built
 // from different sources must not train together).
-std::string program_identity() { return runtime::program_build_id() + " on " + host_name(); }
+std::string program_identity() {
+  return runtime::program_build_id() + " on " + runtime::host_name();
+}
 
 // Throws naming `who` when the identity it published (program_identity) is of another build than
 // rank 0's.
@@ -362,7 +358,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
           std::chrono::nanoseconds(shared["start_ns"].get<int64_t>())));
   if (!std::filesystem::is_directory(settings.run_dir)) {
     throw UsageError(
-        "rank " + std::to_string(info.world_rank) + " on " + host_name() +
+        "rank " + std::to_string(info.world_rank) + " on " + runtime::host_name() +
         " cannot see the run directory " + settings.run_dir.string() +
         " that rank 0 created: RunConfig.storage_path must be storage every node shares");
   }
@@ -442,7 +438,7 @@ namespace {
 [[noreturn]] void serve_as_data_member(const std::map<std::string, data::Dataset>& datasets,
                                        int member) {
   const std::string who = "cohort data worker " + std::to_string(member) + " (pid " +
-                          std::to_string(::getpid()) + " on " + host_name() + ")";
+                          std::to_string(::getpid()) + " on " + runtime::host_name() + ")";
   int code = 0;
   try {
     // What cohort launch tells its data workers: where the job's store is, and the ranks' count.

@@ -68,6 +68,9 @@ std::string first_slurm_host(const std::string& nodelist);
 // Tasks on node `node` from a Slurm tasks-per-node list such as "2(x3),1".
 int slurm_tasks_on_node(const std::string& tasks_per_node, int node);
 
+// This host's name (gethostname), as messages and run files name it.
+std::string host_name();
+
 // The address of this host that the data plane (Gloo) binds to: the interface named by
 // COHORT_IFNAME (or GLOO_SOCKET_IFNAME), else the address COHORT_IFADDR, else the source address
 // the kernel picks to reach `master_addr` (on a multi-homed host, the one on the master's network).
