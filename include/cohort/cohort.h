@@ -22,6 +22,7 @@
 #include "cohort/optim/precision.h"
 
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/parameter_server.h"

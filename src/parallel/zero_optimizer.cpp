@@ -8,8 +8,10 @@
 #include <torch/optim/sgd.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <utility>
 
@@ -29,17 +31,29 @@ at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef si
   return t;
 }
 
+// Stage 3 frees a unit's whole parameters by emptying their storage, not by dropping the tensor:
+// the parameters and the views autograd saved in forward share that storage, and see the
+// gathered values again once it is refilled.
+void free_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage->set_nbytes(0);
+}
+
+void allocate_storage(const at::Tensor& t) {
+  auto* storage = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
+  storage->set_nbytes(bytes);
+}
+
 }  // namespace
 
 void ZeroOptions::validate() const {
-  if (stage == 3) {
-    throw UsageError(
-        "ZeRO stage 3 (sharded parameters) is not built yet: use stage 2, which shards the "
-        "gradients and the optimizer state");
-  }
   if (stage < 0 || stage > 3) {
     throw UsageError("ZeRO stage " + std::to_string(stage) +
-                     " is not one of 0 (DDP), 1 (optimizer state sharded), 2 (gradients too)");
+                     " is not one of 0 (DDP), 1 (optimizer state sharded), 2 (gradients too), 3 "
+                     "(parameters too)");
   }
   if (reduce_bucket_size <= 0) {
     throw UsageError("ZeRO reduce_bucket_size " + std::to_string(reduce_bucket_size) +
@@ -49,13 +63,23 @@ void ZeroOptions::validate() const {
     throw UsageError("ZeRO allgather_bucket_size " + std::to_string(allgather_bucket_size) +
                      " must be > 0 elements");
   }
+  for (const auto& [name, value] : {std::pair{"prefetch_bucket_size", prefetch_bucket_size},
+                                    {"max_live_parameters", max_live_parameters},
+                                    {"param_persistence_threshold", param_persistence_threshold}}) {
+    if (value < 0) {
+      throw UsageError(std::string("ZeRO stage 3 ") + name + " " + std::to_string(value) +
+                       " must be >= 0 elements");
+    }
+  }
 }
 
-struct ZeroOptimizer::Engine {
+struct ZeroOptimizer::Engine : ShardedUnitHooks {
   struct Bucket {
     std::vector<size_t> params;  // indices into `params`, in the flat buffer's order
-    int64_t offset = 0;          // in the flat buffer
+    int64_t offset = 0;          // in the flat buffer (stage 3: as if there were one)
     int64_t numel = 0;           // padded to a multiple of the world size
+    int unit = -1;               // stage 3: the unit whose parameters it holds, if any
+    at::Tensor full;             // the bucket's parameters, whole (a stage-3 unit's: when gathered)
     at::Tensor shard;            // this rank's piece of the parameters (the optimizer's param)
     at::Tensor shard_grad;       // its reduced gradient (the optimizer's gradient buffer)
     at::Tensor staging;          // the bucket's gradients while they are reduce-scattered
@@ -73,8 +97,8 @@ struct ZeroOptimizer::Engine {
   std::vector<at::Tensor> buffers;
   std::vector<int64_t> offsets;   // per parameter, in the flat buffer
   std::vector<size_t> bucket_of;  // per parameter
-  at::Tensor flat_params;
-  at::Tensor flat_grads;  // stage 1: every parameter's .grad is an alias into it
+  at::Tensor flat_params;         // stages 1 and 2: every bucket's `full` is a piece of it
+  at::Tensor flat_grads;          // stage 1: every parameter's .grad is an alias into it
   std::vector<at::Tensor> grad_aliases;
   std::vector<Bucket> buckets;
   // A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
@@ -96,6 +120,25 @@ struct ZeroOptimizer::Engine {
   int64_t max_bucket_numel = 0;
   std::vector<char> ready;
   ZeroStats stats;
+
+  // Stage 3: the model's FullyShard units that are sharded, and their state.
+  struct Unit {
+    std::string name;
+    std::shared_ptr<FullyShardImpl> module;
+    size_t bucket = 0;
+    bool gathered = false;
+    comm::Work gather;         // an all-gather in flight
+    size_t grads_pending = 0;  // parameters whose gradient this backward has yet to produce
+  };
+  std::vector<Unit> units;
+  std::vector<int> unit_of;            // per parameter: its unit, or -1 (whole on every rank)
+  std::vector<size_t> forward_order;   // units as this step's forward ran them
+  std::vector<size_t> previous_order;  // and the step before's
+  bool following_order = true;         // this step's forward has kept to previous_order so far
+  bool backward_active = false;        // a backward through a unit is running
+  int pinned = 0;                      // GatheredParameters scopes alive
+  int64_t live_bytes = 0;              // of gathered units
+  int64_t gather_bytes_sent = 0;       // by the units' all-gathers since the last step
 
   int world() const { return group.world_size(); }
   int rank() const { return group.rank(); }
@@ -122,7 +165,51 @@ struct ZeroOptimizer::Engine {
     params = std::move(trainable.params);
     for (const auto& b : module->buffers()) buffers.push_back(b);
     detail::start_replicas(group, names, params, buffers, "ZeroOptimizer");
+    if (options.stage == 3) find_units();
     lay_out();
+  }
+
+  // The FullyShard modules of the model that hold at least param_persistence_threshold trainable
+  // elements, each the unit of its parameters.
+  void find_units() {
+    std::map<const c10::TensorImpl*, size_t> index;
+    for (size_t i = 0; i < params.size(); ++i) index[params[i].unsafeGetTensorImpl()] = i;
+    unit_of.assign(params.size(), -1);
+    bool any = false;
+    std::vector<std::string> unit_names;  // of every FullyShard, for the nesting check
+    for (const auto& item : module->named_modules()) {
+      auto wrapper = std::dynamic_pointer_cast<FullyShardImpl>(item.value());
+      if (!wrapper) continue;
+      any = true;
+      for (const auto& outer : unit_names) {
+        if (item.key().rfind(outer + ".", 0) == 0 || outer.empty()) {
+          throw UsageError("ZeroOptimizer: FullyShard unit '" + item.key() + "' is inside unit '" +
+                           (outer.empty() ? "(the model)" : outer) +
+                           "': units do not nest; wrap the inner modules only, or the outer");
+        }
+      }
+      unit_names.push_back(item.key());
+      std::vector<size_t> members;
+      int64_t numel = 0;
+      for (const auto& p : wrapper->parameters()) {
+        auto found = index.find(p.unsafeGetTensorImpl());
+        if (found == index.end()) continue;  // frozen
+        members.push_back(found->second);
+        numel += p.numel();
+      }
+      if (members.empty() || numel < options.param_persistence_threshold) continue;
+      for (size_t i : members) unit_of[i] = static_cast<int>(units.size());
+      units.push_back(Unit{.name = item.key(), .module = wrapper});
+    }
+    if (!any) {
+      throw UsageError(
+          "ZeroOptimizer: stage 3 gathers the parameters of the model's FullyShard units around "
+          "their forward, and " +
+          module->name() +
+          " has none: hold its blocks through parallel::FullyShard (see "
+          "cohort/parallel/fully_shard.h), or use stage 2");
+    }
+    stats.units = static_cast<int64_t>(units.size());
   }
 
   // Buckets in reverse registration order, each padded to a multiple of the world size; the
@@ -141,18 +228,32 @@ struct ZeroOptimizer::Engine {
     };
     offsets.assign(params.size(), 0);
     bucket_of.assign(params.size(), 0);
+    // Stage 3: a unit's parameters are a bucket of their own (they are consecutive: units do
+    // not nest).
+    auto unit = [&](size_t k) { return unit_of.empty() ? -1 : unit_of[k]; };
     for (size_t k = params.size(); k-- > 0;) {
       const int64_t numel = params[k].numel();
-      if (!current.params.empty() && current.numel + numel > options.reduce_bucket_size) close();
+      if (!current.params.empty() &&
+          (unit(k) != current.unit ||
+           (unit(k) < 0 && current.numel + numel > options.reduce_bucket_size))) {
+        close();
+      }
+      current.unit = unit(k);
       offsets[k] = current.offset + current.numel;
       bucket_of[k] = buckets.size();
       current.params.push_back(k);
       current.numel += numel;
     }
     close();
-    flat_params = at::zeros({offset}, params[0].options());
+    if (options.stage < 3) {
+      flat_params = at::zeros({offset}, params[0].options());
+      for (auto& b : buckets) b.full = flat_params.narrow(0, b.offset, b.numel);
+    } else {
+      for (auto& b : buckets) b.full = at::zeros({b.numel}, params[0].options());
+    }
     for (size_t i = 0; i < params.size(); ++i) {
-      auto slot = alias_into(flat_params, offsets[i], params[i].sizes());
+      const auto& b = buckets[bucket_of[i]];
+      auto slot = alias_into(b.full, offsets[i] - b.offset, params[i].sizes());
       slot.copy_(params[i]);
       params[i].set_data(slot);
     }
@@ -165,7 +266,14 @@ struct ZeroOptimizer::Engine {
     }
     for (auto& b : buckets) {
       const int64_t piece = b.numel / n;
-      b.shard = alias_into(flat_params, b.offset + rank() * piece, {piece});
+      if (b.unit >= 0) {
+        // Stage 3: the shard is all this rank keeps of the unit.
+        b.shard = b.full.narrow(0, rank() * piece, piece).clone();
+        free_storage(b.full);
+        units[static_cast<size_t>(b.unit)].bucket = static_cast<size_t>(&b - buckets.data());
+      } else {
+        b.shard = alias_into(b.full, rank() * piece, {piece});
+      }
       // Stage 1 reduces each bucket in place: the shard's gradient is its piece of the full
       // gradient buffer (the flat optimizer adopts it).
       if (options.stage == 1)
@@ -196,11 +304,18 @@ struct ZeroOptimizer::Engine {
       buckets[b].shard.mutable_grad() = grads[b];
     }
     install_hooks();
+    for (size_t u = 0; u < units.size(); ++u) units[u].module->set_sharding(self, u);
     update_memory_stats();
   }
 
   void update_memory_stats() {
-    stats.parameter_bytes = flat_params.numel() * flat_params.element_size();
+    // Whole parameters (stage 3: those outside the units, and the units' shards); the gathered
+    // units are counted apart, in gathered_bytes_peak.
+    stats.parameter_bytes = 0;
+    for (const auto& b : buckets) {
+      const auto& held = b.unit >= 0 ? b.shard : b.full;
+      stats.parameter_bytes += held.numel() * held.element_size();
+    }
     int64_t shard_grad_bytes = 0;
     for (const auto& b : buckets)
       shard_grad_bytes += b.shard_grad.numel() * b.shard_grad.element_size();
@@ -244,6 +359,12 @@ struct ZeroOptimizer::Engine {
 
   void on_gradient_ready(size_t i) {
     std::lock_guard lock(mutex);
+    // Stage 3: a unit whose gradients are all there has finished its backward (under no_sync
+    // too): its whole parameters go.
+    if (!unit_of.empty() && unit_of[i] >= 0 && backward_active) {
+      auto& unit = units[static_cast<size_t>(unit_of[i])];
+      if (unit.grads_pending > 0 && --unit.grads_pending == 0) reshard(unit);
+    }
     if (!sync_enabled) return;
     if (!step_active) begin_step();
     if (ready[i]) return;
@@ -291,7 +412,7 @@ struct ZeroOptimizer::Engine {
       // The staging buffers are kept from step to step: a fresh 100 MB buffer costs a page fault
       // per 4 KiB.
       if (staging_pool.size() < kBucketsInFlight)
-        staging_pool.push_back(at::empty({max_bucket_numel}, flat_params.options()));
+        staging_pool.push_back(at::empty({max_bucket_numel}, params[0].options()));
       auto& buffer = staging_pool[next_staging++ % staging_pool.size()];
       bucket.staging = buffer.narrow(0, 0, bucket.numel);
       int64_t filled = 0;  // elements of the bucket written so far, in order
@@ -309,7 +430,7 @@ struct ZeroOptimizer::Engine {
       bucket.staging.narrow(0, filled, bucket.numel - filled).zero_();  // the padding
     }
     bucket.work = group.reduce_scatter_tensor_async(bucket.shard_grad, bucket.staging);
-    if (options.stage == 2) in_flight.push_back(static_cast<size_t>(&bucket - buckets.data()));
+    if (options.stage >= 2) in_flight.push_back(static_cast<size_t>(&bucket - buckets.data()));
   }
 
   void finalize() {
@@ -326,7 +447,7 @@ struct ZeroOptimizer::Engine {
     const double scale = 1.0 / world();
     for (auto& b : buckets) {
       b.work = comm::Work();
-      if (options.stage == 2) b.staging = at::Tensor();
+      if (options.stage >= 2) b.staging = at::Tensor();
       b.shard_grad.mul_(scale);
       // zero_grad() (libtorch 2.x: set to none) may have dropped it since the last step.
       b.shard.mutable_grad() = b.shard_grad;
@@ -344,6 +465,7 @@ struct ZeroOptimizer::Engine {
     std::vector<at::Tensor> inputs;
     int64_t in_flight = 0;
     for (auto& b : buckets) {
+      if (b.unit >= 0) continue;  // stage 3: gathered where its forward needs it
       if (in_flight + b.numel > options.allgather_bucket_size && !works.empty()) {
         for (auto& w : works) w.wait();
         works.clear();
@@ -353,9 +475,8 @@ struct ZeroOptimizer::Engine {
       // In place: this rank's piece of the output is the input (the transport copies it first
       // where it needs to).
       inputs.push_back(b.shard);
-      auto output = flat_params.narrow(0, b.offset, b.numel);
-      works.push_back(group.allgather_into_async(output, inputs.back()));
-      stats.bytes_sent_last_step += b.numel / world() * (world() - 1) * flat_params.element_size();
+      works.push_back(group.allgather_into_async(b.full, inputs.back()));
+      stats.bytes_sent_last_step += b.numel / world() * (world() - 1) * b.full.element_size();
       in_flight += b.numel;
     }
     for (auto& w : works) w.wait();
@@ -374,6 +495,180 @@ struct ZeroOptimizer::Engine {
   void remove_hooks() {
     for (auto& [node, key] : hooks) node->del_post_hook(key);
     hooks.clear();
+    for (auto& unit : units) unit.module->set_sharding({}, 0);
+  }
+
+  // --- Stage 3 ---
+
+  // Starts the all-gather of a unit's parameters into its storage, refilled (nothing when it is
+  // gathered or being gathered).
+  void gather(Unit& unit, const char* why) {
+    if (unit.gathered) return;
+    auto& b = buckets[unit.bucket];
+    allocate_storage(b.full);
+    group.set_activity("ZeRO-3 all-gather of unit '" + unit.name + "' (" + why + ")");
+    unit.gather = group.allgather_into_async(b.full, b.shard);
+    group.set_activity("");
+    unit.gathered = true;
+    live_bytes += b.full.numel() * b.full.element_size();
+    stats.gathered_bytes_peak = std::max(stats.gathered_bytes_peak, live_bytes);
+    gather_bytes_sent += b.shard.numel() * (world() - 1) * b.shard.element_size();
+    ++stats.gathers;
+  }
+
+  void wait_gathered(Unit& unit) {
+    if (!unit.gather.valid()) return;
+    const auto wait_start = Clock::now();
+    unit.gather.wait();
+    stats.wait_seconds += std::chrono::duration<double>(Clock::now() - wait_start).count();
+    unit.gather = comm::Work();
+  }
+
+  void reshard(Unit& unit) {
+    if (!unit.gathered || pinned > 0) return;
+    wait_gathered(unit);
+    auto& b = buckets[unit.bucket];
+    live_bytes -= b.full.numel() * b.full.element_size();
+    free_storage(b.full);
+    unit.gathered = false;
+  }
+
+  // The units `order` lists after position `from` (or before it, going backward), all-gathered
+  // ahead while they fit prefetch_bucket_size and max_live_parameters.
+  void prefetch(const std::vector<size_t>& order, size_t from, bool backward) {
+    int64_t ahead = 0;
+    for (size_t k = from;;) {
+      if (backward ? k == 0 : k + 1 >= order.size()) return;
+      k = backward ? k - 1 : k + 1;
+      auto& unit = units[order[k]];
+      if (unit.gathered) continue;
+      const int64_t numel = buckets[unit.bucket].numel;
+      const int64_t element = buckets[unit.bucket].shard.element_size();
+      if (ahead + numel > options.prefetch_bucket_size ||
+          live_bytes / element + numel > options.max_live_parameters) {
+        return;
+      }
+      gather(unit, backward ? "prefetch for backward" : "prefetch for forward");
+      ++stats.prefetches;
+      ahead += numel;
+    }
+  }
+
+  torch::Tensor forward_unit(size_t u, const std::function<torch::Tensor()>& forward) override {
+    auto& unit = units[u];
+    const bool training = torch::GradMode::is_enabled();
+    {
+      std::lock_guard lock(mutex);
+      gather(unit, "forward");
+      wait_gathered(unit);
+      // Training: the order is recorded for the backward and the next step, and the previous
+      // step's is followed ahead while this one keeps to it.
+      if (training) {
+        const size_t position = forward_order.size();
+        forward_order.push_back(u);
+        if (following_order && position < previous_order.size() && previous_order[position] == u) {
+          prefetch(previous_order, position, /*backward=*/false);
+        } else if (following_order) {
+          following_order = false;
+          if (!previous_order.empty()) ++stats.order_changes;
+        }
+      }
+    }
+    auto output = forward();
+    std::lock_guard lock(mutex);
+    const bool grad = training && output.requires_grad();
+    if (grad) {
+      std::weak_ptr<Engine> weak = self;
+      output.register_hook([weak, u](const at::Tensor&) {
+        if (auto engine = weak.lock()) engine->before_backward(u);
+      });
+    }
+    if (options.reshard_after_forward || !grad) reshard(unit);
+    return output;
+  }
+
+  // Runs as the gradient of a unit's output arrives, before the unit's backward.
+  void before_backward(size_t u) {
+    std::lock_guard lock(mutex);
+    if (!backward_active) {
+      backward_active = true;
+      for (auto& unit : units) unit.grads_pending = 0;
+      for (size_t i = 0; i < params.size(); ++i)
+        if (unit_of[i] >= 0) ++units[static_cast<size_t>(unit_of[i])].grads_pending;
+      std::weak_ptr<Engine> weak = self;
+      torch::autograd::Engine::get_default_engine().queue_callback([weak] {
+        if (auto engine = weak.lock()) engine->end_backward();
+      });
+    }
+    auto& unit = units[u];
+    gather(unit, "backward");
+    wait_gathered(unit);
+    const auto last =
+        std::find(forward_order.rbegin(), forward_order.rend(), u);  // its last forward
+    if (last != forward_order.rend()) {
+      prefetch(forward_order, static_cast<size_t>(forward_order.rend() - last - 1),
+               /*backward=*/true);
+    }
+  }
+
+  // Every unit's parameters freed (those prefetched and not used too); this step's order is
+  // the next one's guide.
+  void end_backward() {
+    std::lock_guard lock(mutex);
+    for (auto& unit : units) reshard(unit);
+    backward_active = false;
+    check_same_order();
+    previous_order = std::move(forward_order);
+    forward_order.clear();
+    following_order = true;
+  }
+
+  // Ranks that ran the same number of units in another order paired all-gathers of different
+  // units without an error (when their sizes match): every rank's order is compared after each
+  // backward, before a step could use what they gathered.
+  void check_same_order() {
+    uint64_t hash = 1469598103934665603ull;  // FNV-1a over the units' indices
+    for (size_t u : forward_order) hash = (hash ^ (u + 1)) * 1099511628211ull;
+    group.set_activity("ZeRO-3 check that every rank ran the same units");
+    const auto all = group.allgather(torch::tensor({static_cast<int64_t>(hash)}, torch::kLong));
+    group.set_activity("");
+    std::vector<int> differ;
+    for (size_t r = 1; r < all.size(); ++r)
+      if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(static_cast<int>(r));
+    if (differ.empty()) return;
+    std::string order;
+    for (size_t u : forward_order) order += (order.empty() ? "" : ", ") + units[u].name;
+    std::string ranks;
+    for (int r : differ) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+    throw UsageError("ZeRO stage 3: ranks [" + ranks +
+                     "] ran other FullyShard units, or in another order, than rank 0 in this "
+                     "step's forward (rank " +
+                     std::to_string(rank()) + " ran: " + (order.empty() ? "none" : order) +
+                     "); every rank must run the same units in the same order, or their "
+                     "all-gathers mix up parameters");
+  }
+
+  void gather_all() {
+    std::lock_guard lock(mutex);
+    ++pinned;
+    for (auto& unit : units) gather(unit, "GatheredParameters");
+    for (auto& unit : units) wait_gathered(unit);
+  }
+
+  void release_all(bool write_back) {
+    std::lock_guard lock(mutex);
+    if (--pinned > 0) return;
+    torch::NoGradGuard no_grad;
+    const int64_t n = world();
+    for (auto& unit : units) {
+      auto& b = buckets[unit.bucket];
+      if (write_back && unit.gathered) {
+        const int64_t piece = b.numel / n;
+        b.shard.copy_(b.full.narrow(0, rank() * piece, piece));
+      }
+      reshard(unit);
+    }
+    // Stages 1 and 2, and stage 3's persistent parameters: the shards are views of the whole.
   }
 };
 
@@ -416,8 +711,9 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
     // all-to-all and NCCL's ring alike); the all-gather after the step as many again.
     e.stats.bytes_sent_last_step = 0;
     for (const auto& b : e.buckets)
-      e.stats.bytes_sent_last_step +=
-          b.numel / e.world() * (e.world() - 1) * e.flat_params.element_size();
+      e.stats.bytes_sent_last_step += b.numel / e.world() * (e.world() - 1) * b.full.element_size();
+    e.stats.bytes_sent_last_step += e.gather_bytes_sent;
+    e.gather_bytes_sent = 0;
   }
   optim::FlatOptimizer::step();
   e.allgather_parameters();
@@ -475,6 +771,15 @@ ZeroStats ZeroOptimizer::stats() const {
   std::lock_guard lock(engine_->mutex);
   engine_->update_memory_stats();
   return engine_->stats;
+}
+
+ZeroOptimizer::GatheredParameters::GatheredParameters(ZeroOptimizer& zero, bool write_back)
+    : zero_(zero), write_back_(write_back) {
+  zero_.engine_->gather_all();
+}
+
+ZeroOptimizer::GatheredParameters::~GatheredParameters() {
+  zero_.engine_->release_all(write_back_);
 }
 
 ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& zero)

@@ -17,15 +17,16 @@ namespace cohort::parallel {
 namespace {
 
 // Layers of different sizes (13 x 37, 37, 11 are multiples of no world size in the tests),
-// batch norm statistics, and a parameter that gets no gradient.
+// batch norm statistics, and a parameter that gets no gradient. `first` and `second` are stage
+// 3's units (whole at the other stages, as is everything else at stage 3).
 struct NetImpl : torch::nn::Module {
   NetImpl() {
     // No bias before batch norm: its gradient would be rounding noise, which Adam's
     // normalisation turns into full steps of either sign.
-    first =
-        register_module("first", torch::nn::Linear(torch::nn::LinearOptions(13, 37).bias(false)));
+    first = register_module(
+        "first", FullyShard(torch::nn::Linear(torch::nn::LinearOptions(13, 37).bias(false))));
     norm = register_module("norm", torch::nn::BatchNorm1d(37));
-    second = register_module("second", torch::nn::Linear(37, 11));
+    second = register_module("second", FullyShard(torch::nn::Linear(37, 11)));
     head = register_module("head", torch::nn::Linear(11, 5));
     unused = register_parameter("unused", torch::randn({3}));
   }
@@ -33,7 +34,9 @@ struct NetImpl : torch::nn::Module {
     return head->forward(
         torch::relu(second->forward(torch::relu(norm->forward(first->forward(x))))));
   }
-  torch::nn::Linear first{nullptr}, second{nullptr}, head{nullptr};
+  torch::Tensor first_weight() { return first->module_as<torch::nn::LinearImpl>()->weight; }
+  FullyShard first{nullptr}, second{nullptr};
+  torch::nn::Linear head{nullptr};
   torch::nn::BatchNorm1d norm{nullptr};
   torch::Tensor unused;
 };
@@ -72,7 +75,17 @@ struct Run {
   std::vector<std::string> names;
 };
 
-Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200) {
+// Stage 3 with both units sharded (they are smaller than the default persistence threshold).
+ZeroOptions zero_options(int stage, int64_t bucket = 200, bool reshard_after_forward = true) {
+  return {.stage = stage,
+          .reduce_bucket_size = bucket,
+          .allgather_bucket_size = bucket,
+          .param_persistence_threshold = 0,
+          .reshard_after_forward = reshard_after_forward};
+}
+
+Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200,
+          bool reshard_after_forward = true) {
   auto net = make_zero_net();
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
@@ -81,9 +94,8 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
     optimizer = adamw(net);
   } else {
     auto plain = adamw(net);
-    optimizer = std::make_unique<ZeroOptimizer>(
-        net.ptr(), *plain, g,
-        ZeroOptions{.stage = stage, .reduce_bucket_size = bucket, .allgather_bucket_size = bucket});
+    optimizer = std::make_unique<ZeroOptimizer>(net.ptr(), *plain, g,
+                                                zero_options(stage, bucket, reshard_after_forward));
   }
   auto* zero = dynamic_cast<ZeroOptimizer*>(optimizer.get());
   Run run;
@@ -103,6 +115,8 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
     run.losses.push_back(loss_sum);
     optimizer->step();
   }
+  std::optional<ZeroOptimizer::GatheredParameters> whole;  // stage 3's units
+  if (zero) whole.emplace(*zero);
   for (const auto& p : net->named_parameters()) {
     run.names.push_back(p.key());
     run.parameters.push_back(p.value().detach().clone());
@@ -125,7 +139,7 @@ void expect_same_run(const Run& a, const Run& b, const std::string& what) {
 void expect_parity_with_ddp(int world, int micro_batches) {
   run_ranks(world, [&](comm::ProcessGroup& g) {
     const auto ddp = train(g, 0, 5, micro_batches);
-    for (int stage : {1, 2}) {
+    for (int stage : {1, 2, 3}) {
       const auto zero = train(g, stage, 5, micro_batches);
       expect_same_run(zero, ddp,
                       "stage " + std::to_string(stage) + " on rank " + std::to_string(g.rank()) +
@@ -135,8 +149,8 @@ void expect_parity_with_ddp(int world, int micro_batches) {
   });
 }
 
-TEST(ZeroOptimizer, StagesOneAndTwoTrainAsDdpOnTwoRanks) { expect_parity_with_ddp(2, 1); }
-TEST(ZeroOptimizer, StagesOneAndTwoTrainAsDdpOnThreeRanks) { expect_parity_with_ddp(3, 1); }
+TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnTwoRanks) { expect_parity_with_ddp(2, 1); }
+TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnThreeRanks) { expect_parity_with_ddp(3, 1); }
 TEST(ZeroOptimizer, GradientAccumulationTrainsAsDdpOnTwoAndThreeRanks) {
   expect_parity_with_ddp(2, 3);
   expect_parity_with_ddp(3, 2);
@@ -240,18 +254,18 @@ TEST(ZeroOptimizer, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {
     auto plain = adamw(net);
     ZeroOptimizer zero(net.ptr(), *plain, g, {.stage = 2, .reduce_bucket_size = 100});
     optim::LossScaler scaler(optim::LossScalerOptions{}, g);
-    const auto before = net->first->weight.detach().clone();
+    const auto before = net->first_weight().detach().clone();
     auto loss = loss_of(net, g.rank(), 0, 0, 1);
     if (g.rank() == 1) loss = loss * std::numeric_limits<float>::infinity();
     scaler.scale(loss).backward();
     EXPECT_FALSE(scaler.step(zero));
     scaler.update();
-    EXPECT_TRUE(torch::equal(net->first->weight, before));
+    EXPECT_TRUE(torch::equal(net->first_weight(), before));
     // The next, finite step steps.
     zero.zero_grad();
     scaler.scale(loss_of(net, g.rank(), 1, 0, 1)).backward();
     EXPECT_TRUE(scaler.step(zero));
-    EXPECT_FALSE(torch::equal(net->first->weight, before));
+    EXPECT_FALSE(torch::equal(net->first_weight(), before));
   });
 }
 
@@ -299,11 +313,173 @@ TEST(ZeroOptimizer, SavedShardsResumeExactlyAtTheSameWorldSize) {
   });
 }
 
+TEST(ZeroOptimizer, StageThreeKeepsUnitsWholeOnlyFromTheirForwardToTheirBackward) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    // Parity with the units kept from forward to backward (one gather less per step).
+    expect_same_run(train(g, 3, 5, 1, 200, /*reshard_after_forward=*/false), train(g, 0, 5, 1),
+                    "stage 3 without reshard_after_forward");
+    auto net = make_zero_net();
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, zero_options(3));
+    auto bytes_held = [](const torch::Tensor& t) { return t.storage().nbytes(); };
+    const auto weight = net->first_weight();
+    EXPECT_EQ(bytes_held(weight), 0u) << "a unit's parameters hold nothing outside a step";
+    EXPECT_GE(bytes_held(net->head->weight), static_cast<size_t>(net->head->weight.numel() * 4))
+        << "parameters outside the units stay whole";
+    for (int step = 0; step < 3; ++step) {
+      zero.zero_grad();
+      auto loss = loss_of(net, g.rank(), step, 0, 1);
+      EXPECT_EQ(bytes_held(weight), 0u) << "freed after its forward";
+      loss.backward();
+      EXPECT_EQ(bytes_held(weight), 0u) << "freed after its backward";
+      zero.step();
+    }
+    const auto stats = zero.stats();
+    EXPECT_EQ(stats.units, 2);
+    // Each step: two units gathered for forward and again for backward (some of them ahead).
+    EXPECT_EQ(stats.gathers, 3 * 4);
+    EXPECT_GE(stats.prefetches, 3);
+    EXPECT_EQ(stats.order_changes, 0);
+    const int64_t first_bytes = (13 * 37 + 1) / 2 * 2 * 4, second_bytes = (37 * 11 + 11) * 4;
+    EXPECT_LE(stats.gathered_bytes_peak, first_bytes + second_bytes);
+    EXPECT_GE(stats.gathered_bytes_peak, second_bytes);
+    // The shards: half of each unit, beside the whole head and the unused parameter.
+    EXPECT_LT(stats.parameter_bytes, (13 * 37 + 37 * 11 + 11 + 11 * 5 + 5 + 3) * 4);
+    {
+      ZeroOptimizer::GatheredParameters whole(zero);
+      EXPECT_GE(bytes_held(weight), static_cast<size_t>(13 * 37 * 4));
+      const auto all = g.allgather(weight.detach().clone());
+      EXPECT_TRUE(torch::equal(all[0], all[1])) << "every rank gathers the same unit";
+    }
+    EXPECT_EQ(bytes_held(weight), 0u);
+    // Written inside a scope with write_back, the values are this rank's shard from then on.
+    {
+      ZeroOptimizer::GatheredParameters whole(zero, /*write_back=*/true);
+      torch::NoGradGuard no_grad;
+      weight.fill_(0.5);
+    }
+    ZeroOptimizer::GatheredParameters whole(zero);
+    EXPECT_TRUE(torch::equal(weight, torch::full({37, 13}, 0.5)));
+  });
+}
+
+// Two units of the same shape, run in either order.
+struct TwoUnitsImpl : torch::nn::Module {
+  TwoUnitsImpl() {
+    a = register_module("a", FullyShard(torch::nn::Linear(8, 8)));
+    b = register_module("b", FullyShard(torch::nn::Linear(8, 8)));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool b_first) {
+    return b_first ? a->forward(torch::tanh(b->forward(x)))
+                   : b->forward(torch::tanh(a->forward(x)));
+  }
+  FullyShard a{nullptr}, b{nullptr};
+};
+TORCH_MODULE(TwoUnits);
+
+TEST(ZeroOptimizer, StageThreeFollowsAnOrderThatChangesOnEveryRank) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto run = [&](int stage) {
+      auto net = [] {
+        std::lock_guard lock(testing::generator_mutex());
+        torch::manual_seed(5);
+        return TwoUnits();
+      }();
+      std::unique_ptr<DistributedDataParallel> ddp;
+      torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      std::unique_ptr<ZeroOptimizer> zero;
+      if (stage == 0) {
+        ddp = std::make_unique<DistributedDataParallel>(net.ptr(), g);
+      } else {
+        zero = std::make_unique<ZeroOptimizer>(net.ptr(), sgd, g, zero_options(3));
+      }
+      torch::optim::Optimizer& optimizer =
+          zero ? static_cast<torch::optim::Optimizer&>(*zero) : sgd;
+      std::vector<double> losses;
+      for (int step = 0; step < 5; ++step) {
+        optimizer.zero_grad();
+        auto [x, y] = batch(g.rank(), step, 0);
+        auto out = net->forward(x.narrow(1, 0, 8), /*b_first=*/step == 2 || step == 3);
+        auto loss = torch::nn::functional::cross_entropy(out, y);
+        loss.backward();
+        losses.push_back(loss.item<double>());
+        optimizer.step();
+      }
+      if (zero) EXPECT_EQ(zero->stats().order_changes, 2) << "at steps 2 and 4";
+      return losses;
+    };
+    const auto sharded = run(3);
+    const auto ddp = run(0);
+    for (size_t s = 0; s < ddp.size(); ++s)
+      EXPECT_NEAR(sharded[s], ddp[s], 1e-5 * std::abs(ddp[s])) << "step " << s;
+  });
+}
+
+// Rank 1 runs the units in the other order, or skips one, in its second step: the all-gathers
+// of same-sized units would pair without an error. Every rank fails, naming the units it ran,
+// instead of stepping mixed-up parameters (or hanging).
+std::vector<std::string> errors_of_diverging_ranks(bool skip) {
+  std::mutex mutex;
+  std::vector<std::string> errors;
+  run_ranks(2,
+            [&](comm::ProcessGroup& g) {
+              auto net = TwoUnits();
+              torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+              ZeroOptimizer zero(net.ptr(), sgd, g, zero_options(3));
+              try {
+                for (int step = 0; step < 3; ++step) {
+                  zero.zero_grad();
+                  auto x = torch::ones({4, 8});
+                  const bool diverge = step == 1 && g.rank() == 1;
+                  auto out = diverge && skip ? net->a->forward(x) : net->forward(x, diverge);
+                  out.sum().backward();
+                  zero.step();
+                }
+              } catch (const std::exception& e) {
+                std::lock_guard lock(mutex);
+                errors.push_back(e.what());
+              }
+            },
+            {.timeout = std::chrono::seconds(5)});
+  return errors;
+}
+
+TEST(ZeroOptimizer, StageThreeRanksRunningOtherUnitsFailNamingThem) {
+  const auto swapped = errors_of_diverging_ranks(/*skip=*/false);
+  ASSERT_EQ(swapped.size(), 2u) << "every rank fails";
+  for (const auto& e : swapped) {
+    EXPECT_NE(e.find("ranks [1] ran other FullyShard units, or in another order, than rank 0"),
+              std::string::npos)
+        << e;
+  }
+  const auto skipped = errors_of_diverging_ranks(/*skip=*/true);
+  ASSERT_FALSE(skipped.empty());
+  std::string all;
+  for (const auto& e : skipped) all += e + "\n";
+  EXPECT_NE(all.find("ZeRO"), std::string::npos) << all;
+}
+
+TEST(ZeroOptimizer, StageThreeNeedsUnitsThatDoNotNest) {
+  using cohort::testing::expect_error;
+  run_ranks(1, [](comm::ProcessGroup& g) {
+    auto plain = torch::nn::Linear(4, 4);
+    torch::optim::SGD sgd(plain->parameters(), torch::optim::SGDOptions(0.1));
+    expect_error<UsageError>([&] { ZeroOptimizer zero(plain.ptr(), sgd, g, zero_options(3)); },
+                             "has none: hold its blocks through parallel::FullyShard");
+    auto nested = FullyShard(TwoUnits());
+    torch::optim::SGD nested_sgd(nested->parameters(), torch::optim::SGDOptions(0.1));
+    expect_error<UsageError>(
+        [&] { ZeroOptimizer zero(nested.ptr(), nested_sgd, g, zero_options(3)); },
+        "FullyShard unit 'a' is inside unit '(the model)': units do not nest");
+  });
+}
+
 TEST(ZeroOptimizer, BadOptionsAndMisuseAreNamed) {
   using cohort::testing::expect_error;
   expect_error<UsageError>([] { ZeroOptions{.stage = 4}.validate(); }, "ZeRO stage 4 is not one");
-  expect_error<UsageError>([] { ZeroOptions{.stage = 3}.validate(); },
-                           "stage 3 (sharded parameters) is not built yet");
+  expect_error<UsageError>(
+      [] { ZeroOptions{.stage = 3, .param_persistence_threshold = -1}.validate(); },
+      "param_persistence_threshold -1 must be >= 0");
   expect_error<UsageError>([] { ZeroOptions{.stage = 2, .reduce_bucket_size = 0}.validate(); },
                            "reduce_bucket_size 0 must be > 0");
   expect_error<UsageError>([] { ZeroOptions{.stage = 1, .allgather_bucket_size = -5}.validate(); },

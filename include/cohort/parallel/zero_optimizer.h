@@ -9,13 +9,15 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/parallel/fully_shard.h"
 
 namespace cohort::parallel {
 
 // ZeRO (Rajbhandari et al. 2020), with DeepSpeed's names and defaults.
 struct ZeroOptions {
   // 0: plain data parallelism (DDP, no ZeRO). 1: the optimizer state is sharded over the ranks.
-  // 2: the gradients too.
+  // 2: the gradients too. 3: the parameters too, those of each FullyShard unit of the model
+  // gathered only around its forward and its backward.
   int stage = 0;
   // Gradients are reduce-scattered in buckets of at most this many elements (a parameter larger
   // than that is a bucket of its own).
@@ -28,8 +30,23 @@ struct ZeroOptions {
   // After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast.
   bool broadcast_buffers = true;
 
-  // Throws UsageError naming the option: a stage outside 0-2 (stage 3 is not built yet), a
-  // bucket size <= 0.
+  // Stage 3 (DeepSpeed's stage3_* keys). While a unit runs forward (or backward), the units
+  // that ran after it on the previous step (before it, in backward) are all-gathered ahead,
+  // up to this many elements.
+  int64_t prefetch_bucket_size = 50'000'000;
+  // Prefetching stops where the gathered units would hold more elements than this; a unit that
+  // is about to run is gathered regardless.
+  int64_t max_live_parameters = 1'000'000'000;
+  // A unit with fewer trainable elements than this is not sharded: its parameters stay whole on
+  // every rank, as do those outside every unit (their gradients and state are sharded as at
+  // stage 2).
+  int64_t param_persistence_threshold = 100'000;
+  // Free a unit's gathered parameters after its forward (gathered again for its backward); false
+  // keeps them from the forward to the end of the backward: one gather less, more memory.
+  bool reshard_after_forward = true;
+
+  // Throws UsageError naming the option: a stage outside 0-3, a bucket size <= 0, a negative
+  // stage-3 limit.
   void validate() const;
 };
 
@@ -49,12 +66,23 @@ struct ZeroStats {
   int64_t gradient_bytes = 0;
   int64_t optimizer_state_bytes = 0;
   int64_t bucket_bytes_peak = 0;
-  // Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather).
+  // Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather, and at
+  // stage 3 the units' all-gathers since the step before).
   int64_t bytes_sent_last_step = 0;
   double wait_seconds = 0;
+  // Stage 3: the units whose parameters are sharded, the bytes of gathered units held at most at
+  // once (beside parameter_bytes, which counts the shards and the persistent parameters), and
+  // the units' all-gathers so far: for a forward or backward that needed it, or ahead (prefetch).
+  int64_t units = 0;
+  int64_t gathered_bytes_peak = 0;
+  int64_t gathers = 0;
+  int64_t prefetches = 0;
+  // Steps whose units ran in another order than the step before (prefetching then waits for the
+  // new order: recorded again, nothing hangs).
+  int64_t order_changes = 0;
 };
 
-// A data-parallel engine and optimizer in one: ZeRO stage 1 or 2 for any torch::nn::Module.
+// A data-parallel engine and optimizer in one: ZeRO stage 1, 2 or 3 for any torch::nn::Module.
 //
 // The module's trainable parameters are laid out in one flat buffer, in buckets (reverse order
 // of registration, the order backward produces gradients), each padded to a multiple of the
@@ -63,6 +91,16 @@ struct ZeroStats {
 // The optimizer steps only this rank's shard (its state exists only for the shard), then every
 // bucket's parameters are all-gathered, so every rank again holds the whole model.
 //
+// Stage 3 shards the parameters too: each FullyShard unit of the module (fully_shard.h) is a
+// bucket of its own whose whole parameters exist only from just before its forward to its end,
+// and again from just before its backward until its gradients are ready (then reduce-scattered
+// as at stage 2). The order the units ran in is recorded each step and the next units are
+// all-gathered ahead of use along it; a step that runs them in another order (the same on
+// every rank) waits for each gather instead. Ranks that run different units issue different
+// all-gathers: each is named by its unit ("ZeRO-3 all-gather of unit 'blocks.3' (backward)"),
+// and so is its timeout. Outside forward and backward the units' parameters hold no memory:
+// read or write them inside a GatheredParameters scope (checkpoints, evaluation, checks).
+//
 // It is a torch::optim::Optimizer (a FlatOptimizer over the shard): zero_grad(), step(),
 // param_groups() (one group per bucket, every one with the optimizer's options: an lr set on
 // them all, as the LR schedules and linear_lr_scaling do, applies at the next step),
@@ -70,6 +108,8 @@ struct ZeroStats {
 // (this rank's shard, at the same world size) work unchanged; train::save_checkpoint and
 // load_checkpoint write and read sharded checkpoints that reload at any world size. The parameters'
 // .grad are consumed by the synchronising backward: the averaged gradients live sharded here.
+//
+// Stage 3 keeps the units' parameters empty once it is destroyed.
 //
 // At construction every rank checks that all ranks built the same parameters, then takes rank
 // 0's parameters and buffers. All trainable parameters must share one dtype and device, and
@@ -102,6 +142,22 @@ class ZeroOptimizer : public optim::FlatOptimizer {
     bool previous_;
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
+
+  // Stage 3: every unit's parameters whole on every rank while it lives (collective: every rank
+  // makes one), e.g. to save or load a model, evaluate it without a gather per unit, or compare
+  // replicas. With write_back, this rank's shards are cut anew from the parameters when it ends
+  // (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
+  class GatheredParameters {
+   public:
+    explicit GatheredParameters(ZeroOptimizer& zero, bool write_back = false);
+    ~GatheredParameters();
+    GatheredParameters(const GatheredParameters&) = delete;
+    GatheredParameters& operator=(const GatheredParameters&) = delete;
+
+   private:
+    ZeroOptimizer& zero_;
+    bool write_back_;
+  };
 
   int stage() const;
   const comm::ProcessGroup& process_group() const;
