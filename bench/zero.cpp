@@ -1,15 +1,17 @@
-// ZeRO stages 1 and 2 against DDP: memory held per rank and training throughput.
+// ZeRO stages 1, 2 and 3 against DDP: memory held per rank and training throughput.
 //
-//   bench/zero --workers 2 --modes ddp,ddp-flat,1,2   (defaults: a 100.7 M-parameter MLP, Adam,
-//                                                      fp32)
+//   bench/zero --workers 2 --modes ddp,ddp-flat,1,2,3   (defaults: a 100.7 M-parameter MLP,
+//                                                        Adam, fp32)
 //
 // For each mode, N worker processes train the MLP (--layers Linear layers of --width x --width,
 // batch --batch-size of random data) for --warmup + --steps steps, and print one JSON line:
 //   bytes_per_param: parameters, gradients and optimizer state held per rank after a step,
 //     counted from the live tensors (each storage once), beside the ZeRO paper's form for fp32
-//     Adam (DDP 16; stage 1 8 + 8/N; stage 2 4 + 12/N) and their ratio (ddp-flat: DDP with
-//     cohort's FlatAdam, which holds its own gradient buffer: 20);
-//   transient_bucket_bytes_per_param: stage 2's gradient buckets in flight during backward;
+//     Adam (DDP 16; stage 1 8 + 8/N; stage 2 4 + 12/N; stage 3 16/N) and their ratio
+//     (ddp-flat: DDP with cohort's FlatAdam, which holds its own gradient buffer: 20);
+//   transient_bucket_bytes_per_param: stage 2's and 3's gradient buckets in flight during
+//     backward; gathered_bytes_per_param: stage 3's whole layers held at most at once (the one
+//     running and those prefetched);
 //   samples_per_s (all ranks, timed steps), bytes_sent_per_step per rank (DDP: a ring
 //     all-reduce, 2 (N - 1) / N of the gradients; ZeRO: its own count), peak_rss_mb.
 #include <sys/resource.h>
@@ -28,9 +30,12 @@ using Clock = std::chrono::steady_clock;
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl(int layers, int64_t width) {
-    for (int k = 0; k < layers; ++k)
-      stack.push_back(register_module("layer" + std::to_string(k),
-                                      torch::nn::Linear(torch::nn::LinearOptions(width, width))));
+    // Each layer a unit of ZeRO stage 3 (a plain layer at the other stages).
+    for (int k = 0; k < layers; ++k) {
+      stack.push_back(register_module(
+          "layer" + std::to_string(k),
+          cohort::parallel::FullyShard(torch::nn::Linear(torch::nn::LinearOptions(width, width)))));
+    }
   }
   torch::Tensor forward(torch::Tensor x) {
     for (size_t k = 0; k < stack.size(); ++k) {
@@ -39,7 +44,7 @@ struct MlpImpl : torch::nn::Module {
     }
     return x;
   }
-  std::vector<torch::nn::Linear> stack;
+  std::vector<cohort::parallel::FullyShard> stack;
 };
 TORCH_MODULE(Mlp);
 
@@ -110,7 +115,7 @@ void bench_loop(const cohort::Json& c) {
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
 
   // What this rank holds after a step.
-  double params = 0, grads = 0, state = 0, transient = 0, sent = 0;
+  double params = 0, grads = 0, state = 0, transient = 0, gathered = 0, sent = 0;
   std::vector<torch::Tensor> param_tensors, grad_tensors, state_tensors;
   for (const auto& p : model->parameters()) {
     param_tensors.push_back(p);
@@ -128,6 +133,7 @@ void bench_loop(const cohort::Json& c) {
     grads = static_cast<double>(stats.gradient_bytes);
     state = static_cast<double>(stats.optimizer_state_bytes);
     transient = static_cast<double>(stats.bucket_bytes_peak);
+    gathered = static_cast<double>(stats.gathered_bytes_peak);
     sent = static_cast<double>(stats.bytes_sent_last_step);
   } else {
     for (const auto& item : optimizer->state()) {
@@ -144,7 +150,8 @@ void bench_loop(const cohort::Json& c) {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   auto mine = torch::tensor(
-      {seconds, params, grads, state, transient, sent, usage.ru_maxrss / 1024.0}, torch::kDouble);
+      {seconds, params, grads, state, transient, sent, usage.ru_maxrss / 1024.0, gathered},
+      torch::kDouble);
   auto all = ctx.get_process_group().allgather(mine);
   double slowest = 0, rss = 0;
   for (auto& r : all) {
@@ -156,7 +163,8 @@ void bench_loop(const cohort::Json& c) {
   const double formula = mode == "ddp-flat" ? 20
                          : stage == 0       ? 16
                          : stage == 1       ? 8 + 8 / n
-                                            : 4 + 12 / n;
+                         : stage == 2       ? 4 + 12 / n
+                                            : 16 / n;
   const double total = (params + grads + state) / p;
   cohort::train::report({{"mode", ddp ? mode : "zero-" + mode},
                          {"workers", ctx.get_world_size()},
@@ -169,6 +177,7 @@ void bench_loop(const cohort::Json& c) {
                            {"paper_form", formula},
                            {"ratio_to_form", total / formula}}},
                          {"transient_bucket_bytes_per_param", transient / p},
+                         {"gathered_bytes_per_param", gathered / p},
                          {"samples_per_s", static_cast<double>(batch * steps) * n / slowest},
                          {"seconds_per_step", slowest / static_cast<double>(steps)},
                          // Rank 0's: forward and backward (with the gradient communication), and
@@ -182,11 +191,12 @@ void bench_loop(const cohort::Json& c) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"cohort ZeRO benchmark: memory per rank and throughput, DDP vs stages 1 and 2"};
-  std::string modes = "ddp,ddp-flat,1,2";
+  CLI::App app{"cohort ZeRO benchmark: memory per rank and throughput, DDP vs stages 1, 2, 3"};
+  std::string modes = "ddp,ddp-flat,1,2,3";
   int workers = 2, threads = 1, layers = 6;
   int64_t width = 4096, batch = 8, steps = 5, warmup = 2, reduce_bucket_size = 25'000'000;
-  app.add_option("--modes", modes, "comma-separated: ddp, ddp-flat, 1, 2")->capture_default_str();
+  app.add_option("--modes", modes, "comma-separated: ddp, ddp-flat, 1, 2, 3")
+      ->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "CPU threads per worker")->capture_default_str();
   app.add_option("--layers", layers)->capture_default_str();
@@ -200,8 +210,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   std::stringstream list(modes);
   for (std::string mode; std::getline(list, mode, ',');) {
-    if (mode != "ddp" && mode != "ddp-flat" && mode != "1" && mode != "2") {
-      std::cerr << "error: --modes: '" << mode << "' is not ddp, ddp-flat, 1 or 2" << std::endl;
+    if (mode != "ddp" && mode != "ddp-flat" && mode != "1" && mode != "2" && mode != "3") {
+      std::cerr << "error: --modes: '" << mode << "' is not ddp, ddp-flat, 1, 2 or 3" << std::endl;
       return 2;
     }
     cohort::Trainer trainer(

@@ -340,7 +340,10 @@ Json to_json(const TrainOptions& o) {
                {{"stage", o.zero.stage},
                 {"reduce_bucket_size", o.zero.reduce_bucket_size},
                 {"allgather_bucket_size", o.zero.allgather_bucket_size},
-                {"overlap_comm", o.zero.overlap_comm}}},
+                {"overlap_comm", o.zero.overlap_comm},
+                {"prefetch_bucket_size", o.zero.prefetch_bucket_size},
+                {"max_live_parameters", o.zero.max_live_parameters},
+                {"param_persistence_threshold", o.zero.param_persistence_threshold}}},
               {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
               {"flat_optimizer", o.flat_optimizer},
               {"gradient_clipping", o.gradient_clipping},
@@ -487,6 +490,11 @@ void train_loop(const Json& c) {
             .reduce_bucket_size = z["reduce_bucket_size"].get<int64_t>(),
             .allgather_bucket_size = z["allgather_bucket_size"].get<int64_t>(),
             .overlap_comm = z["overlap_comm"].get<bool>()};
+    const parallel::ZeroOptions defaults;
+    zero.prefetch_bucket_size = z.value("prefetch_bucket_size", defaults.prefetch_bucket_size);
+    zero.max_live_parameters = z.value("max_live_parameters", defaults.max_live_parameters);
+    zero.param_persistence_threshold =
+        z.value("param_persistence_threshold", defaults.param_persistence_threshold);
   }
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
@@ -626,17 +634,22 @@ void train_loop(const Json& c) {
         torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
     ctx.get_process_group().allreduce(loss_stats);
     const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
-    const auto eval = evaluate(
-        *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
-        ctx.get_process_group());
+    double checksum = 0;
+    Evaluation eval;
+    {
+      // ZeRO stage 3: the whole model once, not a gather per layer and batch.
+      auto whole = train::gathered_parameters(model);
+      eval = evaluate(
+          *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
+          ctx.get_process_group());
+      // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
+      for (const auto& p : model->parameters())
+        checksum += p.detach().to(torch::kDouble).sum().item<double>();
+    }
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
             .count();
     const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps) || stopping;
-    // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
-    double checksum = 0;
-    for (const auto& p : model->parameters())
-      checksum += p.detach().to(torch::kDouble).sum().item<double>();
     const auto checksums =
         ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
     const auto all = torch::cat(checksums);
@@ -735,8 +748,9 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd->option_defaults()->group("Parallelism and synchronisation");
   cmd->add_option("--zero-stage", o.zero.stage,
-                  "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers) or 2 (gradients "
-                  "too)")
+                  "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
+                  "too) or 3 (parameters too: the model's layers gathered around their forward "
+                  "and backward)")
       ->capture_default_str();
   cmd->add_option("--sync", o.sync,
                   "how the workers agree: ddp (gradients averaged every step), local-sgd:H "

@@ -76,9 +76,9 @@ torch::nn::Sequential ImageClassifierImpl::pipeline_layers() {
 
 MlpImpl::MlpImpl(const ModelOptions& o) {
   const int64_t in = o.in_channels * o.image_size * o.image_size;
-  fc1_ = register_module("fc1", torch::nn::Linear(in, 128));
-  fc2_ = register_module("fc2", torch::nn::Linear(128, 64));
-  fc3_ = register_module("fc3", torch::nn::Linear(64, o.num_classes));
+  fc1_ = register_module("fc1", parallel::FullyShard(torch::nn::Linear(in, 128)));
+  fc2_ = register_module("fc2", parallel::FullyShard(torch::nn::Linear(128, 64)));
+  fc3_ = register_module("fc3", parallel::FullyShard(torch::nn::Linear(64, o.num_classes)));
 }
 
 torch::Tensor MlpImpl::forward(torch::Tensor x) {
@@ -99,13 +99,15 @@ torch::nn::Sequential MlpImpl::pipeline_layers() {
 
 CnnImpl::CnnImpl(const ModelOptions& o) {
   conv1_ = register_module(
-      "conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, 32, 3).padding(1)));
-  conv2_ =
-      register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
+      "conv1", parallel::FullyShard(
+                   torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, 32, 3).padding(1))));
+  conv2_ = register_module(
+      "conv2",
+      parallel::FullyShard(torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1))));
   const int64_t side = o.image_size / 4;
   flat_features_ = 64 * side * side;
-  fc1_ = register_module("fc1", torch::nn::Linear(flat_features_, 128));
-  fc2_ = register_module("fc2", torch::nn::Linear(128, o.num_classes));
+  fc1_ = register_module("fc1", parallel::FullyShard(torch::nn::Linear(flat_features_, 128)));
+  fc2_ = register_module("fc2", parallel::FullyShard(torch::nn::Linear(128, o.num_classes)));
 }
 
 torch::Tensor CnnImpl::forward(torch::Tensor x) {
@@ -234,23 +236,28 @@ class EncoderBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(EncoderBlock);
 
+// Block i of a ViT's blocks, each held through a FullyShard.
+std::shared_ptr<EncoderBlockImpl> block(const torch::nn::Sequential& blocks, size_t i) {
+  return blocks->ptr<parallel::FullyShardImpl>(i)->module_as<EncoderBlockImpl>();
+}
+
 }  // namespace
 
 ResNet18Impl::ResNet18Impl(const ModelOptions& o) {
   stem_ = register_module(
-      "stem", torch::nn::Sequential(
+      "stem", parallel::FullyShard(torch::nn::Sequential(
                   conv(o.in_channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
-                  torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1))));
+                  torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1)))));
   torch::nn::Sequential layers;
   int64_t in = 64;
   for (int64_t out : {64, 128, 256, 512}) {
     const int64_t stride = out == 64 ? 1 : 2;
-    layers->push_back(BasicBlock(in, out, stride));
-    layers->push_back(BasicBlock(out, out, 1));
+    layers->push_back(parallel::FullyShard(BasicBlock(in, out, stride)));
+    layers->push_back(parallel::FullyShard(BasicBlock(out, out, 1)));
     in = out;
   }
   layers_ = register_module("layers", layers);
-  fc_ = register_module("fc", torch::nn::Linear(512, o.num_classes));
+  fc_ = register_module("fc", parallel::FullyShard(torch::nn::Linear(512, o.num_classes)));
 }
 
 torch::Tensor ResNet18Impl::forward(torch::Tensor x) {
@@ -263,7 +270,7 @@ torch::nn::Sequential ResNet18Impl::pipeline_layers() {
   torch::nn::Sequential layers;
   layers->push_back(layer("stem", stem_, identity, identity));
   for (size_t i = 0; i < layers_->size(); ++i)
-    layers->push_back(BasicBlock(layers_->ptr<BasicBlockImpl>(i)));
+    layers->push_back(parallel::FullyShard(layers_->ptr<parallel::FullyShardImpl>(i)));
   layers->push_back(layer(
       "fc", fc_,
       [](const torch::Tensor& x) {
@@ -283,7 +290,8 @@ VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
   positions_ = register_parameter("positions", torch::randn({tokens + 1, 1, o.width}) * 0.02);
   torch::nn::Sequential blocks;
   for (int64_t i = 0; i < o.depth; ++i)
-    blocks->push_back(EncoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group));
+    blocks->push_back(
+        parallel::FullyShard(EncoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group)));
   blocks_ = register_module("blocks", blocks);
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
   head_ = register_module("head", torch::nn::Linear(o.width, o.num_classes));
@@ -300,13 +308,13 @@ torch::Tensor VisionTransformerImpl::forward(torch::Tensor x) {
 void VisionTransformerImpl::load_from_dense(VisionTransformerImpl& dense) {
   copy_parameters(dense, *this);  // all but the sliced weights
   for (size_t i = 0; i < blocks_->size(); ++i)
-    blocks_->ptr<EncoderBlockImpl>(i)->load_from_dense(*dense.blocks_->ptr<EncoderBlockImpl>(i));
+    block(blocks_, i)->load_from_dense(*block(dense.blocks_, i));
 }
 
 void VisionTransformerImpl::copy_to_dense(VisionTransformerImpl& dense) {
   copy_parameters(*this, dense);
   for (size_t i = 0; i < blocks_->size(); ++i)
-    blocks_->ptr<EncoderBlockImpl>(i)->copy_to_dense(*dense.blocks_->ptr<EncoderBlockImpl>(i));
+    block(blocks_, i)->copy_to_dense(*block(dense.blocks_, i));
 }
 
 // Between the layers the batch comes first, [N, tokens, width], as a pipeline needs; the blocks
@@ -324,7 +332,7 @@ torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
         return x.transpose(0, 1);
       }));
   for (size_t i = 0; i < blocks_->size(); ++i) {
-    EncoderBlock block(blocks_->ptr<EncoderBlockImpl>(i));
+    EncoderBlock block(models::block(blocks_, i));
     layers->push_back(Layer(NamedModules{{"block", block.ptr()}}, NamedTensors{},
                             [block](const torch::Tensor& x) mutable {
                               return block->forward(x.transpose(0, 1)).transpose(0, 1);

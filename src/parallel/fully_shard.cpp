@@ -6,8 +6,7 @@
 
 namespace cohort::parallel {
 
-FullyShardImpl::FullyShardImpl(torch::nn::AnyModule forward,
-                               std::shared_ptr<torch::nn::Module> module)
+FullyShardImpl::FullyShardImpl(Forward forward, std::shared_ptr<torch::nn::Module> module)
     : forward_(std::move(forward)), module_(std::move(module)) {
   if (!module_) throw UsageError("FullyShard: the module is null");
   // The module's own members, registered here under their own names: the wrapper adds no level
@@ -21,9 +20,9 @@ FullyShardImpl::FullyShardImpl(torch::nn::AnyModule forward,
 
 torch::Tensor FullyShardImpl::forward(torch::Tensor x) {
   if (auto hooks = hooks_.lock()) {
-    return hooks->forward_unit(unit_, [&] { return forward_.forward<torch::Tensor>(x); });
+    return hooks->forward_unit(unit_, [&] { return forward_(x); });
   }
-  return forward_.forward<torch::Tensor>(std::move(x));
+  return forward_(std::move(x));
 }
 
 void FullyShardImpl::train(bool on) {

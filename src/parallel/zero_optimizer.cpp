@@ -773,14 +773,12 @@ ZeroStats ZeroOptimizer::stats() const {
   return engine_->stats;
 }
 
-ZeroOptimizer::GatheredParameters::GatheredParameters(ZeroOptimizer& zero, bool write_back)
-    : zero_(zero), write_back_(write_back) {
-  zero_.engine_->gather_all();
+ZeroOptimizer::GatheredParameters::GatheredParameters(const ZeroOptimizer& zero, bool write_back)
+    : engine_(zero.engine_), write_back_(write_back) {
+  engine_->gather_all();
 }
 
-ZeroOptimizer::GatheredParameters::~GatheredParameters() {
-  zero_.engine_->release_all(write_back_);
-}
+ZeroOptimizer::GatheredParameters::~GatheredParameters() { engine_->release_all(write_back_); }
 
 ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& zero)
     : zero_(zero), previous_(zero.engine_->sync_enabled) {

@@ -4,6 +4,7 @@
 #include <zlib.h>
 
 #include <fstream>
+#include <optional>
 
 #include "cohort/error.h"
 #include "cohort/parallel/local_sgd.h"
@@ -605,9 +606,12 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
   trace::Span span(trace::Phase::kCheckpoint);
   std::filesystem::create_directories(dir);
   if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
-    // Every rank reports its own shard; the parameters are whole on every rank, rank 0 writes
-    // them.
-    if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
+    // Every rank reports its own shard; the parameters are whole on every rank (stage 3: while
+    // gathered), rank 0 writes them.
+    {
+      parallel::ZeroOptimizer::GatheredParameters whole(*zero);
+      if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
+    }
     save_zero_shards(*zero, dir);
   } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
@@ -627,7 +631,13 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
-  load_model(module, checkpoint.path() / "model.safetensors");
+  {
+    // ZeRO stage 3: every rank loads the whole model and keeps its shards of it.
+    std::optional<parallel::ZeroOptimizer::GatheredParameters> whole;
+    if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer))
+      whole.emplace(*zero, /*write_back=*/true);
+    load_model(module, checkpoint.path() / "model.safetensors");
+  }
   if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
     if (!std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
       throw UsageError("checkpoint " + checkpoint.path().string() +

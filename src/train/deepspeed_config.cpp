@@ -284,13 +284,21 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
   for (const char* key :
        {"contiguous_gradients", "reduce_scatter", "allgather_partitions", "round_robin_gradients"})
     r.boolean(*z, key, std::string("zero_optimization.") + key);
-  for (const char* key : {"stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                          "stage3_param_persistence_threshold", "stage3_max_reuse_distance"}) {
-    const auto v = r.integer(*z, key, std::string("zero_optimization.") + key);
-    if (v && *v < 0)
-      r.fail(std::string("zero_optimization.") + key, "must be >= 0, got " + std::to_string(*v));
-  }
-  zero.validate();  // stage 3: says it is not built yet
+  // Stage 3's limits: DeepSpeed's defaults when absent, else >= 0. stage3_max_reuse_distance
+  // (when to keep a parameter gathered for a reuse soon after) is checked; units are freed at
+  // their end here.
+  const auto limit = [&](const char* key, int64_t fallback) {
+    const std::string path = std::string("zero_optimization.") + key;
+    const int64_t value = r.integer(*z, key, path).value_or(fallback);
+    if (value < 0) r.fail(path, "must be >= 0, got " + std::to_string(value));
+    return value;
+  };
+  zero.prefetch_bucket_size = limit("stage3_prefetch_bucket_size", zero.prefetch_bucket_size);
+  zero.max_live_parameters = limit("stage3_max_live_parameters", zero.max_live_parameters);
+  zero.param_persistence_threshold =
+      limit("stage3_param_persistence_threshold", zero.param_persistence_threshold);
+  limit("stage3_max_reuse_distance", 0);
+  zero.validate();
 }
 
 }  // namespace

@@ -224,6 +224,15 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
   throw UsageError("this model was not passed to cohort::train::prepare_model");
 }
 
+GatheredParameters gathered_parameters(const std::shared_ptr<torch::nn::Module>& module,
+                                       bool write_back) {
+  auto& session = require_session("cohort::train::gathered_parameters()");
+  auto* zero = find_zero_model(session, module);
+  if (zero == nullptr || zero->optimizer == nullptr) return GatheredParameters();
+  return GatheredParameters(
+      std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(*zero->optimizer, write_back));
+}
+
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
   auto& session = require_session("cohort::train::no_sync()");
   if (find_sync_mode_model(session, module) != nullptr) return NoSyncGuard();
@@ -370,6 +379,9 @@ Json model_histograms(const WorkerSession& s) {
   for (size_t i = 0; i < modules.size(); ++i) {
     const std::string prefix = modules.size() > 1 ? "model" + std::to_string(i) + "/" : "";
     for (const auto& p : modules[i]->named_parameters()) {
+      // ZeRO stage 3's units hold their parameters only inside a step (gathering them here
+      // would be a collective on one rank).
+      if (p.value().numel() > 0 && p.value().storage().nbytes() == 0) continue;
       out[prefix + "parameters/" + p.key()] = histogram_to_json(Histogram::of(p.value()));
       if (p.value().grad().defined())
         out[prefix + "gradients/" + p.key()] = histogram_to_json(Histogram::of(p.value().grad()));

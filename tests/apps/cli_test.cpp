@@ -412,7 +412,7 @@ TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
 TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
   auto with = [&](const std::vector<std::string>& extra) { return small_run("adamw", extra); };
   ASSERT_EQ(train(with({"--epochs", "1", "--name", "ddp"})).exit_code, 0);
-  for (const char* stage : {"1", "2"}) {
+  for (const char* stage : {"1", "2", "3"}) {
     auto r = train(
         with({"--epochs", "1", "--zero-stage", stage, "--name", std::string("zero") + stage}));
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -422,9 +422,10 @@ TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
         << "stage " << stage;
     EXPECT_EQ(zero["replica_spread"].get<double>(), 0.0) << "stage " << stage;
   }
-  // Two micro-batches per step: 16 steps of 2 x 8 per worker in the epoch.
+  // Stage 3 (the MLP's first layer sharded), two micro-batches per step: 16 steps of 2 x 8 per
+  // worker in the epoch.
   auto zero2 = [&](std::vector<std::string> extra) {
-    auto args = with({"--zero-stage", "2", "--gradient-accumulation-steps", "2"});
+    auto args = with({"--zero-stage", "3", "--gradient-accumulation-steps", "2"});
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   };
@@ -622,7 +623,7 @@ TEST_F(Cli, DeepSpeedConfigOfSeed001) {
     EXPECT_NE(r.output.find("precision fp16 needs a GPU"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("Use bf16 instead"), std::string::npos) << r.output;
   }
-  for (const char* stage : {"0", "1", "2"}) {
+  for (const char* stage : {"0", "1", "2", "3"}) {
     const auto name = std::string("bf16_stage") + stage;
     auto r =
         train(with({"--deepspeed", write(name + ".json", seed("bf16", stage)), "--name", name}));
@@ -633,7 +634,9 @@ TEST_F(Cli, DeepSpeedConfigOfSeed001) {
     EXPECT_EQ(result["replica_spread"].get<double>(), 0.0) << name;
   }
   const std::vector<std::pair<std::string, std::string>> bad{
-      {seed("bf16", "3"), "ZeRO stage 3 (sharded parameters) is not built yet"},
+      {R"({"train_batch_size": 32, "zero_optimization": {"stage": 3,
+          "stage3_prefetch_bucket_size": -1}})",
+       "zero_optimization.stage3_prefetch_bucket_size must be >= 0, got -1"},
       {seed("bf16", "5"), "zero_optimization.stage 5 is not one of 0, 1, 2, 3"},
       {R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 8})",
        "train_batch_size 30 is not train_micro_batch_size_per_gpu 8 x gradient_accumulation_steps"},

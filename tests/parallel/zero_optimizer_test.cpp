@@ -369,7 +369,7 @@ struct TwoUnitsImpl : torch::nn::Module {
     a = register_module("a", FullyShard(torch::nn::Linear(8, 8)));
     b = register_module("b", FullyShard(torch::nn::Linear(8, 8)));
   }
-  torch::Tensor forward(const torch::Tensor& x, bool b_first) {
+  torch::Tensor forward(const torch::Tensor& x, bool b_first = false) {
     return b_first ? a->forward(torch::tanh(b->forward(x)))
                    : b->forward(torch::tanh(a->forward(x)));
   }
@@ -405,7 +405,9 @@ TEST(ZeroOptimizer, StageThreeFollowsAnOrderThatChangesOnEveryRank) {
         losses.push_back(loss.item<double>());
         optimizer.step();
       }
-      if (zero) EXPECT_EQ(zero->stats().order_changes, 2) << "at steps 2 and 4";
+      if (zero) {
+        EXPECT_EQ(zero->stats().order_changes, 2) << "at steps 2 and 4";
+      }
       return losses;
     };
     const auto sharded = run(3);

@@ -129,6 +129,24 @@ TEST(DeepSpeedConfig, EveryBlockMapsOntoCohortsOptions) {
   EXPECT_EQ(bf16.optimizer, "adamw");
 }
 
+TEST(DeepSpeedConfig, StageThreeKeysSetItsLimits) {
+  const auto c = DeepSpeedConfig::from_json(
+      Json::parse(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+                      "stage3_prefetch_bucket_size": 1000, "stage3_max_live_parameters": 5000,
+                      "stage3_param_persistence_threshold": 10, "stage3_max_reuse_distance": 0}})"),
+      1);
+  EXPECT_EQ(c.zero.stage, 3);
+  EXPECT_EQ(c.zero.prefetch_bucket_size, 1000);
+  EXPECT_EQ(c.zero.max_live_parameters, 5000);
+  EXPECT_EQ(c.zero.param_persistence_threshold, 10);
+  // Absent: DeepSpeed's defaults.
+  const auto defaults = DeepSpeedConfig::from_json(
+      Json::parse(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})"), 1);
+  EXPECT_EQ(defaults.zero.prefetch_bucket_size, 50'000'000);
+  EXPECT_EQ(defaults.zero.max_live_parameters, 1'000'000'000);
+  EXPECT_EQ(defaults.zero.param_persistence_threshold, 100'000);
+}
+
 TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
   const auto c = DeepSpeedConfig::from_json(
       Json::parse(R"({"train_batch_size": 8, "flops_profiler": {"enabled": true},
@@ -142,8 +160,9 @@ TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
        "ds.json: zero_optimization.stage must be an integer, got \"two\""},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 4}})",
        "zero_optimization.stage 4 is not one of 0, 1, 2, 3"},
-      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3}})",
-       "ZeRO stage 3 (sharded parameters) is not built yet"},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+           "stage3_param_persistence_threshold": -1}})",
+       "zero_optimization.stage3_param_persistence_threshold must be >= 0, got -1"},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "allgather_bucket_size": -1}})",
        "zero_optimization.allgather_bucket_size must be > 0, got -1"},
       {R"({"train_batch_size": 8, "optimizer": {"type": "Lamb"}})",

@@ -4,6 +4,7 @@
 
 #include <filesystem>
 #include <mutex>
+#include <tuple>
 
 #include "cohort/error.h"
 #include "cohort/parallel/zero_optimizer.h"
@@ -18,12 +19,12 @@ namespace {
 using parallel::ZeroOptimizer;
 using parallel::ZeroOptions;
 
-// Sizes that split unevenly over 2, 3, 4 and 5 ranks.
+// Sizes that split unevenly over 2, 3, 4 and 5 ranks; two units of ZeRO stage 3.
 torch::nn::Sequential make_checkpoint_net() {
   std::lock_guard lock(cohort::testing::generator_mutex());
   torch::manual_seed(21);
-  return torch::nn::Sequential(torch::nn::Linear(7, 23), torch::nn::ReLU(),
-                               torch::nn::Linear(23, 3));
+  return torch::nn::Sequential(parallel::FullyShard(torch::nn::Linear(7, 23)), torch::nn::ReLU(),
+                               parallel::FullyShard(torch::nn::Linear(23, 3)));
 }
 
 // The global batch of step s: 60 examples, split evenly over 1 to 5 ranks.
@@ -47,8 +48,17 @@ void train_step(torch::nn::Sequential& net, ZeroOptimizer& zero, int step) {
 std::unique_ptr<ZeroOptimizer> make_zero(torch::nn::Sequential& net, comm::ProcessGroup& g,
                                          int stage) {
   torch::optim::AdamW plain(net->parameters(), torch::optim::AdamWOptions(0.01));
-  return std::make_unique<ZeroOptimizer>(net.ptr(), plain, g,
-                                         ZeroOptions{.stage = stage, .reduce_bucket_size = 40});
+  return std::make_unique<ZeroOptimizer>(
+      net.ptr(), plain, g,
+      ZeroOptions{.stage = stage, .reduce_bucket_size = 40, .param_persistence_threshold = 0});
+}
+
+// Rank 0's parameters (every rank takes part: stage 3 gathers them).
+void copy_parameters(torch::nn::Sequential& net, const ZeroOptimizer& zero,
+                     std::vector<torch::Tensor>& out) {
+  ZeroOptimizer::GatheredParameters whole(zero);
+  if (zero.process_group().rank() == 0)
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
 }
 
 using cohort::testing::run_ranks;
@@ -57,45 +67,44 @@ using cohort::testing::run_ranks;
 // the checkpoint (at another stage too).
 std::vector<torch::Tensor> resume_at(const std::filesystem::path& dir, int world, int stage) {
   std::vector<torch::Tensor> result;
-  std::mutex mutex;
   run_ranks(world, [&](comm::ProcessGroup& g) {
     auto net = make_checkpoint_net();
     auto zero = make_zero(net, g, stage);
     load_checkpoint(Checkpoint::from_directory(dir), *net, *zero);
     train_step(net, *zero, 2);
-    std::lock_guard lock(mutex);
-    if (g.rank() == 0)
-      for (const auto& p : net->parameters()) result.push_back(p.detach().clone());
+    copy_parameters(net, *zero, result);  // rank 0 writes it
   });
   return result;
 }
 
 TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
   const auto root = cohort::testing::temp_dir("zero_checkpoint");
-  for (const auto& [n, m] : std::vector<std::pair<int, int>>{{2, 4}, {4, 2}, {3, 5}}) {
-    const auto dir = root / ("from" + std::to_string(n));
+  for (const auto& [n, m, written_at] : std::vector<std::tuple<int, int, int>>{
+           {2, 4, 2}, {4, 2, 2}, {3, 5, 2}, {2, 4, 3}, {3, 5, 3}}) {
+    const auto dir = root / ("from" + std::to_string(n) + "_stage" + std::to_string(written_at));
     std::vector<torch::Tensor> straight;
     run_ranks(n, [&](comm::ProcessGroup& g) {
       auto net = make_checkpoint_net();
-      auto zero = make_zero(net, g, 2);
+      auto zero = make_zero(net, g, written_at);
       train_step(net, *zero, 0);
       train_step(net, *zero, 1);
       save_checkpoint(dir, *net, *zero);
       g.barrier();
       train_step(net, *zero, 2);
-      if (g.rank() == 0)
-        for (const auto& p : net->parameters()) straight.push_back(p.detach().clone());
+      copy_parameters(net, *zero, straight);
     });
     EXPECT_TRUE(std::filesystem::exists(dir / "zero_manifest.json"));
     EXPECT_TRUE(std::filesystem::exists(
         dir / ("zero-rank" + std::to_string(n - 1) + "-of-" + std::to_string(n) + ".safetensors")));
-    // At M ranks (stage 1), and on one rank (the whole state in one shard): the same step.
-    for (const auto& [world, stage] : std::vector<std::pair<int, int>>{{m, 1}, {1, 2}}) {
+    // At M ranks (stages 1 and 3), and on one rank (the whole state in one shard): the same
+    // step.
+    for (const auto& [world, stage] : std::vector<std::pair<int, int>>{{m, 1}, {m, 3}, {1, 2}}) {
       const auto resumed = resume_at(dir, world, stage);
       ASSERT_EQ(resumed.size(), straight.size());
       for (size_t i = 0; i < straight.size(); ++i) {
         EXPECT_TRUE(torch::allclose(resumed[i], straight[i], 1e-5, 1e-6))
-            << n << " -> " << world << " ranks: parameter " << i << " differs by "
+            << n << " ranks at stage " << written_at << " -> " << world << " at stage " << stage
+            << ": parameter " << i << " differs by "
             << (resumed[i] - straight[i]).abs().max().item<double>();
       }
     }

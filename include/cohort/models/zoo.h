@@ -10,10 +10,15 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/parallel/fully_shard.h"
 
 namespace cohort::models {
 
 // The classifiers of the seed examples. Every model maps [N, C, H, W] images to [N, classes].
+// Their layers are parallel::FullyShard units, ZeRO stage 3's (mlp: each linear layer; cnn:
+// each convolution and linear layer; resnet18: the stem, each residual block and the head; vit:
+// each encoder block, the embedding and head staying whole); without stage 3 they are the plain
+// layers, under the same parameter names.
 class ImageClassifierImpl : public torch::nn::Module {
  public:
   virtual torch::Tensor forward(torch::Tensor x) = 0;
@@ -53,7 +58,7 @@ class MlpImpl : public ImageClassifierImpl {
   torch::nn::Sequential pipeline_layers() override;
 
  private:
-  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr}, fc3_{nullptr};
+  parallel::FullyShard fc1_{nullptr}, fc2_{nullptr}, fc3_{nullptr};
 };
 
 // Seed 000: conv 32, conv 64 (3x3, each followed by 2x2 max-pool), fc 128, fc 10.
@@ -64,8 +69,7 @@ class CnnImpl : public ImageClassifierImpl {
   torch::nn::Sequential pipeline_layers() override;
 
  private:
-  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
-  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+  parallel::FullyShard conv1_{nullptr}, conv2_{nullptr}, fc1_{nullptr}, fc2_{nullptr};
   int64_t flat_features_ = 0;
 };
 
@@ -77,8 +81,8 @@ class ResNet18Impl : public ImageClassifierImpl {
   torch::nn::Sequential pipeline_layers() override;
 
  private:
-  torch::nn::Sequential stem_{nullptr}, layers_{nullptr};
-  torch::nn::Linear fc_{nullptr};
+  parallel::FullyShard stem_{nullptr}, fc_{nullptr};
+  torch::nn::Sequential layers_{nullptr};  // of FullyShard blocks
 };
 
 // Seed 003: a Vision Transformer (patch embedding, class token, learned positions, pre-norm
@@ -98,7 +102,7 @@ class VisionTransformerImpl : public ImageClassifierImpl {
  private:
   torch::nn::Conv2d patch_embed_{nullptr};
   torch::Tensor cls_token_, positions_;
-  torch::nn::Sequential blocks_{nullptr};
+  torch::nn::Sequential blocks_{nullptr};  // of FullyShard encoder blocks
   torch::nn::LayerNorm norm_{nullptr};
   torch::nn::Linear head_{nullptr};
 };

@@ -4,7 +4,6 @@
 #include <memory>
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/container/any.h>
 #include <torch/nn/pimpl.h>
 
 namespace cohort::parallel {
@@ -35,11 +34,13 @@ class ShardedUnitHooks {
 // nest; parameters outside every unit stay whole on every rank. train(bool) reaches the module.
 class FullyShardImpl : public torch::nn::Module {
  public:
-  // `module` takes one tensor and returns one (its forward(torch::Tensor)).
+  using Forward = std::function<torch::Tensor(torch::Tensor)>;
+  // `module` takes one tensor and returns one (module->forward(x), a Sequential's included).
   template <typename ModuleType>
   explicit FullyShardImpl(torch::nn::ModuleHolder<ModuleType> module)
-      : FullyShardImpl(torch::nn::AnyModule(module), module.ptr()) {}
-  FullyShardImpl(torch::nn::AnyModule forward, std::shared_ptr<torch::nn::Module> module);
+      : FullyShardImpl([module](torch::Tensor x) mutable { return module->forward(std::move(x)); },
+                       module.ptr()) {}
+  FullyShardImpl(Forward forward, std::shared_ptr<torch::nn::Module> module);
 
   torch::Tensor forward(torch::Tensor x);
   void train(bool on = true) override;
@@ -55,7 +56,7 @@ class FullyShardImpl : public torch::nn::Module {
   void set_sharding(std::weak_ptr<ShardedUnitHooks> hooks, size_t unit);
 
  private:
-  torch::nn::AnyModule forward_;
+  Forward forward_;
   std::shared_ptr<torch::nn::Module> module_;
   std::weak_ptr<ShardedUnitHooks> hooks_;
   size_t unit_ = 0;

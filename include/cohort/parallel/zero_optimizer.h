@@ -117,6 +117,8 @@ struct ZeroStats {
 // holding exactly them: its algorithm and options are taken over, its state is not.
 class ZeroOptimizer : public optim::FlatOptimizer {
  public:
+  struct Engine;  // defined in src/parallel/zero_optimizer.cpp
+
   ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, const torch::optim::Optimizer& optimizer,
                 comm::ProcessGroup group, ZeroOptions options);
   ~ZeroOptimizer() override;
@@ -149,13 +151,13 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   // (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
   class GatheredParameters {
    public:
-    explicit GatheredParameters(ZeroOptimizer& zero, bool write_back = false);
+    explicit GatheredParameters(const ZeroOptimizer& zero, bool write_back = false);
     ~GatheredParameters();
     GatheredParameters(const GatheredParameters&) = delete;
     GatheredParameters& operator=(const GatheredParameters&) = delete;
 
    private:
-    ZeroOptimizer& zero_;
+    std::shared_ptr<Engine> engine_;
     bool write_back_;
   };
 
@@ -181,8 +183,6 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   // Optimizer steps taken (the same for every piece), e.g. Adam's bias correction.
   int64_t steps() const { return steps_taken(0); }
   void set_steps(int64_t steps);
-
-  struct Engine;  // defined in src/parallel/zero_optimizer.cpp
 
  private:
   explicit ZeroOptimizer(std::shared_ptr<Engine> engine);

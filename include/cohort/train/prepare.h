@@ -20,7 +20,8 @@ struct PrepareModelOptions {
   bool move_to_device = true;
   // Stage 0: DDP, with these options.
   parallel::DdpOptions ddp;
-  // Stage 1 or 2: ZeRO, its engine made by prepare_optimizer().
+  // Stage 1, 2 or 3: ZeRO, its engine made by prepare_optimizer(). Stage 3 shards the
+  // parameters of the model's parallel::FullyShard units.
   parallel::ZeroOptions zero;
   // How the replicas agree: synchronous DDP (or ZeRO), or parallel::LocalSgd / parallel::DiLoCo,
   // whose engine is the LocalSgdOptimizer that prepare_optimizer() makes, or
@@ -31,7 +32,7 @@ struct PrepareModelOptions {
 
 // Moves the model to this worker's device and makes it data-parallel: rank 0's weights on every
 // rank, gradients averaged after every backward (Ray Train's prepare_model). Returns the same
-// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1 or 2), local SGD,
+// model; the training loop stays unchanged. With ZeRO (options.zero.stage 1, 2 or 3), local SGD,
 // DiLoCo or the parameter server (options.sync), pass the optimizer through prepare_optimizer()
 // too: a backward before that is a UsageError saying so. The parameter server's count of
 // servers, when its mode leaves it at 0, is ScalingConfig::num_parameter_servers; that count set
@@ -97,6 +98,27 @@ NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module);
 template <typename M>
 NoSyncGuard no_sync(const torch::nn::ModuleHolder<M>& module) {
   return no_sync(module.ptr());
+}
+
+// ZeRO stage 3: the model's parameters whole on every rank while the guard lives (a collective:
+// every rank makes one), to read or write them outside a training step: evaluation without a
+// gather per unit, checksums, copies. With write_back, what every rank wrote into them becomes
+// its shards. Other engines: nothing to do.
+class GatheredParameters {
+ public:
+  GatheredParameters() = default;
+  explicit GatheredParameters(std::unique_ptr<parallel::ZeroOptimizer::GatheredParameters> zero)
+      : zero_(std::move(zero)) {}
+
+ private:
+  std::unique_ptr<parallel::ZeroOptimizer::GatheredParameters> zero_;
+};
+GatheredParameters gathered_parameters(const std::shared_ptr<torch::nn::Module>& module,
+                                       bool write_back = false);
+template <typename M>
+GatheredParameters gathered_parameters(const torch::nn::ModuleHolder<M>& module,
+                                       bool write_back = false) {
+  return gathered_parameters(module.ptr(), write_back);
 }
 
 // Mixed precision per ScalingConfig::precision, in an unchanged loop (Ray Train's
