@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "checkpoint_command.h"
 #include "cohort/error.h"
 #include "completion_command.h"
 #include "config_file.h"
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
       "  cohort train --model vit --workers 8 --pp 2 --tp 2      a data x pipeline x tensor mesh\n"
       "  cohort tune --param lr=loguniform:1e-4:1e-1 --samples 8 --scheduler asha\n"
       "  cohort dashboard ./cohort_results                       the runs' live dashboard\n"
+      "  cohort checkpoint consolidate RUN/checkpoint_000004 -o model.safetensors\n"
       "  cohort launch --nnodes 2 --node-rank 0 --master host0:29500 --nproc-per-node 2 -- \\\n"
       "      cohort train --workers 4                             one node of a two-node job\n"
       "\n"
@@ -59,6 +61,8 @@ int main(int argc, char** argv) {
   auto* launch_cmd = cohort::cli::add_launch_command(app, launch);
   cohort::cli::DashboardCommandOptions dashboard;
   auto* dashboard_cmd = cohort::cli::add_dashboard_command(app, dashboard);
+  cohort::cli::CheckpointCommandOptions checkpoint;
+  auto* checkpoint_cmd = cohort::cli::add_checkpoint_command(app, checkpoint);
   std::string shell;
   auto* completion_cmd = cohort::cli::add_completion_command(app, shell);
   try {
@@ -79,6 +83,7 @@ int main(int argc, char** argv) {
     if (tune_cmd->parsed()) return cohort::cli::run_tune_command(tune, *tune_cmd);
     if (launch_cmd->parsed()) return cohort::cli::run_launch_command(launch);
     if (dashboard_cmd->parsed()) return cohort::cli::run_dashboard_command(dashboard);
+    if (checkpoint_cmd->parsed()) return cohort::cli::run_checkpoint_command(checkpoint);
     if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';

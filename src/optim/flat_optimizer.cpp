@@ -30,20 +30,6 @@ at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef si
   return t;
 }
 
-// The optimizer state buffers a param group keeps per element, by name (the checkpoint's keys).
-std::vector<std::string> state_names(const std::string& algorithm,
-                                     const torch::optim::OptimizerOptions& o) {
-  if (algorithm == "sgd") {
-    if (static_cast<const torch::optim::SGDOptions&>(o).momentum() == 0) return {};
-    return {"momentum_buffer"};
-  }
-  const bool amsgrad = algorithm == "adam"
-                           ? static_cast<const torch::optim::AdamOptions&>(o).amsgrad()
-                           : static_cast<const torch::optim::AdamWOptions&>(o).amsgrad();
-  if (amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-  return {"exp_avg", "exp_avg_sq"};
-}
-
 // torch::optim::SGD's update, on whole buffers or one parameter's slices alike.
 void sgd_update(const torch::optim::SGDOptions& o, at::Tensor& p, const at::Tensor& g,
                 at::Tensor momentum_buffer, bool first_step) {
@@ -280,7 +266,7 @@ struct FlatOptimizer::Impl {
       part.offsets.push_back(part.numel);
       part.numel += params[i].numel();
     }
-    const auto names = state_names(algorithm, o);
+    const auto names = state_names_of(algorithm, o);
     for (auto& part : parts) {
       const auto& first = params[part.members.front()];
       // A partition of one contiguous parameter steps it where it is (ZeRO's shards are such
@@ -508,7 +494,7 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
 
 std::vector<std::string> FlatOptimizer::state_buffer_names() const {
   return param_groups_.empty() ? std::vector<std::string>{}
-                               : state_names(algorithm_, param_groups_[0].options());
+                               : state_names_of(algorithm_, param_groups_[0].options());
 }
 
 std::vector<torch::Tensor> FlatOptimizer::state_buffers(size_t group) const {
@@ -564,7 +550,7 @@ void FlatOptimizer::save(torch::serialize::OutputArchive& archive) const {
   flat.write("algorithm", c10::IValue(algorithm_));
   for (size_t g = 0; g < impl_->groups.size(); ++g) {
     const auto& parts = impl_->groups[g];
-    const auto names = state_names(algorithm_, param_groups_[g].options());
+    const auto names = state_names_of(algorithm_, param_groups_[g].options());
     // Per parameter, in the group's order: steps and numel; state as one buffer per name in the
     // parameters' order (independent of the dtype/device partitioning).
     const auto& params = param_groups_[g].params();
@@ -652,7 +638,7 @@ void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
                          std::to_string(g) + " has " + std::to_string(numels[i].item<int64_t>()) +
                          " elements, the model's " + std::to_string(params[i].numel()));
     }
-    const auto names = state_names(algorithm_, param_groups_[g].options());
+    const auto names = state_names_of(algorithm_, param_groups_[g].options());
     std::vector<at::Tensor> values(names.size());
     for (size_t s = 0; s < names.size(); ++s) {
       if (!flat.try_read(prefix + names[s], values[s]))
@@ -680,6 +666,48 @@ void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
       part.stepped = true;
     }
   }
+}
+
+FlatOptimizer::ParameterState FlatOptimizer::parameter_state(size_t group, size_t index) {
+  auto& params = param_groups_.at(group).params();
+  impl_->relayout_if_moved(group, params, param_groups_[group].options());
+  for (const auto& part : impl_->groups[group]) {
+    for (size_t k = 0; k < part.members.size(); ++k) {
+      if (part.members[k] != index) continue;
+      ParameterState state{.steps = part.steps[k], .values = {}};
+      for (const auto& buffer : part.state)
+        state.values.push_back(buffer.narrow(0, part.offsets[k], params[index].numel()).clone());
+      return state;
+    }
+  }
+  throw UsageError("FlatOptimizer::parameter_state: param group " + std::to_string(group) +
+                   " has no parameter " + std::to_string(index));
+}
+
+void FlatOptimizer::set_parameter_state(size_t group, size_t index, const ParameterState& state) {
+  torch::NoGradGuard no_grad;
+  auto& params = param_groups_.at(group).params();
+  impl_->relayout_if_moved(group, params, param_groups_[group].options());
+  for (auto& part : impl_->groups[group]) {
+    for (size_t k = 0; k < part.members.size(); ++k) {
+      if (part.members[k] != index) continue;
+      if (state.values.size() != part.state.size()) {
+        throw UsageError("FlatOptimizer::set_parameter_state: " +
+                         std::to_string(state.values.size()) + " state buffers given, the " +
+                         algorithm_ + " optimizer keeps " + std::to_string(part.state.size()));
+      }
+      part.steps[k] = state.steps;
+      for (size_t s = 0; s < part.state.size(); ++s) {
+        part.state[s]
+            .narrow(0, part.offsets[k], params[index].numel())
+            .copy_(state.values[s].reshape({-1}));
+      }
+      part.stepped = true;
+      return;
+    }
+  }
+  throw UsageError("FlatOptimizer::set_parameter_state: param group " + std::to_string(group) +
+                   " has no parameter " + std::to_string(index));
 }
 
 FlatSGD::FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options)
@@ -714,6 +742,19 @@ FlatAdamW::FlatAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
     : FlatOptimizer(std::move(groups),
                     (validate(options), std::make_unique<torch::optim::AdamWOptions>(options)),
                     "adamw") {}
+
+std::vector<std::string> state_names_of(const std::string& algorithm,
+                                        const torch::optim::OptimizerOptions& o) {
+  if (algorithm == "sgd") {
+    if (static_cast<const torch::optim::SGDOptions&>(o).momentum() == 0) return {};
+    return {"momentum_buffer"};
+  }
+  const bool amsgrad = algorithm == "adam"
+                           ? static_cast<const torch::optim::AdamOptions&>(o).amsgrad()
+                           : static_cast<const torch::optim::AdamWOptions&>(o).amsgrad();
+  if (amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+  return {"exp_avg", "exp_avg_sq"};
+}
 
 std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
                          const std::string& why) {

@@ -3,6 +3,7 @@
 #include <torch/serialize.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <fstream>
 #include <optional>
 
@@ -14,6 +15,7 @@
 #include "cohort/trace.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
+#include "train/zero_checkpoint.h"
 
 namespace cohort {
 namespace safetensors {
@@ -36,24 +38,26 @@ at::ScalarType dtype_of(const std::string& name, const std::filesystem::path& fi
 
 }  // namespace
 
-void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
-           const std::map<std::string, std::string>& metadata) {
+void write_streaming(
+    const std::filesystem::path& file,
+    const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<at::Tensor(const std::string&)>& tensor_of) {
   Json header = Json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> data;
   int64_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    auto it = dtype_names().find(tensor.scalar_type());
+  for (const auto& [name, info] : layout) {
+    const auto& [dtype, shape] = info;
+    auto it = dtype_names().find(dtype);
     if (it == dtype_names().end()) {
       throw UsageError("save_model: tensor '" + name + "' has a dtype safetensors cannot hold");
     }
-    auto cpu = tensor.detach().to(at::kCPU).contiguous();
-    const int64_t bytes = cpu.numel() * cpu.element_size();
-    header[name] = {{"dtype", it->second},
-                    {"shape", cpu.sizes().vec()},
-                    {"data_offsets", {offset, offset + bytes}}};
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+    header[name] = {
+        {"dtype", it->second}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    data.push_back(cpu);
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // aligns the data, as the reference writer does
@@ -61,11 +65,27 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
     const uint64_t n = text.size();
     for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& t : data) {
+    for (const auto& [name, info] : layout) {
+      const auto t = tensor_of(name).detach().to(at::kCPU).contiguous();
+      if (t.scalar_type() != info.first || t.sizes().vec() != info.second) {
+        throw UsageError("safetensors::write_streaming: tensor '" + name + "' came as " +
+                         c10::str(t.sizes()) + " " + c10::toString(t.scalar_type()) +
+                         ", its header says " + c10::str(at::IntArrayRef(info.second)) + " " +
+                         c10::toString(info.first));
+      }
       out.write(static_cast<const char*>(t.data_ptr()),
                 static_cast<std::streamsize>(t.numel() * t.element_size()));
     }
   });
+}
+
+void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
+           const std::map<std::string, std::string>& metadata) {
+  std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
+  for (const auto& [name, tensor] : tensors)
+    layout[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+  write_streaming(file, layout, metadata,
+                  [&](const std::string& name) { return tensors.at(name); });
 }
 
 Header read_header(const std::filesystem::path& file) {
@@ -295,128 +315,8 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 
 namespace {
 
-// A ZeRO optimizer's state, sharded: every rank writes its pieces of each parameter's state as
-// "<parameter>/<state>/<first element>" into zero-rank<r>-of-<N>.safetensors, and rank 0 the
-// manifest, which lists the files, the parameters' shapes and what every piece needs to resume.
-// A load at any world size reads, for each piece of its own shard, only the overlapping
-// ranges.
-constexpr const char* kZeroManifest = "zero_manifest.json";
-constexpr const char* kZeroFormat = "cohort.zero.v1";
-
-// "<stem>-rank<r>-of-<N><extension>": a file one rank of N writes into a checkpoint.
-std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
-  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
-         extension;
-}
-
-std::string zero_shard_file(int rank, int world_size) {
-  return rank_file("zero", rank, world_size, ".safetensors");
-}
-
-void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
-  torch::NoGradGuard no_grad;
-  const auto& group = zero.process_group();
-  const auto names = zero.state_names();
-  const auto pieces = zero.shard_pieces();
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& piece : pieces) {
-    const auto state = zero.shard_state(piece.group);
-    for (size_t s = 0; s < names.size(); ++s) {
-      tensors[piece.parameter + "/" + names[s] + "/" + std::to_string(piece.begin)] =
-          state[s].narrow(0, piece.offset, piece.length);
-    }
-  }
-  safetensors::write(dir / zero_shard_file(group.rank(), group.world_size()), tensors,
-                     {{"format", kZeroFormat}});
-  if (group.rank() != 0) return;
-  Json files = Json::array();
-  for (int r = 0; r < group.world_size(); ++r)
-    files.push_back(zero_shard_file(r, group.world_size()));
-  const auto& options = zero.param_groups().front().options();
-  write_atomically(dir / kZeroManifest, Json{{"format", kZeroFormat},
-                                             {"world_size", group.world_size()},
-                                             {"stage", zero.stage()},
-                                             {"algorithm", zero.algorithm()},
-                                             {"steps", zero.steps()},
-                                             {"lr", options.get_lr()},
-                                             {"state_names", names},
-                                             {"files", files}}
-                                                .dump(2) +
-                                            "\n");
-}
-
-void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
-  torch::NoGradGuard no_grad;
-  const auto manifest_file = dir / kZeroManifest;
-  const auto manifest = read_json(manifest_file);
-  if (manifest.value("format", "") != kZeroFormat) {
-    throw UsageError("checkpoint " + dir.string() + ": " + manifest_file.filename().string() +
-                     " is not a ZeRO manifest of format " + kZeroFormat);
-  }
-  const auto names = zero.state_names();
-  if (manifest.value("algorithm", "") != zero.algorithm() ||
-      manifest.value("state_names", Json::array()) != Json(names)) {
-    throw UsageError("checkpoint " + dir.string() + " holds " +
-                     manifest.value("algorithm", std::string("?")) + " state; this optimizer is " +
-                     zero.algorithm() + ": resume with the optimizer that wrote it");
-  }
-  // Every file's header, and its entries by parameter and state.
-  struct Entry {
-    std::filesystem::path file;
-    const safetensors::Header* header;
-    std::string name;
-    int64_t begin, length;
-  };
-  std::vector<std::pair<std::filesystem::path, safetensors::Header>> headers;
-  for (const auto& f : manifest.at("files")) {
-    const auto file = dir / f.get<std::string>();
-    if (!std::filesystem::exists(file)) {
-      throw UsageError("checkpoint " + dir.string() + ": the shard file " +
-                       file.filename().string() + " named by " + kZeroManifest + " is missing");
-    }
-    headers.emplace_back(file, safetensors::read_header(file));
-  }
-  std::map<std::string, std::vector<Entry>> entries;  // "<parameter>/<state>"
-  for (const auto& [file, header] : headers) {
-    for (const auto& [name, info] : header.tensors) {
-      const auto slash = name.rfind('/');
-      if (slash == std::string::npos || info.shape.size() != 1) continue;
-      entries[name.substr(0, slash)].push_back(
-          {file, &header, name, std::stoll(name.substr(slash + 1)), info.shape[0]});
-    }
-  }
-  for (const auto& piece : zero.shard_pieces()) {
-    auto state = zero.shard_state(piece.group);
-    for (size_t s = 0; s < names.size(); ++s) {
-      const auto key = piece.parameter + "/" + names[s];
-      int64_t covered = 0;
-      for (const auto& e : entries[key]) {
-        const int64_t start = std::max(piece.begin, e.begin);
-        const int64_t end = std::min(piece.begin + piece.length, e.begin + e.length);
-        if (start >= end) continue;
-        auto target = state[s].narrow(0, piece.offset + start - piece.begin, end - start);
-        auto buffer =
-            target.is_contiguous() && target.is_cpu() && target.scalar_type() == at::kFloat
-                ? target
-                : at::empty({end - start}, at::kFloat);
-        safetensors::read_elements(e.file, *e.header, e.name, start - e.begin, buffer);
-        if (!buffer.is_same(target)) target.copy_(buffer);
-        covered += end - start;
-      }
-      if (covered != piece.length) {
-        throw UsageError("checkpoint " + dir.string() + ": its ZeRO shards cover " +
-                         std::to_string(covered) + " of the " + std::to_string(piece.length) +
-                         " elements [" + std::to_string(piece.begin) + ", " +
-                         std::to_string(piece.begin + piece.length) + ") of " + names[s] +
-                         " of parameter '" + piece.parameter +
-                         "': a shard file is missing or altered, or the model differs");
-      }
-    }
-  }
-  zero.set_steps(manifest.at("steps").get<int64_t>());
-  const double lr = manifest.at("lr").get<double>();
-  for (auto& group : zero.param_groups()) group.options().set_lr(lr);
-}
+using detail::kZeroManifest;
+using detail::rank_file;
 
 // Local SGD and DiLoCo: rank 0 writes the global parameters as model.safetensors, the outer
 // momentum and local_sgd.json; every rank its own parameters and inner optimizer state, which
@@ -612,7 +512,7 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
       parallel::ZeroOptimizer::GatheredParameters whole(*zero);
       if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
     }
-    save_zero_shards(*zero, dir);
+    detail::save_zero_shards(*zero, dir);
   } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
   } else if (const auto* ps = dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer)) {
@@ -638,20 +538,25 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
       whole.emplace(*zero, /*write_back=*/true);
     load_model(module, checkpoint.path() / "model.safetensors");
   }
+  const bool zero_shards = std::filesystem::exists(checkpoint.path() / kZeroManifest);
   if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
-    if (!std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
-      throw UsageError("checkpoint " + checkpoint.path().string() +
-                       " was written without ZeRO (no " + kZeroManifest +
-                       "): loading DDP optimizer state into ZeRO is not built yet; resume "
-                       "with --zero-stage 0");
+    if (zero_shards) {
+      detail::load_zero_shards(*zero, checkpoint.path());
+    } else {
+      // A DDP run's checkpoint: its whole optimizer state, sharded here.
+      detail::load_optimizer_file_into_zero(*zero, module, checkpoint.path() / "optimizer.pt");
     }
-    load_zero_shards(*zero, checkpoint.path());
-  } else {
-    if (std::filesystem::exists(checkpoint.path() / kZeroManifest)) {
+  } else if (zero_shards) {
+    if (dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
+        dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer) != nullptr) {
       throw UsageError("checkpoint " + checkpoint.path().string() +
                        " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
-                       "workers); loading them into a DDP or local SGD optimizer is not built yet");
+                       "workers) or DDP; local SGD, DiLoCo and the parameter server keep their "
+                       "state otherwise");
     }
+    // Into DDP's whole optimizer: every parameter's state read from the shards.
+    detail::load_zero_shards_into(optimizer, module, checkpoint.path());
+  } else {
     if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
       load_local_sgd(*local, checkpoint.path());
     } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
@@ -678,6 +583,62 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   const int previous = checkpoint.world_size();
   const int now = session->context.world_size;
   if (previous > 0 && previous != now) session->on_world_size_change(optimizer, previous, now);
+}
+
+int64_t consolidate_checkpoint(const Checkpoint& checkpoint, const std::filesystem::path& output) {
+  const auto& dir = checkpoint.path();
+  if (!std::filesystem::is_directory(dir))
+    throw UsageError("checkpoint " + dir.string() + " is not a folder");
+  if (std::filesystem::exists(dir / kManifestFile)) checkpoint.verify();
+  // The whole model (model.safetensors), else a pipeline's stages (stage-<s>.safetensors, the
+  // whole model's names); the optimizer's shards and per-rank files are not the model.
+  std::vector<std::filesystem::path> files;
+  if (std::filesystem::exists(dir / "model.safetensors")) {
+    files.push_back(dir / "model.safetensors");
+  } else {
+    for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+      const auto name = entry.path().filename().string();
+      if (name.rfind("stage-", 0) == 0 && entry.path().extension() == ".safetensors")
+        files.push_back(entry.path());
+    }
+    std::sort(files.begin(), files.end());
+  }
+  if (files.empty()) {
+    throw UsageError("checkpoint " + dir.string() +
+                     " holds no model file (model.safetensors or a pipeline's "
+                     "stage-<s>.safetensors): is it a cohort checkpoint folder?");
+  }
+  struct Source {
+    std::filesystem::path file;
+    const safetensors::Header* header;
+  };
+  std::vector<safetensors::Header> headers;
+  headers.reserve(files.size());
+  for (const auto& file : files) headers.push_back(safetensors::read_header(file));
+  std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
+  std::map<std::string, Source> sources;
+  for (size_t f = 0; f < files.size(); ++f) {
+    for (const auto& [name, info] : headers[f].tensors) {
+      const auto [it, added] = layout.emplace(name, std::make_pair(info.dtype, info.shape));
+      if (added) {
+        sources[name] = {files[f], &headers[f]};
+      } else if (it->second.first != info.dtype || it->second.second != info.shape) {
+        throw UsageError("checkpoint " + dir.string() + ": tensor '" + name + "' is " +
+                         c10::str(at::IntArrayRef(info.shape)) + " in " +
+                         files[f].filename().string() + " but " +
+                         c10::str(at::IntArrayRef(it->second.second)) + " in " +
+                         sources[name].file.filename().string() + ": the files disagree");
+      }
+    }
+  }
+  std::filesystem::create_directories(std::filesystem::absolute(output).parent_path());
+  safetensors::write_streaming(output, layout, {{"format", "pt"}}, [&](const std::string& name) {
+    const auto& [dtype, shape] = layout.at(name);
+    auto tensor = at::empty(shape, at::TensorOptions(dtype));
+    safetensors::read_elements(sources.at(name).file, *sources.at(name).header, name, 0, tensor);
+    return tensor;
+  });
+  return static_cast<int64_t>(layout.size());
 }
 
 void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size,

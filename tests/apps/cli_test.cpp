@@ -12,6 +12,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/data/idx.h"
 #include "cohort/json.h"
+#include "cohort/models/zoo.h"
 #include "cohort/train/checkpoint.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
@@ -452,6 +453,67 @@ TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
   ASSERT_EQ(other.exit_code, 0) << other.output;
   EXPECT_NE(other.output.find("resuming from"), std::string::npos) << other.output;
   EXPECT_EQ(result_of("z_resumed")["epochs"], 3);
+}
+
+// `cohort checkpoint consolidate`: a pipeline's stage files and a ZeRO stage-3 run's checkpoint
+// become one safetensors file holding every tensor of the whole model; an altered checkpoint and
+// a folder without a model are refused by name.
+TEST_F(Cli, CheckpointConsolidateWritesTheWholeModelAsOneFile) {
+  auto with = [&](const std::vector<std::string>& extra) { return small_run("sgd", extra); };
+  ASSERT_EQ(train(with({"--model", "mlp", "--epochs", "1", "--pp", "2", "--name", "pp"})).exit_code,
+            0);
+  ASSERT_EQ(train(with({"--model", "mlp", "--epochs", "1", "--zero-stage", "3", "--name", "z3"}))
+                .exit_code,
+            0);
+  auto last_checkpoint = [&](const std::string& run) {
+    std::filesystem::path last;
+    for (const auto& entry : std::filesystem::directory_iterator(dir / "runs" / run))
+      if (entry.is_directory() && entry.path().filename().string().rfind("checkpoint_", 0) == 0 &&
+          entry.path() > last)
+        last = entry.path();
+    return last;
+  };
+  auto consolidate = [&](const std::filesystem::path& checkpoint, const std::string& output) {
+    return run_command({cli_path(), "checkpoint", "consolidate", checkpoint.string(), "-o",
+                        (dir / output).string()},
+                       std::chrono::seconds(60));
+  };
+  const auto model_names = [] {
+    std::set<std::string> names;
+    auto mlp = cohort::models::create_model("mlp");
+    for (const auto& p : mlp->named_parameters()) names.insert(p.key());
+    return names;
+  }();
+  for (const std::string run : {"pp", "z3"}) {
+    const auto checkpoint = last_checkpoint(run);
+    auto r = consolidate(checkpoint, run + ".safetensors");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("wrote 6 tensors"), std::string::npos) << r.output;
+    const auto tensors = cohort::safetensors::read(dir / (run + ".safetensors"));
+    std::set<std::string> names;
+    for (const auto& [name, tensor] : tensors) names.insert(name);
+    EXPECT_EQ(names, model_names) << run;
+    // The same values as the checkpoint's own files.
+    for (const auto& entry : std::filesystem::directory_iterator(checkpoint)) {
+      const auto file = entry.path().filename().string();
+      if (file != "model.safetensors" && file.rfind("stage-", 0) != 0) continue;
+      for (const auto& [name, tensor] : cohort::safetensors::read(entry.path()))
+        EXPECT_TRUE(torch::equal(tensors.at(name), tensor)) << run << " " << name;
+    }
+  }
+  // An altered checkpoint fails its manifest; a folder without a model says so.
+  const auto altered = last_checkpoint("z3") / "model.safetensors";
+  {
+    std::fstream f(altered, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-4, std::ios::end);
+    f.write("XXXX", 4);
+  }
+  auto bad = consolidate(last_checkpoint("z3"), "bad.safetensors");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("model.safetensors"), std::string::npos) << bad.output;
+  auto empty = consolidate(dir / "data", "empty.safetensors");
+  EXPECT_EQ(empty.exit_code, 2) << empty.output;
+  EXPECT_NE(empty.output.find("holds no model file"), std::string::npos) << empty.output;
 }
 
 // A pipeline of two workers trains the MLP as one worker does (the same batches, the gradient

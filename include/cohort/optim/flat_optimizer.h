@@ -55,6 +55,16 @@ class FlatOptimizer : public torch::optim::Optimizer {
   // Bytes held for master weights (low-precision parameters only), gradients and optimizer state.
   int64_t state_bytes() const;
 
+  // The state of parameter `index` of param group `group`: the steps it took and its state
+  // buffers (state_names_of's order), flattened copies; and the reverse. For moving state between
+  // optimizers (e.g. a ZeRO checkpoint into DDP's).
+  struct ParameterState {
+    int64_t steps = 0;
+    std::vector<torch::Tensor> values;
+  };
+  ParameterState parameter_state(size_t group, size_t index);
+  void set_parameter_state(size_t group, size_t index, const ParameterState& state);
+
  protected:
   FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, std::string algorithm);
@@ -107,6 +117,11 @@ void validate(const torch::optim::AdamWOptions& options);
 // optimizer a UsageError starting with `who` and ending with `why` (what supports only those).
 std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
                          const std::string& why);
+// The state an algorithm ("sgd", "adam" or "adamw") keeps per element with `options` of its type,
+// by name: SGD with momentum {momentum_buffer}, without {}; Adam and AdamW {exp_avg, exp_avg_sq},
+// with amsgrad also max_exp_avg_sq. torch::optim's param states hold the same, by these names.
+std::vector<std::string> state_names_of(const std::string& algorithm,
+                                        const torch::optim::OptimizerOptions& options);
 // A flat optimizer of `algorithm` ("sgd", "adam" or "adamw") with `options` of that algorithm's
 // type (e.g. another optimizer's param-group options), over `groups`.
 std::unique_ptr<FlatOptimizer> make_flat_optimizer(

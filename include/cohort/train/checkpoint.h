@@ -1,5 +1,6 @@
 #pragma once
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -72,6 +73,13 @@ bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer);
 
+// Any checkpoint's model (DDP's, ZeRO's at any stage, local SGD's, the parameter server's, or a
+// pipeline's stage files) as one safetensors file at `output`, written one tensor at a time: no
+// more than one tensor is held beyond what is written. The checkpoint is verified against its
+// manifest first. Returns the number of tensors written. UsageError naming the folder when it
+// holds no model file, or two files disagree on a tensor.
+int64_t consolidate_checkpoint(const Checkpoint& checkpoint, const std::filesystem::path& output);
+
 // An on_world_size_change for the linear scaling rule (Goyal et al. 2017): with the per-worker
 // batch fixed, the global batch scales with the world size, and so does every group's lr.
 void linear_lr_scaling(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size);
@@ -84,6 +92,14 @@ namespace safetensors {
 // tensor's dtype, shape and byte range, then the raw little-endian data.
 void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
            const std::map<std::string, std::string>& metadata = {});
+// The same file written one tensor at a time: the header from `layout` (each name's dtype and
+// shape), then each tensor's bytes as tensor_of(name) returns it, so that no more than one is in
+// memory at once.
+void write_streaming(
+    const std::filesystem::path& file,
+    const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<at::Tensor(const std::string&)>& tensor_of);
 std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
 
 // A file's header: each tensor's dtype, shape and byte range (from the start of the data).
