@@ -6,6 +6,7 @@
 #include <torch/serialize.h>
 
 #include <map>
+#include <sstream>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -142,7 +143,9 @@ using StateKey = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().
 template <typename Key = StateKey>
 Key state_key(const at::Tensor& p) {
   if constexpr (std::is_same_v<Key, std::string>) {
-    return c10::guts::to_string(p.unsafeGetTensorImpl());
+    std::ostringstream key;  // as libtorch 1.13 writes it (c10::guts::to_string, gone in 2.x)
+    key << p.unsafeGetTensorImpl();
+    return key.str();
   } else {
     return p.unsafeGetTensorImpl();
   }
