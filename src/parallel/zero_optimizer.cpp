@@ -57,6 +57,7 @@ class StoragePool {
       return d.device() == t.device() && bytes_.at(d.get()) == bytes;
     });
     if (reusable != free_.end()) {
+      bytes_.erase(reusable->get());
       storage->set_data_ptr_noswap(std::move(*reusable));
       free_.erase(reusable);
     } else {
