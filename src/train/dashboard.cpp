@@ -3,6 +3,8 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -232,6 +234,7 @@ struct Dashboard::Impl {
   int port = 0;
   httplib::Server server;
   std::thread thread;
+  std::atomic<bool> serving_ended{false};
 };
 
 Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
@@ -292,11 +295,24 @@ Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
                      ": the port is in use (another dashboard or program) or the address is not "
                      "this host's; give another port (e.g. --dashboard 8266, or 0 for a free one)");
   }
-  impl_->thread = std::thread([this] { impl_->server.listen_after_bind(); });
+  impl_->thread = std::thread([this] {
+    impl_->server.listen_after_bind();
+    impl_->serving_ended = true;
+  });
 }
 
 Dashboard::~Dashboard() {
-  impl_->server.stop();
+  // httplib's stop() does nothing until the serving thread runs, which would then serve forever
+  // and the join never return (a dashboard made and destroyed at once hung a test): stop it once
+  // it runs. Serving starts at once; the deadline is for a thread the system never ran.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!impl_->serving_ended && std::chrono::steady_clock::now() < deadline) {
+    if (impl_->server.is_running()) {
+      impl_->server.stop();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   if (impl_->thread.joinable()) impl_->thread.join();
 }
 

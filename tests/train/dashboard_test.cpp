@@ -60,5 +60,13 @@ TEST(Dashboard, APortInUseIsRefusedNamingItAndTheFix) {
   fs::remove_all(storage);
 }
 
+// A dashboard destroyed right after it was made stops: httplib's stop() did nothing before its
+// thread served, which then served forever (the destructor's join hung the sid lane once).
+TEST(Dashboard, ADashboardDestroyedAtOnceStops) {
+  const auto storage = testing::temp_dir("dashboard_at_once");
+  for (int i = 0; i < 200; ++i) Dashboard dashboard(storage, {.port = 0});
+  fs::remove_all(storage);
+}
+
 }  // namespace
 }  // namespace cohort::train
