@@ -45,20 +45,17 @@ class StoragePool {
     const size_t bytes = storage->nbytes();
     auto data = storage->set_data_ptr(at::DataPtr(nullptr, t.device()));
     storage->set_nbytes(0);
-    if (!keep || data.get() == nullptr) return;
-    bytes_[data.get()] = bytes;
-    free_.push_back(std::move(data));
+    if (keep && data.get() != nullptr) free_.emplace_back(std::move(data), bytes);
   }
   size_t pooled() const { return free_.size(); }
   void refill(const at::Tensor& t) {
     auto* storage = t.storage().unsafeGetStorageImpl();
     const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-    const auto reusable = std::find_if(free_.begin(), free_.end(), [&](const at::DataPtr& d) {
-      return d.device() == t.device() && bytes_.at(d.get()) == bytes;
+    const auto reusable = std::find_if(free_.begin(), free_.end(), [&](const auto& pooled) {
+      return pooled.first.device() == t.device() && pooled.second == bytes;
     });
     if (reusable != free_.end()) {
-      bytes_.erase(reusable->get());
-      storage->set_data_ptr_noswap(std::move(*reusable));
+      storage->set_data_ptr_noswap(std::move(reusable->first));
       free_.erase(reusable);
     } else {
       storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
@@ -67,8 +64,7 @@ class StoragePool {
   }
 
  private:
-  std::vector<at::DataPtr> free_;
-  std::map<const void*, size_t> bytes_;  // of the pooled buffers
+  std::vector<std::pair<at::DataPtr, size_t>> free_;  // and their bytes
 };
 
 }  // namespace
@@ -660,9 +656,10 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     group.set_activity("ZeRO-3 check that every rank ran the same units");
     const auto all = group.allgather(torch::tensor({static_cast<int64_t>(hash)}, torch::kLong));
     group.set_activity("");
+    const int64_t first = all[0].item<int64_t>();
     std::vector<int> differ;
     for (size_t r = 1; r < all.size(); ++r)
-      if (all[r].item<int64_t>() != all[0].item<int64_t>()) differ.push_back(static_cast<int>(r));
+      if (all[r].item<int64_t>() != first) differ.push_back(static_cast<int>(r));
     if (differ.empty()) return;
     std::string order;
     for (size_t u : forward_order) order += (order.empty() ? "" : ", ") + units[u].name;
