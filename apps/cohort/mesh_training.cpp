@@ -1,7 +1,8 @@
 // `cohort train --pp P --tp T`: the zoo's model on a mesh of dp x pp x tp workers. Every rank
 // builds the whole model from the same seed (with T > 1 the ViT's blocks tensor-parallel over its
 // tp group), cuts it into the pipeline's stages at its pipeline_layers() and trains its own
-// stages; the stages' gradients are averaged over the dp group by the DDP engine.
+// stages; the stages' gradients are averaged over the dp group by the DDP engine, or
+// reduce-scattered by ZeRO stage 1 or 2 (--zero-stage), which shards the optimizer over it.
 #include <torch/torch.h>
 
 #include <fstream>
@@ -44,10 +45,13 @@ void share_stages(const std::vector<torch::nn::Sequential>& stages,
 // What a mesh checkpoint holds besides the files, to refuse another layout by name.
 constexpr const char* kMeshFile = "mesh.json";
 
-std::string optimizer_file(const parallel::DeviceMesh& mesh) {
+// The folder of one (pp, tp) position's optimizer state: optimizer.pt (DDP, from dp index 0), or
+// every dp rank's ZeRO shards. Checkpoints written before ZeRO could shard a pipeline hold the
+// state as a file of this name plus ".pt".
+std::string optimizer_folder(const parallel::DeviceMesh& mesh) {
   const auto& s = mesh.shape();
   return "optimizer-pp" + std::to_string(mesh.pp_index()) + "-of-" + std::to_string(s.pp) + "-tp" +
-         std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp) + ".pt";
+         std::to_string(mesh.tp_index()) + "-of-" + std::to_string(s.tp);
 }
 
 // The model a checkpoint holds: the whole, unsplit model, which loads into a run without a mesh
@@ -61,39 +65,45 @@ struct CheckpointedModel {
 };
 
 // The ranks of dp index 0 write the checkpoint (their replicas' are the same): the model (whole
-// after share_stages) from pp index 0, every stage's optimizer state from its rank. Every rank
-// reports, so that the checkpoint is committed once all got there.
+// after share_stages) from pp index 0, every stage's optimizer state from its rank; with ZeRO
+// every dp rank writes its shards of that state too. Every rank reports, so that the checkpoint
+// is committed once all got there.
 void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mesh,
                             const CheckpointedModel& model,
-                            const torch::optim::Optimizer& optimizer, const std::string& schedule) {
+                            const torch::optim::Optimizer& optimizer, const std::string& schedule,
+                            int zero_stage) {
   auto& ctx = train::get_context();
-  if (mesh.dp_index() != 0) {
+  if (mesh.dp_index() != 0 && !train::checkpoint_per_rank(optimizer)) {
     train::report(metrics);
     return;
   }
   const auto dir =
       ctx.get_storage_path() / (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
   std::filesystem::create_directories(dir);
-  if (mesh.pp_index() == 0) {
+  if (mesh.dp_index() == 0 && mesh.pp_index() == 0) {
     if (model.dense) model.sliced().copy_to_dense(*model.dense);  // collective over tp
     if (mesh.tp_index() == 0)
       train::save_model(model.dense ? *model.dense : *model.model, dir / "model.safetensors");
   }
-  train::save_optimizer(optimizer, dir / optimizer_file(mesh));
+  train::save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
   if (ctx.get_world_rank() == 0) {
     const auto& s = mesh.shape();
     std::ofstream(dir / kMeshFile)
-        << Json{{"pp", s.pp}, {"tp", s.tp}, {"schedule", schedule}}.dump(2) << "\n";
+        << Json{{"pp", s.pp}, {"tp", s.tp}, {"schedule", schedule}, {"zero_stage", zero_stage}}
+               .dump(2)
+        << "\n";
   }
   train::report(metrics, Checkpoint::from_directory(dir));
   std::filesystem::remove_all(dir);
 }
 
 // Loads the whole model and this rank's optimizer state from a mesh checkpoint of the same pp
-// and tp (any dp: the replicas' state is the same); another layout, or a checkpoint of a run
-// without a mesh, is a UsageError.
+// and tp (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is what the
+// optimizer steps, pipe.module()); another layout, or a checkpoint of a run without a mesh, is a
+// UsageError.
 void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
-                          const CheckpointedModel& model, torch::optim::Optimizer& optimizer) {
+                          const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& stages) {
   const auto dir = checkpoint.path();
   const auto& s = mesh.shape();
   const std::string here = "--pp " + std::to_string(s.pp) + " --tp " + std::to_string(s.tp);
@@ -115,7 +125,21 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
   } else {
     train::load_model(*model.model, dir / "model.safetensors");
   }
-  train::load_optimizer(optimizer, dir / optimizer_file(mesh));
+  const auto state = dir / optimizer_folder(mesh);
+  auto old_file = state;
+  old_file += ".pt";
+  if (std::filesystem::is_directory(state)) {
+    train::load_optimizer_state(state, optimizer, stages);
+  } else if (std::filesystem::exists(old_file) && !train::checkpoint_per_rank(optimizer)) {
+    train::load_optimizer(optimizer, old_file);
+  } else if (std::filesystem::exists(old_file)) {
+    throw UsageError("checkpoint " + dir.string() +
+                     " was written before ZeRO could shard a pipeline's optimizer state: resume "
+                     "it with --zero-stage 0 (its next checkpoint then loads into ZeRO)");
+  } else {
+    throw UsageError("checkpoint " + dir.string() + " holds no optimizer state for " +
+                     optimizer_folder(mesh) + ": it is incomplete; resume from another one");
+  }
 }
 
 }  // namespace
@@ -193,8 +217,11 @@ void validate_mesh(const TrainOptions& o) {
   auto refuse = [&](bool set, const std::string& what, const std::string& fix) {
     if (set) throw UsageError(what + " with " + flags + " is not supported yet: " + fix);
   };
-  refuse(o.zero.stage > 0, "--zero-stage " + std::to_string(o.zero.stage),
-         "the pipeline's data parallelism is DDP; use --zero-stage 0");
+  refuse(o.zero.stage == 3,
+         "ZeRO stage 3" +
+             (o.deepspeed.empty() ? std::string(" (--zero-stage)") : " (from " + o.deepspeed + ")"),
+         "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
+         "use --zero-stage 1 or 2");
   refuse(o.sync != "ddp", "--sync " + o.sync, "use --sync ddp");
   refuse(o.gradient_accumulation_steps > 1, "--gradient-accumulation-steps",
          "a pipeline accumulates its micro-batches: raise --micro-batches and --batch-size");
@@ -210,6 +237,7 @@ void train_loop_on_mesh(const Json& c) {
   const bool rank0 = ctx.get_world_rank() == 0;
   const auto kind = pipeline::schedule_from_string(c["pipeline_schedule"].get<std::string>());
   const int micro_batches = c["micro_batches"].get<int>();
+  const parallel::ZeroOptions zero = zero_options_of(c);
   const pipeline::PipelineLayout layout{.ranks = shape.pp,
                                         .virtual_stages = virtual_stages_of(kind)};
 
@@ -243,19 +271,23 @@ void train_loop_on_mesh(const Json& c) {
                           {.schedule = kind,
                            .micro_batches = micro_batches,
                            .virtual_stages = layout.virtual_stages,
-                           .data_parallel_group = mesh.dp()});
-  auto optimizer = make_optimizer(c, pipe.parameters());
+                           .data_parallel_group = mesh.dp(),
+                           .zero = zero});
+  // With ZeRO, the engine that shards the optimizer over the dp group.
+  auto optimizer = pipe.prepare_optimizer(make_optimizer(c, pipe.parameters()));
   if (rank0) {
     std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
               << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
-              << " micro-batches" << std::endl;
+              << " micro-batches, "
+              << (zero.stage > 0 ? "ZeRO stage " + std::to_string(zero.stage) : std::string("DDP"))
+              << " over dp" << std::endl;
   }
 
   int start_epoch = 0;
   int64_t steps = 0;
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
-    load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer);
+    load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer, *pipe.module());
     resumed = resume_point(*checkpoint);
     start_epoch = resumed.epoch;
     steps = resumed.steps;
@@ -344,6 +376,7 @@ void train_loop_on_mesh(const Json& c) {
         ctx.get_process_group());
     const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps) || stopping;
     Json metrics{{"epoch", epoch + 1},
+                 {"epochs", epoch + 1},
                  {"world_size", ctx.get_world_size()},
                  {"mesh", parallel::to_string(shape)},
                  {"steps", steps},
@@ -353,7 +386,7 @@ void train_loop_on_mesh(const Json& c) {
                  {"lr", current_lr(*optimizer)},
                  {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
     if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
-    report_with_checkpoint(metrics, mesh, checkpointed, *optimizer, to_string(kind));
+    report_with_checkpoint(metrics, mesh, checkpointed, *optimizer, to_string(kind), zero.stage);
     if (last) break;
   }
 }

@@ -477,25 +477,29 @@ RunConfig run_config_of(const TrainOptions& o) {
       .profile_steps = profile_steps_of(o)};
 }
 
+parallel::ZeroOptions zero_options_of(const Json& c) {
+  parallel::ZeroOptions zero;
+  if (!c.contains("zero")) return zero;
+  const auto& z = c["zero"];
+  zero = {.stage = z["stage"].get<int>(),
+          .reduce_bucket_size = z["reduce_bucket_size"].get<int64_t>(),
+          .allgather_bucket_size = z["allgather_bucket_size"].get<int64_t>(),
+          .overlap_comm = z["overlap_comm"].get<bool>()};
+  const parallel::ZeroOptions defaults;
+  zero.prefetch_bucket_size = z.value("prefetch_bucket_size", defaults.prefetch_bucket_size);
+  zero.max_live_parameters = z.value("max_live_parameters", defaults.max_live_parameters);
+  zero.param_persistence_threshold =
+      z.value("param_persistence_threshold", defaults.param_persistence_threshold);
+  return zero;
+}
+
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
   if (ctx.has_mesh()) return train_loop_on_mesh(c);
   const bool rank0 = ctx.get_world_rank() == 0;
   torch::manual_seed(c["seed"].get<uint64_t>());
   auto model = models::create_model(c["model"].get<std::string>());
-  parallel::ZeroOptions zero;
-  if (c.contains("zero")) {
-    const auto& z = c["zero"];
-    zero = {.stage = z["stage"].get<int>(),
-            .reduce_bucket_size = z["reduce_bucket_size"].get<int64_t>(),
-            .allgather_bucket_size = z["allgather_bucket_size"].get<int64_t>(),
-            .overlap_comm = z["overlap_comm"].get<bool>()};
-    const parallel::ZeroOptions defaults;
-    zero.prefetch_bucket_size = z.value("prefetch_bucket_size", defaults.prefetch_bucket_size);
-    zero.max_live_parameters = z.value("max_live_parameters", defaults.max_live_parameters);
-    zero.param_persistence_threshold =
-        z.value("param_persistence_threshold", defaults.param_persistence_threshold);
-  }
+  const parallel::ZeroOptions zero = zero_options_of(c);
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
   const auto sync = c.contains("sync") ? sync_from_json(c["sync"]) : parallel::SyncMode{};

@@ -145,6 +145,8 @@ struct Evaluation {
 // The optimizer a job's config names, over `params`, its hyperparameters checked.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
                                                         std::vector<torch::Tensor> params);
+// The ZeRO options of a job's config (stage 0, DDP, when it has none).
+parallel::ZeroOptions zero_options_of(const Json& config);
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // Accuracy and mean loss of `model` over the loader's shard, summed over every rank of `group`

@@ -493,7 +493,58 @@ void load_parameter_server(parallel::ParameterServerOptimizer& ps,
   ps.restore(shards);
 }
 
+// Local SGD, DiLoCo and the parameter server keep their optimizer state with their parameters.
+void refuse_zero_shards(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir / kZeroManifest)) return;
+  throw UsageError("checkpoint " + dir.string() +
+                   " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
+                   "workers) or DDP; local SGD, DiLoCo and the parameter server keep their "
+                   "state otherwise");
+}
+
+void refuse_replica_optimizer(const torch::optim::Optimizer& optimizer, const char* what,
+                              const char* instead) {
+  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) == nullptr &&
+      dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) == nullptr) {
+    return;
+  }
+  throw UsageError(std::string(what) +
+                   ": local SGD, DiLoCo and the parameter server keep their optimizer state with "
+                   "their parameters: use " +
+                   instead);
+}
+
 }  // namespace
+
+void save_optimizer_state(const std::filesystem::path& dir,
+                          const torch::optim::Optimizer& optimizer) {
+  refuse_replica_optimizer(optimizer, "save_optimizer_state", "save_checkpoint");
+  std::filesystem::create_directories(dir);
+  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
+    detail::save_zero_shards(*zero, dir);
+  } else {
+    save_optimizer(optimizer, dir / "optimizer.pt");
+  }
+}
+
+void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& module) {
+  refuse_replica_optimizer(optimizer, "load_optimizer_state", "load_checkpoint");
+  const bool zero_shards = std::filesystem::exists(dir / kZeroManifest);
+  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
+    if (zero_shards) {
+      detail::load_zero_shards(*zero, dir);
+    } else {
+      // A DDP run's checkpoint: its whole optimizer state, sharded here.
+      detail::load_optimizer_file_into_zero(*zero, module, dir / "optimizer.pt");
+    }
+  } else if (zero_shards) {
+    // Into DDP's whole optimizer: every parameter's state read from the shards.
+    detail::load_zero_shards_into(optimizer, module, dir);
+  } else {
+    load_optimizer(optimizer, dir / "optimizer.pt");
+  }
+}
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr ||
@@ -512,14 +563,14 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
       parallel::ZeroOptimizer::GatheredParameters whole(*zero);
       if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
     }
-    detail::save_zero_shards(*zero, dir);
+    save_optimizer_state(dir, optimizer);
   } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
   } else if (const auto* ps = dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer)) {
     save_parameter_server(*ps, module, dir);
   } else {
     save_model(module, dir / "model.safetensors");
-    save_optimizer(optimizer, dir / "optimizer.pt");
+    save_optimizer_state(dir, optimizer);
   }
   // fp16: the loss scale and its counters, so that a resumed run scales as the original.
   if (const auto* session = current_session();
@@ -538,39 +589,23 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
       whole.emplace(*zero, /*write_back=*/true);
     load_model(module, checkpoint.path() / "model.safetensors");
   }
-  const bool zero_shards = std::filesystem::exists(checkpoint.path() / kZeroManifest);
-  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
-    if (zero_shards) {
-      detail::load_zero_shards(*zero, checkpoint.path());
-    } else {
-      // A DDP run's checkpoint: its whole optimizer state, sharded here.
-      detail::load_optimizer_file_into_zero(*zero, module, checkpoint.path() / "optimizer.pt");
-    }
-  } else if (zero_shards) {
-    if (dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
-        dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer) != nullptr) {
-      throw UsageError("checkpoint " + checkpoint.path().string() +
-                       " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
-                       "workers) or DDP; local SGD, DiLoCo and the parameter server keep their "
-                       "state otherwise");
-    }
-    // Into DDP's whole optimizer: every parameter's state read from the shards.
-    detail::load_zero_shards_into(optimizer, module, checkpoint.path());
+  const auto& dir = checkpoint.path();
+  if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
+    refuse_zero_shards(dir);
+    load_local_sgd(*local, dir);
+  } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
+    refuse_zero_shards(dir);
+    load_parameter_server(*ps, dir);
+  } else if (const auto manifest = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer) == nullptr
+                                       ? read_local_sgd_manifest(dir)
+                                       : std::nullopt) {
+    // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
+    // and one rank's inner optimizer state.
+    const auto* session = current_session();
+    load_optimizer(optimizer, local_optimizer_file(dir, session ? session->context.world_rank : 0,
+                                                   (*manifest)["world_size"].get<int>()));
   } else {
-    if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
-      load_local_sgd(*local, checkpoint.path());
-    } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
-      load_parameter_server(*ps, checkpoint.path());
-    } else if (const auto manifest = read_local_sgd_manifest(checkpoint.path())) {
-      // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
-      // and one rank's inner optimizer state.
-      const auto* session = current_session();
-      load_optimizer(optimizer, local_optimizer_file(checkpoint.path(),
-                                                     session ? session->context.world_rank : 0,
-                                                     (*manifest)["world_size"].get<int>()));
-    } else {
-      load_optimizer(optimizer, checkpoint.path() / "optimizer.pt");
-    }
+    load_optimizer_state(dir, optimizer, module);
   }
   auto* session = current_session();
   // Steps taken before the checkpoint are not this start's: per-step metrics count from here.

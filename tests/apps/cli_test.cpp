@@ -112,8 +112,8 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "the interleaved schedule needs micro-batches a multiple of"},
       {{"--schedule", "pipedream", "--data-dir", data.string()},
        "unknown pipeline schedule 'pipedream'"},
-      {{"--pp", "2", "--zero-stage", "1", "--data-dir", data.string()},
-       "--zero-stage 1 with --pp 2 --tp 1 is not supported yet"},
+      {{"--pp", "2", "--zero-stage", "3", "--data-dir", data.string()},
+       "ZeRO stage 3 (--zero-stage) with --pp 2 --tp 1 is not supported yet: stages 1 and 2"},
       {{"--pp", "2", "--micro-batches", "16", "--batch-size", "8", "--data-dir", data.string()},
        "--batch-size 8 cannot be split into 16 micro-batches"},
       {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
@@ -590,6 +590,54 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
                                 "same --pp and --tp"),
             std::string::npos)
       << refused.output;
+}
+
+// ZeRO as a pipeline's data parallelism (2 x 2 workers): the same training as DDP's, every dp
+// rank's shards of every stage's optimizer state in the checkpoint, an exact resume, and the
+// shards resumed by DDP at another dp degree.
+TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
+  auto mesh_run = [&](const std::string& zero, const std::string& epochs, const std::string& name) {
+    auto args = small_run("adam", {"--model", "mlp", "--pp", "2", "--zero-stage", zero, "--epochs",
+                                   epochs, "--name", name});
+    args[3] = "4";  // --workers: dp 2 x pp 2
+    return train(args);
+  };
+  auto ddp = mesh_run("0", "1", "ddp");
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  auto straight = mesh_run("2", "2", "straight");
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())
+                .find("ZeRO stage 2 over dp"),
+            std::string::npos);
+  // Epoch 1 as DDP's: its train loss is in the first checkpoint's metrics.
+  const auto first_epoch = [&](const std::string& run) {
+    return cohort::Checkpoint::from_directory(dir / "runs" / run / "checkpoint_000000").metrics();
+  };
+  EXPECT_NEAR(first_epoch("straight")["train_loss"].get<double>(),
+              first_epoch("ddp")["train_loss"].get<double>(),
+              1e-4 * first_epoch("ddp")["train_loss"].get<double>());
+  for (const char* shard : {"optimizer-pp0-of-2-tp0-of-1/zero-rank0-of-2.safetensors",
+                            "optimizer-pp1-of-2-tp0-of-1/zero-rank1-of-2.safetensors",
+                            "optimizer-pp1-of-2-tp0-of-1/zero_manifest.json"}) {
+    EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "straight" / "checkpoint_000000" / shard))
+        << shard;
+  }
+  ASSERT_EQ(mesh_run("2", "1", "resumed").exit_code, 0);
+  auto again = mesh_run("2", "2", "resumed");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
+  EXPECT_EQ(result_of("resumed")["steps"], result_of("straight")["steps"]);
+  EXPECT_EQ(result_of("resumed")["train_loss"].get<double>(),
+            result_of("straight")["train_loss"].get<double>());
+  EXPECT_EQ(result_of("resumed")["test_accuracy"].get<double>(),
+            result_of("straight")["test_accuracy"].get<double>());
+  // DDP on one pipeline (dp 1) takes every stage's state whole from the two shards.
+  auto args =
+      small_run("adam", {"--model", "mlp", "--pp", "2", "--epochs", "3", "--name", "resumed"});
+  auto ddp_resume = train(args);
+  ASSERT_EQ(ddp_resume.exit_code, 0) << ddp_resume.output;
+  EXPECT_NE(ddp_resume.output.find("resuming from"), std::string::npos) << ddp_resume.output;
+  EXPECT_EQ(result_of("resumed")["epochs"], 3);
 }
 
 // DiLoCo with H = 1, an outer lr of 1 and no momentum trains as DDP; diloco:4 sends about a

@@ -65,6 +65,16 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 // ZeroOptimizer or LocalSgdOptimizer every rank writes its part (see checkpoint_per_rank).
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
+// The optimizer's part of save_checkpoint and load_checkpoint alone, for loops that keep their
+// model otherwise (a pipeline's stages): `dir` (created) gets optimizer.pt, or with a
+// ZeroOptimizer this rank's shards (every rank of its group calls it then). Either loads into
+// either: shards into ZeRO at any world size and stage, or into the whole optimizer over
+// `module`'s parameters; optimizer.pt into ZeRO's shard of it. Local SGD, DiLoCo and the
+// parameter server keep their state with the parameters: UsageError (use save_checkpoint).
+void save_optimizer_state(const std::filesystem::path& dir,
+                          const torch::optim::Optimizer& optimizer);
+void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& module);
 // Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
 // shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);

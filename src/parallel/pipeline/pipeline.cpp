@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <set>
 
 #include "cohort/error.h"
 
@@ -79,6 +80,11 @@ struct Pipeline::State {
   // of each stage's last gradient-producing action, the one that synchronises.
   std::vector<std::unique_ptr<DistributedDataParallel>> data_parallel;
   std::vector<size_t> last_gradient_action;
+  // ZeRO instead (PipelineOptions::zero): one engine for all of this rank's stages, made by
+  // prepare_optimizer(); it synchronises in the rank's last gradient-producing action.
+  ZeroOptimizer* zero = nullptr;
+  size_t last_gradient_action_of_rank = 0;
+  std::shared_ptr<torch::nn::Module> stages_module;  // module(), made once
 
   int local(int stage) const { return stage / program.layout.ranks; }
   bool remote(int stage) const { return program.layout.rank_of(stage) != rank; }
@@ -344,14 +350,29 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
   st.slots.assign(st.stages.size(),
                   std::vector<Slot>(static_cast<size_t>(st.program.micro_batches)));
   comm::ProcessGroup& dp = st.options.data_parallel_group;
-  if (dp.valid() && dp.world_size() > 1) {
-    const auto& actions = st.program.ranks[st.rank];
-    st.last_gradient_action.assign(st.stages.size(), 0);
-    for (size_t i = 0; i < actions.size(); ++i) {
-      const ActionType type = actions[i].type;
-      if (type == ActionType::kBackward || type == ActionType::kBackwardWeight)
-        st.last_gradient_action[st.local(actions[i].stage)] = i;
+  const auto& actions = st.program.ranks[st.rank];
+  st.last_gradient_action.assign(st.stages.size(), 0);
+  for (size_t i = 0; i < actions.size(); ++i) {
+    const ActionType type = actions[i].type;
+    if (type == ActionType::kBackward || type == ActionType::kBackwardWeight) {
+      st.last_gradient_action[st.local(actions[i].stage)] = i;
+      st.last_gradient_action_of_rank = i;
     }
+  }
+  if (st.options.zero.stage != 0) {
+    st.options.zero.validate();
+    if (st.options.zero.stage == 3) {
+      throw UsageError(
+          "Pipeline: ZeRO stage 3 is not supported in a pipeline (its units would be gathered "
+          "for every micro-batch's forward and again for its backward): use stage 1 or 2, which "
+          "shard the optimizer state and gradients over the data-parallel group");
+    }
+    if (!dp.valid()) {
+      throw UsageError("Pipeline: ZeRO stage " + std::to_string(st.options.zero.stage) +
+                       " needs the data-parallel group it shards over (PipelineOptions::"
+                       "data_parallel_group, e.g. a DeviceMesh's dp())");
+    }
+  } else if (dp.valid() && dp.world_size() > 1) {
     for (const Stage& stage : st.stages) {
       st.data_parallel.push_back(
           std::make_unique<DistributedDataParallel>(stage.ptr(), dp, st.options.data_parallel));
@@ -383,6 +404,11 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   const std::vector<at::Tensor> tgt = targets.tensor_split(m);
   std::vector<double> weights;
   for (const auto& t : in) weights.push_back(static_cast<double>(t.size(0)) / rows);
+  if (st.options.zero.stage != 0 && st.zero == nullptr) {
+    throw UsageError("Pipeline::step: ZeRO stage " + std::to_string(st.options.zero.stage) +
+                     " has no engine yet: pass the optimizer through "
+                     "Pipeline::prepare_optimizer() before the first step");
+  }
   if (!st.probed) st.probe(in, tgt);
   at::Tensor loss_sum;
   st.timeline.clear();
@@ -393,12 +419,17 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     try {
       const double start = st.options.record_timeline ? seconds_now() : 0.0;
       // A stage's gradients are averaged over the data-parallel group once, in its last backward.
+      // With ZeRO, once per rank: in its last.
+      const bool gradients =
+          a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight;
       std::optional<DistributedDataParallel::NoSyncGuard> accumulate;
-      if (!st.data_parallel.empty() && a.stage >= 0 &&
-          (a.type == ActionType::kBackward || a.type == ActionType::kBackwardWeight) &&
+      if (!st.data_parallel.empty() && gradients &&
           i != st.last_gradient_action[st.local(a.stage)]) {
         accumulate.emplace(*st.data_parallel[st.local(a.stage)]);
       }
+      std::optional<ZeroOptimizer::NoSyncGuard> accumulate_shards;
+      if (st.zero != nullptr && gradients && i != st.last_gradient_action_of_rank)
+        accumulate_shards.emplace(*st.zero);
       st.run(a, in, tgt, weights, loss_sum);
       if (st.options.record_timeline)
         st.timeline.push_back({a, start, seconds_now(), heap_bytes_in_use()});
@@ -440,6 +471,49 @@ double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines) {
   }
   if (timelines.empty() || !(last > first)) return 0.0;
   return 1.0 - busy / (static_cast<double>(timelines.size()) * (last - first));
+}
+
+std::unique_ptr<torch::optim::Optimizer> Pipeline::prepare_optimizer(
+    std::unique_ptr<torch::optim::Optimizer> optimizer) {
+  State& st = *state_;
+  if (!optimizer) throw UsageError("Pipeline::prepare_optimizer: the optimizer is null");
+  if (st.options.zero.stage == 0) return optimizer;
+  if (st.zero != nullptr) {
+    throw UsageError(
+        "Pipeline::prepare_optimizer: called twice; the pipeline's ZeRO engine exists already: "
+        "keep the optimizer the first call returned");
+  }
+  auto zero = std::make_unique<ZeroOptimizer>(module(), *optimizer, st.options.data_parallel_group,
+                                              st.options.zero);
+  st.zero = zero.get();
+  return zero;
+}
+
+std::shared_ptr<torch::nn::Module> Pipeline::module() const {
+  State& st = *state_;
+  if (st.stages.size() == 1) return st.stages[0].ptr();
+  if (st.stages_module) return st.stages_module;
+  // The stages' layers under their own names, where that names every parameter once.
+  bool by_layer = true;
+  std::set<std::string> names;
+  for (const Stage& stage : st.stages) {
+    const auto& m = stage.module();
+    by_layer = by_layer && m.named_parameters(/*recurse=*/false).is_empty() &&
+               m.named_buffers(/*recurse=*/false).is_empty();
+    for (const auto& child : m.named_children())
+      by_layer = by_layer && names.insert(child.key()).second;
+  }
+  auto all = std::make_shared<torch::nn::Module>("PipelineStages");
+  for (size_t i = 0; i < st.stages.size(); ++i) {
+    if (by_layer) {
+      for (const auto& child : st.stages[i].module().named_children())
+        all->register_module(child.key(), child.value());
+    } else {
+      all->register_module("stage" + std::to_string(st.indices[i]), st.stages[i].ptr());
+    }
+  }
+  st.stages_module = all;
+  return all;
 }
 
 std::vector<at::Tensor> Pipeline::parameters() const {

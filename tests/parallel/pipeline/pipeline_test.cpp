@@ -8,6 +8,8 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/parallel/mesh.h"
+#include "cohort/parallel/zero_optimizer.h"
 #include "support/local_group.h"
 
 namespace cohort::parallel::pipeline {
@@ -222,6 +224,115 @@ TEST(Pipeline, AWaitThatTimesOutNamesTheStageMicroBatchAndAction) {
               rank0_done.set_value();
             },
             {.timeout = std::chrono::milliseconds(500)});
+}
+
+// A dp x pp mesh whose data parallelism is ZeRO: every stage's parameters after some Adam steps
+// as one process's on the whole batch, with the optimizer state sharded over the dp group.
+TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
+  constexpr int kSteps = 4, kDp = 2, kPp = 2;
+  constexpr int64_t kRows = 16;  // the global batch, kRows / kDp per dp rank
+  auto global_batch = [](int step) {
+    std::lock_guard lock(generator_mutex());
+    torch::manual_seed(100 + step);
+    return std::pair{torch::randn({kRows, 8}), torch::randint(0, 4, {kRows})};
+  };
+  torch::nn::Sequential reference = make_mlp();
+  torch::optim::Adam reference_adam(reference->parameters(), torch::optim::AdamOptions(0.01));
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = global_batch(step);
+    reference_adam.zero_grad();
+    cross_entropy(reference->forward(x), y).backward();
+    reference_adam.step();
+  }
+  std::map<std::string, at::Tensor> expected;
+  for (const auto& p : reference->named_parameters()) expected[p.key()] = p.value();
+
+  struct ZeroCase {
+    ScheduleKind schedule;
+    int virtual_stages;
+    int zero_stage;
+  };
+  for (const ZeroCase c :
+       {ZeroCase{ScheduleKind::kOneFOneB, 1, 1}, ZeroCase{ScheduleKind::kInterleaved, 2, 2},
+        ZeroCase{ScheduleKind::kZeroBubble, 1, 2}}) {
+    SCOPED_TRACE(std::string(to_string(c.schedule)) + " with ZeRO stage " +
+                 std::to_string(c.zero_stage));
+    run_ranks(kDp * kPp, [&](comm::ProcessGroup& world) {
+      const DeviceMesh mesh = DeviceMesh::create(world, {.dp = kDp, .pp = kPp, .tp = 1});
+      const auto all = split_sequential(make_mlp(), even_split(7, kPp * c.virtual_stages));
+      std::vector<Stage> mine;
+      for (int s : PipelineLayout{kPp, c.virtual_stages}.stages_of(mesh.pp_index()))
+        mine.emplace_back(all[s]);
+      Pipeline pipe(std::move(mine), mesh.pp(), cross_entropy,
+                    {.schedule = c.schedule,
+                     .micro_batches = 4,
+                     .virtual_stages = c.virtual_stages,
+                     .data_parallel_group = mesh.dp(),
+                     .zero = {.stage = c.zero_stage, .reduce_bucket_size = 100}});
+      // The stages' layers under the whole model's names, what the shards are named by.
+      std::vector<std::string> names;
+      for (const Stage& stage : pipe.stages())
+        for (const auto& p : stage.module().named_parameters()) names.push_back(p.key());
+      EXPECT_EQ(pipe.module()->named_parameters().keys(), names);
+      auto optimizer = pipe.prepare_optimizer(
+          std::make_unique<torch::optim::Adam>(pipe.parameters(), torch::optim::AdamOptions(0.01)));
+      const auto& zero = dynamic_cast<const ZeroOptimizer&>(*optimizer);
+      EXPECT_EQ(zero.stats().shard_numel * kDp, zero.stats().padded_numel);
+      for (int step = 0; step < kSteps; ++step) {
+        const auto [x, y] = global_batch(step);
+        optimizer->zero_grad();
+        pipe.step(x.chunk(kDp)[mesh.dp_index()], y.chunk(kDp)[mesh.dp_index()]);
+        optimizer->step();
+      }
+      EXPECT_EQ(zero.stats().synchronized_steps, kSteps);
+      for (const auto& p : pipe.module()->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(p.value(), expected.at(p.key()), 1e-5, 1e-6))
+            << p.key() << " on rank " << world.rank() << ": largest difference "
+            << (p.value() - expected.at(p.key())).abs().max().item<double>();
+      }
+    });
+  }
+}
+
+TEST(Pipeline, ZeroBadInputIsNamed) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto all = split_sequential(make_mlp(), {4, 3});
+    auto expect_error = [](const std::function<void()>& f, const std::string& text) {
+      try {
+        f();
+        ADD_FAILURE() << "no error; expected one saying: " << text;
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+      }
+    };
+    const comm::ProcessGroup alone = group.split({{0}, {1}}, "dp");
+    expect_error(
+        [&] {
+          Pipeline({all[group.rank()]}, group, cross_entropy,
+                   {.data_parallel_group = alone, .zero = {.stage = 3}});
+        },
+        "ZeRO stage 3 is not supported in a pipeline");
+    expect_error(
+        [&] { Pipeline({all[group.rank()]}, group, cross_entropy, {.zero = {.stage = 1}}); },
+        "needs the data-parallel group it shards over");
+    Pipeline pipe({all[group.rank()]}, group, cross_entropy,
+                  {.micro_batches = 2, .data_parallel_group = alone, .zero = {.stage = 2}});
+    const auto [x, y] = make_batch(8);
+    expect_error([&] { pipe.step(x, y); },
+                 "pass the optimizer through Pipeline::prepare_optimizer");
+    auto optimizer =
+        pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe.parameters(), 0.1));
+    expect_error(
+        [&] {
+          pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe.parameters(), 0.1));
+        },
+        "called twice");
+    // A dp group of one: ZeRO shards nothing, and the pipeline trains.
+    optimizer->zero_grad();
+    pipe.step(x, y);
+    optimizer->step();
+    EXPECT_EQ(dynamic_cast<const ZeroOptimizer&>(*optimizer).stats().synchronized_steps, 1);
+  });
 }
 
 TEST(Pipeline, BadInputIsNamed) {

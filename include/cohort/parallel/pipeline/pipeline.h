@@ -10,10 +10,12 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
 
 #include "cohort/comm/process_group.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/pipeline/schedule.h"
+#include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::parallel::pipeline {
 
@@ -64,6 +66,14 @@ struct PipelineOptions {
   // earlier ones accumulate under no_sync). Empty or of size 1: none.
   comm::ProcessGroup data_parallel_group;
   DdpOptions data_parallel;
+  // ZeRO stage 1 or 2 instead of DDP over the data-parallel group (any size, 1 included): one
+  // ZeroOptimizer over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards
+  // the optimizer state (and at stage 2 the averaged gradients) over the group. A step's
+  // micro-batches accumulate their gradients locally and the rank's last backward of the step
+  // reduce-scatters them once, so the full gradients exist during the step's backward as with
+  // DDP, and stage 2 frees them at its end. Stage 3 is refused: a pipeline runs each unit once
+  // per micro-batch, forward and backward apart. Stage 0: DDP.
+  ZeroOptions zero;
   // Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
   // step the optimizer). None: step() only leaves the gradients.
   std::function<void()> optimizer_step;
@@ -116,8 +126,20 @@ class Pipeline {
   // empty.
   const std::vector<TimedAction>& timeline() const;
 
+  // With PipelineOptions::zero (stage 1 or 2): a ZeroOptimizer over module() that shards
+  // `optimizer` (built over parameters(), e.g. torch::optim::AdamW; its algorithm and options are
+  // taken over) over the data-parallel group, and is the pipeline's data-parallel engine from
+  // then on. Every rank of the group calls it at the same point, once, before the first step; the
+  // returned optimizer must outlive the steps. Without ZeRO: `optimizer` itself.
+  std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
+      std::unique_ptr<torch::optim::Optimizer> optimizer);
+
   // The parameters of this rank's stages.
   std::vector<at::Tensor> parameters() const;
+  // This rank's stages as one module: the stage's own with one stage per rank; else the stages'
+  // layers under their own names ("3.weight" as in the whole model) when no two stages share a
+  // name, else each stage as "stage<global index>". What the ZeRO engine shards and names.
+  std::shared_ptr<torch::nn::Module> module() const;
   const std::vector<Stage>& stages() const;
   // This rank's global stage indices.
   std::vector<int> stage_indices() const;
