@@ -225,7 +225,6 @@ void validate_mesh(const TrainOptions& o) {
   refuse(o.sync != "ddp", "--sync " + o.sync, "use --sync ddp");
   refuse(o.gradient_accumulation_steps > 1, "--gradient-accumulation-steps",
          "a pipeline accumulates its micro-batches: raise --micro-batches and --batch-size");
-  refuse(o.gradient_clipping > 0, "--gradient-clipping", "leave it at 0");
   refuse(o.precision == "fp16", "--precision fp16", "use bf16 or fp32");
   refuse(o.min_workers > 0, "--min-workers", "a restarted group must keep whole pipelines");
 }
@@ -238,6 +237,7 @@ void train_loop_on_mesh(const Json& c) {
   const auto kind = pipeline::schedule_from_string(c["pipeline_schedule"].get<std::string>());
   const int micro_batches = c["micro_batches"].get<int>();
   const parallel::ZeroOptions zero = zero_options_of(c);
+  const double clip = c.value("gradient_clipping", 0.0);
   const pipeline::PipelineLayout layout{.ranks = shape.pp,
                                         .virtual_stages = virtual_stages_of(kind)};
 
@@ -336,9 +336,12 @@ void train_loop_on_mesh(const Json& c) {
       optimizer->zero_grad();
       at::Tensor loss;
       {
-        auto autocast = train::autocast();
+        // The pipeline times its forward and backward actions itself.
+        optim::AutocastGuard autocast(ctx.get_precision(), ctx.get_device());
         loss = pipe.step(images, batch["label"]);
       }
+      // By the norm of the whole model: every stage, slice and shard once.
+      if (clip > 0) parallel::clip_grad_norm(mesh, *pipe.module(), *optimizer, clip);
       train::step_optimizer(*optimizer);
       schedule.step();
       ++steps;

@@ -1,8 +1,13 @@
 #include "cohort/parallel/mesh.h"
 
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
 #include <vector>
 
 #include "cohort/error.h"
+#include "cohort/parallel/tensor_parallel.h"
+#include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::parallel {
 
@@ -70,6 +75,51 @@ DeviceMesh DeviceMesh::create(comm::ProcessGroup world, MeshShape shape) {
   mesh.pp_ = world.split(pp_parts, "pp");
   mesh.tp_ = world.split(tp_parts, "tp");
   return mesh;
+}
+
+at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& module,
+                          torch::optim::Optimizer& optimizer, double max_norm) {
+  if (!(max_norm > 0)) {
+    throw UsageError("gradient clipping max_norm " + std::to_string(max_norm) +
+                     " must be > 0 (0 or less would zero every gradient)");
+  }
+  torch::NoGradGuard no_grad;
+  const auto slices = tensor_parallel_slices(module);
+  // A whole parameter's square is on every rank of its tp group: each counts a tp-th of it.
+  const double tp = mesh.shape().tp;
+  auto weight_of = [&](const std::string& name) { return slices.count(name) ? 1.0 : 1.0 / tp; };
+  // The gradients the optimizer steps, each with the weight of its parameter.
+  std::vector<std::pair<at::Tensor, double>> grads;
+  double replicas = 1;  // the dp ranks that hold the same gradients
+  if (auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer)) {
+    const auto shards = zero->flat_gradients();
+    for (const auto& piece : zero->shard_pieces()) {
+      grads.emplace_back(shards.at(piece.group).narrow(0, piece.offset, piece.length),
+                         weight_of(piece.parameter));
+    }
+  } else {
+    replicas = mesh.shape().dp;
+    for (const auto& p : module.named_parameters())
+      if (p.value().grad().defined()) grads.emplace_back(p.value().grad(), weight_of(p.key()));
+  }
+  c10::Device device(c10::kCPU);
+  for (const auto& p : module.parameters()) {
+    device = p.device();
+    break;
+  }
+  at::Tensor squares = at::zeros({1}, at::TensorOptions(at::kFloat).device(device));
+  for (const auto& [grad, weight] : grads)
+    squares.add_(grad.to(at::kFloat).pow(2).sum() * (weight / replicas));
+  std::vector<at::Tensor> total{squares};
+  mesh.world().allreduce(total);
+  const at::Tensor norm = total[0].clamp_min(0).sqrt().reshape({});
+  const at::Tensor coefficient = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  if (auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer)) {
+    for (auto& shard : zero->flat_gradients()) shard.mul_(coefficient.to(shard.scalar_type()));
+  } else {
+    for (auto& [grad, weight] : grads) grad.mul_(coefficient.to(grad.scalar_type()));
+  }
+  return norm;
 }
 
 }  // namespace cohort::parallel

@@ -229,4 +229,24 @@ at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {
   return out_proj_->forward(out);
 }
 
+std::set<std::string> tensor_parallel_slices(const torch::nn::Module& module) {
+  std::set<std::string> names;
+  for (const auto& item : module.named_modules()) {
+    const std::string prefix = item.key().empty() ? "" : item.key() + ".";
+    const torch::nn::Module* m = item.value().get();
+    auto add = [&](const char* name, const at::Tensor& t) {
+      if (t.defined()) names.insert(prefix + name);
+    };
+    if (const auto* column = dynamic_cast<const ColumnParallelLinearImpl*>(m)) {
+      add("weight", column->weight);
+      add("bias", column->bias);
+    } else if (const auto* row = dynamic_cast<const RowParallelLinearImpl*>(m)) {
+      add("weight", row->weight);
+    } else if (dynamic_cast<const TensorParallelSelfAttentionImpl*>(m) != nullptr) {
+      for (const auto& p : m->named_parameters(/*recurse=*/false)) names.insert(prefix + p.key());
+    }
+  }
+  return names;
+}
+
 }  // namespace cohort::parallel

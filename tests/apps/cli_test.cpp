@@ -631,9 +631,10 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
             result_of("straight")["train_loss"].get<double>());
   EXPECT_EQ(result_of("resumed")["test_accuracy"].get<double>(),
             result_of("straight")["test_accuracy"].get<double>());
-  // DDP on one pipeline (dp 1) takes every stage's state whole from the two shards.
-  auto args =
-      small_run("adam", {"--model", "mlp", "--pp", "2", "--epochs", "3", "--name", "resumed"});
+  // DDP on one pipeline (dp 1) takes every stage's state whole from the two shards (and clips
+  // by the whole model's norm).
+  auto args = small_run("adam", {"--model", "mlp", "--pp", "2", "--epochs", "3",
+                                 "--gradient-clipping", "0.5", "--name", "resumed"});
   auto ddp_resume = train(args);
   ASSERT_EQ(ddp_resume.exit_code, 0) << ddp_resume.output;
   EXPECT_NE(ddp_resume.output.find("resuming from"), std::string::npos) << ddp_resume.output;

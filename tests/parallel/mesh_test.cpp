@@ -5,6 +5,7 @@
 
 #include <cstdio>
 #include <mutex>
+#include <set>
 
 #include "cohort/error.h"
 #include "cohort/parallel/pipeline/pipeline.h"
@@ -169,6 +170,63 @@ TEST(Mesh, HybridTwoByTwoByTwoTrainsLikeOneProcess) {
         std::printf("hybrid 2x2x2 (%s) vs one process after %d steps: largest difference %g\n",
                     to_string(schedule), kSteps, worst);
       }
+    });
+  }
+}
+
+// Clipping by the global norm on a 2 x 2 x 2 mesh, with DDP and with ZeRO as the data
+// parallelism: the norm and the weights of one process that clips its whole gradient. The MLP
+// blocks' slices count over tp, their row-parallel bias and the dense layers once.
+TEST(Mesh, ClippingByTheGlobalNormIsAsInOneProcess) {
+  constexpr int kSteps = 4;
+  constexpr double kLr = 0.2, kMaxNorm = 0.05;
+  torch::nn::Sequential reference = [] {
+    std::lock_guard lock(generator_mutex());
+    return make_dense();
+  }();
+  torch::optim::SGD reference_sgd(reference->parameters(), kLr);
+  std::vector<double> reference_norms;
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = global_batch(step);
+    reference_sgd.zero_grad();
+    cross_entropy(reference->forward(x), y).backward();
+    reference_norms.push_back(torch::nn::utils::clip_grad_norm_(reference->parameters(), kMaxNorm));
+    reference_sgd.step();
+  }
+  ASSERT_GT(reference_norms.back(), kMaxNorm) << "the test must clip";
+  for (const int zero_stage : {0, 2}) {
+    run_ranks(8, [&](comm::ProcessGroup& world) {
+      const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 2});
+      std::unique_lock lock(generator_mutex());
+      torch::nn::Sequential stage = hybrid_stage(make_dense(), mesh.pp_index(), mesh.tp());
+      lock.unlock();
+      EXPECT_EQ(tensor_parallel_slices(*stage),
+                (std::set<std::string>{mesh.pp_index() == 0 ? "2.fc1.weight" : "1.fc1.weight",
+                                       mesh.pp_index() == 0 ? "2.fc1.bias" : "1.fc1.bias",
+                                       mesh.pp_index() == 0 ? "2.fc2.weight" : "1.fc2.weight"}));
+      pipeline::Pipeline pipe(
+          {stage}, mesh.pp(), cross_entropy,
+          {.micro_batches = 2, .data_parallel_group = mesh.dp(), .zero = {.stage = zero_stage}});
+      auto sgd = pipe.prepare_optimizer(
+          std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(kLr)));
+      for (int step = 0; step < kSteps; ++step) {
+        const auto [x, y] = global_batch(step);
+        sgd->zero_grad();
+        pipe.step(x.chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
+        const double norm = clip_grad_norm(mesh, *stage, *sgd, kMaxNorm).item<double>();
+        EXPECT_NEAR(norm, reference_norms[step], 1e-5 * reference_norms[step])
+            << "step " << step << " on rank " << world.rank() << ", ZeRO stage " << zero_stage;
+        sgd->step();
+      }
+      lock.lock();
+      torch::nn::Sequential expected = hybrid_stage(reference, mesh.pp_index(), mesh.tp());
+      lock.unlock();
+      const auto got = stage->named_parameters(), want = expected->named_parameters();
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(torch::allclose(got[i].value(), want[i].value(), 1e-4, 1e-6))
+            << got[i].key() << " on rank " << world.rank() << ", ZeRO stage " << zero_stage;
+      }
+      EXPECT_THROW(clip_grad_norm(mesh, *stage, *sgd, 0.0), UsageError);
     });
   }
 }

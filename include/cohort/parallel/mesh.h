@@ -3,6 +3,10 @@
 #pragma once
 #include <string>
 
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
 #include "cohort/comm/process_group.h"
 
 namespace cohort::parallel {
@@ -48,5 +52,17 @@ class DeviceMesh {
   comm::ProcessGroup world_, dp_, pp_, tp_;
   int dp_index_ = 0, pp_index_ = 0, tp_index_ = 0;
 };
+
+// Gradient clipping by the global L2 norm of a model cut over a mesh, before the optimizer
+// steps. `module` is this rank's part (its pipeline stages, e.g. Pipeline::module(), with their
+// tensor-parallel slices) and `optimizer` its data-parallel engine's: a whole optimizer, whose
+// gradients DDP made the same on every dp rank, or a ZeroOptimizer, whose averaged gradients are
+// sharded over dp. Every parameter counts once: slices summed over tp, whole parameters once per
+// tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world, no host sync.
+// The gradients the optimizer steps are scaled by min(1, max_norm / norm); returns the norm before
+// clipping (a 0-dim float32 tensor). Every rank of the mesh calls it; max_norm <= 0 is a
+// UsageError.
+at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& module,
+                          torch::optim::Optimizer& optimizer, double max_norm);
 
 }  // namespace cohort::parallel

@@ -2,6 +2,9 @@
 // ranks of a tensor-parallel group. A column-parallel layer followed by a row-parallel one (an
 // MLP, or attention's projections by heads) needs one all-reduce in forward and one in backward.
 #pragma once
+#include <set>
+#include <string>
+
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/activation.h>
@@ -88,5 +91,12 @@ class TensorParallelSelfAttentionImpl : public torch::nn::Module {
   RowParallelLinear out_proj_{nullptr};
 };
 TORCH_MODULE(TensorParallelSelfAttention);
+
+// The parameters of `module` that are cut over a tensor-parallel group (each rank holds another
+// slice), by their names in `module`: the column-parallel layers' weights and biases, the
+// row-parallel layers' weights, attention's q, k and v. Every other parameter is whole on each
+// rank of the group, its gradient the same there (e.g. a row-parallel layer's bias, a layer
+// norm), so a norm over the group counts it once.
+std::set<std::string> tensor_parallel_slices(const torch::nn::Module& module);
 
 }  // namespace cohort::parallel

@@ -15,6 +15,7 @@
 #include <set>
 
 #include "cohort/error.h"
+#include "cohort/trace.h"
 
 namespace cohort::parallel::pipeline {
 namespace {
@@ -430,6 +431,11 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
       std::optional<ZeroOptimizer::NoSyncGuard> accumulate_shards;
       if (st.zero != nullptr && gradients && i != st.last_gradient_action_of_rank)
         accumulate_shards.emplace(*st.zero);
+      // Where the step's time goes (cohort/trace.h): the stages' forward and backward work;
+      // the sends' and receives' waits count as communication where they wait.
+      std::optional<trace::Span> phase;
+      if (a.type == ActionType::kForward) phase.emplace(trace::Phase::kForward);
+      if (gradients || a.type == ActionType::kBackwardInput) phase.emplace(trace::Phase::kBackward);
       st.run(a, in, tgt, weights, loss_sum);
       if (st.options.record_timeline)
         st.timeline.push_back({a, start, seconds_now(), heap_bytes_in_use()});
