@@ -1,13 +1,15 @@
 // The zoo's ViT on Fashion-MNIST trained by a DP x PP x TP mesh and by pure data parallelism at
 // the same global batch, step by step on the same rows:
 //   hybrid_vit [--mesh 2,2,2] [--steps 20] [--batch 32] [--micro-batches 4]
-//              [--schedule 1f1b] [--data-dir DIR]
+//              [--schedule 1f1b] [--zero-stage 0|1|2] [--data-dir DIR]
 // The mesh run: dp x pp x tp worker processes; each pipeline cuts the ViT at its pipeline layers
-// into pp stages, each stage's attention and MLP tensor-parallel over tp workers, DDP over dp.
+// into pp stages, each stage's attention and MLP tensor-parallel over tp workers, DDP over dp (or
+// ZeRO stage 1 or 2, which shards the optimizer's momentum over dp).
 // The reference: dp worker processes, the whole ViT on each under the DDP engine. Both start from
 // the same weights (the same seed; the tensor-parallel slices are the dense model's) and take the
 // same rows each step (the global batch --batch, dp rank d its d-th share). Prints both loss
-// curves, the largest relative difference between them, and each run's time per step.
+// curves, the largest relative difference between them, each run's time per step and the most
+// optimizer state a rank holds.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -46,7 +48,7 @@ void bench_loop(const cohort::Json& c) {
   // The reference: DDP on the whole model, as prepare_model makes it.
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> train_step;
   std::unique_ptr<cohort::parallel::DistributedDataParallel> ddp;
-  std::unique_ptr<torch::optim::SGD> optimizer;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<pp::Pipeline> pipe;
   if (shape[1] == 1 && shape[2] == 1) {
     ddp = std::make_unique<cohort::parallel::DistributedDataParallel>(model, mesh.dp());
@@ -68,9 +70,12 @@ void bench_loop(const cohort::Json& c) {
         [](const at::Tensor& out, const at::Tensor& y) {
           return torch::nn::functional::cross_entropy(out, y);
         },
-        pp::PipelineOptions{
-            .schedule = kind, .micro_batches = micro_batches, .data_parallel_group = mesh.dp()});
-    optimizer = std::make_unique<torch::optim::SGD>(pipe->parameters(), sgd);
+        pp::PipelineOptions{.schedule = kind,
+                            .micro_batches = micro_batches,
+                            .data_parallel_group = mesh.dp(),
+                            .zero = {.stage = c["zero_stage"].get<int>()}});
+    optimizer =
+        pipe->prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe->parameters(), sgd));
     train_step = [&](const at::Tensor& x, const at::Tensor& y) { return pipe->step(x, y); };
   }
 
@@ -96,8 +101,23 @@ void bench_loop(const cohort::Json& c) {
     world.allreduce(sum);
     losses.push_back(sum[0][0].item<double>() / sum[0][1].item<double>());
   }
-  cohort::train::report(
-      {{"losses", losses}, {"ms_per_step", steps > 1 ? 1e3 * seconds / (steps - 1) : 0.0}});
+  // The optimizer state this rank holds (the momentum: whole with DDP, a shard with ZeRO), the
+  // most over the ranks.
+  double state_bytes = 0;
+  if (const auto* zero = dynamic_cast<const cohort::parallel::ZeroOptimizer*>(optimizer.get())) {
+    state_bytes = static_cast<double>(zero->stats().optimizer_state_bytes);
+  } else {
+    for (const auto& [key, state] : optimizer->state()) {
+      state_bytes += static_cast<double>(
+          static_cast<const torch::optim::SGDParamState&>(*state).momentum_buffer().nbytes());
+    }
+  }
+  double most_state_bytes = 0;
+  for (const auto& t : world.allgather(torch::tensor({state_bytes}, torch::kDouble)))
+    most_state_bytes = std::max(most_state_bytes, t.item<double>());
+  cohort::train::report({{"losses", losses},
+                         {"ms_per_step", steps > 1 ? 1e3 * seconds / (steps - 1) : 0.0},
+                         {"optimizer_state_bytes", most_state_bytes}});
 }
 
 std::vector<int> parse_list(const std::string& text) {
@@ -126,13 +146,15 @@ cohort::Json run(const std::vector<int>& mesh, const cohort::Json& config) {
 int main(int argc, char** argv) {
   CLI::App app{"The ViT on a DP x PP x TP mesh against pure data parallelism"};
   std::string mesh_text = "2,2,2", schedule = "1f1b";
-  int steps = 20, batch = 32, micro_batches = 4;
+  int steps = 20, batch = 32, micro_batches = 4, zero_stage = 0;
   std::string data_dir = cohort::data::default_fashion_mnist_dir().string();
   app.add_option("--mesh", mesh_text, "dp,pp,tp");
   app.add_option("--steps", steps);
   app.add_option("--batch", batch, "the global batch: rows per step over all dp ranks");
   app.add_option("--micro-batches", micro_batches);
   app.add_option("--schedule", schedule, "gpipe, 1f1b or zero-bubble");
+  app.add_option("--zero-stage", zero_stage, "the mesh's data parallelism: 0 DDP, 1 or 2 ZeRO")
+      ->check(CLI::Range(0, 2));
   app.add_option("--data-dir", data_dir);
   CLI11_PARSE(app, argc, argv);
   const auto mesh = parse_list(mesh_text);
@@ -142,11 +164,9 @@ int main(int argc, char** argv) {
                  "--micro-batches rows\n");
     return 2;
   }
-  const cohort::Json config{{"steps", steps},
-                            {"batch", batch},
-                            {"micro_batches", micro_batches},
-                            {"schedule", schedule},
-                            {"data_dir", data_dir}};
+  const cohort::Json config{
+      {"steps", steps},       {"batch", batch},           {"micro_batches", micro_batches},
+      {"schedule", schedule}, {"zero_stage", zero_stage}, {"data_dir", data_dir}};
   try {
     const auto hybrid = run(mesh, config);
     // Pure data parallelism over as many replicas: DDP on the whole model.
@@ -161,10 +181,14 @@ int main(int argc, char** argv) {
       std::printf("%4zu %12.6f %12.6f %10.2e\n", i + 1, a[i], b[i], rel);
     }
     std::printf(
-        "mesh dp %d x pp %d x tp %d (%s, %d micro-batches) against dp %d, global batch %d: "
-        "largest relative loss difference over %d steps %.2e; %.1f ms/step against %.1f\n",
-        mesh[0], mesh[1], mesh[2], schedule.c_str(), micro_batches, mesh[0], batch, steps, worst,
-        hybrid["ms_per_step"].get<double>(), plain["ms_per_step"].get<double>());
+        "mesh dp %d x pp %d x tp %d (%s, %d micro-batches, %s) against dp %d, global batch %d: "
+        "largest relative loss difference over %d steps %.2e; %.1f ms/step against %.1f; "
+        "optimizer state per rank at most %.2f MB against %.2f\n",
+        mesh[0], mesh[1], mesh[2], schedule.c_str(), micro_batches,
+        zero_stage > 0 ? ("ZeRO stage " + std::to_string(zero_stage)).c_str() : "DDP", mesh[0],
+        batch, steps, worst, hybrid["ms_per_step"].get<double>(),
+        plain["ms_per_step"].get<double>(), hybrid["optimizer_state_bytes"].get<double>() / 1e6,
+        plain["optimizer_state_bytes"].get<double>() / 1e6);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;
