@@ -14,6 +14,9 @@
 //     running and those prefetched);
 //   samples_per_s (all ranks, timed steps), bytes_sent_per_step per rank (DDP: a ring
 //     all-reduce, 2 (N - 1) / N of the gradients; ZeRO: its own count), peak_rss_mb.
+// With --checkpoint, each mode then saves a checkpoint (train::save_checkpoint, into the run's
+// folder, removed after) and adds checkpoint_s and peak_rss_mb_after_checkpoint: stage 3 writes
+// the model one unit (layer) at a time, so its peak should not grow by the whole model.
 #include <sys/resource.h>
 #include <torch/torch.h>
 
@@ -149,14 +152,27 @@ void bench_loop(const cohort::Json& c) {
   }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
-  auto mine = torch::tensor(
-      {seconds, params, grads, state, transient, sent, usage.ru_maxrss / 1024.0, gathered},
-      torch::kDouble);
+  const double rss_before_checkpoint = usage.ru_maxrss / 1024.0;
+  double checkpoint_seconds = 0;
+  if (c["checkpoint"].get<bool>()) {
+    const auto dir =
+        ctx.get_storage_path() / ("bench-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
+    const auto t0 = Clock::now();
+    cohort::train::save_checkpoint(dir, *model, *optimizer);
+    checkpoint_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::filesystem::remove_all(dir);
+    getrusage(RUSAGE_SELF, &usage);
+  }
+  auto mine = torch::tensor({seconds, params, grads, state, transient, sent, rss_before_checkpoint,
+                             gathered, usage.ru_maxrss / 1024.0, checkpoint_seconds},
+                            torch::kDouble);
   auto all = ctx.get_process_group().allgather(mine);
-  double slowest = 0, rss = 0;
+  double slowest = 0, rss = 0, rss_after = 0, checkpoint_slowest = 0;
   for (auto& r : all) {
     slowest = std::max(slowest, r[0].item<double>());
     rss = std::max(rss, r[6].item<double>());
+    rss_after = std::max(rss_after, r[8].item<double>());
+    checkpoint_slowest = std::max(checkpoint_slowest, r[9].item<double>());
   }
   const double n = ctx.get_world_size();
   const double p = static_cast<double>(numel);
@@ -166,26 +182,31 @@ void bench_loop(const cohort::Json& c) {
                          : stage == 2       ? 4 + 12 / n
                                             : 16 / n;
   const double total = (params + grads + state) / p;
-  cohort::train::report({{"mode", ddp ? mode : "zero-" + mode},
-                         {"workers", ctx.get_world_size()},
-                         {"parameters", numel},
-                         {"bytes_per_param",
-                          {{"parameters", params / p},
-                           {"gradients", grads / p},
-                           {"optimizer_state", state / p},
-                           {"total", total},
-                           {"paper_form", formula},
-                           {"ratio_to_form", total / formula}}},
-                         {"transient_bucket_bytes_per_param", transient / p},
-                         {"gathered_bytes_per_param", gathered / p},
-                         {"samples_per_s", static_cast<double>(batch * steps) * n / slowest},
-                         {"seconds_per_step", slowest / static_cast<double>(steps)},
-                         // Rank 0's: forward and backward (with the gradient communication), and
-                         // step() (with ZeRO the shard's update and the all-gather).
-                         {"forward_backward_s", backward_seconds / static_cast<double>(steps)},
-                         {"optimizer_step_s", step_seconds / static_cast<double>(steps)},
-                         {"bytes_sent_per_step", sent},
-                         {"peak_rss_mb", rss}});
+  cohort::Json metrics{{"mode", ddp ? mode : "zero-" + mode},
+                       {"workers", ctx.get_world_size()},
+                       {"parameters", numel},
+                       {"bytes_per_param",
+                        {{"parameters", params / p},
+                         {"gradients", grads / p},
+                         {"optimizer_state", state / p},
+                         {"total", total},
+                         {"paper_form", formula},
+                         {"ratio_to_form", total / formula}}},
+                       {"transient_bucket_bytes_per_param", transient / p},
+                       {"gathered_bytes_per_param", gathered / p},
+                       {"samples_per_s", static_cast<double>(batch * steps) * n / slowest},
+                       {"seconds_per_step", slowest / static_cast<double>(steps)},
+                       // Rank 0's: forward and backward (with the gradient communication), and
+                       // step() (with ZeRO the shard's update and the all-gather).
+                       {"forward_backward_s", backward_seconds / static_cast<double>(steps)},
+                       {"optimizer_step_s", step_seconds / static_cast<double>(steps)},
+                       {"bytes_sent_per_step", sent},
+                       {"peak_rss_mb", rss}};
+  if (c["checkpoint"].get<bool>()) {
+    metrics["checkpoint_s"] = checkpoint_slowest;
+    metrics["peak_rss_mb_after_checkpoint"] = rss_after;
+  }
+  cohort::train::report(metrics);
 }
 
 }  // namespace
@@ -194,6 +215,7 @@ int main(int argc, char** argv) {
   CLI::App app{"cohort ZeRO benchmark: memory per rank and throughput, DDP vs stages 1, 2, 3"};
   std::string modes = "ddp,ddp-flat,1,2,3";
   int workers = 2, threads = 1, layers = 6;
+  bool checkpoint = false;
   int64_t width = 4096, batch = 8, steps = 5, warmup = 2, reduce_bucket_size = 25'000'000;
   app.add_option("--modes", modes, "comma-separated: ddp, ddp-flat, 1, 2, 3")
       ->capture_default_str();
@@ -207,6 +229,8 @@ int main(int argc, char** argv) {
   app.add_option("--reduce-bucket-size", reduce_bucket_size,
                  "elements per gradient bucket (DDP: the same bytes as bucket_cap_mb)")
       ->capture_default_str();
+  app.add_flag("--checkpoint", checkpoint,
+               "save a checkpoint after the steps: its time and peak memory");
   CLI11_PARSE(app, argc, argv);
   std::stringstream list(modes);
   for (std::string mode; std::getline(list, mode, ',');) {
@@ -226,7 +250,8 @@ int main(int argc, char** argv) {
          {"batch_size", batch},
          {"steps", steps},
          {"warmup", warmup},
-         {"reduce_bucket_size", reduce_bucket_size}});
+         {"reduce_bucket_size", reduce_bucket_size},
+         {"checkpoint", checkpoint}});
     auto result = trainer.fit();
     if (!result.ok()) {
       std::cerr << "error: " << *result.error << std::endl;

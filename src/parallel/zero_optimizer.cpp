@@ -673,19 +673,24 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
                      "all-gathers mix up parameters");
   }
 
-  void gather_all() {
+  // Every unit's parameters whole (`only` < 0), or one unit's, until release_pinned.
+  void gather_pinned(int64_t only) {
     std::lock_guard lock(mutex);
     ++pinned;
-    for (auto& unit : units) gather(unit, "GatheredParameters");
-    for (auto& unit : units) wait_gathered(unit);
+    for (size_t u = 0; u < units.size(); ++u)
+      if (only < 0 || static_cast<size_t>(only) == u) gather(units[u], "GatheredParameters");
+    for (size_t u = 0; u < units.size(); ++u)
+      if (only < 0 || static_cast<size_t>(only) == u) wait_gathered(units[u]);
   }
 
-  void release_all(bool write_back) {
+  void release_pinned(int64_t only, bool write_back) {
     std::lock_guard lock(mutex);
     if (--pinned > 0) return;
     torch::NoGradGuard no_grad;
     const int64_t n = world();
-    for (auto& unit : units) {
+    for (size_t u = 0; u < units.size(); ++u) {
+      if (only >= 0 && static_cast<size_t>(only) != u) continue;
+      auto& unit = units[u];
       auto& b = buckets[unit.bucket];
       if (write_back && unit.gathered) {
         const int64_t piece = b.numel / n;
@@ -800,10 +805,29 @@ ZeroStats ZeroOptimizer::stats() const {
 
 ZeroOptimizer::GatheredParameters::GatheredParameters(const ZeroOptimizer& zero, bool write_back)
     : engine_(zero.engine_), write_back_(write_back) {
-  engine_->gather_all();
+  engine_->gather_pinned(unit_);
 }
 
-ZeroOptimizer::GatheredParameters::~GatheredParameters() { engine_->release_all(write_back_); }
+ZeroOptimizer::GatheredParameters::GatheredParameters(const ZeroOptimizer& zero, size_t unit,
+                                                      bool write_back)
+    : engine_(zero.engine_), write_back_(write_back), unit_(static_cast<int64_t>(unit)) {
+  if (unit >= engine_->units.size()) {
+    throw UsageError("ZeroOptimizer::GatheredParameters: unit " + std::to_string(unit) +
+                     " does not exist: the model has " + std::to_string(engine_->units.size()) +
+                     " sharded units (unit_names())");
+  }
+  engine_->gather_pinned(unit_);
+}
+
+ZeroOptimizer::GatheredParameters::~GatheredParameters() {
+  engine_->release_pinned(unit_, write_back_);
+}
+
+std::vector<std::string> ZeroOptimizer::unit_names() const {
+  std::vector<std::string> names;
+  for (const auto& unit : engine_->units) names.push_back(unit.name);
+  return names;
+}
 
 ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& zero)
     : zero_(zero), previous_(zero.engine_->sync_enabled) {

@@ -557,11 +557,12 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
   trace::Span span(trace::Phase::kCheckpoint);
   std::filesystem::create_directories(dir);
   if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
-    // Every rank reports its own shard; the parameters are whole on every rank (stage 3: while
-    // gathered), rank 0 writes them.
-    {
-      parallel::ZeroOptimizer::GatheredParameters whole(*zero);
-      if (zero->process_group().rank() == 0) save_model(module, dir / "model.safetensors");
+    // Every rank reports its own shard; rank 0 writes the parameters (stage 3: while the group
+    // gathers one unit at a time).
+    if (zero->stage() == 3) {
+      detail::save_model_by_unit(*zero, module, dir / "model.safetensors");
+    } else if (zero->process_group().rank() == 0) {
+      save_model(module, dir / "model.safetensors");
     }
     save_optimizer_state(dir, optimizer);
   } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
@@ -582,11 +583,11 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
-  {
-    // ZeRO stage 3: every rank loads the whole model and keeps its shards of it.
-    std::optional<parallel::ZeroOptimizer::GatheredParameters> whole;
-    if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer))
-      whole.emplace(*zero, /*write_back=*/true);
+  // ZeRO stage 3: every rank loads one unit at a time and keeps its shards of it.
+  const auto* sharded = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
+  if (sharded != nullptr && sharded->stage() == 3) {
+    detail::load_model_by_unit(*sharded, module, checkpoint.path() / "model.safetensors");
+  } else {
     load_model(module, checkpoint.path() / "model.safetensors");
   }
   const auto& dir = checkpoint.path();

@@ -6,6 +6,7 @@
 #include <torch/serialize.h>
 
 #include <map>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -236,6 +237,43 @@ std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(
       params, static_cast<const torch::optim::AdamWOptions&>(options));
 }
 
+// Walks a model's tensors in name order (std::map's, which keeps each unit's together) and
+// keeps the stage-3 unit that holds the current one gathered, releasing the one before: no more
+// than the largest unit is whole at once. Every rank of the group walks the same names.
+class UnitByUnit {
+ public:
+  UnitByUnit(const parallel::ZeroOptimizer& zero, bool write_back)
+      : zero_(zero), units_(zero.unit_names()), write_back_(write_back) {}
+
+  void visit(const std::string& tensor) {
+    const int64_t unit = unit_of(tensor);
+    if (unit == current_) return;
+    gathered_.reset();
+    current_ = unit;
+    if (unit >= 0) gathered_.emplace(zero_, static_cast<size_t>(unit), write_back_);
+  }
+
+ private:
+  int64_t unit_of(const std::string& tensor) const {
+    for (size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].empty() || tensor.rfind(units_[u] + ".", 0) == 0) return int64_t(u);
+    return -1;
+  }
+
+  const parallel::ZeroOptimizer& zero_;
+  std::vector<std::string> units_;
+  bool write_back_;
+  int64_t current_ = -1;
+  std::optional<parallel::ZeroOptimizer::GatheredParameters> gathered_;
+};
+
+std::map<std::string, at::Tensor> tensors_of(const torch::nn::Module& module) {
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& p : module.named_parameters()) tensors[p.key()] = p.value();
+  for (const auto& b : module.named_buffers()) tensors[b.key()] = b.value();
+  return tensors;
+}
+
 }  // namespace
 
 std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
@@ -356,6 +394,57 @@ void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::n
   zero.set_steps(steps);
   const double lr = writer->param_groups()[0].options().get_lr();
   for (auto& group : zero.param_groups()) group.options().set_lr(lr);
+}
+
+void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+                        const std::filesystem::path& file) {
+  const auto tensors = tensors_of(module);
+  UnitByUnit units(zero, /*write_back=*/false);
+  if (zero.process_group().rank() != 0) {
+    for (const auto& [name, tensor] : tensors) units.visit(name);  // rank 0's gathers
+    return;
+  }
+  std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
+  for (const auto& [name, tensor] : tensors)
+    layout[name] = {tensor.scalar_type(), tensor.sizes().vec()};
+  safetensors::write_streaming(file, layout, {{"format", "pt"}}, [&](const std::string& name) {
+    units.visit(name);
+    return tensors.at(name);
+  });
+}
+
+void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& module,
+                        const std::filesystem::path& file) {
+  const auto header = safetensors::read_header(file);
+  const auto tensors = tensors_of(module);
+  // The same checks as load_model's, before any gather: every rank reads the same header.
+  for (const auto& [name, tensor] : tensors) {
+    const auto found = header.tensors.find(name);
+    if (found == header.tensors.end()) {
+      throw UsageError("load_model: " + file.string() + " has no tensor '" + name +
+                       "': it was saved from a different model");
+    }
+    if (found->second.shape != tensor.sizes().vec()) {
+      throw UsageError("load_model: tensor '" + name + "' in " + file.string() +
+                       " has another shape than the model's: it was saved from a different model");
+    }
+  }
+  for (const auto& [name, info] : header.tensors) {
+    if (tensors.count(name) == 0) {
+      throw UsageError("load_model: " + file.string() + " has tensor '" + name +
+                       "' that the model lacks: it was saved from a different model");
+    }
+  }
+  torch::NoGradGuard no_grad;
+  UnitByUnit units(zero, /*write_back=*/true);
+  for (const auto& [name, tensor] : tensors) {
+    units.visit(name);
+    const auto& info = header.tensors.at(name);
+    at::Tensor staging = at::empty(info.shape, at::TensorOptions(info.dtype));
+    safetensors::read_elements(file, header, name, 0, staging);
+    at::Tensor target = tensor;
+    target.copy_(staging);
+  }
 }
 
 }  // namespace cohort::train::detail

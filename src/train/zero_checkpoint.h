@@ -32,4 +32,14 @@ void load_zero_shards_into(torch::optim::Optimizer& optimizer, const torch::nn::
 void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
                                    const std::filesystem::path& file);
 
+// ZeRO stage 3: the module's parameters and buffers as one safetensors file (save_model's), written
+// by rank 0 while the group gathers one unit at a time: no rank holds more than the largest unit
+// beyond its shards. Every rank of the group calls it.
+void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+                        const std::filesystem::path& file);
+// Its inverse (load_model's checks and errors): every rank reads each unit's tensors while that
+// unit is gathered and keeps its shards of them.
+void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& module,
+                        const std::filesystem::path& file);
+
 }  // namespace cohort::train::detail

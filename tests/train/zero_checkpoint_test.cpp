@@ -113,6 +113,59 @@ TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
   std::filesystem::remove_all(root);
 }
 
+// Stage 3 writes and reads the model one unit at a time: no rank gathers more than the largest
+// unit (the 7 x 23 layer, 184 floats), where gathering the whole model would hold both (256).
+TEST(ZeroCheckpoint, StageThreeGathersOneUnitAtATimeToSaveAndLoad) {
+  const auto dir = cohort::testing::temp_dir("zero_checkpoint_units");
+  // Its gathered buffer, padded to split evenly over the ranks.
+  auto largest_unit_bytes = [](int64_t world) {
+    constexpr int64_t kNumel = 7 * 23 + 23;
+    return (kNumel + world - 1) / world * world * 4;
+  };
+  std::vector<torch::Tensor> saved;
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_checkpoint_net();
+    auto zero = make_zero(net, g, 3);
+    EXPECT_EQ(zero->unit_names(), (std::vector<std::string>{"0", "2"}));
+    ASSERT_EQ(zero->stats().gathered_bytes_peak, 0);
+    save_checkpoint(dir, *net, *zero);
+    EXPECT_EQ(zero->stats().gathered_bytes_peak, largest_unit_bytes(2)) << "rank " << g.rank();
+    copy_parameters(net, *zero, saved);
+  });
+  // The file is the whole model, as save_model writes it.
+  const auto file = safetensors::read(dir / "model.safetensors");
+  ASSERT_EQ(file.size(), 4U);
+  EXPECT_TRUE(torch::equal(file.at("0.weight"), saved[0]));
+  EXPECT_TRUE(torch::equal(file.at("2.bias"), saved[3]));
+  run_ranks(3, [&](comm::ProcessGroup& g) {
+    torch::nn::Sequential net = [] {
+      std::lock_guard lock(cohort::testing::generator_mutex());
+      torch::manual_seed(99);  // other weights than the checkpoint's
+      return torch::nn::Sequential(parallel::FullyShard(torch::nn::Linear(7, 23)),
+                                   torch::nn::ReLU(),
+                                   parallel::FullyShard(torch::nn::Linear(23, 3)));
+    }();
+    auto zero = make_zero(net, g, 3);
+    load_checkpoint(Checkpoint::from_directory(dir), *net, *zero);
+    EXPECT_EQ(zero->stats().gathered_bytes_peak, largest_unit_bytes(3)) << "rank " << g.rank();
+    std::vector<torch::Tensor> loaded;
+    copy_parameters(net, *zero, loaded);
+    if (g.rank() != 0) return;
+    ASSERT_EQ(loaded.size(), saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << i;
+  });
+  // Another model's file is named, on every rank alike, before any gather.
+  safetensors::write(dir / "model.safetensors", {{"0.weight", torch::zeros({23, 7})}});
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_checkpoint_net();
+    auto zero = make_zero(net, g, 3);
+    cohort::testing::expect_error<UsageError>(
+        [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *zero); },
+        "has no tensor '0.bias': it was saved from a different model");
+  });
+  std::filesystem::remove_all(dir);
+}
+
 TEST(ZeroCheckpoint, AMissingOrAlteredShardIsNamed) {
   using cohort::testing::expect_error;
   const auto dir = cohort::testing::temp_dir("zero_checkpoint_bad");

@@ -149,9 +149,12 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   // makes one), e.g. to save or load a model, evaluate it without a gather per unit, or compare
   // replicas. With write_back, this rank's shards are cut anew from the parameters when it ends
   // (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
+  // Stage 3 also gathers one unit at a time (`unit` indexes unit_names()), to hold no more than
+  // the largest unit while every parameter is read or written (checkpoints do).
   class GatheredParameters {
    public:
     explicit GatheredParameters(const ZeroOptimizer& zero, bool write_back = false);
+    GatheredParameters(const ZeroOptimizer& zero, size_t unit, bool write_back = false);
     ~GatheredParameters();
     GatheredParameters(const GatheredParameters&) = delete;
     GatheredParameters& operator=(const GatheredParameters&) = delete;
@@ -159,7 +162,11 @@ class ZeroOptimizer : public optim::FlatOptimizer {
    private:
     std::shared_ptr<Engine> engine_;
     bool write_back_;
+    int64_t unit_ = -1;  // every unit
   };
+  // Stage 3: the FullyShard units whose parameters are sharded, by their names in the module
+  // (their parameters' names start with "<name>."); empty at stages 1 and 2.
+  std::vector<std::string> unit_names() const;
 
   int stage() const;
   const comm::ProcessGroup& process_group() const;
