@@ -245,6 +245,15 @@ class UnitByUnit {
   UnitByUnit(const parallel::ZeroOptimizer& zero, bool write_back)
       : zero_(zero), units_(zero.unit_names()), write_back_(write_back) {}
 
+  // Whether every tensor whose storage stage 3 emptied lies in a unit by name: false for a module
+  // that names them otherwise than the engine's (e.g. a parent of it), which must gather whole.
+  bool covers(const std::map<std::string, at::Tensor>& tensors) const {
+    for (const auto& [name, tensor] : tensors) {
+      if (tensor.numel() > 0 && tensor.storage().nbytes() == 0 && unit_of(name) < 0) return false;
+    }
+    return true;
+  }
+
   void visit(const std::string& tensor) {
     const int64_t unit = unit_of(tensor);
     if (unit == current_) return;
@@ -400,6 +409,11 @@ void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Mo
                         const std::filesystem::path& file) {
   const auto tensors = tensors_of(module);
   UnitByUnit units(zero, /*write_back=*/false);
+  if (!units.covers(tensors)) {
+    parallel::ZeroOptimizer::GatheredParameters whole(zero);
+    if (zero.process_group().rank() == 0) save_model(module, file);
+    return;
+  }
   if (zero.process_group().rank() != 0) {
     for (const auto& [name, tensor] : tensors) units.visit(name);  // rank 0's gathers
     return;
@@ -437,6 +451,11 @@ void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& 
   }
   torch::NoGradGuard no_grad;
   UnitByUnit units(zero, /*write_back=*/true);
+  if (!units.covers(tensors)) {
+    parallel::ZeroOptimizer::GatheredParameters whole(zero, /*write_back=*/true);
+    load_model(module, file);
+    return;
+  }
   for (const auto& [name, tensor] : tensors) {
     units.visit(name);
     const auto& info = header.tensors.at(name);

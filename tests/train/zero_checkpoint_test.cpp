@@ -131,7 +131,13 @@ TEST(ZeroCheckpoint, StageThreeGathersOneUnitAtATimeToSaveAndLoad) {
     save_checkpoint(dir, *net, *zero);
     EXPECT_EQ(zero->stats().gathered_bytes_peak, largest_unit_bytes(2)) << "rank " << g.rank();
     copy_parameters(net, *zero, saved);
+    // A module that names the parameters otherwise (a parent of the model) is saved whole.
+    auto parent = std::make_shared<torch::nn::Module>();
+    parent->register_module("net", net.ptr());
+    save_checkpoint(dir / "parent", *parent, *zero);
   });
+  EXPECT_TRUE(torch::equal(
+      safetensors::read(dir / "parent" / "model.safetensors").at("net.0.weight"), saved[0]));
   // The file is the whole model, as save_model writes it.
   const auto file = safetensors::read(dir / "model.safetensors");
   ASSERT_EQ(file.size(), 4U);
