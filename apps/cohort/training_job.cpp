@@ -754,7 +754,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--zero-stage", o.zero.stage,
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
                   "too) or 3 (parameters too: the model's layers gathered around their forward "
-                  "and backward)")
+                  "and backward); with --pp/--tp, 1 or 2 over each stage's data-parallel group")
       ->capture_default_str();
   cmd->add_option("--sync", o.sync,
                   "how the workers agree: ddp (gradients averaged every step), local-sgd:H "
