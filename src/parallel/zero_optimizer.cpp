@@ -673,14 +673,21 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
                      "all-gathers mix up parameters");
   }
 
-  // Every unit's parameters whole (`only` < 0), or one unit's, until release_pinned.
+  // Every unit (`only` < 0), or one.
+  std::vector<Unit*> units_of(int64_t only) {
+    if (only >= 0) return {&units[static_cast<size_t>(only)]};
+    std::vector<Unit*> all;
+    for (auto& unit : units) all.push_back(&unit);
+    return all;
+  }
+
+  // Their parameters whole until release_pinned.
   void gather_pinned(int64_t only) {
     std::lock_guard lock(mutex);
     ++pinned;
-    for (size_t u = 0; u < units.size(); ++u)
-      if (only < 0 || static_cast<size_t>(only) == u) gather(units[u], "GatheredParameters");
-    for (size_t u = 0; u < units.size(); ++u)
-      if (only < 0 || static_cast<size_t>(only) == u) wait_gathered(units[u]);
+    const auto pinning = units_of(only);
+    for (Unit* unit : pinning) gather(*unit, "GatheredParameters");
+    for (Unit* unit : pinning) wait_gathered(*unit);
   }
 
   void release_pinned(int64_t only, bool write_back) {
@@ -688,15 +695,13 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     if (--pinned > 0) return;
     torch::NoGradGuard no_grad;
     const int64_t n = world();
-    for (size_t u = 0; u < units.size(); ++u) {
-      if (only >= 0 && static_cast<size_t>(only) != u) continue;
-      auto& unit = units[u];
-      auto& b = buckets[unit.bucket];
-      if (write_back && unit.gathered) {
+    for (Unit* unit : units_of(only)) {
+      auto& b = buckets[unit->bucket];
+      if (write_back && unit->gathered) {
         const int64_t piece = b.numel / n;
         b.shard.copy_(b.full.narrow(0, rank() * piece, piece));
       }
-      reshard(unit);
+      reshard(*unit);
     }
     // Stages 1 and 2, and stage 3's persistent parameters: the shards are views of the whole.
   }

@@ -13,6 +13,7 @@
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/trace.h"
+#include "train/model_file.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 #include "train/zero_checkpoint.h"
@@ -195,35 +196,52 @@ void Checkpoint::verify() const { verify_manifest(path_); }
 
 namespace train {
 
-void save_model(const torch::nn::Module& module, const std::filesystem::path& file) {
+namespace detail {
+
+std::map<std::string, at::Tensor> model_tensors(const torch::nn::Module& module) {
   std::map<std::string, at::Tensor> tensors;
   for (const auto& p : module.named_parameters()) tensors[p.key()] = p.value();
   for (const auto& b : module.named_buffers()) tensors[b.key()] = b.value();
-  safetensors::write(file, tensors, {{"format", "pt"}});
+  return tensors;
 }
 
-void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
-  auto tensors = safetensors::read(file);
-  torch::NoGradGuard no_grad;
-  auto load = [&](const std::string& name, at::Tensor& target) {
-    auto it = tensors.find(name);
-    if (it == tensors.end()) {
+void check_model_file(const std::filesystem::path& file, const torch::nn::Module& module,
+                      const std::map<std::string, std::vector<int64_t>>& shapes_in_file) {
+  auto check = [&](const std::string& name, const at::Tensor& tensor) {
+    const auto found = shapes_in_file.find(name);
+    if (found == shapes_in_file.end()) {
       throw UsageError("load_model: " + file.string() + " has no tensor '" + name +
                        "': it was saved from a different model");
     }
-    if (it->second.sizes() != target.sizes()) {
+    if (found->second != tensor.sizes().vec()) {
       throw UsageError("load_model: tensor '" + name + "' in " + file.string() +
                        " has another shape than the model's: it was saved from a different model");
     }
-    target.copy_(it->second);
-    tensors.erase(it);
   };
-  for (auto& p : module.named_parameters()) load(p.key(), p.value());
-  for (auto& b : module.named_buffers()) load(b.key(), b.value());
-  if (!tensors.empty()) {
-    throw UsageError("load_model: " + file.string() + " has tensor '" + tensors.begin()->first +
-                     "' that the model lacks: it was saved from a different model");
+  for (const auto& p : module.named_parameters()) check(p.key(), p.value());
+  for (const auto& b : module.named_buffers()) check(b.key(), b.value());
+  const auto tensors = model_tensors(module);
+  for (const auto& [name, shape] : shapes_in_file) {
+    if (tensors.count(name) == 0) {
+      throw UsageError("load_model: " + file.string() + " has tensor '" + name +
+                       "' that the model lacks: it was saved from a different model");
+    }
   }
+}
+
+}  // namespace detail
+
+void save_model(const torch::nn::Module& module, const std::filesystem::path& file) {
+  safetensors::write(file, detail::model_tensors(module), {{"format", "pt"}});
+}
+
+void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
+  const auto tensors = safetensors::read(file);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, tensor] : tensors) shapes[name] = tensor.sizes().vec();
+  detail::check_model_file(file, module, shapes);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, target] : detail::model_tensors(module)) target.copy_(tensors.at(name));
 }
 
 void save_pipeline_stages(const std::filesystem::path& dir,
@@ -556,21 +574,19 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
                            const torch::optim::Optimizer& optimizer) {
   trace::Span span(trace::Phase::kCheckpoint);
   std::filesystem::create_directories(dir);
-  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
-    // Every rank reports its own shard; rank 0 writes the parameters (stage 3: while the group
-    // gathers one unit at a time).
-    if (zero->stage() == 3) {
-      detail::save_model_by_unit(*zero, module, dir / "model.safetensors");
-    } else if (zero->process_group().rank() == 0) {
-      save_model(module, dir / "model.safetensors");
-    }
-    save_optimizer_state(dir, optimizer);
-  } else if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
+  if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
   } else if (const auto* ps = dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer)) {
     save_parameter_server(*ps, module, dir);
   } else {
-    save_model(module, dir / "model.safetensors");
+    // With ZeRO every rank writes its own shard and rank 0 the parameters (stage 3: while the
+    // group gathers one unit at a time).
+    const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
+    if (zero != nullptr && zero->stage() == 3) {
+      detail::save_model_by_unit(*zero, module, dir / "model.safetensors");
+    } else if (zero == nullptr || zero->process_group().rank() == 0) {
+      save_model(module, dir / "model.safetensors");
+    }
     save_optimizer_state(dir, optimizer);
   }
   // fp16: the loss scale and its counters, so that a resumed run scales as the original.

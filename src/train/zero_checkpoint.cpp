@@ -15,6 +15,7 @@
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/train/checkpoint.h"
+#include "train/model_file.h"
 #include "train/run_files.h"
 
 namespace cohort::train::detail {
@@ -276,13 +277,6 @@ class UnitByUnit {
   std::optional<parallel::ZeroOptimizer::GatheredParameters> gathered_;
 };
 
-std::map<std::string, at::Tensor> tensors_of(const torch::nn::Module& module) {
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& p : module.named_parameters()) tensors[p.key()] = p.value();
-  for (const auto& b : module.named_buffers()) tensors[b.key()] = b.value();
-  return tensors;
-}
-
 }  // namespace
 
 std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
@@ -407,7 +401,7 @@ void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::n
 
 void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
                         const std::filesystem::path& file) {
-  const auto tensors = tensors_of(module);
+  const auto tensors = model_tensors(module);
   UnitByUnit units(zero, /*write_back=*/false);
   if (!units.covers(tensors)) {
     parallel::ZeroOptimizer::GatheredParameters whole(zero);
@@ -430,25 +424,11 @@ void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Mo
 void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& module,
                         const std::filesystem::path& file) {
   const auto header = safetensors::read_header(file);
-  const auto tensors = tensors_of(module);
-  // The same checks as load_model's, before any gather: every rank reads the same header.
-  for (const auto& [name, tensor] : tensors) {
-    const auto found = header.tensors.find(name);
-    if (found == header.tensors.end()) {
-      throw UsageError("load_model: " + file.string() + " has no tensor '" + name +
-                       "': it was saved from a different model");
-    }
-    if (found->second.shape != tensor.sizes().vec()) {
-      throw UsageError("load_model: tensor '" + name + "' in " + file.string() +
-                       " has another shape than the model's: it was saved from a different model");
-    }
-  }
-  for (const auto& [name, info] : header.tensors) {
-    if (tensors.count(name) == 0) {
-      throw UsageError("load_model: " + file.string() + " has tensor '" + name +
-                       "' that the model lacks: it was saved from a different model");
-    }
-  }
+  const auto tensors = model_tensors(module);
+  // load_model's checks, before any gather: every rank reads the same header.
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, info] : header.tensors) shapes[name] = info.shape;
+  check_model_file(file, module, shapes);
   torch::NoGradGuard no_grad;
   UnitByUnit units(zero, /*write_back=*/true);
   if (!units.covers(tensors)) {

@@ -1,0 +1,22 @@
+// A model file (model.safetensors): what save_model writes and load_model checks, shared with
+// ZeRO stage 3's unit-by-unit save and load (zero_checkpoint.h).
+#pragma once
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+namespace cohort::train::detail {
+
+// The module's parameters and buffers by their dotted names.
+std::map<std::string, at::Tensor> model_tensors(const torch::nn::Module& module);
+// Before anything is loaded: a UsageError naming the first of the module's tensors (parameters,
+// then buffers, in the module's order) that `file` lacks or holds with another shape, else the
+// first tensor of `file` (by name) that the module lacks.
+void check_model_file(const std::filesystem::path& file, const torch::nn::Module& module,
+                      const std::map<std::string, std::vector<int64_t>>& shapes_in_file);
+
+}  // namespace cohort::train::detail
