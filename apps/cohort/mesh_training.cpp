@@ -226,7 +226,12 @@ void validate_mesh(const TrainOptions& o) {
   refuse(o.gradient_accumulation_steps > 1, "--gradient-accumulation-steps",
          "a pipeline accumulates its micro-batches: raise --micro-batches and --batch-size");
   refuse(o.precision == "fp16", "--precision fp16", "use bf16 or fp32");
-  refuse(o.min_workers > 0, "--min-workers", "a restarted group must keep whole pipelines");
+  // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
+  if (o.min_workers % (o.pp * o.tp) != 0) {
+    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " with " + flags +
+                     ": an elastic group keeps whole replicas of " + std::to_string(o.pp * o.tp) +
+                     " workers; use a multiple of " + std::to_string(o.pp * o.tp));
+  }
 }
 
 void train_loop_on_mesh(const Json& c) {
@@ -288,6 +293,8 @@ void train_loop_on_mesh(const Json& c) {
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer, *pipe.module());
+    // From a group of another dp degree (--workers, or an elastic restart): the lr scaled.
+    train::restore_run_state(*checkpoint, *optimizer);
     resumed = resume_point(*checkpoint);
     start_epoch = resumed.epoch;
     steps = resumed.steps;

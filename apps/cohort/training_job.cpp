@@ -697,7 +697,8 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option(
          "--min-workers", o.min_workers,
          "elastic: after a failure restart with as few as this many workers (the lr scaled "
-         "linearly), growing back when slots are free; 0: always --workers")
+         "linearly), growing back when slots are free; with --pp/--tp a multiple of pp x tp; "
+         "0: always --workers")
       ->capture_default_str();
   cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
   add_bool_flag(cmd, "--use-gpu", o.use_gpu,

@@ -624,6 +624,10 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   } else {
     load_optimizer_state(dir, optimizer, module);
   }
+  restore_run_state(checkpoint, optimizer);
+}
+
+void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& optimizer) {
   auto* session = current_session();
   // Steps taken before the checkpoint are not this start's: per-step metrics count from here.
   if (session != nullptr) session->steps_at_report = optimizer_steps(*session);

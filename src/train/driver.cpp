@@ -104,8 +104,18 @@ class Driver {
   Attempt run_attempt(const std::optional<Checkpoint>& resume_from);
   // Elastic training: the slots that can take a worker now, at most num_workers.
   std::vector<int> free_slots() const;
-  // How many free slots the running group does not use.
-  int free_slots_beyond_group() const;
+  // How many workers a group could have now: the running group's and the free slots beyond it,
+  // in whole model replicas.
+  int workers_available() const;
+  // Workers per model replica: with a mesh an elastic group shrinks and grows by whole pipelines
+  // and tensor-parallel groups (pp x tp workers); 1 without one.
+  int replica_size() const { return scaling_.mesh.pp * scaling_.mesh.tp; }
+  // The first of `slots` that make whole replicas.
+  std::vector<int> whole_replicas(std::vector<int> slots) const {
+    slots.resize(slots.size() / static_cast<size_t>(replica_size()) *
+                 static_cast<size_t>(replica_size()));
+    return slots;
+  }
   // Waits up to the setup deadline for at least the minimum number of free slots; throws
   // RuntimeError naming the busy slots when they do not come.
   std::vector<int> wait_for_slots();
@@ -146,11 +156,11 @@ std::vector<int> Driver::free_slots() const {
   return free;
 }
 
-int Driver::free_slots_beyond_group() const {
-  int count = 0;
+int Driver::workers_available() const {
+  std::vector<int> slots = slots_;
   for (int slot : free_slots())
-    count += std::find(slots_.begin(), slots_.end(), slot) == slots_.end();
-  return count;
+    if (std::find(slots_.begin(), slots_.end(), slot) == slots_.end()) slots.push_back(slot);
+  return static_cast<int>(whole_replicas(slots).size());
 }
 
 std::vector<int> Driver::wait_for_slots() {
@@ -158,7 +168,7 @@ std::vector<int> Driver::wait_for_slots() {
   bool told = false;
   while (true) {
     auto free = free_slots();
-    if (static_cast<int>(free.size()) >= min_workers()) return free;
+    if (static_cast<int>(whole_replicas(free).size()) >= min_workers()) return whole_replicas(free);
     if (Clock::now() >= deadline) {
       std::string busy;
       for (int slot = 0; slot < scaling_.num_workers; ++slot) {
@@ -221,7 +231,7 @@ Result Driver::run() {
     if (attempt.grow) {
       const size_t from = slots_.size();
       resume_from = recorder_->latest_on_disk();
-      slots_ = free_slots();
+      slots_ = whole_replicas(free_slots());
       record_resize(from, "worker slots became free");
       continue;
     }
@@ -423,7 +433,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers &&
           !group.stopping() && !stop_asked &&
           std::find(exited.begin(), exited.end(), true) == exited.end() &&
-          free_slots_beyond_group() > 0) {
+          workers_available() > world) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");
       }

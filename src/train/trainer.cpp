@@ -35,11 +35,20 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
   if (const auto& mesh = scaling_.mesh; mesh.pp < 1 || mesh.tp < 1 || mesh.dp < 0) {
     throw UsageError("ScalingConfig.mesh " + parallel::to_string(mesh) +
                      ": pp and tp must be >= 1, dp >= 0 (0: the workers that pp x tp leave)");
-  } else if (mesh.pp * mesh.tp > 1 && scaling_.min_workers > 0) {
-    throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
-                     " with the mesh " + parallel::to_string(mesh) +
-                     ": an elastic group restarts with any number of workers, a mesh needs "
-                     "whole pipelines and tensor-parallel groups; use min_workers 0");
+  } else if (const int replica = mesh.pp * mesh.tp; replica > 1 && scaling_.min_workers > 0) {
+    // An elastic mesh shrinks and grows by whole model replicas: only its dp degree changes.
+    if (mesh.dp > 0) {
+      throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
+                       " with the mesh " + parallel::to_string(mesh) +
+                       ": an elastic group changes its dp degree; leave mesh.dp at 0 (the "
+                       "workers that pp x tp leave)");
+    }
+    if (scaling_.min_workers % replica != 0) {
+      throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
+                       " with pp " + std::to_string(mesh.pp) + " x tp " + std::to_string(mesh.tp) +
+                       ": an elastic group keeps whole replicas of " + std::to_string(replica) +
+                       " workers; use a multiple of " + std::to_string(replica));
+    }
   }
   if (scaling_.resources_per_worker.cpu_threads < 1) {
     throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +

@@ -82,6 +82,16 @@ comm::ProcessGroup data_parallel_group(WorkerSession& session) {
   return session.context.has_mesh() ? session.context.mesh.dp() : session.context.process_group;
 }
 
+// Where a rank reads its shard of the data: its world rank, or with a mesh its dp coordinates (a
+// pipeline's and a tensor-parallel group's ranks read the same rows).
+struct DataParallelPosition {
+  int rank, world_size;
+};
+DataParallelPosition data_parallel_position(const TrainContext& context) {
+  if (!context.has_mesh()) return {context.world_rank, context.world_size};
+  return {context.mesh.dp_index(), context.mesh.shape().dp};
+}
+
 }  // namespace
 
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
@@ -280,8 +290,8 @@ bool step_optimizer(torch::optim::Optimizer& optimizer) {
 data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options) {
   auto& session = require_session("cohort::train::prepare_data_loader()");
   options.device = session.context.device;
-  return data::DataLoader(std::move(dataset), options, session.context.world_rank,
-                          session.context.world_size);
+  const auto position = data_parallel_position(session.context);
+  return data::DataLoader(std::move(dataset), options, position.rank, position.world_size);
 }
 
 namespace {
@@ -580,11 +590,8 @@ data::DataIterator get_dataset_shard(const std::string& name) {
     throw UsageError("get_dataset_shard: no dataset named '" + name +
                      "' was given to the Trainer (it has [" + names + "])");
   }
-  // With a mesh, the data-parallel coordinates: a pipeline's and a tensor-parallel group's ranks
-  // read the same rows.
-  const bool mesh = s.context.has_mesh();
-  const int rank = mesh ? s.context.mesh.dp_index() : s.context.world_rank;
-  const int world = mesh ? s.context.mesh.shape().dp : s.context.world_size;
+  const auto position = data_parallel_position(s.context);
+  const int rank = position.rank, world = position.world_size;
   auto shard = dataset_shard(it->second, rank, world);
   // The job's data workers on other nodes (cohort launch --data-workers): this rank's share.
   std::vector<int> members;

@@ -116,6 +116,9 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "ZeRO stage 3 (--zero-stage) with --pp 2 --tp 1 is not supported yet: stages 1 and 2"},
       {{"--pp", "2", "--micro-batches", "16", "--batch-size", "8", "--data-dir", data.string()},
        "--batch-size 8 cannot be split into 16 micro-batches"},
+      {{"--workers", "4", "--pp", "2", "--min-workers", "3", "--data-dir", data.string()},
+       "--min-workers 3 with --pp 2 --tp 1: an elastic group keeps whole replicas of 2 workers; "
+       "use a multiple of 2"},
       {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
       {{"--test-examples", "-5", "--data-dir", data.string()}, "--test-examples -5 must be >= 0"},
       {{"--sync", "local-sgd:0", "--data-dir", data.string()},
@@ -632,13 +635,16 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
   EXPECT_EQ(result_of("resumed")["test_accuracy"].get<double>(),
             result_of("straight")["test_accuracy"].get<double>());
   // DDP on one pipeline (dp 1) takes every stage's state whole from the two shards (and clips
-  // by the whole model's norm).
+  // by the whole model's norm); half the global batch, half the lr (linear scaling).
   auto args = small_run("adam", {"--model", "mlp", "--pp", "2", "--epochs", "3",
                                  "--gradient-clipping", "0.5", "--name", "resumed"});
   auto ddp_resume = train(args);
   ASSERT_EQ(ddp_resume.exit_code, 0) << ddp_resume.output;
   EXPECT_NE(ddp_resume.output.find("resuming from"), std::string::npos) << ddp_resume.output;
   EXPECT_EQ(result_of("resumed")["epochs"], 3);
+  EXPECT_NEAR(result_of("resumed")["lr"].get<double>(),
+              result_of("straight")["lr"].get<double>() / 2,
+              1e-9 * result_of("straight")["lr"].get<double>());
 }
 
 // DiLoCo with H = 1, an outer lr of 1 and no momentum trains as DDP; diloco:4 sends about a

@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "cohort/cohort.h"
+#include "support/expect.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
 
@@ -226,11 +227,14 @@ TEST_F(FaultTolerance, ACrashWhileACheckpointIsCommittedKeepsThePreviousOne) {
 }
 
 // Elastic: an epoch over 24 numbered examples per report, checkpointed, lr rescaled by
-// linear_lr_scaling on resume. Config {"epochs", "kill_rank", "kill_epoch"}; the killed rank
-// marks its slot busy (the test's slot_available reads the marker), and rank 0 of the shrunk
-// group frees it before its first report, so the group grows back right after that checkpoint.
+// linear_lr_scaling on resume. Config {"workers" (the full group), "epochs", "kill_rank",
+// "kill_epoch"}; the killed rank marks its slot busy (the test's slot_available reads the
+// marker), and rank 0 of the shrunk group frees it before its first report, so the group grows
+// back right after that checkpoint. With a mesh the data is sharded over dp: "rows_agree" says
+// whether the ranks of each pipeline read the same rows.
 void elastic_loop(const Json& c) {
   auto& ctx = train::get_context();
+  const int full = c["workers"].get<int>();
   auto model = torch::nn::Linear(1, 1);
   torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.3));
   int start = 0;
@@ -242,28 +246,41 @@ void elastic_loop(const Json& c) {
   data::TensorDataset examples{.inputs = torch::arange(24, torch::kFloat).unsqueeze(1),
                                .targets = torch::zeros({24, 1})};
   auto loader = train::prepare_data_loader(examples, {.batch_size = 2, .shuffle = true, .seed = 3});
+  const bool mesh = ctx.has_mesh();
   for (int epoch = start; epoch < c["epochs"].get<int>(); ++epoch) {
     loader.set_epoch(epoch);
     auto seen = torch::zeros({2});
+    std::vector<at::Tensor> ids;
     for (auto& batch : loader) {
       seen[0] += batch.data.size(0);
       seen[1] += batch.data.sum();
+      ids.push_back(batch.data.flatten());
     }
+    // A pipeline's ranks must read the same rows, in the same order.
+    std::vector<at::Tensor> order{torch::cat(ids)}, lowest{order[0].clone()};
+    if (mesh) {
+      ctx.get_mesh().pp().allreduce(order, comm::ReduceOp::kMax);
+      ctx.get_mesh().pp().allreduce(lowest, comm::ReduceOp::kMin);
+    }
+    std::vector<at::Tensor> disagree{torch::full({1}, torch::equal(order[0], lowest[0]) ? 0. : 1.)};
+    ctx.get_process_group().allreduce(disagree);
     std::vector<at::Tensor> totals{seen};
-    ctx.get_process_group().allreduce(totals);
-    if (ctx.get_world_rank() == 0 && ctx.get_world_size() < 3) std::filesystem::remove(busy);
+    (mesh ? ctx.get_mesh().dp() : ctx.get_process_group()).allreduce(totals);
+    if (ctx.get_world_rank() == 0 && ctx.get_world_size() < full) std::filesystem::remove(busy);
     // Inside the run directory, which the test removes, also when this worker is killed.
     const auto tmp = ctx.get_storage_path() / ("elastic-ckpt-" + std::to_string(::getpid()));
     std::optional<Checkpoint> checkpoint;
     if (ctx.get_world_rank() == 0) checkpoint = train::save_checkpoint(tmp, *model, optimizer);
-    train::report({{"epoch", epoch},
-                   {"world_size", ctx.get_world_size()},
-                   {"lr", optimizer.param_groups()[0].options().get_lr()},
-                   {"samples", totals[0][0].item<double>()},
-                   {"id_sum", totals[0][1].item<double>()}},
-                  checkpoint);
+    Json metrics{{"epoch", epoch},
+                 {"world_size", ctx.get_world_size()},
+                 {"lr", optimizer.param_groups()[0].options().get_lr()},
+                 {"samples", totals[0][0].item<double>()},
+                 {"id_sum", totals[0][1].item<double>()},
+                 {"rows_agree", disagree[0].item<double>() == 0}};
+    if (mesh) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
+    train::report(metrics, checkpoint);
     std::filesystem::remove_all(tmp);
-    if (ctx.get_world_size() < 3) {
+    if (ctx.get_world_size() < full) {
       // The driver now stops this shrunk group to grow it back. Its next epoch would take less
       // time than that stop, so it waits for it here (the stop's SIGTERM ends the wait, and the
       // process), at most 30 s.
@@ -278,19 +295,22 @@ void elastic_loop(const Json& c) {
   }
 }
 
-ScalingConfig elastic_scaling(const std::filesystem::path& run_dir, int min_workers) {
-  return ScalingConfig{.num_workers = 3,
+// `workers` slots, the last one busy while the killed worker's marker exists.
+ScalingConfig elastic_scaling(const std::filesystem::path& run_dir, int workers, int min_workers) {
+  return ScalingConfig{.num_workers = workers,
                        .min_workers = min_workers,
                        .slot_available =
-                           [run_dir](int slot) {
-                             return slot != 2 || !std::filesystem::exists(run_dir / "slot-busy");
+                           [run_dir, workers](int slot) {
+                             return slot != workers - 1 ||
+                                    !std::filesystem::exists(run_dir / "slot-busy");
                            },
                        .on_world_size_change = train::linear_lr_scaling};
 }
 
 TEST_F(FaultTolerance, AnElasticGroupShrinksAfterAFailureAndGrowsBackWhenTheSlotIsFree) {
-  Trainer trainer(elastic_loop, elastic_scaling(dir / "elastic", 2), run_config(dir, "elastic", 1),
-                  Json{{"epochs", 6}, {"kill_rank", 2}, {"kill_epoch", 1}});
+  Trainer trainer(elastic_loop, elastic_scaling(dir / "elastic", 3, 2),
+                  run_config(dir, "elastic", 1),
+                  Json{{"workers", 3}, {"epochs", 6}, {"kill_rank", 2}, {"kill_epoch", 1}});
   const Result result = trainer.fit();
   ASSERT_TRUE(result.ok()) << *result.error;
   std::vector<int> epochs, sizes;
@@ -316,11 +336,53 @@ TEST_F(FaultTolerance, AnElasticGroupShrinksAfterAFailureAndGrowsBackWhenTheSlot
   EXPECT_EQ(Result::from_path(dir / "elastic").resizes, result.resizes);
 }
 
+// With a mesh the group shrinks and grows by whole pipelines: 4 workers of pp 2 lose one, and
+// the 3 free slots restart 2 (dp 1), not 3; the data is re-sharded over dp, the ranks of each
+// pipeline reading the same rows, and the lr follows dp.
+TEST_F(FaultTolerance, AnElasticMeshKeepsWholePipelines) {
+  auto scaling = elastic_scaling(dir / "elastic_mesh", 4, 2);
+  scaling.mesh = {.pp = 2};
+  Trainer trainer(elastic_loop, scaling, run_config(dir, "elastic_mesh", 1),
+                  Json{{"workers", 4}, {"epochs", 5}, {"kill_rank", 3}, {"kill_epoch", 1}});
+  const Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  std::vector<int> sizes;
+  std::vector<std::string> meshes;
+  for (const auto& record : result.metrics_history) {
+    sizes.push_back(record["world_size"].get<int>());
+    meshes.push_back(record["mesh"].get<std::string>());
+    EXPECT_EQ(record["samples"], 24.0) << record.dump();
+    EXPECT_EQ(record["id_sum"], 276.0) << record.dump();
+    EXPECT_TRUE(record["rows_agree"].get<bool>()) << record.dump();
+    EXPECT_NEAR(record["lr"].get<double>(), 0.3 * record["world_size"].get<int>() / 4, 1e-9)
+        << record.dump();
+  }
+  EXPECT_EQ(sizes, (std::vector<int>{4, 4, 2, 4, 4}));
+  EXPECT_EQ(meshes[2], "dp 1 x pp 2 x tp 1");
+  EXPECT_EQ(meshes[3], "dp 2 x pp 2 x tp 1");
+  ASSERT_EQ(result.resizes.size(), 2u);
+  EXPECT_EQ(result.resizes[0]["to"], 2);
+  EXPECT_EQ(result.resizes[1]["to"], 4);
+  // Not a multiple of pp x tp, or dp fixed: refused before any worker starts.
+  cohort::testing::expect_error<UsageError>(
+      [] {
+        Trainer(elastic_loop, ScalingConfig{.num_workers = 4, .min_workers = 3, .mesh = {.pp = 2}});
+      },
+      "min_workers=3 with pp 2 x tp 1: an elastic group keeps whole replicas of 2 workers; use a "
+      "multiple of 2");
+  cohort::testing::expect_error<UsageError>(
+      [] {
+        Trainer(elastic_loop,
+                ScalingConfig{.num_workers = 4, .min_workers = 2, .mesh = {.dp = 2, .pp = 2}});
+      },
+      "leave mesh.dp at 0");
+}
+
 TEST_F(FaultTolerance, AGroupBelowItsMinimumFailsNamingTheBusySlots) {
   auto run = run_config(dir, "below_min", 1);
   run.setup_timeout = std::chrono::seconds(2);
-  Trainer trainer(elastic_loop, elastic_scaling(dir / "below_min", 3), run,
-                  Json{{"epochs", 3}, {"kill_rank", 2}, {"kill_epoch", 0}});
+  Trainer trainer(elastic_loop, elastic_scaling(dir / "below_min", 3, 3), run,
+                  Json{{"workers", 3}, {"epochs", 3}, {"kill_rank", 2}, {"kill_epoch", 0}});
   const Result result = trainer.fit();
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.error->find("only 2 of 3 worker slots are free (slots [2] still busy"),

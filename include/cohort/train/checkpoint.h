@@ -78,10 +78,15 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
 // Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
 // shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
-// In a worker of an elastic run whose checkpoint came from a group of another size, then runs
-// ScalingConfig::on_world_size_change.
+// Loads save_checkpoint's files into `module` and `optimizer`, at any world size and into either
+// engine (see load_optimizer_state); then restore_run_state.
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer);
+// The rest of load_checkpoint, for loops that load the model and the optimizer state themselves
+// (a pipeline's stages: load_by_name, load_optimizer_state), after both: fp16's loss scale comes
+// back, per-step metrics count from here, and ScalingConfig::on_world_size_change runs when the
+// checkpoint came from a group of another size.
+void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& optimizer);
 
 // Any checkpoint's model (DDP's, ZeRO's at any stage, local SGD's, the parameter server's, or a
 // pipeline's stage files) as one safetensors file at `output`, written one tensor at a time: no

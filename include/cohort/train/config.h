@@ -71,8 +71,8 @@ struct ScalingConfig {
   // {.dp = 2, .pp = 2, .tp = 2} for 8 workers; they multiply to num_workers (dp 0: what is left).
   // With pp or tp > 1 every worker gets the mesh's named sub-groups (get_context().get_mesh())
   // and get_dataset_shard() shards the data over dp: the ranks of one pipeline and of one
-  // tensor-parallel group read the same rows. Not with min_workers (a restarted group must keep
-  // whole pipelines).
+  // tensor-parallel group read the same rows. With min_workers (a multiple of pp x tp, dp left at
+  // 0) the group shrinks and grows by whole model replicas: only dp changes.
   parallel::MeshShape mesh;
   // Preprocessing on other nodes: under `cohort launch`, a node started with --data-workers N
   // (a CPU-only node: --nproc-per-node 0) runs N data workers for the job. They take the

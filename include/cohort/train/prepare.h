@@ -159,7 +159,9 @@ bool step_optimizer(torch::optim::Optimizer& optimizer);
 optim::LossScaler& get_loss_scaler();
 
 // A loader over this rank's shard of `dataset`, batches on this worker's device
-// (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch.
+// (Ray Train's prepare_data_loader). Call set_epoch(e) before each epoch. With a mesh the data is
+// sharded over dp, as get_dataset_shard's: a pipeline's and a tensor-parallel group's ranks read
+// the same rows.
 data::DataLoader prepare_data_loader(data::TensorDataset dataset,
                                      data::DataLoaderOptions options = {});
 
