@@ -42,8 +42,28 @@ void share_stages(const std::vector<torch::nn::Sequential>& stages,
   }
 }
 
-// What a mesh checkpoint holds besides the files, to refuse another layout by name.
+// What a mesh checkpoint holds besides the files: the layout that wrote it.
 constexpr const char* kMeshFile = "mesh.json";
+
+// The layout of a checkpoint: a mesh run's degrees and schedule, or none (pp 1, tp 1).
+struct WrittenLayout {
+  bool mesh = false;
+  int pp = 1, tp = 1;
+  std::string schedule;
+  std::string flags() const {
+    return "--pp " + std::to_string(pp) + " --tp " + std::to_string(tp) +
+           (pp > 1 ? " --schedule " + schedule : "");
+  }
+};
+WrittenLayout written_layout(const Checkpoint& checkpoint) {
+  const auto file = checkpoint.path() / kMeshFile;
+  if (!std::filesystem::exists(file)) return {};
+  const auto json = Json::parse(std::ifstream(file));
+  return {.mesh = true,
+          .pp = json.value("pp", 0),
+          .tp = json.value("tp", 0),
+          .schedule = json.value("schedule", std::string("1f1b"))};
+}
 
 // The folder of one (pp, tp) position's optimizer state: optimizer.pt (DDP, from dp index 0), or
 // every dp rank's ZeRO shards. Checkpoints written before ZeRO could shard a pipeline hold the
@@ -62,7 +82,28 @@ struct CheckpointedModel {
   models::VisionTransformerImpl& sliced() const {
     return dynamic_cast<models::VisionTransformerImpl&>(*model);
   }
+  // With tp 1: this rank's optimizer's parameters in order, by their names in the pipeline's
+  // module and in the model, so that a run cut otherwise (or not at all) loads its state; and
+  // the pipeline's names -> the model's.
+  std::vector<train::OptimizerPart::Parameter> part;
+  std::map<std::string, std::string> whole_names;
 };
+
+// The model's names of the pipeline's parameters (the stages share the model's tensors).
+void name_parts(CheckpointedModel& checkpointed, const pipeline::Pipeline& pipe) {
+  std::map<const c10::TensorImpl*, std::string> whole;
+  for (const auto& p : checkpointed.model->named_parameters())
+    whole[p.value().unsafeGetTensorImpl()] = p.key();
+  std::map<const c10::TensorImpl*, std::string> local;
+  for (const auto& p : pipe.module()->named_parameters()) {
+    local[p.value().unsafeGetTensorImpl()] = p.key();
+    checkpointed.whole_names[p.key()] = whole.at(p.value().unsafeGetTensorImpl());
+  }
+  for (const auto& p : pipe.parameters()) {  // the optimizer's order
+    checkpointed.part.push_back(
+        {local.at(p.unsafeGetTensorImpl()), whole.at(p.unsafeGetTensorImpl()), p.sizes().vec()});
+  }
+}
 
 // The ranks of dp index 0 write the checkpoint (their replicas' are the same): the model (whole
 // after share_stages) from pp index 0, every stage's optimizer state from its rank; with ZeRO
@@ -86,6 +127,8 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
       train::save_model(model.dense ? *model.dense : *model.model, dir / "model.safetensors");
   }
   train::save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
+  if (mesh.dp_index() == 0 && mesh.shape().tp == 1)
+    train::save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = model.part});
   if (ctx.get_world_rank() == 0) {
     const auto& s = mesh.shape();
     std::ofstream(dir / kMeshFile)
@@ -97,33 +140,60 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
   std::filesystem::remove_all(dir);
 }
 
-// Loads the whole model and this rank's optimizer state from a mesh checkpoint of the same pp
-// and tp (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is what the
-// optimizer steps, pipe.module()); another layout, or a checkpoint of a run without a mesh, is a
-// UsageError.
+// Loads the whole model and this rank's optimizer state. From a mesh checkpoint of the same pp,
+// tp and schedule (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is what the
+// optimizer steps, pipe.module()) exactly as written. With tp 1 from any other cut, or from a
+// run without a mesh: each parameter's state found by the model's name. A tensor-parallel
+// checkpoint into another layout is a UsageError.
 void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
                           const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
-                          const torch::nn::Module& stages) {
+                          const torch::nn::Module& stages, const std::string& schedule) {
   const auto dir = checkpoint.path();
   const auto& s = mesh.shape();
-  const std::string here = "--pp " + std::to_string(s.pp) + " --tp " + std::to_string(s.tp);
-  if (!std::filesystem::exists(dir / kMeshFile)) {
-    throw UsageError("checkpoint " + dir.string() +
-                     " was written without pipeline or tensor parallelism: resume it without " +
-                     here + " (resharding a checkpoint into a mesh is not built yet)");
-  }
-  const auto written = Json::parse(std::ifstream(dir / kMeshFile));
-  const int pp = written.value("pp", 0), tp = written.value("tp", 0);
-  if (pp != s.pp || tp != s.tp) {
-    throw UsageError("checkpoint " + dir.string() + " was written with --pp " + std::to_string(pp) +
-                     " --tp " + std::to_string(tp) + ", this run has " + here +
-                     ": resume with the same degrees (any --workers that keeps them whole)");
+  const WrittenLayout here{.mesh = true, .pp = s.pp, .tp = s.tp, .schedule = schedule};
+  const WrittenLayout written = written_layout(checkpoint);
+  // The same cut: the same degrees and stages per rank (the schedules may differ otherwise).
+  const bool same = written.mesh && written.pp == here.pp && written.tp == here.tp &&
+                    virtual_stages_of(pipeline::schedule_from_string(written.schedule)) ==
+                        virtual_stages_of(pipeline::schedule_from_string(here.schedule));
+  if (!same && (written.tp > 1 || here.tp > 1)) {
+    throw UsageError("checkpoint " + dir.string() + " was written " +
+                     (written.mesh ? "with " + written.flags() : "without a mesh") +
+                     ", this run has " + here.flags() +
+                     ": with tensor parallelism resume with the same degrees and schedule (any "
+                     "--workers that keeps them whole)");
   }
   if (model.dense) {
     train::load_model(*model.dense, dir / "model.safetensors");
     model.sliced().load_from_dense(*model.dense);
   } else {
     train::load_model(*model.model, dir / "model.safetensors");
+  }
+  if (!same) {
+    // Another cut: every stage's state by the model's names.
+    std::vector<train::OptimizerPart> parts;
+    if (written.mesh) {
+      parts = train::find_optimizer_parts(dir);
+      if (parts.empty()) {
+        throw UsageError("checkpoint " + dir.string() +
+                         " was written before a mesh checkpoint named its stages' optimizer "
+                         "state: resume it with " +
+                         written.flags());
+      }
+    } else {
+      // A run without a mesh: its optimizer was over the model's parameters, in order.
+      train::OptimizerPart whole{.dir = dir, .parameters = {}};
+      for (const auto& p : model.model->named_parameters())
+        whole.parameters.push_back({p.key(), p.key(), p.value().sizes().vec()});
+      parts.push_back(std::move(whole));
+    }
+    if (train::get_context().get_world_rank() == 0) {
+      std::cout << "re-cutting the optimizer state of " << dir.filename().string() << " from "
+                << (written.mesh ? written.flags() : "a run without a mesh") << " to "
+                << here.flags() << std::endl;
+    }
+    train::load_optimizer_parts(parts, optimizer, stages, model.whole_names);
+    return;
   }
   const auto state = dir / optimizer_folder(mesh);
   auto old_file = state;
@@ -144,15 +214,19 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
 
 }  // namespace
 
-void refuse_mesh_checkpoint(const Checkpoint& checkpoint) {
-  const auto file = checkpoint.path() / kMeshFile;
-  if (!std::filesystem::exists(file)) return;
-  const auto written = Json::parse(std::ifstream(file));
-  throw UsageError("checkpoint " + checkpoint.path().string() +
-                   " was written by a mesh run (--pp " + std::to_string(written.value("pp", 0)) +
-                   " --tp " + std::to_string(written.value("tp", 0)) +
-                   "): resume it with the same --pp and --tp (loading a mesh checkpoint into a run "
-                   "without one is not built yet)");
+void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
+  const WrittenLayout written = written_layout(checkpoint);
+  if (!written.mesh) return;
+  const std::string why =
+      written.tp > 1 ? "its tensor-parallel slices load only into the same degrees"
+      : !synchronous ? "a pipeline's optimizer state loads into --sync ddp only"
+      : train::find_optimizer_parts(checkpoint.path()).empty()
+          ? "it was written before a mesh checkpoint named its stages' optimizer state"
+          : "";
+  if (why.empty()) return;
+  throw UsageError("checkpoint " + checkpoint.path().string() + " was written by a mesh run (" +
+                   written.flags() + "): " + why + "; resume it with " + written.flags() +
+                   (!synchronous && written.tp == 1 ? ", or with --sync ddp" : ""));
 }
 
 int micro_batches_of(const TrainOptions& o) {
@@ -280,6 +354,7 @@ void train_loop_on_mesh(const Json& c) {
                            .zero = zero});
   // With ZeRO, the engine that shards the optimizer over the dp group.
   auto optimizer = pipe.prepare_optimizer(make_optimizer(c, pipe.parameters()));
+  if (shape.tp == 1) name_parts(checkpointed, pipe);
   if (rank0) {
     std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
               << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
@@ -292,7 +367,8 @@ void train_loop_on_mesh(const Json& c) {
   int64_t steps = 0;
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
-    load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer, *pipe.module());
+    load_mesh_checkpoint(*checkpoint, mesh, checkpointed, *optimizer, *pipe.module(),
+                         to_string(kind));
     // From a group of another dp degree (--workers, or an elastic restart): the lr scaled.
     train::restore_run_state(*checkpoint, *optimizer);
     resumed = resume_point(*checkpoint);

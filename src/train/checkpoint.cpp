@@ -192,6 +192,14 @@ int Checkpoint::world_size() const {
   return Json::parse(in).value("world_size", 0);
 }
 
+int Checkpoint::data_parallel_size() const {
+  auto meta = path_ / kMetaFile;
+  if (!std::filesystem::exists(meta)) return 0;
+  std::ifstream in(meta);
+  const auto json = Json::parse(in);
+  return json.value("data_parallel_size", json.value("world_size", 0));
+}
+
 void Checkpoint::verify() const { verify_manifest(path_); }
 
 namespace train {
@@ -549,6 +557,11 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
                           const torch::nn::Module& module) {
   refuse_replica_optimizer(optimizer, "load_optimizer_state", "load_checkpoint");
   const bool zero_shards = std::filesystem::exists(dir / kZeroManifest);
+  if (!zero_shards && !std::filesystem::exists(dir / "optimizer.pt")) {
+    // A pipeline's checkpoint: its stages' state in parts, by the whole model's names.
+    if (auto parts = find_optimizer_parts(dir); !parts.empty())
+      return load_optimizer_parts(parts, optimizer, module);
+  }
   if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
     if (zero_shards) {
       detail::load_zero_shards(*zero, dir);
@@ -636,8 +649,9 @@ void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& op
     session->loss_scaler->load_state_dict(read_json(checkpoint.path() / kLossScalerFile));
   }
   if (session == nullptr || !session->on_world_size_change) return;
-  const int previous = checkpoint.world_size();
-  const int now = session->context.world_size;
+  const int previous = checkpoint.data_parallel_size();
+  const int now =
+      session->context.has_mesh() ? session->context.mesh.shape().dp : session->context.world_size;
   if (previous > 0 && previous != now) session->on_world_size_change(optimizer, previous, now);
 }
 

@@ -519,12 +519,14 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (with_checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
-    write_atomically(staging / kMetaFile, Json{{"metrics", message["metrics"]},
-                                               {"report_index", index},
-                                               {"world_size", s.context.world_size},
-                                               {"timestamp", std::time(nullptr)}}
-                                                  .dump(2) +
-                                              "\n");
+    write_atomically(staging / kMetaFile,
+                     Json{{"metrics", message["metrics"]},
+                          {"report_index", index},
+                          {"world_size", s.context.world_size},
+                          {"data_parallel_size", data_parallel_position(s.context).world_size},
+                          {"timestamp", std::time(nullptr)}}
+                             .dump(2) +
+                         "\n");
     write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
     std::filesystem::rename(staging, final_path);

@@ -5,8 +5,10 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <type_traits>
 #include <utility>
@@ -61,6 +63,11 @@ class ZeroShards {
   }
 
   const Json& manifest() const { return manifest_; }
+  // Whether the shards hold any of `parameter`'s state.
+  bool holds(const std::string& parameter) const {
+    const auto found = entries_.lower_bound(parameter + "/");
+    return found != entries_.end() && found->first.rfind(parameter + "/", 0) == 0;
+  }
 
   // Throws when the checkpoint holds another algorithm's state than `algorithm` with `names`.
   void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
@@ -238,6 +245,157 @@ std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(
       params, static_cast<const torch::optim::AdamWOptions&>(options));
 }
 
+// Optimizer state by parameter name, from one folder of save_optimizer_state: ZeRO's shards, or
+// a whole optimizer's optimizer.pt read over stand-ins of its parameters (whose names and shapes,
+// in the writer's order, the caller knows).
+class StateSource {
+ public:
+  static StateSource shards(const std::filesystem::path& dir) {
+    StateSource out;
+    out.shards_.emplace(dir);
+    out.steps_ = out.shards_->manifest().at("steps").get<int64_t>();
+    out.lr_ = out.shards_->manifest().at("lr").get<double>();
+    return out;
+  }
+
+  // `parameters`: the writer's, in its order, by name and shape.
+  static StateSource file(
+      const std::filesystem::path& file,
+      const std::vector<std::pair<std::string, std::vector<int64_t>>>& parameters,
+      const std::string& algorithm, const torch::optim::OptimizerOptions& options) {
+    if (!std::filesystem::exists(file)) {
+      throw UsageError("checkpoint " + file.parent_path().string() +
+                       " holds neither ZeRO shards nor an optimizer.pt");
+    }
+    std::vector<at::Tensor> stand_ins;
+    for (const auto& [name, shape] : parameters) stand_ins.push_back(at::zeros(shape, at::kFloat));
+    torch::serialize::InputArchive archive;
+    archive.load_from(file.string());
+    torch::serialize::InputArchive probe;
+    const bool flat = archive.try_read("cohort_flat_state", probe);
+    std::unique_ptr<torch::optim::Optimizer> writer =
+        flat ? std::unique_ptr<torch::optim::Optimizer>(optim::make_flat_optimizer(
+                   {torch::optim::OptimizerParamGroup(stand_ins)}, algorithm, options))
+             : make_torch_optimizer(algorithm, stand_ins, options);
+    load_optimizer(*writer, file);
+    StateSource out;
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      auto state = state_of(*writer, algorithm, i);
+      out.steps_ = std::max(out.steps_, state.steps);
+      out.whole_[parameters[i].first] = std::move(state);
+    }
+    out.lr_ = writer->param_groups()[0].options().get_lr();
+    return out;
+  }
+
+  bool holds(const std::string& parameter) const {
+    return shards_ ? shards_->holds(parameter) : whole_.count(parameter) > 0;
+  }
+  // Throws when the shards hold another algorithm's state (a file is read as `algorithm`).
+  void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
+    if (shards_) shards_->check_algorithm(algorithm, names);
+  }
+  // Elements [begin, begin + target.numel()) of state `names[s]` of `parameter` into `target`.
+  void read(const std::string& parameter, const std::vector<std::string>& names, size_t s,
+            int64_t begin, at::Tensor target) const {
+    if (shards_) return shards_->read(parameter, names[s], begin, std::move(target));
+    target.copy_(whole_.at(parameter).values.at(s).narrow(0, begin, target.numel()));
+  }
+  int64_t steps() const { return steps_; }
+  double lr() const { return lr_; }
+
+ private:
+  std::optional<ZeroShards> shards_;
+  std::map<std::string, ParameterState> whole_;  // a file's, by name
+  int64_t steps_ = 0;
+  double lr_ = 0;
+};
+
+// Optimizer state from several sources (a pipeline's stages), each parameter from the one that
+// holds it, found by a name common to all (the whole model's) that each source may call
+// otherwise.
+class NamedState {
+ public:
+  // `local`: the whole model's names of the source's parameters -> the source's own (none: the
+  // same).
+  void add(StateSource source, std::map<std::string, std::string> local = {},
+           std::string what = {}) {
+    sources_.push_back({std::move(source), std::move(local), std::move(what)});
+  }
+  void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
+    for (const auto& s : sources_) s.source.check_algorithm(algorithm, names);
+  }
+  void read(const std::string& parameter, const std::vector<std::string>& names, size_t s,
+            int64_t begin, at::Tensor target) const {
+    for (const auto& source : sources_) {
+      const auto found = source.local.find(parameter);
+      const std::string& local = found == source.local.end() ? parameter : found->second;
+      if (source.source.holds(local))
+        return source.source.read(local, names, s, begin, std::move(target));
+    }
+    std::string where;
+    for (const auto& source : sources_) where += (where.empty() ? "" : ", ") + source.what;
+    throw UsageError("the checkpoint holds no optimizer state for parameter '" + parameter + "'" +
+                     (where.empty() ? "" : " (in " + where + ")") +
+                     ": it was written for another model");
+  }
+  int64_t steps() const {
+    int64_t steps = 0;
+    for (const auto& s : sources_) steps = std::max(steps, s.source.steps());
+    return steps;
+  }
+  double lr() const { return sources_.at(0).source.lr(); }
+
+ private:
+  struct Source {
+    StateSource source;
+    std::map<std::string, std::string> local;
+    std::string what;
+  };
+  std::vector<Source> sources_;
+};
+
+// `state` into `optimizer`: a ZeroOptimizer's shard (its pieces' ranges), or a whole optimizer
+// over `module`'s parameters (unused for ZeRO: its pieces are named). `whole_names` maps a name in
+// `module` (or the ZeRO engine's) to the name `state` knows it by (none: the same).
+void load_named_state(const NamedState& state, torch::optim::Optimizer& optimizer,
+                      const torch::nn::Module* module,
+                      const std::map<std::string, std::string>& whole_names) {
+  torch::NoGradGuard no_grad;
+  auto whole = [&](const std::string& name) {
+    const auto found = whole_names.find(name);
+    return found == whole_names.end() ? name : found->second;
+  };
+  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
+    const auto names = zero->state_names();
+    state.check_algorithm(zero->algorithm(), names);
+    for (const auto& piece : zero->shard_pieces()) {
+      auto buffers = zero->shard_state(piece.group);
+      for (size_t s = 0; s < names.size(); ++s)
+        state.read(whole(piece.parameter), names, s, piece.begin,
+                   buffers[s].narrow(0, piece.offset, piece.length));
+    }
+    zero->set_steps(state.steps());
+    for (auto& group : zero->param_groups()) group.options().set_lr(state.lr());
+    return;
+  }
+  const auto algorithm = optim::algorithm_of(optimizer, "load_checkpoint",
+                                             "ZeRO checkpoints load into SGD, Adam or AdamW");
+  const auto names = optim::state_names_of(algorithm, optimizer.param_groups()[0].options());
+  state.check_algorithm(algorithm, names);
+  const auto parameters = parameter_names(optimizer, *module, "load_checkpoint");
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const int64_t numel = optimizer.param_groups()[0].params()[i].numel();
+    ParameterState values{.steps = state.steps(), .values = {}};
+    for (size_t s = 0; s < names.size(); ++s) {
+      values.values.push_back(at::empty({numel}, at::kFloat));
+      state.read(whole(parameters[i]), names, s, 0, values.values.back());
+    }
+    set_state(optimizer, algorithm, i, values);
+  }
+  optimizer.param_groups()[0].options().set_lr(state.lr());
+}
+
 // Walks a model's tensors in name order (std::map's, which keeps each unit's together) and
 // keeps the stage-3 unit that holds the current one gathered, releasing the one before: no more
 // than the largest unit is whole at once. Every rank of the group walks the same names.
@@ -317,86 +475,29 @@ void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem
 }
 
 void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
-  torch::NoGradGuard no_grad;
-  const ZeroShards shards(dir);
-  const auto names = zero.state_names();
-  shards.check_algorithm(zero.algorithm(), names);
-  for (const auto& piece : zero.shard_pieces()) {
-    auto state = zero.shard_state(piece.group);
-    for (size_t s = 0; s < names.size(); ++s)
-      shards.read(piece.parameter, names[s], piece.begin,
-                  state[s].narrow(0, piece.offset, piece.length));
-  }
-  zero.set_steps(shards.manifest().at("steps").get<int64_t>());
-  const double lr = shards.manifest().at("lr").get<double>();
-  for (auto& group : zero.param_groups()) group.options().set_lr(lr);
+  NamedState state;
+  state.add(StateSource::shards(dir));
+  load_named_state(state, zero, nullptr, {});
 }
 
 void load_zero_shards_into(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                            const std::filesystem::path& dir) {
-  torch::NoGradGuard no_grad;
-  const ZeroShards shards(dir);
-  const auto algorithm = optim::algorithm_of(optimizer, "load_checkpoint",
-                                             "ZeRO checkpoints load into SGD, Adam or AdamW");
-  const auto names = optim::state_names_of(algorithm, optimizer.param_groups()[0].options());
-  shards.check_algorithm(algorithm, names);
-  const auto parameters = parameter_names(optimizer, module, "load_checkpoint");
-  const int64_t steps = shards.manifest().at("steps").get<int64_t>();
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    const int64_t numel = optimizer.param_groups()[0].params()[i].numel();
-    ParameterState state{.steps = steps, .values = {}};
-    for (const auto& name : names) {
-      state.values.push_back(at::empty({numel}, at::kFloat));
-      shards.read(parameters[i], name, 0, state.values.back());
-    }
-    set_state(optimizer, algorithm, i, state);
-  }
-  optimizer.param_groups()[0].options().set_lr(shards.manifest().at("lr").get<double>());
+  NamedState state;
+  state.add(StateSource::shards(dir));
+  load_named_state(state, optimizer, &module, {});
 }
 
 void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
                                    const std::filesystem::path& file) {
-  torch::NoGradGuard no_grad;
-  if (!std::filesystem::exists(file)) {
-    throw UsageError("checkpoint " + file.parent_path().string() +
-                     " holds neither ZeRO shards nor an optimizer.pt to start ZeRO's from");
-  }
-  // The writer's optimizer, over stand-ins of the model's trainable parameters in their order
-  // (as a DDP run builds it): its state read whole, then this rank's pieces kept.
-  const auto& options = zero.param_groups().front().options();
-  std::vector<at::Tensor> stand_ins;
-  std::vector<std::string> names;
-  for (const auto& p : module.named_parameters()) {
-    if (!p.value().requires_grad()) continue;
-    stand_ins.push_back(at::zeros(p.value().sizes(), at::kFloat));
-    names.push_back(p.key());
-  }
-  torch::serialize::InputArchive archive;
-  archive.load_from(file.string());
-  torch::serialize::InputArchive probe;
-  const bool flat = archive.try_read("cohort_flat_state", probe);
-  std::unique_ptr<torch::optim::Optimizer> writer =
-      flat ? std::unique_ptr<torch::optim::Optimizer>(optim::make_flat_optimizer(
-                 {torch::optim::OptimizerParamGroup(stand_ins)}, zero.algorithm(), options))
-           : make_torch_optimizer(zero.algorithm(), stand_ins, options);
-  load_optimizer(*writer, file);
-  std::map<std::string, ParameterState> whole;
-  for (size_t i = 0; i < names.size(); ++i)
-    whole[names[i]] = state_of(*writer, zero.algorithm(), i);
-  int64_t steps = 0;
-  for (const auto& [name, state] : whole) steps = std::max(steps, state.steps);
-  for (const auto& piece : zero.shard_pieces()) {
-    const auto& state = whole.at(piece.parameter);
-    auto buffers = zero.shard_state(piece.group);
-    for (size_t s = 0; s < buffers.size(); ++s) {
-      buffers[s]
-          .narrow(0, piece.offset, piece.length)
-          .copy_(state.values.at(s).narrow(0, piece.begin, piece.length));
-    }
-  }
-  zero.set_steps(steps);
-  const double lr = writer->param_groups()[0].options().get_lr();
-  for (auto& group : zero.param_groups()) group.options().set_lr(lr);
+  // The writer's optimizer was over the model's trainable parameters in their order (as a DDP
+  // run builds it).
+  std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
+  for (const auto& p : module.named_parameters())
+    if (p.value().requires_grad()) parameters.emplace_back(p.key(), p.value().sizes().vec());
+  NamedState state;
+  state.add(
+      StateSource::file(file, parameters, zero.algorithm(), zero.param_groups().front().options()));
+  load_named_state(state, zero, nullptr, {});
 }
 
 void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
@@ -447,3 +548,99 @@ void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& 
 }
 
 }  // namespace cohort::train::detail
+
+namespace cohort::train {
+namespace {
+
+constexpr const char* kPartFile = "optimizer_part.json";
+constexpr const char* kPartFormat = "cohort.optimizer-part.v1";
+
+}  // namespace
+
+void save_optimizer_part(const OptimizerPart& part) {
+  Json parameters = Json::array();
+  for (const auto& p : part.parameters)
+    parameters.push_back({{"name", p.name}, {"whole_name", p.whole_name}, {"shape", p.shape}});
+  std::filesystem::create_directories(part.dir);
+  write_atomically(part.dir / kPartFile,
+                   Json{{"format", kPartFormat}, {"parameters", parameters}}.dump(1) + "\n");
+}
+
+std::vector<OptimizerPart> find_optimizer_parts(const std::filesystem::path& checkpoint_dir) {
+  std::vector<OptimizerPart> parts;
+  if (!std::filesystem::is_directory(checkpoint_dir)) return parts;
+  for (const auto& entry : std::filesystem::directory_iterator(checkpoint_dir)) {
+    const auto file = entry.path() / kPartFile;
+    if (!entry.is_directory() || !std::filesystem::exists(file)) continue;
+    const Json json = read_json(file);
+    if (json.value("format", "") != kPartFormat) {
+      throw UsageError("checkpoint " + checkpoint_dir.string() + ": " + file.string() +
+                       " is not an optimizer part of format " + kPartFormat);
+    }
+    OptimizerPart part{.dir = entry.path(), .parameters = {}};
+    for (const auto& p : json.at("parameters")) {
+      part.parameters.push_back({p.at("name").get<std::string>(),
+                                 p.at("whole_name").get<std::string>(),
+                                 p.at("shape").get<std::vector<int64_t>>()});
+    }
+    parts.push_back(std::move(part));
+  }
+  std::sort(parts.begin(), parts.end(),
+            [](const auto& a, const auto& b) { return a.dir.filename() < b.dir.filename(); });
+  return parts;
+}
+
+void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
+                          torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                          const std::map<std::string, std::string>& whole_names) {
+  if (parts.empty()) throw UsageError("load_optimizer_parts: no parts to load from");
+  // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
+  auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer);
+  std::set<std::string> needed;
+  auto whole = [&](const std::string& name) {
+    const auto found = whole_names.find(name);
+    return found == whole_names.end() ? name : found->second;
+  };
+  if (zero != nullptr) {
+    for (const auto& piece : zero->shard_pieces()) needed.insert(whole(piece.parameter));
+  } else {
+    for (const auto& name : detail::parameter_names(optimizer, module, "load_optimizer_parts"))
+      needed.insert(whole(name));
+  }
+  const std::string algorithm =
+      zero != nullptr ? zero->algorithm()
+                      : optim::algorithm_of(optimizer, "load_optimizer_parts",
+                                            "optimizer parts load into SGD, Adam or AdamW");
+  const auto& options = zero != nullptr ? zero->param_groups().front().options()
+                                        : optimizer.param_groups().front().options();
+  // Only the parts that hold some of them (the first at least, for the steps and the lr).
+  std::vector<const OptimizerPart*> wanted;
+  for (const auto& part : parts) {
+    for (const auto& p : part.parameters) {
+      if (needed.count(p.whole_name) == 0) continue;
+      wanted.push_back(&part);
+      break;
+    }
+  }
+  if (wanted.empty()) wanted.push_back(&parts.front());
+  detail::NamedState state;
+  for (const OptimizerPart* part_pointer : wanted) {
+    const auto& part = *part_pointer;
+    std::map<std::string, std::string> local;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> in_order;
+    for (const auto& p : part.parameters) {
+      local[p.whole_name] = p.name;
+      in_order.emplace_back(p.name, p.shape);
+    }
+    const auto what = part.dir.filename().string();
+    if (std::filesystem::exists(part.dir / detail::kZeroManifest)) {
+      state.add(detail::StateSource::shards(part.dir), std::move(local), what);
+    } else {
+      state.add(detail::StateSource::file(part.dir / "optimizer.pt", in_order, algorithm, options),
+                std::move(local), what);
+    }
+  }
+  detail::load_named_state(state, optimizer, &module, whole_names);
+}
+
+}  // namespace cohort::train

@@ -521,8 +521,9 @@ TEST_F(Cli, CheckpointConsolidateWritesTheWholeModelAsOneFile) {
 
 // A pipeline of two workers trains the MLP as one worker does (the same batches, the gradient
 // of each batch's mean summed over micro-batches in another order); the ViT tensor-parallel over
-// two workers likewise. A zero-bubble pipeline stopped after an epoch resumes exactly, and a run
-// without the pipeline refuses its checkpoint by name.
+// two workers likewise. A zero-bubble pipeline stopped after an epoch resumes exactly, and in
+// another cut (one worker, 4 stages) as the pipeline trains; one worker's checkpoint resumes in a
+// pipeline; a tensor-parallel checkpoint is refused by a run without the same degrees.
 TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   auto with = [&](const std::vector<std::string>& extra) { return small_run("sgd", extra); };
   auto one_worker = [&](std::vector<std::string> args) {
@@ -585,12 +586,45 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   EXPECT_EQ(resumed["steps"], straight["steps"]);
   EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
   EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
-  // The same run without the pipeline cannot take the pipeline's optimizer state.
-  auto flat = small_run("adam", {"--model", "cnn", "--epochs", "3", "--name", "zb_resumed"});
-  auto refused = train(flat);
-  EXPECT_NE(refused.exit_code, 0);
-  EXPECT_NE(refused.output.find("was written by a mesh run (--pp 2 --tp 1): resume it with the "
-                                "same --pp and --tp"),
+  // Another cut resumes by the model's names: the pipeline's epoch-1 checkpoint continued by one
+  // worker without a mesh, and by a pipeline of 4 stages (both dp 1: the same global batch),
+  // trains epoch 2 as the pipeline did.
+  using Recut = std::tuple<std::string, std::string, std::vector<std::string>>;
+  for (const auto& [name, workers, mesh] :
+       {Recut{"zb_plain", "1", {}}, Recut{"zb_pp4", "4", {"--pp", "4", "--schedule", "gpipe"}}}) {
+    ASSERT_EQ(train(zb({"--epochs", "1", "--name", name})).exit_code, 0);
+    auto args = small_run("adam", {"--model", "cnn", "--epochs", "2", "--name", name});
+    args[3] = workers;  // --workers
+    args.insert(args.end(), mesh.begin(), mesh.end());
+    auto r = train(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
+    const auto got = result_of(name);
+    EXPECT_EQ(got["steps"], straight["steps"]) << name;
+    EXPECT_NEAR(got["train_loss"].get<double>(), straight["train_loss"].get<double>(),
+                1e-4 * straight["train_loss"].get<double>())
+        << name;
+    EXPECT_NEAR(got["lr"].get<double>(), straight["lr"].get<double>(), 1e-12) << name;
+  }
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "zb_pp4" / "logs" / "rank-0.log").string())
+                .find("re-cutting the optimizer state of checkpoint_000000 from --pp 2 --tp 1 "
+                      "--schedule zero-bubble to --pp 4 --tp 1 --schedule gpipe"),
+            std::string::npos);
+  // And back: one worker's checkpoint into a pipeline of 2 stages.
+  ASSERT_EQ(
+      train(one_worker(with({"--model", "mlp", "--epochs", "2", "--name", "one_2"}))).exit_code, 0);
+  auto into_pipeline =
+      train(with({"--model", "mlp", "--epochs", "2", "--pp", "2", "--name", "one"}));
+  ASSERT_EQ(into_pipeline.exit_code, 0) << into_pipeline.output;
+  EXPECT_NEAR(result_of("one")["train_loss"].get<double>(),
+              result_of("one_2")["train_loss"].get<double>(),
+              1e-4 * result_of("one_2")["train_loss"].get<double>());
+  // Tensor-parallel slices load only into the same degrees.
+  auto refused = train(one_worker(with({"--model", "vit", "--epochs", "2", "--max-steps", "8",
+                                        "--test-examples", "32", "--name", "vit_tp"})));
+  EXPECT_NE(refused.exit_code, 0) << refused.output;
+  EXPECT_NE(refused.output.find("was written by a mesh run (--pp 1 --tp 2): its tensor-parallel "
+                                "slices load only into the same degrees"),
             std::string::npos)
       << refused.output;
 }

@@ -279,5 +279,82 @@ TEST(ZeroCheckpoint, MovesBetweenZeroAndTheWholeOptimizersOfDdp) {
   std::filesystem::remove_all(root);
 }
 
+// A model's optimizer state in parts, as a pipeline of two stages keeps it: the first layer's by
+// a whole AdamW (optimizer.pt), the last's sharded by ZeRO over two ranks, each under its
+// stage's own names. Loaded by the whole model's names into DDP's optimizer (torch::optim's and
+// the flat one) on one rank, or into ZeRO on three, the next step is the uncut model's; a
+// missing part is named.
+TEST(OptimizerParts, AModelsStagesLoadIntoAnyCutByTheWholeModelsNames) {
+  const auto root = cohort::testing::temp_dir("optimizer_parts");
+  const auto checkpoint = root / "checkpoint";
+  std::vector<torch::Tensor> reference;  // the uncut model's third step
+  {
+    auto net = make_checkpoint_net();
+    auto optimizer = whole_adamw(net, false);
+    for (int step = 0; step < 3; ++step) whole_step(net, *optimizer, step);
+    for (const auto& p : net->parameters()) reference.push_back(p.detach().clone());
+  }
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_checkpoint_net();
+    const auto first = net->ptr(0), last = net->ptr(2);
+    torch::optim::AdamW first_optimizer(first->parameters(), torch::optim::AdamWOptions(0.01));
+    torch::optim::AdamW plain(last->parameters(), torch::optim::AdamWOptions(0.01));
+    ZeroOptimizer last_optimizer(last, plain, g, ZeroOptions{.stage = 2, .reduce_bucket_size = 40});
+    for (int step = 0; step < 2; ++step) {
+      // Every rank the whole batch: ZeRO's average is its gradient.
+      auto [x, y] = global_batch(step);
+      first_optimizer.zero_grad();
+      last_optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      first_optimizer.step();
+      last_optimizer.step();
+    }
+    auto part = [](const std::shared_ptr<torch::nn::Module>& stage, const std::string& prefix,
+                   const std::filesystem::path& dir) {
+      OptimizerPart out{.dir = dir, .parameters = {}};
+      for (const auto& p : stage->named_parameters())
+        out.parameters.push_back({p.key(), prefix + p.key(), p.value().sizes().vec()});
+      return out;
+    };
+    save_optimizer_state(checkpoint / "stage1", last_optimizer);  // every rank its shard
+    if (g.rank() == 0) {
+      save_optimizer_state(checkpoint / "stage0", first_optimizer);
+      save_optimizer_part(part(first, "0.", checkpoint / "stage0"));
+      save_optimizer_part(part(last, "2.", checkpoint / "stage1"));
+      save_model(*net, checkpoint / "model.safetensors");
+    }
+  });
+  ASSERT_EQ(find_optimizer_parts(checkpoint).size(), 2u);
+  for (const bool flat : {false, true}) {
+    auto net = make_checkpoint_net();
+    load_model(*net, checkpoint / "model.safetensors");
+    auto optimizer = whole_adamw(net, flat);
+    load_optimizer_state(checkpoint, *optimizer, *net);  // finds the parts
+    whole_step(net, *optimizer, 2);
+    std::vector<torch::Tensor> resumed;
+    for (const auto& p : net->parameters()) resumed.push_back(p.detach().clone());
+    expect_same_parameters(resumed, reference,
+                           std::string("parts into DDP's ") + (flat ? "FlatAdamW" : "AdamW"));
+  }
+  std::vector<torch::Tensor> sharded;
+  run_ranks(3, [&](comm::ProcessGroup& g) {
+    auto net = make_checkpoint_net();
+    load_model(*net, checkpoint / "model.safetensors");
+    auto zero = make_zero(net, g, 1);
+    load_optimizer_parts(find_optimizer_parts(checkpoint), *zero, *net);
+    train_step(net, *zero, 2);
+    copy_parameters(net, *zero, sharded);
+  });
+  expect_same_parameters(sharded, reference, "parts into ZeRO stage 1 on 3 ranks");
+  // Without the last stage's part its parameters are named.
+  std::filesystem::remove_all(checkpoint / "stage1");
+  auto net = make_checkpoint_net();
+  auto optimizer = whole_adamw(net, false);
+  cohort::testing::expect_error<UsageError>(
+      [&] { load_optimizer_state(checkpoint, *optimizer, *net); },
+      "holds no optimizer state for parameter '2.");
+  std::filesystem::remove_all(root);
+}
+
 }  // namespace
 }  // namespace cohort::train

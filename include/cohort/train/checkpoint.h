@@ -4,6 +4,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
@@ -27,6 +28,8 @@ class Checkpoint {
   Json metrics() const;
   // How many workers the group that wrote it had (meta.json); 0 when not known.
   int world_size() const;
+  // How many of them were data-parallel replicas: with a mesh its dp degree, else world_size().
+  int data_parallel_size() const;
   // Checks every file against the manifest; throws UsageError naming the file and the problem.
   void verify() const;
 
@@ -75,6 +78,32 @@ void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer);
 void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& module);
+// A model's optimizer state kept in several folders of save_optimizer_state, one per part of the
+// model (a pipeline's stages, each maybe sharded by ZeRO): with each part, its optimizer's
+// parameters in order, by the name the folder's files use, the whole model's name and the
+// shape. A run cut otherwise, or not at all, loads them by the whole model's names.
+struct OptimizerPart {
+  struct Parameter {
+    std::string name;  // in the part's files
+    std::string whole_name;
+    std::vector<int64_t> shape;
+  };
+  std::filesystem::path dir;
+  std::vector<Parameter> parameters;
+};
+// Writes part.dir/optimizer_part.json, beside save_optimizer_state's files.
+void save_optimizer_part(const OptimizerPart& part);
+// The parts in the folders of `checkpoint_dir`, by folder name; none: empty.
+std::vector<OptimizerPart> find_optimizer_parts(const std::filesystem::path& checkpoint_dir);
+// Loads `optimizer` (a whole one over `module`'s parameters, or a ZeroOptimizer at any stage and
+// world size) from `parts`, each parameter's state from the part that holds its whole-model
+// name, reading only the parts that hold some; `whole_names` maps a name in `module` (or in the
+// ZeRO engine's) to the whole model's (none: the same). UsageError naming a parameter no part
+// holds. load_optimizer_state (and load_checkpoint) take the parts of a folder that holds no
+// optimizer state of its own.
+void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
+                          torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                          const std::map<std::string, std::string>& whole_names = {});
 // Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
 // shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
@@ -85,7 +114,9 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
 // The rest of load_checkpoint, for loops that load the model and the optimizer state themselves
 // (a pipeline's stages: load_by_name, load_optimizer_state), after both: fp16's loss scale comes
 // back, per-step metrics count from here, and ScalingConfig::on_world_size_change runs when the
-// checkpoint came from a group of another size.
+// checkpoint came from a group of another size: of another data-parallel size, with a mesh on
+// either side (the global batch scales with dp, not with the pipeline's or tensor-parallel ranks),
+// and the sizes passed are those.
 void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& optimizer);
 
 // Any checkpoint's model (DDP's, ZeRO's at any stage, local SGD's, the parameter server's, or a

@@ -59,7 +59,8 @@ struct ScalingConfig {
   // check of the slot's device, or a test. Runs in the driver.
   std::function<bool(int slot)> slot_available;
   // Runs on every worker when train::load_checkpoint restores a checkpoint written by a group of
-  // another size, after the optimizer state is loaded: e.g. train::linear_lr_scaling.
+  // another size, after the optimizer state is loaded: e.g. train::linear_lr_scaling. With a mesh
+  // on either side the sizes are the data-parallel degrees (dp; without a mesh, the world).
   std::function<void(torch::optim::Optimizer& optimizer, int previous_world_size, int world_size)>
       on_world_size_change;
   // Parameter servers of a model prepared with sync parallel::AsyncParameterServer whose
