@@ -82,26 +82,46 @@ struct CheckpointedModel {
   models::VisionTransformerImpl& sliced() const {
     return dynamic_cast<models::VisionTransformerImpl&>(*model);
   }
-  // With tp 1: this rank's optimizer's parameters in order, by their names in the pipeline's
-  // module and in the model, so that a run cut otherwise (or not at all) loads its state; and
-  // the pipeline's names -> the model's.
+  // This rank's optimizer's parameters in order, by their names in the pipeline's module and in
+  // the whole (dense) model, with their tensor-parallel slices: so that a run cut otherwise, or
+  // not at all, loads its state. Also what this rank loads.
   std::vector<train::OptimizerPart::Parameter> part;
-  std::map<std::string, std::string> whole_names;
 };
 
-// The model's names of the pipeline's parameters (the stages share the model's tensors).
-void name_parts(CheckpointedModel& checkpointed, const pipeline::Pipeline& pipe) {
+// Names and slices of the pipeline's parameters (the stages share the model's tensors): the
+// model's names, the dense model's where tensor-parallel (the two list them in the same order).
+void name_parts(CheckpointedModel& checkpointed, const pipeline::Pipeline& pipe,
+                const parallel::DeviceMesh& mesh) {
   std::map<const c10::TensorImpl*, std::string> whole;
-  for (const auto& p : checkpointed.model->named_parameters())
-    whole[p.value().unsafeGetTensorImpl()] = p.key();
-  std::map<const c10::TensorImpl*, std::string> local;
-  for (const auto& p : pipe.module()->named_parameters()) {
-    local[p.value().unsafeGetTensorImpl()] = p.key();
-    checkpointed.whole_names[p.key()] = whole.at(p.value().unsafeGetTensorImpl());
+  const auto sliced = checkpointed.model->named_parameters();
+  if (checkpointed.dense) {
+    const auto dense = checkpointed.dense->named_parameters();
+    if (dense.size() != sliced.size()) {
+      throw RuntimeError("the tensor-parallel " + std::to_string(sliced.size()) +
+                         " parameters do not match the dense model's " +
+                         std::to_string(dense.size()));
+    }
+    for (size_t i = 0; i < sliced.size(); ++i)
+      whole[sliced[i].value().unsafeGetTensorImpl()] = dense[i].key();
+  } else {
+    for (const auto& p : sliced) whole[p.value().unsafeGetTensorImpl()] = p.key();
   }
+  std::map<const c10::TensorImpl*, parallel::TensorParallelCut> cuts;
+  for (const auto& [name, cut] : parallel::tensor_parallel_cuts(*checkpointed.model))
+    cuts[sliced[name].unsafeGetTensorImpl()] = cut;
+  std::map<const c10::TensorImpl*, std::string> local;
+  for (const auto& p : pipe.module()->named_parameters())
+    local[p.value().unsafeGetTensorImpl()] = p.key();
   for (const auto& p : pipe.parameters()) {  // the optimizer's order
-    checkpointed.part.push_back(
-        {local.at(p.unsafeGetTensorImpl()), whole.at(p.unsafeGetTensorImpl()), p.sizes().vec()});
+    const auto* impl = p.unsafeGetTensorImpl();
+    train::OptimizerPart::Parameter parameter{
+        .name = local.at(impl), .whole_name = whole.at(impl), .shape = p.sizes().vec()};
+    if (const auto cut = cuts.find(impl); cut != cuts.end()) {
+      parameter.cut = cut->second;
+      parameter.slice = mesh.tp_index();
+      parameter.slices = mesh.shape().tp;
+    }
+    checkpointed.part.push_back(std::move(parameter));
   }
 }
 
@@ -127,7 +147,7 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
       train::save_model(model.dense ? *model.dense : *model.model, dir / "model.safetensors");
   }
   train::save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
-  if (mesh.dp_index() == 0 && mesh.shape().tp == 1)
+  if (mesh.dp_index() == 0)
     train::save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = model.part});
   if (ctx.get_world_rank() == 0) {
     const auto& s = mesh.shape();
@@ -141,10 +161,10 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
 }
 
 // Loads the whole model and this rank's optimizer state. From a mesh checkpoint of the same pp,
-// tp and schedule (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is what the
-// optimizer steps, pipe.module()) exactly as written. With tp 1 from any other cut, or from a
-// run without a mesh: each parameter's state found by the model's name. A tensor-parallel
-// checkpoint into another layout is a UsageError.
+// tp and stages per rank (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is
+// what the optimizer steps, pipe.module()) exactly as written. From any other cut, or a run
+// without a mesh: each parameter's state found by the model's name, its tensor-parallel slices
+// gathered and cut anew.
 void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
                           const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& stages, const std::string& schedule) {
@@ -156,13 +176,6 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
   const bool same = written.mesh && written.pp == here.pp && written.tp == here.tp &&
                     virtual_stages_of(pipeline::schedule_from_string(written.schedule)) ==
                         virtual_stages_of(pipeline::schedule_from_string(here.schedule));
-  if (!same && (written.tp > 1 || here.tp > 1)) {
-    throw UsageError("checkpoint " + dir.string() + " was written " +
-                     (written.mesh ? "with " + written.flags() : "without a mesh") +
-                     ", this run has " + here.flags() +
-                     ": with tensor parallelism resume with the same degrees and schedule (any "
-                     "--workers that keeps them whole)");
-  }
   if (model.dense) {
     train::load_model(*model.dense, dir / "model.safetensors");
     model.sliced().load_from_dense(*model.dense);
@@ -181,9 +194,11 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
                          written.flags());
       }
     } else {
-      // A run without a mesh: its optimizer was over the model's parameters, in order.
+      // A run without a mesh: its optimizer was over the (dense) model's parameters, in order.
       train::OptimizerPart whole{.dir = dir, .parameters = {}};
-      for (const auto& p : model.model->named_parameters())
+      const torch::nn::Module& dense =
+          model.dense ? static_cast<const torch::nn::Module&>(*model.dense) : *model.model;
+      for (const auto& p : dense.named_parameters())
         whole.parameters.push_back({p.key(), p.key(), p.value().sizes().vec()});
       parts.push_back(std::move(whole));
     }
@@ -192,7 +207,7 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
                 << (written.mesh ? written.flags() : "a run without a mesh") << " to "
                 << here.flags() << std::endl;
     }
-    train::load_optimizer_parts(parts, optimizer, stages, model.whole_names);
+    train::load_optimizer_parts(parts, optimizer, stages, model.part);
     return;
   }
   const auto state = dir / optimizer_folder(mesh);
@@ -218,20 +233,19 @@ void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
   const WrittenLayout written = written_layout(checkpoint);
   if (!written.mesh) return;
   const std::string why =
-      written.tp > 1 ? "its tensor-parallel slices load only into the same degrees"
-      : !synchronous ? "a pipeline's optimizer state loads into --sync ddp only"
+      !synchronous ? "a mesh's optimizer state loads into --sync ddp only"
       : train::find_optimizer_parts(checkpoint.path()).empty()
           ? "it was written before a mesh checkpoint named its stages' optimizer state"
           : "";
   if (why.empty()) return;
   throw UsageError("checkpoint " + checkpoint.path().string() + " was written by a mesh run (" +
                    written.flags() + "): " + why + "; resume it with " + written.flags() +
-                   (!synchronous && written.tp == 1 ? ", or with --sync ddp" : ""));
+                   (!synchronous ? ", or with --sync ddp" : ""));
 }
 
 int micro_batches_of(const TrainOptions& o) {
-  if (o.micro_batches > 0) return o.micro_batches;
-  return o.pp > 1 ? 2 * o.pp : 1;
+  const int per_batch = o.micro_batches > 0 ? o.micro_batches : o.pp > 1 ? 2 * o.pp : 1;
+  return per_batch * static_cast<int>(std::max<int64_t>(o.gradient_accumulation_steps, 1));
 }
 
 void validate_mesh(const TrainOptions& o) {
@@ -253,14 +267,15 @@ void validate_mesh(const TrainOptions& o) {
                      ": use --workers a multiple of " + std::to_string(o.pp * o.tp));
   }
   const int m = micro_batches_of(o);
-  if (o.batch_size < m) {
+  const int per_batch = m / static_cast<int>(o.gradient_accumulation_steps);
+  if (o.batch_size < per_batch) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " cannot be split into " +
-                     std::to_string(m) +
-                     " micro-batches (--micro-batches): use a batch of at "
-                     "least " +
-                     std::to_string(m) + " rows");
+                     std::to_string(per_batch) +
+                     " micro-batches (--micro-batches): use a batch of at least " +
+                     std::to_string(per_batch) + " rows");
   }
-  // The schedule compiles (e.g. interleaved needs m a multiple of pp).
+  // The schedule compiles (e.g. interleaved needs m a multiple of pp) for the micro-batches of
+  // an optimizer step: --gradient-accumulation-steps batches' of them.
   pipeline::compile_schedule({.kind = kind,
                               .layout = {.ranks = o.pp, .virtual_stages = virtual_stages_of(kind)},
                               .micro_batches = m});
@@ -297,8 +312,6 @@ void validate_mesh(const TrainOptions& o) {
          "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
          "use --zero-stage 1 or 2");
   refuse(o.sync != "ddp", "--sync " + o.sync, "use --sync ddp");
-  refuse(o.gradient_accumulation_steps > 1, "--gradient-accumulation-steps",
-         "a pipeline accumulates its micro-batches: raise --micro-batches and --batch-size");
   refuse(o.precision == "fp16", "--precision fp16", "use bf16 or fp32");
   // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
   if (o.min_workers % (o.pp * o.tp) != 0) {
@@ -314,7 +327,11 @@ void train_loop_on_mesh(const Json& c) {
   const auto& shape = mesh.shape();
   const bool rank0 = ctx.get_world_rank() == 0;
   const auto kind = pipeline::schedule_from_string(c["pipeline_schedule"].get<std::string>());
+  // Per optimizer step: --gradient-accumulation-steps k batches of --batch-size rows, one
+  // pipeline step over all their micro-batches (k times --micro-batches): the gradient of the
+  // mean over their rows, as k accumulated batches without a mesh.
   const int micro_batches = c["micro_batches"].get<int>();
+  const int64_t accumulation = c.value("gradient_accumulation_steps", int64_t{1});
   const parallel::ZeroOptions zero = zero_options_of(c);
   const double clip = c.value("gradient_clipping", 0.0);
   const pipeline::PipelineLayout layout{.ranks = shape.pp,
@@ -354,7 +371,7 @@ void train_loop_on_mesh(const Json& c) {
                            .zero = zero});
   // With ZeRO, the engine that shards the optimizer over the dp group.
   auto optimizer = pipe.prepare_optimizer(make_optimizer(c, pipe.parameters()));
-  if (shape.tp == 1) name_parts(checkpointed, pipe);
+  name_parts(checkpointed, pipe, mesh);
   if (rank0) {
     std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
               << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
@@ -379,7 +396,8 @@ void train_loop_on_mesh(const Json& c) {
 
   // This dp rank's shard (the same rows on every rank of a pipeline and of a tp group).
   auto train_stream = train::get_dataset_shard("train");
-  const int64_t batch_size = c["batch_size"].get<int64_t>();
+  // Rows per optimizer step on this dp rank.
+  const int64_t step_rows = c["batch_size"].get<int64_t>() * accumulation;
   // Evaluation: every rank holds the whole model then; a tp group scores the same rows.
   data::DataLoader test_loader(
       test_set_of(c),
@@ -388,7 +406,7 @@ void train_loop_on_mesh(const Json& c) {
   const int epochs = c["epochs"].get<int>();
   const int64_t max_steps = c["max_steps"].get<int64_t>();
   const int64_t steps_per_epoch =
-      (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
+      (train_stream.dataset().num_source_rows() + step_rows - 1) / step_rows;
   optim::LrScheduler schedule(*optimizer, schedule_of(c, epochs * steps_per_epoch), steps);
   // Throughput over the steps after the first few (start-up, first-step probe).
   constexpr int64_t kWarmupSteps = 5;
@@ -406,7 +424,7 @@ void train_loop_on_mesh(const Json& c) {
     // Resumed inside this epoch: its first steps' batches were trained on already.
     int64_t skip = epoch == start_epoch ? resumed.epoch_steps_done : 0;
     for (auto& batch :
-         train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
+         train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
       const auto& images = batch["image"];
       // A last batch too small to split: every rank of the pipeline has the same rows, and
       // every dp rank as many: all skip it alike.

@@ -749,7 +749,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->group("Model and data");
   cmd->add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps,
                   "micro-batches of --batch-size per optimizer step, communicating after the "
-                  "last only")
+                  "last only (with --pp/--tp: one pipeline step over all their micro-batches)")
       ->capture_default_str();
   cmd->option_defaults()->group("Parallelism and synchronisation");
   cmd->add_option("--zero-stage", o.zero.stage,

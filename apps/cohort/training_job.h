@@ -131,8 +131,8 @@ void train_loop(const Json& config);
 // ViT, its blocks tensor-parallel; DDP over each stage's dp group.
 void train_loop_on_mesh(const Json& config);
 // A UsageError naming the degrees when `checkpoint` was written by a mesh run that a run without
-// one cannot resume: a tensor-parallel one, one written before its stages' optimizer state was
-// named, or any into local SGD, DiLoCo or the parameter server (not `synchronous`).
+// one cannot resume: one written before its stages' optimizer state was named, or any into local
+// SGD, DiLoCo or the parameter server (not `synchronous`).
 void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous);
 // The mesh options' checks before any worker starts (UsageError naming the flag and the fix).
 void validate_mesh(const TrainOptions& options);

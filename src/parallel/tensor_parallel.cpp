@@ -87,8 +87,9 @@ void ColumnParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
   const int64_t rows = weight.size(0), r = group_.rank();
   check_dense(dense->weight, {rows * group_.world_size(), weight.size(1)}, "ColumnParallelLinear");
   torch::NoGradGuard no_grad;
-  weight.copy_(dense->weight.narrow(0, r * rows, rows));
-  if (bias.defined()) bias.copy_(dense->bias.narrow(0, r * rows, rows));
+  weight.copy_(tensor_parallel_slice(dense->weight, {.dim = 0}, r, group_.world_size()));
+  if (bias.defined())
+    bias.copy_(tensor_parallel_slice(dense->bias, {.dim = 0}, r, group_.world_size()));
 }
 
 void ColumnParallelLinearImpl::copy_to_dense(torch::nn::Linear& dense) {
@@ -120,7 +121,7 @@ void RowParallelLinearImpl::load_from_dense(const torch::nn::Linear& dense) {
   const int64_t columns = weight.size(1), r = group_.rank();
   check_dense(dense->weight, {weight.size(0), columns * group_.world_size()}, "RowParallelLinear");
   torch::NoGradGuard no_grad;
-  weight.copy_(dense->weight.narrow(1, r * columns, columns));
+  weight.copy_(tensor_parallel_slice(dense->weight, {.dim = 1}, r, group_.world_size()));
   if (bias.defined()) bias.copy_(dense->bias);
 }
 
@@ -184,15 +185,14 @@ TensorParallelSelfAttentionImpl::TensorParallelSelfAttentionImpl(int64_t width, 
 }
 
 void TensorParallelSelfAttentionImpl::load_from_dense(const torch::nn::MultiheadAttention& dense) {
-  const int64_t local = local_heads_ * (width_ / heads_), r = group_.rank();
   check_dense(dense->in_proj_weight, {3 * width_, width_}, "TensorParallelSelfAttention");
   torch::NoGradGuard no_grad;
-  for (int64_t part = 0; part < 3; ++part) {  // q, k, v
-    in_proj_weight_.narrow(0, part * local, local)
-        .copy_(dense->in_proj_weight.narrow(0, part * width_ + r * local, local));
-    in_proj_bias_.narrow(0, part * local, local)
-        .copy_(dense->in_proj_bias.narrow(0, part * width_ + r * local, local));
-  }
+  // This rank's heads of each of q, k and v.
+  const TensorParallelCut qkv{.dim = 0, .blocks = 3};
+  in_proj_weight_.copy_(
+      tensor_parallel_slice(dense->in_proj_weight, qkv, group_.rank(), group_.world_size()));
+  in_proj_bias_.copy_(
+      tensor_parallel_slice(dense->in_proj_bias, qkv, group_.rank(), group_.world_size()));
   out_proj_->load_from_dense(dense->out_proj);
 }
 
@@ -229,24 +229,67 @@ at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {
   return out_proj_->forward(out);
 }
 
-std::set<std::string> tensor_parallel_slices(const torch::nn::Module& module) {
-  std::set<std::string> names;
+std::map<std::string, TensorParallelCut> tensor_parallel_cuts(const torch::nn::Module& module) {
+  std::map<std::string, TensorParallelCut> cuts;
   for (const auto& item : module.named_modules()) {
     const std::string prefix = item.key().empty() ? "" : item.key() + ".";
     const torch::nn::Module* m = item.value().get();
-    auto add = [&](const char* name, const at::Tensor& t) {
-      if (t.defined()) names.insert(prefix + name);
+    auto add = [&](const char* name, const at::Tensor& t, TensorParallelCut cut) {
+      if (t.defined()) cuts[prefix + name] = cut;
     };
     if (const auto* column = dynamic_cast<const ColumnParallelLinearImpl*>(m)) {
-      add("weight", column->weight);
-      add("bias", column->bias);
+      add("weight", column->weight, {.dim = 0});
+      add("bias", column->bias, {.dim = 0});
     } else if (const auto* row = dynamic_cast<const RowParallelLinearImpl*>(m)) {
-      add("weight", row->weight);
+      add("weight", row->weight, {.dim = 1});
     } else if (dynamic_cast<const TensorParallelSelfAttentionImpl*>(m) != nullptr) {
-      for (const auto& p : m->named_parameters(/*recurse=*/false)) names.insert(prefix + p.key());
+      for (const auto& p : m->named_parameters(/*recurse=*/false))
+        cuts[prefix + p.key()] = {.dim = 0, .blocks = 3};
     }
   }
+  return cuts;
+}
+
+std::set<std::string> tensor_parallel_slices(const torch::nn::Module& module) {
+  std::set<std::string> names;
+  for (const auto& [name, cut] : tensor_parallel_cuts(module)) names.insert(name);
   return names;
+}
+
+namespace {
+
+// The regions of `whole` that slice `index` of `count` consists of, one per block.
+std::vector<at::Tensor> slice_regions(const at::Tensor& whole, TensorParallelCut cut, int64_t index,
+                                      int64_t count) {
+  const int64_t block = whole.size(cut.dim) / cut.blocks, length = block / count;
+  if (count < 1 || index < 0 || index >= count || block * cut.blocks != whole.size(cut.dim) ||
+      length * count != block) {
+    throw UsageError("tensor-parallel slice " + std::to_string(index) + " of " +
+                     std::to_string(count) + ": a tensor of shape " + c10::str(whole.sizes()) +
+                     " is not " + std::to_string(cut.blocks) + " block(s) along dim " +
+                     std::to_string(cut.dim) + " divisible into " + std::to_string(count) +
+                     " slices");
+  }
+  std::vector<at::Tensor> regions;
+  for (int64_t b = 0; b < cut.blocks; ++b)
+    regions.push_back(whole.narrow(cut.dim, b * block + index * length, length));
+  return regions;
+}
+
+}  // namespace
+
+at::Tensor tensor_parallel_slice(const at::Tensor& whole, TensorParallelCut cut, int64_t index,
+                                 int64_t count) {
+  const auto regions = slice_regions(whole, cut, index, count);
+  return regions.size() == 1 ? regions[0] : at::cat(regions, cut.dim);
+}
+
+void set_tensor_parallel_slice(at::Tensor& whole, TensorParallelCut cut, int64_t index,
+                               int64_t count, const at::Tensor& slice) {
+  auto regions = slice_regions(whole, cut, index, count);
+  const int64_t length = regions[0].size(cut.dim);
+  for (size_t b = 0; b < regions.size(); ++b)
+    regions[b].copy_(slice.narrow(cut.dim, static_cast<int64_t>(b) * length, length));
 }
 
 }  // namespace cohort::parallel

@@ -311,33 +311,59 @@ class StateSource {
   double lr_ = 0;
 };
 
-// Optimizer state from several sources (a pipeline's stages), each parameter from the one that
-// holds it, found by a name common to all (the whole model's) that each source may call
-// otherwise.
+using PartParameter = OptimizerPart::Parameter;
+
+// Optimizer state from several sources (a pipeline's stages, tensor-parallel slices), found by a
+// name common to all (the whole model's) that each source may call otherwise and hold a slice
+// of.
 class NamedState {
  public:
-  // `local`: the whole model's names of the source's parameters -> the source's own (none: the
-  // same).
-  void add(StateSource source, std::map<std::string, std::string> local = {},
-           std::string what = {}) {
-    sources_.push_back({std::move(source), std::move(local), std::move(what)});
+  // `parameters`: the source's, by the whole model's names and slices (none: every parameter
+  // under its whole name, whole).
+  void add(StateSource source, std::vector<PartParameter> parameters = {}, std::string what = {}) {
+    Source out{std::move(source), {}, std::move(what)};
+    for (auto& p : parameters) {
+      std::string whole = p.whole_name;
+      out.parameters.emplace(std::move(whole), std::move(p));
+    }
+    sources_.push_back(std::move(out));
   }
   void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
     for (const auto& s : sources_) s.source.check_algorithm(algorithm, names);
   }
-  void read(const std::string& parameter, const std::vector<std::string>& names, size_t s,
-            int64_t begin, at::Tensor target) const {
+  // Elements [begin, begin + target.numel()) of state `names[s]` of the whole model's parameter
+  // `whole`, as `layout` holds it (null: whole): straight from the source that holds it whole,
+  // else from its whole state gathered from the slices and cut anew.
+  void read(const std::string& whole, const std::vector<std::string>& names, size_t s,
+            int64_t begin, at::Tensor target, const PartParameter* layout) const {
+    std::vector<Holder> holders;
     for (const auto& source : sources_) {
-      const auto found = source.local.find(parameter);
-      const std::string& local = found == source.local.end() ? parameter : found->second;
-      if (source.source.holds(local))
-        return source.source.read(local, names, s, begin, std::move(target));
+      const auto found = source.parameters.find(whole);
+      const PartParameter* p = found == source.parameters.end() ? nullptr : &found->second;
+      std::string local = p != nullptr ? p->name : whole;
+      if (source.source.holds(local)) holders.push_back({&source, std::move(local), p});
     }
-    std::string where;
-    for (const auto& source : sources_) where += (where.empty() ? "" : ", ") + source.what;
-    throw UsageError("the checkpoint holds no optimizer state for parameter '" + parameter + "'" +
-                     (where.empty() ? "" : " (in " + where + ")") +
-                     ": it was written for another model");
+    if (holders.empty()) {
+      std::string where;
+      for (const auto& source : sources_) where += (where.empty() ? "" : ", ") + source.what;
+      throw UsageError("the checkpoint holds no optimizer state for parameter '" + whole + "'" +
+                       (where.empty() ? "" : " (in " + where + ")") +
+                       ": it was written for another model");
+    }
+    const bool sliced_here = layout != nullptr && layout->slices > 1;
+    const bool sliced_there = holders[0].parameter != nullptr && holders[0].parameter->slices > 1;
+    if (!sliced_here && !sliced_there) {
+      const auto& h = holders[0];
+      return h.source->source.read(h.local, names, s, begin, std::move(target));
+    }
+    const at::Tensor& region = recut(whole, names, s, holders, layout);
+    if (begin + target.numel() > region.numel()) {
+      throw UsageError("the checkpoint's optimizer state of parameter '" + whole + "' has " +
+                       std::to_string(region.numel()) + " elements here, fewer than " +
+                       std::to_string(begin + target.numel()) +
+                       ": it was written for another model");
+    }
+    target.copy_(region.narrow(0, begin, target.numel()));
   }
   int64_t steps() const {
     int64_t steps = 0;
@@ -349,22 +375,76 @@ class NamedState {
  private:
   struct Source {
     StateSource source;
-    std::map<std::string, std::string> local;
+    std::map<std::string, PartParameter> parameters;  // by whole name
     std::string what;
   };
+  struct Holder {
+    const Source* source;
+    std::string local;
+    const PartParameter* parameter;  // null: whole, under its whole name
+  };
+
+  // The state `names[s]` of `whole` as `layout` holds it, flat: the whole state read from one
+  // source or gathered from every slice, then cut by `layout`. Kept for the next call (ZeRO reads
+  // a parameter in pieces).
+  const at::Tensor& recut(const std::string& whole, const std::vector<std::string>& names, size_t s,
+                          const std::vector<Holder>& holders, const PartParameter* layout) const {
+    const std::string key = whole + "/" + names[s];
+    if (key == cached_key_) return cached_;
+    const PartParameter* first = holders[0].parameter;
+    at::Tensor state;
+    if (first == nullptr || first->slices == 1) {
+      auto shape = first != nullptr ? first->shape : layout->shape;
+      if (first == nullptr) shape[static_cast<size_t>(layout->cut.dim)] *= layout->slices;
+      state = at::empty(shape, at::kFloat);
+      holders[0].source->source.read(holders[0].local, names, s, 0, state.view({-1}));
+    } else {
+      auto shape = first->shape;
+      shape[static_cast<size_t>(first->cut.dim)] *= first->slices;
+      state = at::empty(shape, at::kFloat);
+      std::vector<bool> found(static_cast<size_t>(first->slices), false);
+      for (const auto& h : holders) {
+        if (h.parameter == nullptr || h.parameter->slices != first->slices) continue;
+        at::Tensor slice = at::empty(h.parameter->shape, at::kFloat);
+        h.source->source.read(h.local, names, s, 0, slice.view({-1}));
+        parallel::set_tensor_parallel_slice(state, h.parameter->cut, h.parameter->slice,
+                                            h.parameter->slices, slice);
+        found[static_cast<size_t>(h.parameter->slice)] = true;
+      }
+      for (size_t i = 0; i < found.size(); ++i) {
+        if (found[i]) continue;
+        throw UsageError("the checkpoint holds no slice " + std::to_string(i) + " of " +
+                         std::to_string(first->slices) + " of parameter '" + whole +
+                         "': a tensor-parallel part of it is missing");
+      }
+    }
+    if (layout != nullptr && layout->slices > 1)
+      state = parallel::tensor_parallel_slice(state, layout->cut, layout->slice, layout->slices);
+    cached_ = state.contiguous().view({-1});
+    cached_key_ = key;
+    return cached_;
+  }
+
   std::vector<Source> sources_;
+  mutable std::string cached_key_;
+  mutable at::Tensor cached_;
 };
 
 // `state` into `optimizer`: a ZeroOptimizer's shard (its pieces' ranges), or a whole optimizer
-// over `module`'s parameters (unused for ZeRO: its pieces are named). `whole_names` maps a name in
-// `module` (or the ZeRO engine's) to the name `state` knows it by (none: the same).
+// over `module`'s parameters (unused for ZeRO: its pieces are named). `layout`: the parameters by
+// their names in `module` (or the ZeRO engine's), with the whole model's name `state` knows each
+// by and the slice held here (none: the same name, whole).
 void load_named_state(const NamedState& state, torch::optim::Optimizer& optimizer,
                       const torch::nn::Module* module,
-                      const std::map<std::string, std::string>& whole_names) {
+                      const std::map<std::string, const PartParameter*>& layout) {
   torch::NoGradGuard no_grad;
+  auto described = [&](const std::string& name) -> const PartParameter* {
+    const auto found = layout.find(name);
+    return found == layout.end() ? nullptr : found->second;
+  };
   auto whole = [&](const std::string& name) {
-    const auto found = whole_names.find(name);
-    return found == whole_names.end() ? name : found->second;
+    const PartParameter* p = described(name);
+    return p == nullptr ? name : p->whole_name;
   };
   if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
     const auto names = zero->state_names();
@@ -373,7 +453,7 @@ void load_named_state(const NamedState& state, torch::optim::Optimizer& optimize
       auto buffers = zero->shard_state(piece.group);
       for (size_t s = 0; s < names.size(); ++s)
         state.read(whole(piece.parameter), names, s, piece.begin,
-                   buffers[s].narrow(0, piece.offset, piece.length));
+                   buffers[s].narrow(0, piece.offset, piece.length), described(piece.parameter));
     }
     zero->set_steps(state.steps());
     for (auto& group : zero->param_groups()) group.options().set_lr(state.lr());
@@ -389,7 +469,7 @@ void load_named_state(const NamedState& state, torch::optim::Optimizer& optimize
     ParameterState values{.steps = state.steps(), .values = {}};
     for (size_t s = 0; s < names.size(); ++s) {
       values.values.push_back(at::empty({numel}, at::kFloat));
-      state.read(whole(parameters[i]), names, s, 0, values.values.back());
+      state.read(whole(parameters[i]), names, s, 0, values.values.back(), described(parameters[i]));
     }
     set_state(optimizer, algorithm, i, values);
   }
@@ -559,8 +639,14 @@ constexpr const char* kPartFormat = "cohort.optimizer-part.v1";
 
 void save_optimizer_part(const OptimizerPart& part) {
   Json parameters = Json::array();
-  for (const auto& p : part.parameters)
-    parameters.push_back({{"name", p.name}, {"whole_name", p.whole_name}, {"shape", p.shape}});
+  for (const auto& p : part.parameters) {
+    Json parameter{{"name", p.name}, {"whole_name", p.whole_name}, {"shape", p.shape}};
+    if (p.slices > 1) {
+      parameter["slice"] = {
+          {"index", p.slice}, {"count", p.slices}, {"dim", p.cut.dim}, {"blocks", p.cut.blocks}};
+    }
+    parameters.push_back(std::move(parameter));
+  }
   std::filesystem::create_directories(part.dir);
   write_atomically(part.dir / kPartFile,
                    Json{{"format", kPartFormat}, {"parameters", parameters}}.dump(1) + "\n");
@@ -579,9 +665,17 @@ std::vector<OptimizerPart> find_optimizer_parts(const std::filesystem::path& che
     }
     OptimizerPart part{.dir = entry.path(), .parameters = {}};
     for (const auto& p : json.at("parameters")) {
-      part.parameters.push_back({p.at("name").get<std::string>(),
-                                 p.at("whole_name").get<std::string>(),
-                                 p.at("shape").get<std::vector<int64_t>>()});
+      OptimizerPart::Parameter parameter{.name = p.at("name").get<std::string>(),
+                                         .whole_name = p.at("whole_name").get<std::string>(),
+                                         .shape = p.at("shape").get<std::vector<int64_t>>()};
+      if (p.contains("slice")) {
+        const auto& slice = p.at("slice");
+        parameter.cut = {.dim = slice.at("dim").get<int64_t>(),
+                         .blocks = slice.at("blocks").get<int64_t>()};
+        parameter.slice = slice.at("index").get<int64_t>();
+        parameter.slices = slice.at("count").get<int64_t>();
+      }
+      part.parameters.push_back(std::move(parameter));
     }
     parts.push_back(std::move(part));
   }
@@ -592,14 +686,16 @@ std::vector<OptimizerPart> find_optimizer_parts(const std::filesystem::path& che
 
 void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
-                          const std::map<std::string, std::string>& whole_names) {
+                          const std::vector<OptimizerPart::Parameter>& layout) {
   if (parts.empty()) throw UsageError("load_optimizer_parts: no parts to load from");
+  std::map<std::string, const OptimizerPart::Parameter*> by_name;
+  for (const auto& p : layout) by_name[p.name] = &p;
   // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
   auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer);
   std::set<std::string> needed;
   auto whole = [&](const std::string& name) {
-    const auto found = whole_names.find(name);
-    return found == whole_names.end() ? name : found->second;
+    const auto found = by_name.find(name);
+    return found == by_name.end() ? name : found->second->whole_name;
   };
   if (zero != nullptr) {
     for (const auto& piece : zero->shard_pieces()) needed.insert(whole(piece.parameter));
@@ -626,21 +722,17 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
   detail::NamedState state;
   for (const OptimizerPart* part_pointer : wanted) {
     const auto& part = *part_pointer;
-    std::map<std::string, std::string> local;
     std::vector<std::pair<std::string, std::vector<int64_t>>> in_order;
-    for (const auto& p : part.parameters) {
-      local[p.whole_name] = p.name;
-      in_order.emplace_back(p.name, p.shape);
-    }
+    for (const auto& p : part.parameters) in_order.emplace_back(p.name, p.shape);
     const auto what = part.dir.filename().string();
     if (std::filesystem::exists(part.dir / detail::kZeroManifest)) {
-      state.add(detail::StateSource::shards(part.dir), std::move(local), what);
+      state.add(detail::StateSource::shards(part.dir), part.parameters, what);
     } else {
       state.add(detail::StateSource::file(part.dir / "optimizer.pt", in_order, algorithm, options),
-                std::move(local), what);
+                part.parameters, what);
     }
   }
-  detail::load_named_state(state, optimizer, &module, whole_names);
+  detail::load_named_state(state, optimizer, &module, by_name);
 }
 
 }  // namespace cohort::train

@@ -1,5 +1,7 @@
 // ZeRO checkpoints: the optimizer state as shards that reload at any world size and stage, and
-// moved between ZeRO and the whole optimizers of DDP (torch::optim's or cohort's flat ones).
+// moved between ZeRO and the whole optimizers of DDP (torch::optim's or cohort's flat ones). One
+// loader (zero_checkpoint.cpp) reads state by parameter name from shards or optimizer.pt files,
+// also a split model's parts (train::load_optimizer_parts).
 #pragma once
 #include <filesystem>
 #include <string>

@@ -523,7 +523,7 @@ TEST_F(Cli, CheckpointConsolidateWritesTheWholeModelAsOneFile) {
 // of each batch's mean summed over micro-batches in another order); the ViT tensor-parallel over
 // two workers likewise. A zero-bubble pipeline stopped after an epoch resumes exactly, and in
 // another cut (one worker, 4 stages) as the pipeline trains; one worker's checkpoint resumes in a
-// pipeline; a tensor-parallel checkpoint is refused by a run without the same degrees.
+// pipeline; tensor-parallel slices are gathered and cut anew likewise.
 TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   auto with = [&](const std::vector<std::string>& extra) { return small_run("sgd", extra); };
   auto one_worker = [&](std::vector<std::string> args) {
@@ -619,14 +619,68 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   EXPECT_NEAR(result_of("one")["train_loss"].get<double>(),
               result_of("one_2")["train_loss"].get<double>(),
               1e-4 * result_of("one_2")["train_loss"].get<double>());
-  // Tensor-parallel slices load only into the same degrees.
-  auto refused = train(one_worker(with({"--model", "vit", "--epochs", "2", "--max-steps", "8",
-                                        "--test-examples", "32", "--name", "vit_tp"})));
-  EXPECT_NE(refused.exit_code, 0) << refused.output;
-  EXPECT_NE(refused.output.find("was written by a mesh run (--pp 1 --tp 2): its tensor-parallel "
-                                "slices load only into the same degrees"),
-            std::string::npos)
-      << refused.output;
+  // Tensor-parallel slices too: the ViT's tp-2 checkpoint continued by one worker, and one
+  // worker's continued at tp 2, train their second epoch as the tp-2 run resumed at tp 2.
+  auto vit_epoch = [&](const std::string& name, int epoch, bool sliced) {
+    auto args = with({"--model", "vit", "--epochs", std::to_string(epoch), "--max-steps",
+                      std::to_string(4 * epoch), "--test-examples", "32", "--name", name});
+    if (sliced) {
+      args.push_back("--tp");
+      args.push_back("2");
+    } else {
+      args = one_worker(args);
+    }
+    auto r = train(args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return r;
+  };
+  vit_epoch("vit_ref", 1, true);
+  vit_epoch("vit_ref", 2, true);
+  EXPECT_NE(vit_epoch("vit_tp", 2, false).output.find("resuming from"), std::string::npos);
+  EXPECT_NE(vit_epoch("vit_one", 2, true).output.find("resuming from"), std::string::npos);
+  const auto vit_ref = result_of("vit_ref");
+  for (const char* name : {"vit_tp", "vit_one"}) {
+    EXPECT_EQ(result_of(name)["steps"], vit_ref["steps"]) << name;
+    EXPECT_NEAR(result_of(name)["train_loss"].get<double>(), vit_ref["train_loss"].get<double>(),
+                1e-4 * vit_ref["train_loss"].get<double>())
+        << name;
+  }
+}
+
+// --gradient-accumulation-steps with a pipeline: two batches of 8 per optimizer step are one
+// pipeline step over both batches' micro-batches, the same as a batch of 16 in 8 micro-batches,
+// and train as one worker accumulating two batches without a mesh.
+TEST_F(Cli, APipelineAccumulatesBatchesAsOneStepOverTheirMicroBatches) {
+  auto run = [&](const std::string& name, const std::string& workers, const std::string& batch,
+                 const std::vector<std::string>& extra) {
+    auto args = small_run("sgd", {"--model", "mlp", "--epochs", "1", "--name", name});
+    args[3] = workers;  // --workers
+    args[5] = batch;    // --batch-size
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto r = train(args);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+  };
+  run("accumulated", "2", "8", {"--pp", "2", "--gradient-accumulation-steps", "2"});
+  run("big_batch", "2", "16", {"--pp", "2", "--micro-batches", "8"});
+  run("one", "1", "8", {"--gradient-accumulation-steps", "2"});
+  EXPECT_NE(
+      cohort::testing::read_text((dir / "runs" / "accumulated" / "logs" / "rank-0.log").string())
+          .find("1f1b over 8 micro-batches"),
+      std::string::npos);
+  const auto accumulated = result_of("accumulated");
+  EXPECT_EQ(accumulated["steps"], result_of("big_batch")["steps"]);
+  EXPECT_EQ(accumulated["steps"], result_of("one")["steps"]);
+  EXPECT_EQ(accumulated["train_loss"].get<double>(),
+            result_of("big_batch")["train_loss"].get<double>());
+  const auto model = [&](const char* run) {
+    return safetensors::read(dir / "runs" / run / "checkpoint_000000" / "model.safetensors");
+  };
+  const auto got = model("accumulated"), big = model("big_batch"), one = model("one");
+  ASSERT_EQ(got.size(), one.size());
+  for (const auto& [name, tensor] : one) {
+    EXPECT_TRUE(torch::equal(got.at(name), big.at(name))) << name;
+    EXPECT_TRUE(torch::allclose(got.at(name), tensor, 1e-3, 1e-5)) << name;
+  }
 }
 
 // ZeRO as a pipeline's data parallelism (2 x 2 workers): the same training as DDP's, every dp

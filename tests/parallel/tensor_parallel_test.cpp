@@ -37,6 +37,31 @@ template <typename Parallel, typename Dense>
 void expect_matches_dense(comm::ProcessGroup& group, Parallel parallel, Dense dense, Parallel fresh,
                           const at::Tensor& x) {
   parallel->load_from_dense(dense);
+  // tensor_parallel_cuts names every slice and its cut (the dense module lists its parameters in
+  // the same order): each is that slice of the dense parameter, and set_tensor_parallel_slice
+  // writes it back into that region only; the other parameters are whole.
+  {
+    const auto cuts = tensor_parallel_cuts(*parallel);
+    const auto sliced = parallel->named_parameters(), whole = dense->named_parameters();
+    // fc1's weight and bias and fc2's weight; in_proj's weight and bias and out_proj's weight.
+    EXPECT_EQ(cuts.size(), 3u);
+    ASSERT_EQ(sliced.size(), whole.size());
+    for (size_t i = 0; i < sliced.size(); ++i) {
+      const auto cut = cuts.find(sliced[i].key());
+      if (cut == cuts.end()) {
+        EXPECT_TRUE(torch::equal(sliced[i].value(), whole[i].value())) << sliced[i].key();
+        continue;
+      }
+      const at::Tensor slice = tensor_parallel_slice(whole[i].value().detach(), cut->second,
+                                                     group.rank(), group.world_size());
+      EXPECT_TRUE(torch::equal(slice, sliced[i].value())) << sliced[i].key();
+      at::Tensor region = torch::zeros_like(whole[i].value().detach());
+      set_tensor_parallel_slice(region, cut->second, group.rank(), group.world_size(), slice);
+      EXPECT_TRUE(torch::equal(
+          tensor_parallel_slice(region, cut->second, group.rank(), group.world_size()), slice));
+      EXPECT_EQ(region.ne(0).sum().item<int64_t>(), slice.ne(0).sum().item<int64_t>());
+    }
+  }
   const at::Tensor xp = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
   const at::Tensor yp = parallel->forward(xp);
   at::Tensor yd;

@@ -2,6 +2,7 @@
 // ranks of a tensor-parallel group. A column-parallel layer followed by a row-parallel one (an
 // MLP, or attention's projections by heads) needs one all-reduce in forward and one in backward.
 #pragma once
+#include <map>
 #include <set>
 #include <string>
 
@@ -92,11 +93,29 @@ class TensorParallelSelfAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TensorParallelSelfAttention);
 
+// How a parameter is cut over a tensor-parallel group: along `dim`, in `blocks` equal blocks that
+// are each cut in as many slices as the group has ranks; rank r holds slice r of every block,
+// stacked (attention's in_proj rows: the q, k and v blocks, each cut by heads).
+struct TensorParallelCut {
+  int64_t dim = 0;
+  int64_t blocks = 1;
+};
+
 // The parameters of `module` that are cut over a tensor-parallel group (each rank holds another
-// slice), by their names in `module`: the column-parallel layers' weights and biases, the
-// row-parallel layers' weights, attention's q, k and v. Every other parameter is whole on each
-// rank of the group, its gradient the same there (e.g. a row-parallel layer's bias, a layer
-// norm), so a norm over the group counts it once.
+// slice), by their names in `module`, with their cuts: the column-parallel layers' weights and
+// biases (dim 0), the row-parallel layers' weights (dim 1), attention's in_proj weight and bias
+// (dim 0, 3 blocks). Every other parameter is whole on each rank of the group, its gradient the
+// same there (e.g. a row-parallel layer's bias, a layer norm), so a norm over the group counts
+// it once.
+std::map<std::string, TensorParallelCut> tensor_parallel_cuts(const torch::nn::Module& module);
+// Their names alone.
 std::set<std::string> tensor_parallel_slices(const torch::nn::Module& module);
+
+// Slice `index` of `count` of a whole tensor cut by `cut` (what rank `index` of a group of
+// `count` holds; load_from_dense's), and its inverse: `slice` written into that region of `whole`.
+at::Tensor tensor_parallel_slice(const at::Tensor& whole, TensorParallelCut cut, int64_t index,
+                                 int64_t count);
+void set_tensor_parallel_slice(at::Tensor& whole, TensorParallelCut cut, int64_t index,
+                               int64_t count, const at::Tensor& slice);
 
 }  // namespace cohort::parallel

@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "cohort/json.h"
+#include "cohort/parallel/tensor_parallel.h"
 
 namespace cohort::parallel::pipeline {
 class Pipeline;
@@ -79,14 +80,18 @@ void save_optimizer_state(const std::filesystem::path& dir,
 void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& module);
 // A model's optimizer state kept in several folders of save_optimizer_state, one per part of the
-// model (a pipeline's stages, each maybe sharded by ZeRO): with each part, its optimizer's
-// parameters in order, by the name the folder's files use, the whole model's name and the
-// shape. A run cut otherwise, or not at all, loads them by the whole model's names.
+// model (a pipeline's stages, tensor-parallel slices, each maybe sharded by ZeRO): with each
+// part, its optimizer's parameters in order, by the name the folder's files use, the whole
+// model's name and the shape, and for a tensor-parallel slice which one. A run cut otherwise, or
+// not at all, loads them by the whole model's names.
 struct OptimizerPart {
   struct Parameter {
     std::string name;  // in the part's files
     std::string whole_name;
-    std::vector<int64_t> shape;
+    std::vector<int64_t> shape;  // this part's (a slice's)
+    // Slice `slice` of `slices` of the whole parameter, cut by `cut` (slices 1: whole).
+    parallel::TensorParallelCut cut = {};
+    int64_t slice = 0, slices = 1;
   };
   std::filesystem::path dir;
   std::vector<Parameter> parameters;
@@ -96,14 +101,15 @@ void save_optimizer_part(const OptimizerPart& part);
 // The parts in the folders of `checkpoint_dir`, by folder name; none: empty.
 std::vector<OptimizerPart> find_optimizer_parts(const std::filesystem::path& checkpoint_dir);
 // Loads `optimizer` (a whole one over `module`'s parameters, or a ZeroOptimizer at any stage and
-// world size) from `parts`, each parameter's state from the part that holds its whole-model
-// name, reading only the parts that hold some; `whole_names` maps a name in `module` (or in the
-// ZeRO engine's) to the whole model's (none: the same). UsageError naming a parameter no part
-// holds. load_optimizer_state (and load_checkpoint) take the parts of a folder that holds no
-// optimizer state of its own.
+// world size) from `parts`, each parameter's state from the parts that hold its whole-model
+// name (its slices gathered and cut anew where the slicing differs), reading only the parts
+// that hold some. `layout` describes `module`'s parameters by their names in it (or the ZeRO
+// engine's): whole-model name and slice; a name it lacks is the whole model's, whole. UsageError
+// naming a parameter, or a slice of one, that no part holds. load_optimizer_state (and
+// load_checkpoint) take the parts of a folder that holds no optimizer state of its own.
 void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
-                          const std::map<std::string, std::string>& whole_names = {});
+                          const std::vector<OptimizerPart::Parameter>& layout = {});
 // Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
 // shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
