@@ -229,7 +229,7 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
 
 }  // namespace
 
-void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
+void check_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
   const WrittenLayout written = written_layout(checkpoint);
   if (!written.mesh) return;
   const std::string why =
@@ -237,7 +237,13 @@ void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
       : train::find_optimizer_parts(checkpoint.path()).empty()
           ? "it was written before a mesh checkpoint named its stages' optimizer state"
           : "";
-  if (why.empty()) return;
+  if (why.empty()) {
+    if (train::get_context().get_world_rank() == 0) {
+      std::cout << "re-cutting the optimizer state of " << checkpoint.path().filename().string()
+                << " from " << written.flags() << " to a run without a mesh" << std::endl;
+    }
+    return;
+  }
   throw UsageError("checkpoint " + checkpoint.path().string() + " was written by a mesh run (" +
                    written.flags() + "): " + why + "; resume it with " + written.flags() +
                    (!synchronous ? ", or with --sync ddp" : ""));

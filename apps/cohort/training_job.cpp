@@ -508,7 +508,7 @@ void train_loop(const Json& c) {
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
-    refuse_mesh_checkpoint(*checkpoint, parallel::is_synchronous(sync));
+    check_mesh_checkpoint(*checkpoint, parallel::is_synchronous(sync));
     train::load_checkpoint(*checkpoint, *model, *optimizer);
     resumed = resume_point(*checkpoint);
   }

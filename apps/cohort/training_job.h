@@ -130,10 +130,11 @@ void train_loop(const Json& config);
 // The loop of a mesh run (mesh_training.cpp): the zoo model cut into pipeline stages and, for the
 // ViT, its blocks tensor-parallel; DDP over each stage's dp group.
 void train_loop_on_mesh(const Json& config);
-// A UsageError naming the degrees when `checkpoint` was written by a mesh run that a run without
-// one cannot resume: one written before its stages' optimizer state was named, or any into local
-// SGD, DiLoCo or the parameter server (not `synchronous`).
-void refuse_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous);
+// For a run without a mesh resuming `checkpoint`: when a mesh run wrote it, a UsageError naming
+// the degrees if this run cannot load it (one written before its stages' optimizer state was
+// named, or any into local SGD, DiLoCo or the parameter server: not `synchronous`), else a line
+// on rank 0 saying that its optimizer state is re-cut.
+void check_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous);
 // The mesh options' checks before any worker starts (UsageError naming the flag and the fix).
 void validate_mesh(const TrainOptions& options);
 // --micro-batches with its default resolved.

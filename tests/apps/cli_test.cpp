@@ -589,9 +589,13 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   // Another cut resumes by the model's names: the pipeline's epoch-1 checkpoint continued by one
   // worker without a mesh, and by a pipeline of 4 stages (both dp 1: the same global batch),
   // trains epoch 2 as the pipeline did.
-  using Recut = std::tuple<std::string, std::string, std::vector<std::string>>;
-  for (const auto& [name, workers, mesh] :
-       {Recut{"zb_plain", "1", {}}, Recut{"zb_pp4", "4", {"--pp", "4", "--schedule", "gpipe"}}}) {
+  using Recut = std::tuple<std::string, std::string, std::vector<std::string>, std::string>;
+  for (const auto& [name, workers, mesh, into] :
+       {Recut{"zb_plain", "1", {}, "a run without a mesh"},
+        Recut{"zb_pp4",
+              "4",
+              {"--pp", "4", "--schedule", "gpipe"},
+              "--pp 4 --tp 1 --schedule gpipe"}}) {
     ASSERT_EQ(train(zb({"--epochs", "1", "--name", name})).exit_code, 0);
     auto args = small_run("adam", {"--model", "cnn", "--epochs", "2", "--name", name});
     args[3] = workers;  // --workers
@@ -599,6 +603,12 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
     auto r = train(args);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("resuming from"), std::string::npos) << r.output;
+    EXPECT_NE(cohort::testing::read_text((dir / "runs" / name / "logs" / "rank-0.log").string())
+                  .find("re-cutting the optimizer state of checkpoint_000000 from --pp 2 --tp 1 "
+                        "--schedule zero-bubble to " +
+                        into),
+              std::string::npos)
+        << name;
     const auto got = result_of(name);
     EXPECT_EQ(got["steps"], straight["steps"]) << name;
     EXPECT_NEAR(got["train_loss"].get<double>(), straight["train_loss"].get<double>(),
@@ -606,10 +616,6 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
         << name;
     EXPECT_NEAR(got["lr"].get<double>(), straight["lr"].get<double>(), 1e-12) << name;
   }
-  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "zb_pp4" / "logs" / "rank-0.log").string())
-                .find("re-cutting the optimizer state of checkpoint_000000 from --pp 2 --tp 1 "
-                      "--schedule zero-bubble to --pp 4 --tp 1 --schedule gpipe"),
-            std::string::npos);
   // And back: one worker's checkpoint into a pipeline of 2 stages.
   ASSERT_EQ(
       train(one_worker(with({"--model", "mlp", "--epochs", "2", "--name", "one_2"}))).exit_code, 0);
