@@ -562,16 +562,12 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
     if (auto parts = find_optimizer_parts(dir); !parts.empty())
       return load_optimizer_parts(parts, optimizer, module);
   }
-  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
-    if (zero_shards) {
-      detail::load_zero_shards(*zero, dir);
-    } else {
-      // A DDP run's checkpoint: its whole optimizer state, sharded here.
-      detail::load_optimizer_file_into_zero(*zero, module, dir / "optimizer.pt");
-    }
-  } else if (zero_shards) {
-    // Into DDP's whole optimizer: every parameter's state read from the shards.
-    detail::load_zero_shards_into(optimizer, module, dir);
+  if (zero_shards) {
+    // Into ZeRO at any world size and stage, or DDP's whole optimizer.
+    detail::load_zero_shards(optimizer, module, dir);
+  } else if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
+    // A DDP run's checkpoint: its whole optimizer state, sharded here.
+    detail::load_optimizer_file_into_zero(*zero, module, dir / "optimizer.pt");
   } else {
     load_optimizer(optimizer, dir / "optimizer.pt");
   }

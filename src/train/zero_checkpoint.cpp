@@ -554,14 +554,8 @@ void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem
                                             "\n");
 }
 
-void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
-  NamedState state;
-  state.add(StateSource::shards(dir));
-  load_named_state(state, zero, nullptr, {});
-}
-
-void load_zero_shards_into(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
-                           const std::filesystem::path& dir) {
+void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                      const std::filesystem::path& dir) {
   NamedState state;
   state.add(StateSource::shards(dir));
   load_named_state(state, optimizer, &module, {});

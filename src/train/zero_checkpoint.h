@@ -22,13 +22,11 @@ std::string rank_file(const char* stem, int rank, int world_size, const char* ex
 // element>" into zero-rank<r>-of-<N>.safetensors; rank 0 writes the manifest (the files, the
 // algorithm, state names, steps and lr).
 void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir);
-// Reads, for each piece of this rank's shard, only the overlapping ranges of the files.
-void load_zero_shards(parallel::ZeroOptimizer& zero, const std::filesystem::path& dir);
-
-// A ZeRO checkpoint into the optimizer of a DDP model (torch::optim's or a flat SGD, Adam or
-// AdamW over `module`'s parameters): every parameter's state read whole from the shards.
-void load_zero_shards_into(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
-                           const std::filesystem::path& dir);
+// Into a ZeroOptimizer at any stage and world size (for each piece of this rank's shard only the
+// overlapping ranges of the files are read), or into the optimizer of a DDP model (torch::optim's
+// or a flat SGD, Adam or AdamW over `module`'s parameters: every parameter's state read whole).
+void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                      const std::filesystem::path& dir);
 // A DDP checkpoint's optimizer.pt (written by torch::optim's or a flat optimizer of the same
 // algorithm over `module`'s parameters) into this rank's ZeRO shard.
 void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
