@@ -91,8 +91,10 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   // The gradients the optimizer steps, each with the weight of its parameter.
   std::vector<std::pair<at::Tensor, double>> grads;
   double replicas = 1;  // the dp ranks that hold the same gradients
-  if (auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer)) {
-    const auto shards = zero->flat_gradients();
+  auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer);
+  std::vector<at::Tensor> shards;  // ZeRO's gradient shards, one per group
+  if (zero != nullptr) {
+    shards = zero->flat_gradients();
     for (const auto& piece : zero->shard_pieces()) {
       grads.emplace_back(shards.at(piece.group).narrow(0, piece.offset, piece.length),
                          weight_of(piece.parameter));
@@ -114,8 +116,8 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   mesh.world().allreduce(total);
   const at::Tensor norm = total[0].clamp_min(0).sqrt().reshape({});
   const at::Tensor coefficient = (max_norm / (norm + 1e-6)).clamp_max(1.0);
-  if (auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer)) {
-    for (auto& shard : zero->flat_gradients()) shard.mul_(coefficient.to(shard.scalar_type()));
+  if (zero != nullptr) {
+    for (auto& shard : shards) shard.mul_(coefficient.to(shard.scalar_type()));
   } else {
     for (auto& [grad, weight] : grads) grad.mul_(coefficient.to(grad.scalar_type()));
   }

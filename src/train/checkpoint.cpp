@@ -178,26 +178,25 @@ Checkpoint Checkpoint::from_directory(const std::filesystem::path& dir) {
   return Checkpoint(std::filesystem::absolute(dir));
 }
 
-Json Checkpoint::metrics() const {
-  auto meta = path_ / kMetaFile;
+namespace {
+
+// meta.json of a checkpoint persisted by cohort; empty otherwise.
+Json read_meta(const std::filesystem::path& dir) {
+  const auto meta = dir / kMetaFile;
   if (!std::filesystem::exists(meta)) return Json::object();
   std::ifstream in(meta);
-  return Json::parse(in).value("metrics", Json::object());
+  return Json::parse(in);
 }
 
-int Checkpoint::world_size() const {
-  auto meta = path_ / kMetaFile;
-  if (!std::filesystem::exists(meta)) return 0;
-  std::ifstream in(meta);
-  return Json::parse(in).value("world_size", 0);
-}
+}  // namespace
+
+Json Checkpoint::metrics() const { return read_meta(path_).value("metrics", Json::object()); }
+
+int Checkpoint::world_size() const { return read_meta(path_).value("world_size", 0); }
 
 int Checkpoint::data_parallel_size() const {
-  auto meta = path_ / kMetaFile;
-  if (!std::filesystem::exists(meta)) return 0;
-  std::ifstream in(meta);
-  const auto json = Json::parse(in);
-  return json.value("data_parallel_size", json.value("world_size", 0));
+  const auto meta = read_meta(path_);
+  return meta.value("data_parallel_size", meta.value("world_size", 0));
 }
 
 void Checkpoint::verify() const { verify_manifest(path_); }
@@ -646,8 +645,7 @@ void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& op
   }
   if (session == nullptr || !session->on_world_size_change) return;
   const int previous = checkpoint.data_parallel_size();
-  const int now =
-      session->context.has_mesh() ? session->context.mesh.shape().dp : session->context.world_size;
+  const int now = data_parallel_position(session->context).world_size;
   if (previous > 0 && previous != now) session->on_world_size_change(optimizer, previous, now);
 }
 

@@ -82,17 +82,12 @@ comm::ProcessGroup data_parallel_group(WorkerSession& session) {
   return session.context.has_mesh() ? session.context.mesh.dp() : session.context.process_group;
 }
 
-// Where a rank reads its shard of the data: its world rank, or with a mesh its dp coordinates (a
-// pipeline's and a tensor-parallel group's ranks read the same rows).
-struct DataParallelPosition {
-  int rank, world_size;
-};
+}  // namespace
+
 DataParallelPosition data_parallel_position(const TrainContext& context) {
   if (!context.has_mesh()) return {context.world_rank, context.world_size};
   return {context.mesh.dp_index(), context.mesh.shape().dp};
 }
-
-}  // namespace
 
 void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options) {

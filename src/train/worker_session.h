@@ -78,6 +78,14 @@ struct WorkerSession {
 // Optimizer steps taken by the session's prepared models so far (the most of any of them).
 int64_t optimizer_steps(const WorkerSession& session);
 
+// A rank's data-parallel coordinates: its world rank and size, or with a mesh its dp index and
+// degree (a pipeline's and a tensor-parallel group's ranks read the same rows, and the global
+// batch scales with dp).
+struct DataParallelPosition {
+  int rank, world_size;
+};
+DataParallelPosition data_parallel_position(const TrainContext& context);
+
 // The session of this process; nullptr outside a train loop.
 WorkerSession* current_session();
 void set_current_session(std::unique_ptr<WorkerSession> session);

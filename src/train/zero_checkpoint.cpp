@@ -430,30 +430,41 @@ class NamedState {
   mutable at::Tensor cached_;
 };
 
-// `state` into `optimizer`: a ZeroOptimizer's shard (its pieces' ranges), or a whole optimizer
-// over `module`'s parameters (unused for ZeRO: its pieces are named). `layout`: the parameters by
-// their names in `module` (or the ZeRO engine's), with the whole model's name `state` knows each
-// by and the slice held here (none: the same name, whole).
-void load_named_state(const NamedState& state, torch::optim::Optimizer& optimizer,
-                      const torch::nn::Module* module,
-                      const std::map<std::string, const PartParameter*>& layout) {
-  torch::NoGradGuard no_grad;
-  auto described = [&](const std::string& name) -> const PartParameter* {
-    const auto found = layout.find(name);
-    return found == layout.end() ? nullptr : found->second;
-  };
-  auto whole = [&](const std::string& name) {
+// A loading rank's parameters by their names in its module (or the ZeRO engine's), each with the
+// whole model's name and the slice held here; a name it lacks is the whole model's, whole.
+class Layout {
+ public:
+  Layout() = default;  // every parameter whole, under the whole model's name
+  explicit Layout(const std::vector<PartParameter>& parameters) {
+    for (const auto& p : parameters) by_name_[p.name] = &p;
+  }
+  const PartParameter* described(const std::string& name) const {
+    const auto found = by_name_.find(name);
+    return found == by_name_.end() ? nullptr : found->second;
+  }
+  std::string whole(const std::string& name) const {
     const PartParameter* p = described(name);
     return p == nullptr ? name : p->whole_name;
-  };
+  }
+
+ private:
+  std::map<std::string, const PartParameter*> by_name_;
+};
+
+// `state` into `optimizer`: a ZeroOptimizer's shard (its pieces' ranges), or a whole optimizer
+// over `module`'s parameters (unused for ZeRO: its pieces are named), as `layout` names them.
+void load_named_state(const NamedState& state, torch::optim::Optimizer& optimizer,
+                      const torch::nn::Module* module, const Layout& layout) {
+  torch::NoGradGuard no_grad;
   if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
     const auto names = zero->state_names();
     state.check_algorithm(zero->algorithm(), names);
     for (const auto& piece : zero->shard_pieces()) {
       auto buffers = zero->shard_state(piece.group);
       for (size_t s = 0; s < names.size(); ++s)
-        state.read(whole(piece.parameter), names, s, piece.begin,
-                   buffers[s].narrow(0, piece.offset, piece.length), described(piece.parameter));
+        state.read(layout.whole(piece.parameter), names, s, piece.begin,
+                   buffers[s].narrow(0, piece.offset, piece.length),
+                   layout.described(piece.parameter));
     }
     zero->set_steps(state.steps());
     for (auto& group : zero->param_groups()) group.options().set_lr(state.lr());
@@ -469,7 +480,8 @@ void load_named_state(const NamedState& state, torch::optim::Optimizer& optimize
     ParameterState values{.steps = state.steps(), .values = {}};
     for (size_t s = 0; s < names.size(); ++s) {
       values.values.push_back(at::empty({numel}, at::kFloat));
-      state.read(whole(parameters[i]), names, s, 0, values.values.back(), described(parameters[i]));
+      state.read(layout.whole(parameters[i]), names, s, 0, values.values.back(),
+                 layout.described(parameters[i]));
     }
     set_state(optimizer, algorithm, i, values);
   }
@@ -558,7 +570,7 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
                       const std::filesystem::path& dir) {
   NamedState state;
   state.add(StateSource::shards(dir));
-  load_named_state(state, optimizer, &module, {});
+  load_named_state(state, optimizer, &module, Layout());
 }
 
 void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
@@ -571,7 +583,7 @@ void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::n
   NamedState state;
   state.add(
       StateSource::file(file, parameters, zero.algorithm(), zero.param_groups().front().options()));
-  load_named_state(state, zero, nullptr, {});
+  load_named_state(state, zero, nullptr, Layout());
 }
 
 void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
@@ -682,20 +694,15 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                           const std::vector<OptimizerPart::Parameter>& layout) {
   if (parts.empty()) throw UsageError("load_optimizer_parts: no parts to load from");
-  std::map<std::string, const OptimizerPart::Parameter*> by_name;
-  for (const auto& p : layout) by_name[p.name] = &p;
+  const detail::Layout names(layout);
   // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
   auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer);
   std::set<std::string> needed;
-  auto whole = [&](const std::string& name) {
-    const auto found = by_name.find(name);
-    return found == by_name.end() ? name : found->second->whole_name;
-  };
   if (zero != nullptr) {
-    for (const auto& piece : zero->shard_pieces()) needed.insert(whole(piece.parameter));
+    for (const auto& piece : zero->shard_pieces()) needed.insert(names.whole(piece.parameter));
   } else {
     for (const auto& name : detail::parameter_names(optimizer, module, "load_optimizer_parts"))
-      needed.insert(whole(name));
+      needed.insert(names.whole(name));
   }
   const std::string algorithm =
       zero != nullptr ? zero->algorithm()
@@ -726,7 +733,7 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                 part.parameters, what);
     }
   }
-  detail::load_named_state(state, optimizer, &module, by_name);
+  detail::load_named_state(state, optimizer, &module, names);
 }
 
 }  // namespace cohort::train
