@@ -326,29 +326,32 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
                                                 const ProcessGroupOptions& options,
                                                 std::vector<int> global_ranks, bool subgroup) {
   if (options.backend == Backend::kNccl) require_nccl();
-  // Our own arrival barrier makes a missing rank nameable; Gloo's own error would not say who.
+  // Our own barriers make a missing rank nameable; Gloo's own error would not say who.
   const std::string address = store.host() + ":" + std::to_string(store.port());
-  try {
-    store.arrive_and_wait(options.prefix + "/arrived/", rank, world_size, "1",
-                          "join the rendezvous at " + address, options.setup_timeout);
-  } catch (const TimeoutError& e) {
-    std::string members;
-    if (subgroup) {
-      members = " (group '" + options.prefix + "' of global ranks";
-      for (int g : global_ranks) members += " " + std::to_string(g);
-      members += ")";
+  const auto setup_barrier = [&](const std::string& step, const std::string& what) {
+    try {
+      store.arrive_and_wait(options.prefix + "/" + step + "/", rank, world_size, "1", what,
+                            options.setup_timeout);
+    } catch (const TimeoutError& e) {
+      std::string members;
+      if (subgroup) {
+        members = " (group '" + options.prefix + "' of global ranks";
+        for (int g : global_ranks) members += " " + std::to_string(g);
+        members += ")";
+      }
+      throw TimeoutError(std::string("process group setup: ") + e.what() + members +
+                         ": check that they started and can reach that address");
     }
-    throw TimeoutError(std::string("process group setup: ") + e.what() + members +
-                       ": check that they started and can reach that address");
-  }
+  };
+  setup_barrier("arrived", "join the rendezvous at " + address);
   auto state = std::make_shared<ProcessGroup::State>();
   state->keys = c10::make_intrusive<c10d::PrefixStore>(options.prefix, StoreAccess::native(store));
   state->subgroup = subgroup;
-  state->store = std::move(store);
+  state->store = store;
   state->options = options;
   state->rank = rank;
   state->world_size = world_size;
-  state->global_ranks = std::move(global_ranks);
+  state->global_ranks = global_ranks;
   {
     auto& registry = group_registry();
     std::lock_guard lock(registry.mutex);
@@ -364,6 +367,10 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
       throw RuntimeError("process group setup failed on rank " + std::to_string(rank) + ": " +
                          e.what());
     }
+    // A rank is connected once its own pairs are, possibly before its peers have read their
+    // side: one that returned now and closed its group at once (a short job, an early error)
+    // would fail them with "connection closed by peer". No rank returns until all are connected.
+    setup_barrier("connected", "connect to every peer of the group at " + address);
   }
   return state;
 }
