@@ -397,13 +397,30 @@ std::filesystem::path local_optimizer_file(const std::filesystem::path& dir, int
   return file;
 }
 
-void load_local_sgd(parallel::LocalSgdOptimizer& local, const std::filesystem::path& dir) {
+}  // namespace
+
+std::filesystem::path detail::whole_optimizer_file(const std::filesystem::path& dir) {
+  if (std::filesystem::exists(dir / "optimizer.pt")) return dir / "optimizer.pt";
+  const auto manifest = read_local_sgd_manifest(dir);
+  if (!manifest) return dir / "optimizer.pt";
+  return local_optimizer_file(dir, 0, (*manifest)["world_size"].get<int>());
+}
+
+namespace {
+
+void load_local_sgd(parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
+                    const std::filesystem::path& dir) {
   const int rank = local.process_group().rank();
   const int world = local.process_group().world_size();
   const auto manifest = read_local_sgd_manifest(dir);
   if (!manifest) {
-    // A checkpoint of synchronous training: its optimizer state for every rank, a new period.
-    if (std::filesystem::exists(dir / "optimizer.pt")) load_optimizer(local, dir / "optimizer.pt");
+    // A checkpoint of synchronous training (DDP's optimizer.pt, ZeRO's shards at any stage and
+    // size, a pipeline's parts): its optimizer state for every rank's inner optimizer, a new
+    // period. A folder with none of them (only a model) starts the inner optimizer afresh.
+    if (std::filesystem::exists(dir / "optimizer.pt") ||
+        std::filesystem::exists(dir / kZeroManifest) || !find_optimizer_parts(dir).empty()) {
+      load_optimizer_state(dir, local.inner(), module);
+    }
     local.restore({}, nullptr, 0, {});
     return;
   }
@@ -556,7 +573,8 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
                           const torch::nn::Module& module) {
   refuse_replica_optimizer(optimizer, "load_optimizer_state", "load_checkpoint");
   const bool zero_shards = std::filesystem::exists(dir / kZeroManifest);
-  if (!zero_shards && !std::filesystem::exists(dir / "optimizer.pt")) {
+  const auto file = detail::whole_optimizer_file(dir);
+  if (!zero_shards && !std::filesystem::exists(file)) {
     // A pipeline's checkpoint: its stages' state in parts, by the whole model's names.
     if (auto parts = find_optimizer_parts(dir); !parts.empty())
       return load_optimizer_parts(parts, optimizer, module);
@@ -566,9 +584,9 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
     detail::load_zero_shards(optimizer, module, dir);
   } else if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
     // A DDP run's checkpoint: its whole optimizer state, sharded here.
-    detail::load_optimizer_file_into_zero(*zero, module, dir / "optimizer.pt");
+    detail::load_optimizer_file_into_zero(*zero, module, file);
   } else {
-    load_optimizer(optimizer, dir / "optimizer.pt");
+    load_optimizer(optimizer, file);
   }
 }
 
@@ -576,6 +594,10 @@ bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
   return dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr ||
          dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
          dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) != nullptr;
+}
+
+bool is_local_sgd_checkpoint(const std::filesystem::path& dir) {
+  return read_local_sgd_manifest(dir).has_value();
 }
 
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
@@ -616,20 +638,13 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   }
   const auto& dir = checkpoint.path();
   if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
-    refuse_zero_shards(dir);
-    load_local_sgd(*local, dir);
+    load_local_sgd(*local, module, dir);
   } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
     refuse_zero_shards(dir);
     load_parameter_server(*ps, dir);
-  } else if (const auto manifest = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer) == nullptr
-                                       ? read_local_sgd_manifest(dir)
-                                       : std::nullopt) {
-    // Synchronous training from a local SGD checkpoint: the global parameters (loaded above)
-    // and one rank's inner optimizer state.
-    const auto* session = current_session();
-    load_optimizer(optimizer, local_optimizer_file(dir, session ? session->context.world_rank : 0,
-                                                   (*manifest)["world_size"].get<int>()));
   } else {
+    // From a local SGD checkpoint too: the global parameters (loaded above) and its first rank's
+    // inner optimizer state on every rank (see whole_optimizer_file).
     load_optimizer_state(dir, optimizer, module);
   }
   restore_run_state(checkpoint, optimizer);

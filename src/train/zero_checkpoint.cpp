@@ -729,7 +729,8 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
     if (std::filesystem::exists(part.dir / detail::kZeroManifest)) {
       state.add(detail::StateSource::shards(part.dir), part.parameters, what);
     } else {
-      state.add(detail::StateSource::file(part.dir / "optimizer.pt", in_order, algorithm, options),
+      state.add(detail::StateSource::file(detail::whole_optimizer_file(part.dir), in_order,
+                                          algorithm, options),
                 part.parameters, what);
     }
   }

@@ -18,6 +18,12 @@ inline constexpr const char* kZeroManifest = "zero_manifest.json";
 // "<stem>-rank<r>-of-<N><extension>": a file one rank of N writes into a checkpoint.
 std::string rank_file(const char* stem, int rank, int world_size, const char* extension);
 
+// The file of a folder's whole optimizer state (a torch::optim archive, e.g. DDP's): optimizer.pt,
+// else a local SGD checkpoint's first rank's inner state (its replicas agree at the checkpoints
+// of `cohort train`, which synchronises first; any one serves every rank of a synchronous run,
+// which must step alike). optimizer.pt when the folder holds neither (the caller names it).
+std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir);
+
 // Every rank writes its pieces of each parameter's state as "<parameter>/<state>/<first
 // element>" into zero-rank<r>-of-<N>.safetensors; rank 0 writes the manifest (the files, the
 // algorithm, state names, steps and lr).

@@ -8,6 +8,7 @@
 
 #include "cohort/error.h"
 #include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "support/expect.h"
 #include "support/local_group.h"
@@ -150,6 +151,50 @@ TEST(LocalSgdCheckpoint, ACheckpointOfSynchronousTrainingStartsAPeriod) {
     const auto expected = parameters_of(net);
     const auto loaded = parameters_of(other);
     for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], expected[i]));
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// A synchronous run's replicas must step alike: every rank takes the same (the first rank's) inner
+// state of a local SGD checkpoint, however its ranks' states differ.
+TEST(LocalSgdCheckpoint, ASynchronousRunTakesTheFirstRanksInnerStateOnEveryRank) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_into_ddp");
+  straight_run(dir);
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
+    load_checkpoint(Checkpoint::from_directory(dir), *net, adamw);
+    // The same batch on both: with the same state, the same step.
+    train_step(net, adamw, 0, 0);
+    const auto all = g.allgather(net->parameters()[0].detach().clone());
+    EXPECT_TRUE(torch::equal(all[0], all[1]));
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// ZeRO's shards start local SGD too: every rank's inner optimizer takes the whole state, as a
+// whole optimizer loading them does.
+TEST(LocalSgdCheckpoint, ZeroShardsStartAPeriodWithTheWholeState) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_from_zero");
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    torch::optim::AdamW plain(net->parameters(), torch::optim::AdamWOptions(0.01));
+    parallel::ZeroOptimizer zero(net.ptr(), plain, g, {.stage = 2, .reduce_bucket_size = 40});
+    train_step(net, zero, g.rank(), 0);
+    save_checkpoint(dir, *net, zero);
+    g.barrier();  // every shard is there before anyone loads
+    auto other = make_local_sgd_net();
+    auto local = make_optimizer(other, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *other, *local);
+    auto whole = make_local_sgd_net();
+    torch::optim::AdamW adamw(whole->parameters(), torch::optim::AdamWOptions(0.01));
+    load_checkpoint(Checkpoint::from_directory(dir), *whole, adamw);
+    EXPECT_EQ(local->inner().state().size(), other->parameters().size());
+    // One inner step on the same batch: the same as the whole optimizer's.
+    train_step(other, local->inner(), 0, 1);
+    train_step(whole, adamw, 0, 1);
+    const auto got = parameters_of(other), want = parameters_of(whole);
+    for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(torch::equal(got[i], want[i])) << i;
   });
   std::filesystem::remove_all(dir);
 }

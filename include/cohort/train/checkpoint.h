@@ -113,6 +113,10 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
 // Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
 // shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
+// Whether `dir` is save_checkpoint's folder of a LocalSgdOptimizer (local SGD or DiLoCo: the
+// global parameters, every rank's own and its inner state). A synchronous run loads it too (its
+// first rank's inner state, on every rank).
+bool is_local_sgd_checkpoint(const std::filesystem::path& dir);
 // Loads save_checkpoint's files into `module` and `optimizer`, at any world size and into either
 // engine (see load_optimizer_state); then restore_run_state.
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
