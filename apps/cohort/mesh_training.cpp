@@ -2,7 +2,9 @@
 // builds the whole model from the same seed (with T > 1 the ViT's blocks tensor-parallel over its
 // tp group), cuts it into the pipeline's stages at its pipeline_layers() and trains its own
 // stages; the stages' gradients are averaged over the dp group by the DDP engine, or
-// reduce-scattered by ZeRO stage 1 or 2 (--zero-stage), which shards the optimizer over it.
+// reduce-scattered by ZeRO stage 1 or 2 (--zero-stage), which shards the optimizer over it; with
+// --sync local-sgd:H or diloco:H each replica steps alone and the stages are averaged over the dp
+// group every H steps and at every epoch's end.
 #include <torch/torch.h>
 
 #include <fstream>
@@ -127,10 +129,12 @@ void name_parts(CheckpointedModel& checkpointed, const pipeline::Pipeline& pipe,
 
 // The ranks of dp index 0 write the checkpoint (their replicas' are the same): the model (whole
 // after share_stages) from pp index 0, every stage's optimizer state from its rank; with ZeRO
-// every dp rank writes its shards of that state too. Every rank reports, so that the checkpoint
-// is committed once all got there.
+// every dp rank writes its shards of that state too, and with local SGD or DiLoCo its own inner
+// state (the folder is then a local SGD checkpoint of `stages`, also holding the global
+// parameters and the outer momentum). Every rank reports, so that the checkpoint is committed
+// once all got there.
 void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mesh,
-                            const CheckpointedModel& model,
+                            const CheckpointedModel& model, const torch::nn::Module& stages,
                             const torch::optim::Optimizer& optimizer, const std::string& schedule,
                             int zero_stage) {
   auto& ctx = train::get_context();
@@ -146,7 +150,11 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
     if (mesh.tp_index() == 0)
       train::save_model(model.dense ? *model.dense : *model.model, dir / "model.safetensors");
   }
-  train::save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
+  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr) {
+    train::save_checkpoint(dir / optimizer_folder(mesh), stages, optimizer);
+  } else {
+    train::save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
+  }
   if (mesh.dp_index() == 0)
     train::save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = model.part});
   if (ctx.get_world_rank() == 0) {
@@ -160,28 +168,12 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
   std::filesystem::remove_all(dir);
 }
 
-// Loads the whole model and this rank's optimizer state. From a mesh checkpoint of the same pp,
-// tp and stages per rank (any dp; DDP's state or ZeRO's shards, into either engine: `stages` is
-// what the optimizer steps, pipe.module()) exactly as written. From any other cut, or a run
-// without a mesh: each parameter's state found by the model's name, its tensor-parallel slices
-// gathered and cut anew.
-void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
-                          const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
-                          const torch::nn::Module& stages, const std::string& schedule) {
-  const auto dir = checkpoint.path();
-  const auto& s = mesh.shape();
-  const WrittenLayout here{.mesh = true, .pp = s.pp, .tp = s.tp, .schedule = schedule};
-  const WrittenLayout written = written_layout(checkpoint);
-  // The same cut: the same degrees and stages per rank (the schedules may differ otherwise).
-  const bool same = written.mesh && written.pp == here.pp && written.tp == here.tp &&
-                    virtual_stages_of(pipeline::schedule_from_string(written.schedule)) ==
-                        virtual_stages_of(pipeline::schedule_from_string(here.schedule));
-  if (model.dense) {
-    train::load_model(*model.dense, dir / "model.safetensors");
-    model.sliced().load_from_dense(*model.dense);
-  } else {
-    train::load_model(*model.model, dir / "model.safetensors");
-  }
+// load_mesh_checkpoint's optimizer state of a synchronous engine (a whole optimizer or ZeRO).
+void load_mesh_optimizer_state(const std::filesystem::path& dir, const WrittenLayout& written,
+                               const WrittenLayout& here, bool same,
+                               const parallel::DeviceMesh& mesh, const CheckpointedModel& model,
+                               torch::optim::Optimizer& optimizer,
+                               const torch::nn::Module& stages) {
   if (!same) {
     // Another cut: every stage's state by the model's names.
     std::vector<train::OptimizerPart> parts;
@@ -227,13 +219,51 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
   }
 }
 
+// Loads the whole model and this rank's optimizer state. From a mesh checkpoint of the same pp,
+// tp and stages per rank (any dp; DDP's state, ZeRO's shards or local SGD's, into any engine:
+// `stages` is what the optimizer steps, pipe.module()) exactly as written. From any other cut,
+// or a run without a mesh: each parameter's state found by the model's name, its
+// tensor-parallel slices gathered and cut anew. Local SGD and DiLoCo continue their period from
+// a checkpoint of their own of the same cut and dp, else start one from the loaded model with
+// the state in their inner optimizer.
+void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMesh& mesh,
+                          const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
+                          torch::nn::Module& stages, const std::string& schedule) {
+  const auto dir = checkpoint.path();
+  const auto& s = mesh.shape();
+  const WrittenLayout here{.mesh = true, .pp = s.pp, .tp = s.tp, .schedule = schedule};
+  const WrittenLayout written = written_layout(checkpoint);
+  // The same cut: the same degrees and stages per rank (the schedules may differ otherwise).
+  const bool same = written.mesh && written.pp == here.pp && written.tp == here.tp &&
+                    virtual_stages_of(pipeline::schedule_from_string(written.schedule)) ==
+                        virtual_stages_of(pipeline::schedule_from_string(here.schedule));
+  if (model.dense) {
+    train::load_model(*model.dense, dir / "model.safetensors");
+    model.sliced().load_from_dense(*model.dense);
+  } else {
+    train::load_model(*model.model, dir / "model.safetensors");
+  }
+  auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer);
+  const auto state = dir / optimizer_folder(mesh);
+  if (local != nullptr && same && train::is_local_sgd_checkpoint(state)) {
+    // Its own checkpoint: the stages' global parameters, this rank's own and its inner state.
+    train::load_checkpoint(Checkpoint::from_directory(state), stages, *local);
+    return;
+  }
+  // The state that the optimizer steps with: local SGD's inner optimizer's, a new period.
+  torch::optim::Optimizer& target = local != nullptr ? local->inner() : optimizer;
+  load_mesh_optimizer_state(dir, written, here, same, mesh, model, target, stages);
+  if (local != nullptr) local->restore({}, nullptr, 0, {});
+}
+
 }  // namespace
 
-void check_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
+void check_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::SyncMode& sync) {
   const WrittenLayout written = written_layout(checkpoint);
   if (!written.mesh) return;
+  const bool server = std::holds_alternative<parallel::AsyncParameterServer>(sync);
   const std::string why =
-      !synchronous ? "a mesh's optimizer state loads into --sync ddp only"
+      server ? "the parameter server does not load a mesh's optimizer state"
       : train::find_optimizer_parts(checkpoint.path()).empty()
           ? "it was written before a mesh checkpoint named its stages' optimizer state"
           : "";
@@ -244,9 +274,11 @@ void check_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous) {
     }
     return;
   }
-  throw UsageError("checkpoint " + checkpoint.path().string() + " was written by a mesh run (" +
-                   written.flags() + "): " + why + "; resume it with " + written.flags() +
-                   (!synchronous ? ", or with --sync ddp" : ""));
+  throw UsageError(
+      "checkpoint " + checkpoint.path().string() + " was written by a mesh run (" +
+      written.flags() + "): " + why + "; resume it with " +
+      (server ? "--sync ddp, local-sgd:H or diloco:H (with or without " + written.flags() + ")"
+              : written.flags()));
 }
 
 int micro_batches_of(const TrainOptions& o) {
@@ -317,7 +349,8 @@ void validate_mesh(const TrainOptions& o) {
              (o.deepspeed.empty() ? std::string(" (--zero-stage)") : " (from " + o.deepspeed + ")"),
          "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
          "use --zero-stage 1 or 2");
-  refuse(o.sync != "ddp", "--sync " + o.sync, "use --sync ddp");
+  refuse(std::holds_alternative<parallel::AsyncParameterServer>(sync_of(o)), "--sync " + o.sync,
+         "the parameter server serves whole models; use --sync ddp, local-sgd:H or diloco:H");
   refuse(o.precision == "fp16", "--precision fp16", "use bf16 or fp32");
   // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
   if (o.min_workers % (o.pp * o.tp) != 0) {
@@ -339,6 +372,7 @@ void train_loop_on_mesh(const Json& c) {
   const int micro_batches = c["micro_batches"].get<int>();
   const int64_t accumulation = c.value("gradient_accumulation_steps", int64_t{1});
   const parallel::ZeroOptions zero = zero_options_of(c);
+  const parallel::SyncMode sync = sync_mode_of(c);
   const double clip = c.value("gradient_clipping", 0.0);
   const pipeline::PipelineLayout layout{.ranks = shape.pp,
                                         .virtual_stages = virtual_stages_of(kind)};
@@ -374,15 +408,19 @@ void train_loop_on_mesh(const Json& c) {
                            .micro_batches = micro_batches,
                            .virtual_stages = layout.virtual_stages,
                            .data_parallel_group = mesh.dp(),
-                           .zero = zero});
-  // With ZeRO, the engine that shards the optimizer over the dp group.
+                           .zero = zero,
+                           .sync = sync});
+  // With ZeRO, the engine that shards the optimizer over the dp group; with local SGD or
+  // DiLoCo, the one that averages the replicas every H steps.
   auto optimizer = pipe.prepare_optimizer(make_optimizer(c, pipe.parameters()));
   name_parts(checkpointed, pipe, mesh);
   if (rank0) {
     std::cout << "mesh " << parallel::to_string(shape) << ": " << layers->size() << " layers in "
               << layout.stages() << " stages, " << to_string(kind) << " over " << micro_batches
               << " micro-batches, "
-              << (zero.stage > 0 ? "ZeRO stage " + std::to_string(zero.stage) : std::string("DDP"))
+              << (zero.stage > 0                   ? "ZeRO stage " + std::to_string(zero.stage)
+                  : parallel::is_synchronous(sync) ? std::string("DDP")
+                                                   : parallel::to_string(sync))
               << " over dp" << std::endl;
   }
 
@@ -399,6 +437,10 @@ void train_loop_on_mesh(const Json& c) {
     steps = resumed.steps;
   }
   bool stopping = false;  // a Ctrl-C asked to stop after a checkpoint
+  // train::should_stop() is a collective: after every step, or at epoch ends with local SGD and
+  // DiLoCo, whose replicas must not wait for each other every step.
+  const bool stop_every_step = parallel::is_synchronous(sync);
+  auto* local_sgd = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get());
 
   // This dp rank's shard (the same rows on every rank of a pipeline and of a tp group).
   auto train_stream = train::get_dataset_shard("train");
@@ -470,11 +512,15 @@ void train_loop_on_mesh(const Json& c) {
       if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
       train::report_progress(progress);
       if (max_steps > 0 && steps >= max_steps) break;
-      if (train::should_stop()) {
+      if (stop_every_step && train::should_stop()) {
         stopping = true;
         break;
       }
     }
+    // Local SGD and DiLoCo: the replicas agree at the end of every epoch too, so that the
+    // evaluation and the checkpoint are of one model.
+    if (local_sgd != nullptr) local_sgd->sync();
+    if (!stop_every_step) stopping = train::should_stop();
     // The epoch's mean loss over the last stages' ranks.
     std::vector<at::Tensor> loss_stats{
         torch::tensor({loss_sum, static_cast<double>(loss_count)}, torch::kDouble)};
@@ -496,7 +542,8 @@ void train_loop_on_mesh(const Json& c) {
                  {"lr", current_lr(*optimizer)},
                  {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
     if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
-    report_with_checkpoint(metrics, mesh, checkpointed, *optimizer, to_string(kind), zero.stage);
+    report_with_checkpoint(metrics, mesh, checkpointed, *pipe.module(), *optimizer, to_string(kind),
+                           zero.stage);
     if (last) break;
   }
 }

@@ -311,7 +311,11 @@ Json sync_to_json(const parallel::SyncMode& mode) {
   return j;
 }
 
-parallel::SyncMode sync_from_json(const Json& j) {
+}  // namespace
+
+parallel::SyncMode sync_mode_of(const Json& config) {
+  if (!config.contains("sync")) return parallel::Synchronous{};
+  const Json& j = config["sync"];
   auto mode = parallel::parse_sync_mode(j.at("mode").get<std::string>());
   if (auto* d = std::get_if<parallel::DiLoCo>(&mode)) {
     d->outer_lr = j.at("outer_lr").get<double>();
@@ -320,8 +324,6 @@ parallel::SyncMode sync_from_json(const Json& j) {
   }
   return mode;
 }
-
-}  // namespace
 
 Json to_json(const TrainOptions& o) {
   Json config{{"model", o.model},
@@ -502,13 +504,13 @@ void train_loop(const Json& c) {
   const parallel::ZeroOptions zero = zero_options_of(c);
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
-  const auto sync = c.contains("sync") ? sync_from_json(c["sync"]) : parallel::SyncMode{};
+  const auto sync = sync_mode_of(c);
   train::prepare_model(model, {.zero = zero, .sync = sync});
   auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
-    check_mesh_checkpoint(*checkpoint, parallel::is_synchronous(sync));
+    check_mesh_checkpoint(*checkpoint, sync);
     train::load_checkpoint(*checkpoint, *model, *optimizer);
     resumed = resume_point(*checkpoint);
   }

@@ -128,13 +128,14 @@ RunConfig run_config_of(const TrainOptions& options);
 void train_loop(const Json& config);
 
 // The loop of a mesh run (mesh_training.cpp): the zoo model cut into pipeline stages and, for the
-// ViT, its blocks tensor-parallel; DDP over each stage's dp group.
+// ViT, its blocks tensor-parallel; DDP (or ZeRO 1-2, local SGD, DiLoCo) over each stage's dp
+// group.
 void train_loop_on_mesh(const Json& config);
 // For a run without a mesh resuming `checkpoint`: when a mesh run wrote it, a UsageError naming
 // the degrees if this run cannot load it (one written before its stages' optimizer state was
-// named, or any into local SGD, DiLoCo or the parameter server: not `synchronous`), else a line
-// on rank 0 saying that its optimizer state is re-cut.
-void check_mesh_checkpoint(const Checkpoint& checkpoint, bool synchronous);
+// named, or any into the parameter server), else a line on rank 0 saying that its optimizer state
+// is re-cut.
+void check_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::SyncMode& sync);
 // The mesh options' checks before any worker starts (UsageError naming the flag and the fix).
 void validate_mesh(const TrainOptions& options);
 // --micro-batches with its default resolved.
@@ -150,6 +151,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
                                                         std::vector<torch::Tensor> params);
 // The ZeRO options of a job's config (stage 0, DDP, when it has none).
 parallel::ZeroOptions zero_options_of(const Json& config);
+// The sync mode of a job's config (synchronous DDP when it has none).
+parallel::SyncMode sync_mode_of(const Json& config);
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // Accuracy and mean loss of `model` over the loader's shard, summed over every rank of `group`

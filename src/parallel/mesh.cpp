@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cohort/error.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/tensor_parallel.h"
 #include "cohort/parallel/zero_optimizer.h"
 
@@ -92,6 +93,8 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   std::vector<std::pair<at::Tensor, double>> grads;
   double replicas = 1;  // the dp ranks that hold the same gradients
   auto* zero = dynamic_cast<ZeroOptimizer*>(&optimizer);
+  // Local SGD's replicas step their own gradients; DDP made them the same on every dp rank.
+  const bool own_gradients = dynamic_cast<LocalSgdOptimizer*>(&optimizer) != nullptr;
   std::vector<at::Tensor> shards;  // ZeRO's gradient shards, one per group
   if (zero != nullptr) {
     shards = zero->flat_gradients();
@@ -100,7 +103,7 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
                          weight_of(piece.parameter));
     }
   } else {
-    replicas = mesh.shape().dp;
+    if (!own_gradients) replicas = mesh.shape().dp;
     for (const auto& p : module.named_parameters())
       if (p.value().grad().defined()) grads.emplace_back(p.value().grad(), weight_of(p.key()));
   }
@@ -113,7 +116,13 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   for (const auto& [grad, weight] : grads)
     squares.add_(grad.to(at::kFloat).pow(2).sum() * (weight / replicas));
   std::vector<at::Tensor> total{squares};
-  mesh.world().allreduce(total);
+  if (own_gradients) {
+    // Summed over the replica's stages and slices only.
+    mesh.pp().allreduce(total);
+    mesh.tp().allreduce(total);
+  } else {
+    mesh.world().allreduce(total);
+  }
   const at::Tensor norm = total[0].clamp_min(0).sqrt().reshape({});
   const at::Tensor coefficient = (max_norm / (norm + 1e-6)).clamp_max(1.0);
   if (zero != nullptr) {

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <csignal>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -67,6 +68,20 @@ class Cli : public ::testing::Test {
   Json result_of(const std::string& name) {
     return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
   }
+  // Each of `files` is in `folder`.
+  static void expect_files(const std::filesystem::path& folder,
+                           const std::vector<std::string>& files) {
+    for (const auto& file : files)
+      EXPECT_TRUE(std::filesystem::exists(folder / file)) << (folder / file).string();
+  }
+  // A run stopped and resumed ends as the one never stopped: the same steps, train loss and test
+  // accuracy, bit for bit.
+  void expect_same_end(const std::string& resumed_run, const std::string& straight_run) {
+    const Json resumed = result_of(resumed_run), straight = result_of(straight_run);
+    EXPECT_EQ(resumed["steps"], straight["steps"]);
+    EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+    EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  }
 };
 
 TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
@@ -116,6 +131,9 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "ZeRO stage 3 (--zero-stage) with --pp 2 --tp 1 is not supported yet: stages 1 and 2"},
       {{"--pp", "2", "--micro-batches", "16", "--batch-size", "8", "--data-dir", data.string()},
        "--batch-size 8 cannot be split into 16 micro-batches"},
+      {{"--pp", "2", "--sync", "async-ps:1", "--data-dir", data.string()},
+       "--sync async-ps:1 with --pp 2 --tp 1 is not supported yet: the parameter server serves "
+       "whole models; use --sync ddp, local-sgd:H or diloco:H"},
       {{"--workers", "4", "--pp", "2", "--min-workers", "3", "--data-dir", data.string()},
        "--min-workers 3 with --pp 2 --tp 1: an elastic group keeps whole replicas of 2 workers; "
        "use a multiple of 2"},
@@ -401,11 +419,9 @@ TEST_F(Cli, ResumeContinuesExactlyWhereItStopped) {
   auto second = train(with({"--epochs", "2", "--name", "resumed"}));
   ASSERT_EQ(second.exit_code, 0) << second.output;
   EXPECT_NE(second.output.find("resuming from"), std::string::npos) << second.output;
-  auto straight = result_of("straight"), resumed = result_of("resumed");
-  EXPECT_EQ(resumed["epochs"], 2);
-  EXPECT_EQ(resumed["steps"], straight["steps"]);
-  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
-  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  const auto straight = result_of("straight");
+  EXPECT_EQ(result_of("resumed")["epochs"], 2);
+  expect_same_end("resumed", "straight");
   // --no-resume starts from scratch: one epoch again.
   ASSERT_EQ(train(with({"--epochs", "1", "--name", "resumed", "--no-resume"})).exit_code, 0);
   EXPECT_EQ(result_of("resumed")["steps"], straight["steps"].get<int>() / 2);
@@ -439,10 +455,8 @@ TEST_F(Cli, ZeroStagesTrainAsDdpAndResumeExactly) {
   EXPECT_EQ(result_of("z_resumed")["steps"], 16);
   auto again = train(zero2({"--epochs", "2", "--name", "z_resumed"}));
   ASSERT_EQ(again.exit_code, 0) << again.output;
-  const auto straight = result_of("z_straight"), resumed = result_of("z_resumed");
-  EXPECT_EQ(straight["steps"], 32);
-  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
-  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  EXPECT_EQ(result_of("z_straight")["steps"], 32);
+  expect_same_end("z_resumed", "z_straight");
   // The shards are in the checkpoint, one file per rank, and a third epoch on one worker (at
   // stage 1) resumes from them.
   bool found = false;
@@ -582,10 +596,8 @@ TEST_F(Cli, PipelinesAndTensorParallelismTrainAsOneWorkerAndResumeExactly) {
   auto again = train(zb({"--epochs", "2", "--name", "zb_resumed"}));
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
-  const auto straight = result_of("zb_straight"), resumed = result_of("zb_resumed");
-  EXPECT_EQ(resumed["steps"], straight["steps"]);
-  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
-  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  expect_same_end("zb_resumed", "zb_straight");
+  const auto straight = result_of("zb_straight");
   // Another cut resumes by the model's names: the pipeline's epoch-1 checkpoint continued by one
   // worker without a mesh, and by a pipeline of 4 stages (both dp 1: the same global batch),
   // trains epoch 2 as the pipeline did.
@@ -713,21 +725,15 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
   EXPECT_NEAR(first_epoch("straight")["train_loss"].get<double>(),
               first_epoch("ddp")["train_loss"].get<double>(),
               1e-4 * first_epoch("ddp")["train_loss"].get<double>());
-  for (const char* shard : {"optimizer-pp0-of-2-tp0-of-1/zero-rank0-of-2.safetensors",
-                            "optimizer-pp1-of-2-tp0-of-1/zero-rank1-of-2.safetensors",
-                            "optimizer-pp1-of-2-tp0-of-1/zero_manifest.json"}) {
-    EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "straight" / "checkpoint_000000" / shard))
-        << shard;
-  }
+  expect_files(dir / "runs" / "straight" / "checkpoint_000000",
+               {"optimizer-pp0-of-2-tp0-of-1/zero-rank0-of-2.safetensors",
+                "optimizer-pp1-of-2-tp0-of-1/zero-rank1-of-2.safetensors",
+                "optimizer-pp1-of-2-tp0-of-1/zero_manifest.json"});
   ASSERT_EQ(mesh_run("2", "1", "resumed").exit_code, 0);
   auto again = mesh_run("2", "2", "resumed");
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
-  EXPECT_EQ(result_of("resumed")["steps"], result_of("straight")["steps"]);
-  EXPECT_EQ(result_of("resumed")["train_loss"].get<double>(),
-            result_of("straight")["train_loss"].get<double>());
-  EXPECT_EQ(result_of("resumed")["test_accuracy"].get<double>(),
-            result_of("straight")["test_accuracy"].get<double>());
+  expect_same_end("resumed", "straight");
   // DDP on one pipeline (dp 1) takes every stage's state whole from the two shards (and clips
   // by the whole model's norm); half the global batch, half the lr (linear scaling).
   auto args = small_run("adam", {"--model", "mlp", "--pp", "2", "--epochs", "3",
@@ -739,6 +745,72 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
   EXPECT_NEAR(result_of("resumed")["lr"].get<double>(),
               result_of("straight")["lr"].get<double>() / 2,
               1e-9 * result_of("straight")["lr"].get<double>());
+}
+
+// Local SGD and DiLoCo over the dp replicas of pipelines (dp 2 x pp 2): diloco:4 trains as on two
+// workers without a mesh, checkpoints every stage's local SGD state and resumes exactly; its
+// checkpoint resumes as DDP on the same mesh and as local SGD without a mesh, and DDP's into
+// DiLoCo.
+TEST_F(Cli, LocalSgdAndDiLoCoOverPipelinesTrainAndResumeExactly) {
+  const std::vector<std::string> diloco{"--outer-lr", "0.5", "--outer-momentum", "0.5"};
+  auto mesh_run = [&](const std::string& sync, const std::string& epochs, const std::string& name) {
+    auto args = small_run(
+        "sgd", {"--model", "mlp", "--pp", "2", "--sync", sync, "--epochs", epochs, "--name", name});
+    args[3] = "4";  // --workers: dp 2 x pp 2
+    if (sync != "ddp") args.insert(args.end(), diloco.begin(), diloco.end());
+    return train(args);
+  };
+  auto plain = small_run(
+      "sgd", {"--model", "mlp", "--sync", "diloco:4", "--epochs", "1", "--name", "plain"});
+  plain.insert(plain.end(), diloco.begin(), diloco.end());
+  ASSERT_EQ(train(plain).exit_code, 0);
+  auto straight = mesh_run("diloco:4", "2", "straight");
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const Json first_epoch =
+      cohort::Checkpoint::from_directory(dir / "runs" / "straight" / "checkpoint_000000").metrics();
+  EXPECT_NEAR(first_epoch["train_loss"].get<double>(),
+              result_of("plain")["train_loss"].get<double>(),
+              1e-4 * result_of("plain")["train_loss"].get<double>());
+  EXPECT_EQ(first_epoch["test_accuracy"].get<double>(),
+            result_of("plain")["test_accuracy"].get<double>());
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())
+                .find("diloco:4 over dp"),
+            std::string::npos);
+  expect_files(dir / "runs" / "straight" / "checkpoint_000000",
+               {"optimizer-pp0-of-2-tp0-of-1/local_sgd.json",
+                "optimizer-pp0-of-2-tp0-of-1/model.safetensors",
+                "optimizer-pp1-of-2-tp0-of-1/local-rank1-of-2.safetensors",
+                "optimizer-pp1-of-2-tp0-of-1/optimizer-rank1-of-2.pt",
+                "optimizer-pp1-of-2-tp0-of-1/optimizer_part.json"});
+  ASSERT_EQ(mesh_run("diloco:4", "1", "resumed").exit_code, 0);
+  auto again = mesh_run("diloco:4", "2", "resumed");
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
+  expect_same_end("resumed", "straight");
+  std::printf(
+      "diloco:4 over dp 2 x pp 2: epoch 1 train loss %.10f (2 workers without a mesh: "
+      "%.10f), epoch 2 %.10f, resumed %.10f\n",
+      first_epoch["train_loss"].get<double>(), result_of("plain")["train_loss"].get<double>(),
+      result_of("straight")["train_loss"].get<double>(),
+      result_of("resumed")["train_loss"].get<double>());
+  // DiLoCo's checkpoint as DDP on the same mesh; DDP's into DiLoCo.
+  ASSERT_EQ(mesh_run("ddp", "1", "ddp").exit_code, 0);
+  auto as_ddp = mesh_run("ddp", "3", "resumed");
+  ASSERT_EQ(as_ddp.exit_code, 0) << as_ddp.output;
+  EXPECT_NE(as_ddp.output.find("resuming from"), std::string::npos) << as_ddp.output;
+  EXPECT_EQ(result_of("resumed")["epochs"], 3);
+  auto into_diloco = mesh_run("diloco:4", "2", "ddp");
+  ASSERT_EQ(into_diloco.exit_code, 0) << into_diloco.output;
+  EXPECT_NE(into_diloco.output.find("resuming from"), std::string::npos) << into_diloco.output;
+  EXPECT_EQ(result_of("ddp")["epochs"], 2);
+  // Without a mesh: local SGD on two workers re-cuts DiLoCo's stages (rank 0's inner state).
+  auto recut = train(small_run(
+      "sgd", {"--model", "mlp", "--sync", "local-sgd:4", "--epochs", "3", "--name", "straight"}));
+  ASSERT_EQ(recut.exit_code, 0) << recut.output;
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())
+                .find("re-cutting the optimizer state of checkpoint_000001 from --pp 2 --tp 1"),
+            std::string::npos);
+  EXPECT_EQ(result_of("straight")["epochs"], 3);
 }
 
 // DiLoCo with H = 1, an outer lr of 1 and no momentum trains as DDP; diloco:4 sends about a
@@ -765,10 +837,7 @@ TEST_F(Cli, LocalSgdAndDiLoCoTrainAndResumeExactly) {
   auto again = train(with({"--epochs", "2", "--sync", "diloco:4", "--name", "resumed"}));
   ASSERT_EQ(again.exit_code, 0) << again.output;
   EXPECT_NE(again.output.find("resuming from"), std::string::npos) << again.output;
-  const auto resumed = result_of("resumed");
-  EXPECT_EQ(resumed["steps"], straight["steps"]);
-  EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
-  EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  expect_same_end("resumed", "straight");
 }
 
 // The asynchronous parameter server: trains with two servers in the two workers, reports its

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "cohort/error.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/tensor_parallel.h"
 #include "support/local_group.h"
@@ -229,6 +230,71 @@ TEST(Mesh, ClippingByTheGlobalNormIsAsInOneProcess) {
       EXPECT_THROW(clip_grad_norm(mesh, *stage, *sgd, 0.0), UsageError);
     });
   }
+}
+
+// Local SGD over pipelines (every 2 steps) on a 2 x 2 x 2 mesh: each dp replica steps on its half
+// of the batch alone, clipped by its own norm, and the stages' replicas are averaged every 2
+// steps: as two processes that each train the whole model and average every 2 steps.
+TEST(Mesh, LocalSgdOverPipelinesIsEachReplicaAloneAveragedEveryHSteps) {
+  constexpr int kSteps = 4, kEvery = 2;
+  constexpr double kLr = 0.2, kMaxNorm = 0.05;
+  std::vector<torch::nn::Sequential> replicas;
+  {
+    std::lock_guard lock(generator_mutex());
+    replicas = {make_dense(), make_dense()};
+  }
+  std::vector<std::vector<double>> reference_norms(2);
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = global_batch(step);
+    for (int r = 0; r < 2; ++r) {
+      auto& replica = replicas[static_cast<size_t>(r)];
+      torch::optim::SGD sgd(replica->parameters(), kLr);
+      sgd.zero_grad();
+      cross_entropy(replica->forward(x.chunk(2)[r]), y.chunk(2)[r]).backward();
+      reference_norms[static_cast<size_t>(r)].push_back(
+          torch::nn::utils::clip_grad_norm_(replica->parameters(), kMaxNorm));
+      sgd.step();
+    }
+    if ((step + 1) % kEvery != 0) continue;
+    torch::NoGradGuard no_grad;
+    const auto a = replicas[0]->parameters(), b = replicas[1]->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      const at::Tensor mean = (a[i] + b[i]) / 2;
+      a[i].copy_(mean);
+      b[i].copy_(mean);
+    }
+  }
+  ASSERT_NE(reference_norms[0][0], reference_norms[1][0]) << "the replicas must differ";
+  run_ranks(8, [&](comm::ProcessGroup& world) {
+    const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 2});
+    std::unique_lock lock(generator_mutex());
+    torch::nn::Sequential stage = hybrid_stage(make_dense(), mesh.pp_index(), mesh.tp());
+    lock.unlock();
+    pipeline::Pipeline pipe(
+        {stage}, mesh.pp(), cross_entropy,
+        {.micro_batches = 2, .data_parallel_group = mesh.dp(), .sync = LocalSgd{.every = kEvery}});
+    auto sgd = pipe.prepare_optimizer(
+        std::make_unique<torch::optim::SGD>(stage->parameters(), torch::optim::SGDOptions(kLr)));
+    const auto& mine = reference_norms[static_cast<size_t>(mesh.dp_index())];
+    for (int step = 0; step < kSteps; ++step) {
+      const auto [x, y] = global_batch(step);
+      sgd->zero_grad();
+      pipe.step(x.chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
+      const double norm = clip_grad_norm(mesh, *stage, *sgd, kMaxNorm).item<double>();
+      EXPECT_NEAR(norm, mine[static_cast<size_t>(step)], 1e-5 * mine[static_cast<size_t>(step)])
+          << "step " << step << " on rank " << world.rank();
+      sgd->step();
+    }
+    EXPECT_EQ(dynamic_cast<const LocalSgdOptimizer&>(*sgd).stats().outer_steps, kSteps / kEvery);
+    lock.lock();
+    torch::nn::Sequential expected = hybrid_stage(replicas[0], mesh.pp_index(), mesh.tp());
+    lock.unlock();
+    const auto got = stage->named_parameters(), want = expected->named_parameters();
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::allclose(got[i].value(), want[i].value(), 1e-4, 1e-6))
+          << got[i].key() << " on rank " << world.rank();
+    }
+  });
 }
 
 }  // namespace

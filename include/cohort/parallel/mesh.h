@@ -57,8 +57,10 @@ class DeviceMesh {
 // steps. `module` is this rank's part (its pipeline stages, e.g. Pipeline::module(), with their
 // tensor-parallel slices) and `optimizer` its data-parallel engine's: a whole optimizer, whose
 // gradients DDP made the same on every dp rank, or a ZeroOptimizer, whose averaged gradients are
-// sharded over dp. Every parameter counts once: slices summed over tp, whole parameters once per
-// tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world, no host sync.
+// sharded over dp, or a LocalSgdOptimizer, whose replicas step their own gradients: each replica
+// is clipped by its own norm. Every parameter counts once: slices summed over tp, whole parameters
+// once per tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world (local
+// SGD: over pp, then tp), no host sync.
 // The gradients the optimizer steps are scaled by min(1, max_norm / norm); returns the norm before
 // clipping (a 0-dim float32 tensor). Every rank of the mesh calls it; max_norm <= 0 is a
 // UsageError.

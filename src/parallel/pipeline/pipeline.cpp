@@ -15,6 +15,7 @@
 #include <set>
 
 #include "cohort/error.h"
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/trace.h"
 
 namespace cohort::parallel::pipeline {
@@ -85,6 +86,9 @@ struct Pipeline::State {
   // prepare_optimizer(); it synchronises in the rank's last gradient-producing action.
   ZeroOptimizer* zero = nullptr;
   size_t last_gradient_action_of_rank = 0;
+  // Local SGD or DiLoCo instead (PipelineOptions::sync): made by prepare_optimizer(); it averages
+  // the stages in its own step.
+  LocalSgdOptimizer* local_sgd = nullptr;
   std::shared_ptr<torch::nn::Module> stages_module;  // module(), made once
 
   int local(int stage) const { return stage / program.layout.ranks; }
@@ -360,6 +364,26 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
       st.last_gradient_action_of_rank = i;
     }
   }
+  validate(st.options.sync);
+  const bool synchronous = is_synchronous(st.options.sync);
+  if (std::holds_alternative<AsyncParameterServer>(st.options.sync)) {
+    throw UsageError("Pipeline: the asynchronous parameter server (sync " +
+                     to_string(st.options.sync) +
+                     ") serves whole models, not a pipeline's stages: use DDP, local SGD or "
+                     "DiLoCo over the data-parallel group");
+  }
+  if (!synchronous && st.options.zero.stage != 0) {
+    throw UsageError("Pipeline: sync " + to_string(st.options.sync) +
+                     " cannot be combined with ZeRO stage " +
+                     std::to_string(st.options.zero.stage) +
+                     ": ZeRO's shards need every replica to step the same gradients; use ZeRO "
+                     "stage 0 or synchronous DDP");
+  }
+  if (!synchronous && !dp.valid()) {
+    throw UsageError("Pipeline: sync " + to_string(st.options.sync) +
+                     " needs the data-parallel group whose replicas it averages (PipelineOptions::"
+                     "data_parallel_group, e.g. a DeviceMesh's dp())");
+  }
   if (st.options.zero.stage != 0) {
     st.options.zero.validate();
     if (st.options.zero.stage == 3) {
@@ -373,7 +397,7 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
                        " needs the data-parallel group it shards over (PipelineOptions::"
                        "data_parallel_group, e.g. a DeviceMesh's dp())");
     }
-  } else if (dp.valid() && dp.world_size() > 1) {
+  } else if (synchronous && dp.valid() && dp.world_size() > 1) {
     for (const Stage& stage : st.stages) {
       st.data_parallel.push_back(
           std::make_unique<DistributedDataParallel>(stage.ptr(), dp, st.options.data_parallel));
@@ -409,6 +433,12 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     throw UsageError("Pipeline::step: ZeRO stage " + std::to_string(st.options.zero.stage) +
                      " has no engine yet: pass the optimizer through "
                      "Pipeline::prepare_optimizer() before the first step");
+  }
+  if (!is_synchronous(st.options.sync) && st.local_sgd == nullptr) {
+    throw UsageError("Pipeline::step: sync " + to_string(st.options.sync) +
+                     " has no engine yet: pass the optimizer through "
+                     "Pipeline::prepare_optimizer() before the first step (without it the "
+                     "replicas would never be averaged)");
   }
   if (!st.probed) st.probe(in, tgt);
   at::Tensor loss_sum;
@@ -483,11 +513,18 @@ std::unique_ptr<torch::optim::Optimizer> Pipeline::prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> optimizer) {
   State& st = *state_;
   if (!optimizer) throw UsageError("Pipeline::prepare_optimizer: the optimizer is null");
-  if (st.options.zero.stage == 0) return optimizer;
-  if (st.zero != nullptr) {
+  const bool synchronous = is_synchronous(st.options.sync);
+  if (st.options.zero.stage == 0 && synchronous) return optimizer;
+  if (st.zero != nullptr || st.local_sgd != nullptr) {
     throw UsageError(
-        "Pipeline::prepare_optimizer: called twice; the pipeline's ZeRO engine exists already: "
-        "keep the optimizer the first call returned");
+        "Pipeline::prepare_optimizer: called twice; the pipeline's data-parallel engine exists "
+        "already: keep the optimizer the first call returned");
+  }
+  if (!synchronous) {
+    auto local = std::make_unique<LocalSgdOptimizer>(
+        module(), std::move(optimizer), st.options.data_parallel_group, st.options.sync);
+    st.local_sgd = local.get();
+    return local;
   }
   auto zero = std::make_unique<ZeroOptimizer>(module(), *optimizer, st.options.data_parallel_group,
                                               st.options.zero);

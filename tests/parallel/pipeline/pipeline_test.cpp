@@ -8,13 +8,16 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "support/expect.h"
 #include "support/local_group.h"
 
 namespace cohort::parallel::pipeline {
 namespace {
 
+using cohort::testing::expect_error;
 using cohort::testing::generator_mutex;
 using cohort::testing::run_ranks;
 
@@ -294,35 +297,27 @@ TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
   }
 }
 
-TEST(Pipeline, ZeroBadInputIsNamed) {
+TEST(Pipeline, ZeroAndLocalSgdBadInputIsNamed) {
   run_ranks(2, [](comm::ProcessGroup& group) {
     const auto all = split_sequential(make_mlp(), {4, 3});
-    auto expect_error = [](const std::function<void()>& f, const std::string& text) {
-      try {
-        f();
-        ADD_FAILURE() << "no error; expected one saying: " << text;
-      } catch (const UsageError& e) {
-        EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
-      }
-    };
     const comm::ProcessGroup alone = group.split({{0}, {1}}, "dp");
-    expect_error(
+    expect_error<UsageError>(
         [&] {
           Pipeline({all[group.rank()]}, group, cross_entropy,
                    {.data_parallel_group = alone, .zero = {.stage = 3}});
         },
         "ZeRO stage 3 is not supported in a pipeline");
-    expect_error(
+    expect_error<UsageError>(
         [&] { Pipeline({all[group.rank()]}, group, cross_entropy, {.zero = {.stage = 1}}); },
         "needs the data-parallel group it shards over");
     Pipeline pipe({all[group.rank()]}, group, cross_entropy,
                   {.micro_batches = 2, .data_parallel_group = alone, .zero = {.stage = 2}});
     const auto [x, y] = make_batch(8);
-    expect_error([&] { pipe.step(x, y); },
-                 "pass the optimizer through Pipeline::prepare_optimizer");
+    expect_error<UsageError>([&] { pipe.step(x, y); },
+                             "pass the optimizer through Pipeline::prepare_optimizer");
     auto optimizer =
         pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe.parameters(), 0.1));
-    expect_error(
+    expect_error<UsageError>(
         [&] {
           pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe.parameters(), 0.1));
         },
@@ -332,6 +327,45 @@ TEST(Pipeline, ZeroBadInputIsNamed) {
     pipe.step(x, y);
     optimizer->step();
     EXPECT_EQ(dynamic_cast<const ZeroOptimizer&>(*optimizer).stats().synchronized_steps, 1);
+    // Local SGD and DiLoCo instead.
+    expect_error<UsageError>(
+        [&] {
+          Pipeline({all[group.rank()]}, group, cross_entropy,
+                   {.data_parallel_group = alone, .zero = {.stage = 1}, .sync = LocalSgd{}});
+        },
+        "sync local-sgd:8 cannot be combined with ZeRO stage 1");
+    expect_error<UsageError>(
+        [&] {
+          Pipeline({all[group.rank()]}, group, cross_entropy,
+                   {.data_parallel_group = alone, .sync = AsyncParameterServer{}});
+        },
+        "serves whole models, not a pipeline's stages");
+    expect_error<UsageError>(
+        [&] { Pipeline({all[group.rank()]}, group, cross_entropy, {.sync = DiLoCo{}}); },
+        "needs the data-parallel group whose replicas it averages");
+    expect_error<UsageError>(
+        [&] {
+          Pipeline({all[group.rank()]}, group, cross_entropy,
+                   {.data_parallel_group = alone, .sync = LocalSgd{.every = 0}});
+        },
+        "local SGD: every 0");
+    Pipeline local_pipe({all[group.rank()]}, group, cross_entropy,
+                        {.micro_batches = 2, .data_parallel_group = alone, .sync = DiLoCo{}});
+    expect_error<UsageError>([&] { local_pipe.step(x, y); },
+                             "pass the optimizer through Pipeline::prepare_optimizer");
+    auto local_optimizer = local_pipe.prepare_optimizer(
+        std::make_unique<torch::optim::SGD>(local_pipe.parameters(), 0.1));
+    EXPECT_NE(dynamic_cast<LocalSgdOptimizer*>(local_optimizer.get()), nullptr);
+    expect_error<UsageError>(
+        [&] {
+          local_pipe.prepare_optimizer(
+              std::make_unique<torch::optim::SGD>(local_pipe.parameters(), 0.1));
+        },
+        "called twice");
+    local_optimizer->zero_grad();
+    local_pipe.step(x, y);
+    local_optimizer->step();
+    EXPECT_EQ(dynamic_cast<const LocalSgdOptimizer&>(*local_optimizer).stats().inner_steps, 1);
   });
 }
 

@@ -15,6 +15,7 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/pipeline/schedule.h"
+#include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::parallel::pipeline {
@@ -74,6 +75,11 @@ struct PipelineOptions {
   // DDP, and stage 2 frees them at its end. Stage 3 is refused: a pipeline runs each unit once
   // per micro-batch, forward and backward apart. Stage 0: DDP.
   ZeroOptions zero;
+  // Local SGD or DiLoCo instead of DDP over the data-parallel group: a step averages nothing;
+  // Pipeline::prepare_optimizer() wraps the optimizer in a LocalSgdOptimizer over module() and
+  // the group, which averages this rank's stages with their replicas every H steps (DiLoCo: an
+  // outer step). Not with ZeRO; the parameter server is refused (it serves whole models).
+  SyncMode sync;
   // Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
   // step the optimizer). None: step() only leaves the gradients.
   std::function<void()> optimizer_step;
@@ -129,8 +135,10 @@ class Pipeline {
   // With PipelineOptions::zero (stage 1 or 2): a ZeroOptimizer over module() that shards
   // `optimizer` (built over parameters(), e.g. torch::optim::AdamW; its algorithm and options are
   // taken over) over the data-parallel group, and is the pipeline's data-parallel engine from
-  // then on. Every rank of the group calls it at the same point, once, before the first step; the
-  // returned optimizer must outlive the steps. Without ZeRO: `optimizer` itself.
+  // then on. With PipelineOptions::sync local SGD or DiLoCo: a LocalSgdOptimizer over module()
+  // and the group that steps `optimizer` as its inner one. Every rank of the group calls it at
+  // the same point, once, before the first step; the returned optimizer must outlive the steps.
+  // Otherwise: `optimizer` itself.
   std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
       std::unique_ptr<torch::optim::Optimizer> optimizer);
 
