@@ -1,15 +1,18 @@
 // The zoo's ViT on Fashion-MNIST trained by a DP x PP x TP mesh and by pure data parallelism at
 // the same global batch, step by step on the same rows:
 //   hybrid_vit [--mesh 2,2,2] [--steps 20] [--batch 32] [--micro-batches 4]
-//              [--schedule 1f1b] [--zero-stage 0|1|2] [--data-dir DIR]
+//              [--schedule 1f1b] [--zero-stage 0|1|2] [--sync ddp|local-sgd:H|diloco:H]
+//              [--data-dir DIR]
 // The mesh run: dp x pp x tp worker processes; each pipeline cuts the ViT at its pipeline layers
 // into pp stages, each stage's attention and MLP tensor-parallel over tp workers, DDP over dp (or
-// ZeRO stage 1 or 2, which shards the optimizer's momentum over dp).
-// The reference: dp worker processes, the whole ViT on each under the DDP engine. Both start from
-// the same weights (the same seed; the tensor-parallel slices are the dense model's) and take the
-// same rows each step (the global batch --batch, dp rank d its d-th share). Prints both loss
-// curves, the largest relative difference between them, each run's time per step and the most
-// optimizer state a rank holds.
+// ZeRO stage 1 or 2, which shards the optimizer's momentum over dp; or local SGD or DiLoCo, which
+// average the replicas every H steps).
+// The reference: dp worker processes, the whole ViT on each under the DDP engine (or the same
+// local SGD or DiLoCo). Both start from the same weights (the same seed; the tensor-parallel
+// slices are the dense model's) and take the same rows each step (the global batch --batch, dp
+// rank d its d-th share). Prints both loss curves, the largest relative difference between them,
+// each run's time per step, the bytes a rank sends per step (over all its groups: the mesh's pp
+// and tp traffic too) and the most optimizer state a rank holds.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -38,6 +41,7 @@ void bench_loop(const cohort::Json& c) {
       cohort::parallel::DeviceMesh::create(world, {.dp = shape[0], .pp = shape[1], .tp = shape[2]});
   const int steps = c["steps"], batch = c["batch"], micro_batches = c["micro_batches"];
   const auto kind = pp::schedule_from_string(c["schedule"].get<std::string>());
+  const auto sync = cohort::parallel::parse_sync_mode(c["sync"].get<std::string>());
 
   torch::manual_seed(7);
   cohort::models::ModelOptions options;
@@ -45,14 +49,19 @@ void bench_loop(const cohort::Json& c) {
   auto model = cohort::models::create_model("vit", options);
   torch::optim::SGDOptions sgd(0.05);
   sgd.momentum(0.9);
-  // The reference: DDP on the whole model, as prepare_model makes it.
+  // The reference: DDP (or local SGD, DiLoCo) on the whole model, as prepare_model makes it.
   std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> train_step;
   std::unique_ptr<cohort::parallel::DistributedDataParallel> ddp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<pp::Pipeline> pipe;
   if (shape[1] == 1 && shape[2] == 1) {
-    ddp = std::make_unique<cohort::parallel::DistributedDataParallel>(model, mesh.dp());
     optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), sgd);
+    if (cohort::parallel::is_synchronous(sync)) {
+      ddp = std::make_unique<cohort::parallel::DistributedDataParallel>(model, mesh.dp());
+    } else {
+      optimizer = std::make_unique<cohort::parallel::LocalSgdOptimizer>(model, std::move(optimizer),
+                                                                        mesh.dp(), sync);
+    }
     train_step = [&](const at::Tensor& x, const at::Tensor& y) {
       at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
       loss.backward();
@@ -73,7 +82,8 @@ void bench_loop(const cohort::Json& c) {
         pp::PipelineOptions{.schedule = kind,
                             .micro_batches = micro_batches,
                             .data_parallel_group = mesh.dp(),
-                            .zero = {.stage = c["zero_stage"].get<int>()}});
+                            .zero = {.stage = c["zero_stage"].get<int>()},
+                            .sync = sync});
     optimizer =
         pipe->prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe->parameters(), sgd));
     train_step = [&](const at::Tensor& x, const at::Tensor& y) { return pipe->step(x, y); };
@@ -85,6 +95,8 @@ void bench_loop(const cohort::Json& c) {
   const int64_t share = batch / shape[0];
   std::vector<double> losses;
   double seconds = 0;
+  // The world's counter: every group of the mesh counts into it.
+  const int64_t bytes_before = world.bytes_sent();
   for (int step = 0; step < steps; ++step) {
     const int64_t first = int64_t(step) * batch + mesh.dp_index() * share;
     const auto rows = train.get_batch(torch::arange(first, first + share));
@@ -101,13 +113,15 @@ void bench_loop(const cohort::Json& c) {
     world.allreduce(sum);
     losses.push_back(sum[0][0].item<double>() / sum[0][1].item<double>());
   }
-  // The optimizer state this rank holds (the momentum: whole with DDP, a shard with ZeRO), the
-  // most over the ranks.
+  const double bytes_per_step = static_cast<double>(world.bytes_sent() - bytes_before) / steps;
+  // The optimizer state this rank holds (the momentum: whole with DDP and local SGD, a shard with
+  // ZeRO), the most over the ranks.
   double state_bytes = 0;
+  auto* local = dynamic_cast<cohort::parallel::LocalSgdOptimizer*>(optimizer.get());
   if (const auto* zero = dynamic_cast<const cohort::parallel::ZeroOptimizer*>(optimizer.get())) {
     state_bytes = static_cast<double>(zero->stats().optimizer_state_bytes);
   } else {
-    for (const auto& [key, state] : optimizer->state()) {
+    for (const auto& [key, state] : (local != nullptr ? local->inner() : *optimizer).state()) {
       state_bytes += static_cast<double>(
           static_cast<const torch::optim::SGDParamState&>(*state).momentum_buffer().nbytes());
     }
@@ -115,8 +129,12 @@ void bench_loop(const cohort::Json& c) {
   double most_state_bytes = 0;
   for (const auto& t : world.allgather(torch::tensor({state_bytes}, torch::kDouble)))
     most_state_bytes = std::max(most_state_bytes, t.item<double>());
+  double most_bytes = 0;
+  for (const auto& t : world.allgather(torch::tensor({bytes_per_step}, torch::kDouble)))
+    most_bytes = std::max(most_bytes, t.item<double>());
   cohort::train::report({{"losses", losses},
                          {"ms_per_step", steps > 1 ? 1e3 * seconds / (steps - 1) : 0.0},
+                         {"bytes_per_step", most_bytes},
                          {"optimizer_state_bytes", most_state_bytes}});
 }
 
@@ -145,7 +163,7 @@ cohort::Json run(const std::vector<int>& mesh, const cohort::Json& config) {
 
 int main(int argc, char** argv) {
   CLI::App app{"The ViT on a DP x PP x TP mesh against pure data parallelism"};
-  std::string mesh_text = "2,2,2", schedule = "1f1b";
+  std::string mesh_text = "2,2,2", schedule = "1f1b", sync = "ddp";
   int steps = 20, batch = 32, micro_batches = 4, zero_stage = 0;
   std::string data_dir = cohort::data::default_fashion_mnist_dir().string();
   app.add_option("--mesh", mesh_text, "dp,pp,tp");
@@ -155,8 +173,23 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", schedule, "gpipe, 1f1b or zero-bubble");
   app.add_option("--zero-stage", zero_stage, "the mesh's data parallelism: 0 DDP, 1 or 2 ZeRO")
       ->check(CLI::Range(0, 2));
+  app.add_option("--sync", sync,
+                 "the data parallelism of both runs: ddp, local-sgd:H or diloco:H (not with ZeRO)");
   app.add_option("--data-dir", data_dir);
   CLI11_PARSE(app, argc, argv);
+  try {
+    const auto mode = cohort::parallel::parse_sync_mode(sync);
+    if (std::holds_alternative<cohort::parallel::AsyncParameterServer>(mode) ||
+        (!cohort::parallel::is_synchronous(mode) && zero_stage > 0)) {
+      std::fprintf(stderr,
+                   "error: --sync takes ddp, local-sgd:H or diloco:H, the last two "
+                   "without --zero-stage\n");
+      return 2;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
   const auto mesh = parse_list(mesh_text);
   if (mesh.size() != 3 || batch % mesh[0] != 0 || (batch / mesh[0]) < micro_batches) {
     std::fprintf(stderr,
@@ -166,10 +199,11 @@ int main(int argc, char** argv) {
   }
   const cohort::Json config{
       {"steps", steps},       {"batch", batch},           {"micro_batches", micro_batches},
-      {"schedule", schedule}, {"zero_stage", zero_stage}, {"data_dir", data_dir}};
+      {"schedule", schedule}, {"zero_stage", zero_stage}, {"sync", sync},
+      {"data_dir", data_dir}};
   try {
     const auto hybrid = run(mesh, config);
-    // Pure data parallelism over as many replicas: DDP on the whole model.
+    // Pure data parallelism over as many replicas: DDP (or --sync) on the whole model.
     const auto plain = run({mesh[0], 1, 1}, config);
     const auto a = hybrid["losses"].get<std::vector<double>>();
     const auto b = plain["losses"].get<std::vector<double>>();
@@ -183,11 +217,15 @@ int main(int argc, char** argv) {
     std::printf(
         "mesh dp %d x pp %d x tp %d (%s, %d micro-batches, %s) against dp %d, global batch %d: "
         "largest relative loss difference over %d steps %.2e; %.1f ms/step against %.1f; "
-        "optimizer state per rank at most %.2f MB against %.2f\n",
+        "a rank sends at most %.3f MB per step (dp, pp and tp) against %.3f; optimizer state per "
+        "rank at most %.2f MB against %.2f\n",
         mesh[0], mesh[1], mesh[2], schedule.c_str(), micro_batches,
-        zero_stage > 0 ? ("ZeRO stage " + std::to_string(zero_stage)).c_str() : "DDP", mesh[0],
-        batch, steps, worst, hybrid["ms_per_step"].get<double>(),
-        plain["ms_per_step"].get<double>(), hybrid["optimizer_state_bytes"].get<double>() / 1e6,
+        zero_stage > 0 ? ("ZeRO stage " + std::to_string(zero_stage)).c_str()
+                       : (sync == "ddp" ? std::string("DDP") : sync).c_str(),
+        mesh[0], batch, steps, worst, hybrid["ms_per_step"].get<double>(),
+        plain["ms_per_step"].get<double>(), hybrid["bytes_per_step"].get<double>() / 1e6,
+        plain["bytes_per_step"].get<double>() / 1e6,
+        hybrid["optimizer_state_bytes"].get<double>() / 1e6,
         plain["optimizer_state_bytes"].get<double>() / 1e6);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());

@@ -771,8 +771,9 @@ TEST_F(Cli, LocalSgdAndDiLoCoOverPipelinesTrainAndResumeExactly) {
   EXPECT_NEAR(first_epoch["train_loss"].get<double>(),
               result_of("plain")["train_loss"].get<double>(),
               1e-4 * result_of("plain")["train_loss"].get<double>());
-  EXPECT_EQ(first_epoch["test_accuracy"].get<double>(),
-            result_of("plain")["test_accuracy"].get<double>());
+  // The micro-batches sum in another order: a test example on the edge may go either way.
+  EXPECT_NEAR(first_epoch["test_accuracy"].get<double>(),
+              result_of("plain")["test_accuracy"].get<double>(), 2.0 / 128);
   EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())
                 .find("diloco:4 over dp"),
             std::string::npos);
