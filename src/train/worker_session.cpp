@@ -49,7 +49,7 @@ std::string new_run_token() {
 WorkerSession* current_session() { return session_slot().get(); }
 
 int64_t optimizer_steps(const WorkerSession& session) {
-  int64_t steps = 0;
+  int64_t steps = session.steps_through_step_optimizer;
   for (const auto& ddp : session.models) steps = std::max(steps, ddp->synchronized_steps());
   for (const auto& zero : session.zero_models)
     if (zero.optimizer) steps = std::max(steps, zero.optimizer->steps());
@@ -271,7 +271,9 @@ void backward(const at::Tensor& loss) {
 }
 
 bool step_optimizer(torch::optim::Optimizer& optimizer) {
-  auto& scaler = get_loss_scaler();
+  auto& session = require_session("cohort::train::step_optimizer()");
+  ++session.steps_through_step_optimizer;  // a skipped fp16 step communicated all the same
+  auto& scaler = *session.loss_scaler;
   bool stepped;
   {
     trace::Span span(trace::Phase::kOptimizer);

@@ -57,6 +57,9 @@ struct WorkerSession {
   // At the last report: this rank's bytes sent by its process group and optimizer steps.
   int64_t bytes_at_report = 0;
   int64_t steps_at_report = 0;
+  // Calls of train::step_optimizer(): the steps of loops whose engines the session did not make
+  // (a mesh's pipelines).
+  int64_t steps_through_step_optimizer = 0;
   std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
   int64_t reports = 0;
@@ -75,7 +78,8 @@ struct WorkerSession {
   std::unique_ptr<optim::LossScaler> loss_scaler;
 };
 
-// Optimizer steps taken by the session's prepared models so far (the most of any of them).
+// Optimizer steps taken so far: the most of any of the session's prepared models, or of the
+// calls of train::step_optimizer() (which steps any optimizer).
 int64_t optimizer_steps(const WorkerSession& session);
 
 // A rank's data-parallel coordinates: its world rank and size, or with a mesh its dp index and

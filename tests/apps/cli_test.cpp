@@ -796,6 +796,9 @@ TEST_F(Cli, LocalSgdAndDiLoCoOverPipelinesTrainAndResumeExactly) {
       result_of("resumed")["train_loss"].get<double>());
   // DiLoCo's checkpoint as DDP on the same mesh; DDP's into DiLoCo.
   ASSERT_EQ(mesh_run("ddp", "1", "ddp").exit_code, 0);
+  // Each worker's bytes per step over all its groups: DiLoCo's dp part is a quarter of DDP's.
+  EXPECT_LT(result_of("straight")["comm_bytes_per_step"].get<double>(),
+            result_of("ddp")["comm_bytes_per_step"].get<double>());
   auto as_ddp = mesh_run("ddp", "3", "resumed");
   ASSERT_EQ(as_ddp.exit_code, 0) << as_ddp.output;
   EXPECT_NE(as_ddp.output.find("resuming from"), std::string::npos) << as_ddp.output;
