@@ -195,6 +195,8 @@ std::string prometheus_metrics(const fs::path& storage) {
             labels + ",rank=\"" + std::to_string(w.value("rank", -1)) + "\"";
         add("cohort_rank_step_time_ms", rank_labels, w.value("step_time_ms", Json()));
         add("cohort_rank_memory_mb", rank_labels, w.value("memory_mb", Json()));
+        add("cohort_rank_gpu_memory_mb", rank_labels, w.value("gpu_memory_mb", Json()));
+        add("cohort_rank_gpu_utilization", rank_labels, w.value("gpu_utilization", Json()));
       }
     }
   };
@@ -219,7 +221,10 @@ std::string prometheus_metrics(const fs::path& storage) {
       {"cohort_restarts", "Restarts of the worker group after failures."},
       {"cohort_running", "1 while the run's driver runs."},
       {"cohort_rank_step_time_ms", "A rank's step time without its waits for peers."},
-      {"cohort_rank_memory_mb", "A rank's resident memory."}};
+      {"cohort_rank_memory_mb", "A rank's resident memory."},
+      {"cohort_rank_gpu_memory_mb", "GPU memory a rank holds, over its GPUs (NVML)."},
+      {"cohort_rank_gpu_utilization",
+       "Percent of time a kernel ran on the busiest of a rank's GPUs (NVML)."}};
   std::ostringstream out;
   for (const auto& [metric, values] : samples) {
     gauge(out, metric, help.count(metric) ? help.at(metric) : metric);

@@ -24,7 +24,10 @@ Json resident_mb(int pid) {
 
 }  // namespace
 
-RunStatus::RunStatus(std::filesystem::path run_dir) : file_(std::move(run_dir) / kStatusFile) {}
+bool RunStatus::alive(const Worker& w) { return w.state == "running" || w.state == "starting"; }
+
+RunStatus::RunStatus(std::filesystem::path run_dir, const runtime::Nvml* nvml)
+    : file_(std::move(run_dir) / kStatusFile), nvml_(nvml) {}
 
 void RunStatus::on_group_start(const std::vector<int>& pids,
                                const std::vector<std::string>& devices) {
@@ -61,10 +64,17 @@ void RunStatus::write(const std::string& state, const Json& failures, bool force
   if (!force && now - written_ < std::chrono::seconds(1)) return;
   written_ = now;
   static const std::string host = runtime::host_name();
+  // GPU memory and utilisation (NVML, loaded only once some worker runs on a GPU).
+  auto on_gpu = [](const Worker& w) { return alive(w) && w.device.rfind("cuda", 0) == 0; };
+  std::vector<int> on_gpus;
+  for (const auto& w : workers_)
+    if (on_gpu(w)) on_gpus.push_back(w.pid);
+  const auto gpu_usage =
+      on_gpus.empty() ? std::map<int, runtime::GpuProcessUsage>{}
+                      : (nvml_ != nullptr ? *nvml_ : runtime::Nvml::instance()).usage_of(on_gpus);
   Json workers = Json::array();
   for (size_t r = 0; r < workers_.size(); ++r) {
     const auto& w = workers_[r];
-    const bool alive = w.state == "running" || w.state == "starting";
     workers.push_back({{"rank", r},
                        {"host", host},
                        {"pid", w.pid},
@@ -74,7 +84,11 @@ void RunStatus::write(const std::string& state, const Json& failures, bool force
                        {"step_time_ms", w.step_time_ms},
                        {"samples_per_s", progress_.value("samples_per_s", Json())},
                        {"ingest_wait_ms", last_metrics_.value("ingest_wait_ms", Json())},
-                       {"memory_mb", alive ? resident_mb(w.pid) : Json(nullptr)}});
+                       {"memory_mb", alive(w) ? resident_mb(w.pid) : Json(nullptr)}});
+    if (const auto gpu = gpu_usage.find(w.pid); on_gpu(w) && gpu != gpu_usage.end()) {
+      workers.back()["gpu_memory_mb"] = gpu->second.memory_mb;
+      workers.back()["gpu_utilization"] = gpu->second.utilization;
+    }
   }
   const Json status{{"state", state},
                     {"updated", static_cast<double>(std::time(nullptr))},

@@ -7,12 +7,15 @@
 #include <vector>
 
 #include "cohort/json.h"
+#include "cohort/runtime/gpu_usage.h"
 
 namespace cohort::train {
 
 class RunStatus {
  public:
-  explicit RunStatus(std::filesystem::path run_dir);
+  // `nvml`: where GPU usage comes from; null: the process's (runtime::Nvml::instance(), loaded
+  // once a worker runs on a GPU).
+  explicit RunStatus(std::filesystem::path run_dir, const runtime::Nvml* nvml = nullptr);
 
   // A worker group started: rank r is `pids[r]` on `devices[r]` ("cpu", "cuda:0").
   void on_group_start(const std::vector<int>& pids, const std::vector<std::string>& devices);
@@ -24,7 +27,8 @@ class RunStatus {
   void on_exit(int rank, bool ok);
 
   // Writes status.json with the run's `state` ("running", "finished", "failed", "interrupted")
-  // and its failures, unless it was written less than a second ago and `force` is false.
+  // and its failures, unless it was written less than a second ago and `force` is false. A live
+  // worker on a GPU also gets its GPU memory and utilisation (runtime::Nvml), where NVML is.
   void write(const std::string& state, const Json& failures, bool force = false);
 
  private:
@@ -34,7 +38,9 @@ class RunStatus {
     std::string state = "starting";
     Json step_time_ms;  // null until a report gives it
   };
+  static bool alive(const Worker& w);
   std::filesystem::path file_;
+  const runtime::Nvml* nvml_;
   std::vector<Worker> workers_;
   Json progress_ = Json::object();
   Json last_metrics_ = Json::object();

@@ -1,7 +1,8 @@
 // A live dashboard of runs (Ray's dashboard): an HTTP server over a storage path's run
 // directories and Tune experiments. Its page (charts from uPlot, compiled in: no network) shows
 // each run's workers (rank, host, pid, state, device, step, step time, samples/s, ingest wait,
-// memory), its loss and accuracy curves, checkpoints, failures and restarts, and an experiment's
+// memory; GPU memory and utilisation through NVML where a worker runs on a GPU), its loss and
+// accuracy curves, checkpoints, failures and restarts, and an experiment's
 // trials; it updates every second. `/metrics` serves the same figures in Prometheus's text format.
 //
 // It reads only files: a run's driver keeps <run>/status.json current (its workers, updated every
@@ -37,7 +38,7 @@ class Dashboard {
 
 // The Prometheus text (exposition format 0.0.4) of the runs under `storage_path`: per run its
 // training iteration, loss, samples/s, ingest and communication wait, restarts, and per rank its
-// step time.
+// step time, memory and GPU memory and utilisation.
 std::string prometheus_metrics(const std::filesystem::path& storage_path);
 
 // Where a run's driver keeps its live state for dashboards.
