@@ -56,6 +56,13 @@ struct WrittenLayout {
     return "--pp " + std::to_string(pp) + " --tp " + std::to_string(tp) +
            (pp > 1 ? " --schedule " + schedule : "");
   }
+  // A mesh cut as `other` (a mesh too): the same degrees and stages per rank (the schedules may
+  // differ otherwise).
+  bool same_cut(const WrittenLayout& other) const {
+    return mesh && other.mesh && pp == other.pp && tp == other.tp &&
+           virtual_stages_of(pipeline::schedule_from_string(schedule)) ==
+               virtual_stages_of(pipeline::schedule_from_string(other.schedule));
+  }
 };
 WrittenLayout written_layout(const Checkpoint& checkpoint) {
   const auto file = checkpoint.path() / kMeshFile;
@@ -170,11 +177,10 @@ void report_with_checkpoint(const Json& metrics, const parallel::DeviceMesh& mes
 
 // load_mesh_checkpoint's optimizer state of a synchronous engine (a whole optimizer or ZeRO).
 void load_mesh_optimizer_state(const std::filesystem::path& dir, const WrittenLayout& written,
-                               const WrittenLayout& here, bool same,
-                               const parallel::DeviceMesh& mesh, const CheckpointedModel& model,
-                               torch::optim::Optimizer& optimizer,
+                               const WrittenLayout& here, const parallel::DeviceMesh& mesh,
+                               const CheckpointedModel& model, torch::optim::Optimizer& optimizer,
                                const torch::nn::Module& stages) {
-  if (!same) {
+  if (!written.same_cut(here)) {
     // Another cut: every stage's state by the model's names.
     std::vector<train::OptimizerPart> parts;
     if (written.mesh) {
@@ -233,10 +239,6 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
   const auto& s = mesh.shape();
   const WrittenLayout here{.mesh = true, .pp = s.pp, .tp = s.tp, .schedule = schedule};
   const WrittenLayout written = written_layout(checkpoint);
-  // The same cut: the same degrees and stages per rank (the schedules may differ otherwise).
-  const bool same = written.mesh && written.pp == here.pp && written.tp == here.tp &&
-                    virtual_stages_of(pipeline::schedule_from_string(written.schedule)) ==
-                        virtual_stages_of(pipeline::schedule_from_string(here.schedule));
   if (model.dense) {
     train::load_model(*model.dense, dir / "model.safetensors");
     model.sliced().load_from_dense(*model.dense);
@@ -245,14 +247,14 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::DeviceMe
   }
   auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer);
   const auto state = dir / optimizer_folder(mesh);
-  if (local != nullptr && same && train::is_local_sgd_checkpoint(state)) {
+  if (local != nullptr && written.same_cut(here) && train::is_local_sgd_checkpoint(state)) {
     // Its own checkpoint: the stages' global parameters, this rank's own and its inner state.
     train::load_checkpoint(Checkpoint::from_directory(state), stages, *local);
     return;
   }
   // The state that the optimizer steps with: local SGD's inner optimizer's, a new period.
   torch::optim::Optimizer& target = local != nullptr ? local->inner() : optimizer;
-  load_mesh_optimizer_state(dir, written, here, same, mesh, model, target, stages);
+  load_mesh_optimizer_state(dir, written, here, mesh, model, target, stages);
   if (local != nullptr) local->restore({}, nullptr, 0, {});
 }
 

@@ -408,6 +408,14 @@ std::filesystem::path detail::whole_optimizer_file(const std::filesystem::path& 
 
 namespace {
 
+// Whether `dir` holds what load_optimizer_state reads: ZeRO's shards, a whole optimizer's file
+// (see whole_optimizer_file) or a pipeline's parts.
+bool holds_optimizer_state(const std::filesystem::path& dir) {
+  return std::filesystem::exists(dir / kZeroManifest) ||
+         std::filesystem::exists(detail::whole_optimizer_file(dir)) ||
+         !find_optimizer_parts(dir).empty();
+}
+
 void load_local_sgd(parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
                     const std::filesystem::path& dir) {
   const int rank = local.process_group().rank();
@@ -417,10 +425,7 @@ void load_local_sgd(parallel::LocalSgdOptimizer& local, const torch::nn::Module&
     // A checkpoint of synchronous training (DDP's optimizer.pt, ZeRO's shards at any stage and
     // size, a pipeline's parts): its optimizer state for every rank's inner optimizer, a new
     // period. A folder with none of them (only a model) starts the inner optimizer afresh.
-    if (std::filesystem::exists(dir / "optimizer.pt") ||
-        std::filesystem::exists(dir / kZeroManifest) || !find_optimizer_parts(dir).empty()) {
-      load_optimizer_state(dir, local.inner(), module);
-    }
+    if (holds_optimizer_state(dir)) load_optimizer_state(dir, local.inner(), module);
     local.restore({}, nullptr, 0, {});
     return;
   }
