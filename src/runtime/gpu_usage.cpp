@@ -9,10 +9,10 @@
 
 namespace cohort::runtime {
 
-namespace {
-
 // NVML's C interface, the part used here, as nvml.h declares it (stable since the _v2 entry
-// points; Debian ships no nvml.h outside non-free).
+// points; Debian ships no nvml.h outside non-free). A named namespace: GCC 13 crashes on a
+// member of Nvml::Impl whose type lives in an unnamed one.
+namespace nvml_abi {
 using NvmlReturn = int;
 using NvmlDevice = void*;
 constexpr NvmlReturn kSuccess = 0;
@@ -33,7 +33,9 @@ struct NvmlUtilization {  // nvmlUtilization_t
   unsigned int memory;
 };
 
-}  // namespace
+}  // namespace nvml_abi
+
+using namespace nvml_abi;
 
 struct Nvml::Impl {
   void* handle = nullptr;

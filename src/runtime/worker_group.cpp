@@ -33,7 +33,7 @@ volatile sig_atomic_t g_interrupt = 0;
 volatile sig_atomic_t g_sigints = 0;  // SIGINTs since the outermost InterruptScope began
 
 void on_signal(int sig) {
-  if (sig == SIGINT && g_sigints < 100) ++g_sigints;
+  if (sig == SIGINT && g_sigints < 100) g_sigints = g_sigints + 1;
   if (sig == SIGINT || sig == SIGTERM) g_interrupt = sig;
   const int saved = errno;
   if (g_wake_pipe[1] >= 0) {

@@ -111,8 +111,7 @@ void CheckpointManager::prune() {
     if (std::find(keep.begin(), keep.end(), e.index) != keep.end()) {
       kept.push_back(e);
     } else {
-      std::error_code ec;
-      std::filesystem::remove_all(e.path, ec);
+      remove_tree(e.path);
     }
   }
   entries_ = std::move(kept);

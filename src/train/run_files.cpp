@@ -1,6 +1,7 @@
 #include "train/run_files.h"
 
 #include <fcntl.h>
+#include <ftw.h>
 #include <sys/file.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -81,6 +82,17 @@ void write_atomically(const std::filesystem::path& path,
   fsync_path(tmp);
   std::filesystem::rename(tmp, path);
   fsync_path(path.parent_path());
+}
+
+void remove_tree(const std::filesystem::path& path) {
+  // Depth first (a folder after its contents), links not followed.
+  ::nftw(
+      path.c_str(),
+      [](const char* file, const struct stat*, int, struct FTW*) {
+        ::remove(file);
+        return 0;
+      },
+      64, FTW_DEPTH | FTW_PHYS);
 }
 
 void write_atomically(const std::filesystem::path& path, const std::string& content) {

@@ -21,6 +21,12 @@ inline constexpr const char* kCheckpointPrefix = "checkpoint_";
 // The loss scaler's state in a checkpoint of an fp16 run (train::save_checkpoint).
 inline constexpr const char* kLossScalerFile = "loss_scaler.json";
 
+// Removes `path` and everything under it, as std::filesystem::remove_all(path, ec) does, but
+// without it: libtorch.so of PyTorch's wheels (2.11 seen) exports a remove_all of its own that
+// crashes, and in a program linked against it that one can win the symbol lookup (see
+// src/CMakeLists.txt). Errors are ignored: what cannot be removed stays.
+void remove_tree(const std::filesystem::path& path);
+
 // Writes through `fill` to a temporary name, flushes it to disk and renames it over `path`:
 // a reader sees the old file or the new one, never half of one.
 void write_atomically(const std::filesystem::path& path,

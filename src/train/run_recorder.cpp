@@ -95,8 +95,7 @@ RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Js
       checkpoints_(run_dir_, run.checkpoint_config),
       on_report_(run.on_report) {
   // Ours now: half-assembled checkpoints of a start that crashed are never valid.
-  std::error_code ec;
-  std::filesystem::remove_all(run_dir_ / kStagingDir, ec);
+  remove_tree(run_dir_ / kStagingDir);
   write_extra_files(run_dir_, run.extra_files);
   result_.path = run_dir_;
   result_.config = config;

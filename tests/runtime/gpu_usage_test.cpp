@@ -1,7 +1,10 @@
 #include "cohort/runtime/gpu_usage.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 #include <unistd.h>
+
+#include "support/cuda.h"
 
 namespace cohort::runtime {
 namespace {
@@ -33,6 +36,20 @@ TEST(GpuUsage, WithoutNvidiasLibraryThereIsNothingToReportAndTheReasonIsSaid) {
   const Nvml other("libc.so.6");
   EXPECT_FALSE(other.available());
   EXPECT_NE(other.error().find("lacks an NVML function"), std::string::npos) << other.error();
+}
+
+// The driver's own library, where a GPU is: this process's CUDA memory is seen under its pid.
+TEST(GpuUsage, TheDriversLibrarySeesThisProcessesGpuMemory) {
+  COHORT_REQUIRE_CUDA();
+  const Nvml nvml;
+  ASSERT_TRUE(nvml.available()) << nvml.error();
+  const auto held = torch::empty({256 << 20}, torch::dtype(torch::kUInt8).device(torch::kCUDA));
+  torch::cuda::synchronize();
+  const auto usage = nvml.usage_of({::getpid()});
+  ASSERT_EQ(usage.count(::getpid()), 1u) << "NVML lists no compute process with this pid";
+  EXPECT_GE(usage.at(::getpid()).memory_mb, 256);
+  EXPECT_GE(usage.at(::getpid()).utilization, 0);
+  EXPECT_LE(usage.at(::getpid()).utilization, 100);
 }
 
 }  // namespace
