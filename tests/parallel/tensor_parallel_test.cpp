@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "cohort/error.h"
+#include "support/cuda.h"
 #include "support/local_group.h"
 
 namespace cohort::parallel {
@@ -72,7 +73,7 @@ void expect_matches_dense(comm::ProcessGroup& group, Parallel parallel, Dense de
   }
   EXPECT_TRUE(torch::allclose(yp, yd, 1e-5, 1e-6)) << "output on rank " << group.rank();
   // A loss that weighs every output element differently.
-  const at::Tensor w = seeded(9, [&] { return torch::randn(yd.sizes()); });
+  const at::Tensor w = seeded(9, [&] { return torch::randn(yd.sizes()); }).to(yd.device());
   (yp * w).sum().backward();
   (yd * w).sum().backward();
   EXPECT_TRUE(torch::allclose(xp.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient";
@@ -91,20 +92,37 @@ void expect_matches_dense(comm::ProcessGroup& group, Parallel parallel, Dense de
   expect_same_parameters(*gathered, *dense, 1e-5);
 }
 
+void expect_mlp_matches_dense(torch::Device device, comm::ProcessGroupOptions options) {
+  // Each rank a process of its own, as GPU ranks must be (see run_rank_processes).
+  testing::run_rank_processes(
+      2,
+      [&](comm::ProcessGroup& group) {
+        auto dense = seeded(3, [] {
+          return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::GELU(),
+                                       torch::nn::Linear(32, 12));
+        });
+        const at::Tensor x = seeded(4, [] { return torch::randn({5, 12}); }).to(device);
+        // Every draw from torch's generator under its lock: another rank's draws would change
+        // this rank's dense weights.
+        auto [parallel, fresh] = seeded(0, [&] {
+          return std::pair{TensorParallelMlp(12, 32, group), TensorParallelMlp(12, 32, group)};
+        });
+        dense->to(device);
+        parallel->to(device);
+        fresh->to(device);
+        expect_matches_dense(group, parallel, dense, fresh, x);
+      },
+      options);
+}
+
 TEST(TensorParallel, MlpMatchesTheDenseMlp) {
-  run_ranks(2, [](comm::ProcessGroup& group) {
-    auto dense = seeded(3, [] {
-      return torch::nn::Sequential(torch::nn::Linear(12, 32), torch::nn::GELU(),
-                                   torch::nn::Linear(32, 12));
-    });
-    const at::Tensor x = seeded(4, [] { return torch::randn({5, 12}); });
-    // Every draw from torch's generator under its lock: another rank's draws would change this
-    // rank's dense weights.
-    auto [parallel, fresh] = seeded(0, [&] {
-      return std::pair{TensorParallelMlp(12, 32, group), TensorParallelMlp(12, 32, group)};
-    });
-    expect_matches_dense(group, parallel, dense, fresh, x);
-  });
+  expect_mlp_matches_dense(torch::kCPU, {.timeout = std::chrono::seconds(30)});
+}
+
+// On the GPU, two ranks sharing it: the all-reduces through Gloo's CUDA path.
+TEST(TensorParallel, MlpMatchesTheDenseMlpOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  expect_mlp_matches_dense(torch::kCUDA, testing::gpu_group_options());
 }
 
 TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {

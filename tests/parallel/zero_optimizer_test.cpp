@@ -10,6 +10,7 @@
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "support/cuda.h"
 #include "support/expect.h"
 #include "support/local_group.h"
 
@@ -57,9 +58,11 @@ std::pair<torch::Tensor, torch::Tensor> batch(int rank, int step, int micro) {
   return {torch::randn({6, 13}), torch::randint(0, 5, {6})};
 }
 
-torch::Tensor loss_of(Net& net, int rank, int step, int micro, int micro_batches) {
+torch::Tensor loss_of(Net& net, int rank, int step, int micro, int micro_batches,
+                      torch::Device device = torch::kCPU) {
   auto [x, y] = batch(rank, step, micro);
-  return torch::nn::functional::cross_entropy(net->forward(x), y) / micro_batches;
+  return torch::nn::functional::cross_entropy(net->forward(x.to(device)), y.to(device)) /
+         micro_batches;
 }
 
 std::unique_ptr<torch::optim::Optimizer> adamw(Net& net) {
@@ -85,8 +88,9 @@ ZeroOptions zero_options(int stage, int64_t bucket = 200, bool reshard_after_for
 }
 
 Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200,
-          bool reshard_after_forward = true) {
+          bool reshard_after_forward = true, torch::Device device = torch::kCPU) {
   auto net = make_zero_net();
+  net->to(device);
   std::unique_ptr<DistributedDataParallel> ddp;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   if (stage == 0) {
@@ -108,7 +112,7 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
       std::optional<ZeroOptimizer::NoSyncGuard> zero_guard;
       if (!last && ddp) ddp_guard.emplace(*ddp);
       if (!last && zero) zero_guard.emplace(*zero);
-      auto loss = loss_of(net, g.rank(), step, micro, micro_batches);
+      auto loss = loss_of(net, g.rank(), step, micro, micro_batches, device);
       loss.backward();
       loss_sum += loss.item<double>();
     }
@@ -119,7 +123,7 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
   if (zero) whole.emplace(*zero);
   for (const auto& p : net->named_parameters()) {
     run.names.push_back(p.key());
-    run.parameters.push_back(p.value().detach().clone());
+    run.parameters.push_back(p.value().detach().cpu().clone());
   }
   return run;
 }
@@ -136,17 +140,27 @@ void expect_same_run(const Run& a, const Run& b, const std::string& what) {
   }
 }
 
-void expect_parity_with_ddp(int world, int micro_batches) {
-  run_ranks(world, [&](comm::ProcessGroup& g) {
-    const auto ddp = train(g, 0, 5, micro_batches);
+void expect_parity_with_ddp(int world, int micro_batches, torch::Device device = torch::kCPU,
+                            comm::Backend backend = comm::Backend::kAuto) {
+  comm::ProcessGroupOptions options{.timeout = std::chrono::seconds(30)};
+  options.backend = backend;
+  const std::function<void(comm::ProcessGroup&)> body = [&](comm::ProcessGroup& g) {
+    const auto ddp = train(g, 0, 5, micro_batches, 200, true, device);
     for (int stage : {1, 2, 3}) {
-      const auto zero = train(g, stage, 5, micro_batches);
+      const auto zero = train(g, stage, 5, micro_batches, 200, true, device);
       expect_same_run(zero, ddp,
                       "stage " + std::to_string(stage) + " on rank " + std::to_string(g.rank()) +
                           " of " + std::to_string(world) + ", " + std::to_string(micro_batches) +
-                          " micro-batches");
+                          " micro-batches on " + device.str() + " over " +
+                          comm::to_string(g.backend()));
     }
-  });
+  };
+  // GPU ranks in processes of their own (see run_rank_processes).
+  if (device.is_cuda()) {
+    testing::run_rank_processes(world, body, options);
+  } else {
+    run_ranks(world, body, options);
+  }
 }
 
 TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnTwoRanks) { expect_parity_with_ddp(2, 1); }
@@ -154,6 +168,14 @@ TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnThreeRanks) { expect_parity_with
 TEST(ZeroOptimizer, GradientAccumulationTrainsAsDdpOnTwoAndThreeRanks) {
   expect_parity_with_ddp(2, 3);
   expect_parity_with_ddp(3, 2);
+}
+
+// On the GPU: two ranks sharing it through Gloo's CUDA path, and one rank whose CUDA tensors go
+// over NCCL (Backend::kAuto: the engines' few CPU tensors over Gloo).
+TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  expect_parity_with_ddp(2, 2, torch::kCUDA, comm::Backend::kGloo);
+  if (comm::nccl_available()) expect_parity_with_ddp(1, 2, torch::kCUDA, comm::Backend::kAuto);
 }
 
 TEST(ZeroOptimizer, AccumulatedMicroBatchesEqualTheBigBatch) {

@@ -11,6 +11,7 @@
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "support/cuda.h"
 #include "support/expect.h"
 #include "support/local_group.h"
 
@@ -46,13 +47,14 @@ struct Case {
   int virtual_stages;
   int micro_batches;
   int64_t rows;
+  torch::Device device = torch::kCPU;  // the stages' (ranks on a GPU share it through Gloo)
 };
 
 // Every rank's stages against the whole model on the whole batch: the same loss and gradients.
 void expect_same_as_unpipelined(const Case& c) {
   SCOPED_TRACE(std::string(to_string(c.schedule)) + " p=" + std::to_string(c.ranks) +
                " v=" + std::to_string(c.virtual_stages) + " m=" + std::to_string(c.micro_batches) +
-               " rows=" + std::to_string(c.rows));
+               " rows=" + std::to_string(c.rows) + " on " + c.device.str());
   const auto [x, y] = make_batch(c.rows);
   torch::nn::Sequential whole = make_mlp();
   const at::Tensor expected_loss = cross_entropy(whole->forward(x), y);
@@ -61,30 +63,39 @@ void expect_same_as_unpipelined(const Case& c) {
   for (const auto& p : whole->named_parameters()) expected_grads[p.key()] = p.value().grad();
 
   const int stages = c.ranks * c.virtual_stages;
-  run_ranks(c.ranks, [&](comm::ProcessGroup& group) {
-    const auto all = split_sequential(make_mlp(), even_split(7, stages));
-    std::vector<Stage> mine;
-    for (int s : PipelineLayout{c.ranks, c.virtual_stages}.stages_of(group.rank()))
-      mine.emplace_back(all[s]);
-    Pipeline pipeline(std::move(mine), group, cross_entropy,
-                      {.schedule = c.schedule,
-                       .micro_batches = c.micro_batches,
-                       .virtual_stages = c.virtual_stages});
-    const at::Tensor loss = pipeline.step(x, y);
-    if (pipeline.is_last()) {
-      ASSERT_TRUE(loss.defined());
-      EXPECT_NEAR(loss.item<double>(), expected_loss.item<double>(), 1e-5);
-    } else {
-      EXPECT_FALSE(loss.defined());
-    }
-    for (const Stage& stage : pipeline.stages()) {
-      for (const auto& p : stage.module().named_parameters()) {
-        ASSERT_TRUE(p.value().grad().defined()) << p.key();
-        EXPECT_TRUE(torch::allclose(p.value().grad(), expected_grads.at(p.key()), 1e-5, 1e-7))
-            << p.key() << " on rank " << group.rank();
-      }
-    }
-  });
+  const auto options = c.device.is_cuda()
+                           ? testing::gpu_group_options()
+                           : comm::ProcessGroupOptions{.timeout = std::chrono::seconds(30)};
+  run_ranks(
+      c.ranks,
+      [&](comm::ProcessGroup& group) {
+        auto all = split_sequential(make_mlp(), even_split(7, stages));
+        std::vector<Stage> mine;
+        for (int s : PipelineLayout{c.ranks, c.virtual_stages}.stages_of(group.rank())) {
+          all[s]->to(c.device);
+          mine.emplace_back(all[s]);
+        }
+        Pipeline pipeline(std::move(mine), group, cross_entropy,
+                          {.schedule = c.schedule,
+                           .micro_batches = c.micro_batches,
+                           .virtual_stages = c.virtual_stages});
+        const at::Tensor loss = pipeline.step(x.to(c.device), y.to(c.device));
+        if (pipeline.is_last()) {
+          ASSERT_TRUE(loss.defined());
+          EXPECT_NEAR(loss.item<double>(), expected_loss.item<double>(), 1e-5);
+        } else {
+          EXPECT_FALSE(loss.defined());
+        }
+        for (const Stage& stage : pipeline.stages()) {
+          for (const auto& p : stage.module().named_parameters()) {
+            ASSERT_TRUE(p.value().grad().defined()) << p.key();
+            EXPECT_TRUE(
+                torch::allclose(p.value().grad().cpu(), expected_grads.at(p.key()), 1e-5, 1e-7))
+                << p.key() << " on rank " << group.rank();
+          }
+        }
+      },
+      options);
 }
 
 TEST(Pipeline, EveryScheduleGivesTheGradientsOfTheWholeModel) {
@@ -99,6 +110,16 @@ TEST(Pipeline, EveryScheduleGivesTheGradientsOfTheWholeModel) {
   expect_same_as_unpipelined({ScheduleKind::kInterleaved, 2, 3, 2, 8});
   // One rank: every stage local, no messages.
   expect_same_as_unpipelined({ScheduleKind::kInterleaved, 1, 3, 3, 9});
+}
+
+// Stages on the GPU, activations and gradients between ranks through Gloo's host copies.
+TEST(Pipeline, EveryScheduleRunsOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  for (ScheduleKind kind :
+       {ScheduleKind::kGPipe, ScheduleKind::kOneFOneB, ScheduleKind::kZeroBubble}) {
+    expect_same_as_unpipelined({kind, 2, 1, 4, 16, torch::kCUDA});
+  }
+  expect_same_as_unpipelined({ScheduleKind::kInterleaved, 2, 2, 4, 12, torch::kCUDA});
 }
 
 TEST(Pipeline, RepeatedStepsAccumulateTheOptimizerStepRunsOnceAndTheTimelineIsKept) {
