@@ -5,11 +5,12 @@
 #   scripts/gpu_check.sh --stage        # here, with Debian's packages: copies what the GPU host
 #                                       # lacks into .gpu_deps/ (header-only libraries, Gloo's
 #                                       # headers, GoogleTest's sources, Fashion-MNIST)
-#   scripts/gpu_check.sh [--bench]      # there, in a copy of the tree with .gpu_deps/: builds
+#   scripts/gpu_check.sh [--bench|--build-only]  # there, in a copy of the tree with .gpu_deps/: builds
 #                                       # cohort against the wheel's libtorch, runs the CUDA tests,
 #                                       # then seed 002's job (ResNet-18, 10 epochs) on the GPU;
 #                                       # --bench adds bench/ddp_throughput on CPU at 2, 4, 8 workers
-#                                       # and bench/fast_steps on the GPU
+#                                       # and bench/fast_steps on the GPU (step times, and seed
+#                                       # 002's 10 epochs eager and as CUDA graphs)
 #
 # Environment: PYTHON (default python3, the one with torch), JOBS (default: all cores),
 # EPOCHS (default 10).
@@ -26,12 +27,22 @@ if [ "${1:-}" = "--stage" ]; then
   cp -r /usr/share/cmake/nlohmann_json /usr/share/cmake/CLI11 "$deps/share/cmake/"
   cp -r /usr/src/googletest "$deps/src/"
   cp -r /usr/share/datasets/fashion-mnist "$deps/data/"
+  # The dashboard's HTTP library (Debian's is a shared library) and what it links that such a
+  # host may lack; its pkg-config file relocated to the staging folder.
+  mkdir -p "$deps/lib/pkgconfig"
+  cp -r /usr/include/httplib.h /usr/include/brotli "$deps/include/"
+  cp -a /usr/lib/x86_64-linux-gnu/libcpp-httplib.so* /usr/lib/x86_64-linux-gnu/libbrotli{common,dec,enc}.so.1* \
+    /usr/lib/x86_64-linux-gnu/libssl.so.3 /usr/lib/x86_64-linux-gnu/libcrypto.so.3 "$deps/lib/"
+  sed -e 's|^prefix=.*|prefix=${pcfiledir}/../..|' -e 's|^libdir=.*|libdir=${prefix}/lib|' \
+    -e '/^Requires.private/d' /usr/lib/x86_64-linux-gnu/pkgconfig/cpp-httplib.pc >"$deps/lib/pkgconfig/cpp-httplib.pc"
   echo "staged $(du -sh "$deps" | cut -f1) in $deps: carry .gpu_deps to the GPU host"
   exit 0
 fi
 
 bench=0
+build_only=0
 [ "${1:-}" = "--bench" ] && bench=1
+[ "${1:-}" = "--build-only" ] && build_only=1
 if [ ! -d "$deps" ]; then
   echo "gpu_check: $deps is missing: run scripts/gpu_check.sh --stage on a Debian host first and carry it" >&2
   exit 2
@@ -42,9 +53,13 @@ torch_prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)
 torch_lib="$("$python" -c 'import torch, os; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')"
 echo "gpu_check: torch $("$python" -c 'import torch; print(torch.__version__, "cuda", torch.version.cuda)') at $torch_prefix"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-export LD_LIBRARY_PATH="$torch_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-# The wheel's CUDA headers and libraries come in nvidia-* wheels beside torch.
-cuda_root="$("$python" -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)"
+export LD_LIBRARY_PATH="$torch_lib:$deps/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# CUDA's toolkit: an installed one (nvcc on the PATH or in /usr/local/cuda), else the headers and
+# libraries of the nvidia-* wheels beside torch.
+cuda_root=""
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ]; then
+  cuda_root="$("$python" -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)"
+fi
 
 # GoogleTest from Debian's sources, installed into the staging folder once.
 if [ ! -f "$deps/gtest/lib/cmake/GTest/GTestConfig.cmake" ] && [ ! -f "$deps/gtest/lib64/cmake/GTest/GTestConfig.cmake" ]; then
@@ -54,18 +69,22 @@ if [ ! -f "$deps/gtest/lib/cmake/GTest/GTestConfig.cmake" ] && [ ! -f "$deps/gte
 fi
 
 build="$root/build-gpu"
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)  # builds the targets in parallel, not in turn
+cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_FLAGS=-g1 -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$deps;$deps/gtest" \
   ${cuda_root:+-DCUDAToolkit_ROOT="$cuda_root"} \
   -DCOHORT_GLOO_INCLUDE_DIR="$deps/include" -DCOHORT_WITH_OPENCV=OFF \
   -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON
-cmake --build "$build" -j "$jobs" --target cohort_cli comm_test runtime_test parallel_test train_test optim_test ddp_throughput fast_steps
+# TARGETS: what to build (default: what the checks below run).
+cmake --build "$build" -j "$jobs" --target ${TARGETS:-cohort_cli comm_test runtime_test parallel_test train_test optim_test ddp_throughput fast_steps}
+[ "$build_only" -eq 1 ] && exit 0
 
 status=0
 run() { echo "+ $*"; "$@" || status=1; }
 run "$build/tests/comm_test" --gtest_filter='CudaCollectives.*:ProcessGroup.*'
-run "$build/tests/runtime_test" --gtest_filter='Gpus.*'
-run "$build/tests/train_test" --gtest_filter='GpuTraining.*:Trainer.*'
+run "$build/tests/runtime_test" --gtest_filter='Gpus.*:GpuUsage.*'
+run "$build/tests/train_test" --gtest_filter='GpuTraining.*:Trainer.*:RunStatus.*:CapturedStep.*'
 run "$build/tests/parallel_test"
 run "$build/tests/optim_test"
 
@@ -85,6 +104,9 @@ EOF
 if [ "$bench" -eq 1 ]; then
   # The fast-steps table on the GPU: torch::optim against the flat optimizers, fp32 and bf16.
   run "$build/bench/fast_steps" --device cuda --data-dir "$deps/data/fashion-mnist" --rounds 5 --steps 20
+  # Seed 002's 10 epochs with the data on the GPU, eager and as one CUDA graph per step.
+  run "$build/bench/fast_steps" --device cuda --data-dir "$deps/data/fashion-mnist" --models resnet18 \
+    --rounds 1 --steps 5 --epochs 10
   for workers in 1 2 4 8; do
     for mode in independent ddp; do
       echo "ddp_throughput --mode $mode --workers $workers: $("$build/bench/ddp_throughput" --mode "$mode" \

@@ -209,6 +209,28 @@ void validate(const TrainOptions& o) {
   o.zero.validate();
   validate_mesh(o);
   const auto sync = sync_of(o);
+  if (o.cuda_graph) {
+    // What a captured step can hold: one micro-batch, DDP's all-reduce over NCCL, and an
+    // optimizer whose step count and learning rate live on the device.
+    const auto refuse = [](const std::string& why) { throw UsageError("--cuda-graph " + why); };
+    if (!o.use_gpu) refuse("needs --use-gpu: CUDA graphs capture GPU work (drop --cuda-graph)");
+    if (!o.flat_optimizer)
+      refuse(
+          "needs the flat optimizer (drop --no-flat-optimizer): torch::optim counts its steps "
+          "on the host, which a replayed graph does not advance");
+    if (o.gradient_accumulation_steps > 1)
+      refuse(
+          "captures one micro-batch per step: drop --gradient-accumulation-steps or "
+          "--cuda-graph");
+    if (o.pp > 1 || o.tp > 1)
+      refuse("does not capture pipelines or tensor parallelism: drop --pp/--tp or --cuda-graph");
+    if (o.zero.stage > 0)
+      refuse("does not capture ZeRO's steps: use stage 0 (DDP) or drop --cuda-graph");
+    if (!parallel::is_synchronous(sync))
+      refuse("needs --sync ddp: " + o.sync + " decides on the host when to communicate");
+    if (o.backend == "gloo")
+      refuse("needs NCCL's collectives (--backend auto or nccl): Gloo's cannot be captured");
+  }
   if (!parallel::is_synchronous(sync) && o.zero.stage > 0) {
     throw UsageError("--sync " + o.sync + " cannot be combined with ZeRO stage " +
                      std::to_string(o.zero.stage) +
@@ -348,6 +370,7 @@ Json to_json(const TrainOptions& o) {
                 {"param_persistence_threshold", o.zero.param_persistence_threshold}}},
               {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
               {"flat_optimizer", o.flat_optimizer},
+              {"cuda_graph", o.cuda_graph},
               {"gradient_clipping", o.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
@@ -505,7 +528,12 @@ void train_loop(const Json& c) {
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
   const auto sync = sync_mode_of(c);
-  train::prepare_model(model, {.zero = zero, .sync = sync});
+  {
+    // A captured step runs on the stream DDP's gradient accumulators were found on.
+    std::optional<train::CaptureStreamScope> capture_stream;
+    if (c.value("cuda_graph", false)) capture_stream.emplace();
+    train::prepare_model(model, {.zero = zero, .sync = sync});
+  }
   auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
@@ -547,6 +575,28 @@ void train_loop(const Json& c) {
   int64_t timed_samples = 0;
   double timed_seconds = 0;
   double time_to_first_step = 0;
+  // --cuda-graph: the step as one CUDA graph, replayed on each batch (a partial last batch runs
+  // eagerly); validate_options let through only what a graph can hold.
+  std::unique_ptr<train::CapturedStep> captured;
+  if (c.value("cuda_graph", false)) {
+    captured = std::make_unique<train::CapturedStep>(
+        [&](const std::vector<torch::Tensor>& in) {
+          optimizer->zero_grad();
+          torch::Tensor loss;
+          {
+            auto autocast = train::autocast();
+            loss = torch::nn::functional::cross_entropy(model->forward(in[0]), in[1]);
+          }
+          train::backward(loss);
+          if (clip > 0) {
+            train::get_loss_scaler().unscale(*optimizer);
+            flat->clip_grad_norm(clip);
+          }
+          train::step_optimizer(*optimizer);
+          return loss.detach();
+        },
+        train::CaptureOptions{.optimizer = flat, .group = &ctx.get_process_group()});
+  }
   for (int epoch = start_epoch; epoch < epochs; ++epoch) {
     train_stream.set_epoch(epoch);
     double loss_sum = 0;
@@ -568,38 +618,47 @@ void train_loop(const Json& c) {
         continue;
       }
       const auto& target = batch["label"];
-      const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
-      const bool last_micro = micro + 1 >= in_step;
-      if (micro == 0) optimizer->zero_grad();
-      torch::Tensor loss;
-      {
-        auto autocast = train::autocast();
-        loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
-      }
-      {
-        // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
-        std::optional<train::NoSyncGuard> local;
-        if (!last_micro) local.emplace(train::no_sync(model));
-        train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
-      }
-      ++batch_index;
-      loss_sum += loss.item<double>();
-      ++loss_count;
-      step_samples += target.size(0) * ctx.get_world_size();
-      if (!last_micro) {
-        ++micro;
-        continue;
-      }
-      micro = 0;
-      if (clip > 0) {
-        train::get_loss_scaler().unscale(*optimizer);
-        if (flat != nullptr) {
-          flat->clip_grad_norm(clip);
-        } else {
-          optim::clip_grad_norm(model->parameters(), clip);
+      if (captured) {
+        // The whole step, one micro-batch (accumulation is 1 with --cuda-graph).
+        const auto loss = captured->run({batch["image"], target});
+        ++batch_index;
+        loss_sum += loss.item<double>();
+        ++loss_count;
+        step_samples += target.size(0) * ctx.get_world_size();
+      } else {
+        const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
+        const bool last_micro = micro + 1 >= in_step;
+        if (micro == 0) optimizer->zero_grad();
+        torch::Tensor loss;
+        {
+          auto autocast = train::autocast();
+          loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
         }
+        {
+          // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
+          std::optional<train::NoSyncGuard> local;
+          if (!last_micro) local.emplace(train::no_sync(model));
+          train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
+        }
+        ++batch_index;
+        loss_sum += loss.item<double>();
+        ++loss_count;
+        step_samples += target.size(0) * ctx.get_world_size();
+        if (!last_micro) {
+          ++micro;
+          continue;
+        }
+        micro = 0;
+        if (clip > 0) {
+          train::get_loss_scaler().unscale(*optimizer);
+          if (flat != nullptr) {
+            flat->clip_grad_norm(clip);
+          } else {
+            optim::clip_grad_norm(model->parameters(), clip);
+          }
+        }
+        train::step_optimizer(*optimizer);
       }
-      train::step_optimizer(*optimizer);
       schedule.step();
       ++steps;
       ++step_in_epoch;
@@ -724,6 +783,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   add_bool_flag(cmd, "--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
                 "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
                 "buffers; default) or libtorch's torch::optim");
+  add_bool_flag(cmd, "--cuda-graph", o.cuda_graph,
+                "capture each training step (forward, backward, all-reduce, optimizer) as one "
+                "CUDA graph and replay it: GPU, NCCL, the flat optimizer, one micro-batch per "
+                "step; a step that cannot be captured runs eagerly, its reason printed");
   cmd->add_option("--gradient-clipping", o.gradient_clipping,
                   "clip the gradients' global L2 norm to this (0: no clipping)")
       ->capture_default_str();

@@ -45,6 +45,7 @@ struct TrainOptions {
   int64_t warmup_steps = 0;
   std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
   std::string precision = "fp32";
+  bool cuda_graph = false;  // each step captured as one CUDA graph (train::CapturedStep)
   uint64_t seed = 0;
   int64_t max_steps = 0;                    // 0: no limit
   int64_t train_examples = 0;               // the first N training examples only; 0: all

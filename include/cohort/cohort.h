@@ -43,6 +43,7 @@
 #include "cohort/data/preprocessors.h"
 #include "cohort/data/tensor_dataset.h"
 
+#include "cohort/train/captured_step.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"

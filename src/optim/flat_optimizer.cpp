@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <tuple>
 
 #include "cohort/error.h"
@@ -106,37 +107,6 @@ at::Tensor clip_by_global_norm(const std::vector<at::Tensor>& grads, double max_
   return total;
 }
 
-// The same updates with libtorch's fused kernels, on a partition's whole buffers; false where
-// this libtorch has none (then the vectorised updates above run).
-bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOptions& options,
-                  at::Tensor& p, const at::Tensor& g, std::vector<at::Tensor>& state,
-                  int64_t steps_done) {
-#ifdef COHORT_FUSED_OPTIMIZERS
-  if (p.scalar_type() != at::kFloat || (!p.is_cpu() && !p.is_cuda())) return false;
-  if (algorithm == "sgd") {
-    const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
-    at::_fused_sgd_({p}, {g}, state, o.weight_decay(), o.momentum(), o.lr(), o.dampening(),
-                    o.nesterov(), /*maximize=*/false, /*is_first_step=*/steps_done == 0);
-    return true;
-  }
-  const auto h = adam_hyper(options, algorithm);
-  const auto step = at::full({}, static_cast<double>(steps_done + 1), p.options());
-  std::vector<at::Tensor> max_exp_avg_sqs;
-  if (h.amsgrad) max_exp_avg_sqs.push_back(state[2]);
-  if (h.decoupled) {
-    at::_fused_adamw_({p}, {g}, {state[0]}, {state[1]}, max_exp_avg_sqs, {step}, h.lr, h.beta1,
-                      h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
-  } else {
-    at::_fused_adam_({p}, {g}, {state[0]}, {state[1]}, max_exp_avg_sqs, {step}, h.lr, h.beta1,
-                     h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
-  }
-  return true;
-#else
-  (void)algorithm, (void)options, (void)p, (void)g, (void)state, (void)steps_done;
-  return false;
-#endif
-}
-
 }  // namespace
 
 bool FlatOptimizer::has_fused_kernels() {
@@ -197,9 +167,84 @@ struct Partition {
   std::vector<const void*> gathered_grad;
   std::vector<int64_t> gathered_version;
   bool stepped = false;  // since the layout or the last load
+  // The fused kernels' step count (Adam, AdamW) and, on CUDA, learning rate as tensors on the
+  // partition's device (see fused_update); the count the step tensor holds, as the host knows
+  // it, and the rate the lr tensor holds.
+  at::Tensor step_tensor;
+  int64_t step_tensor_steps = -1;
+  at::Tensor lr_tensor;
+  double lr_in_tensor = 0;
+  bool fused_last = false;  // whether the last step ran on the fused kernels
 };
 
 namespace {
+
+// The same updates with libtorch's fused kernels, on a partition's whole buffers; false where
+// this libtorch has none (then the vectorised updates above run). On CUDA the step count and
+// the learning rate are tensors on the device: a step captured in a CUDA graph then advances the
+// count and reads the rate on every replay (FlatOptimizer::before_replay writes a new rate).
+bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOptions& options,
+                  Partition& part) {
+#ifdef COHORT_FUSED_OPTIMIZERS
+  at::Tensor& p = part.master;
+  const at::Tensor& g = part.grads;
+  const int64_t steps_done = part.steps.front();
+  if (p.scalar_type() != at::kFloat || (!p.is_cpu() && !p.is_cuda())) return false;
+  std::optional<at::Tensor> lr;
+  if (p.is_cuda()) {
+    if (!part.lr_tensor.defined()) {
+      part.lr_tensor = at::full({}, options.get_lr(), p.options());
+      part.lr_in_tensor = options.get_lr();
+    } else if (part.lr_in_tensor != options.get_lr()) {
+      part.lr_tensor.fill_(options.get_lr());
+      part.lr_in_tensor = options.get_lr();
+    }
+    lr = part.lr_tensor;
+  }
+  // The kernels take the rate as that tensor or as a number: one call either way.
+  const auto with_lr = [&](const auto& step_at) {
+    if (lr) {
+      step_at(*lr);
+    } else {
+      step_at(options.get_lr());
+    }
+  };
+  if (algorithm == "sgd") {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+    with_lr([&](const auto& rate) {
+      at::_fused_sgd_({p}, {g}, part.state, o.weight_decay(), o.momentum(), rate, o.dampening(),
+                      o.nesterov(), /*maximize=*/false, /*is_first_step=*/steps_done == 0);
+    });
+    return true;
+  }
+  const auto h = adam_hyper(options, algorithm);
+  // The count the kernel reads is this step's: one more than the steps done.
+  // Filled in place, never replaced: a captured step holds its address.
+  if (!part.step_tensor.defined()) {
+    part.step_tensor = at::full({}, static_cast<double>(steps_done), p.options());
+  } else if (part.step_tensor_steps != steps_done) {
+    part.step_tensor.fill_(static_cast<double>(steps_done));
+  }
+  part.step_tensor.add_(1);
+  part.step_tensor_steps = steps_done + 1;
+  std::vector<at::Tensor> max_exp_avg_sqs;
+  if (h.amsgrad) max_exp_avg_sqs.push_back(part.state[2]);
+  const std::vector<at::Tensor> steps{part.step_tensor};
+  with_lr([&](const auto& rate) {
+    if (h.decoupled) {
+      at::_fused_adamw_({p}, {g}, {part.state[0]}, {part.state[1]}, max_exp_avg_sqs, steps, rate,
+                        h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
+    } else {
+      at::_fused_adam_({p}, {g}, {part.state[0]}, {part.state[1]}, max_exp_avg_sqs, steps, rate,
+                       h.beta1, h.beta2, h.weight_decay, h.eps, h.amsgrad, /*maximize=*/false);
+    }
+  });
+  return true;
+#else
+  (void)algorithm, (void)options, (void)part;
+  return false;
+#endif
+}
 
 // Runs an update over a partition's buffers a chunk at a time. The updates' temporaries are then
 // a chunk's size: they come from the allocator's free lists instead of fresh pages every step
@@ -442,9 +487,8 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
         all = all && part.has_grad[k];
         same_step = same_step && part.steps[k] == part.steps.front();
       }
-      if (all && same_step &&
-          fused_update(algorithm_, options, part.master, part.grads, part.state,
-                       part.steps.front())) {
+      part.fused_last = all && same_step && fused_update(algorithm_, options, part);
+      if (part.fused_last) {
         // done in one pass
       } else if (algorithm_ == "sgd") {
         const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
@@ -490,6 +534,48 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
   // The next step gathers afresh even where .grad was left as it was (a loop without zero_grad).
   skip_step();
   return loss;
+}
+
+void FlatOptimizer::before_replay() {
+  for (size_t g = 0; g < impl_->groups.size(); ++g) {
+    const double lr = param_groups_[g].options().get_lr();
+    for (auto& part : impl_->groups[g]) {
+      if (part.lr_tensor.defined() && part.lr_in_tensor != lr) {
+        part.lr_tensor.fill_(lr);
+        part.lr_in_tensor = lr;
+      }
+      for (size_t k = 0; k < part.members.size(); ++k)
+        if (part.has_grad[k]) ++part.steps[k];
+      if (part.step_tensor.defined()) ++part.step_tensor_steps;
+    }
+  }
+}
+
+bool FlatOptimizer::replays_exactly() const {
+  for (const auto& parts : impl_->groups)
+    for (const auto& part : parts)
+      if (!part.fused_last || !part.params.is_cuda()) return false;
+  return true;
+}
+
+std::vector<int64_t> FlatOptimizer::host_step_counts() const {
+  std::vector<int64_t> counts;
+  for (const auto& parts : impl_->groups)
+    for (const auto& part : parts)
+      counts.insert(counts.end(), part.steps.begin(), part.steps.end());
+  return counts;
+}
+
+void FlatOptimizer::restore_host_step_counts(const std::vector<int64_t>& counts) {
+  size_t i = 0;
+  for (auto& parts : impl_->groups)
+    for (auto& part : parts)
+      for (auto& steps : part.steps) {
+        if (i == counts.size())
+          throw UsageError("Flat optimizer: " + std::to_string(counts.size()) +
+                           " step counts given for more parameters");
+        steps = counts[i++];
+      }
 }
 
 std::vector<std::string> FlatOptimizer::state_buffer_names() const {

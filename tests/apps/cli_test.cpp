@@ -116,6 +116,8 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--gpus-per-worker", "2", "--data-dir", data.string()},
        "--gpus-per-worker 2 needs --use-gpu"},
       {{"--precision", "fp8", "--data-dir", data.string()}, "unknown precision 'fp8'"},
+      {{"--cuda-graph", "--data-dir", data.string()},
+       "--cuda-graph needs --use-gpu: CUDA graphs capture GPU work"},
       {{"--momentum", "1.5", "--data-dir", data.string()}, "SGD momentum 1.5 must be in [0, 1]"},
       {{"--optimizer", "adamw", "--weight-decay", "-0.5", "--data-dir", data.string()},
        "AdamW weight_decay -0.5 must be >= 0"},

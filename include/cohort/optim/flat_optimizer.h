@@ -47,6 +47,17 @@ class FlatOptimizer : public torch::optim::Optimizer {
   // as step() drops them, so the next step gathers the next backward's.
   virtual void skip_step();
 
+  // For train::CapturedStep, whose CUDA graph runs this optimizer's host side once (at the
+  // capture) and its device side at every replay. before_replay(): one more step counted, and a
+  // learning rate changed since (an LR schedule) written to the device, before each replay.
+  // replays_exactly(): whether the last step ran on CUDA on the fused kernels, whose step count
+  // and learning rate live on the device (elsewhere a replay would repeat the captured ones).
+  // host_step_counts() / restore_host_step_counts(): undo a capture that failed.
+  void before_replay();
+  bool replays_exactly() const;
+  std::vector<int64_t> host_step_counts() const;
+  void restore_host_step_counts(const std::vector<int64_t>& counts);
+
   // "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }
   // Whether float32 buffers on CPU or CUDA step with libtorch's fused kernels (libtorch 2.4 and
