@@ -77,7 +77,7 @@ cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAK
   -DCOHORT_GLOO_INCLUDE_DIR="$deps/include" -DCOHORT_WITH_OPENCV=OFF \
   -DCMAKE_DISABLE_PRECOMPILE_HEADERS=ON
 # TARGETS: what to build (default: what the checks below run).
-cmake --build "$build" -j "$jobs" --target ${TARGETS:-cohort_cli comm_test runtime_test parallel_test train_test optim_test ddp_throughput fast_steps}
+cmake --build "$build" -j "$jobs" --target ${TARGETS:-cohort_cli comm_test runtime_test parallel_test train_test optim_test apps_test ddp_throughput fast_steps}
 [ "$build_only" -eq 1 ] && exit 0
 
 status=0
@@ -87,6 +87,7 @@ run "$build/tests/runtime_test" --gtest_filter='Gpus.*:GpuUsage.*'
 run "$build/tests/train_test" --gtest_filter='GpuTraining.*:Trainer.*:RunStatus.*:CapturedStep.*'
 run "$build/tests/parallel_test"
 run "$build/tests/optim_test"
+run "$build/tests/apps_test" --gtest_filter='Cli.ACudaGraph*'
 
 # Seed 002: ResNet-18 with the 1-channel 7x7 stem on Fashion-MNIST, batch 128, Adam 1e-3.
 run "$build/cohort" train --model resnet18 --dataset fashion-mnist --data-dir "$deps/data/fashion-mnist" \

@@ -8,6 +8,8 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/trace.h"
+#include "train/worker_session.h"
 
 #ifdef COHORT_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
@@ -43,6 +45,10 @@ struct CapturedStep::Impl {
   std::string fallback_reason;
   bool tried = false;  // the capture was tried (it succeeded, or the fallback holds)
   std::vector<int64_t> counts_before_capture;  // the optimizer's host step counts
+  // In a train loop: the train::step_optimizer() calls the captured step made (its host side,
+  // which a replay skips: the session's step count and the timeline's step ends).
+  int64_t session_steps_before_capture = 0;
+  int64_t session_steps_per_step = 0;
   int64_t calls = 0, replays = 0, eager = 0;
 #ifdef COHORT_WITH_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
@@ -112,6 +118,8 @@ struct CapturedStep::Impl {
              "process group with the nccl backend (cohort train: --backend auto or nccl)";
     }
     if (options.optimizer) counts_before_capture = options.optimizer->host_step_counts();
+    auto* session = current_session();
+    if (session) session_steps_before_capture = session->steps_through_step_optimizer;
     std::string reason;
     graph = std::make_unique<at::cuda::CUDAGraph>();
     on_side_stream(static_inputs.front().device(), [&] {
@@ -137,15 +145,34 @@ struct CapturedStep::Impl {
           "without a gradient, or libtorch < 2.4), whose step count and learning rate live on the "
           "device: a replay would repeat the captured ones";
     }
+    if (session) {
+      session_steps_per_step = session->steps_through_step_optimizer - session_steps_before_capture;
+    }
     if (!reason.empty()) {
-      graph.reset();
-      static_output = at::Tensor();
-      if (options.optimizer) options.optimizer->restore_host_step_counts(counts_before_capture);
+      undo_capture();
       // The first line of the error says what was refused; the rest is libtorch's backtrace.
       if (const auto newline = reason.find('\n'); newline != std::string::npos)
         reason.resize(newline);
     }
     return reason;
+  }
+
+  // A capture that will not be replayed: its host side ran, its device side never will.
+  void undo_capture() {
+    graph.reset();
+    static_output = at::Tensor();
+    if (options.optimizer) options.optimizer->restore_host_step_counts(counts_before_capture);
+    if (auto* session = current_session())
+      session->steps_through_step_optimizer = session_steps_before_capture;
+    session_steps_per_step = 0;
+  }
+
+  // What a replay skips of the step's host side, in a train loop.
+  void count_replayed_step() {
+    auto* session = current_session();
+    if (!session) return;
+    session->steps_through_step_optimizer += session_steps_per_step;
+    for (int64_t i = 0; i < session_steps_per_step; ++i) trace::end_step();
   }
 #endif
 };
@@ -202,11 +229,7 @@ torch::Tensor CapturedStep::run(const std::vector<torch::Tensor>& inputs) {
     if (!s.ranks_agree(reason.empty(), inputs.front())) {
       if (reason.empty()) {
         reason = "another rank could not capture its step";
-        s.graph.reset();
-        s.static_output = at::Tensor();
-        // The host side of the capture ran; its device side never will.
-        if (s.options.optimizer)
-          s.options.optimizer->restore_host_step_counts(s.counts_before_capture);
+        s.undo_capture();
       }
     }
     if (!reason.empty()) {
@@ -224,6 +247,7 @@ torch::Tensor CapturedStep::run(const std::vector<torch::Tensor>& inputs) {
     if (s.options.optimizer) s.options.optimizer->before_replay();
     ++s.replays;
     s.graph->replay();
+    s.count_replayed_step();
     return s.static_output;
   }
 #endif

@@ -15,6 +15,7 @@
 #include "cohort/json.h"
 #include "cohort/models/zoo.h"
 #include "cohort/train/checkpoint.h"
+#include "support/cuda.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -89,6 +90,30 @@ class Cli : public ::testing::Test {
     EXPECT_EQ(resumed["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
   }
 };
+
+// --cuda-graph on a GPU: each step one CUDA graph, the run as the eager one (the same steps; loss
+// and accuracy within rounding) with no fallback.
+TEST_F(Cli, ACudaGraphRunTrainsAsTheEagerOneDoes) {
+  COHORT_REQUIRE_CUDA();
+  auto run = [&](const std::string& name, std::vector<std::string> extra) {
+    std::vector<std::string> args{"--data-dir", data.string(),  "--workers", "1",
+                                  "--use-gpu",  "--batch-size", "16",        "--epochs",
+                                  "2",          "--optimizer",  "adam",      "--seed",
+                                  "4",          "--name",       name};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return train(args);
+  };
+  const auto eager = run("eager", {});
+  ASSERT_EQ(eager.exit_code, 0) << eager.output;
+  const auto graph = run("graph", {"--cuda-graph"});
+  ASSERT_EQ(graph.exit_code, 0) << graph.output;
+  EXPECT_EQ(graph.output.find("runs eagerly"), std::string::npos) << graph.output;
+  const Json e = result_of("eager"), g = result_of("graph");
+  EXPECT_EQ(g["steps"], e["steps"]);
+  EXPECT_NEAR(g["train_loss"].get<double>(), e["train_loss"].get<double>(),
+              1e-3 * e["train_loss"].get<double>());
+  EXPECT_NEAR(g["test_accuracy"].get<double>(), e["test_accuracy"].get<double>(), 0.02);
+}
 
 TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
   auto truncated = dir / "truncated";
