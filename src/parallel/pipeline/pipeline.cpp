@@ -635,11 +635,7 @@ std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const a
   }
   model->zero_grad();
   std::vector<double> cost(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    auto& v = runs[i];
-    std::nth_element(v.begin(), v.begin() + v.size() / 2, v.end());
-    cost[i] = v[v.size() / 2];
-  }
+  for (int i = 0; i < n; ++i) cost[i] = *std::min_element(runs[i].begin(), runs[i].end());
   // best[k][i]: the smallest slowest stage for the first i layers in k stages.
   const double inf = std::numeric_limits<double>::infinity();
   std::vector<std::vector<double>> best(stages + 1, std::vector<double>(n + 1, inf));

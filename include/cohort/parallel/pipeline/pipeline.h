@@ -46,7 +46,8 @@ std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential&
 // More stages than layers is a UsageError.
 std::vector<int> even_split(int layers, int stages);
 // Layer counts that balance the measured time: forward and backward of every layer on `sample`
-// (`repeats` times, the median kept), then the cut that minimises the slowest stage.
+// (`repeats` times, the fastest kept: interference from other work only ever adds time), then the
+// cut that minimises the slowest stage.
 std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const at::Tensor& sample,
                                 int repeats = 3);
 
