@@ -575,24 +575,33 @@ void train_loop(const Json& c) {
   int64_t timed_samples = 0;
   double timed_seconds = 0;
   double time_to_first_step = 0;
+  // A batch's loss under the run's precision, and the end of every step: clipping (the loss
+  // scaler's unscale first), then the optimizer (through the scaler).
+  const auto loss_of = [&](const torch::Tensor& image, const torch::Tensor& target) {
+    auto autocast = train::autocast();
+    return torch::nn::functional::cross_entropy(model->forward(image), target);
+  };
+  const auto clip_and_step = [&] {
+    if (clip > 0) {
+      train::get_loss_scaler().unscale(*optimizer);
+      if (flat != nullptr) {
+        flat->clip_grad_norm(clip);
+      } else {
+        optim::clip_grad_norm(model->parameters(), clip);
+      }
+    }
+    train::step_optimizer(*optimizer);
+  };
   // --cuda-graph: the step as one CUDA graph, replayed on each batch (a partial last batch runs
-  // eagerly); validate_options let through only what a graph can hold.
+  // eagerly); validate_options let through only what a graph can hold (one micro-batch a step).
   std::unique_ptr<train::CapturedStep> captured;
   if (c.value("cuda_graph", false)) {
     captured = std::make_unique<train::CapturedStep>(
         [&](const std::vector<torch::Tensor>& in) {
           optimizer->zero_grad();
-          torch::Tensor loss;
-          {
-            auto autocast = train::autocast();
-            loss = torch::nn::functional::cross_entropy(model->forward(in[0]), in[1]);
-          }
+          const auto loss = loss_of(in[0], in[1]);
           train::backward(loss);
-          if (clip > 0) {
-            train::get_loss_scaler().unscale(*optimizer);
-            flat->clip_grad_norm(clip);
-          }
-          train::step_optimizer(*optimizer);
+          clip_and_step();
           return loss.detach();
         },
         train::CaptureOptions{.optimizer = flat, .group = &ctx.get_process_group()});
@@ -618,47 +627,30 @@ void train_loop(const Json& c) {
         continue;
       }
       const auto& target = batch["label"];
+      torch::Tensor loss;
+      bool last_micro = true;
       if (captured) {
-        // The whole step, one micro-batch (accumulation is 1 with --cuda-graph).
-        const auto loss = captured->run({batch["image"], target});
-        ++batch_index;
-        loss_sum += loss.item<double>();
-        ++loss_count;
-        step_samples += target.size(0) * ctx.get_world_size();
+        loss = captured->run({batch["image"], target});
       } else {
         const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
-        const bool last_micro = micro + 1 >= in_step;
+        last_micro = micro + 1 >= in_step;
         if (micro == 0) optimizer->zero_grad();
-        torch::Tensor loss;
-        {
-          auto autocast = train::autocast();
-          loss = torch::nn::functional::cross_entropy(model->forward(batch["image"]), target);
-        }
-        {
-          // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
-          std::optional<train::NoSyncGuard> local;
-          if (!last_micro) local.emplace(train::no_sync(model));
-          train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
-        }
-        ++batch_index;
-        loss_sum += loss.item<double>();
-        ++loss_count;
-        step_samples += target.size(0) * ctx.get_world_size();
-        if (!last_micro) {
-          ++micro;
-          continue;
-        }
-        micro = 0;
-        if (clip > 0) {
-          train::get_loss_scaler().unscale(*optimizer);
-          if (flat != nullptr) {
-            flat->clip_grad_norm(clip);
-          } else {
-            optim::clip_grad_norm(model->parameters(), clip);
-          }
-        }
-        train::step_optimizer(*optimizer);
+        loss = loss_of(batch["image"], target);
+        // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
+        std::optional<train::NoSyncGuard> local;
+        if (!last_micro) local.emplace(train::no_sync(model));
+        train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
       }
+      ++batch_index;
+      loss_sum += loss.item<double>();
+      ++loss_count;
+      step_samples += target.size(0) * ctx.get_world_size();
+      if (!last_micro) {
+        ++micro;
+        continue;
+      }
+      micro = 0;
+      if (!captured) clip_and_step();
       schedule.step();
       ++steps;
       ++step_in_epoch;

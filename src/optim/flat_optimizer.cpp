@@ -5,7 +5,6 @@
 
 #include <cmath>
 #include <map>
-#include <optional>
 #include <tuple>
 
 #include "cohort/error.h"
@@ -149,6 +148,21 @@ void validate_adam(const Options& o, const std::string& name) {
 void validate(const torch::optim::AdamOptions& o) { validate_adam(o, "Adam"); }
 void validate(const torch::optim::AdamWOptions& o) { validate_adam(o, "AdamW"); }
 
+// A number kept in a 0-dim tensor on the device, made once and then filled in place (a step
+// captured in a CUDA graph holds its address), with the value it holds as the host knows it.
+struct DeviceScalar {
+  at::Tensor tensor;
+  double value = 0;
+  void set(double v, const at::TensorOptions& options) {
+    if (!tensor.defined()) {
+      tensor = at::full({}, v, options);
+    } else if (value != v) {
+      tensor.fill_(v);
+    }
+    value = v;
+  }
+};
+
 // One flat layout: the parameters of a param group that share a dtype and a device.
 struct Partition {
   std::vector<size_t> members;  // indices into the group's params()
@@ -167,13 +181,9 @@ struct Partition {
   std::vector<const void*> gathered_grad;
   std::vector<int64_t> gathered_version;
   bool stepped = false;  // since the layout or the last load
-  // The fused kernels' step count (Adam, AdamW) and, on CUDA, learning rate as tensors on the
-  // partition's device (see fused_update); the count the step tensor holds, as the host knows
-  // it, and the rate the lr tensor holds.
-  at::Tensor step_tensor;
-  int64_t step_tensor_steps = -1;
-  at::Tensor lr_tensor;
-  double lr_in_tensor = 0;
+  // The fused kernels' step count (Adam, AdamW) and, on CUDA, learning rate on the partition's
+  // device (see fused_update).
+  DeviceScalar step_count, lr;
   bool fused_last = false;  // whether the last step ran on the fused kernels
 };
 
@@ -190,21 +200,11 @@ bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOpt
   const at::Tensor& g = part.grads;
   const int64_t steps_done = part.steps.front();
   if (p.scalar_type() != at::kFloat || (!p.is_cpu() && !p.is_cuda())) return false;
-  std::optional<at::Tensor> lr;
-  if (p.is_cuda()) {
-    if (!part.lr_tensor.defined()) {
-      part.lr_tensor = at::full({}, options.get_lr(), p.options());
-      part.lr_in_tensor = options.get_lr();
-    } else if (part.lr_in_tensor != options.get_lr()) {
-      part.lr_tensor.fill_(options.get_lr());
-      part.lr_in_tensor = options.get_lr();
-    }
-    lr = part.lr_tensor;
-  }
-  // The kernels take the rate as that tensor or as a number: one call either way.
+  if (p.is_cuda()) part.lr.set(options.get_lr(), p.options());
+  // The kernels take the rate as that tensor (on CUDA) or as a number: one call either way.
   const auto with_lr = [&](const auto& step_at) {
-    if (lr) {
-      step_at(*lr);
+    if (p.is_cuda()) {
+      step_at(part.lr.tensor);
     } else {
       step_at(options.get_lr());
     }
@@ -218,18 +218,14 @@ bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOpt
     return true;
   }
   const auto h = adam_hyper(options, algorithm);
-  // The count the kernel reads is this step's: one more than the steps done.
-  // Filled in place, never replaced: a captured step holds its address.
-  if (!part.step_tensor.defined()) {
-    part.step_tensor = at::full({}, static_cast<double>(steps_done), p.options());
-  } else if (part.step_tensor_steps != steps_done) {
-    part.step_tensor.fill_(static_cast<double>(steps_done));
-  }
-  part.step_tensor.add_(1);
-  part.step_tensor_steps = steps_done + 1;
+  // The count the kernel reads is this step's: one more than the steps done, added on the device
+  // (so that a replay adds it too).
+  part.step_count.set(static_cast<double>(steps_done), p.options());
+  part.step_count.tensor.add_(1);
+  part.step_count.value += 1;
   std::vector<at::Tensor> max_exp_avg_sqs;
   if (h.amsgrad) max_exp_avg_sqs.push_back(part.state[2]);
-  const std::vector<at::Tensor> steps{part.step_tensor};
+  const std::vector<at::Tensor> steps{part.step_count.tensor};
   with_lr([&](const auto& rate) {
     if (h.decoupled) {
       at::_fused_adamw_({p}, {g}, {part.state[0]}, {part.state[1]}, max_exp_avg_sqs, steps, rate,
@@ -540,13 +536,10 @@ void FlatOptimizer::before_replay() {
   for (size_t g = 0; g < impl_->groups.size(); ++g) {
     const double lr = param_groups_[g].options().get_lr();
     for (auto& part : impl_->groups[g]) {
-      if (part.lr_tensor.defined() && part.lr_in_tensor != lr) {
-        part.lr_tensor.fill_(lr);
-        part.lr_in_tensor = lr;
-      }
+      if (part.lr.tensor.defined()) part.lr.set(lr, part.lr.tensor.options());
       for (size_t k = 0; k < part.members.size(); ++k)
         if (part.has_grad[k]) ++part.steps[k];
-      if (part.step_tensor.defined()) ++part.step_tensor_steps;
+      if (part.step_count.tensor.defined()) part.step_count.value += 1;  // the replay adds it
     }
   }
 }
