@@ -45,8 +45,7 @@ fi
 roots="${COHORT_ROOTS:-/var/cache/cohort/roots}"
 root="$roots/$suite"
 [ "$cuda" -eq 1 ] && root="$roots/$suite-cuda"
-mirror="$(sed -n 's/^URIs: *\(http[^ ]*debian\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -1)"
-mirror="${mirror:-http://deb.debian.org/debian}"
+mirror="$("$src/scripts/apt_mirror.sh")"
 components=main
 [ "$cuda" -eq 1 ] && components="main,contrib,non-free"
 
@@ -97,7 +96,8 @@ mount -t tmpfs -o mode=1777 shm "$root/dev/shm" && mounts+=("$root/dev/shm")
 mount -t tmpfs run "$root/run" && mounts+=("$root/run")
 cp /etc/resolv.conf "$root/etc/resolv.conf" 2>/dev/null || true
 bind "$src" /src
-ccache_dir="${CCACHE_DIR:-$HOME/.cache/ccache}-$suite"
+# CI's environment may have no HOME.
+ccache_dir="${CCACHE_DIR:-${HOME:-/root}/.cache/ccache}-$suite"
 mkdir -p "$ccache_dir"
 bind "$ccache_dir" /ccache
 

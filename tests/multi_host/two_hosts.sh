@@ -3,8 +3,12 @@
 # on exit. Before sourcing, set `name` (the test's name, for messages) and `subnet` (the second
 # octet of 10.X.R.0/24; R comes from the pid, so that parallel tests differ). Gives: $a and $b
 # (the namespaces), $net, $work (a temporary folder), fail, wait_for, and $pids (killed on exit).
-[ "$(id -u)" = 0 ] || { echo "$name: FAIL: needs root for ip netns" >&2; exit 1; }
+# A machine that does not allow network namespaces or veth pairs (not root, no CAP_SYS_ADMIN in a
+# container, no veth driver) skips the test (exit 77) with the reason; as root here it runs.
 fail() { echo "$name: FAIL: $*" >&2; exit 1; }
+skip() { echo "$name: SKIPPED: $*" >&2; exit 77; }
+[ "$(id -u)" = 0 ] || skip "needs root to make hosts with ip netns (run the tests as root)"
+command -v ip >/dev/null || fail "ip is missing: scripts/setup.sh installs iproute2"
 
 tag="${name:0:1}$$"
 a="${tag}a"
@@ -22,8 +26,10 @@ cleanup() {
 }
 trap cleanup EXIT
 
-ip netns add "$a" && ip netns add "$b" || fail "ip netns add"
-ip link add "${tag}va" type veth peer name "${tag}vb" || fail "veth"
+error="$(ip netns add "$a" 2>&1 && ip netns add "$b" 2>&1)" \
+  || skip "this machine does not allow network namespaces (ip netns add: $error)"
+error="$(ip link add "${tag}va" type veth peer name "${tag}vb" 2>&1)" \
+  || skip "this machine does not allow veth pairs (ip link add type veth: $error)"
 ip link set "${tag}va" netns "$a"
 ip link set "${tag}vb" netns "$b"
 ip -n "$a" addr add "$net.1/24" dev "${tag}va"
