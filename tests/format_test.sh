@@ -11,7 +11,7 @@ fi
 # Exit 77: ctest reports the test as skipped.
 version="$(clang-format --version | sed -n 's/.*version \([0-9]*\).*/\1/p')"
 if [ "$version" != 14 ]; then
-  echo "skipped: clang-format $version here; the tree is formatted with clang-format 14 (Debian 12)"
+  echo "format_test: SKIPPED: clang-format $version here; the tree is formatted with clang-format 14 (Debian 12)"
   exit 77
 fi
 mapfile -t files < <(git ls-files '*.cpp' '*.h')

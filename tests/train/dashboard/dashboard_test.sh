@@ -10,7 +10,7 @@ artifacts="$2"
 mkdir -p "$artifacts"
 browser="$(command -v chromium || true)"
 if [ -z "$browser" ]; then
-  echo "dashboard_test: skipped: no chromium (scripts/setup.sh installs it)"
+  echo "dashboard_test: SKIPPED: no chromium (scripts/setup.sh installs it)"
   exit 77
 fi
 tmp="$(mktemp -d)"
