@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -100,6 +101,43 @@ const std::vector<std::string>& Source::class_names() const {
   return none;
 }
 
+namespace {
+
+// One part of a train/test split of `rows`. The same in every epoch and process (the seed alone
+// draws the test rows), and each part keeps the rows in their order before the split.
+std::vector<int64_t> train_test_part(std::vector<int64_t> rows, const OrderOp& op) {
+  const auto n = static_cast<int64_t>(rows.size());
+  const int64_t test = test_rows(n, op.test_size);
+  std::vector<char> in_test(rows.size(), 0);
+  if (op.shuffled) {
+    std::vector<int64_t> positions(rows.size());
+    std::iota(positions.begin(), positions.end(), int64_t{0});
+    std::mt19937_64 engine(op.seed * 0x9E3779B97F4A7C15ULL + 0x5851F42D4C957F2DULL);
+    // The first `test` places of a partial Fisher-Yates shuffle.
+    for (int64_t i = 0; i < test; ++i) {
+      const auto j = i + static_cast<int64_t>(engine() % static_cast<uint64_t>(n - i));
+      std::swap(positions[static_cast<size_t>(i)], positions[static_cast<size_t>(j)]);
+      in_test[static_cast<size_t>(positions[static_cast<size_t>(i)])] = 1;
+    }
+  } else {
+    std::fill(in_test.end() - test, in_test.end(), 1);
+  }
+  std::vector<int64_t> part;
+  part.reserve(static_cast<size_t>(op.index == 1 ? test : n - test));
+  for (size_t k = 0; k < rows.size(); ++k) {
+    if (in_test[k] == op.index) part.push_back(rows[k]);
+  }
+  return part;
+}
+
+}  // namespace
+
+int64_t test_rows(int64_t rows, double test_size) {
+  if (rows < 2) return 0;
+  const auto wanted = static_cast<int64_t>(std::llround(static_cast<double>(rows) * test_size));
+  return std::clamp<int64_t>(wanted, 1, rows - 1);
+}
+
 std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
   std::vector<int64_t> rows(static_cast<size_t>(plan.source ? plan.source->size() : 0));
   std::iota(rows.begin(), rows.end(), int64_t{0});
@@ -124,6 +162,9 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
       }
       case OrderOp::kLimit:
         if (n > op.rows) rows.resize(static_cast<size_t>(op.rows));
+        break;
+      case OrderOp::kTrainTestSplit:
+        rows = train_test_part(std::move(rows), op);
         break;
       case OrderOp::kShard: {
         const int64_t per = n / op.count;
@@ -304,6 +345,24 @@ Dataset Dataset::limit(int64_t rows) const {
   return Dataset(plan);
 }
 
+std::pair<Dataset, Dataset> Dataset::train_test_split(double test_size,
+                                                      std::optional<uint64_t> shuffle_seed) const {
+  if (!(test_size > 0 && test_size < 1)) {
+    throw UsageError("train_test_split: test_size=" + std::to_string(test_size) +
+                     " must be a fraction of the rows, between 0 and 1 (e.g. 0.1)");
+  }
+  OrderOp op{OrderOp::kTrainTestSplit};
+  op.test_size = test_size;
+  op.shuffled = shuffle_seed.has_value();
+  op.seed = shuffle_seed.value_or(0);
+  auto train = std::make_shared<Plan>(*plan_);
+  train->order.push_back(op);
+  op.index = 1;
+  auto test = std::make_shared<Plan>(*plan_);
+  test->order.push_back(op);
+  return {Dataset(train), Dataset(test)};
+}
+
 Dataset Dataset::with_execution(ExecutionOptions options) const {
   if (options.max_tasks_in_flight < 0) throw UsageError("max_tasks_in_flight must be >= 0");
   if (options.rows_per_task < 1) throw UsageError("rows_per_task must be >= 1");
@@ -390,6 +449,12 @@ std::string Dataset::describe() const {
         break;
       case OrderOp::kLimit:
         out += " -> limit(" + std::to_string(op.rows) + ")";
+        break;
+      case OrderOp::kTrainTestSplit:
+        out += std::string(" -> train_test_split(") + (op.index == 1 ? "test" : "train") + ", " +
+               std::to_string(op.test_size) +
+               (op.shuffled ? ", seed " + std::to_string(op.seed) : std::string(", last rows")) +
+               ")";
         break;
     }
   }

@@ -26,11 +26,13 @@ class Source {
 };
 
 struct OrderOp {
-  enum Kind { kShuffle, kSplit, kShard, kLimit } kind;
-  uint64_t seed = 0;  // kShuffle
-  int index = 0;      // kSplit, kShard
+  enum Kind { kShuffle, kSplit, kShard, kLimit, kTrainTestSplit } kind;
+  uint64_t seed = 0;  // kShuffle; kTrainTestSplit when shuffled
+  int index = 0;      // kSplit, kShard; kTrainTestSplit: 0 the train part, 1 the test part
   int count = 1;
-  int64_t rows = 0;  // kLimit
+  int64_t rows = 0;       // kLimit
+  double test_size = 0;   // kTrainTestSplit: the test part's fraction of the rows
+  bool shuffled = false;  // kTrainTestSplit: test rows drawn with `seed`, else the last ones
 };
 
 struct Stage {
@@ -48,6 +50,9 @@ struct Dataset::Plan {
   ExecutionOptions execution;
 };
 
+// The rows of a train_test_split's test part, of `rows` (at least 1 and at most rows - 1 from 2
+// rows on; none of fewer).
+int64_t test_rows(int64_t rows, double test_size);
 // The source rows of `epoch`, in order, after the order operations.
 std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch);
 // Those rows cut into tasks.

@@ -3,6 +3,7 @@
 #include <torch/types.h>
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <mutex>
@@ -156,6 +157,10 @@ class ImageFolderSource : public Source {
       }
     }
     std::sort(classes_.begin(), classes_.end());
+    if (classes_.empty()) {
+      throw UsageError("read_images: " + dir.string() +
+                       " has no class sub-folders (expected <dir>/<class name>/<image file>)");
+    }
     for (size_t label = 0; label < classes_.size(); ++label) {
       std::vector<std::filesystem::path> files;
       for (const auto& entry :
@@ -328,6 +333,11 @@ std::shared_ptr<const Source> make_csv_source(const std::filesystem::path& path,
                          ", column '" + header[c] + "': '" + text + "' is not a number");
       }
       if (static_cast<int>(c) == label) {
+        if (value != std::floor(value) || std::abs(value) > 9.0e15) {
+          throw UsageError("read_csv: " + path.string() + ":" + std::to_string(number) +
+                           ", label column '" + header[c] + "': '" + text +
+                           "' is not a whole number (labels are class numbers)");
+        }
         labels.push_back(static_cast<int64_t>(value));
       } else {
         features.push_back(static_cast<float>(value));

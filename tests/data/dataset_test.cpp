@@ -7,6 +7,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <fstream>
 #include <numeric>
@@ -115,6 +116,41 @@ TEST(Dataset, SplitAndShardGiveEqualDisjointParts) {
   expect_error<UsageError>([] { numbers(4).shard(4, 4); }, "index 4 of 4");
 }
 
+TEST(Dataset, TrainTestSplitIsDisjointWholeAndTheSameInEveryEpoch) {
+  const auto sorted_ids = [](const Dataset& d, int64_t epoch) {
+    auto it = d.iterator();
+    it.set_epoch(epoch);
+    auto ids = ids_of(it);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  auto [train, test] = numbers(50).train_test_split(0.2, 7);
+  EXPECT_EQ(train.count(), 40);
+  EXPECT_EQ(test.count(), 10);
+  auto test_ids = sorted_ids(test, 0);
+  std::vector<int64_t> all = sorted_ids(train, 0);
+  all.insert(all.end(), test_ids.begin(), test_ids.end());
+  std::sort(all.begin(), all.end());
+  std::vector<int64_t> expected(50);
+  std::iota(expected.begin(), expected.end(), int64_t{0});
+  EXPECT_EQ(all, expected);  // disjoint, and every row in one part
+  // Drawn by the seed alone: not the last rows, and the same in another epoch and after a
+  // per-epoch shuffle of the train part.
+  EXPECT_NE(test_ids, std::vector<int64_t>(expected.end() - 10, expected.end()));
+  EXPECT_EQ(sorted_ids(test, 3), test_ids);
+  EXPECT_EQ(sorted_ids(train.random_shuffle(1), 2), sorted_ids(train, 0));
+  auto [train2, test2] = numbers(50).train_test_split(0.2, 8);
+  EXPECT_NE(sorted_ids(test2, 0), test_ids);
+  // Without a seed, Ray's default: the last rows.
+  auto last = numbers(50).train_test_split(0.1).second;
+  EXPECT_EQ(sorted_ids(last, 0), std::vector<int64_t>(expected.end() - 5, expected.end()));
+  // Each part keeps at least one row.
+  EXPECT_EQ(numbers(3).train_test_split(0.01, 1).second.count(), 1);
+  EXPECT_EQ(numbers(3).train_test_split(0.99, 1).first.count(), 1);
+  expect_error<UsageError>([] { numbers(4).train_test_split(1.0, 1); }, "test_size=1");
+  expect_error<UsageError>([] { numbers(4).train_test_split(0, 1); }, "between 0 and 1");
+}
+
 TEST(Dataset, MaterializeKeepsRowsAndIds) {
   int calls = 0;
   auto ds = numbers(20)
@@ -146,6 +182,14 @@ TEST(Dataset, CsvBecomesFeaturesAndLabelsAndBadValuesAreNamed) {
                            "bad.csv:3, column 'b': 'x' is not a number");
   expect_error<UsageError>([&] { Dataset::read_csv(dir / "ok.csv", {.label_column = "y"}); },
                            "no column 'y'");
+  std::ofstream(dir / "ragged.csv") << "a,label\n1,0\n2\n";
+  expect_error<UsageError>(
+      [&] { Dataset::read_csv(dir / "ragged.csv", {.label_column = "label"}); },
+      "ragged.csv:3 has 1 fields where the header has 2");
+  std::ofstream(dir / "fraction.csv") << "a,label\n1,0\n2,1.5\n";
+  expect_error<UsageError>(
+      [&] { Dataset::read_csv(dir / "fraction.csv", {.label_column = "label"}); },
+      "fraction.csv:3, label column 'label': '1.5' is not a whole number");
   std::filesystem::remove_all(dir);
 }
 
@@ -165,6 +209,7 @@ TEST(Dataset, ImageFolderLabelsBySubfolderAndBadFilesFollowThePolicy) {
   EXPECT_TRUE(torch::equal(all["label"], torch::tensor({0, 0, 0, 1, 1, 1}, torch::kLong)));
   EXPECT_EQ(all["image"][0][1][0][0].item<int>(), 50);  // RGB order: green in channel 1
 
+  expect_error<UsageError>([&] { Dataset::read_images(dir / "cat"); }, "has no class sub-folders");
   std::ofstream(dir / "dog" / "broken.jpg") << "not an image";
   expect_error<RuntimeError>([&] { Dataset::read_images(dir).take(); }, "broken.jpg");
   auto skipping =

@@ -5,7 +5,9 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Device.h>
@@ -135,6 +137,13 @@ class Dataset {
   Dataset shard(int index, int count) const;
   // The first `rows` rows in the current order.
   Dataset limit(int64_t rows) const;
+  // Ray Data's train_test_split: {train, test}, test holding `test_size` (0 < test_size < 1) of
+  // the rows (rounded, at least 1 and at most all but 1), drawn with `shuffle_seed`, or the last
+  // rows without one. The parts are the same in every epoch and process, disjoint, and together
+  // every row; each keeps the rows in their current order (shuffle the train part per epoch
+  // with random_shuffle after the split).
+  std::pair<Dataset, Dataset> train_test_split(
+      double test_size, std::optional<uint64_t> shuffle_seed = std::nullopt) const;
   // Runs the pipeline once and keeps the result in memory: a new source.
   Dataset materialize() const;
   Dataset with_execution(ExecutionOptions options) const;
