@@ -41,6 +41,7 @@
 #include "cohort/data/idx.h"
 #include "cohort/data/mnist.h"
 #include "cohort/data/preprocessors.h"
+#include "cohort/data/labelled_data.h"
 #include "cohort/data/tensor_dataset.h"
 
 #include "cohort/train/captured_step.h"

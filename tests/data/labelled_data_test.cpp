@@ -1,0 +1,132 @@
+#include "cohort/data/labelled_data.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include <torch/torch.h>
+
+#include "cohort/error.h"
+#include "support/expect.h"
+#include "support/tiny_mnist.h"
+
+namespace cohort::data {
+namespace {
+
+using cohort::testing::expect_error;
+
+TEST(LabelledData, AnImageFolderHoldsOutASeededTestSplitAndNormalisesEveryChannel) {
+  auto dir = cohort::testing::write_tiny_image_folder(cohort::testing::temp_dir("labelled_images"),
+                                                      3, 20, 12);
+  auto data = open_labelled_data("images:" + dir.string(), {.image_size = 8, .test_size = 0.25});
+  EXPECT_EQ(data.kind, LabelledData::Kind::kImages);
+  EXPECT_EQ(data.class_names, (std::vector<std::string>{"class0", "class1", "class2"}));
+  EXPECT_EQ(data.num_classes, 3);
+  EXPECT_EQ(data.channels, 3);  // decoded as colour unless asked for grayscale
+  EXPECT_EQ(data.image_size, 8);
+  EXPECT_EQ(data.train.num_source_rows(), 45);
+  EXPECT_EQ(data.test.num_source_rows(), 15);
+  auto test = materialize_labelled(data.test, data.normalize);
+  ASSERT_EQ(test.inputs.sizes(), (std::vector<int64_t>{15, 3, 8, 8}));
+  EXPECT_EQ(test.inputs.scalar_type(), torch::kFloat);
+  EXPECT_GE(test.inputs.min().item<float>(), -1.0f);  // (x / 255 - 0.5) / 0.5
+  EXPECT_LE(test.inputs.max().item<float>(), 1.0f);
+  // The held-out rows come from every class, not the last folder only.
+  EXPECT_GT(std::get<0>(at::_unique(test.targets)).numel(), 1);
+  EXPECT_NE(data.describe().find("45 train and 15 test rows, 3 classes, 3x8x8"), std::string::npos);
+
+  auto gray = open_labelled_data("images:" + dir.string(), {.image_size = 8, .grayscale = true});
+  EXPECT_EQ(gray.channels, 1);
+}
+
+TEST(LabelledData, TrainAndTestFoldersAreTheSplitsAndTheirClassesMustAgree) {
+  auto dir = cohort::testing::write_tiny_image_folder(cohort::testing::temp_dir("labelled_split"),
+                                                      2, 8, 8, true);
+  auto data = open_labelled_data("images:" + dir.string(), {.image_size = 8});
+  EXPECT_EQ(data.train.num_source_rows(), 16);
+  EXPECT_EQ(data.test.num_source_rows(), 4);
+  std::filesystem::rename(dir / "test" / "class1", dir / "test" / "other");
+  expect_error<UsageError>([&] { open_labelled_data("images:" + dir.string()); },
+                           "the classes of train/ (class0, class1) and of test/ (class0, other) "
+                           "differ");
+}
+
+TEST(LabelledData, ACsvIsStandardisedFeaturesAsAVectorImage) {
+  auto file = cohort::testing::write_tiny_csv(
+      cohort::testing::temp_dir("labelled_csv") / "rows.csv", 200, 5, 4);
+  auto data = open_labelled_data("csv:" + file.string(),
+                                 {.label_column = "label", .test_size = 0.1, .seed = 3});
+  EXPECT_EQ(data.kind, LabelledData::Kind::kCsv);
+  EXPECT_EQ(data.num_classes, 4);
+  EXPECT_EQ(data.channels, 5);
+  EXPECT_EQ(data.image_size, 1);
+  EXPECT_EQ(data.train.num_source_rows(), 180);
+  EXPECT_EQ(data.test.num_source_rows(), 20);
+  auto train = materialize_labelled(data.train, data.normalize);
+  ASSERT_EQ(train.inputs.sizes(), (std::vector<int64_t>{180, 5, 1, 1}));
+  // Standardised on the train split: mean 0 and deviation 1 in every feature, the column
+  // written 100 times larger too.
+  auto features = train.inputs.flatten(1);
+  EXPECT_LT(features.mean(0).abs().max().item<float>(), 1e-4);
+  EXPECT_NEAR(features.std(0, false).min().item<float>(), 1.0, 1e-3);
+  EXPECT_NEAR(features.std(0, false).max().item<float>(), 1.0, 1e-3);
+}
+
+TEST(LabelledData, BadInputIsNamedWithTheFix) {
+  auto dir = cohort::testing::temp_dir("labelled_bad");
+  expect_error<UsageError>([] { open_labelled_data("parquet:x"); },
+                           "unknown scheme 'parquet': use images:DIR");
+  expect_error<UsageError>([] { open_labelled_data("some/dir"); }, "unknown scheme 'some/dir'");
+  expect_error<UsageError>([] { open_labelled_data("images:"); }, "names no folder");
+  expect_error<UsageError>([&] { open_labelled_data("images:" + (dir / "none").string()); },
+                           "is not a directory");
+  std::filesystem::create_directories(dir / "flat");
+  std::ofstream(dir / "flat" / "a.pgm") << "P5\n1 1\n255\n";
+  expect_error<UsageError>([&] { open_labelled_data("images:" + (dir / "flat").string()); },
+                           "has no class sub-folders");
+  cohort::testing::write_tiny_image_folder(dir / "one", 1, 4, 8);
+  expect_error<UsageError>([&] { open_labelled_data("images:" + (dir / "one").string()); },
+                           "has 1 class folder (class0): a classifier needs at least 2");
+
+  const auto csv = [&](const std::string& name, const std::string& text) {
+    std::ofstream(dir / name) << text;
+    return "csv:" + (dir / name).string();
+  };
+  const auto ok = csv("ok.csv", "a,label\n1,0\n2,1\n3,0\n");
+  expect_error<UsageError>([&] { open_labelled_data(ok); }, "name its class column");
+  expect_error<UsageError>([&] { open_labelled_data(ok, {.label_column = "y"}); },
+                           "has no column 'y' (it has a, label)");
+  expect_error<UsageError>(
+      [&] { open_labelled_data(csv("empty.csv", "a,label\n"), {.label_column = "label"}); },
+      "has a header but no data rows");
+  expect_error<UsageError>(
+      [&] { open_labelled_data(csv("nothing.csv", ""), {.label_column = "label"}); },
+      "is empty (it needs a header line)");
+  expect_error<UsageError>(
+      [&] {
+        open_labelled_data(csv("ragged.csv", "a,b,label\n1,2,0\n1,1\n"), {.label_column = "label"});
+      },
+      "ragged.csv:3 has 2 fields where the header has 3");
+  expect_error<UsageError>(
+      [&] {
+        open_labelled_data(csv("negative.csv", "a,label\n1,0\n2,-1\n"), {.label_column = "label"});
+      },
+      "holds -1: class labels are whole numbers from 0");
+  expect_error<UsageError>(
+      [&] {
+        open_labelled_data(csv("oneclass.csv", "a,label\n1,0\n2,0\n"), {.label_column = "label"});
+      },
+      "holds one class (0)");
+  expect_error<UsageError>(
+      [&] { open_labelled_data(csv("onlylabel.csv", "label\n0\n1\n"), {.label_column = "label"}); },
+      "has only its class column 'label'");
+  expect_error<UsageError>(
+      [&] { open_labelled_data(csv("onerow.csv", "a,label\n1,1\n"), {.label_column = "label"}); },
+      "has 1 row(s): holding out a test split needs at least 2");
+  expect_error<UsageError>(
+      [&] { open_labelled_data(ok, {.label_column = "label", .test_size = 1}); },
+      "test size 1.000000 must be a fraction between 0 and 1");
+}
+
+}  // namespace
+}  // namespace cohort::data
