@@ -388,11 +388,11 @@ void train_loop_on_mesh(const Json& c) {
     // The dense ViT that checkpoints hold, made first: after the same seed, the sliced model's
     // weights are its slices.
     torch::manual_seed(seed);
-    checkpointed.dense =
-        std::dynamic_pointer_cast<models::VisionTransformerImpl>(models::create_model(name));
+    checkpointed.dense = std::dynamic_pointer_cast<models::VisionTransformerImpl>(
+        models::create_model(name, model_options_of(c)));
   }
   torch::manual_seed(seed);
-  models::ModelOptions model_options;
+  models::ModelOptions model_options = model_options_of(c);
   model_options.tensor_parallel_group = mesh.tp();
   auto model = models::create_model(name, model_options);
   model->to(ctx.get_device());

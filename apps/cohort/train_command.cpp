@@ -27,10 +27,13 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
 
 int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
-  if (auto launch = runtime::detect_launch(); launch && cmd.count("--workers") == 0)
-    o.workers = launch->world_size;
+  const auto launch = runtime::detect_launch();
+  if (launch && cmd.count("--workers") == 0) o.workers = launch->world_size;
   apply_deepspeed_config(o);
   validate(o);
+  // Every worker runs this too (re-executed, or each rank under a launcher): said once.
+  const bool driver = runtime::spawned_role().empty() && (!launch || launch->world_rank == 0);
+  if (!o.data.empty() && !o.quiet && driver) std::cout << "data: " << describe_data(o) << std::endl;
   RunConfig run = run_config_of(o);
   // `cohort train --config <run>/config.json` runs it again.
   run.extra_files[kConfigFile] = effective_options(&cmd).dump(2) + "\n";

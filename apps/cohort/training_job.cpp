@@ -23,6 +23,23 @@ std::filesystem::path data_dir_of(const TrainOptions& o) {
   throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
 }
 
+// The user's data of --data (a job's config, where its options are).
+data::LabelledData labelled_data_of(const Json& c) {
+  return data::open_labelled_data(c["data"].get<std::string>(),
+                                  {.label_column = c.value("label", std::string()),
+                                   .image_size = c.value("image_size", int64_t{28}),
+                                   .test_size = c.value("test_size", 0.1),
+                                   .seed = c["seed"].get<uint64_t>()});
+}
+
+Json data_to_json(const TrainOptions& o) {
+  return {{"data", o.data},
+          {"label", o.label},
+          {"image_size", o.image_size},
+          {"test_size", o.test_size},
+          {"seed", o.seed}};
+}
+
 }  // namespace
 
 // Cohort's flat optimizers by default, libtorch's own with flat_optimizer false; UsageError
@@ -125,8 +142,25 @@ ResumePoint resume_point(const Checkpoint& checkpoint) {
   return {epoch, metrics.value("steps", int64_t{0}), 0};
 }
 
+models::ModelOptions model_options_of(const Json& c) {
+  models::ModelOptions options;
+  if (c.contains("model_options")) {
+    const auto& m = c["model_options"];
+    options.in_channels = m.at("in_channels").get<int64_t>();
+    options.image_size = m.at("image_size").get<int64_t>();
+    options.num_classes = m.at("num_classes").get<int64_t>();
+  }
+  return options;
+}
+
 data::TensorDataset test_set_of(const Json& c) {
-  auto test_set = data::load_mnist(c["data_dir"].get<std::string>(), data::Split::kTest);
+  data::TensorDataset test_set;
+  if (c.contains("data")) {
+    const auto labelled = labelled_data_of(c);
+    test_set = data::materialize_labelled(labelled.test, labelled.normalize);
+  } else {
+    test_set = data::load_mnist(c["data_dir"].get<std::string>(), data::Split::kTest);
+  }
   if (const int64_t n = c.value("test_examples", int64_t{0}); n > 0 && n < test_set.size()) {
     test_set.inputs = test_set.inputs.narrow(0, 0, n);
     test_set.targets = test_set.targets.narrow(0, 0, n);
@@ -159,6 +193,49 @@ void validate(const TrainOptions& o) {
     throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
   }
   models::create_model(o.model);  // throws, listing the zoo, for an unknown name
+  int64_t train_size = 0;
+  if (!o.data.empty()) {
+    if (!o.data_dir.empty()) {
+      throw UsageError("--data " + o.data + " and --data-dir " + o.data_dir +
+                       " both name the data: give one (--data-dir is for MNIST-format files)");
+    }
+    const auto labelled = labelled_data_of(data_to_json(o));
+    if (labelled.kind == data::LabelledData::Kind::kCsv && o.model != "mlp") {
+      throw UsageError("--data " + o.data + " with --model " + o.model +
+                       ": a CSV's rows are feature vectors, which only the mlp reads; use "
+                       "--model mlp");
+    }
+    if (labelled.kind != data::LabelledData::Kind::kCsv && !o.label.empty())
+      throw UsageError("--label " + o.label +
+                       " names a CSV's class column: use it with --data csv:FILE");
+    // The model the workers will build, checked for this data (a ViT's patches, the cnn's
+    // pooling).
+    try {
+      models::create_model(o.model, model_options_of(to_json(o)));
+    } catch (const UsageError& e) {
+      throw UsageError("--model " + o.model + " on --data " + o.data + " (" + labelled.describe() +
+                       "): " + e.what() +
+                       (labelled.kind == data::LabelledData::Kind::kImages
+                            ? "; choose another --image-size"
+                            : ""));
+    }
+    train_size = labelled.train.num_source_rows();
+  } else {
+    if (!o.label.empty())
+      throw UsageError("--label " + o.label +
+                       " names a CSV's class column: use it with --data csv:FILE");
+    if (o.image_size != TrainOptions{}.image_size || o.test_size != TrainOptions{}.test_size) {
+      throw UsageError(
+          "--image-size and --test-size shape the data of --data images:DIR or csv:FILE; "
+          "MNIST-format data has 28x28 images and its own test split");
+    }
+    const auto dir = data_dir_of(o);
+    data::check_mnist_dir(dir);
+    train_size = data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
+                                       ? dir / "train-labels-idx1-ubyte"
+                                       : dir / "train-labels-idx1-ubyte.gz")
+                     .shape[0];
+  }
   if (o.optimizer != "sgd" && o.optimizer != "adam" && o.optimizer != "adamw") {
     throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd, adam or adamw");
   }
@@ -266,12 +343,6 @@ void validate(const TrainOptions& o) {
     throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
                      " must be > 0 seconds");
   }
-  const auto dir = data_dir_of(o);
-  data::check_mnist_dir(dir);
-  int64_t train_size = data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
-                                             ? dir / "train-labels-idx1-ubyte"
-                                             : dir / "train-labels-idx1-ubyte.gz")
-                           .shape[0];
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
   if (o.workers > train_size) {
     throw UsageError("--workers " + std::to_string(o.workers) + " is more than the " +
@@ -289,12 +360,30 @@ void validate(const TrainOptions& o) {
   }
 }
 
+std::string describe_data(const TrainOptions& o) {
+  const auto labelled = labelled_data_of(data_to_json(o));
+  std::string classes;
+  for (size_t c = 0; c < labelled.class_names.size() && c < 10; ++c)
+    classes += (c ? ", " : "") + labelled.class_names[c];
+  if (labelled.class_names.size() > 10) classes += ", ...";
+  return labelled.describe() + " (" + classes + ")";
+}
+
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
-  auto train = data::Dataset::from_mnist(data_dir_of(o), data::Split::kTrain);
+  data::Dataset train;
+  data::BatchFn normalize;
+  if (!o.data.empty()) {
+    auto labelled = labelled_data_of(data_to_json(o));
+    train = labelled.train;
+    normalize = labelled.normalize;
+  } else {
+    train = data::Dataset::from_mnist(data_dir_of(o), data::Split::kTrain);
+    const data::MnistOptions stats;
+    normalize = data::Normalize{.mean = {stats.mean}, .std = {stats.std}};
+  }
   if (o.train_examples > 0) train = train.limit(o.train_examples);
-  data::MnistOptions stats;
   return {{"train", train.random_shuffle(o.seed).map_batches(
-                        data::Normalize{.mean = {stats.mean}, .std = {stats.std}},
+                        normalize,
                         {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
 }
 
@@ -349,7 +438,6 @@ parallel::SyncMode sync_mode_of(const Json& config) {
 
 Json to_json(const TrainOptions& o) {
   Json config{{"model", o.model},
-              {"data_dir", data_dir_of(o).string()},
               {"epochs", o.epochs},
               {"batch_size", o.batch_size},
               {"optimizer", o.optimizer},
@@ -379,6 +467,15 @@ Json to_json(const TrainOptions& o) {
               {"tp", o.tp},
               {"micro_batches", micro_batches_of(o)},
               {"pipeline_schedule", o.pipeline_schedule}};
+  if (o.data.empty()) {
+    config["data_dir"] = data_dir_of(o).string();
+  } else {
+    config.update(data_to_json(o));
+    const auto labelled = labelled_data_of(config);
+    config["model_options"] = {{"in_channels", labelled.channels},
+                               {"image_size", labelled.image_size},
+                               {"num_classes", labelled.num_classes}};
+  }
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
@@ -523,7 +620,7 @@ void train_loop(const Json& c) {
   if (ctx.has_mesh()) return train_loop_on_mesh(c);
   const bool rank0 = ctx.get_world_rank() == 0;
   torch::manual_seed(c["seed"].get<uint64_t>());
-  auto model = models::create_model(c["model"].get<std::string>());
+  auto model = models::create_model(c["model"].get<std::string>(), model_options_of(c));
   const parallel::ZeroOptions zero = zero_options_of(c);
   // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
   // engine that shards it), then the checkpoint's state: the same files on every rank.
@@ -745,6 +842,17 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--data-dir", o.data_dir,
                   "folder with the four IDX files (default for fashion-mnist: " +
                       data::default_fashion_mnist_dir().string() + ")");
+  cmd->add_option("--data", o.data,
+                  "your own data instead: images:DIR (a sub-folder per class, or train/ and "
+                  "test/ folders of them) or csv:FILE (numbers, a header line; with --label)");
+  cmd->add_option("--label", o.label, "with --data csv:FILE: the class column (0, 1, ...)");
+  cmd->add_option("--image-size", o.image_size,
+                  "with --data images:DIR: each image resized to this square")
+      ->capture_default_str();
+  cmd->add_option("--test-size", o.test_size,
+                  "with --data: the fraction held out for evaluation where the data has no "
+                  "test split (seeded by --seed)")
+      ->capture_default_str();
   cmd->option_defaults()->group("Workers and devices");
   cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
   cmd->add_option(

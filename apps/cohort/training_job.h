@@ -16,6 +16,7 @@
 #include "cohort/data/dataset.h"
 #include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
+#include "cohort/models/zoo.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
@@ -28,6 +29,12 @@ struct TrainOptions {
   std::string model = "cnn";
   std::string dataset = "fashion-mnist";
   std::string data_dir;
+  // --data images:DIR | csv:FILE: the user's own data (data::open_labelled_data), for the zoo's
+  // models; empty: the MNIST-format --dataset and --data-dir.
+  std::string data;
+  std::string label;        // --label: a CSV's class column
+  int64_t image_size = 28;  // --image-size: images resized to this square
+  double test_size = 0.1;   // --test-size: held out for evaluation where the data has no test split
   int workers = 2;
   int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
   int threads = 1;
@@ -108,6 +115,9 @@ void apply_deepspeed_config(TrainOptions& options);
 // Checks the options and the data before any worker starts; UsageError on bad input.
 void validate(const TrainOptions& options);
 
+// What --data holds, in one line for the user: the rows of each split, the classes, the shape.
+std::string describe_data(const TrainOptions& options);
+
 // The Trainer datasets of a job: "train", normalised by its preprocessing workers.
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
 
@@ -174,5 +184,7 @@ ResumePoint resume_point(const Checkpoint& checkpoint);
 inline constexpr const char* kEpochStepMetric = "epoch_step";
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
+// The zoo model's options for a job's data: MNIST's 1x28x28 and 10 classes, or what --data holds.
+models::ModelOptions model_options_of(const Json& config);
 
 }  // namespace cohort::cli

@@ -14,6 +14,10 @@ namespace {
 // "threads" tune the trial's ScalingConfig.
 Json param_space_of(const TuneOptions& o) {
   const Json base = to_json(o.job);
+  // Where the data is and the model's shape that follows from it are not searched over.
+  const auto fixed = [](const std::string& key) {
+    return key == "data_dir" || key == "model_options";
+  };
   Json space = Json::object();
   for (const auto& param : o.params) {
     const auto eq = param.find('=');
@@ -27,13 +31,13 @@ Json param_space_of(const TuneOptions& o) {
       space["scaling_config"]["num_workers"] = std::move(domain);
     } else if (name == "threads") {
       space["scaling_config"]["cpu_threads"] = std::move(domain);
-    } else if (base.contains(name) && name != "data_dir") {
+    } else if (base.contains(name) && !fixed(name)) {
       if (space.contains(name)) throw UsageError("--param " + name + " is given twice");
       space[name] = std::move(domain);
     } else {
       std::string names;
       for (const auto& [key, value] : base.items()) {
-        if (key != "data_dir") names += key + ", ";
+        if (!fixed(key)) names += key + ", ";
       }
       throw UsageError("--param " + name + ": not a tunable option; tunable are " + names +
                        "workers and threads");

@@ -1240,5 +1240,60 @@ TEST(CliFashionMnist, ShortRunOnTheRealDataSet) {
   std::filesystem::remove_all(dir);
 }
 
+// --data: a user's own image folder (class per sub-folder) and CSV train the zoo's models, with a
+// seeded held-out test split; bad data and conflicting flags are one line each, exit 2, before
+// any worker starts.
+TEST_F(Cli, YourOwnImageFolderAndCsvTrainAndBadDataIsNamed) {
+  const auto images = cohort::testing::write_tiny_image_folder(dir / "images", 3, 60, 28);
+  auto r = train({"--data", "images:" + images.string(), "--model", "cnn", "--workers", "2",
+                  "--batch-size", "8", "--epochs", "3", "--seed", "1", "--name", "images"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // What was read, said once (the workers run the same command line).
+  const std::string said = "data: images " + images.string() +
+                           ": 162 train and 18 test rows, 3 classes, 3x28x28 (class0, class1, "
+                           "class2)";
+  ASSERT_NE(r.output.find(said), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find(said, r.output.find(said) + 1), std::string::npos) << r.output;
+  Json result = result_of("images");
+  EXPECT_EQ(result["epochs"], 3);
+  EXPECT_GT(result["test_accuracy"].get<double>(), 0.6) << "3 classes: chance is 0.33";
+  // The workers built the model for the data: 3 colour channels, 3 classes.
+  const Json config = result["config"];
+  EXPECT_EQ(config["model_options"]["in_channels"], 3);
+  EXPECT_EQ(config["model_options"]["num_classes"], 3);
+
+  const auto csv = cohort::testing::write_tiny_csv(dir / "rows.csv", 400, 6, 3);
+  r = train({"--data", "csv:" + csv.string(), "--label", "label", "--model", "mlp", "--workers",
+             "2", "--batch-size", "16", "--epochs", "3", "--optimizer", "adam", "--lr", "0.01",
+             "--name", "csv", "--quiet"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_GT(result_of("csv")["test_accuracy"].get<double>(), 0.7) << "3 classes: chance is 0.33";
+
+  std::filesystem::create_directories(dir / "no_classes");
+  std::ofstream(dir / "ragged.csv") << "a,b,label\n1,2,0\n3,1\n";
+  const std::string images_spec = "images:" + images.string(), csv_spec = "csv:" + csv.string();
+  for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--data", "parquet:" + csv.string()}, "unknown scheme 'parquet'"},
+           {{"--data", csv_spec, "--model", "mlp"}, "name its class column"},
+           {{"--data", csv_spec, "--label", "label"}, "only the mlp reads; use --model mlp"},
+           {{"--data", csv_spec, "--label", "y", "--model", "mlp"}, "has no column 'y'"},
+           {{"--data", "csv:" + (dir / "ragged.csv").string(), "--label", "label", "--model",
+             "mlp"},
+            "ragged.csv:3 has 2 fields where the header has 3"},
+           {{"--data", "images:" + (dir / "no_classes").string()}, "has no class sub-folders"},
+           {{"--data", images_spec, "--data-dir", data.string()}, "both name the data: give one"},
+           {{"--data", images_spec, "--label", "label"}, "use it with --data csv:FILE"},
+           {{"--data", images_spec, "--model", "cnn", "--image-size", "30"},
+            "choose another --image-size"},
+           {{"--data-dir", data.string(), "--image-size", "32"},
+            "MNIST-format data has 28x28 images"},
+           {{"--data", images_spec, "--test-size", "1.5"}, "must be a fraction between 0 and 1"}}) {
+    auto bad = train(args, std::chrono::seconds(60));
+    EXPECT_EQ(bad.exit_code, 2) << bad.output;
+    EXPECT_NE(bad.output.find(fragment), std::string::npos) << bad.output;
+    EXPECT_EQ(bad.output.find("started"), std::string::npos) << "no worker starts on bad input";
+  }
+}
+
 }  // namespace
 }  // namespace cohort
