@@ -1,5 +1,6 @@
 #include "launch_command.h"
 
+#include "cohort/comm/address.h"
 #include "cohort/error.h"
 
 namespace cohort::cli {
@@ -40,16 +41,9 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
 }
 
 int run_launch_command(LaunchOptions o) {
-  const auto colon = o.master.rfind(':');
-  if (colon == std::string::npos || colon == 0) {
-    throw UsageError("--master '" + o.master + "' must be HOST:PORT, e.g. 10.0.0.1:29500");
-  }
-  o.node.master_addr = o.master.substr(0, colon);
-  try {
-    o.node.master_port = std::stoi(o.master.substr(colon + 1));
-  } catch (const std::exception&) {
-    throw UsageError("--master '" + o.master + "': the port is not a number");
-  }
+  const auto master = comm::parse_host_port(o.master, "--master");
+  o.node.master_addr = master.host;
+  o.node.master_port = master.port;
   if (o.rendezvous_timeout_s <= 0 || o.heartbeat_timeout_s <= 0) {
     throw UsageError("--rdzv-timeout and --heartbeat-timeout must be > 0 seconds");
   }

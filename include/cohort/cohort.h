@@ -6,6 +6,7 @@
 #include "cohort/timeouts.h"
 #include "cohort/trace.h"
 
+#include "cohort/comm/address.h"
 #include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
 

@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstring>
 
+#include "cohort/comm/address.h"
+
 namespace cohort::comm::socket {
 namespace {
 
@@ -27,18 +29,6 @@ sockaddr_un unix_address(const std::string& name, socklen_t& length) {
   length = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 +
                                   std::min(name.size(), sizeof addr.sun_path - 2));
   return addr;
-}
-
-void split_host_port(const std::string& address, std::string& host, int& port) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos) throw UsageError("address '" + address + "' must be host:port");
-  host = address.substr(0, colon);
-  try {
-    port = std::stoi(address.substr(colon + 1));
-  } catch (const std::exception&) {
-    throw UsageError("address '" + address + "': the port is not a number");
-  }
-  if (port < 0 || port > 65535) throw UsageError("address '" + address + "': port out of range");
 }
 
 sockaddr_in ipv4_address(const std::string& address, const std::string& host, int port) {
@@ -102,9 +92,7 @@ int connect_to(const std::string& address, std::chrono::milliseconds timeout,
     }
     return fd;
   }
-  std::string host;
-  int port = 0;
-  split_host_port(address, host, port);
+  const auto [host, port] = parse_host_port(address);
   const auto addr = ipv4_address(address, host, port);
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string why;
@@ -136,9 +124,7 @@ int listen_on(const std::string& address, std::string& bound, const std::string&
     bound = address;
     return fd;
   }
-  std::string host;
-  int port = 0;
-  split_host_port(address, host, port);
+  const auto [host, port] = parse_host_port(address);
   auto addr = ipv4_address(address, host, port);
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   int one = 1;

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <thread>
 
+#include "cohort/comm/address.h"
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
 
@@ -234,14 +235,12 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
                             const HeartbeatOptions& heartbeat) {
   heartbeat.validate();
-  const auto colon = address.rfind(':');
+  const auto [host, port] = comm::parse_host_port(address, "coordinator address");
   sockaddr_in to{};
   to.sin_family = AF_INET;
-  to.sin_port = htons(static_cast<uint16_t>(std::atoi(address.substr(colon + 1).c_str())));
-  if (colon == std::string::npos ||
-      ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr) != 1) {
-    throw RuntimeError("coordinator address '" + address + "' is not IPv4 host:port");
-  }
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  if (::inet_pton(AF_INET, host.c_str(), &to.sin_addr) != 1)
+    throw RuntimeError("coordinator address '" + address + "': '" + host + "' is not IPv4");
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
     const std::string why = std::strerror(errno);
