@@ -12,6 +12,7 @@
 
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/coordinator.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/worker_group.h"
@@ -40,9 +41,9 @@
 #include "cohort/data/dataset.h"
 #include "cohort/data/distributed_sampler.h"
 #include "cohort/data/idx.h"
+#include "cohort/data/labelled_data.h"
 #include "cohort/data/mnist.h"
 #include "cohort/data/preprocessors.h"
-#include "cohort/data/labelled_data.h"
 #include "cohort/data/tensor_dataset.h"
 
 #include "cohort/train/captured_step.h"

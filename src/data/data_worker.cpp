@@ -13,6 +13,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/timeouts.h"
 #include "data/task_runner.h"
@@ -88,12 +89,12 @@ bool serve_data_consumer(const Dataset& dataset, const std::string& address, std
 
 void serve_if_data_worker(const Dataset& dataset) {
   if (runtime::spawned_role() != kDataRole) return;
-  const char* wanted = std::getenv(kDataPipelineVar);
+  const char* wanted = std::getenv(runtime::kDataPipelineVar);
   if (wanted != nullptr && *wanted != '\0' && dataset.fingerprint() != wanted) return;
-  const char* address = std::getenv(kDataAddressVar);
+  const char* address = std::getenv(runtime::kDataAddressVar);
   int code = 0;
   if (address == nullptr || *address == '\0') {
-    std::cerr << "cohort data worker: " << kDataAddressVar
+    std::cerr << "cohort data worker: " << runtime::kDataAddressVar
               << " is not set: it names the consumer to connect to "
               << "(host:port of the training process's ExecutionOptions::listen_address)"
               << std::endl;

@@ -34,8 +34,4 @@ std::unique_ptr<TaskRunner> make_worker_pool(const Dataset::Plan& plan,
                                              const std::string& fingerprint, int local_workers,
                                              std::map<std::string, std::string> env);
 
-// Environment variables of a data-role process.
-inline constexpr const char* kDataAddressVar = "COHORT_DATA_ADDRESS";
-inline constexpr const char* kDataPipelineVar = "COHORT_DATA_PIPELINE";
-
 }  // namespace cohort::data

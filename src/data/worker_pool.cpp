@@ -14,6 +14,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/process.h"
 #include "cohort/timeouts.h"
 #include "data/task_runner.h"
@@ -186,8 +187,8 @@ class WorkerPool : public TaskRunner {
 
   void spawn() {
     auto env = env_;
-    env[kDataAddressVar] = unix_address_;
-    env[kDataPipelineVar] = fingerprint_;
+    env[runtime::kDataAddressVar] = unix_address_;
+    env[runtime::kDataPipelineVar] = fingerprint_;
     children_.insert(runtime::spawn_self(kDataRole, env));
   }
 

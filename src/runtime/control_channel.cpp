@@ -25,10 +25,7 @@ namespace {
 
 // The driver's pipe (COHORT_CONTROL_FD), or the connection to rank 0's coordinator.
 std::atomic<int>& control_fd_slot() {
-  static std::atomic<int> fd = [] {
-    const char* value = std::getenv(kControlFdVar);
-    return value ? std::atoi(value) : -1;
-  }();
+  static std::atomic<int> fd = env_int(kControlFdVar, -1, 0);
   return fd;
 }
 int control_fd() { return control_fd_slot().load(); }

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <optional>
 
+#include "cohort/runtime/environment.h"
+
 namespace cohort::runtime {
 
 // NVML's C interface, the part used here, as nvml.h declares it (stable since the _v2 entry
@@ -146,7 +148,7 @@ std::map<int, GpuProcessUsage> Nvml::usage_of(const std::vector<int>& pids) cons
 
 const Nvml& Nvml::instance() {
   static const Nvml nvml([] {
-    const char* library = std::getenv("COHORT_NVML_LIBRARY");
+    const char* library = std::getenv(kNvmlLibraryVar);
     return std::string(library != nullptr && *library != '\0' ? library : "libnvidia-ml.so.1");
   }());
   return nvml;

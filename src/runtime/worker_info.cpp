@@ -23,6 +23,8 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
+}  // namespace
+
 int env_int(const char* name, int fallback, int min_value) {
   auto value = env(name);
   if (!value) return fallback;
@@ -39,8 +41,6 @@ int env_int(const char* name, int fallback, int min_value) {
   }
   return parsed;
 }
-
-}  // namespace
 
 std::optional<WorkerInfo> worker_info_from_env() {
   if (!env("RANK") && !env("WORLD_SIZE")) return std::nullopt;
@@ -220,7 +220,7 @@ std::optional<WorkerInfo> detect_launch() {
 }
 
 std::string data_plane_address(const std::string& master_addr) {
-  auto name = env("COHORT_IFNAME");
+  auto name = env(kIfnameVar);
   if (!name) name = env("GLOO_SOCKET_IFNAME");
   if (name) {
     ifaddrs* list = nullptr;
@@ -246,7 +246,7 @@ std::string data_plane_address(const std::string& master_addr) {
     }
     return found;
   }
-  if (auto address = env("COHORT_IFADDR")) return *address;
+  if (auto address = env(kIfaddrVar)) return *address;
   // Which local address routes to the master: a UDP "connection" sends nothing.
   addrinfo hints{};
   hints.ai_family = AF_INET;

@@ -11,6 +11,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
 #include "cohort/runtime/coordinator.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_group.h"
@@ -348,7 +349,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     const int slot = slots[static_cast<size_t>(rank)];
     WorkerSpec mine = spec;
     mine.slot = slot;
-    env[kWorkerSpecVar] = to_text(mine);
+    env[runtime::kWorkerSpecVar] = to_text(mine);
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };

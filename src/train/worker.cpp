@@ -17,6 +17,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/coordinator.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
@@ -112,8 +113,7 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
   session->num_parameter_servers = scaling.num_parameter_servers;
   session->interface_address = settings.interface_address;
   session->remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
-  if (const char* members = std::getenv(runtime::kDataMembersVar))
-    session->data_members = std::atoi(members);
+  session->data_members = runtime::env_int(runtime::kDataMembersVar, session->data_members, 0);
   session->next_checkpoint_index = settings.next_checkpoint_index;
   session->tensorboard_histograms = settings.tensorboard_histograms;
   if (!settings.resume_from.empty())
@@ -499,17 +499,17 @@ namespace {
 }  // namespace
 
 void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
-  if (const char* member = std::getenv(runtime::kDataMemberVar))
-    serve_as_data_member(datasets, std::atoi(member));
-  const char* name = std::getenv(kDataDatasetVar);
-  const char* shard_var = std::getenv(kDataShardVar);
+  if (const int member = runtime::env_int(runtime::kDataMemberVar, -1, 0); member >= 0)
+    serve_as_data_member(datasets, member);
+  const char* name = std::getenv(runtime::kDataDatasetVar);
+  const char* shard_var = std::getenv(runtime::kDataShardVar);
   int shard_rank = -1, shards = 0;
   if (shard_var != nullptr) std::sscanf(shard_var, "%d/%d", &shard_rank, &shards);
   std::string problem;
   if (name == nullptr || datasets.count(name) == 0) {
     problem = std::string("no dataset '") + (name ? name : "") + "' was given to this Trainer";
   } else if (shard_rank < 0 || shards < 1 || shard_rank >= shards) {
-    problem = std::string(kDataShardVar) + " is '" + (shard_var ? shard_var : "") +
+    problem = std::string(runtime::kDataShardVar) + " is '" + (shard_var ? shard_var : "") +
               "', not the rank's shard as r/n";
   } else {
     const auto shard = dataset_shard(datasets.at(name), shard_rank, shards);

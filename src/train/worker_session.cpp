@@ -14,6 +14,7 @@
 
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "train/run_files.h"
@@ -607,8 +608,8 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   data::DataIterator iterator(shard);
   // Its preprocessing workers find the same shard: they re-run this program up to fit().
   iterator.set_worker_environment(
-      {{kDataDatasetVar, name},
-       {kDataShardVar, std::to_string(rank) + "/" + std::to_string(world)}});
+      {{runtime::kDataDatasetVar, name},
+       {runtime::kDataShardVar, std::to_string(rank) + "/" + std::to_string(world)}});
   if (!members.empty()) {
     auto* session = &s;
     iterator.set_on_listening([session, members, name, rank, world](const std::string& address) {

@@ -94,11 +94,6 @@ DataParallelPosition data_parallel_position(const TrainContext& context);
 WorkerSession* current_session();
 void set_current_session(std::unique_ptr<WorkerSession> session);
 
-// In a preprocessing worker of a rank: the name of the Trainer dataset it serves.
-inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";
-// "r/n": the shard of the dataset a rank's preprocessing workers serve (its data-parallel index
-// and degree: with a mesh, not its world rank and size).
-inline constexpr const char* kDataShardVar = "COHORT_DATA_SHARD";
 // Store keys: assignment n of data worker k ("<prefix>/<k>/<n>", a JSON object), and its count.
 inline std::string data_member_key(const std::string& run_token, int member) {
   return "data/" + run_token + "/member/" + std::to_string(member) + "/";

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "cohort/error.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/process.h"
 
 namespace cohort::train {
@@ -66,9 +67,11 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   try {
     j = Json::parse(text);
   } catch (const std::exception& e) {
-    throw UsageError(std::string("worker spec (") + kWorkerSpecVar + ") is not JSON: " + e.what());
+    throw UsageError(std::string("worker spec (") + runtime::kWorkerSpecVar +
+                     ") is not JSON: " + e.what());
   }
-  if (!j.is_object()) throw UsageError(std::string(kWorkerSpecVar) + " is not a JSON object");
+  if (!j.is_object())
+    throw UsageError(std::string(runtime::kWorkerSpecVar) + " is not a JSON object");
   if (const int format = field<int>(j, "format"); format != kFormat) {
     throw UsageError("worker spec: format " + std::to_string(format) + ", this program reads " +
                      std::to_string(kFormat) + ": the driver runs another build");
@@ -112,9 +115,9 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
 }
 
 WorkerSpec worker_spec_from_env() {
-  const char* text = std::getenv(kWorkerSpecVar);
+  const char* text = std::getenv(runtime::kWorkerSpecVar);
   if (text == nullptr || *text == '\0') {
-    throw UsageError(std::string(kWorkerSpecVar) +
+    throw UsageError(std::string(runtime::kWorkerSpecVar) +
                      " is not set: worker processes are started by cohort's driver");
   }
   return worker_spec_from_text(text);

@@ -11,8 +11,6 @@
 
 namespace cohort::train {
 
-inline constexpr const char* kWorkerSpecVar = "COHORT_WORKER_SPEC";
-
 struct WorkerSpec {
   // The program that wrote it (runtime::program_build_id()) and the driver's pid: a spec left in
   // the environment by another build or another run is refused.

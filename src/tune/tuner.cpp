@@ -12,6 +12,7 @@
 
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "train/run_files.h"
@@ -24,8 +25,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Set in a trial process and inherited by its workers: the trial's folder.
-constexpr const char* kTrialDirVar = "COHORT_TRIAL_DIR";
 constexpr const char* kStateFile = "experiment_state.json";
 constexpr const char* kParamsFile = "params.json";
 constexpr const char* kTrialLogFile = "trial.log";
@@ -496,7 +495,7 @@ void Experiment::start(size_t index) {
   runtime::WorkerGroupOptions options;
   options.num_workers = 1;
   options.role = runtime::kTrialRole;
-  options.env = {{kTrialDirVar, trial_dir(t).string()}};
+  options.env = {{runtime::kTrialDirVar, trial_dir(t).string()}};
   // The trial's driver stops its own workers within its grace period first.
   options.stop_grace = std::chrono::seconds(15);
   live.group = std::make_unique<runtime::WorkerGroup>(options);
@@ -698,7 +697,7 @@ Tuner Tuner::restore(const std::filesystem::path& experiment_path, TrainLoop tra
 
 ResultGrid Tuner::fit() {
   // A trial process, or a worker of one.
-  if (const char* trial_dir = std::getenv(kTrialDirVar);
+  if (const char* trial_dir = std::getenv(runtime::kTrialDirVar);
       trial_dir != nullptr && !runtime::spawned_role().empty()) {
     run_trial(trainable_, trial_dir);
   }

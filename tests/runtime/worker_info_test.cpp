@@ -45,6 +45,7 @@ class WorkerInfoTest : public ::testing::Test {
                                       kRestartRoundVar,
                                       kStoreOnLauncherVar,
                                       kStorePortVar,
+                                      kDataMembersVar,
                                       kRoleVar};
   std::map<std::string, std::string> saved;
   void SetUp() override {
@@ -89,6 +90,20 @@ TEST_F(WorkerInfoTest, ReadsTorchrunVariables) {
   auto again = worker_info_from_env();
   EXPECT_EQ(again->world_rank, 3);
   EXPECT_EQ(again->node_rank, 1);
+}
+
+// cohort's own integer variables are checked as torchrun's are (they were read with atoi: "2x"
+// was 2 and "x" 0).
+TEST_F(WorkerInfoTest, IntegerVariablesAreWholeNumbersOrNamed) {
+  EXPECT_EQ(env_int(kDataMembersVar, 7, 0), 7);  // unset: the fallback
+  set({{kDataMembersVar, "3"}});
+  EXPECT_EQ(env_int(kDataMembersVar, 0, 0), 3);
+  set({{kDataMembersVar, "2x"}});
+  cohort::testing::expect_error<UsageError>([] { env_int(kDataMembersVar, 0, 0); },
+                                            "COHORT_DATA_MEMBERS='2x' is not an integer");
+  set({{kDataMembersVar, "-1"}});
+  cohort::testing::expect_error<UsageError>([] { env_int(kDataMembersVar, 0, 0); },
+                                            "COHORT_DATA_MEMBERS=-1 must be >= 0");
 }
 
 TEST_F(WorkerInfoTest, InconsistentVariablesAreNamed) {

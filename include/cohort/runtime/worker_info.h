@@ -3,6 +3,8 @@
 #include <optional>
 #include <string>
 
+#include "cohort/runtime/environment.h"
+
 namespace cohort::runtime {
 
 // Who this process is in its worker group, in torchrun's terms.
@@ -28,27 +30,10 @@ struct WorkerInfo {
   bool store_on_launcher = false;
 };
 
-// Environment variable names (torchrun's, plus cohort's own for the local spawner).
-inline constexpr const char* kRoleVar = "COHORT_ROLE";
-inline constexpr const char* kWorkerRole = "worker";
-// A Tuner's trial: runs one trial's Trainer as its driver (tune/tuner.h).
-inline constexpr const char* kTrialRole = "trial";
-// A preprocessing worker: serves a data pipeline's tasks (data/data_iterator.h).
-inline constexpr const char* kDataWorkerRole = "data";
-inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
-inline constexpr const char* kControlFdVar = "COHORT_CONTROL_FD";
-
-inline constexpr const char* kJobIdVar = "COHORT_JOB_ID";
-inline constexpr const char* kLauncherVar = "COHORT_LAUNCHER";
-inline constexpr const char* kRestartRoundVar = "COHORT_RESTART_ROUND";
-inline constexpr const char* kStoreOnLauncherVar = "COHORT_STORE_ON_LAUNCHER";
-inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";
-// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
-// nodes run; in such a data worker (role "data"), its index among them and the job's number of
-// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).
-inline constexpr const char* kDataMembersVar = "COHORT_DATA_MEMBERS";
-inline constexpr const char* kDataMemberVar = "COHORT_DATA_MEMBER";
-inline constexpr const char* kTrainRanksVar = "COHORT_TRAIN_RANKS";
+// The whole number in environment variable `name`, or `fallback` when it is unset or empty;
+// UsageError naming the variable and its value when it is no whole number or less than
+// `min_value`. Every integer setting of the environment is read through it.
+int env_int(const char* name, int fallback, int min_value);
 
 // Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
 // MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming
