@@ -193,6 +193,9 @@ void validate(const TrainOptions& o) {
     throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
   }
   models::create_model(o.model);  // throws, listing the zoo, for an unknown name
+  if (!o.label.empty() && o.data.rfind("csv:", 0) != 0)
+    throw UsageError("--label " + o.label +
+                     " names a CSV's class column: use it with --data csv:FILE");
   int64_t train_size = 0;
   if (!o.data.empty()) {
     if (!o.data_dir.empty()) {
@@ -205,9 +208,6 @@ void validate(const TrainOptions& o) {
                        ": a CSV's rows are feature vectors, which only the mlp reads; use "
                        "--model mlp");
     }
-    if (labelled.kind != data::LabelledData::Kind::kCsv && !o.label.empty())
-      throw UsageError("--label " + o.label +
-                       " names a CSV's class column: use it with --data csv:FILE");
     // The model the workers will build, checked for this data (a ViT's patches, the cnn's
     // pooling).
     try {
@@ -221,9 +221,6 @@ void validate(const TrainOptions& o) {
     }
     train_size = labelled.train.num_source_rows();
   } else {
-    if (!o.label.empty())
-      throw UsageError("--label " + o.label +
-                       " names a CSV's class column: use it with --data csv:FILE");
     if (o.image_size != TrainOptions{}.image_size || o.test_size != TrainOptions{}.test_size) {
       throw UsageError(
           "--image-size and --test-size shape the data of --data images:DIR or csv:FILE; "
