@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <mutex>
 #include <set>
@@ -166,17 +167,38 @@ std::string stall_report(const std::vector<Json>& status_by_rank) {
 Coordinator::Coordinator(int world_size, HeartbeatOptions options, ClockSource clock)
     : monitor_(world_size, options, std::move(clock)), status_(static_cast<size_t>(world_size)) {}
 
+namespace {
+
+// Field `key` of a rank's message when it has one of the type `is` checks, else `fallback`;
+// UsageError naming the field when it has another type.
+template <typename T>
+T message_field(const Json& message, const char* key, bool (Json::*is)() const noexcept,
+                const char* type, T fallback) {
+  const auto it = message.find(key);
+  if (it == message.end()) return fallback;
+  if (!((*it).*is)()) {
+    throw UsageError(std::string("field '") + key + "' is " + it->type_name() + ", not " + type);
+  }
+  return it->template get<T>();
+}
+
+}  // namespace
+
 void Coordinator::on_message(int rank, const Json& message) {
   if (rank < 0 || rank >= world_size()) return;
+  if (!message.is_object())
+    throw UsageError(std::string("a message is a JSON object, not ") + message.type_name());
+  const auto type = message_field(message, "type", &Json::is_string, "a string", std::string{});
+  const auto text =
+      message_field(message, "message", &Json::is_string, "a string", std::string("unknown error"));
+  const bool consequence =
+      message_field(message, "consequence", &Json::is_boolean, "a boolean", false);
   monitor_.heard(rank);
-  const auto type = message.value("type", std::string{});
   if (type == "heartbeat") {
     status_[static_cast<size_t>(rank)] = message.value("status", Json());
   } else if (type == "error") {
-    Verdict v{.rank = rank,
-              .reason = "rank " + std::to_string(rank) +
-                        " failed: " + message.value("message", std::string("unknown error"))};
-    if (!message.value("consequence", false)) {
+    Verdict v{.rank = rank, .reason = "rank " + std::to_string(rank) + " failed: " + text};
+    if (!consequence) {
       if (!cause_) cause_ = std::move(v);
     } else if (!consequence_) {
       consequence_ = std::move(v);
@@ -279,15 +301,39 @@ struct CoordinatorServer::Impl {
     address = options.bind_address + ":" + std::to_string(ntohs(bound.sin_port));
   }
 
-  // Under `mutex`.
+  // Under `mutex`. A line that is no message of ours is named on stderr and dropped: it never
+  // ends the coordinator's thread, and so the process.
   void take(int rank, const std::string& line) {
-    Json message;
     try {
-      message = Json::parse(line);
-    } catch (const std::exception&) {
-      return;  // not a message of ours
+      coordinator.on_message(rank, Json::parse(line));
+    } catch (const std::exception& e) {
+      std::cerr << "coordinator: ignored a malformed message from rank " << rank << " (" << e.what()
+                << "): " << line.substr(0, 200) << std::endl;
     }
-    coordinator.on_message(rank, message);
+  }
+
+  // Why a first line is no hello of this run's ranks ({"rank": 1 .. world_size - 1, "token":
+  // this run's}), or empty for a hello that is.
+  std::string refusal(const std::string& line, int& rank) const {
+    Json hello;
+    try {
+      hello = Json::parse(line);
+    } catch (const std::exception&) {
+      return "its first line is no JSON";
+    }
+    if (!hello.is_object() || !hello.contains("rank") || !hello.contains("token") ||
+        !hello["rank"].is_number_integer() || !hello["token"].is_string()) {
+      return "its first line is no hello ({\"rank\": integer, \"token\": string})";
+    }
+    const auto claimed = hello["rank"].get<int64_t>();
+    rank = claimed < 1 || claimed >= options.world_size ? -1 : static_cast<int>(claimed);
+    const auto token = hello["token"].get<std::string>();
+    if (rank < 1 || rank >= options.world_size || token != options.token) {
+      return "this coordinator serves run " + options.token + " of " +
+             std::to_string(options.world_size) + " ranks, not rank " + std::to_string(claimed) +
+             " of run " + token;
+    }
+    return "";
   }
 
   // Under `mutex`: a verdict not acted on yet, else nullopt.
@@ -344,29 +390,30 @@ struct CoordinatorServer::Impl {
           continue;
         }
         c.in.append(buffer, static_cast<size_t>(n));
+        if (c.in.find('\n') == std::string::npos && c.in.size() > kMaxCoordinatorLine) {
+          const std::string why = "sent a line of over " + std::to_string(kMaxCoordinatorLine) +
+                                  " bytes to the coordinator: its connection was closed";
+          std::cerr << "coordinator: "
+                    << (c.rank >= 0 ? "rank " + std::to_string(c.rank)
+                                    : std::string("a connection"))
+                    << " " << why << std::endl;
+          if (c.rank >= 0 && !c.left && !finished) coordinator.on_lost(c.rank, why);
+          dropped.insert(c.fd);
+          continue;
+        }
         for (size_t end; (end = c.in.find('\n')) != std::string::npos;) {
           const std::string line = c.in.substr(0, end);
           c.in.erase(0, end + 1);
           if (c.rank < 0) {
-            Json hello;
-            try {
-              hello = Json::parse(line);
-            } catch (const std::exception&) {
-            }
-            const int rank = hello.is_object() ? hello.value("rank", -1) : -1;
-            const std::string token = hello.is_object() ? hello.value("token", std::string{}) : "";
-            if (rank < 1 || rank >= options.world_size || token != options.token) {
-              write_line(c.fd, Json{{"type", "refused"},
-                                    {"reason", "this coordinator serves run " + options.token +
-                                                   " of " + std::to_string(options.world_size) +
-                                                   " ranks, not rank " + std::to_string(rank) +
-                                                   " of run " + token}}
-                                   .dump());
+            int rank = -1;
+            if (const auto why = refusal(line, rank); !why.empty()) {
+              std::cerr << "coordinator: refused a connection: " << why << std::endl;
+              write_line(c.fd, Json{{"type", "refused"}, {"reason", why}}.dump());
               dropped.insert(c.fd);
               break;
             }
             c.rank = rank;
-            coordinator.on_message(rank, hello);
+            take(rank, line);
             continue;
           }
           if (line == R"({"type":"bye"})") {

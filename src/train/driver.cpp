@@ -400,17 +400,18 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
   handlers.on_control = [&](int rank, const std::string& line) {
     Json message;
+    std::string type;
     try {
       message = Json::parse(line);
+      type = message.value("type", std::string{});
+      // Errors are the driver's to order (it sees the processes' exits too): the coordinator
+      // takes the signs of life.
+      coordinator.on_message(rank, type == "error" ? Json{{"type", "alive"}} : message);
     } catch (const std::exception& e) {
       console_.message("cohort: ignoring a malformed control message from rank " +
                        std::to_string(rank) + ": " + e.what());
       return;
     }
-    const auto type = message.value("type", std::string{});
-    // Errors are the driver's to order (it sees the processes' exits too): the coordinator takes
-    // the signs of life.
-    coordinator.on_message(rank, type == "error" ? Json{{"type", "alive"}} : message);
     if (type == "heartbeat") return;
     if (rank == 0 && !trained) {
       trained = true;

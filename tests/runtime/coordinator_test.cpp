@@ -202,9 +202,21 @@ class RawRank {
     EXPECT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
   }
   ~RawRank() { close(); }
-  void send(const Json& message) {
-    const std::string line = message.dump() + "\n";
-    ASSERT_EQ(::write(fd_, line.data(), line.size()), static_cast<ssize_t>(line.size()));
+  void send(const Json& message) { send_raw(message.dump() + "\n"); }
+  void send_raw(const std::string& bytes) {
+    ASSERT_EQ(::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL),
+              static_cast<ssize_t>(bytes.size()));
+  }
+  // Whether the coordinator closed this connection within 10 s (beats read and dropped).
+  bool closed_by_peer() {
+    const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+    char buffer[4096];
+    while (std::chrono::steady_clock::now() < deadline) {
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      if (::read(fd_, buffer, sizeof buffer) <= 0) return true;
+    }
+    return false;
   }
   // The next line from the coordinator that is not a beat, within 10 s.
   Json next_message() {
@@ -224,6 +236,7 @@ class RawRank {
     }
     return Json();
   }
+  int fd() const { return fd_; }
   void close() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
@@ -267,6 +280,53 @@ TEST(CoordinatorServer, ARankOfAnotherRunIsRefusedAndOneThatSaidByeMayLeave) {
   one.close();
   server.deliver(0, R"({"type":"heartbeat","status":null})");
   EXPECT_FALSE(server.await_verdict(milliseconds(300)));
+}
+
+// A line of the wrong shape (the issue's `{"rank":"1","token":42}` aborted rank 0 with a JSON
+// type_error) or an endless line closes that connection; the coordinator and its run go on. A
+// rank's own malformed message is dropped, and its next good one counts.
+TEST(CoordinatorServer, MalformedLinesCloseTheirConnectionAndNeverTheCoordinator) {
+  CoordinatorServer server({.world_size = 2, .heartbeat = beats(seconds(30)), .token = "run-a"},
+                           nullptr);
+  for (const std::string line : {R"({"rank":"1","token":42})", R"({"rank":1.5,"token":"run-a"})",
+                                 R"([1,2])", R"("hello")", R"({"token":"run-a"})", "not json"}) {
+    RawRank stranger(server.address());
+    stranger.send_raw(line + "\n");
+    const Json refused = stranger.next_message();
+    EXPECT_EQ(refused.value("type", ""), "refused") << line << ": " << refused.dump();
+    EXPECT_TRUE(stranger.closed_by_peer()) << line;
+  }
+  {
+    RawRank endless(server.address());
+    // Past the cap without a newline; the coordinator may close while the last bytes travel.
+    const std::string chunk(65536, 'x');
+    for (size_t sent = 0; sent <= kMaxCoordinatorLine + chunk.size(); sent += chunk.size()) {
+      if (::send(endless.fd(), chunk.data(), chunk.size(), MSG_NOSIGNAL) <= 0) break;
+    }
+    EXPECT_TRUE(endless.closed_by_peer());
+  }
+  RawRank one(server.address());
+  one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
+  one.send_raw("[]\n");
+  one.send({{"type", 7}});
+  one.send({{"type", "error"}, {"message", 42}});
+  one.send({{"type", "error"}, {"message", "out of memory"}});
+  const auto verdict = server.await_verdict(seconds(10));
+  ASSERT_TRUE(verdict);
+  EXPECT_EQ(verdict->rank, 1);
+  EXPECT_EQ(verdict->reason, "rank 1 failed: out of memory");
+}
+
+TEST(Coordinator, AMessageWithAFieldOfTheWrongTypeIsNamedAndChangesNothing) {
+  Coordinator c(2, beats(seconds(30)));
+  cohort::testing::expect_error<UsageError>([&] { c.on_message(1, Json::array()); },
+                                            "a message is a JSON object, not array");
+  cohort::testing::expect_error<UsageError>(
+      [&] {
+        c.on_message(1, {{"type", "error"}, {"consequence", "yes"}});
+      },
+      "field 'consequence' is string, not a boolean");
+  EXPECT_FALSE(c.verdict());
 }
 
 }  // namespace

@@ -84,6 +84,9 @@ class Coordinator {
  public:
   Coordinator(int world_size, HeartbeatOptions options, ClockSource clock = steady_clock_source());
 
+  // A rank's message: {"type": "heartbeat", "status": ...} or {"type": "error", "message":
+  // "...", "consequence": bool}; others are ignored. UsageError naming the field of a message
+  // that is no JSON object or has a field of the wrong type (nothing is recorded then).
   void on_message(int rank, const Json& message);
   // `rank` ended cleanly: it is no longer expected to beat.
   void on_finished(int rank);
@@ -117,6 +120,10 @@ class Coordinator {
 // one) for the other ranks' connections, one line of JSON per message (as the local driver's
 // control pipes), beats to every rank each interval so they can tell a stopped rank 0, and on a
 // verdict tells every rank to stop with its reason, then calls `on_verdict` (on its thread).
+// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
+// messages are a few kB; an endless line must not grow the server's memory).
+inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
+
 struct CoordinatorServerOptions {
   std::string bind_address = "127.0.0.1";
   int world_size = 1;
