@@ -82,8 +82,13 @@ class Reader {
   std::string source_;
 };
 
+// Batch numbers: at least 1, and small enough that their product with the world size cannot
+// overflow.
 int64_t positive(const Reader& r, int64_t value, const std::string& key) {
+  constexpr int64_t kMost = int64_t{1} << 31;
   if (value < 1) r.fail(key, "must be >= 1, got " + std::to_string(value));
+  if (value > kMost)
+    r.fail(key, "must be at most " + std::to_string(kMost) + ", got " + std::to_string(value));
   return value;
 }
 
@@ -237,7 +242,11 @@ void read_precision(const Reader& r, const Json& root, DeepSpeedConfig& c,
   s.initial_scale = std::pow(2.0, power);
   s.growth_interval =
       r.integer(*fp16, "loss_scale_window", "fp16.loss_scale_window").value_or(1000);
-  s.hysteresis = static_cast<int>(r.integer(*fp16, "hysteresis", "fp16.hysteresis").value_or(2));
+  // Range-checked before it narrows to an int (4294967298 would have become 2).
+  const int64_t hysteresis = r.integer(*fp16, "hysteresis", "fp16.hysteresis").value_or(2);
+  if (hysteresis < 1 || hysteresis > 1'000'000)
+    r.fail("fp16.hysteresis", "must be in [1, 1000000], got " + std::to_string(hysteresis));
+  s.hysteresis = static_cast<int>(hysteresis);
   s.min_scale = r.number(*fp16, "min_loss_scale", "fp16.min_loss_scale").value_or(1.0);
   const double fixed = r.number(*fp16, "loss_scale", "fp16.loss_scale").value_or(0);
   if (fixed < 0)
@@ -267,9 +276,11 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
                      "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients"},
                     "zero_optimization.", unknown);
   auto& zero = c.zero;
-  zero.stage = static_cast<int>(r.integer(*z, "stage", "zero_optimization.stage").value_or(0));
-  if (zero.stage < 0 || zero.stage > 3)
-    r.fail("zero_optimization.stage", std::to_string(zero.stage) + " is not one of 0, 1, 2, 3");
+  // Range-checked before it narrows to an int ("stage": 4294967298 became stage 2).
+  const int64_t stage = r.integer(*z, "stage", "zero_optimization.stage").value_or(0);
+  if (stage < 0 || stage > 3)
+    r.fail("zero_optimization.stage", std::to_string(stage) + " is not one of 0, 1, 2, 3");
+  zero.stage = static_cast<int>(stage);
   // A bucket size: DeepSpeed's default when absent, else > 0.
   const auto bucket = [&](const char* key, int64_t fallback) {
     const std::string path = std::string("zero_optimization.") + key;

@@ -160,6 +160,13 @@ TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
        "ds.json: zero_optimization.stage must be an integer, got \"two\""},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 4}})",
        "zero_optimization.stage 4 is not one of 0, 1, 2, 3"},
+      // Numbers past an int are refused, not narrowed (this stage was read as 2).
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 4294967298}})",
+       "zero_optimization.stage 4294967298 is not one of 0, 1, 2, 3"},
+      {R"({"train_batch_size": 8, "fp16": {"enabled": true, "hysteresis": 4294967298}})",
+       "fp16.hysteresis must be in [1, 1000000], got 4294967298"},
+      {R"({"train_batch_size": 4611686018427387904, "train_micro_batch_size_per_gpu": 2})",
+       "train_batch_size must be at most 2147483648, got 4611686018427387904"},
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
            "stage3_param_persistence_threshold": -1}})",
        "zero_optimization.stage3_param_persistence_threshold must be >= 0, got -1"},
