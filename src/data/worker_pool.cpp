@@ -14,6 +14,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "cohort/json.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/process.h"
 #include "cohort/timeouts.h"
@@ -26,6 +27,41 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kMessageTimeout = kDefaultDataMessageTimeout;
+
+// A preprocessing worker's message header: "hello" (who it is, the pipeline it built) or
+// "result" (a task's counts and error; the batch's columns are read with the payload).
+struct Header {
+  std::string type;
+  int pid = -1;
+  std::string host = "?";
+  bool local = false;
+  std::string pipeline;
+  int64_t index = -1;
+  int64_t epoch = -1;
+  int64_t skipped_rows = 0;
+  int64_t skipped_batches = 0;
+  std::string error;
+  size_t payload_bytes = 0;
+};
+
+// Every field type-checked (json_field); a result must name its task.
+Header read_header(const Json& j) {
+  Header h;
+  h.type = json_field<std::string>(j, "type", "");
+  h.pid = json_field<int>(j, "pid", -1);
+  h.host = json_field<std::string>(j, "host", "?");
+  h.local = json_field<bool>(j, "local", false);
+  h.pipeline = json_field<std::string>(j, "pipeline", "");
+  h.index = json_field<int64_t>(j, "index", -1);
+  h.epoch = json_field<int64_t>(j, "epoch", -1);
+  h.skipped_rows = json_field<int64_t>(j, "skipped_rows", 0);
+  h.skipped_batches = json_field<int64_t>(j, "skipped_batches", 0);
+  h.error = json_field<std::string>(j, "error", "");
+  h.payload_bytes = json_field<size_t>(j, "payload_bytes", 0);
+  if (h.type == "result" && h.index < 0)
+    throw UsageError("a result must name its task: 'index' is " + std::to_string(h.index));
+  return h;
+}
 
 class InlineRunner : public TaskRunner {
  public:
@@ -272,6 +308,10 @@ class WorkerPool : public TaskRunner {
                 << (c.task >= 0 ? "; task " + std::to_string(c.task) + " goes to another worker"
                                 : "")
                 << std::endl;
+    } else {
+      std::cerr << "cohort: closed a connection to the preprocessing listener that never said "
+                   "hello ("
+                << why << ")" << std::endl;
     }
     c.task = -1;
   }
@@ -290,15 +330,23 @@ class WorkerPool : public TaskRunner {
       drop(c, c.task >= 0 ? "while on a task" : "while idle");
       return;
     }
-    const auto type = header.value("type", std::string{});
-    if (type == "hello") {
-      c.pid = header.value("pid", -1);
-      c.name = header.value("host", std::string("?")) + ":" + std::to_string(c.pid);
-      c.local = children_.count(c.pid) != 0 && header.value("local", false);
-      const auto pipeline = header.value("pipeline", std::string{});
-      if (pipeline != fingerprint_) {
+    // Every field is read here, type-checked: a header of the wrong shape drops this worker
+    // (its task goes to another) and never ends the consumer.
+    Header h;
+    try {
+      h = read_header(header);
+    } catch (const std::exception& e) {
+      if (payload_fd >= 0) ::close(payload_fd);
+      drop(c, std::string("sent a malformed header (") + e.what() + ")");
+      return;
+    }
+    if (h.type == "hello") {
+      c.pid = h.pid;
+      c.name = h.host + ":" + std::to_string(c.pid);
+      c.local = children_.count(c.pid) != 0 && h.local;
+      if (h.pipeline != fingerprint_) {
         const std::string reason = "this consumer streams pipeline " + fingerprint_ + " (" +
-                                   describe_short() + "), the worker built " + pipeline +
+                                   describe_short() + "), the worker built " + h.pipeline +
                                    ": start it with the same program and arguments";
         try {
           wire::send(c.fd, Json{{"type", "refuse"}, {"reason", reason}});
@@ -313,18 +361,21 @@ class WorkerPool : public TaskRunner {
       c.greeted = true;
       return;
     }
-    if (type != "result") return;
+    if (h.type != "result") {
+      if (payload_fd >= 0) ::close(payload_fd);
+      return;
+    }
     TaskResult result;
-    result.index = header["index"].get<int64_t>();
-    result.skipped_rows = header.value("skipped_rows", int64_t{0});
-    result.skipped_batches = header.value("skipped_batches", int64_t{0});
-    result.error = header.value("error", std::string{});
+    result.index = h.index;
+    result.skipped_rows = h.skipped_rows;
+    result.skipped_batches = h.skipped_batches;
+    result.error = h.error;
     try {
-      const auto bytes = header.value("payload_bytes", size_t{0});
       if (header.contains("columns")) {
-        result.block = payload_fd >= 0 ? wire::map_block_memfd(payload_fd, header["columns"], bytes)
-                                       : wire::read_block_inline(c.fd, header["columns"], bytes,
-                                                                 kMessageTimeout);
+        result.block = payload_fd >= 0
+                           ? wire::map_block_memfd(payload_fd, header["columns"], h.payload_bytes)
+                           : wire::read_block_inline(c.fd, header["columns"], h.payload_bytes,
+                                                     kMessageTimeout);
       } else if (payload_fd >= 0) {
         ::close(payload_fd);
       }
@@ -334,7 +385,7 @@ class WorkerPool : public TaskRunner {
     }
     {
       std::lock_guard lock(mutex_);
-      const auto epoch = header.value("epoch", int64_t{-1});
+      const auto epoch = h.epoch;
       for (auto* e : {&current_, &ahead_}) {
         if (e->epoch >= 0 && epoch == e->epoch && c.task_epoch == epoch && c.task == result.index) {
           e->done[result.index] = std::move(result);

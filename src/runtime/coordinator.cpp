@@ -167,32 +167,11 @@ std::string stall_report(const std::vector<Json>& status_by_rank) {
 Coordinator::Coordinator(int world_size, HeartbeatOptions options, ClockSource clock)
     : monitor_(world_size, options, std::move(clock)), status_(static_cast<size_t>(world_size)) {}
 
-namespace {
-
-// Field `key` of a rank's message when it has one of the type `is` checks, else `fallback`;
-// UsageError naming the field when it has another type.
-template <typename T>
-T message_field(const Json& message, const char* key, bool (Json::*is)() const noexcept,
-                const char* type, T fallback) {
-  const auto it = message.find(key);
-  if (it == message.end()) return fallback;
-  if (!((*it).*is)()) {
-    throw UsageError(std::string("field '") + key + "' is " + it->type_name() + ", not " + type);
-  }
-  return it->template get<T>();
-}
-
-}  // namespace
-
 void Coordinator::on_message(int rank, const Json& message) {
   if (rank < 0 || rank >= world_size()) return;
-  if (!message.is_object())
-    throw UsageError(std::string("a message is a JSON object, not ") + message.type_name());
-  const auto type = message_field(message, "type", &Json::is_string, "a string", std::string{});
-  const auto text =
-      message_field(message, "message", &Json::is_string, "a string", std::string("unknown error"));
-  const bool consequence =
-      message_field(message, "consequence", &Json::is_boolean, "a boolean", false);
+  const auto type = json_field<std::string>(message, "type", "");
+  const auto text = json_field<std::string>(message, "message", "unknown error");
+  const bool consequence = json_field<bool>(message, "consequence", false);
   monitor_.heard(rank);
   if (type == "heartbeat") {
     status_[static_cast<size_t>(rank)] = message.value("status", Json());

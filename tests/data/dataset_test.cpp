@@ -21,6 +21,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
+#include "data/wire.h"
 #include "support/expect.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
@@ -407,6 +408,53 @@ TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
   auto reference = blurred_images(0, 24).iterator();
   EXPECT_EQ(ids, ids_of(reference, {.batch_size = 5}));
   EXPECT_EQ(it.listen_address(), "127.0.0.1:" + std::to_string(port));
+  it = numbers(1).iterator();  // ends the pool: the remote worker is told to stop
+  EXPECT_TRUE(cohort::testing::wait_for_exit(remote, std::chrono::seconds(20)));
+}
+
+// Connections that send headers of the wrong shape (a string pid: the kind of message
+// ended the consumer with a JSON type_error on the pool's thread) are dropped, each named; the
+// real remote worker serves the epoch, whose batches are those of an undisturbed run.
+TEST(DataOffload, MalformedHeadersDropTheirConnectionAndTheEpochCompletes) {
+  const int port = [] {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    ::close(fd);
+    return ntohs(addr.sin_port);
+  }();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto ds =
+      blurred_images(0, 24).with_execution({.listen_address = address,
+                                            .remote_workers = 1,
+                                            .worker_start_timeout = std::chrono::seconds(30)});
+  if (!runtime::spawned_role().empty()) {  // the remote worker: serves and ends
+    auto it = ds.iterator();
+    ids_of(it);
+    return;
+  }
+  std::thread attacker([&] {
+    for (const Json& header :
+         {Json{{"type", "hello"}, {"pid", "x"}}, Json{{"type", "result"}, {"index", "0"}},
+          Json{{"type", "result"}, {"index", 0}, {"payload_bytes", -5}}, Json::array({1, 2}),
+          Json{{"type", "result"}}}) {
+      const int fd = wire::connect_to(address, std::chrono::seconds(20));
+      wire::send(fd, header);
+      char byte;
+      ::recv(fd, &byte, 1, 0);  // returns once the consumer closes the connection
+      ::close(fd);
+    }
+  });
+  const int remote = runtime::spawn_self(kDataRole, {{"COHORT_DATA_ADDRESS", address}});
+  auto it = ds.iterator();
+  const auto ids = ids_of(it, {.batch_size = 5});
+  attacker.join();
+  auto reference = blurred_images(0, 24).iterator();
+  EXPECT_EQ(ids, ids_of(reference, {.batch_size = 5}));
   it = numbers(1).iterator();  // ends the pool: the remote worker is told to stop
   EXPECT_TRUE(cohort::testing::wait_for_exit(remote, std::chrono::seconds(20)));
 }

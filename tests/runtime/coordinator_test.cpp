@@ -320,12 +320,12 @@ TEST(CoordinatorServer, MalformedLinesCloseTheirConnectionAndNeverTheCoordinator
 TEST(Coordinator, AMessageWithAFieldOfTheWrongTypeIsNamedAndChangesNothing) {
   Coordinator c(2, beats(seconds(30)));
   cohort::testing::expect_error<UsageError>([&] { c.on_message(1, Json::array()); },
-                                            "a message is a JSON object, not array");
+                                            "a message must be a JSON object, not array");
   cohort::testing::expect_error<UsageError>(
       [&] {
         c.on_message(1, {{"type", "error"}, {"consequence", "yes"}});
       },
-      "field 'consequence' is string, not a boolean");
+      "field 'consequence' is string \"yes\", not true or false");
   EXPECT_FALSE(c.verdict());
 }
 

@@ -86,7 +86,7 @@ class Coordinator {
 
   // A rank's message: {"type": "heartbeat", "status": ...} or {"type": "error", "message":
   // "...", "consequence": bool}; others are ignored. UsageError naming the field of a message
-  // that is no JSON object or has a field of the wrong type (nothing is recorded then).
+  // that is no JSON object or has a field of the wrong type (json_field; nothing is recorded).
   void on_message(int rank, const Json& message);
   // `rank` ended cleanly: it is no longer expected to beat.
   void on_finished(int rank);
