@@ -379,20 +379,22 @@ TEST(DataOffload, WorkersStartTheNextEpochEarlyAndASkippedOneIsDropped) {
   std::filesystem::remove_all(dir);
 }
 
+// A loopback port free now (bound, read and released), for a listener the test makes later.
+int free_loopback_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
 TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
   // The remote worker is this test re-executed in the data role, told where to connect.
-  const int port = [] {
-    std::string bound;
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
-  }();
+  const int port = free_loopback_port();
   auto ds =
       blurred_images(0, 24).with_execution({.listen_address = "127.0.0.1:" + std::to_string(port),
                                             .remote_workers = 1,
@@ -416,17 +418,7 @@ TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
 // ended the consumer with a JSON type_error on the pool's thread) are dropped, each named; the
 // real remote worker serves the epoch, whose batches are those of an undisturbed run.
 TEST(DataOffload, MalformedHeadersDropTheirConnectionAndTheEpochCompletes) {
-  const int port = [] {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
-  }();
+  const int port = free_loopback_port();
   const std::string address = "127.0.0.1:" + std::to_string(port);
   auto ds =
       blurred_images(0, 24).with_execution({.listen_address = address,
