@@ -128,7 +128,7 @@ std::vector<Json> read_jsonl(const std::filesystem::path& path) {
     try {
       records.push_back(Json::parse(line));
     } catch (const std::exception&) {
-      break;
+      continue;
     }
   }
   return records;

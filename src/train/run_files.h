@@ -38,7 +38,8 @@ void write_extra_files(const std::filesystem::path& dir,
                        const std::map<std::string, std::string>& files);
 
 Json read_json(const std::filesystem::path& path);
-// One JSON value per line; ends before a line cut by a crash mid-write.
+// One JSON value per line. A line that is no JSON (cut by a crash mid-write, or being written
+// now) is skipped, and the lines after it still count.
 std::vector<Json> read_jsonl(const std::filesystem::path& path);
 
 // A CSV file with a header row: the columns are the union of the objects' keys, in the order

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
+#include <fstream>
 
 #include "cohort/error.h"
 #include "train/run_files.h"
@@ -101,6 +102,20 @@ RunRecorder::RunRecorder(const RunConfig& run, const std::string& name, const Js
   result_.config = config;
 }
 
+namespace {
+
+// Whether a non-empty file's last byte is not a newline.
+bool ends_inside_a_line(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary | std::ios::ate);
+  if (!in || in.tellg() <= 0) return false;
+  in.seekg(-1, std::ios::end);
+  char last = '\n';
+  in.get(last);
+  return last != '\n';
+}
+
+}  // namespace
+
 std::optional<Checkpoint> RunRecorder::resume_point() {
   std::optional<Checkpoint> resume_from;
   if (resume_) {
@@ -112,9 +127,15 @@ std::optional<Checkpoint> RunRecorder::resume_point() {
       console_.message("cohort: resuming from " + resume_from->path().string());
     }
   }
-  // The history on disk is exactly what the Result holds: rewritten whole, then appended to.
-  metrics_log_.open(run_dir_ / kMetricsFile, std::ios::trunc);
-  for (const auto& record : result_.metrics_history) metrics_log_ << record.dump() << '\n';
+  const auto log = run_dir_ / kMetricsFile;
+  if (resume_from) {
+    // Append-only: the history on disk is never rewritten, so a crash now loses none of it. A
+    // line a crash cut short (read_jsonl skips it) is ended, so the next record has its own.
+    metrics_log_.open(log, std::ios::app);
+    if (ends_inside_a_line(log)) metrics_log_ << '\n';
+  } else {
+    metrics_log_.open(log, std::ios::trunc);  // a new run's history
+  }
   metrics_log_.flush();
   if (tensorboard_config_.enabled) {
     tensorboard_.emplace(run_dir_, tensorboard_config_, result_.config,

@@ -358,7 +358,13 @@ TEST(Trainer, RunningAgainResumesFromTheLatestCheckpoint) {
                   Json{{"epochs", 2}});
     ASSERT_TRUE(first.fit().ok());
   }
-  // A corrupt latest checkpoint is skipped: the run resumes from the one before it.
+  // A crash in the middle of an append left half a record. The history is appended to, never
+  // rewritten (a crash while rewriting it would lose it): its bytes stay, the cut line is
+  // skipped and ended, and the next record has a line of its own.
+  const auto log = dir / "resume" / "metrics.jsonl";
+  const std::string before = cohort::testing::read_text(log.string());
+  ASSERT_EQ(std::count(before.begin(), before.end(), '\n'), 2);
+  std::ofstream(log, std::ios::app) << R"({"epoch": 1, "star)";
   Trainer again(loop, ScalingConfig{.num_workers = 2}, run_config(dir, "resume"),
                 Json{{"epochs", 4}});
   Result result = again.fit();
@@ -366,6 +372,16 @@ TEST(Trainer, RunningAgainResumesFromTheLatestCheckpoint) {
   EXPECT_EQ(result.metrics["epoch"], 3);
   EXPECT_EQ(result.metrics["started_at"], 2);
   EXPECT_EQ(result.metrics_history.size(), 4u);  // the whole run's history
+  const std::string after = cohort::testing::read_text(log.string());
+  EXPECT_EQ(after.substr(0, before.size()), before);
+  EXPECT_EQ(after.substr(before.size())
+                .rfind(R"({"epoch": 1, "star)"
+                       "\n{",
+                       0),
+            0u)
+      << after;
+  EXPECT_EQ(std::count(after.begin(), after.end(), '\n'), 5);
+  EXPECT_EQ(Result::from_path(dir / "resume").metrics_history.size(), 4u);
   EXPECT_EQ(result.checkpoint->path().filename(), "checkpoint_000003");
 
   std::filesystem::resize_file(dir / "resume" / "checkpoint_000003" / "epoch.txt", 0);
