@@ -32,6 +32,15 @@ data::LabelledData labelled_data_of(const Json& c) {
                                    .seed = c["seed"].get<uint64_t>()});
 }
 
+// The zoo model's options for the data: its channels, image size and classes.
+models::ModelOptions model_options_for(const data::LabelledData& labelled) {
+  models::ModelOptions options;
+  options.in_channels = labelled.channels;
+  options.image_size = labelled.image_size;
+  options.num_classes = labelled.num_classes;
+  return options;
+}
+
 Json data_to_json(const TrainOptions& o) {
   return {{"data", o.data},
           {"label", o.label},
@@ -211,7 +220,7 @@ void validate(const TrainOptions& o) {
     // The model the workers will build, checked for this data (a ViT's patches, the cnn's
     // pooling).
     try {
-      models::create_model(o.model, model_options_of(to_json(o)));
+      models::create_model(o.model, model_options_for(labelled));
     } catch (const UsageError& e) {
       throw UsageError("--model " + o.model + " on --data " + o.data + " (" + labelled.describe() +
                        "): " + e.what() +
@@ -468,10 +477,10 @@ Json to_json(const TrainOptions& o) {
     config["data_dir"] = data_dir_of(o).string();
   } else {
     config.update(data_to_json(o));
-    const auto labelled = labelled_data_of(config);
-    config["model_options"] = {{"in_channels", labelled.channels},
-                               {"image_size", labelled.image_size},
-                               {"num_classes", labelled.num_classes}};
+    const auto model = model_options_for(labelled_data_of(config));
+    config["model_options"] = {{"in_channels", model.in_channels},
+                               {"image_size", model.image_size},
+                               {"num_classes", model.num_classes}};
   }
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;

@@ -103,6 +103,14 @@ const std::vector<std::string>& Source::class_names() const {
 
 namespace {
 
+// The rows of a train_test_split's test part, of `rows`: at least 1 and at most rows - 1 from 2
+// rows on; none of fewer.
+int64_t test_rows(int64_t rows, double test_size) {
+  if (rows < 2) return 0;
+  const auto wanted = static_cast<int64_t>(std::llround(static_cast<double>(rows) * test_size));
+  return std::clamp<int64_t>(wanted, 1, rows - 1);
+}
+
 // One part of a train/test split of `rows`. The same in every epoch and process (the seed alone
 // draws the test rows), and each part keeps the rows in their order before the split.
 std::vector<int64_t> train_test_part(std::vector<int64_t> rows, const OrderOp& op) {
@@ -131,12 +139,6 @@ std::vector<int64_t> train_test_part(std::vector<int64_t> rows, const OrderOp& o
 }
 
 }  // namespace
-
-int64_t test_rows(int64_t rows, double test_size) {
-  if (rows < 2) return 0;
-  const auto wanted = static_cast<int64_t>(std::llround(static_cast<double>(rows) * test_size));
-  return std::clamp<int64_t>(wanted, 1, rows - 1);
-}
 
 std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
   std::vector<int64_t> rows(static_cast<size_t>(plan.source ? plan.source->size() : 0));

@@ -50,9 +50,6 @@ struct Dataset::Plan {
   ExecutionOptions execution;
 };
 
-// The rows of a train_test_split's test part, of `rows` (at least 1 and at most rows - 1 from 2
-// rows on; none of fewer).
-int64_t test_rows(int64_t rows, double test_size);
 // The source rows of `epoch`, in order, after the order operations.
 std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch);
 // Those rows cut into tasks.

@@ -294,24 +294,21 @@ struct CoordinatorServer::Impl {
   // Why a first line is no hello of this run's ranks ({"rank": 1 .. world_size - 1, "token":
   // this run's}), or empty for a hello that is.
   std::string refusal(const std::string& line, int& rank) const {
-    Json hello;
+    int64_t claimed = -1;
+    std::string token;
     try {
-      hello = Json::parse(line);
-    } catch (const std::exception&) {
-      return "its first line is no JSON";
+      const Json hello = Json::parse(line);
+      claimed = json_field<int64_t>(hello, "rank", -1);
+      token = json_field<std::string>(hello, "token", "");
+    } catch (const std::exception& e) {
+      return std::string("its first line is no hello of a rank (") + e.what() + ")";
     }
-    if (!hello.is_object() || !hello.contains("rank") || !hello.contains("token") ||
-        !hello["rank"].is_number_integer() || !hello["token"].is_string()) {
-      return "its first line is no hello ({\"rank\": integer, \"token\": string})";
-    }
-    const auto claimed = hello["rank"].get<int64_t>();
-    rank = claimed < 1 || claimed >= options.world_size ? -1 : static_cast<int>(claimed);
-    const auto token = hello["token"].get<std::string>();
-    if (rank < 1 || rank >= options.world_size || token != options.token) {
+    if (claimed < 1 || claimed >= options.world_size || token != options.token) {
       return "this coordinator serves run " + options.token + " of " +
              std::to_string(options.world_size) + " ranks, not rank " + std::to_string(claimed) +
              " of run " + token;
     }
+    rank = static_cast<int>(claimed);
     return "";
   }
 

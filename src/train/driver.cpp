@@ -403,7 +403,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     std::string type;
     try {
       message = Json::parse(line);
-      type = message.value("type", std::string{});
+      type = json_field<std::string>(message, "type", "");
       // Errors are the driver's to order (it sees the processes' exits too): the coordinator
       // takes the signs of life.
       coordinator.on_message(rank, type == "error" ? Json{{"type", "alive"}} : message);

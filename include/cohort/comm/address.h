@@ -8,7 +8,6 @@ namespace cohort::comm {
 struct HostPort {
   std::string host;
   int port = 0;
-  std::string to_string() const { return host + ":" + std::to_string(port); }
 };
 
 // Splits at the last colon; the host must not be empty and the port must be a whole number in
