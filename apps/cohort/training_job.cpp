@@ -177,25 +177,63 @@ data::TensorDataset test_set_of(const Json& c) {
   return test_set;
 }
 
-namespace {
-
-// Rank 0 writes the model (safetensors) and optimizer state (with ZeRO every rank its shard of
-// the state, with local SGD its own state); every rank reports, so that the checkpoint is committed
-// once all ranks got there.
-void report_with_checkpoint(const Json& metrics, const models::ImageClassifierImpl& model,
-                            const torch::optim::Optimizer& optimizer) {
-  if (train::get_context().get_world_rank() != 0 && !train::checkpoint_per_rank(optimizer)) {
-    train::report(metrics);
-    return;
-  }
-  const auto dir =
-      train::get_context().get_storage_path() /
-      (".report-checkpoint-rank" + std::to_string(train::get_context().get_world_rank()));
-  train::report(metrics, train::save_checkpoint(dir, model, optimizer));
-  std::filesystem::remove_all(dir);
+train::Plan plan_of(const TrainOptions& o) {
+  return {.pp = o.pp,
+          .tp = o.tp,
+          .zero = o.zero,
+          .sync = sync_of(o),
+          .gradient_accumulation_steps = o.gradient_accumulation_steps,
+          .gradient_clipping = o.gradient_clipping,
+          .cuda_graph = o.cuda_graph,
+          .schedule = parallel::pipeline::schedule_from_string(o.pipeline_schedule),
+          .micro_batches = o.micro_batches};
 }
 
-}  // namespace
+void validate_mesh(const TrainOptions& o) {
+  const auto plan = plan_of(o);
+  if (!plan.has_mesh()) return;
+  const std::string flags = "--pp " + std::to_string(o.pp) + " --tp " + std::to_string(o.tp);
+  const int per_batch =
+      plan.micro_batches_per_step() / static_cast<int>(o.gradient_accumulation_steps);
+  if (o.batch_size < per_batch) {
+    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " cannot be split into " +
+                     std::to_string(per_batch) +
+                     " micro-batches (--micro-batches): use a batch of at least " +
+                     std::to_string(per_batch) + " rows");
+  }
+  auto model = models::create_model(o.model);
+  const int stages = o.pp * plan.virtual_stages();
+  const auto layers = static_cast<int>(model->pipeline_layers()->size());
+  if (layers < stages) {
+    throw UsageError(
+        o.model + " has " + std::to_string(layers) + " layers, too few for " +
+        std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.pp) +
+        (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
+        "): use a smaller --pp or a deeper model (resnet18 has 10, vit depth + 2)");
+  }
+  if (o.tp > 1 && o.model != "vit") {
+    throw UsageError("--tp " + std::to_string(o.tp) + ": " + o.model +
+                     " has no tensor-parallel layers; use --model vit, or --pp to cut " + o.model +
+                     " into pipeline stages");
+  }
+  if (o.tp > 1) {
+    const models::ModelOptions vit;
+    if (vit.heads % o.tp != 0 || (vit.width * vit.mlp_ratio) % o.tp != 0) {
+      throw UsageError("--tp " + std::to_string(o.tp) + " must divide the vit's " +
+                       std::to_string(vit.heads) + " heads and " +
+                       std::to_string(vit.width * vit.mlp_ratio) + " MLP features");
+    }
+  }
+  if (o.precision == "fp16") {
+    throw UsageError("--precision fp16 with " + flags + " is not supported yet: use bf16 or fp32");
+  }
+  // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
+  if (o.min_workers % (o.pp * o.tp) != 0) {
+    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " with " + flags +
+                     ": an elastic group keeps whole replicas of " + std::to_string(o.pp * o.tp) +
+                     " workers; use a multiple of " + std::to_string(o.pp * o.tp));
+  }
+}
 
 void validate(const TrainOptions& o) {
   if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
@@ -253,9 +291,6 @@ void validate(const TrainOptions& o) {
   }
   const auto precision = optim::precision_from_string(o.precision);
   if (!o.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
-  if (o.gradient_clipping < 0)
-    throw UsageError("--gradient-clipping " + std::to_string(o.gradient_clipping) +
-                     " must be >= 0 (0: no clipping)");
   if (o.warmup_steps < 0)
     throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
   if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
@@ -285,41 +320,26 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
-  if (o.gradient_accumulation_steps < 1) {
-    throw UsageError("--gradient-accumulation-steps " +
-                     std::to_string(o.gradient_accumulation_steps) + " must be >= 1");
-  }
-  o.zero.validate();
-  validate_mesh(o);
   const auto sync = sync_of(o);
+  try {
+    plan_of(o).validate(o.workers);
+  } catch (const UsageError& e) {
+    if (o.deepspeed.empty()) throw;
+    throw UsageError(std::string(e.what()) + " (" + o.deepspeed +
+                     " sets --zero-stage, --gradient-accumulation-steps and --gradient-clipping)");
+  }
+  validate_mesh(o);
   if (o.cuda_graph) {
-    // What a captured step can hold: one micro-batch, DDP's all-reduce over NCCL, and an
-    // optimizer whose step count and learning rate live on the device.
+    // What a captured step needs besides the plan's: a GPU, NCCL, and an optimizer whose step
+    // count and learning rate live on the device.
     const auto refuse = [](const std::string& why) { throw UsageError("--cuda-graph " + why); };
     if (!o.use_gpu) refuse("needs --use-gpu: CUDA graphs capture GPU work (drop --cuda-graph)");
     if (!o.flat_optimizer)
       refuse(
           "needs the flat optimizer (drop --no-flat-optimizer): torch::optim counts its steps "
           "on the host, which a replayed graph does not advance");
-    if (o.gradient_accumulation_steps > 1)
-      refuse(
-          "captures one micro-batch per step: drop --gradient-accumulation-steps or "
-          "--cuda-graph");
-    if (o.pp > 1 || o.tp > 1)
-      refuse("does not capture pipelines or tensor parallelism: drop --pp/--tp or --cuda-graph");
-    if (o.zero.stage > 0)
-      refuse("does not capture ZeRO's steps: use stage 0 (DDP) or drop --cuda-graph");
-    if (!parallel::is_synchronous(sync))
-      refuse("needs --sync ddp: " + o.sync + " decides on the host when to communicate");
     if (o.backend == "gloo")
       refuse("needs NCCL's collectives (--backend auto or nccl): Gloo's cannot be captured");
-  }
-  if (!parallel::is_synchronous(sync) && o.zero.stage > 0) {
-    throw UsageError("--sync " + o.sync + " cannot be combined with ZeRO stage " +
-                     std::to_string(o.zero.stage) +
-                     (o.deepspeed.empty() ? " (--zero-stage)" : " (from " + o.deepspeed + ")") +
-                     ": ZeRO's shards need every worker to step the same gradients; use "
-                     "--zero-stage 0 or --sync ddp");
   }
   if (o.parameter_servers < 0) {
     throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
@@ -471,7 +491,7 @@ Json to_json(const TrainOptions& o) {
               {"sync", sync_to_json(sync_of(o))},
               {"pp", o.pp},
               {"tp", o.tp},
-              {"micro_batches", micro_batches_of(o)},
+              {"micro_batches", o.micro_batches},
               {"pipeline_schedule", o.pipeline_schedule}};
   if (o.data.empty()) {
     config["data_dir"] = data_dir_of(o).string();
@@ -621,144 +641,118 @@ parallel::ZeroOptions zero_options_of(const Json& c) {
   return zero;
 }
 
+train::Plan plan_of(const Json& c) {
+  return {.pp = c.value("pp", 1),
+          .tp = c.value("tp", 1),
+          .zero = zero_options_of(c),
+          .sync = sync_mode_of(c),
+          .gradient_accumulation_steps = c.value("gradient_accumulation_steps", int64_t{1}),
+          .gradient_clipping = c.value("gradient_clipping", 0.0),
+          .cuda_graph = c.value("cuda_graph", false),
+          .schedule = parallel::pipeline::schedule_from_string(
+              c.value("pipeline_schedule", std::string("1f1b"))),
+          .micro_batches = c.value("micro_batches", 0)};
+}
+
+train::ModelSpec zoo_model_of(const Json& c) {
+  auto& ctx = train::get_context();
+  const auto seed = c["seed"].get<uint64_t>();
+  const auto name = c["model"].get<std::string>();
+  train::ModelSpec spec;
+  std::shared_ptr<models::VisionTransformerImpl> dense;
+  if (ctx.has_mesh() && ctx.get_mesh().shape().tp > 1) {
+    // The dense ViT that checkpoints hold, made first: after the same seed, the sliced model's
+    // weights are its slices.
+    torch::manual_seed(seed);
+    dense = std::dynamic_pointer_cast<models::VisionTransformerImpl>(
+        models::create_model(name, model_options_of(c)));
+  }
+  torch::manual_seed(seed);
+  auto options = model_options_of(c);
+  if (ctx.has_mesh()) options.tensor_parallel_group = ctx.get_mesh().tp();
+  auto model = models::create_model(name, options);
+  spec.module = model;
+  spec.forward = [model](const at::Tensor& x) { return model->forward(x); };
+  if (ctx.has_mesh()) spec.layers = model->pipeline_layers();
+  if (dense) {
+    auto& sliced = dynamic_cast<models::VisionTransformerImpl&>(*model);
+    spec.dense = dense;
+    spec.copy_to_dense = [&sliced, dense] { sliced.copy_to_dense(*dense); };
+    spec.load_from_dense = [&sliced, dense] { sliced.load_from_dense(*dense); };
+  }
+  return spec;
+}
+
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
-  if (ctx.has_mesh()) return train_loop_on_mesh(c);
   const bool rank0 = ctx.get_world_rank() == 0;
-  torch::manual_seed(c["seed"].get<uint64_t>());
-  auto model = models::create_model(c["model"].get<std::string>(), model_options_of(c));
-  const parallel::ZeroOptions zero = zero_options_of(c);
-  // Every rank the same weights (rank 0's), then the optimizer over them (with ZeRO, the
-  // engine that shards it), then the checkpoint's state: the same files on every rank.
-  const auto sync = sync_mode_of(c);
-  {
-    // A captured step runs on the stream DDP's gradient accumulators were found on.
-    std::optional<train::CaptureStreamScope> capture_stream;
-    if (c.value("cuda_graph", false)) capture_stream.emplace();
-    train::prepare_model(model, {.zero = zero, .sync = sync});
-  }
-  auto optimizer = train::prepare_optimizer(model, make_optimizer(c, model->parameters()));
+  const auto plan = plan_of(c);
+  // This rank's shard of the Trainer's "train" dataset (with a mesh, its dp group's: the same rows
+  // on every rank of a pipeline and of a tp group), shuffled each epoch, normalised in the
+  // prefetch thread or by --data-workers preprocessing processes.
+  auto train_stream = train::get_dataset_shard("train");
+  // Each optimizer step takes --gradient-accumulation-steps batches of --batch-size rows.
+  const int64_t step_rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
+  const int epochs = c["epochs"].get<int>();
+  const int64_t max_steps = c["max_steps"].get<int64_t>();
+  const int64_t steps_per_epoch =
+      (train_stream.dataset().num_source_rows() + step_rows - 1) / step_rows;
+  // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
+  // ZeRO, the engine that shards it), then the checkpoint's state. The decay spans every epoch
+  // (--max-steps stops a run early without changing its schedule, so that a run stopped and
+  // resumed follows the schedule of one never stopped).
+  auto model = train::parallelize(
+      zoo_model_of(c), [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
+      [](const at::Tensor& output, const at::Tensor& target) {
+        return torch::nn::functional::cross_entropy(output, target);
+      },
+      plan, schedule_of(c, epochs * steps_per_epoch));
+  if (rank0 && plan.has_mesh()) std::cout << model.describe() << std::endl;
   ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
-    check_mesh_checkpoint(*checkpoint, sync);
-    train::load_checkpoint(*checkpoint, *model, *optimizer);
+    model.load(*checkpoint);
     resumed = resume_point(*checkpoint);
   }
-  const int start_epoch = resumed.epoch;
-  int64_t steps = resumed.steps;
+  // Evaluation: every rank holds the whole model then; a tp group scores the same rows.
+  data::DataLoader test_loader(
+      test_set_of(c),
+      {.batch_size = 500, .shuffle = false, .device = ctx.get_device(), .equal_shards = false},
+      ctx.get_world_rank() / plan.tp, ctx.get_world_size() / plan.tp);
+  const int64_t dp = ctx.get_world_size() / (plan.pp * plan.tp);
   // A Ctrl-C asks the loop to stop after a checkpoint (train::should_stop(), a collective): after
   // every step, or where the workers agree anyway (epoch ends) with local SGD, DiLoCo and the
   // parameter server, whose workers must not wait for each other every step.
-  const bool stop_every_step = parallel::is_synchronous(sync);
+  const bool stop_every_step = model.synchronous();
   bool stopping = false;
-  const double clip = c.value("gradient_clipping", 0.0);
-  auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
-  // This rank's shard of the Trainer's "train" dataset, shuffled each epoch, normalised in the
-  // prefetch thread or by --data-workers preprocessing processes.
-  auto train_stream = train::get_dataset_shard("train");
-  const int64_t batch_size = c["batch_size"].get<int64_t>();
-  auto test_loader = train::prepare_data_loader(
-      test_set_of(c), {.batch_size = 500, .shuffle = false, .equal_shards = false});
-
-  const int epochs = c["epochs"].get<int>();
-  const int64_t max_steps = c["max_steps"].get<int64_t>();
-  // Each optimizer step takes `accumulation` micro-batches of batch_size (the last step of an
-  // epoch what is left), communicating only after the last.
-  const int64_t accumulation = c.value("gradient_accumulation_steps", int64_t{1});
-  const int64_t batches_per_epoch =
-      (train_stream.dataset().num_source_rows() + batch_size - 1) / batch_size;
-  const int64_t steps_per_epoch = (batches_per_epoch + accumulation - 1) / accumulation;
-  // The decay spans every epoch (--max-steps stops a run early without changing its schedule, so
-  // that a run stopped and resumed follows the schedule of one never stopped). Resumed: the
-  // checkpoint's lr already has the schedule's factor for `steps`.
-  optim::LrScheduler schedule(*optimizer, schedule_of(c, epochs * steps_per_epoch), steps);
-  constexpr int64_t kWarmupSteps = 10;
-  const int64_t first_step = steps;
+  // Throughput over the steps after the first few (start-up, the first step's probes).
+  constexpr int64_t kWarmupSteps = 5;
+  const int64_t first_step = model.steps();
   int64_t timed_samples = 0;
   double timed_seconds = 0;
   double time_to_first_step = 0;
-  // A batch's loss under the run's precision, and the end of every step: clipping (the loss
-  // scaler's unscale first), then the optimizer (through the scaler).
-  const auto loss_of = [&](const torch::Tensor& image, const torch::Tensor& target) {
-    auto autocast = train::autocast();
-    return torch::nn::functional::cross_entropy(model->forward(image), target);
-  };
-  const auto clip_and_step = [&] {
-    if (clip > 0) {
-      train::get_loss_scaler().unscale(*optimizer);
-      if (flat != nullptr) {
-        flat->clip_grad_norm(clip);
-      } else {
-        optim::clip_grad_norm(model->parameters(), clip);
-      }
-    }
-    train::step_optimizer(*optimizer);
-  };
-  // --cuda-graph: the step as one CUDA graph, replayed on each batch (a partial last batch runs
-  // eagerly); validate_options let through only what a graph can hold (one micro-batch a step).
-  std::unique_ptr<train::CapturedStep> captured;
-  if (c.value("cuda_graph", false)) {
-    captured = std::make_unique<train::CapturedStep>(
-        [&](const std::vector<torch::Tensor>& in) {
-          optimizer->zero_grad();
-          const auto loss = loss_of(in[0], in[1]);
-          train::backward(loss);
-          clip_and_step();
-          return loss.detach();
-        },
-        train::CaptureOptions{.optimizer = flat, .group = &ctx.get_process_group()});
-  }
-  for (int epoch = start_epoch; epoch < epochs; ++epoch) {
+  for (int epoch = resumed.epoch; epoch < epochs; ++epoch) {
     train_stream.set_epoch(epoch);
     double loss_sum = 0;
     int64_t loss_count = 0;
     const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
-    int64_t step_in_epoch = 0;
-    int64_t batch_index = 0;
-    int64_t micro = 0;  // micro-batches of the current step so far
-    int64_t step_samples = 0;
     // Resumed inside this epoch: its first steps' batches were trained on already.
-    int64_t skip_batches = epoch == start_epoch ? resumed.epoch_steps_done * accumulation : 0;
-    step_in_epoch = epoch == start_epoch ? resumed.epoch_steps_done : 0;
-    auto segment_start = Clock::now();
+    int64_t skip = epoch == resumed.epoch ? resumed.epoch_steps_done : 0;
+    int64_t step_in_epoch = 0;
+    auto step_start = Clock::now();  // not the evaluation's time
     for (auto& batch :
-         train_stream.iter_batches({.batch_size = batch_size, .device = ctx.get_device()})) {
-      if (skip_batches > 0) {
-        --skip_batches;
-        ++batch_index;
+         train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
+      if (skip > 0) {
+        --skip;
+        ++step_in_epoch;
         continue;
       }
-      const auto& target = batch["label"];
-      torch::Tensor loss;
-      bool last_micro = true;
-      if (captured) {
-        loss = captured->run({batch["image"], target});
-      } else {
-        const int64_t in_step = std::min(accumulation, batches_per_epoch - (batch_index - micro));
-        last_micro = micro + 1 >= in_step;
-        if (micro == 0) optimizer->zero_grad();
-        loss = loss_of(batch["image"], target);
-        // Accumulation equals the big batch: each micro-batch's mean loss over the step's.
-        std::optional<train::NoSyncGuard> local;
-        if (!last_micro) local.emplace(train::no_sync(model));
-        train::backward(in_step > 1 ? loss / static_cast<double>(in_step) : loss);
-      }
-      ++batch_index;
-      loss_sum += loss.item<double>();
-      ++loss_count;
-      step_samples += target.size(0) * ctx.get_world_size();
-      if (!last_micro) {
-        ++micro;
-        continue;
-      }
-      micro = 0;
-      if (!captured) clip_and_step();
-      schedule.step();
-      ++steps;
+      const auto rows = batch["image"].size(0);
+      const auto result = model.step(batch["image"], batch["label"]);
+      if (!result.stepped) continue;
       ++step_in_epoch;
       const auto now = Clock::now();
-      if (steps == first_step + 1) {
+      if (model.steps() == first_step + 1) {
         time_to_first_step = std::chrono::duration<double>(std::chrono::system_clock::now() -
                                                            ctx.get_run_start_time())
                                  .count();
@@ -766,19 +760,22 @@ void train_loop(const Json& c) {
           std::cout << "first training step done " << time_to_first_step << " s after start"
                     << std::endl;
       }
-      if (steps > first_step + kWarmupSteps) {
-        timed_seconds += std::chrono::duration<double>(now - segment_start).count();
-        timed_samples += step_samples;
+      if (model.steps() > first_step + kWarmupSteps) {
+        timed_seconds += std::chrono::duration<double>(now - step_start).count();
+        timed_samples += rows * dp;
       }
-      step_samples = 0;
-      segment_start = now;
-      train::report_progress(
-          {{"label", label},
-           {"step", step_in_epoch},
-           {"total", steps_per_epoch},
-           {"loss", loss_sum / loss_count},
-           {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}});
-      if (max_steps > 0 && steps >= max_steps) break;
+      step_start = now;
+      if (result.loss.defined()) {
+        loss_sum += result.loss.item<double>();
+        ++loss_count;
+      }
+      Json progress{{"label", label},
+                    {"step", step_in_epoch},
+                    {"total", steps_per_epoch},
+                    {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
+      if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
+      train::report_progress(progress);
+      if (max_steps > 0 && model.steps() >= max_steps) break;
       if (stop_every_step && train::should_stop()) {
         stopping = true;
         break;
@@ -786,47 +783,55 @@ void train_loop(const Json& c) {
     }
     // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
     // too, so that the evaluation and the checkpoint are of one model.
-    if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get())) local->sync();
-    if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(optimizer.get())) ps->sync();
+    model.sync();
     if (!stop_every_step) stopping = train::should_stop();
-    // The epoch's mean training loss over all ranks.
+    // The epoch's mean training loss over the ranks that compute one.
     std::vector<at::Tensor> loss_stats{
-        torch::tensor({loss_sum, double(loss_count)}, torch::kDouble)};
+        torch::tensor({loss_sum, static_cast<double>(loss_count)}, torch::kDouble)};
     ctx.get_process_group().allreduce(loss_stats);
     const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
     double checksum = 0;
     Evaluation eval;
     {
-      // ZeRO stage 3: the whole model once, not a gather per layer and batch.
-      auto whole = train::gathered_parameters(model);
+      // ZeRO stage 3: the whole model once, not a gather per layer and batch; a pipeline's
+      // stages on each of its ranks.
+      auto whole = model.whole_model();
       eval = evaluate(
-          *model, [&](torch::Tensor x) { return model->forward(std::move(x)); }, test_loader,
+          model.module(), [&](torch::Tensor x) { return model.forward(x); }, test_loader,
           ctx.get_process_group());
-      // Replicas must agree: the spread of every rank's parameter checksum (0 when in sync).
-      for (const auto& p : model->parameters())
+      for (const auto& p : model.module().parameters())
         checksum += p.detach().to(torch::kDouble).sum().item<double>();
+    }
+    // Replicas must agree: the spread of the parameter checksums of the ranks that hold the same
+    // slices (0 when in sync).
+    const auto checksums = torch::cat(ctx.get_process_group().allgather(
+        torch::tensor({double(ctx.get_world_rank() % plan.tp), checksum}, torch::kDouble)));
+    double spread = 0;
+    for (int slice = 0; slice < plan.tp; ++slice) {
+      const auto pairs = checksums.view({-1, 2});
+      const auto mine = pairs.index({pairs.select(1, 0).eq(slice)}).select(1, 1);
+      spread = std::max(spread, (mine.max() - mine.min()).item<double>());
     }
     const double elapsed =
         std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
             .count();
-    const bool last = epoch + 1 == epochs || (max_steps > 0 && steps >= max_steps) || stopping;
-    const auto checksums =
-        ctx.get_process_group().allgather(torch::tensor({checksum}, torch::kDouble));
-    const auto all = torch::cat(checksums);
+    const bool last =
+        epoch + 1 == epochs || (max_steps > 0 && model.steps() >= max_steps) || stopping;
     Json metrics{{"epoch", epoch + 1},
-                 {"replica_spread", (all.max() - all.min()).item<double>()},
+                 {"replica_spread", spread},
                  {"world_size", ctx.get_world_size()},
                  {"epochs", epoch + 1},
-                 {"steps", steps},
+                 {"steps", model.steps()},
                  {"train_loss", train_loss},
                  {"test_loss", eval.loss},
                  {"test_accuracy", eval.accuracy},
-                 {"lr", current_lr(*optimizer)},
+                 {"lr", model.lr()},
                  {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
                  {"elapsed_s", elapsed},
                  {"time_to_first_step_s", time_to_first_step}};
+    if (ctx.has_mesh()) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
     if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
-    report_with_checkpoint(metrics, *model, *optimizer);
+    train::report(metrics, model);
     if (last) break;
   }
 }

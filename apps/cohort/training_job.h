@@ -22,6 +22,8 @@
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
+#include "cohort/train/parallel_model.h"
+#include "cohort/train/plan.h"
 
 namespace cohort::cli {
 
@@ -134,25 +136,22 @@ double current_lr(torch::optim::Optimizer& optimizer);
 ScalingConfig scaling_of(const TrainOptions& options);
 RunConfig run_config_of(const TrainOptions& options);
 
-// The loop each worker runs: trains, evaluates on the test set and reports (with a checkpoint)
-// once per epoch. With a mesh (pp or tp > 1), train_loop_on_mesh.
+// The loop each worker runs: the zoo model made parallel by the job's plan (train::parallelize),
+// trained, evaluated on the test set and reported (with a checkpoint) once per epoch.
 void train_loop(const Json& config);
-
-// The loop of a mesh run (mesh_training.cpp): the zoo model cut into pipeline stages and, for the
-// ViT, its blocks tensor-parallel; DDP (or ZeRO 1-2, local SGD, DiLoCo) over each stage's dp
-// group.
-void train_loop_on_mesh(const Json& config);
-// For a run without a mesh resuming `checkpoint`: when a mesh run wrote it, a UsageError naming
-// the degrees if this run cannot load it (one written before its stages' optimizer state was
-// named, or any into the parameter server), else a line on rank 0 saying that its optimizer state
-// is re-cut.
-void check_mesh_checkpoint(const Checkpoint& checkpoint, const parallel::SyncMode& sync);
-// The mesh options' checks before any worker starts (UsageError naming the flag and the fix).
+// The plan of a job's options, and of its config (what every worker reads).
+train::Plan plan_of(const TrainOptions& options);
+train::Plan plan_of(const Json& config);
+// The zoo model of a job's config as parallelize takes it: with a mesh cut at its
+// pipeline_layers(), and the ViT's blocks tensor-parallel over the tp group (the dense ViT beside
+// it for checkpoints).
+train::ModelSpec zoo_model_of(const Json& config);
+// The mesh options' checks that depend on the zoo's model and the CLI's options, before any
+// worker starts (the plan's own are train::Plan::validate's): UsageError naming the flag and the
+// fix.
 void validate_mesh(const TrainOptions& options);
-// --micro-batches with its default resolved.
-int micro_batches_of(const TrainOptions& options);
 
-// Parts of the loop that both loops use.
+// Parts of the loop.
 struct Evaluation {
   double accuracy = 0;
   double loss = 0;

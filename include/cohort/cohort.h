@@ -52,6 +52,8 @@
 #include "cohort/train/context.h"
 #include "cohort/train/dashboard.h"
 #include "cohort/train/deepspeed_config.h"
+#include "cohort/train/parallel_model.h"
+#include "cohort/train/plan.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "cohort/train/result.h"

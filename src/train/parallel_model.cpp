@@ -1,0 +1,383 @@
+#include "cohort/train/parallel_model.h"
+
+#include <torch/torch.h>
+
+#include <map>
+
+#include "cohort/error.h"
+#include "cohort/optim/flat_optimizer.h"
+#include "cohort/parallel/local_sgd.h"
+#include "cohort/parallel/mesh.h"
+#include "cohort/parallel/parameter_server.h"
+#include "cohort/parallel/pipeline/pipeline.h"
+#include "cohort/parallel/tensor_parallel.h"
+#include "cohort/train/captured_step.h"
+#include "cohort/train/context.h"
+#include "cohort/train/prepare.h"
+#include "cohort/train/report.h"
+#include "mesh_checkpoint.h"
+
+namespace cohort::train {
+
+namespace pipeline = parallel::pipeline;
+
+struct ParallelModel::State {
+  Plan plan;
+  ModelSpec model;
+  LossFunction loss;
+  optim::LrScheduleOptions schedule;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  std::unique_ptr<optim::LrScheduler> lr_scheduler;
+  int64_t steps = 0;
+  // The engines that agree outside steps (sync()).
+  parallel::LocalSgdOptimizer* local_sgd = nullptr;
+  parallel::ParameterServerOptimizer* parameter_server = nullptr;
+  // Without a mesh.
+  optim::FlatOptimizer* flat = nullptr;
+  std::unique_ptr<CapturedStep> captured;
+  // With a mesh: every stage of the model, this rank's in the pipeline.
+  const parallel::DeviceMesh* mesh = nullptr;
+  pipeline::PipelineLayout layout;
+  std::vector<torch::nn::Sequential> all_stages;
+  std::optional<pipeline::Pipeline> pipe;
+  std::vector<OptimizerPart::Parameter> parameters;
+
+  MeshCheckpointParts mesh_parts() {
+    return {.mesh = mesh,
+            .layout = {.mesh = true,
+                       .pp = plan.pp,
+                       .tp = plan.tp,
+                       .schedule = pipeline::to_string(plan.schedule),
+                       .zero_stage = plan.zero.stage},
+            .whole = model.dense ? model.dense.get() : model.module.get(),
+            .copy_to_dense = model.copy_to_dense,
+            .load_from_dense = model.load_from_dense,
+            .stages = pipe->module().get(),
+            .optimizer = optimizer.get(),
+            .parameters = parameters};
+  }
+
+  // A micro-batch's loss under the run's precision, its forward timed.
+  at::Tensor loss_of(const at::Tensor& inputs, const at::Tensor& targets) {
+    auto autocast = train::autocast();
+    return loss(model.forward(inputs), targets);
+  }
+
+  // Clipping (the loss scaler's unscale first), then the optimizer through the scaler.
+  void clip_and_step() {
+    if (plan.gradient_clipping > 0) {
+      get_loss_scaler().unscale(*optimizer);
+      if (flat != nullptr) {
+        flat->clip_grad_norm(plan.gradient_clipping);
+      } else {
+        optim::clip_grad_norm(model.module->parameters(), plan.gradient_clipping);
+      }
+    }
+    step_optimizer(*optimizer);
+  }
+
+  // The step's micro-batches, each loss weighted by its rows: the gradient of the mean over all.
+  at::Tensor accumulate(const at::Tensor& inputs, const at::Tensor& targets) {
+    const int64_t rows = inputs.size(0);
+    const int64_t k =
+        std::min<int64_t>(plan.gradient_accumulation_steps, std::max<int64_t>(rows, 1));
+    const int64_t chunk = (rows + k - 1) / k;
+    const auto xs = inputs.split(chunk), ys = targets.split(chunk);
+    optimizer->zero_grad();
+    at::Tensor total;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      auto loss = loss_of(xs[i], ys[i]);
+      const double share = static_cast<double>(rows) / static_cast<double>(xs[i].size(0));
+      std::optional<NoSyncGuard> local;
+      if (i + 1 < xs.size()) local.emplace(no_sync(model.module));
+      backward(xs.size() > 1 ? loss / share : loss);
+      const auto weighted = loss.detach() / share;
+      total = total.defined() ? total + weighted : weighted;
+    }
+    return total;
+  }
+
+  // Copies every stage's parameters and buffers from the pipeline rank that trains it to the
+  // pipeline's other ranks: afterwards every rank holds the whole current model. Collective over
+  // pp.
+  void share_stages() {
+    auto pp = mesh->pp();
+    if (pp.world_size() == 1) return;
+    torch::NoGradGuard no_grad;
+    for (size_t s = 0; s < all_stages.size(); ++s) {
+      const int owner = layout.rank_of(static_cast<int>(s));
+      std::vector<at::Tensor> tensors;
+      for (const auto& p : all_stages[s]->parameters()) tensors.push_back(p.detach());
+      for (const auto& b : all_stages[s]->buffers()) tensors.push_back(b);
+      for (auto& t : tensors) {
+        std::vector<at::Tensor> one{t};
+        pp.broadcast(one, owner);
+      }
+    }
+  }
+
+  // The pipeline's parameters, in the optimizer's order, by their names in the pipeline's module
+  // and in the whole (dense) model, with their tensor-parallel slices: so that a run cut
+  // otherwise, or not at all, loads their state.
+  void name_parameters() {
+    std::map<const c10::TensorImpl*, std::string> whole;
+    const auto sliced = model.module->named_parameters();
+    if (model.dense) {
+      const auto dense = model.dense->named_parameters();
+      if (dense.size() != sliced.size()) {
+        throw UsageError(
+            "parallelize: the tensor-parallel model's " + std::to_string(sliced.size()) +
+            " parameters do not match the dense model's " + std::to_string(dense.size()) +
+            " (ModelSpec::dense must list the same parameters in the same order)");
+      }
+      for (size_t i = 0; i < sliced.size(); ++i)
+        whole[sliced[i].value().unsafeGetTensorImpl()] = dense[i].key();
+    } else {
+      for (const auto& p : sliced) whole[p.value().unsafeGetTensorImpl()] = p.key();
+    }
+    std::map<const c10::TensorImpl*, parallel::TensorParallelCut> cuts;
+    for (const auto& [name, cut] : parallel::tensor_parallel_cuts(*model.module))
+      cuts[sliced[name].unsafeGetTensorImpl()] = cut;
+    std::map<const c10::TensorImpl*, std::string> local;
+    for (const auto& p : pipe->module()->named_parameters())
+      local[p.value().unsafeGetTensorImpl()] = p.key();
+    for (const auto& p : pipe->parameters()) {
+      const auto* impl = p.unsafeGetTensorImpl();
+      if (whole.count(impl) == 0) {
+        throw UsageError("parallelize: a parameter of ModelSpec::layers (" + local.at(impl) +
+                         ") is not one of ModelSpec::module's; the layers must share the "
+                         "module's parameters");
+      }
+      OptimizerPart::Parameter parameter{
+          .name = local.at(impl), .whole_name = whole.at(impl), .shape = p.sizes().vec()};
+      if (const auto cut = cuts.find(impl); cut != cuts.end()) {
+        parameter.cut = cut->second;
+        parameter.slice = mesh->tp_index();
+        parameter.slices = mesh->shape().tp;
+      }
+      parameters.push_back(std::move(parameter));
+    }
+  }
+
+  void find_engines() {
+    local_sgd = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get());
+    parameter_server = dynamic_cast<parallel::ParameterServerOptimizer*>(optimizer.get());
+    flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
+  }
+};
+
+ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+ParallelModel::ParallelModel(ParallelModel&&) noexcept = default;
+ParallelModel& ParallelModel::operator=(ParallelModel&&) noexcept = default;
+ParallelModel::~ParallelModel() = default;
+
+namespace {
+
+void check_model(const ModelSpec& model, const Plan& plan) {
+  if (!model.module) throw UsageError("parallelize: ModelSpec::module is null");
+  if (!model.forward) throw UsageError("parallelize: ModelSpec::forward is empty");
+  if (plan.pp > 1 && !model.layers) {
+    throw UsageError("parallelize: a pipeline (--pp " + std::to_string(plan.pp) +
+                     ") cuts ModelSpec::layers into stages; give the model's layers in order");
+  }
+  if (plan.tp > 1 && (!model.dense || !model.copy_to_dense || !model.load_from_dense)) {
+    throw UsageError("parallelize: tensor parallelism (--tp " + std::to_string(plan.tp) +
+                     ") checkpoints the dense model: give ModelSpec::dense, copy_to_dense and "
+                     "load_from_dense");
+  }
+}
+
+// The mesh of the worker's context matches the plan's degrees.
+void check_mesh(const Plan& plan, const TrainContext& ctx) {
+  const parallel::MeshShape shape =
+      ctx.has_mesh() ? ctx.get_mesh().shape() : parallel::MeshShape{.pp = 1, .tp = 1};
+  if (shape.pp != plan.pp || shape.tp != plan.tp) {
+    throw UsageError("parallelize: the plan's --pp " + std::to_string(plan.pp) + " --tp " +
+                     std::to_string(plan.tp) +
+                     " differ from the run's mesh (ScalingConfig::mesh "
+                     "pp " +
+                     std::to_string(shape.pp) + ", tp " + std::to_string(shape.tp) +
+                     "): give both the same degrees");
+  }
+}
+
+}  // namespace
+
+ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimizer,
+                          LossFunction loss, Plan plan, const optim::LrScheduleOptions& schedule) {
+  auto& ctx = get_context();
+  plan.validate(ctx.get_world_size());
+  check_model(model, plan);
+  check_mesh(plan, ctx);
+  schedule.validate();
+  auto st = std::make_unique<ParallelModel::State>();
+  st->plan = plan;
+  st->loss = std::move(loss);
+  st->schedule = schedule;
+  if (!plan.has_mesh()) {
+    st->model = std::move(model);
+    {
+      // A captured step runs on the stream DDP's gradient accumulators were found on.
+      std::optional<CaptureStreamScope> capture_stream;
+      if (plan.cuda_graph) capture_stream.emplace();
+      prepare_module(st->model.module, {.zero = plan.zero, .sync = plan.sync});
+    }
+    st->optimizer =
+        prepare_optimizer(st->model.module, make_optimizer(st->model.module->parameters()));
+    st->find_engines();
+    if (plan.cuda_graph) {
+      auto* state = st.get();
+      st->captured = std::make_unique<CapturedStep>(
+          [state](const std::vector<torch::Tensor>& in) {
+            state->optimizer->zero_grad();
+            const auto loss = state->loss_of(in[0], in[1]);
+            backward(loss);
+            state->clip_and_step();
+            return loss.detach();
+          },
+          CaptureOptions{.optimizer = st->flat, .group = &ctx.get_process_group()});
+    }
+  } else {
+    st->mesh = &ctx.get_mesh();
+    model.module->to(ctx.get_device());
+    if (model.dense) model.dense->to(ctx.get_device());
+    st->model = std::move(model);
+    st->layout = {.ranks = plan.pp, .virtual_stages = plan.virtual_stages()};
+    const auto layers = st->model.layers;
+    const auto count = static_cast<int>(layers->size());
+    if (count < st->layout.stages()) {
+      throw UsageError(
+          "parallelize: the model has " + std::to_string(count) + " layers, too few for " +
+          std::to_string(st->layout.stages()) + " pipeline stages (--pp " +
+          std::to_string(plan.pp) +
+          (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
+          "): use a smaller --pp or a deeper model");
+    }
+    st->all_stages =
+        pipeline::split_sequential(layers, pipeline::even_split(count, st->layout.stages()));
+    std::vector<pipeline::Stage> stages;
+    for (int s : st->layout.stages_of(st->mesh->pp_index()))
+      stages.emplace_back(st->all_stages[size_t(s)]);
+    st->pipe.emplace(std::move(stages), st->mesh->pp(), st->loss,
+                     pipeline::PipelineOptions{.schedule = plan.schedule,
+                                               .micro_batches = plan.micro_batches_per_step(),
+                                               .virtual_stages = plan.virtual_stages(),
+                                               .data_parallel_group = st->mesh->dp(),
+                                               .zero = plan.zero,
+                                               .sync = plan.sync});
+    // With ZeRO, the engine that shards the optimizer over the dp group; with local SGD or
+    // DiLoCo, the one that averages the replicas every H steps.
+    st->optimizer = st->pipe->prepare_optimizer(make_optimizer(st->pipe->parameters()));
+    st->find_engines();
+    st->name_parameters();
+  }
+  st->lr_scheduler = std::make_unique<optim::LrScheduler>(*st->optimizer, schedule, 0);
+  return ParallelModel(std::move(st));
+}
+
+StepResult ParallelModel::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  auto& st = *state_;
+  at::Tensor loss;
+  if (st.pipe) {
+    // A batch too small to split into the step's micro-batches.
+    if (inputs.size(0) < st.plan.micro_batches_per_step()) return {.stepped = false};
+    st.optimizer->zero_grad();
+    {
+      // The pipeline times its forward and backward actions itself.
+      optim::AutocastGuard autocast(get_context().get_precision(), get_context().get_device());
+      loss = st.pipe->step(inputs, targets);
+    }
+    // By the norm of the whole model: every stage, slice and shard once.
+    if (st.plan.gradient_clipping > 0) {
+      parallel::clip_grad_norm(*st.mesh, *st.pipe->module(), *st.optimizer,
+                               st.plan.gradient_clipping);
+    }
+    step_optimizer(*st.optimizer);
+  } else if (st.captured) {
+    loss = st.captured->run({inputs, targets});
+  } else {
+    loss = st.accumulate(inputs, targets);
+    st.clip_and_step();
+  }
+  st.lr_scheduler->step();
+  ++st.steps;
+  return {.loss = loss};
+}
+
+void ParallelModel::sync() {
+  if (state_->local_sgd != nullptr) state_->local_sgd->sync();
+  if (state_->parameter_server != nullptr) state_->parameter_server->sync();
+}
+
+bool ParallelModel::synchronous() const { return parallel::is_synchronous(state_->plan.sync); }
+
+GatheredParameters ParallelModel::whole_model() {
+  if (state_->pipe) {
+    state_->share_stages();
+    return {};
+  }
+  return gathered_parameters(state_->model.module);
+}
+
+at::Tensor ParallelModel::forward(const at::Tensor& inputs) const {
+  return state_->model.forward(inputs);
+}
+
+torch::nn::Module& ParallelModel::module() const { return *state_->model.module; }
+torch::optim::Optimizer& ParallelModel::optimizer() const { return *state_->optimizer; }
+const Plan& ParallelModel::plan() const { return state_->plan; }
+int64_t ParallelModel::steps() const { return state_->steps; }
+
+double ParallelModel::lr() const {
+  auto& groups = state_->optimizer->param_groups();
+  return groups.empty() ? 0.0 : groups.front().options().get_lr();
+}
+
+std::string ParallelModel::describe() const {
+  const auto& plan = state_->plan;
+  const std::string engine = plan.zero.stage > 0 ? "ZeRO stage " + std::to_string(plan.zero.stage)
+                             : parallel::is_synchronous(plan.sync) ? std::string("DDP")
+                                                                   : parallel::to_string(plan.sync);
+  if (!state_->pipe) return engine;
+  return "mesh " + parallel::to_string(state_->mesh->shape()) + ": " +
+         std::to_string(state_->model.layers->size()) + " layers in " +
+         std::to_string(state_->layout.stages()) + " stages, " +
+         pipeline::to_string(plan.schedule) + " over " +
+         std::to_string(plan.micro_batches_per_step()) + " micro-batches, " + engine + " over dp";
+}
+
+bool ParallelModel::save(const std::filesystem::path& dir) const {
+  auto& st = *state_;
+  if (st.pipe) return save_mesh_checkpoint(dir, st.mesh_parts());
+  if (get_context().get_world_rank() != 0 && !checkpoint_per_rank(*st.optimizer)) return false;
+  save_checkpoint(dir, *st.model.module, *st.optimizer);
+  return true;
+}
+
+void ParallelModel::load(const Checkpoint& checkpoint) {
+  auto& st = *state_;
+  if (st.pipe) {
+    load_mesh_checkpoint(checkpoint, st.mesh_parts());
+  } else {
+    check_mesh_checkpoint(checkpoint, st.plan.sync);
+    load_checkpoint(checkpoint, *st.model.module, *st.optimizer);
+  }
+  // The checkpoint's lr already has the schedule's factor for its steps.
+  st.steps = checkpoint.metrics().value("steps", int64_t{0});
+  st.lr_scheduler = std::make_unique<optim::LrScheduler>(*st.optimizer, st.schedule, st.steps);
+}
+
+void report(const Json& metrics, const ParallelModel& model) {
+  const auto& ctx = get_context();
+  const auto dir =
+      ctx.get_storage_path() / (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
+  std::filesystem::remove_all(dir);
+  if (!model.save(dir)) {
+    report(metrics);
+    return;
+  }
+  report(metrics, Checkpoint::from_directory(dir));
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace cohort::train

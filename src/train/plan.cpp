@@ -1,0 +1,85 @@
+#include "cohort/train/plan.h"
+
+#include <string>
+#include <variant>
+
+#include "cohort/error.h"
+
+namespace cohort::train {
+
+namespace pipeline = parallel::pipeline;
+
+int Plan::virtual_stages() const {
+  return schedule == pipeline::ScheduleKind::kInterleaved ? 2 : 1;
+}
+
+int Plan::micro_batches_per_step() const {
+  const int per_batch = micro_batches > 0 ? micro_batches : pp > 1 ? 2 * pp : 1;
+  return per_batch * static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
+}
+
+void Plan::validate(int world_size) const {
+  const auto fail = [](const std::string& message) { throw UsageError(message); };
+  if (pp < 1) fail("--pp " + std::to_string(pp) + " must be >= 1 (1: no pipeline)");
+  if (tp < 1) fail("--tp " + std::to_string(tp) + " must be >= 1 (1: no tensor parallelism)");
+  if (micro_batches < 0) {
+    fail("--micro-batches " + std::to_string(micro_batches) + " must be >= 1 (0: 2 x --pp)");
+  }
+  if (gradient_accumulation_steps < 1) {
+    fail("--gradient-accumulation-steps " + std::to_string(gradient_accumulation_steps) +
+         " must be >= 1");
+  }
+  if (gradient_clipping < 0) {
+    fail("--gradient-clipping " + std::to_string(gradient_clipping) +
+         " must be >= 0 (0: no clipping)");
+  }
+  zero.validate();
+  parallel::validate(sync);
+  const std::string sync_flag = "--sync " + parallel::to_string(sync);
+  if (!parallel::is_synchronous(sync) && zero.stage > 0) {
+    fail(sync_flag + " cannot be combined with ZeRO stage " + std::to_string(zero.stage) +
+         " (--zero-stage): ZeRO's shards need every worker to step the same gradients; use "
+         "--zero-stage 0 or --sync ddp");
+  }
+  if (cuda_graph) {
+    // What a captured step can hold: one micro-batch, DDP's all-reduce, no mesh.
+    const auto refuse = [&](const std::string& why) { fail("--cuda-graph " + why); };
+    if (gradient_accumulation_steps > 1) {
+      refuse(
+          "captures one micro-batch per step: drop --gradient-accumulation-steps or "
+          "--cuda-graph");
+    }
+    if (has_mesh()) {
+      refuse("does not capture pipelines or tensor parallelism: drop --pp/--tp or --cuda-graph");
+    }
+    if (zero.stage > 0)
+      refuse("does not capture ZeRO's steps: use stage 0 (DDP) or drop --cuda-graph");
+    if (!parallel::is_synchronous(sync)) {
+      refuse("needs --sync ddp: " + parallel::to_string(sync) +
+             " decides on the host when to communicate");
+    }
+  }
+  if (!has_mesh()) return;
+  const std::string flags = "--pp " + std::to_string(pp) + " --tp " + std::to_string(tp);
+  if (world_size > 0 && world_size % (pp * tp) != 0) {
+    fail(flags + " makes groups of " + std::to_string(pp * tp) +
+         " workers, which does not divide --workers " + std::to_string(world_size) +
+         ": use --workers a multiple of " + std::to_string(pp * tp));
+  }
+  // The schedule compiles (e.g. interleaved needs the micro-batches a multiple of pp) for the
+  // micro-batches of an optimizer step.
+  pipeline::compile_schedule({.kind = schedule,
+                              .layout = {.ranks = pp, .virtual_stages = virtual_stages()},
+                              .micro_batches = micro_batches_per_step()});
+  // What a mesh does not combine with yet.
+  const auto refuse = [&](bool set, const std::string& what, const std::string& fix) {
+    if (set) fail(what + " with " + flags + " is not supported yet: " + fix);
+  };
+  refuse(zero.stage == 3, "ZeRO stage 3 (--zero-stage)",
+         "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
+         "use --zero-stage 1 or 2");
+  refuse(std::holds_alternative<parallel::AsyncParameterServer>(sync), sync_flag,
+         "the parameter server serves whole models; use --sync ddp, local-sgd:H or diloco:H");
+}
+
+}  // namespace cohort::train
