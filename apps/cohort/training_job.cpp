@@ -177,24 +177,13 @@ data::TensorDataset test_set_of(const Json& c) {
   return test_set;
 }
 
-train::Plan plan_of(const TrainOptions& o) {
-  return {.pp = o.pp,
-          .tp = o.tp,
-          .zero = o.zero,
-          .sync = sync_of(o),
-          .gradient_accumulation_steps = o.gradient_accumulation_steps,
-          .gradient_clipping = o.gradient_clipping,
-          .cuda_graph = o.cuda_graph,
-          .schedule = parallel::pipeline::schedule_from_string(o.pipeline_schedule),
-          .micro_batches = o.micro_batches};
-}
-
 void validate_mesh(const TrainOptions& o) {
-  const auto plan = plan_of(o);
+  const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
-  const std::string flags = "--pp " + std::to_string(o.pp) + " --tp " + std::to_string(o.tp);
+  const std::string flags =
+      "--pp " + std::to_string(o.plan.pp) + " --tp " + std::to_string(o.plan.tp);
   const int per_batch =
-      plan.micro_batches_per_step() / static_cast<int>(o.gradient_accumulation_steps);
+      plan.micro_batches_per_step() / static_cast<int>(o.plan.gradient_accumulation_steps);
   if (o.batch_size < per_batch) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " cannot be split into " +
                      std::to_string(per_batch) +
@@ -202,36 +191,37 @@ void validate_mesh(const TrainOptions& o) {
                      std::to_string(per_batch) + " rows");
   }
   auto model = models::create_model(o.model);
-  const int stages = o.pp * plan.virtual_stages();
+  const int stages = o.plan.pp * plan.virtual_stages();
   const auto layers = static_cast<int>(model->pipeline_layers()->size());
   if (layers < stages) {
     throw UsageError(
         o.model + " has " + std::to_string(layers) + " layers, too few for " +
-        std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.pp) +
+        std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.plan.pp) +
         (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
         "): use a smaller --pp or a deeper model (resnet18 has 10, vit depth + 2)");
   }
-  if (o.tp > 1 && o.model != "vit") {
-    throw UsageError("--tp " + std::to_string(o.tp) + ": " + o.model +
+  if (o.plan.tp > 1 && o.model != "vit") {
+    throw UsageError("--tp " + std::to_string(o.plan.tp) + ": " + o.model +
                      " has no tensor-parallel layers; use --model vit, or --pp to cut " + o.model +
                      " into pipeline stages");
   }
-  if (o.tp > 1) {
+  if (o.plan.tp > 1) {
     const models::ModelOptions vit;
-    if (vit.heads % o.tp != 0 || (vit.width * vit.mlp_ratio) % o.tp != 0) {
-      throw UsageError("--tp " + std::to_string(o.tp) + " must divide the vit's " +
+    if (vit.heads % o.plan.tp != 0 || (vit.width * vit.mlp_ratio) % o.plan.tp != 0) {
+      throw UsageError("--tp " + std::to_string(o.plan.tp) + " must divide the vit's " +
                        std::to_string(vit.heads) + " heads and " +
                        std::to_string(vit.width * vit.mlp_ratio) + " MLP features");
     }
   }
-  if (o.precision == "fp16") {
+  if (o.plan.precision == "fp16") {
     throw UsageError("--precision fp16 with " + flags + " is not supported yet: use bf16 or fp32");
   }
   // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
-  if (o.min_workers % (o.pp * o.tp) != 0) {
+  if (o.min_workers % (o.plan.pp * o.plan.tp) != 0) {
     throw UsageError("--min-workers " + std::to_string(o.min_workers) + " with " + flags +
-                     ": an elastic group keeps whole replicas of " + std::to_string(o.pp * o.tp) +
-                     " workers; use a multiple of " + std::to_string(o.pp * o.tp));
+                     ": an elastic group keeps whole replicas of " +
+                     std::to_string(o.plan.pp * o.plan.tp) + " workers; use a multiple of " +
+                     std::to_string(o.plan.pp * o.plan.tp));
   }
 }
 
@@ -289,7 +279,7 @@ void validate(const TrainOptions& o) {
     auto probe = torch::zeros({1}, torch::requires_grad());
     make_optimizer(config, {probe});
   }
-  const auto precision = optim::precision_from_string(o.precision);
+  const auto precision = optim::precision_from_string(o.plan.precision);
   if (!o.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
   if (o.warmup_steps < 0)
     throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
@@ -320,16 +310,16 @@ void validate(const TrainOptions& o) {
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
-  const auto sync = sync_of(o);
+  const auto sync = o.plan.sync_mode();
   try {
-    plan_of(o).validate(o.workers);
+    o.plan.plan(o.workers);
   } catch (const UsageError& e) {
     if (o.deepspeed.empty()) throw;
     throw UsageError(std::string(e.what()) + " (" + o.deepspeed +
                      " sets --zero-stage, --gradient-accumulation-steps and --gradient-clipping)");
   }
   validate_mesh(o);
-  if (o.cuda_graph) {
+  if (o.plan.cuda_graph) {
     // What a captured step needs besides the plan's: a GPU, NCCL, and an optimizer whose step
     // count and learning rate live on the device.
     const auto refuse = [](const std::string& why) { throw UsageError("--cuda-graph " + why); };
@@ -347,7 +337,7 @@ void validate(const TrainOptions& o) {
   }
   if (o.parameter_servers > 0 && !std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
     throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
-                     " with --sync " + o.sync +
+                     " with --sync " + o.plan.sync +
                      ": parameter servers serve only --sync async-ps:K (K: steps a worker may "
                      "run ahead of the slowest)");
   }
@@ -377,7 +367,7 @@ void validate(const TrainOptions& o) {
                      std::to_string(train_size) + " workers");
   }
   // With a mesh the data is sharded over the data-parallel degree only.
-  const int64_t shard = train_size / std::max(1, o.workers / (o.pp * o.tp));
+  const int64_t shard = train_size / std::max(1, o.workers / (o.plan.pp * o.plan.tp));
   if (o.batch_size > shard) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
                      std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
@@ -411,29 +401,6 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
   return {{"train", train.random_shuffle(o.seed).map_batches(
                         normalize,
                         {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
-}
-
-parallel::SyncMode sync_of(const TrainOptions& o) {
-  auto mode = parallel::parse_sync_mode(o.sync);
-  auto* diloco = std::get_if<parallel::DiLoCo>(&mode);
-  if (diloco == nullptr && (o.outer_lr || o.outer_momentum || !o.nesterov)) {
-    throw UsageError(
-        "--outer-lr, --outer-momentum and --no-nesterov set DiLoCo's outer optimizer: use them "
-        "with --sync diloco:H, not --sync " +
-        o.sync);
-  }
-  if (diloco != nullptr) {
-    if (o.outer_lr) diloco->outer_lr = *o.outer_lr;
-    if (o.outer_momentum) diloco->outer_momentum = *o.outer_momentum;
-    diloco->nesterov = o.nesterov;
-  }
-  try {
-    parallel::validate(mode);
-  } catch (const UsageError& e) {
-    throw UsageError(std::string("--sync ") + o.sync +
-                     " with --outer-lr / --outer-momentum: " + e.what());
-  }
-  return mode;
 }
 
 namespace {
@@ -473,26 +440,26 @@ Json to_json(const TrainOptions& o) {
               {"max_steps", o.max_steps},
               {"train_examples", o.train_examples},
               {"test_examples", o.test_examples},
-              {"gradient_accumulation_steps", o.gradient_accumulation_steps},
+              {"gradient_accumulation_steps", o.plan.gradient_accumulation_steps},
               {"zero",
-               {{"stage", o.zero.stage},
-                {"reduce_bucket_size", o.zero.reduce_bucket_size},
-                {"allgather_bucket_size", o.zero.allgather_bucket_size},
-                {"overlap_comm", o.zero.overlap_comm},
-                {"prefetch_bucket_size", o.zero.prefetch_bucket_size},
-                {"max_live_parameters", o.zero.max_live_parameters},
-                {"param_persistence_threshold", o.zero.param_persistence_threshold}}},
+               {{"stage", o.plan.zero.stage},
+                {"reduce_bucket_size", o.plan.zero.reduce_bucket_size},
+                {"allgather_bucket_size", o.plan.zero.allgather_bucket_size},
+                {"overlap_comm", o.plan.zero.overlap_comm},
+                {"prefetch_bucket_size", o.plan.zero.prefetch_bucket_size},
+                {"max_live_parameters", o.plan.zero.max_live_parameters},
+                {"param_persistence_threshold", o.plan.zero.param_persistence_threshold}}},
               {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
               {"flat_optimizer", o.flat_optimizer},
-              {"cuda_graph", o.cuda_graph},
-              {"gradient_clipping", o.gradient_clipping},
+              {"cuda_graph", o.plan.cuda_graph},
+              {"gradient_clipping", o.plan.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
-              {"sync", sync_to_json(sync_of(o))},
-              {"pp", o.pp},
-              {"tp", o.tp},
-              {"micro_batches", o.micro_batches},
-              {"pipeline_schedule", o.pipeline_schedule}};
+              {"sync", sync_to_json(o.plan.sync_mode())},
+              {"pp", o.plan.pp},
+              {"tp", o.plan.tp},
+              {"micro_batches", o.plan.micro_batches},
+              {"pipeline_schedule", o.plan.schedule}};
   if (o.data.empty()) {
     config["data_dir"] = data_dir_of(o).string();
   } else {
@@ -524,7 +491,7 @@ void apply_deepspeed_config(TrainOptions& o) {
               << std::endl;
   }
   o.batch_size = ds.micro_batch_size;
-  o.gradient_accumulation_steps = ds.gradient_accumulation_steps;
+  o.plan.gradient_accumulation_steps = ds.gradient_accumulation_steps;
   if (ds.optimizer) o.optimizer = *ds.optimizer;
   if (ds.lr) o.lr = *ds.lr;
   if (ds.weight_decay) o.weight_decay = ds.weight_decay;
@@ -532,10 +499,10 @@ void apply_deepspeed_config(TrainOptions& o) {
   o.betas = ds.betas;
   o.eps = ds.eps;
   o.schedule = ds.schedule;
-  o.precision = ds.precision;
+  o.plan.precision = ds.precision;
   o.loss_scaler = ds.loss_scaler;
-  o.gradient_clipping = ds.gradient_clipping;
-  o.zero = ds.zero;
+  o.plan.gradient_clipping = ds.gradient_clipping;
+  o.plan.zero = ds.zero;
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
@@ -545,11 +512,11 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .use_gpu = o.use_gpu,
       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
       .backend = o.backend,
-      .precision = o.precision,
+      .precision = o.plan.precision,
       .loss_scaler = o.loss_scaler,
       .on_world_size_change = train::linear_lr_scaling,
       .num_parameter_servers = o.parameter_servers,
-      .mesh = {.pp = o.pp, .tp = o.tp}};
+      .mesh = {.pp = o.plan.pp, .tp = o.plan.tp}};
 }
 
 RunConfig::ProfileSteps profile_steps_of(const TrainOptions& o) {
@@ -894,21 +861,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   add_bool_flag(cmd, "--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
                 "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
                 "buffers; default) or libtorch's torch::optim");
-  add_bool_flag(cmd, "--cuda-graph", o.cuda_graph,
-                "capture each training step (forward, backward, all-reduce, optimizer) as one "
-                "CUDA graph and replay it: GPU, NCCL, the flat optimizer, one micro-batch per "
-                "step; a step that cannot be captured runs eagerly, its reason printed");
-  cmd->add_option("--gradient-clipping", o.gradient_clipping,
-                  "clip the gradients' global L2 norm to this (0: no clipping)")
-      ->capture_default_str();
   cmd->add_option("--warmup-steps", o.warmup_steps, "linear lr warmup over this many steps")
       ->capture_default_str();
   cmd->add_option("--lr-decay", o.lr_decay,
                   "after the warmup: none, cosine or linear (to 0 at the end of the last epoch)")
-      ->capture_default_str();
-  cmd->add_option("--precision", o.precision,
-                  "fp32, bf16 (CPU or GPU: bfloat16 autocast) or fp16 (GPU: float16 autocast with "
-                  "dynamic loss scaling)")
       ->capture_default_str();
   cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
@@ -923,56 +879,15 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "evaluate on the first N test examples only (0: all)")
       ->capture_default_str()
       ->group("Model and data");
-  cmd->add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps,
-                  "micro-batches of --batch-size per optimizer step, communicating after the "
-                  "last only (with --pp/--tp: one pipeline step over all their micro-batches)")
-      ->capture_default_str();
-  cmd->option_defaults()->group("Parallelism and synchronisation");
-  cmd->add_option("--zero-stage", o.zero.stage,
-                  "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
-                  "too) or 3 (parameters too: the model's layers gathered around their forward "
-                  "and backward); with --pp/--tp, 1 or 2 over each stage's data-parallel group")
-      ->capture_default_str();
-  cmd->add_option("--sync", o.sync,
-                  "how the workers agree: ddp (gradients averaged every step), local-sgd:H "
-                  "(parameters averaged every H steps) or diloco:H (every H steps an outer "
-                  "Nesterov SGD step on the averaged parameter change); H >= 1; or async-ps:K "
-                  "(an asynchronous parameter server: workers push gradients and pull "
-                  "parameters without waiting for each other, at most K steps ahead of the "
-                  "slowest; K >= 0). All but ddp also synchronise at the end of every epoch")
-      ->capture_default_str();
+  add_plan_options(cmd, o.plan);
   cmd->add_option("--parameter-servers", o.parameter_servers,
                   "with --sync async-ps:K: parameter servers, each holding a shard of the "
                   "parameters and optimizer state, in the first workers' processes (1 to "
                   "--workers; 0: one)")
       ->capture_default_str();
-  cmd->add_option(
-      "--outer-lr", o.outer_lr,
-      "DiLoCo's outer learning rate (default: " + Json(parallel::DiLoCo{}.outer_lr).dump() + ")");
-  cmd->add_option(
-      "--outer-momentum", o.outer_momentum,
-      "DiLoCo's outer momentum (default: " + Json(parallel::DiLoCo{}.outer_momentum).dump() + ")");
-  add_bool_flag(cmd, "--nesterov,!--no-nesterov", o.nesterov,
-                "DiLoCo's outer momentum: Nesterov's (default) or plain");
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
                   "gradient_clipping and zero_optimization replace those options");
-  cmd->add_option("--pp", o.pp,
-                  "pipeline parallelism: cut the model into this many stages, each on its own "
-                  "worker (mlp, cnn, resnet18, vit); the workers form pipelines of --pp x --tp")
-      ->capture_default_str();
-  cmd->add_option("--tp", o.tp,
-                  "tensor parallelism: cut the vit's attention heads and MLP over this many "
-                  "workers; --workers / (pp x tp) pipelines train data-parallel, the global "
-                  "batch --batch-size x that")
-      ->capture_default_str();
-  cmd->add_option("--micro-batches", o.micro_batches,
-                  "micro-batches each batch is split into along a pipeline (0: 2 x --pp)")
-      ->capture_default_str();
-  cmd->add_option("--schedule", o.pipeline_schedule,
-                  "the pipeline schedule: gpipe, 1f1b, interleaved (2 stages per worker) or "
-                  "zero-bubble (backward split into input and weight gradients)")
-      ->capture_default_str();
   cmd->add_option(
          "--data-workers", o.data_workers,
          "preprocessing processes per worker for the training data (0: the worker's own prefetch "

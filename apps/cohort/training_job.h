@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cohort/cli/plan_options.h"
 #include "cohort/data/data_loader.h"
 #include "cohort/data/dataset.h"
 #include "cohort/data/tensor_dataset.h"
@@ -50,24 +51,13 @@ struct TrainOptions {
   double momentum = 0.9;
   std::optional<double> weight_decay;  // unset: the optimizer's default (0; adamw 0.01)
   bool flat_optimizer = true;          // cohort's flat optimizers, else libtorch's torch::optim
-  double gradient_clipping = 0;        // the gradients' global norm at most this; 0: no clipping
   int64_t warmup_steps = 0;
   std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
-  std::string precision = "fp32";
-  bool cuda_graph = false;  // each step captured as one CUDA graph (train::CapturedStep)
   uint64_t seed = 0;
-  int64_t max_steps = 0;                    // 0: no limit
-  int64_t train_examples = 0;               // the first N training examples only; 0: all
-  int64_t test_examples = 0;                // evaluate on the first N test examples only; 0: all
-  int64_t gradient_accumulation_steps = 1;  // micro-batches per optimizer step
-  parallel::ZeroOptions zero;               // stage 0: DDP
-  // ddp, local-sgd:H, diloco:H or async-ps:K (parallel::parse_sync_mode); DiLoCo's outer
-  // optimizer, unset: parallel::DiLoCo's defaults.
-  std::string sync = "ddp";
-  int parameter_servers = 0;  // with async-ps: servers in the first workers; 0: one
-  std::optional<double> outer_lr;
-  std::optional<double> outer_momentum;
-  bool nesterov = true;
+  int64_t max_steps = 0;       // 0: no limit
+  int64_t train_examples = 0;  // the first N training examples only; 0: all
+  int64_t test_examples = 0;   // evaluate on the first N test examples only; 0: all
+  int parameter_servers = 0;   // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
   // From a DeepSpeed config only: Adam's betas and eps, the lr schedule, the fp16 loss scaler.
@@ -75,12 +65,8 @@ struct TrainOptions {
   std::optional<double> eps;
   std::optional<optim::LrScheduleOptions> schedule;
   optim::LossScalerOptions loss_scaler;
-  // Pipeline and tensor parallelism: the workers form a mesh of dp x pp x tp (dp = workers /
-  // (pp x tp)); each pipeline runs `schedule` over `micro_batches` micro-batches of each batch.
-  int pp = 1;
-  int tp = 1;
-  int micro_batches = 0;  // 0: 2 x pp (1 without a pipeline)
-  std::string pipeline_schedule = "1f1b";
+  // The plan: degrees, ZeRO, sync mode, accumulation, clipping, capture, precision.
+  PlanOptions plan;
   int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
   std::string storage_path = "./cohort_results";
   std::string name;
@@ -123,9 +109,6 @@ std::string describe_data(const TrainOptions& options);
 // The Trainer datasets of a job: "train", normalised by its preprocessing workers.
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
 
-// The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
-parallel::SyncMode sync_of(const TrainOptions& options);
-
 // The train_loop_config of a job: what every worker reads.
 Json to_json(const TrainOptions& options);
 
@@ -139,8 +122,7 @@ RunConfig run_config_of(const TrainOptions& options);
 // The loop each worker runs: the zoo model made parallel by the job's plan (train::parallelize),
 // trained, evaluated on the test set and reported (with a checkpoint) once per epoch.
 void train_loop(const Json& config);
-// The plan of a job's options, and of its config (what every worker reads).
-train::Plan plan_of(const TrainOptions& options);
+// The plan of a job's config (what every worker reads).
 train::Plan plan_of(const Json& config);
 // The zoo model of a job's config as parallelize takes it: with a mesh cut at its
 // pipeline_layers(), and the ViT's blocks tensor-parallel over the tp group (the dense ViT beside

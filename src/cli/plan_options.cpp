@@ -1,0 +1,104 @@
+#include "cohort/cli/plan_options.h"
+
+#include "cohort/error.h"
+#include "cohort/json.h"
+
+namespace cohort::cli {
+
+parallel::SyncMode PlanOptions::sync_mode() const {
+  auto mode = parallel::parse_sync_mode(sync);
+  auto* diloco = std::get_if<parallel::DiLoCo>(&mode);
+  if (diloco == nullptr && (outer_lr || outer_momentum || !nesterov)) {
+    throw UsageError(
+        "--outer-lr, --outer-momentum and --no-nesterov set DiLoCo's outer optimizer: use them "
+        "with --sync diloco:H, not --sync " +
+        sync);
+  }
+  if (diloco != nullptr) {
+    if (outer_lr) diloco->outer_lr = *outer_lr;
+    if (outer_momentum) diloco->outer_momentum = *outer_momentum;
+    diloco->nesterov = nesterov;
+  }
+  try {
+    parallel::validate(mode);
+  } catch (const UsageError& e) {
+    throw UsageError("--sync " + sync + " with --outer-lr / --outer-momentum: " + e.what());
+  }
+  return mode;
+}
+
+train::Plan PlanOptions::plan(int world_size) const {
+  train::Plan plan{.pp = pp,
+                   .tp = tp,
+                   .zero = zero,
+                   .sync = sync_mode(),
+                   .gradient_accumulation_steps = gradient_accumulation_steps,
+                   .gradient_clipping = gradient_clipping,
+                   .cuda_graph = cuda_graph,
+                   .schedule = parallel::pipeline::schedule_from_string(schedule),
+                   .micro_batches = micro_batches};
+  plan.validate(world_size);
+  return plan;
+}
+
+void add_plan_options(CLI::App* cmd, PlanOptions& o) {
+  const auto flag = [&](const std::string& names, bool& value, const std::string& help) {
+    return cmd->add_flag(names, value, help)->default_str(value ? "true" : "false");
+  };
+  cmd->option_defaults()->group("Training");
+  cmd->add_option("--precision", o.precision,
+                  "fp32, bf16 (CPU or GPU: bfloat16 autocast) or fp16 (GPU: float16 autocast with "
+                  "dynamic loss scaling)")
+      ->capture_default_str();
+  cmd->add_option("--gradient-accumulation-steps", o.gradient_accumulation_steps,
+                  "micro-batches of --batch-size per optimizer step, communicating after the "
+                  "last only (with --pp/--tp: one pipeline step over all their micro-batches)")
+      ->capture_default_str();
+  cmd->add_option("--gradient-clipping", o.gradient_clipping,
+                  "clip the gradients' global L2 norm to this (0: no clipping)")
+      ->capture_default_str();
+  flag("--cuda-graph", o.cuda_graph,
+       "capture each training step (forward, backward, all-reduce, optimizer) as one CUDA graph "
+       "and replay it: GPU, NCCL, the flat optimizer, one micro-batch per step; a step that "
+       "cannot be captured runs eagerly, its reason printed");
+  cmd->option_defaults()->group("Parallelism and synchronisation");
+  cmd->add_option("--zero-stage", o.zero.stage,
+                  "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
+                  "too) or 3 (parameters too: the model's layers gathered around their forward "
+                  "and backward); with --pp/--tp, 1 or 2 over each stage's data-parallel group")
+      ->capture_default_str();
+  cmd->add_option("--sync", o.sync,
+                  "how the workers agree: ddp (gradients averaged every step), local-sgd:H "
+                  "(parameters averaged every H steps) or diloco:H (every H steps an outer "
+                  "Nesterov SGD step on the averaged parameter change); H >= 1; or async-ps:K "
+                  "(an asynchronous parameter server: workers push gradients and pull "
+                  "parameters without waiting for each other, at most K steps ahead of the "
+                  "slowest; K >= 0). All but ddp also synchronise at the end of every epoch")
+      ->capture_default_str();
+  cmd->add_option(
+      "--outer-lr", o.outer_lr,
+      "DiLoCo's outer learning rate (default: " + Json(parallel::DiLoCo{}.outer_lr).dump() + ")");
+  cmd->add_option(
+      "--outer-momentum", o.outer_momentum,
+      "DiLoCo's outer momentum (default: " + Json(parallel::DiLoCo{}.outer_momentum).dump() + ")");
+  flag("--nesterov,!--no-nesterov", o.nesterov,
+       "DiLoCo's outer momentum: Nesterov's (default) or plain");
+  cmd->add_option("--pp", o.pp,
+                  "pipeline parallelism: cut the model into this many stages, each on its own "
+                  "worker; the workers form pipelines of --pp x --tp")
+      ->capture_default_str();
+  cmd->add_option("--tp", o.tp,
+                  "tensor parallelism: cut the model's tensor-parallel layers over this many "
+                  "workers; --workers / (pp x tp) pipelines train data-parallel, the global "
+                  "batch --batch-size x that")
+      ->capture_default_str();
+  cmd->add_option("--micro-batches", o.micro_batches,
+                  "micro-batches each batch is split into along a pipeline (0: 2 x --pp)")
+      ->capture_default_str();
+  cmd->add_option("--schedule", o.schedule,
+                  "the pipeline schedule: gpipe, 1f1b, interleaved (2 stages per worker) or "
+                  "zero-bubble (backward split into input and weight gradients)")
+      ->capture_default_str();
+}
+
+}  // namespace cohort::cli
