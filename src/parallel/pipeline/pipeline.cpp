@@ -1,5 +1,6 @@
 #include "cohort/parallel/pipeline/pipeline.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/ops/tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
@@ -211,6 +212,10 @@ void Pipeline::State::probe(const std::vector<at::Tensor>& inputs,
     const char* text = static_cast<const char*>(m.data_ptr());
     if (text[0] != '\0') throw UsageError(std::string(text, strnlen(text, kMessageBytes)));
   }
+  // Under the caller's autocast the no-grad forward left bf16/fp16 casts of the weights in
+  // autocast's cache, made without autograd history: the step's forward would use them, and the
+  // first step of every process would compute no gradient for those weights.
+  at::autocast::clear_cache();
   probed = true;
 }
 

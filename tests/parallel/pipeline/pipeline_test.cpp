@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 
+#include "cohort/optim/precision.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/zero_optimizer.h"
@@ -110,6 +111,31 @@ TEST(Pipeline, EveryScheduleGivesTheGradientsOfTheWholeModel) {
   expect_same_as_unpipelined({ScheduleKind::kInterleaved, 2, 3, 2, 8});
   // One rank: every stage local, no messages.
   expect_same_as_unpipelined({ScheduleKind::kInterleaved, 1, 3, 3, 9});
+}
+
+// Under bf16 autocast the first step (which probes the stages' shapes with a no-grad forward)
+// gives every weight the gradient every later step gives: the probe's cached casts, made without
+// autograd history, must not reach the step's forward.
+TEST(Pipeline, TheFirstStepUnderAutocastComputesEveryGradient) {
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto stages = split_sequential(make_mlp(), {4, 3});
+    torch::nn::Sequential mine = stages[size_t(group.rank())];
+    Pipeline pipe({mine}, group, cross_entropy, {.micro_batches = 2});
+    const auto [x, y] = make_batch(8);
+    std::vector<std::vector<at::Tensor>> grads;
+    for (int step = 0; step < 2; ++step) {
+      for (auto& p : mine->parameters()) p.mutable_grad() = at::Tensor();
+      optim::AutocastGuard autocast(optim::Precision::kBf16, c10::Device(c10::kCPU));
+      pipe.step(x, y);
+      grads.emplace_back();
+      for (const auto& p : mine->parameters()) {
+        ASSERT_TRUE(p.grad().defined()) << "step " << step + 1 << ", rank " << group.rank();
+        grads.back().push_back(p.grad().clone());
+      }
+    }
+    for (size_t i = 0; i < grads[0].size(); ++i)
+      EXPECT_TRUE(torch::equal(grads[0][i], grads[1][i])) << "parameter " << i;
+  });
 }
 
 // Stages on the GPU, activations and gradients between ranks through Gloo's host copies.
