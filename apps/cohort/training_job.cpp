@@ -136,21 +136,6 @@ Evaluation evaluate(torch::nn::Module& model,
   return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
 }
 
-ResumePoint resume_point(const Checkpoint& checkpoint) {
-  const auto metrics = checkpoint.metrics();
-  const int epoch = metrics.value("epoch", 0);
-  const int64_t epoch_step = metrics.value(kEpochStepMetric, int64_t{0});
-  if (train::get_context().get_world_rank() == 0) {
-    std::cout << "resuming "
-              << (epoch_step > 0 ? "epoch " + std::to_string(epoch) + " after step " +
-                                       std::to_string(epoch_step)
-                                 : "after epoch " + std::to_string(epoch))
-              << " from " << checkpoint.path().string() << std::endl;
-  }
-  if (epoch_step > 0) return {epoch - 1, metrics.value("steps", int64_t{0}), epoch_step};
-  return {epoch, metrics.value("steps", int64_t{0}), 0};
-}
-
 models::ModelOptions model_options_of(const Json& c) {
   models::ModelOptions options;
   if (c.contains("model_options")) {
@@ -675,11 +660,11 @@ void train_loop(const Json& c) {
       },
       plan, schedule_of(c, epochs * steps_per_epoch));
   if (rank0 && plan.has_mesh()) std::cout << model.describe() << std::endl;
-  ResumePoint resumed;
+  train::ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.
     model.load(*checkpoint);
-    resumed = resume_point(*checkpoint);
+    resumed = train::resume_point(*checkpoint);
   }
   // Evaluation: every rank holds the whole model then; a tp group scores the same rows.
   data::DataLoader test_loader(
@@ -797,7 +782,8 @@ void train_loop(const Json& c) {
                  {"elapsed_s", elapsed},
                  {"time_to_first_step_s", time_to_first_step}};
     if (ctx.has_mesh()) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
-    if (stopping && step_in_epoch < steps_per_epoch) metrics[kEpochStepMetric] = step_in_epoch;
+    if (stopping && step_in_epoch < steps_per_epoch)
+      metrics[train::kEpochStepMetric] = step_in_epoch;
     train::report(metrics, model);
     if (last) break;
   }

@@ -152,17 +152,6 @@ optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 Evaluation evaluate(torch::nn::Module& model,
                     const std::function<torch::Tensor(torch::Tensor)>& forward,
                     data::DataLoader& loader, comm::ProcessGroup group);
-// Where a checkpoint's run stopped (its metrics), said on rank 0: the epoch to start at, the
-// optimizer steps done, and the steps of that epoch already done (a run stopped inside an epoch
-// at a Ctrl-C reports "epoch_step"; resumed, it skips those batches of the same order).
-struct ResumePoint {
-  int epoch = 0;
-  int64_t steps = 0;
-  int64_t epoch_steps_done = 0;
-};
-ResumePoint resume_point(const Checkpoint& checkpoint);
-// The metric of a checkpoint taken inside an epoch: the steps of that epoch done.
-inline constexpr const char* kEpochStepMetric = "epoch_step";
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
 // The zoo model's options for a job's data: MNIST's 1x28x28 and 10 classes, or what --data holds.

@@ -41,6 +41,57 @@ train::Plan PlanOptions::plan(int world_size) const {
   return plan;
 }
 
+void to_json(Json& j, const PlanOptions& o) {
+  j = Json{{"pp", o.pp},
+           {"tp", o.tp},
+           {"micro_batches", o.micro_batches},
+           {"schedule", o.schedule},
+           {"zero",
+            {{"stage", o.zero.stage},
+             {"reduce_bucket_size", o.zero.reduce_bucket_size},
+             {"allgather_bucket_size", o.zero.allgather_bucket_size},
+             {"overlap_comm", o.zero.overlap_comm},
+             {"prefetch_bucket_size", o.zero.prefetch_bucket_size},
+             {"max_live_parameters", o.zero.max_live_parameters},
+             {"param_persistence_threshold", o.zero.param_persistence_threshold}}},
+           {"sync", o.sync},
+           {"nesterov", o.nesterov},
+           {"gradient_accumulation_steps", o.gradient_accumulation_steps},
+           {"gradient_clipping", o.gradient_clipping},
+           {"cuda_graph", o.cuda_graph},
+           {"precision", o.precision}};
+  if (o.outer_lr) j["outer_lr"] = *o.outer_lr;
+  if (o.outer_momentum) j["outer_momentum"] = *o.outer_momentum;
+}
+
+void from_json(const Json& j, PlanOptions& o) {
+  const PlanOptions d;
+  o.pp = json_field(j, "pp", d.pp);
+  o.tp = json_field(j, "tp", d.tp);
+  o.micro_batches = json_field(j, "micro_batches", d.micro_batches);
+  o.schedule = json_field(j, "schedule", d.schedule);
+  const Json zero = j.contains("zero") ? j["zero"] : Json::object();
+  o.zero.stage = json_field(zero, "stage", d.zero.stage);
+  o.zero.reduce_bucket_size = json_field(zero, "reduce_bucket_size", d.zero.reduce_bucket_size);
+  o.zero.allgather_bucket_size =
+      json_field(zero, "allgather_bucket_size", d.zero.allgather_bucket_size);
+  o.zero.overlap_comm = json_field(zero, "overlap_comm", d.zero.overlap_comm);
+  o.zero.prefetch_bucket_size =
+      json_field(zero, "prefetch_bucket_size", d.zero.prefetch_bucket_size);
+  o.zero.max_live_parameters = json_field(zero, "max_live_parameters", d.zero.max_live_parameters);
+  o.zero.param_persistence_threshold =
+      json_field(zero, "param_persistence_threshold", d.zero.param_persistence_threshold);
+  o.sync = json_field(j, "sync", d.sync);
+  if (j.contains("outer_lr")) o.outer_lr = json_field(j, "outer_lr", 0.0);
+  if (j.contains("outer_momentum")) o.outer_momentum = json_field(j, "outer_momentum", 0.0);
+  o.nesterov = json_field(j, "nesterov", d.nesterov);
+  o.gradient_accumulation_steps =
+      json_field(j, "gradient_accumulation_steps", d.gradient_accumulation_steps);
+  o.gradient_clipping = json_field(j, "gradient_clipping", d.gradient_clipping);
+  o.cuda_graph = json_field(j, "cuda_graph", d.cuda_graph);
+  o.precision = json_field(j, "precision", d.precision);
+}
+
 void add_plan_options(CLI::App* cmd, PlanOptions& o) {
   const auto flag = [&](const std::string& names, bool& value, const std::string& help) {
     return cmd->add_flag(names, value, help)->default_str(value ? "true" : "false");

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <iostream>
 #include <map>
 
 #include "cohort/error.h"
@@ -365,6 +366,21 @@ void ParallelModel::load(const Checkpoint& checkpoint) {
   // The checkpoint's lr already has the schedule's factor for its steps.
   st.steps = checkpoint.metrics().value("steps", int64_t{0});
   st.lr_scheduler = std::make_unique<optim::LrScheduler>(*st.optimizer, st.schedule, st.steps);
+}
+
+ResumePoint resume_point(const Checkpoint& checkpoint) {
+  const auto metrics = checkpoint.metrics();
+  const int epoch = metrics.value("epoch", 0);
+  const int64_t epoch_step = metrics.value(kEpochStepMetric, int64_t{0});
+  if (get_context().get_world_rank() == 0) {
+    std::cout << "resuming "
+              << (epoch_step > 0 ? "epoch " + std::to_string(epoch) + " after step " +
+                                       std::to_string(epoch_step)
+                                 : "after epoch " + std::to_string(epoch))
+              << " from " << checkpoint.path().string() << std::endl;
+  }
+  if (epoch_step > 0) return {.epoch = epoch - 1, .epoch_steps_done = epoch_step};
+  return {.epoch = epoch};
 }
 
 void report(const Json& metrics, const ParallelModel& model) {

@@ -15,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cohort/json.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/plan.h"
@@ -46,6 +47,11 @@ struct PlanOptions {
   // train::Plan::validate.
   train::Plan plan(int world_size = 0) const;
 };
+
+// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back; a missing
+// key keeps its default, a value of the wrong type is a UsageError naming it.
+void to_json(Json& json, const PlanOptions& options);
+void from_json(const Json& json, PlanOptions& options);
 
 // Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group
 // "Training", the rest in "Parallelism and synchronisation".

@@ -125,6 +125,20 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
                           LossFunction loss, Plan plan,
                           const optim::LrScheduleOptions& schedule = {});
 
+// Where a run stands, as its reports say it: "epoch", the epochs begun (an epoch ended reports
+// its number from 1), and "epoch_step", the steps of that epoch done when the run stopped inside
+// it (a Ctrl-C, a stop of the loop's own). Resumed, the loop starts at `epoch` (from 0) and skips
+// the first `epoch_steps_done` steps' batches, which come in the same order (the same world size
+// and seed).
+inline constexpr const char* kEpochStepMetric = "epoch_step";
+struct ResumePoint {
+  int epoch = 0;
+  int64_t epoch_steps_done = 0;
+};
+// The resume point of a checkpoint's metrics, said on rank 0 ("resuming epoch 2 after step 5
+// from ...").
+ResumePoint resume_point(const Checkpoint& checkpoint);
+
 // train::report with a checkpoint of `model`: every rank writes its part into a staging folder of
 // its own, reports it, and removes the folder once the driver took it.
 void report(const Json& metrics, const ParallelModel& model);

@@ -1,0 +1,128 @@
+// Your own model and your own data on cohort's one path for every plan: a network defined here
+// (not the zoo's), rows from an image folder (images:DIR, a sub-folder per class) or a CSV
+// (csv:FILE --label COLUMN), trained by train::parallelize with the plan's flags, by default
+// pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16 and 2 accumulated batches per step.
+// --stop-after-steps N stops the run inside an epoch with a checkpoint; run it again with the same
+// --name and it resumes with exactly the batches it had not seen.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <iomanip>
+#include <iostream>
+
+#include "cohort/cli/plan_options.h"
+#include "cohort/cohort.h"
+
+namespace train = cohort::train;
+
+// The model: its layers in order, which a pipeline cuts into stages.
+struct Classifier : torch::nn::Module {
+  Classifier(int64_t features, int64_t classes)
+      : layers(register_module(
+            "layers", torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(features, 64),
+                                            torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                                            torch::nn::ReLU(), torch::nn::Linear(64, classes)))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return layers->forward(x); }
+  torch::nn::Sequential layers;
+};
+
+cohort::data::LabelledData open_data(const cohort::Json& c) {
+  return cohort::data::open_labelled_data(c["data"], {.label_column = c["label"]});
+}
+
+void train_loop(const cohort::Json& c) {
+  auto& ctx = train::get_context();
+  const auto plan = c["plan"].get<cohort::cli::PlanOptions>().plan(ctx.get_world_size());
+  const auto data = open_data(c);
+  auto stream = train::get_dataset_shard("train");
+  const int64_t rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
+  torch::manual_seed(0);  // every rank the same weights
+  auto net = std::make_shared<Classifier>(data.channels * data.image_size * data.image_size,
+                                          data.num_classes);
+  auto model = train::parallelize(
+      {.module = net,
+       .forward = [net](const at::Tensor& x) { return net->forward(x); },
+       .layers = net->layers},
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(3e-3));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      plan);
+  train::ResumePoint start;
+  if (auto checkpoint = train::get_checkpoint()) {
+    model.load(*checkpoint);
+    start = train::resume_point(*checkpoint);
+  }
+  const auto test = cohort::data::materialize_labelled(data.test, data.normalize);
+  const int64_t stop_after = c["stop_after_steps"];
+  for (int epoch = start.epoch; epoch < c["epochs"].get<int>(); ++epoch) {
+    stream.set_epoch(epoch);
+    int64_t step = 0;
+    bool stopped = false;
+    for (auto& batch : stream.iter_batches({.batch_size = rows, .device = ctx.get_device()})) {
+      if (step++ < (epoch == start.epoch ? start.epoch_steps_done : 0)) continue;  // seen
+      model.step(batch["image"], batch["label"]);
+      if ((stopped = model.steps() == stop_after)) break;
+    }
+    model.sync();
+    double correct = 0, checksum = 0;
+    {
+      auto whole = model.whole_model();  // every rank the whole model
+      torch::NoGradGuard no_grad;
+      const auto out = model.forward(test.inputs.to(ctx.get_device()));
+      correct = out.argmax(1).cpu().eq(test.targets).sum().item<double>();
+      for (const auto& p : model.module().parameters()) checksum += p.sum().item<double>();
+    }
+    train::report({{"epoch", epoch + 1},
+                   {train::kEpochStepMetric, stopped ? step : 0},
+                   {"steps", model.steps()},
+                   {"accuracy", correct / static_cast<double>(test.size())},
+                   {"checksum", checksum}},
+                  model);
+    if (stopped) break;
+  }
+}
+
+int main(int argc, char** argv) {
+  CLI::App app("Your own model and data, trained on a plan of the command line's flags");
+  cohort::cli::PlanOptions plan{
+      .pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 2, .precision = "bf16"};
+  int workers = 4, epochs = 2;
+  int64_t batch_size = 16, stop_after_steps = 0;
+  std::string data, label, name = "own_model", storage = "./cohort_results";
+  app.add_option("--data", data, "images:DIR or csv:FILE")->required();
+  app.add_option("--label", label, "with csv:FILE, the class column");
+  app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
+  app.add_option("--workers", workers);
+  app.add_option("--epochs", epochs);
+  app.add_option("--batch-size", batch_size);
+  app.add_option("--name", name);
+  app.add_option("--storage-path", storage);
+  cohort::cli::add_plan_options(&app, plan);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
+    const cohort::Json c{
+        {"data", data},     {"label", label},           {"plan", plan},
+        {"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}};
+    const auto labelled = open_data(c);
+    std::cout << labelled.describe() << std::endl;
+    cohort::Trainer trainer(
+        train_loop,
+        {.num_workers = workers,
+         .precision = plan.precision,
+         .mesh = {.pp = plan.pp, .tp = plan.tp}},
+        {.name = name, .storage_path = storage, .verbose = 0}, c,
+        {{"train", labelled.train.random_shuffle(0).map_batches(labelled.normalize)}});
+    const auto result = trainer.fit();
+    if (!result.ok()) throw std::runtime_error(*result.error);
+    std::cout << "steps " << result.metrics["steps"] << " accuracy " << result.metrics["accuracy"]
+              << " checksum " << std::setprecision(17) << result.metrics["checksum"].get<double>()
+              << std::endl;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << std::endl;
+    return dynamic_cast<const cohort::UsageError*>(&e) != nullptr ? 2 : 1;
+  }
+}
