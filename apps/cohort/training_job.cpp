@@ -555,11 +555,6 @@ std::optional<DashboardOptions> dashboard_of(const TrainOptions& o) {
   return options;
 }
 
-double current_lr(torch::optim::Optimizer& optimizer) {
-  return optimizer.param_groups().empty() ? 0.0
-                                          : optimizer.param_groups().front().options().get_lr();
-}
-
 RunConfig run_config_of(const TrainOptions& o) {
   return RunConfig{
       .name = o.name,

@@ -112,9 +112,6 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
 // The train_loop_config of a job: what every worker reads.
 Json to_json(const TrainOptions& options);
 
-// The learning rate of the optimizer's first param group now (0 when it has none).
-double current_lr(torch::optim::Optimizer& optimizer);
-
 // The workers and the run of a job.
 ScalingConfig scaling_of(const TrainOptions& options);
 RunConfig run_config_of(const TrainOptions& options);
