@@ -751,11 +751,13 @@ void train_loop(const Json& c) {
     }
     // Replicas must agree: the spread of the parameter checksums of the ranks that hold the same
     // slices (0 when in sync).
-    const auto checksums = torch::cat(ctx.get_process_group().allgather(
-        torch::tensor({double(ctx.get_world_rank() % plan.tp), checksum}, torch::kDouble)));
+    // Rows of (tp index, checksum), one per rank (tp is the fastest mesh dimension).
+    const auto pairs =
+        torch::cat(ctx.get_process_group().allgather(torch::tensor(
+                       {double(ctx.get_world_rank() % plan.tp), checksum}, torch::kDouble)))
+            .view({-1, 2});
     double spread = 0;
     for (int slice = 0; slice < plan.tp; ++slice) {
-      const auto pairs = checksums.view({-1, 2});
       const auto mine = pairs.index({pairs.select(1, 0).eq(slice)}).select(1, 1);
       spread = std::max(spread, (mine.max() - mine.min()).item<double>());
     }
