@@ -48,11 +48,15 @@ struct DataIterator::Impl {
   std::function<void(const std::string&)> on_listening;
   std::unique_ptr<TaskRunner> runner;
   IngestStats stats;
+  EpochStart resume;
+  EpochPosition position;
+  std::function<void(const EpochPosition&)> on_position;
 
   // The pass in progress.
   IterBatchesOptions options;
   int64_t epoch = 0;
   int64_t batch_index = 0;
+  int64_t rows_to_leave_out = 0;  // a resumed pass's first rows, which the consumer had taken
   std::thread producer;
   std::mutex mutex;
   std::condition_variable changed;
@@ -83,6 +87,13 @@ struct DataIterator::Impl {
 
   // Blocks until the consumer has room; false once the pass is cancelled.
   bool push(Block block) {
+    if (rows_to_leave_out > 0) {
+      const int64_t rows = block.num_rows();
+      const int64_t out = std::min(rows, rows_to_leave_out);
+      rows_to_leave_out -= out;
+      if (out == rows) return true;
+      block = block.slice(out, rows - out);
+    }
     for (auto& [name, column] : block.columns) column = to_device(column, options.device);
     std::vector<Block> release;
     {
@@ -171,6 +182,23 @@ struct DataIterator::Impl {
     next_epoch.reset();
     last_epoch = epoch;
     batch_index = 0;
+    // Resumed inside this epoch: the rows of the whole order every shard had taken are not read
+    // again; of this shard's own, those it had taken are left out as they come.
+    int64_t unsharded_rows = 0;
+    rows_to_leave_out = 0;
+    if (resume.epoch == epoch) {
+      unsharded_rows = resume.unsharded_rows;
+      rows_to_leave_out = resume.yielded_rows;
+      resume = EpochStart{};
+    }
+    position = EpochPosition{
+        .epoch = epoch,
+        .unsharded_rows = unsharded_rows,
+        .yielded_rows = rows_to_leave_out,
+        .in_order = keeps_rows(dataset.plan()) && options.local_shuffle_buffer_size <= 0};
+    // Rows in order are the shard's first: not read at all. Others are read and left out.
+    const int64_t own_rows = position.in_order ? rows_to_leave_out : 0;
+    if (position.in_order) rows_to_leave_out = 0;
     if (!runner) {
       const auto& plan = dataset.plan();
       const int workers = dataset.num_workers();
@@ -183,7 +211,7 @@ struct DataIterator::Impl {
         runner = make_inline_runner(plan);
       }
     }
-    runner->start_epoch(epoch, epoch_tasks(dataset.plan(), epoch));
+    runner->start_epoch(epoch, epoch_tasks(dataset.plan(), epoch, unsharded_rows, own_rows));
     {
       std::lock_guard lock(mutex);
       ready.clear();
@@ -231,9 +259,13 @@ struct DataIterator::Impl {
     }
     if (!have) {
       end_pass();
+      position.finished = true;
+      if (on_position) on_position(position);
       return false;
     }
     ++batch_index;
+    position.yielded_rows += out.num_rows();
+    if (on_position) on_position(position);
     {
       std::lock_guard lock(mutex);
       stats.wait_seconds += waited;
@@ -256,6 +288,12 @@ DataIterator::Stream DataIterator::iter_batches(IterBatchesOptions options) {
   serve_if_data_worker(impl_->dataset);
   impl_->start(options);
   return Stream(impl_.get());
+}
+
+void DataIterator::start_at(EpochStart start) { impl_->resume = start; }
+EpochPosition DataIterator::position() const { return impl_->position; }
+void DataIterator::set_on_position(std::function<void(const EpochPosition&)> callback) {
+  impl_->on_position = std::move(callback);
 }
 
 IngestStats DataIterator::stats() const {

@@ -1,6 +1,7 @@
 #include "cohort/data/data_loader.h"
 
 #include <torch/types.h>
+#include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -22,6 +23,9 @@ Batch TensorDataset::get_batch(const at::Tensor& indices) const {
 
 // One pass over the shard: a producer thread fills a bounded queue, the iterator drains it.
 struct DataLoader::Iterator::Epoch {
+  // The consumer's place, and who hears of it.
+  EpochPosition position;
+  std::function<void(const EpochPosition&)> on_position;
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<Batch> ready;
@@ -49,12 +53,19 @@ struct DataLoader::Iterator::Epoch {
     const double waited =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (error) std::rethrow_exception(error);
-    if (ready.empty()) return false;
+    if (ready.empty()) {
+      position.finished = true;
+      lock.unlock();
+      if (on_position) on_position(position);
+      return false;
+    }
     out = std::move(ready.front());
     ready.pop_front();
     changed.notify_all();
     lock.unlock();
     add_ingest_wait(waited, 1);
+    position.yielded_rows += out.data.size(0);
+    if (on_position) on_position(position);
     return true;
   }
 };
@@ -64,6 +75,8 @@ struct DataLoader::Impl {
   DataLoaderOptions options;
   DistributedSampler sampler;
   std::shared_ptr<Iterator::Epoch> epoch;
+  EpochStart resume;
+  std::function<void(const EpochPosition&)> on_position;
 
   Impl(TensorDataset d, DataLoaderOptions o, DistributedSampler s)
       : dataset(std::move(d)), options(o), sampler(std::move(s)) {}
@@ -105,6 +118,14 @@ DataLoader& DataLoader::operator=(DataLoader&&) noexcept = default;
 
 void DataLoader::set_epoch(int64_t epoch) { impl_->sampler.set_epoch(epoch); }
 
+void DataLoader::start_at(EpochStart start) { impl_->resume = start; }
+EpochPosition DataLoader::position() const {
+  return impl_->epoch ? impl_->epoch->position : EpochPosition{};
+}
+void DataLoader::set_on_position(std::function<void(const EpochPosition&)> callback) {
+  impl_->on_position = std::move(callback);
+}
+
 int64_t DataLoader::num_samples() const { return impl_->sampler.num_samples(); }
 
 int64_t DataLoader::num_batches() const {
@@ -132,9 +153,20 @@ DataLoader::Iterator& DataLoader::Iterator::operator++() {
 DataLoader::Iterator DataLoader::begin() {
   if (impl_->epoch) impl_->epoch->cancel();
   auto epoch = std::make_shared<Iterator::Epoch>();
-  auto indices = impl_->sampler.indices();
-  const int64_t batches = num_batches();
+  const auto& sampler = impl_->sampler;
+  // Resumed inside this epoch: the permutation's rows every rank had taken, then this rank's own.
+  EpochStart start;
+  if (impl_->resume.epoch == sampler.epoch()) std::swap(start, impl_->resume);
+  auto indices = sampler.indices(start.unsharded_rows);
+  const auto own = std::clamp<int64_t>(start.yielded_rows, 0, static_cast<int64_t>(indices.size()));
+  indices.erase(indices.begin(), indices.begin() + static_cast<std::ptrdiff_t>(own));
+  epoch->position = {
+      .epoch = sampler.epoch(), .unsharded_rows = start.unsharded_rows, .yielded_rows = own};
+  epoch->on_position = impl_->on_position;
   const auto options = impl_->options;
+  const auto rows = static_cast<int64_t>(indices.size());
+  const int64_t batches = options.drop_last ? rows / options.batch_size
+                                            : (rows + options.batch_size - 1) / options.batch_size;
   const TensorDataset* dataset = &impl_->dataset;
   Iterator::Epoch* raw = epoch.get();
   epoch->producer = std::thread([raw, dataset, options, batches, indices = std::move(indices)] {

@@ -140,10 +140,19 @@ std::vector<int64_t> train_test_part(std::vector<int64_t> rows, const OrderOp& o
 
 }  // namespace
 
-std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
+std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch, int64_t unsharded_rows) {
   std::vector<int64_t> rows(static_cast<size_t>(plan.source ? plan.source->size() : 0));
   std::iota(rows.begin(), rows.end(), int64_t{0});
-  for (const auto& op : plan.order) {
+  size_t last_shard = plan.order.size();
+  for (size_t i = 0; i < plan.order.size(); ++i)
+    if (plan.order[i].kind == OrderOp::kShard) last_shard = i;
+  const auto leave_out_consumed = [&] {
+    const auto n = std::min<int64_t>(unsharded_rows, static_cast<int64_t>(rows.size()));
+    if (n > 0) rows.erase(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(n));
+  };
+  for (size_t i = 0; i < plan.order.size(); ++i) {
+    const auto& op = plan.order[i];
+    if (i == last_shard) leave_out_consumed();
     const auto n = static_cast<int64_t>(rows.size());
     switch (op.kind) {
       case OrderOp::kShuffle: {
@@ -179,7 +188,14 @@ std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch) {
       }
     }
   }
+  if (last_shard == plan.order.size()) leave_out_consumed();
   return rows;
+}
+
+bool keeps_rows(const Dataset::Plan& plan) {
+  if (plan.source && plan.source->may_skip()) return false;
+  return std::none_of(plan.stages.begin(), plan.stages.end(),
+                      [](const Stage& stage) { return stage.kind == Stage::kFilter; });
 }
 
 int64_t rows_per_task(const Dataset::Plan& plan) {
@@ -189,8 +205,11 @@ int64_t rows_per_task(const Dataset::Plan& plan) {
   return std::max<int64_t>(1, plan.execution.rows_per_task);
 }
 
-std::vector<std::vector<int64_t>> epoch_tasks(const Dataset::Plan& plan, int64_t epoch) {
-  const auto rows = epoch_rows(plan, epoch);
+std::vector<std::vector<int64_t>> epoch_tasks(const Dataset::Plan& plan, int64_t epoch,
+                                              int64_t unsharded_rows, int64_t own_rows) {
+  auto rows = epoch_rows(plan, epoch, unsharded_rows);
+  own_rows = std::clamp<int64_t>(own_rows, 0, static_cast<int64_t>(rows.size()));
+  rows.erase(rows.begin(), rows.begin() + static_cast<std::ptrdiff_t>(own_rows));
   const auto per = static_cast<size_t>(rows_per_task(plan));
   std::vector<std::vector<int64_t>> tasks;
   for (size_t start = 0; start < rows.size(); start += per) {

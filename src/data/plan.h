@@ -50,10 +50,16 @@ struct Dataset::Plan {
   ExecutionOptions execution;
 };
 
-// The source rows of `epoch`, in order, after the order operations.
-std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch);
-// Those rows cut into tasks.
-std::vector<std::vector<int64_t>> epoch_tasks(const Dataset::Plan& plan, int64_t epoch);
+// The source rows of `epoch`, in order, after the order operations; a resumed epoch's leave out
+// the first `unsharded_rows` of the order before the last shard() (of all, without one).
+std::vector<int64_t> epoch_rows(const Dataset::Plan& plan, int64_t epoch,
+                                int64_t unsharded_rows = 0);
+// Those rows, less the first `own_rows` of them, cut into tasks.
+std::vector<std::vector<int64_t>> epoch_tasks(const Dataset::Plan& plan, int64_t epoch,
+                                              int64_t unsharded_rows = 0, int64_t own_rows = 0);
+// Whether every source row becomes one row: no filter stage and a source that skips no row
+// (map_batches functions are taken to return as many rows as they get).
+bool keeps_rows(const Dataset::Plan& plan);
 int64_t rows_per_task(const Dataset::Plan& plan);
 
 struct TaskResult {

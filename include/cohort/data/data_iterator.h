@@ -7,6 +7,7 @@
 #include <string>
 
 #include "cohort/data/dataset.h"
+#include "cohort/data/epoch_position.h"
 #include "cohort/runtime/worker_info.h"
 
 namespace cohort::data {
@@ -41,6 +42,14 @@ class DataIterator {
   // One pass: `for (Block& batch : it.iter_batches({.batch_size = 64})) ...`. Starting another
   // pass ends an unfinished one.
   Stream iter_batches(IterBatchesOptions options = {});
+
+  // Resuming inside an epoch: the pass of start.epoch begins at `start` (epoch_position.h), once.
+  void start_at(EpochStart start);
+  // Where the consumer stands in the pass begun last (its rows taken so far).
+  EpochPosition position() const;
+  // Called with position() after every batch the consumer takes and when a pass ends: to keep
+  // it in a checkpoint (the Trainer's get_dataset_shard does).
+  void set_on_position(std::function<void(const EpochPosition&)> callback);
 
   // Since the iterator was made.
   IngestStats stats() const;

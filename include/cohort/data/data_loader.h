@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -7,6 +8,7 @@
 #include <c10/core/Device.h>
 
 #include "cohort/data/distributed_sampler.h"
+#include "cohort/data/epoch_position.h"
 #include "cohort/data/tensor_dataset.h"
 
 namespace cohort::data {
@@ -34,6 +36,12 @@ class DataLoader {
   DataLoader& operator=(DataLoader&&) noexcept;
 
   void set_epoch(int64_t epoch);
+  // Resuming inside an epoch: the pass of start.epoch begins at `start` (epoch_position.h), once.
+  void start_at(EpochStart start);
+  // Where the consumer stands in the pass begun last (its rows taken so far).
+  EpochPosition position() const;
+  // Called with position() after every batch the consumer takes and when a pass ends.
+  void set_on_position(std::function<void(const EpochPosition&)> callback);
   int64_t num_batches() const;
   int64_t num_samples() const;
   const DataLoaderOptions& options() const;

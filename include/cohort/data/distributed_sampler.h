@@ -25,10 +25,11 @@ class DistributedSampler {
   explicit DistributedSampler(SamplerOptions options);
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
   int64_t epoch() const { return epoch_; }
-  // This rank's indices for the current epoch.
-  std::vector<int64_t> indices() const;
-  // Samples this rank gets per epoch.
-  int64_t num_samples() const;
+  // This rank's indices for the current epoch; of a resumed epoch, after the first
+  // `unsharded_rows` of its permutation (taken before it stopped), the rest split anew.
+  std::vector<int64_t> indices(int64_t unsharded_rows = 0) const;
+  // Samples this rank gets per epoch (of one that leaves out `unsharded_rows`).
+  int64_t num_samples(int64_t unsharded_rows = 0) const;
   const SamplerOptions& options() const { return options_; }
 
  private:
