@@ -349,7 +349,12 @@ std::string ParallelModel::describe() const {
 
 bool ParallelModel::save(const std::filesystem::path& dir) const {
   auto& st = *state_;
-  if (st.pipe) return save_mesh_checkpoint(dir, st.mesh_parts());
+  if (st.pipe) {
+    // The whole model that the checkpoint holds is the first rank's, with every stage's current
+    // parameters (its other stages are trained elsewhere).
+    st.share_stages();
+    return save_mesh_checkpoint(dir, st.mesh_parts());
+  }
   if (get_context().get_world_rank() != 0 && !checkpoint_per_rank(*st.optimizer)) return false;
   save_checkpoint(dir, *st.model.module, *st.optimizer);
   return true;
