@@ -59,10 +59,10 @@ void train_loop(const cohort::Json& c) {
   const int64_t stop_after = c["stop_after_steps"];
   for (int epoch = start.epoch; epoch < c["epochs"].get<int>(); ++epoch) {
     stream.set_epoch(epoch);
-    int64_t step = 0;
+    int64_t step = epoch == start.epoch ? start.epoch_steps_done : 0;  // resumed: on from there
     bool stopped = false;
     for (auto& batch : stream.iter_batches({.batch_size = rows, .device = ctx.get_device()})) {
-      if (step++ < (epoch == start.epoch ? start.epoch_steps_done : 0)) continue;  // seen
+      ++step;
       model.step(batch["image"], batch["label"]);
       if ((stopped = model.steps() == stop_after)) break;
     }

@@ -683,17 +683,12 @@ void train_loop(const Json& c) {
     double loss_sum = 0;
     int64_t loss_count = 0;
     const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
-    // Resumed inside this epoch: its first steps' batches were trained on already.
-    int64_t skip = epoch == resumed.epoch ? resumed.epoch_steps_done : 0;
-    int64_t step_in_epoch = 0;
+    // Resumed inside this epoch: the stream starts after the rows it had taken (the
+    // checkpoint's data position), and the steps count on.
+    int64_t step_in_epoch = epoch == resumed.epoch ? resumed.epoch_steps_done : 0;
     auto step_start = Clock::now();  // not the evaluation's time
     for (auto& batch :
          train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
-      if (skip > 0) {
-        --skip;
-        ++step_in_epoch;
-        continue;
-      }
       const auto rows = batch["image"].size(0);
       const auto result = model.step(batch["image"], batch["label"]);
       if (!result.stepped) continue;

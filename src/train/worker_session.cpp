@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
+#include <iostream>
 #include <random>
 
 #include <torch/types.h>
@@ -15,6 +17,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/environment.h"
+#include "cohort/train/parallel_model.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "train/run_files.h"
@@ -285,11 +288,60 @@ bool step_optimizer(torch::optim::Optimizer& optimizer) {
   return stepped;
 }
 
+namespace {
+
+// The data positions a report's checkpoint keeps in meta.json: by stream, one per data-parallel
+// shard then (in shard order).
+constexpr const char* kDataPositionsKey = "data_positions";
+
+// Where stream `key` of shard `shard` of `shards` starts in a run resumed from a checkpoint that
+// kept its position; none otherwise. Rank 0 says when the epoch cannot resume exactly.
+data::EpochStart resume_start_of(const WorkerSession& s, const std::string& key, int shard,
+                                 int shards) {
+  if (!s.resume_from) return {};
+  const auto meta_file = s.resume_from->path() / kMetaFile;
+  if (!std::filesystem::exists(meta_file)) return {};
+  const auto meta = read_json(meta_file);
+  if (!meta.contains(kDataPositionsKey)) {
+    if (s.context.world_rank == 0 && meta.contains("metrics") &&
+        meta["metrics"].value(kEpochStepMetric, int64_t{0}) > 0) {
+      std::cerr << "cohort: data: " << key << ": the checkpoint was written inside an epoch by a "
+                << "release that kept no data positions: that epoch starts again from its first "
+                << "batch" << std::endl;
+    }
+    return {};
+  }
+  if (!meta[kDataPositionsKey].contains(key)) return {};
+  const auto positions = meta[kDataPositionsKey][key].get<std::vector<data::EpochPosition>>();
+  std::string warning;
+  const auto start = data::resume_start(positions, shard, shards, &warning);
+  if (!warning.empty() && s.context.world_rank == 0)
+    std::cerr << "cohort: data: " << key << ": " << warning << std::endl;
+  return start;
+}
+
+// Keeps stream `key`'s position in the session, for the next report's checkpoint; a resumed run's
+// stream starts where the checkpoint's stood.
+template <typename Stream>
+void track_position(WorkerSession& s, const std::string& key, Stream& stream) {
+  const auto position = data_parallel_position(s.context);
+  if (const auto start = resume_start_of(s, key, position.rank, position.world_size);
+      start.epoch >= 0)
+    stream.start_at(start);
+  auto* session = &s;
+  stream.set_on_position(
+      [session, key](const data::EpochPosition& p) { session->data_positions[key] = p; });
+}
+
+}  // namespace
+
 data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoaderOptions options) {
   auto& session = require_session("cohort::train::prepare_data_loader()");
   options.device = session.context.device;
   const auto position = data_parallel_position(session.context);
-  return data::DataLoader(std::move(dataset), options, position.rank, position.world_size);
+  data::DataLoader loader(std::move(dataset), options, position.rank, position.world_size);
+  track_position(session, "loader:" + std::to_string(session.data_loaders++), loader);
+  return loader;
 }
 
 namespace {
@@ -400,6 +452,28 @@ Json model_histograms(const WorkerSession& s) {
 
 }  // namespace
 
+namespace {
+
+// The ranks' data positions (each {"shard", "shards", "positions": {stream: position}}) as one
+// list per stream, by data-parallel shard: the ranks of a shard (a pipeline's, a tp group's) read
+// the same rows, so any one of them says where it stands.
+Json positions_by_shard(const std::vector<std::string>& ranks) {
+  Json by_stream = Json::object();
+  for (const auto& text : ranks) {
+    const auto rank = Json::parse(text);
+    const auto shard = rank.at("shard").get<size_t>();
+    const auto shards = rank.at("shards").get<size_t>();
+    for (const auto& [stream, position] : rank.at("positions").items()) {
+      auto& list = by_stream[stream];
+      if (list.is_null()) list = Json(std::vector<data::EpochPosition>(shards));
+      list[shard] = position;
+    }
+  }
+  return by_stream;
+}
+
+}  // namespace
+
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   auto& s = require_session("cohort::train::report()");
   if (!metrics.is_object()) {
@@ -421,9 +495,9 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
   // wall seconds and seconds per phase (cohort/trace.h) since its last report ride along with
-  // whether it brings a checkpoint, and with the parameter server its pushes' staleness:
-  // "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<wall s>;<phase s>x6[;<staleness sum>;<pushes>;
-  // <max>]".
+  // whether it brings a checkpoint, whether it stored its data positions, and with the parameter
+  // server its pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<wall s>;
+  // <phase s>x6;<0|1>[;<staleness sum>;<pushes>;<max>]".
   const auto ingest = data::take_ingest_stats();
   const auto traced = trace::take_totals();
   const int64_t bytes = s.context.process_group.bytes_sent();
@@ -437,6 +511,17 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   for (double seconds : traced.seconds) arrival += ";" + std::to_string(seconds);
   s.bytes_at_report = bytes;
   s.steps_at_report = steps;
+  const std::string keys = "report/" + s.run_token + "/" + std::to_string(index) + "/";
+  // Where this rank's data streams stand, for a checkpoint's meta.json (rank 0 reads them).
+  arrival += s.data_positions.empty() ? ";0" : ";1";
+  if (!s.data_positions.empty()) {
+    const auto position = data_parallel_position(s.context);
+    s.store.set(keys + "data/" + std::to_string(s.context.world_rank),
+                Json{{"shard", position.rank},
+                     {"shards", position.world_size},
+                     {"positions", s.data_positions}}
+                    .dump());
+  }
   for (const auto& model : s.sync_mode_models) {
     if (model.parameter_server == nullptr) continue;
     const auto ps = model.parameter_server->stats();
@@ -447,7 +532,6 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     s.pushes_at_report = ps.pushes;
     break;
   }
-  const std::string keys = "report/" + s.run_token + "/" + std::to_string(index) + "/";
   const auto arrivals =
       s.store.arrive_and_wait(keys, s.context.world_rank, s.context.world_size, arrival,
                               "reach report() call #" + std::to_string(index) +
@@ -486,7 +570,9 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   int64_t pushes = 0;
   std::optional<int64_t> staleness_max;
   std::vector<RankTimes> times;
-  for (const auto& a : arrivals) {
+  std::vector<std::string> ranks_with_positions;
+  for (size_t r = 0; r < arrivals.size(); ++r) {
+    const auto& a = arrivals[r];
     const auto fields = split_fields(a);
     with_checkpoint |= fields.at(0) == "1";
     if (!fields.at(1).empty())
@@ -498,10 +584,11 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     RankTimes t{.steps = std::stoll(fields.at(4)), .wall_seconds = std::stod(fields.at(5))};
     for (size_t p = 0; p < t.seconds.size(); ++p) t.seconds[p] = std::stod(fields.at(6 + p));
     times.push_back(t);
-    if (fields.size() >= 15) {
-      staleness_sum += std::stoll(fields[12]);
-      pushes += std::stoll(fields[13]);
-      staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[14]));
+    if (fields.at(12) == "1") ranks_with_positions.push_back(keys + "data/" + std::to_string(r));
+    if (fields.size() >= 16) {
+      staleness_sum += std::stoll(fields[13]);
+      pushes += std::stoll(fields[14]);
+      staleness_max = std::max<int64_t>(staleness_max.value_or(0), std::stoll(fields[15]));
     }
   }
   add_step_times(times, message);
@@ -517,14 +604,14 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (with_checkpoint) {
     // Whole before it gets its final name: a crash leaves a staging folder, never a
     // checkpoint_NNNNNN that looks valid and is not.
-    write_atomically(staging / kMetaFile,
-                     Json{{"metrics", message["metrics"]},
-                          {"report_index", index},
-                          {"world_size", s.context.world_size},
-                          {"data_parallel_size", data_parallel_position(s.context).world_size},
-                          {"timestamp", std::time(nullptr)}}
-                             .dump(2) +
-                         "\n");
+    Json meta{{"metrics", message["metrics"]},
+              {"report_index", index},
+              {"world_size", s.context.world_size},
+              {"data_parallel_size", data_parallel_position(s.context).world_size},
+              {"timestamp", std::time(nullptr)}};
+    if (!ranks_with_positions.empty())
+      meta[kDataPositionsKey] = positions_by_shard(s.store.get_many(ranks_with_positions));
+    write_atomically(staging / kMetaFile, meta.dump(2) + "\n");
     write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
     std::filesystem::rename(staging, final_path);
@@ -606,6 +693,7 @@ data::DataIterator get_dataset_shard(const std::string& name) {
     shard = shard.with_execution(execution);
   }
   data::DataIterator iterator(shard);
+  track_position(s, "dataset:" + name, iterator);
   // Its preprocessing workers find the same shard: they re-run this program up to fit().
   iterator.set_worker_environment(
       {{runtime::kDataDatasetVar, name},

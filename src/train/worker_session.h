@@ -8,6 +8,7 @@
 
 #include "cohort/comm/store.h"
 #include "cohort/data/dataset.h"
+#include "cohort/data/epoch_position.h"
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/local_sgd.h"
@@ -76,6 +77,11 @@ struct WorkerSession {
   bool tensorboard_histograms = false;
   // Enabled for fp16 (ScalingConfig::precision); agrees on overflows over the context's group.
   std::unique_ptr<optim::LossScaler> loss_scaler;
+  // Where this rank's data streams stand ("dataset:<name>" of get_dataset_shard, "loader:<n>" of
+  // the n-th prepare_data_loader): a checkpoint keeps them, and a resumed run's streams start
+  // after the rows its epoch had taken.
+  std::map<std::string, data::EpochPosition> data_positions;
+  int data_loaders = 0;
 };
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the

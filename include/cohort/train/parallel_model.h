@@ -102,7 +102,8 @@ class ParallelModel {
 
   // Writes this rank's part of a checkpoint into `dir` (the model from the first rank; optimizer
   // state from the ranks that hold some; a mesh's layout). False when this rank has nothing to
-  // write: it reports without a checkpoint.
+  // write: it reports without a checkpoint. Collective with a pipeline (its stages are shared
+  // first, as whole_model() does): every rank calls it, as train::report(metrics, model) does.
   bool save(const std::filesystem::path& dir) const;
   // Loads a checkpoint written by any plan whose arithmetic allows it (another world size,
   // ZeRO stage, mesh cut or sync mode; see checkpoint.h) and continues its learning-rate schedule
@@ -127,9 +128,10 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
 
 // Where a run stands, as its reports say it: "epoch", the epochs begun (an epoch ended reports
 // its number from 1), and "epoch_step", the steps of that epoch done when the run stopped inside
-// it (a Ctrl-C, a stop of the loop's own). Resumed, the loop starts at `epoch` (from 0) and skips
-// the first `epoch_steps_done` steps' batches, which come in the same order (the same world size
-// and seed).
+// it (a Ctrl-C, a stop of the loop's own). Resumed, the loop starts at `epoch` (from 0) and
+// counts its steps on from `epoch_steps_done`: the streams of get_dataset_shard and
+// prepare_data_loader start after the rows the checkpoint's run had taken of that epoch (their
+// positions are part of every checkpoint), at any world size.
 inline constexpr const char* kEpochStepMetric = "epoch_step";
 struct ResumePoint {
   int epoch = 0;
