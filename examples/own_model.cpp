@@ -15,17 +15,6 @@
 
 namespace train = cohort::train;
 
-// The model: its layers in order, which a pipeline cuts into stages.
-struct Classifier : torch::nn::Module {
-  Classifier(int64_t features, int64_t classes)
-      : layers(register_module(
-            "layers", torch::nn::Sequential(torch::nn::Flatten(), torch::nn::Linear(features, 64),
-                                            torch::nn::ReLU(), torch::nn::Linear(64, 64),
-                                            torch::nn::ReLU(), torch::nn::Linear(64, classes)))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return layers->forward(x); }
-  torch::nn::Sequential layers;
-};
-
 cohort::data::LabelledData open_data(const cohort::Json& c) {
   return cohort::data::open_labelled_data(c["data"], {.label_column = c["label"]});
 }
@@ -37,12 +26,15 @@ void train_loop(const cohort::Json& c) {
   auto stream = train::get_dataset_shard("train");
   const int64_t rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
   torch::manual_seed(0);  // every rank the same weights
-  auto net = std::make_shared<Classifier>(data.channels * data.image_size * data.image_size,
-                                          data.num_classes);
+  // The model: its layers in order, which a pipeline cuts into stages.
+  const int64_t features = data.channels * data.image_size * data.image_size;
+  torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(features, 64),
+                            torch::nn::ReLU(), torch::nn::Linear(64, 64), torch::nn::ReLU(),
+                            torch::nn::Linear(64, data.num_classes));
   auto model = train::parallelize(
-      {.module = net,
-       .forward = [net](const at::Tensor& x) { return net->forward(x); },
-       .layers = net->layers},
+      {.module = net.ptr(),
+       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
+       .layers = net},
       [](std::vector<at::Tensor> p) {
         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(3e-3));
       },
@@ -59,11 +51,12 @@ void train_loop(const cohort::Json& c) {
   const int64_t stop_after = c["stop_after_steps"];
   for (int epoch = start.epoch; epoch < c["epochs"].get<int>(); ++epoch) {
     stream.set_epoch(epoch);
-    int64_t step = epoch == start.epoch ? start.epoch_steps_done : 0;  // resumed: on from there
+    // Resumed inside this epoch, the stream starts after the rows it had taken.
+    int64_t step = epoch == start.epoch ? start.epoch_steps_done : 0;
     bool stopped = false;
     for (auto& batch : stream.iter_batches({.batch_size = rows, .device = ctx.get_device()})) {
-      ++step;
       model.step(batch["image"], batch["label"]);
+      ++step;
       if ((stopped = model.steps() == stop_after)) break;
     }
     model.sync();
