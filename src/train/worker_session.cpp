@@ -312,7 +312,14 @@ data::EpochStart resume_start_of(const WorkerSession& s, const std::string& key,
     return {};
   }
   if (!meta[kDataPositionsKey].contains(key)) return {};
-  const auto positions = meta[kDataPositionsKey][key].get<std::vector<data::EpochPosition>>();
+  std::vector<data::EpochPosition> positions;
+  try {
+    positions = meta[kDataPositionsKey][key].get<std::vector<data::EpochPosition>>();
+  } catch (const Json::exception& e) {
+    throw UsageError("checkpoint " + s.resume_from->path().string() + ": " + kMetaFile + "'s " +
+                     kDataPositionsKey + " of '" + key + "' is malformed (" + e.what() +
+                     "): the checkpoint was altered; resume from another one");
+  }
   std::string warning;
   const auto start = data::resume_start(positions, shard, shards, &warning);
   if (!warning.empty() && s.context.world_rank == 0)
