@@ -11,6 +11,7 @@
 #include "completion_command.h"
 #include "config_file.h"
 #include "dashboard_command.h"
+#include "env_command.h"
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
@@ -39,6 +40,9 @@ void reject_non_finite(const CLI::App& app) {
 
 int main(int argc, char** argv) {
   CLI::App app{"cohort: distributed training for libtorch"};
+  app.set_version_flag(
+      "--version", cohort::cli::version_line(),
+      "Print the version, the git revision and the libtorch, CUDA and NCCL it has");
   app.require_subcommand(1);
   app.footer(
       "Examples:\n"
@@ -48,6 +52,7 @@ int main(int argc, char** argv) {
       "  cohort tune --param lr=loguniform:1e-4:1e-1 --samples 8 --scheduler asha\n"
       "  cohort dashboard ./cohort_results                       the runs' live dashboard\n"
       "  cohort checkpoint consolidate RUN/checkpoint_000004 -o model.safetensors\n"
+      "  cohort env                                            what cohort sees of this machine\n"
       "  cohort launch --nnodes 2 --node-rank 0 --master host0:29500 --nproc-per-node 2 -- \\\n"
       "      cohort train --workers 4                             one node of a two-node job\n"
       "\n"
@@ -65,8 +70,11 @@ int main(int argc, char** argv) {
   auto* checkpoint_cmd = cohort::cli::add_checkpoint_command(app, checkpoint);
   std::string shell;
   auto* completion_cmd = cohort::cli::add_completion_command(app, shell);
+  auto* env_cmd = cohort::cli::add_env_command(app);
   try {
     app.parse(argc, argv);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
@@ -85,6 +93,7 @@ int main(int argc, char** argv) {
     if (dashboard_cmd->parsed()) return cohort::cli::run_dashboard_command(dashboard);
     if (checkpoint_cmd->parsed()) return cohort::cli::run_checkpoint_command(checkpoint);
     if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
+    if (env_cmd->parsed()) return cohort::cli::run_env_command();
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 2;

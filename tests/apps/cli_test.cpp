@@ -15,6 +15,7 @@
 #include "cohort/json.h"
 #include "cohort/models/zoo.h"
 #include "cohort/train/checkpoint.h"
+#include "cohort/version.h"
 #include "support/cuda.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
@@ -346,6 +347,39 @@ TEST_F(Cli, ConfigFilesGiveEveryOptionTheCommandLineOverridesAndRunsSaveTheirOwn
         << "expected '" << fragment << "' in: " << r.output;
     EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
   }
+}
+
+// `cohort --version` says which build this is; `cohort env` what it sees, and names launcher
+// variables that contradict each other (exit code 2) and a rendezvous host that does not resolve.
+TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
+  auto r = run_command({cli_path(), "--version"}, std::chrono::seconds(30));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind(std::string("cohort ") + COHORT_VERSION + " (git ", 0), 0u) << r.output;
+  EXPECT_NE(r.output.find(std::string("libtorch ") + build::kLibtorchVersion), std::string::npos)
+      << r.output;
+  const auto env = [&](const std::vector<std::string>& variables) {
+    std::vector<std::string> argv{"env", "-i"};
+    argv.insert(argv.end(), variables.begin(), variables.end());
+    argv.push_back(cli_path());
+    argv.push_back("env");
+    return run_command(argv, std::chrono::seconds(60));
+  };
+  r = env({});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launch       none"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("data plane   binds 127.0.0.1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("variables    none"), std::string::npos) << r.output;
+  r = env({"RANK=1"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("warning: RANK is set but WORLD_SIZE is not"), std::string::npos)
+      << r.output;
+  r = env({"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=no-such-host.invalid", "MASTER_PORT=29500"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("launch       torchrun: rank 1 of 2"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("  MASTER_ADDR=no-such-host.invalid\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("warning: MASTER_ADDR 'no-such-host.invalid' does not resolve"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST_F(Cli, HelpIsGroupedWithExamples) {

@@ -1,6 +1,7 @@
 // Trains the zoo's MLP for a few steps on 2 workers through an installed cohort.
 #include <cohort/cohort.h>
 #include <cohort/models/zoo.h>
+#include <cohort/version.h>
 #include <torch/torch.h>
 
 #include <iostream>
@@ -20,6 +21,8 @@ int main(int argc, char** argv) {
       {.num_workers = 2},
       {.name = "consumer", .storage_path = argc > 1 ? argv[1] : "./cohort_results", .verbose = 0});
   auto result = trainer.fit();
+  std::cout << "consumer of cohort " << COHORT_VERSION << " (git " << cohort::build::kGitRevision
+            << ")" << std::endl;
   std::cout << "consumer world_size " << result.metrics.value("world_size", 0) << std::endl;
   return result.ok() ? 0 : 1;
 }
