@@ -32,6 +32,18 @@ bool resolves(const std::string& host) {
   return true;
 }
 
+// `name=value` as a report may show it: a secret's value hidden, a long one (a worker spec) cut.
+std::string shown(const std::string& name, const std::string& value) {
+  for (const char* secret : {"SECRET", "TOKEN", "PASSWORD", "KEY"}) {
+    if (name.find(secret) != std::string::npos)
+      return name + "=(set, " + std::to_string(value.size()) + " characters, not shown)";
+  }
+  constexpr size_t kLongest = 120;
+  if (value.size() <= kLongest) return name + "=" + value;
+  return name + "=" + value.substr(0, kLongest) + "... (" + std::to_string(value.size()) +
+         " characters)";
+}
+
 // The variables that steer cohort or a launcher it reads, as they are set here.
 std::vector<std::string> launch_variables() {
   static const std::vector<std::string> exact = {
@@ -44,7 +56,8 @@ std::vector<std::string> launch_variables() {
     const bool ours = name.rfind("COHORT_", 0) == 0 || name.rfind("OMPI_COMM_WORLD_", 0) == 0 ||
                       name == "SLURM_PROCID" || name == "SLURM_STEP_NUM_TASKS" ||
                       name == "SLURM_STEP_NODELIST" || name == "SLURM_JOB_ID";
-    if (ours || std::find(exact.begin(), exact.end(), name) != exact.end()) out.push_back(entry);
+    if (ours || std::find(exact.begin(), exact.end(), name) != exact.end())
+      out.push_back(shown(name, entry.substr(std::min(entry.size(), name.size() + 1))));
   }
   std::sort(out.begin(), out.end());
   return out;

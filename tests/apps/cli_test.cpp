@@ -373,10 +373,16 @@ TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("warning: RANK is set but WORLD_SIZE is not"), std::string::npos)
       << r.output;
-  r = env({"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=no-such-host.invalid", "MASTER_PORT=29500"});
+  r = env({"RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=no-such-host.invalid", "MASTER_PORT=29500",
+           "COHORT_JOB_SECRET=hunter2-of-the-job"});
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("launch       torchrun: rank 1 of 2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("  MASTER_ADDR=no-such-host.invalid\n"), std::string::npos) << r.output;
+  // A secret's value never goes into a report that users paste into issues.
+  EXPECT_NE(r.output.find("  COHORT_JOB_SECRET=(set, 18 characters, not shown)\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("hunter2"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("warning: MASTER_ADDR 'no-such-host.invalid' does not resolve"),
             std::string::npos)
       << r.output;
