@@ -10,6 +10,7 @@
 
 #include "cohort/error.h"
 #include "cohort/trace.h"
+#include "data/pass_position.h"
 #include "data/plan.h"
 #include "data/task_runner.h"
 #include "data/to_device.h"
@@ -49,8 +50,7 @@ struct DataIterator::Impl {
   std::unique_ptr<TaskRunner> runner;
   IngestStats stats;
   EpochStart resume;
-  EpochPosition position;
-  std::function<void(const EpochPosition&)> on_position;
+  PassPosition pass;
 
   // The pass in progress.
   IterBatchesOptions options;
@@ -184,21 +184,15 @@ struct DataIterator::Impl {
     batch_index = 0;
     // Resumed inside this epoch: the rows of the whole order every shard had taken are not read
     // again; of this shard's own, those it had taken are left out as they come.
-    int64_t unsharded_rows = 0;
-    rows_to_leave_out = 0;
-    if (resume.epoch == epoch) {
-      unsharded_rows = resume.unsharded_rows;
-      rows_to_leave_out = resume.yielded_rows;
-      resume = EpochStart{};
-    }
-    position = EpochPosition{
-        .epoch = epoch,
-        .unsharded_rows = unsharded_rows,
-        .yielded_rows = rows_to_leave_out,
-        .in_order = keeps_rows(dataset.plan()) && options.local_shuffle_buffer_size <= 0};
+    const auto start = take_start(resume, epoch);
+    const bool in_order = keeps_rows(dataset.plan()) && options.local_shuffle_buffer_size <= 0;
+    pass.position = EpochPosition{.epoch = epoch,
+                                  .unsharded_rows = start.unsharded_rows,
+                                  .yielded_rows = start.yielded_rows,
+                                  .in_order = in_order};
     // Rows in order are the shard's first: not read at all. Others are read and left out.
-    const int64_t own_rows = position.in_order ? rows_to_leave_out : 0;
-    if (position.in_order) rows_to_leave_out = 0;
+    const int64_t own_rows = in_order ? start.yielded_rows : 0;
+    rows_to_leave_out = in_order ? 0 : start.yielded_rows;
     if (!runner) {
       const auto& plan = dataset.plan();
       const int workers = dataset.num_workers();
@@ -211,7 +205,7 @@ struct DataIterator::Impl {
         runner = make_inline_runner(plan);
       }
     }
-    runner->start_epoch(epoch, epoch_tasks(dataset.plan(), epoch, unsharded_rows, own_rows));
+    runner->start_epoch(epoch, epoch_tasks(dataset.plan(), epoch, start.unsharded_rows, own_rows));
     {
       std::lock_guard lock(mutex);
       ready.clear();
@@ -259,13 +253,11 @@ struct DataIterator::Impl {
     }
     if (!have) {
       end_pass();
-      position.finished = true;
-      if (on_position) on_position(position);
+      pass.finished();
       return false;
     }
     ++batch_index;
-    position.yielded_rows += out.num_rows();
-    if (on_position) on_position(position);
+    pass.took(out.num_rows());
     {
       std::lock_guard lock(mutex);
       stats.wait_seconds += waited;
@@ -291,9 +283,9 @@ DataIterator::Stream DataIterator::iter_batches(IterBatchesOptions options) {
 }
 
 void DataIterator::start_at(EpochStart start) { impl_->resume = start; }
-EpochPosition DataIterator::position() const { return impl_->position; }
+EpochPosition DataIterator::position() const { return impl_->pass.position; }
 void DataIterator::set_on_position(std::function<void(const EpochPosition&)> callback) {
-  impl_->on_position = std::move(callback);
+  impl_->pass.on_position = std::move(callback);
 }
 
 IngestStats DataIterator::stats() const {

@@ -9,6 +9,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "data/pass_position.h"
 #include "data/to_device.h"
 
 namespace cohort::data {
@@ -23,9 +24,7 @@ Batch TensorDataset::get_batch(const at::Tensor& indices) const {
 
 // One pass over the shard: a producer thread fills a bounded queue, the iterator drains it.
 struct DataLoader::Iterator::Epoch {
-  // The consumer's place, and who hears of it.
-  EpochPosition position;
-  std::function<void(const EpochPosition&)> on_position;
+  PassPosition pass;  // the consumer's place, and who hears of it
   std::mutex mutex;
   std::condition_variable changed;
   std::deque<Batch> ready;
@@ -54,9 +53,8 @@ struct DataLoader::Iterator::Epoch {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
     if (error) std::rethrow_exception(error);
     if (ready.empty()) {
-      position.finished = true;
       lock.unlock();
-      if (on_position) on_position(position);
+      pass.finished();
       return false;
     }
     out = std::move(ready.front());
@@ -64,8 +62,7 @@ struct DataLoader::Iterator::Epoch {
     changed.notify_all();
     lock.unlock();
     add_ingest_wait(waited, 1);
-    position.yielded_rows += out.data.size(0);
-    if (on_position) on_position(position);
+    pass.took(out.data.size(0));
     return true;
   }
 };
@@ -120,7 +117,7 @@ void DataLoader::set_epoch(int64_t epoch) { impl_->sampler.set_epoch(epoch); }
 
 void DataLoader::start_at(EpochStart start) { impl_->resume = start; }
 EpochPosition DataLoader::position() const {
-  return impl_->epoch ? impl_->epoch->position : EpochPosition{};
+  return impl_->epoch ? impl_->epoch->pass.position : EpochPosition{};
 }
 void DataLoader::set_on_position(std::function<void(const EpochPosition&)> callback) {
   impl_->on_position = std::move(callback);
@@ -155,14 +152,14 @@ DataLoader::Iterator DataLoader::begin() {
   auto epoch = std::make_shared<Iterator::Epoch>();
   const auto& sampler = impl_->sampler;
   // Resumed inside this epoch: the permutation's rows every rank had taken, then this rank's own.
-  EpochStart start;
-  if (impl_->resume.epoch == sampler.epoch()) std::swap(start, impl_->resume);
+  const auto start = take_start(impl_->resume, sampler.epoch());
   auto indices = sampler.indices(start.unsharded_rows);
   const auto own = std::clamp<int64_t>(start.yielded_rows, 0, static_cast<int64_t>(indices.size()));
   indices.erase(indices.begin(), indices.begin() + static_cast<std::ptrdiff_t>(own));
-  epoch->position = {
-      .epoch = sampler.epoch(), .unsharded_rows = start.unsharded_rows, .yielded_rows = own};
-  epoch->on_position = impl_->on_position;
+  epoch->pass = {.position = {.epoch = sampler.epoch(),
+                              .unsharded_rows = start.unsharded_rows,
+                              .yielded_rows = own},
+                 .on_position = impl_->on_position};
   const auto options = impl_->options;
   const auto rows = static_cast<int64_t>(indices.size());
   const int64_t batches = options.drop_last ? rows / options.batch_size

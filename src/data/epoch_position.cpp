@@ -33,17 +33,17 @@ EpochStart resume_start(const std::vector<EpochPosition>& positions, int shard, 
   const auto unfinished = [](const EpochPosition* p) { return !p->finished; };
   if (std::none_of(at.begin(), at.end(), unfinished)) return {};
   const int64_t old_shards = static_cast<int64_t>(positions.size());
-  const auto& first = *at.front();
-  const bool same_place =
-      at.size() == positions.size() && std::all_of(at.begin(), at.end(), [&](const auto* p) {
-        return p->in_order && p->unsharded_rows == first.unsharded_rows &&
-               p->yielded_rows == first.yielded_rows;
-      });
+  const bool every_shard = at.size() == positions.size();
   // As many shards as then: each goes on with its own rows (also where a sampler padded them).
-  if (shards == old_shards && at.size() == positions.size()) {
+  if (shards == old_shards && every_shard) {
     const auto& mine = positions[static_cast<size_t>(shard)];
     return {epoch, mine.unsharded_rows, mine.yielded_rows};
   }
+  const auto& first = *at.front();
+  const bool same_place = every_shard && std::all_of(at.begin(), at.end(), [&](const auto* p) {
+                            return p->in_order && p->unsharded_rows == first.unsharded_rows &&
+                                   p->yielded_rows == first.yielded_rows;
+                          });
   if (same_place) return {epoch, first.unsharded_rows + first.yielded_rows * old_shards, 0};
   // Shards at different places, now cut otherwise: leave out what every shard covered.
   int64_t least = first.yielded_rows, unsharded = first.unsharded_rows;
@@ -51,7 +51,7 @@ EpochStart resume_start(const std::vector<EpochPosition>& positions, int shard, 
     least = std::min(least, p->yielded_rows);
     unsharded = std::min(unsharded, p->unsharded_rows);
   }
-  if (at.size() != positions.size()) least = 0;
+  if (!every_shard) least = 0;
   if (warning != nullptr) {
     *warning = "epoch " + std::to_string(epoch) + " resumes on " + std::to_string(shards) +
                " shards from " + std::to_string(old_shards) +
