@@ -52,7 +52,9 @@ int run_train_command(TrainOptions o, const CLI::App& cmd) {
   const auto& m = result.metrics;
   std::cout << "test_accuracy " << m.value("test_accuracy", 0.0) << " | train_loss "
             << m.value("train_loss", 0.0) << " | samples_per_second "
-            << m.value("samples_per_second", 0.0) << " | wall_seconds " << result.wall_seconds
+            << (m.contains("samples_per_second") ? m["samples_per_second"].dump()
+                                                 : std::string("not measured"))
+            << " | wall_seconds " << result.wall_seconds
             << "\nresult: " << (result.path / "result.json").string() << std::endl;
   return 0;
 }

@@ -15,8 +15,6 @@
 namespace cohort::cli {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 std::filesystem::path data_dir_of(const TrainOptions& o) {
   if (!o.data_dir.empty()) return o.data_dir;
   if (o.dataset == "fashion-mnist") return data::default_fashion_mnist_dir();
@@ -51,20 +49,27 @@ Json data_to_json(const TrainOptions& o) {
 
 }  // namespace
 
+double default_lr(const std::string& optimizer) {
+  return optimizer == "adam" || optimizer == "adamw" ? 1e-3 : 0.02;
+}
+
+double default_weight_decay(const std::string& optimizer) {
+  return optimizer == "adamw" ? 0.01 : 0.0;
+}
+
 // Cohort's flat optimizers by default, libtorch's own with flat_optimizer false; UsageError
 // naming a bad hyperparameter.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
                                                         std::vector<torch::Tensor> params) {
-  const double lr = c["lr"].get<double>();
-  const auto weight_decay = c.contains("weight_decay") && c["weight_decay"].is_number()
-                                ? std::optional<double>(c["weight_decay"].get<double>())
-                                : std::nullopt;
-  const bool flat = c.value("flat_optimizer", true);
   const auto name = c["optimizer"].get<std::string>();
+  const double lr = c["lr"].get<double>() > 0 ? c["lr"].get<double>() : default_lr(name);
+  const double decay = c.contains("weight_decay") && c["weight_decay"].is_number()
+                           ? c["weight_decay"].get<double>()
+                           : default_weight_decay(name);
+  const bool flat = c.value("flat_optimizer", true);
   if (name == "adam" || name == "adamw") {
-    const double decay = weight_decay.value_or(name == "adamw" ? 0.01 : 0.0);
     if (name == "adamw") {
-      auto options = torch::optim::AdamWOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+      auto options = torch::optim::AdamWOptions(lr).weight_decay(decay);
       if (c.contains("betas"))
         options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
       if (c.contains("eps")) options.eps(c["eps"].get<double>());
@@ -72,7 +77,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
       if (flat) return std::make_unique<optim::FlatAdamW>(params, options);
       return std::make_unique<torch::optim::AdamW>(params, options);
     }
-    auto options = torch::optim::AdamOptions(lr > 0 ? lr : 1e-3).weight_decay(decay);
+    auto options = torch::optim::AdamOptions(lr).weight_decay(decay);
     if (c.contains("betas"))
       options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
     if (c.contains("eps")) options.eps(c["eps"].get<double>());
@@ -80,9 +85,8 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
     if (flat) return std::make_unique<optim::FlatAdam>(params, options);
     return std::make_unique<torch::optim::Adam>(params, options);
   }
-  auto options = torch::optim::SGDOptions(lr > 0 ? lr : 0.02)
-                     .momentum(c["momentum"].get<double>())
-                     .weight_decay(weight_decay.value_or(0.0));
+  auto options =
+      torch::optim::SGDOptions(lr).momentum(c["momentum"].get<double>()).weight_decay(decay);
   optim::validate(options);
   if (flat) return std::make_unique<optim::FlatSGD>(params, options);
   return std::make_unique<torch::optim::SGD>(params, options);
@@ -419,7 +423,8 @@ Json to_json(const TrainOptions& o) {
               {"epochs", o.epochs},
               {"batch_size", o.batch_size},
               {"optimizer", o.optimizer},
-              {"lr", o.lr},
+              // The values the run uses: the optimizer's defaults where no flag gave one.
+              {"lr", o.lr > 0 ? o.lr : default_lr(o.optimizer)},
               {"momentum", o.momentum},
               {"seed", o.seed},
               {"max_steps", o.max_steps},
@@ -434,7 +439,7 @@ Json to_json(const TrainOptions& o) {
                 {"prefetch_bucket_size", o.plan.zero.prefetch_bucket_size},
                 {"max_live_parameters", o.plan.zero.max_live_parameters},
                 {"param_persistence_threshold", o.plan.zero.param_persistence_threshold}}},
-              {"weight_decay", o.weight_decay ? Json(*o.weight_decay) : Json(nullptr)},
+              {"weight_decay", o.weight_decay.value_or(default_weight_decay(o.optimizer))},
               {"flat_optimizer", o.flat_optimizer},
               {"cuda_graph", o.plan.cuda_graph},
               {"gradient_clipping", o.plan.gradient_clipping},
@@ -673,10 +678,8 @@ void train_loop(const Json& c) {
   const bool stop_every_step = model.synchronous();
   bool stopping = false;
   // Throughput over the steps after the first few (start-up, the first step's probes).
-  constexpr int64_t kWarmupSteps = 5;
+  train::Throughput throughput;
   const int64_t first_step = model.steps();
-  int64_t timed_samples = 0;
-  double timed_seconds = 0;
   double time_to_first_step = 0;
   for (int epoch = resumed.epoch; epoch < epochs; ++epoch) {
     train_stream.set_epoch(epoch);
@@ -686,14 +689,14 @@ void train_loop(const Json& c) {
     // Resumed inside this epoch: the stream starts after the rows it had taken (the
     // checkpoint's data position), and the steps count on.
     int64_t step_in_epoch = epoch == resumed.epoch ? resumed.epoch_steps_done : 0;
-    auto step_start = Clock::now();  // not the evaluation's time
+    throughput.start();  // not the evaluation's time
     for (auto& batch :
          train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
       const auto rows = batch["image"].size(0);
       const auto result = model.step(batch["image"], batch["label"]);
       if (!result.stepped) continue;
       ++step_in_epoch;
-      const auto now = Clock::now();
+      throughput.step(rows * dp);
       if (model.steps() == first_step + 1) {
         time_to_first_step = std::chrono::duration<double>(std::chrono::system_clock::now() -
                                                            ctx.get_run_start_time())
@@ -702,19 +705,12 @@ void train_loop(const Json& c) {
           std::cout << "first training step done " << time_to_first_step << " s after start"
                     << std::endl;
       }
-      if (model.steps() > first_step + kWarmupSteps) {
-        timed_seconds += std::chrono::duration<double>(now - step_start).count();
-        timed_samples += rows * dp;
-      }
-      step_start = now;
       if (result.loss.defined()) {
         loss_sum += result.loss.item<double>();
         ++loss_count;
       }
-      Json progress{{"label", label},
-                    {"step", step_in_epoch},
-                    {"total", steps_per_epoch},
-                    {"samples_per_s", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0}};
+      Json progress{{"label", label}, {"step", step_in_epoch}, {"total", steps_per_epoch}};
+      if (const auto rate = throughput.samples_per_second()) progress["samples_per_s"] = *rate;
       if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
       train::report_progress(progress);
       if (max_steps > 0 && model.steps() >= max_steps) break;
@@ -770,9 +766,15 @@ void train_loop(const Json& c) {
                  {"test_loss", eval.loss},
                  {"test_accuracy", eval.accuracy},
                  {"lr", model.lr()},
-                 {"samples_per_second", timed_seconds > 0 ? timed_samples / timed_seconds : 0.0},
                  {"elapsed_s", elapsed},
                  {"time_to_first_step_s", time_to_first_step}};
+    // A run of one step has no throughput to report (not 0): a line says why.
+    if (const auto rate = throughput.samples_per_second()) {
+      metrics["samples_per_second"] = *rate;
+      metrics["throughput_steps"] = throughput.measured_steps();
+    } else if (rank0 && last) {
+      std::cout << "samples_per_second not measured: " << throughput.why_unmeasured() << std::endl;
+    }
     if (ctx.has_mesh()) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
     if (stopping && step_in_epoch < steps_per_epoch)
       metrics[train::kEpochStepMetric] = step_in_epoch;

@@ -138,6 +138,9 @@ struct Evaluation {
 // The optimizer a job's config names, over `params`, its hyperparameters checked.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
                                                         std::vector<torch::Tensor> params);
+// The learning rate and weight decay of `optimizer` (sgd, adam, adamw) where no flag gives one.
+double default_lr(const std::string& optimizer);
+double default_weight_decay(const std::string& optimizer);
 // The ZeRO options of a job's config (stage 0, DDP, when it has none).
 parallel::ZeroOptions zero_options_of(const Json& config);
 // The sync mode of a job's config (synchronous DDP when it has none).

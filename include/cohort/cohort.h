@@ -58,6 +58,7 @@
 #include "cohort/train/report.h"
 #include "cohort/train/result.h"
 #include "cohort/train/summary_writer.h"
+#include "cohort/train/throughput.h"
 #include "cohort/train/trainer.h"
 
 #include "cohort/tune/scheduler.h"

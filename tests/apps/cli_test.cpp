@@ -438,6 +438,32 @@ TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
   EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "e2e" / "logs" / "rank-1.log"));
 }
 
+TEST_F(Cli, ResultHoldsTheValuesTheRunUsedAndThroughputOnlyWhereMeasured) {
+  const auto run = [&](const std::string& steps, const std::string& name) {
+    auto args = small_run("adamw", {"--epochs", "1", "--max-steps", steps, "--name", name});
+    *(std::find(args.begin(), args.end(), "--workers") + 1) = "1";
+    return train(args);
+  };
+  // One step: the first step (start-up) is never timed, so there is no throughput, and the run
+  // says so instead of reporting 0 samples per second.
+  auto r = run("1", "one_step");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("samples_per_second not measured"), std::string::npos) << r.output;
+  auto result = result_of("one_step");
+  EXPECT_FALSE(result.contains("samples_per_second")) << result.dump();
+  // The config holds the optimizer's defaults the run used, not the flags' "unset" zeros: run
+  // again from it, it is the same run.
+  EXPECT_EQ(result["config"]["lr"].get<double>(), 1e-3) << result["config"].dump();
+  EXPECT_EQ(result["config"]["weight_decay"].get<double>(), 0.01) << result["config"].dump();
+  EXPECT_EQ(result["lr"].get<double>(), 1e-3);
+  // Three steps, fewer than the warm-up: measured over the two after the first.
+  r = run("3", "three_steps");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  result = result_of("three_steps");
+  EXPECT_GT(result.value("samples_per_second", 0.0), 0) << result.dump();
+  EXPECT_EQ(result.value("throughput_steps", 0), 2) << result.dump();
+}
+
 TEST_F(Cli, SameSeedSameWorkersSameLoss) {
   const std::vector<std::string> common{"--data-dir", data.string(), "--workers",    "2",
                                         "--epochs",   "1",           "--batch-size", "16",
