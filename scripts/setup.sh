@@ -22,14 +22,32 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+sudo_cmd=()
+[ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "setup: installing ${missing[*]}" >&2
-  sudo_cmd=()
-  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   # Another apt (CI prepares a Debian root beside this) waits for the lock instead of failing.
   "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 install -y -qq \
     --no-install-recommends "${missing[@]}" >&2
+fi
+# Prometheus' promtool lints the dashboard's /metrics (tests/train/dashboard). Taken out of
+# Debian's prometheus package into .tools/ rather than installed: installing it would start a
+# Prometheus server on this machine.
+tools="$root/.tools"
+if [ ! -x "$tools/promtool" ]; then
+  echo "setup: unpacking promtool from Debian's prometheus package into $tools" >&2
+  unpack="$(mktemp -d)"
+  chmod 777 "$unpack"  # apt's download user (_apt) writes there
+  if ! (cd "$unpack" && apt-get download -qq prometheus >&2); then
+    # No package lists yet (a fresh root whose packages were all there): fetch them once.
+    "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 update -qq
+    (cd "$unpack" && apt-get download -qq prometheus >&2)
+  fi
+  (cd "$unpack" && dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool)
+  mkdir -p "$tools"
+  mv "$unpack/usr/bin/promtool" "$tools/promtool.new" && mv "$tools/promtool.new" "$tools/promtool"
+  rm -rf "$unpack"
 fi
 [ "$install_only" -eq 1 ] && exit 0
 

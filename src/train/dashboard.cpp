@@ -168,9 +168,14 @@ std::string prometheus_metrics(const fs::path& storage) {
     double value;
   };
   std::map<std::string, std::vector<Sample>> samples;
-  const auto add = [&](const std::string& metric, const std::string& labels, const Json& v) {
+  // Prometheus' base units (promtool check metrics): the run's milliseconds, MiB and percents
+  // scaled to seconds, bytes and ratios.
+  // Divisors (a division keeps 70 / 100 at 0.7; MiB's is a power of two, so exact).
+  constexpr double kMs = 1e3, kMiB = 1.0 / (1024.0 * 1024.0), kPercent = 1e2;
+  const auto add = [&](const std::string& metric, const std::string& labels, const Json& v,
+                       double divisor = 1) {
     if (v.is_number() && std::isfinite(v.get<double>()))
-      samples[metric].push_back({labels, v.get<double>()});
+      samples[metric].push_back({labels, v.get<double>() / divisor});
   };
   const auto collect = [&](const fs::path& dir, const std::string& run) {
     const std::string labels = "run=\"" + label_value(run) + "\"";
@@ -182,8 +187,8 @@ std::string prometheus_metrics(const fs::path& storage) {
     add("cohort_samples_per_second", labels,
         last.contains("samples_per_second") ? last["samples_per_second"]
                                             : last.value("samples_per_s", Json()));
-    add("cohort_ingest_wait_ms", labels, last.value("ingest_wait_ms", Json()));
-    add("cohort_comm_wait_ms", labels, last.value("comm_wait_ms", Json()));
+    add("cohort_ingest_wait_seconds", labels, last.value("ingest_wait_ms", Json()), kMs);
+    add("cohort_comm_wait_seconds", labels, last.value("comm_wait_ms", Json()), kMs);
     const RunFiles files = read_run(dir);
     int64_t restarts = 0;
     for (const auto& f : files.failures()) restarts += f.value("restarted", false) ? 1 : 0;
@@ -193,10 +198,11 @@ std::string prometheus_metrics(const fs::path& storage) {
       for (const auto& w : files.status.value("workers", Json::array())) {
         const std::string rank_labels =
             labels + ",rank=\"" + std::to_string(w.value("rank", -1)) + "\"";
-        add("cohort_rank_step_time_ms", rank_labels, w.value("step_time_ms", Json()));
-        add("cohort_rank_memory_mb", rank_labels, w.value("memory_mb", Json()));
-        add("cohort_rank_gpu_memory_mb", rank_labels, w.value("gpu_memory_mb", Json()));
-        add("cohort_rank_gpu_utilization", rank_labels, w.value("gpu_utilization", Json()));
+        add("cohort_rank_step_time_seconds", rank_labels, w.value("step_time_ms", Json()), kMs);
+        add("cohort_rank_memory_bytes", rank_labels, w.value("memory_mb", Json()), kMiB);
+        add("cohort_rank_gpu_memory_bytes", rank_labels, w.value("gpu_memory_mb", Json()), kMiB);
+        add("cohort_rank_gpu_utilization_ratio", rank_labels, w.value("gpu_utilization", Json()),
+            kPercent);
       }
     }
   };
@@ -216,19 +222,22 @@ std::string prometheus_metrics(const fs::path& storage) {
       {"cohort_training_iteration", "Reports committed so far."},
       {"cohort_loss", "The loss of the last report (loss or train_loss)."},
       {"cohort_samples_per_second", "Training samples per second of the last report."},
-      {"cohort_ingest_wait_ms", "The most any rank waited for data per batch, last report."},
-      {"cohort_comm_wait_ms", "Mean ms per step the ranks waited in collectives, last report."},
+      {"cohort_ingest_wait_seconds", "The most any rank waited for data per batch, last report."},
+      {"cohort_comm_wait_seconds",
+       "Mean time per step the ranks waited in collectives, last report."},
       {"cohort_restarts", "Restarts of the worker group after failures."},
       {"cohort_running", "1 while the run's driver runs."},
-      {"cohort_rank_step_time_ms", "A rank's step time without its waits for peers."},
-      {"cohort_rank_memory_mb", "A rank's resident memory."},
-      {"cohort_rank_gpu_memory_mb", "GPU memory a rank holds, over its GPUs (NVML)."},
-      {"cohort_rank_gpu_utilization",
-       "Percent of time a kernel ran on the busiest of a rank's GPUs (NVML)."}};
+      {"cohort_rank_step_time_seconds", "A rank's step time without its waits for peers."},
+      {"cohort_rank_memory_bytes", "A rank's resident memory."},
+      {"cohort_rank_gpu_memory_bytes", "GPU memory a rank holds, over its GPUs (NVML)."},
+      {"cohort_rank_gpu_utilization_ratio",
+       "Share of time a kernel ran on the busiest of a rank's GPUs (NVML)."}};
   std::ostringstream out;
   for (const auto& [metric, values] : samples) {
     gauge(out, metric, help.count(metric) ? help.at(metric) : metric);
-    for (const auto& s : values) out << metric << "{" << s.labels << "} " << s.value << "\n";
+    // Shortest round-trip text: 2 GiB as 2147483648.0, not 2.14748e+09.
+    for (const auto& s : values)
+      out << metric << "{" << s.labels << "} " << Json(s.value).dump() << "\n";
   }
   return out.str();
 }

@@ -30,16 +30,18 @@ TEST(Dashboard, PrometheusTextHasEveryRunsFiguresAndEachRanksStepTime) {
             "\"step_time_ms\": 90, \"memory_mb\": 250}], \"failures\": [{\"restarted\": true}]}\n");
   write(storage / "b\"q" / "result.json", "{\"error\": \"boom\", \"failures\": []}\n");
   const std::string text = prometheus_metrics(storage);
-  for (const char* line :
-       {"# TYPE cohort_loss gauge\n", "cohort_loss{run=\"a\"} 0.25\n",
-        "cohort_samples_per_second{run=\"a\"} 120\n", "cohort_comm_wait_ms{run=\"a\"} 3.5\n",
-        "cohort_ingest_wait_ms{run=\"a\"} 0.5\n", "cohort_training_iteration{run=\"a\"} 2\n",
-        "cohort_restarts{run=\"a\"} 1\n", "cohort_running{run=\"a\"} 1\n",
-        "cohort_rank_step_time_ms{run=\"a\",rank=\"0\"} 70\n",
-        "cohort_rank_step_time_ms{run=\"a\",rank=\"1\"} 90\n",
-        "cohort_rank_memory_mb{run=\"a\",rank=\"1\"} 250\n",
-        // A label value is escaped; a failed run is not running.
-        "cohort_running{run=\"b\\\"q\"} 0\n"}) {
+  for (const char* line : {"# TYPE cohort_loss gauge\n", "cohort_loss{run=\"a\"} 0.25\n",
+                           "cohort_samples_per_second{run=\"a\"} 120.0\n",
+                           // Prometheus' base units: seconds, bytes.
+                           "cohort_comm_wait_seconds{run=\"a\"} 0.0035\n",
+                           "cohort_ingest_wait_seconds{run=\"a\"} 0.0005\n",
+                           "cohort_training_iteration{run=\"a\"} 2.0\n",
+                           "cohort_restarts{run=\"a\"} 1.0\n", "cohort_running{run=\"a\"} 1.0\n",
+                           "cohort_rank_step_time_seconds{run=\"a\",rank=\"0\"} 0.07\n",
+                           "cohort_rank_step_time_seconds{run=\"a\",rank=\"1\"} 0.09\n",
+                           "cohort_rank_memory_bytes{run=\"a\",rank=\"1\"} 262144000.0\n",
+                           // A label value is escaped; a failed run is not running.
+                           "cohort_running{run=\"b\\\"q\"} 0.0\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
   }
   fs::remove_all(storage);

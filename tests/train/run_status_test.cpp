@@ -34,8 +34,8 @@ TEST(RunStatus, AWorkerOnAGpuShowsItsGpuMemoryAndUtilisation) {
   const std::string text = prometheus_metrics(storage.parent_path());
   const std::string run = storage.filename().string();
   for (const std::string line :
-       {"cohort_rank_gpu_memory_mb{run=\"" + run + "\",rank=\"0\"} 2048\n",
-        "cohort_rank_gpu_utilization{run=\"" + run + "\",rank=\"0\"} 70\n"}) {
+       {"cohort_rank_gpu_memory_bytes{run=\"" + run + "\",rank=\"0\"} 2147483648.0\n",
+        "cohort_rank_gpu_utilization_ratio{run=\"" + run + "\",rank=\"0\"} 0.7\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
   }
   fs::remove_all(storage);

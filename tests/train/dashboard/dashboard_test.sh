@@ -9,6 +9,11 @@ cli="$1"
 artifacts="$2"
 mkdir -p "$artifacts"
 browser="$(command -v chromium || true)"
+promtool="${PROMTOOL:-$(command -v promtool || true)}"
+if [ ! -x "$promtool" ]; then
+  echo "dashboard_test: SKIPPED: no promtool at '$promtool' (scripts/setup.sh unpacks it into .tools/)"
+  exit 77
+fi
 if [ -z "$browser" ]; then
   echo "dashboard_test: SKIPPED: no chromium (scripts/setup.sh installs it)"
   exit 77
@@ -65,11 +70,14 @@ echo "dashboard: screenshot $artifacts/dashboard.png"
 
 metrics="$(fetch "${url}metrics")"
 for rank in 0 1; do
-  grep -q "^cohort_rank_step_time_ms{run=\"live\",rank=\"$rank\"} [0-9]" <<<"$metrics" ||
+  grep -q "^cohort_rank_step_time_seconds{run=\"live\",rank=\"$rank\"} [0-9]" <<<"$metrics" ||
     fail "/metrics has no step time of rank $rank: $metrics"
 done
-grep -q '^cohort_running{run="live"} 1$' <<<"$metrics" || fail "/metrics: the run is not running"
+grep -q '^cohort_running{run="live"} 1.0$' <<<"$metrics" || fail "/metrics: the run is not running"
 grep -q '^# TYPE cohort_loss gauge$' <<<"$metrics" || fail "/metrics: no loss gauge: $metrics"
+# Prometheus' own linter: base units (seconds, bytes), help and type lines.
+lint="$("$promtool" check metrics <<<"$metrics" 2>&1)" || fail "promtool check metrics: $lint"
+echo "dashboard: /metrics passes promtool check metrics ($(grep -c '^# TYPE' <<<"$metrics") metrics)"
 
 # The port is taken: a second dashboard is refused, naming it and the fix.
 if timeout 30 "$cli" dashboard "$storage" --port "$port" >"$tmp/second.log" 2>&1; then
