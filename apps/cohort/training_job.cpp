@@ -573,6 +573,7 @@ RunConfig run_config_of(const TrainOptions& o) {
       .resume = o.resume,
       .verbose = o.quiet ? 0 : 1,
       .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
+      .log_every_steps = o.log_every_steps,
       .dashboard = dashboard_of(o),
       .profile_steps = profile_steps_of(o)};
 }
@@ -705,10 +706,17 @@ void train_loop(const Json& c) {
           std::cout << "first training step done " << time_to_first_step << " s after start"
                     << std::endl;
       }
+      std::optional<double> step_loss;
       if (result.loss.defined()) {
-        loss_sum += result.loss.item<double>();
+        step_loss = result.loss.item<double>();
+        loss_sum += *step_loss;
         ++loss_count;
       }
+      train::log_step(model.steps(), [&] {
+        Json values{{"lr", model.lr()}};
+        if (step_loss) values["train_loss"] = *step_loss;
+        return values;
+      });
       Json progress{{"label", label}, {"step", step_in_epoch}, {"total", steps_per_epoch}};
       if (const auto rate = throughput.samples_per_second()) progress["samples_per_s"] = *rate;
       if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
@@ -900,6 +908,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "the config (default)");
   add_bool_flag(cmd, "--tensorboard-histograms", o.tensorboard_histograms,
                 "also histograms of the parameters and gradients at each report");
+  cmd->add_option("--log-every-steps", o.log_every_steps,
+                  "the training loss and step time of every N-th step go to <run>/steps.jsonl, "
+                  "TensorBoard (step/...) and the dashboard's step charts (0: about every 15 s)")
+      ->capture_default_str();
   cmd->add_option("--dashboard", o.dashboard,
                   "serve a live dashboard of the runs under --storage-path while training, on "
                   "this port (default 8265; 0: a free one); the address is printed")

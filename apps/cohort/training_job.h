@@ -80,7 +80,8 @@ struct TrainOptions {
   bool tensorboard = true;              // <run>/tensorboard/ event files
   bool tensorboard_histograms = false;  // with them, parameter and gradient histograms
   std::string profile_steps;            // "A-B" or "N": RunConfig::profile_steps; empty: none
-  std::string config_file;              // --config: a JSON or TOML file of these options
+  int64_t log_every_steps = RunConfig{}.log_every_steps;  // the step charts' points
+  std::string config_file;  // --config: a JSON or TOML file of these options
   // --dashboard [PORT] (empty: the default port) and --dashboard-host; unset: no dashboard.
   std::optional<std::string> dashboard;
   std::string dashboard_host = DashboardOptions{}.host;

@@ -28,6 +28,7 @@ namespace fs = std::filesystem;
 
 constexpr const char* kExperimentStateFile = "experiment_state.json";
 constexpr size_t kMaxMetricRecords = 5000;  // the newest, for long runs
+constexpr size_t kMaxStepRecords = 2000;    // spread over the run
 
 // A JSON file of the run, or null when it is missing or being replaced (the next poll gets it).
 Json read_or_null(const fs::path& file) {
@@ -112,6 +113,7 @@ Json run_details(const fs::path& dir) {
               {"state", run.state},
               {"status", run.status},
               {"metrics", records},
+              {"steps", read_steps(dir, kMaxStepRecords)},
               {"checkpoints", manager.is_object() ? manager["checkpoints"] : Json::array()},
               {"failures", run.failures()},
               {"error", run.result.is_object() ? run.result["error"] : Json(nullptr)}};

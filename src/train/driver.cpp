@@ -335,7 +335,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .next_checkpoint_index = recorder_->next_checkpoint_index(),
       .tensorboard_histograms = run_.tensorboard.enabled && run_.tensorboard.histograms,
       .profile_first = run_.profile_steps.first,
-      .profile_last = run_.profile_steps.last};
+      .profile_last = run_.profile_steps.last,
+      .log_every_steps = run_.log_every_steps};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
                       per_worker = gpus_per_worker_](int rank) {
@@ -445,6 +446,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
       accepts_stop_requests = true;
       group.accept_stop_requests();
+    } else if (type == "step" && rank == 0) {
+      recorder_->on_step(message);
     } else if (type == "progress") {
       console_.progress(message["progress"]);
       status_->on_progress(message["progress"]);

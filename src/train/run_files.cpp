@@ -134,6 +134,28 @@ std::vector<Json> read_jsonl(const std::filesystem::path& path) {
   return records;
 }
 
+std::vector<Json> read_steps(const std::filesystem::path& run_dir, size_t max_records) {
+  std::map<int64_t, Json> by_step;
+  for (auto& record : read_jsonl(run_dir / kStepsFile)) {
+    if (!record.is_object() || !record.contains("step") || !record["step"].is_number_integer())
+      continue;
+    const auto step = record["step"].get<int64_t>();
+    by_step[step] = std::move(record);
+  }
+  std::vector<Json> steps;
+  steps.reserve(std::min(by_step.size(), max_records));
+  const size_t n = by_step.size();
+  size_t i = 0;
+  for (auto& [step, record] : by_step) {
+    // Record i of n is kept when it ends one of max_records equal parts (the last record ends
+    // the last part).
+    if (n <= max_records || (i * max_records) / n != ((i + 1) * max_records) / n)
+      steps.push_back(std::move(record));
+    ++i;
+  }
+  return steps;
+}
+
 void write_manifest(const std::filesystem::path& dir) {
   Json files = Json::object();
   for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {

@@ -16,6 +16,8 @@ inline constexpr const char* kMetaFile = "meta.json";
 inline constexpr const char* kResultFile = "result.json";
 inline constexpr const char* kMetricsFile = "metrics.jsonl";
 inline constexpr const char* kMetricsCsvFile = "metrics.csv";
+// train::log_step's records: {"step", "timestamp", metrics...}, one line each.
+inline constexpr const char* kStepsFile = "steps.jsonl";
 inline constexpr const char* kCheckpointManagerFile = "checkpoint_manager.json";
 inline constexpr const char* kCheckpointPrefix = "checkpoint_";
 // The loss scaler's state in a checkpoint of an fp16 run (train::save_checkpoint).
@@ -41,6 +43,10 @@ Json read_json(const std::filesystem::path& path);
 // One JSON value per line. A line that is no JSON (cut by a crash mid-write, or being written
 // now) is skipped, and the lines after it still count.
 std::vector<Json> read_jsonl(const std::filesystem::path& path);
+
+// steps.jsonl's records in the order of their "step", one per step: a step that a resumed run took
+// again is its later record's. At most `max_records`, evenly spread, the last always among them.
+std::vector<Json> read_steps(const std::filesystem::path& run_dir, size_t max_records);
 
 // A CSV file with a header row: the columns are the union of the objects' keys, in the order
 // first seen; strings unquoted unless they need it, other values as JSON.

@@ -127,16 +127,19 @@ std::optional<Checkpoint> RunRecorder::resume_point() {
       console_.message("cohort: resuming from " + resume_from->path().string());
     }
   }
-  const auto log = run_dir_ / kMetricsFile;
-  if (resume_from) {
-    // Append-only: the history on disk is never rewritten, so a crash now loses none of it. A
-    // line a crash cut short (read_jsonl skips it) is ended, so the next record has its own.
-    metrics_log_.open(log, std::ios::app);
-    if (ends_inside_a_line(log)) metrics_log_ << '\n';
-  } else {
-    metrics_log_.open(log, std::ios::trunc);  // a new run's history
+  for (auto [stream, file] : {std::pair{&metrics_log_, kMetricsFile}, {&steps_log_, kStepsFile}}) {
+    const auto log = run_dir_ / file;
+    if (resume_from) {
+      // Append-only: the history on disk is never rewritten, so a crash now loses none of it. A
+      // line a crash cut short (read_jsonl skips it) is ended, so the next record has its own.
+      // Steps a resumed run takes again are read as the later record's (read_steps).
+      stream->open(log, std::ios::app);
+      if (ends_inside_a_line(log)) *stream << '\n';
+    } else {
+      stream->open(log, std::ios::trunc);  // a new run's history
+    }
+    stream->flush();
   }
-  metrics_log_.flush();
   if (tensorboard_config_.enabled) {
     tensorboard_.emplace(run_dir_, tensorboard_config_, result_.config,
                          result_.metrics_history.empty());
@@ -174,6 +177,16 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
   console_.report(record["training_iteration"].get<int64_t>(), metrics);
   if (const auto line = straggler_line(metrics)) console_.message(*line);
   if (on_report_) on_report_(record);
+}
+
+void RunRecorder::on_step(const Json& message) {
+  Json record = message.value("metrics", Json::object());
+  const int64_t step = message.value("step", int64_t{0});
+  record["step"] = step;
+  record["timestamp"] = std::time(nullptr);
+  steps_log_ << record.dump() << '\n';
+  steps_log_.flush();
+  if (tensorboard_) tensorboard_->on_step(step, record);
 }
 
 Result RunRecorder::finish(const std::optional<std::string>& error, int workers,

@@ -46,6 +46,9 @@ class RunRecorder {
   // A "report" control message of rank 0 (with "histograms" when RunConfig::tensorboard asks for
   // them). Sets `driver_error` when the run broke a rule.
   void on_report(const Json& message, std::string& driver_error);
+  // A "step" control message of rank 0 (train::log_step): a line of steps.jsonl, and TensorBoard
+  // scalars "step/<metric>" at that step.
+  void on_step(const Json& message);
 
   // Writes metrics.csv and result.json; returns the final Result.
   Result finish(const std::optional<std::string>& error, int workers, double wall_seconds);
@@ -64,6 +67,7 @@ class RunRecorder {
   CheckpointManager checkpoints_;
   Result result_;
   std::ofstream metrics_log_;
+  std::ofstream steps_log_;
   std::function<void(const Json&)> on_report_;
   std::optional<TensorBoardLog> tensorboard_;  // from resume_point() on, when enabled
 };

@@ -8,7 +8,7 @@ namespace {
 
 // The record's bookkeeping fields, which are no metrics.
 bool is_bookkeeping(const std::string& key) {
-  return key == "training_iteration" || key == "timestamp" || key == "checkpoint";
+  return key == "training_iteration" || key == "timestamp" || key == "checkpoint" || key == "step";
 }
 
 void add_scalars(SummaryWriter& writer, const std::string& prefix, const Json& values,
@@ -43,6 +43,14 @@ void TensorBoardLog::on_report(const Json& record, const Json& histograms) {
     for (const auto& [tag, histogram] : histograms.items())
       writer_.add_histogram(tag, histogram_from_json(histogram), step);
   }
+  writer_.flush();
+}
+
+void TensorBoardLog::on_step(int64_t step, const Json& record) {
+  Json values = Json::object();
+  for (const auto& [key, value] : record.items())
+    if (!is_bookkeeping(key)) values[key] = value;
+  add_scalars(writer_, "step", values, step);
   writer_.flush();
 }
 

@@ -73,6 +73,10 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
                      std::to_string(p.last) +
                      "}: give 1 <= first <= last (e.g. {100, 110}), or {0, 0} for none");
   }
+  if (run_.log_every_steps < 0) {
+    throw UsageError("RunConfig.log_every_steps=" + std::to_string(run_.log_every_steps) +
+                     " must be >= 0 (0: about every 15 seconds)");
+  }
   if (run_.failure_config.max_failures < -1) {
     throw UsageError(
         "FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +

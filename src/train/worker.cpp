@@ -81,6 +81,7 @@ struct SessionSettings {
   std::string interface_address = "127.0.0.1";
   bool tensorboard_histograms = false;
   RunConfig::ProfileSteps profile_steps;
+  int64_t log_every_steps = 0;
 };
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
@@ -116,6 +117,7 @@ void open_session(SessionSettings settings, const ScalingConfig& scaling,
   session->data_members = runtime::env_int(runtime::kDataMembersVar, session->data_members, 0);
   session->next_checkpoint_index = settings.next_checkpoint_index;
   session->tensorboard_histograms = settings.tensorboard_histograms;
+  session->step_log.every_steps = settings.log_every_steps;
   if (!settings.resume_from.empty())
     session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;
@@ -228,6 +230,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.backend = comm::backend_from_string(spec.backend);
     settings.tensorboard_histograms = spec.tensorboard_histograms;
     settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
+    settings.log_every_steps = spec.log_every_steps;
     open_session(std::move(settings), scaling, datasets);
     train_loop(spec.config);
     trace::finish_profile();
@@ -278,6 +281,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.collective_timeout = run.collective_timeout;
   settings.tensorboard_histograms = run.tensorboard.enabled && run.tensorboard.histograms;
   settings.profile_steps = run.profile_steps;
+  settings.log_every_steps = run.log_every_steps;
   settings.store = comm::Store::connect({.host = info.master_addr,
                                          .port = info.store_port,
                                          .is_server = serve,
@@ -378,6 +382,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       if (type == "report") {
         recorder->on_report(message, broken);
         if (!broken.empty()) throw UsageError(broken);
+      } else if (type == "step") {
+        recorder->on_step(message);
       } else if (type == "progress") {
         console.progress(message["progress"]);
       }

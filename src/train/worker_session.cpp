@@ -733,6 +733,36 @@ data::DataIterator get_dataset_shard(const std::string& name) {
   return iterator;
 }
 
+void log_step(int64_t step, const std::function<Json()>& metrics) {
+  auto& session = require_session("cohort::train::log_step()");
+  if (session.context.world_rank != 0 || !runtime::has_control_channel()) return;
+  using Clock = std::chrono::steady_clock;
+  constexpr auto kAutomaticInterval = std::chrono::seconds(15);
+  auto& log = session.step_log;
+  const auto now = Clock::now();
+  if (log.last_call && log.gaps_ms.size() < 100000)
+    log.gaps_ms.push_back(std::chrono::duration<double, std::milli>(now - *log.last_call).count());
+  log.last_call = now;
+  const bool due = log.every_steps > 0
+                       ? step % log.every_steps == 0
+                       : !log.last_logged || now - *log.last_logged >= kAutomaticInterval;
+  if (!due) return;
+  log.last_logged = now;
+  Json values = metrics();
+  if (!values.is_object()) {
+    throw UsageError("train::log_step: the metrics of step " + std::to_string(step) +
+                     " are not a JSON object: " + values.dump());
+  }
+  if (!log.gaps_ms.empty() && !values.contains("step_time_ms")) {
+    auto middle = log.gaps_ms.begin() + static_cast<std::ptrdiff_t>((log.gaps_ms.size() - 1) / 2);
+    std::nth_element(log.gaps_ms.begin(), middle, log.gaps_ms.end());
+    values["step_time_ms"] = *middle;
+  }
+  log.gaps_ms.clear();
+  runtime::send_control_message(
+      Json{{"type", "step"}, {"step", step}, {"metrics", std::move(values)}}.dump());
+}
+
 void report_progress(const Json& progress) {
   auto& session = require_session("cohort::train::report_progress()");
   if (session.context.world_rank != 0 || !runtime::has_control_channel()) return;

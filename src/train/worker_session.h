@@ -1,5 +1,6 @@
 // The state of a running worker: its context, its prepared models, its report count.
 #pragma once
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -82,6 +83,13 @@ struct WorkerSession {
   // after the rows its epoch had taken.
   std::map<std::string, data::EpochPosition> data_positions;
   int data_loaders = 0;
+  // train::log_step: which steps rank 0 logs (RunConfig::log_every_steps), when it logged last,
+  // and the times between its calls since.
+  struct StepLog {
+    int64_t every_steps = 0;
+    std::optional<std::chrono::steady_clock::time_point> last_call, last_logged;
+    std::vector<double> gaps_ms;
+  } step_log;
 };
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the

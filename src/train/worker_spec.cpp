@@ -58,7 +58,8 @@ std::string to_text(const WorkerSpec& s) {
               {"slot", s.slot},
               {"tensorboard_histograms", s.tensorboard_histograms},
               {"profile_first", s.profile_first},
-              {"profile_last", s.profile_last}}
+              {"profile_last", s.profile_last},
+              {"log_every_steps", s.log_every_steps}}
       .dump();
 }
 
@@ -111,6 +112,7 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");
   s.profile_first = field<int64_t>(j, "profile_first");
   s.profile_last = field<int64_t>(j, "profile_last");
+  s.log_every_steps = field<int64_t>(j, "log_every_steps");
   return s;
 }
 

@@ -35,6 +35,7 @@ struct WorkerSpec {
   bool tensorboard_histograms = false;  // RunConfig::tensorboard.histograms
   int64_t profile_first = 0;            // RunConfig::profile_steps
   int64_t profile_last = 0;
+  int64_t log_every_steps = 0;  // RunConfig::log_every_steps
 };
 
 std::string to_text(const WorkerSpec& spec);

@@ -10,6 +10,7 @@
 
 #include "cohort/cohort.h"
 #include "support/tiny_mnist.h"
+#include "train/run_files.h"
 #include "train/run_recorder.h"
 #include "train/tensorboard_log.h"
 
@@ -96,6 +97,83 @@ TEST(Observability, ReportsNameTheSlowRankAndProfiledStepsBecomeChromeTraces) {
     for (const char* phase : {"forward", "backward", "optimizer", "comm_wait"})
       EXPECT_EQ(steps_of[phase], (std::set<int64_t>{3, 4, 5})) << "rank " << rank << " " << phase;
   }
+  fs::remove_all(dir);
+}
+
+// train::log_step: rank 0's every N-th step, with its step time, in steps.jsonl and TensorBoard;
+// the metrics of the other steps are never made.
+TEST(Observability, LoggedStepsReachStepsJsonlAndTensorBoardEveryNSteps) {
+  const auto dir = testing::temp_dir("observability_steps");
+  RunConfig run{.name = "steps",
+                .storage_path = dir,
+                .verbose = 0,
+                .setup_timeout = std::chrono::seconds(30),
+                .collective_timeout = std::chrono::seconds(60),
+                .log_every_steps = 3};
+  Trainer trainer(
+      [](const Json&) {
+        auto& ctx = train::get_context();
+        torch::manual_seed(0);
+        auto model = train::prepare_model(torch::nn::Linear(16, 1));
+        torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.01));
+        const auto x = torch::randn({32, 16});
+        int64_t made = 0;
+        for (int64_t step = 1; step <= 8; ++step) {
+          optimizer.zero_grad();
+          auto loss = model->forward(x).pow(2).mean();
+          // Rank 1 is slow: rank 0 waits for it in every step's all-reduce.
+          if (ctx.get_world_rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          train::backward(loss);
+          train::step_optimizer(optimizer);
+          train::log_step(step, [&] {
+            ++made;
+            return Json{{"train_loss", loss.item<double>()}, {"rank", ctx.get_world_rank()}};
+          });
+        }
+        train::report({{"metrics_made", made}});
+      },
+      ScalingConfig{.num_workers = 2}, run);
+  const Result result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics.at("metrics_made"), 2) << result.metrics;  // steps 3 and 6
+
+  std::vector<int64_t> logged;
+  for (const auto& record : read_jsonl(dir / "steps" / kStepsFile)) {
+    logged.push_back(record.at("step").get<int64_t>());
+    EXPECT_EQ(record.at("rank"), 0) << record;
+    EXPECT_GT(record.at("train_loss").get<double>(), 0) << record;
+    EXPECT_GE(record.at("step_time_ms").get<double>(), 15) << record;
+    EXPECT_TRUE(record.contains("timestamp")) << record;
+  }
+  EXPECT_EQ(logged, (std::vector<int64_t>{3, 6}));
+  std::set<int64_t> steps_seen;
+  for (const auto& file : train::event_files(dir / "steps" / train::kTensorBoardDir))
+    for (const auto& e : train::read_events(file))
+      if (e.tag == "step/train_loss") steps_seen.insert(e.step);
+  EXPECT_EQ(steps_seen, (std::set<int64_t>{3, 6}));
+  fs::remove_all(dir);
+}
+
+// What the dashboard draws: one record per step (a resumed run's later one), in step order,
+// thinned evenly to a bound with the last step kept.
+TEST(Observability, StepRecordsAreOnePerStepInOrderAndThinnedEvenly) {
+  const auto dir = testing::temp_dir("observability_read_steps");
+  {
+    std::ofstream out(dir / kStepsFile);
+    for (int step = 1; step <= 10; ++step)
+      out << Json{{"step", step}, {"loss", 1.0}}.dump() << "\n";
+    // A resumed run takes steps 9 and 10 again; a line cut by a crash is skipped.
+    out << "{\"step\": 9, \"loss\": 0.5}\n{\"step\": 10, \"loss\": 0.25}\n{\"step\": 11, \"lo";
+  }
+  auto steps = read_steps(dir, 100);
+  ASSERT_EQ(steps.size(), 10u);
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i].at("step"), int64_t(i) + 1);
+  EXPECT_EQ(steps[8].at("loss"), 0.5);
+  EXPECT_EQ(steps[9].at("loss"), 0.25);
+  steps = read_steps(dir, 4);
+  std::vector<int64_t> kept;
+  for (const auto& r : steps) kept.push_back(r.at("step").get<int64_t>());
+  EXPECT_EQ(kept, (std::vector<int64_t>{3, 5, 8, 10}));
   fs::remove_all(dir);
 }
 

@@ -146,6 +146,10 @@ struct RunConfig {
   // when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
   std::function<void(const Json& record)> on_report;
   TensorBoardConfig tensorboard;
+  // Which steps' train::log_step metrics (the training loss and step time every N steps) rank 0
+  // sends to <run>/steps.jsonl, TensorBoard ("step/<metric>") and the dashboard's step charts:
+  // every N-th optimizer step; 0: the first step, then one about every 15 seconds.
+  int64_t log_every_steps = 0;
   // Files the driver writes into the run directory once it owns it (file name -> content), each
   // atomically, replacing what a previous start wrote: e.g. `cohort train` writes its effective
   // options as config.json. Names are plain file names.

@@ -1,4 +1,5 @@
 #pragma once
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -23,6 +24,16 @@ std::optional<Checkpoint> get_checkpoint();
 // {{"label", "epoch 1/5"}, {"step", 120}, {"total", 469}, {"loss", 0.41}, {"samples_per_s", 2400}}.
 // Only rank 0's are shown; calls are rate-limited here, so calling every step is cheap.
 void report_progress(const Json& progress);
+
+// Step-level metrics for the charts, between reports: call it on every rank after every
+// optimizer step, with that step's number (from 1) and a function that makes the metrics, e.g.
+//   train::log_step(step, [&] { return Json{{"train_loss", loss.item<double>()}}; });
+// For the steps RunConfig::log_every_steps picks, rank 0 calls `metrics` and adds "step_time_ms"
+// (the median time between its calls since the last logged step, so an evaluation between two
+// steps does not count); the driver appends the record, with "step" and "timestamp", to
+// <run>/steps.jsonl and to TensorBoard as "step/<metric>" scalars, and the dashboard draws them.
+// Every other call returns at once without calling `metrics`; no collective, no wait.
+void log_step(int64_t step, const std::function<Json()>& metrics);
 
 // Whether the run was asked to stop: true on every rank alike once any rank received a stop
 // request (the first Ctrl-C of the driver, or runtime::kStopRequestSignal). A collective: every

@@ -44,7 +44,7 @@ fetch() { /usr/bin/python3 -c 'import sys, urllib.request; sys.stdout.write(urll
 
 storage="$tmp/runs"
 "$cli" train --workers 2 --epochs 1000 --train-examples 512 --test-examples 128 --batch-size 32 \
-  --storage-path "$storage" --name live --dashboard 0 >"$tmp/train.log" 2>&1 &
+  --storage-path "$storage" --name live --log-every-steps 2 --dashboard 0 >"$tmp/train.log" 2>&1 &
 pids+=($!)
 train_pid=$!
 wait_until "grep -q 'dashboard at http' '$tmp/train.log'" 60
@@ -59,9 +59,11 @@ for rank in 0 1; do
 done
 points="$(grep -o 'id="loss-chart"[^>]*data-points="[0-9]*"' <<<"$dom" | grep -o '[0-9]*"$' | tr -d '"')"
 [ "${points:-0}" -ge 1 ] || fail "the loss curve has no points: $dom"
+step_points="$(grep -o 'id="step-loss-chart"[^>]*data-points="[0-9]*"' <<<"$dom" | grep -o '[0-9]*"$' | tr -d '"')"
+[ "${step_points:-0}" -ge 2 ] || fail "the loss-by-step curve has fewer than 2 points: $dom"
 first_render="$(grep -o 'data-first-render-ms="[0-9.]*"' <<<"$dom" | grep -o '[0-9.]*')"
 [ -n "$first_render" ] || fail "the page never rendered: $dom"
-echo "dashboard: first render in Chromium after ${first_render} ms; loss curve with $points point(s)"
+echo "dashboard: first render in Chromium after ${first_render} ms; loss curve with $points point(s), by step with $step_points"
 timeout 90 "$browser" --headless --no-sandbox --disable-gpu --user-data-dir="$tmp/chrome" \
   --virtual-time-budget=4000 --window-size=1280,1100 --screenshot="$artifacts/dashboard.png" \
   "$url?run=live" >/dev/null 2>&1

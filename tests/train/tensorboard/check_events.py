@@ -163,13 +163,33 @@ def check_scalars(folder, run_dir):
     return records, checked
 
 
+def check_steps(folder, run_dir):
+    """steps.jsonl (train::log_step) as "step/<metric>" scalars at each record's step."""
+    with open(os.path.join(run_dir, "steps.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    if not records:
+        fail(f"{run_dir}/steps.jsonl has no logged step")
+    checked = 0
+    for record in records:
+        values = {k: v for k, v in record.items() if k not in ("step", "timestamp")}
+        for tag, value in flat_metrics(values, "step/"):
+            got = folder.scalars.get(tag, {}).get(record["step"])
+            want = struct.unpack("<f", struct.pack("<f", value))[0]
+            if got != want:
+                fail(f"{folder.folder}: scalar {tag} at step {record['step']} is {got}, steps.jsonl {value}")
+            checked += 1
+    return len(records), checked
+
+
 def check_run(event_pb2, run_dir, histograms):
     folder = Folder(event_pb2, os.path.join(run_dir, "tensorboard"))
     records, checked = check_scalars(folder, run_dir)
+    steps, step_scalars = check_steps(folder, run_dir)
     config = folder.texts.get("config")
     if config is None or '"model"' not in config:
         fail(f"{folder.folder}: no config text with the model in it: {config!r}")
-    summary = f"{folder.records} records, {checked} scalars match metrics.jsonl"
+    summary = (f"{folder.records} records, {checked} scalars match metrics.jsonl, "
+               f"{steps} logged steps, their {step_scalars} scalars match steps.jsonl")
     if histograms:
         params = [t for t in folder.histograms if t.startswith("parameters/")]
         grads = [t for t in folder.histograms if t.startswith("gradients/")]

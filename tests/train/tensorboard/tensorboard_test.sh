@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A `cohort train` run and a `cohort tune` experiment write TensorBoard files that an independent
 # reader (check_events.py: Debian's protobuf, its own CRC-32C) decodes whole and finds to match
-# metrics.jsonl, with histograms and the hparams plugin's experiment and sessions.
+# metrics.jsonl and steps.jsonl, with histograms and the hparams plugin's experiment and sessions.
 # Usage: tensorboard_test.sh COHORT_CLI
 set -euo pipefail
 cli="$1"
@@ -10,7 +10,7 @@ storage="$(mktemp -d)"
 trap 'rm -rf "$storage"' EXIT
 small=(--epochs 2 --train-examples 512 --test-examples 256 --storage-path "$storage" --quiet)
 
-"$cli" train --workers 2 --tensorboard-histograms --name run "${small[@]}"
+"$cli" train --workers 2 --tensorboard-histograms --log-every-steps 4 --name run "${small[@]}"
 /usr/bin/python3 "$here/check_events.py" run "$storage/run" --histograms
 
 # The reader is not fooled: one flipped bit in the file is named.
