@@ -4,6 +4,7 @@
 #
 #   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--no-tests]
 #                          [--prepare-only]
+#   scripts/debian_root.sh --suite bookworm --install-deb cohort_VERSION_ARCH.deb
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
 # later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
@@ -13,7 +14,9 @@
 # (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
 # instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
 # download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
-# Needs root.
+# --install-deb instead installs cohort's Debian package with apt (which brings its dependencies)
+# and builds and runs tests/install/consumer against it, as a user of the package would
+# (scripts/deb_install_check.sh runs it in a new root). Needs root.
 set -euo pipefail
 src="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 suite=sid
@@ -22,6 +25,7 @@ core_pch=ON
 tests=1
 bench=ON
 prepare_only=0
+deb=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --suite) suite="$2"; shift 2 ;;
@@ -30,13 +34,19 @@ while [ $# -gt 0 ]; do
     --no-tests) tests=0; shift ;;
     --no-bench) bench=OFF; shift ;;
     --prepare-only) prepare_only=1; shift ;;
+    --install-deb) deb="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
   esac
 done
 case "$suite" in
   sid|trixie) ;;
+  bookworm) [ -n "$deb" ] || { echo "debian_root.sh: --suite bookworm is for --install-deb" >&2; exit 2; } ;;
   *) echo "debian_root.sh: --suite $suite: use sid (libtorch 2.x, newest) or trixie (libtorch 2.6)" >&2; exit 2 ;;
 esac
+if [ -n "$deb" ] && [ ! -f "$deb" ]; then
+  echo "debian_root.sh: --install-deb $deb: no such file (make it with: cpack -G DEB in the build folder)" >&2
+  exit 2
+fi
 if [ "$(id -u)" -ne 0 ]; then
   echo "debian_root.sh: needs root (debootstrap, chroot, mounts): run it with sudo" >&2
   exit 2
@@ -129,6 +139,21 @@ if [ "$cuda" -eq 1 ]; then
   exit "$status"
 fi
 
+if [ -n "$deb" ]; then
+  # As a user does: apt installs the package and what it depends on; a compiler and CMake.
+  cp "$deb" "$root/tmp/"
+  in_root apt-get update -qq >&2
+  start=$SECONDS
+  in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq -o Dpkg::Use-Pty=0 \
+    --no-install-recommends "/tmp/$(basename "$deb")" g++ cmake ninja-build >&2
+  log "installed $(basename "$deb") and its dependencies with apt in $((SECONDS - start)) s"
+  start=$SECONDS
+  in_root sh -c 'rm -rf /tmp/consumer && cmake -S /src/tests/install/consumer -B /tmp/consumer -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build /tmp/consumer >/dev/null && /tmp/consumer/consumer /tmp/runs' >&2
+  log "built and ran tests/install/consumer against the installed package in $((SECONDS - start)) s"
+  in_root cohort --version >&2
+  exit 0
+fi
 log "$(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev 2>/dev/null || echo 'libtorch-dev not installed yet')"
 if [ "$prepare_only" -eq 1 ]; then
   in_root /src/scripts/setup.sh --install-only
