@@ -1,4 +1,5 @@
-// cohort: distributed training for libtorch in C++. The umbrella header.
+/// \file
+/// cohort: distributed training for libtorch in C++. The umbrella header.
 #pragma once
 
 #include "cohort/error.h"
@@ -64,3 +65,32 @@
 #include "cohort/tune/scheduler.h"
 #include "cohort/tune/search_space.h"
 #include "cohort/tune/tuner.h"
+
+/// Distributed training for libtorch: the Trainer, its configs and results (Ray Train's names).
+namespace cohort {
+/// Rendezvous and collectives: the TCP store and the process groups (Gloo, NCCL).
+namespace comm {}
+/// Processes: launch modes, the worker group, the coordinator's heartbeats and verdicts, GPUs.
+namespace runtime {}
+/// Data: datasets and their pipelines (Ray Data's names), loaders, samplers, file formats.
+namespace data {}
+/// Optimizers and precision: flat fused optimizers, loss scaling, learning-rate schedules.
+namespace optim {}
+/// Parallelism engines: DDP, ZeRO, pipelines, tensor parallelism, meshes, local SGD, DiLoCo and
+/// the parameter server.
+namespace parallel {
+/// Pipeline parallelism: stages, schedules (GPipe, 1F1B, interleaved, zero-bubble), a simulator.
+namespace pipeline {}
+}  // namespace parallel
+/// The worker's side of a run (prepare_model, report, checkpoints, plans) and the driver's
+/// (the Trainer, run directories, TensorBoard, the dashboard).
+namespace train {}
+/// Hyperparameter search: the Tuner, search spaces, schedulers (Ray Tune's names).
+namespace tune {}
+/// Command-line options a user's own program can add (the plan's flags, `cohort train`'s).
+namespace cli {}
+/// The model zoo: MLP, CNN, ResNet-18 and ViT image classifiers.
+namespace models {}
+/// Where a worker's step time goes: phases, spans and Chrome traces.
+namespace trace {}
+}  // namespace cohort

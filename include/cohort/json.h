@@ -9,14 +9,14 @@
 #include "cohort/error.h"
 
 namespace cohort {
-// Configs, metrics and control messages are JSON, as in Ray (dicts); keys keep their order.
+/// Configs, metrics and control messages are JSON, as in Ray (dicts); keys keep their order.
 using Json = nlohmann::ordered_json;
 
-// Field `key` of a message from another process, `fallback` when it has none (or null). A field
-// of another JSON type than T's (a string where a number belongs, 1.5 for an integer, a number
-// past T's range), or a message that is no object, is a UsageError naming the field: read this
-// way, a peer's malformed message is an error to handle, never a nlohmann exception thrown from
-// a `value()` deep in a loop.
+/// Field `key` of a message from another process, `fallback` when it has none (or null). A field
+/// of another JSON type than T's (a string where a number belongs, 1.5 for an integer, a number
+/// past T's range), or a message that is no object, is a UsageError naming the field: read this
+/// way, a peer's malformed message is an error to handle, never a nlohmann exception thrown from
+/// a `value()` deep in a loop.
 template <typename T>
 T json_field(const Json& message, const char* key, T fallback) {
   if (!message.is_object()) {

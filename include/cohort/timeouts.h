@@ -1,21 +1,22 @@
-// Default deadlines, defined once: every options struct and every reader of a worker's settings
-// takes its default from here.
+/// \file
+/// Default deadlines, defined once: every options struct and every reader of a worker's settings
+/// takes its default from here.
 #pragma once
 #include <chrono>
 
 namespace cohort {
 
-// Every rank joins the rendezvous and its process groups within this.
+/// Every rank joins the rendezvous and its process groups within this.
 inline constexpr std::chrono::milliseconds kDefaultSetupTimeout{60'000};
-// One collective (and every wait that stands for one, such as report()'s) ends within this.
+/// One collective (and every wait that stands for one, such as report()'s) ends within this.
 inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{300'000};
-// A rank (or a node's launcher) silent this long is taken for hung or stopped.
+/// A rank (or a node's launcher) silent this long is taken for hung or stopped.
 inline constexpr std::chrono::milliseconds kDefaultHeartbeatTimeout{30'000};
-// A node's launcher silent this long is lost (cohort launch; nodes beat often and cheaply).
+/// A node's launcher silent this long is lost (cohort launch; nodes beat often and cheaply).
 inline constexpr std::chrono::milliseconds kDefaultNodeHeartbeatTimeout{5'000};
-// A store call (connect, get, wait) ends within this unless the caller gives its own deadline.
+/// A store call (connect, get, wait) ends within this unless the caller gives its own deadline.
 inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30'000};
-// A message of the data plane (preprocessing workers), and a data worker's start.
+/// A message of the data plane (preprocessing workers), and a data worker's start.
 inline constexpr std::chrono::milliseconds kDefaultDataMessageTimeout{60'000};
 
 }  // namespace cohort

@@ -1,14 +1,15 @@
-// The flags of a train::Plan for a user's own program: one call gives it cohort train's
-// --zero-stage, --sync, --pp, --tp, --schedule, --micro-batches, --gradient-accumulation-steps,
-// --gradient-clipping, --cuda-graph and --precision, with their help and defaults:
-//
-//   CLI::App app("my trainer");
-//   cohort::cli::PlanOptions plan_options;
-//   cohort::cli::add_plan_options(&app, plan_options);
-//   CLI11_PARSE(app, argc, argv);
-//   const cohort::train::Plan plan = plan_options.plan();   // UsageError naming a bad flag
-//
-// Needs CLI11 (Debian's libcli11-dev); the rest of cohort does not include this header.
+/// \file
+/// The flags of a train::Plan for a user's own program: one call gives it cohort train's
+/// --zero-stage, --sync, --pp, --tp, --schedule, --micro-batches, --gradient-accumulation-steps,
+/// --gradient-clipping, --cuda-graph and --precision, with their help and defaults:
+///
+///   CLI::App app("my trainer");
+///   cohort::cli::PlanOptions plan_options;
+///   cohort::cli::add_plan_options(&app, plan_options);
+///   CLI11_PARSE(app, argc, argv);
+///   const cohort::train::Plan plan = plan_options.plan();   // UsageError naming a bad flag
+///
+/// Needs CLI11 (Debian's libcli11-dev); the rest of cohort does not include this header.
 #pragma once
 #include <optional>
 #include <string>
@@ -22,16 +23,16 @@
 
 namespace cohort::cli {
 
-// The plan as flags give it: what train::Plan holds, with the sync mode and the schedule by name
-// and DiLoCo's outer optimizer apart; plus the precision, which goes to ScalingConfig::precision.
+/// The plan as flags give it: what train::Plan holds, with the sync mode and the schedule by name
+/// and DiLoCo's outer optimizer apart; plus the precision, which goes to ScalingConfig::precision.
 struct PlanOptions {
   int pp = 1;
   int tp = 1;
-  int micro_batches = 0;  // per batch; 0: 2 x pp (1 without a pipeline)
+  int micro_batches = 0;  ///< per batch; 0: 2 x pp (1 without a pipeline)
   std::string schedule = "1f1b";
-  parallel::ZeroOptions zero;  // stage 0: DDP
-  // ddp, local-sgd:H, diloco:H or async-ps:K (parallel::parse_sync_mode); DiLoCo's outer
-  // optimizer, unset: parallel::DiLoCo's defaults.
+  parallel::ZeroOptions zero;  ///< stage 0: DDP
+  /// ddp, local-sgd:H, diloco:H or async-ps:K (parallel::parse_sync_mode); DiLoCo's outer
+  /// optimizer, unset: parallel::DiLoCo's defaults.
   std::string sync = "ddp";
   std::optional<double> outer_lr;
   std::optional<double> outer_momentum;
@@ -41,20 +42,20 @@ struct PlanOptions {
   bool cuda_graph = false;
   std::string precision = "fp32";
 
-  // The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
+  /// The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
   parallel::SyncMode sync_mode() const;
-  // The plan of these flags, checked for `world_size` workers (0: the degrees alone) by
-  // train::Plan::validate.
+  /// The plan of these flags, checked for `world_size` workers (0: the degrees alone) by
+  /// train::Plan::validate.
   train::Plan plan(int world_size = 0) const;
 };
 
-// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back; a missing
-// key keeps its default, a value of the wrong type is a UsageError naming it.
+/// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back; a missing
+/// key keeps its default, a value of the wrong type is a UsageError naming it.
 void to_json(Json& json, const PlanOptions& options);
 void from_json(const Json& json, PlanOptions& options);
 
-// Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group
-// "Training", the rest in "Parallelism and synchronisation".
+/// Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group
+/// "Training", the rest in "Parallelism and synchronisation".
 void add_plan_options(CLI::App* cmd, PlanOptions& options);
 
 }  // namespace cohort::cli

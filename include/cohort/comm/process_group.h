@@ -15,165 +15,165 @@ namespace cohort::comm {
 
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
-// Which transport runs a group's collectives.
+/// Which transport runs a group's collectives.
 enum class Backend {
-  // Gloo for CPU tensors, NCCL for CUDA tensors (Gloo's CUDA path where libtorch has no NCCL).
+  /// Gloo for CPU tensors, NCCL for CUDA tensors (Gloo's CUDA path where libtorch has no NCCL).
   kAuto,
-  // Gloo for every tensor, CUDA ones through Gloo's CUDA path: e.g. several ranks sharing one GPU,
-  // which NCCL refuses.
+  /// Gloo for every tensor, CUDA ones through Gloo's CUDA path: e.g. several ranks sharing one GPU,
+  /// which NCCL refuses.
   kGloo,
-  // NCCL only: CUDA tensors only.
+  /// NCCL only: CUDA tensors only.
   kNccl,
 };
 const char* to_string(Backend backend);
-// "auto", "gloo" or "nccl"; anything else is a UsageError naming the value.
+/// "auto", "gloo" or "nccl"; anything else is a UsageError naming the value.
 Backend backend_from_string(const std::string& name);
-// Whether this libtorch can run NCCL collectives (a CUDA build with c10d's NCCL group).
+/// Whether this libtorch can run NCCL collectives (a CUDA build with c10d's NCCL group).
 bool nccl_available();
 
 struct ProcessGroupOptions {
-  // Address of this host's interface that the transport binds to.
+  /// Address of this host's interface that the transport binds to.
   std::string interface_address = "127.0.0.1";
-  // Deadline for every rank to join the group.
+  /// Deadline for every rank to join the group.
   std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
-  // Deadline of each collective.
+  /// Deadline of each collective.
   std::chrono::milliseconds timeout = kDefaultCollectiveTimeout;
-  // Transport threads of the backend; 1 keeps them from competing with compute on small hosts.
+  /// Transport threads of the backend; 1 keeps them from competing with compute on small hosts.
   int threads = 1;
-  // Keys of this group live under this prefix in the store, so several groups share one store.
+  /// Keys of this group live under this prefix in the store, so several groups share one store.
   std::string prefix = "pg";
   Backend backend = Backend::kAuto;
 };
 
-// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
-// tensors it is stream-ordered: the caller's current stream waits for the collective, the host
-// does not (call synchronize() to block the host too).
+/// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
+/// tensors it is stream-ordered: the caller's current stream waits for the collective, the host
+/// does not (call synchronize() to block the host too).
 class Work {
  public:
-  struct State;  // opaque; defined in src/comm/process_group.cpp
+  struct State;  ///< opaque; defined in src/comm/process_group.cpp
   Work() = default;
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  // Completes the collective (see above). Throws TimeoutError past the group's timeout naming
-  // the collective, PeerFailureError when a peer died or closed its connection.
+  /// Completes the collective (see above). Throws TimeoutError past the group's timeout naming
+  /// the collective, PeerFailureError when a peer died or closed its connection.
   void wait();
-  // wait(), then blocks the host until the device work is done as well.
+  /// wait(), then blocks the host until the device work is done as well.
   void synchronize();
   bool completed() const;
   bool valid() const { return state_ != nullptr; }
-  // Runs `fn` in wait(), after the collective completed (e.g. to decompress a result).
+  /// Runs `fn` in wait(), after the collective completed (e.g. to decompress a result).
   Work& then(std::function<void()> fn);
 
  private:
   std::shared_ptr<State> state_;
 };
 
-// A group of ranks that run collectives together (Gloo and NCCL underneath, by tensor device).
-// Passed by value: copies refer to the same group. Every collective must be called by every
-// rank of the group in the same order; tensors of one call share dtype and device.
-//
-// A peer that dies fails the collectives that wait on it (PeerFailureError). So that writing to
-// its closed socket cannot kill this process instead, the first Gloo group sets SIGPIPE to
-// "ignore" when it is at its default (a handler the program installed is kept).
+/// A group of ranks that run collectives together (Gloo and NCCL underneath, by tensor device).
+/// Passed by value: copies refer to the same group. Every collective must be called by every
+/// rank of the group in the same order; tensors of one call share dtype and device.
+///
+/// A peer that dies fails the collectives that wait on it (PeerFailureError). So that writing to
+/// its closed socket cannot kill this process instead, the first Gloo group sets SIGPIPE to
+/// "ignore" when it is at its default (a handler the program installed is kept).
 class ProcessGroup {
  public:
-  // An empty handle; use create() or new_group().
+  /// An empty handle; use create() or new_group().
   ProcessGroup() = default;
   static ProcessGroup create(Store store, int rank, int world_size,
                              const ProcessGroupOptions& options = {});
 
   bool valid() const { return state_ != nullptr; }
-  // This process's rank in the group, and the group's size.
+  /// This process's rank in the group, and the group's size.
   int rank() const;
   int world_size() const;
   std::chrono::milliseconds timeout() const;
   Backend backend() const;
-  // The address of this host's interface that the group's transport binds to (other services
-  // between the same ranks, e.g. parameter servers, listen there too).
+  /// The address of this host's interface that the group's transport binds to (other services
+  /// between the same ranks, e.g. parameter servers, listen there too).
   const std::string& interface_address() const;
 
-  // Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
-  // group), in the same order as its other new_group/split calls; members get the new group,
-  // the others an empty handle (valid() false). Ranks that repeat or do not exist are a
-  // UsageError naming them.
+  /// Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
+  /// group), in the same order as its other new_group/split calls; members get the new group,
+  /// the others an empty handle (valid() false). Ranks that repeat or do not exist are a
+  /// UsageError naming them.
   ProcessGroup new_group(const std::vector<int>& ranks, const ProcessGroupOptions& options);
   ProcessGroup new_group(const std::vector<int>& ranks);
-  // Splits this group into disjoint groups that cover all of its ranks (e.g. the data-parallel
-  // groups of a mesh); every rank calls it with the same partition and gets its own group.
-  // `name` (e.g. "dp") goes into the parts' names, which the stall inspector quotes.
+  /// Splits this group into disjoint groups that cover all of its ranks (e.g. the data-parallel
+  /// groups of a mesh); every rank calls it with the same partition and gets its own group.
+  /// `name` (e.g. "dp") goes into the parts' names, which the stall inspector quotes.
   ProcessGroup split(const std::vector<std::vector<int>>& partition, const std::string& name = "");
-  // The ranks of the first group (the one made by create()) that form this group, by group rank.
+  /// The ranks of the first group (the one made by create()) that form this group, by group rank.
   const std::vector<int>& global_ranks() const;
   int global_rank(int group_rank) const;
-  // This group's rank of a rank of the first group, or -1 when it is not a member.
+  /// This group's rank of a rank of the first group, or -1 when it is not a member.
   int group_rank(int global_rank) const;
 
-  // Asynchronous in-place all-reduce of tensors of one dtype and device.
+  /// Asynchronous in-place all-reduce of tensors of one dtype and device.
   Work allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
   void allreduce(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
   Work broadcast_async(std::vector<at::Tensor>& tensors, int root);
   void broadcast(std::vector<at::Tensor>& tensors, int root);
-  // Gathers one tensor of the same shape from every rank, ordered by rank.
+  /// Gathers one tensor of the same shape from every rank, ordered by rank.
   std::vector<at::Tensor> allgather(const at::Tensor& tensor);
   Work allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input);
-  // All-gather into one tensor: `output` holds world_size() x input.numel() elements, rank r's
-  // input at [r * n, (r + 1) * n).
+  /// All-gather into one tensor: `output` holds world_size() x input.numel() elements, rank r's
+  /// input at [r * n, (r + 1) * n).
   Work allgather_into_async(at::Tensor& output, const at::Tensor& input);
   void allgather_into(at::Tensor& output, const at::Tensor& input);
-  // Reduce-scatter: rank r gets op over every rank's inputs[r] (world_size() inputs, each of
-  // output's shape).
+  /// Reduce-scatter: rank r gets op over every rank's inputs[r] (world_size() inputs, each of
+  /// output's shape).
   Work reduce_scatter_async(at::Tensor& output, std::vector<at::Tensor>& inputs,
                             ReduceOp op = ReduceOp::kSum);
   void reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
                       ReduceOp op = ReduceOp::kSum);
-  // Reduce-scatter from one tensor of world_size() x output.numel() elements: rank r gets op
-  // over every rank's [r * n, (r + 1) * n).
+  /// Reduce-scatter from one tensor of world_size() x output.numel() elements: rank r gets op
+  /// over every rank's [r * n, (r + 1) * n).
   Work reduce_scatter_tensor_async(at::Tensor& output, const at::Tensor& input,
                                    ReduceOp op = ReduceOp::kSum);
   void reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::kSum);
-  // All-to-all along dim 0: input's i-th split goes to rank i, output's j-th split comes from
-  // rank j. Empty split sizes: equal splits (dim 0 divisible by world_size()).
+  /// All-to-all along dim 0: input's i-th split goes to rank i, output's j-th split comes from
+  /// rank j. Empty split sizes: equal splits (dim 0 divisible by world_size()).
   Work all_to_all_async(at::Tensor& output, const at::Tensor& input,
                         const std::vector<int64_t>& output_split_sizes = {},
                         const std::vector<int64_t>& input_split_sizes = {});
   void all_to_all(at::Tensor& output, const at::Tensor& input,
                   const std::vector<int64_t>& output_split_sizes = {},
                   const std::vector<int64_t>& input_split_sizes = {});
-  // Point to point, by group rank; a send matches the recv of the same tag on `peer`.
+  /// Point to point, by group rank; a send matches the recv of the same tag on `peer`.
   Work send_async(const at::Tensor& tensor, int peer, int tag = 0);
   void send(const at::Tensor& tensor, int peer, int tag = 0);
   Work recv_async(at::Tensor& tensor, int peer, int tag = 0);
   void recv(at::Tensor& tensor, int peer, int tag = 0);
   void barrier();
 
-  // How many collectives this rank has entered, and the name of the last: what a stall
-  // inspector compares across ranks to name those that did not enter a collective.
+  /// How many collectives this rank has entered, and the name of the last: what a stall
+  /// inspector compares across ranks to name those that did not enter a collective.
   int64_t collectives_entered() const;
-  // What this rank does with the group beyond the collective's name, e.g. "pipeline stage 1,
-  // recv activation of micro-batch 3": errors of the collectives that follow and the stall
-  // inspector quote it. Empty (the default): nothing more to say.
+  /// What this rank does with the group beyond the collective's name, e.g. "pipeline stage 1,
+  /// recv activation of micro-batch 3": errors of the collectives that follow and the stall
+  /// inspector quote it. Empty (the default): nothing more to say.
   void set_activity(std::string activity);
   std::string last_collective() const;
-  // Payload bytes this rank has sent through this group and the sub-groups made from it, counted
-  // as the bandwidth-optimal algorithms send them (what NCCL's tests call bus bytes): of B bytes,
-  // an all-reduce sends 2(N-1)/N B, a broadcast (N-1)/N B, a reduce-scatter (N-1)/N of its input,
-  // an all-gather N-1 times its input, an all-to-all what goes to other ranks, a send B.
+  /// Payload bytes this rank has sent through this group and the sub-groups made from it, counted
+  /// as the bandwidth-optimal algorithms send them (what NCCL's tests call bus bytes): of B bytes,
+  /// an all-reduce sends 2(N-1)/N B, a broadcast (N-1)/N B, a reduce-scatter (N-1)/N of its input,
+  /// an all-gather N-1 times its input, an all-to-all what goes to other ranks, a send B.
   int64_t bytes_sent() const;
-  // Counts bytes sent to the group's ranks outside its collectives (a parameter server's
-  // sockets) into bytes_sent().
+  /// Counts bytes sent to the group's ranks outside its collectives (a parameter server's
+  /// sockets) into bytes_sent().
   void add_bytes_sent(int64_t bytes);
 
-  struct State;  // defined in src/comm/process_group.cpp
+  struct State;  ///< defined in src/comm/process_group.cpp
 
  private:
   explicit ProcessGroup(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };
 
-// What one process group of this process has done, for the stall inspector: its name (its key
-// prefix in the store, the same on every member), its members by global rank, how many
-// collectives this rank entered in it, the last one's name and what it was doing
-// (ProcessGroup::set_activity).
+/// What one process group of this process has done, for the stall inspector: its name (its key
+/// prefix in the store, the same on every member), its members by global rank, how many
+/// collectives this rank entered in it, the last one's name and what it was doing
+/// (ProcessGroup::set_activity).
 struct GroupActivity {
   std::string name;
   std::vector<int> global_ranks;
@@ -181,7 +181,7 @@ struct GroupActivity {
   std::string last;
   std::string activity;
 };
-// Every process group of this process that is still in use, sub-groups included, oldest first.
+/// Every process group of this process that is still in use, sub-groups included, oldest first.
 std::vector<GroupActivity> group_activity();
 
 }  // namespace cohort::comm

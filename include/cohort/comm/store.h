@@ -10,23 +10,23 @@
 namespace cohort::comm {
 
 struct StoreOptions {
-  // The server listens on this address only (never on every interface); clients connect to it.
+  /// The server listens on this address only (never on every interface); clients connect to it.
   std::string host = "127.0.0.1";
-  // 0 lets the server pick a free port (read it back with Store::port()).
+  /// 0 lets the server pick a free port (read it back with Store::port()).
   int port = 0;
   bool is_server = false;
-  // Deadline for connecting and for every get/wait.
+  /// Deadline for connecting and for every get/wait.
   std::chrono::milliseconds timeout = kDefaultStoreTimeout;
-  // Checked when a client joins: a client of another job is refused with an error naming both.
+  /// Checked when a client joins: a client of another job is refused with an error naming both.
   std::string job_id;
 };
 
-// A key-value rendezvous store (cohort's own TCP store, bound to one address, usable by Gloo):
-// set/get/add/wait, every blocking call bounded by the store's timeout. Copies share one
-// connection; the server lives as long as a copy of the handle that started it.
+/// A key-value rendezvous store (cohort's own TCP store, bound to one address, usable by Gloo):
+/// set/get/add/wait, every blocking call bounded by the store's timeout. Copies share one
+/// connection; the server lives as long as a copy of the handle that started it.
 class Store {
  public:
-  // An empty handle; use connect().
+  /// An empty handle; use connect().
   Store() = default;
   static Store connect(const StoreOptions& options);
 
@@ -38,34 +38,34 @@ class Store {
   std::string get(const std::string& key);
   int64_t add(const std::string& key, int64_t delta);
   bool check(const std::vector<std::string>& keys);
-  // The values of keys that are set, in one round trip; throws RuntimeError naming a key that is
-  // not.
+  /// The values of keys that are set, in one round trip; throws RuntimeError naming a key that is
+  /// not.
   std::vector<std::string> get_many(const std::vector<std::string>& keys);
-  // Deletes every key that starts with `prefix` (a step that is done); returns how many.
+  /// Deletes every key that starts with `prefix` (a step that is done); returns how many.
   int64_t remove_prefix(const std::string& prefix);
-  // What the server holds: keys, bytes of keys and values, connected clients.
+  /// What the server holds: keys, bytes of keys and values, connected clients.
   struct Stats {
     int64_t keys = 0;
     int64_t bytes = 0;
     int64_t clients = 0;
   };
   Stats stats();
-  // Waits until every key exists; throws TimeoutError naming the missing keys.
+  /// Waits until every key exists; throws TimeoutError naming the missing keys.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);
-  // A named barrier of `world` ranks: sets "<prefix><rank>" to `value`, waits for every rank's
-  // key and returns the values by rank (one round trip for them all). At the deadline, throws
-  // TimeoutError "<members> [1, 2] of 3 did not <what> within N ms" (members: "ranks", "nodes",
-  // ...). The barrier records its participants ("<prefix>@participants"): the same name entered
-  // with another world is a UsageError naming both. Its keys stay until remove_prefix(prefix).
+  /// A named barrier of `world` ranks: sets `"<prefix><rank>"` to `value`, waits for every rank's
+  /// key and returns the values by rank (one round trip for them all). At the deadline, throws
+  /// TimeoutError `"<members> [1, 2] of 3 did not <what> within N ms"` (members: "ranks", "nodes",
+  /// ...). The barrier records its participants (`"<prefix>@participants"`): the same name entered
+  /// with another world is a UsageError naming both. Its keys stay until remove_prefix(prefix).
   std::vector<std::string> arrive_and_wait(const std::string& prefix, int rank, int world,
                                            const std::string& value, const std::string& what,
                                            std::chrono::milliseconds timeout,
                                            const std::string& members = "ranks");
 
-  struct State;  // defined in src/comm/store_state.h
+  struct State;  ///< defined in src/comm/store_state.h
 
  private:
-  friend struct StoreAccess;  // comm/'s own access to the c10d store (src/comm/store_state.h)
+  friend struct StoreAccess;  ///< comm/'s own access to the c10d store (src/comm/store_state.h)
   explicit Store(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
 };

@@ -18,16 +18,16 @@ struct DataLoaderOptions {
   bool shuffle = true;
   bool drop_last = false;
   uint64_t seed = 0;
-  // Batches prepared ahead by a background thread (gather, transform, copy to device).
+  /// Batches prepared ahead by a background thread (gather, transform, copy to device).
   int prefetch_batches = 2;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
-  // See SamplerOptions::equal_shards; false for evaluation.
+  /// See SamplerOptions::equal_shards; false for evaluation.
   bool equal_shards = true;
 };
 
-// Iterates a TensorDataset in batches, in this rank's shard of a DistributedSampler, with a
-// background thread keeping `prefetch_batches` ready. `for (auto& batch : loader)`; call
-// set_epoch(e) before each epoch for a fresh shuffle. Breaking out of the loop is fine.
+/// Iterates a TensorDataset in batches, in this rank's shard of a DistributedSampler, with a
+/// background thread keeping `prefetch_batches` ready. `for (auto& batch : loader)`; call
+/// set_epoch(e) before each epoch for a fresh shuffle. Breaking out of the loop is fine.
 class DataLoader {
  public:
   DataLoader(TensorDataset dataset, DataLoaderOptions options, int rank = 0, int world_size = 1);
@@ -36,11 +36,11 @@ class DataLoader {
   DataLoader& operator=(DataLoader&&) noexcept;
 
   void set_epoch(int64_t epoch);
-  // Resuming inside an epoch: the pass of start.epoch begins at `start` (epoch_position.h), once.
+  /// Resuming inside an epoch: the pass of start.epoch begins at `start` (epoch_position.h), once.
   void start_at(EpochStart start);
-  // Where the consumer stands in the pass begun last (its rows taken so far).
+  /// Where the consumer stands in the pass begun last (its rows taken so far).
   EpochPosition position() const;
-  // Called with position() after every batch the consumer takes and when a pass ends.
+  /// Called with position() after every batch the consumer takes and when a pass ends.
   void set_on_position(std::function<void(const EpochPosition&)> callback);
   int64_t num_batches() const;
   int64_t num_samples() const;
@@ -68,7 +68,7 @@ class DataLoader {
     Batch current_;
     bool done_ = true;
   };
-  // Starts an epoch (stopping any unfinished one).
+  /// Starts an epoch (stopping any unfinished one).
   Iterator begin();
   Iterator end();
 

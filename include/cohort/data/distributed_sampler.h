@@ -10,25 +10,25 @@ struct SamplerOptions {
   int rank = 0;
   bool shuffle = true;
   uint64_t seed = 0;
-  // Training: every rank gets the same number of samples (the tail is dropped, or padded by
-  // wrapping around, as PyTorch's DistributedSampler), so collectives stay in step.
+  /// Training: every rank gets the same number of samples (the tail is dropped, or padded by
+  /// wrapping around, as PyTorch's DistributedSampler), so collectives stay in step.
   bool drop_last = false;
-  // Evaluation: false gives each rank exactly its strided share, no padding and no duplicates
-  // (counts may then differ by one between ranks).
+  /// Evaluation: false gives each rank exactly its strided share, no padding and no duplicates
+  /// (counts may then differ by one between ranks).
   bool equal_shards = true;
 };
 
-// Splits dataset indices into disjoint per-rank shards, reshuffled every epoch from
-// (seed, epoch) with the same permutation on every rank and on every platform.
+/// Splits dataset indices into disjoint per-rank shards, reshuffled every epoch from
+/// (seed, epoch) with the same permutation on every rank and on every platform.
 class DistributedSampler {
  public:
   explicit DistributedSampler(SamplerOptions options);
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
   int64_t epoch() const { return epoch_; }
-  // This rank's indices for the current epoch; of a resumed epoch, after the first
-  // `unsharded_rows` of its permutation (taken before it stopped), the rest split anew.
+  /// This rank's indices for the current epoch; of a resumed epoch, after the first
+  /// `unsharded_rows` of its permutation (taken before it stopped), the rest split anew.
   std::vector<int64_t> indices(int64_t unsharded_rows = 0) const;
-  // Samples this rank gets per epoch (of one that leaves out `unsharded_rows`).
+  /// Samples this rank gets per epoch (of one that leaves out `unsharded_rows`).
   int64_t num_samples(int64_t unsharded_rows = 0) const;
   const SamplerOptions& options() const { return options_; }
 

@@ -1,15 +1,16 @@
-// A user's own labelled data named by one string, as a command line or a config names it, opened
-// as a train and a test split that a classifier reads through one normalisation:
-//
-//   images:DIR   one sub-folder per class (DIR/<class>/<image>); DIR/train/<class>/... and
-//                DIR/test/<class>/... when DIR has both folders, else `test_size` of the images
-//                held out as the test split
-//   csv:FILE     a numeric CSV with a header line; `label_column` names the class column (whole
-//                numbers from 0), every other column is a feature; `test_size` of the rows held
-//                out as the test split
-//
-// Rows come out of `normalize` as "image" float [C, H, W] and "label" int64, the shape of the
-// zoo's image classifiers (a CSV row is a [features, 1, 1] image: the mlp reads it as a vector).
+/// \file
+/// A user's own labelled data named by one string, as a command line or a config names it, opened
+/// as a train and a test split that a classifier reads through one normalisation:
+///
+///   images:DIR   one sub-folder per class (`DIR/<class>/<image>`); `DIR/train/<class>/`... and
+///                `DIR/test/<class>/`... when DIR has both folders, else `test_size` of the images
+///                held out as the test split
+///   csv:FILE     a numeric CSV with a header line; `label_column` names the class column (whole
+///                numbers from 0), every other column is a feature; `test_size` of the rows held
+///                out as the test split
+///
+/// Rows come out of `normalize` as "image" float [C, H, W] and "label" int64, the shape of the
+/// zoo's image classifiers (a CSV row is a [features, 1, 1] image: the mlp reads it as a vector).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -22,37 +23,37 @@
 namespace cohort::data {
 
 struct LabelledDataOptions {
-  std::string label_column;  // csv: the class column (required)
-  int64_t image_size = 28;   // images: each resized to image_size x image_size
-  bool grayscale = false;    // images: decoded to one channel
-  double test_size = 0.1;    // the test split's fraction where the data has no test split
-  uint64_t seed = 0;         // draws the held-out test rows
+  std::string label_column;  ///< csv: the class column (required)
+  int64_t image_size = 28;   ///< images: each resized to image_size x image_size
+  bool grayscale = false;    ///< images: decoded to one channel
+  double test_size = 0.1;    ///< the test split's fraction where the data has no test split
+  uint64_t seed = 0;         ///< draws the held-out test rows
 };
 
 struct LabelledData {
   enum class Kind { kImages, kCsv };
   Kind kind = Kind::kImages;
   std::filesystem::path path;
-  Dataset train;  // raw rows: images uint8 [C, H, W] / csv "features" [F], and "label"
+  Dataset train;  ///< raw rows: images uint8 [C, H, W] / csv "features" [F], and "label"
   Dataset test;
-  BatchFn normalize;  // raw rows to "image" float [C, H, W] and "label"
+  BatchFn normalize;  ///< raw rows to "image" float [C, H, W] and "label"
   int64_t channels = 0;
-  int64_t image_size = 0;  // H = W (1 for a CSV)
+  int64_t image_size = 0;  ///< H = W (1 for a CSV)
   int64_t num_classes = 0;
-  std::vector<std::string> class_names;  // images: the sub-folders' names; csv: "0", "1", ...
-  // One line for logs: what was read, the rows of each split and the classes.
+  std::vector<std::string> class_names;  ///< images: the sub-folders' names; csv: "0", "1", ...
+  /// One line for logs: what was read, the rows of each split and the classes.
   std::string describe() const;
 };
 
-// Opens `spec` ("images:DIR" or "csv:FILE"). Throws UsageError naming the value and the fix for
-// an unknown scheme, a missing path, an image folder without class sub-folders or images, a CSV
-// without data rows, with rows of another length than its header, with a value that is no number
-// or a label that is no whole number from 0, and for too few rows to hold out a test split.
-// Reads the CSV and decodes one image to learn the shapes; the rest is read as it is iterated.
+/// Opens `spec` ("images:DIR" or "csv:FILE"). Throws UsageError naming the value and the fix for
+/// an unknown scheme, a missing path, an image folder without class sub-folders or images, a CSV
+/// without data rows, with rows of another length than its header, with a value that is no number
+/// or a label that is no whole number from 0, and for too few rows to hold out a test split.
+/// Reads the CSV and decodes one image to learn the shapes; the rest is read as it is iterated.
 LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptions& options = {});
 
-// The rows of `dataset` through `normalize`, in memory: "image" and "label" as one TensorDataset
-// (the test split of a run's evaluation).
+/// The rows of `dataset` through `normalize`, in memory: "image" and "label" as one TensorDataset
+/// (the test split of a run's evaluation).
 TensorDataset materialize_labelled(const Dataset& dataset, const BatchFn& normalize);
 
 }  // namespace cohort::data

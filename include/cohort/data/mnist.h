@@ -8,21 +8,21 @@ namespace cohort::data {
 
 enum class Split { kTrain, kTest };
 
-// Where Debian's dataset-fashion-mnist package puts its files.
+/// Where Debian's dataset-fashion-mnist package puts its files.
 std::filesystem::path default_fashion_mnist_dir();
 
 struct MnistOptions {
-  // Normalisation after scaling pixels to [0, 1]; the defaults are Fashion-MNIST's statistics.
+  /// Normalisation after scaling pixels to [0, 1]; the defaults are Fashion-MNIST's statistics.
   double mean = 0.2860;
   double std = 0.3530;
 };
 
-// Checks that `dir` holds the four MNIST-format files (plain or .gz) and that each is whole and
-// consistent with its pair, reading headers only. Throws UsageError naming the file and the fix.
+/// Checks that `dir` holds the four MNIST-format files (plain or .gz) and that each is whole and
+/// consistent with its pair, reading headers only. Throws UsageError naming the file and the fix.
 void check_mnist_dir(const std::filesystem::path& dir);
 
-// Loads one split: inputs uint8 [N, 1, 28, 28] with a normalising transform to float, targets
-// int64 [N].
+/// Loads one split: inputs uint8 [N, 1, 28, 28] with a normalising transform to float, targets
+/// int64 [N].
 TensorDataset load_mnist(const std::filesystem::path& dir, Split split,
                          const MnistOptions& options = {});
 

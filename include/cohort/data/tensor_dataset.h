@@ -5,22 +5,22 @@
 
 namespace cohort::data {
 
-// One batch: inputs and targets, first dimension the batch.
+/// One batch: inputs and targets, first dimension the batch.
 struct Batch {
   at::Tensor data;
   at::Tensor target;
 };
 
-// Examples held in memory as two tensors with the same first dimension. `transform` runs on each
-// gathered batch of inputs (in the loader's prefetch thread), e.g. uint8 pixels to normalised
-// floats, so the dataset itself stays compact.
+/// Examples held in memory as two tensors with the same first dimension. `transform` runs on each
+/// gathered batch of inputs (in the loader's prefetch thread), e.g. uint8 pixels to normalised
+/// floats, so the dataset itself stays compact.
 struct TensorDataset {
   at::Tensor inputs;
   at::Tensor targets;
   std::function<at::Tensor(const at::Tensor&)> transform;
 
   int64_t size() const { return inputs.defined() ? inputs.size(0) : 0; }
-  // Gathers the examples at `indices` (an int64 tensor) and applies the transform.
+  /// Gathers the examples at `indices` (an int64 tensor) and applies the transform.
   Batch get_batch(const at::Tensor& indices) const;
 };
 

@@ -10,23 +10,23 @@
 
 namespace cohort::optim {
 
-// An optimizer over flat buffers: the parameters of each param group (per dtype and device) are
-// views into one contiguous buffer, their gradients are gathered into another, and the optimizer
-// state lives in buffers of the same layout, so a step is a handful of vectorised operations
-// instead of a handful per parameter (libtorch's torch::optim loops over parameters). On
-// libtorch 2.4 and later the step is one fused kernel per buffer (has_fused_kernels()).
-//
-// A drop-in torch::optim::Optimizer: FlatSGD, FlatAdam and FlatAdamW take torch::optim's own
-// options, give the same results as torch::optim (the same arithmetic, elementwise), serve
-// zero_grad(), param_groups() (an lr set there applies at the next step), the LR schedules,
-// train::save_checkpoint / load_checkpoint and linear_lr_scaling.
-//
-// Parameters stored in bfloat16 or float16 are stepped through float32 master copies held here
-// (as are their gradients and state), and written back after each step.
-//
-// The parameters are re-pointed into the flat buffer at construction; a module moved afterwards
-// (module->to(device)) is picked up at the next step, its state moved along. A parameter without
-// a gradient in a step is left alone (as torch::optim does), the others still stepped.
+/// An optimizer over flat buffers: the parameters of each param group (per dtype and device) are
+/// views into one contiguous buffer, their gradients are gathered into another, and the optimizer
+/// state lives in buffers of the same layout, so a step is a handful of vectorised operations
+/// instead of a handful per parameter (libtorch's torch::optim loops over parameters). On
+/// libtorch 2.4 and later the step is one fused kernel per buffer (has_fused_kernels()).
+///
+/// A drop-in torch::optim::Optimizer: FlatSGD, FlatAdam and FlatAdamW take torch::optim's own
+/// options, give the same results as torch::optim (the same arithmetic, elementwise), serve
+/// zero_grad(), param_groups() (an lr set there applies at the next step), the LR schedules,
+/// train::save_checkpoint / load_checkpoint and linear_lr_scaling.
+///
+/// Parameters stored in bfloat16 or float16 are stepped through float32 master copies held here
+/// (as are their gradients and state), and written back after each step.
+///
+/// The parameters are re-pointed into the flat buffer at construction; a module moved afterwards
+/// (module->to(device)) is picked up at the next step, its state moved along. A parameter without
+/// a gradient in a step is left alone (as torch::optim does), the others still stepped.
 class FlatOptimizer : public torch::optim::Optimizer {
  public:
   ~FlatOptimizer() override;
@@ -35,40 +35,40 @@ class FlatOptimizer : public torch::optim::Optimizer {
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
-  // Scales every gradient so that their global L2 norm is at most max_norm, in two vectorised
-  // operations and without a host synchronisation; returns the norm before clipping (a 0-dim
-  // float32 tensor on the parameters' device). UsageError when max_norm <= 0.
+  /// Scales every gradient so that their global L2 norm is at most max_norm, in two vectorised
+  /// operations and without a host synchronisation; returns the norm before clipping (a 0-dim
+  /// float32 tensor on the parameters' device). UsageError when max_norm <= 0.
   virtual torch::Tensor clip_grad_norm(double max_norm);
 
-  // The gradients, gathered into the flat float32 buffers (one per param group, dtype and
-  // device) that the next step() reads: for a loss scaler or for clipping. Valid until step().
+  /// The gradients, gathered into the flat float32 buffers (one per param group, dtype and
+  /// device) that the next step() reads: for a loss scaler or for clipping. Valid until step().
   std::vector<torch::Tensor> flat_gradients();
-  // Ends a step without stepping (a loss scaler's overflow): the gathered gradients are dropped,
-  // as step() drops them, so the next step gathers the next backward's.
+  /// Ends a step without stepping (a loss scaler's overflow): the gathered gradients are dropped,
+  /// as step() drops them, so the next step gathers the next backward's.
   virtual void skip_step();
 
-  // For train::CapturedStep, whose CUDA graph runs this optimizer's host side once (at the
-  // capture) and its device side at every replay. before_replay(): one more step counted, and a
-  // learning rate changed since (an LR schedule) written to the device, before each replay.
-  // replays_exactly(): whether the last step ran on CUDA on the fused kernels, whose step count
-  // and learning rate live on the device (elsewhere a replay would repeat the captured ones).
-  // host_step_counts() / restore_host_step_counts(): undo a capture that failed.
+  /// For train::CapturedStep, whose CUDA graph runs this optimizer's host side once (at the
+  /// capture) and its device side at every replay. before_replay(): one more step counted, and a
+  /// learning rate changed since (an LR schedule) written to the device, before each replay.
+  /// replays_exactly(): whether the last step ran on CUDA on the fused kernels, whose step count
+  /// and learning rate live on the device (elsewhere a replay would repeat the captured ones).
+  /// host_step_counts() / restore_host_step_counts(): undo a capture that failed.
   void before_replay();
   bool replays_exactly() const;
   std::vector<int64_t> host_step_counts() const;
   void restore_host_step_counts(const std::vector<int64_t>& counts);
 
-  // "sgd", "adam" or "adamw".
+  /// "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }
-  // Whether float32 buffers on CPU or CUDA step with libtorch's fused kernels (libtorch 2.4 and
-  // later: one pass over the buffers); otherwise with the vectorised operations.
+  /// Whether float32 buffers on CPU or CUDA step with libtorch's fused kernels (libtorch 2.4 and
+  /// later: one pass over the buffers); otherwise with the vectorised operations.
   static bool has_fused_kernels();
-  // Bytes held for master weights (low-precision parameters only), gradients and optimizer state.
+  /// Bytes held for master weights (low-precision parameters only), gradients and optimizer state.
   int64_t state_bytes() const;
 
-  // The state of parameter `index` of param group `group`: the steps it took and its state
-  // buffers (state_names_of's order), flattened copies; and the reverse. For moving state between
-  // optimizers (e.g. a ZeRO checkpoint into DDP's).
+  /// The state of parameter `index` of param group `group`: the steps it took and its state
+  /// buffers (state_names_of's order), flattened copies; and the reverse. For moving state between
+  /// optimizers (e.g. a ZeRO checkpoint into DDP's).
   struct ParameterState {
     int64_t steps = 0;
     std::vector<torch::Tensor> values;
@@ -80,9 +80,9 @@ class FlatOptimizer : public torch::optim::Optimizer {
   FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, std::string algorithm);
 
-  // For subclasses that own the layout (ZeRO's shards: one parameter per group): the names of the
-  // state buffers (e.g. exp_avg, exp_avg_sq), group g's buffers in that order (its first
-  // partition's), and the steps its first parameter took.
+  /// For subclasses that own the layout (ZeRO's shards: one parameter per group): the names of the
+  /// state buffers (e.g. exp_avg, exp_avg_sq), group g's buffers in that order (its first
+  /// partition's), and the steps its first parameter took.
   std::vector<std::string> state_buffer_names() const;
   std::vector<torch::Tensor> state_buffers(size_t group) const;
   int64_t steps_taken(size_t group) const;
@@ -94,14 +94,14 @@ class FlatOptimizer : public torch::optim::Optimizer {
   std::string algorithm_;
 };
 
-// SGD with momentum, dampening, Nesterov momentum and weight decay, as torch::optim::SGD.
+/// SGD with momentum, dampening, Nesterov momentum and weight decay, as torch::optim::SGD.
 class FlatSGD : public FlatOptimizer {
  public:
   FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options);
   FlatSGD(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions options);
 };
 
-// Adam (with amsgrad, and L2 weight decay added to the gradient), as torch::optim::Adam.
+/// Adam (with amsgrad, and L2 weight decay added to the gradient), as torch::optim::Adam.
 class FlatAdam : public FlatOptimizer {
  public:
   FlatAdam(std::vector<torch::Tensor> params, torch::optim::AdamOptions options = {});
@@ -109,7 +109,7 @@ class FlatAdam : public FlatOptimizer {
            torch::optim::AdamOptions options = {});
 };
 
-// AdamW (decoupled weight decay), as torch::optim::AdamW.
+/// AdamW (decoupled weight decay), as torch::optim::AdamW.
 class FlatAdamW : public FlatOptimizer {
  public:
   FlatAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options = {});
@@ -117,31 +117,31 @@ class FlatAdamW : public FlatOptimizer {
             torch::optim::AdamWOptions options = {});
 };
 
-// Checks an optimizer's hyperparameters (learning rate >= 0, momentum and dampening in [0, 1],
-// betas in [0, 1), eps > 0, weight decay >= 0, Nesterov with momentum and no dampening); throws
-// UsageError naming the value. The flat optimizers check theirs at construction.
+/// Checks an optimizer's hyperparameters (learning rate >= 0, momentum and dampening in [0, 1],
+/// betas in [0, 1), eps > 0, weight decay >= 0, Nesterov with momentum and no dampening); throws
+/// UsageError naming the value. The flat optimizers check theirs at construction.
 void validate(const torch::optim::SGDOptions& options);
 void validate(const torch::optim::AdamOptions& options);
 void validate(const torch::optim::AdamWOptions& options);
 
-// The algorithm of a torch::optim or flat optimizer: "sgd", "adam" or "adamw". For another
-// optimizer a UsageError starting with `who` and ending with `why` (what supports only those).
+/// The algorithm of a torch::optim or flat optimizer: "sgd", "adam" or "adamw". For another
+/// optimizer a UsageError starting with `who` and ending with `why` (what supports only those).
 std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
                          const std::string& why);
-// The state an algorithm ("sgd", "adam" or "adamw") keeps per element with `options` of its type,
-// by name: SGD with momentum {momentum_buffer}, without {}; Adam and AdamW {exp_avg, exp_avg_sq},
-// with amsgrad also max_exp_avg_sq. torch::optim's param states hold the same, by these names.
+/// The state an algorithm ("sgd", "adam" or "adamw") keeps per element with `options` of its type,
+/// by name: SGD with momentum {momentum_buffer}, without {}; Adam and AdamW {exp_avg, exp_avg_sq},
+/// with amsgrad also max_exp_avg_sq. torch::optim's param states hold the same, by these names.
 std::vector<std::string> state_names_of(const std::string& algorithm,
                                         const torch::optim::OptimizerOptions& options);
-// A flat optimizer of `algorithm` ("sgd", "adam" or "adamw") with `options` of that algorithm's
-// type (e.g. another optimizer's param-group options), over `groups`.
+/// A flat optimizer of `algorithm` ("sgd", "adam" or "adamw") with `options` of that algorithm's
+/// type (e.g. another optimizer's param-group options), over `groups`.
 std::unique_ptr<FlatOptimizer> make_flat_optimizer(
     std::vector<torch::optim::OptimizerParamGroup> groups, const std::string& algorithm,
     const torch::optim::OptimizerOptions& options);
 
-// Clips the gradients of any parameters to a global L2 norm of max_norm without a host
-// synchronisation (torch::nn::utils::clip_grad_norm_ returns a double, which syncs); returns the
-// norm before clipping. For a FlatOptimizer, its clip_grad_norm is faster.
+/// Clips the gradients of any parameters to a global L2 norm of max_norm without a host
+/// synchronisation (torch::nn::utils::clip_grad_norm_ returns a double, which syncs); returns the
+/// norm before clipping. For a FlatOptimizer, its clip_grad_norm is faster.
 torch::Tensor clip_grad_norm(const std::vector<torch::Tensor>& parameters, double max_norm);
 
 }  // namespace cohort::optim

@@ -10,40 +10,40 @@
 
 namespace cohort::optim {
 
-// Scales the loss before backward so that small fp16 gradients do not flush to zero, unscales the
-// gradients before the optimizer step, and skips a step whose gradients overflowed (inf or NaN
-// on any rank: with a process group every rank agrees, so all skip alike) - PyTorch's
-// GradScaler and DeepSpeed's DynamicLossScaler in one:
-//
-//   scaler.scale(loss).backward();
-//   scaler.step(optimizer);   // unscales; steps unless a gradient overflowed
-//   scaler.update();          // adjusts the scale
-//
-// A disabled scaler (fp32, bf16) passes everything through: scale(loss) is loss, step() steps.
+/// Scales the loss before backward so that small fp16 gradients do not flush to zero, unscales the
+/// gradients before the optimizer step, and skips a step whose gradients overflowed (inf or NaN
+/// on any rank: with a process group every rank agrees, so all skip alike) - PyTorch's
+/// GradScaler and DeepSpeed's DynamicLossScaler in one:
+///
+///   scaler.scale(loss).backward();
+///   scaler.step(optimizer);   // unscales; steps unless a gradient overflowed
+///   scaler.update();          // adjusts the scale
+///
+/// A disabled scaler (fp32, bf16) passes everything through: scale(loss) is loss, step() steps.
 class LossScaler {
  public:
   explicit LossScaler(LossScalerOptions options = {},
                       std::optional<comm::ProcessGroup> group = std::nullopt, bool enabled = true);
 
   bool enabled() const { return enabled_; }
-  // loss times the current scale.
+  /// loss times the current scale.
   at::Tensor scale(const at::Tensor& loss) const;
-  // Divides the optimizer's gradients by the scale (at most once per step) and returns whether
-  // any was inf or NaN on any rank. Call it before clipping gradients.
+  /// Divides the optimizer's gradients by the scale (at most once per step) and returns whether
+  /// any was inf or NaN on any rank. Call it before clipping gradients.
   bool unscale(torch::optim::Optimizer& optimizer);
-  // unscale() if not done, then optimizer.step() unless a gradient overflowed. Returns whether
-  // the optimizer stepped.
+  /// unscale() if not done, then optimizer.step() unless a gradient overflowed. Returns whether
+  /// the optimizer stepped.
   bool step(torch::optim::Optimizer& optimizer);
-  // Adjusts the scale after step(): back off on an overflow (per hysteresis), grow after
-  // growth_interval clean steps.
+  /// Adjusts the scale after step(): back off on an overflow (per hysteresis), grow after
+  /// growth_interval clean steps.
   void update();
 
   double get_scale() const { return scale_; }
-  // Steps skipped because of an overflow, since the start (checkpointed).
+  /// Steps skipped because of an overflow, since the start (checkpointed).
   int64_t skipped_steps() const { return skipped_steps_; }
   const LossScalerOptions& options() const { return options_; }
 
-  // The scaler's state, for checkpoints.
+  /// The scaler's state, for checkpoints.
   Json state_dict() const;
   void load_state_dict(const Json& state);
 

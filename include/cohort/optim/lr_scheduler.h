@@ -7,53 +7,53 @@
 
 namespace cohort::optim {
 
-// A learning-rate schedule: linear warmup, then a decay, as a factor of each param group's lr.
+/// A learning-rate schedule: linear warmup, then a decay, as a factor of each param group's lr.
 struct LrScheduleOptions {
-  // The first warmup_steps steps ramp up to the full lr from warmup_start_ratio of it:
-  // "linear" (step s uses (s+1)/warmup of the way) or "log" (log(s+2)/log(warmup+1) of it,
-  // DeepSpeed's WarmupLR default).
+  /// The first warmup_steps steps ramp up to the full lr from warmup_start_ratio of it:
+  /// "linear" (step s uses (s+1)/warmup of the way) or "log" (log(s+2)/log(warmup+1) of it,
+  /// DeepSpeed's WarmupLR default).
   int64_t warmup_steps = 0;
   std::string warmup_type = "linear";
   double warmup_start_ratio = 0.0;
-  // After the warmup: "none" (constant), "cosine" or "linear" (down to min_lr_ratio at
-  // total_steps, then held), or "step" (times gamma every step_size steps).
+  /// After the warmup: "none" (constant), "cosine" or "linear" (down to min_lr_ratio at
+  /// total_steps, then held), or "step" (times gamma every step_size steps).
   std::string decay = "none";
-  // The step where cosine and linear decay end; needed by them.
+  /// The step where cosine and linear decay end; needed by them.
   int64_t total_steps = 0;
-  int64_t step_size = 0;  // "step": needed by it
-  double gamma = 0.1;     // "step"
+  int64_t step_size = 0;  ///< "step": needed by it
+  double gamma = 0.1;     ///< "step"
   double min_lr_ratio = 0.0;
 
-  // UsageError naming the first option out of range.
+  /// UsageError naming the first option out of range.
   void validate() const;
-  // The factor of the lr used by step `step` (0: the first).
+  /// The factor of the lr used by step `step` (0: the first).
   double factor(int64_t step) const;
 };
 
-// Sets every param group's lr by the schedule, step by step (PyTorch's LambdaLR over the
-// options' factor). The factor is applied as a ratio to the lr the group has, so a change made
-// in between (train::linear_lr_scaling after an elastic restart) is kept.
-//
-//   LrScheduler schedule(optimizer, {.warmup_steps = 100, .decay = "cosine", .total_steps = N});
-//   ... optimizer.step(); schedule.step();
-//
-// Resuming: construct it after loading the checkpoint (whose lr already has the factor) with
-// the number of steps done: it then leaves the lr as loaded.
+/// Sets every param group's lr by the schedule, step by step (PyTorch's LambdaLR over the
+/// options' factor). The factor is applied as a ratio to the lr the group has, so a change made
+/// in between (train::linear_lr_scaling after an elastic restart) is kept.
+///
+///   LrScheduler schedule(optimizer, {.warmup_steps = 100, .decay = "cosine", .total_steps = N});
+///   ... optimizer.step(); schedule.step();
+///
+/// Resuming: construct it after loading the checkpoint (whose lr already has the factor) with
+/// the number of steps done: it then leaves the lr as loaded.
 class LrScheduler {
  public:
   LrScheduler(torch::optim::Optimizer& optimizer, LrScheduleOptions options,
               int64_t steps_done = 0);
-  // After each optimizer step: moves to the next step's lr.
+  /// After each optimizer step: moves to the next step's lr.
   void step();
   int64_t steps_done() const { return steps_done_; }
-  // Every param group's current lr.
+  /// Every param group's current lr.
   std::vector<double> get_last_lr() const;
 
  private:
   torch::optim::Optimizer& optimizer_;
   LrScheduleOptions options_;
   int64_t steps_done_;
-  std::vector<double> base_lrs_;  // lr / factor, for a factor that reached 0
+  std::vector<double> base_lrs_;  ///< lr / factor, for a factor that reached 0
 };
 
 }  // namespace cohort::optim

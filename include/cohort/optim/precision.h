@@ -7,43 +7,43 @@
 
 namespace cohort::optim {
 
-// The numerics of a training step. kFp32: everything in float32. kBf16 / kFp16: the forward runs
-// under autocast (matrix products and convolutions in the low precision, reductions and losses in
-// float32) while parameters, gradients and optimizer state stay float32. fp16 needs a loss scaler
-// (LossScaler) and a GPU: CPU autocast has no float16.
+/// The numerics of a training step. kFp32: everything in float32. kBf16 / kFp16: the forward runs
+/// under autocast (matrix products and convolutions in the low precision, reductions and losses in
+/// float32) while parameters, gradients and optimizer state stay float32. fp16 needs a loss scaler
+/// (LossScaler) and a GPU: CPU autocast has no float16.
 enum class Precision { kFp32, kBf16, kFp16 };
 
-// "fp32", "bf16" or "fp16" (also "float32", "bfloat16", "float16"); UsageError listing them.
+/// "fp32", "bf16" or "fp16" (also "float32", "bfloat16", "float16"); UsageError listing them.
 Precision precision_from_string(const std::string& name);
 std::string to_string(Precision precision);
-// The autocast dtype: kFloat for kFp32.
+/// The autocast dtype: kFloat for kFp32.
 c10::ScalarType scalar_type_of(Precision precision);
 
-// UsageError when `device` cannot train at `precision`: fp16 on a CPU names bf16 as the fix.
+/// UsageError when `device` cannot train at `precision`: fp16 on a CPU names bf16 as the fix.
 void check_precision_supported(Precision precision, const c10::Device& device);
 
-// Dynamic loss scaling for fp16 training (DeepSpeed's defaults and names).
+/// Dynamic loss scaling for fp16 training (DeepSpeed's defaults and names).
 struct LossScalerOptions {
-  // The first scale: 2^16 (DeepSpeed: 2^initial_scale_power).
+  /// The first scale: 2^16 (DeepSpeed: 2^initial_scale_power).
   double initial_scale = 65536.0;
-  // After growth_interval steps in a row without an overflow the scale is multiplied by
-  // growth_factor (DeepSpeed's loss_scale_window).
+  /// After growth_interval steps in a row without an overflow the scale is multiplied by
+  /// growth_factor (DeepSpeed's loss_scale_window).
   int64_t growth_interval = 1000;
   double growth_factor = 2.0;
-  // An overflow skips the step; the scale is multiplied by backoff_factor once `hysteresis`
-  // overflows have come since the last growth (hysteresis 1: at every overflow).
+  /// An overflow skips the step; the scale is multiplied by backoff_factor once `hysteresis`
+  /// overflows have come since the last growth (hysteresis 1: at every overflow).
   double backoff_factor = 0.5;
   int hysteresis = 2;
-  // The scale never drops below this.
+  /// The scale never drops below this.
   double min_scale = 1.0;
 
-  // UsageError naming the first option out of range.
+  /// UsageError naming the first option out of range.
   void validate() const;
 };
 
-// Autocast for the forward pass while it lives (PyTorch's torch.autocast): operations on
-// `device`'s type run in `precision` where autocast's lists say so. Nests; a no-op for kFp32.
-// Run backward after the guard ends, as in PyTorch.
+/// Autocast for the forward pass while it lives (PyTorch's torch.autocast): operations on
+/// `device`'s type run in `precision` where autocast's lists say so. Nests; a no-op for kFp32.
+/// Run backward after the guard ends, as in PyTorch.
 class AutocastGuard {
  public:
   AutocastGuard(Precision precision, const c10::Device& device);

@@ -9,57 +9,57 @@
 
 namespace cohort::parallel {
 
-// Reduces one bucket (a flat buffer of gradients) across the group: when the returned Work has
-// been waited on, `bucket` holds the sum over ranks. DDP then divides by the world size.
+/// Reduces one bucket (a flat buffer of gradients) across the group: when the returned Work has
+/// been waited on, `bucket` holds the sum over ranks. DDP then divides by the world size.
 using CommHook = std::function<comm::Work(comm::ProcessGroup& group, at::Tensor& bucket)>;
 
-// The default: all-reduce in the gradients' own dtype.
+/// The default: all-reduce in the gradients' own dtype.
 CommHook allreduce_hook();
-// Compress to float16 / bfloat16 for the wire, sum, and decompress: half the bytes, at the cost
-// of precision (as PyTorch's fp16_compress_hook and bf16_compress_hook).
+/// Compress to float16 / bfloat16 for the wire, sum, and decompress: half the bytes, at the cost
+/// of precision (as PyTorch's fp16_compress_hook and bf16_compress_hook).
 CommHook fp16_compress_hook();
 CommHook bf16_compress_hook();
 
 struct DdpOptions {
-  // Gradients travel in flat buckets of at most this size; the first is smaller so that
-  // communication starts early in backward.
+  /// Gradients travel in flat buckets of at most this size; the first is smaller so that
+  /// communication starts early in backward.
   double bucket_cap_mb = 25.0;
   double first_bucket_cap_mb = 1.0;
-  // After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast, so
-  // every rank's next forward uses the same buffers (PyTorch broadcasts before each forward).
+  /// After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast, so
+  /// every rank's next forward uses the same buffers (PyTorch broadcasts before each forward).
   bool broadcast_buffers = true;
-  // Parameters that get no gradient on some rank never block the others, whatever this says.
-  // With it set, a parameter that got no gradient on any rank also keeps an undefined gradient,
-  // so the optimizer skips it exactly as in single-process training (costs one small extra
-  // all-reduce per step); without it such a parameter gets a zero gradient.
+  /// Parameters that get no gradient on some rank never block the others, whatever this says.
+  /// With it set, a parameter that got no gradient on any rank also keeps an undefined gradient,
+  /// so the optimizer skips it exactly as in single-process training (costs one small extra
+  /// all-reduce per step); without it such a parameter gets a zero gradient.
   bool find_unused_parameters = false;
-  // Parameters' .grad are views into the buckets: no copy in or out of the communication buffer.
+  /// Parameters' .grad are views into the buckets: no copy in or out of the communication buffer.
   bool gradient_as_bucket_view = true;
-  // Empty: allreduce_hook().
+  /// Empty: allreduce_hook().
   CommHook comm_hook;
 };
 
-// Counters for the curious and for benchmarks.
+/// Counters for the curious and for benchmarks.
 struct DdpStats {
   int64_t synchronized_steps = 0;
   int64_t buckets = 0;
-  // Launched while backward was still running (overlapped), vs at the end of backward.
+  /// Launched while backward was still running (overlapped), vs at the end of backward.
   int64_t buckets_launched_early = 0;
   int64_t buckets_launched_late = 0;
-  // Time the training thread spent waiting for communication at the end of backward.
+  /// Time the training thread spent waiting for communication at the end of backward.
   double wait_seconds = 0;
   bool buckets_rebuilt = false;
 };
 
-// Data parallelism for any torch::nn::Module (PyTorch's DistributedDataParallel, in C++).
-//
-// At construction every rank checks that all ranks built the same parameters (a mismatch names
-// the first differing parameter and the ranks), then takes rank 0's parameters and buffers.
-// During each backward, gradients are gathered in buckets, in the reverse order of registration;
-// a bucket is all-reduced asynchronously as soon as all its gradients are ready, so
-// communication overlaps the rest of backward. After the first step the buckets are rebuilt
-// once in the order gradients really arrived (rank 0's order, so all ranks agree). At the end of
-// backward the averaged gradients are in place, before the user's optimizer step.
+/// Data parallelism for any torch::nn::Module (PyTorch's DistributedDataParallel, in C++).
+///
+/// At construction every rank checks that all ranks built the same parameters (a mismatch names
+/// the first differing parameter and the ranks), then takes rank 0's parameters and buffers.
+/// During each backward, gradients are gathered in buckets, in the reverse order of registration;
+/// a bucket is all-reduced asynchronously as soon as all its gradients are ready, so
+/// communication overlaps the rest of backward. After the first step the buckets are rebuilt
+/// once in the order gradients really arrived (rank 0's order, so all ranks agree). At the end of
+/// backward the averaged gradients are in place, before the user's optimizer step.
 class DistributedDataParallel {
  public:
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup group,
@@ -68,8 +68,8 @@ class DistributedDataParallel {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // While the guard lives, backward passes accumulate gradients locally without communication
-  // (gradient accumulation); the first backward after it ends synchronises the sum.
+  /// While the guard lives, backward passes accumulate gradients locally without communication
+  /// (gradient accumulation); the first backward after it ends synchronises the sum.
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(DistributedDataParallel& ddp);

@@ -8,34 +8,34 @@
 
 namespace cohort::parallel {
 
-// What ZeRO stage 3 does around the forward of one of its units: set on each FullyShard of the
-// model by the ZeroOptimizer that shards it.
+/// What ZeRO stage 3 does around the forward of one of its units: set on each FullyShard of the
+/// model by the ZeroOptimizer that shards it.
 class ShardedUnitHooks {
  public:
   virtual ~ShardedUnitHooks() = default;
-  // Gathers unit `unit`'s parameters, runs `forward`, arranges for them to be gathered again
-  // before the unit's backward, and frees them.
+  /// Gathers unit `unit`'s parameters, runs `forward`, arranges for them to be gathered again
+  /// before the unit's backward, and frees them.
   virtual torch::Tensor forward_unit(size_t unit,
                                      const std::function<torch::Tensor()>& forward) = 0;
 };
 
-// One unit of ZeRO stage 3 (FSDP's fully_shard): the parameters of `module` are gathered from
-// every rank's shard just before its forward, freed after it, gathered again just before its
-// backward and freed once their gradients are reduced. A model marks its units by holding them
-// through a FullyShard, whose forward then calls the module's:
-//
-//   block1 = register_module("block1", parallel::FullyShard(Block(width)));
-//   ...
-//   x = block1(x);
-//
-// The names of the module's parameters, buffers and submodules do not change ("block1.fc.weight"
-// as without the wrapper), so checkpoints load either way. Without a stage-3 ZeroOptimizer over
-// the model (DDP, ZeRO 1-2, one process) the forward is the module's, unchanged. Units do not
-// nest; parameters outside every unit stay whole on every rank. train(bool) reaches the module.
+/// One unit of ZeRO stage 3 (FSDP's fully_shard): the parameters of `module` are gathered from
+/// every rank's shard just before its forward, freed after it, gathered again just before its
+/// backward and freed once their gradients are reduced. A model marks its units by holding them
+/// through a FullyShard, whose forward then calls the module's:
+///
+///   block1 = register_module("block1", parallel::FullyShard(Block(width)));
+///   ...
+///   x = block1(x);
+///
+/// The names of the module's parameters, buffers and submodules do not change ("block1.fc.weight"
+/// as without the wrapper), so checkpoints load either way. Without a stage-3 ZeroOptimizer over
+/// the model (DDP, ZeRO 1-2, one process) the forward is the module's, unchanged. Units do not
+/// nest; parameters outside every unit stay whole on every rank. train(bool) reaches the module.
 class FullyShardImpl : public torch::nn::Module {
  public:
   using Forward = std::function<torch::Tensor(torch::Tensor)>;
-  // `module` takes one tensor and returns one (module->forward(x), a Sequential's included).
+  /// `module` takes one tensor and returns one (module->forward(x), a Sequential's included).
   template <typename ModuleType>
   explicit FullyShardImpl(torch::nn::ModuleHolder<ModuleType> module)
       : FullyShardImpl([module](torch::Tensor x) mutable { return module->forward(std::move(x)); },
@@ -45,14 +45,14 @@ class FullyShardImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x);
   void train(bool on = true) override;
 
-  // The wrapped module.
+  /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   template <typename ModuleType>
   std::shared_ptr<ModuleType> module_as() const {
     return std::dynamic_pointer_cast<ModuleType>(module_);
   }
 
-  // Set by the ZeroOptimizer at stage 3 (unit `unit` of its own), cleared when it goes.
+  /// Set by the ZeroOptimizer at stage 3 (unit `unit` of its own), cleared when it goes.
   void set_sharding(std::weak_ptr<ShardedUnitHooks> hooks, size_t unit);
 
  private:

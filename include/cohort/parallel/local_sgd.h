@@ -12,35 +12,35 @@
 
 namespace cohort::parallel {
 
-// Counters for reports and benchmarks.
+/// Counters for reports and benchmarks.
 struct LocalSgdStats {
-  int64_t inner_steps = 0;  // optimizer steps taken on this rank
-  int64_t outer_steps = 0;  // synchronisations
-  double sync_seconds = 0;  // time spent in them (communication included)
+  int64_t inner_steps = 0;  ///< optimizer steps taken on this rank
+  int64_t outer_steps = 0;  ///< synchronisations
+  double sync_seconds = 0;  ///< time spent in them (communication included)
 };
 
-// The optimizer of a model trained with local SGD or DiLoCo: it steps the wrapped (inner)
-// optimizer, and after every H-th step synchronises the replicas. The inner optimizer may be any
-// torch::optim or cohort optimizer; its state stays this rank's own. Its param groups are this
-// optimizer's (options and lr changes made here, e.g. by an LrScheduler, reach the inner one at
-// its next step); save() and load() are the inner optimizer's state.
-//
-// The global parameters (those of the last synchronisation) and DiLoCo's outer momentum are kept
-// in flat buffers (2 or 3 copies of the parameters in all); a synchronisation all-reduces one
-// flat pseudo-gradient, so the bytes sent per step are DDP's divided by H.
+/// The optimizer of a model trained with local SGD or DiLoCo: it steps the wrapped (inner)
+/// optimizer, and after every H-th step synchronises the replicas. The inner optimizer may be any
+/// torch::optim or cohort optimizer; its state stays this rank's own. Its param groups are this
+/// optimizer's (options and lr changes made here, e.g. by an LrScheduler, reach the inner one at
+/// its next step); save() and load() are the inner optimizer's state.
+///
+/// The global parameters (those of the last synchronisation) and DiLoCo's outer momentum are kept
+/// in flat buffers (2 or 3 copies of the parameters in all); a synchronisation all-reduces one
+/// flat pseudo-gradient, so the bytes sent per step are DDP's divided by H.
 class LocalSgdOptimizer : public torch::optim::Optimizer {
  public:
-  // `mode` LocalSgd or DiLoCo; the module's trainable parameters, all of one dtype and device,
-  // must be the inner optimizer's (UsageError naming a parameter otherwise).
+  /// `mode` LocalSgd or DiLoCo; the module's trainable parameters, all of one dtype and device,
+  /// must be the inner optimizer's (UsageError naming a parameter otherwise).
   LocalSgdOptimizer(std::shared_ptr<torch::nn::Module> module,
                     std::unique_ptr<torch::optim::Optimizer> inner, comm::ProcessGroup group,
                     const SyncMode& mode);
   ~LocalSgdOptimizer() override;
 
-  // One inner step; after the H-th since the last synchronisation, synchronises.
+  /// One inner step; after the H-th since the last synchronisation, synchronises.
   torch::Tensor step(LossClosure closure = nullptr) override;
-  // Synchronises now when any inner step was taken since the last synchronisation (e.g. at the
-  // end of an epoch, before evaluating); every rank must call it at the same point.
+  /// Synchronises now when any inner step was taken since the last synchronisation (e.g. at the
+  /// end of an epoch, before evaluating); every rank must call it at the same point.
   void sync();
 
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -48,20 +48,20 @@ class LocalSgdOptimizer : public torch::optim::Optimizer {
 
   torch::optim::Optimizer& inner() { return *inner_; }
   const SyncMode& mode() const { return mode_; }
-  // H: inner steps between synchronisations.
+  /// H: inner steps between synchronisations.
   int64_t period() const;
   int64_t steps_since_sync() const { return steps_since_sync_; }
   const comm::ProcessGroup& process_group() const { return group_; }
   LocalSgdStats stats() const { return stats_; }
 
-  // For checkpoints, by the module's names: the global parameters (views of the flat buffer) and
-  // the module's buffers; DiLoCo's outer momentum (empty without momentum).
+  /// For checkpoints, by the module's names: the global parameters (views of the flat buffer) and
+  /// the module's buffers; DiLoCo's outer momentum (empty without momentum).
   std::map<std::string, at::Tensor> global_state() const;
   std::map<std::string, at::Tensor> outer_momentum() const;
-  // After the module's parameters were loaded: they become the global parameters. Then, when
-  // `local` is given (this rank's own parameters of the same checkpoint), the module continues
-  // from those, `steps_since_sync` steps into the period; else a new period starts from the
-  // global parameters.
+  /// After the module's parameters were loaded: they become the global parameters. Then, when
+  /// `local` is given (this rank's own parameters of the same checkpoint), the module continues
+  /// from those, `steps_since_sync` steps into the period; else a new period starts from the
+  /// global parameters.
   void restore(const std::map<std::string, at::Tensor>& momentum,
                const std::map<std::string, at::Tensor>* local, int64_t steps_since_sync,
                const LocalSgdStats& stats);

@@ -1,5 +1,6 @@
-// A mesh of parallel degrees (the idea of torchtitan's ParallelDims): data x pipeline x tensor
-// parallelism over the world's ranks, with a named sub-group per dimension.
+/// \file
+/// A mesh of parallel degrees (the idea of torchtitan's ParallelDims): data x pipeline x tensor
+/// parallelism over the world's ranks, with a named sub-group per dimension.
 #pragma once
 #include <string>
 
@@ -11,40 +12,40 @@
 
 namespace cohort::parallel {
 
-// Parallel degrees; they multiply to the world size. dp 0 means "what is left": world / (pp x tp).
+/// Parallel degrees; they multiply to the world size. dp 0 means "what is left": world / (pp x tp).
 struct MeshShape {
   int dp = 0;
   int pp = 1;
   int tp = 1;
 };
-// "dp 2 x pp 2 x tp 2".
+/// "dp 2 x pp 2 x tp 2".
 std::string to_string(const MeshShape& shape);
-// The shape with dp resolved for `world_size` ranks. Degrees < 0 (or < 1 for pp and tp), or a
-// product other than the world size, are a UsageError that names the degrees and the fix.
+/// The shape with dp resolved for `world_size` ranks. Degrees < 0 (or < 1 for pp and tp), or a
+/// product other than the world size, are a UsageError that names the degrees and the fix.
 MeshShape resolve_mesh(MeshShape shape, int world_size);
 
-// Ranks are laid out tensor-parallel fastest, then pipeline, then data parallel:
-// rank = (dp_index x pp + pp_index) x tp + tp_index, so that a tensor-parallel group (one
-// all-reduce per layer) holds neighbouring ranks, the same node where it can.
+/// Ranks are laid out tensor-parallel fastest, then pipeline, then data parallel:
+/// rank = (dp_index x pp + pp_index) x tp + tp_index, so that a tensor-parallel group (one
+/// all-reduce per layer) holds neighbouring ranks, the same node where it can.
 class DeviceMesh {
  public:
   DeviceMesh() = default;
-  // Every rank of `world` calls it with the same shape; it makes the three sub-groups (named
-  // "dp", "pp" and "tp" in the stall inspector's reports).
+  /// Every rank of `world` calls it with the same shape; it makes the three sub-groups (named
+  /// "dp", "pp" and "tp" in the stall inspector's reports).
   static DeviceMesh create(comm::ProcessGroup world, MeshShape shape);
 
   const MeshShape& shape() const { return shape_; }
   comm::ProcessGroup world() const { return world_; }
-  // The ranks that hold the same model part and see different data (gradients averaged here).
+  /// The ranks that hold the same model part and see different data (gradients averaged here).
   comm::ProcessGroup dp() const { return dp_; }
-  // The ranks of one pipeline, by stage: group rank = pipeline stage index.
+  /// The ranks of one pipeline, by stage: group rank = pipeline stage index.
   comm::ProcessGroup pp() const { return pp_; }
-  // The ranks that share each layer's weights by slices.
+  /// The ranks that share each layer's weights by slices.
   comm::ProcessGroup tp() const { return tp_; }
   int dp_index() const { return dp_index_; }
   int pp_index() const { return pp_index_; }
   int tp_index() const { return tp_index_; }
-  // The world rank at these coordinates.
+  /// The world rank at these coordinates.
   int rank_of(int dp_index, int pp_index, int tp_index) const;
 
  private:
@@ -53,17 +54,17 @@ class DeviceMesh {
   int dp_index_ = 0, pp_index_ = 0, tp_index_ = 0;
 };
 
-// Gradient clipping by the global L2 norm of a model cut over a mesh, before the optimizer
-// steps. `module` is this rank's part (its pipeline stages, e.g. Pipeline::module(), with their
-// tensor-parallel slices) and `optimizer` its data-parallel engine's: a whole optimizer, whose
-// gradients DDP made the same on every dp rank, or a ZeroOptimizer, whose averaged gradients are
-// sharded over dp, or a LocalSgdOptimizer, whose replicas step their own gradients: each replica
-// is clipped by its own norm. Every parameter counts once: slices summed over tp, whole parameters
-// once per tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world (local
-// SGD: over pp, then tp), no host sync.
-// The gradients the optimizer steps are scaled by min(1, max_norm / norm); returns the norm before
-// clipping (a 0-dim float32 tensor). Every rank of the mesh calls it; max_norm <= 0 is a
-// UsageError.
+/// Gradient clipping by the global L2 norm of a model cut over a mesh, before the optimizer
+/// steps. `module` is this rank's part (its pipeline stages, e.g. Pipeline::module(), with their
+/// tensor-parallel slices) and `optimizer` its data-parallel engine's: a whole optimizer, whose
+/// gradients DDP made the same on every dp rank, or a ZeroOptimizer, whose averaged gradients are
+/// sharded over dp, or a LocalSgdOptimizer, whose replicas step their own gradients: each replica
+/// is clipped by its own norm. Every parameter counts once: slices summed over tp, whole parameters
+/// once per tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world (local
+/// SGD: over pp, then tp), no host sync.
+/// The gradients the optimizer steps are scaled by min(1, max_norm / norm); returns the norm before
+/// clipping (a 0-dim float32 tensor). Every rank of the mesh calls it; max_norm <= 0 is a
+/// UsageError.
 at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& module,
                           torch::optim::Optimizer& optimizer, double max_norm);
 

@@ -13,81 +13,81 @@
 
 namespace cohort::parallel {
 
-// Counters of one worker, for reports and benchmarks.
+/// Counters of one worker, for reports and benchmarks.
 struct ParameterServerStats {
-  int64_t pushes = 0;         // optimizer steps: gradients pushed (to every server)
-  int64_t staleness_sum = 0;  // over the pushes: updates the servers applied between this
-  int64_t staleness_max = 0;  // worker's pull and its push (0: nobody else stepped in between)
-  double wait_seconds = 0;    // in push-pull round trips (the staleness bound's waits included)
-  int64_t bytes_sent = 0;     // gradients and requests sent to the servers
+  int64_t pushes = 0;         ///< optimizer steps: gradients pushed (to every server)
+  int64_t staleness_sum = 0;  ///< over the pushes: updates the servers applied between this
+  int64_t staleness_max = 0;  ///< worker's pull and its push (0: nobody else stepped in between)
+  double wait_seconds = 0;    ///< in push-pull round trips (the staleness bound's waits included)
+  int64_t bytes_sent = 0;     ///< gradients and requests sent to the servers
   double staleness_mean() const {
     return pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : 0.0;
   }
 };
 
-// What one server holds: its range of the flat parameters (the module's trainable parameters
-// in registration order, laid end to end), their optimizer state, its version (the updates it
-// applied) and the pushes it took from each worker.
+/// What one server holds: its range of the flat parameters (the module's trainable parameters
+/// in registration order, laid end to end), their optimizer state, its version (the updates it
+/// applied) and the pushes it took from each worker.
 struct ParameterServerShard {
   int64_t begin = 0;
   int64_t end = 0;
-  at::Tensor params;                        // float32, end - begin elements
-  std::map<std::string, at::Tensor> state;  // e.g. exp_avg, exp_avg_sq, of the same size
-  int64_t optimizer_steps = 0;              // the optimizer's step count (Adam's bias)
-  int64_t version = 0;                      // updates applied
-  std::vector<int64_t> pushes_by_worker;    // by rank
+  at::Tensor params;                        ///< float32, end - begin elements
+  std::map<std::string, at::Tensor> state;  ///< e.g. exp_avg, exp_avg_sq, of the same size
+  int64_t optimizer_steps = 0;              ///< the optimizer's step count (Adam's bias)
+  int64_t version = 0;                      ///< updates applied
+  std::vector<int64_t> pushes_by_worker;    ///< by rank
 };
 
-// The optimizer of a model trained with an asynchronous parameter server. The first S ranks of
-// the group each run a server (a thread of the worker process) that holds one contiguous shard
-// of the parameters and that shard's optimizer state (the wrapped optimizer's algorithm and
-// options: SGD, Adam or AdamW, one param group). step() pushes this rank's gradients to every
-// server, which applies them at once with its optimizer, and pulls the updated shard back: the
-// workers never wait for each other, except that a worker more than max_staleness pushes ahead
-// of the slowest waits for it (bounded staleness; every server keeps each worker's count).
-// The learning rate of this optimizer's param group (set by an LrScheduler) travels with each
-// push. Gradients and parameters travel as float32 over TCP on the group's interface address.
-//
-// Each push is one update with the learning rate as given (TensorFlow's ParameterServerStrategy
-// does the same): with W workers the servers take W updates per round of steps.
+/// The optimizer of a model trained with an asynchronous parameter server. The first S ranks of
+/// the group each run a server (a thread of the worker process) that holds one contiguous shard
+/// of the parameters and that shard's optimizer state (the wrapped optimizer's algorithm and
+/// options: SGD, Adam or AdamW, one param group). step() pushes this rank's gradients to every
+/// server, which applies them at once with its optimizer, and pulls the updated shard back: the
+/// workers never wait for each other, except that a worker more than max_staleness pushes ahead
+/// of the slowest waits for it (bounded staleness; every server keeps each worker's count).
+/// The learning rate of this optimizer's param group (set by an LrScheduler) travels with each
+/// push. Gradients and parameters travel as float32 over TCP on the group's interface address.
+///
+/// Each push is one update with the learning rate as given (TensorFlow's ParameterServerStrategy
+/// does the same): with W workers the servers take W updates per round of steps.
 class ParameterServerOptimizer : public torch::optim::Optimizer {
  public:
-  // `mode.servers` >= 1 and at most the group's size (UsageError otherwise); the module's
-  // trainable parameters must be `optimizer`'s (one param group), float32.
+  /// `mode.servers` >= 1 and at most the group's size (UsageError otherwise); the module's
+  /// trainable parameters must be `optimizer`'s (one param group), float32.
   ParameterServerOptimizer(std::shared_ptr<torch::nn::Module> module,
                            std::unique_ptr<torch::optim::Optimizer> optimizer,
                            comm::ProcessGroup group, const AsyncParameterServer& mode);
-  // Says goodbye to every server; a server rank then serves the others until they have said
-  // theirs (within the group's timeout), so that no worker loses its server mid-run.
+  /// Says goodbye to every server; a server rank then serves the others until they have said
+  /// theirs (within the group's timeout), so that no worker loses its server mid-run.
   ~ParameterServerOptimizer() override;
 
-  // Pushes the gradients, pulls the parameters (after the staleness bound's wait, if any).
+  /// Pushes the gradients, pulls the parameters (after the staleness bound's wait, if any).
   torch::Tensor step(LossClosure closure = nullptr) override;
-  // Every rank at the same point (e.g. the end of an epoch): waits until every worker's pushes
-  // are applied, then every rank takes the servers' parameters, so that all hold one model; the
-  // servers' state at that point is what checkpoint() returns. A collective of the group.
+  /// Every rank at the same point (e.g. the end of an epoch): waits until every worker's pushes
+  /// are applied, then every rank takes the servers' parameters, so that all hold one model; the
+  /// servers' state at that point is what checkpoint() returns. A collective of the group.
   void sync();
 
-  // The wrapped optimizer's param groups and options (its state is on the servers).
+  /// The wrapped optimizer's param groups and options (its state is on the servers).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
   const AsyncParameterServer& mode() const { return mode_; }
   int servers() const { return mode_.servers; }
-  // Whether this rank runs a server, and its index (the rank).
+  /// Whether this rank runs a server, and its index (the rank).
   bool serves() const;
   const comm::ProcessGroup& process_group() const { return group_; }
   ParameterServerStats stats() const { return stats_; }
-  // The flat parameters' size and the [begin, end) of every server's shard.
+  /// The flat parameters' size and the [begin, end) of every server's shard.
   int64_t numel() const;
   std::vector<std::pair<int64_t, int64_t>> shard_ranges() const;
-  // This rank's server's state at the last sync() (an empty shard where it serves none).
+  /// This rank's server's state at the last sync() (an empty shard where it serves none).
   ParameterServerShard checkpoint() const;
-  // Collective: after the module's parameters were loaded (the same on every rank), each server
-  // takes its range of `shards` (saved by any number of servers: ranges are read where they
-  // overlap), and every worker its versions; with no shards (a checkpoint of another sync mode)
-  // each server starts from the module's parameters with fresh optimizer state. Throws
-  // UsageError when the shards do not cover the parameters or were saved from another algorithm.
+  /// Collective: after the module's parameters were loaded (the same on every rank), each server
+  /// takes its range of `shards` (saved by any number of servers: ranges are read where they
+  /// overlap), and every worker its versions; with no shards (a checkpoint of another sync mode)
+  /// each server starts from the module's parameters with fresh optimizer state. Throws
+  /// UsageError when the shards do not cover the parameters or were saved from another algorithm.
   void restore(const std::vector<ParameterServerShard>& shards);
 
  private:

@@ -5,22 +5,22 @@
 
 namespace cohort::parallel {
 
-// How the replicas of a data-parallel model agree.
-//
-// Synchronous: DDP, the gradients averaged in every backward.
+/// How the replicas of a data-parallel model agree.
+///
+/// Synchronous: DDP, the gradients averaged in every backward.
 struct Synchronous {};
 
-// Local SGD: every rank steps on its own gradients; every `every` optimizer steps the ranks'
-// parameters (and floating-point buffers) are averaged. Engine: LocalSgdOptimizer.
+/// Local SGD: every rank steps on its own gradients; every `every` optimizer steps the ranks'
+/// parameters (and floating-point buffers) are averaged. Engine: LocalSgdOptimizer.
 struct LocalSgd {
   int64_t every = 8;
 };
 
-// DiLoCo (Douillard et al. 2023): `inner_steps` local steps, then the pseudo-gradient (the
-// global parameters minus the local ones) is averaged over the ranks and applied to the global
-// parameters by an outer SGD with (Nesterov) momentum; every rank continues from the result.
-// With inner_steps 1, outer_lr 1 and no momentum it is synchronous DDP (for SGD inner steps).
-// Engine: LocalSgdOptimizer.
+/// DiLoCo (Douillard et al. 2023): `inner_steps` local steps, then the pseudo-gradient (the
+/// global parameters minus the local ones) is averaged over the ranks and applied to the global
+/// parameters by an outer SGD with (Nesterov) momentum; every rank continues from the result.
+/// With inner_steps 1, outer_lr 1 and no momentum it is synchronous DDP (for SGD inner steps).
+/// Engine: LocalSgdOptimizer.
 struct DiLoCo {
   int64_t inner_steps = 32;
   double outer_lr = 0.7;
@@ -28,12 +28,12 @@ struct DiLoCo {
   bool nesterov = true;
 };
 
-// An asynchronous parameter server (as TensorFlow's ParameterServerStrategy): `servers`
-// parameter servers hold shards of the parameters and their optimizer state; every worker pushes
-// its gradients and pulls the parameters without waiting for the others, but no worker runs more
-// than `max_staleness` steps ahead of the slowest (stale synchronous parallel: 0 is lock-step).
-// `servers` 0: ScalingConfig::num_parameter_servers (1 when that is 0 too). The servers run in
-// the first `servers` worker processes. Engine: ParameterServerOptimizer.
+/// An asynchronous parameter server (as TensorFlow's ParameterServerStrategy): `servers`
+/// parameter servers hold shards of the parameters and their optimizer state; every worker pushes
+/// its gradients and pulls the parameters without waiting for the others, but no worker runs more
+/// than `max_staleness` steps ahead of the slowest (stale synchronous parallel: 0 is lock-step).
+/// `servers` 0: ScalingConfig::num_parameter_servers (1 when that is 0 too). The servers run in
+/// the first `servers` worker processes. Engine: ParameterServerOptimizer.
 struct AsyncParameterServer {
   int64_t max_staleness = 4;
   int servers = 0;
@@ -41,13 +41,13 @@ struct AsyncParameterServer {
 
 using SyncMode = std::variant<Synchronous, LocalSgd, DiLoCo, AsyncParameterServer>;
 
-// "ddp", "local-sgd:H", "diloco:H" (DiLoCo's outer options at their defaults) or "async-ps:K";
-// anything else, H < 1 or K < 0, is a UsageError naming the value.
+/// "ddp", "local-sgd:H", "diloco:H" (DiLoCo's outer options at their defaults) or "async-ps:K";
+/// anything else, H < 1 or K < 0, is a UsageError naming the value.
 SyncMode parse_sync_mode(const std::string& text);
-// The inverse of parse_sync_mode (DiLoCo's outer options and the servers are not in it).
+/// The inverse of parse_sync_mode (DiLoCo's outer options and the servers are not in it).
 std::string to_string(const SyncMode& mode);
-// UsageError naming the field: H < 1, an outer lr <= 0 or not finite, a momentum outside [0, 1),
-// a staleness bound < 0, servers < 0.
+/// UsageError naming the field: H < 1, an outer lr <= 0 or not finite, a momentum outside [0, 1),
+/// a staleness bound < 0, servers < 0.
 void validate(const SyncMode& mode);
 bool is_synchronous(const SyncMode& mode);
 

@@ -13,125 +13,126 @@
 
 namespace cohort::parallel {
 
-// ZeRO (Rajbhandari et al. 2020), with DeepSpeed's names and defaults.
+/// ZeRO (Rajbhandari et al. 2020), with DeepSpeed's names and defaults.
 struct ZeroOptions {
-  // 0: plain data parallelism (DDP, no ZeRO). 1: the optimizer state is sharded over the ranks.
-  // 2: the gradients too. 3: the parameters too, those of each FullyShard unit of the model
-  // gathered only around its forward and its backward.
+  /// 0: plain data parallelism (DDP, no ZeRO). 1: the optimizer state is sharded over the ranks.
+  /// 2: the gradients too. 3: the parameters too, those of each FullyShard unit of the model
+  /// gathered only around its forward and its backward.
   int stage = 0;
-  // Gradients are reduce-scattered in buckets of at most this many elements (a parameter larger
-  // than that is a bucket of its own).
+  /// Gradients are reduce-scattered in buckets of at most this many elements (a parameter larger
+  /// than that is a bucket of its own).
   int64_t reduce_bucket_size = 500'000'000;
-  // After the step, parameters are all-gathered at most this many elements at a time.
+  /// After the step, parameters are all-gathered at most this many elements at a time.
   int64_t allgather_bucket_size = 500'000'000;
-  // Reduce-scatter each bucket from the backward hooks as soon as its gradients are ready, so
-  // that communication overlaps the rest of backward; else all buckets at the end of backward.
+  /// Reduce-scatter each bucket from the backward hooks as soon as its gradients are ready, so
+  /// that communication overlaps the rest of backward; else all buckets at the end of backward.
   bool overlap_comm = true;
-  // After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast.
+  /// After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast.
   bool broadcast_buffers = true;
 
-  // Stage 3 (DeepSpeed's stage3_* keys). While a unit runs forward (or backward), the units
-  // that ran after it on the previous step (before it, in backward) are all-gathered ahead,
-  // up to this many elements.
+  /// Stage 3 (DeepSpeed's stage3_* keys). While a unit runs forward (or backward), the units
+  /// that ran after it on the previous step (before it, in backward) are all-gathered ahead,
+  /// up to this many elements.
   int64_t prefetch_bucket_size = 50'000'000;
-  // Prefetching stops where the gathered units would hold more elements than this; a unit that
-  // is about to run is gathered regardless.
+  /// Prefetching stops where the gathered units would hold more elements than this; a unit that
+  /// is about to run is gathered regardless.
   int64_t max_live_parameters = 1'000'000'000;
-  // A unit with fewer trainable elements than this is not sharded: its parameters stay whole on
-  // every rank, as do those outside every unit (their gradients and state are sharded as at
-  // stage 2).
+  /// A unit with fewer trainable elements than this is not sharded: its parameters stay whole on
+  /// every rank, as do those outside every unit (their gradients and state are sharded as at
+  /// stage 2).
   int64_t param_persistence_threshold = 100'000;
-  // Free a unit's gathered parameters after its forward (gathered again for its backward); false
-  // keeps them from the forward to the end of the backward: one gather less, more memory.
+  /// Free a unit's gathered parameters after its forward (gathered again for its backward); false
+  /// keeps them from the forward to the end of the backward: one gather less, more memory.
   bool reshard_after_forward = true;
 
-  // Throws UsageError naming the option: a stage outside 0-3, a bucket size <= 0, a negative
-  // stage-3 limit.
+  /// Throws UsageError naming the option: a stage outside 0-3, a bucket size <= 0, a negative
+  /// stage-3 limit.
   void validate() const;
 };
 
-// What a ZeroOptimizer holds and moves, for benchmarks and the curious.
+/// What a ZeroOptimizer holds and moves, for benchmarks and the curious.
 struct ZeroStats {
   int64_t synchronized_steps = 0;
   int64_t buckets = 0;
-  // Elements of the flat parameter buffer (padded so that every bucket splits evenly over the
-  // ranks), and of this rank's shard.
+  /// Elements of the flat parameter buffer (padded so that every bucket splits evenly over the
+  /// ranks), and of this rank's shard.
   int64_t padded_numel = 0;
   int64_t shard_numel = 0;
-  // Bytes held on this rank: full parameters, gradients (stage 1: the full gradient buffer and
-  // the reduced shard; stage 2: the reduced shard, plus bucket_bytes_peak while reducing: at
-  // most two buckets, and on Gloo a receive buffer of each's size), and the optimizer state of
-  // the shard (master weights included for 16-bit parameters).
+  /// Bytes held on this rank: full parameters, gradients (stage 1: the full gradient buffer and
+  /// the reduced shard; stage 2: the reduced shard, plus bucket_bytes_peak while reducing: at
+  /// most two buckets, and on Gloo a receive buffer of each's size), and the optimizer state of
+  /// the shard (master weights included for 16-bit parameters).
   int64_t parameter_bytes = 0;
   int64_t gradient_bytes = 0;
   int64_t optimizer_state_bytes = 0;
   int64_t bucket_bytes_peak = 0;
-  // Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather, and at
-  // stage 3 the units' all-gathers since the step before).
+  /// Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather, and at
+  /// stage 3 the units' all-gathers since the step before).
   int64_t bytes_sent_last_step = 0;
   double wait_seconds = 0;
-  // Stage 3: the units whose parameters are sharded, the bytes of gathered units held at most at
-  // once (beside parameter_bytes, which counts the shards and the persistent parameters), and
-  // the units' all-gathers so far: for a forward or backward that needed it, or ahead (prefetch).
+  /// Stage 3: the units whose parameters are sharded, the bytes of gathered units held at most at
+  /// once (beside parameter_bytes, which counts the shards and the persistent parameters), and
+  /// the units' all-gathers so far: for a forward or backward that needed it, or ahead (prefetch).
   int64_t units = 0;
   int64_t gathered_bytes_peak = 0;
   int64_t gathers = 0;
   int64_t prefetches = 0;
-  // Steps whose units ran in another order than the step before (prefetching then waits for the
-  // new order: recorded again, nothing hangs).
+  /// Steps whose units ran in another order than the step before (prefetching then waits for the
+  /// new order: recorded again, nothing hangs).
   int64_t order_changes = 0;
 };
 
-// A data-parallel engine and optimizer in one: ZeRO stage 1, 2 or 3 for any torch::nn::Module.
-//
-// The module's trainable parameters are laid out in one flat buffer, in buckets (reverse order
-// of registration, the order backward produces gradients), each padded to a multiple of the
-// world size. Rank r owns the r-th piece of every bucket, so each bucket is one reduce-scatter:
-// launched from the backward hooks as the bucket fills (overlap_comm), like DDP's all-reduce.
-// The optimizer steps only this rank's shard (its state exists only for the shard), then every
-// bucket's parameters are all-gathered, so every rank again holds the whole model.
-//
-// Stage 3 shards the parameters too: each FullyShard unit of the module (fully_shard.h) is a
-// bucket of its own whose whole parameters exist only from just before its forward to its end,
-// and again from just before its backward until its gradients are ready (then reduce-scattered
-// as at stage 2). The order the units ran in is recorded each step and the next units are
-// all-gathered ahead of use along it; a step that runs them in another order (the same on
-// every rank) waits for each gather instead. Ranks that run different units issue different
-// all-gathers: each is named by its unit ("ZeRO-3 all-gather of unit 'blocks.3' (backward)"),
-// and so is its timeout. Outside forward and backward the units' parameters hold no memory:
-// read or write them inside a GatheredParameters scope (checkpoints, evaluation, checks).
-//
-// It is a torch::optim::Optimizer (a FlatOptimizer over the shard): zero_grad(), step(),
-// param_groups() (one group per bucket, every one with the optimizer's options: an lr set on
-// them all, as the LR schedules and linear_lr_scaling do, applies at the next step),
-// clip_grad_norm() (the global norm over every rank's shard), a LossScaler and save/load
-// (this rank's shard, at the same world size) work unchanged; train::save_checkpoint and
-// load_checkpoint write and read sharded checkpoints that reload at any world size. The parameters'
-// .grad are consumed by the synchronising backward: the averaged gradients live sharded here.
-//
-// Stage 3 keeps the units' parameters empty once it is destroyed.
-//
-// At construction every rank checks that all ranks built the same parameters, then takes rank
-// 0's parameters and buffers. All trainable parameters must share one dtype and device, and
-// `optimizer` (torch::optim's or cohort's flat SGD, Adam or AdamW) must have one param group
-// holding exactly them: its algorithm and options are taken over, its state is not.
+/// A data-parallel engine and optimizer in one: ZeRO stage 1, 2 or 3 for any torch::nn::Module.
+///
+/// The module's trainable parameters are laid out in one flat buffer, in buckets (reverse order
+/// of registration, the order backward produces gradients), each padded to a multiple of the
+/// world size. Rank r owns the r-th piece of every bucket, so each bucket is one reduce-scatter:
+/// launched from the backward hooks as the bucket fills (overlap_comm), like DDP's all-reduce.
+/// The optimizer steps only this rank's shard (its state exists only for the shard), then every
+/// bucket's parameters are all-gathered, so every rank again holds the whole model.
+///
+/// Stage 3 shards the parameters too: each FullyShard unit of the module (fully_shard.h) is a
+/// bucket of its own whose whole parameters exist only from just before its forward to its end,
+/// and again from just before its backward until its gradients are ready (then reduce-scattered
+/// as at stage 2). The order the units ran in is recorded each step and the next units are
+/// all-gathered ahead of use along it; a step that runs them in another order (the same on
+/// every rank) waits for each gather instead. Ranks that run different units issue different
+/// all-gathers: each is named by its unit ("ZeRO-3 all-gather of unit 'blocks.3' (backward)"),
+/// and so is its timeout. Outside forward and backward the units' parameters hold no memory:
+/// read or write them inside a GatheredParameters scope (checkpoints, evaluation, checks).
+///
+/// It is a torch::optim::Optimizer (a FlatOptimizer over the shard): zero_grad(), step(),
+/// param_groups() (one group per bucket, every one with the optimizer's options: an lr set on
+/// them all, as the LR schedules and linear_lr_scaling do, applies at the next step),
+/// clip_grad_norm() (the global norm over every rank's shard), a LossScaler and save/load
+/// (this rank's shard, at the same world size) work unchanged; train::save_checkpoint and
+/// load_checkpoint write and read sharded checkpoints that reload at any world size. The
+/// parameters' .grad are consumed by the synchronising backward: the averaged gradients live
+/// sharded here.
+///
+/// Stage 3 keeps the units' parameters empty once it is destroyed.
+///
+/// At construction every rank checks that all ranks built the same parameters, then takes rank
+/// 0's parameters and buffers. All trainable parameters must share one dtype and device, and
+/// `optimizer` (torch::optim's or cohort's flat SGD, Adam or AdamW) must have one param group
+/// holding exactly them: its algorithm and options are taken over, its state is not.
 class ZeroOptimizer : public optim::FlatOptimizer {
  public:
-  struct Engine;  // defined in src/parallel/zero_optimizer.cpp
+  struct Engine;  ///< defined in src/parallel/zero_optimizer.cpp
 
   ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, const torch::optim::Optimizer& optimizer,
                 comm::ProcessGroup group, ZeroOptions options);
   ~ZeroOptimizer() override;
 
-  // Steps this rank's shard, then all-gathers the parameters. Before it, the backward that
-  // synchronised (the first outside no_sync()) must have run.
+  /// Steps this rank's shard, then all-gathers the parameters. Before it, the backward that
+  /// synchronised (the first outside no_sync()) must have run.
   torch::Tensor step(LossClosure closure = nullptr) override;
-  // The global L2 norm over all ranks' shards, and the shard scaled to at most max_norm.
+  /// The global L2 norm over all ranks' shards, and the shard scaled to at most max_norm.
   torch::Tensor clip_grad_norm(double max_norm) override;
   void skip_step() override;
 
-  // While the guard lives, backward passes accumulate gradients locally without communication
-  // (gradient accumulation); the first backward after it ends reduces the sum.
+  /// While the guard lives, backward passes accumulate gradients locally without communication
+  /// (gradient accumulation); the first backward after it ends reduces the sum.
   class NoSyncGuard {
    public:
     explicit NoSyncGuard(ZeroOptimizer& zero);
@@ -145,12 +146,12 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   };
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
-  // Stage 3: every unit's parameters whole on every rank while it lives (collective: every rank
-  // makes one), e.g. to save or load a model, evaluate it without a gather per unit, or compare
-  // replicas. With write_back, this rank's shards are cut anew from the parameters when it ends
-  // (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
-  // Stage 3 also gathers one unit at a time (`unit` indexes unit_names()), to hold no more than
-  // the largest unit while every parameter is read or written (checkpoints do).
+  /// Stage 3: every unit's parameters whole on every rank while it lives (collective: every rank
+  /// makes one), e.g. to save or load a model, evaluate it without a gather per unit, or compare
+  /// replicas. With write_back, this rank's shards are cut anew from the parameters when it ends
+  /// (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
+  /// Stage 3 also gathers one unit at a time (`unit` indexes unit_names()), to hold no more than
+  /// the largest unit while every parameter is read or written (checkpoints do).
   class GatheredParameters {
    public:
     explicit GatheredParameters(const ZeroOptimizer& zero, bool write_back = false);
@@ -162,32 +163,32 @@ class ZeroOptimizer : public optim::FlatOptimizer {
    private:
     std::shared_ptr<Engine> engine_;
     bool write_back_;
-    int64_t unit_ = -1;  // every unit
+    int64_t unit_ = -1;  ///< every unit
   };
-  // Stage 3: the FullyShard units whose parameters are sharded, by their names in the module
-  // (their parameters' names start with "<name>."); empty at stages 1 and 2.
+  /// Stage 3: the FullyShard units whose parameters are sharded, by their names in the module
+  /// (their parameters' names start with `"<name>."`); empty at stages 1 and 2.
   std::vector<std::string> unit_names() const;
 
   int stage() const;
   const comm::ProcessGroup& process_group() const;
   ZeroStats stats() const;
 
-  // What this rank's shard holds, for checkpoints that reload at any world size: each piece is
-  // the flattened elements [begin, begin + length) of one parameter, at `offset` in the state
-  // buffers of param group `group`.
+  /// What this rank's shard holds, for checkpoints that reload at any world size: each piece is
+  /// the flattened elements [begin, begin + length) of one parameter, at `offset` in the state
+  /// buffers of param group `group`.
   struct ShardPiece {
     std::string parameter;
-    std::vector<int64_t> shape;  // the parameter's
+    std::vector<int64_t> shape;  ///< the parameter's
     int64_t begin = 0;
     int64_t length = 0;
     size_t group = 0;
     int64_t offset = 0;
   };
   std::vector<ShardPiece> shard_pieces() const;
-  // The optimizer state per element, by name (e.g. exp_avg, exp_avg_sq), and group g's buffers.
+  /// The optimizer state per element, by name (e.g. exp_avg, exp_avg_sq), and group g's buffers.
   std::vector<std::string> state_names() const { return state_buffer_names(); }
   std::vector<torch::Tensor> shard_state(size_t group) const { return state_buffers(group); }
-  // Optimizer steps taken (the same for every piece), e.g. Adam's bias correction.
+  /// Optimizer steps taken (the same for every piece), e.g. Adam's bias correction.
   int64_t steps() const { return steps_taken(0); }
   void set_steps(int64_t steps);
 

@@ -11,44 +11,44 @@ namespace cohort::runtime {
 // The worker's end of the control plane to its local driver: one line per message, separate
 // from stdout/stderr (which stay the user's) and from the collectives' data plane.
 
-// True when this process was started by a local driver that listens for control messages, or
-// has a sink in-process.
+/// True when this process was started by a local driver that listens for control messages, or
+/// has a sink in-process.
 bool has_control_channel();
 
-// Under an external launcher there is no driver: rank 0 takes its own control messages with
-// this sink (called on the sending thread) and keeps the driver's bookkeeping itself.
+/// Under an external launcher there is no driver: rank 0 takes its own control messages with
+/// this sink (called on the sending thread) and keeps the driver's bookkeeping itself.
 void set_control_sink(std::function<void(const std::string&)> sink);
 
-// Sends one message (must not contain a newline). Thread-safe. Throws RuntimeError when the
-// driver is gone.
+/// Sends one message (must not contain a newline). Thread-safe. Throws RuntimeError when the
+/// driver is gone.
 void send_control_message(const std::string& line);
 
-// The signal that asks a worker to stop at its next checkpoint: the local driver sends it at the
-// first Ctrl-C to workers that accept stop requests (train::should_stop()); under a launcher send
-// it to every rank yourself (Slurm: scancel --signal=USR1 --full JOB).
+/// The signal that asks a worker to stop at its next checkpoint: the local driver sends it at the
+/// first Ctrl-C to workers that accept stop requests (train::should_stop()); under a launcher send
+/// it to every rank yourself (Slurm: scancel --signal=USR1 --full JOB).
 inline constexpr int kStopRequestSignal = SIGUSR1;
-// Installs the handler of kStopRequestSignal in this process (idempotent).
+/// Installs the handler of kStopRequestSignal in this process (idempotent).
 void watch_stop_requests();
-// Whether this process received kStopRequestSignal since watch_stop_requests().
+/// Whether this process received kStopRequestSignal since watch_stop_requests().
 bool stop_requested();
 
-// Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
-// `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one
-// and name the ranks a collective waits for. Idempotent; nothing without a control channel.
+/// Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
+/// `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one
+/// and name the ranks a collective waits for. Idempotent; nothing without a control channel.
 void start_heartbeat(std::chrono::milliseconds interval);
-// Stops that thread and waits for it (before a process that sent heartbeats returns from its
-// run: nothing may beat once the run's state is gone). Start it again with start_heartbeat.
+/// Stops that thread and waits for it (before a process that sent heartbeats returns from its
+/// run: nothing may beat once the run's state is gone). Start it again with start_heartbeat.
 void stop_heartbeat();
-// Under an external launcher, a rank other than 0 reaches the coordinator rank 0 hosts
-// (CoordinatorServer at `address`) over TCP: its control messages and heartbeats go there. A
-// thread follows the coordinator: told to stop, or hearing nothing from it for the heartbeat
-// timeout, or losing it, the process prints why (naming the rank) and exits with status 1.
+/// Under an external launcher, a rank other than 0 reaches the coordinator rank 0 hosts
+/// (CoordinatorServer at `address`) over TCP: its control messages and heartbeats go there. A
+/// thread follows the coordinator: told to stop, or hearing nothing from it for the heartbeat
+/// timeout, or losing it, the process prints why (naming the rank) and exits with status 1.
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
                             const HeartbeatOptions& heartbeat);
-// The rank's work is done: says so to the coordinator, which from now on may go away.
+/// The rank's work is done: says so to the coordinator, which from now on may go away.
 void leave_coordinator();
-// After a collective failed because of a peer: gives the coordinator up to `within` to end this
-// process with the cause's name; returns when it does not.
+/// After a collective failed because of a peer: gives the coordinator up to `within` to end this
+/// process with the cause's name; returns when it does not.
 void wait_for_coordinator(std::chrono::milliseconds within);
 
 }  // namespace cohort::runtime

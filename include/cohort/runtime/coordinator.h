@@ -1,10 +1,11 @@
-// The coordinator: who of a worker group is alive, who failed first, and which ranks did not enter
-// the collective the others wait in. Kept apart from the collectives (a dead or stopped peer is
-// noticed here, not by a collective that hangs) and the same under every launch mode: the local
-// driver feeds it from its workers' control pipes; under cohort launch, torchrun-style variables,
-// Slurm or mpirun, rank 0 hosts it (CoordinatorServer) and the other ranks reach it over TCP
-// (runtime::connect_to_coordinator). Time comes from an injectable clock, so its logic is tested
-// without sleeping.
+/// \file
+/// The coordinator: who of a worker group is alive, who failed first, and which ranks did not enter
+/// the collective the others wait in. Kept apart from the collectives (a dead or stopped peer is
+/// noticed here, not by a collective that hangs) and the same under every launch mode: the local
+/// driver feeds it from its workers' control pipes; under cohort launch, torchrun-style variables,
+/// Slurm or mpirun, rank 0 hosts it (CoordinatorServer) and the other ranks reach it over TCP
+/// (runtime::connect_to_coordinator). Time comes from an injectable clock, so its logic is tested
+/// without sleeping.
 #pragma once
 #include <chrono>
 #include <functional>
@@ -19,26 +20,27 @@
 namespace cohort::runtime {
 
 using SteadyTime = std::chrono::steady_clock::time_point;
-// Where the coordinator reads the time; std::chrono::steady_clock::now unless a test gives its own.
+/// Where the coordinator reads the time; std::chrono::steady_clock::now unless a test gives its
+/// own.
 using ClockSource = std::function<SteadyTime()>;
 ClockSource steady_clock_source();
 
-// The beat every member sends, and how long a silent one is given.
+/// The beat every member sends, and how long a silent one is given.
 struct HeartbeatOptions {
   std::chrono::milliseconds interval{1'000};
   std::chrono::milliseconds timeout = kDefaultHeartbeatTimeout;
-  // Before its first message a member is starting up (the rendezvous deadline covers that, and
-  // names it more precisely): it gets this much longer.
+  /// Before its first message a member is starting up (the rendezvous deadline covers that, and
+  /// names it more precisely): it gets this much longer.
   std::chrono::milliseconds startup_grace{0};
-  // Throws UsageError naming the value unless interval > 0, timeout > 0 and startup_grace >= 0.
+  /// Throws UsageError naming the value unless interval > 0, timeout > 0 and startup_grace >= 0.
   void validate() const;
 };
-// The interval for a timeout: a fifth of it, between 10 ms and 1 s (a member then misses about
-// five beats before it is given up).
+/// The interval for a timeout: a fifth of it, between 10 ms and 1 s (a member then misses about
+/// five beats before it is given up).
 std::chrono::milliseconds heartbeat_interval_for(std::chrono::milliseconds timeout);
 
-// Which of n members went silent: a member is heard from by any message; one that finished is no
-// longer expected to be.
+/// Which of n members went silent: a member is heard from by any message; one that finished is no
+/// longer expected to be.
 class HeartbeatMonitor {
  public:
   HeartbeatMonitor(int members, HeartbeatOptions options,
@@ -47,12 +49,12 @@ class HeartbeatMonitor {
   void finished(int member);
   struct Silence {
     int member = -1;
-    std::chrono::milliseconds allowed{};  // the time it was given
-    bool started = false;                 // it had been heard from before
-    // "rank 1 sent no heartbeat for 3 s: it hangs or was stopped" (`who` names the member).
+    std::chrono::milliseconds allowed{};  ///< the time it was given
+    bool started = false;                 ///< it had been heard from before
+    /// "rank 1 sent no heartbeat for 3 s: it hangs or was stopped" (`who` names the member).
     std::string describe(const std::string& who) const;
   };
-  // The first member silent longer than it is allowed, or nullopt.
+  /// The first member silent longer than it is allowed, or nullopt.
   std::optional<Silence> find_silent() const;
   const HeartbeatOptions& options() const { return options_; }
   SteadyTime now() const { return clock_(); }
@@ -66,41 +68,41 @@ class HeartbeatMonitor {
   std::vector<bool> finished_;
 };
 
-// What a rank's heartbeat carries: every process group of this process (comm::group_activity()),
-// as {"groups": [{"name", "ranks", "entered", "last"}, ...]}.
+/// What a rank's heartbeat carries: every process group of this process (comm::group_activity()),
+/// as {"groups": [{"name", "ranks", "entered", "last"}, ...]}.
 Json activity_status();
 
-// Horovod's stall inspector over every process group, sub-groups included: from each rank's
-// latest activity_status() (null when unknown), names per group the members that did not enter
-// the collective its furthest member is in, e.g. "group train: ranks [1] did not enter
-// collective #12 (rank 0 entered 12 (last allreduce), rank 1 entered 11 (last allreduce))".
-// "" when every group is level or nothing is known.
+/// Horovod's stall inspector over every process group, sub-groups included: from each rank's
+/// latest activity_status() (null when unknown), names per group the members that did not enter
+/// the collective its furthest member is in, e.g. "group train: ranks [1] did not enter
+/// collective #12 (rank 0 entered 12 (last allreduce), rank 1 entered 11 (last allreduce))".
+/// "" when every group is level or nothing is known.
 std::string stall_report(const std::vector<Json>& status_by_rank);
 
-// The coordinator's judgement of a group of ranks, from their messages ("heartbeat" with its
-// status, "error" with "message" and "consequence", anything else counts as a sign of life),
-// their ends and the clock.
+/// The coordinator's judgement of a group of ranks, from their messages ("heartbeat" with its
+/// status, "error" with "message" and "consequence", anything else counts as a sign of life),
+/// their ends and the clock.
 class Coordinator {
  public:
   Coordinator(int world_size, HeartbeatOptions options, ClockSource clock = steady_clock_source());
 
-  // A rank's message: {"type": "heartbeat", "status": ...} or {"type": "error", "message":
-  // "...", "consequence": bool}; others are ignored. UsageError naming the field of a message
-  // that is no JSON object or has a field of the wrong type (json_field; nothing is recorded).
+  /// A rank's message: {"type": "heartbeat", "status": ...} or {"type": "error", "message":
+  /// "...", "consequence": bool}; others are ignored. UsageError naming the field of a message
+  /// that is no JSON object or has a field of the wrong type (json_field; nothing is recorded).
   void on_message(int rank, const Json& message);
-  // `rank` ended cleanly: it is no longer expected to beat.
+  /// `rank` ended cleanly: it is no longer expected to beat.
   void on_finished(int rank);
-  // `rank` ended without finishing, `how` says how ("exited with code 1", ...).
+  /// `rank` ended without finishing, `how` says how ("exited with code 1", ...).
   void on_lost(int rank, const std::string& how);
 
   struct Verdict {
-    int rank = -1;  // the rank that caused it
+    int rank = -1;  ///< the rank that caused it
     std::string reason;
   };
-  // Why the group must stop, naming the rank that caused it, or nullopt. In this order: a rank's
-  // own error; a rank that ended without finishing; a silent rank (with the stall report); a
-  // rank whose collective failed because of a peer, once no cause came within two heartbeat
-  // intervals of it. The first verdict stays.
+  /// Why the group must stop, naming the rank that caused it, or nullopt. In this order: a rank's
+  /// own error; a rank that ended without finishing; a silent rank (with the stall report); a
+  /// rank whose collective failed because of a peer, once no cause came within two heartbeat
+  /// intervals of it. The first verdict stays.
   std::optional<Verdict> verdict();
   std::string stall_report() const;
   const std::vector<Json>& status() const { return status_; }
@@ -110,25 +112,25 @@ class Coordinator {
  private:
   HeartbeatMonitor monitor_;
   std::vector<Json> status_;
-  std::optional<Verdict> cause_;        // an error of a rank's own, or a lost rank
-  std::optional<Verdict> consequence_;  // the first peer-caused error
+  std::optional<Verdict> cause_;        ///< an error of a rank's own, or a lost rank
+  std::optional<Verdict> consequence_;  ///< the first peer-caused error
   SteadyTime consequence_at_{};
   std::optional<Verdict> verdict_;
 };
 
-// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
-// one) for the other ranks' connections, one line of JSON per message (as the local driver's
-// control pipes), beats to every rank each interval so they can tell a stopped rank 0, and on a
-// verdict tells every rank to stop with its reason, then calls `on_verdict` (on its thread).
-// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
-// messages are a few kB; an endless line must not grow the server's memory).
+/// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
+/// one) for the other ranks' connections, one line of JSON per message (as the local driver's
+/// control pipes), beats to every rank each interval so they can tell a stopped rank 0, and on a
+/// verdict tells every rank to stop with its reason, then calls `on_verdict` (on its thread).
+/// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
+/// messages are a few kB; an endless line must not grow the server's memory).
 inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
 
 struct CoordinatorServerOptions {
   std::string bind_address = "127.0.0.1";
   int world_size = 1;
   HeartbeatOptions heartbeat;
-  // A rank that presents another token (another run, or another round of it) is refused.
+  /// A rank that presents another token (another run, or another round of it) is refused.
   std::string token;
 };
 
@@ -141,14 +143,14 @@ class CoordinatorServer {
   CoordinatorServer(const CoordinatorServer&) = delete;
   CoordinatorServer& operator=(const CoordinatorServer&) = delete;
 
-  // host:port, for the other ranks.
+  /// host:port, for the other ranks.
   std::string address() const;
-  // A message of a rank in this process (rank 0's own heartbeats and errors).
+  /// A message of a rank in this process (rank 0's own heartbeats and errors).
   void deliver(int rank, const std::string& line);
-  // Waits up to `within` for a verdict (e.g. after a collective failed because of a peer, for
-  // the coordinator to name the cause). The verdict, or nullopt.
+  /// Waits up to `within` for a verdict (e.g. after a collective failed because of a peer, for
+  /// the coordinator to name the cause). The verdict, or nullopt.
   std::optional<Coordinator::Verdict> await_verdict(std::chrono::milliseconds within);
-  // The run ended: ranks that leave now are no longer failures.
+  /// The run ended: ranks that leave now are no longer failures.
   void finish();
 
   struct Impl;

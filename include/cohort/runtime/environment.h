@@ -1,53 +1,54 @@
-// Every COHORT_* environment variable, named once. The torchrun-style variables (RANK,
-// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT), Slurm's and
-// Open MPI's are read in runtime/worker_info.cpp; cohort's own are these.
+/// \file
+/// Every COHORT_* environment variable, named once. The torchrun-style variables (RANK,
+/// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT), Slurm's and
+/// Open MPI's are read in runtime/worker_info.cpp; cohort's own are these.
 #pragma once
 
 namespace cohort::runtime {
 
-// What this process is: empty for the program the user started; otherwise re-executed by
-// cohort in one of the roles below.
+/// What this process is: empty for the program the user started; otherwise re-executed by
+/// cohort in one of the roles below.
 inline constexpr const char* kRoleVar = "COHORT_ROLE";
 inline constexpr const char* kWorkerRole = "worker";
-// A Tuner's trial: runs one trial's Trainer as its driver (tune/tuner.h).
+/// A Tuner's trial: runs one trial's Trainer as its driver (tune/tuner.h).
 inline constexpr const char* kTrialRole = "trial";
-// A preprocessing worker: serves a data pipeline's tasks (data/data_iterator.h).
+/// A preprocessing worker: serves a data pipeline's tasks (data/data_iterator.h).
 inline constexpr const char* kDataWorkerRole = "data";
 
-// Set by the local driver (runtime::WorkerGroup) in each child: the driver's pid (the child ends
-// with it) and the control channel's file descriptor.
+/// Set by the local driver (runtime::WorkerGroup) in each child: the driver's pid (the child ends
+/// with it) and the control channel's file descriptor.
 inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
 inline constexpr const char* kControlFdVar = "COHORT_CONTROL_FD";
-// The local driver's whole worker spec, serialized (train/worker_spec.h).
+/// The local driver's whole worker spec, serialized (train/worker_spec.h).
 inline constexpr const char* kWorkerSpecVar = "COHORT_WORKER_SPEC";
 
-// Set by `cohort launch` (and read under any launcher): the job's id, the launcher, the restart
-// round, and where the rendezvous store is served.
+/// Set by `cohort launch` (and read under any launcher): the job's id, the launcher, the restart
+/// round, and where the rendezvous store is served.
 inline constexpr const char* kJobIdVar = "COHORT_JOB_ID";
 inline constexpr const char* kLauncherVar = "COHORT_LAUNCHER";
 inline constexpr const char* kRestartRoundVar = "COHORT_RESTART_ROUND";
 inline constexpr const char* kStoreOnLauncherVar = "COHORT_STORE_ON_LAUNCHER";
 inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";
-// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
-// nodes run; in such a data worker (role "data"), its index among them and the job's number of
-// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).
+/// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
+/// nodes run; in such a data worker (role "data"), its index among them and the job's number of
+/// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).
 inline constexpr const char* kDataMembersVar = "COHORT_DATA_MEMBERS";
 inline constexpr const char* kDataMemberVar = "COHORT_DATA_MEMBER";
 inline constexpr const char* kTrainRanksVar = "COHORT_TRAIN_RANKS";
 
-// A preprocessing worker's: the address of the consumer it serves and the fingerprint of the
-// pipeline it must build; under a Trainer, the dataset's name and the shard ("r/n", its
-// data-parallel index and degree: with a mesh, not its world rank and size).
+/// A preprocessing worker's: the address of the consumer it serves and the fingerprint of the
+/// pipeline it must build; under a Trainer, the dataset's name and the shard ("r/n", its
+/// data-parallel index and degree: with a mesh, not its world rank and size).
 inline constexpr const char* kDataAddressVar = "COHORT_DATA_ADDRESS";
 inline constexpr const char* kDataPipelineVar = "COHORT_DATA_PIPELINE";
 inline constexpr const char* kDataDatasetVar = "COHORT_DATA_DATASET";
 inline constexpr const char* kDataShardVar = "COHORT_DATA_SHARD";
 
-// A Tuner's trial process and its workers: the trial's folder.
+/// A Tuner's trial process and its workers: the trial's folder.
 inline constexpr const char* kTrialDirVar = "COHORT_TRIAL_DIR";
 
-// Set by the user: the network interface (or address) the data plane binds to, and the NVML
-// library to load instead of the driver's libnvidia-ml.so.1.
+/// Set by the user: the network interface (or address) the data plane binds to, and the NVML
+/// library to load instead of the driver's libnvidia-ml.so.1.
 inline constexpr const char* kIfnameVar = "COHORT_IFNAME";
 inline constexpr const char* kIfaddrVar = "COHORT_IFADDR";
 inline constexpr const char* kNvmlLibraryVar = "COHORT_NVML_LIBRARY";

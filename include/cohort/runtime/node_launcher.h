@@ -7,38 +7,38 @@
 
 namespace cohort::runtime {
 
-// One node's share of a multi-node job on machines without a scheduler (what torchrun is for
-// PyTorch): `cohort launch` runs this once on every node.
+/// One node's share of a multi-node job on machines without a scheduler (what torchrun is for
+/// PyTorch): `cohort launch` runs this once on every node.
 struct NodeLaunchOptions {
   int nnodes = 1;
   int node_rank = 0;
-  // Node 0's address and the port its launcher serves the rendezvous store on (bound to that
-  // address only). Workers rendezvous through the same store.
+  /// Node 0's address and the port its launcher serves the rendezvous store on (bound to that
+  /// address only). Workers rendezvous through the same store.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
-  // Train workers (ranks) on this node; nodes may differ. 0: a CPU-only node (needs data_workers).
+  /// Train workers (ranks) on this node; nodes may differ. 0: a CPU-only node (needs data_workers).
   int nproc_per_node = 1;
-  // Preprocessing processes on this node for the job's trainers: the program in the data role,
-  // taking the map_batches work of the dataset ScalingConfig::remote_preprocessing_dataset names
-  // over TCP. Ranks are numbered over the nodes in node order.
+  /// Preprocessing processes on this node for the job's trainers: the program in the data role,
+  /// taking the map_batches work of the dataset ScalingConfig::remote_preprocessing_dataset names
+  /// over TCP. Ranks are numbered over the nodes in node order.
   int data_workers = 0;
-  // The program each worker runs, with its arguments.
+  /// The program each worker runs, with its arguments.
   std::vector<std::string> command;
-  // Times the whole job is restarted after a worker or a node fails.
+  /// Times the whole job is restarted after a worker or a node fails.
   int max_restarts = 0;
-  // Every node must join each round within this.
+  /// Every node must join each round within this.
   std::chrono::milliseconds rendezvous_timeout = kDefaultSetupTimeout;
-  // A node whose launcher is silent this long is lost.
+  /// A node whose launcher is silent this long is lost.
   std::chrono::milliseconds heartbeat_timeout = kDefaultNodeHeartbeatTimeout;
-  // Checked when a node joins; empty: derived from the command line, so that another job given
-  // the same master address is refused.
+  /// Checked when a node joins; empty: derived from the command line, so that another job given
+  /// the same master address is refused.
   std::string job_id;
   int verbose = 1;
 };
 
-// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
-// every worker of every node succeeded, 1 otherwise (with the reason printed, naming a lost
-// node). Throws UsageError for bad options.
+/// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
+/// every worker of every node succeeded, 1 otherwise (with the reason printed, naming a lost
+/// node). Throws UsageError for bad options.
 int launch_node(const NodeLaunchOptions& options);
 
 }  // namespace cohort::runtime

@@ -7,7 +7,7 @@
 
 namespace cohort::runtime {
 
-// Who this process is in its worker group, in torchrun's terms.
+/// Who this process is in its worker group, in torchrun's terms.
 struct WorkerInfo {
   int world_rank = 0;
   int local_rank = 0;
@@ -16,61 +16,62 @@ struct WorkerInfo {
   int local_world_size = 1;
   std::string master_addr = "127.0.0.1";
   int master_port = 0;
-  // Who started this process: "cohort" (the local driver), "cohort-launch", "torchrun",
-  // "openmpi" or "slurm".
+  /// Who started this process: "cohort" (the local driver), "cohort-launch", "torchrun",
+  /// "openmpi" or "slurm".
   std::string launcher = "torchrun";
-  // The job this process belongs to, checked when joining the rendezvous ("" : not checked).
+  /// The job this process belongs to, checked when joining the rendezvous ("" : not checked).
   std::string job_id;
-  // Restarts of the group so far (a launcher's restart count): keys of earlier rounds are not
-  // reused.
+  /// Restarts of the group so far (a launcher's restart count): keys of earlier rounds are not
+  /// reused.
   int restart_round = 0;
-  // The rendezvous store: served by rank 0 at master_addr:store_port, or by the launcher (node
-  // 0's cohort launch, or torchrun's agent) when store_on_launcher.
+  /// The rendezvous store: served by rank 0 at master_addr:store_port, or by the launcher (node
+  /// 0's cohort launch, or torchrun's agent) when store_on_launcher.
   int store_port = 0;
   bool store_on_launcher = false;
 };
 
-// The whole number in environment variable `name`, or `fallback` when it is unset or empty;
-// UsageError naming the variable and its value when it is no whole number or less than
-// `min_value`. Every integer setting of the environment is read through it.
+/// The whole number in environment variable `name`, or `fallback` when it is unset or empty;
+/// UsageError naming the variable and its value when it is no whole number or less than
+/// `min_value`. Every integer setting of the environment is read through it.
 int env_int(const char* name, int fallback, int min_value);
 
-// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
-// MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming
-// the variable when they are inconsistent.
+/// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
+/// MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming
+/// the variable when they are inconsistent.
 std::optional<WorkerInfo> worker_info_from_env();
 
-// How this process was launched, from its environment, in this order: torchrun-style variables
-// (also set by cohort's driver and `cohort launch`), OpenMPI's mpirun (OMPI_COMM_WORLD_*), Slurm's
-// srun (SLURM_PROCID with SLURM_STEP_NUM_TASKS). nullopt: not launched (a plain start). Throws
-// UsageError naming the variable that is missing or inconsistent. The rendezvous address is
-// MASTER_ADDR/MASTER_PORT when set; else under Slurm the first host of the step's node list and
-// port 15000 + job id % 10000; under mpirun on one host 127.0.0.1 and 15000 + job id % 10000.
+/// How this process was launched, from its environment, in this order: torchrun-style variables
+/// (also set by cohort's driver and `cohort launch`), OpenMPI's mpirun (OMPI_COMM_WORLD_*), Slurm's
+/// srun (SLURM_PROCID with SLURM_STEP_NUM_TASKS). nullopt: not launched (a plain start). Throws
+/// UsageError naming the variable that is missing or inconsistent. The rendezvous address is
+/// MASTER_ADDR/MASTER_PORT when set; else under Slurm the first host of the step's node list and
+/// port 15000 + job id % 10000; under mpirun on one host 127.0.0.1 and 15000 + job id % 10000.
 std::optional<WorkerInfo> detect_launch();
 
-// The first host name of a Slurm host list such as "node[07-09,12],gpu1" ("node07").
+/// The first host name of a Slurm host list such as "node[07-09,12],gpu1" ("node07").
 std::string first_slurm_host(const std::string& nodelist);
-// Tasks on node `node` from a Slurm tasks-per-node list such as "2(x3),1".
+/// Tasks on node `node` from a Slurm tasks-per-node list such as "2(x3),1".
 int slurm_tasks_on_node(const std::string& tasks_per_node, int node);
 
-// This host's name (gethostname), as messages and run files name it.
+/// This host's name (gethostname), as messages and run files name it.
 std::string host_name();
 
-// The address of this host that the data plane (Gloo) binds to: the interface named by
-// COHORT_IFNAME (or GLOO_SOCKET_IFNAME), else the address COHORT_IFADDR, else the source address
-// the kernel picks to reach `master_addr` (on a multi-homed host, the one on the master's network).
-// Throws UsageError naming the interfaces there are when the named one has no IPv4 address.
+/// The address of this host that the data plane (Gloo) binds to: the interface named by
+/// COHORT_IFNAME (or GLOO_SOCKET_IFNAME), else the address COHORT_IFADDR, else the source address
+/// the kernel picks to reach `master_addr` (on a multi-homed host, the one on the master's
+/// network). Throws UsageError naming the interfaces there are when the named one has no IPv4
+/// address.
 std::string data_plane_address(const std::string& master_addr);
 
-// The variables that describe `info` to a child process.
+/// The variables that describe `info` to a child process.
 std::map<std::string, std::string> worker_env(const WorkerInfo& info);
 
-// True in a process that the local worker group started in the worker role.
+/// True in a process that the local worker group started in the worker role.
 bool is_spawned_worker();
-// The role a WorkerGroup gave this process (kWorkerRole, kTrialRole), "" when none.
+/// The role a WorkerGroup gave this process (kWorkerRole, kTrialRole), "" when none.
 std::string spawned_role();
 
-// In a spawned worker: die with the driver even if it is SIGKILLed, so no worker is orphaned.
+/// In a spawned worker: die with the driver even if it is SIGKILLed, so no worker is orphaned.
 void bind_lifetime_to_driver();
 
 }  // namespace cohort::runtime

@@ -11,7 +11,7 @@
 
 namespace cohort::train {
 
-// Who this worker is and what it can use (Ray Train's TrainContext).
+/// Who this worker is and what it can use (Ray Train's TrainContext).
 class TrainContext {
  public:
   int get_world_rank() const { return world_rank; }
@@ -20,19 +20,19 @@ class TrainContext {
   int get_world_size() const { return world_size; }
   int get_local_world_size() const { return local_world_size; }
   const std::string& get_experiment_name() const { return experiment_name; }
-  // The run directory, <storage_path>/<name>.
+  /// The run directory, `<storage_path>/<name>`.
   const std::filesystem::path& get_storage_path() const { return storage_path; }
   c10::Device get_device() const { return device; }
-  // ScalingConfig::precision.
+  /// ScalingConfig::precision.
   optim::Precision get_precision() const { return precision; }
-  // The group of all workers, for the user's own collectives (e.g. summing evaluation counts).
+  /// The group of all workers, for the user's own collectives (e.g. summing evaluation counts).
   comm::ProcessGroup& get_process_group() { return process_group; }
-  // Whether ScalingConfig::mesh asked for pipeline or tensor parallelism (pp or tp > 1).
+  /// Whether ScalingConfig::mesh asked for pipeline or tensor parallelism (pp or tp > 1).
   bool has_mesh() const { return mesh.world().valid(); }
-  // The mesh of ScalingConfig::mesh: this rank's coordinates and its dp, pp and tp groups.
-  // Throws UsageError when the run has none (has_mesh() false).
+  /// The mesh of ScalingConfig::mesh: this rank's coordinates and its dp, pp and tp groups.
+  /// Throws UsageError when the run has none (has_mesh() false).
   const parallel::DeviceMesh& get_mesh() const;
-  // When the driver started the run: for start-up timings.
+  /// When the driver started the run: for start-up timings.
   std::chrono::system_clock::time_point get_run_start_time() const { return run_start; }
 
   int world_rank = 0;
@@ -49,7 +49,7 @@ class TrainContext {
   std::chrono::system_clock::time_point run_start;
 };
 
-// The context of the running worker. Throws RuntimeError outside a train loop.
+/// The context of the running worker. Throws RuntimeError outside a train loop.
 TrainContext& get_context();
 
 }  // namespace cohort::train

@@ -1,14 +1,15 @@
-// A live dashboard of runs (Ray's dashboard): an HTTP server over a storage path's run
-// directories and Tune experiments. Its page (charts from uPlot, compiled in: no network) shows
-// each run's workers (rank, host, pid, state, device, step, step time, samples/s, ingest wait,
-// memory; GPU memory and utilisation through NVML where a worker runs on a GPU), its loss and
-// accuracy curves, checkpoints, failures and restarts, and an experiment's
-// trials; it updates every second. `/metrics` serves the same figures in Prometheus's text format.
-//
-// It reads only files: a run's driver keeps <run>/status.json current (its workers, updated every
-// second), beside metrics.jsonl, result.json and checkpoint_manager.json. So the same server shows
-// a run from its driver (RunConfig::dashboard) or from another process (`cohort dashboard`),
-// running or finished.
+/// \file
+/// A live dashboard of runs (Ray's dashboard): an HTTP server over a storage path's run
+/// directories and Tune experiments. Its page (charts from uPlot, compiled in: no network) shows
+/// each run's workers (rank, host, pid, state, device, step, step time, samples/s, ingest wait,
+/// memory; GPU memory and utilisation through NVML where a worker runs on a GPU), its loss and
+/// accuracy curves, checkpoints, failures and restarts, and an experiment's
+/// trials; it updates every second. `/metrics` serves the same figures in Prometheus's text format.
+///
+/// It reads only files: a run's driver keeps `<run>/status.json` current (its workers, updated every
+/// second), beside metrics.jsonl, result.json and checkpoint_manager.json. So the same server shows
+/// a run from its driver (RunConfig::dashboard) or from another process (`cohort dashboard`),
+/// running or finished.
 #pragma once
 #include <filesystem>
 #include <memory>
@@ -20,15 +21,15 @@ namespace cohort::train {
 
 class Dashboard {
  public:
-  // Serves the runs under `storage_path` on options.host:options.port until destroyed. A port in
-  // use, or a host that is not an address of this machine, is a UsageError naming it and the fix.
+  /// Serves the runs under `storage_path` on options.host:options.port until destroyed. A port in
+  /// use, or a host that is not an address of this machine, is a UsageError naming it and the fix.
   Dashboard(std::filesystem::path storage_path, const DashboardOptions& options);
   ~Dashboard();
   Dashboard(const Dashboard&) = delete;
   Dashboard& operator=(const Dashboard&) = delete;
 
   int port() const;
-  // "http://127.0.0.1:8265/".
+  /// "http://127.0.0.1:8265/".
   std::string url() const;
 
  private:
@@ -36,12 +37,12 @@ class Dashboard {
   std::unique_ptr<Impl> impl_;
 };
 
-// The Prometheus text (exposition format 0.0.4) of the runs under `storage_path`: per run its
-// training iteration, loss, samples/s, ingest and communication wait, restarts, and per rank its
-// step time, memory and GPU memory and utilisation.
+/// The Prometheus text (exposition format 0.0.4) of the runs under `storage_path`: per run its
+/// training iteration, loss, samples/s, ingest and communication wait, restarts, and per rank its
+/// step time, memory and GPU memory and utilisation.
 std::string prometheus_metrics(const std::filesystem::path& storage_path);
 
-// Where a run's driver keeps its live state for dashboards.
+/// Where a run's driver keeps its live state for dashboards.
 inline constexpr const char* kStatusFile = "status.json";
 
 }  // namespace cohort::train

@@ -12,32 +12,32 @@
 
 namespace cohort::train {
 
-// DeepSpeed's JSON configuration (ds_config.json), the keys that describe training:
-//
-//   train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
-//     train_batch_size == micro x accumulation x world size; any two give the third.
-//   optimizer {type: Adam | AdamW | SGD, params: {lr, betas, eps, weight_decay, momentum,
-//     nesterov}}   (Adam's "adam_w_mode": true is AdamW)
-//   scheduler {type: WarmupLR | WarmupDecayLR, params: {warmup_min_lr, warmup_max_lr,
-//     warmup_num_steps, warmup_type: log | linear, total_num_steps (WarmupDecayLR)}}
-//   fp16 {enabled, loss_scale (0: dynamic), initial_scale_power, loss_scale_window,
-//     hysteresis, min_loss_scale}
-//   bf16 {enabled}
-//   gradient_clipping
-//   zero_optimization {stage, reduce_bucket_size, allgather_bucket_size, overlap_comm,
-//     contiguous_gradients, stage3_prefetch_bucket_size, stage3_max_live_parameters,
-//     stage3_param_persistence_threshold}
-//
-// Keys that only tune DeepSpeed's own machinery and change nothing here (e.g.
-// steps_per_print, wall_clock_breakdown, zero_optimization.contiguous_gradients) are accepted;
-// unknown keys are listed in `unknown_keys`, for one warning. A value of the wrong type or out of
-// range is a UsageError naming the file and the key (exit code 2 in the CLI).
+/// DeepSpeed's JSON configuration (ds_config.json), the keys that describe training:
+///
+///   train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps
+///     train_batch_size == micro x accumulation x world size; any two give the third.
+///   optimizer {type: Adam | AdamW | SGD, params: {lr, betas, eps, weight_decay, momentum,
+///     nesterov}}   (Adam's "adam_w_mode": true is AdamW)
+///   scheduler {type: WarmupLR | WarmupDecayLR, params: {warmup_min_lr, warmup_max_lr,
+///     warmup_num_steps, warmup_type: log | linear, total_num_steps (WarmupDecayLR)}}
+///   fp16 {enabled, loss_scale (0: dynamic), initial_scale_power, loss_scale_window,
+///     hysteresis, min_loss_scale}
+///   bf16 {enabled}
+///   gradient_clipping
+///   zero_optimization {stage, reduce_bucket_size, allgather_bucket_size, overlap_comm,
+///     contiguous_gradients, stage3_prefetch_bucket_size, stage3_max_live_parameters,
+///     stage3_param_persistence_threshold}
+///
+/// Keys that only tune DeepSpeed's own machinery and change nothing here (e.g.
+/// steps_per_print, wall_clock_breakdown, zero_optimization.contiguous_gradients) are accepted;
+/// unknown keys are listed in `unknown_keys`, for one warning. A value of the wrong type or out of
+/// range is a UsageError naming the file and the key (exit code 2 in the CLI).
 struct DeepSpeedConfig {
   int64_t train_batch_size = 0;
-  int64_t micro_batch_size = 0;  // train_micro_batch_size_per_gpu
+  int64_t micro_batch_size = 0;  ///< train_micro_batch_size_per_gpu
   int64_t gradient_accumulation_steps = 1;
 
-  // "sgd", "adam" or "adamw", and its hyperparameters; unset: the optimizer's default.
+  /// "sgd", "adam" or "adamw", and its hyperparameters; unset: the optimizer's default.
   std::optional<std::string> optimizer;
   std::optional<double> lr;
   std::optional<std::pair<double, double>> betas;
@@ -46,7 +46,7 @@ struct DeepSpeedConfig {
   std::optional<double> momentum;
   bool nesterov = false;
 
-  // The learning-rate schedule (lr is then the warmup's maximum), when a scheduler is given.
+  /// The learning-rate schedule (lr is then the warmup's maximum), when a scheduler is given.
   std::optional<optim::LrScheduleOptions> schedule;
 
   std::string precision = "fp32";  // "fp16" or "bf16" when enabled
@@ -56,7 +56,7 @@ struct DeepSpeedConfig {
 
   std::vector<std::string> unknown_keys;
 
-  // `source` names the file in messages.
+  /// `source` names the file in messages.
   static DeepSpeedConfig from_json(const Json& config, int world_size,
                                    const std::string& source = "deepspeed config");
   static DeepSpeedConfig load(const std::filesystem::path& file, int world_size);

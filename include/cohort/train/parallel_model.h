@@ -1,16 +1,17 @@
-// One prepared object for every plan: train::parallelize(model, optimizer, loss, plan) makes this
-// rank's part of the model parallel as the plan says (DDP, ZeRO 1-3, local SGD, DiLoCo, the
-// parameter server; a pipeline's stages over a dp x pp x tp mesh) and owns it with its engine, its
-// optimizer and its learning-rate schedule. One step() serves every plan:
-//
-//   auto plan = train::Plan{.pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 4};
-//   auto model = train::parallelize({.module = net, .forward = forward, .layers = net->layers},
-//                                   [](auto params) { return make_adamw(params); },
-//                                   torch::nn::functional::cross_entropy, plan);
-//   if (auto checkpoint = train::get_checkpoint()) model.load(*checkpoint);
-//   for (auto& batch : train::get_dataset_shard("train").iter_batches({.batch_size = rows}))
-//     model.step(batch["image"], batch["label"]);
-//   train::report(metrics, model);   // with its checkpoint
+/// \file
+/// One prepared object for every plan: train::parallelize(model, optimizer, loss, plan) makes this
+/// rank's part of the model parallel as the plan says (DDP, ZeRO 1-3, local SGD, DiLoCo, the
+/// parameter server; a pipeline's stages over a dp x pp x tp mesh) and owns it with its engine, its
+/// optimizer and its learning-rate schedule. One step() serves every plan:
+///
+///   auto plan = train::Plan{.pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 4};
+///   auto model = train::parallelize({.module = net, .forward = forward, .layers = net->layers},
+///                                   [](auto params) { return make_adamw(params); },
+///                                   torch::nn::functional::cross_entropy, plan);
+///   if (auto checkpoint = train::get_checkpoint()) model.load(*checkpoint);
+///   for (auto& batch : train::get_dataset_shard("train").iter_batches({.batch_size = rows}))
+///     model.step(batch["image"], batch["label"]);
+///   train::report(metrics, model);   // with its checkpoint
 #pragma once
 #include <filesystem>
 #include <functional>
@@ -32,36 +33,36 @@
 
 namespace cohort::train {
 
-// The model as parallelize takes it.
+/// The model as parallelize takes it.
 struct ModelSpec {
-  // The whole model (every rank builds it alike: the same seed), what checkpoints hold.
+  /// The whole model (every rank builds it alike: the same seed), what checkpoints hold.
   std::shared_ptr<torch::nn::Module> module;
-  // Its forward pass (a torch::nn::Module has no virtual one).
+  /// Its forward pass (a torch::nn::Module has no virtual one).
   std::function<at::Tensor(const at::Tensor&)> forward;
-  // With a pipeline (plan.pp > 1): its layers in order, sharing the module's parameters, which
-  // the pipeline cuts into stages.
+  /// With a pipeline (plan.pp > 1): its layers in order, sharing the module's parameters, which
+  /// the pipeline cuts into stages.
   torch::nn::Sequential layers{nullptr};
-  // With tensor parallelism (plan.tp > 1): the module is cut over the mesh's tp group; the dense
-  // model of the same parameters in the same order is what checkpoints hold, and these copy the
-  // slices to it (a collective over tp) and back.
+  /// With tensor parallelism (plan.tp > 1): the module is cut over the mesh's tp group; the dense
+  /// model of the same parameters in the same order is what checkpoints hold, and these copy the
+  /// slices to it (a collective over tp) and back.
   std::shared_ptr<torch::nn::Module> dense;
   std::function<void()> copy_to_dense;
   std::function<void()> load_from_dense;
 };
 
-// The optimizer over a rank's parameters (its stages' with a pipeline), before the engine wraps
-// it: e.g. [](auto params) { return std::make_unique<optim::FlatAdamW>(params, options); }.
+/// The optimizer over a rank's parameters (its stages' with a pipeline), before the engine wraps
+/// it: e.g. [](auto params) { return std::make_unique<optim::FlatAdamW>(params, options); }.
 using OptimizerFactory =
     std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor> parameters)>;
-// The loss of a step's output and targets (a mean over the rows).
+/// The loss of a step's output and targets (a mean over the rows).
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
 struct StepResult {
-  // The step's mean loss over this rank's rows; undefined where this rank computes none (a
-  // pipeline's ranks other than the last stage's) or when the step was skipped.
+  /// The step's mean loss over this rank's rows; undefined where this rank computes none (a
+  /// pipeline's ranks other than the last stage's) or when the step was skipped.
   at::Tensor loss;
-  // False when the batch had fewer rows than the step's micro-batches: nothing was done (every
-  // rank of a pipeline has the same rows, every dp rank as many: all skip it alike).
+  /// False when the batch had fewer rows than the step's micro-batches: nothing was done (every
+  /// rank of a pipeline has the same rows, every dp rank as many: all skip it alike).
   bool stepped = true;
 };
 
@@ -71,43 +72,43 @@ class ParallelModel {
   ParallelModel& operator=(ParallelModel&&) noexcept;
   ~ParallelModel();
 
-  // One optimizer step over this rank's rows: split into the plan's micro-batches (accumulated
-  // without communication but after the last, each loss weighted by its rows), forward under the
-  // run's precision, backward through the loss scaler, clipping, the optimizer through the scaler
-  // (an fp16 overflow skips it on every rank), the learning-rate schedule. With --cuda-graph the
-  // whole step is one replayed graph.
+  /// One optimizer step over this rank's rows: split into the plan's micro-batches (accumulated
+  /// without communication but after the last, each loss weighted by its rows), forward under the
+  /// run's precision, backward through the loss scaler, clipping, the optimizer through the scaler
+  /// (an fp16 overflow skips it on every rank), the learning-rate schedule. With --cuda-graph the
+  /// whole step is one replayed graph.
   StepResult step(const at::Tensor& inputs, const at::Tensor& targets);
-  // The replicas agree now: local SGD, DiLoCo and the parameter server average (or pull) at
-  // once; synchronous plans always agree. Collective; call it where every rank does (an epoch's
-  // end), before evaluating or saving.
+  /// The replicas agree now: local SGD, DiLoCo and the parameter server average (or pull) at
+  /// once; synchronous plans always agree. Collective; call it where every rank does (an epoch's
+  /// end), before evaluating or saving.
   void sync();
-  // Whether the ranks may ask a collective question after every step (train::should_stop()):
-  // synchronous plans; local SGD, DiLoCo and the parameter server must not wait for each other.
+  /// Whether the ranks may ask a collective question after every step (train::should_stop()):
+  /// synchronous plans; local SGD, DiLoCo and the parameter server must not wait for each other.
   bool synchronous() const;
-  // Every rank's whole model for evaluation, checksums or saving: a pipeline's stages copied to
-  // its other ranks; with ZeRO-3 the parameters gathered while the guard lives. Collective.
+  /// Every rank's whole model for evaluation, checksums or saving: a pipeline's stages copied to
+  /// its other ranks; with ZeRO-3 the parameters gathered while the guard lives. Collective.
   GatheredParameters whole_model();
-  // The whole model's forward pass (after whole_model() where the model is cut).
+  /// The whole model's forward pass (after whole_model() where the model is cut).
   at::Tensor forward(const at::Tensor& inputs) const;
   torch::nn::Module& module() const;
   torch::optim::Optimizer& optimizer() const;
   const Plan& plan() const;
-  // Optimizer steps done, counting those of the checkpoint it resumed.
+  /// Optimizer steps done, counting those of the checkpoint it resumed.
   int64_t steps() const;
-  // The learning rate of the optimizer's first param group.
+  /// The learning rate of the optimizer's first param group.
   double lr() const;
-  // One line for the log: "DDP", "ZeRO stage 2", "mesh dp 1 x pp 2 x tp 1: 3 layers in 2
-  // stages, 1f1b over 4 micro-batches, DDP over dp".
+  /// One line for the log: "DDP", "ZeRO stage 2", "mesh dp 1 x pp 2 x tp 1: 3 layers in 2
+  /// stages, 1f1b over 4 micro-batches, DDP over dp".
   std::string describe() const;
 
-  // Writes this rank's part of a checkpoint into `dir` (the model from the first rank; optimizer
-  // state from the ranks that hold some; a mesh's layout). False when this rank has nothing to
-  // write: it reports without a checkpoint. Collective with a pipeline (its stages are shared
-  // first, as whole_model() does): every rank calls it, as train::report(metrics, model) does.
+  /// Writes this rank's part of a checkpoint into `dir` (the model from the first rank; optimizer
+  /// state from the ranks that hold some; a mesh's layout). False when this rank has nothing to
+  /// write: it reports without a checkpoint. Collective with a pipeline (its stages are shared
+  /// first, as whole_model() does): every rank calls it, as train::report(metrics, model) does.
   bool save(const std::filesystem::path& dir) const;
-  // Loads a checkpoint written by any plan whose arithmetic allows it (another world size,
-  // ZeRO stage, mesh cut or sync mode; see checkpoint.h) and continues its learning-rate schedule
-  // from its "steps" metric. UsageError naming the checkpoint, the layouts and the fix otherwise.
+  /// Loads a checkpoint written by any plan whose arithmetic allows it (another world size,
+  /// ZeRO stage, mesh cut or sync mode; see checkpoint.h) and continues its learning-rate schedule
+  /// from its "steps" metric. UsageError naming the checkpoint, the layouts and the fix otherwise.
   void load(const Checkpoint& checkpoint);
 
  private:
@@ -118,31 +119,31 @@ class ParallelModel {
   std::unique_ptr<State> state_;
 };
 
-// Makes `model` parallel over this worker's group per `plan` (checked first; its degrees must be
-// ScalingConfig::mesh's), moves it to the worker's device, and builds the optimizer through
-// `make_optimizer` and the engine. Every rank calls it alike. `schedule` sets the learning rate
-// step by step (none by default).
+/// Makes `model` parallel over this worker's group per `plan` (checked first; its degrees must be
+/// ScalingConfig::mesh's), moves it to the worker's device, and builds the optimizer through
+/// `make_optimizer` and the engine. Every rank calls it alike. `schedule` sets the learning rate
+/// step by step (none by default).
 ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimizer,
                           LossFunction loss, Plan plan,
                           const optim::LrScheduleOptions& schedule = {});
 
-// Where a run stands, as its reports say it: "epoch", the epochs begun (an epoch ended reports
-// its number from 1), and "epoch_step", the steps of that epoch done when the run stopped inside
-// it (a Ctrl-C, a stop of the loop's own). Resumed, the loop starts at `epoch` (from 0) and
-// counts its steps on from `epoch_steps_done`: the streams of get_dataset_shard and
-// prepare_data_loader start after the rows the checkpoint's run had taken of that epoch (their
-// positions are part of every checkpoint), at any world size.
+/// Where a run stands, as its reports say it: "epoch", the epochs begun (an epoch ended reports
+/// its number from 1), and "epoch_step", the steps of that epoch done when the run stopped inside
+/// it (a Ctrl-C, a stop of the loop's own). Resumed, the loop starts at `epoch` (from 0) and
+/// counts its steps on from `epoch_steps_done`: the streams of get_dataset_shard and
+/// prepare_data_loader start after the rows the checkpoint's run had taken of that epoch (their
+/// positions are part of every checkpoint), at any world size.
 inline constexpr const char* kEpochStepMetric = "epoch_step";
 struct ResumePoint {
   int epoch = 0;
   int64_t epoch_steps_done = 0;
 };
-// The resume point of a checkpoint's metrics, said on rank 0 ("resuming epoch 2 after step 5
-// from ...").
+/// The resume point of a checkpoint's metrics, said on rank 0 ("resuming epoch 2 after step 5
+/// from ...").
 ResumePoint resume_point(const Checkpoint& checkpoint);
 
-// train::report with a checkpoint of `model`: every rank writes its part into a staging folder of
-// its own, reports it, and removes the folder once the driver took it.
+/// train::report with a checkpoint of `model`: every rank writes its part into a staging folder of
+/// its own, reports it, and removes the folder once the driver took it.
 void report(const Json& metrics, const ParallelModel& model);
 
 }  // namespace cohort::train

@@ -1,6 +1,7 @@
-// How a model trains over the workers: the parallel degrees and everything that shapes a step,
-// in one options struct checked in one place (torchtitan's ParallelDims and job config, DeepSpeed's
-// JSON). train::parallelize (parallel_model.h) carries it out.
+/// \file
+/// How a model trains over the workers: the parallel degrees and everything that shapes a step,
+/// in one options struct checked in one place (torchtitan's ParallelDims and job config,
+/// DeepSpeed's JSON). train::parallelize (parallel_model.h) carries it out.
 #pragma once
 #include <cstdint>
 
@@ -11,38 +12,38 @@
 namespace cohort::train {
 
 struct Plan {
-  // Pipeline stages (--pp) and tensor-parallel degree (--tp); the data-parallel degree is what is
-  // left of the world: world size / (pp x tp). They equal ScalingConfig::mesh's.
+  /// Pipeline stages (--pp) and tensor-parallel degree (--tp); the data-parallel degree is what is
+  /// left of the world: world size / (pp x tp). They equal ScalingConfig::mesh's.
   int pp = 1;
   int tp = 1;
-  // ZeRO over the data-parallel group (--zero-stage); stage 0: DDP.
+  /// ZeRO over the data-parallel group (--zero-stage); stage 0: DDP.
   parallel::ZeroOptions zero;
-  // How the replicas agree (--sync): synchronous DDP or ZeRO, local SGD, DiLoCo, the parameter
-  // server.
+  /// How the replicas agree (--sync): synchronous DDP or ZeRO, local SGD, DiLoCo, the parameter
+  /// server.
   parallel::SyncMode sync;
-  // Micro-batches per optimizer step (--gradient-accumulation-steps): a step's rows are split into
-  // this many, communicating after the last only; with a pipeline, one pipeline step over all
-  // their micro-batches.
+  /// Micro-batches per optimizer step (--gradient-accumulation-steps): a step's rows are split into
+  /// this many, communicating after the last only; with a pipeline, one pipeline step over all
+  /// their micro-batches.
   int64_t gradient_accumulation_steps = 1;
-  // The gradients' global L2 norm clipped to this before each step (--gradient-clipping); 0: no
-  // clipping.
+  /// The gradients' global L2 norm clipped to this before each step (--gradient-clipping); 0: no
+  /// clipping.
   double gradient_clipping = 0;
-  // Each step captured as one CUDA graph and replayed (--cuda-graph): one micro-batch a step,
-  // synchronous DDP, no mesh.
+  /// Each step captured as one CUDA graph and replayed (--cuda-graph): one micro-batch a step,
+  /// synchronous DDP, no mesh.
   bool cuda_graph = false;
-  // The pipeline's schedule (--schedule) and micro-batches per batch (--micro-batches; 0: 2 x pp).
+  /// The pipeline's schedule (--schedule) and micro-batches per batch (--micro-batches; 0: 2 x pp).
   parallel::pipeline::ScheduleKind schedule = parallel::pipeline::ScheduleKind::kOneFOneB;
   int micro_batches = 0;
 
-  // A pipeline or tensor parallelism: the workers form a mesh.
+  /// A pipeline or tensor parallelism: the workers form a mesh.
   bool has_mesh() const { return pp > 1 || tp > 1; }
-  // Stages per pipeline rank: the interleaved schedule's two, else one.
+  /// Stages per pipeline rank: the interleaved schedule's two, else one.
   int virtual_stages() const;
-  // Micro-batches of one optimizer step through the pipeline: --micro-batches (its default
-  // resolved) times the accumulation steps. Without a pipeline, the accumulation steps.
+  /// Micro-batches of one optimizer step through the pipeline: --micro-batches (its default
+  /// resolved) times the accumulation steps. Without a pipeline, the accumulation steps.
   int micro_batches_per_step() const;
-  // Checks the plan for `world_size` workers (0: the degrees alone). A UsageError of one line
-  // names the options that conflict (by their flags) and the fix.
+  /// Checks the plan for `world_size` workers (0: the degrees alone). A UsageError of one line
+  /// names the options that conflict (by their flags) and the fix.
   void validate(int world_size = 0) const;
 };
 

@@ -9,41 +9,41 @@
 
 namespace cohort {
 
-// What a run produced (Ray Train's Result).
+/// What a run produced (Ray Train's Result).
 struct Result {
-  // The last metrics rank 0 reported.
+  /// The last metrics rank 0 reported.
   Json metrics = Json::object();
-  // Every report of rank 0, in order (also in metrics.jsonl).
+  /// Every report of rank 0, in order (also in metrics.jsonl).
   std::vector<Json> metrics_history;
-  // The latest checkpoint, and the kept ones best first (by CheckpointConfig's score) with the
-  // metrics reported with them.
+  /// The latest checkpoint, and the kept ones best first (by CheckpointConfig's score) with the
+  /// metrics reported with them.
   std::optional<Checkpoint> checkpoint;
   std::vector<std::pair<Checkpoint, Json>> best_checkpoints;
-  // The configuration the run was given: a Trainer run's train_loop_config; in a tune::ResultGrid,
-  // the trial's config (its param space with every search domain resolved).
+  /// The configuration the run was given: a Trainer run's train_loop_config; in a tune::ResultGrid,
+  /// the trial's config (its param space with every search domain resolved).
   Json config = Json::object();
-  // The run directory: <storage_path>/<name>.
+  /// The run directory: `<storage_path>/<name>`.
   std::filesystem::path path;
-  // Set when the run failed: which rank, and why.
+  /// Set when the run failed: which rank, and why.
   std::optional<std::string> error;
-  // How many workers the last group had.
+  /// How many workers the last group had.
   int workers = 0;
   double wall_seconds = 0;
-  // One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
-  // it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
-  // trained again)}.
+  /// One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
+  /// it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
+  /// trained again)}.
   std::vector<Json> failures;
-  // Elastic training: one entry per change of the group's size: {"from", "to", "reports",
-  // "at_s", "reason"}.
+  /// Elastic training: one entry per change of the group's size: {"from", "to", "reports",
+  /// "at_s", "reason"}.
   std::vector<Json> resizes;
-  // The run stopped early at a request (the first Ctrl-C, or kStopRequestSignal under a
-  // launcher) after committing a checkpoint: running it again resumes there.
+  /// The run stopped early at a request (the first Ctrl-C, or kStopRequestSignal under a
+  /// launcher) after committing a checkpoint: running it again resumes there.
   bool interrupted = false;
 
   bool ok() const { return !error.has_value(); }
 
-  // Reloads a run directory written by Trainer::fit (result.json, metrics.jsonl and the
-  // checkpoints). A run whose driver died has no result.json: error says so.
+  /// Reloads a run directory written by Trainer::fit (result.json, metrics.jsonl and the
+  /// checkpoints). A run whose driver died has no result.json: error says so.
   static Result from_path(const std::filesystem::path& run_dir);
 };
 

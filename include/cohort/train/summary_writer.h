@@ -1,9 +1,10 @@
-// TensorBoard event files, written and read back without TensorFlow (PyTorch's SummaryWriter):
-// scalars, histograms, text and the hparams plugin's records. A run writes them under
-// <run>/tensorboard/ (RunConfig::tensorboard); `tensorboard --logdir <storage_path>` shows them.
-//
-// The file format: TFRecord framing (a little-endian uint64 length, its masked CRC-32C, the
-// bytes, their masked CRC-32C) around tensorflow.Event protocol-buffer messages, encoded here.
+/// \file
+/// TensorBoard event files, written and read back without TensorFlow (PyTorch's SummaryWriter):
+/// scalars, histograms, text and the hparams plugin's records. A run writes them under
+/// `<run>/tensorboard/` (RunConfig::tensorboard); `tensorboard --logdir <storage_path>` shows them.
+///
+/// The file format: TFRecord framing (a little-endian uint64 length, its masked CRC-32C, the
+/// bytes, their masked CRC-32C) around tensorflow.Event protocol-buffer messages, encoded here.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -20,26 +21,26 @@ class Tensor;
 
 namespace cohort::train {
 
-// A histogram as TensorBoard's HistogramProto holds it: bucket i counts the values in
-// (bucket_limit[i-1], bucket_limit[i]].
+/// A histogram as TensorBoard's HistogramProto holds it: bucket i counts the values in
+/// (bucket_limit[i-1], bucket_limit[i]].
 struct Histogram {
   double min = 0, max = 0, num = 0, sum = 0, sum_squares = 0;
   std::vector<double> bucket_limit;
   std::vector<double> bucket;
-  // Of a tensor's finite values (nan and inf are left out) in `bins` equal buckets from min to
-  // max. An empty tensor gives an empty histogram.
+  /// Of a tensor's finite values (nan and inf are left out) in `bins` equal buckets from min to
+  /// max. An empty tensor gives an empty histogram.
   static Histogram of(const at::Tensor& values, int bins = 30);
 };
 
-// A session's end, for the hparams plugin's table.
+/// A session's end, for the hparams plugin's table.
 enum class SessionStatus { kUnknown = 0, kSuccess = 1, kFailure = 2, kRunning = 3 };
 
-// Writes one event file. TensorBoard merges the files of one folder into one run but expects a
-// single writer per folder at a time: give each writer its own `log_dir`.
+/// Writes one event file. TensorBoard merges the files of one folder into one run but expects a
+/// single writer per folder at a time: give each writer its own `log_dir`.
 class SummaryWriter {
  public:
-  // Creates `log_dir` and a new file in it, events.out.tfevents.<seconds>.<host>.<pid>.<n>,
-  // starting with the file-version event. A folder that cannot be written is a UsageError.
+  /// Creates `log_dir` and a new file in it, `events.out.tfevents.<seconds>.<host>.<pid>.<n>`,
+  /// starting with the file-version event. A folder that cannot be written is a UsageError.
   explicit SummaryWriter(const std::filesystem::path& log_dir);
   ~SummaryWriter();
   SummaryWriter(const SummaryWriter&) = delete;
@@ -48,19 +49,19 @@ class SummaryWriter {
   void add_scalar(const std::string& tag, double value, int64_t step);
   void add_histogram(const std::string& tag, const Histogram& histogram, int64_t step);
   void add_histogram(const std::string& tag, const at::Tensor& values, int64_t step);
-  // Markdown, shown by TensorBoard's Text tab.
+  /// Markdown, shown by TensorBoard's Text tab.
   void add_text(const std::string& tag, const std::string& markdown, int64_t step);
 
-  // The hparams plugin. An experiment (its hyperparameters with their domains, its metrics) is
-  // written once, in a folder of its own or one of the sessions'; each session (a Tune trial, in
-  // its own folder) writes its start with its hyperparameter values and, at the end, its status.
-  // `hparams`: name -> number, string or bool (other JSON values are written as their text).
-  // `domains`: name -> {"values": [...]} or {"min": a, "max": b}; names without one get none.
+  /// The hparams plugin. An experiment (its hyperparameters with their domains, its metrics) is
+  /// written once, in a folder of its own or one of the sessions'; each session (a Tune trial, in
+  /// its own folder) writes its start with its hyperparameter values and, at the end, its status.
+  /// `hparams`: name -> number, string or bool (other JSON values are written as their text).
+  /// `domains`: name -> {"values": [...]} or {"min": a, "max": b}; names without one get none.
   void add_hparams_experiment(const Json& domains, const std::vector<std::string>& metrics);
   void add_hparams_session_start(const Json& hparams, const std::string& group_name = "");
   void add_hparams_session_end(SessionStatus status);
 
-  // Events are buffered; flush() puts them in the file (TensorBoard reads what is there).
+  /// Events are buffered; flush() puts them in the file (TensorBoard reads what is there).
   void flush();
   const std::filesystem::path& path() const { return path_; }
 
@@ -70,28 +71,28 @@ class SummaryWriter {
   std::ofstream out_;
 };
 
-// One decoded event of an event file: the file version or a summary value.
+/// One decoded event of an event file: the file version or a summary value.
 struct SummaryEvent {
   enum class Kind { kFileVersion, kScalar, kHistogram, kText, kPlugin };
   Kind kind = Kind::kPlugin;
   double wall_time = 0;
   int64_t step = 0;
-  // The summary value's tag; for kFileVersion the version ("brain.Event:2").
+  /// The summary value's tag; for kFileVersion the version ("brain.Event:2").
   std::string tag;
   double scalar = 0;
   Histogram histogram;
   std::string text;
-  // The summary's plugin ("hparams", "text", ...) and its content bytes.
+  /// The summary's plugin ("hparams", "text", ...) and its content bytes.
   std::string plugin;
   std::string plugin_content;
 };
 
-// Reads an event file whole, checking both CRCs of every record. A file cut inside a record or a
-// record whose bytes do not match their CRC is a UsageError naming the file and the record's
-// byte offset.
+/// Reads an event file whole, checking both CRCs of every record. A file cut inside a record or a
+/// record whose bytes do not match their CRC is a UsageError naming the file and the record's
+/// byte offset.
 std::vector<SummaryEvent> read_events(const std::filesystem::path& file);
 
-// The event files of a folder, oldest first.
+/// The event files of a folder, oldest first.
 std::vector<std::filesystem::path> event_files(const std::filesystem::path& log_dir);
 
 }  // namespace cohort::train

@@ -10,26 +10,26 @@
 
 namespace cohort {
 
-// The per-worker training function; it receives the train_loop_config.
+/// The per-worker training function; it receives the train_loop_config.
 using TrainLoop = std::function<void(const Json& config)>;
 
-// Runs a training function on a group of workers (Ray Train's TorchTrainer).
-//
-// fit() in the program the user started (the driver) starts `num_workers` processes that
-// re-execute this same program; in each of them the same fit() call runs `train_loop` as one
-// rank and ends that process. Everything before fit() therefore runs in every worker too, and
-// must be deterministic (parse flags, build configs), not side effects that must happen once.
+/// Runs a training function on a group of workers (Ray Train's TorchTrainer).
+///
+/// fit() in the program the user started (the driver) starts `num_workers` processes that
+/// re-execute this same program; in each of them the same fit() call runs `train_loop` as one
+/// rank and ends that process. Everything before fit() therefore runs in every worker too, and
+/// must be deterministic (parse flags, build configs), not side effects that must happen once.
 class Trainer {
  public:
   Trainer(TrainLoop train_loop, ScalingConfig scaling_config = {}, RunConfig run_config = {},
           Json train_loop_config = Json::object(),
           std::map<std::string, data::Dataset> datasets = {});
 
-  // Driver: returns when every worker has finished, or after a failure (Result::error).
-  // Worker: runs the loop and exits the process (never returns).
-  // Under a launcher (srun, mpirun, torchrun-style variables, cohort launch) every process is a
-  // rank: rank 0 runs the loop, keeps the run directory and returns the Result; the other ranks
-  // run the loop and exit (status 1 after a failure, for the launcher to restart them).
+  /// Driver: returns when every worker has finished, or after a failure (Result::error).
+  /// Worker: runs the loop and exits the process (never returns).
+  /// Under a launcher (srun, mpirun, torchrun-style variables, cohort launch) every process is a
+  /// rank: rank 0 runs the loop, keeps the run directory and returns the Result; the other ranks
+  /// run the loop and exit (status 1 after a failure, for the launcher to restart them).
   Result fit();
 
   const TrainLoop& train_loop() const { return train_loop_; }

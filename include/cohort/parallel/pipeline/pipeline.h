@@ -1,5 +1,6 @@
-// Pipeline parallelism: a model cut into stages, each on its own rank, trained by running a
-// compiled schedule (schedule.h): activations go forward and gradients back by send/recv.
+/// \file
+/// Pipeline parallelism: a model cut into stages, each on its own rank, trained by running a
+/// compiled schedule (schedule.h): activations go forward and gradients back by send/recv.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -20,8 +21,8 @@
 
 namespace cohort::parallel::pipeline {
 
-// One stage: a module and how to call it on one tensor. Any module holder with
-// `Tensor forward(Tensor)` converts, torch::nn::Sequential included.
+/// One stage: a module and how to call it on one tensor. Any module holder with
+/// `Tensor forward(Tensor)` converts, torch::nn::Sequential included.
 class Stage {
  public:
   template <typename Impl>
@@ -37,120 +38,120 @@ class Stage {
   std::function<at::Tensor(const at::Tensor&)> forward_;
 };
 
-// Cuts a Sequential into consecutive stages of `layers_per_stage[i]` layers (they must add up to
-// its size, each >= 1). The stages share the layers (no copy) and keep their names ("3.weight"
-// stays "3.weight"), so a stage's state dict is a slice of the whole model's.
+/// Cuts a Sequential into consecutive stages of `layers_per_stage[i]` layers (they must add up to
+/// its size, each >= 1). The stages share the layers (no copy) and keep their names ("3.weight"
+/// stays "3.weight"), so a stage's state dict is a slice of the whole model's.
 std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential& model,
                                                     const std::vector<int>& layers_per_stage);
-// Layer counts for `stages` stages as even as possible (earlier stages get the extra layers).
-// More stages than layers is a UsageError.
+/// Layer counts for `stages` stages as even as possible (earlier stages get the extra layers).
+/// More stages than layers is a UsageError.
 std::vector<int> even_split(int layers, int stages);
-// Layer counts that balance the measured time: forward and backward of every layer on `sample`
-// (`repeats` times, the fastest kept: interference from other work only ever adds time), then the
-// cut that minimises the slowest stage.
+/// Layer counts that balance the measured time: forward and backward of every layer on `sample`
+/// (`repeats` times, the fastest kept: interference from other work only ever adds time), then the
+/// cut that minimises the slowest stage.
 std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const at::Tensor& sample,
                                 int repeats = 3);
 
-// The loss of one micro-batch, the mean over its rows (as torch's losses by default): the
-// pipeline weights each micro-batch by its rows so that the gradients are those of the mean over
-// the whole batch.
+/// The loss of one micro-batch, the mean over its rows (as torch's losses by default): the
+/// pipeline weights each micro-batch by its rows so that the gradients are those of the mean over
+/// the whole batch.
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
 struct PipelineOptions {
   ScheduleKind schedule = ScheduleKind::kOneFOneB;
-  // Micro-batches per step; each batch is split along dim 0 (its rows must be >= this).
+  /// Micro-batches per step; each batch is split along dim 0 (its rows must be >= this).
   int micro_batches = 4;
-  // Stages per rank (the interleaved schedule): rank r holds stages r, r + p, r + 2p, ...
+  /// Stages per rank (the interleaved schedule): rank r holds stages r, r + p, r + 2p, ...
   int virtual_stages = 1;
-  // Data parallelism over pipelines (a mesh's dp group: the ranks that hold the same stages):
-  // each stage is wrapped in the DDP engine over this group, which takes rank 0's parameters at
-  // construction and averages the gradients in the stage's last backward of each step (the
-  // earlier ones accumulate under no_sync). Empty or of size 1: none.
+  /// Data parallelism over pipelines (a mesh's dp group: the ranks that hold the same stages):
+  /// each stage is wrapped in the DDP engine over this group, which takes rank 0's parameters at
+  /// construction and averages the gradients in the stage's last backward of each step (the
+  /// earlier ones accumulate under no_sync). Empty or of size 1: none.
   comm::ProcessGroup data_parallel_group;
   DdpOptions data_parallel;
-  // ZeRO stage 1 or 2 instead of DDP over the data-parallel group (any size, 1 included): one
-  // ZeroOptimizer over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards
-  // the optimizer state (and at stage 2 the averaged gradients) over the group. A step's
-  // micro-batches accumulate their gradients locally and the rank's last backward of the step
-  // reduce-scatters them once, so the full gradients exist during the step's backward as with
-  // DDP, and stage 2 frees them at its end. Stage 3 is refused: a pipeline runs each unit once
-  // per micro-batch, forward and backward apart. Stage 0: DDP.
+  /// ZeRO stage 1 or 2 instead of DDP over the data-parallel group (any size, 1 included): one
+  /// ZeroOptimizer over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards
+  /// the optimizer state (and at stage 2 the averaged gradients) over the group. A step's
+  /// micro-batches accumulate their gradients locally and the rank's last backward of the step
+  /// reduce-scatters them once, so the full gradients exist during the step's backward as with
+  /// DDP, and stage 2 frees them at its end. Stage 3 is refused: a pipeline runs each unit once
+  /// per micro-batch, forward and backward apart. Stage 0: DDP.
   ZeroOptions zero;
-  // Local SGD or DiLoCo instead of DDP over the data-parallel group: a step averages nothing;
-  // Pipeline::prepare_optimizer() wraps the optimizer in a LocalSgdOptimizer over module() and
-  // the group, which averages this rank's stages with their replicas every H steps (DiLoCo: an
-  // outer step). Not with ZeRO; the parameter server is refused (it serves whole models).
+  /// Local SGD or DiLoCo instead of DDP over the data-parallel group: a step averages nothing;
+  /// Pipeline::prepare_optimizer() wraps the optimizer in a LocalSgdOptimizer over module() and
+  /// the group, which averages this rank's stages with their replicas every H steps (DiLoCo: an
+  /// outer step). Not with ZeRO; the parameter server is refused (it serves whole models).
   SyncMode sync;
-  // Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
-  // step the optimizer). None: step() only leaves the gradients.
+  /// Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
+  /// step the optimizer). None: step() only leaves the gradients.
   std::function<void()> optimizer_step;
-  // Keep when each action of the last step started and ended (Pipeline::timeline()).
+  /// Keep when each action of the last step started and ended (Pipeline::timeline()).
   bool record_timeline = false;
 };
 
-// One action of a step as it ran: seconds on the steady clock, which every process of a host
-// shares, so that the ranks' timelines line up.
+/// One action of a step as it ran: seconds on the steady clock, which every process of a host
+/// shares, so that the ranks' timelines line up.
 struct TimedAction {
   Action action;
   double start = 0.0;
   double end = 0.0;
-  // heap_bytes_in_use() when the action ended: with a baseline taken before the step, the
-  // activations and gradients this rank holds.
+  /// heap_bytes_in_use() when the action ended: with a baseline taken before the step, the
+  /// activations and gradients this rank holds.
   int64_t heap_bytes = -1;
 };
-// Bytes this process's heap holds now (glibc's mallinfo2: in use plus mmapped blocks; CPU tensors
-// live there), or -1 where the C library cannot tell.
+/// Bytes this process's heap holds now (glibc's mallinfo2: in use plus mmapped blocks; CPU tensors
+/// live there), or -1 where the C library cannot tell.
 int64_t heap_bytes_in_use();
-// 1 - (time spent computing, summed over ranks) / (ranks x the span from the first start to the
-// last end): the bubble of a step as measured, the simulator's bubble_fraction's counterpart.
+/// 1 - (time spent computing, summed over ranks) / (ranks x the span from the first start to the
+/// last end): the bubble of a step as measured, the simulator's bubble_fraction's counterpart.
 double measured_bubble(const std::vector<std::vector<TimedAction>>& timelines);
 
-// Runs a schedule on this rank's stages. Every rank of `group` (its pipeline ranks, in stage
-// order) constructs one with the same options and calls step() with the same batch.
-//
-// Activations keep the batch in dim 0 and the stage's outputs are one tensor. At the first step
-// the stages check that each stage's output fits the next stage's input (a no-grad forward of
-// one micro-batch, stage by stage); a mismatch is a UsageError on every rank naming both stages
-// and the shape. Every send and receive has the group's deadline; while one waits, the group's
-// activity (timeout errors, the stall inspector) names the stage, micro-batch and action.
+/// Runs a schedule on this rank's stages. Every rank of `group` (its pipeline ranks, in stage
+/// order) constructs one with the same options and calls step() with the same batch.
+///
+/// Activations keep the batch in dim 0 and the stage's outputs are one tensor. At the first step
+/// the stages check that each stage's output fits the next stage's input (a no-grad forward of
+/// one micro-batch, stage by stage); a mismatch is a UsageError on every rank naming both stages
+/// and the shape. Every send and receive has the group's deadline; while one waits, the group's
+/// activity (timeout errors, the stall inspector) names the stage, micro-batch and action.
 class Pipeline {
  public:
-  // Compiles the schedule and checks the stage count. With a data-parallel group, every rank of
-  // that group constructs at the same point too: the DDP engines check and broadcast there.
+  /// Compiles the schedule and checks the stage count. With a data-parallel group, every rank of
+  /// that group constructs at the same point too: the DDP engines check and broadcast there.
   Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
            PipelineOptions options = {});
   ~Pipeline();
   Pipeline(Pipeline&&) noexcept;
   Pipeline& operator=(Pipeline&&) noexcept;
 
-  // One training step: forward and backward of every micro-batch as the schedule says. The
-  // gradients of the batch's mean loss are added to the parameters' .grad (zero them between
-  // steps, as usual). Returns the mean loss on the last stage's rank, an undefined tensor on the
-  // others. `inputs` matter on the first stage's rank and `targets` on the last's.
+  /// One training step: forward and backward of every micro-batch as the schedule says. The
+  /// gradients of the batch's mean loss are added to the parameters' .grad (zero them between
+  /// steps, as usual). Returns the mean loss on the last stage's rank, an undefined tensor on the
+  /// others. `inputs` matter on the first stage's rank and `targets` on the last's.
   at::Tensor step(const at::Tensor& inputs, const at::Tensor& targets);
 
-  // The actions of the last step with their times (PipelineOptions::record_timeline), else
-  // empty.
+  /// The actions of the last step with their times (PipelineOptions::record_timeline), else
+  /// empty.
   const std::vector<TimedAction>& timeline() const;
 
-  // With PipelineOptions::zero (stage 1 or 2): a ZeroOptimizer over module() that shards
-  // `optimizer` (built over parameters(), e.g. torch::optim::AdamW; its algorithm and options are
-  // taken over) over the data-parallel group, and is the pipeline's data-parallel engine from
-  // then on. With PipelineOptions::sync local SGD or DiLoCo: a LocalSgdOptimizer over module()
-  // and the group that steps `optimizer` as its inner one. Every rank of the group calls it at
-  // the same point, once, before the first step; the returned optimizer must outlive the steps.
-  // Otherwise: `optimizer` itself.
+  /// With PipelineOptions::zero (stage 1 or 2): a ZeroOptimizer over module() that shards
+  /// `optimizer` (built over parameters(), e.g. torch::optim::AdamW; its algorithm and options are
+  /// taken over) over the data-parallel group, and is the pipeline's data-parallel engine from
+  /// then on. With PipelineOptions::sync local SGD or DiLoCo: a LocalSgdOptimizer over module()
+  /// and the group that steps `optimizer` as its inner one. Every rank of the group calls it at
+  /// the same point, once, before the first step; the returned optimizer must outlive the steps.
+  /// Otherwise: `optimizer` itself.
   std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
       std::unique_ptr<torch::optim::Optimizer> optimizer);
 
-  // The parameters of this rank's stages.
+  /// The parameters of this rank's stages.
   std::vector<at::Tensor> parameters() const;
-  // This rank's stages as one module: the stage's own with one stage per rank; else the stages'
-  // layers under their own names ("3.weight" as in the whole model) when no two stages share a
-  // name, else each stage as "stage<global index>". What the ZeRO engine shards and names.
+  /// This rank's stages as one module: the stage's own with one stage per rank; else the stages'
+  /// layers under their own names ("3.weight" as in the whole model) when no two stages share a
+  /// name, else each stage as "stage<global index>". What the ZeRO engine shards and names.
   std::shared_ptr<torch::nn::Module> module() const;
   const std::vector<Stage>& stages() const;
-  // This rank's global stage indices.
+  /// This rank's global stage indices.
   std::vector<int> stage_indices() const;
   const Program& program() const;
   bool is_first() const;
