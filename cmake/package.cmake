@@ -25,6 +25,9 @@ install(FILES ${cohort_share}/bash-completion/completions/cohort
   DESTINATION ${CMAKE_INSTALL_DATADIR}/bash-completion/completions)
 install(FILES ${PROJECT_SOURCE_DIR}/packaging/copyright ${PROJECT_SOURCE_DIR}/README.md
   DESTINATION ${CMAKE_INSTALL_DOCDIR})
+# The guides, as Markdown (the rendered site with the API reference: the docs target).
+install(DIRECTORY ${PROJECT_SOURCE_DIR}/docs/ DESTINATION ${CMAKE_INSTALL_DOCDIR}/guides
+  FILES_MATCHING PATTERN "*.md" PATTERN "README.md" EXCLUDE)
 
 set(CPACK_GENERATOR DEB)
 set(CPACK_PACKAGE_NAME cohort)

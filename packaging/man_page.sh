@@ -29,7 +29,8 @@ TEXT
 0 on success; 2 for bad input (an option, a file or a configuration), named in one line with the
 fix; 1 for a failure while running; 130 when Ctrl-C stopped a run after its checkpoint.
 [SEE ALSO]
-The guides under /usr/share/doc/cohort, and the project's README.
+The guides under /usr/share/doc/cohort/guides (start with getting-started.md), and the
+project's README.
 TEXT
 } >"$work/sections.h2m"
 help2man --no-info --no-discard-stderr --section 1 \

@@ -16,7 +16,7 @@ packages=(build-essential cmake ninja-build ccache pkg-config clang-format git l
   nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
   openmpi-bin iproute2 procps hostname slurmctld slurmd slurm-client munge
-  python3-protobuf protobuf-compiler libcpp-httplib-dev chromium help2man)
+  python3-protobuf protobuf-compiler libcpp-httplib-dev chromium help2man doxygen)
 
 missing=()
 for p in "${packages[@]}"; do

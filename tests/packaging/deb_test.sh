@@ -23,7 +23,7 @@ for path in ./usr/bin/cohort ./usr/include/cohort/cohort.h ./usr/include/cohort/
     ./usr/include/cohort/train/trainer.h ./usr/lib/libcohort.a ./usr/lib/libcohort_models.a \
     ./usr/lib/cmake/cohort/cohortConfig.cmake ./usr/lib/cmake/cohort/cohortConfigVersion.cmake \
     ./usr/share/bash-completion/completions/cohort ./usr/share/man/man1/cohort.1.gz \
-    ./usr/share/doc/cohort/copyright; do
+    ./usr/share/doc/cohort/copyright ./usr/share/doc/cohort/guides/getting-started.md; do
   grep -qx "$path" <<<"$contents" || fail "the package lacks $path"
 done
 # Every public header is in it.
