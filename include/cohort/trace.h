@@ -17,7 +17,9 @@
 
 namespace cohort::trace {
 
+/// The phases of a step cohort times.
 enum class Phase { kDataWait, kForward, kBackward, kCommWait, kOptimizer, kCheckpoint };
+/// The number of phases.
 inline constexpr int kPhases = 6;
 /// "data_wait", "forward", "backward", "comm_wait", "optimizer", "checkpoint".
 const char* to_string(Phase phase);
@@ -26,10 +28,12 @@ const char* to_string(Phase phase);
 /// backward pass count in both).
 class Span {
  public:
+  /// Starts timing `phase`.
   explicit Span(Phase phase);
   ~Span();
   Span(const Span&) = delete;
   Span& operator=(const Span&) = delete;
+  /// Moves the running span (the moved-from one records nothing).
   Span(Span&& other) noexcept;
   Span& operator=(Span&&) = delete;
 
@@ -44,6 +48,7 @@ void add(Phase phase, double seconds);
 
 /// Ends the current step (train::step_optimizer calls it). Steps count from 1.
 void end_step();
+/// The number of the step running now (steps ended + 1).
 int64_t current_step();
 
 /// Seconds per phase and steps ended since the previous call (the first call: since the process
@@ -53,19 +58,20 @@ int64_t current_step();
 /// end_step); those after the last step, before this call (an evaluation, waiting at a report),
 /// count for no step and are dropped, checkpoints excepted: they always count.
 struct Totals {
-  std::array<double, kPhases> seconds{};
-  int64_t steps = 0;
-  double wall_seconds = 0;
+  std::array<double, kPhases> seconds{};  ///< per phase, indexed by Phase
+  int64_t steps = 0;                      ///< steps ended
+  double wall_seconds = 0;                ///< their wall-clock seconds
 };
+/// The totals since the previous call (see Totals); resets them.
 Totals take_totals();
 
 /// One span of a profiled step; start in microseconds since the Unix epoch, so that the traces of
 /// several ranks and hosts line up.
 struct Event {
-  Phase phase;
-  int64_t step;
-  double start_us;
-  double duration_us;
+  Phase phase;         ///< the phase
+  int64_t step;        ///< the step it belongs to, from 1
+  double start_us;     ///< its start, microseconds since the Unix epoch
+  double duration_us;  ///< its length in microseconds
 };
 /// Records the spans of steps first..last (inclusive, from 1). When step `last` ends (or at
 /// finish_profile(), whichever is first), `on_done` gets the events, once. first = 0: none.

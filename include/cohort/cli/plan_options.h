@@ -26,21 +26,24 @@ namespace cohort::cli {
 /// The plan as flags give it: what train::Plan holds, with the sync mode and the schedule by name
 /// and DiLoCo's outer optimizer apart; plus the precision, which goes to ScalingConfig::precision.
 struct PlanOptions {
-  int pp = 1;
-  int tp = 1;
+  int pp = 1;             ///< pipeline stages (--pp)
+  int tp = 1;             ///< tensor-parallel degree (--tp)
   int micro_batches = 0;  ///< per batch; 0: 2 x pp (1 without a pipeline)
-  std::string schedule = "1f1b";
+  std::string schedule =
+      "1f1b";  ///< the pipeline schedule (--schedule): gpipe, 1f1b, interleaved, zero-bubble
   parallel::ZeroOptions zero;  ///< stage 0: DDP
   /// ddp, local-sgd:H, diloco:H or async-ps:K (parallel::parse_sync_mode); DiLoCo's outer
   /// optimizer, unset: parallel::DiLoCo's defaults.
   std::string sync = "ddp";
-  std::optional<double> outer_lr;
-  std::optional<double> outer_momentum;
-  bool nesterov = true;
-  int64_t gradient_accumulation_steps = 1;
-  double gradient_clipping = 0;
-  bool cuda_graph = false;
-  std::string precision = "fp32";
+  std::optional<double> outer_lr;        ///< DiLoCo's outer learning rate (--outer-lr)
+  std::optional<double> outer_momentum;  ///< DiLoCo's outer momentum (--outer-momentum)
+  bool nesterov = true;                  ///< DiLoCo's Nesterov momentum (--outer-nesterov)
+  int64_t gradient_accumulation_steps =
+      1;  ///< micro-batches per optimizer step (--gradient-accumulation-steps)
+  double gradient_clipping =
+      0;                    ///< the global gradient norm's limit (--gradient-clipping; 0: none)
+  bool cuda_graph = false;  ///< each step one CUDA graph (--cuda-graph)
+  std::string precision = "fp32";  ///< fp32, bf16 or fp16 (--precision)
 
   /// The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
   parallel::SyncMode sync_mode() const;
@@ -52,6 +55,7 @@ struct PlanOptions {
 /// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back; a missing
 /// key keeps its default, a value of the wrong type is a UsageError naming it.
 void to_json(Json& json, const PlanOptions& options);
+/// PlanOptions from JSON (see to_json).
 void from_json(const Json& json, PlanOptions& options);
 
 /// Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group

@@ -6,9 +6,10 @@
 
 namespace cohort::comm {
 
+/// A host and a port, as parse_host_port() reads "host:port" (IPv6 in brackets).
 struct HostPort {
-  std::string host;
-  int port = 0;
+  std::string host;  ///< a name or an address
+  int port = 0;      ///< the TCP port
 };
 
 /// Splits at the last colon; the host must not be empty and the port must be a whole number in

@@ -13,6 +13,7 @@
 
 namespace cohort::comm {
 
+/// How a collective combines the ranks' values (kAvg: the sum over the world size).
 enum class ReduceOp { kSum, kAvg, kMax, kMin };
 
 /// Which transport runs a group's collectives.
@@ -25,12 +26,14 @@ enum class Backend {
   /// NCCL only: CUDA tensors only.
   kNccl,
 };
+/// "auto", "gloo" or "nccl".
 const char* to_string(Backend backend);
 /// "auto", "gloo" or "nccl"; anything else is a UsageError naming the value.
 Backend backend_from_string(const std::string& name);
 /// Whether this libtorch can run NCCL collectives (a CUDA build with c10d's NCCL group).
 bool nccl_available();
 
+/// How ProcessGroup::create() joins: the interface, deadlines, threads, key prefix and backend.
 struct ProcessGroupOptions {
   /// Address of this host's interface that the transport binds to.
   std::string interface_address = "127.0.0.1";
@@ -42,7 +45,7 @@ struct ProcessGroupOptions {
   int threads = 1;
   /// Keys of this group live under this prefix in the store, so several groups share one store.
   std::string prefix = "pg";
-  Backend backend = Backend::kAuto;
+  Backend backend = Backend::kAuto;  ///< which transport runs the collectives
 };
 
 /// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
@@ -52,13 +55,16 @@ class Work {
  public:
   struct State;  ///< opaque; defined in src/comm/process_group.cpp
   Work() = default;
+  /// A handle of `state` (the process group makes them).
   explicit Work(std::shared_ptr<State> state) : state_(std::move(state)) {}
   /// Completes the collective (see above). Throws TimeoutError past the group's timeout naming
   /// the collective, PeerFailureError when a peer died or closed its connection.
   void wait();
   /// wait(), then blocks the host until the device work is done as well.
   void synchronize();
+  /// Whether the collective has finished (without waiting).
   bool completed() const;
+  /// Whether it is a handle of a collective (false: default-constructed).
   bool valid() const { return state_ != nullptr; }
   /// Runs `fn` in wait(), after the collective completed (e.g. to decompress a result).
   Work& then(std::function<void()> fn);
@@ -78,14 +84,20 @@ class ProcessGroup {
  public:
   /// An empty handle; use create() or new_group().
   ProcessGroup() = default;
+  /// Joins the group of `world_size` ranks as `rank` through `store` (a collective: every rank
+  /// calls it within options.setup_timeout). Throws TimeoutError naming the ranks that never came.
   static ProcessGroup create(Store store, int rank, int world_size,
                              const ProcessGroupOptions& options = {});
 
+  /// Whether it is a group (false: default-constructed, or new_group() for a non-member).
   bool valid() const { return state_ != nullptr; }
   /// This process's rank in the group, and the group's size.
   int rank() const;
+  /// The number of ranks.
   int world_size() const;
+  /// Each collective's deadline.
   std::chrono::milliseconds timeout() const;
+  /// The transport of its collectives.
   Backend backend() const;
   /// The address of this host's interface that the group's transport binds to (other services
   /// between the same ranks, e.g. parameter servers, listen there too).
@@ -96,6 +108,7 @@ class ProcessGroup {
   /// the others an empty handle (valid() false). Ranks that repeat or do not exist are a
   /// UsageError naming them.
   ProcessGroup new_group(const std::vector<int>& ranks, const ProcessGroupOptions& options);
+  /// new_group() with this group's options.
   ProcessGroup new_group(const std::vector<int>& ranks);
   /// Splits this group into disjoint groups that cover all of its ranks (e.g. the data-parallel
   /// groups of a mesh); every rank calls it with the same partition and gets its own group.
@@ -103,32 +116,41 @@ class ProcessGroup {
   ProcessGroup split(const std::vector<std::vector<int>>& partition, const std::string& name = "");
   /// The ranks of the first group (the one made by create()) that form this group, by group rank.
   const std::vector<int>& global_ranks() const;
+  /// The rank of the first group that is `group_rank` here.
   int global_rank(int group_rank) const;
   /// This group's rank of a rank of the first group, or -1 when it is not a member.
   int group_rank(int global_rank) const;
 
   /// Asynchronous in-place all-reduce of tensors of one dtype and device.
   Work allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
+  /// allreduce_async(), waited for.
   void allreduce(std::vector<at::Tensor>& tensors, ReduceOp op = ReduceOp::kSum);
+  /// Asynchronous broadcast of `root`'s tensors into every rank's, in place.
   Work broadcast_async(std::vector<at::Tensor>& tensors, int root);
+  /// broadcast_async(), waited for.
   void broadcast(std::vector<at::Tensor>& tensors, int root);
   /// Gathers one tensor of the same shape from every rank, ordered by rank.
   std::vector<at::Tensor> allgather(const at::Tensor& tensor);
+  /// Asynchronous all-gather: `outputs` (world_size() tensors of input's shape) get every rank's
+  /// input.
   Work allgather_async(std::vector<at::Tensor>& outputs, const at::Tensor& input);
   /// All-gather into one tensor: `output` holds world_size() x input.numel() elements, rank r's
   /// input at [r * n, (r + 1) * n).
   Work allgather_into_async(at::Tensor& output, const at::Tensor& input);
+  /// allgather_into_async(), waited for.
   void allgather_into(at::Tensor& output, const at::Tensor& input);
   /// Reduce-scatter: rank r gets op over every rank's inputs[r] (world_size() inputs, each of
   /// output's shape).
   Work reduce_scatter_async(at::Tensor& output, std::vector<at::Tensor>& inputs,
                             ReduceOp op = ReduceOp::kSum);
+  /// reduce_scatter_async(), waited for.
   void reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs,
                       ReduceOp op = ReduceOp::kSum);
   /// Reduce-scatter from one tensor of world_size() x output.numel() elements: rank r gets op
   /// over every rank's [r * n, (r + 1) * n).
   Work reduce_scatter_tensor_async(at::Tensor& output, const at::Tensor& input,
                                    ReduceOp op = ReduceOp::kSum);
+  /// reduce_scatter_tensor_async(), waited for.
   void reduce_scatter_tensor(at::Tensor& output, const at::Tensor& input,
                              ReduceOp op = ReduceOp::kSum);
   /// All-to-all along dim 0: input's i-th split goes to rank i, output's j-th split comes from
@@ -136,14 +158,19 @@ class ProcessGroup {
   Work all_to_all_async(at::Tensor& output, const at::Tensor& input,
                         const std::vector<int64_t>& output_split_sizes = {},
                         const std::vector<int64_t>& input_split_sizes = {});
+  /// all_to_all_async(), waited for.
   void all_to_all(at::Tensor& output, const at::Tensor& input,
                   const std::vector<int64_t>& output_split_sizes = {},
                   const std::vector<int64_t>& input_split_sizes = {});
   /// Point to point, by group rank; a send matches the recv of the same tag on `peer`.
   Work send_async(const at::Tensor& tensor, int peer, int tag = 0);
+  /// send_async(), waited for.
   void send(const at::Tensor& tensor, int peer, int tag = 0);
+  /// Asynchronous receive of `peer`'s send of `tag` into `tensor` (of the sent shape and dtype).
   Work recv_async(at::Tensor& tensor, int peer, int tag = 0);
+  /// recv_async(), waited for.
   void recv(at::Tensor& tensor, int peer, int tag = 0);
+  /// Waits until every rank of the group got here (within the timeout).
   void barrier();
 
   /// How many collectives this rank has entered, and the name of the last: what a stall
@@ -153,6 +180,7 @@ class ProcessGroup {
   /// recv activation of micro-batch 3": errors of the collectives that follow and the stall
   /// inspector quote it. Empty (the default): nothing more to say.
   void set_activity(std::string activity);
+  /// The name of the last collective this rank entered ("" before any).
   std::string last_collective() const;
   /// Payload bytes this rank has sent through this group and the sub-groups made from it, counted
   /// as the bandwidth-optimal algorithms send them (what NCCL's tests call bus bytes): of B bytes,
@@ -175,11 +203,11 @@ class ProcessGroup {
 /// collectives this rank entered in it, the last one's name and what it was doing
 /// (ProcessGroup::set_activity).
 struct GroupActivity {
-  std::string name;
-  std::vector<int> global_ranks;
-  int64_t entered = 0;
-  std::string last;
-  std::string activity;
+  std::string name;               ///< the group's key prefix, the same on every member
+  std::vector<int> global_ranks;  ///< its members, by global rank
+  int64_t entered = 0;            ///< collectives this rank entered in it
+  std::string last;               ///< the last one's name
+  std::string activity;           ///< ProcessGroup::set_activity's text
 };
 /// Every process group of this process that is still in use, sub-groups included, oldest first.
 std::vector<GroupActivity> group_activity();

@@ -9,12 +9,13 @@
 
 namespace cohort::comm {
 
+/// How Store::connect() starts or reaches the store.
 struct StoreOptions {
   /// The server listens on this address only (never on every interface); clients connect to it.
   std::string host = "127.0.0.1";
   /// 0 lets the server pick a free port (read it back with Store::port()).
   int port = 0;
-  bool is_server = false;
+  bool is_server = false;  ///< this process runs the server (and is its first client)
   /// Deadline for connecting and for every get/wait.
   std::chrono::milliseconds timeout = kDefaultStoreTimeout;
   /// Checked when a client joins: a client of another job is refused with an error naming both.
@@ -28,15 +29,24 @@ class Store {
  public:
   /// An empty handle; use connect().
   Store() = default;
+  /// Starts the server (options.is_server) or connects to it; throws TimeoutError past
+  /// options.timeout, UsageError for a client of another job.
   static Store connect(const StoreOptions& options);
 
+  /// The server's port.
   int port() const;
+  /// The server's address.
   const std::string& host() const;
+  /// The deadline of connecting and of each blocking call.
   std::chrono::milliseconds timeout() const;
 
+  /// Sets `key` to `value` (replacing it).
   void set(const std::string& key, const std::string& value);
+  /// The value of `key`, waiting for it to be set (up to the timeout).
   std::string get(const std::string& key);
+  /// Adds `delta` to the integer at `key` (0 when unset); returns the new value.
   int64_t add(const std::string& key, int64_t delta);
+  /// Whether every key is set (without waiting).
   bool check(const std::vector<std::string>& keys);
   /// The values of keys that are set, in one round trip; throws RuntimeError naming a key that is
   /// not.
@@ -45,10 +55,11 @@ class Store {
   int64_t remove_prefix(const std::string& prefix);
   /// What the server holds: keys, bytes of keys and values, connected clients.
   struct Stats {
-    int64_t keys = 0;
-    int64_t bytes = 0;
-    int64_t clients = 0;
+    int64_t keys = 0;     ///< keys held
+    int64_t bytes = 0;    ///< bytes of keys and values
+    int64_t clients = 0;  ///< clients connected
   };
+  /// The server's counts (see Stats).
   Stats stats();
   /// Waits until every key exists; throws TimeoutError naming the missing keys.
   void wait(const std::vector<std::string>& keys, std::chrono::milliseconds timeout);

@@ -12,13 +12,17 @@ namespace cohort::data {
 /// Datasets add an int64 "id" column, the row's index in its source, which survives every stage
 /// (ids make a run checkable: nothing lost, nothing duplicated).
 struct Block {
-  std::map<std::string, at::Tensor> columns;
+  std::map<std::string, at::Tensor> columns;  ///< column name to tensor (first dimension: the row)
 
+  /// Rows of the block (0 when it has no column).
   int64_t num_rows() const;
+  /// Whether it has `column`.
   bool has(const std::string& column) const { return columns.count(column) != 0; }
   /// Throws UsageError naming the columns there are.
   at::Tensor& operator[](const std::string& column);
+  /// The column `column`; throws UsageError naming the columns there are.
   const at::Tensor& operator[](const std::string& column) const;
+  /// Its column names, in order.
   std::vector<std::string> column_names() const;
 
   /// Rows [start, start + length).
@@ -31,6 +35,7 @@ struct Block {
   void check(const std::string& what) const;
 };
 
+/// The column of row ids every dataset adds.
 inline constexpr const char* kIdColumn = "id";
 
 }  // namespace cohort::data

@@ -16,11 +16,11 @@ namespace cohort::data {
 struct IngestStats {
   /// Time the consumer spent blocked waiting for a batch (the exposed ingest time).
   double wait_seconds = 0;
-  int64_t batches = 0;
-  int64_t rows = 0;
+  int64_t batches = 0;  ///< batches delivered
+  int64_t rows = 0;     ///< rows delivered
   /// Rows a source skipped (unreadable files) and batches a stage skipped (OnError::kSkip).
   int64_t skipped_rows = 0;
-  int64_t skipped_batches = 0;
+  int64_t skipped_batches = 0;  ///< batches skipped by a stage (OnError::kSkip)
   /// Tasks redone because the worker that had them died.
   int64_t tasks_redone = 0;
 };
@@ -29,9 +29,12 @@ struct IngestStats {
 /// first epoch and serve every later one; they end with the iterator.
 class DataIterator {
  public:
+  /// A stream of `dataset` (Dataset::iterator() makes one).
   explicit DataIterator(Dataset dataset);
   ~DataIterator();
+  /// Movable, not copyable: it owns the preprocessing workers.
   DataIterator(DataIterator&&) noexcept;
+  /// Moves the stream and its workers in.
   DataIterator& operator=(DataIterator&&) noexcept;
 
   /// The epoch the next iter_batches() streams: reseeds random_shuffle, the local shuffle and the
@@ -56,12 +59,14 @@ class DataIterator {
   /// Where remote preprocessing workers connect (ExecutionOptions::listen_address with the port
   /// that was picked); empty before the first pass or without one.
   std::string listen_address() const;
+  /// The dataset it streams.
   const Dataset& dataset() const;
 
   /// For data parallel training: called before each batch with its index in the epoch and whether
   /// this consumer has it; returns whether every consumer does. A consumer then ends its epoch
   /// together with the others, so all see the same number of batches (the Trainer sets this).
   using BatchAgreement = std::function<bool(int64_t epoch, int64_t batch, bool have)>;
+  /// Sets the agreement (see BatchAgreement).
   void set_batch_agreement(BatchAgreement agreement);
   /// Variables added to the environment of the preprocessing workers it starts.
   void set_worker_environment(std::map<std::string, std::string> env);
@@ -71,19 +76,26 @@ class DataIterator {
 
   struct Impl;
 
+  /// One epoch's pass (iter_batches()): `for (Block& batch : iterator.iter_batches(...))`.
   class Stream {
    public:
+    /// An input iterator over a pass's batches.
     class Iterator {
      public:
-      using iterator_category = std::input_iterator_tag;
-      using value_type = Block;
-      using difference_type = std::ptrdiff_t;
-      using pointer = Block*;
-      using reference = Block&;
+      using iterator_category = std::input_iterator_tag;  ///< standard iterator trait
+      using value_type = Block;                           ///< a batch
+      using difference_type = std::ptrdiff_t;             ///< standard iterator trait
+      using pointer = Block*;                             ///< standard iterator trait
+      using reference = Block&;                           ///< standard iterator trait
+      /// The current batch.
       Block& operator*() { return current_; }
+      /// The current batch's members.
       Block* operator->() { return &current_; }
+      /// Moves to the next batch (waits for it).
       Iterator& operator++();
+      /// Whether both are at the end, or both not.
       bool operator==(const Iterator& other) const { return done_ == other.done_; }
+      /// The opposite of ==.
       bool operator!=(const Iterator& other) const { return !(*this == other); }
 
      private:
@@ -93,7 +105,9 @@ class DataIterator {
       Block current_;
       bool done_ = true;
     };
+    /// The first batch (starts the pass).
     Iterator begin();
+    /// The end of the pass.
     Iterator end();
 
    private:
@@ -124,6 +138,7 @@ void serve_if_data_worker(const Dataset& dataset);
 bool serve_data_consumer(const Dataset& dataset, const std::string& address,
                          std::string* why = nullptr);
 
+/// The role name a preprocessing worker process runs under.
 inline constexpr const char* kDataRole = runtime::kDataWorkerRole;
 
 }  // namespace cohort::data

@@ -27,10 +27,12 @@ enum class OnError {
   kSkip,  ///< the batch (or row) is dropped and counted; the count is printed at the end
 };
 
+/// A stage's function: a batch of rows in, a batch of rows out (rows may be added or dropped).
 using BatchFn = std::function<Block(Block)>;
 /// Returns a bool tensor with one entry per row: true keeps the row.
 using RowPredicate = std::function<at::Tensor(const Block&)>;
 
+/// How a map_batches stage runs: its name, rows per call, workers and what an error does.
 struct MapBatchesOptions {
   /// Names the stage in errors, logs and the pipeline's fingerprint: give stages distinct names.
   std::string name = "map_batches";
@@ -41,9 +43,11 @@ struct MapBatchesOptions {
   /// (default_data_workers()). The pipeline runs with the most any of its stages asks for: stages
   /// are fused into one task.
   int num_workers = 0;
-  OnError on_error = OnError::kFail;
+  OnError on_error = OnError::kFail;  ///< what an exception of the function does: fail the run, or
+                                      ///< skip the batch and count it
 };
 
+/// How a dataset's pipeline runs: the task window, task sizes, remote workers and restarts.
 struct ExecutionOptions {
   /// Tasks handed out or finished but not yet consumed, at most: this bounds memory whatever the
   /// dataset's length. 0: twice the number of workers, plus one.
@@ -66,38 +70,42 @@ struct ExecutionOptions {
   bool prefetch_next_epoch = true;
 };
 
+/// How iter_batches() batches: size, prefetch, device and local shuffle.
 struct IterBatchesOptions {
-  int64_t batch_size = 32;
+  int64_t batch_size = 32;  ///< rows per batch
   /// Batches prepared ahead of the consumer.
   int prefetch_batches = 2;
-  c10::Device device = c10::Device(c10::DeviceType::CPU);
+  c10::Device device = c10::Device(c10::DeviceType::CPU);  ///< the device batches are copied to
   /// Rows mixed in a buffer of this size before batching (0: no local shuffle); seeded by
   /// local_shuffle_seed and the epoch, so runs repeat.
   int64_t local_shuffle_buffer_size = 0;
-  uint64_t local_shuffle_seed = 0;
-  bool drop_last = false;
+  uint64_t local_shuffle_seed = 0;  ///< seeds the local shuffle (with the epoch)
+  bool drop_last = false;           ///< drop the last, short batch
 };
 
+/// What Dataset::synthetic_images() makes: the images' size, the classes and the seed.
 struct SyntheticImageOptions {
-  int64_t height = 224;
-  int64_t width = 224;
-  int64_t channels = 3;
-  int64_t num_classes = 10;
-  uint64_t seed = 0;
+  int64_t height = 224;      ///< image height
+  int64_t width = 224;       ///< image width
+  int64_t channels = 3;      ///< channels
+  int64_t num_classes = 10;  ///< labels drawn from 0 to num_classes - 1
+  uint64_t seed = 0;         ///< seeds the pixels and labels (per row id)
 };
 
+/// How read_csv() parses: the label column and the delimiter.
 struct CsvOptions {
   /// The column that becomes "label" (int64); the other columns become "features" (float32).
   /// Empty: every column is a feature.
   std::string label_column;
-  char delimiter = ',';
+  char delimiter = ',';  ///< the field separator
 };
 
+/// How read_images() decodes: the size images are resized to, gray or color, bad files.
 struct ImageFolderOptions {
   /// Every image is resized to this size (0: keep; then all images must have the same size).
   int64_t height = 0;
-  int64_t width = 0;
-  bool grayscale = false;
+  int64_t width = 0;       ///< the width images are resized to (0: keep)
+  bool grayscale = false;  ///< decode to one channel
   /// A file OpenCV cannot decode: fail naming it, or skip it and count it.
   OnError on_bad_file = OnError::kFail;
 };
@@ -128,7 +136,10 @@ class Dataset {
   /// [C, H, W], "label" the index of the sub-folder's name in sorted order (class_names()).
   static Dataset read_images(const std::filesystem::path& dir, ImageFolderOptions options = {});
 
+  /// Adds a stage that runs `fn` over batches of rows (Ray Data's map_batches), in the consuming
+  /// process or in preprocessing workers (options.num_workers).
   Dataset map_batches(BatchFn fn, MapBatchesOptions options = {}) const;
+  /// Adds a stage that keeps the rows where `predicate` is true.
   Dataset filter(RowPredicate predicate, std::string name = "filter") const;
   /// A seeded permutation of the rows; a DataIterator draws a new one each epoch (set_epoch).
   Dataset random_shuffle(uint64_t seed) const;
@@ -147,6 +158,7 @@ class Dataset {
       double test_size, std::optional<uint64_t> shuffle_seed = std::nullopt) const;
   /// Runs the pipeline once and keeps the result in memory: a new source.
   Dataset materialize() const;
+  /// The same pipeline run with `options`.
   Dataset with_execution(ExecutionOptions options) const;
 
   /// Rows the source yields after the order operations, before any stage.
@@ -160,17 +172,20 @@ class Dataset {
   /// Identifies the pipeline's structure (source, order operations, stages by kind and name); a
   /// preprocessing worker serves the pipeline with the same fingerprint.
   std::string fingerprint() const;
+  /// One line for logs: the source, its rows and the stages.
   std::string describe() const;
   /// Preprocessing processes the pipeline runs with (after resolving -1).
   int num_workers() const;
   /// Whether it has a map_batches stage (work that preprocessing workers can take).
   bool has_map_stage() const;
+  /// How the pipeline runs.
   const ExecutionOptions& execution() const;
 
   /// A stream over this dataset that keeps its preprocessing workers between epochs.
   DataIterator iterator() const;
 
   struct Plan;
+  /// The pipeline's structure (for the data layer's own use).
   const Plan& plan() const { return *plan_; }
 
  private:
@@ -182,6 +197,7 @@ class Dataset {
 /// worker to the CPUs its trainers leave free, shared among the ranks of the host; otherwise the
 /// CPUs of this host less one. At least 1.
 int default_data_workers();
+/// Overrides default_data_workers() for this process (the Trainer's worker does).
 void set_default_data_workers(int workers);
 
 /// The epoch of the task the calling thread runs, for seeded random preprocessing (0 outside one).

@@ -26,16 +26,18 @@ struct EpochPosition {
   /// The pass ran to its end: nothing of the epoch is left.
   bool finished = false;
 };
+/// EpochPosition as JSON (a checkpoint's data_positions).
 void to_json(Json& j, const EpochPosition& p);
+/// EpochPosition from JSON; throws on a missing field.
 void from_json(const Json& j, EpochPosition& p);
 
 /// Where the pass of `epoch` begins (none with epoch -1): after the first `unsharded_rows` rows of
 /// the epoch's whole order, the rest sharded anew; then after the first `yielded_rows` rows of this
 /// consumer's own rows.
 struct EpochStart {
-  int64_t epoch = -1;
-  int64_t unsharded_rows = 0;
-  int64_t yielded_rows = 0;
+  int64_t epoch = -1;          ///< the epoch, -1: no resume
+  int64_t unsharded_rows = 0;  ///< rows of the epoch's whole order left out before sharding
+  int64_t yielded_rows = 0;    ///< rows of this consumer's own left out after sharding
 };
 
 /// The start of shard `shard` of `shards` that resumes an epoch whose shards stood at `positions`

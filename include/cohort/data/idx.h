@@ -9,7 +9,8 @@ namespace cohort::data {
 
 /// The header of an IDX file (the MNIST format): unsigned bytes, 1 to 4 dimensions.
 struct IdxHeader {
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;  ///< the dimensions, as the header gives them
+  /// Bytes of the payload the header announces (the product of the dimensions).
   int64_t payload_bytes() const;
 };
 

@@ -22,6 +22,7 @@
 
 namespace cohort::data {
 
+/// How open_labelled_data() reads: the label column, image size, test split and seed.
 struct LabelledDataOptions {
   std::string label_column;  ///< csv: the class column (required)
   int64_t image_size = 28;   ///< images: each resized to image_size x image_size
@@ -30,16 +31,19 @@ struct LabelledDataOptions {
   uint64_t seed = 0;         ///< draws the held-out test rows
 };
 
+/// A labelled data set of the user's, read from images:DIR or csv:FILE: its train and test
+/// splits, how to normalise them and its shape.
 struct LabelledData {
+  /// Where the rows came from.
   enum class Kind { kImages, kCsv };
-  Kind kind = Kind::kImages;
-  std::filesystem::path path;
-  Dataset train;  ///< raw rows: images uint8 [C, H, W] / csv "features" [F], and "label"
-  Dataset test;
-  BatchFn normalize;  ///< raw rows to "image" float [C, H, W] and "label"
-  int64_t channels = 0;
-  int64_t image_size = 0;  ///< H = W (1 for a CSV)
-  int64_t num_classes = 0;
+  Kind kind = Kind::kImages;   ///< image folders or a CSV file
+  std::filesystem::path path;  ///< the folder or file
+  Dataset train;            ///< raw rows: images uint8 [C, H, W] / csv "features" [F], and "label"
+  Dataset test;             ///< raw rows of the test split
+  BatchFn normalize;        ///< raw rows to "image" float [C, H, W] and "label"
+  int64_t channels = 0;     ///< channels of an image (1 for a CSV)
+  int64_t image_size = 0;   ///< H = W (1 for a CSV)
+  int64_t num_classes = 0;  ///< classes (labels 0 to num_classes - 1)
   std::vector<std::string> class_names;  ///< images: the sub-folders' names; csv: "0", "1", ...
   /// One line for logs: what was read, the rows of each split and the classes.
   std::string describe() const;

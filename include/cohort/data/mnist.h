@@ -6,15 +6,17 @@
 
 namespace cohort::data {
 
+/// Which file pair of an MNIST-format folder.
 enum class Split { kTrain, kTest };
 
 /// Where Debian's dataset-fashion-mnist package puts its files.
 std::filesystem::path default_fashion_mnist_dir();
 
+/// How load_mnist() normalises pixels.
 struct MnistOptions {
   /// Normalisation after scaling pixels to [0, 1]; the defaults are Fashion-MNIST's statistics.
   double mean = 0.2860;
-  double std = 0.3530;
+  double std = 0.3530;  ///< standard deviation after scaling to [0, 1]
 };
 
 /// Checks that `dir` holds the four MNIST-format files (plain or .gz) and that each is whole and

@@ -21,6 +21,7 @@ namespace cohort::models {
 /// layers, under the same parameter names.
 class ImageClassifierImpl : public torch::nn::Module {
  public:
+  /// The logits of a batch of images [N, C, H, W].
   virtual torch::Tensor forward(torch::Tensor x) = 0;
   /// The model as consecutive layers whose composition is forward(): where a pipeline may cut it
   /// (parallel::pipeline::split_sequential). The layers are the model's own modules, shared, not
@@ -29,18 +30,20 @@ class ImageClassifierImpl : public torch::nn::Module {
   /// (embedding, blocks, head). A model of the user's that does not override it: a UsageError.
   virtual torch::nn::Sequential pipeline_layers();
 };
+/// A zoo model, as create_model() returns it.
 using ImageClassifier = std::shared_ptr<ImageClassifierImpl>;
 
+/// The shapes a zoo model is built for, and the ViT's size.
 struct ModelOptions {
-  int64_t num_classes = 10;
-  int64_t in_channels = 1;
-  int64_t image_size = 28;
+  int64_t num_classes = 10;  ///< classes (logits per image)
+  int64_t in_channels = 1;   ///< channels of an image
+  int64_t image_size = 28;   ///< height and width of an image
   /// Vision Transformer only.
   int64_t patch_size = 7;
-  int64_t depth = 4;
-  int64_t width = 128;
-  int64_t heads = 4;
-  int64_t mlp_ratio = 4;
+  int64_t depth = 4;      ///< encoder blocks
+  int64_t width = 128;    ///< embedding width
+  int64_t heads = 4;      ///< attention heads per block
+  int64_t mlp_ratio = 4;  ///< the MLP's hidden width as a multiple of width
   /// Vision Transformer only: each block's attention heads and MLP cut over this group
   /// (Megatron-style tensor parallelism: one all-reduce forward and one backward per attention
   /// and per MLP). Every rank of the group builds the model at the same point with the same
@@ -53,7 +56,9 @@ struct ModelOptions {
 /// Seed 000: 784-128-64-10.
 class MlpImpl : public ImageClassifierImpl {
  public:
+  /// The MLP of `options` (two hidden layers).
   explicit MlpImpl(const ModelOptions& options = {});
+  /// The logits of a batch of images.
   torch::Tensor forward(torch::Tensor x) override;
   torch::nn::Sequential pipeline_layers() override;
 
@@ -64,7 +69,9 @@ class MlpImpl : public ImageClassifierImpl {
 /// Seed 000: conv 32, conv 64 (3x3, each followed by 2x2 max-pool), fc 128, fc 10.
 class CnnImpl : public ImageClassifierImpl {
  public:
+  /// The CNN of the Ray Train MNIST article, for `options`' image shape.
   explicit CnnImpl(const ModelOptions& options = {});
+  /// The logits of a batch of images.
   torch::Tensor forward(torch::Tensor x) override;
   torch::nn::Sequential pipeline_layers() override;
 
@@ -76,7 +83,9 @@ class CnnImpl : public ImageClassifierImpl {
 /// Seed 002: torchvision's resnet18 with a 1-channel 7x7 stride-2 first convolution.
 class ResNet18Impl : public ImageClassifierImpl {
  public:
+  /// ResNet-18 for `options`' channels and classes.
   explicit ResNet18Impl(const ModelOptions& options = {});
+  /// The logits of a batch of images.
   torch::Tensor forward(torch::Tensor x) override;
   torch::nn::Sequential pipeline_layers() override;
 
@@ -89,7 +98,9 @@ class ResNet18Impl : public ImageClassifierImpl {
 /// encoder blocks, linear head), sized by ModelOptions.
 class VisionTransformerImpl : public ImageClassifierImpl {
  public:
+  /// A Vision Transformer of `options` (cut over options.tensor_parallel_group when it has one).
   explicit VisionTransformerImpl(const ModelOptions& options = {});
+  /// The logits of a batch of images.
   torch::Tensor forward(torch::Tensor x) override;
   torch::nn::Sequential pipeline_layers() override;
   /// With a tensor_parallel_group: takes this rank's slices of a dense ViT of the same options
@@ -97,6 +108,7 @@ class VisionTransformerImpl : public ImageClassifierImpl {
   /// collective: every rank of the group calls it), e.g. to save a checkpoint that loads into the
   /// unsplit model. Without a group: copies.
   void load_from_dense(VisionTransformerImpl& dense);
+  /// See load_from_dense: the other direction.
   void copy_to_dense(VisionTransformerImpl& dense);
 
  private:

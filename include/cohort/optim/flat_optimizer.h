@@ -31,8 +31,11 @@ class FlatOptimizer : public torch::optim::Optimizer {
  public:
   ~FlatOptimizer() override;
 
+  /// One step over the flat buffers (the gradients gathered first); `closure` as torch::optim's.
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Writes the state in torch::optim's archive layout.
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads save()'s archive (or torch::optim's of the same algorithm and parameters).
   void load(torch::serialize::InputArchive& archive) override;
 
   /// Scales every gradient so that their global L2 norm is at most max_norm, in two vectorised
@@ -54,8 +57,11 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// and learning rate live on the device (elsewhere a replay would repeat the captured ones).
   /// host_step_counts() / restore_host_step_counts(): undo a capture that failed.
   void before_replay();
+  /// See before_replay().
   bool replays_exactly() const;
+  /// See before_replay().
   std::vector<int64_t> host_step_counts() const;
+  /// See before_replay().
   void restore_host_step_counts(const std::vector<int64_t>& counts);
 
   /// "sgd", "adam" or "adamw".
@@ -70,13 +76,16 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// buffers (state_names_of's order), flattened copies; and the reverse. For moving state between
   /// optimizers (e.g. a ZeRO checkpoint into DDP's).
   struct ParameterState {
-    int64_t steps = 0;
-    std::vector<torch::Tensor> values;
+    int64_t steps = 0;                  ///< steps the parameter took
+    std::vector<torch::Tensor> values;  ///< its state buffers, flattened
   };
+  /// See ParameterState.
   ParameterState parameter_state(size_t group, size_t index);
+  /// See ParameterState.
   void set_parameter_state(size_t group, size_t index, const ParameterState& state);
 
  protected:
+  /// The optimizer of `groups` with `defaults`, stepping `algorithm`.
   FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, std::string algorithm);
 
@@ -84,8 +93,11 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// state buffers (e.g. exp_avg, exp_avg_sq), group g's buffers in that order (its first
   /// partition's), and the steps its first parameter took.
   std::vector<std::string> state_buffer_names() const;
+  /// See state_buffer_names().
   std::vector<torch::Tensor> state_buffers(size_t group) const;
+  /// See state_buffer_names().
   int64_t steps_taken(size_t group) const;
+  /// Sets the steps group `group`'s parameters took (a loaded checkpoint's).
   void set_steps_taken(size_t group, int64_t steps);
 
  private:
@@ -97,14 +109,18 @@ class FlatOptimizer : public torch::optim::Optimizer {
 /// SGD with momentum, dampening, Nesterov momentum and weight decay, as torch::optim::SGD.
 class FlatSGD : public FlatOptimizer {
  public:
+  /// SGD over `params` with `options`.
   FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options);
+  /// SGD over param groups (a group's own options override `options`).
   FlatSGD(std::vector<torch::optim::OptimizerParamGroup> groups, torch::optim::SGDOptions options);
 };
 
 /// Adam (with amsgrad, and L2 weight decay added to the gradient), as torch::optim::Adam.
 class FlatAdam : public FlatOptimizer {
  public:
+  /// Adam over `params` with `options`.
   FlatAdam(std::vector<torch::Tensor> params, torch::optim::AdamOptions options = {});
+  /// Adam over param groups (a group's own options override `options`).
   FlatAdam(std::vector<torch::optim::OptimizerParamGroup> groups,
            torch::optim::AdamOptions options = {});
 };
@@ -112,7 +128,9 @@ class FlatAdam : public FlatOptimizer {
 /// AdamW (decoupled weight decay), as torch::optim::AdamW.
 class FlatAdamW : public FlatOptimizer {
  public:
+  /// AdamW over `params` with `options`.
   FlatAdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions options = {});
+  /// AdamW over param groups (a group's own options override `options`).
   FlatAdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
             torch::optim::AdamWOptions options = {});
 };
@@ -121,7 +139,9 @@ class FlatAdamW : public FlatOptimizer {
 /// betas in [0, 1), eps > 0, weight decay >= 0, Nesterov with momentum and no dampening); throws
 /// UsageError naming the value. The flat optimizers check theirs at construction.
 void validate(const torch::optim::SGDOptions& options);
+/// See validate(const torch::optim::SGDOptions&).
 void validate(const torch::optim::AdamOptions& options);
+/// See validate(const torch::optim::SGDOptions&).
 void validate(const torch::optim::AdamWOptions& options);
 
 /// The algorithm of a torch::optim or flat optimizer: "sgd", "adam" or "adamw". For another

@@ -22,9 +22,12 @@ namespace cohort::optim {
 /// A disabled scaler (fp32, bf16) passes everything through: scale(loss) is loss, step() steps.
 class LossScaler {
  public:
+  /// A scaler with `options` that agrees on overflows over `group` (every rank skips a step
+  /// together); `enabled` false passes everything through.
   explicit LossScaler(LossScalerOptions options = {},
                       std::optional<comm::ProcessGroup> group = std::nullopt, bool enabled = true);
 
+  /// Whether it scales (fp16).
   bool enabled() const { return enabled_; }
   /// loss times the current scale.
   at::Tensor scale(const at::Tensor& loss) const;
@@ -38,13 +41,16 @@ class LossScaler {
   /// growth_interval clean steps.
   void update();
 
+  /// The current scale.
   double get_scale() const { return scale_; }
   /// Steps skipped because of an overflow, since the start (checkpointed).
   int64_t skipped_steps() const { return skipped_steps_; }
+  /// The options it was made with.
   const LossScalerOptions& options() const { return options_; }
 
   /// The scaler's state, for checkpoints.
   Json state_dict() const;
+  /// Restores state_dict()'s state.
   void load_state_dict(const Json& state);
 
  private:

@@ -13,16 +13,16 @@ struct LrScheduleOptions {
   /// "linear" (step s uses (s+1)/warmup of the way) or "log" (log(s+2)/log(warmup+1) of it,
   /// DeepSpeed's WarmupLR default).
   int64_t warmup_steps = 0;
-  std::string warmup_type = "linear";
-  double warmup_start_ratio = 0.0;
+  std::string warmup_type = "linear";  ///< "linear" or "log"
+  double warmup_start_ratio = 0.0;     ///< the warmup's first factor
   /// After the warmup: "none" (constant), "cosine" or "linear" (down to min_lr_ratio at
   /// total_steps, then held), or "step" (times gamma every step_size steps).
   std::string decay = "none";
   /// The step where cosine and linear decay end; needed by them.
   int64_t total_steps = 0;
-  int64_t step_size = 0;  ///< "step": needed by it
-  double gamma = 0.1;     ///< "step"
-  double min_lr_ratio = 0.0;
+  int64_t step_size = 0;      ///< "step": needed by it
+  double gamma = 0.1;         ///< "step"
+  double min_lr_ratio = 0.0;  ///< the factor cosine and linear decay end at
 
   /// UsageError naming the first option out of range.
   void validate() const;
@@ -41,10 +41,12 @@ struct LrScheduleOptions {
 /// the number of steps done: it then leaves the lr as loaded.
 class LrScheduler {
  public:
+  /// The schedule of `options` over `optimizer`'s param groups, `steps_done` steps in.
   LrScheduler(torch::optim::Optimizer& optimizer, LrScheduleOptions options,
               int64_t steps_done = 0);
   /// After each optimizer step: moves to the next step's lr.
   void step();
+  /// Steps taken so far.
   int64_t steps_done() const { return steps_done_; }
   /// Every param group's current lr.
   std::vector<double> get_last_lr() const;

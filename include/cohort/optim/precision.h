@@ -15,6 +15,7 @@ enum class Precision { kFp32, kBf16, kFp16 };
 
 /// "fp32", "bf16" or "fp16" (also "float32", "bfloat16", "float16"); UsageError listing them.
 Precision precision_from_string(const std::string& name);
+/// "fp32", "bf16" or "fp16".
 std::string to_string(Precision precision);
 /// The autocast dtype: kFloat for kFp32.
 c10::ScalarType scalar_type_of(Precision precision);
@@ -29,11 +30,11 @@ struct LossScalerOptions {
   /// After growth_interval steps in a row without an overflow the scale is multiplied by
   /// growth_factor (DeepSpeed's loss_scale_window).
   int64_t growth_interval = 1000;
-  double growth_factor = 2.0;
+  double growth_factor = 2.0;  ///< the factor the scale grows by
   /// An overflow skips the step; the scale is multiplied by backoff_factor once `hysteresis`
   /// overflows have come since the last growth (hysteresis 1: at every overflow).
   double backoff_factor = 0.5;
-  int hysteresis = 2;
+  int hysteresis = 2;  ///< overflows before the scale backs off
   /// The scale never drops below this.
   double min_scale = 1.0;
 
@@ -46,6 +47,7 @@ struct LossScalerOptions {
 /// Run backward after the guard ends, as in PyTorch.
 class AutocastGuard {
  public:
+  /// Starts autocast on `device`'s type at `precision`.
   AutocastGuard(Precision precision, const c10::Device& device);
   ~AutocastGuard();
   AutocastGuard(const AutocastGuard&) = delete;

@@ -18,13 +18,15 @@ CommHook allreduce_hook();
 /// Compress to float16 / bfloat16 for the wire, sum, and decompress: half the bytes, at the cost
 /// of precision (as PyTorch's fp16_compress_hook and bf16_compress_hook).
 CommHook fp16_compress_hook();
+/// See fp16_compress_hook(): bfloat16 on the wire.
 CommHook bf16_compress_hook();
 
+/// How DistributedDataParallel buckets and reduces gradients.
 struct DdpOptions {
   /// Gradients travel in flat buckets of at most this size; the first is smaller so that
   /// communication starts early in backward.
   double bucket_cap_mb = 25.0;
-  double first_bucket_cap_mb = 1.0;
+  double first_bucket_cap_mb = 1.0;  ///< the first bucket's size
   /// After each synchronised backward rank 0's buffers (batch-norm statistics) are broadcast, so
   /// every rank's next forward uses the same buffers (PyTorch broadcasts before each forward).
   bool broadcast_buffers = true;
@@ -41,14 +43,15 @@ struct DdpOptions {
 
 /// Counters for the curious and for benchmarks.
 struct DdpStats {
-  int64_t synchronized_steps = 0;
-  int64_t buckets = 0;
+  int64_t synchronized_steps = 0;  ///< backward passes whose gradients were averaged
+  int64_t buckets = 0;             ///< buckets in the current layout
   /// Launched while backward was still running (overlapped), vs at the end of backward.
   int64_t buckets_launched_early = 0;
-  int64_t buckets_launched_late = 0;
+  int64_t buckets_launched_late = 0;  ///< launched at the end of backward
   /// Time the training thread spent waiting for communication at the end of backward.
   double wait_seconds = 0;
-  bool buckets_rebuilt = false;
+  bool buckets_rebuilt =
+      false;  ///< whether the buckets were rebuilt in the order gradients arrived
 };
 
 /// Data parallelism for any torch::nn::Module (PyTorch's DistributedDataParallel, in C++).
@@ -62,6 +65,8 @@ struct DdpStats {
 /// backward the averaged gradients are in place, before the user's optimizer step.
 class DistributedDataParallel {
  public:
+  /// Wraps `module` for data parallelism over `group` (a collective: every rank constructs it at
+  /// the same point).
   DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, comm::ProcessGroup group,
                           DdpOptions options = {});
   ~DistributedDataParallel();
@@ -72,6 +77,7 @@ class DistributedDataParallel {
   /// (gradient accumulation); the first backward after it ends synchronises the sum.
   class NoSyncGuard {
    public:
+    /// Stops synchronising `ddp`'s backward passes until the guard ends.
     explicit NoSyncGuard(DistributedDataParallel& ddp);
     ~NoSyncGuard();
     NoSyncGuard(const NoSyncGuard&) = delete;
@@ -81,11 +87,16 @@ class DistributedDataParallel {
     DistributedDataParallel& ddp_;
     bool previous_;
   };
+  /// A guard under which backward passes accumulate without communication.
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const;
+  /// The group gradients are averaged over.
   const comm::ProcessGroup& process_group() const;
+  /// Backward passes whose gradients were averaged.
   int64_t synchronized_steps() const { return stats().synchronized_steps; }
+  /// The counters (see DdpStats).
   DdpStats stats() const;
 
  private:

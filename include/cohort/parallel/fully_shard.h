@@ -34,20 +34,25 @@ class ShardedUnitHooks {
 /// nest; parameters outside every unit stay whole on every rank. train(bool) reaches the module.
 class FullyShardImpl : public torch::nn::Module {
  public:
+  /// The unit's forward: one tensor in, one out.
   using Forward = std::function<torch::Tensor(torch::Tensor)>;
   /// `module` takes one tensor and returns one (module->forward(x), a Sequential's included).
   template <typename ModuleType>
   explicit FullyShardImpl(torch::nn::ModuleHolder<ModuleType> module)
       : FullyShardImpl([module](torch::Tensor x) mutable { return module->forward(std::move(x)); },
                        module.ptr()) {}
+  /// A unit whose forward is `forward` over `module`'s parameters.
   FullyShardImpl(Forward forward, std::shared_ptr<torch::nn::Module> module);
 
+  /// The module's forward, with the unit's parameters gathered around it at stage 3.
   torch::Tensor forward(torch::Tensor x);
+  /// Sets training mode on the wrapped module too.
   void train(bool on = true) override;
 
   /// The wrapped module.
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
   template <typename ModuleType>
+  /// The wrapped module as `ModuleType` (null when it is another type).
   std::shared_ptr<ModuleType> module_as() const {
     return std::dynamic_pointer_cast<ModuleType>(module_);
   }
@@ -61,6 +66,7 @@ class FullyShardImpl : public torch::nn::Module {
   std::weak_ptr<ShardedUnitHooks> hooks_;
   size_t unit_ = 0;
 };
+/// The module holder of FullyShardImpl (`parallel::FullyShard(block)`).
 TORCH_MODULE(FullyShard);
 
 }  // namespace cohort::parallel

@@ -43,20 +43,28 @@ class LocalSgdOptimizer : public torch::optim::Optimizer {
   /// end of an epoch, before evaluating); every rank must call it at the same point.
   void sync();
 
+  /// Writes the inner optimizer's state.
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads the inner optimizer's state.
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// The wrapped optimizer.
   torch::optim::Optimizer& inner() { return *inner_; }
+  /// Local SGD or DiLoCo, with its period.
   const SyncMode& mode() const { return mode_; }
   /// H: inner steps between synchronisations.
   int64_t period() const;
+  /// Inner steps since the last synchronisation.
   int64_t steps_since_sync() const { return steps_since_sync_; }
+  /// The group the replicas are averaged over.
   const comm::ProcessGroup& process_group() const { return group_; }
+  /// The counters (see LocalSgdStats).
   LocalSgdStats stats() const { return stats_; }
 
   /// For checkpoints, by the module's names: the global parameters (views of the flat buffer) and
   /// the module's buffers; DiLoCo's outer momentum (empty without momentum).
   std::map<std::string, at::Tensor> global_state() const;
+  /// See global_state(): DiLoCo's outer momentum, by parameter name.
   std::map<std::string, at::Tensor> outer_momentum() const;
   /// After the module's parameters were loaded: they become the global parameters. Then, when
   /// `local` is given (this rank's own parameters of the same checkpoint), the module continues

@@ -14,9 +14,9 @@ namespace cohort::parallel {
 
 /// Parallel degrees; they multiply to the world size. dp 0 means "what is left": world / (pp x tp).
 struct MeshShape {
-  int dp = 0;
-  int pp = 1;
-  int tp = 1;
+  int dp = 0;  ///< data-parallel degree (0: what is left)
+  int pp = 1;  ///< pipeline stages
+  int tp = 1;  ///< tensor-parallel degree
 };
 /// "dp 2 x pp 2 x tp 2".
 std::string to_string(const MeshShape& shape);
@@ -34,7 +34,9 @@ class DeviceMesh {
   /// "dp", "pp" and "tp" in the stall inspector's reports).
   static DeviceMesh create(comm::ProcessGroup world, MeshShape shape);
 
+  /// The degrees.
   const MeshShape& shape() const { return shape_; }
+  /// The group of every rank of the mesh.
   comm::ProcessGroup world() const { return world_; }
   /// The ranks that hold the same model part and see different data (gradients averaged here).
   comm::ProcessGroup dp() const { return dp_; }
@@ -42,8 +44,11 @@ class DeviceMesh {
   comm::ProcessGroup pp() const { return pp_; }
   /// The ranks that share each layer's weights by slices.
   comm::ProcessGroup tp() const { return tp_; }
+  /// This rank's data-parallel index.
   int dp_index() const { return dp_index_; }
+  /// This rank's pipeline stage index.
   int pp_index() const { return pp_index_; }
+  /// This rank's tensor-parallel index.
   int tp_index() const { return tp_index_; }
   /// The world rank at these coordinates.
   int rank_of(int dp_index, int pp_index, int tp_index) const;

@@ -20,6 +20,7 @@ struct ParameterServerStats {
   int64_t staleness_max = 0;  ///< worker's pull and its push (0: nobody else stepped in between)
   double wait_seconds = 0;    ///< in push-pull round trips (the staleness bound's waits included)
   int64_t bytes_sent = 0;     ///< gradients and requests sent to the servers
+  /// Mean staleness over the pushes (0 without any).
   double staleness_mean() const {
     return pushes > 0 ? static_cast<double>(staleness_sum) / static_cast<double>(pushes) : 0.0;
   }
@@ -29,8 +30,8 @@ struct ParameterServerStats {
 /// in registration order, laid end to end), their optimizer state, its version (the updates it
 /// applied) and the pushes it took from each worker.
 struct ParameterServerShard {
-  int64_t begin = 0;
-  int64_t end = 0;
+  int64_t begin = 0;                        ///< the shard's first element of the flat parameters
+  int64_t end = 0;                          ///< one past its last
   at::Tensor params;                        ///< float32, end - begin elements
   std::map<std::string, at::Tensor> state;  ///< e.g. exp_avg, exp_avg_sq, of the same size
   int64_t optimizer_steps = 0;              ///< the optimizer's step count (Adam's bias)
@@ -70,16 +71,22 @@ class ParameterServerOptimizer : public torch::optim::Optimizer {
 
   /// The wrapped optimizer's param groups and options (its state is on the servers).
   void save(torch::serialize::OutputArchive& archive) const override;
+  /// Reads save()'s param groups and options.
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// The mode: staleness bound and servers.
   const AsyncParameterServer& mode() const { return mode_; }
+  /// The number of servers.
   int servers() const { return mode_.servers; }
   /// Whether this rank runs a server, and its index (the rank).
   bool serves() const;
+  /// The group of workers and servers.
   const comm::ProcessGroup& process_group() const { return group_; }
+  /// The counters (see ParameterServerStats).
   ParameterServerStats stats() const { return stats_; }
   /// The flat parameters' size and the [begin, end) of every server's shard.
   int64_t numel() const;
+  /// See numel().
   std::vector<std::pair<int64_t, int64_t>> shard_ranges() const;
   /// This rank's server's state at the last sync() (an empty shard where it serves none).
   ParameterServerShard checkpoint() const;

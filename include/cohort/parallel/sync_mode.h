@@ -13,7 +13,7 @@ struct Synchronous {};
 /// Local SGD: every rank steps on its own gradients; every `every` optimizer steps the ranks'
 /// parameters (and floating-point buffers) are averaged. Engine: LocalSgdOptimizer.
 struct LocalSgd {
-  int64_t every = 8;
+  int64_t every = 8;  ///< optimizer steps between averages (H)
 };
 
 /// DiLoCo (Douillard et al. 2023): `inner_steps` local steps, then the pseudo-gradient (the
@@ -22,10 +22,10 @@ struct LocalSgd {
 /// With inner_steps 1, outer_lr 1 and no momentum it is synchronous DDP (for SGD inner steps).
 /// Engine: LocalSgdOptimizer.
 struct DiLoCo {
-  int64_t inner_steps = 32;
-  double outer_lr = 0.7;
-  double outer_momentum = 0.9;
-  bool nesterov = true;
+  int64_t inner_steps = 32;     ///< local steps between outer steps (H)
+  double outer_lr = 0.7;        ///< the outer SGD's learning rate
+  double outer_momentum = 0.9;  ///< the outer SGD's momentum
+  bool nesterov = true;         ///< Nesterov momentum for the outer SGD
 };
 
 /// An asynchronous parameter server (as TensorFlow's ParameterServerStrategy): `servers`
@@ -35,10 +35,11 @@ struct DiLoCo {
 /// `servers` 0: ScalingConfig::num_parameter_servers (1 when that is 0 too). The servers run in
 /// the first `servers` worker processes. Engine: ParameterServerOptimizer.
 struct AsyncParameterServer {
-  int64_t max_staleness = 4;
-  int servers = 0;
+  int64_t max_staleness = 4;  ///< steps a worker may run ahead of the slowest
+  int servers = 0;            ///< servers (0: ScalingConfig::num_parameter_servers, or 1)
 };
 
+/// How the replicas agree: one of the four modes.
 using SyncMode = std::variant<Synchronous, LocalSgd, DiLoCo, AsyncParameterServer>;
 
 /// "ddp", "local-sgd:H", "diloco:H" (DiLoCo's outer options at their defaults) or "async-ps:K";
@@ -49,6 +50,7 @@ std::string to_string(const SyncMode& mode);
 /// UsageError naming the field: H < 1, an outer lr <= 0 or not finite, a momentum outside [0, 1),
 /// a staleness bound < 0, servers < 0.
 void validate(const SyncMode& mode);
+/// Whether `mode` is Synchronous (DDP or ZeRO).
 bool is_synchronous(const SyncMode& mode);
 
 }  // namespace cohort::parallel

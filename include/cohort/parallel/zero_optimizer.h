@@ -52,31 +52,31 @@ struct ZeroOptions {
 
 /// What a ZeroOptimizer holds and moves, for benchmarks and the curious.
 struct ZeroStats {
-  int64_t synchronized_steps = 0;
-  int64_t buckets = 0;
+  int64_t synchronized_steps = 0;  ///< steps whose gradients were reduced
+  int64_t buckets = 0;             ///< gradient buckets
   /// Elements of the flat parameter buffer (padded so that every bucket splits evenly over the
   /// ranks), and of this rank's shard.
   int64_t padded_numel = 0;
-  int64_t shard_numel = 0;
+  int64_t shard_numel = 0;  ///< elements of this rank's shard
   /// Bytes held on this rank: full parameters, gradients (stage 1: the full gradient buffer and
   /// the reduced shard; stage 2: the reduced shard, plus bucket_bytes_peak while reducing: at
   /// most two buckets, and on Gloo a receive buffer of each's size), and the optimizer state of
   /// the shard (master weights included for 16-bit parameters).
   int64_t parameter_bytes = 0;
-  int64_t gradient_bytes = 0;
-  int64_t optimizer_state_bytes = 0;
-  int64_t bucket_bytes_peak = 0;
+  int64_t gradient_bytes = 0;         ///< see parameter_bytes
+  int64_t optimizer_state_bytes = 0;  ///< see parameter_bytes
+  int64_t bucket_bytes_peak = 0;      ///< see parameter_bytes
   /// Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather, and at
   /// stage 3 the units' all-gathers since the step before).
   int64_t bytes_sent_last_step = 0;
-  double wait_seconds = 0;
+  double wait_seconds = 0;  ///< time waiting for communication
   /// Stage 3: the units whose parameters are sharded, the bytes of gathered units held at most at
   /// once (beside parameter_bytes, which counts the shards and the persistent parameters), and
   /// the units' all-gathers so far: for a forward or backward that needed it, or ahead (prefetch).
   int64_t units = 0;
-  int64_t gathered_bytes_peak = 0;
-  int64_t gathers = 0;
-  int64_t prefetches = 0;
+  int64_t gathered_bytes_peak = 0;  ///< see units
+  int64_t gathers = 0;              ///< see units
+  int64_t prefetches = 0;           ///< see units
   /// Steps whose units ran in another order than the step before (prefetching then waits for the
   /// new order: recorded again, nothing hangs).
   int64_t order_changes = 0;
@@ -135,6 +135,7 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   /// (gradient accumulation); the first backward after it ends reduces the sum.
   class NoSyncGuard {
    public:
+    /// Stops reducing `zero`'s backward passes until the guard ends.
     explicit NoSyncGuard(ZeroOptimizer& zero);
     ~NoSyncGuard();
     NoSyncGuard(const NoSyncGuard&) = delete;
@@ -144,6 +145,7 @@ class ZeroOptimizer : public optim::FlatOptimizer {
     ZeroOptimizer& zero_;
     bool previous_;
   };
+  /// A guard under which backward passes accumulate without communication.
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
   /// Stage 3: every unit's parameters whole on every rank while it lives (collective: every rank
@@ -154,7 +156,9 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   /// the largest unit while every parameter is read or written (checkpoints do).
   class GatheredParameters {
    public:
+    /// Every unit gathered (see the class comment).
     explicit GatheredParameters(const ZeroOptimizer& zero, bool write_back = false);
+    /// Unit `unit` alone gathered.
     GatheredParameters(const ZeroOptimizer& zero, size_t unit, bool write_back = false);
     ~GatheredParameters();
     GatheredParameters(const GatheredParameters&) = delete;
@@ -169,27 +173,33 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   /// (their parameters' names start with `"<name>."`); empty at stages 1 and 2.
   std::vector<std::string> unit_names() const;
 
+  /// The ZeRO stage: 1, 2 or 3.
   int stage() const;
+  /// The group the state is sharded over.
   const comm::ProcessGroup& process_group() const;
+  /// The counters (see ZeroStats).
   ZeroStats stats() const;
 
   /// What this rank's shard holds, for checkpoints that reload at any world size: each piece is
   /// the flattened elements [begin, begin + length) of one parameter, at `offset` in the state
   /// buffers of param group `group`.
   struct ShardPiece {
-    std::string parameter;
+    std::string parameter;       ///< the parameter's name in the module
     std::vector<int64_t> shape;  ///< the parameter's
-    int64_t begin = 0;
-    int64_t length = 0;
-    size_t group = 0;
-    int64_t offset = 0;
+    int64_t begin = 0;           ///< its first flattened element in this shard
+    int64_t length = 0;          ///< elements of it in this shard
+    size_t group = 0;            ///< the param group whose buffers hold it
+    int64_t offset = 0;          ///< where in that group's buffers
   };
+  /// See ShardPiece.
   std::vector<ShardPiece> shard_pieces() const;
   /// The optimizer state per element, by name (e.g. exp_avg, exp_avg_sq), and group g's buffers.
   std::vector<std::string> state_names() const { return state_buffer_names(); }
+  /// See state_names().
   std::vector<torch::Tensor> shard_state(size_t group) const { return state_buffers(group); }
   /// Optimizer steps taken (the same for every piece), e.g. Adam's bias correction.
   int64_t steps() const { return steps_taken(0); }
+  /// Sets the steps taken (a loaded checkpoint's).
   void set_steps(int64_t steps);
 
  private:

@@ -19,15 +19,19 @@
 
 namespace cohort::runtime {
 
+/// A point in time of the coordinator's clock.
 using SteadyTime = std::chrono::steady_clock::time_point;
 /// Where the coordinator reads the time; std::chrono::steady_clock::now unless a test gives its
 /// own.
 using ClockSource = std::function<SteadyTime()>;
+/// The steady clock's now().
 ClockSource steady_clock_source();
 
 /// The beat every member sends, and how long a silent one is given.
 struct HeartbeatOptions {
+  /// How often a member beats.
   std::chrono::milliseconds interval{1'000};
+  /// How long a silent member is given (after its first message).
   std::chrono::milliseconds timeout = kDefaultHeartbeatTimeout;
   /// Before its first message a member is starting up (the rendezvous deadline covers that, and
   /// names it more precisely): it gets this much longer.
@@ -43,20 +47,29 @@ std::chrono::milliseconds heartbeat_interval_for(std::chrono::milliseconds timeo
 /// longer expected to be.
 class HeartbeatMonitor {
  public:
+  /// A monitor of `members` members, all expected to beat, reading `clock`.
   HeartbeatMonitor(int members, HeartbeatOptions options,
                    ClockSource clock = steady_clock_source());
+  /// Any message from `member`: it is alive.
   void heard(int member);
+  /// `member` ended cleanly: it is no longer expected to beat.
   void finished(int member);
+  /// A member silent too long.
   struct Silence {
+    /// Which member.
     int member = -1;
-    std::chrono::milliseconds allowed{};  ///< the time it was given
-    bool started = false;                 ///< it had been heard from before
+    /// The time it was given.
+    std::chrono::milliseconds allowed{};
+    /// It had been heard from before.
+    bool started = false;
     /// "rank 1 sent no heartbeat for 3 s: it hangs or was stopped" (`who` names the member).
     std::string describe(const std::string& who) const;
   };
   /// The first member silent longer than it is allowed, or nullopt.
   std::optional<Silence> find_silent() const;
+  /// The options it was made with.
   const HeartbeatOptions& options() const { return options_; }
+  /// The clock's time now.
   SteadyTime now() const { return clock_(); }
 
  private:
@@ -84,6 +97,7 @@ std::string stall_report(const std::vector<Json>& status_by_rank);
 /// their ends and the clock.
 class Coordinator {
  public:
+  /// A coordinator of `world_size` ranks that expects heartbeats as `options` says.
   Coordinator(int world_size, HeartbeatOptions options, ClockSource clock = steady_clock_source());
 
   /// A rank's message: {"type": "heartbeat", "status": ...} or {"type": "error", "message":
@@ -95,18 +109,23 @@ class Coordinator {
   /// `rank` ended without finishing, `how` says how ("exited with code 1", ...).
   void on_lost(int rank, const std::string& how);
 
+  /// Why the group must stop.
   struct Verdict {
-    int rank = -1;  ///< the rank that caused it
-    std::string reason;
+    int rank = -1;       ///< the rank that caused it
+    std::string reason;  ///< one line naming the rank and what happened
   };
   /// Why the group must stop, naming the rank that caused it, or nullopt. In this order: a rank's
   /// own error; a rank that ended without finishing; a silent rank (with the stall report); a
   /// rank whose collective failed because of a peer, once no cause came within two heartbeat
   /// intervals of it. The first verdict stays.
   std::optional<Verdict> verdict();
+  /// Which ranks entered which collectives, from their last heartbeats: what names a hang.
   std::string stall_report() const;
+  /// Each rank's last heartbeat status.
   const std::vector<Json>& status() const { return status_; }
+  /// The number of ranks.
   int world_size() const { return static_cast<int>(status_.size()); }
+  /// The heartbeat options.
   const HeartbeatOptions& options() const { return monitor_.options(); }
 
  private:
@@ -126,16 +145,19 @@ class Coordinator {
 /// messages are a few kB; an endless line must not grow the server's memory).
 inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
 
+/// How a CoordinatorServer listens: address, ranks, heartbeats and the run's token.
 struct CoordinatorServerOptions {
-  std::string bind_address = "127.0.0.1";
-  int world_size = 1;
-  HeartbeatOptions heartbeat;
+  std::string bind_address = "127.0.0.1";  ///< the address it listens on (port 0: a free one)
+  int world_size = 1;                      ///< ranks that connect (rank 0 is in-process)
+  HeartbeatOptions heartbeat;              ///< the beats it sends and expects
   /// A rank that presents another token (another run, or another round of it) is refused.
   std::string token;
 };
 
+/// See the comment before kMaxCoordinatorLine: rank 0's coordinator under an external launcher.
 class CoordinatorServer {
  public:
+  /// Starts listening; `on_verdict` gets the verdict (on the server's thread).
   CoordinatorServer(CoordinatorServerOptions options,
                     std::function<void(const Coordinator::Verdict&)> on_verdict,
                     ClockSource clock = steady_clock_source());

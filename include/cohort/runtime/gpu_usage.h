@@ -10,6 +10,7 @@
 
 namespace cohort::runtime {
 
+/// What a process holds of the GPUs: memory and the busiest GPU's utilisation.
 struct GpuProcessUsage {
   double memory_mb = 0;    ///< device memory the process holds, summed over the GPUs it uses
   double utilization = 0;  ///< percent of time a kernel ran over NVML's last sample period: the
@@ -27,7 +28,9 @@ class Nvml {
   Nvml(const Nvml&) = delete;
   Nvml& operator=(const Nvml&) = delete;
 
+  /// Whether NVML loaded and initialised.
   bool available() const;
+  /// Why not, when available() is false.
   const std::string& error() const;
   /// The usage of each of `pids` that holds memory on some GPU of this host (the others are left
   /// out): every device's running compute processes, matched by pid, so that no CUDA device index

@@ -10,12 +10,12 @@ namespace cohort::runtime {
 /// One node's share of a multi-node job on machines without a scheduler (what torchrun is for
 /// PyTorch): `cohort launch` runs this once on every node.
 struct NodeLaunchOptions {
-  int nnodes = 1;
-  int node_rank = 0;
+  int nnodes = 1;     ///< nodes in the job
+  int node_rank = 0;  ///< this node's index, from 0
   /// Node 0's address and the port its launcher serves the rendezvous store on (bound to that
   /// address only). Workers rendezvous through the same store.
   std::string master_addr = "127.0.0.1";
-  int master_port = 29500;
+  int master_port = 29500;  ///< the store's port on node 0
   /// Train workers (ranks) on this node; nodes may differ. 0: a CPU-only node (needs data_workers).
   int nproc_per_node = 1;
   /// Preprocessing processes on this node for the job's trainers: the program in the data role,
@@ -33,7 +33,7 @@ struct NodeLaunchOptions {
   /// Checked when a node joins; empty: derived from the command line, so that another job given
   /// the same master address is refused.
   std::string job_id;
-  int verbose = 1;
+  int verbose = 1;  ///< 0: quiet; 1: a line per event
 };
 
 /// Runs the node's workers until the job ends; returns the exit status for the process: 0 when

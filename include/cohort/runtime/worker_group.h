@@ -10,14 +10,17 @@
 
 namespace cohort::runtime {
 
+/// How a WorkerGroup starts its workers: how many, the program, environment, role and logs, and
+/// its grace periods.
 struct WorkerGroupOptions {
-  int num_workers = 1;
+  int num_workers = 1;  ///< workers to start
   /// Program and arguments of every worker; empty means this process's own (re-execution).
   std::string executable;
-  std::vector<std::string> argv;
+  std::vector<std::string> argv;  ///< arguments after the program's name
   /// Added to every worker's environment, then `rank_env(rank)` on top.
   std::map<std::string, std::string> env;
-  std::function<std::map<std::string, std::string>(int rank)> rank_env;
+  std::function<std::map<std::string, std::string>(int rank)>
+      rank_env;  ///< per rank: variables on top of `env`
   /// Per-rank log files (rank-R.log, unabridged) go here when set.
   std::filesystem::path log_dir;
   /// What the children are told they are (COHORT_ROLE), with the control channel on fd 3:
@@ -39,30 +42,35 @@ struct WorkerGroupOptions {
   std::chrono::milliseconds exit_skew_timeout{120'000};
 };
 
+/// How a worker ended.
 struct WorkerExit {
-  int rank = 0;
-  std::string name;  ///< as messages name it ("rank R" unless WorkerGroupOptions::rank_name)
-  int pid = 0;
+  int rank = 0;       ///< its rank
+  std::string name;   ///< as messages name it ("rank R" unless WorkerGroupOptions::rank_name)
+  int pid = 0;        ///< its process id
   int exit_code = 0;  ///< when it exited
   int signal = 0;     ///< when a signal ended it
-  bool stopped_by_driver = false;
+  bool stopped_by_driver = false;  ///< the group stopped it (after another's failure, or a signal)
+  /// Whether it ended cleanly: exit code 0, no signal, not stopped.
   bool ok() const { return signal == 0 && exit_code == 0 && !stopped_by_driver; }
+  /// "rank 1 (pid 123) exited with code 1", or how it ended otherwise.
   std::string describe() const;
 };
 
+/// How the group ended.
 struct GroupOutcome {
-  bool success = false;
+  bool success = false;  ///< every worker ended cleanly
   /// SIGINT or SIGTERM received by this process, which then stopped the group.
   int interrupted_by = 0;
   /// A SIGINT asked the workers to stop on their own (accept_stop_requests); they did or not.
   bool stop_requested = false;
-  std::vector<WorkerExit> exits;  ///< by rank
-  std::optional<WorkerExit> first_failure;
-  std::string failure_reason;  ///< one line, when !success
+  std::vector<WorkerExit> exits;            ///< by rank
+  std::optional<WorkerExit> first_failure;  ///< the first worker that failed, when one did
+  std::string failure_reason;               ///< one line, when !success
   /// When the group began stopping: the moment its failure was noticed.
   std::chrono::steady_clock::time_point stop_began{};
 };
 
+/// What WorkerGroup::wait() calls while it waits.
 struct WorkerGroupHandlers {
   /// A complete line a worker printed. Default: printed with a "(rank=R, pid=P) " prefix.
   std::function<void(int rank, int pid, bool is_stderr, const std::string& line)> on_output;
@@ -82,11 +90,13 @@ struct WorkerGroupHandlers {
 /// and each worker dies with this process (runtime::bind_lifetime_to_driver).
 class WorkerGroup {
  public:
+  /// A group of `options`; nothing starts before start().
   explicit WorkerGroup(WorkerGroupOptions options);
   ~WorkerGroup();
   WorkerGroup(const WorkerGroup&) = delete;
   WorkerGroup& operator=(const WorkerGroup&) = delete;
 
+  /// Starts the workers.
   void start();
   /// Forwards output and control messages until every worker has exited, one failed (the rest
   /// are then stopped), or this process got SIGINT/SIGTERM.
@@ -108,6 +118,7 @@ class WorkerGroup {
   void accept_stop_requests();
   /// SIGTERM, then SIGKILL after stop_grace; reaps every worker.
   void stop();
+  /// The workers' process ids, by rank.
   std::vector<int> pids() const;
 
  private:
@@ -133,6 +144,7 @@ bool process_group_alive(int pgid);
 
 /// The path of this process's executable and its arguments, for re-execution.
 std::string self_executable();
+/// This process's arguments (argv without the program), for re-execution.
 std::vector<std::string> self_arguments();
 
 }  // namespace cohort::runtime

@@ -9,13 +9,13 @@ namespace cohort::runtime {
 
 /// Who this process is in its worker group, in torchrun's terms.
 struct WorkerInfo {
-  int world_rank = 0;
-  int local_rank = 0;
-  int node_rank = 0;
-  int world_size = 1;
-  int local_world_size = 1;
-  std::string master_addr = "127.0.0.1";
-  int master_port = 0;
+  int world_rank = 0;                     ///< rank among all workers (RANK)
+  int local_rank = 0;                     ///< rank on this host (LOCAL_RANK)
+  int node_rank = 0;                      ///< this host's index (GROUP_RANK / NODE_RANK)
+  int world_size = 1;                     ///< workers in the job (WORLD_SIZE)
+  int local_world_size = 1;               ///< workers on this host (LOCAL_WORLD_SIZE)
+  std::string master_addr = "127.0.0.1";  ///< rank 0's host (MASTER_ADDR)
+  int master_port = 0;                    ///< rank 0's port (MASTER_PORT)
   /// Who started this process: "cohort" (the local driver), "cohort-launch", "torchrun",
   /// "openmpi" or "slurm".
   std::string launcher = "torchrun";
@@ -27,7 +27,7 @@ struct WorkerInfo {
   /// The rendezvous store: served by rank 0 at master_addr:store_port, or by the launcher (node
   /// 0's cohort launch, or torchrun's agent) when store_on_launcher.
   int store_port = 0;
-  bool store_on_launcher = false;
+  bool store_on_launcher = false;  ///< the launcher serves the store, not rank 0
 };
 
 /// The whole number in environment variable `name`, or `fallback` when it is unset or empty;

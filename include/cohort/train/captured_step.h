@@ -39,6 +39,7 @@ class FlatOptimizer;
 
 namespace cohort::train {
 
+/// How CapturedStep captures: the eager steps before it, the optimizer and group to keep in step.
 struct CaptureOptions {
   /// Eager steps before the capture; >= 1 (SGD's first step differs from the others).
   int warmup_steps = 3;
@@ -54,8 +55,11 @@ struct CaptureOptions {
   std::function<void(const std::string&)> log;
 };
 
+/// A training step (forward, backward, optimizer) captured once as a CUDA graph and replayed:
+/// one kernel launch per step. Falls back to eager steps, saying why, where capture fails.
 class CapturedStep {
  public:
+  /// The step: the inputs in, the loss (or any tensor) out.
   using StepFunction = std::function<torch::Tensor(const std::vector<torch::Tensor>& inputs)>;
 
   /// UsageError when warmup_steps < 1.
@@ -73,8 +77,9 @@ class CapturedStep {
   bool captured() const;
   /// Why the step runs eagerly for good; empty while it is captured or not yet tried.
   const std::string& fallback_reason() const;
-  /// Calls that replayed the graph, and calls that ran eagerly (warm-up, other shapes, fallback).
+  /// Calls that replayed the graph.
   int64_t replays() const;
+  /// Calls that ran eagerly (warm-up, other shapes, fallback).
   int64_t eager_steps() const;
 
   /// Whether this libtorch can capture CUDA graphs (a CUDA build) and a GPU is present.

@@ -23,7 +23,10 @@ namespace cohort {
 /// the run directory as checkpoint_NNNNNN, with a manifest of sizes and checksums.
 class Checkpoint {
  public:
+  /// The checkpoint in `dir` (Ray Train's Checkpoint.from_directory); UsageError when it is not a
+  /// directory.
   static Checkpoint from_directory(const std::filesystem::path& dir);
+  /// Its folder.
   const std::filesystem::path& path() const { return path_; }
   /// The metrics reported with it (meta.json), when it was persisted by cohort.
   Json metrics() const;
@@ -62,6 +65,7 @@ void load_by_name(torch::nn::Module& module, const std::filesystem::path& dir);
 
 /// Optimizer state (libtorch's own format), alongside the model.
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
+/// Loads save_optimizer's file into `optimizer` (its parameters in the same order).
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
@@ -77,6 +81,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 /// parameter server keep their state with the parameters: UsageError (use save_checkpoint).
 void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer);
+/// Loads save_optimizer_state's files of `dir` into `optimizer` over `module`'s parameters, at
+/// any world size and for any engine the arithmetic allows.
 void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& module);
 /// A model's optimizer state kept in several folders of save_optimizer_state, one per part of the
@@ -85,16 +91,18 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
 /// model's name and the shape, and for a tensor-parallel slice which one. A run cut otherwise, or
 /// not at all, loads them by the whole model's names.
 struct OptimizerPart {
+  /// One parameter of the part.
   struct Parameter {
-    std::string name;  ///< in the part's files
-    std::string whole_name;
+    std::string name;            ///< in the part's files
+    std::string whole_name;      ///< its name in the whole model
     std::vector<int64_t> shape;  ///< this part's (a slice's)
     /// Slice `slice` of `slices` of the whole parameter, cut by `cut` (slices 1: whole).
     parallel::TensorParallelCut cut = {};
-    int64_t slice = 0, slices = 1;
+    int64_t slice = 0;   ///< which slice, from 0
+    int64_t slices = 1;  ///< of how many (1: the whole parameter)
   };
-  std::filesystem::path dir;
-  std::vector<Parameter> parameters;
+  std::filesystem::path dir;          ///< the folder of the part's files
+  std::vector<Parameter> parameters;  ///< in the optimizer's order
 };
 /// Writes part.dir/optimizer_part.json, beside save_optimizer_state's files.
 void save_optimizer_part(const OptimizerPart& part);
@@ -160,15 +168,16 @@ std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
 
 /// A file's header: each tensor's dtype, shape and byte range (from the start of the data).
 struct TensorInfo {
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;
-  int64_t begin = 0;
-  int64_t end = 0;
+  at::ScalarType dtype = at::kFloat;  ///< the tensor's element type
+  std::vector<int64_t> shape;         ///< its shape
+  int64_t begin = 0;                  ///< its first byte, counted from data_start
+  int64_t end = 0;                    ///< one past its last byte
 };
+/// A safetensors file's header: its tensors, its metadata and where the data starts.
 struct Header {
-  std::map<std::string, TensorInfo> tensors;
-  std::map<std::string, std::string> metadata;
-  int64_t data_start = 0;
+  std::map<std::string, TensorInfo> tensors;    ///< by name
+  std::map<std::string, std::string> metadata;  ///< the `__metadata__` object
+  int64_t data_start = 0;  ///< the file offset of the first tensor's first byte
 };
 /// Reads and checks the header only (every byte range inside the file); UsageError naming the
 /// file when it is truncated or corrupt.

@@ -17,6 +17,7 @@ class Optimizer;
 
 namespace cohort {
 
+/// What each worker gets: CPU threads and GPUs (Ray's resources_per_worker).
 struct WorkerResources {
   /// Intra-op threads of each worker (torch::set_num_threads, OMP_NUM_THREADS).
   int cpu_threads = 1;
@@ -41,7 +42,7 @@ struct ScalingConfig {
   /// get_context().get_device() is its first, prepare_model moves the model there and batches
   /// arrive there. A UsageError before any worker starts when the node has too few.
   bool use_gpu = false;
-  WorkerResources resources_per_worker;
+  WorkerResources resources_per_worker;  ///< threads and GPUs of each worker
   /// The collectives' transport (Ray's TorchConfig.backend): "auto" (Gloo for CPU tensors, NCCL
   /// for CUDA ones), "gloo" (also for CUDA tensors: e.g. several workers sharing one GPU, which
   /// NCCL refuses) or "nccl".
@@ -128,9 +129,10 @@ struct DashboardOptions {
 struct RunConfig {
   /// The run's folder under storage_path; empty: `"cohort_<date>_<time>"`.
   std::string name;
-  std::filesystem::path storage_path = "./cohort_results";
-  FailureConfig failure_config;
-  CheckpointConfig checkpoint_config;
+  std::filesystem::path storage_path =
+      "./cohort_results";        ///< where run directories are made (Ray's storage_path)
+  FailureConfig failure_config;  ///< how many failures the run survives, and how a hang is noticed
+  CheckpointConfig checkpoint_config;  ///< how many checkpoints are kept, and by which metric
   /// Running again with the same storage_path and name continues from the latest valid
   /// checkpoint (train::get_checkpoint() returns it). false starts afresh (old checkpoints stay
   /// on disk, untouched, and new ones are numbered after them).
@@ -145,7 +147,7 @@ struct RunConfig {
   /// record that metrics.jsonl gets: rank 0's metrics plus "training_iteration", "timestamp" and,
   /// when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
   std::function<void(const Json& record)> on_report;
-  TensorBoardConfig tensorboard;
+  TensorBoardConfig tensorboard;  ///< TensorBoard event files of the run (on by default)
   /// Which steps' train::log_step metrics (the training loss and step time every N steps) rank 0
   /// sends to `<run>/steps.jsonl`, TensorBoard (`"step/<metric>"`) and the dashboard's step charts:
   /// every N-th optimizer step; 0: the first step, then one about every 15 seconds.
@@ -163,9 +165,9 @@ struct RunConfig {
   /// range): open the files in Perfetto (ui.perfetto.dev) or chrome://tracing, several ranks at
   /// once. Steps count from 1 as train::step_optimizer ends them. {0, 0}: none.
   struct ProfileSteps {
-    int64_t first = 0;
-    int64_t last = 0;
-  } profile_steps;
+    int64_t first = 0;  ///< the first step traced, from 1
+    int64_t last = 0;   ///< the last step traced (inclusive)
+  } profile_steps;      ///< the traced steps
 };
 
 }  // namespace cohort

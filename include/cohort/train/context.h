@@ -14,14 +14,21 @@ namespace cohort::train {
 /// Who this worker is and what it can use (Ray Train's TrainContext).
 class TrainContext {
  public:
+  /// This worker's rank among all workers, from 0.
   int get_world_rank() const { return world_rank; }
+  /// Its rank among the workers of its host.
   int get_local_rank() const { return local_rank; }
+  /// Its host's rank among the job's hosts.
   int get_node_rank() const { return node_rank; }
+  /// The number of workers.
   int get_world_size() const { return world_size; }
+  /// The number of workers on this worker's host.
   int get_local_world_size() const { return local_world_size; }
+  /// RunConfig::name: the run's name.
   const std::string& get_experiment_name() const { return experiment_name; }
   /// The run directory, `<storage_path>/<name>`.
   const std::filesystem::path& get_storage_path() const { return storage_path; }
+  /// The device the worker trains on: cuda:0 (its own GPU) or the CPU.
   c10::Device get_device() const { return device; }
   /// ScalingConfig::precision.
   optim::Precision get_precision() const { return precision; }
@@ -35,18 +42,19 @@ class TrainContext {
   /// When the driver started the run: for start-up timings.
   std::chrono::system_clock::time_point get_run_start_time() const { return run_start; }
 
-  int world_rank = 0;
-  int local_rank = 0;
-  int node_rank = 0;
-  int world_size = 1;
-  int local_world_size = 1;
-  std::string experiment_name;
-  std::filesystem::path storage_path;
-  c10::Device device = c10::Device(c10::DeviceType::CPU);
-  optim::Precision precision = optim::Precision::kFp32;
-  comm::ProcessGroup process_group;
-  parallel::DeviceMesh mesh;
-  std::chrono::system_clock::time_point run_start;
+  // The values the getters return, set by the worker's session before the loop starts.
+  int world_rank = 0;                                      ///< get_world_rank()
+  int local_rank = 0;                                      ///< get_local_rank()
+  int node_rank = 0;                                       ///< get_node_rank()
+  int world_size = 1;                                      ///< get_world_size()
+  int local_world_size = 1;                                ///< get_local_world_size()
+  std::string experiment_name;                             ///< get_experiment_name()
+  std::filesystem::path storage_path;                      ///< get_storage_path()
+  c10::Device device = c10::Device(c10::DeviceType::CPU);  ///< get_device()
+  optim::Precision precision = optim::Precision::kFp32;    ///< get_precision()
+  comm::ProcessGroup process_group;                        ///< get_process_group()
+  parallel::DeviceMesh mesh;                               ///< get_mesh()
+  std::chrono::system_clock::time_point run_start;         ///< get_run_start_time()
 };
 
 /// The context of the running worker. Throws RuntimeError outside a train loop.

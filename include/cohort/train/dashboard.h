@@ -6,9 +6,9 @@
 /// accuracy curves, checkpoints, failures and restarts, and an experiment's
 /// trials; it updates every second. `/metrics` serves the same figures in Prometheus's text format.
 ///
-/// It reads only files: a run's driver keeps `<run>/status.json` current (its workers, updated every
-/// second), beside metrics.jsonl, result.json and checkpoint_manager.json. So the same server shows
-/// a run from its driver (RunConfig::dashboard) or from another process (`cohort dashboard`),
+/// It reads only files: a run's driver keeps `<run>/status.json` current (its workers, updated
+/// every second), beside metrics.jsonl, result.json and checkpoint_manager.json. So the same server
+/// shows a run from its driver (RunConfig::dashboard) or from another process (`cohort dashboard`),
 /// running or finished.
 #pragma once
 #include <filesystem>
@@ -19,6 +19,8 @@
 
 namespace cohort::train {
 
+/// The live dashboard of a storage path's runs and experiments, served over HTTP while it lives:
+/// the page, its JSON API and Prometheus' `/metrics`.
 class Dashboard {
  public:
   /// Serves the runs under `storage_path` on options.host:options.port until destroyed. A port in
@@ -28,6 +30,7 @@ class Dashboard {
   Dashboard(const Dashboard&) = delete;
   Dashboard& operator=(const Dashboard&) = delete;
 
+  /// The port it serves on (the one chosen when options.port was 0).
   int port() const;
   /// "http://127.0.0.1:8265/".
   std::string url() const;

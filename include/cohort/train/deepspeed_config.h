@@ -33,32 +33,36 @@ namespace cohort::train {
 /// unknown keys are listed in `unknown_keys`, for one warning. A value of the wrong type or out of
 /// range is a UsageError naming the file and the key (exit code 2 in the CLI).
 struct DeepSpeedConfig {
-  int64_t train_batch_size = 0;
+  int64_t train_batch_size = 0;  ///< train_batch_size: micro-batch x accumulation x data-parallel
+                                 ///< workers (checked when given)
   int64_t micro_batch_size = 0;  ///< train_micro_batch_size_per_gpu
-  int64_t gradient_accumulation_steps = 1;
+  int64_t gradient_accumulation_steps = 1;  ///< gradient_accumulation_steps
 
   /// "sgd", "adam" or "adamw", and its hyperparameters; unset: the optimizer's default.
   std::optional<std::string> optimizer;
-  std::optional<double> lr;
-  std::optional<std::pair<double, double>> betas;
-  std::optional<double> eps;
-  std::optional<double> weight_decay;
-  std::optional<double> momentum;
-  bool nesterov = false;
+  std::optional<double> lr;                        ///< optimizer.params.lr
+  std::optional<std::pair<double, double>> betas;  ///< optimizer.params.betas (Adam, AdamW)
+  std::optional<double> eps;                       ///< optimizer.params.eps (Adam, AdamW)
+  std::optional<double> weight_decay;              ///< optimizer.params.weight_decay
+  std::optional<double> momentum;                  ///< optimizer.params.momentum (SGD)
+  bool nesterov = false;                           ///< optimizer.params.nesterov (SGD)
 
   /// The learning-rate schedule (lr is then the warmup's maximum), when a scheduler is given.
   std::optional<optim::LrScheduleOptions> schedule;
 
-  std::string precision = "fp32";  // "fp16" or "bf16" when enabled
-  optim::LossScalerOptions loss_scaler;
-  double gradient_clipping = 0;
-  parallel::ZeroOptions zero;
+  std::string precision = "fp32";        ///< "fp16" or "bf16" when enabled
+  optim::LossScalerOptions loss_scaler;  ///< fp16's loss_scale, initial_scale_power,
+                                         ///< loss_scale_window, hysteresis, min_loss_scale
+  double gradient_clipping = 0;          ///< gradient_clipping (0: none)
+  parallel::ZeroOptions zero;  ///< zero_optimization: the stage, bucket sizes, overlap, stage 3's
+                               ///< prefetch and persistence
 
-  std::vector<std::string> unknown_keys;
+  std::vector<std::string> unknown_keys;  ///< keys cohort does not know, for one warning
 
   /// `source` names the file in messages.
   static DeepSpeedConfig from_json(const Json& config, int world_size,
                                    const std::string& source = "deepspeed config");
+  /// Reads `file` (JSON); UsageError naming the file and key of a bad value.
   static DeepSpeedConfig load(const std::filesystem::path& file, int world_size);
 };
 

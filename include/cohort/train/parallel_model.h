@@ -46,8 +46,9 @@ struct ModelSpec {
   /// model of the same parameters in the same order is what checkpoints hold, and these copy the
   /// slices to it (a collective over tp) and back.
   std::shared_ptr<torch::nn::Module> dense;
-  std::function<void()> copy_to_dense;
-  std::function<void()> load_from_dense;
+  std::function<void()>
+      copy_to_dense;  ///< copies the sliced module's parameters into `dense` (a collective over tp)
+  std::function<void()> load_from_dense;  ///< copies `dense`'s parameters into the sliced module
 };
 
 /// The optimizer over a rank's parameters (its stages' with a pipeline), before the engine wraps
@@ -57,6 +58,7 @@ using OptimizerFactory =
 /// The loss of a step's output and targets (a mean over the rows).
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+/// What ParallelModel::step did.
 struct StepResult {
   /// The step's mean loss over this rank's rows; undefined where this rank computes none (a
   /// pipeline's ranks other than the last stage's) or when the step was skipped.
@@ -66,9 +68,14 @@ struct StepResult {
   bool stepped = true;
 };
 
+/// This rank's model parts, engine, optimizer, loss scaler and learning-rate schedule for one
+/// train::Plan, made by train::parallelize: one step() for every plan, whole_model() to evaluate,
+/// save() and load() for checkpoints of any plan the arithmetic allows.
 class ParallelModel {
  public:
+  /// Movable, not copyable: it owns the engine.
   ParallelModel(ParallelModel&&) noexcept;
+  /// Moves the engine in.
   ParallelModel& operator=(ParallelModel&&) noexcept;
   ~ParallelModel();
 
@@ -90,8 +97,11 @@ class ParallelModel {
   GatheredParameters whole_model();
   /// The whole model's forward pass (after whole_model() where the model is cut).
   at::Tensor forward(const at::Tensor& inputs) const;
+  /// The model this rank trains (its stages' with a pipeline; its slices with tensor parallelism).
   torch::nn::Module& module() const;
+  /// The optimizer (the engine's where one wraps it: ZeRO, local SGD, DiLoCo, parameter server).
   torch::optim::Optimizer& optimizer() const;
+  /// The plan it was made for.
   const Plan& plan() const;
   /// Optimizer steps done, counting those of the checkpoint it resumed.
   int64_t steps() const;
@@ -134,9 +144,10 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
 /// prepare_data_loader start after the rows the checkpoint's run had taken of that epoch (their
 /// positions are part of every checkpoint), at any world size.
 inline constexpr const char* kEpochStepMetric = "epoch_step";
+/// Where a resumed loop starts: the epoch and the steps of it already done.
 struct ResumePoint {
-  int epoch = 0;
-  int64_t epoch_steps_done = 0;
+  int epoch = 0;                 ///< the epoch to start at, from 0
+  int64_t epoch_steps_done = 0;  ///< the steps of that epoch the checkpoint's run had done
 };
 /// The resume point of a checkpoint's metrics, said on rank 0 ("resuming epoch 2 after step 5
 /// from ...").

@@ -11,11 +11,14 @@
 
 namespace cohort::train {
 
+/// How a model trains over the workers: the parallel degrees, ZeRO, the sync mode, accumulation,
+/// clipping, CUDA-graph capture and the pipeline schedule (`cohort train`'s flags), checked by
+/// validate(). train::parallelize carries it out.
 struct Plan {
   /// Pipeline stages (--pp) and tensor-parallel degree (--tp); the data-parallel degree is what is
   /// left of the world: world size / (pp x tp). They equal ScalingConfig::mesh's.
   int pp = 1;
-  int tp = 1;
+  int tp = 1;  ///< tensor-parallel degree (--tp)
   /// ZeRO over the data-parallel group (--zero-stage); stage 0: DDP.
   parallel::ZeroOptions zero;
   /// How the replicas agree (--sync): synchronous DDP or ZeRO, local SGD, DiLoCo, the parameter
@@ -33,7 +36,7 @@ struct Plan {
   bool cuda_graph = false;
   /// The pipeline's schedule (--schedule) and micro-batches per batch (--micro-batches; 0: 2 x pp).
   parallel::pipeline::ScheduleKind schedule = parallel::pipeline::ScheduleKind::kOneFOneB;
-  int micro_batches = 0;
+  int micro_batches = 0;  ///< micro-batches per pipeline step (--micro-batches; 0: 2 x pp)
 
   /// A pipeline or tensor parallelism: the workers form a mesh.
   bool has_mesh() const { return pp > 1 || tp > 1; }

@@ -16,8 +16,9 @@
 
 namespace cohort::train {
 
+/// How prepare_model() prepares a model: DDP's options, ZeRO, or another sync mode.
 struct PrepareModelOptions {
-  bool move_to_device = true;
+  bool move_to_device = true;  ///< moves the model to the worker's device first
   /// Stage 0: DDP, with these options.
   parallel::DdpOptions ddp;
   /// Stage 1, 2 or 3: ZeRO, its engine made by prepare_optimizer(). Stage 3 shards the
@@ -41,6 +42,8 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options = {});
 
 template <typename M>
+/// Prepares `model` for this worker (Ray Train's prepare_model): moved to its device, rank 0's
+/// weights broadcast, gradients synchronised by DDP, ZeRO or the sync mode. Returns the same model.
 std::shared_ptr<M> prepare_model(std::shared_ptr<M> model,
                                  const PrepareModelOptions& options = {}) {
   prepare_module(model, options);
@@ -48,6 +51,7 @@ std::shared_ptr<M> prepare_model(std::shared_ptr<M> model,
 }
 
 template <typename M>
+/// prepare_model() for a module holder (e.g. torch::nn::Linear).
 torch::nn::ModuleHolder<M> prepare_model(torch::nn::ModuleHolder<M> model,
                                          const PrepareModelOptions& options = {}) {
   prepare_module(model.ptr(), options);
@@ -72,6 +76,7 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> optimizer);
 
 template <typename M>
+/// prepare_optimizer() for a module holder.
 std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     const torch::nn::ModuleHolder<M>& module, std::unique_ptr<torch::optim::Optimizer> optimizer) {
   return prepare_optimizer(module.ptr(), std::move(optimizer));
@@ -83,8 +88,10 @@ class NoSyncGuard {
  public:
   /// Nothing to hold: local SGD and DiLoCo never communicate in backward.
   NoSyncGuard() = default;
+  /// Holds DDP's guard.
   explicit NoSyncGuard(std::unique_ptr<parallel::DistributedDataParallel::NoSyncGuard> ddp)
       : ddp_(std::move(ddp)) {}
+  /// Holds ZeRO's guard.
   explicit NoSyncGuard(std::unique_ptr<parallel::ZeroOptimizer::NoSyncGuard> zero)
       : zero_(std::move(zero)) {}
 
@@ -96,6 +103,7 @@ class NoSyncGuard {
 /// Gradient accumulation: no communication while the guard lives (DDP or ZeRO alike).
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module);
 template <typename M>
+/// no_sync() for a module holder.
 NoSyncGuard no_sync(const torch::nn::ModuleHolder<M>& module) {
   return no_sync(module.ptr());
 }
@@ -107,15 +115,18 @@ NoSyncGuard no_sync(const torch::nn::ModuleHolder<M>& module) {
 class GatheredParameters {
  public:
   GatheredParameters() = default;
+  /// Holds ZeRO's gathered parameters.
   explicit GatheredParameters(std::unique_ptr<parallel::ZeroOptimizer::GatheredParameters> zero)
       : zero_(std::move(zero)) {}
 
  private:
   std::unique_ptr<parallel::ZeroOptimizer::GatheredParameters> zero_;
 };
+/// The parameters of `module` whole on every rank while the guard lives (see GatheredParameters).
 GatheredParameters gathered_parameters(const std::shared_ptr<torch::nn::Module>& module,
                                        bool write_back = false);
 template <typename M>
+/// gathered_parameters() for a module holder.
 GatheredParameters gathered_parameters(const torch::nn::ModuleHolder<M>& module,
                                        bool write_back = false) {
   return gathered_parameters(module.ptr(), write_back);
@@ -138,12 +149,14 @@ GatheredParameters gathered_parameters(const torch::nn::ModuleHolder<M>& module,
 /// the forward phase (cohort/trace.h), while it lives.
 class ForwardScope {
  public:
+  /// Starts autocast at `precision` on `device` and the forward span.
   ForwardScope(optim::Precision precision, const c10::Device& device);
 
  private:
   trace::Span span_;
   optim::AutocastGuard autocast_;
 };
+/// The forward pass's scope at the run's precision on this worker's device (see ForwardScope).
 ForwardScope autocast();
 /// loss.backward(), the loss scaled by the run's loss scaler (fp16 only); timed as the backward
 /// phase.

@@ -31,8 +31,8 @@ void report_progress(const Json& progress);
 /// For the steps RunConfig::log_every_steps picks, rank 0 calls `metrics` and adds "step_time_ms"
 /// (the median time between its calls since the last logged step, so an evaluation between two
 /// steps does not count); the driver appends the record, with "step" and "timestamp", to
-/// `<run>/steps.jsonl` and to TensorBoard as `"step/<metric>"` scalars, and the dashboard draws them.
-/// Every other call returns at once without calling `metrics`; no collective, no wait.
+/// `<run>/steps.jsonl` and to TensorBoard as `"step/<metric>"` scalars, and the dashboard draws
+/// them. Every other call returns at once without calling `metrics`; no collective, no wait.
 void log_step(int64_t step, const std::function<Json()>& metrics);
 
 /// Whether the run was asked to stop: true on every rank alike once any rank received a stop

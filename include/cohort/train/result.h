@@ -18,7 +18,9 @@ struct Result {
   /// The latest checkpoint, and the kept ones best first (by CheckpointConfig's score) with the
   /// metrics reported with them.
   std::optional<Checkpoint> checkpoint;
-  std::vector<std::pair<Checkpoint, Json>> best_checkpoints;
+  std::vector<std::pair<Checkpoint, Json>>
+      best_checkpoints;  ///< the kept checkpoints with their metrics, best first
+                         ///< (CheckpointConfig's score)
   /// The configuration the run was given: a Trainer run's train_loop_config; in a tune::ResultGrid,
   /// the trial's config (its param space with every search domain resolved).
   Json config = Json::object();
@@ -28,7 +30,7 @@ struct Result {
   std::optional<std::string> error;
   /// How many workers the last group had.
   int workers = 0;
-  double wall_seconds = 0;
+  double wall_seconds = 0;  ///< the run's wall-clock time, start to end, restarts included
   /// One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
   /// it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
   /// trained again)}.
@@ -40,6 +42,7 @@ struct Result {
   /// launcher) after committing a checkpoint: running it again resumes there.
   bool interrupted = false;
 
+  /// Whether the run ended without an error.
   bool ok() const { return !error.has_value(); }
 
   /// Reloads a run directory written by Trainer::fit (result.json, metrics.jsonl and the

@@ -24,9 +24,13 @@ namespace cohort::train {
 /// A histogram as TensorBoard's HistogramProto holds it: bucket i counts the values in
 /// (bucket_limit[i-1], bucket_limit[i]].
 struct Histogram {
-  double min = 0, max = 0, num = 0, sum = 0, sum_squares = 0;
-  std::vector<double> bucket_limit;
-  std::vector<double> bucket;
+  double min = 0;                    ///< the smallest value
+  double max = 0;                    ///< the largest value
+  double num = 0;                    ///< how many values
+  double sum = 0;                    ///< their sum
+  double sum_squares = 0;            ///< the sum of their squares
+  std::vector<double> bucket_limit;  ///< upper bounds of the buckets
+  std::vector<double> bucket;        ///< counts of the buckets
   /// Of a tensor's finite values (nan and inf are left out) in `bins` equal buckets from min to
   /// max. An empty tensor gives an empty histogram.
   static Histogram of(const at::Tensor& values, int bins = 30);
@@ -46,8 +50,11 @@ class SummaryWriter {
   SummaryWriter(const SummaryWriter&) = delete;
   SummaryWriter& operator=(const SummaryWriter&) = delete;
 
+  /// A scalar `value` of `tag` at `step`.
   void add_scalar(const std::string& tag, double value, int64_t step);
+  /// A histogram of `tag` at `step`.
   void add_histogram(const std::string& tag, const Histogram& histogram, int64_t step);
+  /// A histogram of `values` (30 buckets over their range) of `tag` at `step`.
   void add_histogram(const std::string& tag, const at::Tensor& values, int64_t step);
   /// Markdown, shown by TensorBoard's Text tab.
   void add_text(const std::string& tag, const std::string& markdown, int64_t step);
@@ -58,11 +65,14 @@ class SummaryWriter {
   /// `hparams`: name -> number, string or bool (other JSON values are written as their text).
   /// `domains`: name -> {"values": [...]} or {"min": a, "max": b}; names without one get none.
   void add_hparams_experiment(const Json& domains, const std::vector<std::string>& metrics);
+  /// The hparams plugin's session start: this trial's parameter values (a Tune trial's).
   void add_hparams_session_start(const Json& hparams, const std::string& group_name = "");
+  /// The hparams plugin's session end: how the trial ended.
   void add_hparams_session_end(SessionStatus status);
 
   /// Events are buffered; flush() puts them in the file (TensorBoard reads what is there).
   void flush();
+  /// The event file written.
   const std::filesystem::path& path() const { return path_; }
 
  private:
@@ -73,18 +83,19 @@ class SummaryWriter {
 
 /// One decoded event of an event file: the file version or a summary value.
 struct SummaryEvent {
+  /// What the event holds.
   enum class Kind { kFileVersion, kScalar, kHistogram, kText, kPlugin };
-  Kind kind = Kind::kPlugin;
-  double wall_time = 0;
-  int64_t step = 0;
+  Kind kind = Kind::kPlugin;  ///< this event's kind
+  double wall_time = 0;       ///< seconds since the Unix epoch
+  int64_t step = 0;           ///< the step it was written at
   /// The summary value's tag; for kFileVersion the version ("brain.Event:2").
   std::string tag;
-  double scalar = 0;
-  Histogram histogram;
-  std::string text;
+  double scalar = 0;    ///< kScalar's value
+  Histogram histogram;  ///< kHistogram's histogram
+  std::string text;     ///< kText's text
   /// The summary's plugin ("hparams", "text", ...) and its content bytes.
   std::string plugin;
-  std::string plugin_content;
+  std::string plugin_content;  ///< kPlugin's content (the hparams plugin's serialized protobuf)
 };
 
 /// Reads an event file whole, checking both CRCs of every record. A file cut inside a record or a

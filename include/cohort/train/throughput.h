@@ -16,10 +16,13 @@ namespace cohort::train {
 ///   for (epoch ...) { throughput.start(); for (batch ...) { step(...); throughput.step(rows); } }
 class Throughput {
  public:
+  /// The clock of the time points (steady).
   using Clock = std::chrono::steady_clock;
+  /// How a Throughput measures.
   struct Options {
-    int64_t warmup_steps = 5;
+    int64_t warmup_steps = 5;  ///< steps left out at the start
   };
+  /// A meter whose clock starts now.
   explicit Throughput(Options options);
   Throughput();
 
@@ -29,9 +32,11 @@ class Throughput {
   /// A step ended that trained on `samples` rows (over all ranks).
   void step(int64_t samples, Clock::time_point now = Clock::now());
 
+  /// The steps counted so far.
   int64_t steps() const { return steps_; }
   /// The steps samples_per_second is measured over.
   int64_t measured_steps() const;
+  /// Samples per second over the measured steps; empty when none was measured.
   std::optional<double> samples_per_second() const;
   /// Why samples_per_second() is empty; "" when it is not.
   std::string why_unmeasured() const;

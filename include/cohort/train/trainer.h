@@ -21,6 +21,10 @@ using TrainLoop = std::function<void(const Json& config)>;
 /// must be deterministic (parse flags, build configs), not side effects that must happen once.
 class Trainer {
  public:
+  /// A Trainer of `train_loop` (run on every worker, given `train_loop_config`), as many workers as
+  /// `scaling_config` says, its run directory and recovery as `run_config` says, and Ray-Data-style
+  /// `datasets` the loop reads with get_dataset_shard(name). Checks the configs; UsageError names a
+  /// bad value.
   Trainer(TrainLoop train_loop, ScalingConfig scaling_config = {}, RunConfig run_config = {},
           Json train_loop_config = Json::object(),
           std::map<std::string, data::Dataset> datasets = {});
@@ -32,10 +36,15 @@ class Trainer {
   /// run the loop and exit (status 1 after a failure, for the launcher to restart them).
   Result fit();
 
+  /// The loop every worker runs.
   const TrainLoop& train_loop() const { return train_loop_; }
+  /// The workers and what each gets.
   const ScalingConfig& scaling_config() const { return scaling_; }
+  /// The run's directory, failures, checkpoints and observability.
   const RunConfig& run_config() const { return run_; }
+  /// The JSON each worker's loop gets.
   const Json& train_loop_config() const { return config_; }
+  /// The datasets workers read with train::get_dataset_shard(name).
   const std::map<std::string, data::Dataset>& datasets() const { return datasets_; }
 
  private:

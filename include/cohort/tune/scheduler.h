@@ -14,6 +14,7 @@
 
 namespace cohort::tune {
 
+/// What a scheduler decides after a trial's result.
 enum class TrialDecision {
   kContinue,
   /// Stopped early: not promising enough to go on.
@@ -22,11 +23,14 @@ enum class TrialDecision {
   kFinish,
 };
 
+/// Decides, after each result, whether a trial goes on (Ray Tune's TrialScheduler). Its state is
+/// JSON, so an experiment resumes with it.
 class TrialScheduler {
  public:
   virtual ~TrialScheduler() = default;
   /// The Tuner's metric and mode ("max" or "min"), for schedulers whose own are unset.
   virtual void set_search_properties(const std::string& metric, const std::string& mode) {}
+  /// A trial starts.
   virtual void on_trial_add(const std::string& trial_id) {}
   /// Each result as the trial reports it: its metrics plus "training_iteration" and
   /// "time_total_s".
@@ -52,13 +56,15 @@ class FIFOScheduler : public TrialScheduler {
   Json to_json() const override { return Json{{"type", "fifo"}}; }
 };
 
+/// How ASHAScheduler stops trials: the time attribute, metric, max_t, grace period, reduction
+/// factor, brackets and seed.
 struct ASHAOptions {
   /// The result field that measures progress: "training_iteration" (reports so far) or
   /// "time_total_s".
   std::string time_attr = "training_iteration";
   /// Empty: the Tuner's metric and mode.
   std::string metric;
-  std::string mode;
+  std::string mode;  ///< "max" or "min"; empty: the Tuner's
   /// A trial is stopped once time_attr reaches max_t.
   double max_t = 100;
   /// No trial is stopped before time_attr reaches this.
@@ -67,7 +73,7 @@ struct ASHAOptions {
   double reduction_factor = 4;
   /// Brackets of rungs (Hyperband's s), each trial in one chosen at random (seeded).
   int brackets = 1;
-  uint64_t seed = 0;
+  uint64_t seed = 0;  ///< draws each trial's bracket
 };
 
 /// Asynchronous successive halving (Li et al. 2018; Ray Tune's ASHAScheduler). When a trial
@@ -75,8 +81,10 @@ struct ASHAOptions {
 /// values that trials reached the same rung with before it; the first to reach a rung goes on.
 class ASHAScheduler : public TrialScheduler {
  public:
+  /// ASHA with `options`.
   explicit ASHAScheduler(ASHAOptions options = {});
   void set_search_properties(const std::string& metric, const std::string& mode) override;
+  /// Places the trial in a bracket (drawn with the seed).
   void on_trial_add(const std::string& trial_id) override;
   TrialDecision on_trial_result(const std::string& trial_id, const Json& result) override;
   void on_trial_complete(const std::string& trial_id, const Json& last_result) override;
@@ -86,10 +94,12 @@ class ASHAScheduler : public TrialScheduler {
   /// The rung milestones of bracket b, highest first, each with the values recorded there (the
   /// metric, sign-flipped to "higher is better").
   struct Rung {
-    double milestone = 0;
-    std::map<std::string, double> recorded;
+    double milestone = 0;                    ///< the time attribute's value at this rung
+    std::map<std::string, double> recorded;  ///< trial id to its metric there (higher is better)
   };
+  /// Each bracket's rungs, highest first.
   const std::vector<std::vector<Rung>>& brackets() const { return brackets_; }
+  /// Trials stopped early so far.
   int num_stopped() const { return num_stopped_; }
 
  private:
@@ -106,10 +116,11 @@ class ASHAScheduler : public TrialScheduler {
   int num_stopped_ = 0;
 };
 
+/// How MedianStoppingRule stops trials.
 struct MedianStoppingOptions {
-  std::string time_attr = "training_iteration";
-  std::string metric;
-  std::string mode;
+  std::string time_attr = "training_iteration";  ///< the result field that measures progress
+  std::string metric;                            ///< empty: the Tuner's metric
+  std::string mode;                              ///< "max" or "min"; empty: the Tuner's
   /// No trial is stopped before time_attr reaches this.
   double grace_period = 1;
   /// Other trials that must have reached the same time before any comparison is made.
@@ -121,6 +132,7 @@ struct MedianStoppingOptions {
 /// same time.
 class MedianStoppingRule : public TrialScheduler {
  public:
+  /// The median stopping rule with `options`.
   explicit MedianStoppingRule(MedianStoppingOptions options = {});
   void set_search_properties(const std::string& metric, const std::string& mode) override;
   TrialDecision on_trial_result(const std::string& trial_id, const Json& result) override;

@@ -24,12 +24,19 @@ namespace cohort::tune {
 ///   {"qrandint": [lower, upper, q]}  a multiple of q in [lower, upper] (upper included, as in Ray)
 /// Anything else is a constant and is copied into every trial's config as it is.
 Json grid_search(Json values);
+/// A value drawn uniformly from `categories` (a JSON array): {"choice": [...]}.
 Json choice(Json categories);
+/// A float uniform in [lower, upper]: {"uniform": [lower, upper]}.
 Json uniform(double lower, double upper);
+/// A float uniform in [lower, upper], rounded to a multiple of q.
 Json quniform(double lower, double upper, double q);
+/// A float whose logarithm is uniform in [log lower, log upper]; 0 < lower < upper.
 Json loguniform(double lower, double upper);
+/// loguniform(), rounded to a multiple of q.
 Json qloguniform(double lower, double upper, double q);
+/// An integer in [lower, upper) (upper excluded, as in Ray).
 Json randint(int64_t lower, int64_t upper);
+/// A multiple of q in [lower, upper] (upper included, as in Ray).
 Json qrandint(int64_t lower, int64_t upper, int64_t q);
 
 /// Whether `value` is a search domain (of any kind, grid_search included).
@@ -63,6 +70,7 @@ class Searcher {
   virtual std::optional<Json> suggest(const std::string& trial_id) = 0;
   /// Every result of a trial, and its end (errored: it failed). Model-based searchers learn here.
   virtual void on_trial_result(const std::string& trial_id, const Json& result) {}
+  /// A trial ended with `last_result`; `errored`: it failed.
   virtual void on_trial_complete(const std::string& trial_id, const Json& last_result,
                                  bool errored) {}
   /// The number of trials it will suggest in all, when known.

@@ -19,11 +19,13 @@
 
 namespace cohort::tune {
 
+/// How a search runs: the metric and mode, the samples, concurrency, the scheduler and searcher,
+/// the time budget.
 struct TuneConfig {
   /// The reported metric that ranks trials, and whether higher ("max") or lower ("min") is better.
   /// Schedulers and get_best_result() use them.
   std::string metric;
-  std::string mode;
+  std::string mode;  ///< "max" or "min"
   /// Trials drawn; with grid_search domains, the whole grid is repeated this many times.
   int num_samples = 1;
   /// Trials running at once; 0: as many as the CPU threads allow.
@@ -52,23 +54,28 @@ struct TrialInfo {
   std::string status;    ///< "PENDING", "RUNNING", "TERMINATED" or "ERROR"
   /// Stopped by the scheduler or the time budget before it finished on its own.
   bool stopped_early = false;
-  int cpu_threads = 1;
-  int64_t iterations = 0;  ///< reports so far
-  double time_total_s = 0;
-  Json last_result = Json::object();
-  std::optional<std::string> error;
+  int cpu_threads = 1;                ///< CPU threads of its worker
+  int64_t iterations = 0;             ///< reports so far
+  double time_total_s = 0;            ///< seconds it ran
+  Json last_result = Json::object();  ///< its last report's record
+  std::optional<std::string> error;   ///< its error, when it failed
 };
 
 /// What an experiment produced (Ray Tune's ResultGrid): one Result per trial that ran, in trial
 /// order, each with the trial's config.
 class ResultGrid {
  public:
+  /// The grid of `experiment_path`'s trials and their results, ranked by `metric` and `mode`.
   ResultGrid(std::filesystem::path experiment_path, std::vector<TrialInfo> trials,
              std::vector<Result> results, std::string metric, std::string mode);
 
+  /// The number of results.
   size_t size() const { return results_.size(); }
+  /// Result `i`, in trial order.
   const Result& operator[](size_t i) const { return results_.at(i); }
+  /// The first result.
   std::vector<Result>::const_iterator begin() const { return results_.begin(); }
+  /// One past the last result.
   std::vector<Result>::const_iterator end() const { return results_.end(); }
 
   /// The trial with the best `metric` (default: TuneConfig's), by its last result (scope "last")
@@ -76,15 +83,20 @@ class ResultGrid {
   /// throws UsageError when none did.
   Result get_best_result(std::string metric = "", std::string mode = "",
                          const std::string& scope = "last") const;
+  /// Trials that failed.
   int num_errors() const;
+  /// Trials that finished (TERMINATED).
   int num_terminated() const;
   /// `"trial_00003: <error>"` for every errored trial.
   std::vector<std::string> errors() const;
+  /// Every trial's state.
   const std::vector<TrialInfo>& trials() const { return trials_; }
   /// One row per trial: name, status, `config/<param>` columns, iterations, time_total_s, its last
   /// metrics and error (Ray's get_dataframe()). The Tuner also writes it as trials.csv.
   std::vector<Json> table() const;
+  /// table() as a CSV file.
   void write_csv(const std::filesystem::path& file) const;
+  /// The experiment's folder.
   const std::filesystem::path& experiment_path() const { return path_; }
 
  private:
@@ -109,6 +121,9 @@ class ResultGrid {
 /// folder) are used.
 class Tuner {
  public:
+  /// A Tuner of `trainable` (a Trainer, run once per trial with the trial's config; the param
+  /// space's "scaling_config" changes its ScalingConfig) over `param_space` (search_space.h), as
+  /// `tune_config` says, in run_config's storage_path and name.
   Tuner(Trainer trainable, Json param_space, TuneConfig tune_config = {},
         RunConfig run_config = {});
   /// A function trainable: one worker per trial with `resources`, the function receiving the
@@ -124,9 +139,12 @@ class Tuner {
   /// scheduler or search_alg (which cannot be saved) is given again in `objects`.
   static Tuner restore(const std::filesystem::path& experiment_path, Trainer trainable,
                        TuneConfig objects = {});
+  /// restore() for a function trainable, with its worker's resources.
   static Tuner restore(const std::filesystem::path& experiment_path, TrainLoop trainable,
                        TuneConfig objects = {}, WorkerResources resources = {});
 
+  /// Runs the experiment: trials until the search ends or the budget is spent; the results of
+  /// every trial that ran.
   ResultGrid fit();
 
  private:

@@ -26,11 +26,15 @@ namespace cohort::parallel::pipeline {
 class Stage {
  public:
   template <typename Impl>
+  /// A stage of `module` (its forward(Tensor)).
   Stage(torch::nn::ModuleHolder<Impl> module)  // NOLINT: implicit on purpose
       : module_(module.ptr()),
         forward_([module](const at::Tensor& x) mutable { return module->forward(x); }) {}
+  /// Runs the stage on `input`.
   at::Tensor forward(const at::Tensor& input) const { return forward_(input); }
+  /// The stage's module.
   torch::nn::Module& module() const { return *module_; }
+  /// The stage's module, shared.
   std::shared_ptr<torch::nn::Module> ptr() const { return module_; }
 
  private:
@@ -57,8 +61,10 @@ std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const a
 /// the whole batch.
 using LossFunction = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+/// How a Pipeline runs: its schedule, micro-batches, virtual stages and data parallelism.
 struct PipelineOptions {
-  ScheduleKind schedule = ScheduleKind::kOneFOneB;
+  ScheduleKind schedule =
+      ScheduleKind::kOneFOneB;  ///< the schedule (GPipe, 1F1B, interleaved, zero-bubble)
   /// Micro-batches per step; each batch is split along dim 0 (its rows must be >= this).
   int micro_batches = 4;
   /// Stages per rank (the interleaved schedule): rank r holds stages r, r + p, r + 2p, ...
@@ -68,7 +74,7 @@ struct PipelineOptions {
   /// construction and averages the gradients in the stage's last backward of each step (the
   /// earlier ones accumulate under no_sync). Empty or of size 1: none.
   comm::ProcessGroup data_parallel_group;
-  DdpOptions data_parallel;
+  DdpOptions data_parallel;  ///< the DDP options over data_parallel_group
   /// ZeRO stage 1 or 2 instead of DDP over the data-parallel group (any size, 1 included): one
   /// ZeroOptimizer over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards
   /// the optimizer state (and at stage 2 the averaged gradients) over the group. A step's
@@ -92,9 +98,9 @@ struct PipelineOptions {
 /// One action of a step as it ran: seconds on the steady clock, which every process of a host
 /// shares, so that the ranks' timelines line up.
 struct TimedAction {
-  Action action;
-  double start = 0.0;
-  double end = 0.0;
+  Action action;       ///< which action
+  double start = 0.0;  ///< its start, seconds on the steady clock
+  double end = 0.0;    ///< its end
   /// heap_bytes_in_use() when the action ended: with a baseline taken before the step, the
   /// activations and gradients this rank holds.
   int64_t heap_bytes = -1;
@@ -121,7 +127,9 @@ class Pipeline {
   Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunction loss,
            PipelineOptions options = {});
   ~Pipeline();
+  /// Movable, not copyable.
   Pipeline(Pipeline&&) noexcept;
+  /// Moves the pipeline in.
   Pipeline& operator=(Pipeline&&) noexcept;
 
   /// One training step: forward and backward of every micro-batch as the schedule says. The
@@ -150,11 +158,15 @@ class Pipeline {
   /// layers under their own names ("3.weight" as in the whole model) when no two stages share a
   /// name, else each stage as "stage<global index>". What the ZeRO engine shards and names.
   std::shared_ptr<torch::nn::Module> module() const;
+  /// This rank's stages.
   const std::vector<Stage>& stages() const;
   /// This rank's global stage indices.
   std::vector<int> stage_indices() const;
+  /// The compiled schedule every rank runs.
   const Program& program() const;
+  /// Whether this rank holds the first stage.
   bool is_first() const;
+  /// Whether this rank holds the last stage.
   bool is_last() const;
 
  private:

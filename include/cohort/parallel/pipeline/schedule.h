@@ -17,6 +17,7 @@ class ScheduleError : public UsageError {
   using UsageError::UsageError;
 };
 
+/// The pipeline schedules: the order in which each rank runs its stages' forwards and backwards.
 enum class ScheduleKind {
   /// All forwards, then all backwards (Huang et al. 2019). Bubble (p-1)/(m+p-1); every rank
   /// holds the activations of all m micro-batches.
@@ -33,10 +34,12 @@ enum class ScheduleKind {
   /// p micro-batches' activations alive on every rank (1F1B's peak, rank 0's).
   kZeroBubble,
 };
+/// "gpipe", "1f1b", "interleaved" or "zero-bubble".
 const char* to_string(ScheduleKind kind);
 /// "gpipe", "1f1b", "interleaved" or "zero-bubble"; anything else is a UsageError naming the value.
 ScheduleKind schedule_from_string(const std::string& name);
 
+/// What a step of a pipeline rank does.
 enum class ActionType : uint8_t {
   kForward,
   /// The whole backward of a stage: input and weight gradients.
@@ -59,9 +62,10 @@ enum class ActionType : uint8_t {
 /// receiving stage's: kSendActivation (s, m) pairs with kRecvActivation (s + 1, m) and
 /// kSendGradient (s, m) with kRecvGradient (s - 1, m).
 struct Action {
-  ActionType type = ActionType::kForward;
-  int stage = -1;
-  int micro_batch = -1;
+  ActionType type = ActionType::kForward;  ///< what it does
+  int stage = -1;                          ///< the global stage index (-1: the optimizer step)
+  int micro_batch = -1;                    ///< the micro-batch (-1: the optimizer step)
+  /// Same type, stage and micro-batch.
   bool operator==(const Action&) const = default;
 };
 /// "forward of stage 2, micro-batch 3", "recv activation of stage 1, micro-batch 0", ...
@@ -72,25 +76,28 @@ std::string short_name(const Action& action);
 /// Where the stages live: `ranks` pipeline ranks with `virtual_stages` stages each; stage s is on
 /// rank s % ranks.
 struct PipelineLayout {
-  int ranks = 1;
-  int virtual_stages = 1;
+  int ranks = 1;           ///< pipeline ranks
+  int virtual_stages = 1;  ///< stages per rank (the interleaved schedule's)
+  /// All stages.
   int stages() const { return ranks * virtual_stages; }
+  /// The rank that holds stage `stage`.
   int rank_of(int stage) const { return stage % ranks; }
   /// This rank's stages, in order: r, r + ranks, r + 2 ranks, ...
   std::vector<int> stages_of(int rank) const;
 };
 
+/// What compile_schedule() compiles: the schedule, the layout and the micro-batches.
 struct ScheduleOptions {
-  ScheduleKind kind = ScheduleKind::kOneFOneB;
-  PipelineLayout layout;
-  int micro_batches = 4;
+  ScheduleKind kind = ScheduleKind::kOneFOneB;  ///< the schedule
+  PipelineLayout layout;                        ///< where the stages live
+  int micro_batches = 4;                        ///< micro-batches per step
 };
 
 /// One action list per pipeline rank.
 struct Program {
-  PipelineLayout layout;
-  int micro_batches = 0;
-  std::vector<std::vector<Action>> ranks;
+  PipelineLayout layout;                   ///< where the stages live
+  int micro_batches = 0;                   ///< micro-batches per step
+  std::vector<std::vector<Action>> ranks;  ///< by pipeline rank, its actions in order
 };
 
 /// Compiles a schedule: the computation order of every rank, with the sends and receives between

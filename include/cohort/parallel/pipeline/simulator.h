@@ -12,13 +12,14 @@ namespace cohort::parallel::pipeline {
 /// backward_input + backward_weight. Sends take no time on the sender (they are asynchronous);
 /// a message arrives `latency` after its send.
 struct SimulationCosts {
-  double forward = 1.0;
-  double backward_input = 1.0;
-  double backward_weight = 1.0;
-  double optimizer_step = 0.0;
-  double latency = 0.0;
+  double forward = 1.0;          ///< one stage's forward of one micro-batch
+  double backward_input = 1.0;   ///< its input-gradient backward
+  double backward_weight = 1.0;  ///< its weight-gradient backward
+  double optimizer_step = 0.0;   ///< a rank's optimizer step
+  double latency = 0.0;          ///< a message's time in flight
 };
 
+/// What simulate() finds: the makespan, each rank's busy time, the bubble and the peak activations.
 struct SimulationResult {
   /// When the last rank finishes.
   double makespan = 0.0;
