@@ -8,6 +8,7 @@
 #include "cohort/cohort.h"
 #include "support/cuda.h"
 #include "support/expect.h"
+#include "support/run_config.h"
 #include "support/tiny_mnist.h"
 
 namespace cohort {
@@ -15,10 +16,7 @@ namespace {
 
 using cohort::testing::expect_error;
 
-RunConfig quiet_run(const std::filesystem::path& dir, const std::string& name) {
-  return RunConfig{
-      .name = name, .storage_path = dir, .verbose = 0, .setup_timeout = std::chrono::seconds(60)};
-}
+using cohort::testing::quiet_run;
 
 TEST(GpuTraining, BadGpuRequestsAreRefusedBeforeAnyWorkerStarts) {
   auto loop = [](const Json&) {};

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cohort/cohort.h"
+#include "support/run_config.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
@@ -21,12 +22,8 @@ namespace fs = std::filesystem;
 
 TEST(Observability, ReportsNameTheSlowRankAndProfiledStepsBecomeChromeTraces) {
   const auto dir = testing::temp_dir("observability");
-  RunConfig run{.name = "slow",
-                .storage_path = dir,
-                .verbose = 0,
-                .setup_timeout = std::chrono::seconds(30),
-                .collective_timeout = std::chrono::seconds(60),
-                .profile_steps = {.first = 3, .last = 5}};
+  RunConfig run = testing::quiet_run(dir, "slow");
+  run.profile_steps = {.first = 3, .last = 5};
   Trainer trainer(
       [](const Json&) {
         auto& ctx = train::get_context();
@@ -104,12 +101,8 @@ TEST(Observability, ReportsNameTheSlowRankAndProfiledStepsBecomeChromeTraces) {
 // the metrics of the other steps are never made.
 TEST(Observability, LoggedStepsReachStepsJsonlAndTensorBoardEveryNSteps) {
   const auto dir = testing::temp_dir("observability_steps");
-  RunConfig run{.name = "steps",
-                .storage_path = dir,
-                .verbose = 0,
-                .setup_timeout = std::chrono::seconds(30),
-                .collective_timeout = std::chrono::seconds(60),
-                .log_every_steps = 3};
+  RunConfig run = testing::quiet_run(dir, "steps");
+  run.log_every_steps = 3;
   Trainer trainer(
       [](const Json&) {
         auto& ctx = train::get_context();

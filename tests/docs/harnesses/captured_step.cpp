@@ -11,6 +11,6 @@
   auto loader = train::prepare_data_loader(
       data::load_mnist(data::default_fashion_mnist_dir(), data::Split::kTrain), {.batch_size = 64});
   {
-// SNIPPET
+    // SNIPPET
   }
 }

@@ -8,6 +8,6 @@
 [[maybe_unused]] void fragment() {
   const cohort::Json base_config{{"epochs", 2}};
   {
-// SNIPPET
+    // SNIPPET
   }
 }

@@ -24,6 +24,6 @@
   const ScalingConfig scaling{.num_workers = 2};
   const RunConfig run{.name = "run"};
   {
-// SNIPPET
+    // SNIPPET
   }
 }

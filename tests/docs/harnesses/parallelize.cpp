@@ -27,6 +27,6 @@ namespace train = cohort::train;
   const cohort::Json metrics{{"loss", 0.0}};
   train::ResumePoint start;
   {
-// SNIPPET
+    // SNIPPET
   }
 }

@@ -12,6 +12,6 @@
                                cohort::data::Split::kTrain),
       {.batch_size = 64});
   {
-// SNIPPET
+    // SNIPPET
   }
 }

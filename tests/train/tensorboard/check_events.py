@@ -144,52 +144,37 @@ def flat_metrics(record, prefix=""):
             yield tag, float(value)
 
 
-def check_scalars(folder, run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+def check_scalars(folder, run_dir, file, step_key, prefix=""):
+    """Every metric of every line of `file` (metrics.jsonl: a report at its training_iteration;
+    steps.jsonl: train::log_step's at its step, as "step/<metric>") is that scalar in `folder`."""
+    with open(os.path.join(run_dir, file)) as f:
         records = [json.loads(line) for line in f if line.strip()]
     if not records:
-        fail(f"{run_dir}/metrics.jsonl has no report")
+        fail(f"{run_dir}/{file} has no record")
     checked = 0
     for record in records:
-        step = record["training_iteration"]
-        for tag, value in flat_metrics(record):
+        step = record[step_key]
+        values = {k: v for k, v in record.items() if k not in (step_key, "timestamp")}
+        for tag, value in flat_metrics(values, prefix):
             got = folder.scalars.get(tag, {}).get(step)
             if got is None:
-                fail(f"{folder.folder}: no scalar {tag} at step {step} (metrics.jsonl has {value})")
+                fail(f"{folder.folder}: no scalar {tag} at step {step} ({file} has {value})")
             want = struct.unpack("<f", struct.pack("<f", value))[0]
             if not (got == want or (math.isnan(got) and math.isnan(want))):
-                fail(f"{folder.folder}: scalar {tag} at step {step} is {got}, metrics.jsonl {value}")
+                fail(f"{folder.folder}: scalar {tag} at step {step} is {got}, {file} {value}")
             checked += 1
     return records, checked
 
 
-def check_steps(folder, run_dir):
-    """steps.jsonl (train::log_step) as "step/<metric>" scalars at each record's step."""
-    with open(os.path.join(run_dir, "steps.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    if not records:
-        fail(f"{run_dir}/steps.jsonl has no logged step")
-    checked = 0
-    for record in records:
-        values = {k: v for k, v in record.items() if k not in ("step", "timestamp")}
-        for tag, value in flat_metrics(values, "step/"):
-            got = folder.scalars.get(tag, {}).get(record["step"])
-            want = struct.unpack("<f", struct.pack("<f", value))[0]
-            if got != want:
-                fail(f"{folder.folder}: scalar {tag} at step {record['step']} is {got}, steps.jsonl {value}")
-            checked += 1
-    return len(records), checked
-
-
 def check_run(event_pb2, run_dir, histograms):
     folder = Folder(event_pb2, os.path.join(run_dir, "tensorboard"))
-    records, checked = check_scalars(folder, run_dir)
-    steps, step_scalars = check_steps(folder, run_dir)
+    records, checked = check_scalars(folder, run_dir, "metrics.jsonl", "training_iteration")
+    steps, step_scalars = check_scalars(folder, run_dir, "steps.jsonl", "step", "step/")
     config = folder.texts.get("config")
     if config is None or '"model"' not in config:
         fail(f"{folder.folder}: no config text with the model in it: {config!r}")
     summary = (f"{folder.records} records, {checked} scalars match metrics.jsonl, "
-               f"{steps} logged steps, their {step_scalars} scalars match steps.jsonl")
+               f"{len(steps)} logged steps, their {step_scalars} scalars match steps.jsonl")
     if histograms:
         params = [t for t in folder.histograms if t.startswith("parameters/")]
         grads = [t for t in folder.histograms if t.startswith("gradients/")]
@@ -223,7 +208,7 @@ def check_tune(event_pb2, hparams_pb2, experiment_dir):
     for trial in trials:
         run_dir = os.path.join(experiment_dir, trial)
         folder = Folder(event_pb2, os.path.join(run_dir, "tensorboard"))
-        check_scalars(folder, run_dir)
+        check_scalars(folder, run_dir, "metrics.jsonl", "training_iteration")
         starts = [c for t, c in folder.hparams if t == "_hparams_/session_start_info"]
         ends = [c for t, c in folder.hparams if t == "_hparams_/session_end_info"]
         if len(starts) != 1 or len(ends) != 1:
