@@ -59,6 +59,12 @@ std::string to_string(const SyncMode& mode) {
 
 bool is_synchronous(const SyncMode& mode) { return std::holds_alternative<Synchronous>(mode); }
 
+std::optional<std::string> zero_conflict(const SyncMode& mode, int zero_stage) {
+  if (is_synchronous(mode) || zero_stage == 0) return std::nullopt;
+  return to_string(mode) + " cannot be combined with ZeRO stage " + std::to_string(zero_stage) +
+         ": ZeRO's shards need every replica to step the same gradients";
+}
+
 void validate(const SyncMode& mode) {
   if (const auto* local = std::get_if<LocalSgd>(&mode); local && local->every < 1) {
     throw UsageError("local SGD: every " + std::to_string(local->every) +

@@ -36,11 +36,8 @@ void Plan::validate(int world_size) const {
   zero.validate();
   parallel::validate(sync);
   const std::string sync_flag = "--sync " + parallel::to_string(sync);
-  if (!parallel::is_synchronous(sync) && zero.stage > 0) {
-    fail(sync_flag + " cannot be combined with ZeRO stage " + std::to_string(zero.stage) +
-         " (--zero-stage): ZeRO's shards need every worker to step the same gradients; use "
-         "--zero-stage 0 or --sync ddp");
-  }
+  if (const auto conflict = parallel::zero_conflict(sync, zero.stage))
+    fail("--sync " + *conflict + " (--zero-stage); use --zero-stage 0 or --sync ddp");
   if (cuda_graph) {
     // What a captured step can hold: one micro-batch, DDP's all-reduce, no mesh.
     const auto refuse = [&](const std::string& why) { fail("--cuda-graph " + why); };

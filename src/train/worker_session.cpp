@@ -116,11 +116,8 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                      ": parameter servers serve only parallel::AsyncParameterServer (sync "
                      "async-ps:K); set 0 servers or that mode");
   }
-  if (!parallel::is_synchronous(sync) && options.zero.stage > 0) {
-    throw UsageError("prepare_model: sync " + parallel::to_string(sync) +
-                     " cannot be combined with ZeRO stage " + std::to_string(options.zero.stage) +
-                     ": ZeRO's shards need every rank to step the same gradients; use ZeRO "
-                     "stage 0 or the ddp sync");
+  if (const auto conflict = parallel::zero_conflict(sync, options.zero.stage)) {
+    throw UsageError("prepare_model: sync " + *conflict + "; use ZeRO stage 0 or the ddp sync");
   }
   if (options.move_to_device) module->to(session.context.device);
   if (!parallel::is_synchronous(sync)) {

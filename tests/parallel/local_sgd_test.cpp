@@ -53,6 +53,17 @@ TEST(SyncMode, ParsesTheCliFormsAndNamesBadOnes) {
                                     "outer_lr");
 }
 
+// Only synchronous replicas step the same gradients, which ZeRO's shards need; every layer that
+// checks the combination (the plan, prepare_model, the pipeline) words it from this one reason.
+TEST(SyncMode, OnlySynchronousModesCombineWithZero) {
+  EXPECT_FALSE(zero_conflict(Synchronous{}, 3));
+  EXPECT_FALSE(zero_conflict(LocalSgd{.every = 8}, 0));
+  EXPECT_EQ(zero_conflict(DiLoCo{.inner_steps = 8}, 2).value_or(""),
+            "diloco:8 cannot be combined with ZeRO stage 2: ZeRO's shards need every replica to "
+            "step the same gradients");
+  EXPECT_TRUE(zero_conflict(AsyncParameterServer{.max_staleness = 2}, 1));
+}
+
 // DiLoCo with one inner step and an outer SGD of lr 1 without momentum is synchronous DDP (the
 // inner SGD's momentum is linear in the gradients, so averaging commutes with it).
 TEST(LocalSgdOptimizer, DiLoCoOfOneStepAndPlainOuterSgdIsDdp) {

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <variant>
 
@@ -52,5 +53,10 @@ std::string to_string(const SyncMode& mode);
 void validate(const SyncMode& mode);
 /// Whether `mode` is Synchronous (DDP or ZeRO).
 bool is_synchronous(const SyncMode& mode);
+/// Why `mode` cannot run with ZeRO stage `zero_stage`, e.g. "diloco:8 cannot be combined with ZeRO
+/// stage 2: ZeRO's shards need every replica to step the same gradients"; empty when it can
+/// (stage 0, or a synchronous mode). Callers put the name of their option before it and the fix
+/// after it.
+std::optional<std::string> zero_conflict(const SyncMode& mode, int zero_stage);
 
 }  // namespace cohort::parallel

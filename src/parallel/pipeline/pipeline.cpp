@@ -377,12 +377,8 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
                      ") serves whole models, not a pipeline's stages: use DDP, local SGD or "
                      "DiLoCo over the data-parallel group");
   }
-  if (!synchronous && st.options.zero.stage != 0) {
-    throw UsageError("Pipeline: sync " + to_string(st.options.sync) +
-                     " cannot be combined with ZeRO stage " +
-                     std::to_string(st.options.zero.stage) +
-                     ": ZeRO's shards need every replica to step the same gradients; use ZeRO "
-                     "stage 0 or synchronous DDP");
+  if (const auto conflict = zero_conflict(st.options.sync, st.options.zero.stage)) {
+    throw UsageError("Pipeline: sync " + *conflict + "; use ZeRO stage 0 or synchronous DDP");
   }
   if (!synchronous && !dp.valid()) {
     throw UsageError("Pipeline: sync " + to_string(st.options.sync) +
