@@ -62,10 +62,9 @@ double default_weight_decay(const std::string& optimizer) {
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
                                                         std::vector<torch::Tensor> params) {
   const auto name = c["optimizer"].get<std::string>();
-  const double lr = c["lr"].get<double>() > 0 ? c["lr"].get<double>() : default_lr(name);
-  const double decay = c.contains("weight_decay") && c["weight_decay"].is_number()
-                           ? c["weight_decay"].get<double>()
-                           : default_weight_decay(name);
+  // to_json wrote the values the run uses, the optimizer's defaults included.
+  const double lr = c["lr"].get<double>();
+  const double decay = c["weight_decay"].get<double>();
   const bool flat = c.value("flat_optimizer", true);
   if (name == "adam" || name == "adamw") {
     if (name == "adamw") {

@@ -22,6 +22,16 @@ Batch TensorDataset::get_batch(const at::Tensor& indices) const {
   return batch;
 }
 
+namespace {
+
+// The batches of `rows` rows: the last one short, or dropped with drop_last.
+int64_t batches_of(int64_t rows, const DataLoaderOptions& options) {
+  const int64_t b = options.batch_size;
+  return options.drop_last ? rows / b : (rows + b - 1) / b;
+}
+
+}  // namespace
+
 // One pass over the shard: a producer thread fills a bounded queue, the iterator drains it.
 struct DataLoader::Iterator::Epoch {
   PassPosition pass;  // the consumer's place, and who hears of it
@@ -125,11 +135,7 @@ void DataLoader::set_on_position(std::function<void(const EpochPosition&)> callb
 
 int64_t DataLoader::num_samples() const { return impl_->sampler.num_samples(); }
 
-int64_t DataLoader::num_batches() const {
-  const int64_t n = num_samples();
-  const int64_t b = impl_->options.batch_size;
-  return impl_->options.drop_last ? n / b : (n + b - 1) / b;
-}
+int64_t DataLoader::num_batches() const { return batches_of(num_samples(), impl_->options); }
 
 const DataLoaderOptions& DataLoader::options() const { return impl_->options; }
 const DistributedSampler& DataLoader::sampler() const { return impl_->sampler; }
@@ -161,9 +167,7 @@ DataLoader::Iterator DataLoader::begin() {
                               .yielded_rows = own},
                  .on_position = impl_->on_position};
   const auto options = impl_->options;
-  const auto rows = static_cast<int64_t>(indices.size());
-  const int64_t batches = options.drop_last ? rows / options.batch_size
-                                            : (rows + options.batch_size - 1) / options.batch_size;
+  const int64_t batches = batches_of(static_cast<int64_t>(indices.size()), options);
   const TensorDataset* dataset = &impl_->dataset;
   Iterator::Epoch* raw = epoch.get();
   epoch->producer = std::thread([raw, dataset, options, batches, indices = std::move(indices)] {

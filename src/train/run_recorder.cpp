@@ -180,13 +180,14 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
 }
 
 void RunRecorder::on_step(const Json& message) {
-  Json record = message.value("metrics", Json::object());
+  const Json metrics = message.value("metrics", Json::object());
   const int64_t step = message.value("step", int64_t{0});
+  Json record = metrics;
   record["step"] = step;
   record["timestamp"] = std::time(nullptr);
   steps_log_ << record.dump() << '\n';
   steps_log_.flush();
-  if (tensorboard_) tensorboard_->on_step(step, record);
+  if (tensorboard_) tensorboard_->on_step(step, metrics);
 }
 
 Result RunRecorder::finish(const std::optional<std::string>& error, int workers,

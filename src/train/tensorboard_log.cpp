@@ -8,7 +8,7 @@ namespace {
 
 // The record's bookkeeping fields, which are no metrics.
 bool is_bookkeeping(const std::string& key) {
-  return key == "training_iteration" || key == "timestamp" || key == "checkpoint" || key == "step";
+  return key == "training_iteration" || key == "timestamp" || key == "checkpoint";
 }
 
 void add_scalars(SummaryWriter& writer, const std::string& prefix, const Json& values,
@@ -46,11 +46,8 @@ void TensorBoardLog::on_report(const Json& record, const Json& histograms) {
   writer_.flush();
 }
 
-void TensorBoardLog::on_step(int64_t step, const Json& record) {
-  Json values = Json::object();
-  for (const auto& [key, value] : record.items())
-    if (!is_bookkeeping(key)) values[key] = value;
-  add_scalars(writer_, "step", values, step);
+void TensorBoardLog::on_step(int64_t step, const Json& metrics) {
+  add_scalars(writer_, "step", metrics, step);
   writer_.flush();
 }
 

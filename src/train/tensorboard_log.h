@@ -20,8 +20,8 @@ class TensorBoardLog {
   // A committed report: `record` as metrics.jsonl holds it; `histograms`: tag -> histogram JSON
   // (histogram_to_json), or null.
   void on_report(const Json& record, const Json& histograms);
-  // A train::log_step record (steps.jsonl's): its metrics as "step/<metric>" at `step`.
-  void on_step(int64_t step, const Json& record);
+  // A train::log_step's metrics as "step/<metric>" scalars at `step`.
+  void on_step(int64_t step, const Json& metrics);
   void on_finish(bool ok);
 
  private:
