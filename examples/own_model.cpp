@@ -103,10 +103,7 @@ int main(int argc, char** argv) {
     const auto labelled = open_data(c);
     std::cout << labelled.describe() << std::endl;
     cohort::Trainer trainer(
-        train_loop,
-        {.num_workers = workers,
-         .precision = plan.precision,
-         .mesh = {.pp = plan.pp, .tp = plan.tp}},
+        train_loop, {.num_workers = workers, .mesh = {.pp = plan.pp, .tp = plan.tp}},
         {.name = name, .storage_path = storage, .verbose = 0}, c,
         {{"train", labelled.train.random_shuffle(0).map_batches(labelled.normalize)}});
     const auto result = trainer.fit();

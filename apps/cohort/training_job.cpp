@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "cohort/cohort.h"
+#include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
 
 namespace cohort::cli {
@@ -92,9 +93,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
 }
 
 optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
-  if (c.contains("schedule")) {
+  if (c.contains("lr_schedule")) {
     // A DeepSpeed scheduler: its own step counts.
-    const auto& j = c["schedule"];
+    const auto& j = c["lr_schedule"];
     return optim::LrScheduleOptions{.warmup_steps = j["warmup_steps"].get<int64_t>(),
                                     .warmup_type = j["warmup_type"].get<std::string>(),
                                     .warmup_start_ratio = j["warmup_start_ratio"].get<double>(),
@@ -200,9 +201,6 @@ void validate_mesh(const TrainOptions& o) {
                        std::to_string(vit.heads) + " heads and " +
                        std::to_string(vit.width * vit.mlp_ratio) + " MLP features");
     }
-  }
-  if (o.plan.precision == "fp16") {
-    throw UsageError("--precision fp16 with " + flags + " is not supported yet: use bf16 or fp32");
   }
   // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
   if (o.min_workers % (o.plan.pp * o.plan.tp) != 0) {
@@ -391,32 +389,6 @@ std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
                         {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
 }
 
-namespace {
-
-Json sync_to_json(const parallel::SyncMode& mode) {
-  Json j{{"mode", parallel::to_string(mode)}};
-  if (const auto* d = std::get_if<parallel::DiLoCo>(&mode)) {
-    j["outer_lr"] = d->outer_lr;
-    j["outer_momentum"] = d->outer_momentum;
-    j["nesterov"] = d->nesterov;
-  }
-  return j;
-}
-
-}  // namespace
-
-parallel::SyncMode sync_mode_of(const Json& config) {
-  if (!config.contains("sync")) return parallel::Synchronous{};
-  const Json& j = config["sync"];
-  auto mode = parallel::parse_sync_mode(j.at("mode").get<std::string>());
-  if (auto* d = std::get_if<parallel::DiLoCo>(&mode)) {
-    d->outer_lr = j.at("outer_lr").get<double>();
-    d->outer_momentum = j.at("outer_momentum").get<double>();
-    d->nesterov = j.at("nesterov").get<bool>();
-  }
-  return mode;
-}
-
 Json to_json(const TrainOptions& o) {
   Json config{{"model", o.model},
               {"epochs", o.epochs},
@@ -429,26 +401,12 @@ Json to_json(const TrainOptions& o) {
               {"max_steps", o.max_steps},
               {"train_examples", o.train_examples},
               {"test_examples", o.test_examples},
-              {"gradient_accumulation_steps", o.plan.gradient_accumulation_steps},
-              {"zero",
-               {{"stage", o.plan.zero.stage},
-                {"reduce_bucket_size", o.plan.zero.reduce_bucket_size},
-                {"allgather_bucket_size", o.plan.zero.allgather_bucket_size},
-                {"overlap_comm", o.plan.zero.overlap_comm},
-                {"prefetch_bucket_size", o.plan.zero.prefetch_bucket_size},
-                {"max_live_parameters", o.plan.zero.max_live_parameters},
-                {"param_persistence_threshold", o.plan.zero.param_persistence_threshold}}},
               {"weight_decay", o.weight_decay.value_or(default_weight_decay(o.optimizer))},
               {"flat_optimizer", o.flat_optimizer},
-              {"cuda_graph", o.plan.cuda_graph},
-              {"gradient_clipping", o.plan.gradient_clipping},
               {"warmup_steps", o.warmup_steps},
-              {"lr_decay", o.lr_decay},
-              {"sync", sync_to_json(o.plan.sync_mode())},
-              {"pp", o.plan.pp},
-              {"tp", o.plan.tp},
-              {"micro_batches", o.plan.micro_batches},
-              {"pipeline_schedule", o.plan.schedule}};
+              {"lr_decay", o.lr_decay}};
+  // The plan's keys as PlanOptions writes them: a user's own program reads the same.
+  config.update(Json(o.plan));
   if (o.data.empty()) {
     config["data_dir"] = data_dir_of(o).string();
   } else {
@@ -461,11 +419,11 @@ Json to_json(const TrainOptions& o) {
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
-    config["schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
-                          {"warmup_type", o.schedule->warmup_type},
-                          {"warmup_start_ratio", o.schedule->warmup_start_ratio},
-                          {"decay", o.schedule->decay},
-                          {"total_steps", o.schedule->total_steps}};
+    config["lr_schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
+                             {"warmup_type", o.schedule->warmup_type},
+                             {"warmup_start_ratio", o.schedule->warmup_start_ratio},
+                             {"decay", o.schedule->decay},
+                             {"total_steps", o.schedule->total_steps}};
   }
   return config;
 }
@@ -489,7 +447,7 @@ void apply_deepspeed_config(TrainOptions& o) {
   o.eps = ds.eps;
   o.schedule = ds.schedule;
   o.plan.precision = ds.precision;
-  o.loss_scaler = ds.loss_scaler;
+  o.plan.loss_scaler = ds.loss_scaler;
   o.plan.gradient_clipping = ds.gradient_clipping;
   o.plan.zero = ds.zero;
 }
@@ -501,8 +459,6 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .use_gpu = o.use_gpu,
       .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
       .backend = o.backend,
-      .precision = o.plan.precision,
-      .loss_scaler = o.loss_scaler,
       .on_world_size_change = train::linear_lr_scaling,
       .num_parameter_servers = o.parameter_servers,
       .mesh = {.pp = o.plan.pp, .tp = o.plan.tp}};
@@ -577,63 +533,7 @@ RunConfig run_config_of(const TrainOptions& o) {
       .profile_steps = profile_steps_of(o)};
 }
 
-parallel::ZeroOptions zero_options_of(const Json& c) {
-  parallel::ZeroOptions zero;
-  if (!c.contains("zero")) return zero;
-  const auto& z = c["zero"];
-  zero = {.stage = z["stage"].get<int>(),
-          .reduce_bucket_size = z["reduce_bucket_size"].get<int64_t>(),
-          .allgather_bucket_size = z["allgather_bucket_size"].get<int64_t>(),
-          .overlap_comm = z["overlap_comm"].get<bool>()};
-  const parallel::ZeroOptions defaults;
-  zero.prefetch_bucket_size = z.value("prefetch_bucket_size", defaults.prefetch_bucket_size);
-  zero.max_live_parameters = z.value("max_live_parameters", defaults.max_live_parameters);
-  zero.param_persistence_threshold =
-      z.value("param_persistence_threshold", defaults.param_persistence_threshold);
-  return zero;
-}
-
-train::Plan plan_of(const Json& c) {
-  return {.pp = c.value("pp", 1),
-          .tp = c.value("tp", 1),
-          .zero = zero_options_of(c),
-          .sync = sync_mode_of(c),
-          .gradient_accumulation_steps = c.value("gradient_accumulation_steps", int64_t{1}),
-          .gradient_clipping = c.value("gradient_clipping", 0.0),
-          .cuda_graph = c.value("cuda_graph", false),
-          .schedule = parallel::pipeline::schedule_from_string(
-              c.value("pipeline_schedule", std::string("1f1b"))),
-          .micro_batches = c.value("micro_batches", 0)};
-}
-
-train::ModelSpec zoo_model_of(const Json& c) {
-  auto& ctx = train::get_context();
-  const auto seed = c["seed"].get<uint64_t>();
-  const auto name = c["model"].get<std::string>();
-  train::ModelSpec spec;
-  std::shared_ptr<models::VisionTransformerImpl> dense;
-  if (ctx.has_mesh() && ctx.get_mesh().shape().tp > 1) {
-    // The dense ViT that checkpoints hold, made first: after the same seed, the sliced model's
-    // weights are its slices.
-    torch::manual_seed(seed);
-    dense = std::dynamic_pointer_cast<models::VisionTransformerImpl>(
-        models::create_model(name, model_options_of(c)));
-  }
-  torch::manual_seed(seed);
-  auto options = model_options_of(c);
-  if (ctx.has_mesh()) options.tensor_parallel_group = ctx.get_mesh().tp();
-  auto model = models::create_model(name, options);
-  spec.module = model;
-  spec.forward = [model](const at::Tensor& x) { return model->forward(x); };
-  if (ctx.has_mesh()) spec.layers = model->pipeline_layers();
-  if (dense) {
-    auto& sliced = dynamic_cast<models::VisionTransformerImpl&>(*model);
-    spec.dense = dense;
-    spec.copy_to_dense = [&sliced, dense] { sliced.copy_to_dense(*dense); };
-    spec.load_from_dense = [&sliced, dense] { sliced.load_from_dense(*dense); };
-  }
-  return spec;
-}
+train::Plan plan_of(const Json& c) { return c.get<PlanOptions>().plan(); }
 
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
@@ -654,7 +554,8 @@ void train_loop(const Json& c) {
   // (--max-steps stops a run early without changing its schedule, so that a run stopped and
   // resumed follows the schedule of one never stopped).
   auto model = train::parallelize(
-      zoo_model_of(c), [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
+      models::model_spec(c["model"], model_options_of(c), c["seed"].get<uint64_t>()),
+      [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
       [](const at::Tensor& output, const at::Tensor& target) {
         return torch::nn::functional::cross_entropy(output, target);
       },

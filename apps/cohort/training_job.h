@@ -60,12 +60,13 @@ struct TrainOptions {
   int parameter_servers = 0;   // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
-  // From a DeepSpeed config only: Adam's betas and eps, the lr schedule, the fp16 loss scaler.
+  // From a DeepSpeed config only: Adam's betas and eps, the lr schedule (and the plan's fp16 loss
+  // scaler).
   std::optional<std::pair<double, double>> betas;
   std::optional<double> eps;
   std::optional<optim::LrScheduleOptions> schedule;
-  optim::LossScalerOptions loss_scaler;
-  // The plan: degrees, ZeRO, sync mode, accumulation, clipping, capture, precision.
+  // The plan: degrees, ZeRO, sync mode, precision and loss scaling, accumulation, clipping,
+  // capture.
   PlanOptions plan;
   int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
   std::string storage_path = "./cohort_results";
@@ -120,12 +121,8 @@ RunConfig run_config_of(const TrainOptions& options);
 // The loop each worker runs: the zoo model made parallel by the job's plan (train::parallelize),
 // trained, evaluated on the test set and reported (with a checkpoint) once per epoch.
 void train_loop(const Json& config);
-// The plan of a job's config (what every worker reads).
+// The plan of a job's config (what every worker reads): its PlanOptions keys.
 train::Plan plan_of(const Json& config);
-// The zoo model of a job's config as parallelize takes it: with a mesh cut at its
-// pipeline_layers(), and the ViT's blocks tensor-parallel over the tp group (the dense ViT beside
-// it for checkpoints).
-train::ModelSpec zoo_model_of(const Json& config);
 // The mesh options' checks that depend on the zoo's model and the CLI's options, before any
 // worker starts (the plan's own are train::Plan::validate's): UsageError naming the flag and the
 // fix.
@@ -142,10 +139,6 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
 // The learning rate and weight decay of `optimizer` (sgd, adam, adamw) where no flag gives one.
 double default_lr(const std::string& optimizer);
 double default_weight_decay(const std::string& optimizer);
-// The ZeRO options of a job's config (stage 0, DDP, when it has none).
-parallel::ZeroOptions zero_options_of(const Json& config);
-// The sync mode of a job's config (synchronous DDP when it has none).
-parallel::SyncMode sync_mode_of(const Json& config);
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // Accuracy and mean loss of `model` over the loader's shard, summed over every rank of `group`

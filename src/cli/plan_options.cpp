@@ -32,6 +32,8 @@ train::Plan PlanOptions::plan(int world_size) const {
                    .tp = tp,
                    .zero = zero,
                    .sync = sync_mode(),
+                   .precision = optim::precision_from_string(precision),
+                   .loss_scaler = loss_scaler,
                    .gradient_accumulation_steps = gradient_accumulation_steps,
                    .gradient_clipping = gradient_clipping,
                    .cuda_graph = cuda_graph,
@@ -59,7 +61,8 @@ void to_json(Json& j, const PlanOptions& o) {
            {"gradient_accumulation_steps", o.gradient_accumulation_steps},
            {"gradient_clipping", o.gradient_clipping},
            {"cuda_graph", o.cuda_graph},
-           {"precision", o.precision}};
+           {"precision", o.precision},
+           {"loss_scaler", o.loss_scaler}};
   if (o.outer_lr) j["outer_lr"] = *o.outer_lr;
   if (o.outer_momentum) j["outer_momentum"] = *o.outer_momentum;
 }
@@ -90,6 +93,7 @@ void from_json(const Json& j, PlanOptions& o) {
   o.gradient_clipping = json_field(j, "gradient_clipping", d.gradient_clipping);
   o.cuda_graph = json_field(j, "cuda_graph", d.cuda_graph);
   o.precision = json_field(j, "precision", d.precision);
+  o.loss_scaler = json_field(j, "loss_scaler", d.loss_scaler);
 }
 
 void add_plan_options(CLI::App* cmd, PlanOptions& o) {

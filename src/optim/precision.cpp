@@ -118,6 +118,22 @@ void LossScalerOptions::validate() const {
                      " must not exceed initial_scale " + format_number(initial_scale));
 }
 
+void to_json(Json& j, const LossScalerOptions& o) {
+  j = Json{{"initial_scale", o.initial_scale}, {"growth_interval", o.growth_interval},
+           {"growth_factor", o.growth_factor}, {"backoff_factor", o.backoff_factor},
+           {"hysteresis", o.hysteresis},       {"min_scale", o.min_scale}};
+}
+
+void from_json(const Json& j, LossScalerOptions& o) {
+  const LossScalerOptions d;
+  o = {.initial_scale = json_field(j, "initial_scale", d.initial_scale),
+       .growth_interval = json_field(j, "growth_interval", d.growth_interval),
+       .growth_factor = json_field(j, "growth_factor", d.growth_factor),
+       .backoff_factor = json_field(j, "backoff_factor", d.backoff_factor),
+       .hysteresis = json_field(j, "hysteresis", d.hysteresis),
+       .min_scale = json_field(j, "min_scale", d.min_scale)};
+}
+
 AutocastGuard::AutocastGuard(Precision precision, const c10::Device& device) {
   if (precision == Precision::kFp32) return;
   check_precision_supported(precision, device);

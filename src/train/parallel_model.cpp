@@ -17,6 +17,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "mesh_checkpoint.h"
+#include "train/worker_session.h"
 
 namespace cohort::train {
 
@@ -210,6 +211,7 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   plan.validate(ctx.get_world_size());
   check_model(model, plan);
   check_mesh(plan, ctx);
+  if (plan.precision) use_precision(*plan.precision, plan.loss_scaler);
   schedule.validate();
   auto st = std::make_unique<ParallelModel::State>();
   st->plan = plan;

@@ -34,6 +34,7 @@ void Plan::validate(int world_size) const {
          " must be >= 0 (0: no clipping)");
   }
   zero.validate();
+  loss_scaler.validate();
   parallel::validate(sync);
   const std::string sync_flag = "--sync " + parallel::to_string(sync);
   if (const auto conflict = parallel::zero_conflict(sync, zero.stage))
@@ -75,6 +76,8 @@ void Plan::validate(int world_size) const {
   refuse(zero.stage == 3, "ZeRO stage 3 (--zero-stage)",
          "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
          "use --zero-stage 1 or 2");
+  refuse(precision == optim::Precision::kFp16, "--precision fp16",
+         "the pipeline's loss scaler is not there yet; use --precision bf16 or fp32");
   refuse(std::holds_alternative<parallel::AsyncParameterServer>(sync), sync_flag,
          "the parameter server serves whole models; use --sync ddp, local-sgd:H or diloco:H");
 }

@@ -70,6 +70,24 @@ void set_current_session(std::unique_ptr<WorkerSession> session) {
 
 TrainContext& get_context() { return require_session("cohort::train::get_context()").context; }
 
+void use_precision(optim::Precision precision, const optim::LossScalerOptions& loss_scaler) {
+  auto& session = require_session("cohort::train::parallelize()");
+  auto& ctx = session.context;
+  const bool same = precision == ctx.precision && (precision != optim::Precision::kFp16 ||
+                                                   session.loss_scaler->options() == loss_scaler);
+  if (same) return;
+  if (ctx.precision != optim::Precision::kFp32) {
+    throw UsageError("parallelize: the plan's --precision " + optim::to_string(precision) +
+                     " differs from the run's (ScalingConfig::precision " +
+                     optim::to_string(ctx.precision) +
+                     " and its loss scaler): set the precision in one of them");
+  }
+  optim::check_precision_supported(precision, ctx.device);
+  ctx.precision = precision;
+  session.loss_scaler = std::make_unique<optim::LossScaler>(loss_scaler, ctx.process_group,
+                                                            precision == optim::Precision::kFp16);
+}
+
 const parallel::DeviceMesh& TrainContext::get_mesh() const {
   if (!has_mesh()) {
     throw UsageError(

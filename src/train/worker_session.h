@@ -104,6 +104,10 @@ struct DataParallelPosition {
 };
 DataParallelPosition data_parallel_position(const TrainContext& context);
 
+// Makes `precision` (a plan's) the worker's, with a loss scaler of `loss_scaler` for fp16: a
+// UsageError naming both when the run's (ScalingConfig::precision) is another than fp32.
+void use_precision(optim::Precision precision, const optim::LossScalerOptions& loss_scaler);
+
 // The session of this process; nullptr outside a train loop.
 WorkerSession* current_session();
 void set_current_session(std::unique_ptr<WorkerSession> session);

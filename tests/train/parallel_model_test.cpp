@@ -8,6 +8,7 @@
 
 #include "cohort/cohort.h"
 #include "cohort/parallel/fully_shard.h"
+#include "support/run_config.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -234,6 +235,73 @@ TEST_F(ParallelModelResume, AnEpochResumedAtAnotherWorldSizeLosesAndRepeatsNoRow
     for (int64_t id = 0; id < kRows; ++id) every_row.insert(id);
     EXPECT_EQ(second_epoch, every_row);
   }
+}
+
+// A small model of `plan` trained one step; reports the worker's precision after parallelize, the
+// loss scaler's options and the dtype of a forward under train::autocast().
+void precision_loop(const Json& c) {
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(8, 4));
+  train::Plan plan;
+  if (c.contains("precision")) plan.precision = optim::precision_from_string(c["precision"]);
+  plan.loss_scaler.initial_scale = 1024;
+  auto model = train::parallelize(
+      {.module = net.ptr(),
+       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      plan);
+  auto [x, y] = examples();
+  model.step(x.narrow(0, 0, kBatch), y.narrow(0, 0, kBatch));
+  at::Tensor out;
+  {
+    auto autocast = train::autocast();
+    out = model.forward(x.narrow(0, 0, 2));
+  }
+  train::report({{"worker_precision", optim::to_string(train::get_context().get_precision())},
+                 {"forward_dtype", std::string(c10::toString(out.scalar_type()))}});
+}
+
+// The plan's precision is the worker's: ScalingConfig says nothing of it, yet train::autocast()
+// (and the rest of the run) follows the plan's bf16.
+TEST(ParallelModelPrecision, ThePlansPrecisionBecomesTheWorkers) {
+  const auto dir = cohort::testing::temp_dir("plan_precision");
+  Trainer trainer(precision_loop, {.num_workers = 1}, cohort::testing::quiet_run(dir, "bf16"),
+                  Json{{"precision", "bf16"}});
+  const auto result = trainer.fit();
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["worker_precision"], "bf16");
+  EXPECT_EQ(result.metrics["forward_dtype"], "BFloat16");
+}
+
+// A plan without a precision keeps the run's (ScalingConfig::precision).
+TEST(ParallelModelPrecision, APlanWithoutOneKeepsTheRunsPrecision) {
+  const auto dir = cohort::testing::temp_dir("plan_precision_unset");
+  Trainer trainer(precision_loop, {.num_workers = 1, .precision = "bf16"},
+                  cohort::testing::quiet_run(dir, "unset"), Json::object());
+  const auto result = trainer.fit();
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["worker_precision"], "bf16");
+}
+
+// A plan's precision that contradicts the run's is one line naming both.
+TEST(ParallelModelPrecision, APlanThatContradictsTheRunsPrecisionNamesBoth) {
+  const auto dir = cohort::testing::temp_dir("plan_precision_conflict");
+  Trainer trainer(precision_loop, {.num_workers = 1, .precision = "bf16"},
+                  cohort::testing::quiet_run(dir, "conflict"), Json{{"precision", "fp32"}});
+  const auto result = trainer.fit();
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("the plan's --precision fp32 differs from the run's "
+                               "(ScalingConfig::precision bf16"),
+            std::string::npos)
+      << *result.error;
 }
 
 }  // namespace

@@ -17,14 +17,15 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/json.h"
+#include "cohort/optim/precision.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/plan.h"
 
 namespace cohort::cli {
 
-/// The plan as flags give it: what train::Plan holds, with the sync mode and the schedule by name
-/// and DiLoCo's outer optimizer apart; plus the precision, which goes to ScalingConfig::precision.
+/// The plan as flags give it: what train::Plan holds, with the sync mode, the schedule and the
+/// precision by name and DiLoCo's outer optimizer apart.
 struct PlanOptions {
   int pp = 1;             ///< pipeline stages (--pp)
   int tp = 1;             ///< tensor-parallel degree (--tp)
@@ -44,6 +45,8 @@ struct PlanOptions {
       0;                    ///< the global gradient norm's limit (--gradient-clipping; 0: none)
   bool cuda_graph = false;  ///< each step one CUDA graph (--cuda-graph)
   std::string precision = "fp32";  ///< fp32, bf16 or fp16 (--precision)
+  /// fp16's loss scaling: no flags; DeepSpeed JSON's "fp16" section or a config file sets it.
+  optim::LossScalerOptions loss_scaler;
 
   /// The sync mode of --sync with DiLoCo's outer options; UsageError naming a bad value.
   parallel::SyncMode sync_mode() const;

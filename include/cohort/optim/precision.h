@@ -5,6 +5,8 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include "cohort/json.h"
+
 namespace cohort::optim {
 
 /// The numerics of a training step. kFp32: everything in float32. kBf16 / kFp16: the forward runs
@@ -40,7 +42,14 @@ struct LossScalerOptions {
 
   /// UsageError naming the first option out of range.
   void validate() const;
+  /// Every option equal.
+  bool operator==(const LossScalerOptions&) const = default;
 };
+/// The options as JSON by their names (a worker's spec, a plan's config) and back: a missing key
+/// keeps its default, a value of the wrong type is a UsageError naming it.
+void to_json(Json& json, const LossScalerOptions& options);
+/// LossScalerOptions from JSON (see to_json).
+void from_json(const Json& json, LossScalerOptions& options);
 
 /// Autocast for the forward pass while it lives (PyTorch's torch.autocast): operations on
 /// `device`'s type run in `precision` where autocast's lists say so. Nests; a no-op for kFp32.

@@ -4,16 +4,18 @@
 /// DeepSpeed's JSON). train::parallelize (parallel_model.h) carries it out.
 #pragma once
 #include <cstdint>
+#include <optional>
 
+#include "cohort/optim/precision.h"
 #include "cohort/parallel/pipeline/schedule.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::train {
 
-/// How a model trains over the workers: the parallel degrees, ZeRO, the sync mode, accumulation,
-/// clipping, CUDA-graph capture and the pipeline schedule (`cohort train`'s flags), checked by
-/// validate(). train::parallelize carries it out.
+/// How a model trains over the workers: the parallel degrees, ZeRO, the sync mode, the precision
+/// and loss scaling, accumulation, clipping, CUDA-graph capture and the pipeline schedule
+/// (`cohort train`'s flags), checked by validate(). train::parallelize carries it out.
 struct Plan {
   /// Pipeline stages (--pp) and tensor-parallel degree (--tp); the data-parallel degree is what is
   /// left of the world: world size / (pp x tp). They equal ScalingConfig::mesh's.
@@ -24,6 +26,14 @@ struct Plan {
   /// How the replicas agree (--sync): synchronous DDP or ZeRO, local SGD, DiLoCo, the parameter
   /// server.
   parallel::SyncMode sync;
+  /// The numerics of a step (--precision): fp32; bf16 (bfloat16 autocast, CPU or GPU); fp16 (GPU:
+  /// float16 autocast and dynamic loss scaling, an overflowing step skipped on every rank).
+  /// parallelize makes it the worker's precision, which train::autocast(), backward(),
+  /// step_optimizer(), the reports and the checkpoints then follow. Unset: the run's
+  /// (ScalingConfig::precision); set, the run's must be fp32 or the same.
+  std::optional<optim::Precision> precision;
+  /// fp16's dynamic loss scaling (DeepSpeed's "fp16" section), with precision fp16.
+  optim::LossScalerOptions loss_scaler;
   /// Micro-batches per optimizer step (--gradient-accumulation-steps): a step's rows are split into
   /// this many, communicating after the last only; with a pipeline, one pipeline step over all
   /// their micro-batches.

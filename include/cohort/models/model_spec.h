@@ -1,0 +1,20 @@
+/// \file
+/// A zoo model as train::parallelize takes it, on the worker's mesh: what `cohort train` and the
+/// benchmarks train, in one call.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "cohort/models/zoo.h"
+#include "cohort/train/parallel_model.h"
+
+namespace cohort::models {
+
+/// The zoo's model `name` for train::parallelize on this worker's mesh (get_context()): built
+/// after torch::manual_seed(`seed`), so every rank holds the same weights; with a mesh, cut at its
+/// pipeline_layers(); with tp > 1 the ViT's blocks tensor-parallel over the mesh's tp group,
+/// beside the dense ViT of the same seed that checkpoints hold. Every rank calls it alike (the tp
+/// group's slices are cut from the same dense weights). UsageError as create_model().
+train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint64_t seed);
+
+}  // namespace cohort::models
