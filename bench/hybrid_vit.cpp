@@ -10,9 +10,10 @@
 // The reference: dp worker processes, the whole ViT on each under the DDP engine (or the same
 // local SGD or DiLoCo). Both start from the same weights (the same seed; the tensor-parallel
 // slices are the dense model's) and take the same rows each step (the global batch --batch, dp
-// rank d its d-th share). Prints both loss curves, the largest relative difference between them,
-// each run's time per step, the bytes a rank sends per step (over all its groups: the mesh's pp
-// and tp traffic too) and the most optimizer state a rank holds.
+// rank d its d-th share). Both take the library's one path, train::parallelize with the plan of
+// the flags (cli::PlanOptions), as cohort train does. Prints both loss curves, the largest relative
+// difference between them, each run's time per step, the bytes a rank sends per step (over all its
+// groups: the mesh's pp and tp traffic too) and the most optimizer state a rank holds.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -24,90 +25,53 @@
 #include <filesystem>
 #include <sstream>
 
+#include "cohort/cli/plan_options.h"
 #include "cohort/cohort.h"
-#include "cohort/models/zoo.h"
+#include "cohort/models/model_spec.h"
 
 namespace {
 
-namespace pp = cohort::parallel::pipeline;
 using Clock = std::chrono::steady_clock;
 
+// The run's plan (the bench's flags as PlanOptions, the mesh's degrees) made parallel by the
+// library's one path, train::parallelize, as cohort train does.
 void bench_loop(const cohort::Json& c) {
   torch::set_num_threads(1);
   auto& ctx = cohort::train::get_context();
   auto world = ctx.get_process_group();
-  const auto shape = c["mesh"].get<std::vector<int>>();
-  const auto mesh =
-      cohort::parallel::DeviceMesh::create(world, {.dp = shape[0], .pp = shape[1], .tp = shape[2]});
-  const int steps = c["steps"], batch = c["batch"], micro_batches = c["micro_batches"];
-  const auto kind = pp::schedule_from_string(c["schedule"].get<std::string>());
-  const auto sync = cohort::parallel::parse_sync_mode(c["sync"].get<std::string>());
-
-  torch::manual_seed(7);
-  cohort::models::ModelOptions options;
-  options.tensor_parallel_group = mesh.tp();
-  auto model = cohort::models::create_model("vit", options);
-  torch::optim::SGDOptions sgd(0.05);
-  sgd.momentum(0.9);
-  // The reference: DDP (or local SGD, DiLoCo) on the whole model, as prepare_model makes it.
-  std::function<at::Tensor(const at::Tensor&, const at::Tensor&)> train_step;
-  std::unique_ptr<cohort::parallel::DistributedDataParallel> ddp;
-  std::unique_ptr<torch::optim::Optimizer> optimizer;
-  std::unique_ptr<pp::Pipeline> pipe;
-  if (shape[1] == 1 && shape[2] == 1) {
-    optimizer = std::make_unique<torch::optim::SGD>(model->parameters(), sgd);
-    if (cohort::parallel::is_synchronous(sync)) {
-      ddp = std::make_unique<cohort::parallel::DistributedDataParallel>(model, mesh.dp());
-    } else {
-      optimizer = std::make_unique<cohort::parallel::LocalSgdOptimizer>(model, std::move(optimizer),
-                                                                        mesh.dp(), sync);
-    }
-    train_step = [&](const at::Tensor& x, const at::Tensor& y) {
-      at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
-      loss.backward();
-      return loss;
-    };
-  } else {
-    auto layers = model->pipeline_layers();
-    const pp::PipelineLayout layout{.ranks = shape[1], .virtual_stages = 1};
-    const auto stages = pp::split_sequential(
-        layers, pp::even_split(static_cast<int>(layers->size()), layout.stages()));
-    std::vector<pp::Stage> mine;
-    for (int s : layout.stages_of(mesh.pp_index())) mine.emplace_back(stages[size_t(s)]);
-    pipe = std::make_unique<pp::Pipeline>(
-        std::move(mine), mesh.pp(),
-        [](const at::Tensor& out, const at::Tensor& y) {
-          return torch::nn::functional::cross_entropy(out, y);
-        },
-        pp::PipelineOptions{.schedule = kind,
-                            .micro_batches = micro_batches,
-                            .data_parallel_group = mesh.dp(),
-                            .zero = {.stage = c["zero_stage"].get<int>()},
-                            .sync = sync});
-    optimizer =
-        pipe->prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe->parameters(), sgd));
-    train_step = [&](const at::Tensor& x, const at::Tensor& y) { return pipe->step(x, y); };
-  }
+  const auto plan = c["plan"].get<cohort::cli::PlanOptions>().plan(ctx.get_world_size());
+  const int steps = c["steps"], batch = c["batch"];
+  auto model = cohort::train::parallelize(
+      cohort::models::model_spec("vit", {}, 7),
+      [](std::vector<at::Tensor> parameters) {
+        return std::make_unique<torch::optim::SGD>(parameters,
+                                                   torch::optim::SGDOptions(0.05).momentum(0.9));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      plan);
+  const int dp = ctx.get_world_size() / (plan.pp * plan.tp);
+  const int dp_index = ctx.has_mesh() ? ctx.get_mesh().dp_index() : ctx.get_world_rank();
+  const int tp_index = ctx.has_mesh() ? ctx.get_mesh().tp_index() : 0;
 
   // Step s takes the training set's rows [s x batch, (s+1) x batch); dp rank d its d-th share.
   const auto train =
       cohort::data::load_mnist(c["data_dir"].get<std::string>(), cohort::data::Split::kTrain);
-  const int64_t share = batch / shape[0];
+  const int64_t share = batch / dp;
   std::vector<double> losses;
   double seconds = 0;
   // The world's counter: every group of the mesh counts into it.
   const int64_t bytes_before = world.bytes_sent();
   for (int step = 0; step < steps; ++step) {
-    const int64_t first = int64_t(step) * batch + mesh.dp_index() * share;
+    const int64_t first = int64_t(step) * batch + dp_index * share;
     const auto rows = train.get_batch(torch::arange(first, first + share));
     world.barrier();
     const auto start = Clock::now();
-    optimizer->zero_grad();
-    const at::Tensor loss = train_step(rows.data, rows.target);
-    optimizer->step();
+    const at::Tensor loss = model.step(rows.data, rows.target).loss;
     if (step > 0) seconds += std::chrono::duration<double>(Clock::now() - start).count();
     // The global batch's mean loss: the last stage's ranks of tp index 0 hold one per dp rank.
-    const bool holds = loss.defined() && mesh.tp_index() == 0;
+    const bool holds = loss.defined() && tp_index == 0;
     std::vector<at::Tensor> sum{
         torch::tensor({holds ? loss.item<double>() : 0.0, holds ? 1.0 : 0.0}, torch::kDouble)};
     world.allreduce(sum);
@@ -117,11 +81,12 @@ void bench_loop(const cohort::Json& c) {
   // The optimizer state this rank holds (the momentum: whole with DDP and local SGD, a shard with
   // ZeRO), the most over the ranks.
   double state_bytes = 0;
-  auto* local = dynamic_cast<cohort::parallel::LocalSgdOptimizer*>(optimizer.get());
-  if (const auto* zero = dynamic_cast<const cohort::parallel::ZeroOptimizer*>(optimizer.get())) {
+  auto& optimizer = model.optimizer();
+  auto* local = dynamic_cast<cohort::parallel::LocalSgdOptimizer*>(&optimizer);
+  if (const auto* zero = dynamic_cast<const cohort::parallel::ZeroOptimizer*>(&optimizer)) {
     state_bytes = static_cast<double>(zero->stats().optimizer_state_bytes);
   } else {
-    for (const auto& [key, state] : (local != nullptr ? local->inner() : *optimizer).state()) {
+    for (const auto& [key, state] : (local != nullptr ? local->inner() : optimizer).state()) {
       state_bytes += static_cast<double>(
           static_cast<const torch::optim::SGDParamState&>(*state).momentum_buffer().nbytes());
     }
@@ -145,13 +110,13 @@ std::vector<int> parse_list(const std::string& text) {
   return out;
 }
 
-// One run: its per-step losses and time per step, or an error.
-cohort::Json run(const std::vector<int>& mesh, const cohort::Json& config) {
+// One run of `plan` on dp x pp x tp workers: its per-step losses and time per step, or an error.
+cohort::Json run(int dp, const cohort::cli::PlanOptions& plan, const cohort::Json& config) {
   const std::string storage = "/tmp/cohort_bench_hybrid_vit";
   auto c = config;
-  c["mesh"] = mesh;
+  c["plan"] = plan;
   cohort::Trainer trainer(
-      bench_loop, {.num_workers = mesh[0] * mesh[1] * mesh[2]},
+      bench_loop, {.num_workers = dp * plan.pp * plan.tp, .mesh = {.pp = plan.pp, .tp = plan.tp}},
       {.name = "hybrid_vit", .storage_path = storage, .resume = false, .verbose = 0}, c);
   const cohort::Result result = trainer.fit();
   std::filesystem::remove_all(storage);
@@ -177,19 +142,6 @@ int main(int argc, char** argv) {
                  "the data parallelism of both runs: ddp, local-sgd:H or diloco:H (not with ZeRO)");
   app.add_option("--data-dir", data_dir);
   CLI11_PARSE(app, argc, argv);
-  try {
-    const auto mode = cohort::parallel::parse_sync_mode(sync);
-    if (std::holds_alternative<cohort::parallel::AsyncParameterServer>(mode) ||
-        (!cohort::parallel::is_synchronous(mode) && zero_stage > 0)) {
-      std::fprintf(stderr,
-                   "error: --sync takes ddp, local-sgd:H or diloco:H, the last two "
-                   "without --zero-stage\n");
-      return 2;
-    }
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "error: %s\n", e.what());
-    return 2;
-  }
   const auto mesh = parse_list(mesh_text);
   if (mesh.size() != 3 || batch % mesh[0] != 0 || (batch / mesh[0]) < micro_batches) {
     std::fprintf(stderr,
@@ -197,14 +149,29 @@ int main(int argc, char** argv) {
                  "--micro-batches rows\n");
     return 2;
   }
-  const cohort::Json config{
-      {"steps", steps},       {"batch", batch},           {"micro_batches", micro_batches},
-      {"schedule", schedule}, {"zero_stage", zero_stage}, {"sync", sync},
-      {"data_dir", data_dir}};
+  // The mesh run's plan, and the reference's: pure data parallelism over as many replicas, DDP
+  // (or --sync) on the whole model.
+  cohort::cli::PlanOptions hybrid_plan{.pp = mesh[1],
+                                       .tp = mesh[2],
+                                       .micro_batches = micro_batches,
+                                       .schedule = schedule,
+                                       .zero = {.stage = zero_stage},
+                                       .sync = sync};
+  cohort::cli::PlanOptions plain_plan{.sync = sync};
   try {
-    const auto hybrid = run(mesh, config);
-    // Pure data parallelism over as many replicas: DDP (or --sync) on the whole model.
-    const auto plain = run({mesh[0], 1, 1}, config);
+    if (std::holds_alternative<cohort::parallel::AsyncParameterServer>(
+            cohort::parallel::parse_sync_mode(sync))) {
+      throw cohort::UsageError("--sync takes ddp, local-sgd:H or diloco:H");
+    }
+    hybrid_plan.plan(mesh[0] * mesh[1] * mesh[2]);  // one line naming the flags that conflict
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  }
+  const cohort::Json config{{"steps", steps}, {"batch", batch}, {"data_dir", data_dir}};
+  try {
+    const auto hybrid = run(mesh[0], hybrid_plan, config);
+    const auto plain = run(mesh[0], plain_plan, config);
     const auto a = hybrid["losses"].get<std::vector<double>>();
     const auto b = plain["losses"].get<std::vector<double>>();
     std::printf("%4s %12s %12s %10s\n", "step", "mesh loss", "dp loss", "rel diff");

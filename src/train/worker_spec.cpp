@@ -11,7 +11,7 @@
 namespace cohort::train {
 namespace {
 
-constexpr int kFormat = 1;
+constexpr int kFormat = 2;
 
 template <typename T>
 T field(const Json& spec, const char* key) {
@@ -20,6 +20,8 @@ T field(const Json& spec, const char* key) {
   }
   try {
     return spec.at(key).get<T>();
+  } catch (const UsageError& e) {  // a field of an object, named by its own reader
+    throw UsageError(std::string("worker spec: field '") + key + "': " + e.what());
   } catch (const std::exception&) {
     throw UsageError(std::string("worker spec: field '") + key + "' has the wrong type (" +
                      spec.at(key).dump() + ")");
@@ -59,7 +61,13 @@ std::string to_text(const WorkerSpec& s) {
               {"tensorboard_histograms", s.tensorboard_histograms},
               {"profile_first", s.profile_first},
               {"profile_last", s.profile_last},
-              {"log_every_steps", s.log_every_steps}}
+              {"log_every_steps", s.log_every_steps},
+              {"mesh_pp", s.mesh.pp},
+              {"mesh_tp", s.mesh.tp},
+              {"precision", s.precision},
+              {"loss_scaler", s.loss_scaler},
+              {"num_parameter_servers", s.num_parameter_servers},
+              {"remote_preprocessing_dataset", s.remote_preprocessing_dataset}}
       .dump();
 }
 
@@ -113,6 +121,15 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.profile_first = field<int64_t>(j, "profile_first");
   s.profile_last = field<int64_t>(j, "profile_last");
   s.log_every_steps = field<int64_t>(j, "log_every_steps");
+  s.mesh = {.pp = field<int>(j, "mesh_pp"), .tp = field<int>(j, "mesh_tp")};
+  if (s.mesh.pp < 1 || s.mesh.tp < 1) {
+    throw UsageError("worker spec: mesh_pp = " + std::to_string(s.mesh.pp) +
+                     ", mesh_tp = " + std::to_string(s.mesh.tp) + ": both must be >= 1");
+  }
+  s.precision = field<std::string>(j, "precision");
+  s.loss_scaler = field<optim::LossScalerOptions>(j, "loss_scaler");
+  s.num_parameter_servers = field<int>(j, "num_parameter_servers");
+  s.remote_preprocessing_dataset = field<std::string>(j, "remote_preprocessing_dataset");
   return s;
 }
 

@@ -6,6 +6,8 @@
 #include <string>
 
 #include "cohort/json.h"
+#include "cohort/optim/precision.h"
+#include "cohort/parallel/mesh.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/timeouts.h"
 
@@ -36,6 +38,14 @@ struct WorkerSpec {
   int64_t profile_first = 0;            // RunConfig::profile_steps
   int64_t profile_last = 0;
   int64_t log_every_steps = 0;  // RunConfig::log_every_steps
+  // The driver's ScalingConfig, for the worker's session: not the worker program's own, which is
+  // the first Trainer's it constructs (a program that fits several runs of one loop with other
+  // meshes or precisions).
+  parallel::MeshShape mesh;        // ScalingConfig::mesh (pp, tp)
+  std::string precision = "fp32";  // ScalingConfig::precision
+  optim::LossScalerOptions loss_scaler;
+  int num_parameter_servers = 0;
+  std::string remote_preprocessing_dataset;
 };
 
 std::string to_text(const WorkerSpec& spec);

@@ -219,6 +219,30 @@ TEST(Trainer, PrecisionReachesEveryWorkerAndFp16WithoutAGpuIsRefused) {
   std::filesystem::remove_all(dir);
 }
 
+// A program that fits one loop twice with other ScalingConfigs: each run's workers take the mesh
+// and precision of the Trainer that started them (the driver's, through their spec), not those of
+// the first Trainer the re-executed program constructs.
+TEST(Trainer, EachFitsWorkersTakeTheirOwnTrainersScalingConfig) {
+  auto dir = cohort::testing::temp_dir("trainer_two_fits");
+  const auto loop = [](const Json&) {
+    const auto& ctx = train::get_context();
+    train::report({{"precision", optim::to_string(ctx.get_precision())},
+                   {"pp", ctx.has_mesh() ? ctx.get_mesh().shape().pp : 1}});
+  };
+  Trainer first(loop, ScalingConfig{.num_workers = 2, .precision = "bf16", .mesh = {.pp = 2}},
+                run_config(dir, "first"));
+  const auto a = first.fit();
+  ASSERT_TRUE(a.ok()) << *a.error;
+  EXPECT_EQ(a.metrics["precision"], "bf16");
+  EXPECT_EQ(a.metrics["pp"], 2);
+  Trainer second(loop, ScalingConfig{.num_workers = 3}, run_config(dir, "second"));
+  const auto b = second.fit();
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(b.ok()) << *b.error;
+  EXPECT_EQ(b.metrics["precision"], "fp32");
+  EXPECT_EQ(b.metrics["pp"], 1);
+}
+
 // prepare_model with DiLoCo: a backward before prepare_optimizer is stopped naming the fix, ZeRO
 // is refused, and report() counts the bytes each worker sent per step: one all-reduce of the
 // parameters every H steps, DDP's bytes divided by H.

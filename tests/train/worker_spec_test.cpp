@@ -25,6 +25,11 @@ WorkerSpec spec_from_parent() {
   spec.resume_from = "/tmp/run/checkpoint_000001";
   spec.next_checkpoint_index = 2;
   spec.slot = 1;
+  spec.mesh = {.pp = 2, .tp = 1};
+  spec.precision = "bf16";
+  spec.loss_scaler.initial_scale = 128;
+  spec.num_parameter_servers = 1;
+  spec.remote_preprocessing_dataset = "images";
   return spec;
 }
 
@@ -36,6 +41,12 @@ TEST(WorkerSpec, RoundTripsEverySetting) {
   EXPECT_EQ(read.heartbeat.timeout, std::chrono::seconds(3));
   EXPECT_EQ(read.setup_timeout, kDefaultSetupTimeout);
   EXPECT_EQ(read.slot, 1);
+  // The driver's ScalingConfig, which the worker's session takes instead of its program's own.
+  EXPECT_EQ(read.mesh.pp, 2);
+  EXPECT_EQ(read.precision, "bf16");
+  EXPECT_EQ(read.loss_scaler, spec.loss_scaler);
+  EXPECT_EQ(read.num_parameter_servers, 1);
+  EXPECT_EQ(read.remote_preprocessing_dataset, "images");
 }
 
 TEST(WorkerSpec, ASpecOfAnotherBuildOrRunIsRefusedNamingTheValue) {
@@ -64,6 +75,14 @@ TEST(WorkerSpec, MalformedFieldsAreNamed) {
                                             "field 'cpu_threads' is missing");
   cohort::testing::expect_error<UsageError>([] { worker_spec_from_text("{not json"); },
                                             "is not JSON");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["mesh_tp"] = 0;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: mesh_pp = 2, mesh_tp = 0");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["loss_scaler"]["hysteresis"] = "two";
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "'hysteresis'");
   spec = Json::parse(to_text(spec_from_parent()));
   spec["format"] = 7;
   cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
