@@ -89,11 +89,11 @@ bool serve_data_consumer(const Dataset& dataset, const std::string& address, std
 
 void serve_if_data_worker(const Dataset& dataset) {
   if (runtime::spawned_role() != kDataRole) return;
-  const char* wanted = std::getenv(runtime::kDataPipelineVar);
-  if (wanted != nullptr && *wanted != '\0' && dataset.fingerprint() != wanted) return;
-  const char* address = std::getenv(runtime::kDataAddressVar);
+  const std::string wanted = runtime::env_string(runtime::kDataPipelineVar);
+  if (!wanted.empty() && dataset.fingerprint() != wanted) return;
+  const std::string address = runtime::env_string(runtime::kDataAddressVar);
   int code = 0;
-  if (address == nullptr || *address == '\0') {
+  if (address.empty()) {
     std::cerr << "cohort data worker: " << runtime::kDataAddressVar
               << " is not set: it names the consumer to connect to "
               << "(host:port of the training process's ExecutionOptions::listen_address)"

@@ -42,6 +42,50 @@ int env_int(const char* name, int fallback, int min_value) {
   return parsed;
 }
 
+std::string env_string(const char* name) { return env(name).value_or(""); }
+
+std::optional<DataMemberInfo> data_member_from_env() {
+  const int member = env_int(kDataMemberVar, -1, 0);
+  if (member < 0) return std::nullopt;
+  DataMemberInfo info{.member = member,
+                      .master_addr = env_string("MASTER_ADDR"),
+                      .store_port = env_int(kStorePortVar, 0, 1),
+                      .train_ranks = env_int(kTrainRanksVar, 0, 1),
+                      .restart_round = env_int(kRestartRoundVar, 0, 0),
+                      .job_id = env_string(kJobIdVar)};
+  if (info.master_addr.empty() || info.store_port == 0 || info.train_ranks == 0) {
+    throw UsageError(std::string("MASTER_ADDR, ") + kStorePortVar + " and " + kTrainRanksVar +
+                     " must be set: start data workers with cohort launch --data-workers");
+  }
+  if (info.store_port > 65535) {
+    throw UsageError(std::string(kStorePortVar) + "=" + std::to_string(info.store_port) +
+                     " is not a port (1-65535)");
+  }
+  return info;
+}
+
+DataShardInfo data_shard_from_env() {
+  DataShardInfo info{.dataset = env_string(kDataDatasetVar)};
+  if (info.dataset.empty()) throw UsageError(std::string(kDataDatasetVar) + " is not set");
+  const std::string shard = env_string(kDataShardVar);
+  const auto slash = shard.find('/');
+  const auto whole = [](const std::string& text, int& out) {
+    size_t used = 0;
+    try {
+      out = std::stoi(text, &used);
+    } catch (const std::exception&) {
+      return false;
+    }
+    return used == text.size() && !text.empty() && text[0] != '+' && text[0] != '-';
+  };
+  if (slash == std::string::npos || !whole(shard.substr(0, slash), info.rank) ||
+      !whole(shard.substr(slash + 1), info.shards) || info.shards < 1 || info.rank >= info.shards) {
+    throw UsageError(std::string(kDataShardVar) + " is '" + shard +
+                     "', not the rank's shard as r/n (0 <= r < n)");
+  }
+  return info;
+}
+
 std::optional<WorkerInfo> worker_info_from_env() {
   if (!env("RANK") && !env("WORLD_SIZE")) return std::nullopt;
   if (!env("RANK")) throw UsageError("WORLD_SIZE is set but RANK is not: set both or neither");

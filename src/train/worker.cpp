@@ -33,28 +33,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string env_string(const char* name) {
-  const char* value = std::getenv(name);
-  return value ? value : "";
-}
-
-// A whole number from a variable a launcher set, or `fallback` when unset; a UsageError naming the
-// variable when it is not one.
-long env_long(const char* name, long fallback) {
-  const std::string value = env_string(name);
-  if (value.empty()) return fallback;
-  size_t used = 0;
-  long parsed = 0;
-  try {
-    parsed = std::stol(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  if (used != value.size())
-    throw UsageError(std::string(name) + "='" + value + "' is not a number");
-  return parsed;
-}
-
 void set_threads(int threads) {
   torch::set_num_threads(threads);
   try {
@@ -470,35 +448,26 @@ namespace {
 // A data worker of a `cohort launch --data-workers` node: serves, one after the other, the streams
 // its rank's iterators assign to it through the store, until every rank has finished.
 [[noreturn]] void serve_as_data_member(const std::map<std::string, data::Dataset>& datasets,
-                                       int member) {
-  const std::string who = "cohort data worker " + std::to_string(member) + " (pid " +
+                                       const runtime::DataMemberInfo& member) {
+  const std::string who = "cohort data worker " + std::to_string(member.member) + " (pid " +
                           std::to_string(::getpid()) + " on " + runtime::host_name() + ")";
   int code = 0;
   try {
-    // What cohort launch tells its data workers: where the job's store is, and the ranks' count.
-    const std::string master = env_string("MASTER_ADDR");
-    const long store_port = env_long(runtime::kStorePortVar, 0);
-    const long world_size = env_long(runtime::kTrainRanksVar, 0);
-    if (master.empty() || store_port <= 0 || world_size <= 0) {
-      throw UsageError("MASTER_ADDR, " + std::string(runtime::kStorePortVar) + " and " +
-                       runtime::kTrainRanksVar +
-                       " must be set: start data workers with cohort launch --data-workers");
-    }
-    const auto timeout = kDefaultSetupTimeout;
-    auto store = comm::Store::connect({.host = master,
-                                       .port = static_cast<int>(store_port),
+    auto store = comm::Store::connect({.host = member.master_addr,
+                                       .port = member.store_port,
                                        .is_server = false,
-                                       .timeout = timeout,
-                                       .job_id = env_string(runtime::kJobIdVar)});
-    const std::string round = "job/" + std::to_string(env_long(runtime::kRestartRoundVar, 0)) + "/";
+                                       .timeout = kDefaultSetupTimeout,
+                                       .job_id = member.job_id});
+    const std::string round = "job/" + std::to_string(member.restart_round) + "/";
     store.wait({round + "run"},
                std::chrono::hours(24));  // rank 0 opens the run once every rank joined
     // The same program as the ranks, or a clear refusal (as between ranks).
     check_same_program("it", program_identity(), store.get(round + "binary/0"));
     const std::string prefix =
-        data_member_key(Json::parse(store.get(round + "run"))["token"], member);
+        data_member_key(Json::parse(store.get(round + "run"))["token"], member.member);
     std::vector<std::string> finished;
-    for (long r = 0; r < world_size; ++r) finished.push_back(round + "done/" + std::to_string(r));
+    for (int r = 0; r < member.train_ranks; ++r)
+      finished.push_back(round + "done/" + std::to_string(r));
     for (int64_t n = 0;; ++n) {
       const std::string key = prefix + std::to_string(n);
       while (!store.check({key})) {
@@ -533,27 +502,25 @@ namespace {
 }  // namespace
 
 void serve_dataset_shard(const std::map<std::string, data::Dataset>& datasets) {
-  if (const int member = runtime::env_int(runtime::kDataMemberVar, -1, 0); member >= 0)
-    serve_as_data_member(datasets, member);
-  const char* name = std::getenv(runtime::kDataDatasetVar);
-  const char* shard_var = std::getenv(runtime::kDataShardVar);
-  int shard_rank = -1, shards = 0;
-  if (shard_var != nullptr) std::sscanf(shard_var, "%d/%d", &shard_rank, &shards);
   std::string problem;
-  if (name == nullptr || datasets.count(name) == 0) {
-    problem = std::string("no dataset '") + (name ? name : "") + "' was given to this Trainer";
-  } else if (shard_rank < 0 || shards < 1 || shard_rank >= shards) {
-    problem = std::string(runtime::kDataShardVar) + " is '" + (shard_var ? shard_var : "") +
-              "', not the rank's shard as r/n";
-  } else {
-    const auto shard = dataset_shard(datasets.at(name), shard_rank, shards);
-    // Returns only when the shard built here differs from the rank's (it ends the process else).
-    data::serve_if_data_worker(shard);
-    problem =
-        "the pipeline built here differs from the rank's (fingerprint " + shard.fingerprint() + ")";
+  try {
+    if (const auto member = runtime::data_member_from_env())
+      serve_as_data_member(datasets, *member);
+    const auto wanted = runtime::data_shard_from_env();
+    if (datasets.count(wanted.dataset) == 0) {
+      problem = "no dataset '" + wanted.dataset + "' was given to this Trainer";
+    } else {
+      const auto shard = dataset_shard(datasets.at(wanted.dataset), wanted.rank, wanted.shards);
+      // Returns only when the shard built here differs from the rank's (it ends the process else).
+      data::serve_if_data_worker(shard);
+      problem = "the pipeline built here differs from the rank's (fingerprint " +
+                shard.fingerprint() + ")";
+    }
+    problem += ": the program must build the same Trainer datasets in every process";
+  } catch (const UsageError& e) {
+    problem = e.what();  // a variable the rank that started this process set otherwise
   }
-  std::cerr << "cohort: preprocessing worker " << ::getpid() << ": " << problem
-            << ": the program must build the same Trainer datasets in every process" << std::endl;
+  std::cerr << "cohort: preprocessing worker " << ::getpid() << ": " << problem << std::endl;
   ::_exit(2);
 }
 

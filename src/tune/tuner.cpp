@@ -697,8 +697,8 @@ Tuner Tuner::restore(const std::filesystem::path& experiment_path, TrainLoop tra
 
 ResultGrid Tuner::fit() {
   // A trial process, or a worker of one.
-  if (const char* trial_dir = std::getenv(runtime::kTrialDirVar);
-      trial_dir != nullptr && !runtime::spawned_role().empty()) {
+  if (const std::string trial_dir = runtime::env_string(runtime::kTrialDirVar);
+      !trial_dir.empty() && !runtime::spawned_role().empty()) {
     run_trial(trainable_, trial_dir);
   }
   if (!runtime::spawned_role().empty()) {

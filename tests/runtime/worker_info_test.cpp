@@ -46,6 +46,10 @@ class WorkerInfoTest : public ::testing::Test {
                                       kStoreOnLauncherVar,
                                       kStorePortVar,
                                       kDataMembersVar,
+                                      kDataMemberVar,
+                                      kTrainRanksVar,
+                                      kDataDatasetVar,
+                                      kDataShardVar,
                                       kRoleVar};
   std::map<std::string, std::string> saved;
   void SetUp() override {
@@ -104,6 +108,50 @@ TEST_F(WorkerInfoTest, IntegerVariablesAreWholeNumbersOrNamed) {
   set({{kDataMembersVar, "-1"}});
   cohort::testing::expect_error<UsageError>([] { env_int(kDataMembersVar, 0, 0); },
                                             "COHORT_DATA_MEMBERS=-1 must be >= 0");
+}
+
+// A data worker of cohort launch reads its store and its ranks' count through runtime/, checked
+// (the train layer read them with its own parser, and the shard with sscanf: "1/2x" was 1 of 2).
+TEST_F(WorkerInfoTest, ADataWorkersVariablesAreCheckedAndNamed) {
+  EXPECT_FALSE(data_member_from_env().has_value());
+  set({{kDataMemberVar, "1"},
+       {"MASTER_ADDR", "node0"},
+       {kStorePortVar, "29400"},
+       {kTrainRanksVar, "4"},
+       {kRestartRoundVar, "2"},
+       {kJobIdVar, "job7"}});
+  const auto member = data_member_from_env();
+  ASSERT_TRUE(member.has_value());
+  EXPECT_EQ(member->member, 1);
+  EXPECT_EQ(member->master_addr, "node0");
+  EXPECT_EQ(member->store_port, 29400);
+  EXPECT_EQ(member->train_ranks, 4);
+  EXPECT_EQ(member->restart_round, 2);
+  EXPECT_EQ(member->job_id, "job7");
+  set({{kStorePortVar, "70000"}});
+  cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
+                                            "COHORT_STORE_PORT=70000 is not a port");
+  set({{kStorePortVar, "29400"}, {kTrainRanksVar, "four"}});
+  cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
+                                            "COHORT_TRAIN_RANKS='four' is not an integer");
+  unsetenv(kTrainRanksVar);
+  cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
+                                            "must be set: start data workers with cohort launch");
+
+  set({{kDataDatasetVar, "train"}, {kDataShardVar, "1/3"}});
+  const auto shard = data_shard_from_env();
+  EXPECT_EQ(shard.dataset, "train");
+  EXPECT_EQ(shard.rank, 1);
+  EXPECT_EQ(shard.shards, 3);
+  for (const char* bad : {"1/2x", "3/3", "-1/2", "1", "/2", "a/b"}) {
+    set({{kDataShardVar, bad}});
+    cohort::testing::expect_error<UsageError>(
+        [] { data_shard_from_env(); },
+        std::string("COHORT_DATA_SHARD is '") + bad + "', not the rank's shard as r/n");
+  }
+  unsetenv(kDataDatasetVar);
+  cohort::testing::expect_error<UsageError>([] { data_shard_from_env(); },
+                                            "COHORT_DATA_DATASET is not set");
 }
 
 TEST_F(WorkerInfoTest, InconsistentVariablesAreNamed) {

@@ -35,6 +35,33 @@ struct WorkerInfo {
 /// `min_value`. Every integer setting of the environment is read through it.
 int env_int(const char* name, int fallback, int min_value);
 
+/// The value of environment variable `name`; empty when it is unset.
+std::string env_string(const char* name);
+
+/// A data worker of `cohort launch --data-workers` (COHORT_DATA_MEMBER set): where the job's store
+/// is, and how many train ranks it serves until they all finish.
+struct DataMemberInfo {
+  int member = 0;           ///< its index among the job's data workers (COHORT_DATA_MEMBER)
+  std::string master_addr;  ///< the store's host (MASTER_ADDR)
+  int store_port = 0;       ///< the store's port (COHORT_STORE_PORT)
+  int train_ranks = 0;      ///< the job's train ranks (COHORT_TRAIN_RANKS)
+  int restart_round = 0;    ///< restarts of the job so far (COHORT_RESTART_ROUND)
+  std::string job_id;       ///< the job, checked at the store (COHORT_JOB_ID)
+};
+/// This process's data-worker settings; nullopt when COHORT_DATA_MEMBER is unset. UsageError naming
+/// the variable that is missing or malformed, and the fix.
+std::optional<DataMemberInfo> data_member_from_env();
+
+/// A preprocessing worker that a rank started for one of its Trainer datasets: the dataset's name
+/// and the rank's shard of it.
+struct DataShardInfo {
+  std::string dataset;  ///< the Trainer dataset (COHORT_DATA_DATASET)
+  int rank = 0;         ///< the shard's index (COHORT_DATA_SHARD "r/n")
+  int shards = 1;       ///< the number of shards
+};
+/// This process's dataset and shard; UsageError naming the variable that is missing or malformed.
+DataShardInfo data_shard_from_env();
+
 /// Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (or GROUP_RANK), MASTER_ADDR,
 /// MASTER_PORT. Returns nullopt when RANK and WORLD_SIZE are both unset; throws UsageError naming
 /// the variable when they are inconsistent.
