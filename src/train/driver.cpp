@@ -337,11 +337,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .profile_first = run_.profile_steps.first,
       .profile_last = run_.profile_steps.last,
       .log_every_steps = run_.log_every_steps,
-      .mesh = scaling_.mesh,
-      .precision = scaling_.precision,
-      .loss_scaler = scaling_.loss_scaler,
-      .num_parameter_servers = scaling_.num_parameter_servers,
-      .remote_preprocessing_dataset = scaling_.remote_preprocessing_dataset};
+      .scaling = session_scaling_of(scaling_)};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
                       per_worker = gpus_per_worker_](int rank) {

@@ -60,27 +60,11 @@ struct SessionSettings {
   bool tensorboard_histograms = false;
   RunConfig::ProfileSteps profile_steps;
   int64_t log_every_steps = 0;
-  // The run's ScalingConfig as it shapes a session: the local driver's (from the spec), or under
-  // a launcher the program's own (every rank runs the same).
   int cpu_threads = 1;
-  parallel::MeshShape mesh;
-  std::string precision = "fp32";
-  optim::LossScalerOptions loss_scaler;
-  int num_parameter_servers = 0;
-  std::string remote_preprocessing_dataset;
+  SessionScaling scaling;
+  // A function: the worker program's own ScalingConfig's.
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
 };
-
-// What a session takes from a ScalingConfig (under a launcher: the program's own).
-void take_scaling(SessionSettings& settings, const ScalingConfig& scaling) {
-  settings.cpu_threads = scaling.resources_per_worker.cpu_threads;
-  settings.mesh = scaling.mesh;
-  settings.precision = scaling.precision;
-  settings.loss_scaler = scaling.loss_scaler;
-  settings.num_parameter_servers = scaling.num_parameter_servers;
-  settings.remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
-  settings.on_world_size_change = scaling.on_world_size_change;
-}
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
 c10::Device device_of(int per_worker, int local_rank) {
@@ -107,10 +91,11 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
     const int trainers = local * std::max(1, settings.cpu_threads);
     data::set_default_data_workers(std::max(1, (cpus - trainers) / local));
   }
+  const auto& scaling = settings.scaling;
   session->on_world_size_change = settings.on_world_size_change;
-  session->num_parameter_servers = settings.num_parameter_servers;
+  session->num_parameter_servers = scaling.num_parameter_servers;
   session->interface_address = settings.interface_address;
-  session->remote_preprocessing_dataset = settings.remote_preprocessing_dataset;
+  session->remote_preprocessing_dataset = scaling.remote_preprocessing_dataset;
   session->data_members = runtime::env_int(runtime::kDataMembersVar, session->data_members, 0);
   session->next_checkpoint_index = settings.next_checkpoint_index;
   session->tensorboard_histograms = settings.tensorboard_histograms;
@@ -134,12 +119,12 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
                                                   .timeout = settings.collective_timeout,
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend});
-  if (settings.mesh.pp * settings.mesh.tp > 1)
-    ctx.mesh = parallel::DeviceMesh::create(ctx.process_group, settings.mesh);
-  ctx.precision = optim::precision_from_string(settings.precision);
+  if (scaling.mesh.pp * scaling.mesh.tp > 1)
+    ctx.mesh = parallel::DeviceMesh::create(ctx.process_group, scaling.mesh);
+  ctx.precision = optim::precision_from_string(scaling.precision);
   optim::check_precision_supported(ctx.precision, ctx.device);
   session->loss_scaler = std::make_unique<optim::LossScaler>(
-      settings.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
+      scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
   set_current_session(std::move(session));
   runtime::watch_stop_requests();
   if (settings.profile_steps.first > 0) {
@@ -230,11 +215,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.log_every_steps = spec.log_every_steps;
     // The driver's ScalingConfig, not this program's first Trainer's.
     settings.cpu_threads = spec.cpu_threads;
-    settings.mesh = spec.mesh;
-    settings.precision = spec.precision;
-    settings.loss_scaler = spec.loss_scaler;
-    settings.num_parameter_servers = spec.num_parameter_servers;
-    settings.remote_preprocessing_dataset = spec.remote_preprocessing_dataset;
+    settings.scaling = spec.scaling;
     settings.on_world_size_change = scaling.on_world_size_change;
     open_session(std::move(settings), datasets);
     train_loop(spec.config);
@@ -400,7 +381,9 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   runtime::start_heartbeat(heartbeat.interval);
   std::optional<std::string> error;
   try {
-    take_scaling(settings, scaling);
+    settings.cpu_threads = scaling.resources_per_worker.cpu_threads;
+    settings.scaling = session_scaling_of(scaling);
+    settings.on_world_size_change = scaling.on_world_size_change;
     open_session(settings, datasets);
     train_loop(config);
     trace::finish_profile();

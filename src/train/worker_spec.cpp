@@ -39,6 +39,14 @@ std::chrono::milliseconds positive_ms(const Json& spec, const char* key) {
 
 }  // namespace
 
+SessionScaling session_scaling_of(const ScalingConfig& scaling) {
+  return {.mesh = scaling.mesh,
+          .precision = scaling.precision,
+          .loss_scaler = scaling.loss_scaler,
+          .num_parameter_servers = scaling.num_parameter_servers,
+          .remote_preprocessing_dataset = scaling.remote_preprocessing_dataset};
+}
+
 std::string to_text(const WorkerSpec& s) {
   return Json{{"format", kFormat},
               {"build", s.build},
@@ -62,12 +70,12 @@ std::string to_text(const WorkerSpec& s) {
               {"profile_first", s.profile_first},
               {"profile_last", s.profile_last},
               {"log_every_steps", s.log_every_steps},
-              {"mesh_pp", s.mesh.pp},
-              {"mesh_tp", s.mesh.tp},
-              {"precision", s.precision},
-              {"loss_scaler", s.loss_scaler},
-              {"num_parameter_servers", s.num_parameter_servers},
-              {"remote_preprocessing_dataset", s.remote_preprocessing_dataset}}
+              {"mesh_pp", s.scaling.mesh.pp},
+              {"mesh_tp", s.scaling.mesh.tp},
+              {"precision", s.scaling.precision},
+              {"loss_scaler", s.scaling.loss_scaler},
+              {"num_parameter_servers", s.scaling.num_parameter_servers},
+              {"remote_preprocessing_dataset", s.scaling.remote_preprocessing_dataset}}
       .dump();
 }
 
@@ -121,15 +129,16 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.profile_first = field<int64_t>(j, "profile_first");
   s.profile_last = field<int64_t>(j, "profile_last");
   s.log_every_steps = field<int64_t>(j, "log_every_steps");
-  s.mesh = {.pp = field<int>(j, "mesh_pp"), .tp = field<int>(j, "mesh_tp")};
-  if (s.mesh.pp < 1 || s.mesh.tp < 1) {
-    throw UsageError("worker spec: mesh_pp = " + std::to_string(s.mesh.pp) +
-                     ", mesh_tp = " + std::to_string(s.mesh.tp) + ": both must be >= 1");
+  auto& scaling = s.scaling;
+  scaling.mesh = {.pp = field<int>(j, "mesh_pp"), .tp = field<int>(j, "mesh_tp")};
+  if (scaling.mesh.pp < 1 || scaling.mesh.tp < 1) {
+    throw UsageError("worker spec: mesh_pp = " + std::to_string(scaling.mesh.pp) +
+                     ", mesh_tp = " + std::to_string(scaling.mesh.tp) + ": both must be >= 1");
   }
-  s.precision = field<std::string>(j, "precision");
-  s.loss_scaler = field<optim::LossScalerOptions>(j, "loss_scaler");
-  s.num_parameter_servers = field<int>(j, "num_parameter_servers");
-  s.remote_preprocessing_dataset = field<std::string>(j, "remote_preprocessing_dataset");
+  scaling.precision = field<std::string>(j, "precision");
+  scaling.loss_scaler = field<optim::LossScalerOptions>(j, "loss_scaler");
+  scaling.num_parameter_servers = field<int>(j, "num_parameter_servers");
+  scaling.remote_preprocessing_dataset = field<std::string>(j, "remote_preprocessing_dataset");
   return s;
 }
 

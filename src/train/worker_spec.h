@@ -10,8 +10,22 @@
 #include "cohort/parallel/mesh.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/timeouts.h"
+#include "cohort/train/config.h"
 
 namespace cohort::train {
+
+// What a worker's session takes from the run's ScalingConfig besides the worker count: under the
+// local driver the driver's (in the spec), not that of the first Trainer the worker's re-executed
+// program constructs (a program may fit one loop several times with other meshes or precisions);
+// under a launcher the program's own (every rank runs the same).
+struct SessionScaling {
+  parallel::MeshShape mesh;        // ScalingConfig::mesh (pp, tp)
+  std::string precision = "fp32";  // ScalingConfig::precision
+  optim::LossScalerOptions loss_scaler;
+  int num_parameter_servers = 0;
+  std::string remote_preprocessing_dataset;
+};
+SessionScaling session_scaling_of(const ScalingConfig& scaling);
 
 struct WorkerSpec {
   // The program that wrote it (runtime::program_build_id()) and the driver's pid: a spec left in
@@ -38,14 +52,7 @@ struct WorkerSpec {
   int64_t profile_first = 0;            // RunConfig::profile_steps
   int64_t profile_last = 0;
   int64_t log_every_steps = 0;  // RunConfig::log_every_steps
-  // The driver's ScalingConfig, for the worker's session: not the worker program's own, which is
-  // the first Trainer's it constructs (a program that fits several runs of one loop with other
-  // meshes or precisions).
-  parallel::MeshShape mesh;        // ScalingConfig::mesh (pp, tp)
-  std::string precision = "fp32";  // ScalingConfig::precision
-  optim::LossScalerOptions loss_scaler;
-  int num_parameter_servers = 0;
-  std::string remote_preprocessing_dataset;
+  SessionScaling scaling;       // the driver's ScalingConfig
 };
 
 std::string to_text(const WorkerSpec& spec);

@@ -25,11 +25,11 @@ WorkerSpec spec_from_parent() {
   spec.resume_from = "/tmp/run/checkpoint_000001";
   spec.next_checkpoint_index = 2;
   spec.slot = 1;
-  spec.mesh = {.pp = 2, .tp = 1};
-  spec.precision = "bf16";
-  spec.loss_scaler.initial_scale = 128;
-  spec.num_parameter_servers = 1;
-  spec.remote_preprocessing_dataset = "images";
+  spec.scaling = {.mesh = {.pp = 2, .tp = 1},
+                  .precision = "bf16",
+                  .loss_scaler = {.initial_scale = 128},
+                  .num_parameter_servers = 1,
+                  .remote_preprocessing_dataset = "images"};
   return spec;
 }
 
@@ -42,11 +42,11 @@ TEST(WorkerSpec, RoundTripsEverySetting) {
   EXPECT_EQ(read.setup_timeout, kDefaultSetupTimeout);
   EXPECT_EQ(read.slot, 1);
   // The driver's ScalingConfig, which the worker's session takes instead of its program's own.
-  EXPECT_EQ(read.mesh.pp, 2);
-  EXPECT_EQ(read.precision, "bf16");
-  EXPECT_EQ(read.loss_scaler, spec.loss_scaler);
-  EXPECT_EQ(read.num_parameter_servers, 1);
-  EXPECT_EQ(read.remote_preprocessing_dataset, "images");
+  EXPECT_EQ(read.scaling.mesh.pp, 2);
+  EXPECT_EQ(read.scaling.precision, "bf16");
+  EXPECT_EQ(read.scaling.loss_scaler, spec.scaling.loss_scaler);
+  EXPECT_EQ(read.scaling.num_parameter_servers, 1);
+  EXPECT_EQ(read.scaling.remote_preprocessing_dataset, "images");
 }
 
 TEST(WorkerSpec, ASpecOfAnotherBuildOrRunIsRefusedNamingTheValue) {
