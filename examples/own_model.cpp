@@ -60,18 +60,16 @@ void train_loop(const cohort::Json& c) {
       if ((stopped = model.steps() == stop_after)) break;
     }
     model.sync();
-    double correct = 0, checksum = 0;
+    const auto eval = model.evaluate(test);  // each rank its share of the test rows
+    double checksum = 0;
     {
       auto whole = model.whole_model();  // every rank the whole model
-      torch::NoGradGuard no_grad;
-      const auto out = model.forward(test.inputs.to(ctx.get_device()));
-      correct = out.argmax(1).cpu().eq(test.targets).sum().item<double>();
       for (const auto& p : model.module().parameters()) checksum += p.sum().item<double>();
     }
     train::report({{"epoch", epoch + 1},
                    {train::kEpochStepMetric, stopped ? step : 0},
                    {"steps", model.steps()},
-                   {"accuracy", correct / static_cast<double>(test.size())},
+                   {"accuracy", eval.accuracy.value_or(0.0)},
                    {"checksum", checksum}},
                   model);
     if (stopped) break;

@@ -111,35 +111,6 @@ optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   return schedule;
 }
 
-// Each rank scores its share of the test set; the counts are summed over the group.
-Evaluation evaluate(torch::nn::Module& model,
-                    const std::function<torch::Tensor(torch::Tensor)>& forward,
-                    data::DataLoader& loader, comm::ProcessGroup group) {
-  torch::NoGradGuard no_grad;
-  model.eval();
-  double correct = 0, total = 0, loss_sum = 0;
-  for (auto& batch : loader) {
-    torch::Tensor output;
-    {
-      // Autocast as training does, without timing it as a training step's forward.
-      const auto& ctx = train::get_context();
-      optim::AutocastGuard autocast(ctx.get_precision(), ctx.get_device());
-      output = forward(batch.data).to(torch::kFloat);
-    }
-    loss_sum += torch::nn::functional::cross_entropy(
-                    output, batch.target,
-                    torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                    .item<double>();
-    correct += output.argmax(1).eq(batch.target).sum().item<double>();
-    total += static_cast<double>(batch.target.size(0));
-  }
-  model.train();
-  std::vector<at::Tensor> sums{torch::tensor({correct, total, loss_sum}, torch::kDouble)};
-  group.allreduce(sums);
-  auto s = sums[0];
-  return {s[0].item<double>() / s[1].item<double>(), s[2].item<double>() / s[1].item<double>()};
-}
-
 models::ModelOptions model_options_of(const Json& c) {
   models::ModelOptions options;
   if (c.contains("model_options")) {
@@ -567,11 +538,7 @@ void train_loop(const Json& c) {
     model.load(*checkpoint);
     resumed = train::resume_point(*checkpoint);
   }
-  // Evaluation: every rank holds the whole model then; a tp group scores the same rows.
-  data::DataLoader test_loader(
-      test_set_of(c),
-      {.batch_size = 500, .shuffle = false, .device = ctx.get_device(), .equal_shards = false},
-      ctx.get_world_rank() / plan.tp, ctx.get_world_size() / plan.tp);
+  const data::TensorDataset test_set = test_set_of(c);
   const int64_t dp = ctx.get_world_size() / (plan.pp * plan.tp);
   // A Ctrl-C asks the loop to stop after a checkpoint (train::should_stop(), a collective): after
   // every step, or where the workers agree anyway (epoch ends) with local SGD, DiLoCo and the
@@ -636,15 +603,10 @@ void train_loop(const Json& c) {
         torch::tensor({loss_sum, static_cast<double>(loss_count)}, torch::kDouble)};
     ctx.get_process_group().allreduce(loss_stats);
     const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
+    const auto eval = model.evaluate(test_set);
     double checksum = 0;
-    Evaluation eval;
     {
-      // ZeRO stage 3: the whole model once, not a gather per layer and batch; a pipeline's
-      // stages on each of its ranks.
       auto whole = model.whole_model();
-      eval = evaluate(
-          model.module(), [&](torch::Tensor x) { return model.forward(x); }, test_loader,
-          ctx.get_process_group());
       for (const auto& p : model.module().parameters())
         checksum += p.detach().to(torch::kDouble).sum().item<double>();
     }
@@ -672,7 +634,7 @@ void train_loop(const Json& c) {
                  {"steps", model.steps()},
                  {"train_loss", train_loss},
                  {"test_loss", eval.loss},
-                 {"test_accuracy", eval.accuracy},
+                 {"test_accuracy", eval.accuracy.value_or(0.0)},
                  {"lr", model.lr()},
                  {"elapsed_s", elapsed},
                  {"time_to_first_step_s", time_to_first_step}};

@@ -129,10 +129,6 @@ train::Plan plan_of(const Json& config);
 void validate_mesh(const TrainOptions& options);
 
 // Parts of the loop.
-struct Evaluation {
-  double accuracy = 0;
-  double loss = 0;
-};
 // The optimizer a job's config names, over `params`, its hyperparameters checked.
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
                                                         std::vector<torch::Tensor> params);
@@ -141,11 +137,6 @@ double default_lr(const std::string& optimizer);
 double default_weight_decay(const std::string& optimizer);
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
-// Accuracy and mean loss of `model` over the loader's shard, summed over every rank of `group`
-// (ranks that evaluate the same rows, e.g. a tensor-parallel group, count alike: the ratios hold).
-Evaluation evaluate(torch::nn::Module& model,
-                    const std::function<torch::Tensor(torch::Tensor)>& forward,
-                    data::DataLoader& loader, comm::ProcessGroup group);
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
 // The zoo model's options for a job's data: MNIST's 1x28x28 and 10 classes, or what --data holds.

@@ -5,6 +5,7 @@
 #include <iostream>
 #include <map>
 
+#include "cohort/data/data_loader.h"
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/parallel/local_sgd.h"
@@ -320,6 +321,55 @@ GatheredParameters ParallelModel::whole_model() {
     return {};
   }
   return gathered_parameters(state_->model.module);
+}
+
+Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batch_size) {
+  auto& st = *state_;
+  auto& ctx = get_context();
+  // A tensor-parallel group's ranks hold slices of one model: they score the same rows, and
+  // every row is counted tp times over the world (the sums are divided by tp).
+  const int tp = st.plan.tp;
+  data::DataLoader loader(data,
+                          {.batch_size = batch_size,
+                           .shuffle = false,
+                           .device = ctx.get_device(),
+                           .equal_shards = false},
+                          ctx.get_world_rank() / tp, ctx.get_world_size() / tp);
+  auto whole = whole_model();
+  torch::NoGradGuard no_grad;
+  auto& module = *st.model.module;
+  const bool training = module.is_training();
+  module.eval();
+  double loss_sum = 0, correct = 0, rows = 0;
+  bool classes = data.targets.defined() && data.targets.dim() == 1 &&
+                 !at::isFloatingType(data.targets.scalar_type());
+  for (auto& batch : loader) {
+    at::Tensor output;
+    {
+      optim::AutocastGuard autocast(ctx.get_precision(), ctx.get_device());
+      output = st.model.forward(batch.data);
+    }
+    output = output.to(at::kFloat);
+    const auto n = static_cast<double>(batch.data.size(0));
+    loss_sum += st.loss(output, batch.target).item<double>() * n;
+    classes = classes && output.dim() == 2;
+    if (classes) correct += output.argmax(1).eq(batch.target).sum().item<double>();
+    rows += n;
+  }
+  module.train(training);
+  std::vector<at::Tensor> sums{
+      at::tensor({loss_sum, correct, rows, classes ? 1.0 : 0.0}, at::kDouble)};
+  ctx.get_process_group().allreduce(sums);
+  const auto total = sums[0];
+  Evaluation out;
+  const double all = total[2].item<double>();
+  out.rows = static_cast<int64_t>(all / tp);
+  if (all == 0) return out;
+  out.loss = total[0].item<double>() / all;
+  // Every rank scored class indices into 2-D outputs (a rank without rows counts as one).
+  if (total[3].item<double>() == static_cast<double>(ctx.get_world_size()))
+    out.accuracy = total[1].item<double>() / all;
+  return out;
 }
 
 at::Tensor ParallelModel::forward(const at::Tensor& inputs) const {

@@ -237,6 +237,72 @@ TEST_F(ParallelModelResume, AnEpochResumedAtAnotherWorldSizeLosesAndRepeatsNoRow
   }
 }
 
+// Two steps of plan `c["plan"]`, then ParallelModel::evaluate on every row of examples(), and the
+// same rows scored by hand on the whole model in this one process.
+void evaluate_loop(const Json& c) {
+  const auto plan = plan_named(c["plan"]);
+  torch::manual_seed(0);
+  const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
+    if (plan.zero.stage == 3)
+      return torch::nn::AnyModule(parallel::FullyShard(torch::nn::Linear(in, out)));
+    return torch::nn::AnyModule(torch::nn::Linear(in, out));
+  };
+  torch::nn::Sequential net;
+  net->push_back(linear(8, 16));
+  net->push_back(torch::nn::ReLU());
+  net->push_back(linear(16, 4));
+  auto model = train::parallelize(
+      {.module = net.ptr(),
+       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
+       .layers = net},
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      plan);
+  auto [x, y] = examples();
+  for (int step = 0; step < 2; ++step)
+    model.step(x.narrow(0, step * 2 * kBatch, 2 * kBatch),
+               y.narrow(0, step * 2 * kBatch, 2 * kBatch));
+  // 500-row batches would give each rank one; 10 makes several, and a last short one.
+  const auto eval = model.evaluate({.inputs = x, .targets = y}, 10);
+  double loss = 0, accuracy = 0;
+  {
+    auto whole = model.whole_model();
+    torch::NoGradGuard no_grad;
+    const auto out = model.forward(x);
+    loss = torch::nn::functional::cross_entropy(out, y).item<double>();
+    accuracy = out.argmax(1).eq(y).to(torch::kDouble).mean().item<double>();
+  }
+  train::report({{"loss", eval.loss},
+                 {"accuracy", eval.accuracy.value_or(-1.0)},
+                 {"rows", eval.rows},
+                 {"expected_loss", loss},
+                 {"expected_accuracy", accuracy}});
+}
+
+// ParallelModel::evaluate scores every row once over the ranks, whatever the plan cuts: the loss
+// and accuracy of the whole model on all rows, as one process computes them. The plans run one
+// after the other in this one program (each fit's workers take its own mesh from their spec).
+TEST(ParallelModelEvaluate, ScoresEveryRowOnceWhateverThePlanCuts) {
+  const auto dir = cohort::testing::temp_dir("parallel_model_evaluate");
+  for (const std::string plan : {"ddp", "zero3", "pipeline"}) {
+    SCOPED_TRACE(plan);
+    Trainer trainer(evaluate_loop, {.num_workers = 2, .mesh = {.pp = plan_named(plan).pp}},
+                    cohort::testing::quiet_run(dir, plan), Json{{"plan", plan}});
+    const auto result = trainer.fit();
+    ASSERT_TRUE(result.ok()) << *result.error;
+    EXPECT_EQ(result.metrics["rows"], kRows);
+    EXPECT_NEAR(result.metrics["loss"].get<double>(), result.metrics["expected_loss"].get<double>(),
+                1e-6);
+    EXPECT_DOUBLE_EQ(result.metrics["accuracy"].get<double>(),
+                     result.metrics["expected_accuracy"].get<double>());
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // A small model of `plan` trained one step; reports the worker's precision after parallelize, the
 // loss scaler's options and the dtype of a forward under train::autocast().
 void precision_loop(const Json& c) {

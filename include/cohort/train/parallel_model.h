@@ -25,6 +25,7 @@
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
 
+#include "cohort/data/tensor_dataset.h"
 #include "cohort/json.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/train/checkpoint.h"
@@ -68,6 +69,17 @@ struct StepResult {
   bool stepped = true;
 };
 
+/// What ParallelModel::evaluate measured over every rank's rows.
+struct Evaluation {
+  /// The loss function's mean over the rows.
+  double loss = 0;
+  /// The share of rows whose output's largest logit is at the target class, where the targets are
+  /// class indices (one integer per row); unset otherwise.
+  std::optional<double> accuracy;
+  /// The rows scored, over the ranks (each row once).
+  int64_t rows = 0;
+};
+
 /// This rank's model parts, engine, optimizer, loss scaler and learning-rate schedule for one
 /// train::Plan, made by train::parallelize: one step() for every plan, whole_model() to evaluate,
 /// save() and load() for checkpoints of any plan the arithmetic allows.
@@ -95,6 +107,11 @@ class ParallelModel {
   /// Every rank's whole model for evaluation, checksums or saving: a pipeline's stages copied to
   /// its other ranks; with ZeRO-3 the parameters gathered while the guard lives. Collective.
   GatheredParameters whole_model();
+  /// Scores `data` with the plan's loss function, without gradients, under the worker's precision
+  /// and in eval mode: the whole model gathered once (whole_model()), each rank its share of the
+  /// rows (a tensor-parallel group's ranks the same share) in batches of `batch_size`, summed over
+  /// the ranks. Collective: every rank calls it alike, e.g. after sync() at an epoch's end.
+  Evaluation evaluate(const data::TensorDataset& data, int64_t batch_size = 500);
   /// The whole model's forward pass (after whole_model() where the model is cut).
   at::Tensor forward(const at::Tensor& inputs) const;
   /// The model this rank trains (its stages' with a pipeline; its slices with tensor parallelism).
