@@ -76,11 +76,16 @@ void use_precision(optim::Precision precision, const optim::LossScalerOptions& l
   const bool same = precision == ctx.precision && (precision != optim::Precision::kFp16 ||
                                                    session.loss_scaler->options() == loss_scaler);
   if (same) return;
+  if (precision == ctx.precision) {
+    throw UsageError("parallelize: the plan's loss scaler " + Json(loss_scaler).dump() +
+                     " differs from the run's (ScalingConfig::loss_scaler " +
+                     Json(session.loss_scaler->options()).dump() +
+                     "): set the fp16 options in one of them");
+  }
   if (ctx.precision != optim::Precision::kFp32) {
     throw UsageError("parallelize: the plan's --precision " + optim::to_string(precision) +
                      " differs from the run's (ScalingConfig::precision " +
-                     optim::to_string(ctx.precision) +
-                     " and its loss scaler): set the precision in one of them");
+                     optim::to_string(ctx.precision) + "): set the precision in one of them");
   }
   optim::check_precision_supported(precision, ctx.device);
   ctx.precision = precision;
