@@ -1,5 +1,6 @@
 #include "cohort/trace.h"
 
+#include <algorithm>
 #include <mutex>
 #include <utility>
 
@@ -17,8 +18,10 @@ struct Recorder {
   // Seconds of the step under way, added to the totals when it ends.
   std::array<double, kPhases> pending{};
   Clock::time_point totals_since = Clock::now();
-  // When the first and the last step since totals_since ended.
+  // When the first and the last step since totals_since ended, and the first one's waits for
+  // peers.
   Clock::time_point first_end, last_end;
+  double first_step_comm_wait = 0;
   int64_t step = 1;
   int64_t first = 0, last = 0;
   std::vector<Event> events;
@@ -90,7 +93,10 @@ void end_step() {
   {
     std::lock_guard lock(r.mutex);
     r.last_end = Clock::now();
-    if (r.totals.steps == 0) r.first_end = r.last_end;
+    if (r.totals.steps == 0) {
+      r.first_end = r.last_end;
+      r.first_step_comm_wait = r.pending[static_cast<size_t>(Phase::kCommWait)];
+    }
     ++r.totals.steps;
     for (size_t p = 0; p < r.pending.size(); ++p) r.totals.seconds[p] += r.pending[p];
     r.pending = {};
@@ -115,16 +121,19 @@ Totals take_totals() {
   std::lock_guard lock(r.mutex);
   Totals out = std::exchange(r.totals, Totals{});
   r.pending = {};  // after the last step: an evaluation, the report, no step's
+  const double comm_wait = out.seconds[static_cast<size_t>(Phase::kCommWait)];
   if (out.steps >= 2) {
     // From the first step's end to the last's, extended by one step: the time before the first
-    // step (setup, evaluation, waiting at the last report) is no step's.
+    // step (setup, evaluation, waiting at the last report) is no step's. The waits are those of
+    // the same steps, extended alike.
     const double between = std::chrono::duration<double>(r.last_end - r.first_end).count();
-    out.wall_seconds =
-        between * static_cast<double>(out.steps) / static_cast<double>(out.steps - 1);
-  } else if (out.steps == 1) {
-    out.wall_seconds = std::chrono::duration<double>(r.last_end - r.totals_since).count();
+    const double scale = static_cast<double>(out.steps) / static_cast<double>(out.steps - 1);
+    out.wall_seconds = between * scale;
+    out.busy_seconds = std::max(0.0, between - (comm_wait - r.first_step_comm_wait)) * scale;
   } else {
-    out.wall_seconds = std::chrono::duration<double>(now - r.totals_since).count();
+    out.wall_seconds =
+        std::chrono::duration<double>((out.steps == 1 ? r.last_end : now) - r.totals_since).count();
+    out.busy_seconds = std::max(0.0, out.wall_seconds - comm_wait);
   }
   r.totals_since = now;
   return out;

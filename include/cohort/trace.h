@@ -61,6 +61,10 @@ struct Totals {
   std::array<double, kPhases> seconds{};  ///< per phase, indexed by Phase
   int64_t steps = 0;                      ///< steps ended
   double wall_seconds = 0;                ///< their wall-clock seconds
+  /// Their wall-clock seconds without the waits for peers (kCommWait), over the same steps as
+  /// wall_seconds: with two steps or more, the waits of the first step (before the window the wall
+  /// time is measured over) are not subtracted from the others'. >= 0.
+  double busy_seconds = 0;
 };
 /// The totals since the previous call (see Totals); resets them.
 Totals take_totals();

@@ -406,7 +406,7 @@ std::vector<std::string> split_fields(const std::string& text) {
 // What a rank's trace recorded since its last report.
 struct RankTimes {
   int64_t steps = 0;
-  double wall_seconds = 0;
+  double busy_seconds = 0;  // trace::Totals::busy_seconds: its steps without its waits for peers
   std::array<double, trace::kPhases> seconds{};
 };
 
@@ -424,7 +424,6 @@ void add_step_times(const std::vector<RankTimes>& times, Json& message) {
   double checkpoint_ms = 0;
   for (size_t r = 0; r < times.size(); ++r) {
     const auto& t = times[r];
-    const auto& comm = t.seconds[static_cast<size_t>(trace::Phase::kCommWait)];
     checkpoint_ms =
         std::max(checkpoint_ms, 1000 * t.seconds[static_cast<size_t>(trace::Phase::kCheckpoint)]);
     if (t.steps == 0) {
@@ -432,7 +431,7 @@ void add_step_times(const std::vector<RankTimes>& times, Json& message) {
       continue;
     }
     const double per_step = 1000.0 / static_cast<double>(t.steps);
-    step_ms.emplace_back(std::max(0.0, t.wall_seconds - comm) * per_step, static_cast<int>(r));
+    step_ms.emplace_back(t.busy_seconds * per_step, static_cast<int>(r));
     by_rank.push_back(step_ms.back().first);
     for (size_t p = 0; p < phase_ms.size(); ++p) phase_ms[p] += t.seconds[p] * per_step;
   }
@@ -523,7 +522,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
   // wall seconds and seconds per phase (cohort/trace.h) since its last report ride along with
   // whether it brings a checkpoint, whether it stored its data positions, and with the parameter
-  // server its pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<wall s>;
+  // server its pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<busy s>;
   // <phase s>x6;<0|1>[;<staleness sum>;<pushes>;<max>]".
   const auto ingest = data::take_ingest_stats();
   const auto traced = trace::take_totals();
@@ -534,7 +533,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     arrival += std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
   arrival += ";" + std::to_string(bytes - s.bytes_at_report) + ";" +
              std::to_string(steps - s.steps_at_report);
-  arrival += ";" + std::to_string(traced.steps) + ";" + std::to_string(traced.wall_seconds);
+  arrival += ";" + std::to_string(traced.steps) + ";" + std::to_string(traced.busy_seconds);
   for (double seconds : traced.seconds) arrival += ";" + std::to_string(seconds);
   s.bytes_at_report = bytes;
   s.steps_at_report = steps;
@@ -608,7 +607,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       bytes_per_step += static_cast<double>(std::stoll(fields.at(2))) / rank_steps;
       ++workers_stepping;
     }
-    RankTimes t{.steps = std::stoll(fields.at(4)), .wall_seconds = std::stod(fields.at(5))};
+    RankTimes t{.steps = std::stoll(fields.at(4)), .busy_seconds = std::stod(fields.at(5))};
     for (size_t p = 0; p < t.seconds.size(); ++p) t.seconds[p] = std::stod(fields.at(6 + p));
     times.push_back(t);
     if (fields.at(12) == "1") ranks_with_positions.push_back(keys + "data/" + std::to_string(r));
