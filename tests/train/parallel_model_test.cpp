@@ -51,14 +51,10 @@ train::Plan plan_named(const std::string& name) {
   return plan;
 }
 
-// Two epochs of `plan` on the rows of get_dataset_shard, or of prepare_data_loader with config
-// "loader"; stopped with a checkpoint after `stop_after` steps (0: never). Every rank writes the
-// ids it trained on, by epoch, to <ids>-rank<r>.txt.
-void train_loop(const Json& c) {
-  auto& ctx = train::get_context();
-  const auto plan = plan_named(c["plan"]);
+// An MLP of 8 features, `hidden_layers` of 16 and 4 classes, every rank the same weights, made
+// parallel by `plan` with AdamW; with ZeRO-3 each linear layer is a unit (parallel::FullyShard).
+train::ParallelModel parallel_net(const train::Plan& plan, int hidden_layers) {
   torch::manual_seed(0);
-  // With ZeRO-3 each linear layer is a unit (through parallel::FullyShard).
   const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
     if (plan.zero.stage == 3)
       return torch::nn::AnyModule(parallel::FullyShard(torch::nn::Linear(in, out)));
@@ -66,11 +62,13 @@ void train_loop(const Json& c) {
   };
   torch::nn::Sequential net;
   net->push_back(linear(8, 16));
-  net->push_back(torch::nn::ReLU());
-  net->push_back(linear(16, 16));
+  for (int layer = 1; layer < hidden_layers; ++layer) {
+    net->push_back(torch::nn::ReLU());
+    net->push_back(linear(16, 16));
+  }
   net->push_back(torch::nn::ReLU());
   net->push_back(linear(16, 4));
-  auto model = train::parallelize(
+  return train::parallelize(
       {.module = net.ptr(),
        .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
        .layers = net},
@@ -81,6 +79,15 @@ void train_loop(const Json& c) {
         return torch::nn::functional::cross_entropy(out, y);
       },
       plan);
+}
+
+// Two epochs of `plan` on the rows of get_dataset_shard, or of prepare_data_loader with config
+// "loader"; stopped with a checkpoint after `stop_after` steps (0: never). Every rank writes the
+// ids it trained on, by epoch, to <ids>-rank<r>.txt.
+void train_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const auto plan = plan_named(c["plan"]);
+  auto model = parallel_net(plan, /*hidden_layers=*/2);
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
     model.load(*checkpoint);
@@ -241,27 +248,7 @@ TEST_F(ParallelModelResume, AnEpochResumedAtAnotherWorldSizeLosesAndRepeatsNoRow
 // same rows scored by hand on the whole model in this one process.
 void evaluate_loop(const Json& c) {
   const auto plan = plan_named(c["plan"]);
-  torch::manual_seed(0);
-  const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
-    if (plan.zero.stage == 3)
-      return torch::nn::AnyModule(parallel::FullyShard(torch::nn::Linear(in, out)));
-    return torch::nn::AnyModule(torch::nn::Linear(in, out));
-  };
-  torch::nn::Sequential net;
-  net->push_back(linear(8, 16));
-  net->push_back(torch::nn::ReLU());
-  net->push_back(linear(16, 4));
-  auto model = train::parallelize(
-      {.module = net.ptr(),
-       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
-       .layers = net},
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
-      },
-      [](const at::Tensor& out, const at::Tensor& y) {
-        return torch::nn::functional::cross_entropy(out, y);
-      },
-      plan);
+  auto model = parallel_net(plan, /*hidden_layers=*/1);
   auto [x, y] = examples();
   for (int step = 0; step < 2; ++step)
     model.step(x.narrow(0, step * 2 * kBatch, 2 * kBatch),
