@@ -23,19 +23,25 @@ std::optional<std::string> env(const char* name) {
   return std::string(value);
 }
 
+// `text` as a whole number (an optional sign, then digits, nothing after); nullopt otherwise.
+std::optional<int> whole_number(const std::string& text) {
+  try {
+    size_t used = 0;
+    const int parsed = std::stoi(text, &used);
+    if (used == text.size()) return parsed;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int env_int(const char* name, int fallback, int min_value) {
   auto value = env(name);
   if (!value) return fallback;
-  int parsed = 0;
-  try {
-    size_t used = 0;
-    parsed = std::stoi(*value, &used);
-    if (used != value->size()) throw std::invalid_argument(*value);
-  } catch (const std::exception&) {
-    throw UsageError(std::string(name) + "='" + *value + "' is not an integer");
-  }
+  const auto number = whole_number(*value);
+  if (!number) throw UsageError(std::string(name) + "='" + *value + "' is not an integer");
+  const int parsed = *number;
   if (parsed < min_value) {
     throw UsageError(std::string(name) + "=" + *value + " must be >= " + std::to_string(min_value));
   }
@@ -69,20 +75,15 @@ DataShardInfo data_shard_from_env() {
   if (info.dataset.empty()) throw UsageError(std::string(kDataDatasetVar) + " is not set");
   const std::string shard = env_string(kDataShardVar);
   const auto slash = shard.find('/');
-  const auto whole = [](const std::string& text, int& out) {
-    size_t used = 0;
-    try {
-      out = std::stoi(text, &used);
-    } catch (const std::exception&) {
-      return false;
-    }
-    return used == text.size() && !text.empty() && text[0] != '+' && text[0] != '-';
-  };
-  if (slash == std::string::npos || !whole(shard.substr(0, slash), info.rank) ||
-      !whole(shard.substr(slash + 1), info.shards) || info.shards < 1 || info.rank >= info.shards) {
+  const auto rank = whole_number(shard.substr(0, slash));
+  const auto shards =
+      slash == std::string::npos ? std::nullopt : whole_number(shard.substr(slash + 1));
+  if (!rank || !shards || *rank < 0 || *shards < 1 || *rank >= *shards) {
     throw UsageError(std::string(kDataShardVar) + " is '" + shard +
                      "', not the rank's shard as r/n (0 <= r < n)");
   }
+  info.rank = *rank;
+  info.shards = *shards;
   return info;
 }
 

@@ -340,7 +340,10 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
   auto& module = *st.model.module;
   const bool training = module.is_training();
   module.eval();
-  double loss_sum = 0, correct = 0, rows = 0;
+  // Summed on the device, read once at the end: no host sync per batch.
+  auto loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(ctx.get_device()));
+  auto correct = at::zeros_like(loss_sum);
+  double rows = 0;
   bool classes = data.targets.defined() && data.targets.dim() == 1 &&
                  !at::isFloatingType(data.targets.scalar_type());
   for (auto& batch : loader) {
@@ -351,14 +354,15 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
     }
     output = output.to(at::kFloat);
     const auto n = static_cast<double>(batch.data.size(0));
-    loss_sum += st.loss(output, batch.target).item<double>() * n;
+    loss_sum += st.loss(output, batch.target).to(at::kDouble) * n;
     classes = classes && output.dim() == 2;
-    if (classes) correct += output.argmax(1).eq(batch.target).sum().item<double>();
+    if (classes) correct += output.argmax(1).eq(batch.target).sum();
     rows += n;
   }
   module.train(training);
   std::vector<at::Tensor> sums{
-      at::tensor({loss_sum, correct, rows, classes ? 1.0 : 0.0}, at::kDouble)};
+      at::stack({loss_sum.cpu(), correct.cpu(), at::scalar_tensor(rows, at::kDouble),
+                 at::scalar_tensor(classes ? 1.0 : 0.0, at::kDouble)})};
   ctx.get_process_group().allreduce(sums);
   const auto total = sums[0];
   Evaluation out;

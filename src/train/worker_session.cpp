@@ -73,10 +73,9 @@ TrainContext& get_context() { return require_session("cohort::train::get_context
 void use_precision(optim::Precision precision, const optim::LossScalerOptions& loss_scaler) {
   auto& session = require_session("cohort::train::parallelize()");
   auto& ctx = session.context;
-  const bool same = precision == ctx.precision && (precision != optim::Precision::kFp16 ||
-                                                   session.loss_scaler->options() == loss_scaler);
-  if (same) return;
   if (precision == ctx.precision) {
+    if (precision != optim::Precision::kFp16 || session.loss_scaler->options() == loss_scaler)
+      return;
     throw UsageError("parallelize: the plan's loss scaler " + Json(loss_scaler).dump() +
                      " differs from the run's (ScalingConfig::loss_scaler " +
                      Json(session.loss_scaler->options()).dump() +
@@ -520,9 +519,9 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     merge_files(checkpoint->path(), staging, s.context.world_rank);
   }
   // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
-  // wall seconds and seconds per phase (cohort/trace.h) since its last report ride along with
-  // whether it brings a checkpoint, whether it stored its data positions, and with the parameter
-  // server its pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<busy s>;
+  // busy seconds (trace::Totals) and seconds per phase (cohort/trace.h) since its last report ride
+  // along with whether it brings a checkpoint, whether it stored its data positions, and with the
+  // parameter server its pushes' staleness: "<0|1>;[<ms>];<bytes>;<steps>;<traced steps>;<busy s>;
   // <phase s>x6;<0|1>[;<staleness sum>;<pushes>;<max>]".
   const auto ingest = data::take_ingest_stats();
   const auto traced = trace::take_totals();
