@@ -23,6 +23,7 @@
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/optim/precision.h"
+#include "cohort/optim/state_dict.h"
 
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/fully_shard.h"

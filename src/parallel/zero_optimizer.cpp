@@ -1,5 +1,6 @@
 #include "cohort/parallel/zero_optimizer.h"
 
+#include <c10/util/accumulate.h>
 #include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -13,6 +14,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <utility>
 
 #include "cohort/error.h"
@@ -796,6 +798,58 @@ std::vector<ZeroOptimizer::ShardPiece> ZeroOptimizer::shard_pieces() const {
 
 void ZeroOptimizer::set_steps(int64_t steps) {
   for (size_t g = 0; g < param_groups().size(); ++g) set_steps_taken(g, steps);
+}
+
+optim::StateDict ZeroOptimizer::state_dict() const {
+  optim::StateDict out;
+  const auto names = state_names();
+  for (const auto& piece : shard_pieces()) {
+    const auto buffers = shard_state(piece.group);
+    const int64_t numel = c10::multiply_integers(piece.shape);
+    for (size_t s = 0; s < names.size(); ++s) {
+      const auto [it, added] = out.tensors.emplace(
+          piece.parameter + "/" + names[s],
+          optim::StateTensor{.values = buffers[s].narrow(0, piece.offset, piece.length),
+                             .offset = piece.begin,
+                             .numel = numel});
+      if (!added) {
+        throw std::logic_error("ZeroOptimizer::state_dict: parameter '" + piece.parameter +
+                               "' lies in two pieces of rank " +
+                               std::to_string(process_group().rank()) + "'s shard");
+      }
+    }
+  }
+  out.values = optim::optimizer_state_values(algorithm(), names, steps(),
+                                             param_groups().front().options().get_lr());
+  out.values["stage"] = stage();
+  out.shard = process_group().rank();
+  out.shards = process_group().world_size();
+  return out;
+}
+
+void ZeroOptimizer::check_state(const Json& values) const {
+  optim::check_optimizer_state(values, algorithm(), state_names());
+}
+
+void ZeroOptimizer::load_state_dict(const optim::StateDict& state) {
+  torch::NoGradGuard no_grad;
+  check_state(state.values);
+  const auto names = state_names();
+  for (const auto& piece : shard_pieces()) {
+    auto buffers = shard_state(piece.group);
+    for (size_t s = 0; s < names.size(); ++s) {
+      const auto found = state.tensors.find(piece.parameter + "/" + names[s]);
+      if (found == state.tensors.end()) {
+        throw UsageError("the checkpoint holds no " + names[s] + " of parameter '" +
+                         piece.parameter + "': it was written for another model");
+      }
+      auto target = buffers[s].narrow(0, piece.offset, piece.length);
+      if (found->second.values.data_ptr() != target.data_ptr()) target.copy_(found->second.values);
+    }
+  }
+  set_steps(state.values.value("steps", int64_t{0}));
+  const double lr = state.values.value("lr", param_groups().front().options().get_lr());
+  for (auto& group : param_groups()) group.options().set_lr(lr);
 }
 
 int ZeroOptimizer::stage() const { return engine_->options.stage; }

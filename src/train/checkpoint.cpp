@@ -567,8 +567,8 @@ void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer) {
   refuse_replica_optimizer(optimizer, "save_optimizer_state", "save_checkpoint");
   std::filesystem::create_directories(dir);
-  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer)) {
-    detail::save_zero_shards(*zero, dir);
+  if (const auto* sharded = dynamic_cast<const optim::Stateful*>(&optimizer)) {
+    save_state(dir, detail::kShardedOptimizerPart, sharded->state_dict());
   } else {
     save_optimizer(optimizer, dir / "optimizer.pt");
   }
@@ -587,9 +587,9 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
   if (zero_shards) {
     // Into ZeRO at any world size and stage, or DDP's whole optimizer.
     detail::load_zero_shards(optimizer, module, dir);
-  } else if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
+  } else if (dynamic_cast<const optim::Stateful*>(&optimizer) != nullptr) {
     // A DDP run's checkpoint: its whole optimizer state, sharded here.
-    detail::load_optimizer_file_into_zero(*zero, module, file);
+    detail::load_optimizer_file_into_part(optimizer, module, file);
   } else {
     load_optimizer(optimizer, file);
   }

@@ -1,128 +1,25 @@
 #include "train/zero_checkpoint.h"
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
-#include <sstream>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/train/checkpoint.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
+#include "train/state_files.h"
 
 namespace cohort::train::detail {
 namespace {
-
-// A ZeRO optimizer's state, sharded: every rank writes its pieces of each parameter's state as
-// "<parameter>/<state>/<first element>" into zero-rank<r>-of-<N>.safetensors, and rank 0 the
-// manifest, which lists the files and what every piece needs to resume. A load at any world
-// size reads, for each piece of its own shard, only the overlapping ranges.
-constexpr const char* kZeroFormat = "cohort.zero.v1";
-
-std::string zero_shard_file(int rank, int world_size) {
-  return rank_file("zero", rank, world_size, ".safetensors");
-}
-
-// The shard files of a ZeRO checkpoint: its manifest, and what each file holds of every
-// parameter's state.
-class ZeroShards {
- public:
-  explicit ZeroShards(std::filesystem::path dir) : dir_(std::move(dir)) {
-    const auto manifest_file = dir_ / kZeroManifest;
-    manifest_ = read_json(manifest_file);
-    if (manifest_.value("format", "") != kZeroFormat) {
-      throw UsageError("checkpoint " + dir_.string() + ": " + manifest_file.filename().string() +
-                       " is not a ZeRO manifest of format " + kZeroFormat);
-    }
-    for (const auto& f : manifest_.at("files")) {
-      const auto file = dir_ / f.get<std::string>();
-      if (!std::filesystem::exists(file)) {
-        throw UsageError("checkpoint " + dir_.string() + ": the shard file " +
-                         file.filename().string() + " named by " + kZeroManifest + " is missing");
-      }
-      headers_.emplace_back(file, safetensors::read_header(file));
-    }
-    for (const auto& [file, header] : headers_) {
-      for (const auto& [name, info] : header.tensors) {
-        const auto slash = name.rfind('/');
-        if (slash == std::string::npos || info.shape.size() != 1) continue;
-        entries_[name.substr(0, slash)].push_back(
-            {file, &header, name, std::stoll(name.substr(slash + 1)), info.shape[0]});
-      }
-    }
-  }
-
-  const Json& manifest() const { return manifest_; }
-  // Whether the shards hold any of `parameter`'s state.
-  bool holds(const std::string& parameter) const {
-    const auto found = entries_.lower_bound(parameter + "/");
-    return found != entries_.end() && found->first.rfind(parameter + "/", 0) == 0;
-  }
-
-  // Throws when the checkpoint holds another algorithm's state than `algorithm` with `names`.
-  void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
-    if (manifest_.value("algorithm", "") != algorithm ||
-        manifest_.value("state_names", Json::array()) != Json(names)) {
-      throw UsageError("checkpoint " + dir_.string() + " holds " +
-                       manifest_.value("algorithm", std::string("?")) + " state (" +
-                       manifest_.value("state_names", Json::array()).dump() +
-                       "); this optimizer is " + algorithm + " (" + Json(names).dump() +
-                       "): resume with the optimizer that wrote it");
-    }
-  }
-
-  // Elements [begin, begin + target.numel()) of state `state` of `parameter` into `target`;
-  // throws naming the range when the shards do not cover it.
-  void read(const std::string& parameter, const std::string& state, int64_t begin,
-            at::Tensor target) const {
-    const int64_t length = target.numel();
-    int64_t covered = 0;
-    const auto found = entries_.find(parameter + "/" + state);
-    if (found != entries_.end()) {
-      for (const auto& e : found->second) {
-        const int64_t start = std::max(begin, e.begin);
-        const int64_t end = std::min(begin + length, e.begin + e.length);
-        if (start >= end) continue;
-        auto part = target.narrow(0, start - begin, end - start);
-        auto buffer = part.is_contiguous() && part.is_cpu() && part.scalar_type() == at::kFloat
-                          ? part
-                          : at::empty({end - start}, at::kFloat);
-        safetensors::read_elements(e.file, *e.header, e.name, start - e.begin, buffer);
-        if (!buffer.is_same(part)) part.copy_(buffer);
-        covered += end - start;
-      }
-    }
-    if (covered != length) {
-      throw UsageError("checkpoint " + dir_.string() + ": its ZeRO shards cover " +
-                       std::to_string(covered) + " of the " + std::to_string(length) +
-                       " elements [" + std::to_string(begin) + ", " +
-                       std::to_string(begin + length) + ") of " + state + " of parameter '" +
-                       parameter + "': a shard file is missing or altered, or the model differs");
-    }
-  }
-
- private:
-  struct Entry {
-    std::filesystem::path file;
-    const safetensors::Header* header;
-    std::string name;
-    int64_t begin, length;
-  };
-  std::filesystem::path dir_;
-  Json manifest_;
-  std::vector<std::pair<std::filesystem::path, safetensors::Header>> headers_;
-  std::map<std::string, std::vector<Entry>> entries_;  // by "<parameter>/<state>"
-};
 
 // The one param group of a whole optimizer, and each of its parameters' names in `module`.
 std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimizer,
@@ -146,119 +43,51 @@ std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimize
   return out;
 }
 
-// torch::optim's per-parameter state map is keyed by the parameter's TensorImpl: as a string in
-// libtorch 1.13, as the pointer in 2.x.
-using StateKey = std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())>::key_type;
-template <typename Key = StateKey>
-Key state_key(const at::Tensor& p) {
-  if constexpr (std::is_same_v<Key, std::string>) {
-    std::ostringstream key;  // as libtorch 1.13 writes it (c10::guts::to_string, gone in 2.x)
-    key << p.unsafeGetTensorImpl();
-    return key.str();
-  } else {
-    return p.unsafeGetTensorImpl();
+// An optimizer as a part with state: itself when it is one (an engine such as ZeRO, whose shard
+// it is), else its whole state under `module`'s names (optim::OptimizerState).
+class OptimizerAsPart {
+ public:
+  OptimizerAsPart(torch::optim::Optimizer& optimizer, const torch::nn::Module* module,
+                  const char* who)
+      : optimizer_(optimizer) {
+    part_ = dynamic_cast<optim::Stateful*>(&optimizer);
+    if (part_ != nullptr) return;
+    if (module == nullptr)
+      throw std::logic_error(std::string(who) + ": a whole optimizer's state needs its module");
+    whole_ = std::make_unique<optim::OptimizerState>(optimizer,
+                                                     parameter_names(optimizer, *module, who));
+    part_ = whole_.get();
   }
-}
 
-using ParameterState = optim::FlatOptimizer::ParameterState;
+  optim::Stateful& part() const { return *part_; }
+  // Its algorithm and its options: to read another program's archive as this optimizer's kind.
+  std::string algorithm(const char* who) const {
+    return optim::algorithm_of(optimizer_, who, "its state moves between SGD, Adam or AdamW only");
+  }
+  const torch::optim::OptimizerOptions& options() const {
+    return optimizer_.param_groups().front().options();
+  }
 
-// Parameter `index` of a whole optimizer's one group: its steps and state buffers (flattened).
-ParameterState state_of(torch::optim::Optimizer& optimizer, const std::string& algorithm,
-                        size_t index) {
-  if (auto* flat = dynamic_cast<optim::FlatOptimizer*>(&optimizer))
-    return flat->parameter_state(0, index);
-  const auto& p = optimizer.param_groups()[0].params()[index];
-  const auto names = optim::state_names_of(algorithm, optimizer.param_groups()[0].options());
-  ParameterState out;
-  const auto found = optimizer.state().find(state_key(p));
-  auto flat_copy = [&](const at::Tensor& t) {
-    return t.defined() ? t.detach().reshape({-1}).to(at::kCPU, at::kFloat)
-                       : at::zeros({p.numel()}, at::kFloat);
-  };
-  if (found == optimizer.state().end()) {  // never stepped
-    for (size_t s = 0; s < names.size(); ++s) out.values.push_back(at::zeros({p.numel()}));
-    return out;
-  }
-  const auto& state = *found->second;
-  if (algorithm == "sgd") {
-    if (!names.empty())
-      out.values.push_back(
-          flat_copy(static_cast<const torch::optim::SGDParamState&>(state).momentum_buffer()));
-    return out;
-  }
-  auto adam = [&](const auto& s) {
-    out.steps = s.step();
-    out.values.push_back(flat_copy(s.exp_avg()));
-    out.values.push_back(flat_copy(s.exp_avg_sq()));
-    if (names.size() == 3) out.values.push_back(flat_copy(s.max_exp_avg_sq()));
-  };
-  if (algorithm == "adam") {
-    adam(static_cast<const torch::optim::AdamParamState&>(state));
-  } else {
-    adam(static_cast<const torch::optim::AdamWParamState&>(state));
-  }
-  return out;
-}
+ private:
+  torch::optim::Optimizer& optimizer_;
+  optim::Stateful* part_ = nullptr;
+  std::unique_ptr<optim::OptimizerState> whole_;
+};
 
-void set_state(torch::optim::Optimizer& optimizer, const std::string& algorithm, size_t index,
-               const ParameterState& state) {
-  if (auto* flat = dynamic_cast<optim::FlatOptimizer*>(&optimizer))
-    return flat->set_parameter_state(0, index, state);
-  const auto& p = optimizer.param_groups()[0].params()[index];
-  auto shaped = [&](size_t s) { return state.values[s].reshape(p.sizes()).to(p.options()); };
-  std::unique_ptr<torch::optim::OptimizerParamState> param_state;
-  if (algorithm == "sgd") {
-    if (state.values.empty()) return;  // no momentum: nothing to keep
-    auto sgd = std::make_unique<torch::optim::SGDParamState>();
-    sgd->momentum_buffer(shaped(0));
-    param_state = std::move(sgd);
-  } else {
-    auto adam = [&](auto s) {
-      s->step(state.steps);
-      s->exp_avg(shaped(0));
-      s->exp_avg_sq(shaped(1));
-      if (state.values.size() == 3) s->max_exp_avg_sq(shaped(2));
-      param_state = std::move(s);
-    };
-    if (algorithm == "adam") {
-      adam(std::make_unique<torch::optim::AdamParamState>());
-    } else {
-      adam(std::make_unique<torch::optim::AdamWParamState>());
-    }
-  }
-  optimizer.state()[state_key(p)] = std::move(param_state);
-}
-
-// A torch::optim optimizer of `algorithm` with `options` of its type over `params`.
-std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(
-    const std::string& algorithm, std::vector<at::Tensor> params,
-    const torch::optim::OptimizerOptions& options) {
-  if (algorithm == "sgd") {
-    return std::make_unique<torch::optim::SGD>(
-        params, static_cast<const torch::optim::SGDOptions&>(options));
-  }
-  if (algorithm == "adam") {
-    return std::make_unique<torch::optim::Adam>(
-        params, static_cast<const torch::optim::AdamOptions&>(options));
-  }
-  return std::make_unique<torch::optim::AdamW>(
-      params, static_cast<const torch::optim::AdamWOptions&>(options));
-}
-
-// Optimizer state by parameter name, from one folder of save_optimizer_state: ZeRO's shards, or
-// a whole optimizer's optimizer.pt read over stand-ins of its parameters (whose names and shapes,
-// in the writer's order, the caller knows).
+// Optimizer state by "<parameter>/<state>", from one folder of save_optimizer_state: ZeRO's
+// shards, or a whole optimizer's optimizer.pt read over stand-ins of its parameters (whose names
+// and shapes, in the writer's order, the caller knows).
 class StateSource {
  public:
   static StateSource shards(const std::filesystem::path& dir) {
     StateSource out;
-    out.shards_.emplace(dir);
-    out.steps_ = out.shards_->manifest().at("steps").get<int64_t>();
-    out.lr_ = out.shards_->manifest().at("lr").get<double>();
+    out.files_.emplace(dir, kShardedOptimizerPart);
+    out.values_ = out.files_->values();
     return out;
   }
 
-  // `parameters`: the writer's, in its order, by name and shape.
+  // `parameters`: the writer's, in its order, by name and shape; `algorithm` and `options`: the
+  // reader's (the file is read as its kind).
   static StateSource file(
       const std::filesystem::path& file,
       const std::vector<std::pair<std::string, std::vector<int64_t>>>& parameters,
@@ -268,7 +97,11 @@ class StateSource {
                        " holds neither ZeRO shards nor an optimizer.pt");
     }
     std::vector<at::Tensor> stand_ins;
-    for (const auto& [name, shape] : parameters) stand_ins.push_back(at::zeros(shape, at::kFloat));
+    std::vector<std::string> names;
+    for (const auto& [name, shape] : parameters) {
+      stand_ins.push_back(at::zeros(shape, at::kFloat));
+      names.push_back(name);
+    }
     torch::serialize::InputArchive archive;
     archive.load_from(file.string());
     torch::serialize::InputArchive probe;
@@ -276,39 +109,39 @@ class StateSource {
     std::unique_ptr<torch::optim::Optimizer> writer =
         flat ? std::unique_ptr<torch::optim::Optimizer>(optim::make_flat_optimizer(
                    {torch::optim::OptimizerParamGroup(stand_ins)}, algorithm, options))
-             : make_torch_optimizer(algorithm, stand_ins, options);
+             : optim::make_torch_optimizer(algorithm, stand_ins, options);
     load_optimizer(*writer, file);
     StateSource out;
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      auto state = state_of(*writer, algorithm, i);
-      out.steps_ = std::max(out.steps_, state.steps);
-      out.whole_[parameters[i].first] = std::move(state);
-    }
-    out.lr_ = writer->param_groups()[0].options().get_lr();
+    auto state = optim::OptimizerState(*writer, std::move(names)).state_dict();
+    out.whole_ = std::move(state.tensors);
+    out.values_ = std::move(state.values);
     return out;
   }
 
   bool holds(const std::string& parameter) const {
-    return shards_ ? shards_->holds(parameter) : whole_.count(parameter) > 0;
+    if (files_) return files_->holds_prefix(parameter + "/");
+    const auto found = whole_.lower_bound(parameter + "/");
+    return found != whole_.end() && found->first.rfind(parameter + "/", 0) == 0;
   }
-  // Throws when the shards hold another algorithm's state (a file is read as `algorithm`).
-  void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
-    if (shards_) shards_->check_algorithm(algorithm, names);
+  // The writer's values (algorithm, state names, steps, lr).
+  const Json& values() const { return values_; }
+  // Elements [begin, begin + target.numel()) of state `state` of `parameter` into `target`.
+  void read(const std::string& parameter, const std::string& state, int64_t begin,
+            at::Tensor target) const {
+    const auto key = parameter + "/" + state;
+    if (files_) return files_->read(key, begin, std::move(target));
+    const auto found = whole_.find(key);
+    if (found == whole_.end()) {
+      throw UsageError("the checkpoint holds no " + state + " of parameter '" + parameter +
+                       "': it was written for another model");
+    }
+    target.copy_(found->second.values.narrow(0, begin, target.numel()));
   }
-  // Elements [begin, begin + target.numel()) of state `names[s]` of `parameter` into `target`.
-  void read(const std::string& parameter, const std::vector<std::string>& names, size_t s,
-            int64_t begin, at::Tensor target) const {
-    if (shards_) return shards_->read(parameter, names[s], begin, std::move(target));
-    target.copy_(whole_.at(parameter).values.at(s).narrow(0, begin, target.numel()));
-  }
-  int64_t steps() const { return steps_; }
-  double lr() const { return lr_; }
 
  private:
-  std::optional<ZeroShards> shards_;
-  std::map<std::string, ParameterState> whole_;  // a file's, by name
-  int64_t steps_ = 0;
-  double lr_ = 0;
+  std::optional<StateFiles> files_;
+  std::map<std::string, optim::StateTensor> whole_;  // a file's, by "<parameter>/<state>"
+  Json values_;
 };
 
 using PartParameter = OptimizerPart::Parameter;
@@ -328,14 +161,23 @@ class NamedState {
     }
     sources_.push_back(std::move(out));
   }
-  void check_algorithm(const std::string& algorithm, const std::vector<std::string>& names) const {
-    for (const auto& s : sources_) s.source.check_algorithm(algorithm, names);
+  // The sources' values: the first's, with the most steps any took.
+  Json values() const {
+    Json out = sources_.at(0).source.values();
+    int64_t steps = 0;
+    for (const auto& s : sources_) steps = std::max(steps, s.source.values().value("steps", steps));
+    out["steps"] = steps;
+    return out;
   }
-  // Elements [begin, begin + target.numel()) of state `names[s]` of the whole model's parameter
+  // Throws when a source holds state that `part` cannot load (another algorithm).
+  void check(const optim::Stateful& part) const {
+    for (const auto& s : sources_) part.check_state(s.source.values());
+  }
+  // Elements [begin, begin + target.numel()) of state `state` of the whole model's parameter
   // `whole`, as `layout` holds it (null: whole): straight from the source that holds it whole,
   // else from its whole state gathered from the slices and cut anew.
-  void read(const std::string& whole, const std::vector<std::string>& names, size_t s,
-            int64_t begin, at::Tensor target, const PartParameter* layout) const {
+  void read(const std::string& whole, const std::string& state, int64_t begin, at::Tensor target,
+            const PartParameter* layout) const {
     std::vector<Holder> holders;
     for (const auto& source : sources_) {
       const auto found = source.parameters.find(whole);
@@ -354,9 +196,9 @@ class NamedState {
     const bool sliced_there = holders[0].parameter != nullptr && holders[0].parameter->slices > 1;
     if (!sliced_here && !sliced_there) {
       const auto& h = holders[0];
-      return h.source->source.read(h.local, names, s, begin, std::move(target));
+      return h.source->source.read(h.local, state, begin, std::move(target));
     }
-    const at::Tensor& region = recut(whole, names, s, holders, layout);
+    const at::Tensor& region = recut(whole, state, holders, layout);
     if (begin + target.numel() > region.numel()) {
       throw UsageError("the checkpoint's optimizer state of parameter '" + whole + "' has " +
                        std::to_string(region.numel()) + " elements here, fewer than " +
@@ -365,12 +207,6 @@ class NamedState {
     }
     target.copy_(region.narrow(0, begin, target.numel()));
   }
-  int64_t steps() const {
-    int64_t steps = 0;
-    for (const auto& s : sources_) steps = std::max(steps, s.source.steps());
-    return steps;
-  }
-  double lr() const { return sources_.at(0).source.lr(); }
 
  private:
   struct Source {
@@ -384,12 +220,12 @@ class NamedState {
     const PartParameter* parameter;  // null: whole, under its whole name
   };
 
-  // The state `names[s]` of `whole` as `layout` holds it, flat: the whole state read from one
+  // The state `state` of `whole` as `layout` holds it, flat: the whole state read from one
   // source or gathered from every slice, then cut by `layout`. Kept for the next call (ZeRO reads
   // a parameter in pieces).
-  const at::Tensor& recut(const std::string& whole, const std::vector<std::string>& names, size_t s,
+  const at::Tensor& recut(const std::string& whole, const std::string& state_name,
                           const std::vector<Holder>& holders, const PartParameter* layout) const {
-    const std::string key = whole + "/" + names[s];
+    const std::string key = whole + "/" + state_name;
     if (key == cached_key_) return cached_;
     const PartParameter* first = holders[0].parameter;
     at::Tensor state;
@@ -397,7 +233,7 @@ class NamedState {
       auto shape = first != nullptr ? first->shape : layout->shape;
       if (first == nullptr) shape[static_cast<size_t>(layout->cut.dim)] *= layout->slices;
       state = at::empty(shape, at::kFloat);
-      holders[0].source->source.read(holders[0].local, names, s, 0, state.view({-1}));
+      holders[0].source->source.read(holders[0].local, state_name, 0, state.view({-1}));
     } else {
       auto shape = first->shape;
       shape[static_cast<size_t>(first->cut.dim)] *= first->slices;
@@ -406,7 +242,7 @@ class NamedState {
       for (const auto& h : holders) {
         if (h.parameter == nullptr || h.parameter->slices != first->slices) continue;
         at::Tensor slice = at::empty(h.parameter->shape, at::kFloat);
-        h.source->source.read(h.local, names, s, 0, slice.view({-1}));
+        h.source->source.read(h.local, state_name, 0, slice.view({-1}));
         parallel::set_tensor_parallel_slice(state, h.parameter->cut, h.parameter->slice,
                                             h.parameter->slices, slice);
         found[static_cast<size_t>(h.parameter->slice)] = true;
@@ -451,41 +287,20 @@ class Layout {
   std::map<std::string, const PartParameter*> by_name_;
 };
 
-// `state` into `optimizer`: a ZeroOptimizer's shard (its pieces' ranges), or a whole optimizer
-// over `module`'s parameters (unused for ZeRO: its pieces are named), as `layout` names them.
-void load_named_state(const NamedState& state, torch::optim::Optimizer& optimizer,
-                      const torch::nn::Module* module, const Layout& layout) {
+// `state` into `part` (a ZeroOptimizer's shard, or a whole optimizer's state), every tensor it
+// holds by its parameter's name in the whole model (`layout`).
+void load_named_state(const NamedState& state, optim::Stateful& part, const Layout& layout) {
   torch::NoGradGuard no_grad;
-  if (auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer)) {
-    const auto names = zero->state_names();
-    state.check_algorithm(zero->algorithm(), names);
-    for (const auto& piece : zero->shard_pieces()) {
-      auto buffers = zero->shard_state(piece.group);
-      for (size_t s = 0; s < names.size(); ++s)
-        state.read(layout.whole(piece.parameter), names, s, piece.begin,
-                   buffers[s].narrow(0, piece.offset, piece.length),
-                   layout.described(piece.parameter));
-    }
-    zero->set_steps(state.steps());
-    for (auto& group : zero->param_groups()) group.options().set_lr(state.lr());
-    return;
+  state.check(part);
+  auto wanted = part.state_dict();
+  for (auto& [tensor, piece] : wanted.tensors) {
+    const auto slash = tensor.rfind('/');
+    const auto parameter = tensor.substr(0, slash);
+    state.read(layout.whole(parameter), tensor.substr(slash + 1), piece.offset, piece.values,
+               layout.described(parameter));
   }
-  const auto algorithm = optim::algorithm_of(optimizer, "load_checkpoint",
-                                             "ZeRO checkpoints load into SGD, Adam or AdamW");
-  const auto names = optim::state_names_of(algorithm, optimizer.param_groups()[0].options());
-  state.check_algorithm(algorithm, names);
-  const auto parameters = parameter_names(optimizer, *module, "load_checkpoint");
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    const int64_t numel = optimizer.param_groups()[0].params()[i].numel();
-    ParameterState values{.steps = state.steps(), .values = {}};
-    for (size_t s = 0; s < names.size(); ++s) {
-      values.values.push_back(at::empty({numel}, at::kFloat));
-      state.read(layout.whole(parameters[i]), names, s, 0, values.values.back(),
-                 layout.described(parameters[i]));
-    }
-    set_state(optimizer, algorithm, i, values);
-  }
-  optimizer.param_groups()[0].options().set_lr(state.lr());
+  wanted.values = state.values();
+  part.load_state_dict(wanted);
 }
 
 // Walks a model's tensors in name order (std::map's, which keeps each unit's together) and
@@ -529,61 +344,26 @@ class UnitByUnit {
 
 }  // namespace
 
-std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
-  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
-         extension;
-}
-
-void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir) {
-  torch::NoGradGuard no_grad;
-  const auto& group = zero.process_group();
-  const auto names = zero.state_names();
-  const auto pieces = zero.shard_pieces();
-  std::map<std::string, at::Tensor> tensors;
-  for (const auto& piece : pieces) {
-    const auto state = zero.shard_state(piece.group);
-    for (size_t s = 0; s < names.size(); ++s) {
-      tensors[piece.parameter + "/" + names[s] + "/" + std::to_string(piece.begin)] =
-          state[s].narrow(0, piece.offset, piece.length);
-    }
-  }
-  safetensors::write(dir / zero_shard_file(group.rank(), group.world_size()), tensors,
-                     {{"format", kZeroFormat}});
-  if (group.rank() != 0) return;
-  Json files = Json::array();
-  for (int r = 0; r < group.world_size(); ++r)
-    files.push_back(zero_shard_file(r, group.world_size()));
-  const auto& options = zero.param_groups().front().options();
-  write_atomically(dir / kZeroManifest, Json{{"format", kZeroFormat},
-                                             {"world_size", group.world_size()},
-                                             {"stage", zero.stage()},
-                                             {"algorithm", zero.algorithm()},
-                                             {"steps", zero.steps()},
-                                             {"lr", options.get_lr()},
-                                             {"state_names", names},
-                                             {"files", files}}
-                                                .dump(2) +
-                                            "\n");
-}
-
 void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                       const std::filesystem::path& dir) {
   NamedState state;
   state.add(StateSource::shards(dir));
-  load_named_state(state, optimizer, &module, Layout());
+  load_named_state(state, OptimizerAsPart(optimizer, &module, "load_checkpoint").part(), Layout());
 }
 
-void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
+                                   const torch::nn::Module& module,
                                    const std::filesystem::path& file) {
   // The writer's optimizer was over the model's trainable parameters in their order (as a DDP
   // run builds it).
   std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
   for (const auto& p : module.named_parameters())
     if (p.value().requires_grad()) parameters.emplace_back(p.key(), p.value().sizes().vec());
+  const OptimizerAsPart target(optimizer, &module, "load_checkpoint");
   NamedState state;
   state.add(
-      StateSource::file(file, parameters, zero.algorithm(), zero.param_groups().front().options()));
-  load_named_state(state, zero, nullptr, Layout());
+      StateSource::file(file, parameters, target.algorithm("load_checkpoint"), target.options()));
+  load_named_state(state, target.part(), Layout());
 }
 
 void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
@@ -695,21 +475,13 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           const std::vector<OptimizerPart::Parameter>& layout) {
   if (parts.empty()) throw UsageError("load_optimizer_parts: no parts to load from");
   const detail::Layout names(layout);
+  const detail::OptimizerAsPart target(optimizer, &module, "load_optimizer_parts");
   // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
-  auto* zero = dynamic_cast<parallel::ZeroOptimizer*>(&optimizer);
   std::set<std::string> needed;
-  if (zero != nullptr) {
-    for (const auto& piece : zero->shard_pieces()) needed.insert(names.whole(piece.parameter));
-  } else {
-    for (const auto& name : detail::parameter_names(optimizer, module, "load_optimizer_parts"))
-      needed.insert(names.whole(name));
-  }
-  const std::string algorithm =
-      zero != nullptr ? zero->algorithm()
-                      : optim::algorithm_of(optimizer, "load_optimizer_parts",
-                                            "optimizer parts load into SGD, Adam or AdamW");
-  const auto& options = zero != nullptr ? zero->param_groups().front().options()
-                                        : optimizer.param_groups().front().options();
+  for (const auto& [tensor, piece] : target.part().state_dict().tensors)
+    needed.insert(names.whole(tensor.substr(0, tensor.rfind('/'))));
+  const std::string algorithm = target.algorithm("load_optimizer_parts");
+  const auto& options = target.options();
   // Only the parts that hold some of them (the first at least, for the steps and the lr).
   std::vector<const OptimizerPart*> wanted;
   for (const auto& part : parts) {
@@ -734,7 +506,7 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                 part.parameters, what);
     }
   }
-  detail::load_named_state(state, optimizer, &module, names);
+  detail::load_named_state(state, target.part(), names);
 }
 
 }  // namespace cohort::train

@@ -10,13 +10,13 @@
 #include <torch/optim/optimizer.h>
 
 #include "cohort/parallel/zero_optimizer.h"
+#include "train/state_files.h"
 
 namespace cohort::train::detail {
 
-inline constexpr const char* kZeroManifest = "zero_manifest.json";
-
-// "<stem>-rank<r>-of-<N><extension>": a file one rank of N writes into a checkpoint.
-std::string rank_file(const char* stem, int rank, int world_size, const char* extension);
+// A sharded optimizer's state (ZeRO's) is the part of this name in a checkpoint (save_state).
+inline constexpr const char* kShardedOptimizerPart = "zero";
+inline constexpr const char* kZeroManifest = "zero_manifest.json";  // its manifest
 
 // The file of a folder's whole optimizer state (a torch::optim archive, e.g. DDP's): optimizer.pt,
 // else a local SGD checkpoint's first rank's inner state (its replicas agree at the checkpoints
@@ -24,18 +24,17 @@ std::string rank_file(const char* stem, int rank, int world_size, const char* ex
 // which must step alike). optimizer.pt when the folder holds neither (the caller names it).
 std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir);
 
-// Every rank writes its pieces of each parameter's state as "<parameter>/<state>/<first
-// element>" into zero-rank<r>-of-<N>.safetensors; rank 0 writes the manifest (the files, the
-// algorithm, state names, steps and lr).
-void save_zero_shards(const parallel::ZeroOptimizer& zero, const std::filesystem::path& dir);
-// Into a ZeroOptimizer at any stage and world size (for each piece of this rank's shard only the
-// overlapping ranges of the files are read), or into the optimizer of a DDP model (torch::optim's
-// or a flat SGD, Adam or AdamW over `module`'s parameters: every parameter's state read whole).
+// The sharded optimizer state of `dir` (kShardedOptimizerPart) into `optimizer`: a ZeroOptimizer
+// at any stage and world size (for each piece of this rank's shard only the overlapping ranges of
+// the files are read), or the optimizer of a DDP model (torch::optim's or a flat SGD, Adam or
+// AdamW over `module`'s parameters: every parameter's state read whole).
 void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                       const std::filesystem::path& dir);
 // A DDP checkpoint's optimizer.pt (written by torch::optim's or a flat optimizer of the same
-// algorithm over `module`'s parameters) into this rank's ZeRO shard.
-void load_optimizer_file_into_zero(parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+// algorithm over `module`'s parameters) into an optimizer that is a part with state itself
+// (optim::Stateful: ZeRO's shard of it).
+void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
+                                   const torch::nn::Module& module,
                                    const std::filesystem::path& file);
 
 // ZeRO stage 3: the module's parameters and buffers as one safetensors file (save_model's), written

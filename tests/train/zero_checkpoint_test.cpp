@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <tuple>
 
@@ -111,6 +112,36 @@ TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
     }
   }
   std::filesystem::remove_all(root);
+}
+
+// The previous release's ZeRO checkpoints (manifest format cohort.zero.v1: the values at its top,
+// the same shard files) still load, as the next step shows.
+TEST(ZeroCheckpoint, ThePreviousReleasesShardsStillLoad) {
+  const auto dir = cohort::testing::temp_dir("zero_checkpoint_v1");
+  std::vector<torch::Tensor> straight;
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_checkpoint_net();
+    auto zero = make_zero(net, g, 1);
+    train_step(net, *zero, 0);
+    train_step(net, *zero, 1);
+    save_checkpoint(dir, *net, *zero);
+    g.barrier();
+    train_step(net, *zero, 2);
+    copy_parameters(net, *zero, straight);
+  });
+  // The manifest as the previous release wrote it.
+  const auto manifest_file = dir / "zero_manifest.json";
+  const Json manifest = Json::parse(std::ifstream(manifest_file));
+  ASSERT_EQ(manifest.at("format"), "cohort.state.v1");
+  Json previous{{"format", "cohort.zero.v1"}, {"world_size", 2}};
+  previous.update(manifest.at("values"));
+  previous["files"] = manifest.at("files");
+  std::ofstream(manifest_file) << previous.dump(2);
+  const auto resumed = resume_at(dir, 3, 1);
+  ASSERT_EQ(resumed.size(), straight.size());
+  for (size_t i = 0; i < straight.size(); ++i)
+    EXPECT_TRUE(torch::allclose(resumed[i], straight[i], 1e-5, 1e-6)) << "parameter " << i;
+  std::filesystem::remove_all(dir);
 }
 
 // Stage 3 writes and reads the model one unit at a time: no rank gathers more than the largest

@@ -9,6 +9,7 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/fully_shard.h"
 
 namespace cohort::parallel {
@@ -116,7 +117,7 @@ struct ZeroStats {
 /// 0's parameters and buffers. All trainable parameters must share one dtype and device, and
 /// `optimizer` (torch::optim's or cohort's flat SGD, Adam or AdamW) must have one param group
 /// holding exactly them: its algorithm and options are taken over, its state is not.
-class ZeroOptimizer : public optim::FlatOptimizer {
+class ZeroOptimizer : public optim::FlatOptimizer, public optim::Stateful {
  public:
   struct Engine;  ///< defined in src/parallel/zero_optimizer.cpp
 
@@ -201,6 +202,17 @@ class ZeroOptimizer : public optim::FlatOptimizer {
   int64_t steps() const { return steps_taken(0); }
   /// Sets the steps taken (a loaded checkpoint's).
   void set_steps(int64_t steps);
+
+  /// This rank's shard of the optimizer state as a checkpoint's part (see optim::Stateful): each
+  /// piece of shard_pieces() as "<parameter>/<state>" at its first element, views of the shard
+  /// (loading fills them in place), shard = this rank of process_group()'s world size; the values
+  /// are optim::optimizer_state_values and the stage. A whole optimizer's OptimizerState has the
+  /// same names, so either loads into the other, at any stage and world size.
+  optim::StateDict state_dict() const override;
+  /// See optim::Stateful and optim::check_optimizer_state.
+  void check_state(const Json& values) const override;
+  /// See optim::Stateful: the shard's pieces, the steps and the learning rate of every group.
+  void load_state_dict(const optim::StateDict& state) override;
 
  private:
   explicit ZeroOptimizer(std::shared_ptr<Engine> engine);

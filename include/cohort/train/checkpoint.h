@@ -10,6 +10,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "cohort/json.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/tensor_parallel.h"
 
 namespace cohort::parallel::pipeline {
@@ -67,6 +68,19 @@ void load_by_name(torch::nn::Module& module, const std::filesystem::path& dir);
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
 /// Loads save_optimizer's file into `optimizer` (its parameters in the same order).
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file);
+
+/// The checkpointer of parts with state (optim::Stateful, PyTorch DCP's protocol): writes this
+/// rank's `state` of part `name` into `dir` (created) as "<name>-rank<shard>-of-<shards>
+/// .safetensors", each piece under "<tensor>/<first element>"; shard 0 also writes
+/// "<name>_manifest.json" with the files and the values. Every rank of a sharded state calls it;
+/// of a replicated one (shards 1), one rank. UsageError for a piece outside its tensor.
+void save_state(const std::filesystem::path& dir, const std::string& name,
+                const optim::StateDict& state);
+/// Loads part `name` of `dir` (save_state's files) into `part`, whatever number of ranks wrote
+/// it: part.check_state(values), then every tensor and range part.state_dict() holds, read from
+/// only the overlapping pieces of the files, then part.load_state_dict(). UsageError naming the
+/// folder and the tensor's range when the files do not cover it, or a listed file is missing.
+void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part);
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
 /// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With a

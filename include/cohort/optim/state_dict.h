@@ -1,0 +1,93 @@
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <torch/optim/optimizer.h>
+#include <torch/types.h>
+
+#include "cohort/json.h"
+
+namespace cohort::optim {
+
+/// One tensor of a part's state, flattened, or this rank's piece of it: elements
+/// [offset, offset + values.numel()) of a tensor of `numel` elements whose other pieces other
+/// ranks hold (PyTorch DCP's sharded tensor, in one dimension).
+struct StateTensor {
+  torch::Tensor values;  ///< this rank's elements, 1-D
+  int64_t offset = 0;    ///< where they begin in the whole tensor
+  int64_t numel = 0;     ///< elements of the whole tensor
+};
+
+/// What a part with state (an optimizer, a ZeRO shard, a loss scaler, ...) gives a checkpoint:
+/// named tensors, each whole or this rank's piece, and JSON for the rest. The names are the
+/// part's own; an optimizer's are "<parameter>/<state>" (e.g. "0.weight/exp_avg"), so that
+/// a ZeRO shard's pieces and a whole optimizer's tensors are the same state cut otherwise.
+struct StateDict {
+  std::map<std::string, StateTensor> tensors;  ///< by name
+  Json values = Json::object();                ///< what is not a tensor (steps, lr, ...)
+  /// This rank's index among the ranks whose pieces together are the state, and their number:
+  /// 0 and 1 when this rank holds it whole (a replicated part, which one rank writes).
+  int shard = 0;
+  /// See shard.
+  int shards = 1;
+};
+
+/// A part with state that a checkpoint keeps (PyTorch DCP's Stateful protocol). Saving writes
+/// state_dict(). Loading asks state_dict() which tensors and ranges this part holds now, checks
+/// the checkpoint's values with check_state(), fills the tensors from whichever ranks wrote them
+/// (reading only the overlapping ranges, so a state written by N ranks loads on M), and hands the
+/// result to load_state_dict(). train::save_state and train::load_state are the checkpointer.
+class Stateful {
+ public:
+  virtual ~Stateful() = default;
+  /// The state now. Its tensors may be views of the part's own, which loading fills in place.
+  virtual StateDict state_dict() const = 0;
+  /// Throws UsageError when a checkpoint's `values` cannot load into this part (another
+  /// algorithm, another model), before any tensor is read. Accepts any by default.
+  virtual void check_state(const Json& values) const { (void)values; }
+  /// Takes `state`: state_dict()'s tensors, filled, and the checkpoint's values.
+  virtual void load_state_dict(const StateDict& state) = 0;
+};
+
+/// The values every optimizer's state dict holds: its algorithm ("sgd", "adam", "adamw"), the
+/// names of the state it keeps per element (state_names_of), the steps taken and the learning
+/// rate.
+Json optimizer_state_values(const std::string& algorithm, const std::vector<std::string>& names,
+                            int64_t steps, double lr);
+/// Throws UsageError when `values` (optimizer_state_values of a checkpoint) are another
+/// algorithm's or another state's than `algorithm` with `names`, naming both.
+void check_optimizer_state(const Json& values, const std::string& algorithm,
+                           const std::vector<std::string>& names);
+
+/// A whole optimizer's state as a Stateful part: every parameter's state (state_names_of)
+/// flattened under "<parameter name>/<state>", and optimizer_state_values. The optimizer has one
+/// param group and is SGD, Adam or AdamW, torch::optim's or a flat one; its parameters are named
+/// by the caller, in the group's order. The state of a parameter never stepped is zeros.
+class OptimizerState : public Stateful {
+ public:
+  /// Over `optimizer`, whose parameters are named `names`; UsageError for an optimizer of another
+  /// algorithm or more than one param group, or names that do not match its parameters.
+  OptimizerState(torch::optim::Optimizer& optimizer, std::vector<std::string> names);
+  /// See Stateful. Replicated: every tensor whole, shards 1.
+  StateDict state_dict() const override;
+  /// See Stateful and check_optimizer_state.
+  void check_state(const Json& values) const override;
+  /// See Stateful: the state, steps and learning rate set on every parameter.
+  void load_state_dict(const StateDict& state) override;
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+  std::vector<std::string> names_;
+  std::string algorithm_;
+  std::vector<std::string> state_names_;
+};
+
+/// A torch::optim optimizer (SGD, Adam or AdamW, by `algorithm`) over `params` with `options` of
+/// that algorithm's type: e.g. a stand-in to read another program's archive of the same kind.
+std::unique_ptr<torch::optim::Optimizer> make_torch_optimizer(
+    const std::string& algorithm, std::vector<torch::Tensor> params,
+    const torch::optim::OptimizerOptions& options);
+
+}  // namespace cohort::optim

@@ -1,0 +1,147 @@
+#include "train/state_files.h"
+
+#include <algorithm>
+
+#include "cohort/error.h"
+#include "cohort/trace.h"
+#include "train/run_files.h"
+
+namespace cohort::train {
+namespace detail {
+namespace {
+
+constexpr const char* kStateFormat = "cohort.state.v1";
+// What the first release wrote for ZeRO's shards (name "zero"): the same files, the values at
+// the top of the manifest.
+constexpr const char* kZeroFormat = "cohort.zero.v1";
+
+std::string piece_name(const std::string& tensor, int64_t offset) {
+  return tensor + "/" + std::to_string(offset);
+}
+
+}  // namespace
+
+std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
+  return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
+         extension;
+}
+
+std::string state_manifest_file(const std::string& name) { return name + "_manifest.json"; }
+
+StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
+    : dir_(std::move(dir)), what_("its " + name + " state") {
+  const auto manifest_file = dir_ / state_manifest_file(name);
+  if (!std::filesystem::exists(manifest_file)) {
+    throw UsageError("checkpoint " + dir_.string() + " has no " +
+                     manifest_file.filename().string() + ": it holds no " + name + " state");
+  }
+  const Json manifest = read_json(manifest_file);
+  const auto format = manifest.value("format", "");
+  if (format != kStateFormat && !(name == "zero" && format == kZeroFormat)) {
+    throw UsageError("checkpoint " + dir_.string() + ": " + manifest_file.filename().string() +
+                     " is not a manifest of format " + kStateFormat +
+                     ": it was altered or written by another program");
+  }
+  values_ = format == kStateFormat ? manifest.value("values", Json::object()) : manifest;
+  if (!manifest.contains("files") || !manifest["files"].is_array()) {
+    throw UsageError("checkpoint " + dir_.string() + ": " + manifest_file.filename().string() +
+                     " lists no files: it was altered or written by another program");
+  }
+  for (const auto& f : manifest["files"]) {
+    const auto file = dir_ / f.get<std::string>();
+    if (!std::filesystem::exists(file)) {
+      throw UsageError("checkpoint " + dir_.string() + ": the shard file " +
+                       file.filename().string() + " named by " + manifest_file.filename().string() +
+                       " is missing");
+    }
+    headers_.emplace_back(file, safetensors::read_header(file));
+  }
+  for (const auto& [file, header] : headers_) {
+    for (const auto& [piece, info] : header.tensors) {
+      const auto slash = piece.rfind('/');
+      if (slash == std::string::npos || info.shape.size() != 1) continue;
+      pieces_[piece.substr(0, slash)].push_back(
+          {file, &header, piece, std::stoll(piece.substr(slash + 1)), info.shape[0], info.dtype});
+    }
+  }
+}
+
+bool StateFiles::holds_prefix(const std::string& prefix) const {
+  const auto found = pieces_.lower_bound(prefix);
+  return found != pieces_.end() && found->first.rfind(prefix, 0) == 0;
+}
+
+void StateFiles::read(const std::string& tensor, int64_t begin, at::Tensor target) const {
+  const int64_t length = target.numel();
+  int64_t covered = 0;
+  const auto found = pieces_.find(tensor);
+  if (found != pieces_.end()) {
+    for (const auto& p : found->second) {
+      const int64_t start = std::max(begin, p.begin);
+      const int64_t end = std::min(begin + length, p.begin + p.length);
+      if (start >= end) continue;
+      auto part = target.narrow(0, start - begin, end - start);
+      auto buffer = part.is_contiguous() && part.is_cpu() && part.scalar_type() == p.dtype
+                        ? part
+                        : at::empty({end - start}, at::TensorOptions(p.dtype));
+      safetensors::read_elements(p.file, *p.header, p.name, start - p.begin, buffer);
+      if (!buffer.is_same(part)) part.copy_(buffer);
+      covered += end - start;
+    }
+  }
+  if (covered != length) {
+    throw UsageError("checkpoint " + dir_.string() + ": " + what_ + " covers " +
+                     std::to_string(covered) + " of the " + std::to_string(length) + " elements [" +
+                     std::to_string(begin) + ", " + std::to_string(begin + length) + ") of '" +
+                     tensor + "': a shard file is missing or altered, or the model differs");
+  }
+}
+
+}  // namespace detail
+
+void save_state(const std::filesystem::path& dir, const std::string& name,
+                const optim::StateDict& state) {
+  trace::Span span(trace::Phase::kCheckpoint);
+  if (state.shards < 1 || state.shard < 0 || state.shard >= state.shards) {
+    throw UsageError("save_state: part '" + name + "' is shard " + std::to_string(state.shard) +
+                     " of " + std::to_string(state.shards) + ": a shard is in [0, shards)");
+  }
+  torch::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& [tensor, piece] : state.tensors) {
+    if (piece.values.dim() != 1 || piece.offset < 0 ||
+        piece.offset + piece.values.numel() > piece.numel) {
+      throw UsageError("save_state: tensor '" + tensor + "' of part '" + name + "' is a piece of " +
+                       std::to_string(piece.values.numel()) + " elements at " +
+                       std::to_string(piece.offset) + " of a tensor of " +
+                       std::to_string(piece.numel) + ": a piece is 1-D and inside its tensor");
+    }
+    tensors[detail::piece_name(tensor, piece.offset)] = piece.values;
+  }
+  std::filesystem::create_directories(dir);
+  const auto file = detail::rank_file(name.c_str(), state.shard, state.shards, ".safetensors");
+  safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}});
+  if (state.shard != 0) return;
+  Json files = Json::array();
+  for (int r = 0; r < state.shards; ++r)
+    files.push_back(detail::rank_file(name.c_str(), r, state.shards, ".safetensors"));
+  write_atomically(dir / detail::state_manifest_file(name), Json{{"format", detail::kStateFormat},
+                                                                 {"shards", state.shards},
+                                                                 {"files", files},
+                                                                 {"values", state.values}}
+                                                                    .dump(2) +
+                                                                "\n");
+}
+
+void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part) {
+  trace::Span span(trace::Phase::kCheckpoint);
+  const detail::StateFiles files(dir, name);
+  part.check_state(files.values());
+  auto state = part.state_dict();
+  torch::NoGradGuard no_grad;
+  for (auto& [tensor, piece] : state.tensors) files.read(tensor, piece.offset, piece.values);
+  state.values = files.values();
+  part.load_state_dict(state);
+}
+
+}  // namespace cohort::train
