@@ -596,8 +596,10 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
 }
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
-  return dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer) != nullptr ||
-         dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
+  // A part whose state lies in shards over its group (ZeRO's).
+  if (const auto* part = dynamic_cast<const optim::Stateful*>(&optimizer))
+    return part->state_dict().shards > 1;
+  return dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
          dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) != nullptr;
 }
 
