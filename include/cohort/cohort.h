@@ -4,6 +4,7 @@
 
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "cohort/limits.h"
 #include "cohort/timeouts.h"
 #include "cohort/trace.h"
 

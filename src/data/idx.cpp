@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "cohort/limits.h"
 
 namespace cohort::data {
 namespace {
@@ -84,6 +85,16 @@ IdxHeader parse_header(Reader& reader, const std::filesystem::path& path) {
     header.shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) |
                            int64_t{be[3]});
   }
+  // The data's bytes, multiplied without overflow, against the cap before anything is allocated.
+  int64_t bytes = 1;
+  for (int64_t d : header.shape)
+    bytes = d != 0 && bytes > kMaxIdxBytes / d ? kMaxIdxBytes + 1 : bytes * d;
+  if (bytes > kMaxIdxBytes) {
+    throw UsageError("IDX file " + path.string() + " announces dimensions " +
+                     c10::str(at::IntArrayRef(header.shape)) + ", over the cap of " +
+                     std::to_string(kMaxIdxBytes) +
+                     " data bytes (kMaxIdxBytes): its header is corrupt");
+  }
   return header;
 }
 
@@ -135,6 +146,7 @@ IdxHeader inspect_idx(const std::filesystem::path& path) {
 }
 
 at::Tensor read_idx(const std::filesystem::path& path) {
+  inspect_idx(path);  // the announced size checked against the file's before it is allocated
   Reader reader(path);
   IdxHeader header = parse_header(reader, path);
   auto tensor = torch::empty(header.shape, torch::kUInt8);

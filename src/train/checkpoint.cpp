@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "cohort/error.h"
+#include "cohort/limits.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/pipeline/pipeline.h"
@@ -93,15 +94,21 @@ Header read_header(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UsageError("cannot open safetensors file " + file.string());
   const auto size = static_cast<int64_t>(std::filesystem::file_size(file));
+  const auto bad = [&](const std::string& why) {
+    return UsageError("safetensors file " + file.string() + " " + why +
+                      ": the file is truncated, corrupt or not a safetensors file");
+  };
   unsigned char le[8];
-  if (!in.read(reinterpret_cast<char*>(le), 8)) {
-    throw UsageError("safetensors file " + file.string() + " is truncated: no header length");
-  }
+  if (!in.read(reinterpret_cast<char*>(le), 8)) throw bad("has no header length");
   uint64_t header_size = 0;
   for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | le[i];
+  if (header_size > kMaxSafetensorsHeader) {
+    throw bad("announces a header of " + std::to_string(header_size) + " bytes, over the cap of " +
+              std::to_string(kMaxSafetensorsHeader) + " (kMaxSafetensorsHeader)");
+  }
   if (header_size > static_cast<uint64_t>(size - 8)) {
-    throw UsageError("safetensors file " + file.string() + " is truncated: header of " +
-                     std::to_string(header_size) + " bytes in a file of " + std::to_string(size));
+    throw bad("announces a header of " + std::to_string(header_size) + " bytes in a file of " +
+              std::to_string(size));
   }
   std::string text(header_size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(header_size));
@@ -109,27 +116,61 @@ Header read_header(const std::filesystem::path& file) {
   try {
     json = Json::parse(text);
   } catch (const std::exception& e) {
-    throw UsageError("safetensors file " + file.string() + " has a corrupt header: " + e.what());
+    throw bad(std::string("has a header that is no JSON (") + e.what() + ")");
   }
+  if (!json.is_object()) throw bad("has a header that is no JSON object");
   Header header;
   header.data_start = 8 + static_cast<int64_t>(header_size);
+  const int64_t data_bytes = size - header.data_start;
   for (const auto& [name, info] : json.items()) {
+    const auto field = [&](const std::string& key, const std::string& why) {
+      return bad("has tensor '" + name + "' whose '" + key + "' " + why);
+    };
     if (name == "__metadata__") {
-      for (const auto& [key, value] : info.items())
-        if (value.is_string()) header.metadata[key] = value.get<std::string>();
+      if (!info.is_object()) throw bad("has a '__metadata__' that is no object");
+      for (const auto& [key, value] : info.items()) {
+        if (!value.is_string())
+          throw bad("has '__metadata__' entry '" + key + "' that is no string");
+        header.metadata[key] = value.get<std::string>();
+      }
       continue;
     }
+    if (!info.is_object()) throw bad("has tensor '" + name + "' described by no object");
+    const auto dtype = info.find("dtype");
+    if (dtype == info.end() || !dtype->is_string()) throw field("dtype", "is missing or no string");
     TensorInfo t;
-    t.dtype = dtype_of(info.at("dtype").get<std::string>(), file);
-    t.shape = info.at("shape").get<std::vector<int64_t>>();
-    t.begin = info.at("data_offsets")[0].get<int64_t>();
-    t.end = info.at("data_offsets")[1].get<int64_t>();
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    if (t.end - t.begin != numel * static_cast<int64_t>(c10::elementSize(t.dtype)) ||
-        header.data_start + t.end > size) {
-      throw UsageError("safetensors file " + file.string() + ": tensor '" + name +
-                       "' does not fit its byte range (truncated or corrupt file)");
+    t.dtype = dtype_of(dtype->get<std::string>(), file);
+    const auto shape = info.find("shape");
+    if (shape == info.end() || !shape->is_array()) throw field("shape", "is missing or no array");
+    // The elements' bytes, multiplied without overflow: each step stays under the file's size.
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(t.dtype));
+    for (const auto& d : *shape) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        throw field("shape", "holds " + d.dump() + ", not a size (an integer >= 0)");
+      const int64_t extent = d.get<int64_t>();
+      t.shape.push_back(extent);
+      if (extent != 0 && bytes > data_bytes / extent)
+        bytes = data_bytes + 1;  // past the data
+      else
+        bytes *= extent;
+    }
+    const auto offsets = info.find("data_offsets");
+    if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2 ||
+        !(*offsets)[0].is_number_integer() || !(*offsets)[1].is_number_integer()) {
+      throw field("data_offsets", "is missing or not two integers");
+    }
+    t.begin = (*offsets)[0].get<int64_t>();
+    t.end = (*offsets)[1].get<int64_t>();
+    if (t.begin < 0 || t.end < t.begin || t.end > data_bytes) {
+      throw field("data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                                      "] is no byte range inside the " +
+                                      std::to_string(data_bytes) + " bytes of data");
+    }
+    if (t.end - t.begin != bytes) {
+      throw field("data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
+                                      "] does not hold its shape " +
+                                      c10::str(at::IntArrayRef(t.shape)) + " of " +
+                                      dtype->get<std::string>());
     }
     header.tensors[name] = std::move(t);
   }

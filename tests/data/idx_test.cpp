@@ -93,6 +93,18 @@ TEST_F(IdxTest, WrongMagicIsRejected) {
   expect_usage_error([&] { read_idx(dir / "empty"); }, "no 4-byte header");
 }
 
+TEST_F(IdxTest, DimensionsPastTheCapAreRefusedBeforeAnyAllocation) {
+  // Four dimensions of 2^32 - 1: their product overflows 64 bits; and one past the cap.
+  write_bytes(dir / "huge", std::string("\x00\x00\x08\x04", 4) + std::string(16, '\xff'));
+  const std::string huge =
+      "announces dimensions [4294967295, 4294967295, 4294967295, 4294967295], over the cap of "
+      "68719476736 data bytes (kMaxIdxBytes)";
+  expect_usage_error([&] { read_idx(dir / "huge"); }, huge);
+  expect_usage_error([&] { inspect_idx(dir / "huge"); }, huge);
+  write_bytes(dir / "past", std::string("\x00\x00\x08\x02\x00\x01\x00\x00\x00\x10\x00\x01", 12));
+  expect_usage_error([&] { read_idx(dir / "past"); }, "announces dimensions [65536, 1048577]");
+}
+
 TEST_F(IdxTest, TrailingBytesAreRejected) {
   write_idx(dir / "x", torch::zeros({4}, torch::kUInt8));
   write_bytes(dir / "x", read_bytes(dir / "x") + "junk");

@@ -110,8 +110,56 @@ TEST_F(CheckpointTest, LoadModelRestoresWeightsAndBuffersAndNamesMismatches) {
   auto truncated = dir / "cut.safetensors";
   std::filesystem::copy_file(dir / "model.safetensors", truncated);
   std::filesystem::resize_file(truncated, std::filesystem::file_size(truncated) / 2);
+  expect_error<UsageError>([&] { train::load_model(*b, truncated); }, "whose 'data_offsets' [");
   expect_error<UsageError>([&] { train::load_model(*b, truncated); },
-                           "does not fit its byte range");
+                           "is no byte range inside the");
+}
+
+// A safetensors file whose header lies (a checkpoint altered, or a file from elsewhere) is a
+// UsageError naming the file and the field, read before anything is allocated for it.
+TEST_F(CheckpointTest, AMalformedSafetensorsHeaderNamesTheFieldBeforeAnyAllocation) {
+  const auto file = dir / "bad.safetensors";
+  const auto write_file = [&](const std::string& header, uint64_t announced) {
+    std::ofstream out(file, std::ios::binary | std::ios::trunc);
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((announced >> (8 * i)) & 0xff));
+    out << header << std::string(16, '\0');
+  };
+  const std::string f32 = R"("dtype": "F32", )";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"[1, 2]", "has a header that is no JSON object"},
+      {"{\"w\": 5}", "has tensor 'w' described by no object"},
+      {R"({"w": {"dtype": 7, "shape": [2], "data_offsets": [0, 8]}})",
+       "has tensor 'w' whose 'dtype' is missing or no string"},
+      {R"({"w": {"dtype": "X9", "shape": [2], "data_offsets": [0, 8]}})", "unsupported dtype X9"},
+      {"{\"w\": {" + f32 + R"("shape": [-1], "data_offsets": [0, 4]}})",
+       "whose 'shape' holds -1, not a size"},
+      {"{\"w\": {" + f32 + R"("shape": 2, "data_offsets": [0, 8]}})",
+       "whose 'shape' is missing or no array"},
+      {"{\"w\": {" + f32 + R"("shape": [4611686018427387904, 4], "data_offsets": [0, 16]}})",
+       "whose 'data_offsets' [0, 16] does not hold its shape [4611686018427387904, 4] of F32"},
+      {"{\"w\": {" + f32 + R"("shape": [2], "data_offsets": [8, 0]}})",
+       "whose 'data_offsets' [8, 0] is no byte range inside the 16 bytes of data"},
+      {"{\"w\": {" + f32 + R"("shape": [2], "data_offsets": [0, 9000]}})",
+       "[0, 9000] is no byte range inside the 16 bytes"},
+      {"{\"w\": {" + f32 + R"("shape": [2], "data_offsets": "0-8"}})",
+       "whose 'data_offsets' is missing or not two integers"},
+      {R"({"__metadata__": {"format": 1}})", "has '__metadata__' entry 'format' that is no string"},
+  };
+  for (const auto& [header, fragment] : cases) {
+    write_file(header, header.size());
+    expect_error<UsageError>([&] { safetensors::read_header(file); }, fragment);
+    expect_error<UsageError>([&] { safetensors::read(file); }, fragment);
+  }
+  write_file("{}", uint64_t{1} << 60);
+  expect_error<UsageError>([&] { safetensors::read(file); },
+                           "announces a header of 1152921504606846976 bytes, over the cap of "
+                           "104857600 (kMaxSafetensorsHeader)");
+  write_file("{}", 4000);
+  expect_error<UsageError>([&] { safetensors::read(file); },
+                           "announces a header of 4000 bytes in a file of 26");
+  const std::string good = R"({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}})";
+  write_file(good, good.size());
+  EXPECT_EQ(safetensors::read(file).at("w").sizes(), (std::vector<int64_t>{2, 2}));
 }
 
 TEST_F(CheckpointTest, LoadOptimizerRestoresStateAndHyperparameters) {

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cohort/json.h"
+#include "cohort/limits.h"
 #include "cohort/timeouts.h"
 
 namespace cohort::runtime {
@@ -137,14 +138,6 @@ class Coordinator {
   std::optional<Verdict> verdict_;
 };
 
-/// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
-/// one) for the other ranks' connections, one line of JSON per message (as the local driver's
-/// control pipes), beats to every rank each interval so they can tell a stopped rank 0, and on a
-/// verdict tells every rank to stop with its reason, then calls `on_verdict` (on its thread).
-/// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
-/// messages are a few kB; an endless line must not grow the server's memory).
-inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
-
 /// How a CoordinatorServer listens: address, ranks, heartbeats and the run's token.
 struct CoordinatorServerOptions {
   std::string bind_address = "127.0.0.1";  ///< the address it listens on (port 0: a free one)
@@ -154,7 +147,11 @@ struct CoordinatorServerOptions {
   std::string token;
 };
 
-/// See the comment before kMaxCoordinatorLine: rank 0's coordinator under an external launcher.
+/// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
+/// one) for the other ranks' connections, one line of JSON per message (as the local driver's
+/// control pipes; at most kMaxCoordinatorLine of cohort/limits.h), beats to every rank each
+/// interval so they can tell a stopped rank 0, and on a verdict tells every rank to stop with its
+/// reason, then calls `on_verdict` (on its thread).
 class CoordinatorServer {
  public:
   /// Starts listening; `on_verdict` gets the verdict (on the server's thread).

@@ -1,0 +1,20 @@
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace cohort {
+
+// The caps on what cohort reads from a peer or a file, each checked before anything is allocated
+// for it: a message or header past its cap is an error naming the cap, never an allocation of
+// whatever size the input announces.
+
+/// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
+/// messages are a few kB; an endless line must not grow the server's memory).
+inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
+/// The longest JSON header of a safetensors file (100 MiB, the reference implementation's cap).
+inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
+/// The most data bytes an IDX file may announce (64 GiB): a header whose dimensions multiply past
+/// it is refused before the tensor is allocated.
+inline constexpr int64_t kMaxIdxBytes = int64_t{1} << 36;
+
+}  // namespace cohort
