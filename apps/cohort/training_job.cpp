@@ -137,6 +137,20 @@ data::TensorDataset test_set_of(const Json& c) {
   return test_set;
 }
 
+// --umask: octal permission bits, as the shell's umask.
+int umask_of(const TrainOptions& o) {
+  const auto& text = o.umask;
+  const bool octal =
+      !text.empty() && text.size() <= 4 && text.find_first_not_of("01234567") == std::string::npos;
+  const int mask = octal ? std::stoi(text, nullptr, 8) : -1;
+  if (mask < 0 || mask > 0777) {
+    throw UsageError("unknown --umask '" + text +
+                     "': give octal permission bits such as 077 (the run is yours alone, the "
+                     "default) or 022 (others may read it)");
+  }
+  return mask;
+}
+
 void validate_mesh(const TrainOptions& o) {
   const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
@@ -311,6 +325,7 @@ void validate(const TrainOptions& o) {
   if (o.data_workers < -1)
     throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
+  umask_of(o);
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   if (!(o.heartbeat_timeout_s > 0)) {
     throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
@@ -500,6 +515,7 @@ RunConfig run_config_of(const TrainOptions& o) {
       .verbose = o.quiet ? 0 : 1,
       .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
       .log_every_steps = o.log_every_steps,
+      .umask = umask_of(o),
       .dashboard = dashboard_of(o),
       .profile_steps = profile_steps_of(o)};
 }
@@ -762,6 +778,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")
+      ->capture_default_str();
+  cmd->add_option("--umask", o.umask,
+                  "permission bits taken from the run directory and its files, in octal as the "
+                  "shell's umask: 077 keeps the run yours alone, 022 lets others read it")
       ->capture_default_str();
   cmd->option_defaults()->group("Output and observability");
   add_bool_flag(cmd, "--quiet", o.quiet, "no progress bar or report lines");

@@ -343,7 +343,7 @@ void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesys
   auto tmp = file;
   tmp += ".tmp";
   torch::save(optimizer, tmp.string());
-  std::filesystem::rename(tmp, file);
+  rename_durably(tmp, file);
 }
 
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {

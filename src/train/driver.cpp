@@ -18,6 +18,7 @@
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
 #include "train/progress.h"
+#include "train/run_files.h"
 #include "train/run_recorder.h"
 #include "train/run_status.h"
 #include "train/worker_session.h"
@@ -208,6 +209,8 @@ void Driver::record_resize(size_t from, const std::string& reason) {
 }
 
 Result Driver::run() {
+  // Everything the driver creates for the run, the run directory first, takes the run's mask.
+  const ScopedUmask umask(run_.umask);
   gpus_ = runtime::visible_gpus();
   gpus_per_worker_ = runtime::check_gpu_request(
       scaling_.use_gpu, scaling_.resources_per_worker.gpus, scaling_.num_workers, gpus_);
@@ -337,6 +340,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .profile_first = run_.profile_steps.first,
       .profile_last = run_.profile_steps.last,
       .log_every_steps = run_.log_every_steps,
+      .umask = run_.umask,
       .scaling = session_scaling_of(scaling_)};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -41,11 +42,30 @@ std::string describe_owner(const std::string& text) {
   }
 }
 
+// Flushes a file or a folder (its entries) to disk; RuntimeError naming it and the reason when
+// that fails. A file system that cannot flush a folder (EINVAL) is taken as having nothing to do.
 void fsync_path(const std::filesystem::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0) return;
-  ::fsync(fd);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    throw RuntimeError("cannot open " + path.string() +
+                       " to flush it to disk: " + std::strerror(errno));
+  }
+  const int rc = ::fsync(fd);
+  const int error = errno;
   ::close(fd);
+  if (rc != 0 && error != EINVAL) {
+    throw RuntimeError("flushing " + path.string() + " to disk failed: " + std::strerror(error) +
+                       " (is the disk full or failing?)");
+  }
+}
+
+// `path` flushed, and with a folder every file and folder under it first.
+void fsync_tree(const std::filesystem::path& path) {
+  if (std::filesystem::is_directory(path)) {
+    for (const auto& entry : std::filesystem::recursive_directory_iterator(path))
+      if (entry.is_regular_file() || entry.is_directory()) fsync_path(entry.path());
+  }
+  fsync_path(path);
 }
 
 uint32_t file_crc32(const std::filesystem::path& path) {
@@ -79,9 +99,59 @@ void write_atomically(const std::filesystem::path& path,
     out.flush();
     if (!out) throw RuntimeError("failed writing " + tmp.string() + " (disk full?)");
   }
-  fsync_path(tmp);
-  std::filesystem::rename(tmp, path);
-  fsync_path(path.parent_path());
+  rename_durably(tmp, path);
+}
+
+void append_line(const std::filesystem::path& file, const std::string& line) {
+  const int fd = ::open(file.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0666);
+  if (fd < 0) {
+    throw RuntimeError("cannot open " + file.string() +
+                       " to append to it: " + std::strerror(errno));
+  }
+  const std::string text = line + "\n";
+  size_t written = 0;
+  int error = 0;
+  while (written < text.size()) {
+    const ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      error = n < 0 ? errno : EIO;
+      break;
+    }
+    written += static_cast<size_t>(n);
+  }
+  if (error == 0 && ::fsync(fd) != 0 && errno != EINVAL) error = errno;
+  ::close(fd);
+  if (error != 0) {
+    throw RuntimeError("appending to " + file.string() + " failed: " + std::strerror(error) +
+                       " (is the disk full or failing?)");
+  }
+}
+
+void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to) {
+  fsync_tree(from);
+  std::error_code error;
+  std::filesystem::rename(from, to, error);
+  if (error) {
+    throw RuntimeError("cannot rename " + from.string() + " to " + to.string() + ": " +
+                       error.message());
+  }
+  fsync_path(to.has_parent_path() ? to.parent_path() : std::filesystem::path("."));
+}
+
+ScopedUmask::ScopedUmask(int mask)
+    : previous_(static_cast<unsigned>(::umask(static_cast<mode_t>(mask & 0777)))) {}
+
+ScopedUmask::~ScopedUmask() { ::umask(static_cast<mode_t>(previous_)); }
+
+void apply_umask(const std::filesystem::path& path, int mask) {
+  const unsigned full = std::filesystem::is_directory(path) ? 0777 : 0666;
+  std::error_code error;
+  std::filesystem::permissions(path, static_cast<std::filesystem::perms>(full & ~unsigned(mask)),
+                               error);
+  if (error) {
+    throw RuntimeError("cannot set the permissions of " + path.string() + ": " + error.message());
+  }
 }
 
 void remove_tree(const std::filesystem::path& path) {
@@ -174,22 +244,37 @@ void verify_manifest(const std::filesystem::path& dir) {
                      ": it was not completely written");
   }
   const Json manifest = read_json(manifest_path);
-  for (const auto& [rel, info] : manifest.at("files").items()) {
-    const auto file = dir / rel;
+  const auto damaged = [&](const std::string& why) {
+    return UsageError("checkpoint " + dir.string() + ": " + kManifestFile + " " + why +
+                      ": it was altered or damaged; resume from another checkpoint");
+  };
+  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object())
+    throw damaged("lists no files (no object \"files\")");
+  for (const auto& [rel, info] : manifest["files"].items()) {
+    // A name inside the folder: relative, with no ".." (the manifest names what was written).
+    const std::filesystem::path name(rel);
+    bool inside = !rel.empty() && name.is_relative();
+    for (const auto& part : name) inside = inside && part != "..";
+    if (!inside) throw damaged("names '" + rel + "', which is no file inside the checkpoint");
+    if (!info.is_object() || !info.contains("size") || !info["size"].is_number_unsigned() ||
+        !info.contains("crc32") || !info["crc32"].is_string()) {
+      throw damaged("describes " + rel + " without a size (an integer >= 0) and a crc32");
+    }
+    const auto file = dir / name;
     if (!std::filesystem::exists(file)) {
       throw UsageError("checkpoint " + dir.string() + ": file " + rel + " is missing");
     }
     const auto size = std::filesystem::file_size(file);
-    const auto expected = info.at("size").get<uintmax_t>();
+    const auto expected = info["size"].get<uintmax_t>();
     if (size != expected) {
       throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has " +
                        std::to_string(size) + " bytes, the manifest says " +
                        std::to_string(expected) + (size < expected ? " (truncated)" : ""));
     }
     const auto crc = hex(file_crc32(file));
-    if (crc != info.at("crc32").get<std::string>()) {
+    if (crc != info["crc32"].get<std::string>()) {
       throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has checksum " + crc +
-                       ", the manifest says " + info.at("crc32").get<std::string>() + " (corrupt)");
+                       ", the manifest says " + info["crc32"].get<std::string>() + " (corrupt)");
     }
   }
 }

@@ -23,6 +23,23 @@ inline constexpr const char* kCheckpointPrefix = "checkpoint_";
 // The loss scaler's state in a checkpoint of an fp16 run (train::save_checkpoint).
 inline constexpr const char* kLossScalerFile = "loss_scaler.json";
 
+// While it lives, the files and folders this process creates take `mask` (umask(2)): a run's
+// (RunConfig::umask). The mask before it is back when it ends.
+class ScopedUmask {
+ public:
+  explicit ScopedUmask(int mask);
+  ~ScopedUmask();
+  ScopedUmask(const ScopedUmask&) = delete;
+  ScopedUmask& operator=(const ScopedUmask&) = delete;
+
+ private:
+  unsigned previous_;
+};
+// Sets `path`'s permissions to what a process with umask `mask` creates: 0777 & ~mask for a
+// folder, 0666 & ~mask for a file (e.g. a folder made before the run's mask applied, or a copy
+// that kept its source's bits).
+void apply_umask(const std::filesystem::path& path, int mask);
+
 // Removes `path` and everything under it, as std::filesystem::remove_all(path, ec) does, but
 // without it: libtorch.so of PyTorch's wheels (2.11 seen) exports a remove_all of its own that
 // crashes, and in a program linked against it that one can win the symbol lookup (see
@@ -34,6 +51,16 @@ void remove_tree(const std::filesystem::path& path);
 void write_atomically(const std::filesystem::path& path,
                       const std::function<void(std::ostream&)>& fill);
 void write_atomically(const std::filesystem::path& path, const std::string& content);
+// Appends `line` and a newline to `file` (created if missing) with one write, flushed to disk
+// before it returns: a history that only grows, of which a crash loses at most the line being
+// written (metrics.jsonl, a trial's results). RuntimeError naming the file when it cannot be
+// opened, written or flushed.
+void append_line(const std::filesystem::path& file, const std::string& line);
+// Renames `from` (a file, or a folder and everything in it) to `to` so that a crash, even of
+// the machine, leaves either the old state or `to` whole: `from` is flushed to disk first, then
+// renamed, then the folder holding `to` flushed. RuntimeError naming the path and the reason when
+// a flush or the rename fails.
+void rename_durably(const std::filesystem::path& from, const std::filesystem::path& to);
 
 // RunConfig::extra_files, into `dir`; a name that is not a plain file name is a UsageError.
 void write_extra_files(const std::filesystem::path& dir,

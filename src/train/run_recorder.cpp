@@ -39,6 +39,9 @@ std::filesystem::path prepare_run_dir(const RunConfig& run, const std::string& n
                      " is not writable: give a writable --storage-path / RunConfig.storage_path");
   }
   std::filesystem::remove(dir / ".write_test", ec);
+  // A folder of an earlier start, or made before the run's mask applied, takes it now.
+  apply_umask(dir, run.umask);
+  apply_umask(dir / "logs", run.umask);
   return dir;
 }
 
@@ -127,19 +130,18 @@ std::optional<Checkpoint> RunRecorder::resume_point() {
       console_.message("cohort: resuming from " + resume_from->path().string());
     }
   }
-  for (auto [stream, file] : {std::pair{&metrics_log_, kMetricsFile}, {&steps_log_, kStepsFile}}) {
+  for (const char* file : {kMetricsFile, kStepsFile}) {
     const auto log = run_dir_ / file;
     if (resume_from) {
       // Append-only: the history on disk is never rewritten, so a crash now loses none of it. A
       // line a crash cut short (read_jsonl skips it) is ended, so the next record has its own.
       // Steps a resumed run takes again are read as the later record's (read_steps).
-      stream->open(log, std::ios::app);
-      if (ends_inside_a_line(log)) *stream << '\n';
+      if (ends_inside_a_line(log)) append_line(log, "");
     } else {
-      stream->open(log, std::ios::trunc);  // a new run's history
+      std::ofstream(log, std::ios::trunc);  // a new run's history
     }
-    stream->flush();
   }
+  steps_log_.open(run_dir_ / kStepsFile, std::ios::app);
   if (tensorboard_config_.enabled) {
     tensorboard_.emplace(run_dir_, tensorboard_config_, result_.config,
                          result_.metrics_history.empty());
@@ -170,8 +172,7 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
     record["checkpoint"] = message["checkpoint"];
     checkpoints_.add(message["checkpoint"].get<std::string>(), metrics);
   }
-  metrics_log_ << record.dump() << '\n';
-  metrics_log_.flush();
+  append_line(run_dir_ / kMetricsFile, record.dump());  // on disk before the next report
   result_.metrics_history.push_back(record);
   if (tensorboard_) tensorboard_->on_report(record, message.value("histograms", Json()));
   console_.report(record["training_iteration"].get<int64_t>(), metrics);

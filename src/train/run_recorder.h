@@ -66,7 +66,6 @@ class RunRecorder {
   RunDirLock lock_;
   CheckpointManager checkpoints_;
   Result result_;
-  std::ofstream metrics_log_;
   std::ofstream steps_log_;
   std::function<void(const Json&)> on_report_;
   std::optional<TensorBoardLog> tensorboard_;  // from resume_point() on, when enabled

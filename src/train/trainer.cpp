@@ -64,6 +64,13 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
       (!scaling_.use_gpu && scaling_.resources_per_worker.gpus > 0)) {
     runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus, 0, {});
   }
+  if (run_.umask < 0 || run_.umask > 0777) {
+    char octal[32];
+    std::snprintf(octal, sizeof octal, "%o", static_cast<unsigned>(run_.umask));
+    throw UsageError("RunConfig.umask=0" + std::string(octal) +
+                     " is no umask: give permission bits between 0 and 0777 (octal, e.g. 077 to "
+                     "keep the run private, 022 to let others read it)");
+  }
   if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
     throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
   }

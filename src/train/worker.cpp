@@ -2,6 +2,7 @@
 // launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
 // run's bookkeeping.
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -24,6 +25,7 @@
 #include "cohort/train/prepare.h"
 #include "train/driver.h"
 #include "train/progress.h"
+#include "train/run_files.h"
 #include "train/run_recorder.h"
 #include "train/worker_session.h"
 #include "train/worker_spec.h"
@@ -60,6 +62,7 @@ struct SessionSettings {
   bool tensorboard_histograms = false;
   RunConfig::ProfileSteps profile_steps;
   int64_t log_every_steps = 0;
+  int umask = 077;  // RunConfig::umask
   int cpu_threads = 1;
   SessionScaling scaling;
   // A function: the worker program's own ScalingConfig's.
@@ -100,6 +103,7 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   session->next_checkpoint_index = settings.next_checkpoint_index;
   session->tensorboard_histograms = settings.tensorboard_histograms;
   session->step_log.every_steps = settings.log_every_steps;
+  session->umask = settings.umask;
   if (!settings.resume_from.empty())
     session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;
@@ -213,6 +217,9 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.tensorboard_histograms = spec.tensorboard_histograms;
     settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
     settings.log_every_steps = spec.log_every_steps;
+    // A process the driver started for the run: every file it creates takes the run's mask.
+    ::umask(static_cast<mode_t>(spec.umask));
+    settings.umask = spec.umask;
     // The driver's ScalingConfig, not this program's first Trainer's.
     settings.cpu_threads = spec.cpu_threads;
     settings.scaling = spec.scaling;
@@ -244,6 +251,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const runtime::WorkerInfo& info) {
   const auto started = Clock::now();
   const auto started_wall = std::chrono::system_clock::now();
+  // Rank 0 opens the run directory here: everything of the run takes its mask while it lasts.
+  const ScopedUmask umask(run.umask);
   const std::string where = " (launched by " + info.launcher + " as rank " +
                             std::to_string(info.world_rank) + " of " +
                             std::to_string(info.world_size) + ")";
@@ -268,6 +277,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.tensorboard_histograms = run.tensorboard.enabled && run.tensorboard.histograms;
   settings.profile_steps = run.profile_steps;
   settings.log_every_steps = run.log_every_steps;
+  settings.umask = run.umask;
   settings.store = comm::Store::connect({.host = info.master_addr,
                                          .port = info.store_port,
                                          .is_server = serve,

@@ -374,7 +374,8 @@ namespace {
 
 // Copies the files of `from` into `into`. Rank 0's copy of a file replaces another rank's; the
 // others' never replace an existing file (link() fails on an existing name, atomically).
-void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank) {
+void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank,
+                 int umask) {
   for (const auto& entry : std::filesystem::recursive_directory_iterator(from)) {
     if (!entry.is_regular_file()) continue;
     const auto target = into / std::filesystem::relative(entry.path(), from);
@@ -383,6 +384,7 @@ void merge_files(const std::filesystem::path& from, const std::filesystem::path&
     tmp += ".rank" + std::to_string(rank) + ".tmp";
     std::filesystem::copy_file(entry.path(), tmp,
                                std::filesystem::copy_options::overwrite_existing);
+    apply_umask(tmp, umask);  // not the bits of the file the loop wrote
     if (rank == 0) {
       std::filesystem::rename(tmp, target);
     } else {
@@ -516,7 +518,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
   if (checkpoint) {
     trace::Span span(trace::Phase::kCheckpoint);
-    merge_files(checkpoint->path(), staging, s.context.world_rank);
+    merge_files(checkpoint->path(), staging, s.context.world_rank, s.umask);
   }
   // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
   // busy seconds (trace::Totals) and seconds per phase (cohort/trace.h) since its last report ride
@@ -639,7 +641,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
     write_atomically(staging / kMetaFile, meta.dump(2) + "\n");
     write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
-    std::filesystem::rename(staging, final_path);
+    rename_durably(staging, final_path);
     message["checkpoint"] = final_path.string();
   }
   if (s.tensorboard_histograms) message["histograms"] = model_histograms(s);

@@ -72,6 +72,8 @@ struct WorkerSession {
   std::string remote_preprocessing_dataset;
   // Data workers of the job's `cohort launch --data-workers` nodes (0: none).
   int data_members = 0;
+  // RunConfig::umask: what the files of this rank's checkpoints are given.
+  int umask = 077;
   // The loop called should_stop(): the driver was told it honours stop requests.
   bool accepts_stop_requests = false;
   // RunConfig::tensorboard.histograms: rank 0's reports carry its models' histograms.

@@ -70,6 +70,7 @@ std::string to_text(const WorkerSpec& s) {
               {"profile_first", s.profile_first},
               {"profile_last", s.profile_last},
               {"log_every_steps", s.log_every_steps},
+              {"umask", s.umask},
               {"mesh_pp", s.scaling.mesh.pp},
               {"mesh_tp", s.scaling.mesh.tp},
               {"precision", s.scaling.precision},
@@ -129,6 +130,11 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.profile_first = field<int64_t>(j, "profile_first");
   s.profile_last = field<int64_t>(j, "profile_last");
   s.log_every_steps = field<int64_t>(j, "log_every_steps");
+  s.umask = field<int>(j, "umask");
+  if (s.umask < 0 || s.umask > 0777) {
+    throw UsageError("worker spec: umask = " + std::to_string(s.umask) +
+                     ": it must be between 0 and 0777");
+  }
   auto& scaling = s.scaling;
   scaling.mesh = {.pp = field<int>(j, "mesh_pp"), .tp = field<int>(j, "mesh_tp")};
   if (scaling.mesh.pp < 1 || scaling.mesh.tp < 1) {

@@ -52,6 +52,7 @@ struct WorkerSpec {
   int64_t profile_first = 0;            // RunConfig::profile_steps
   int64_t profile_last = 0;
   int64_t log_every_steps = 0;  // RunConfig::log_every_steps
+  int umask = 077;              // RunConfig::umask: the worker process creates its files with it
   SessionScaling scaling;       // the driver's ScalingConfig
 };
 

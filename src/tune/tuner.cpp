@@ -254,6 +254,7 @@ class Experiment {
     searcher_->set_search_properties(config_.metric, config_.mode, param_space_);
     parameters_ = searched_parameters(param_space_);
     std::filesystem::create_directories(dir_);
+    apply_umask(dir_, run.umask);  // the experiment's trials inside are its user's alone
     write_extra_files(dir_, run.extra_files);
     if (base_.run_config().tensorboard.enabled) {
       // The hparams plugin's table: the searched parameters and the ranked metrics as columns,
@@ -517,10 +518,7 @@ void Experiment::on_result(size_t index, const Json& record) {
   t.iterations = result.value("training_iteration", t.iterations + 1);
   t.time_total_s = result["time_total_s"].get<double>();
   t.last_result = result;
-  {
-    std::ofstream out(trial_dir(t) / kTrialResultsFile, std::ios::app);
-    out << result.dump() << '\n';
-  }
+  append_line(trial_dir(t) / kTrialResultsFile, result.dump());
   searcher_->on_trial_result(t.trial_id, result);
   std::string metrics;
   for (const auto& [key, value] : result.items()) {

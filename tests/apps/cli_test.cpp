@@ -205,6 +205,9 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "--profile-steps 'ten': not a step range"},
       {{"--profile-steps", "40-45", "--max-steps", "30", "--data-dir", data.string()},
        "the run stops after --max-steps 30, before step 40"},
+      {{"--umask", "0o77", "--data-dir", data.string()},
+       "unknown --umask '0o77': give octal permission bits such as 077"},
+      {{"--umask", "1777", "--data-dir", data.string()}, "unknown --umask '1777'"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
@@ -416,7 +419,7 @@ TEST_F(Cli, HelpIsGroupedWithExamples) {
 
 TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
   auto r = train({"--data-dir", data.string(), "--workers", "2", "--epochs", "2", "--batch-size",
-                  "32", "--name", "e2e", "--lr", "0.05"});
+                  "32", "--name", "e2e", "--lr", "0.05", "--umask", "027"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("(rank=0, pid="), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("[report 2] epoch 2"), std::string::npos) << r.output;
@@ -436,6 +439,15 @@ TEST_F(Cli, TrainsEndToEndAndWritesTheRunDirectory) {
   for (std::string line; std::getline(metrics, line);) ++lines;
   EXPECT_EQ(lines, 2);
   EXPECT_TRUE(std::filesystem::exists(dir / "runs" / "e2e" / "logs" / "rank-1.log"));
+  // --umask 027: the group may read the run, others not.
+  const auto mode = [](const std::filesystem::path& path) {
+    return static_cast<unsigned>(std::filesystem::status(path).permissions()) & 0777;
+  };
+  const auto checkpoint = std::filesystem::path(result["checkpoint"].get<std::string>());
+  EXPECT_EQ(mode(dir / "runs" / "e2e"), 0750u);
+  EXPECT_EQ(mode(checkpoint), 0750u);
+  EXPECT_EQ(mode(checkpoint / "model.safetensors"), 0640u);
+  EXPECT_EQ(mode(dir / "runs" / "e2e" / "result.json"), 0640u);
 }
 
 TEST_F(Cli, ResultHoldsTheValuesTheRunUsedAndThroughputOnlyWhereMeasured) {

@@ -205,9 +205,51 @@ TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {
   std::filesystem::remove(path / "weights.bin");
   expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
                            "file weights.bin is missing");
+  // A manifest that lies: each a UsageError naming it, never another exception.
+  for (const auto& [manifest, fragment] : std::vector<std::pair<std::string, std::string>>{
+           {"[]", "manifest.json lists no files (no object \"files\")"},
+           {R"({"files": []})", "lists no files"},
+           {R"({"files": {"meta.json": 5}})", "describes meta.json without a size"},
+           {R"({"files": {"meta.json": {"size": -1, "crc32": "0"}}})", "without a size"},
+           {R"({"files": {"../weights.bin": {"size": 1, "crc32": "0"}}})",
+            "names '../weights.bin', which is no file inside the checkpoint"},
+           {R"({"files": {"/etc/hostname": {"size": 1, "crc32": "0"}}})", "names '/etc/hostname'"},
+       }) {
+    std::ofstream(path / kManifestFile) << manifest;
+    expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); }, fragment);
+  }
   std::filesystem::remove(path / kManifestFile);
   expect_error<UsageError>([&] { Checkpoint::from_directory(path).verify(); },
                            "not completely written");
+}
+
+// A folder renamed durably arrives whole under its new name; what cannot be flushed is named.
+TEST_F(CheckpointTest, ADurableRenameMovesAFolderWholeAndNamesWhatFails) {
+  const auto staging = dir / "staging";
+  std::filesystem::create_directories(staging / "inner");
+  std::ofstream(staging / "inner" / "part.bin") << "payload";
+  rename_durably(staging, dir / "committed");
+  EXPECT_FALSE(std::filesystem::exists(staging));
+  EXPECT_EQ(cohort::testing::read_text((dir / "committed" / "inner" / "part.bin").string()),
+            "payload");
+  expect_error<RuntimeError>([&] { rename_durably(dir / "absent", dir / "elsewhere"); },
+                             "cannot open " + (dir / "absent").string() + " to flush it to disk");
+  std::filesystem::create_directories(dir / "full" / "x");
+  std::ofstream(dir / "file") << "f";
+  expect_error<RuntimeError>(
+      [&] { rename_durably(dir / "file", dir / "full"); },
+      "cannot rename " + (dir / "file").string() + " to " + (dir / "full").string());
+}
+
+// A history appended line by line keeps every line whole; what cannot be appended to is named.
+TEST_F(CheckpointTest, AppendedLinesOnlyGrowTheFileAndAFailureIsNamed) {
+  const auto log = dir / "history.jsonl";
+  append_line(log, R"({"a":1})");
+  append_line(log, R"({"a":2})");
+  EXPECT_EQ(cohort::testing::read_text(log.string()), "{\"a\":1}\n{\"a\":2}\n");
+  EXPECT_EQ(read_jsonl(log).size(), 2u);
+  expect_error<RuntimeError>([&] { append_line(dir, "x"); },
+                             "cannot open " + dir.string() + " to append to it");
 }
 
 TEST_F(CheckpointTest, KeepsTheBestByScoreAndAlwaysTheLatest) {

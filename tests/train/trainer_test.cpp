@@ -3,11 +3,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
 #include <unistd.h>
 #include <csignal>
 
 #include <fstream>
 #include <iostream>
+#include <tuple>
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
@@ -176,6 +178,9 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
       [&] { Trainer(loop, ScalingConfig{.num_workers = 2, .num_parameter_servers = 3}); },
       "num_parameter_servers=3 must be between 0 and num_workers=2: the parameter servers run in "
       "the workers' processes");
+  cohort::testing::expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{}, RunConfig{.umask = 01022}); },
+      "RunConfig.umask=01022 is no umask: give permission bits between 0 and 0777");
   auto dir = cohort::testing::temp_dir("trainer_storage");
   std::ofstream(dir / "a_file") << "x";
   Trainer trainer(loop, ScalingConfig{}, run_config(dir / "a_file", "x"));
@@ -356,6 +361,42 @@ TEST(Trainer, CheckpointsFromAllRanksAreMergedAndKeptByScore) {
   EXPECT_EQ(csv.substr(0, csv.find('\n')),
             "acc,i,checkpoint_ms,training_iteration,timestamp,checkpoint");
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 4);
+  std::filesystem::remove_all(dir);
+}
+
+// The run directory and what the run writes in it are the user's alone unless RunConfig::umask
+// says otherwise, whatever the program's own umask; that is back when fit() returns.
+TEST(Trainer, TheRunIsPrivateUnlessRunConfigUmaskSaysOtherwise) {
+  auto dir = cohort::testing::temp_dir("trainer_umask");
+  const mode_t before = ::umask(0);  // the program's own: anyone may read and write
+  const auto mode = [](const std::filesystem::path& path) {
+    return static_cast<unsigned>(std::filesystem::status(path).permissions()) & 0777;
+  };
+  for (const auto& [mask, folder, file] :
+       std::vector<std::tuple<int, unsigned, unsigned>>{{077, 0700, 0600}, {022, 0755, 0644}}) {
+    auto run = run_config(dir, "umask" + std::to_string(mask));
+    run.umask = mask;
+    Trainer trainer(
+        [](const Json&) {
+          const auto rank = std::to_string(train::get_context().get_world_rank());
+          train::report({{"x", 1}}, folder_with("umask" + rank, {{"part-" + rank + ".txt", rank}}));
+        },
+        ScalingConfig{.num_workers = 2}, run);
+    Result result = trainer.fit();
+    ASSERT_TRUE(result.ok()) << *result.error;
+    const auto run_dir = dir / run.name;
+    const auto checkpoint = result.checkpoint->path();
+    EXPECT_EQ(mode(run_dir), folder) << "umask 0" << std::oct << mask;
+    EXPECT_EQ(mode(run_dir / "logs"), folder);
+    EXPECT_EQ(mode(checkpoint), folder);
+    EXPECT_EQ(mode(checkpoint / "part-1.txt"), file) << "a worker's file, copied";
+    EXPECT_EQ(mode(checkpoint / "manifest.json"), file);
+    EXPECT_EQ(mode(run_dir / "metrics.jsonl"), file);
+    EXPECT_EQ(mode(run_dir / "result.json"), file);
+    EXPECT_EQ(mode(run_dir / "logs" / "rank-1.log"), file);
+    EXPECT_EQ(::umask(0), 0u) << "the program's own umask is back after fit()";
+  }
+  ::umask(before);
   std::filesystem::remove_all(dir);
 }
 

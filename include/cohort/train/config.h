@@ -156,6 +156,12 @@ struct RunConfig {
   /// atomically, replacing what a previous start wrote: e.g. `cohort train` writes its effective
   /// options as config.json. Names are plain file names.
   std::map<std::string, std::string> extra_files;
+  /// Permission bits taken from the run directory and from what cohort writes in it, as the
+  /// shell's umask (octal): 077, the default, keeps a run to its user (folders 0700, files 0600:
+  /// checkpoints hold the model and where the data stood); 022 lets others read it. 0 to 0777.
+  /// The run's processes create their files with it while the run lasts; the driver's own umask
+  /// is back when fit() returns.
+  int umask = 077;
   /// A live dashboard of the storage path's runs, served by the driver while it runs
   /// (`cohort train --dashboard [PORT]`); the driver prints its address. `cohort dashboard
   /// STORAGE_PATH` serves the same page for running and finished runs. Unset: none.
