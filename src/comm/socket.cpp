@@ -1,6 +1,7 @@
 #include "comm/socket.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -79,31 +80,74 @@ void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeou
   }
 }
 
+int connect_before(int fd, const sockaddr* address, socklen_t length,
+                   std::chrono::steady_clock::time_point deadline) {
+  using Clock = std::chrono::steady_clock;
+  const auto left_ms = [&] {
+    return static_cast<int>(std::max<int64_t>(
+        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
+  };
+  const int flags = ::fcntl(fd, F_GETFL);
+  ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  int error = 0;
+  while (true) {
+    if (::connect(fd, address, length) == 0) {
+      error = 0;
+      break;
+    }
+    error = errno;
+    if (error == EAGAIN && left_ms() > 0) {  // a Unix socket's full backlog: try again
+      ::poll(nullptr, 0, std::min(10, left_ms()));
+      continue;
+    }
+    if (error != EINPROGRESS && error != EINTR) break;
+    // In progress: writable once connected or refused; the deadline first is ETIMEDOUT.
+    error = ETIMEDOUT;
+    while (left_ms() > 0) {
+      pollfd p{fd, POLLOUT, 0};
+      const int rc = ::poll(&p, 1, left_ms());
+      if (rc < 0 && errno == EINTR) continue;
+      if (rc < 0) {
+        error = errno;
+      } else if (rc > 0) {
+        socklen_t size = sizeof error;
+        if (::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &size) != 0) error = errno;
+      }
+      break;
+    }
+    break;
+  }
+  ::fcntl(fd, F_SETFL, flags);
+  return error;
+}
+
 int connect_to(const std::string& address, std::chrono::milliseconds timeout,
                const std::string& peer, const std::string& hint) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (address.rfind("unix:", 0) == 0) {
     const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     socklen_t length = 0;
     auto addr = unix_address(address.substr(5), length);
-    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), length) != 0) {
-      const auto why = errno_text();
+    if (const int error =
+            connect_before(fd, reinterpret_cast<sockaddr*>(&addr), length, deadline)) {
       ::close(fd);
-      throw PeerGone("cannot connect to " + peer + " at " + address + ": " + why);
+      throw PeerGone("cannot connect to " + peer + " at " + address + ": " + std::strerror(error));
     }
     return fd;
   }
   const auto [host, port] = parse_host_port(address);
   const auto addr = ipv4_address(address, host, port);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
   std::string why;
   while (std::chrono::steady_clock::now() < deadline) {
     const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr) == 0) {
+    const int error =
+        connect_before(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr, deadline);
+    if (error == 0) {
       int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
       return fd;
     }
-    why = errno_text();
+    why = std::strerror(error);
     ::close(fd);
     ::poll(nullptr, 0, 100);
   }

@@ -2,6 +2,8 @@
 // parameter servers send their messages over. `peer` names the other end in messages ("a
 // preprocessing peer", "parameter server 1"), so an error says who went away.
 #pragma once
+#include <sys/socket.h>
+
 #include <chrono>
 #include <cstddef>
 #include <string>
@@ -22,6 +24,13 @@ void write_all(int fd, const void* data, size_t bytes, const std::string& peer);
 // Reads exactly `bytes`, each chunk within `timeout`; RuntimeError when the peer closes midway.
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout,
               const std::string& peer);
+
+// connect(2) that gives up at `deadline`: the socket connects without blocking and is waited on
+// with poll, so a peer whose listen queue is full (or a host that drops the SYN) cannot hold the
+// caller past it. 0 when connected, else the errno (ETIMEDOUT when the deadline passed first; a
+// full Unix-socket backlog is retried until then). `fd` blocks again afterwards.
+int connect_before(int fd, const sockaddr* address, socklen_t length,
+                   std::chrono::steady_clock::time_point deadline);
 
 // "unix:<name>" (abstract socket) or "host:port" (IPv4). Returns a connected socket (TCP_NODELAY),
 // retrying a TCP connect until `timeout`; PeerGone (unix) or TimeoutError (TCP) naming `peer`,

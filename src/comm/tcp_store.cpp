@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "cohort/error.h"
+#include "comm/socket.h"
 
 namespace cohort::comm {
 namespace {
@@ -407,10 +408,11 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
     for (addrinfo* a = addresses.get(); a != nullptr && fd_ < 0; a = a->ai_next) {
       const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
       if (fd < 0) continue;
-      if (::connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
+      if (const int error = socket::connect_before(fd, a->ai_addr, a->ai_addrlen, deadline);
+          error == 0) {
         fd_ = fd;
       } else {
-        last_error = std::strerror(errno);
+        last_error = std::strerror(error);
         ::close(fd);
       }
     }

@@ -19,6 +19,7 @@
 #include "cohort/comm/address.h"
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
+#include "comm/socket.h"
 
 namespace cohort::runtime {
 namespace {
@@ -238,9 +239,15 @@ void connect_to_coordinator(const std::string& address, int rank, const std::str
   to.sin_port = htons(static_cast<uint16_t>(port));
   if (::inet_pton(AF_INET, host.c_str(), &to.sin_addr) != 1)
     throw RuntimeError("coordinator address '" + address + "': '" + host + "' is not IPv4");
+  // Rank 0 listens before it publishes the address: a connect that takes a heartbeat timeout
+  // means it is gone or unreachable.
   const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
-    const std::string why = std::strerror(errno);
+  const int error =
+      fd < 0 ? errno
+             : comm::socket::connect_before(fd, reinterpret_cast<sockaddr*>(&to), sizeof to,
+                                            std::chrono::steady_clock::now() + heartbeat.timeout);
+  if (error != 0) {
+    const std::string why = std::strerror(error);
     if (fd >= 0) ::close(fd);
     throw PeerFailureError("rank " + std::to_string(rank) + " cannot reach the coordinator at " +
                            address + " (" + why + "): is rank 0 running?");
