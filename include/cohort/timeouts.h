@@ -16,7 +16,11 @@ inline constexpr std::chrono::milliseconds kDefaultHeartbeatTimeout{30'000};
 inline constexpr std::chrono::milliseconds kDefaultNodeHeartbeatTimeout{5'000};
 /// A store call (connect, get, wait) ends within this unless the caller gives its own deadline.
 inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30'000};
-/// A message of the data plane (preprocessing workers), and a data worker's start.
+/// A message of the data plane (preprocessing workers), and a data worker's start: read or sent
+/// whole within this.
 inline constexpr std::chrono::milliseconds kDefaultDataMessageTimeout{60'000};
+/// How long a server of many clients (the store, the coordinator) waits for one client to take a
+/// reply before it drops that client: one that stops reading must not stall the others.
+inline constexpr std::chrono::milliseconds kServerWriteTimeout{2'000};
 
 }  // namespace cohort

@@ -54,17 +54,41 @@ void wait_readable(int fd, std::chrono::milliseconds timeout, const std::string&
                        std::to_string(timeout.count()) + " ms");
 }
 
-void write_all(int fd, const void* data, size_t bytes, const std::string& peer) {
+int send_before(int fd, const void* data, size_t bytes,
+                std::chrono::steady_clock::time_point deadline) {
   const auto* p = static_cast<const char*>(data);
   while (bytes > 0) {
-    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL);
+    const ssize_t n = ::send(fd, p, bytes, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && (errno == EPIPE || errno == ECONNRESET))
-      throw PeerGone(peer + " closed its connection");
-    if (n <= 0) throw RuntimeError("sending to " + peer + " failed: " + errno_text());
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      // The peer's window is full: wait for room, until the deadline.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                            deadline - std::chrono::steady_clock::now())
+                            .count();
+      if (left <= 0) return ETIMEDOUT;
+      pollfd w{fd, POLLOUT, 0};
+      if (::poll(&w, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30))) < 0 && errno != EINTR)
+        return errno;
+      continue;
+    }
+    if (n < 0) return errno;
+    if (n == 0) return EIO;
     p += n;
     bytes -= static_cast<size_t>(n);
   }
+  return 0;
+}
+
+void write_all(int fd, const void* data, size_t bytes, const std::string& peer,
+               std::chrono::milliseconds timeout) {
+  const int error = send_before(fd, data, bytes, std::chrono::steady_clock::now() + timeout);
+  if (error == 0) return;
+  if (error == EPIPE || error == ECONNRESET) throw PeerGone(peer + " closed its connection");
+  if (error == ETIMEDOUT) {
+    throw TimeoutError(peer + " took no data for " + std::to_string(timeout.count()) +
+                       " ms: it stopped reading");
+  }
+  throw RuntimeError("sending to " + peer + " failed: " + std::strerror(error));
 }
 
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout,

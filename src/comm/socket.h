@@ -19,8 +19,14 @@ struct PeerGone : RuntimeError {
 
 // Blocks until `fd` is readable; TimeoutError naming `peer` when `timeout` passes first.
 void wait_readable(int fd, std::chrono::milliseconds timeout, const std::string& peer);
-// Writes every byte; PeerGone when the peer closed, RuntimeError on another failure.
-void write_all(int fd, const void* data, size_t bytes, const std::string& peer);
+// Sends every byte before `deadline` without ever blocking past it: 0 when sent, else the errno
+// (ETIMEDOUT when the peer did not take them in time, EPIPE or ECONNRESET when it closed).
+int send_before(int fd, const void* data, size_t bytes,
+                std::chrono::steady_clock::time_point deadline);
+// Writes every byte within `timeout`; PeerGone when the peer closed, TimeoutError naming `peer`
+// when it stopped reading, RuntimeError on another failure.
+void write_all(int fd, const void* data, size_t bytes, const std::string& peer,
+               std::chrono::milliseconds timeout);
 // Reads exactly `bytes`, each chunk within `timeout`; RuntimeError when the peer closes midway.
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout,
               const std::string& peer);

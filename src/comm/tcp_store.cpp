@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "cohort/error.h"
+#include "cohort/timeouts.h"
 #include "comm/socket.h"
 
 namespace cohort::comm {
@@ -102,15 +103,12 @@ int64_t i64_of(const std::string& field) {
   return v;
 }
 
-bool send_all(int fd, const std::string& data) {
-  size_t sent = 0;
-  while (sent < data.size()) {
-    const ssize_t n = ::send(fd, data.data() + sent, data.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
-  }
-  return true;
+// All of `data` within `timeout`; false when the peer is gone or did not take it in time (the
+// server then shuts that client's connection, which its loop drops: one client that stops
+// reading stalls the others for at most kServerWriteTimeout).
+bool send_all(int fd, const std::string& data, std::chrono::milliseconds timeout) {
+  return socket::send_before(fd, data.data(), data.size(),
+                             std::chrono::steady_clock::now() + timeout) == 0;
 }
 
 // The addresses `host` names (a numeric address or a resolvable name), IPv4 or IPv6.
@@ -203,9 +201,13 @@ void TcpStoreServer::serve() {
   uint64_t next_waiter = 0;
 
   auto reply = [](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
-    send_all(
-        fd,
-        encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}));
+    if (!send_all(
+            fd,
+            encode(
+                {.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}),
+            kServerWriteTimeout)) {
+      ::shutdown(fd, SHUT_RDWR);
+    }
   };
   // Advances a wait past the keys that are set: replies and forgets it when none is left, else
   // files it under the next missing key.
@@ -445,9 +447,10 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
                                            std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t id = next_id_++;
-  if (fd_ < 0 || !send_all(fd_, encode({.id = id, .code = op, .fields = fields}))) {
+  if (fd_ < 0 || !send_all(fd_, encode({.id = id, .code = op, .fields = fields}), timeout)) {
     throw PeerFailureError("lost the rendezvous store at " + where() +
-                           " (its process or host went away)");
+                           " (its process or host went away, or it took no request for " +
+                           std::to_string(timeout.count()) + " ms)");
   }
   const auto deadline = Clock::now() + timeout;
   std::string& in = pending_;

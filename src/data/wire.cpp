@@ -63,7 +63,7 @@ std::vector<int64_t> shape_of(const Json& column) {
 }  // namespace
 
 void write_all(int fd, const void* data, size_t bytes) {
-  comm::socket::write_all(fd, data, bytes, kPeer);
+  comm::socket::write_all(fd, data, bytes, kPeer, kDefaultDataMessageTimeout);
 }
 
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout) {

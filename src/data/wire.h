@@ -21,6 +21,7 @@ void send(int socket, const Json& header, int payload_fd = -1);
 // Throws RuntimeError on a broken message or when `timeout` passes in the middle of one.
 bool receive(int socket, Json& header, int& payload_fd, std::chrono::milliseconds timeout);
 
+// Within kDefaultDataMessageTimeout (cohort/timeouts.h), as a message is read.
 void write_all(int fd, const void* data, size_t bytes);
 void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeout);
 

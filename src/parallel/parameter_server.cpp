@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <exception>
+#include <iostream>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -271,10 +272,14 @@ struct ParameterServerOptimizer::Server {
     Reply r{.kind = kind, .version = version, .staleness = staleness, .numel = end - begin};
     const std::string peer = "worker " + std::to_string(c.worker);
     try {
-      comm::socket::write_all(c.fd, &r, sizeof r, peer);
+      comm::socket::write_all(c.fd, &r, sizeof r, peer, timeout);
       comm::socket::write_all(c.fd, shard.data_ptr(),
-                              static_cast<size_t>(shard.numel()) * sizeof(float), peer);
-    } catch (const comm::socket::PeerGone&) {
+                              static_cast<size_t>(shard.numel()) * sizeof(float), peer, timeout);
+    } catch (const RuntimeError& e) {
+      // Gone, or it stopped reading for the group's timeout (the server holds its mutex
+      // meanwhile: one worker's stall is bounded, then that worker is dropped).
+      if (dynamic_cast<const comm::socket::PeerGone*>(&e) == nullptr)
+        std::cerr << "cohort: parameter server drops " << peer << ": " << e.what() << std::endl;
       ::close(c.fd);
       c.fd = -1;
       done[static_cast<size_t>(c.worker)] = 1;
@@ -312,7 +317,8 @@ struct ParameterServerOptimizer::Client {
   // Tells server s that this worker is done; nothing comes back.
   void say_goodbye(size_t s) {
     const Request request{.kind = kBye, .worker = rank};
-    comm::socket::write_all(fds[s], &request, sizeof request, server_name(static_cast<int>(s)));
+    comm::socket::write_all(fds[s], &request, sizeof request, server_name(static_cast<int>(s)),
+                            timeout);
   }
 
   // One round trip with server s (a push or a pull): the request (and a push's gradient), then
@@ -325,11 +331,11 @@ struct ParameterServerOptimizer::Client {
                     .base_version = versions[s],
                     .lr = lr,
                     .numel = kind == kPush ? end - begin : 0};
-    comm::socket::write_all(fds[s], &request, sizeof request, peer);
+    comm::socket::write_all(fds[s], &request, sizeof request, peer, timeout);
     int64_t sent = sizeof request;
     if (kind == kPush) {
       comm::socket::write_all(fds[s], grads.data_ptr<float>() + begin,
-                              static_cast<size_t>(end - begin) * sizeof(float), peer);
+                              static_cast<size_t>(end - begin) * sizeof(float), peer, timeout);
       sent += (end - begin) * 4;
     }
     stats.bytes_sent += sent;

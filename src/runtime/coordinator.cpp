@@ -20,6 +20,8 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/error.h"
+#include "cohort/timeouts.h"
+#include "comm/socket.h"
 
 namespace cohort::runtime {
 
@@ -218,16 +220,16 @@ std::optional<Coordinator::Verdict> Coordinator::verdict() {
 
 namespace {
 
+// One line to a rank within kServerWriteTimeout; a rank that does not take it (gone, or no
+// longer reading) has its connection shut, so that the loop drops it and serves the others.
 bool write_line(int fd, const std::string& line) {
   const std::string framed = line + "\n";
-  size_t sent = 0;
-  while (sent < framed.size()) {
-    const ssize_t n = ::send(fd, framed.data() + sent, framed.size() - sent, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    sent += static_cast<size_t>(n);
+  if (comm::socket::send_before(fd, framed.data(), framed.size(),
+                                std::chrono::steady_clock::now() + kServerWriteTimeout) == 0) {
+    return true;
   }
-  return true;
+  ::shutdown(fd, SHUT_RDWR);
+  return false;
 }
 
 }  // namespace

@@ -101,5 +101,33 @@ TEST(Socket, AConnectionRefusedIsNamedAtOnce) {
   ::close(client);
 }
 
+// A peer that stops reading holds a writer no longer than its timeout: the data it did not take
+// is named, and the writer is free for its other peers.
+TEST(Socket, AWriteToAPeerThatStopsReadingEndsAtItsDeadline) {
+  int pair[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
+  const std::vector<char> chunk(1 << 20, 'x');  // more than both socket buffers hold, in the end
+  const auto started = Clock::now();
+  cohort::testing::expect_error<TimeoutError>(
+      [&] {
+        for (int i = 0; i < 64; ++i)
+          socket::write_all(pair[0], chunk.data(), chunk.size(), "a stalled peer",
+                            std::chrono::milliseconds(300));
+      },
+      "a stalled peer took no data for 300 ms: it stopped reading");
+  EXPECT_LT(Clock::now() - started, std::chrono::seconds(20));
+  EXPECT_EQ(socket::send_before(pair[0], chunk.data(), chunk.size(),
+                                Clock::now() + std::chrono::milliseconds(100)),
+            ETIMEDOUT);
+  ::close(pair[1]);
+  cohort::testing::expect_error<socket::PeerGone>(
+      [&] {
+        socket::write_all(pair[0], chunk.data(), chunk.size(), "a closed peer",
+                          std::chrono::milliseconds(300));
+      },
+      "a closed peer closed its connection");
+  ::close(pair[0]);
+}
+
 }  // namespace
 }  // namespace cohort::comm
