@@ -2,10 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <optional>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cohort/error.h"
+#include "comm/socket.h"
 #include "support/expect.h"
 
 namespace cohort::comm {
@@ -174,6 +178,46 @@ TEST(Store, ABarrierNameReusedWithOtherParticipantsIsRefused) {
       [&] { server.arrive_and_wait("once/", 0, 2, "1", "arrive", std::chrono::seconds(5)); },
       "barrier 'once/' was entered by rank 0 as a barrier of 2 ranks but it is a barrier of 1 "
       "ranks");
+}
+
+// The store's frame (src/comm/tcp_store.cpp): length, id, code, fields each with its length.
+std::string store_frame(uint64_t id, uint8_t code, const std::vector<std::string>& fields) {
+  const auto u32 = [](std::string& out, uint32_t v) {
+    out.append(reinterpret_cast<const char*>(&v), 4);
+  };
+  std::string body(reinterpret_cast<const char*>(&id), 8);
+  body.push_back(static_cast<char>(code));
+  u32(body, static_cast<uint32_t>(fields.size()));
+  for (const auto& f : fields) {
+    u32(body, static_cast<uint32_t>(f.size()));
+    body += f;
+  }
+  std::string out;
+  u32(out, static_cast<uint32_t>(body.size()));
+  return out + body;
+}
+
+// One client asks for a large value over and over and never reads the replies: the store's one
+// thread cannot send them, gives that client kServerWriteTimeout, drops it, and serves the others.
+TEST(Store, AClientThatStopsReadingIsDroppedAndTheOthersAreServed) {
+  auto server = Store::connect(
+      {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = std::chrono::seconds(20)});
+  auto other = Store::connect({.host = "127.0.0.1",
+                               .port = server.port(),
+                               .is_server = false,
+                               .timeout = std::chrono::seconds(20)});
+  const std::string big(1 << 20, 'x');
+  other.set("big", big);
+  const int fd = socket::connect_to("127.0.0.1:" + std::to_string(server.port()),
+                                    std::chrono::seconds(5), "the store");
+  std::string requests = store_frame(1, 1, {""});  // hello, with the default (empty) job id
+  for (uint64_t id = 2; id < 66; ++id) requests += store_frame(id, 3, {"big"});  // get, x64
+  socket::write_all(fd, requests.data(), requests.size(), "the store", std::chrono::seconds(5));
+  // 64 MiB of replies that nobody reads: the store is stuck on them until it drops the client.
+  EXPECT_EQ(other.get("big"), big);
+  other.set("after", "served");
+  EXPECT_EQ(other.get("after"), "served");
+  ::close(fd);
 }
 
 }  // namespace
