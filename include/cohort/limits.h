@@ -13,6 +13,9 @@ namespace cohort {
 inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
 /// The longest JSON header of a safetensors file (100 MiB, the reference implementation's cap).
 inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
+/// The most bytes one batch from a preprocessing worker may announce (16 GiB): a larger one is
+/// refused before a buffer is allocated for it.
+inline constexpr int64_t kMaxDataBlockBytes = int64_t{1} << 34;
 /// The most data bytes an IDX file may announce (64 GiB): a header whose dimensions multiply past
 /// it is refused before the tensor is allocated.
 inline constexpr int64_t kMaxIdxBytes = int64_t{1} << 36;

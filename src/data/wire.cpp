@@ -2,6 +2,7 @@
 
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <torch/types.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <memory>
 
 #include "cohort/error.h"
+#include "cohort/limits.h"
 #include "comm/socket.h"
 
 namespace cohort::data::wire {
@@ -56,8 +58,53 @@ c10::ScalarType dtype_of(const std::string& name) {
   throw RuntimeError("a preprocessing worker sent a column of unknown type " + name);
 }
 
-std::vector<int64_t> shape_of(const Json& column) {
-  return column["shape"].get<std::vector<int64_t>>();
+// A batch's column as its header describes it, checked against the payload it lies in: a peer's
+// offsets, shapes and types decide where tensors are made over shared memory or a buffer, so a
+// column that does not lie whole inside the payload, or whose shape and type do not make its
+// bytes, is refused before any tensor is made.
+struct Column {
+  std::string name;
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  size_t offset = 0, bytes = 0;
+};
+
+std::vector<Column> checked_columns(const Json& columns, size_t payload_bytes) {
+  if (payload_bytes > static_cast<uint64_t>(kMaxDataBlockBytes)) {
+    throw RuntimeError("a preprocessing peer announced a batch of " +
+                       std::to_string(payload_bytes) + " bytes, over the cap of " +
+                       std::to_string(kMaxDataBlockBytes) + " (kMaxDataBlockBytes)");
+  }
+  if (!columns.is_array()) throw RuntimeError("a batch's 'columns' is no array");
+  std::vector<Column> out;
+  for (const auto& c : columns) {
+    Column column;
+    column.name = json_field<std::string>(c, "name", "");
+    const auto where = "column '" + column.name + "' of a batch";
+    column.dtype = dtype_of(json_field<std::string>(c, "dtype", ""));
+    column.offset = json_field<size_t>(c, "offset", 0);
+    column.bytes = json_field<size_t>(c, "bytes", 0);
+    if (!c.contains("shape") || !c["shape"].is_array()) throw RuntimeError(where + " has no shape");
+    size_t bytes = c10::elementSize(column.dtype);
+    for (const auto& d : c["shape"]) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        throw RuntimeError(where + " has a size that is no count");
+      const auto extent = static_cast<uint64_t>(d.get<int64_t>());
+      bytes = extent != 0 && bytes > payload_bytes / extent ? payload_bytes + 1 : bytes * extent;
+      column.shape.push_back(static_cast<int64_t>(extent));
+    }
+    if (column.name.empty() || bytes != column.bytes || column.offset > payload_bytes ||
+        column.bytes > payload_bytes - column.offset ||
+        column.offset % c10::elementSize(column.dtype) != 0) {
+      throw RuntimeError(where + " (offset " + std::to_string(column.offset) + ", " +
+                         std::to_string(column.bytes) + " bytes, shape " + c["shape"].dump() +
+                         ", " + c10::toString(column.dtype) +
+                         ") does not lie whole and aligned inside the batch's " +
+                         std::to_string(payload_bytes) + " bytes, or its shape is not its size");
+    }
+    out.push_back(std::move(column));
+  }
+  return out;
 }
 
 }  // namespace
@@ -182,6 +229,21 @@ void write_block_inline(int socket, const Block& block) {
 }
 
 Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
+  std::vector<Column> checked;
+  try {
+    checked = checked_columns(columns, payload_bytes);
+    // A region smaller than announced would fault (SIGBUS) where the tensors read past its end.
+    struct stat region {};
+    if (::fstat(fd, &region) != 0 || region.st_size < 0 ||
+        static_cast<uint64_t>(region.st_size) < payload_bytes) {
+      throw RuntimeError("a preprocessing peer passed shared memory of " +
+                         std::to_string(region.st_size) + " bytes for a batch of " +
+                         std::to_string(payload_bytes));
+    }
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
   auto mapping = std::make_shared<Mapping>();
   mapping->bytes = payload_bytes;
   if (payload_bytes > 0) {
@@ -191,25 +253,25 @@ Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
   if (mapping->base == MAP_FAILED)
     throw RuntimeError("mmap of a batch from a preprocessing worker: " + errno_text());
   Block block;
-  for (const auto& column : columns) {
-    auto* data = static_cast<char*>(mapping->base) + column["offset"].get<size_t>();
-    block.columns[column["name"].get<std::string>()] = torch::from_blob(
-        data, shape_of(column), [mapping](void*) {},
-        torch::TensorOptions(dtype_of(column["dtype"])));
+  for (const auto& column : checked) {
+    auto* data = static_cast<char*>(mapping->base) + column.offset;
+    block.columns[column.name] = torch::from_blob(
+        data, column.shape, [mapping](void*) {}, torch::TensorOptions(column.dtype));
   }
   return block;
 }
 
 Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
                         std::chrono::milliseconds timeout) {
+  const auto checked = checked_columns(columns, payload_bytes);  // before the allocation
   auto buffer = torch::empty({static_cast<int64_t>(payload_bytes)}, torch::kUInt8);
   read_all(socket, buffer.data_ptr(), payload_bytes, timeout);
   Block block;
-  for (const auto& column : columns) {
-    const auto offset = column["offset"].get<int64_t>();
-    const auto bytes = column["bytes"].get<int64_t>();
-    block.columns[column["name"].get<std::string>()] =
-        buffer.narrow(0, offset, bytes).view(dtype_of(column["dtype"])).view(shape_of(column));
+  for (const auto& column : checked) {
+    block.columns[column.name] =
+        buffer.narrow(0, static_cast<int64_t>(column.offset), static_cast<int64_t>(column.bytes))
+            .view(column.dtype)
+            .view(column.shape);
   }
   return block;
 }
