@@ -105,7 +105,7 @@ int64_t i64_of(const std::string& field) {
 
 // All of `data` within `timeout`; false when the peer is gone or did not take it in time (the
 // server then shuts that client's connection, which its loop drops: one client that stops
-// reading stalls the others for at most kServerWriteTimeout).
+// reading stalls the others for at most kServerClientTimeout).
 bool send_all(int fd, const std::string& data, std::chrono::milliseconds timeout) {
   return socket::send_before(fd, data.data(), data.size(),
                              std::chrono::steady_clock::now() + timeout) == 0;
@@ -205,7 +205,7 @@ void TcpStoreServer::serve() {
             fd,
             encode(
                 {.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}),
-            kServerWriteTimeout)) {
+            kServerClientTimeout)) {
       ::shutdown(fd, SHUT_RDWR);
     }
   };

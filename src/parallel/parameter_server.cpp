@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -19,6 +20,7 @@
 
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/timeouts.h"
 #include "comm/socket.h"
 #include "replicas.h"
 
@@ -207,6 +209,14 @@ struct ParameterServerOptimizer::Server {
     }
   }
 
+  // A connection that sent something no worker of this run sends: logged once, closed; the
+  // server goes on serving the others.
+  void drop(Connection& c, const std::string& peer, const std::string& why) {
+    std::cerr << "cohort: " << server_name(index) << " closed its connection from " << peer << ": "
+              << why << std::endl;
+    close_connection(c);
+  }
+
   void handle(Connection& c) {
     char first = 0;
     const ssize_t peeked = ::recv(c.fd, &first, 1, MSG_PEEK);
@@ -214,12 +224,23 @@ struct ParameterServerOptimizer::Server {
       close_connection(c);
       return;
     }
-    const std::string peer = c.worker >= 0 ? "worker " + std::to_string(c.worker) : "a worker";
+    const std::string peer =
+        c.worker >= 0 ? "worker " + std::to_string(c.worker) : "an unknown peer";
     Request request;
-    comm::socket::read_all(c.fd, &request, sizeof request, timeout, peer);
-    if (request.magic != kMagic || request.worker < 0 || request.worker >= workers) {
-      throw RuntimeError(server_name(index) + ": a malformed request from " + peer +
-                         " (another program on its port?)");
+    try {
+      comm::socket::read_all(c.fd, &request, sizeof request, kServerClientTimeout, peer);
+    } catch (const std::exception& e) {
+      return drop(c, peer, std::string("half a request (") + e.what() + ")");
+    }
+    if (request.magic != kMagic || request.worker < 0 || request.worker >= workers ||
+        (c.worker >= 0 && request.worker != c.worker) ||
+        (request.kind != kPush && request.kind != kPull && request.kind != kBye)) {
+      return drop(c, peer,
+                  "a malformed request (kind " + std::to_string(request.kind) + ", worker " +
+                      std::to_string(request.worker) + "): another program on its port?");
+    }
+    if (request.kind == kPush && !(std::isfinite(request.lr) && request.lr >= 0)) {
+      return drop(c, peer, "a push with learning rate " + std::to_string(request.lr));
     }
     c.worker = static_cast<int>(request.worker);
     if (request.kind == kBye) {
@@ -239,8 +260,13 @@ struct ParameterServerOptimizer::Server {
     // Into the shard's .grad: after the first step that is the optimizer's own flat gradient
     // buffer, which its next step reads without a copy.
     const auto grad = shard.grad();
-    comm::socket::read_all(c.fd, grad.data_ptr(), static_cast<size_t>(grad.numel()) * sizeof(float),
-                           timeout, peer);
+    try {
+      comm::socket::read_all(c.fd, grad.data_ptr(),
+                             static_cast<size_t>(grad.numel()) * sizeof(float), timeout, peer);
+    } catch (const std::exception& e) {
+      return drop(c, "worker " + std::to_string(c.worker),
+                  std::string("half a push (") + e.what() + ")");
+    }
     std::lock_guard lock(mutex);
     auto& options = optimizer->param_groups()[0].options();
     options.set_lr(request.lr);
@@ -452,6 +478,10 @@ ParameterServerOptimizer::ParameterServerOptimizer(
         at, group_.timeout(), server_name(s) + " (rank " + std::to_string(s) + ")",
         ": does its rank run, and is its address reachable from this host?"));
   }
+}
+
+std::string ParameterServerOptimizer::server_address() const {
+  return server_ ? server_->address : std::string();
 }
 
 ParameterServerOptimizer::~ParameterServerOptimizer() {

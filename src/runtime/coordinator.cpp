@@ -220,12 +220,12 @@ std::optional<Coordinator::Verdict> Coordinator::verdict() {
 
 namespace {
 
-// One line to a rank within kServerWriteTimeout; a rank that does not take it (gone, or no
+// One line to a rank within kServerClientTimeout; a rank that does not take it (gone, or no
 // longer reading) has its connection shut, so that the loop drops it and serves the others.
 bool write_line(int fd, const std::string& line) {
   const std::string framed = line + "\n";
   if (comm::socket::send_before(fd, framed.data(), framed.size(),
-                                std::chrono::steady_clock::now() + kServerWriteTimeout) == 0) {
+                                std::chrono::steady_clock::now() + kServerClientTimeout) == 0) {
     return true;
   }
   ::shutdown(fd, SHUT_RDWR);

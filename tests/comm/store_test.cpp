@@ -198,7 +198,7 @@ std::string store_frame(uint64_t id, uint8_t code, const std::vector<std::string
 }
 
 // One client asks for a large value over and over and never reads the replies: the store's one
-// thread cannot send them, gives that client kServerWriteTimeout, drops it, and serves the others.
+// thread cannot send them, gives that client kServerClientTimeout, drops it, and serves the others.
 TEST(Store, AClientThatStopsReadingIsDroppedAndTheOthersAreServed) {
   auto server = Store::connect(
       {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = std::chrono::seconds(20)});

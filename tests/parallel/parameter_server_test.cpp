@@ -3,10 +3,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cmath>
 #include <future>
 #include <mutex>
 
 #include "cohort/error.h"
+#include "comm/socket.h"
 #include "small_net.h"
 #include "support/expect.h"
 #include "support/local_group.h"
@@ -87,6 +93,72 @@ TEST(ParameterServer, EveryPushIsAppliedOnceOnEveryShard) {
       EXPECT_EQ(ps.shard_ranges().back().second, ps.numel());
     });
   }
+}
+
+// What no worker of this run sends, on connections of another program: each is logged and closed,
+// and the run's pushes are applied as if nobody had connected.
+TEST(ParameterServer, MalformedRequestsCloseTheirConnectionAndTheRunGoesOn) {
+  struct Request {  // src/parallel/parameter_server.cpp's, as a worker sends it
+    uint32_t magic = 0x31535043;
+    uint32_t kind = 1;
+    int64_t worker = 0;
+    int64_t base_version = 0;
+    double lr = 0.01;
+    int64_t numel = 0;
+  };
+  constexpr int kSteps = 5;
+  run_ranks(2, [&](comm::ProcessGroup& group) {
+    auto net = make_net();
+    const auto start = parameters_of(*net);
+    ParameterServerOptimizer ps(
+        net.ptr(),
+        std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01)),
+        group, {.max_staleness = 1, .servers = 1});
+    std::vector<int> intruders;
+    if (group.rank() == 0) {
+      const auto send = [&](const void* data, size_t bytes) {
+        intruders.push_back(
+            comm::socket::connect_to(ps.server_address(), std::chrono::seconds(5), "the server"));
+        comm::socket::write_all(intruders.back(), data, bytes, "the server",
+                                std::chrono::seconds(5));
+      };
+      const std::string garbage(sizeof(Request), 'x');
+      send(garbage.data(), garbage.size());  // no magic
+      Request stranger;
+      stranger.worker = 99;  // no worker of this run
+      send(&stranger, sizeof stranger);
+      Request nan_lr;
+      nan_lr.lr = std::nan("");  // a push that would poison the model
+      nan_lr.numel = ps.numel();
+      send(&nan_lr, sizeof nan_lr);
+      Request unknown;
+      unknown.kind = 77;
+      send(&unknown, sizeof unknown);
+      send(&stranger, 4);  // half a request, then silence
+    }
+    group.barrier();
+    for (int step = 0; step < kSteps; ++step) {
+      ps.zero_grad();
+      torch::Tensor loss = torch::zeros({});
+      for (const auto& p : net->parameters()) loss = loss + (p * (group.rank() + 1)).sum();
+      loss.backward();
+      ps.step();
+    }
+    ps.sync();
+    // Both ranks' gradients (1 and 2) applied kSteps times, and nothing else: 0.01 * 5 * 3.
+    const auto now = parameters_of(*net);
+    for (size_t i = 0; i < now.size(); ++i)
+      EXPECT_TRUE(torch::allclose(now[i], start[i] - 0.01 * kSteps * 3.0, 1e-5, 1e-5)) << i;
+    EXPECT_EQ(ps.stats().pushes, kSteps);
+    for (int fd : intruders) {
+      // Each intruder's connection was closed by the server (end of stream, nothing sent).
+      pollfd closed{fd, POLLIN, 0};
+      EXPECT_EQ(::poll(&closed, 1, 10'000), 1) << "an intruder's connection is still open";
+      char byte = 0;
+      EXPECT_EQ(::recv(fd, &byte, 1, MSG_DONTWAIT), 0);
+      ::close(fd);
+    }
+  });
 }
 
 // Stale synchronous parallel: with max_staleness 1, a worker may push one step ahead of the

@@ -88,6 +88,8 @@ class ParameterServerOptimizer : public torch::optim::Optimizer {
   int64_t numel() const;
   /// See numel().
   std::vector<std::pair<int64_t, int64_t>> shard_ranges() const;
+  /// The address this rank's server listens on ("host:port"; empty where it serves none).
+  std::string server_address() const;
   /// This rank's server's state at the last sync() (an empty shard where it serves none).
   ParameterServerShard checkpoint() const;
   /// Collective: after the module's parameters were loaded (the same on every rank), each server
