@@ -3,7 +3,6 @@
 #include <algorithm>
 
 #include "cohort/error.h"
-#include "cohort/trace.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
@@ -101,7 +100,6 @@ void StateFiles::read(const std::string& tensor, int64_t begin, at::Tensor targe
 
 void save_state(const std::filesystem::path& dir, const std::string& name,
                 const optim::StateDict& state) {
-  trace::Span span(trace::Phase::kCheckpoint);
   if (state.shards < 1 || state.shard < 0 || state.shard >= state.shards) {
     throw UsageError("save_state: part '" + name + "' is shard " + std::to_string(state.shard) +
                      " of " + std::to_string(state.shards) + ": a shard is in [0, shards)");
@@ -134,7 +132,6 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
 }
 
 void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part) {
-  trace::Span span(trace::Phase::kCheckpoint);
   const detail::StateFiles files(dir, name);
   part.check_state(files.values());
   auto state = part.state_dict();

@@ -60,6 +60,20 @@ TEST(ParameterServer, OneWorkerFollowsItsOptimizerExactly) {
 // A loss whose gradient is constant makes plain SGD's updates commute: whatever order the
 // servers apply the pushes in, after a synchronisation every rank holds the start minus lr times
 // every gradient pushed, so every push was applied exactly once, on every shard.
+// `steps` pushes of the rank's constant gradient, rank + 1 in every element (d/dp of
+// sum(p * (rank + 1))), then a sync.
+void push_rank_gradients(ParameterServerOptimizer& ps, torch::nn::Module& net, int rank,
+                         int steps) {
+  for (int step = 0; step < steps; ++step) {
+    ps.zero_grad();
+    torch::Tensor loss = torch::zeros({});
+    for (const auto& p : net.parameters()) loss = loss + (p * (rank + 1)).sum();
+    loss.backward();
+    ps.step();
+  }
+  ps.sync();
+}
+
 TEST(ParameterServer, EveryPushIsAppliedOnceOnEveryShard) {
   constexpr int kWorld = 3;
   constexpr int kSteps = 7;
@@ -71,15 +85,7 @@ TEST(ParameterServer, EveryPushIsAppliedOnceOnEveryShard) {
           std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.01));
       ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
                                   {.max_staleness = 2, .servers = servers});
-      for (int step = 0; step < kSteps; ++step) {
-        ps.zero_grad();
-        // d/dp of sum(p * (rank + 1)): the rank's constant gradient.
-        torch::Tensor loss = torch::zeros({});
-        for (const auto& p : net->parameters()) loss = loss + (p * (group.rank() + 1)).sum();
-        loss.backward();
-        ps.step();
-      }
-      ps.sync();
+      push_rank_gradients(ps, *net, group.rank(), kSteps);
       // Every rank's gradient (r + 1) was applied kSteps times: 0.01 * 7 * (1 + 2 + 3).
       const auto now = parameters_of(*net);
       for (size_t i = 0; i < now.size(); ++i) {
@@ -137,14 +143,7 @@ TEST(ParameterServer, MalformedRequestsCloseTheirConnectionAndTheRunGoesOn) {
       send(&stranger, 4);  // half a request, then silence
     }
     group.barrier();
-    for (int step = 0; step < kSteps; ++step) {
-      ps.zero_grad();
-      torch::Tensor loss = torch::zeros({});
-      for (const auto& p : net->parameters()) loss = loss + (p * (group.rank() + 1)).sum();
-      loss.backward();
-      ps.step();
-    }
-    ps.sync();
+    push_rank_gradients(ps, *net, group.rank(), kSteps);
     // Both ranks' gradients (1 and 2) applied kSteps times, and nothing else: 0.01 * 5 * 3.
     const auto now = parameters_of(*net);
     for (size_t i = 0; i < now.size(); ++i)

@@ -65,6 +65,20 @@ void copy_parameters(torch::nn::Sequential& net, const ZeroOptimizer& zero,
 
 using cohort::testing::run_ranks;
 
+// At `stage` on the group: two steps, a checkpoint in `dir`, then the third step, whose
+// parameters (rank 0's) go to `straight`: what a run resumed from `dir` must take.
+void save_between_steps(const std::filesystem::path& dir, comm::ProcessGroup& g, int stage,
+                        std::vector<torch::Tensor>& straight) {
+  auto net = make_checkpoint_net();
+  auto zero = make_zero(net, g, stage);
+  train_step(net, *zero, 0);
+  train_step(net, *zero, 1);
+  save_checkpoint(dir, *net, *zero);
+  g.barrier();
+  train_step(net, *zero, 2);
+  copy_parameters(net, *zero, straight);
+}
+
 // N ranks train two steps and save; the parameters after one more step taken at M ranks from
 // the checkpoint (at another stage too).
 std::vector<torch::Tensor> resume_at(const std::filesystem::path& dir, int world, int stage) {
@@ -85,16 +99,7 @@ TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
            {2, 4, 2}, {4, 2, 2}, {3, 5, 2}, {2, 4, 3}, {3, 5, 3}}) {
     const auto dir = root / ("from" + std::to_string(n) + "_stage" + std::to_string(written_at));
     std::vector<torch::Tensor> straight;
-    run_ranks(n, [&](comm::ProcessGroup& g) {
-      auto net = make_checkpoint_net();
-      auto zero = make_zero(net, g, written_at);
-      train_step(net, *zero, 0);
-      train_step(net, *zero, 1);
-      save_checkpoint(dir, *net, *zero);
-      g.barrier();
-      train_step(net, *zero, 2);
-      copy_parameters(net, *zero, straight);
-    });
+    run_ranks(n, [&](comm::ProcessGroup& g) { save_between_steps(dir, g, written_at, straight); });
     EXPECT_TRUE(std::filesystem::exists(dir / "zero_manifest.json"));
     EXPECT_TRUE(std::filesystem::exists(
         dir / ("zero-rank" + std::to_string(n - 1) + "-of-" + std::to_string(n) + ".safetensors")));
@@ -119,16 +124,7 @@ TEST(ZeroCheckpoint, WrittenByNRanksReloadsOnMRanksAsOneUninterruptedStep) {
 TEST(ZeroCheckpoint, ThePreviousReleasesShardsStillLoad) {
   const auto dir = cohort::testing::temp_dir("zero_checkpoint_v1");
   std::vector<torch::Tensor> straight;
-  run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_checkpoint_net();
-    auto zero = make_zero(net, g, 1);
-    train_step(net, *zero, 0);
-    train_step(net, *zero, 1);
-    save_checkpoint(dir, *net, *zero);
-    g.barrier();
-    train_step(net, *zero, 2);
-    copy_parameters(net, *zero, straight);
-  });
+  run_ranks(2, [&](comm::ProcessGroup& g) { save_between_steps(dir, g, 1, straight); });
   // The manifest as the previous release wrote it.
   const auto manifest_file = dir / "zero_manifest.json";
   const Json manifest = Json::parse(std::ifstream(manifest_file));
@@ -261,16 +257,7 @@ TEST(ZeroCheckpoint, MovesBetweenZeroAndTheWholeOptimizersOfDdp) {
   // Two ranks at stage 3 write; DDP's optimizer (torch::optim's and the flat one) on one rank
   // takes the next step as the two ranks do.
   std::vector<torch::Tensor> straight;
-  run_ranks(2, [&](comm::ProcessGroup& g) {
-    auto net = make_checkpoint_net();
-    auto zero = make_zero(net, g, 3);
-    train_step(net, *zero, 0);
-    train_step(net, *zero, 1);
-    save_checkpoint(root / "zero", *net, *zero);
-    g.barrier();
-    train_step(net, *zero, 2);
-    copy_parameters(net, *zero, straight);
-  });
+  run_ranks(2, [&](comm::ProcessGroup& g) { save_between_steps(root / "zero", g, 3, straight); });
   for (const bool flat : {false, true}) {
     auto net = make_checkpoint_net();
     auto optimizer = whole_adamw(net, flat);
