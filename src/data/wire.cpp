@@ -12,6 +12,7 @@
 
 #include "cohort/error.h"
 #include "cohort/limits.h"
+#include "cohort/timeouts.h"
 #include "comm/socket.h"
 
 namespace cohort::data::wire {

@@ -11,6 +11,7 @@
 #include "cohort/train/checkpoint.h"
 #include "support/expect.h"
 #include "support/local_group.h"
+#include "support/tiny_mnist.h"
 
 namespace cohort::train {
 namespace {
