@@ -290,6 +290,27 @@ Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
   server.Get("/metrics", [storage](const httplib::Request&, httplib::Response& res) {
     res.set_content(prometheus_metrics(storage), "text/plain; version=0.0.4");
   });
+  // On loopback only, a request must name a loopback host: a web page of another site that
+  // points its own name at 127.0.0.1 (DNS rebinding) cannot read the runs through the browser.
+  if (options.host == "127.0.0.1" || options.host == "localhost" || options.host == "::1") {
+    server.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+      const std::string host = req.get_header_value("Host");
+      const auto end = host.rfind(':');
+      const std::string name =
+          host.empty() || host.front() == '['
+              ? host.substr(0, host.find(']') == std::string::npos ? 0 : host.find(']') + 1)
+              : host.substr(0, end);
+      if (name == "127.0.0.1" || name == "localhost" || name == "[::1]")
+        return httplib::Server::HandlerResponse::Unhandled;
+      res.status = 403;
+      res.set_content(
+          "this dashboard listens on loopback and answers only requests for "
+          "localhost or 127.0.0.1, not for host '" +
+              host.substr(0, 100) + "'\n",
+          "text/plain");
+      return httplib::Server::HandlerResponse::Handled;
+    });
+  }
   // httplib's default also sets SO_REUSEPORT, with which a second server binds a port in use
   // without an error; SO_REUSEADDR alone lets a restarted dashboard take its port back.
   server.set_socket_options([](int sock) {

@@ -1,6 +1,7 @@
 #include "cohort/train/dashboard.h"
 
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <fstream>
 
@@ -43,6 +44,31 @@ TEST(Dashboard, PrometheusTextHasEveryRunsFiguresAndEachRanksStepTime) {
                            // A label value is escaped; a failed run is not running.
                            "cohort_running{run=\"b\\\"q\"} 0.0\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;
+  }
+  fs::remove_all(storage);
+}
+
+// On loopback the dashboard answers only requests for a loopback host: a page of another site
+// whose name resolves to 127.0.0.1 (DNS rebinding) gets 403, never the runs.
+TEST(Dashboard, OnLoopbackOnlyALoopbackHostIsAnswered) {
+  const auto storage = cohort::testing::temp_dir("dashboard_host");
+  Dashboard dashboard(storage, {.host = "127.0.0.1", .port = 0});
+  httplib::Client client("127.0.0.1", dashboard.port());
+  client.set_connection_timeout(10);
+  client.set_read_timeout(10);
+  const std::string port = std::to_string(dashboard.port());
+  for (const std::string& host :
+       std::vector<std::string>{"127.0.0.1:" + port, "localhost:" + port, "localhost"}) {
+    const auto res = client.Get("/api/runs", {{"Host", host}});
+    ASSERT_TRUE(res) << host;
+    EXPECT_EQ(res->status, 200) << host;
+  }
+  for (const std::string& host :
+       std::vector<std::string>{"rebinding.example:" + port, "127.0.0.1.evil.example", ""}) {
+    const auto res = client.Get("/api/runs", {{"Host", host}});
+    ASSERT_TRUE(res) << host;
+    EXPECT_EQ(res->status, 403) << "Host '" << host << "'";
+    EXPECT_EQ(res->body.find("storage_path"), std::string::npos) << res->body;
   }
   fs::remove_all(storage);
 }
