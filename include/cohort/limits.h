@@ -20,4 +20,16 @@ inline constexpr int64_t kMaxDataBlockBytes = int64_t{1} << 34;
 /// it is refused before the tensor is allocated.
 inline constexpr int64_t kMaxIdxBytes = int64_t{1} << 36;
 
+/// The bytes of a tensor of `sizes` (each >= 0) and `element_bytes` per element, read from a file
+/// or a peer, multiplied without overflow: `cap` + 1 when they pass `cap` (0 when a size is 0).
+template <typename Sizes>
+int64_t bytes_up_to(const Sizes& sizes, int64_t element_bytes, int64_t cap) {
+  int64_t bytes = element_bytes;
+  for (const auto size : sizes) {
+    const auto extent = static_cast<int64_t>(size);
+    bytes = extent != 0 && bytes > cap / extent ? cap + 1 : bytes * extent;
+  }
+  return bytes;
+}
+
 }  // namespace cohort

@@ -21,6 +21,14 @@ namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// Milliseconds from now until `deadline`, 0 once it passed (a poll timeout).
+int ms_until(std::chrono::steady_clock::time_point deadline) {
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                        deadline - std::chrono::steady_clock::now())
+                        .count();
+  return static_cast<int>(std::clamp<int64_t>(left, 0, 1 << 30));
+}
+
 sockaddr_un unix_address(const std::string& name, socklen_t& length) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -62,13 +70,10 @@ int send_before(int fd, const void* data, size_t bytes,
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
       // The peer's window is full: wait for room, until the deadline.
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                            deadline - std::chrono::steady_clock::now())
-                            .count();
-      if (left <= 0) return ETIMEDOUT;
+      const int left = ms_until(deadline);
+      if (left == 0) return ETIMEDOUT;
       pollfd w{fd, POLLOUT, 0};
-      if (::poll(&w, 1, static_cast<int>(std::min<int64_t>(left, 1 << 30))) < 0 && errno != EINTR)
-        return errno;
+      if (::poll(&w, 1, left) < 0 && errno != EINTR) return errno;
       continue;
     }
     if (n < 0) return errno;
@@ -106,11 +111,7 @@ void read_all(int fd, void* data, size_t bytes, std::chrono::milliseconds timeou
 
 int connect_before(int fd, const sockaddr* address, socklen_t length,
                    std::chrono::steady_clock::time_point deadline) {
-  using Clock = std::chrono::steady_clock;
-  const auto left_ms = [&] {
-    return static_cast<int>(std::max<int64_t>(
-        0, std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count()));
-  };
+  const auto left_ms = [&] { return ms_until(deadline); };
   const int flags = ::fcntl(fd, F_GETFL);
   ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
   int error = 0;

@@ -86,10 +86,7 @@ IdxHeader parse_header(Reader& reader, const std::filesystem::path& path) {
                            int64_t{be[3]});
   }
   // The data's bytes, multiplied without overflow, against the cap before anything is allocated.
-  int64_t bytes = 1;
-  for (int64_t d : header.shape)
-    bytes = d != 0 && bytes > kMaxIdxBytes / d ? kMaxIdxBytes + 1 : bytes * d;
-  if (bytes > kMaxIdxBytes) {
+  if (bytes_up_to(header.shape, 1, kMaxIdxBytes) > kMaxIdxBytes) {
     throw UsageError("IDX file " + path.string() + " announces dimensions " +
                      c10::str(at::IntArrayRef(header.shape)) + ", over the cap of " +
                      std::to_string(kMaxIdxBytes) +

@@ -86,16 +86,16 @@ std::vector<Column> checked_columns(const Json& columns, size_t payload_bytes) {
     column.offset = json_field<size_t>(c, "offset", 0);
     column.bytes = json_field<size_t>(c, "bytes", 0);
     if (!c.contains("shape") || !c["shape"].is_array()) throw RuntimeError(where + " has no shape");
-    size_t bytes = c10::elementSize(column.dtype);
     for (const auto& d : c["shape"]) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw RuntimeError(where + " has a size that is no count");
-      const auto extent = static_cast<uint64_t>(d.get<int64_t>());
-      bytes = extent != 0 && bytes > payload_bytes / extent ? payload_bytes + 1 : bytes * extent;
-      column.shape.push_back(static_cast<int64_t>(extent));
+      column.shape.push_back(d.get<int64_t>());
     }
-    if (column.name.empty() || bytes != column.bytes || column.offset > payload_bytes ||
-        column.bytes > payload_bytes - column.offset ||
+    const auto bytes =
+        bytes_up_to(column.shape, static_cast<int64_t>(c10::elementSize(column.dtype)),
+                    static_cast<int64_t>(payload_bytes));
+    if (column.name.empty() || bytes != static_cast<int64_t>(column.bytes) ||
+        column.offset > payload_bytes || column.bytes > payload_bytes - column.offset ||
         column.offset % c10::elementSize(column.dtype) != 0) {
       throw RuntimeError(where + " (offset " + std::to_string(column.offset) + ", " +
                          std::to_string(column.bytes) + " bytes, shape " + c["shape"].dump() +

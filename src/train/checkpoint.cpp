@@ -142,18 +142,14 @@ Header read_header(const std::filesystem::path& file) {
     t.dtype = dtype_of(dtype->get<std::string>(), file);
     const auto shape = info.find("shape");
     if (shape == info.end() || !shape->is_array()) throw field("shape", "is missing or no array");
-    // The elements' bytes, multiplied without overflow: each step stays under the file's size.
-    int64_t bytes = static_cast<int64_t>(c10::elementSize(t.dtype));
     for (const auto& d : *shape) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
         throw field("shape", "holds " + d.dump() + ", not a size (an integer >= 0)");
-      const int64_t extent = d.get<int64_t>();
-      t.shape.push_back(extent);
-      if (extent != 0 && bytes > data_bytes / extent)
-        bytes = data_bytes + 1;  // past the data
-      else
-        bytes *= extent;
+      t.shape.push_back(d.get<int64_t>());
     }
+    // Past the data (data_bytes + 1) when the shape asks for more than the file holds.
+    const int64_t bytes =
+        bytes_up_to(t.shape, static_cast<int64_t>(c10::elementSize(t.dtype)), data_bytes);
     const auto offsets = info.find("data_offsets");
     if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2 ||
         !(*offsets)[0].is_number_integer() || !(*offsets)[1].is_number_integer()) {

@@ -42,18 +42,21 @@ std::string describe_owner(const std::string& text) {
   }
 }
 
+// fsync(2) of `fd`: 0, or the errno of a failure. A file system that cannot flush a folder
+// (EINVAL) is taken as having nothing to do.
+int fsync_error(int fd) { return ::fsync(fd) == 0 || errno == EINVAL ? 0 : errno; }
+
 // Flushes a file or a folder (its entries) to disk; RuntimeError naming it and the reason when
-// that fails. A file system that cannot flush a folder (EINVAL) is taken as having nothing to do.
+// that fails.
 void fsync_path(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     throw RuntimeError("cannot open " + path.string() +
                        " to flush it to disk: " + std::strerror(errno));
   }
-  const int rc = ::fsync(fd);
-  const int error = errno;
+  const int error = fsync_error(fd);
   ::close(fd);
-  if (rc != 0 && error != EINVAL) {
+  if (error != 0) {
     throw RuntimeError("flushing " + path.string() + " to disk failed: " + std::strerror(error) +
                        " (is the disk full or failing?)");
   }
@@ -120,7 +123,7 @@ void append_line(const std::filesystem::path& file, const std::string& line) {
     }
     written += static_cast<size_t>(n);
   }
-  if (error == 0 && ::fsync(fd) != 0 && errno != EINVAL) error = errno;
+  if (error == 0) error = fsync_error(fd);
   ::close(fd);
   if (error != 0) {
     throw RuntimeError("appending to " + file.string() + " failed: " + std::strerror(error) +

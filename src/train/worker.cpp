@@ -217,7 +217,9 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.tensorboard_histograms = spec.tensorboard_histograms;
     settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
     settings.log_every_steps = spec.log_every_steps;
-    // A process the driver started for the run: every file it creates takes the run's mask.
+    // A process the driver started for the run: every file it creates takes the run's mask. It
+    // is set here, not inherited: the worker re-ran the program up to fit(), which may have set
+    // its own umask on the way.
     ::umask(static_cast<mode_t>(spec.umask));
     settings.umask = spec.umask;
     // The driver's ScalingConfig, not this program's first Trainer's.

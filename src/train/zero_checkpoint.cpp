@@ -47,15 +47,13 @@ std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimize
 // it is), else its whole state under `module`'s names (optim::OptimizerState).
 class OptimizerAsPart {
  public:
-  OptimizerAsPart(torch::optim::Optimizer& optimizer, const torch::nn::Module* module,
+  OptimizerAsPart(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                   const char* who)
       : optimizer_(optimizer) {
     part_ = dynamic_cast<optim::Stateful*>(&optimizer);
     if (part_ != nullptr) return;
-    if (module == nullptr)
-      throw std::logic_error(std::string(who) + ": a whole optimizer's state needs its module");
-    whole_ = std::make_unique<optim::OptimizerState>(optimizer,
-                                                     parameter_names(optimizer, *module, who));
+    whole_ =
+        std::make_unique<optim::OptimizerState>(optimizer, parameter_names(optimizer, module, who));
     part_ = whole_.get();
   }
 
@@ -287,16 +285,22 @@ class Layout {
   std::map<std::string, const PartParameter*> by_name_;
 };
 
-// `state` into `part` (a ZeroOptimizer's shard, or a whole optimizer's state), every tensor it
-// holds by its parameter's name in the whole model (`layout`).
-void load_named_state(const NamedState& state, optim::Stateful& part, const Layout& layout) {
+// An optimizer state tensor's name, "<parameter>/<state>", split in two.
+std::pair<std::string, std::string> parameter_and_state(const std::string& tensor) {
+  const auto slash = tensor.rfind('/');
+  return {tensor.substr(0, slash), tensor.substr(slash + 1)};
+}
+
+// `state` into `part` (a ZeroOptimizer's shard, or a whole optimizer's state): every tensor of
+// `wanted` (part.state_dict(), what it holds), by its parameter's name in the whole model
+// (`layout`).
+void load_named_state(const NamedState& state, optim::Stateful& part, optim::StateDict wanted,
+                      const Layout& layout) {
   torch::NoGradGuard no_grad;
   state.check(part);
-  auto wanted = part.state_dict();
   for (auto& [tensor, piece] : wanted.tensors) {
-    const auto slash = tensor.rfind('/');
-    const auto parameter = tensor.substr(0, slash);
-    state.read(layout.whole(parameter), tensor.substr(slash + 1), piece.offset, piece.values,
+    const auto [parameter, state_name] = parameter_and_state(tensor);
+    state.read(layout.whole(parameter), state_name, piece.offset, piece.values,
                layout.described(parameter));
   }
   wanted.values = state.values();
@@ -348,7 +352,8 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
                       const std::filesystem::path& dir) {
   NamedState state;
   state.add(StateSource::shards(dir));
-  load_named_state(state, OptimizerAsPart(optimizer, &module, "load_checkpoint").part(), Layout());
+  const OptimizerAsPart target(optimizer, module, "load_checkpoint");
+  load_named_state(state, target.part(), target.part().state_dict(), Layout());
 }
 
 void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
@@ -359,11 +364,11 @@ void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
   std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
   for (const auto& p : module.named_parameters())
     if (p.value().requires_grad()) parameters.emplace_back(p.key(), p.value().sizes().vec());
-  const OptimizerAsPart target(optimizer, &module, "load_checkpoint");
+  const OptimizerAsPart target(optimizer, module, "load_checkpoint");
   NamedState state;
   state.add(
       StateSource::file(file, parameters, target.algorithm("load_checkpoint"), target.options()));
-  load_named_state(state, target.part(), Layout());
+  load_named_state(state, target.part(), target.part().state_dict(), Layout());
 }
 
 void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
@@ -475,11 +480,12 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           const std::vector<OptimizerPart::Parameter>& layout) {
   if (parts.empty()) throw UsageError("load_optimizer_parts: no parts to load from");
   const detail::Layout names(layout);
-  const detail::OptimizerAsPart target(optimizer, &module, "load_optimizer_parts");
+  const detail::OptimizerAsPart target(optimizer, module, "load_optimizer_parts");
   // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
+  auto held = target.part().state_dict();  // asked once: a whole optimizer's is a copy
   std::set<std::string> needed;
-  for (const auto& [tensor, piece] : target.part().state_dict().tensors)
-    needed.insert(names.whole(tensor.substr(0, tensor.rfind('/'))));
+  for (const auto& [tensor, piece] : held.tensors)
+    needed.insert(names.whole(detail::parameter_and_state(tensor).first));
   const std::string algorithm = target.algorithm("load_optimizer_parts");
   const auto& options = target.options();
   // Only the parts that hold some of them (the first at least, for the steps and the lr).
@@ -506,7 +512,7 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                 part.parameters, what);
     }
   }
-  detail::load_named_state(state, target.part(), names);
+  detail::load_named_state(state, target.part(), std::move(held), names);
 }
 
 }  // namespace cohort::train
