@@ -49,7 +49,7 @@ set(CPACK_DEBIAN_COMPRESSION_TYPE xz)
 # headers and static libraries needs: the -dev packages of their public and link dependencies.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(cohort_dev_depends libtorch-dev nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev
-  libcpp-httplib-dev)
+  libssl-dev libcpp-httplib-dev)
 if(COHORT_WITH_OPENCV)
   list(APPEND cohort_dev_depends libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev)
 endif()

@@ -124,7 +124,7 @@ fi
 if [ "$cuda" -eq 1 ]; then
   # nvidia-cudnn's set-up downloads from NVIDIA and fails here; the headers are unpacked anyway.
   in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    libtorch-cuda-dev libgloo-cuda-dev nlohmann-json3-dev g++ >&2 || true
+    libtorch-cuda-dev libgloo-cuda-dev nlohmann-json3-dev libssl-dev g++ >&2 || true
   in_root sh -c 'cd /tmp && apt-get download -qq libnccl-dev && dpkg -x libnccl-dev_*.deb / && rm libnccl-dev_*.deb'
   status=0
   for f in src/comm/*.cpp; do

@@ -33,6 +33,11 @@ if [ "${1:-}" = "--stage" ]; then
   cp -r /usr/include/httplib.h /usr/include/brotli "$deps/include/"
   cp -a /usr/lib/x86_64-linux-gnu/libcpp-httplib.so* /usr/lib/x86_64-linux-gnu/libbrotli{common,dec,enc}.so.1* \
     /usr/lib/x86_64-linux-gnu/libssl.so.3 /usr/lib/x86_64-linux-gnu/libcrypto.so.3 "$deps/lib/"
+  # The job secret's HMAC: libcrypto's headers (with the architecture's configuration headers
+  # merged in) and its link name.
+  cp -r /usr/include/openssl "$deps/include/"
+  cp /usr/include/x86_64-linux-gnu/openssl/* "$deps/include/openssl/"
+  ln -s libcrypto.so.3 "$deps/lib/libcrypto.so"
   sed -e 's|^prefix=.*|prefix=${pcfiledir}/../..|' -e 's|^libdir=.*|libdir=${prefix}/lib|' \
     -e '/^Requires.private/d' /usr/lib/x86_64-linux-gnu/pkgconfig/cpp-httplib.pc >"$deps/lib/pkgconfig/cpp-httplib.pc"
   echo "staged $(du -sh "$deps" | cut -f1) in $deps: carry .gpu_deps to the GPU host"

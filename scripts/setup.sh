@@ -13,7 +13,7 @@ build="${COHORT_BUILD_DIR:-$root/build}"
 
 # procps (pgrep, pkill) and hostname: the multi-host tests call them, and a minimal root lacks them.
 packages=(build-essential cmake ninja-build ccache pkg-config clang-format git libtorch-dev dataset-fashion-mnist
-  nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libgtest-dev libbenchmark-dev python3-torch
+  nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libssl-dev libgtest-dev libbenchmark-dev python3-torch
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
   openmpi-bin iproute2 procps hostname slurmctld slurmd slurm-client munge
   python3-protobuf protobuf-compiler libcpp-httplib-dev chromium help2man doxygen)

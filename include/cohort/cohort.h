@@ -9,6 +9,7 @@
 #include "cohort/trace.h"
 
 #include "cohort/comm/address.h"
+#include "cohort/comm/job_secret.h"
 #include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
 

@@ -23,5 +23,8 @@ inline constexpr std::chrono::milliseconds kDefaultDataMessageTimeout{60'000};
 /// client to take a reply, or to send the rest of a request it began, before it drops that
 /// client: one that stops reading or writing must not stall the others.
 inline constexpr std::chrono::milliseconds kServerClientTimeout{2'000};
+/// How long a server waits for a new connection to prove that it holds the job secret before it
+/// closes it (comm/job_secret.h): a connection that says nothing holds no slot for longer.
+inline constexpr std::chrono::milliseconds kHandshakeTimeout{10'000};
 
 }  // namespace cohort

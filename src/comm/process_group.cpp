@@ -509,6 +509,7 @@ Backend ProcessGroup::backend() const { return state_->options.backend; }
 const std::string& ProcessGroup::interface_address() const {
   return state_->options.interface_address;
 }
+const JobSecret& ProcessGroup::secret() const { return state_->store.secret(); }
 void ProcessGroup::add_bytes_sent(int64_t bytes) { state_->count_sent(1.0, bytes); }
 
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {

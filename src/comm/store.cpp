@@ -16,20 +16,23 @@ Store Store::connect(const StoreOptions& options) {
   state->host = options.host;
   state->timeout = options.timeout;
   state->port = options.port;
+  state->secret = options.secret;
   if (options.is_server) {
-    state->server = std::make_unique<TcpStoreServer>(options.host, options.port, options.job_id);
+    state->server = std::make_unique<TcpStoreServer>(options.host, options.port, options.job_id,
+                                                     options.secret);
     state->port = state->server->port();
   } else if (options.port == 0) {
     throw UsageError("a store client needs the server's port: got port 0 for " + options.host);
   }
   state->store = c10::make_intrusive<TcpStoreClient>(options.host, state->port, options.job_id,
-                                                     options.timeout);
+                                                     options.secret, options.timeout);
   return Store(std::move(state));
 }
 
 int Store::port() const { return state_->port; }
 const std::string& Store::host() const { return state_->host; }
 std::chrono::milliseconds Store::timeout() const { return state_->timeout; }
+const JobSecret& Store::secret() const { return state_->secret; }
 
 void Store::set(const std::string& key, const std::string& value) {
   state_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));

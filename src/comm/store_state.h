@@ -13,6 +13,7 @@ struct Store::State {
   std::string host;
   int port = 0;
   std::chrono::milliseconds timeout{};
+  JobSecret secret;
 };
 
 // The c10d store behind a Store handle, for the transports of comm/.

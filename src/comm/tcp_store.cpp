@@ -11,11 +11,13 @@
 
 #include <cerrno>
 #include <cstring>
+#include <iostream>
 #include <map>
 #include <unordered_map>
 
 #include "cohort/error.h"
 #include "cohort/timeouts.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 
 namespace cohort::comm {
@@ -130,8 +132,9 @@ std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> resolve(const std::string& ho
 
 }  // namespace
 
-TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string job_id)
-    : job_id_(std::move(job_id)) {
+TcpStoreServer::TcpStoreServer(const std::string& host, int port, std::string job_id,
+                               JobSecret secret)
+    : job_id_(std::move(job_id)), secret_(std::move(secret)) {
   const auto addresses = resolve(host, port, true);
   std::string last_error = "no address";
   for (addrinfo* a = addresses.get(); a != nullptr && listen_fd_ < 0; a = a->ai_next) {
@@ -181,6 +184,7 @@ TcpStoreServer::~TcpStoreServer() {
 void TcpStoreServer::serve() {
   struct Client {
     int fd;
+    ServerHandshake proof;  // nothing it sends is parsed before it proved it holds the secret
     std::string in;
     bool greeted = false;
   };
@@ -349,6 +353,7 @@ void TcpStoreServer::serve() {
     fds.assign({{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}});
     for (const auto& c : clients) fds.push_back({c.fd, POLLIN, 0});
     if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
+    const auto now = Clock::now();
     if (fds[0].revents != 0) break;
     const size_t polled = clients.size();
     if (fds[1].revents & POLLIN) {
@@ -359,13 +364,21 @@ void TcpStoreServer::serve() {
         if (fd < 0) break;
         const int one = 1;
         ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        clients.push_back({fd, {}});
+        clients.push_back({fd, ServerHandshake(fd, secret_)});
       }
     }
     std::vector<int> dropped;
     for (size_t i = 0; i < polled; ++i) {
-      if (fds[i + 2].revents == 0) continue;
       Client& c = clients[i];
+      if (!c.proof.proven()) {  // what it sends next is read once poll says it is there
+        if ((fds[i + 2].revents != 0 || c.proof.expired(now)) &&
+            c.proof.advance() == ServerHandshake::State::kRefused) {
+          std::cerr << "cohort: the rendezvous store closed " << c.proof.why() << std::endl;
+          dropped.push_back(c.fd);
+        }
+        continue;
+      }
+      if (fds[i + 2].revents == 0) continue;
       char buffer[65536];
       const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
       if (n <= 0) {
@@ -401,8 +414,8 @@ struct TcpStoreClient::Reply {
 };
 
 TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::string& job_id,
-                               std::chrono::milliseconds timeout)
-    : c10d::Store(timeout), host_(host), port_(port), job_id_(job_id) {
+                               JobSecret secret, std::chrono::milliseconds timeout)
+    : c10d::Store(timeout), host_(host), port_(port), job_id_(job_id), secret_(std::move(secret)) {
   const auto deadline = Clock::now() + timeout;
   std::string last_error;
   while (fd_ < 0) {
@@ -430,6 +443,14 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
   }
   const int one = 1;
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  try {
+    prove_secret(fd_, secret_, std::max(deadline, Clock::now() + std::chrono::seconds(1)),
+                 "the rendezvous store at " + where());
+  } catch (...) {
+    ::close(fd_);
+    fd_ = -1;
+    throw;
+  }
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   const auto hello = call(kHello, {job_id}, std::max(std::chrono::milliseconds(1000), left));
   if (!hello.ok)
@@ -549,7 +570,7 @@ void TcpStoreClient::wait(const std::vector<std::string>& keys,
 }
 
 c10::intrusive_ptr<c10d::Store> TcpStoreClient::clone() {
-  return c10::make_intrusive<TcpStoreClient>(host_, port_, job_id_, timeout_);
+  return c10::make_intrusive<TcpStoreClient>(host_, port_, job_id_, secret_, timeout_);
 }
 
 }  // namespace cohort::comm

@@ -1,7 +1,8 @@
 // cohort's own rendezvous store: a small TCP key-value server bound to one given address (c10d's
 // TCPStore in libtorch 1.13 listens on every interface), and a client that is a c10d::Store, so
 // Gloo rendezvous through it. A job id is checked when a client joins: two jobs given the same
-// address fail fast instead of mixing their keys. Private to comm/.
+// address fail fast instead of mixing their keys. Before that, each connection proves that it holds
+// the job secret (comm/handshake.h). Private to comm/.
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -12,13 +13,16 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/comm/job_secret.h"
+
 namespace cohort::comm {
 
 class TcpStoreServer {
  public:
   // Binds host:port (port 0: a free one) and serves on a thread until destroyed. Throws
-  // RuntimeError naming the address when it cannot bind (e.g. the port is taken).
-  TcpStoreServer(const std::string& host, int port, std::string job_id);
+  // RuntimeError naming the address when it cannot bind (e.g. the port is taken). Clients must
+  // prove they hold `secret`.
+  TcpStoreServer(const std::string& host, int port, std::string job_id, JobSecret secret);
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
@@ -30,13 +34,15 @@ class TcpStoreServer {
   int wake_[2] = {-1, -1};
   int port_ = 0;
   std::string job_id_;
+  JobSecret secret_;
   std::thread thread_;
 };
 
 class TcpStoreClient : public c10d::Store {
  public:
-  // Connects (retrying until `timeout` while nobody listens yet) and presents `job_id`.
-  TcpStoreClient(const std::string& host, int port, const std::string& job_id,
+  // Connects (retrying until `timeout` while nobody listens yet), proves it holds `secret` and
+  // presents `job_id`. SecretRefused when the server holds another secret.
+  TcpStoreClient(const std::string& host, int port, const std::string& job_id, JobSecret secret,
                  std::chrono::milliseconds timeout);
   ~TcpStoreClient() override;
 
@@ -77,6 +83,7 @@ class TcpStoreClient : public c10d::Store {
   std::string host_;
   int port_ = 0;
   std::string job_id_;
+  JobSecret secret_;
 };
 
 }  // namespace cohort::comm

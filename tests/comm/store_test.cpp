@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cohort/error.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 #include "support/expect.h"
 
@@ -96,6 +97,28 @@ TEST(Store, AClientOfAnotherJobIsRefused) {
       {.port = server.port(), .timeout = std::chrono::seconds(5), .job_id = "job-a"});
   same.set("k", "v");
   EXPECT_EQ(server.get("k"), "v");
+}
+
+// A client without the job's secret gets nothing from the store: its proof is refused before any
+// request of it is read, and it learns which store refused it and why.
+TEST(Store, AClientWithoutTheJobSecretIsRefused) {
+  const auto secret = JobSecret::from_text("the store test's secret", "test");
+  auto server =
+      Store::connect({.is_server = true, .timeout = std::chrono::seconds(5), .secret = secret});
+  server.set("k", "v");
+  for (const auto& other : {JobSecret(), JobSecret::from_text("another job's secret", "test")}) {
+    cohort::testing::expect_error<UsageError>(
+        [&] {
+          Store::connect(
+              {.port = server.port(), .timeout = std::chrono::seconds(5), .secret = other});
+        },
+        "the rendezvous store at 127.0.0.1:" + std::to_string(server.port()) +
+            " refused this process's proof of the job secret");
+  }
+  auto member =
+      Store::connect({.port = server.port(), .timeout = std::chrono::seconds(5), .secret = secret});
+  EXPECT_EQ(member.get("k"), "v");
+  EXPECT_EQ(server.stats().clients, 2);  // the refused ones hold no connection
 }
 
 TEST(Store, ALateAnswerToATimedOutWaitIsNotTakenForAnother) {
@@ -210,6 +233,9 @@ TEST(Store, AClientThatStopsReadingIsDroppedAndTheOthersAreServed) {
   other.set("big", big);
   const int fd = socket::connect_to("127.0.0.1:" + std::to_string(server.port()),
                                     std::chrono::seconds(5), "the store");
+  // A member of the job (the store's secret is the default: none), so its requests are served.
+  prove_secret(fd, JobSecret(), std::chrono::steady_clock::now() + std::chrono::seconds(5),
+               "the store");
   std::string requests = store_frame(1, 1, {""});  // hello, with the default (empty) job id
   for (uint64_t id = 2; id < 66; ++id) requests += store_frame(id, 3, {"big"});  // get, x64
   socket::write_all(fd, requests.data(), requests.size(), "the store", std::chrono::seconds(5));

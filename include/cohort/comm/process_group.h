@@ -102,6 +102,9 @@ class ProcessGroup {
   /// The address of this host's interface that the group's transport binds to (other services
   /// between the same ranks, e.g. parameter servers, listen there too).
   const std::string& interface_address() const;
+  /// The job secret its store was joined with: what services between the same ranks (parameter
+  /// servers) check as well.
+  const JobSecret& secret() const;
 
   /// Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
   /// group), in the same order as its other new_group/split calls; members get the new group,

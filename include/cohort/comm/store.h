@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/timeouts.h"
 
 namespace cohort::comm {
@@ -20,6 +21,10 @@ struct StoreOptions {
   std::chrono::milliseconds timeout = kDefaultStoreTimeout;
   /// Checked when a client joins: a client of another job is refused with an error naming both.
   std::string job_id;
+  /// The job's secret: the server lets in only clients that prove they hold it; a client checks
+  /// the server holds it too (a UsageError naming the store otherwise). Empty:
+  /// an insecure job's store, which any client of the same version may join.
+  JobSecret secret;
 };
 
 /// A key-value rendezvous store (cohort's own TCP store, bound to one address, usable by Gloo):
@@ -39,6 +44,9 @@ class Store {
   const std::string& host() const;
   /// The deadline of connecting and of each blocking call.
   std::chrono::milliseconds timeout() const;
+  /// The job secret this handle joined with: what the job's other servers (the coordinator,
+  /// parameter servers, data plane) check as well.
+  const JobSecret& secret() const;
 
   /// Sets `key` to `value` (replacing it).
   void set(const std::string& key, const std::string& value);
