@@ -34,6 +34,8 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--job-id", o.node.job_id,
                   "checked when nodes join (default: derived from the command)");
+  cmd->add_flag("--insecure", o.node.insecure,
+                "run without a job secret: any process that reaches a port of the job may join it");
   cmd->add_flag(
       "--quiet", [&o](int64_t) { o.node.verbose = 0; }, "no launcher messages");
   cmd->add_option("command", o.node.command, "the program and its arguments, after --")->required();

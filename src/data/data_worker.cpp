@@ -23,13 +23,13 @@ namespace cohort::data {
 
 namespace {
 
-void serve(const Dataset& dataset, const std::string& address) {
+void serve(const Dataset& dataset, const std::string& address, const comm::JobSecret& secret) {
   torch::set_num_threads(1);  // one CPU per worker: the pool, not each worker, spreads the work
 #ifdef COHORT_WITH_OPENCV
   cv::setNumThreads(1);
 #endif
   const bool local = address.rfind("unix:", 0) == 0;
-  const int fd = wire::connect_to(address, kDefaultDataMessageTimeout);
+  const int fd = wire::connect_to(address, secret, kDefaultDataMessageTimeout);
   wire::send(fd, Json{{"type", "hello"},
                       {"pipeline", dataset.fingerprint()},
                       {"pid", ::getpid()},
@@ -77,9 +77,10 @@ void serve(const Dataset& dataset, const std::string& address) {
 
 }  // namespace
 
-bool serve_data_consumer(const Dataset& dataset, const std::string& address, std::string* why) {
+bool serve_data_consumer(const Dataset& dataset, const std::string& address,
+                         const comm::JobSecret& secret, std::string* why) {
   try {
-    serve(dataset, address);
+    serve(dataset, address, secret);
     return true;
   } catch (const wire::PeerGone& e) {
     if (why != nullptr) *why = e.what();
@@ -101,7 +102,7 @@ void serve_if_data_worker(const Dataset& dataset) {
     code = 2;
   } else {
     try {
-      serve(dataset, address);
+      serve(dataset, address, runtime::job_secret_from_env().value_or(comm::JobSecret()));
     } catch (const wire::PeerGone&) {
       // The consumer finished (or ended) before this worker was of use: nothing to report.
     } catch (const std::exception& e) {

@@ -13,6 +13,7 @@
 #include "cohort/error.h"
 #include "cohort/limits.h"
 #include "cohort/timeouts.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 
 namespace cohort::data::wire {
@@ -277,10 +278,19 @@ Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
   return block;
 }
 
-int connect_to(const std::string& address, std::chrono::milliseconds timeout) {
-  return comm::socket::connect_to(
+int connect_to(const std::string& address, const comm::JobSecret& secret,
+               std::chrono::milliseconds timeout) {
+  const int fd = comm::socket::connect_to(
       address, timeout, "the consumer",
       " (is the training process running, and does it listen on that address?)");
+  try {
+    comm::prove_secret(fd, secret, std::chrono::steady_clock::now() + timeout,
+                       "the consumer at " + address);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  return fd;
 }
 
 int listen_on(const std::string& address, std::string& bound) {

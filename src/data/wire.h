@@ -5,6 +5,7 @@
 #include <chrono>
 #include <string>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/data/block.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
@@ -37,8 +38,11 @@ Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes);
 Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
                         std::chrono::milliseconds timeout);
 
-// "unix:<name>" (abstract socket) or "host:port". Returns a connected socket; throws RuntimeError.
-int connect_to(const std::string& address, std::chrono::milliseconds timeout);
+// "unix:<name>" (abstract socket) or "host:port". Returns a connected socket that proved it holds
+// `secret`; throws RuntimeError (comm::SecretRefused, a UsageError, when the consumer holds
+// another secret).
+int connect_to(const std::string& address, const comm::JobSecret& secret,
+               std::chrono::milliseconds timeout);
 // Listens; `address` as above (a port of 0 picks one). Returns the socket and the bound address.
 int listen_on(const std::string& address, std::string& bound);
 

@@ -17,7 +17,9 @@
 #include "cohort/json.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/process.h"
+#include "cohort/runtime/worker_info.h"
 #include "cohort/timeouts.h"
+#include "comm/handshake.h"
 #include "data/task_runner.h"
 #include "data/wire.h"
 
@@ -27,6 +29,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr auto kMessageTimeout = kDefaultDataMessageTimeout;
+
+// The secret the pool's workers prove they hold: the pipeline's, else the job's (a Trainer's
+// worker has it in its environment), else a fresh one that only the pool's own workers get.
+comm::JobSecret pool_secret(const ExecutionOptions& options) {
+  if (!options.secret.empty()) return options.secret;
+  return runtime::job_secret_from_env().value_or(comm::JobSecret::generate());
+}
 
 // A preprocessing worker's message header: "hello" (who it is, the pipeline it built) or
 // "result" (a task's counts and error; the batch's columns are read with the payload).
@@ -102,7 +111,8 @@ class WorkerPool : public TaskRunner {
       : plan_(plan),
         fingerprint_(std::move(fingerprint)),
         local_workers_(local_workers),
-        env_(std::move(env)) {
+        env_(std::move(env)),
+        secret_(pool_secret(plan.execution)) {
     const auto& ex = plan.execution;
     window_ = ex.max_tasks_in_flight > 0 ? ex.max_tasks_in_flight
                                          : 2 * (local_workers + ex.remote_workers) + 1;
@@ -208,6 +218,7 @@ class WorkerPool : public TaskRunner {
  private:
   struct Conn {
     int fd = -1;
+    comm::ServerHandshake proof;  // nothing it sends is parsed before it proved the secret
     int pid = -1;
     bool local = false;
     bool greeted = false;
@@ -225,6 +236,8 @@ class WorkerPool : public TaskRunner {
     auto env = env_;
     env[runtime::kDataAddressVar] = unix_address_;
     env[runtime::kDataPipelineVar] = fingerprint_;
+    env[runtime::kJobSecretVar] = secret_.text();
+    env[runtime::kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
     children_.insert(runtime::spawn_self(kDataRole, env));
   }
 
@@ -492,12 +505,25 @@ class WorkerPool : public TaskRunner {
       for (size_t l = 1; l <= 2; ++l) {
         if (fds[l].fd >= 0 && (fds[l].revents & POLLIN) != 0) {
           const int fd = ::accept4(fds[l].fd, nullptr, nullptr, SOCK_CLOEXEC);
-          if (fd >= 0) conns_.push_back(Conn{fd, -1, false, false, -1, -1, ""});
+          if (fd >= 0)
+            conns_.push_back(Conn{.fd = fd, .proof = comm::ServerHandshake(fd, secret_)});
         }
       }
       const size_t known = fds.size() - first_conn;
+      const auto now = Clock::now();
       for (size_t i = 0; i < known; ++i) {
-        if (fds[first_conn + i].revents != 0 && conns_[i].fd >= 0) on_message(conns_[i]);
+        Conn& c = conns_[i];
+        if (c.fd < 0) continue;
+        if (!c.proof.proven()) {
+          if ((fds[first_conn + i].revents != 0 || c.proof.expired(now)) &&
+              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+            std::cerr << "cohort: the data plane closed " << c.proof.why() << std::endl;
+            ::close(c.fd);
+            c.fd = -1;
+          }
+          continue;
+        }
+        if (fds[first_conn + i].revents != 0) on_message(c);
       }
       std::erase_if(conns_, [](const Conn& c) { return c.fd < 0; });
       reap();
@@ -515,6 +541,7 @@ class WorkerPool : public TaskRunner {
   const std::string fingerprint_;
   const int local_workers_;
   const std::map<std::string, std::string> env_;
+  const comm::JobSecret secret_;  // what every worker proves it holds
   int64_t window_ = 1;
   int unix_listener_ = -1;
   int tcp_listener_ = -1;

@@ -21,6 +21,7 @@
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/timeouts.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 #include "replicas.h"
 
@@ -87,6 +88,7 @@ struct ParameterServerOptimizer::Server {
 
   struct Connection {
     int fd = -1;
+    comm::ServerHandshake proof;  // nothing it sends is parsed before it proved the secret
     int worker = -1;
     bool waiting = false;  // a push answered once the staleness bound allows
     int64_t staleness = 0;
@@ -188,10 +190,23 @@ struct ParameterServerOptimizer::Server {
       if (rc <= 0) continue;
       if (fds[0].revents & POLLIN) {
         const int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
-        if (fd >= 0) connections.push_back({.fd = fd});
+        if (fd >= 0)
+          connections.push_back({.fd = fd, .proof = comm::ServerHandshake(fd, group.secret())});
       }
+      const auto now = std::chrono::steady_clock::now();
       for (size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) handle(connections[i - 1]);
+        Connection& c = connections[i - 1];
+        if (!c.proof.proven()) {
+          if ((fds[i].revents != 0 || c.proof.expired(now)) &&
+              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+            std::cerr << "cohort: " << server_name(index) << " closed " << c.proof.why()
+                      << std::endl;
+            ::close(c.fd);
+            c.fd = -1;
+          }
+          continue;
+        }
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) handle(c);
       }
       connections.erase(std::remove_if(connections.begin(), connections.end(),
                                        [](const Connection& c) { return c.fd < 0; }),
@@ -474,9 +489,12 @@ ParameterServerOptimizer::ParameterServerOptimizer(
   const auto all = group_.allgather(mine);
   for (int s = 0; s < mode_.servers; ++s) {
     const std::string at(static_cast<const char*>(all[static_cast<size_t>(s)].data_ptr()));
+    const std::string name = server_name(s) + " (rank " + std::to_string(s) + ")";
     c.fds.push_back(comm::socket::connect_to(
-        at, group_.timeout(), server_name(s) + " (rank " + std::to_string(s) + ")",
+        at, group_.timeout(), name,
         ": does its rank run, and is its address reachable from this host?"));
+    comm::prove_secret(c.fds.back(), group_.secret(),
+                       std::chrono::steady_clock::now() + group_.timeout(), name + " at " + at);
   }
 }
 

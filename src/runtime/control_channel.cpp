@@ -19,6 +19,7 @@
 #include "cohort/comm/address.h"
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 
 namespace cohort::runtime {
@@ -231,7 +232,7 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
 }  // namespace
 
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
-                            const HeartbeatOptions& heartbeat) {
+                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat) {
   heartbeat.validate();
   const auto [host, port] = comm::parse_host_port(address, "coordinator address");
   sockaddr_in to{};
@@ -254,6 +255,13 @@ void connect_to_coordinator(const std::string& address, int rank, const std::str
   }
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  try {
+    comm::prove_secret(fd, secret, std::chrono::steady_clock::now() + heartbeat.timeout,
+                       "the coordinator at " + address);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
   {
     std::lock_guard lock(link().mutex);
     link().address = address;

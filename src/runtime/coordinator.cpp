@@ -21,6 +21,7 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/error.h"
 #include "cohort/timeouts.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 
 namespace cohort::runtime {
@@ -249,7 +250,8 @@ struct CoordinatorServer::Impl {
 
   struct Connection {
     int fd;
-    int rank = -1;  // after its hello
+    comm::ServerHandshake proof;  // nothing it sends is parsed before it proved the job secret
+    int rank = -1;                // after its hello
     std::string in;
     bool left = false;  // said bye
   };
@@ -332,8 +334,9 @@ struct CoordinatorServer::Impl {
       for (const auto& c : connections) fds.push_back({c.fd, POLLIN, 0});
       const auto wait =
           std::chrono::duration_cast<milliseconds>(beat_due - std::chrono::steady_clock::now());
-      if (::poll(fds.data(), fds.size(), static_cast<int>(std::max<int64_t>(0, wait.count()))) <
-              0 &&
+      // At least once a second: a connection that never proves the secret is closed in time.
+      if (::poll(fds.data(), fds.size(),
+                 static_cast<int>(std::clamp<int64_t>(wait.count(), 0, 1000))) < 0 &&
           errno != EINTR) {
         break;
       }
@@ -345,13 +348,22 @@ struct CoordinatorServer::Impl {
           if (fd < 0) break;
           const int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-          connections.push_back({.fd = fd});
+          connections.push_back({.fd = fd, .proof = comm::ServerHandshake(fd, options.secret)});
         }
       }
       std::set<int> dropped;
+      const auto now = std::chrono::steady_clock::now();
       for (size_t i = 0; i < polled; ++i) {
-        if (fds[i + 2].revents == 0) continue;
         Connection& c = connections[i];
+        if (!c.proof.proven()) {  // what it sends next is read once poll says it is there
+          if ((fds[i + 2].revents != 0 || c.proof.expired(now)) &&
+              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+            std::cerr << "coordinator: closed " << c.proof.why() << std::endl;
+            dropped.insert(c.fd);
+          }
+          continue;
+        }
+        if (fds[i + 2].revents == 0) continue;
         char buffer[16384];
         const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
         if (n < 0 && errno == EINTR) continue;
@@ -414,11 +426,15 @@ struct CoordinatorServer::Impl {
       }
       if (stop) {
         const std::string abort = Json{{"type", "abort"}, {"reason", stop->reason}}.dump();
-        for (const auto& c : connections) write_line(c.fd, abort);
+        for (const auto& c : connections) {
+          if (c.proof.proven()) write_line(c.fd, abort);
+        }
         if (on_verdict) on_verdict(*stop);
       }
       if (std::chrono::steady_clock::now() >= beat_due) {
-        for (const auto& c : connections) write_line(c.fd, beat);
+        for (const auto& c : connections) {
+          if (c.proof.proven()) write_line(c.fd, beat);
+        }
         beat_due = std::chrono::steady_clock::now() + interval;
       }
     }

@@ -190,6 +190,31 @@ void NodeLauncher::lay_out(const std::vector<std::string>& joined) {
     throw UsageError("no node of the job runs a train worker (every one has --nproc-per-node 0)");
 }
 
+namespace {
+
+// The job's secret: none with --insecure; else the environment's; else, for a single node, a fresh
+// one (its processes get it from this launcher). Nodes of a multi-node job cannot agree on a fresh
+// one: they must be given the same.
+comm::JobSecret job_secret(const NodeLaunchOptions& o) {
+  auto given = job_secret_from_env();
+  if (o.insecure) {
+    if (given && !given->empty()) {
+      throw UsageError(std::string("--insecure with ") + kJobSecretVar + " or " +
+                       kJobSecretFileVar + " set: run with the secret, or unset it");
+    }
+    return comm::JobSecret();
+  }
+  if (given) return *given;
+  if (o.nnodes == 1) return comm::JobSecret::generate();
+  throw UsageError(std::string("a job of ") + std::to_string(o.nnodes) +
+                   " nodes needs one secret on every node: set " + kJobSecretVar + " (or " +
+                   kJobSecretFileVar + ", a file of mode 0600) to the same secret of at least " +
+                   std::to_string(comm::JobSecret::kMinBytes) +
+                   " bytes for every node's cohort launch, or give --insecure");
+}
+
+}  // namespace
+
 int NodeLauncher::run() {
   const std::string program = resolve_program(o_.command.front());
   if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
@@ -198,7 +223,8 @@ int NodeLauncher::run() {
                                  .port = o_.master_port,
                                  .is_server = serve,
                                  .timeout = o_.rendezvous_timeout,
-                                 .job_id = o_.job_id});
+                                 .job_id = o_.job_id,
+                                 .secret = job_secret(o_)});
   round_ = static_cast<int>(store_->add("launch/round", 0));
   const std::string share =
       Json{{"host", host_name()}, {"nproc", o_.nproc_per_node}, {"data_workers", o_.data_workers}}
@@ -256,6 +282,9 @@ int NodeLauncher::run() {
       env[kRestartRoundVar] = std::to_string(round_);
       env[kStoreOnLauncherVar] = "1";
       env[kStorePortVar] = std::to_string(o_.master_port);
+      env[kJobSecretVar] = store_->secret().text();
+      env[kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
+      env[kInsecureVar] = store_->secret().empty() ? "1" : "";
       return env;
     };
     WorkerGroup group(group_options);

@@ -50,6 +50,28 @@ int env_int(const char* name, int fallback, int min_value) {
 
 std::string env_string(const char* name) { return env(name).value_or(""); }
 
+std::optional<comm::JobSecret> job_secret_from_env() {
+  const auto text = env(kJobSecretVar);
+  const auto file = env(kJobSecretFileVar);
+  const auto insecure = env(kInsecureVar);
+  if (insecure && *insecure != "0" && *insecure != "1") {
+    throw UsageError(std::string(kInsecureVar) + "='" + *insecure + "': give 1 or 0");
+  }
+  if (insecure == "1" && (text || file)) {
+    throw UsageError(std::string(kInsecureVar) + "=1 with " +
+                     (text ? kJobSecretVar : kJobSecretFileVar) +
+                     " set: a job runs with a secret or without one (--insecure); unset one");
+  }
+  if (insecure == "1") return comm::JobSecret();
+  if (text && file) {
+    throw UsageError(std::string(kJobSecretVar) + " and " + kJobSecretFileVar +
+                     " are both set: give the job's secret one way (unset one of them)");
+  }
+  if (text) return comm::JobSecret::from_text(*text, kJobSecretVar);
+  if (file) return comm::JobSecret::read_file(*file);
+  return std::nullopt;
+}
+
 std::optional<DataMemberInfo> data_member_from_env() {
   const int member = env_int(kDataMemberVar, -1, 0);
   if (member < 0) return std::nullopt;

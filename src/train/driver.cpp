@@ -223,8 +223,14 @@ Result Driver::run() {
   recorder_.emplace(run_, run_.name.empty() ? default_run_name() : run_.name, config_, console_);
   status_.emplace(recorder_->run_dir());
   std::optional<Checkpoint> resume_from = recorder_->resume_point();
+  // The job's secret: the one a Tuner (or the user) gave, else a fresh one. The workers get it in
+  // their environment; every connection between them proves it holds it.
   store_ = comm::Store::connect(
-      {.host = "127.0.0.1", .port = 0, .is_server = true, .timeout = run_.setup_timeout});
+      {.host = "127.0.0.1",
+       .port = 0,
+       .is_server = true,
+       .timeout = run_.setup_timeout,
+       .secret = runtime::job_secret_from_env().value_or(comm::JobSecret::generate())});
   slot_pids_.assign(static_cast<size_t>(scaling_.num_workers), 0);
   slots_ = wait_for_slots();
 
@@ -344,7 +350,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .scaling = session_scaling_of(scaling_)};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
-                      per_worker = gpus_per_worker_](int rank) {
+                      per_worker = gpus_per_worker_, secret = store_.secret().text()](int rank) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = rank,
                                     .node_rank = 0,
@@ -356,6 +362,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     WorkerSpec mine = spec;
     mine.slot = slot;
     env[runtime::kWorkerSpecVar] = to_text(mine);
+    env[runtime::kJobSecretVar] = secret;
+    env[runtime::kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <iostream>
 #include <mutex>
 
@@ -23,6 +24,7 @@
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/prepare.h"
+#include "comm/handshake.h"
 #include "train/driver.h"
 #include "train/progress.h"
 #include "train/run_files.h"
@@ -182,6 +184,65 @@ void check_same_program(const std::string& who, const std::string& identity,
   }
 }
 
+// Where rank 0 of a launched job leaves the job secret for the others when the environment gives
+// none: the storage path, which every node shares when a multi-node run keeps one run directory.
+std::string secret_file_of(const RunConfig& run, const runtime::WorkerInfo& info) {
+  return (std::filesystem::path(run.storage_path) /
+          (".job-secret-" + (info.job_id.empty() ? std::string("default") : info.job_id)))
+      .string();
+}
+
+// A launched rank joins the job's store with the job's secret: the environment's
+// (COHORT_JOB_SECRET or COHORT_JOB_SECRET_FILE; `cohort launch` sets the first), else one rank 0
+// makes and writes to a private file under the storage path, which the others read there. A file
+// left by an earlier job may be read before rank 0 replaces it: the store then refuses the proof,
+// and the rank reads the file again until the setup deadline.
+comm::Store join_launched_store(const runtime::WorkerInfo& info, const RunConfig& run, bool serve,
+                                std::string& secret_file) {
+  comm::StoreOptions options{.host = info.master_addr,
+                             .port = info.store_port,
+                             .is_server = serve,
+                             .timeout = run.setup_timeout,
+                             .job_id = info.job_id};
+  if (auto given = runtime::job_secret_from_env()) {
+    options.secret = *given;
+    return comm::Store::connect(options);
+  }
+  if (info.world_size == 1 && serve) {
+    options.secret = comm::JobSecret::generate();
+    return comm::Store::connect(options);
+  }
+  secret_file = secret_file_of(run, info);
+  if (info.world_rank == 0) {
+    std::filesystem::create_directories(run.storage_path);
+    options.secret = comm::JobSecret::generate();
+    options.secret.write_file(secret_file);
+    return comm::Store::connect(options);
+  }
+  const auto deadline = Clock::now() + run.setup_timeout;
+  while (true) {
+    std::error_code missing;
+    if (std::filesystem::exists(secret_file, missing)) {
+      options.secret = comm::JobSecret::read_file(secret_file);
+      options.timeout =
+          std::max(std::chrono::milliseconds(1000),
+                   std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      try {
+        return comm::Store::connect(options);
+      } catch (const comm::SecretRefused&) {
+        if (Clock::now() >= deadline) throw;  // not rank 0's secret of this job
+      }
+    } else if (Clock::now() >= deadline) {
+      throw TimeoutError(
+          "rank " + std::to_string(info.world_rank) + " waited " +
+          std::to_string(run.setup_timeout.count()) + " ms for the job secret rank 0 writes to " +
+          secret_file + ": where nodes share no storage path, set " + runtime::kJobSecretVar +
+          " (or " + runtime::kJobSecretFileVar + ") to the same secret on every node");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 writes it, then serves
+  }
+}
+
 }  // namespace
 
 void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
@@ -200,10 +261,16 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.info = *info;
     settings.setup_timeout = spec.setup_timeout;
     settings.collective_timeout = spec.collective_timeout;
+    const auto secret = runtime::job_secret_from_env();
+    if (!secret) {
+      throw UsageError(std::string("a worker of the local driver got no ") +
+                       runtime::kJobSecretVar + ": start it through a Trainer's fit()");
+    }
     settings.store = comm::Store::connect({.host = info->master_addr,
                                            .port = info->master_port,
                                            .is_server = false,
-                                           .timeout = settings.setup_timeout});
+                                           .timeout = settings.setup_timeout,
+                                           .secret = *secret});
     settings.run_token = spec.run_token;
     settings.name = spec.name;
     settings.run_dir = spec.run_dir;
@@ -280,11 +347,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.profile_steps = run.profile_steps;
   settings.log_every_steps = run.log_every_steps;
   settings.umask = run.umask;
-  settings.store = comm::Store::connect({.host = info.master_addr,
-                                         .port = info.store_port,
-                                         .is_server = serve,
-                                         .timeout = run.setup_timeout,
-                                         .job_id = info.job_id});
+  std::string secret_file;  // where rank 0 left the job secret for the others, if it did
+  settings.store = join_launched_store(info, run, serve, secret_file);
   const std::string round = "job/" + std::to_string(info.restart_round) + "/";
 
   // Same program everywhere, or a clear refusal.
@@ -292,6 +356,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       round + "binary/", info.world_rank, info.world_size, program_identity(),
       "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port),
       run.setup_timeout);
+  // Every rank is in: the secret's file has served its purpose.
+  if (rank0 && !secret_file.empty()) std::filesystem::remove(secret_file);
   for (int r = 1; r < info.world_size; ++r) {
     check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)],
                        fingerprints[0]);
@@ -317,7 +383,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
         runtime::CoordinatorServerOptions{.bind_address = settings.interface_address,
                                           .world_size = info.world_size,
                                           .heartbeat = heartbeat,
-                                          .token = token},
+                                          .token = token,
+                                          .secret = settings.store.secret()},
         [&](const runtime::Coordinator::Verdict& verdict) {
           // Rank 0's own error comes from its training thread, which finishes the run itself.
           if (verdict.rank == 0) return;
@@ -388,7 +455,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     });
   } else {
     runtime::connect_to_coordinator(shared["coordinator"], info.world_rank, settings.run_token,
-                                    heartbeat);
+                                    settings.store.secret(), heartbeat);
   }
   runtime::start_heartbeat(heartbeat.interval);
   std::optional<std::string> error;
@@ -448,11 +515,17 @@ namespace {
                           std::to_string(::getpid()) + " on " + runtime::host_name() + ")";
   int code = 0;
   try {
+    const auto secret = runtime::job_secret_from_env();
+    if (!secret) {
+      throw UsageError(std::string("a data worker got no ") + runtime::kJobSecretVar +
+                       ": start data workers with cohort launch --data-workers");
+    }
     auto store = comm::Store::connect({.host = member.master_addr,
                                        .port = member.store_port,
                                        .is_server = false,
                                        .timeout = kDefaultSetupTimeout,
-                                       .job_id = member.job_id});
+                                       .job_id = member.job_id,
+                                       .secret = *secret});
     const std::string round = "job/" + std::to_string(member.restart_round) + "/";
     store.wait({round + "run"},
                std::chrono::hours(24));  // rank 0 opens the run once every rank joined
@@ -480,7 +553,7 @@ namespace {
       std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at "
                 << task["address"].get<std::string>() << std::endl;
       std::string why;
-      if (!data::serve_data_consumer(shard, task["address"], &why)) {
+      if (!data::serve_data_consumer(shard, task["address"], *secret, &why)) {
         std::cerr << who << ": rank " << rank << "'s stream ended without it: " << why << std::endl;
       }
     }

@@ -267,7 +267,10 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
            {{"--nproc-per-node", "0", "--", "/bin/true"},
             "--nproc-per-node 0 is a CPU-only node: give it --data-workers N"},
            {{"--data-workers", "-1", "--", "/bin/true"},
-            "--nproc-per-node and --data-workers must be >= 0"}}) {
+            "--nproc-per-node and --data-workers must be >= 0"},
+           {{"--nnodes", "2", "--", "/bin/true"},
+            "a job of 2 nodes needs one secret on every node: set COHORT_JOB_SECRET (or "
+            "COHORT_JOB_SECRET_FILE"}}) {
     std::vector<std::string> argv{cli, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
@@ -277,10 +280,10 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   // Node 1 never comes: node 0 gives up at the rendezvous deadline, naming it.
   const int port = comm::Store::connect({.is_server = true}).port();  // free once the store is gone
   const auto start = std::chrono::steady_clock::now();
-  auto r =
-      run_command({cli, "launch", "--nnodes", "2", "--node-rank", "0", "--master",
-                   "127.0.0.1:" + std::to_string(port), "--rdzv-timeout", "1", "--", "/bin/true"},
-                  std::chrono::seconds(60));
+  auto r = run_command(
+      {cli, "launch", "--nnodes", "2", "--node-rank", "0", "--master",
+       "127.0.0.1:" + std::to_string(port), "--rdzv-timeout", "1", "--insecure", "--", "/bin/true"},
+      std::chrono::seconds(60));
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));

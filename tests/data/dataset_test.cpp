@@ -21,6 +21,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
+#include "comm/handshake.h"
 #include "data/wire.h"
 #include "support/expect.h"
 #include "support/subprocess.h"
@@ -392,17 +393,26 @@ int free_loopback_port() {
   return ntohs(addr.sin_port);
 }
 
+// What the offload tests' consumers and remote workers share (the workers get it as
+// COHORT_JOB_SECRET).
+const comm::JobSecret& offload_secret() {
+  static const auto secret = comm::JobSecret::from_text("the offload tests' job secret", "test");
+  return secret;
+}
+
 TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
   // The remote worker is this test re-executed in the data role, told where to connect.
   const int port = free_loopback_port();
   auto ds =
       blurred_images(0, 24).with_execution({.listen_address = "127.0.0.1:" + std::to_string(port),
                                             .remote_workers = 1,
+                                            .secret = offload_secret(),
                                             .worker_start_timeout = std::chrono::seconds(30)});
   int remote = -1;
   if (runtime::spawned_role().empty()) {
     remote = runtime::spawn_self(kDataRole,
-                                 {{"COHORT_DATA_ADDRESS", "127.0.0.1:" + std::to_string(port)}});
+                                 {{"COHORT_DATA_ADDRESS", "127.0.0.1:" + std::to_string(port)},
+                                  {"COHORT_JOB_SECRET", offload_secret().text()}});
   }
   auto it = ds.iterator();
   auto ids = ids_of(it, {.batch_size = 5});
@@ -414,37 +424,49 @@ TEST(DataOffload, ARemoteWorkerConnectsOverTcp) {
   EXPECT_TRUE(cohort::testing::wait_for_exit(remote, std::chrono::seconds(20)));
 }
 
-// Connections that send headers of the wrong shape (a string pid: the kind of message
-// ended the consumer with a JSON type_error on the pool's thread) are dropped, each named; the
-// real remote worker serves the epoch, whose batches are those of an undisturbed run.
+// A connection without the job secret is refused before a byte of it is parsed; connections that
+// hold it but send headers of the wrong shape (a string pid: the kind of message ended the
+// consumer with a JSON type_error on the pool's thread) are dropped, each named; the real remote
+// worker serves the epoch, whose batches are those of an undisturbed run.
 TEST(DataOffload, MalformedHeadersDropTheirConnectionAndTheEpochCompletes) {
   const int port = free_loopback_port();
   const std::string address = "127.0.0.1:" + std::to_string(port);
   auto ds =
       blurred_images(0, 24).with_execution({.listen_address = address,
                                             .remote_workers = 1,
+                                            .secret = offload_secret(),
                                             .worker_start_timeout = std::chrono::seconds(30)});
   if (!runtime::spawned_role().empty()) {  // the remote worker: serves and ends
     auto it = ds.iterator();
     ids_of(it);
     return;
   }
+  bool outsider_refused = false;
   std::thread attacker([&] {
+    try {
+      ::close(wire::connect_to(address, comm::JobSecret::from_text("another job's secret", "test"),
+                               std::chrono::seconds(20)));
+    } catch (const comm::SecretRefused&) {
+      outsider_refused = true;
+    }
     for (const Json& header :
          {Json{{"type", "hello"}, {"pid", "x"}}, Json{{"type", "result"}, {"index", "0"}},
           Json{{"type", "result"}, {"index", 0}, {"payload_bytes", -5}}, Json::array({1, 2}),
           Json{{"type", "result"}}}) {
-      const int fd = wire::connect_to(address, std::chrono::seconds(20));
+      const int fd = wire::connect_to(address, offload_secret(), std::chrono::seconds(20));
       wire::send(fd, header);
       char byte;
       ::recv(fd, &byte, 1, 0);  // returns once the consumer closes the connection
       ::close(fd);
     }
   });
-  const int remote = runtime::spawn_self(kDataRole, {{"COHORT_DATA_ADDRESS", address}});
+  const int remote = runtime::spawn_self(
+      kDataRole,
+      {{"COHORT_DATA_ADDRESS", address}, {"COHORT_JOB_SECRET", offload_secret().text()}});
   auto it = ds.iterator();
   const auto ids = ids_of(it, {.batch_size = 5});
   attacker.join();
+  EXPECT_TRUE(outsider_refused);
   auto reference = blurred_images(0, 24).iterator();
   EXPECT_EQ(ids, ids_of(reference, {.batch_size = 5}));
   it = numbers(1).iterator();  // ends the pool: the remote worker is told to stop

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # torchrun-style variables set by hand: two `cohort train` processes become a 2-rank group
-# (rank 0 serves the rendezvous on MASTER_ADDR:MASTER_PORT), and inconsistent variables are named.
+# (rank 0 serves the rendezvous on MASTER_ADDR:MASTER_PORT and hands rank 1 the job secret through
+# the storage path, past a stale one), and inconsistent variables are named.
 # Usage: torchrun_env_test.sh COHORT_BINARY DATA_DIR
 set -uo pipefail
 cli="$1"
@@ -10,6 +11,10 @@ work="$(mktemp -d)"
 pids=()
 trap 'for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done; rm -rf "$work"' EXIT
 port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+# No COHORT_JOB_SECRET: rank 0 writes a fresh secret under the storage path for rank 1. A file an
+# earlier job left there (another secret) does not keep rank 1 out: refused, it reads it again.
+unset COHORT_JOB_SECRET COHORT_JOB_SECRET_FILE COHORT_INSECURE
+(umask 077 && echo "an earlier job's secret, stale" >"$work/.job-secret-default")
 for rank in 0 1; do
   RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
     timeout -k 5 120 "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 8 --batch-size 16 \
@@ -21,6 +26,7 @@ wait "${pids[1]}"; c1=$?
 cat "$work/rank0.log" "$work/rank1.log"
 [ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "ranks exited $c0 and $c1"
 python3 "$(dirname "$0")/check_result.py" "$work/env/result.json" 2 8 torchrun-style || fail "result.json"
+[ ! -e "$work/.job-secret-default" ] || fail "rank 0 left the job secret's file behind once every rank joined"
 out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
 [ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
 grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"

@@ -3,6 +3,8 @@
 # on exit. Before sourcing, set `name` (the test's name, for messages) and `subnet` (the second
 # octet of 10.X.R.0/24; R comes from the pid, so that parallel tests differ). Gives: $a and $b
 # (the namespaces), $net, $work (a temporary folder), fail, wait_for, and $pids (killed on exit).
+# Both hosts' processes share one job secret (COHORT_JOB_SECRET, exported), as the nodes of a
+# multi-node job must.
 # A machine that does not allow network namespaces or veth pairs (not root, no CAP_SYS_ADMIN in a
 # container, no veth driver) skips the test (exit 77) with the reason; as root here it runs.
 fail() { echo "$name: FAIL: $*" >&2; exit 1; }
@@ -11,6 +13,8 @@ skip() { echo "$name: SKIPPED: $*" >&2; exit 77; }
 command -v ip >/dev/null || fail "ip is missing: scripts/setup.sh installs iproute2"
 
 tag="${name:0:1}$$"
+COHORT_JOB_SECRET="$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+export COHORT_JOB_SECRET
 a="${tag}a"
 b="${tag}b"
 net="10.$subnet.$(( $$ % 200 + 1 ))"

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "cohort/error.h"
+#include "comm/handshake.h"
 #include "comm/socket.h"
 #include "small_net.h"
 #include "support/expect.h"
@@ -102,7 +103,8 @@ TEST(ParameterServer, EveryPushIsAppliedOnceOnEveryShard) {
 }
 
 // What no worker of this run sends, on connections of another program: each is logged and closed,
-// and the run's pushes are applied as if nobody had connected.
+// and the run's pushes are applied as if nobody had connected. One without the job's secret is
+// closed before a byte of its request is read; the others prove it, then send what no worker does.
 TEST(ParameterServer, MalformedRequestsCloseTheirConnectionAndTheRunGoesOn) {
   struct Request {  // src/parallel/parameter_server.cpp's, as a worker sends it
     uint32_t magic = 0x31535043;
@@ -122,12 +124,28 @@ TEST(ParameterServer, MalformedRequestsCloseTheirConnectionAndTheRunGoesOn) {
         group, {.max_staleness = 1, .servers = 1});
     std::vector<int> intruders;
     if (group.rank() == 0) {
-      const auto send = [&](const void* data, size_t bytes) {
+      const auto connect = [&] {
         intruders.push_back(
             comm::socket::connect_to(ps.server_address(), std::chrono::seconds(5), "the server"));
-        comm::socket::write_all(intruders.back(), data, bytes, "the server",
-                                std::chrono::seconds(5));
+        return intruders.back();
       };
+      const auto send = [&](const void* data, size_t bytes) {
+        const int fd = connect();
+        comm::prove_secret(fd, group.secret(),
+                           std::chrono::steady_clock::now() + std::chrono::seconds(5),
+                           "the server");
+        comm::socket::write_all(fd, data, bytes, "the server", std::chrono::seconds(5));
+      };
+      Request unproven;  // a well-formed pull, sent where the proof of the secret belongs
+      unproven.kind = 2;
+      std::string unproven_bytes(reinterpret_cast<const char*>(&unproven), sizeof unproven);
+      unproven_bytes.resize(comm::kClientProofBytes);  // as long as a proof: judged at once
+      comm::socket::write_all(connect(), unproven_bytes.data(), unproven_bytes.size(), "the server",
+                              std::chrono::seconds(5));
+      // Its challenge is all the server ever sent it.
+      std::string challenge(comm::kChallengeBytes, '\0');
+      comm::socket::read_all(intruders.back(), challenge.data(), challenge.size(),
+                             std::chrono::seconds(5), "the server");
       const std::string garbage(sizeof(Request), 'x');
       send(garbage.data(), garbage.size());  // no magic
       Request stranger;

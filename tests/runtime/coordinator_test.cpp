@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "cohort/error.h"
+#include "comm/handshake.h"
 #include "support/expect.h"
 
 namespace cohort::runtime {
@@ -189,10 +190,12 @@ TEST(Coordinator, ALostRankIsNamedAndAFinishedOneIsNot) {
   EXPECT_EQ(coordinator.verdict()->reason, "rank 1 exited with code 1");
 }
 
-// A rank's end of the coordinator's protocol, by hand: one line of JSON per message.
+// A rank's end of the coordinator's protocol, by hand: the job secret's handshake (with
+// `secret`, unless `prove` is false), then one line of JSON per message.
 class RawRank {
  public:
-  explicit RawRank(const std::string& address) {
+  explicit RawRank(const std::string& address, const comm::JobSecret& secret = {},
+                   bool prove = true) {
     const auto colon = address.rfind(':');
     sockaddr_in to{};
     to.sin_family = AF_INET;
@@ -200,6 +203,9 @@ class RawRank {
     ::inet_pton(AF_INET, address.substr(0, colon).c_str(), &to.sin_addr);
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     EXPECT_EQ(::connect(fd_, reinterpret_cast<sockaddr*>(&to), sizeof to), 0);
+    if (prove)
+      comm::prove_secret(fd_, secret, std::chrono::steady_clock::now() + seconds(10),
+                         "the coordinator");
   }
   ~RawRank() { close(); }
   void send(const Json& message) { send_raw(message.dump() + "\n"); }
@@ -282,22 +288,39 @@ TEST(CoordinatorServer, ARankOfAnotherRunIsRefusedAndOneThatSaidByeMayLeave) {
   EXPECT_FALSE(server.await_verdict(milliseconds(300)));
 }
 
-// A line of the wrong shape (the issue's `{"rank":"1","token":42}` aborted rank 0 with a JSON
-// type_error) or an endless line closes that connection; the coordinator and its run go on. A
-// rank's own malformed message is dropped, and its next good one counts.
+// A connection without the job's secret (one that sends a rank's hello at once, one that proves
+// another secret) is closed before any line of it is read. A line of the wrong shape (the issue's
+// `{"rank":"1","token":42}` aborted rank 0 with a JSON type_error) or an endless line closes that
+// connection; the coordinator and its run go on. A rank's own malformed message is dropped, and
+// its next good one counts.
 TEST(CoordinatorServer, MalformedLinesCloseTheirConnectionAndNeverTheCoordinator) {
-  CoordinatorServer server({.world_size = 2, .heartbeat = beats(seconds(30)), .token = "run-a"},
-                           nullptr);
+  const auto secret = comm::JobSecret::from_text("the coordinator test's secret", "test");
+  CoordinatorServer server(
+      {.world_size = 2, .heartbeat = beats(seconds(30)), .token = "run-a", .secret = secret},
+      nullptr);
+  {
+    RawRank unproven(server.address(), secret, /*prove=*/false);
+    // A hello where the proof belongs (longer than a proof: judged at once, not at the deadline).
+    unproven.send(
+        {{"type", "hello"}, {"rank", 1}, {"token", "run-a"}, {"padding", std::string(64, ' ')}});
+    EXPECT_TRUE(unproven.closed_by_peer());
+    cohort::testing::expect_error<comm::SecretRefused>(
+        [&] {
+          RawRank outsider(server.address(),
+                           comm::JobSecret::from_text("another job's secret", "test"));
+        },
+        "the coordinator refused this process's proof of the job secret");
+  }
   for (const std::string line : {R"({"rank":"1","token":42})", R"({"rank":1.5,"token":"run-a"})",
                                  R"([1,2])", R"("hello")", R"({"token":"run-a"})", "not json"}) {
-    RawRank stranger(server.address());
+    RawRank stranger(server.address(), secret);
     stranger.send_raw(line + "\n");
     const Json refused = stranger.next_message();
     EXPECT_EQ(refused.value("type", ""), "refused") << line << ": " << refused.dump();
     EXPECT_TRUE(stranger.closed_by_peer()) << line;
   }
   {
-    RawRank endless(server.address());
+    RawRank endless(server.address(), secret);
     // Past the cap without a newline; the coordinator may close while the last bytes travel.
     const std::string chunk(65536, 'x');
     for (size_t sent = 0; sent <= kMaxCoordinatorLine + chunk.size(); sent += chunk.size()) {
@@ -305,7 +328,7 @@ TEST(CoordinatorServer, MalformedLinesCloseTheirConnectionAndNeverTheCoordinator
     }
     EXPECT_TRUE(endless.closed_by_peer());
   }
-  RawRank one(server.address());
+  RawRank one(server.address(), secret);
   one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
   one.send_raw("[]\n");
   one.send({{"type", 7}});

@@ -50,6 +50,9 @@ class WorkerInfoTest : public ::testing::Test {
                                       kTrainRanksVar,
                                       kDataDatasetVar,
                                       kDataShardVar,
+                                      kJobSecretVar,
+                                      kJobSecretFileVar,
+                                      kInsecureVar,
                                       kRoleVar};
   std::map<std::string, std::string> saved;
   void SetUp() override {
@@ -71,6 +74,32 @@ class WorkerInfoTest : public ::testing::Test {
 };
 
 TEST_F(WorkerInfoTest, AbsentWhenNotLaunched) { EXPECT_FALSE(worker_info_from_env().has_value()); }
+
+// The job secret comes one way: the variable, a private file, or none at all (COHORT_INSECURE=1);
+// two ways at once, a short secret or a wrong value are named with the fix.
+TEST_F(WorkerInfoTest, TheJobSecretComesOneWayAndIsChecked) {
+  EXPECT_FALSE(job_secret_from_env().has_value());
+  set({{kJobSecretVar, "a secret of this job"}});
+  EXPECT_EQ(job_secret_from_env()->text(), "a secret of this job");
+  set({{kJobSecretFileVar, "/nonexistent/secret"}});
+  cohort::testing::expect_error<UsageError>(
+      [] { job_secret_from_env(); },
+      "COHORT_JOB_SECRET and COHORT_JOB_SECRET_FILE are both set: give the job's secret one way");
+  unsetenv(kJobSecretFileVar);
+  set({{kInsecureVar, "1"}});
+  cohort::testing::expect_error<UsageError>([] { job_secret_from_env(); },
+                                            "COHORT_INSECURE=1 with COHORT_JOB_SECRET set");
+  unsetenv(kJobSecretVar);
+  EXPECT_TRUE(job_secret_from_env()->empty());
+  set({{kInsecureVar, "yes"}});
+  cohort::testing::expect_error<UsageError>([] { job_secret_from_env(); },
+                                            "COHORT_INSECURE='yes': give 1 or 0");
+  unsetenv(kInsecureVar);
+  set({{kJobSecretVar, "too short"}});
+  cohort::testing::expect_error<UsageError>(
+      [] { job_secret_from_env(); },
+      "COHORT_JOB_SECRET holds a secret of 9 bytes; a job secret needs at least 16");
+}
 
 TEST_F(WorkerInfoTest, ReadsTorchrunVariables) {
   set({{"RANK", "3"},

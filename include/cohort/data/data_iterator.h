@@ -131,12 +131,13 @@ void add_ingest_wait(double seconds, int64_t batches);
 /// so a program that builds its pipeline before iterating needs nothing else.
 void serve_if_data_worker(const Dataset& dataset);
 
-/// Connects to the consumer at `address` (its listen_address) and runs `dataset`'s tasks for it
-/// until it says stop (true), or goes away or cannot be reached (false, with the reason in `why`).
-/// Throws UsageError when refused (it streams another pipeline). For a process that serves several
-/// consumers in turn; serve_if_data_worker serves one, then ends the process.
+/// Connects to the consumer at `address` (its listen_address), proves it holds `secret` (the
+/// consumer's ExecutionOptions::secret, or the job's) and runs `dataset`'s tasks for it until it
+/// says stop (true), or goes away or cannot be reached (false, with the reason in `why`). Throws
+/// UsageError when refused (another secret, or it streams another pipeline). For a process that
+/// serves several consumers in turn; serve_if_data_worker serves one, then ends the process.
 bool serve_data_consumer(const Dataset& dataset, const std::string& address,
-                         std::string* why = nullptr);
+                         const comm::JobSecret& secret, std::string* why = nullptr);
 
 /// The role name a preprocessing worker process runs under.
 inline constexpr const char* kDataRole = runtime::kDataWorkerRole;

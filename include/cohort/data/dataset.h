@@ -12,6 +12,7 @@
 
 #include <c10/core/Device.h>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/data/block.h"
 #include "cohort/data/mnist.h"
 #include "cohort/timeouts.h"
@@ -59,6 +60,10 @@ struct ExecutionOptions {
   std::string listen_address;
   /// Wait for this many remote workers before the first task (they add to the local ones).
   int remote_workers = 0;
+  /// What every worker, local or remote, proves it holds before the pipeline's consumer parses a
+  /// byte it sends (comm/job_secret.h). Empty: the job's (COHORT_JOB_SECRET, which a Trainer's
+  /// workers have), else a fresh one that only this process's local workers get.
+  comm::JobSecret secret;
   /// Deadline for a worker to start and connect.
   std::chrono::milliseconds worker_start_timeout = kDefaultDataMessageTimeout;
   /// Replacements started for workers that died, in all, before the run fails.

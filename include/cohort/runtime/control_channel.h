@@ -4,6 +4,7 @@
 #include <functional>
 #include <string>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/runtime/coordinator.h"
 
 namespace cohort::runtime {
@@ -42,9 +43,10 @@ void stop_heartbeat();
 /// Under an external launcher, a rank other than 0 reaches the coordinator rank 0 hosts
 /// (CoordinatorServer at `address`) over TCP: its control messages and heartbeats go there. A
 /// thread follows the coordinator: told to stop, or hearing nothing from it for the heartbeat
-/// timeout, or losing it, the process prints why (naming the rank) and exits with status 1.
+/// timeout, or losing it, the process prints why (naming the rank) and exits with status 1. The
+/// connection first proves that this process holds `secret`, the job's.
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
-                            const HeartbeatOptions& heartbeat);
+                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat);
 /// The rank's work is done: says so to the coordinator, which from now on may go away.
 void leave_coordinator();
 /// After a collective failed because of a peer: gives the coordinator up to `within` to end this

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/json.h"
 #include "cohort/limits.h"
 #include "cohort/timeouts.h"
@@ -145,6 +146,9 @@ struct CoordinatorServerOptions {
   HeartbeatOptions heartbeat;              ///< the beats it sends and expects
   /// A rank that presents another token (another run, or another round of it) is refused.
   std::string token;
+  /// Every connection first proves it holds the job's secret (comm/job_secret.h); one that does
+  /// not is closed and logged with its address before any line of it is parsed.
+  comm::JobSecret secret;
 };
 
 /// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free

@@ -33,6 +33,14 @@ inline constexpr const char* kRestartRoundVar =
 inline constexpr const char* kStoreOnLauncherVar =
     "COHORT_STORE_ON_LAUNCHER";  ///< "1": node 0's launcher serves the store
 inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";  ///< the store's port
+
+/// The job's secret (comm/job_secret.h), at least 16 bytes: set by the user under torchrun, srun
+/// or mpirun, and by the local driver and `cohort launch` in the processes they start.
+inline constexpr const char* kJobSecretVar = "COHORT_JOB_SECRET";
+/// A file holding the job's secret instead (mode 0600, refused otherwise).
+inline constexpr const char* kJobSecretFileVar = "COHORT_JOB_SECRET_FILE";
+/// "1": the job runs without a secret (`cohort launch --insecure`): its connections prove nothing.
+inline constexpr const char* kInsecureVar = "COHORT_INSECURE";
 /// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
 /// nodes run; in such a data worker (role "data"), its index among them and the job's number of
 /// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).

@@ -33,6 +33,10 @@ struct NodeLaunchOptions {
   /// Checked when a node joins; empty: derived from the command line, so that another job given
   /// the same master address is refused.
   std::string job_id;
+  /// Run without a job secret: no connection of the job proves anything (COHORT_INSECURE=1 in its
+  /// processes). Otherwise the secret is COHORT_JOB_SECRET's (or COHORT_JOB_SECRET_FILE's), the
+  /// same on every node; a single-node job without one gets a fresh one.
+  bool insecure = false;
   int verbose = 1;  ///< 0: quiet; 1: a line per event
 };
 

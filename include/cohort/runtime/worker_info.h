@@ -3,6 +3,7 @@
 #include <optional>
 #include <string>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/runtime/environment.h"
 
 namespace cohort::runtime {
@@ -89,6 +90,12 @@ std::string host_name();
 /// network). Throws UsageError naming the interfaces there are when the named one has no IPv4
 /// address.
 std::string data_plane_address(const std::string& master_addr);
+
+/// The job secret COHORT_JOB_SECRET holds, or the file COHORT_JOB_SECRET_FILE names; an empty one
+/// under COHORT_INSECURE=1; nullopt when none of them is set. UsageError naming the variables
+/// when more than one is set, or when the secret is shorter than JobSecret::kMinBytes, or the
+/// file is missing, empty or not private (mode 0600).
+std::optional<comm::JobSecret> job_secret_from_env();
 
 /// The variables that describe `info` to a child process.
 std::map<std::string, std::string> worker_env(const WorkerInfo& info);
