@@ -10,6 +10,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cohort/comm/job_secret.h"
 #include "cohort/error.h"
 #include "train/run_files.h"
 
@@ -23,6 +24,31 @@ std::string_view uplot_css();
 }  // namespace assets
 
 namespace {
+
+// The cookie that carries the dashboard's token after the URL gave it once.
+constexpr const char* kTokenCookie = "cohort_dashboard";
+
+// Whether `a` equals `b`, in a time that does not tell how much of it matched.
+bool same_text(const std::string& a, const std::string& b) {
+  unsigned char differ = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < b.size(); ++i)
+    differ |= static_cast<unsigned char>(i < a.size() ? a[i] ^ b[i] : 1);
+  return differ == 0 && !b.empty();
+}
+
+// The value of cookie `name` in the request's Cookie header, "" when it has none.
+std::string cookie_of(const httplib::Request& req, const std::string& name) {
+  const std::string cookies = req.get_header_value("Cookie");
+  size_t at = 0;
+  while (at < cookies.size()) {
+    while (at < cookies.size() && (cookies[at] == ' ' || cookies[at] == ';')) ++at;
+    const size_t end = std::min(cookies.find(';', at), cookies.size());
+    const std::string pair = cookies.substr(at, end - at);
+    if (pair.compare(0, name.size() + 1, name + "=") == 0) return pair.substr(name.size() + 1);
+    at = end;
+  }
+  return "";
+}
 
 namespace fs = std::filesystem;
 
@@ -248,6 +274,7 @@ struct Dashboard::Impl {
   fs::path storage;
   std::string host;
   int port = 0;
+  std::string token;  // asked of every request off loopback; empty on loopback
   httplib::Server server;
   std::thread thread;
   std::atomic<bool> serving_ended{false};
@@ -292,7 +319,29 @@ Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
   });
   // On loopback only, a request must name a loopback host: a web page of another site that
   // points its own name at 127.0.0.1 (DNS rebinding) cannot read the runs through the browser.
-  if (options.host == "127.0.0.1" || options.host == "localhost" || options.host == "::1") {
+  // Off loopback, it must carry the dashboard's token.
+  const bool loopback =
+      options.host == "127.0.0.1" || options.host == "localhost" || options.host == "::1";
+  if (!loopback) {
+    impl_->token = options.token.empty() ? comm::JobSecret::generate().text() : options.token;
+    server.set_pre_routing_handler(
+        [token = impl_->token](const httplib::Request& req, httplib::Response& res) {
+          if (same_text(cookie_of(req, kTokenCookie), token))
+            return httplib::Server::HandlerResponse::Unhandled;
+          if (same_text(req.get_param_value("token"), token)) {
+            // Once from the URL; the page's own requests then carry the cookie.
+            res.set_header("Set-Cookie", std::string(kTokenCookie) + "=" + token +
+                                             "; Path=/; HttpOnly; SameSite=Strict");
+            return httplib::Server::HandlerResponse::Unhandled;
+          }
+          res.status = 401;
+          res.set_content(
+              "this dashboard asks for its token: open the address it printed when it started "
+              "(it ends in ?token=...)\n",
+              "text/plain");
+          return httplib::Server::HandlerResponse::Handled;
+        });
+  } else {
     server.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
       const std::string host = req.get_header_value("Host");
       const auto end = host.rfind(':');
@@ -356,7 +405,8 @@ Dashboard::~Dashboard() {
 int Dashboard::port() const { return impl_->port; }
 
 std::string Dashboard::url() const {
-  return "http://" + impl_->host + ":" + std::to_string(impl_->port) + "/";
+  return "http://" + impl_->host + ":" + std::to_string(impl_->port) + "/" +
+         (impl_->token.empty() ? "" : "?token=" + impl_->token);
 }
 
 }  // namespace cohort::train

@@ -73,6 +73,38 @@ TEST(Dashboard, OnLoopbackOnlyALoopbackHostIsAnswered) {
   fs::remove_all(storage);
 }
 
+// Off loopback, a request without the dashboard's token gets 401 and no run; the URL's token
+// lets the browser in once and sets the cookie its next requests carry.
+TEST(Dashboard, OffLoopbackEveryRequestCarriesTheToken) {
+  const auto storage = cohort::testing::temp_dir("dashboard_token");
+  Dashboard dashboard(storage, {.host = "0.0.0.0", .port = 0});
+  const std::string url = dashboard.url();
+  const auto at = url.find("?token=");
+  ASSERT_NE(at, std::string::npos) << url;
+  const std::string token = url.substr(at + 7);
+  EXPECT_EQ(token.size(), 64u);
+  httplib::Client client("127.0.0.1", dashboard.port());
+  client.set_connection_timeout(10);
+  client.set_read_timeout(10);
+  for (const std::string& path : {"/api/runs", "/api/runs?token=wrong", "/metrics", "/"}) {
+    const auto res = client.Get(path);
+    ASSERT_TRUE(res) << path;
+    EXPECT_EQ(res->status, 401) << path;
+    EXPECT_EQ(res->body.find("storage_path"), std::string::npos) << res->body;
+  }
+  const auto first = client.Get("/api/runs?token=" + token);
+  ASSERT_TRUE(first);
+  EXPECT_EQ(first->status, 200);
+  const std::string cookie = first->get_header_value("Set-Cookie");
+  EXPECT_EQ(cookie.rfind("cohort_dashboard=" + token + ";", 0), 0u) << cookie;
+  EXPECT_NE(cookie.find("HttpOnly"), std::string::npos) << cookie;
+  const auto next = client.Get("/api/runs", {{"Cookie", "theme=dark; cohort_dashboard=" + token}});
+  ASSERT_TRUE(next);
+  EXPECT_EQ(next->status, 200);
+  EXPECT_NE(next->body.find("storage_path"), std::string::npos);
+  fs::remove_all(storage);
+}
+
 TEST(Dashboard, APortInUseIsRefusedNamingItAndTheFix) {
   const auto storage = testing::temp_dir("dashboard_port");
   Dashboard first(storage, {.port = 0});

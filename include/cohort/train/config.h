@@ -123,6 +123,10 @@ struct DashboardOptions {
   std::string host = "127.0.0.1";
   /// 0: a free port.
   int port = 8265;
+  /// Off loopback, every request must carry this token: `?token=` once (Dashboard::url() has it),
+  /// then the cookie that request sets. Empty: a fresh random one per dashboard. On loopback no
+  /// token is asked (only this host's processes reach it).
+  std::string token;
 };
 
 /// Where results go and how the run behaves (Ray Train's RunConfig).

@@ -32,7 +32,7 @@ class Dashboard {
 
   /// The port it serves on (the one chosen when options.port was 0).
   int port() const;
-  /// "http://127.0.0.1:8265/".
+  /// "http://127.0.0.1:8265/"; off loopback with its token ("http://10.0.0.1:8265/?token=...").
   std::string url() const;
 
  private:
