@@ -1,7 +1,8 @@
 // The control plane's figures (issue 19):
 //   rendezvous  the store serving a rendezvous (every rank connects and publishes an address,
 //               reading all the others') plus one barrier, for 64, 256 and 1,024 simulated ranks
-//               (threads, each its own client on loopback); seconds, goal < 5 s for 1,024.
+//               (threads, each its own client on loopback, each proving the job secret as
+//               every connection does); seconds, goal < 5 s for 1,024.
 //   growth      keys and bytes the run's store holds after N steps of 2 ranks reading through
 //               get_dataset_shard (a report every 100 steps): with the batch agreement cohort
 //               uses (an all-reduce, report keys deleted when done), and with the per-batch store
@@ -23,16 +24,21 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double rendezvous_seconds(int ranks) {
-  auto server = cohort::comm::Store::connect(
-      {.is_server = true, .timeout = std::chrono::seconds(120), .job_id = "bench"});
+  const auto secret = cohort::comm::JobSecret::generate();
+  auto server = cohort::comm::Store::connect({.is_server = true,
+                                              .timeout = std::chrono::seconds(120),
+                                              .job_id = "bench",
+                                              .secret = secret});
   std::vector<std::thread> threads;
   std::vector<std::string> errors(static_cast<size_t>(ranks));
   const auto start = Clock::now();
   for (int r = 0; r < ranks; ++r) {
     threads.emplace_back([&, r] {
       try {
-        auto client = cohort::comm::Store::connect(
-            {.port = server.port(), .timeout = std::chrono::seconds(120), .job_id = "bench"});
+        auto client = cohort::comm::Store::connect({.port = server.port(),
+                                                    .timeout = std::chrono::seconds(120),
+                                                    .job_id = "bench",
+                                                    .secret = secret});
         const auto addresses =
             client.arrive_and_wait("rdzv/", r, ranks, "127.0.0.1:" + std::to_string(20000 + r),
                                    "join the rendezvous", std::chrono::seconds(120));
