@@ -11,6 +11,9 @@ namespace cohort {
 /// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
 /// messages are a few kB; an endless line must not grow the server's memory).
 inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
+/// The most reply bytes the rendezvous store keeps for one client that does not read them
+/// (256 MiB): it serves the others meanwhile, and drops that client past this.
+inline constexpr size_t kMaxStoreClientBacklog = size_t{256} << 20;
 /// The longest JSON header of a safetensors file (100 MiB, the reference implementation's cap).
 inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
 /// The most bytes one batch from a preprocessing worker may announce (16 GiB): a larger one is

@@ -19,7 +19,7 @@ inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30'000};
 /// A message of the data plane (preprocessing workers), and a data worker's start: read or sent
 /// whole within this.
 inline constexpr std::chrono::milliseconds kDefaultDataMessageTimeout{60'000};
-/// How long a server of many clients (the store, the coordinator, a parameter server) waits for one
+/// How long a server of many clients (the coordinator, a parameter server) waits for one
 /// client to take a reply, or to send the rest of a request it began, before it drops that
 /// client: one that stops reading or writing must not stall the others.
 inline constexpr std::chrono::milliseconds kServerClientTimeout{2'000};

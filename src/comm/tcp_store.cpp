@@ -16,6 +16,7 @@
 #include <unordered_map>
 
 #include "cohort/error.h"
+#include "cohort/limits.h"
 #include "cohort/timeouts.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
@@ -105,9 +106,8 @@ int64_t i64_of(const std::string& field) {
   return v;
 }
 
-// All of `data` within `timeout`; false when the peer is gone or did not take it in time (the
-// server then shuts that client's connection, which its loop drops: one client that stops
-// reading stalls the others for at most kServerClientTimeout).
+// All of `data` within `timeout` (a client's request); false when the server is gone or did not
+// take it in time.
 bool send_all(int fd, const std::string& data, std::chrono::milliseconds timeout) {
   return socket::send_before(fd, data.data(), data.size(),
                              std::chrono::steady_clock::now() + timeout) == 0;
@@ -204,14 +204,50 @@ void TcpStoreServer::serve() {
   std::unordered_map<std::string, std::vector<uint64_t>> blocked_on;
   uint64_t next_waiter = 0;
 
-  auto reply = [](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
-    if (!send_all(
-            fd,
-            encode(
-                {.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)}),
-            kServerClientTimeout)) {
-      ::shutdown(fd, SHUT_RDWR);
+  // Replies a client has not taken yet, by its socket: the server sends what the socket takes and
+  // keeps the rest for when poll says there is room, so a client that stops reading stalls nobody.
+  // Past kMaxStoreClientBacklog, or when its socket fails, the client is shut (its loop drops it).
+  struct Outbox {
+    std::string bytes;
+    size_t sent = 0;
+  };
+  std::unordered_map<int, Outbox> outboxes;
+  auto flush = [&](int fd) {
+    auto it = outboxes.find(fd);
+    if (it == outboxes.end()) return;
+    Outbox& out = it->second;
+    while (out.sent < out.bytes.size()) {
+      const ssize_t n = ::send(fd, out.bytes.data() + out.sent, out.bytes.size() - out.sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        out.sent += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      ::shutdown(fd, SHUT_RDWR);  // gone: its next poll reads the end
+      outboxes.erase(it);
+      return;
     }
+    if (out.sent == out.bytes.size()) {
+      outboxes.erase(it);
+    } else if (out.sent > out.bytes.size() / 2) {
+      out.bytes.erase(0, out.sent);
+      out.sent = 0;
+    }
+  };
+  auto reply = [&](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
+    Outbox& out = outboxes[fd];
+    out.bytes +=
+        encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)});
+    if (out.bytes.size() - out.sent > kMaxStoreClientBacklog) {
+      std::cerr << "cohort: the rendezvous store dropped a client that took none of its last "
+                << (out.bytes.size() - out.sent) / (1 << 20) << " MiB of replies" << std::endl;
+      ::shutdown(fd, SHUT_RDWR);
+      outboxes.erase(fd);
+      return;
+    }
+    flush(fd);
   };
   // Advances a wait past the keys that are set: replies and forgets it when none is left, else
   // files it under the next missing key.
@@ -351,7 +387,10 @@ void TcpStoreServer::serve() {
   std::vector<pollfd> fds;
   while (true) {
     fds.assign({{wake_[0], POLLIN, 0}, {listen_fd_, POLLIN, 0}});
-    for (const auto& c : clients) fds.push_back({c.fd, POLLIN, 0});
+    for (const auto& c : clients) {
+      fds.push_back(
+          {c.fd, static_cast<short>(POLLIN | (outboxes.count(c.fd) != 0 ? POLLOUT : 0)), 0});
+    }
     if (::poll(fds.data(), fds.size(), 1000) < 0 && errno != EINTR) break;
     const auto now = Clock::now();
     if (fds[0].revents != 0) break;
@@ -378,7 +417,8 @@ void TcpStoreServer::serve() {
         }
         continue;
       }
-      if (fds[i + 2].revents == 0) continue;
+      if (fds[i + 2].revents & POLLOUT) flush(c.fd);
+      if ((fds[i + 2].revents & ~POLLOUT) == 0) continue;
       char buffer[65536];
       const ssize_t n = ::recv(c.fd, buffer, sizeof buffer, 0);
       if (n <= 0) {
@@ -400,6 +440,7 @@ void TcpStoreServer::serve() {
       }
     }
     for (int fd : dropped) {
+      outboxes.erase(fd);
       std::erase_if(waiters, [fd](const auto& w) { return w.second.fd == fd; });
       std::erase_if(clients, [fd](const Client& c) { return c.fd == fd; });
       ::close(fd);
