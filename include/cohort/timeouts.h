@@ -19,6 +19,9 @@ inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30'000};
 /// A message of the data plane (preprocessing workers), and a data worker's start: read or sent
 /// whole within this.
 inline constexpr std::chrono::milliseconds kDefaultDataMessageTimeout{60'000};
+/// One task of a preprocessing worker (its rows through every map stage): a worker still on it
+/// past this is taken to hang, killed and replaced (data::ExecutionOptions::task_timeout).
+inline constexpr std::chrono::milliseconds kDefaultDataTaskTimeout{600'000};
 /// How long a server of many clients (the coordinator, a parameter server) waits for one
 /// client to take a reply, or to send the rest of a request it began, before it drops that
 /// client: one that stops reading or writing must not stall the others.

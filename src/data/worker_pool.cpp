@@ -224,8 +224,21 @@ class WorkerPool : public TaskRunner {
     bool greeted = false;
     int64_t task = -1;  // index in flight, -1 idle
     int64_t task_epoch = -1;
+    Clock::time_point task_deadline;  // of the task in flight
     std::string name;
   };
+
+  // A worker whose task runs past ExecutionOptions::task_timeout hangs: it is dropped (a local one
+  // is killed and replaced, as one that died) and its task goes to another.
+  void drop_hung() {
+    const auto now = Clock::now();
+    for (auto& c : conns_) {
+      if (c.fd < 0 || c.task < 0 || now < c.task_deadline) continue;
+      drop(c, "after it hung: task " + std::to_string(c.task) + " ran past its deadline of " +
+                  std::to_string(plan_.execution.task_timeout.count()) +
+                  " ms (ExecutionOptions::task_timeout)");
+    }
+  }
 
   void wake() {
     char b = 0;
@@ -475,6 +488,7 @@ class WorkerPool : public TaskRunner {
         rows = from->tasks[static_cast<size_t>(index)];
         c.task = index;
         c.task_epoch = epoch;
+        c.task_deadline = Clock::now() + plan_.execution.task_timeout;
         ++busy;
       }
       try {
@@ -525,6 +539,7 @@ class WorkerPool : public TaskRunner {
         }
         if (fds[first_conn + i].revents != 0) on_message(c);
       }
+      drop_hung();
       std::erase_if(conns_, [](const Conn& c) { return c.fd < 0; });
       reap();
       dispatch();

@@ -313,6 +313,33 @@ TEST(DataOffload, AWorkerThatDiesHasItsTaskRedoneNothingLostOrDuplicated) {
   std::filesystem::remove_all(dir);
 }
 
+// A worker that hangs on a task (here the first to reach row 17, once) is killed at the task's
+// deadline and replaced; its task is redone by another worker: nothing lost or duplicated.
+TEST(DataOffload, AWorkerThatHangsIsKilledAtItsTaskDeadlineAndItsTaskRedone) {
+  auto dir = cohort::testing::temp_dir("offload_hang");
+  const auto marker = dir / "hung";
+  auto ds =
+      numbers(40)
+          .map_batches(
+              [marker](Block b) {
+                if ((b[kIdColumn] == 17).any().item<bool>() && !std::filesystem::exists(marker)) {
+                  std::ofstream(marker).flush();
+                  ::pause();  // hangs until the pool kills it
+                }
+                return b;
+              },
+              {.name = "stuck", .batch_size = 4, .num_workers = 2})
+          .with_execution({.task_timeout = std::chrono::seconds(2)});
+  auto it = ds.iterator();
+  auto ids = ids_of(it, {.batch_size = 4});
+  std::vector<int64_t> all(40);
+  std::iota(all.begin(), all.end(), 0);
+  EXPECT_EQ(ids, all);
+  EXPECT_TRUE(std::filesystem::exists(marker));
+  EXPECT_EQ(it.stats().tasks_redone, 1);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(DataOffload, AThrowingMapNamesTheStageAndBatchOrSkipsIt) {
   auto throwing = [](Block b) {
     if ((b[kIdColumn] == 9).any().item<bool>()) throw std::runtime_error("bad pixel");

@@ -66,6 +66,10 @@ struct ExecutionOptions {
   comm::JobSecret secret;
   /// Deadline for a worker to start and connect.
   std::chrono::milliseconds worker_start_timeout = kDefaultDataMessageTimeout;
+  /// A task that runs longer than this hangs: its worker is dropped (a local one killed and
+  /// replaced, counting against max_worker_restarts, with a message naming it and the task) and
+  /// the task goes to another worker.
+  std::chrono::milliseconds task_timeout = kDefaultDataTaskTimeout;
   /// Replacements started for workers that died, in all, before the run fails.
   int max_worker_restarts = 8;
   /// Once every task of an epoch is handed out, workers with room in the window start on the
