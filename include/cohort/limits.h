@@ -11,6 +11,9 @@ namespace cohort {
 /// The longest line the coordinator reads from a connection: a longer one closes it (a rank's
 /// messages are a few kB; an endless line must not grow the server's memory).
 inline constexpr size_t kMaxCoordinatorLine = size_t{1} << 20;
+/// The longest frame of the rendezvous store's protocol (1 GiB): a longer announced length closes
+/// the connection before anything is buffered for it.
+inline constexpr uint32_t kMaxStoreFrame = uint32_t{1} << 30;
 /// The most reply bytes the rendezvous store keeps for one client that does not read them
 /// (256 MiB): it serves the others meanwhile, and drops that client past this.
 inline constexpr size_t kMaxStoreClientBacklog = size_t{256} << 20;

@@ -20,84 +20,12 @@
 #include "cohort/timeouts.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
+#include "comm/store_frame.h"
 
 namespace cohort::comm {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Wire format, both ways: u32 length of the rest, u64 request id, u8 op (request) or status
-// (reply: 0 ok, 1 error), u32 field count, then each field as u32 length + bytes.
-enum Op : uint8_t {
-  kHello = 1,
-  kSet,
-  kGet,
-  kAdd,
-  kCheck,
-  kWait,
-  kDelete,
-  kNumKeys,
-  kCompareSet,
-  kGetMany,
-  kDeletePrefix,
-  kStats,
-};
-
-struct Frame {
-  uint64_t id = 0;
-  uint8_t code = 0;
-  std::vector<std::string> fields;
-};
-
-void put_u32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
-
-std::string encode(const Frame& frame) {
-  std::string body;
-  body.append(reinterpret_cast<const char*>(&frame.id), 8);
-  body.push_back(static_cast<char>(frame.code));
-  put_u32(body, static_cast<uint32_t>(frame.fields.size()));
-  for (const auto& f : frame.fields) {
-    put_u32(body, static_cast<uint32_t>(f.size()));
-    body += f;
-  }
-  std::string out;
-  put_u32(out, static_cast<uint32_t>(body.size()));
-  return out + body;
-}
-
-// Takes one whole frame off the front of `buffer`; false while it is incomplete. Throws on a
-// malformed one.
-bool decode(std::string& buffer, Frame& frame) {
-  if (buffer.size() < 4) return false;
-  uint32_t length = 0;
-  std::memcpy(&length, buffer.data(), 4);
-  if (length > (1u << 30))
-    throw RuntimeError("store: malformed frame (length " + std::to_string(length) + ")");
-  if (buffer.size() < 4 + length) return false;
-  const char* p = buffer.data() + 4;
-  const char* end = p + length;
-  auto need = [&](size_t n) {
-    if (static_cast<size_t>(end - p) < n) throw RuntimeError("store: malformed frame");
-  };
-  need(13);
-  std::memcpy(&frame.id, p, 8);
-  frame.code = static_cast<uint8_t>(p[8]);
-  uint32_t count = 0;
-  std::memcpy(&count, p + 9, 4);
-  p += 13;
-  frame.fields.clear();
-  for (uint32_t i = 0; i < count; ++i) {
-    need(4);
-    uint32_t n = 0;
-    std::memcpy(&n, p, 4);
-    p += 4;
-    need(n);
-    frame.fields.emplace_back(p, n);
-    p += n;
-  }
-  buffer.erase(0, 4 + length);
-  return true;
-}
 
 std::string i64_field(int64_t v) { return std::string(reinterpret_cast<const char*>(&v), 8); }
 int64_t i64_of(const std::string& field) {
@@ -238,8 +166,8 @@ void TcpStoreServer::serve() {
   };
   auto reply = [&](int fd, uint64_t id, bool ok, std::vector<std::string> fields) {
     Outbox& out = outboxes[fd];
-    out.bytes +=
-        encode({.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)});
+    out.bytes += encode_store_frame(
+        {.id = id, .code = static_cast<uint8_t>(ok ? 0 : 1), .fields = std::move(fields)});
     if (out.bytes.size() - out.sent > kMaxStoreClientBacklog) {
       std::cerr << "cohort: the rendezvous store dropped a client that took none of its last "
                 << (out.bytes.size() - out.sent) / (1 << 20) << " MiB of replies" << std::endl;
@@ -281,7 +209,7 @@ void TcpStoreServer::serve() {
     return data.erase(it);
   };
   // Returns false to drop the client.
-  auto handle = [&](Client& c, const Frame& f) {
+  auto handle = [&](Client& c, const StoreFrame& f) {
     const auto& a = f.fields;
     auto arg = [&](size_t i) -> const std::string& {
       static const std::string empty;
@@ -428,8 +356,8 @@ void TcpStoreServer::serve() {
       }
       c.in.append(buffer, static_cast<size_t>(n));
       try {
-        Frame frame;
-        while (decode(c.in, frame)) {
+        StoreFrame frame;
+        while (decode_store_frame(c.in, frame)) {
           if (!handle(c, frame)) {
             dropped.push_back(c.fd);
             break;
@@ -509,7 +437,8 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
                                            std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t id = next_id_++;
-  if (fd_ < 0 || !send_all(fd_, encode({.id = id, .code = op, .fields = fields}), timeout)) {
+  if (fd_ < 0 ||
+      !send_all(fd_, encode_store_frame({.id = id, .code = op, .fields = fields}), timeout)) {
     throw PeerFailureError("lost the rendezvous store at " + where() +
                            " (its process or host went away, or it took no request for " +
                            std::to_string(timeout.count()) + " ms)");
@@ -517,8 +446,8 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
   const auto deadline = Clock::now() + timeout;
   std::string& in = pending_;
   while (true) {
-    Frame frame;
-    while (decode(in, frame)) {
+    StoreFrame frame;
+    while (decode_store_frame(in, frame)) {
       // A reply to an earlier wait that timed out comes late: not ours.
       if (frame.id == id) {
         return Reply{.ok = frame.code == 0, .fields = std::move(frame.fields)};

@@ -12,6 +12,7 @@
 #include "cohort/error.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
+#include "comm/store_frame.h"
 #include "support/expect.h"
 
 namespace cohort::comm {
@@ -204,23 +205,6 @@ TEST(Store, ABarrierNameReusedWithOtherParticipantsIsRefused) {
       "ranks");
 }
 
-// The store's frame (src/comm/tcp_store.cpp): length, id, code, fields each with its length.
-std::string store_frame(uint64_t id, uint8_t code, const std::vector<std::string>& fields) {
-  const auto u32 = [](std::string& out, uint32_t v) {
-    out.append(reinterpret_cast<const char*>(&v), 4);
-  };
-  std::string body(reinterpret_cast<const char*>(&id), 8);
-  body.push_back(static_cast<char>(code));
-  u32(body, static_cast<uint32_t>(fields.size()));
-  for (const auto& f : fields) {
-    u32(body, static_cast<uint32_t>(f.size()));
-    body += f;
-  }
-  std::string out;
-  u32(out, static_cast<uint32_t>(body.size()));
-  return out + body;
-}
-
 // One client asks for a large value over and over and does not read the replies: the store's one
 // thread keeps what the socket does not take and serves the others (before, it stalled on that
 // client for kServerClientTimeout and dropped it); the client gets every reply once it reads.
@@ -238,8 +222,10 @@ TEST(Store, AClientThatStopsReadingKeepsItsRepliesAndTheOthersAreServed) {
   // A member of the job (the store's secret is the default: none), so its requests are served.
   prove_secret(fd, JobSecret(), std::chrono::steady_clock::now() + std::chrono::seconds(5),
                "the store");
-  std::string requests = store_frame(1, 1, {""});  // hello, with the default (empty) job id
-  for (uint64_t id = 2; id < 18; ++id) requests += store_frame(id, 3, {"big"});  // get, x16
+  // A hello with the default (empty) job id, then 16 gets.
+  std::string requests = encode_store_frame({.id = 1, .code = kHello, .fields = {""}});
+  for (uint64_t id = 2; id < 18; ++id)
+    requests += encode_store_frame({.id = id, .code = kGet, .fields = {"big"}});
   socket::write_all(fd, requests.data(), requests.size(), "the store", std::chrono::seconds(5));
   // 16 MiB of replies that nobody reads, far more than the socket takes: the store keeps them for
   // that client, which stays connected, and serves the others meanwhile.
