@@ -340,6 +340,29 @@ TEST(CoordinatorServer, MalformedLinesCloseTheirConnectionAndNeverTheCoordinator
   EXPECT_EQ(verdict->reason, "rank 1 failed: out of memory");
 }
 
+// A heartbeat whose status is not activity_status()'s shape (found by tests/fuzz: a number where
+// a group belongs ended the coordinator's thread with a JSON type_error in its stall report) is
+// refused naming the field, and the stall report reads only well-formed statuses.
+TEST(Coordinator, AHeartbeatWithAMalformedStatusIsNamedAndNotRecorded) {
+  Coordinator c(2, beats(seconds(30)));
+  const std::vector<std::pair<Json, std::string>> cases{
+      {Json{{"groups", 5}}, "field 'groups' is number, not an array"},
+      {Json{{"groups", Json::array({7})}}, "a message must be a JSON object, not number"},
+      {Json{{"groups", Json::array({Json{{"name", "train"}, {"ranks", "all"}}})}},
+       "field 'ranks' is string, not an array"},
+      {Json{{"groups", Json::array({Json{{"name", "train"}, {"ranks", Json::array({-1})}}})}},
+       "field 'ranks' holds -1, not a rank"},
+      {Json{{"groups", Json::array({Json{{"entered", "3"}}})}},
+       "field 'entered' is string \"3\", not an integer"}};
+  for (const auto& [status, fragment] : cases) {
+    cohort::testing::expect_error<UsageError>(
+        [&] { c.on_message(1, {{"type", "heartbeat"}, {"status", status}}); }, fragment);
+  }
+  EXPECT_EQ(c.status()[1], Json());
+  EXPECT_EQ(c.stall_report(), "");
+  EXPECT_EQ(stall_report({Json{{"groups", 5}}, Json{{"groups", Json::array({7})}}}), "");
+}
+
 TEST(Coordinator, AMessageWithAFieldOfTheWrongTypeIsNamedAndChangesNothing) {
   Coordinator c(2, beats(seconds(30)));
   cohort::testing::expect_error<UsageError>([&] { c.on_message(1, Json::array()); },

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Fuzzes cohort's decoders of what other processes send (tests/fuzz/<target>.cpp) with libFuzzer,
+# AddressSanitizer and UndefinedBehaviorSanitizer (Debian's clang), each target for SECONDS, and
+# prints per target its executions, executions per second, the coverage it reached (edges and
+# features, libFuzzer's cov: and ft:) and the crashes it found. A crash stops that target and is
+# saved as tests/fuzz/corpus/<target>/crash-<sha1>, where the replay test fuzz.<target> runs it in
+# every CI run: fix the decoder, keep the input.
+#
+# The targets are the decoders that compile without libtorch's headers: Debian 12's clang 14
+# cannot compile libtorch 1.13's headers as C++20 against libstdc++ 12 (c10::IValue is incomplete
+# where std::vector's constexpr members need it), so the safetensors, IDX, manifest, data-plane
+# and parameter-server decoders are not targets yet (they are checked by unit tests instead).
+#
+# Usage: bench/fuzz.sh [SECONDS (default 600)] [TARGET...] (default: every target)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+seconds="${1:-600}"
+[ $# -gt 0 ] && shift
+targets=("$@")
+[ ${#targets[@]} -gt 0 ] || targets=(store_frames handshake coordinator_messages)
+clang="$(command -v clang++ || command -v clang++-14 || true)"
+[ -n "$clang" ] || { echo "fuzz.sh: no clang++ (apt install clang)" >&2; exit 2; }
+
+# The sources each target's decoder is built from, instrumented with it.
+sources_of() {
+  case "$1" in
+    store_frames) echo src/comm/store_frame.cpp ;;
+    handshake) echo src/comm/handshake.cpp src/comm/job_secret.cpp src/comm/socket.cpp src/comm/address.cpp ;;
+    coordinator_messages) echo src/runtime/coordinator.cpp ;;
+    *) echo "fuzz.sh: no target '$1' (targets: store_frames handshake coordinator_messages)" >&2; return 2 ;;
+  esac
+}
+
+work="$(mktemp -d /tmp/cohort-fuzz.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+printf '%-22s %8s %12s %8s %6s %7s %s\n' target seconds executions exec/s cov ft crashes
+status=0
+for target in "${targets[@]}"; do
+  read -r -a sources <<<"$(sources_of "$target")"
+  (cd "$root" && "$clang" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined \
+    -fno-sanitize-recover=undefined -I include -I src "tests/fuzz/$target.cpp" "${sources[@]}" \
+    -lcrypto -o "$work/$target") || { echo "fuzz.sh: $target does not build" >&2; exit 1; }
+  mkdir -p "$work/corpus-$target"
+  cp "$root/tests/fuzz/corpus/$target/"* "$work/corpus-$target/"
+  log="$work/$target.log"
+  rc=0
+  ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 "$work/$target" \
+    -max_total_time="$seconds" -print_final_stats=1 -timeout=10 \
+    -artifact_prefix="$root/tests/fuzz/corpus/$target/" "$work/corpus-$target" >"$log" 2>&1 || rc=$?
+  executions="$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)"
+  per_second="$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -n 1)"
+  last="$(grep -E '^#[0-9]+' "$log" | tail -n 1)"
+  cov="$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")"
+  ft="$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")"
+  crashes="$(grep -c 'Test unit written' "$log" || true)"
+  printf '%-22s %8s %12s %8s %6s %7s %s\n' "$target" "$seconds" "${executions:-?}" "${per_second:-?}" \
+    "${cov:-?}" "${ft:-?}" "$crashes"
+  if [ "$rc" != 0 ]; then
+    status=1
+    grep -E 'ERROR|what\(\)|Test unit written' "$log" | head -n 5 | sed "s/^/  $target: /"
+  fi
+done
+exit "$status"
