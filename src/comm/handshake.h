@@ -41,12 +41,13 @@ class ServerHandshake {
   /// and the server's own proof is sent; kRefused (see why()) when it is wrong, the client closed,
   /// or its deadline passed.
   State advance();
+  /// For a server's poll loop: advances when its connection polled `readable` or its deadline
+  /// passed (then it is refused), else leaves it be. What advance() returns.
+  State poll_step(bool readable, std::chrono::steady_clock::time_point now) {
+    return state_ == State::kPending && (readable || now >= deadline_) ? advance() : state_;
+  }
   /// kProven once the client proved itself.
   bool proven() const { return state_ == State::kProven; }
-  /// Whether a pending client's deadline passed (the server then closes it: it is refused).
-  bool expired(std::chrono::steady_clock::time_point now) const {
-    return state_ == State::kPending && now >= deadline_;
-  }
   /// Why the connection was refused, with the peer's address ("a connection from 10.0.0.7:4242:
   /// it did not prove it holds the job secret in time").
   const std::string& why() const { return why_; }

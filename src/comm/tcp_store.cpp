@@ -338,8 +338,7 @@ void TcpStoreServer::serve() {
     for (size_t i = 0; i < polled; ++i) {
       Client& c = clients[i];
       if (!c.proof.proven()) {  // what it sends next is read once poll says it is there
-        if ((fds[i + 2].revents != 0 || c.proof.expired(now)) &&
-            c.proof.advance() == ServerHandshake::State::kRefused) {
+        if (c.proof.poll_step(fds[i + 2].revents != 0, now) == ServerHandshake::State::kRefused) {
           std::cerr << "cohort: the rendezvous store closed " << c.proof.why() << std::endl;
           dropped.push_back(c.fd);
         }

@@ -529,8 +529,8 @@ class WorkerPool : public TaskRunner {
         Conn& c = conns_[i];
         if (c.fd < 0) continue;
         if (!c.proof.proven()) {
-          if ((fds[first_conn + i].revents != 0 || c.proof.expired(now)) &&
-              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+          if (c.proof.poll_step(fds[first_conn + i].revents != 0, now) ==
+              comm::ServerHandshake::State::kRefused) {
             std::cerr << "cohort: the data plane closed " << c.proof.why() << std::endl;
             ::close(c.fd);
             c.fd = -1;

@@ -197,8 +197,8 @@ struct ParameterServerOptimizer::Server {
       for (size_t i = 1; i < fds.size(); ++i) {
         Connection& c = connections[i - 1];
         if (!c.proof.proven()) {
-          if ((fds[i].revents != 0 || c.proof.expired(now)) &&
-              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+          if (c.proof.poll_step(fds[i].revents != 0, now) ==
+              comm::ServerHandshake::State::kRefused) {
             std::cerr << "cohort: " << server_name(index) << " closed " << c.proof.why()
                       << std::endl;
             ::close(c.fd);

@@ -179,8 +179,8 @@ struct CoordinatorServer::Impl {
       for (size_t i = 0; i < polled; ++i) {
         Connection& c = connections[i];
         if (!c.proof.proven()) {  // what it sends next is read once poll says it is there
-          if ((fds[i + 2].revents != 0 || c.proof.expired(now)) &&
-              c.proof.advance() == comm::ServerHandshake::State::kRefused) {
+          if (c.proof.poll_step(fds[i + 2].revents != 0, now) ==
+              comm::ServerHandshake::State::kRefused) {
             std::cerr << "coordinator: closed " << c.proof.why() << std::endl;
             dropped.insert(c.fd);
           }
