@@ -1,6 +1,7 @@
 #include "cohort/data/dataset.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
