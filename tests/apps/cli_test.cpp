@@ -9,6 +9,7 @@
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "cohort/comm/store.h"
 #include "cohort/data/idx.h"
@@ -274,6 +275,30 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
     std::vector<std::string> argv{cli, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
+  }
+  // A job secret given badly: one line naming it and the fix, exit code 2, before any rendezvous.
+  const auto wide = dir / "wide_secret";
+  std::ofstream(wide) << "a secret that others can read\n";
+  std::filesystem::permissions(wide, std::filesystem::perms::owner_read |
+                                         std::filesystem::perms::owner_write |
+                                         std::filesystem::perms::others_read);
+  for (const auto& [env, args, fragment] : std::vector<
+           std::tuple<std::map<std::string, std::string>, std::vector<std::string>, std::string>>{
+           {{{"COHORT_JOB_SECRET", "short"}},
+            {},
+            "COHORT_JOB_SECRET holds a secret of 5 bytes; a job secret needs at least 16"},
+           {{{"COHORT_JOB_SECRET", "a secret of this job"}},
+            {"--insecure"},
+            "--insecure with COHORT_JOB_SECRET or COHORT_JOB_SECRET_FILE set"},
+           {{{"COHORT_JOB_SECRET_FILE", wide.string()}},
+            {},
+            "has mode 0604: others could read it; make it private with: chmod 600"}}) {
+    std::vector<std::string> argv{cli, "launch"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    argv.insert(argv.end(), {"--", "/bin/true"});
+    auto r = run_command(argv, std::chrono::seconds(30), env);
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
   }
