@@ -356,7 +356,10 @@ TEST(Coordinator, AHeartbeatWithAMalformedStatusIsNamedAndNotRecorded) {
        "field 'entered' is string \"3\", not an integer"}};
   for (const auto& [status, fragment] : cases) {
     cohort::testing::expect_error<UsageError>(
-        [&] { c.on_message(1, {{"type", "heartbeat"}, {"status", status}}); }, fragment);
+        [&] {
+          c.on_message(1, {{"type", "heartbeat"}, {"status", status}});
+        },
+        fragment);
   }
   EXPECT_EQ(c.status()[1], Json());
   EXPECT_EQ(c.stall_report(), "");
