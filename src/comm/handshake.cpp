@@ -36,10 +36,6 @@ std::string proof(const JobSecret& secret, std::string_view who, const std::stri
   return std::string(reinterpret_cast<const char*>(mac.data()), mac.size());
 }
 
-bool same(const std::string& a, const std::string& b) {
-  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
-}
-
 // Exactly `bytes` from `fd` before `deadline`; false when the peer closed first.
 bool read_before(int fd, std::string& out, size_t bytes, Clock::time_point deadline,
                  const std::string& server) {
@@ -64,6 +60,10 @@ bool read_before(int fd, std::string& out, size_t bytes, Clock::time_point deadl
 }
 
 }  // namespace
+
+bool constant_time_equal(const std::string& a, const std::string& b) {
+  return a.size() == b.size() && CRYPTO_memcmp(a.data(), b.data(), a.size()) == 0;
+}
 
 std::string peer_address(int fd) {
   sockaddr_storage address{};
@@ -113,7 +113,7 @@ ServerHandshake::State ServerHandshake::advance() {
   received_.append(buffer, static_cast<size_t>(n));
   if (received_.size() < kClientProofBytes) return state_;
   const std::string client_nonce = received_.substr(0, 32);
-  if (!same(received_.substr(32), proof(secret_, "client", nonce_, client_nonce))) {
+  if (!constant_time_equal(received_.substr(32), proof(secret_, "client", nonce_, client_nonce))) {
     return refuse("did not prove it holds the job secret (a wrong proof)");
   }
   const std::string reply = proof(secret_, "server", nonce_, client_nonce);
@@ -150,7 +150,7 @@ void prove_secret(int fd, const JobSecret& secret, Clock::time_point deadline,
   if (!read_before(fd, reply, kServerProofBytes, deadline, server)) {
     throw SecretRefused(server + " refused this process's proof of the job secret" + hint);
   }
-  if (!same(reply, proof(secret, "server", server_nonce, client_nonce))) {
+  if (!constant_time_equal(reply, proof(secret, "server", server_nonce, client_nonce))) {
     throw SecretRefused(server + " could not prove it holds the job secret" + hint);
   }
 }

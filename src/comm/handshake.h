@@ -70,6 +70,10 @@ class ServerHandshake {
 void prove_secret(int fd, const JobSecret& secret, std::chrono::steady_clock::time_point deadline,
                   const std::string& server);
 
+/// Whether `a` equals `b`, in a time that does not tell how much of them matched (for comparing
+/// a secret or token a peer sent).
+bool constant_time_equal(const std::string& a, const std::string& b);
+
 /// "10.0.0.7:4242", "[::1]:4242" or "a local socket": who is at the other end of `fd`, for logs.
 std::string peer_address(int fd);
 

@@ -249,8 +249,7 @@ class WorkerPool : public TaskRunner {
     auto env = env_;
     env[runtime::kDataAddressVar] = unix_address_;
     env[runtime::kDataPipelineVar] = fingerprint_;
-    env[runtime::kJobSecretVar] = secret_.text();
-    env[runtime::kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
+    runtime::add_job_secret_env(env, secret_);
     children_.insert(runtime::spawn_self(kDataRole, env));
   }
 

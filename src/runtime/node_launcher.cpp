@@ -282,9 +282,7 @@ int NodeLauncher::run() {
       env[kRestartRoundVar] = std::to_string(round_);
       env[kStoreOnLauncherVar] = "1";
       env[kStorePortVar] = std::to_string(o_.master_port);
-      env[kJobSecretVar] = store_->secret().text();
-      env[kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
-      env[kInsecureVar] = store_->secret().empty() ? "1" : "";
+      add_job_secret_env(env, store_->secret());
       return env;
     };
     WorkerGroup group(group_options);

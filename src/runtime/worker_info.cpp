@@ -72,6 +72,13 @@ std::optional<comm::JobSecret> job_secret_from_env() {
   return std::nullopt;
 }
 
+void add_job_secret_env(std::map<std::string, std::string>& env, const comm::JobSecret& secret) {
+  // An empty value is an unset variable (env()).
+  env[kJobSecretVar] = secret.text();
+  env[kJobSecretFileVar] = "";
+  env[kInsecureVar] = secret.empty() ? "1" : "";
+}
+
 std::optional<DataMemberInfo> data_member_from_env() {
   const int member = env_int(kDataMemberVar, -1, 0);
   if (member < 0) return std::nullopt;

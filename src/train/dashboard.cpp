@@ -12,6 +12,7 @@
 
 #include "cohort/comm/job_secret.h"
 #include "cohort/error.h"
+#include "comm/handshake.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
@@ -27,14 +28,6 @@ namespace {
 
 // The cookie that carries the dashboard's token after the URL gave it once.
 constexpr const char* kTokenCookie = "cohort_dashboard";
-
-// Whether `a` equals `b`, in a time that does not tell how much of it matched.
-bool same_text(const std::string& a, const std::string& b) {
-  unsigned char differ = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < b.size(); ++i)
-    differ |= static_cast<unsigned char>(i < a.size() ? a[i] ^ b[i] : 1);
-  return differ == 0 && !b.empty();
-}
 
 // The value of cookie `name` in the request's Cookie header, "" when it has none.
 std::string cookie_of(const httplib::Request& req, const std::string& name) {
@@ -326,9 +319,9 @@ Dashboard::Dashboard(fs::path storage_path, const DashboardOptions& options)
     impl_->token = options.token.empty() ? comm::JobSecret::generate().text() : options.token;
     server.set_pre_routing_handler(
         [token = impl_->token](const httplib::Request& req, httplib::Response& res) {
-          if (same_text(cookie_of(req, kTokenCookie), token))
+          if (comm::constant_time_equal(cookie_of(req, kTokenCookie), token))
             return httplib::Server::HandlerResponse::Unhandled;
-          if (same_text(req.get_param_value("token"), token)) {
+          if (comm::constant_time_equal(req.get_param_value("token"), token)) {
             // Once from the URL; the page's own requests then carry the cookie.
             res.set_header("Set-Cookie", std::string(kTokenCookie) + "=" + token +
                                              "; Path=/; HttpOnly; SameSite=Strict");

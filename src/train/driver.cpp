@@ -350,7 +350,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .scaling = session_scaling_of(scaling_)};
   const int port = store_.port();
   options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
-                      per_worker = gpus_per_worker_, secret = store_.secret().text()](int rank) {
+                      per_worker = gpus_per_worker_, secret = store_.secret()](int rank) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = rank,
                                     .node_rank = 0,
@@ -362,8 +362,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     WorkerSpec mine = spec;
     mine.slot = slot;
     env[runtime::kWorkerSpecVar] = to_text(mine);
-    env[runtime::kJobSecretVar] = secret;
-    env[runtime::kJobSecretFileVar] = "";  // empty is unset: the secret above is the one
+    runtime::add_job_secret_env(env, secret);
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };

@@ -97,6 +97,11 @@ std::string data_plane_address(const std::string& master_addr);
 /// file is missing, empty or not private (mode 0600).
 std::optional<comm::JobSecret> job_secret_from_env();
 
+/// Sets in `env`, a child process's variables, what hands it `secret` (COHORT_JOB_SECRET; an empty
+/// secret as COHORT_INSECURE=1), clearing the other ways this process may have been given one, so
+/// that the child's job_secret_from_env() returns `secret`.
+void add_job_secret_env(std::map<std::string, std::string>& env, const comm::JobSecret& secret);
+
 /// The variables that describe `info` to a child process.
 std::map<std::string, std::string> worker_env(const WorkerInfo& info);
 
