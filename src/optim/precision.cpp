@@ -154,4 +154,36 @@ AutocastGuard::~AutocastGuard() {
   set_autocast_dtype(device_type_, previous_dtype_);
 }
 
+namespace {
+
+void apply(const AutocastState& s) {
+  set_autocast_enabled(c10::DeviceType::CPU, s.cpu_enabled);
+  set_autocast_dtype(c10::DeviceType::CPU, s.cpu_dtype);
+  set_autocast_enabled(c10::DeviceType::CUDA, s.cuda_enabled);
+  set_autocast_dtype(c10::DeviceType::CUDA, s.cuda_dtype);
+}
+
+}  // namespace
+
+AutocastState AutocastState::current() {
+  return {.cpu_enabled = autocast_enabled(c10::DeviceType::CPU),
+          .cpu_dtype = autocast_dtype(c10::DeviceType::CPU),
+          .cuda_enabled = autocast_enabled(c10::DeviceType::CUDA),
+          .cuda_dtype = autocast_dtype(c10::DeviceType::CUDA)};
+}
+
+AutocastStateGuard::AutocastStateGuard(const AutocastState& state)
+    : previous_(AutocastState::current()) {
+  apply(state);
+  if (state.cpu_enabled || state.cuda_enabled) {
+    at::autocast::increment_nesting();
+    nested_ = true;
+  }
+}
+
+AutocastStateGuard::~AutocastStateGuard() {
+  if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  apply(previous_);
+}
+
 }  // namespace cohort::optim

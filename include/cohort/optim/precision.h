@@ -69,4 +69,32 @@ class AutocastGuard {
   c10::ScalarType previous_dtype_ = c10::ScalarType::Float;
 };
 
+/// Autocast's settings of the calling thread for the CPU and for CUDA: whether each is on and
+/// its type. Captured where a forward runs, applied where it runs again (a checkpointed layer's
+/// recomputation in backward, on an autograd thread that has autocast off).
+struct AutocastState {
+  bool cpu_enabled = false;                               ///< CPU autocast on
+  c10::ScalarType cpu_dtype = c10::ScalarType::BFloat16;  ///< its lower-precision type
+  bool cuda_enabled = false;                              ///< CUDA autocast on
+  c10::ScalarType cuda_dtype = c10::ScalarType::Half;     ///< its lower-precision type
+  /// The calling thread's settings.
+  static AutocastState current();
+};
+
+/// Applies an AutocastState to the calling thread while it lives, then puts the thread's own
+/// back; autocast's cache of cast weights is dropped when the outermost autocast scope ends, as
+/// AutocastGuard does.
+class AutocastStateGuard {
+ public:
+  /// Applies `state`.
+  explicit AutocastStateGuard(const AutocastState& state);
+  ~AutocastStateGuard();
+  AutocastStateGuard(const AutocastStateGuard&) = delete;
+  AutocastStateGuard& operator=(const AutocastStateGuard&) = delete;
+
+ private:
+  AutocastState previous_;
+  bool nested_ = false;
+};
+
 }  // namespace cohort::optim
