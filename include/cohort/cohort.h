@@ -27,6 +27,7 @@
 #include "cohort/optim/precision.h"
 #include "cohort/optim/state_dict.h"
 
+#include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/local_sgd.h"

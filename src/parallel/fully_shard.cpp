@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "cohort/error.h"
+#include "cohort/parallel/activation_checkpointing.h"
 
 namespace cohort::parallel {
 
@@ -19,10 +20,15 @@ FullyShardImpl::FullyShardImpl(Forward forward, std::shared_ptr<torch::nn::Modul
 }
 
 torch::Tensor FullyShardImpl::forward(torch::Tensor x) {
-  if (auto hooks = hooks_.lock()) {
-    return hooks->forward_unit(unit_, [&] { return forward_(x); });
-  }
-  return forward_(std::move(x));
+  const auto run = [&] {
+    if (!checkpointing_ || !at::GradMode::is_enabled()) return forward_(x);
+    // The recomputation calls forward_ directly: at stage 3 it runs inside the backward's gather
+    // of this unit (ZeroOptimizer's hook on the output), not through forward_unit again.
+    return checkpoint(
+        *module_, [this](const at::Tensor& input) { return forward_(input); }, x);
+  };
+  if (auto hooks = hooks_.lock()) return hooks->forward_unit(unit_, run);
+  return run();
 }
 
 void FullyShardImpl::train(bool on) {

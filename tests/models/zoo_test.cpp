@@ -9,6 +9,7 @@
 #include <set>
 
 #include "cohort/error.h"
+#include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/distributed_data_parallel.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "support/expect.h"
@@ -100,6 +101,42 @@ TEST(Zoo, EveryModelTrainsUnderZeroStageThreeAsUnderDdp) {
       }
     }
   });
+}
+
+// Every model's units recompute to the same loss, gradients and BatchNorm statistics as the plain
+// model, with each unit checkpointed.
+TEST(Zoo, EveryModelCheckpointsEveryUnitToThePlainGradients) {
+  for (const auto& name : model_names()) {
+    SCOPED_TRACE(name);
+    const auto step = [&](bool checkpointed) {
+      torch::manual_seed(9);
+      auto model = create_model(name, {.depth = 2, .width = 32});
+      if (checkpointed) {
+        const auto units = parallel::apply_activation_checkpointing(*model, {.every = 1});
+        EXPECT_GE(units.size(), 2u);
+      }
+      torch::manual_seed(10);
+      const auto x = torch::randn({3, 1, 28, 28});
+      const auto y = torch::randint(0, 10, {3});
+      const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      loss.backward();
+      std::vector<torch::Tensor> state{loss.detach()};
+      for (const auto& p : model->parameters()) state.push_back(p.grad().clone());
+      for (const auto& b : model->buffers()) state.push_back(b.clone());
+      return state;
+    };
+    const auto plain = step(false), checkpointed = step(true);
+    ASSERT_EQ(plain.size(), checkpointed.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(
+          torch::allclose(checkpointed[i].to(torch::kDouble), plain[i].to(torch::kDouble), 0, 1e-6))
+          << "tensor " << i << " differs by "
+          << (checkpointed[i].to(torch::kDouble) - plain[i].to(torch::kDouble))
+                 .abs()
+                 .max()
+                 .item<double>();
+    }
+  }
 }
 
 TEST(Zoo, VitIsConfigurable) {

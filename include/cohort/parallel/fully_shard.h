@@ -32,6 +32,11 @@ class ShardedUnitHooks {
 /// as without the wrapper), so checkpoints load either way. Without a stage-3 ZeroOptimizer over
 /// the model (DDP, ZeRO 1-2, one process) the forward is the module's, unchanged. Units do not
 /// nest; parameters outside every unit stay whole on every rank. train(bool) reaches the module.
+///
+/// A unit is also what activation checkpointing recomputes
+/// (parallel::apply_activation_checkpointing marks units by policy): a marked unit keeps only its
+/// input in forward and runs its forward again in backward, inside the stage-3 gather of its
+/// backward.
 class FullyShardImpl : public torch::nn::Module {
  public:
   /// The unit's forward: one tensor in, one out.
@@ -57,6 +62,11 @@ class FullyShardImpl : public torch::nn::Module {
     return std::dynamic_pointer_cast<ModuleType>(module_);
   }
 
+  /// Whether the forward keeps only its input and is recomputed in backward (parallel::checkpoint).
+  void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  /// See set_activation_checkpointing.
+  bool activation_checkpointing() const { return checkpointing_; }
+
   /// Set by the ZeroOptimizer at stage 3 (unit `unit` of its own), cleared when it goes.
   void set_sharding(std::weak_ptr<ShardedUnitHooks> hooks, size_t unit);
 
@@ -65,6 +75,7 @@ class FullyShardImpl : public torch::nn::Module {
   std::shared_ptr<torch::nn::Module> module_;
   std::weak_ptr<ShardedUnitHooks> hooks_;
   size_t unit_ = 0;
+  bool checkpointing_ = false;
 };
 /// The module holder of FullyShardImpl (`parallel::FullyShard(block)`).
 TORCH_MODULE(FullyShard);

@@ -1,0 +1,422 @@
+#include "cohort/parallel/activation_checkpointing.h"
+
+#include <ATen/Context.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
+#include <algorithm>
+#include <mutex>
+#include <set>
+#include <unordered_set>
+#include <utility>
+
+#include "cohort/error.h"
+#include "cohort/optim/precision.h"
+#include "cohort/parallel/fully_shard.h"
+
+namespace cohort::parallel {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The random number generators' states: the CPU's and those of the CUDA devices used.
+struct RandomStates {
+  at::Tensor cpu;
+  std::vector<std::pair<c10::Device, at::Tensor>> cuda;
+
+  static RandomStates capture(const std::vector<c10::Device>& cuda_devices) {
+    RandomStates states;
+    states.cpu = state_of(c10::Device(c10::kCPU));
+    for (const auto& device : cuda_devices) states.cuda.emplace_back(device, state_of(device));
+    return states;
+  }
+
+  void restore() const {
+    restore(c10::Device(c10::kCPU), cpu);
+    for (const auto& [device, state] : cuda) restore(device, state);
+  }
+
+ private:
+  static at::Tensor state_of(const c10::Device& device) {
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard lock(generator.mutex());
+    return generator.get_state();
+  }
+  static void restore(const c10::Device& device, const at::Tensor& state) {
+    at::Generator generator = at::globalContext().defaultGenerator(device);
+    std::lock_guard lock(generator.mutex());
+    generator.set_state(state);
+  }
+};
+
+// The generators set to a forward's states while it lives, then put back: the recomputation
+// draws what the forward drew, and whatever runs after it draws what it would have without it.
+class RandomStatesScope {
+ public:
+  explicit RandomStatesScope(const RandomStates* states) {
+    if (states == nullptr) return;
+    std::vector<c10::Device> devices;
+    for (const auto& entry : states->cuda) devices.push_back(entry.first);
+    own_ = RandomStates::capture(devices);
+    states->restore();
+    active_ = true;
+  }
+  ~RandomStatesScope() {
+    if (active_) own_.restore();
+  }
+  RandomStatesScope(const RandomStatesScope&) = delete;
+  RandomStatesScope& operator=(const RandomStatesScope&) = delete;
+
+ private:
+  RandomStates own_;
+  bool active_ = false;
+};
+
+// Buffers put back as they were when the scope began (BatchNorm's running statistics, updated
+// by the recomputation a second time).
+class BuffersScope {
+ public:
+  explicit BuffersScope(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
+    at::NoGradGuard no_grad;
+    for (const auto& b : buffers_) values_.push_back(b.defined() ? b.clone() : b);
+  }
+  ~BuffersScope() {
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i)
+      if (buffers_[i].defined()) buffers_[i].copy_(values_[i]);
+  }
+  BuffersScope(const BuffersScope&) = delete;
+  BuffersScope& operator=(const BuffersScope&) = delete;
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> values_;
+};
+
+// What backward needs to run the function again: held by the autograd node.
+struct Recomputation : torch::CustomClassHolder {
+  CheckpointedFunction fn;
+  size_t num_inputs = 0;
+  std::vector<at::Tensor> parameters;
+  std::vector<at::Tensor> buffers;
+  optim::AutocastState autocast;
+  std::optional<RandomStates> random;
+};
+
+// The leaves (parameters, inputs) that the recomputed graph from `roots` accumulates into and
+// that are not in `known`: a parameter the caller did not list.
+std::vector<at::Tensor> unlisted_leaves(const std::vector<at::Tensor>& roots,
+                                        const std::unordered_set<const c10::TensorImpl*>& known) {
+  std::vector<at::Tensor> out;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> pending;
+  for (const auto& r : roots)
+    if (r.grad_fn()) pending.push_back(r.grad_fn().get());
+  while (!pending.empty()) {
+    auto* node = pending.back();
+    pending.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (auto* accumulate = dynamic_cast<torch::autograd::AccumulateGrad*>(node)) {
+      const auto& leaf = accumulate->variable;
+      if (leaf.defined() && known.count(leaf.unsafeGetTensorImpl()) == 0) out.push_back(leaf);
+      continue;
+    }
+    for (const auto& edge : node->next_edges())
+      if (edge.function) pending.push_back(edge.function.get());
+  }
+  return out;
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  // `tensors`: the inputs, then the parameters (edges to their gradient accumulators).
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<Recomputation> r,
+                               at::TensorList tensors) {
+    std::vector<at::Tensor> inputs(tensors.begin(),
+                                   tensors.begin() + static_cast<std::ptrdiff_t>(r->num_inputs));
+    ctx->save_for_backward(inputs);
+    ctx->saved_data["recomputation"] = at::IValue::make_capsule(r);
+    return r->fn(inputs);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    auto r = c10::static_intrusive_pointer_cast<Recomputation>(
+        ctx->saved_data["recomputation"].toCapsule());
+    const bool create_graph = at::GradMode::is_enabled();
+    std::vector<at::Tensor> inputs;
+    for (const auto& saved : ctx->get_saved_variables()) {
+      if (!saved.defined()) {
+        inputs.push_back(saved);
+        continue;
+      }
+      auto input = saved.detach();
+      input.requires_grad_(saved.requires_grad());
+      inputs.push_back(std::move(input));
+    }
+    std::vector<at::Tensor> outputs;
+    // Put back once the recomputed graph is differentiated: BatchNorm's backward reads the
+    // running statistics it saved, at the version the recomputation left.
+    BuffersScope buffers(r->buffers);
+    {
+      RandomStatesScope random(r->random ? &*r->random : nullptr);
+      optim::AutocastStateGuard autocast(r->autocast);
+      at::AutoGradMode grad(true);
+      outputs = r->fn(inputs);
+    }
+    if (outputs.size() != grad_outputs.size()) {
+      throw std::logic_error("parallel::checkpoint: the function returned " +
+                             std::to_string(outputs.size()) + " tensors when run again, " +
+                             std::to_string(grad_outputs.size()) +
+                             " the first time: it must be deterministic in its outputs");
+    }
+    std::vector<at::Tensor> roots, root_grads;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grad_outputs[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grad_outputs[i]);
+      }
+    }
+    // What to differentiate by: the inputs and parameters whose gradients the caller's backward
+    // needs (a pipeline's input-only backward needs no parameter's).
+    std::unordered_set<const c10::TensorImpl*> known;
+    std::vector<at::Tensor> by;
+    std::vector<size_t> slot;  // index into the forward's tensors
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) continue;
+      known.insert(inputs[i].unsafeGetTensorImpl());
+      if (inputs[i].requires_grad() && ctx->needs_input_grad(i)) {
+        by.push_back(inputs[i]);
+        slot.push_back(i);
+      }
+    }
+    for (size_t j = 0; j < r->parameters.size(); ++j) {
+      known.insert(r->parameters[j].unsafeGetTensorImpl());
+      if (ctx->needs_input_grad(r->num_inputs + j)) {
+        by.push_back(r->parameters[j]);
+        slot.push_back(r->num_inputs + j);
+      }
+    }
+    const auto unlisted = unlisted_leaves(roots, known);
+    if (!unlisted.empty()) {
+      throw UsageError("parallel::checkpoint: the function uses " +
+                       std::to_string(unlisted.size()) +
+                       " tensor(s) that require a gradient and are neither its inputs nor in "
+                       "CheckpointOptions::parameters (the first of shape " +
+                       shape_of(unlisted[0]) +
+                       "): their gradients would be lost; list them, e.g. with "
+                       "checkpoint_options_of(module)");
+    }
+    // The first gradient is the Recomputation's (not a tensor): none.
+    variable_list grads(1 + r->num_inputs + r->parameters.size());
+    if (!roots.empty() && !by.empty()) {
+      const auto g = torch::autograd::grad(roots, by, root_grads, /*retain_graph=*/create_graph,
+                                           create_graph, /*allow_unused=*/true);
+      for (size_t k = 0; k < g.size(); ++k) grads[1 + slot[k]] = g[k];
+    }
+    return grads;
+  }
+};
+
+void add_cuda_device(const at::Tensor& t, std::vector<c10::Device>& devices) {
+  if (!t.defined() || !t.is_cuda()) return;
+  if (std::find(devices.begin(), devices.end(), t.device()) == devices.end())
+    devices.push_back(t.device());
+}
+
+// "cohort::models::(anonymous namespace)::BasicBlockImpl" -> "BasicBlock".
+std::string short_type(std::string name) {
+  const auto colon = name.rfind("::");
+  if (colon != std::string::npos) name = name.substr(colon + 2);
+  constexpr std::string_view kImpl = "Impl";
+  if (name.size() > kImpl.size() &&
+      name.compare(name.size() - kImpl.size(), kImpl.size(), kImpl) == 0)
+    name.resize(name.size() - kImpl.size());
+  return name;
+}
+
+struct Unit {
+  CheckpointedUnit description;
+  std::shared_ptr<FullyShardImpl> module;
+};
+
+std::vector<Unit> units_of(const torch::nn::Module& module) {
+  std::vector<Unit> units;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    if (auto unit = std::dynamic_pointer_cast<FullyShardImpl>(item.value()))
+      units.push_back({{item.key(), short_type(unit->module()->name())}, unit});
+  }
+  return units;
+}
+
+std::vector<Unit> chosen_units(const torch::nn::Module& module,
+                               const ActivationCheckpointing& policy, std::vector<Unit>& all) {
+  policy.validate();
+  all = units_of(module);
+  const std::string flag = "--activation-checkpointing " + to_string(policy);
+  if (!policy.enabled()) return {};
+  if (all.empty()) {
+    throw UsageError(flag + ": the model " + module.name() +
+                     " has no units to checkpoint; wrap its layers in parallel::FullyShard");
+  }
+  std::string listing;
+  for (const auto& u : all)
+    listing += (listing.empty() ? "" : ", ") + u.description.name + " (" + u.description.type + ")";
+  std::vector<Unit> chosen;
+  if (policy.every > 0) {
+    for (size_t i = 0; i < all.size(); ++i)
+      if ((i + 1) % static_cast<size_t>(policy.every) == 0) chosen.push_back(all[i]);
+    if (chosen.empty()) {
+      throw UsageError(flag + " chooses none of the model's " + std::to_string(all.size()) +
+                       " units: use every:K with K <= " + std::to_string(all.size()));
+    }
+    return chosen;
+  }
+  std::set<size_t> picked;
+  for (const auto& wanted : policy.layers) {
+    bool found = false;
+    for (size_t i = 0; i < all.size(); ++i) {
+      const auto& d = all[i].description;
+      if (d.name == wanted || d.type == wanted || d.name.rfind(wanted + ".", 0) == 0) {
+        picked.insert(i);
+        found = true;
+      }
+    }
+    if (!found) {
+      throw UsageError(flag + ": the model has no unit named or of type '" + wanted +
+                       "'; its units: " + listing);
+    }
+  }
+  for (size_t i : picked) chosen.push_back(all[i]);
+  return chosen;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(const CheckpointedFunction& fn,
+                                   const std::vector<at::Tensor>& inputs,
+                                   const CheckpointOptions& options) {
+  if (!fn) throw UsageError("parallel::checkpoint: the function is empty");
+  if (!at::GradMode::is_enabled()) return fn(inputs);
+  auto r = c10::make_intrusive<Recomputation>();
+  r->fn = fn;
+  r->num_inputs = inputs.size();
+  r->buffers = options.buffers;
+  r->autocast = optim::AutocastState::current();
+  std::vector<at::Tensor> tensors = inputs;
+  std::vector<c10::Device> devices;
+  for (const auto& t : inputs) add_cuda_device(t, devices);
+  for (const auto& p : options.parameters) {
+    if (!p.defined() || !p.requires_grad()) continue;
+    r->parameters.push_back(p);
+    tensors.push_back(p);
+    add_cuda_device(p, devices);
+  }
+  if (options.preserve_rng_state) r->random = RandomStates::capture(devices);
+  return CheckpointFunction::apply(r, at::TensorList(tensors));
+}
+
+CheckpointOptions checkpoint_options_of(const torch::nn::Module& module) {
+  CheckpointOptions options;
+  for (const auto& p : module.parameters())
+    if (p.requires_grad()) options.parameters.push_back(p);
+  for (const auto& b : module.buffers()) options.buffers.push_back(b);
+  return options;
+}
+
+at::Tensor checkpoint(const torch::nn::Module& module,
+                      const std::function<at::Tensor(const at::Tensor&)>& fn,
+                      const at::Tensor& input) {
+  // fn by value: backward runs it after the caller's has gone.
+  return checkpoint([fn](const std::vector<at::Tensor>& in) { return std::vector{fn(in[0])}; },
+                    {input}, checkpoint_options_of(module))[0];
+}
+
+void ActivationCheckpointing::validate() const {
+  const std::string flag = "--activation-checkpointing " + to_string(*this);
+  if (every < 0)
+    throw UsageError(flag + ": every:K needs K >= 1 (1: every unit; none: no checkpointing)");
+  if (every > 0 && !layers.empty())
+    throw UsageError(flag + ": give every:K or layers:NAMES, not both");
+  for (const auto& name : layers)
+    if (name.empty()) throw UsageError(flag + ": an empty layer name; give NAME[,NAME...]");
+}
+
+ActivationCheckpointing parse_activation_checkpointing(const std::string& text) {
+  const auto fail = [&](const std::string& why) {
+    return UsageError("--activation-checkpointing '" + text + "': " + why +
+                      "; give none, every:K (K >= 1: every K-th unit) or layers:NAME[,NAME...] "
+                      "(units by name or type, e.g. layers:blocks.0,blocks.1 or "
+                      "layers:BasicBlock)");
+  };
+  ActivationCheckpointing policy;
+  if (text.empty() || text == "none") return policy;
+  const auto colon = text.find(':');
+  const std::string kind = text.substr(0, colon);
+  const std::string value = colon == std::string::npos ? "" : text.substr(colon + 1);
+  if (kind == "every") {
+    size_t used = 0;
+    long long k = 0;
+    try {
+      k = std::stoll(value, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (value.empty() || used != value.size()) throw fail("K must be an integer");
+    if (k < 1) throw fail("K must be >= 1");
+    if (k > 1'000'000) throw fail("K must be at most 1000000");
+    policy.every = static_cast<int>(k);
+    return policy;
+  }
+  if (kind == "layers") {
+    size_t start = 0;
+    while (start <= value.size()) {
+      const auto comma = value.find(',', start);
+      const auto name = value.substr(start, comma == std::string::npos ? comma : comma - start);
+      if (name.empty()) throw fail("a layer name is empty");
+      policy.layers.push_back(name);
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+    return policy;
+  }
+  throw fail("unknown form");
+}
+
+std::string to_string(const ActivationCheckpointing& policy) {
+  if (policy.every != 0) return "every:" + std::to_string(policy.every);
+  if (policy.layers.empty()) return "none";
+  std::string text = "layers:";
+  for (size_t i = 0; i < policy.layers.size(); ++i) text += (i ? "," : "") + policy.layers[i];
+  return text;
+}
+
+std::vector<CheckpointedUnit> checkpointed_units(const torch::nn::Module& module,
+                                                 const ActivationCheckpointing& policy) {
+  std::vector<Unit> all;
+  std::vector<CheckpointedUnit> out;
+  for (const auto& u : chosen_units(module, policy, all)) out.push_back(u.description);
+  return out;
+}
+
+std::vector<CheckpointedUnit> apply_activation_checkpointing(
+    torch::nn::Module& module, const ActivationCheckpointing& policy) {
+  std::vector<Unit> all;
+  const auto chosen = chosen_units(module, policy, all);
+  for (const auto& u : all) u.module->set_activation_checkpointing(false);
+  std::vector<CheckpointedUnit> out;
+  for (const auto& u : chosen) {
+    u.module->set_activation_checkpointing(true);
+    out.push_back(u.description);
+  }
+  return out;
+}
+
+}  // namespace cohort::parallel

@@ -1,0 +1,305 @@
+#include "cohort/parallel/activation_checkpointing.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "cohort/error.h"
+#include "cohort/optim/precision.h"
+#include "cohort/parallel/fully_shard.h"
+#include "cohort/parallel/tensor_parallel.h"
+#include "support/cuda.h"
+#include "support/local_group.h"
+
+namespace cohort::parallel {
+namespace {
+
+// A block with every kind of state a recomputation must reproduce: dropout (the random
+// generator), BatchNorm (running statistics updated in training), and a count of its forwards.
+struct RecomputedBlockImpl : torch::nn::Module {
+  RecomputedBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(6, 6));
+    norm = register_module("norm", torch::nn::BatchNorm1d(6));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    ++forwards;
+    return x + torch::dropout(torch::gelu(norm->forward(fc->forward(x))), 0.3, is_training());
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d norm{nullptr};
+  int forwards = 0;
+};
+TORCH_MODULE(RecomputedBlock);
+
+// Four blocks, each a unit, and a head outside them.
+struct RecomputedNetImpl : torch::nn::Module {
+  RecomputedNetImpl() {
+    for (int i = 0; i < 4; ++i) {
+      blocks.push_back(FullyShard(RecomputedBlock()));
+      register_module("block" + std::to_string(i), blocks.back());
+    }
+    head = register_module("head", torch::nn::Linear(6, 3));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& b : blocks) x = b->forward(x);
+    return head->forward(x);
+  }
+  int forwards() const {
+    int n = 0;
+    for (const auto& b : blocks) n += b->module_as<RecomputedBlockImpl>()->forwards;
+    return n;
+  }
+  std::vector<FullyShard> blocks;
+  torch::nn::Linear head{nullptr};
+};
+TORCH_MODULE(RecomputedNet);
+
+RecomputedNet seeded_net() {
+  torch::manual_seed(1);
+  return RecomputedNet();
+}
+
+struct Step {
+  at::Tensor loss, input_grad, next_draw;
+  std::vector<at::Tensor> grads, buffers;
+};
+
+// One forward and backward of `net` from the same seed: its loss, gradients, buffers afterwards
+// and the generator's next draw after the step.
+Step run_step(RecomputedNet& net) {
+  torch::manual_seed(7);
+  const at::Tensor x = torch::randn({5, 6}).requires_grad_(true);
+  const at::Tensor loss = net->forward(x).pow(2).mean();
+  loss.backward();
+  Step s{.loss = loss.detach(), .input_grad = x.grad(), .next_draw = torch::rand({4})};
+  for (const auto& p : net->parameters()) s.grads.push_back(p.grad().clone());
+  for (const auto& b : net->buffers()) s.buffers.push_back(b.clone());
+  return s;
+}
+
+void expect_same_step(const Step& a, const Step& b) {
+  EXPECT_TRUE(torch::allclose(a.loss, b.loss, 0, 1e-6))
+      << a.loss.item<double>() << " vs " << b.loss.item<double>();
+  EXPECT_TRUE(torch::allclose(a.input_grad, b.input_grad, 0, 1e-6));
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a.grads[i], b.grads[i], 0, 1e-6))
+        << "gradient " << i << ": largest difference "
+        << (a.grads[i] - b.grads[i]).abs().max().item<double>();
+  }
+  ASSERT_EQ(a.buffers.size(), b.buffers.size());
+  for (size_t i = 0; i < a.buffers.size(); ++i)
+    EXPECT_TRUE(torch::equal(a.buffers[i], b.buffers[i])) << "buffer " << i;
+  EXPECT_TRUE(torch::equal(a.next_draw, b.next_draw)) << "the generator after the step";
+}
+
+TEST(ActivationCheckpointing, CheckpointedUnitsGiveThePlainLossAndGradientsWithDropout) {
+  auto plain = seeded_net();
+  const Step expected = run_step(plain);
+  EXPECT_EQ(plain->forwards(), 4);
+  for (const std::string policy :
+       {"every:1", "every:2", "layers:block1,block3", "layers:RecomputedBlock"}) {
+    SCOPED_TRACE(policy);
+    auto net = seeded_net();
+    const auto units = apply_activation_checkpointing(*net, parse_activation_checkpointing(policy));
+    const Step actual = run_step(net);
+    expect_same_step(expected, actual);
+    // Each checkpointed unit ran its forward twice: once without keeping activations, once in
+    // backward.
+    EXPECT_EQ(net->forwards(), 4 + static_cast<int>(units.size()));
+  }
+}
+
+TEST(ActivationCheckpointing, RecomputesUnderTheForwardsAutocast) {
+  const auto step = [](RecomputedNet& net) {
+    torch::manual_seed(7);
+    const at::Tensor x = torch::randn({5, 6});
+    at::Tensor loss;
+    {
+      optim::AutocastGuard autocast(optim::Precision::kBf16, torch::kCPU);
+      loss = net->forward(x).to(torch::kFloat).pow(2).mean();
+    }
+    // Backward after the guard, as in PyTorch: the recomputation must bring bf16 back itself.
+    loss.backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    return grads;
+  };
+  auto plain = seeded_net();
+  const auto expected = step(plain);
+  auto net = seeded_net();
+  apply_activation_checkpointing(*net, {.every = 1});
+  const auto actual = step(net);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 0, 1e-6))
+        << "gradient " << i << ": largest difference "
+        << (actual[i] - expected[i]).abs().max().item<double>();
+  }
+}
+
+TEST(ActivationCheckpointing, EvaluationRunsTheForwardOnce) {
+  auto net = seeded_net();
+  apply_activation_checkpointing(*net, {.every = 1});
+  net->eval();
+  torch::NoGradGuard no_grad;
+  net->forward(torch::randn({2, 6}));
+  EXPECT_EQ(net->forwards(), 4);
+}
+
+TEST(ActivationCheckpointing, SeveralInputsAndOutputsGetTheirGradients) {
+  torch::manual_seed(3);
+  const at::Tensor w = torch::randn({4, 4}).requires_grad_(true);
+  const at::Tensor a = torch::randn({2, 4}).requires_grad_(true);
+  const at::Tensor b = torch::randn({2, 4});  // needs no gradient
+  const auto fn = [&](const std::vector<at::Tensor>& in) {
+    const at::Tensor h = torch::tanh(in[0].matmul(w)) * in[1];
+    return std::vector<at::Tensor>{h.sum(1), h.exp().mean()};
+  };
+  const auto plain = fn({a, b});
+  (plain[0].sum() * 3 + plain[1]).backward();
+  const at::Tensor a_grad = a.grad().clone(), w_grad = w.grad().clone();
+  a.mutable_grad().reset();
+  w.mutable_grad().reset();
+  const auto outs = checkpoint(fn, {a, b}, {.parameters = {w}});
+  EXPECT_TRUE(torch::equal(outs[0], plain[0]));
+  (outs[0].sum() * 3 + outs[1]).backward();
+  EXPECT_TRUE(torch::allclose(a.grad(), a_grad, 0, 1e-6));
+  EXPECT_TRUE(torch::allclose(w.grad(), w_grad, 0, 1e-6));
+}
+
+TEST(ActivationCheckpointing, AParameterLeftOutIsNamedNotLost) {
+  torch::manual_seed(3);
+  const at::Tensor w = torch::randn({3, 4}).requires_grad_(true);
+  const at::Tensor x = torch::randn({2, 3}).requires_grad_(true);
+  const auto out = checkpoint(
+      [&](const std::vector<at::Tensor>& in) { return std::vector{in[0].matmul(w)}; }, {x}, {});
+  try {
+    out[0].sum().backward();
+    FAIL() << "backward went through without w's gradient";
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("CheckpointOptions::parameters"), std::string::npos) << message;
+    EXPECT_NE(message.find("[3, 4]"), std::string::npos) << message;
+  }
+}
+
+TEST(ActivationCheckpointing, PoliciesParseAndBadOnesAreNamed) {
+  EXPECT_FALSE(parse_activation_checkpointing("none").enabled());
+  EXPECT_EQ(parse_activation_checkpointing("every:3").every, 3);
+  EXPECT_EQ(parse_activation_checkpointing("layers:a,b.c").layers,
+            (std::vector<std::string>{"a", "b.c"}));
+  for (const std::string text : {"every:2", "layers:blocks.0,RecomputedBlock", "none"})
+    EXPECT_EQ(to_string(parse_activation_checkpointing(text)), text);
+  const auto message_of = [](const std::string& text) {
+    try {
+      parse_activation_checkpointing(text);
+    } catch (const UsageError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message_of("every:0").find("'every:0': K must be >= 1"), std::string::npos);
+  EXPECT_NE(message_of("every:x").find("K must be an integer"), std::string::npos);
+  EXPECT_NE(message_of("layers:").find("a layer name is empty"), std::string::npos);
+  EXPECT_NE(message_of("layers:a,,b").find("a layer name is empty"), std::string::npos);
+  EXPECT_NE(message_of("sometimes").find("give none, every:K"), std::string::npos);
+  EXPECT_THROW((ActivationCheckpointing{.every = 2, .layers = {"a"}}.validate()), UsageError);
+}
+
+TEST(ActivationCheckpointing, PoliciesChooseUnitsByPositionNameOrTypeAndNameWhatIsMissing) {
+  auto net = seeded_net();
+  const auto names = [&](const std::string& policy) {
+    std::vector<std::string> out;
+    for (const auto& u : checkpointed_units(*net, parse_activation_checkpointing(policy)))
+      out.push_back(u.name);
+    return out;
+  };
+  EXPECT_EQ(names("every:2"), (std::vector<std::string>{"block1", "block3"}));
+  EXPECT_EQ(names("every:4"), (std::vector<std::string>{"block3"}));
+  EXPECT_EQ(names("layers:block0,block2"), (std::vector<std::string>{"block0", "block2"}));
+  EXPECT_EQ(names("layers:RecomputedBlock").size(), 4u);
+  EXPECT_TRUE(names("none").empty());
+  try {
+    checkpointed_units(*net, parse_activation_checkpointing("layers:block9"));
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("no unit named or of type 'block9'; its units: block0 "
+                                         "(RecomputedBlock), block1 (RecomputedBlock)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(checkpointed_units(*net, parse_activation_checkpointing("every:5")), UsageError);
+  // A model without units says how to make some.
+  torch::nn::Linear bare(2, 2);
+  try {
+    checkpointed_units(*bare, {.every = 1});
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("wrap its layers in parallel::FullyShard"),
+              std::string::npos);
+  }
+  // Applying a policy marks exactly its units, and a second one replaces the first.
+  apply_activation_checkpointing(*net, parse_activation_checkpointing("every:1"));
+  apply_activation_checkpointing(*net, parse_activation_checkpointing("layers:block2"));
+  for (size_t i = 0; i < net->blocks.size(); ++i)
+    EXPECT_EQ(net->blocks[i]->activation_checkpointing(), i == 2) << i;
+}
+
+// Megatron-style tensor-parallel units recompute their collectives alike on every rank.
+TEST(ActivationCheckpointing, TensorParallelUnitsGiveThePlainGradients) {
+  testing::run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto make = [&] {
+      std::lock_guard lock(testing::generator_mutex());
+      torch::manual_seed(11);
+      return TensorParallelMlp(8, 16, group);
+    };
+    auto plain = make(), checkpointed = make();
+    at::Tensor x;
+    {
+      std::lock_guard lock(testing::generator_mutex());
+      torch::manual_seed(12);
+      x = torch::randn({3, 8});
+    }
+    const at::Tensor xp = x.clone().requires_grad_(true), xc = x.clone().requires_grad_(true);
+    plain->forward(xp).pow(2).sum().backward();
+    // The ranks are threads sharing one generator: nothing here draws from it.
+    auto options = checkpoint_options_of(*checkpointed);
+    options.preserve_rng_state = false;
+    checkpoint(
+        [&](const std::vector<at::Tensor>& in) {
+          return std::vector{checkpointed->forward(in[0])};
+        },
+        {xc}, options)[0]
+        .pow(2)
+        .sum()
+        .backward();
+    EXPECT_TRUE(torch::allclose(xp.grad(), xc.grad(), 0, 1e-6));
+    const auto a = plain->parameters(), b = checkpointed->parameters();
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad(), 0, 1e-6)) << i;
+  });
+}
+
+TEST(ActivationCheckpointing, CheckpointedUnitsGiveThePlainGradientsOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  const auto step = [](RecomputedNet& net) {
+    net->to(torch::kCUDA);
+    torch::manual_seed(7);
+    const at::Tensor x = torch::randn({5, 6}, torch::kCUDA);
+    net->forward(x).pow(2).mean().backward();
+    std::vector<at::Tensor> grads;
+    for (const auto& p : net->parameters()) grads.push_back(p.grad().cpu());
+    return grads;
+  };
+  auto plain = seeded_net();
+  const auto expected = step(plain);
+  auto net = seeded_net();
+  apply_activation_checkpointing(*net, {.every = 1});
+  const auto actual = step(net);
+  for (size_t i = 0; i < actual.size(); ++i)
+    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 0, 1e-6)) << i;
+}
+
+}  // namespace
+}  // namespace cohort::parallel
