@@ -44,6 +44,8 @@ struct ParallelModel::State {
   std::vector<torch::nn::Sequential> all_stages;
   std::optional<pipeline::Pipeline> pipe;
   std::vector<OptimizerPart::Parameter> parameters;
+  // The units whose activations are recomputed in backward.
+  std::vector<parallel::CheckpointedUnit> checkpointed;
 
   MeshCheckpointParts mesh_parts() {
     return {.mesh = mesh,
@@ -218,6 +220,12 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   st->plan = plan;
   st->loss = std::move(loss);
   st->schedule = schedule;
+  // Before any engine wraps the model: the units are the model's own (a pipeline's stages share
+  // them).
+  if (plan.activation_checkpointing.enabled()) {
+    st->checkpointed =
+        parallel::apply_activation_checkpointing(*model.module, plan.activation_checkpointing);
+  }
   if (!plan.has_mesh()) {
     st->model = std::move(model);
     {
@@ -395,12 +403,18 @@ std::string ParallelModel::describe() const {
   const std::string engine = plan.zero.stage > 0 ? "ZeRO stage " + std::to_string(plan.zero.stage)
                              : parallel::is_synchronous(plan.sync) ? std::string("DDP")
                                                                    : parallel::to_string(plan.sync);
-  if (!state_->pipe) return engine;
+  const std::string recomputed =
+      state_->checkpointed.empty()
+          ? ""
+          : ", activation checkpointing " + parallel::to_string(plan.activation_checkpointing) +
+                " (" + std::to_string(state_->checkpointed.size()) + " units)";
+  if (!state_->pipe) return engine + recomputed;
   return "mesh " + parallel::to_string(state_->mesh->shape()) + ": " +
          std::to_string(state_->model.layers->size()) + " layers in " +
          std::to_string(state_->layout.stages()) + " stages, " +
          pipeline::to_string(plan.schedule) + " over " +
-         std::to_string(plan.micro_batches_per_step()) + " micro-batches, " + engine + " over dp";
+         std::to_string(plan.micro_batches_per_step()) + " micro-batches, " + engine + " over dp" +
+         recomputed;
 }
 
 bool ParallelModel::save(const std::filesystem::path& dir) const {

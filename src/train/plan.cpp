@@ -35,6 +35,7 @@ void Plan::validate(int world_size) const {
   }
   zero.validate();
   loss_scaler.validate();
+  activation_checkpointing.validate();
   parallel::validate(sync);
   const std::string sync_flag = "--sync " + parallel::to_string(sync);
   if (const auto conflict = parallel::zero_conflict(sync, zero.stage))
@@ -52,6 +53,11 @@ void Plan::validate(int world_size) const {
     }
     if (zero.stage > 0)
       refuse("does not capture ZeRO's steps: use stage 0 (DDP) or drop --cuda-graph");
+    if (activation_checkpointing.enabled()) {
+      refuse(
+          "does not capture checkpointed units (their recomputation reads the random "
+          "generators' state on the host): drop --activation-checkpointing or --cuda-graph");
+    }
     if (!parallel::is_synchronous(sync)) {
       refuse("needs --sync ddp: " + parallel::to_string(sync) +
              " decides on the host when to communicate");

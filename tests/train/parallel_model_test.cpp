@@ -44,6 +44,10 @@ train::Plan plan_named(const std::string& name) {
     plan.zero.stage = 1;
     plan.gradient_accumulation_steps = 2;
   }
+  if (name == "zero_bubble") {
+    plan.pp = 2;
+    plan.schedule = parallel::pipeline::ScheduleKind::kZeroBubble;
+  }
   if (name == "local_sgd") plan.sync = parallel::LocalSgd{.every = 2};
   if (name == "diloco") plan.sync = parallel::DiLoCo{.inner_steps = 2};
   if (name == "parameter_server")
@@ -52,11 +56,12 @@ train::Plan plan_named(const std::string& name) {
 }
 
 // An MLP of 8 features, `hidden_layers` of 16 and 4 classes, every rank the same weights, made
-// parallel by `plan` with AdamW; with ZeRO-3 each linear layer is a unit (parallel::FullyShard).
+// parallel by `plan` with AdamW; with ZeRO-3 or activation checkpointing each linear layer is a
+// unit (parallel::FullyShard).
 train::ParallelModel parallel_net(const train::Plan& plan, int hidden_layers) {
   torch::manual_seed(0);
   const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
-    if (plan.zero.stage == 3)
+    if (plan.zero.stage == 3 || plan.activation_checkpointing.enabled())
       return torch::nn::AnyModule(parallel::FullyShard(torch::nn::Linear(in, out)));
     return torch::nn::AnyModule(torch::nn::Linear(in, out));
   };
@@ -86,7 +91,9 @@ train::ParallelModel parallel_net(const train::Plan& plan, int hidden_layers) {
 // ids it trained on, by epoch, to <ids>-rank<r>.txt.
 void train_loop(const Json& c) {
   auto& ctx = train::get_context();
-  const auto plan = plan_named(c["plan"]);
+  auto plan = plan_named(c["plan"]);
+  plan.activation_checkpointing =
+      parallel::parse_activation_checkpointing(c.value("activation_checkpointing", "none"));
   auto model = parallel_net(plan, /*hidden_layers=*/2);
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
@@ -128,9 +135,16 @@ void train_loop(const Json& c) {
     }
     // The replicas agree at an epoch's end; a checkpoint inside one keeps every rank's own state.
     if (!stopped) model.sync();
+    // The units of this rank's part that recompute in backward.
+    int64_t checkpointed_units = 0;
+    for (const auto& m : model.module().modules()) {
+      const auto* unit = dynamic_cast<const parallel::FullyShardImpl*>(m.get());
+      checkpointed_units += unit != nullptr && unit->activation_checkpointing();
+    }
     train::report({{"epoch", epoch + 1},
                    {train::kEpochStepMetric, stopped ? step : 0},
-                   {"steps", model.steps()}},
+                   {"steps", model.steps()},
+                   {"checkpointed_units", checkpointed_units}},
                   model);
     if (stopped) break;
   }
@@ -141,7 +155,8 @@ class ParallelModelResume : public ::testing::Test {
   void TearDown() override { std::filesystem::remove_all(dir); }
 
   Result fit(const std::string& name, const std::string& plan, int workers, int64_t stop_after,
-             const std::string& stream = "dataset") {
+             const std::string& stream = "dataset",
+             const std::string& activation_checkpointing = "none") {
     const auto p = plan_named(plan);
     Trainer trainer(train_loop,
                     {.num_workers = workers,
@@ -153,6 +168,7 @@ class ParallelModelResume : public ::testing::Test {
                      .setup_timeout = std::chrono::seconds(60),
                      .collective_timeout = std::chrono::seconds(60)},
                     Json{{"plan", plan},
+                         {"activation_checkpointing", activation_checkpointing},
                          {"stop_after", stop_after},
                          {"stream", stream},
                          {"ids", (dir / name).string() + "-ids"}},
@@ -221,6 +237,36 @@ INSTANTIATE_TEST_SUITE_P(ParallelModel, EveryPlanFamily,
                                            PlanCase{"pipeline", 2}, PlanCase{"mesh", 4},
                                            PlanCase{"local_sgd", 2}, PlanCase{"diloco", 2},
                                            PlanCase{"parameter_server", 2}),
+                         [](const auto& info) { return info.param.plan; });
+
+// Every unit checkpointed (recomputed in backward: at stage 3 inside its gather again, in a
+// pipeline inside each stage, with zero-bubble's input and weight backward apart), a plan trains
+// to the parameters it reaches without checkpointing.
+class ActivationCheckpointingPlans : public ParallelModelResume,
+                                     public ::testing::WithParamInterface<PlanCase> {};
+
+TEST_P(ActivationCheckpointingPlans, TrainToTheParametersOfThePlainRun) {
+  const auto& [plan, workers] = GetParam();
+  const auto plain = fit(plan + "-plain", plan, workers, 0);
+  ASSERT_TRUE(plain.ok()) << *plain.error;
+  const auto checkpointed = fit(plan + "-checkpointed", plan, workers, 0, "dataset", "every:1");
+  ASSERT_TRUE(checkpointed.ok()) << *checkpointed.error;
+  EXPECT_EQ(checkpointed.metrics["steps"], plain.metrics["steps"]);
+  EXPECT_EQ(plain.metrics["checkpointed_units"], 0);
+  EXPECT_GE(checkpointed.metrics["checkpointed_units"], 1);
+  const auto expected = model_of(plain);
+  const auto actual = model_of(checkpointed);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, tensor] : expected) {
+    EXPECT_TRUE(torch::allclose(actual.at(name), tensor, 0, 1e-6))
+        << name << " differs by " << (actual.at(name) - tensor).abs().max().item<double>();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ParallelModel, ActivationCheckpointingPlans,
+                         ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero2", 2},
+                                           PlanCase{"zero3", 2}, PlanCase{"pipeline", 2},
+                                           PlanCase{"zero_bubble", 2}, PlanCase{"mesh", 4}),
                          [](const auto& info) { return info.param.plan; });
 
 // A run of 2 workers stopped inside an epoch and resumed on 3 trains on every row of that epoch

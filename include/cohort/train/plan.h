@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "cohort/optim/precision.h"
+#include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/pipeline/schedule.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
@@ -47,6 +48,10 @@ struct Plan {
   /// The pipeline's schedule (--schedule) and micro-batches per batch (--micro-batches; 0: 2 x pp).
   parallel::pipeline::ScheduleKind schedule = parallel::pipeline::ScheduleKind::kOneFOneB;
   int micro_batches = 0;  ///< micro-batches per pipeline step (--micro-batches; 0: 2 x pp)
+  /// The units of the model (its parallel::FullyShard layers) that keep only their input in
+  /// forward and recompute the rest in backward (--activation-checkpointing); parallelize marks
+  /// them, naming a unit the model lacks in a UsageError.
+  parallel::ActivationCheckpointing activation_checkpointing;
 
   /// A pipeline or tensor parallelism: the workers form a mesh.
   bool has_mesh() const { return pp > 1 || tp > 1; }
