@@ -312,6 +312,32 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
   zero.validate();
 }
 
+// DeepSpeed checkpoints what the model's code wraps in deepspeed.checkpointing.checkpoint, in
+// practice each transformer layer: here every unit. What the block tunes beyond that (partitioning
+// the kept inputs over the tensor-parallel group, keeping them in host memory, one contiguous
+// buffer, synchronising and timing at the boundaries) is not done here: named when asked for.
+void read_activation_checkpointing(const Reader& r, const Json& root, DeepSpeedConfig& c,
+                                   std::vector<std::string>& unknown) {
+  const Json* a = r.object(root, "activation_checkpointing", "activation_checkpointing");
+  if (a == nullptr) return;
+  const std::string prefix = "activation_checkpointing.";
+  r.collect_unknown(*a,
+                    {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+                     "number_checkpoints", "synchronize_checkpoint_boundary", "profile"},
+                    prefix, unknown);
+  for (const char* key :
+       {"partition_activations", "cpu_checkpointing", "contiguous_memory_optimization",
+        "synchronize_checkpoint_boundary", "profile"}) {
+    if (r.boolean(*a, key, prefix + key).value_or(false))
+      unknown.push_back(prefix + key + " (not honoured)");
+  }
+  if (const auto n = r.integer(*a, "number_checkpoints", prefix + "number_checkpoints")) {
+    if (*n < 1) r.fail(prefix + "number_checkpoints", "must be >= 1, got " + std::to_string(*n));
+    unknown.push_back(prefix + "number_checkpoints (not honoured)");
+  }
+  c.activation_checkpointing.every = 1;
+}
+
 }  // namespace
 
 DeepSpeedConfig DeepSpeedConfig::from_json(const Json& config, int world_size,
@@ -326,7 +352,8 @@ DeepSpeedConfig DeepSpeedConfig::from_json(const Json& config, int world_size,
       config,
       {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
        "optimizer", "scheduler", "fp16", "bf16", "gradient_clipping", "zero_optimization",
-       "steps_per_print", "wall_clock_breakdown", "dump_state", "zero_allow_untested_optimizer"},
+       "activation_checkpointing", "steps_per_print", "wall_clock_breakdown", "dump_state",
+       "zero_allow_untested_optimizer"},
       "", unknown);
   resolve_batch(
       r, c, r.integer(config, "train_batch_size", "train_batch_size"),
@@ -340,6 +367,7 @@ DeepSpeedConfig DeepSpeedConfig::from_json(const Json& config, int world_size,
     r.fail("gradient_clipping",
            "must be >= 0 (0: no clipping), got " + format_number(c.gradient_clipping));
   read_zero(r, config, c, unknown);
+  read_activation_checkpointing(r, config, c, unknown);
   c.unknown_keys = std::move(unknown);
   return c;
 }

@@ -147,6 +147,33 @@ TEST(DeepSpeedConfig, StageThreeKeysSetItsLimits) {
   EXPECT_EQ(defaults.zero.param_persistence_threshold, 100'000);
 }
 
+// Megatron's example configs' block: every unit checkpointed; what cohort does not do beyond that
+// is listed for the one warning, with what it does not know.
+TEST(DeepSpeedConfig, ActivationCheckpointingChecksEveryUnitAndNamesWhatItCannotHonour) {
+  EXPECT_FALSE(DeepSpeedConfig::from_json(Json::parse(R"({"train_batch_size": 8})"), 1)
+                   .activation_checkpointing.enabled());
+  const auto plain = DeepSpeedConfig::from_json(
+      Json::parse(R"({"train_batch_size": 8, "activation_checkpointing": {
+                      "partition_activations": false, "contiguous_memory_optimization": false}})"),
+      1);
+  EXPECT_EQ(plain.activation_checkpointing.every, 1);
+  EXPECT_TRUE(plain.unknown_keys.empty());
+  const auto megatron = DeepSpeedConfig::from_json(
+      Json::parse(R"({"train_batch_size": 8, "activation_checkpointing": {
+                      "partition_activations": true, "cpu_checkpointing": false,
+                      "contiguous_memory_optimization": true, "number_checkpoints": 4,
+                      "synchronize_checkpoint_boundary": false, "profile": true, "tiles": 2}})"),
+      1);
+  EXPECT_EQ(parallel::to_string(megatron.activation_checkpointing), "every:1");
+  EXPECT_EQ(megatron.unknown_keys,
+            (std::vector<std::string>{
+                "activation_checkpointing.tiles",
+                "activation_checkpointing.partition_activations (not honoured)",
+                "activation_checkpointing.contiguous_memory_optimization (not honoured)",
+                "activation_checkpointing.profile (not honoured)",
+                "activation_checkpointing.number_checkpoints (not honoured)"}));
+}
+
 TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
   const auto c = DeepSpeedConfig::from_json(
       Json::parse(R"({"train_batch_size": 8, "flops_profiler": {"enabled": true},
@@ -186,6 +213,10 @@ TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
        "fp16.enabled and bf16.enabled are both true"},
       {R"({"train_batch_size": 8, "gradient_clipping": -1})", "gradient_clipping must be >= 0"},
       {R"([1, 2])", "the top level must be a JSON object"},
+      {R"({"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": 0}})",
+       "activation_checkpointing.number_checkpoints must be >= 1, got 0"},
+      {R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": 1}})",
+       "activation_checkpointing.cpu_checkpointing must be true or false, got 1"},
   };
   for (const auto& [text, message] : bad) {
     expect_error<UsageError>([&] { DeepSpeedConfig::from_json(Json::parse(text), 1, "ds.json"); },

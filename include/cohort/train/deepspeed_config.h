@@ -8,6 +8,7 @@
 #include "cohort/json.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/optim/precision.h"
+#include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::train {
@@ -27,6 +28,10 @@ namespace cohort::train {
 ///   zero_optimization {stage, reduce_bucket_size, allgather_bucket_size, overlap_comm,
 ///     contiguous_gradients, stage3_prefetch_bucket_size, stage3_max_live_parameters,
 ///     stage3_param_persistence_threshold}
+///   activation_checkpointing {partition_activations, cpu_checkpointing,
+///     contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary,
+///     profile}   the block's presence checkpoints every unit of the model (every:1); its keys
+///     set to true name what cohort cannot honour, listed in `unknown_keys` for the same warning
 ///
 /// Keys that only tune DeepSpeed's own machinery and change nothing here (e.g.
 /// steps_per_print, wall_clock_breakdown, zero_optimization.contiguous_gradients) are accepted;
@@ -57,7 +62,12 @@ struct DeepSpeedConfig {
   parallel::ZeroOptions zero;  ///< zero_optimization: the stage, bucket sizes, overlap, stage 3's
                                ///< prefetch and persistence
 
-  std::vector<std::string> unknown_keys;  ///< keys cohort does not know, for one warning
+  /// activation_checkpointing: every:1 when the block is there, else none.
+  parallel::ActivationCheckpointing activation_checkpointing;
+
+  /// Keys cohort does not know, and keys it cannot honour (" (not honoured)" after their name),
+  /// for one warning.
+  std::vector<std::string> unknown_keys;
 
   /// `source` names the file in messages.
   static DeepSpeedConfig from_json(const Json& config, int world_size,
