@@ -200,7 +200,11 @@ void validate(const TrainOptions& o) {
   if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
     throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
   }
-  models::create_model(o.model);  // throws, listing the zoo, for an unknown name
+  // Throws, listing the zoo, for an unknown name; then the units --activation-checkpointing names
+  // are checked against the model the workers build, before any starts.
+  parallel::checkpointed_units(
+      *models::create_model(o.model),
+      parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
   if (!o.label.empty() && o.data.rfind("csv:", 0) != 0)
     throw UsageError("--label " + o.label +
                      " names a CSV's class column: use it with --data csv:FILE");
@@ -420,8 +424,8 @@ void apply_deepspeed_config(TrainOptions& o) {
   if (!ds.unknown_keys.empty()) {
     std::string keys;
     for (const auto& k : ds.unknown_keys) keys += (keys.empty() ? "" : ", ") + k;
-    std::cerr << "warning: " << o.deepspeed << ": ignoring keys cohort does not know: " << keys
-              << std::endl;
+    std::cerr << "warning: " << o.deepspeed
+              << ": ignoring keys cohort does not know or cannot honour: " << keys << std::endl;
   }
   o.batch_size = ds.micro_batch_size;
   o.plan.gradient_accumulation_steps = ds.gradient_accumulation_steps;
@@ -436,6 +440,9 @@ void apply_deepspeed_config(TrainOptions& o) {
   o.plan.loss_scaler = ds.loss_scaler;
   o.plan.gradient_clipping = ds.gradient_clipping;
   o.plan.zero = ds.zero;
+  // The block checkpoints every unit, unless --activation-checkpointing chose.
+  if (ds.activation_checkpointing.enabled() && o.plan.activation_checkpointing == "none")
+    o.plan.activation_checkpointing = parallel::to_string(ds.activation_checkpointing);
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
@@ -547,7 +554,8 @@ void train_loop(const Json& c) {
         return torch::nn::functional::cross_entropy(output, target);
       },
       plan, schedule_of(c, epochs * steps_per_epoch));
-  if (rank0 && plan.has_mesh()) std::cout << model.describe() << std::endl;
+  if (rank0 && (plan.has_mesh() || plan.activation_checkpointing.enabled()))
+    std::cout << model.describe() << std::endl;
   train::ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {
     // Resume where the checkpoint left off, not at epoch 1.

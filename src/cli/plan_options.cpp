@@ -38,7 +38,9 @@ train::Plan PlanOptions::plan(int world_size) const {
                    .gradient_clipping = gradient_clipping,
                    .cuda_graph = cuda_graph,
                    .schedule = parallel::pipeline::schedule_from_string(schedule),
-                   .micro_batches = micro_batches};
+                   .micro_batches = micro_batches,
+                   .activation_checkpointing =
+                       parallel::parse_activation_checkpointing(activation_checkpointing)};
   plan.validate(world_size);
   return plan;
 }
@@ -62,6 +64,7 @@ void to_json(Json& j, const PlanOptions& o) {
            {"gradient_clipping", o.gradient_clipping},
            {"cuda_graph", o.cuda_graph},
            {"precision", o.precision},
+           {"activation_checkpointing", o.activation_checkpointing},
            {"loss_scaler", o.loss_scaler}};
   if (o.outer_lr) j["outer_lr"] = *o.outer_lr;
   if (o.outer_momentum) j["outer_momentum"] = *o.outer_momentum;
@@ -94,6 +97,8 @@ void from_json(const Json& j, PlanOptions& o) {
   o.cuda_graph = json_field(j, "cuda_graph", d.cuda_graph);
   o.precision = json_field(j, "precision", d.precision);
   o.loss_scaler = json_field(j, "loss_scaler", d.loss_scaler);
+  o.activation_checkpointing =
+      json_field(j, "activation_checkpointing", d.activation_checkpointing);
 }
 
 void add_plan_options(CLI::App* cmd, PlanOptions& o) {
@@ -111,6 +116,12 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
       ->capture_default_str();
   cmd->add_option("--gradient-clipping", o.gradient_clipping,
                   "clip the gradients' global L2 norm to this (0: no clipping)")
+      ->capture_default_str();
+  cmd->add_option("--activation-checkpointing", o.activation_checkpointing,
+                  "recompute the forward of the model's units in backward instead of keeping "
+                  "their activations: none, every:K (every K-th unit; every:1 all of them) or "
+                  "layers:NAME[,NAME...] (units by name, e.g. layers.3, or type, e.g. "
+                  "BasicBlock); less memory for about one more forward per step")
       ->capture_default_str();
   flag("--cuda-graph", o.cuda_graph,
        "capture each training step (forward, backward, all-reduce, optimizer) as one CUDA graph "

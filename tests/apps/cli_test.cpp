@@ -143,6 +143,12 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--gpus-per-worker", "2", "--data-dir", data.string()},
        "--gpus-per-worker 2 needs --use-gpu"},
       {{"--precision", "fp8", "--data-dir", data.string()}, "unknown precision 'fp8'"},
+      {{"--activation-checkpointing", "every:0", "--data-dir", data.string()},
+       "--activation-checkpointing 'every:0': K must be >= 1"},
+      {{"--model", "resnet18", "--activation-checkpointing", "layers:block3", "--data-dir",
+        data.string()},
+       "--activation-checkpointing layers:block3: the model has no unit named or of type "
+       "'block3'; its units: stem (Sequential), layers.0 (BasicBlock)"},
       {{"--cuda-graph", "--data-dir", data.string()},
        "--cuda-graph needs --use-gpu: CUDA graphs capture GPU work"},
       {{"--momentum", "1.5", "--data-dir", data.string()}, "SGD momentum 1.5 must be in [0, 1]"},
@@ -1074,9 +1080,26 @@ TEST_F(Cli, DeepSpeedConfigOfSeed001) {
                                                   "loss_scale": 1}})"),
                   "--name", "unknown"}));
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("ignoring keys cohort does not know: flops_profiler, bf16.loss_scale"),
+  EXPECT_NE(r.output.find("ignoring keys cohort does not know or cannot honour: flops_profiler, "
+                          "bf16.loss_scale"),
             std::string::npos)
       << r.output;
+  // DeepSpeed's activation_checkpointing block (its Megatron examples' settings) checkpoints every
+  // unit; what cohort cannot honour is named in the same one warning.
+  r = train(
+      with({"--deepspeed", write("checkpointing.json", R"({"train_micro_batch_size_per_gpu": 16,
+                  "activation_checkpointing": {"partition_activations": true,
+                  "contiguous_memory_optimization": false, "cpu_checkpointing": true}})"),
+            "--model", "cnn", "--name", "checkpointing", "--max-steps", "4"}));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cannot honour: activation_checkpointing.partition_activations (not "
+                          "honoured), activation_checkpointing.cpu_checkpointing (not honoured)"),
+            std::string::npos)
+      << r.output;
+  // Rank 0's log says what its plan did with the model.
+  const auto log =
+      cohort::testing::read_text((dir / "runs" / "checkpointing" / "logs" / "rank-0.log").string());
+  EXPECT_NE(log.find("DDP, activation checkpointing every:1 (4 units)"), std::string::npos) << log;
 }
 
 // Whether the driver said that the loop honours stop requests (before or after its first step).

@@ -1,7 +1,8 @@
 /// \file
 /// The flags of a train::Plan for a user's own program: one call gives it cohort train's
 /// --zero-stage, --sync, --pp, --tp, --schedule, --micro-batches, --gradient-accumulation-steps,
-/// --gradient-clipping, --cuda-graph and --precision, with their help and defaults:
+/// --gradient-clipping, --activation-checkpointing, --cuda-graph and --precision, with their help
+/// and defaults:
 ///
 ///   CLI::App app("my trainer");
 ///   cohort::cli::PlanOptions plan_options;
@@ -45,6 +46,9 @@ struct PlanOptions {
       0;                    ///< the global gradient norm's limit (--gradient-clipping; 0: none)
   bool cuda_graph = false;  ///< each step one CUDA graph (--cuda-graph)
   std::string precision = "fp32";  ///< fp32, bf16 or fp16 (--precision)
+  /// Which units recompute their forward in backward (--activation-checkpointing): none,
+  /// every:K or layers:NAMES (parallel::parse_activation_checkpointing).
+  std::string activation_checkpointing = "none";
   /// fp16's loss scaling: no flags; DeepSpeed JSON's "fp16" section or a config file sets it.
   optim::LossScalerOptions loss_scaler;
 
