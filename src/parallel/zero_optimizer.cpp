@@ -85,6 +85,11 @@ void ZeroOptions::validate() const {
     throw UsageError("ZeRO allgather_bucket_size " + std::to_string(allgather_bucket_size) +
                      " must be > 0 elements");
   }
+  if (shard_group_size < 0) {
+    throw UsageError("ZeRO shard_group_size (--shard-group-size) " +
+                     std::to_string(shard_group_size) +
+                     " must be >= 0 (0: shard over every data-parallel rank)");
+  }
   for (const auto& [name, value] : {std::pair{"prefetch_bucket_size", prefetch_bucket_size},
                                     {"max_live_parameters", max_live_parameters},
                                     {"param_persistence_threshold", param_persistence_threshold}}) {
@@ -110,7 +115,10 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   };
 
   std::shared_ptr<torch::nn::Module> module;
-  comm::ProcessGroup group;
+  comm::ProcessGroup group;  // the sharding group
+  // With sharding groups (HSDP): the whole data-parallel group, and this rank's peers of the same
+  // shard in the other groups (empty without).
+  comm::ProcessGroup data_parallel, replicas;
   ZeroOptions options;
   std::string algorithm;
   std::unique_ptr<torch::optim::OptimizerOptions> optimizer_options;
@@ -189,9 +197,35 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     params = std::move(trainable.params);
     for (const auto& b : module->buffers()) buffers.push_back(b);
     detail::start_replicas(group, names, params, buffers, "ZeroOptimizer");
+    data_parallel = group;
+    split_into_sharding_groups();
     if (options.stage == 3) find_units();
     lay_out();
   }
+
+  // HSDP: groups of shard_group_size consecutive ranks shard the state; the ranks at the same
+  // place in each group are replicas of one shard.
+  void split_into_sharding_groups() {
+    const int size = options.shard_group_size;
+    const int n = data_parallel.world_size();
+    if (size == 0 || size == n) return;
+    if (size > n || n % size != 0) {
+      throw UsageError("ZeRO shard_group_size (--shard-group-size) " + std::to_string(size) +
+                       " does not divide the " + std::to_string(n) +
+                       " data-parallel ranks: use a divisor of " + std::to_string(n) +
+                       " (0: shard over all of them)");
+    }
+    std::vector<std::vector<int>> shards(static_cast<size_t>(n / size)),
+        replicated(static_cast<size_t>(size));
+    for (int r = 0; r < n; ++r) {
+      shards[static_cast<size_t>(r / size)].push_back(r);
+      replicated[static_cast<size_t>(r % size)].push_back(r);
+    }
+    group = data_parallel.split(shards, "zero-shard");
+    replicas = data_parallel.split(replicated, "zero-replica");
+  }
+
+  int replica() const { return replicas.valid() ? replicas.rank() : 0; }
 
   // The FullyShard modules of the model that hold at least param_persistence_threshold trainable
   // elements, each the unit of its parameters.
@@ -466,9 +500,26 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     const auto wait_start = Clock::now();
     for (auto& b : buckets)
       if (b.work.valid()) b.work.wait();
-    stats.wait_seconds += std::chrono::duration<double>(Clock::now() - wait_start).count();
     in_flight.clear();
-    const double scale = 1.0 / world();
+    // HSDP: each shard is the sum over its sharding group; the sum over every rank is the sum of
+    // those across the groups.
+    if (replicas.valid()) {
+      // One all-reduce of every bucket's shard, side by side.
+      std::vector<at::Tensor> shards;
+      for (auto& b : buckets) shards.push_back(b.shard_grad.reshape({-1}));
+      std::vector<at::Tensor> all{at::cat(shards)};
+      replicas.set_activity("ZeRO all-reduce of the gradient shards across the sharding groups");
+      replicas.allreduce(all);
+      replicas.set_activity("");
+      int64_t offset = 0;
+      for (auto& b : buckets) {
+        const int64_t n = b.shard_grad.numel();
+        b.shard_grad.copy_(all[0].narrow(0, offset, n).view_as(b.shard_grad));
+        offset += n;
+      }
+    }
+    stats.wait_seconds += std::chrono::duration<double>(Clock::now() - wait_start).count();
+    const double scale = 1.0 / data_parallel.world_size();
     for (auto& b : buckets) {
       b.work = comm::Work();
       if (options.stage >= 2) b.staging = at::Tensor();
@@ -476,6 +527,10 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
       // zero_grad() (libtorch 2.x: set to none) may have dropped it since the last step.
       b.shard.mutable_grad() = b.shard_grad;
     }
+    // From the data-parallel group's first rank: to the first rank of every sharding group, then
+    // inside each.
+    if (options.broadcast_buffers && !buffers.empty() && replicas.valid())
+      detail::broadcast_from_rank0(replicas, buffers);
     if (options.broadcast_buffers && !buffers.empty() && world() > 1)
       detail::broadcast_from_rank0(group, buffers);
     reduced = true;
@@ -749,6 +804,13 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
     e.stats.bytes_sent_last_step = 0;
     for (const auto& b : e.buckets)
       e.stats.bytes_sent_last_step += b.numel / e.world() * (e.world() - 1) * b.full.element_size();
+    // HSDP: a ring all-reduce of the shards across the groups sends 2 (R - 1) / R of them.
+    if (e.replicas.valid()) {
+      const int64_t r = e.replicas.world_size();
+      for (const auto& b : e.buckets)
+        e.stats.bytes_sent_last_step +=
+            2 * (b.numel / e.world()) * (r - 1) / r * b.full.element_size();
+    }
     e.stats.bytes_sent_last_step += e.gather_bytes_sent;
     e.gather_bytes_sent = 0;
   }
@@ -855,6 +917,8 @@ void ZeroOptimizer::load_state_dict(const optim::StateDict& state) {
 int ZeroOptimizer::stage() const { return engine_->options.stage; }
 
 const comm::ProcessGroup& ZeroOptimizer::process_group() const { return engine_->group; }
+
+int ZeroOptimizer::replica() const { return engine_->replica(); }
 
 ZeroStats ZeroOptimizer::stats() const {
   std::lock_guard lock(engine_->mutex);

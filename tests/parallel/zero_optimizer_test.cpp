@@ -79,16 +79,19 @@ struct Run {
 };
 
 // Stage 3 with both units sharded (they are smaller than the default persistence threshold).
-ZeroOptions zero_options(int stage, int64_t bucket = 200, bool reshard_after_forward = true) {
+ZeroOptions zero_options(int stage, int64_t bucket = 200, bool reshard_after_forward = true,
+                         int shard_group_size = 0) {
   return {.stage = stage,
           .reduce_bucket_size = bucket,
           .allgather_bucket_size = bucket,
           .param_persistence_threshold = 0,
+          .shard_group_size = shard_group_size,
           .reshard_after_forward = reshard_after_forward};
 }
 
 Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200,
-          bool reshard_after_forward = true, torch::Device device = torch::kCPU) {
+          bool reshard_after_forward = true, torch::Device device = torch::kCPU,
+          int shard_group_size = 0) {
   auto net = make_zero_net();
   net->to(device);
   std::unique_ptr<DistributedDataParallel> ddp;
@@ -98,8 +101,8 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
     optimizer = adamw(net);
   } else {
     auto plain = adamw(net);
-    optimizer = std::make_unique<ZeroOptimizer>(net.ptr(), *plain, g,
-                                                zero_options(stage, bucket, reshard_after_forward));
+    optimizer = std::make_unique<ZeroOptimizer>(
+        net.ptr(), *plain, g, zero_options(stage, bucket, reshard_after_forward, shard_group_size));
   }
   auto* zero = dynamic_cast<ZeroOptimizer*>(optimizer.get());
   Run run;
@@ -165,6 +168,51 @@ void expect_parity_with_ddp(int world, int micro_batches, torch::Device device =
 
 TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnTwoRanks) { expect_parity_with_ddp(2, 1); }
 TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnThreeRanks) { expect_parity_with_ddp(3, 1); }
+// HSDP: sharded inside groups of 2 (or 1: every rank a group, all-reduce only) and replicated
+// across them, every stage trains as DDP over all 4 ranks, with accumulation too.
+TEST(ZeroOptimizer, ShardingGroupsTrainAsDdpOnFourRanks) {
+  run_ranks(4, [](comm::ProcessGroup& g) {
+    for (int micro_batches : {1, 2}) {
+      const auto ddp = train(g, 0, 5, micro_batches);
+      for (int stage : {1, 2, 3}) {
+        for (int size : {2, 1}) {
+          const auto zero = train(g, stage, 5, micro_batches, 200, true, torch::kCPU, size);
+          expect_same_run(zero, ddp,
+                          "stage " + std::to_string(stage) + " in sharding groups of " +
+                              std::to_string(size) + " on rank " + std::to_string(g.rank()) + ", " +
+                              std::to_string(micro_batches) + " micro-batches");
+        }
+      }
+    }
+    // The state is sharded over the group of 2 only: each rank holds half of it, and the ranks
+    // at the same place in each group hold the same half.
+    auto net = make_zero_net();
+    auto plain = adamw(net);
+    ZeroOptimizer zero(net.ptr(), *plain, g, zero_options(2, 200, true, 2));
+    EXPECT_EQ(zero.process_group().world_size(), 2);
+    EXPECT_EQ(zero.process_group().rank(), g.rank() % 2);
+    EXPECT_EQ(zero.replica(), g.rank() / 2);
+    EXPECT_EQ(zero.stats().shard_numel * 2, zero.stats().padded_numel);
+  });
+}
+
+TEST(ZeroOptimizer, AShardingGroupSizeThatDoesNotDivideIsNamed) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto net = make_zero_net();
+    auto plain = adamw(net);
+    for (int size : {3, -1}) {
+      try {
+        ZeroOptimizer zero(net.ptr(), *plain, g, zero_options(1, 200, true, size));
+        ADD_FAILURE() << "shard_group_size " << size << " was taken";
+      } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("(--shard-group-size) " + std::to_string(size)),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+  });
+}
+
 TEST(ZeroOptimizer, GradientAccumulationTrainsAsDdpOnTwoAndThreeRanks) {
   expect_parity_with_ddp(2, 3);
   expect_parity_with_ddp(3, 2);

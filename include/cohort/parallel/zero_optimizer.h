@@ -42,6 +42,14 @@ struct ZeroOptions {
   /// every rank, as do those outside every unit (their gradients and state are sharded as at
   /// stage 2).
   int64_t param_persistence_threshold = 100'000;
+  /// Sharding groups (HSDP; torchtitan's dp_shard x dp_replicate): the state (and at stage 3 the
+  /// parameters) sharded over groups of this many consecutive ranks of the data-parallel group,
+  /// and replicated across the groups: a bucket's gradients are reduce-scattered inside a group
+  /// and the shard all-reduced across the groups; parameters are all-gathered inside a group
+  /// only. Less memory saved than sharding over every rank, collectives that stay inside a node.
+  /// 0: one group of every rank (plain ZeRO). Must divide the data-parallel group's size
+  /// (--shard-group-size).
+  int shard_group_size = 0;
   /// Free a unit's gathered parameters after its forward (gathered again for its backward); false
   /// keeps them from the forward to the end of the backward: one gather less, more memory.
   bool reshard_after_forward = true;
@@ -68,7 +76,8 @@ struct ZeroStats {
   int64_t optimizer_state_bytes = 0;  ///< see parameter_bytes
   int64_t bucket_bytes_peak = 0;      ///< see parameter_bytes
   /// Bytes this rank sent in the last synchronised step (reduce-scatter and all-gather, and at
-  /// stage 3 the units' all-gathers since the step before).
+  /// stage 3 the units' all-gathers since the step before; with sharding groups the all-reduce
+  /// across them, counted as a ring's).
   int64_t bytes_sent_last_step = 0;
   double wait_seconds = 0;  ///< time waiting for communication
   /// Stage 3: the units whose parameters are sharded, the bytes of gathered units held at most at
@@ -176,8 +185,13 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::Stateful {
 
   /// The ZeRO stage: 1, 2 or 3.
   int stage() const;
-  /// The group the state is sharded over.
+  /// The group the state is sharded over: the data-parallel group, or with
+  /// ZeroOptions::shard_group_size this rank's sharding group.
   const comm::ProcessGroup& process_group() const;
+  /// With ZeroOptions::shard_group_size, which replica of the state this rank's sharding group
+  /// holds (its index among the groups; 0 for the first); 0 without. Only replica 0 writes
+  /// checkpoints: the others hold the same shards.
+  int replica() const;
   /// The counters (see ZeroStats).
   ZeroStats stats() const;
 
