@@ -633,6 +633,10 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
 }
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
+  // HSDP: the other sharding groups hold copies of the first one's shards.
+  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
+      zero != nullptr && zero->replica() > 0)
+    return false;
   // A part whose state lies in shards over its group (ZeRO's).
   if (const auto* part = dynamic_cast<const optim::Stateful*>(&optimizer))
     return part->state_dict().shards > 1;
@@ -656,12 +660,14 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
     // With ZeRO every rank writes its own shard and rank 0 the parameters (stage 3: while the
     // group gathers one unit at a time).
     const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
-    if (zero != nullptr && zero->stage() == 3) {
+    if (zero != nullptr && zero->replica() > 0) {
+      // HSDP: the first sharding group writes; the others hold the same shards.
+    } else if (zero != nullptr && zero->stage() == 3) {
       detail::save_model_by_unit(*zero, module, dir / "model.safetensors");
     } else if (zero == nullptr || zero->process_group().rank() == 0) {
       save_model(module, dir / "model.safetensors");
     }
-    save_optimizer_state(dir, optimizer);
+    if (zero == nullptr || zero->replica() == 0) save_optimizer_state(dir, optimizer);
   }
   // fp16: the loss scale and its counters, so that a resumed run scales as the original.
   if (const auto* session = current_session();

@@ -400,9 +400,11 @@ double ParallelModel::lr() const {
 
 std::string ParallelModel::describe() const {
   const auto& plan = state_->plan;
-  const std::string engine = plan.zero.stage > 0 ? "ZeRO stage " + std::to_string(plan.zero.stage)
-                             : parallel::is_synchronous(plan.sync) ? std::string("DDP")
-                                                                   : parallel::to_string(plan.sync);
+  std::string engine = plan.zero.stage > 0 ? "ZeRO stage " + std::to_string(plan.zero.stage)
+                       : parallel::is_synchronous(plan.sync) ? std::string("DDP")
+                                                             : parallel::to_string(plan.sync);
+  if (plan.zero.stage > 0 && plan.zero.shard_group_size > 0)
+    engine += " in sharding groups of " + std::to_string(plan.zero.shard_group_size);
   const std::string recomputed =
       state_->checkpointed.empty()
           ? ""

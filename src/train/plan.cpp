@@ -38,6 +38,18 @@ void Plan::validate(int world_size) const {
   activation_checkpointing.validate();
   parallel::validate(sync);
   const std::string sync_flag = "--sync " + parallel::to_string(sync);
+  if (zero.shard_group_size > 0 && zero.stage == 0) {
+    fail("--shard-group-size " + std::to_string(zero.shard_group_size) +
+         " shards ZeRO's state inside groups: use it with --zero-stage 1, 2 or 3");
+  }
+  if (zero.shard_group_size > 0 && world_size > 0 && world_size % (pp * tp) == 0) {
+    const int dp = world_size / (pp * tp);
+    if (dp % zero.shard_group_size != 0) {
+      fail("--shard-group-size " + std::to_string(zero.shard_group_size) + " does not divide the " +
+           std::to_string(dp) + " data-parallel workers (--workers " + std::to_string(world_size) +
+           (has_mesh() ? " / (--pp x --tp)" : "") + "): use a divisor of " + std::to_string(dp));
+    }
+  }
   if (const auto conflict = parallel::zero_conflict(sync, zero.stage))
     fail("--sync " + *conflict + " (--zero-stage); use --zero-stage 0 or --sync ddp");
   if (cuda_graph) {

@@ -38,6 +38,7 @@ train::Plan plan_named(const std::string& name) {
   if (name == "zero1") plan.zero.stage = 1;
   if (name == "zero2") plan.zero.stage = 2;
   if (name == "zero3") plan.zero.stage = 3;
+  if (name == "hsdp") plan.zero = {.stage = 2, .shard_group_size = 2};
   if (name == "pipeline") plan.pp = 2;
   if (name == "mesh") {
     plan.pp = 2;
@@ -234,9 +235,9 @@ TEST_P(EveryPlanFamily, ResumedInsideAnEpochMatchesAnUninterruptedRun) {
 INSTANTIATE_TEST_SUITE_P(ParallelModel, EveryPlanFamily,
                          ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero1", 2},
                                            PlanCase{"zero2", 2}, PlanCase{"zero3", 2},
-                                           PlanCase{"pipeline", 2}, PlanCase{"mesh", 4},
-                                           PlanCase{"local_sgd", 2}, PlanCase{"diloco", 2},
-                                           PlanCase{"parameter_server", 2}),
+                                           PlanCase{"hsdp", 4}, PlanCase{"pipeline", 2},
+                                           PlanCase{"mesh", 4}, PlanCase{"local_sgd", 2},
+                                           PlanCase{"diloco", 2}, PlanCase{"parameter_server", 2}),
                          [](const auto& info) { return info.param.plan; });
 
 // Every unit checkpointed (recomputed in backward: at stage 3 inside its gather again, in a

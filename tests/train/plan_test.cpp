@@ -35,6 +35,26 @@ TEST(Plan, ConflictingOptionsAreOneLineNamingBothAndTheFix) {
   EXPECT_EQ(problem_of({.gradient_accumulation_steps = 2, .cuda_graph = true}),
             "--cuda-graph captures one micro-batch per step: drop --gradient-accumulation-steps "
             "or --cuda-graph");
+  // Sharding groups: ZeRO's, dividing the data-parallel workers (those of a mesh too).
+  EXPECT_EQ(problem_of({.zero = {.stage = 2, .shard_group_size = 2}}, 4), "");
+  EXPECT_EQ(problem_of({.pp = 2, .zero = {.stage = 1, .shard_group_size = 2}}, 8), "");
+  EXPECT_EQ(problem_of({.zero = {.shard_group_size = 2}}, 4),
+            "--shard-group-size 2 shards ZeRO's state inside groups: use it with --zero-stage 1, "
+            "2 or 3");
+  EXPECT_EQ(problem_of({.zero = {.stage = 3, .shard_group_size = 3}}, 4),
+            "--shard-group-size 3 does not divide the 4 data-parallel workers (--workers 4): use "
+            "a divisor of 4");
+  EXPECT_EQ(problem_of({.pp = 2, .zero = {.stage = 1, .shard_group_size = 4}}, 4),
+            "--shard-group-size 4 does not divide the 2 data-parallel workers (--workers 4 / "
+            "(--pp x --tp)): use a divisor of 2");
+  // Activation checkpointing: a policy that means something, not inside a captured graph.
+  EXPECT_EQ(problem_of({.activation_checkpointing = {.every = -1}}),
+            "--activation-checkpointing every:-1: every:K needs K >= 1 (1: every unit; none: no "
+            "checkpointing)");
+  EXPECT_EQ(problem_of({.cuda_graph = true, .activation_checkpointing = {.every = 1}}),
+            "--cuda-graph does not capture checkpointed units (their recomputation reads the "
+            "random generators' state on the host): drop --activation-checkpointing or "
+            "--cuda-graph");
 }
 
 }  // namespace

@@ -84,7 +84,8 @@ void load_state(const std::filesystem::path& dir, const std::string& name, optim
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
 /// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With a
-/// ZeroOptimizer or LocalSgdOptimizer every rank writes its part (see checkpoint_per_rank).
+/// ZeroOptimizer or LocalSgdOptimizer every rank writes its part (see checkpoint_per_rank); with
+/// ZeRO's sharding groups (HSDP) the ranks of the first group do, the others write nothing.
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
 /// The optimizer's part of save_checkpoint and load_checkpoint alone, for loops that keep their
@@ -133,7 +134,8 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                           const std::vector<OptimizerPart::Parameter>& layout = {});
 /// Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
-/// shards, local SGD's per-rank parameters and state. Otherwise rank 0's files are the checkpoint.
+/// shards (with sharding groups, the first group's ranks), local SGD's per-rank parameters and
+/// state. Otherwise rank 0's files are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
 /// Whether `dir` is save_checkpoint's folder of a LocalSgdOptimizer (local SGD or DiLoCo: the
 /// global parameters, every rank's own and its inner state). A synchronous run loads it too (its
