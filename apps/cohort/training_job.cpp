@@ -554,7 +554,8 @@ void train_loop(const Json& c) {
         return torch::nn::functional::cross_entropy(output, target);
       },
       plan, schedule_of(c, epochs * steps_per_epoch));
-  if (rank0 && (plan.has_mesh() || plan.activation_checkpointing.enabled()))
+  if (rank0 && (plan.has_mesh() || plan.activation_checkpointing.enabled() ||
+                plan.zero.shard_group_size > 0))
     std::cout << model.describe() << std::endl;
   train::ResumePoint resumed;
   if (auto checkpoint = train::get_checkpoint()) {

@@ -57,7 +57,8 @@ void to_json(Json& j, const PlanOptions& o) {
              {"overlap_comm", o.zero.overlap_comm},
              {"prefetch_bucket_size", o.zero.prefetch_bucket_size},
              {"max_live_parameters", o.zero.max_live_parameters},
-             {"param_persistence_threshold", o.zero.param_persistence_threshold}}},
+             {"param_persistence_threshold", o.zero.param_persistence_threshold},
+             {"shard_group_size", o.zero.shard_group_size}}},
            {"sync", o.sync},
            {"nesterov", o.nesterov},
            {"gradient_accumulation_steps", o.gradient_accumulation_steps},
@@ -87,6 +88,7 @@ void from_json(const Json& j, PlanOptions& o) {
   o.zero.max_live_parameters = json_field(zero, "max_live_parameters", d.zero.max_live_parameters);
   o.zero.param_persistence_threshold =
       json_field(zero, "param_persistence_threshold", d.zero.param_persistence_threshold);
+  o.zero.shard_group_size = json_field(zero, "shard_group_size", d.zero.shard_group_size);
   o.sync = json_field(j, "sync", d.sync);
   if (j.contains("outer_lr")) o.outer_lr = json_field(j, "outer_lr", 0.0);
   if (j.contains("outer_momentum")) o.outer_momentum = json_field(j, "outer_momentum", 0.0);
@@ -132,6 +134,12 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
                   "too) or 3 (parameters too: the model's layers gathered around their forward "
                   "and backward); with --pp/--tp, 1 or 2 over each stage's data-parallel group")
+      ->capture_default_str();
+  cmd->add_option("--shard-group-size", o.zero.shard_group_size,
+                  "with --zero-stage 1-3 (HSDP): shard over groups of this many data-parallel "
+                  "workers and replicate across the groups (a reduce-scatter inside a group, an "
+                  "all-reduce across); 0: shard over all of them. Must divide the data-parallel "
+                  "workers")
       ->capture_default_str();
   cmd->add_option("--sync", o.sync,
                   "how the workers agree: ddp (gradients averaged every step), local-sgd:H "

@@ -268,13 +268,14 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
                std::vector<std::string>& unknown) {
   const Json* z = r.object(root, "zero_optimization", "zero_optimization");
   if (z == nullptr) return;
-  r.collect_unknown(*z,
-                    {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-                     "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-                     "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
-                     "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients"},
-                    "zero_optimization.", unknown);
+  r.collect_unknown(
+      *z,
+      {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+       "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+       "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+       "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
+       "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients", "mics_shard_size"},
+      "zero_optimization.", unknown);
   auto& zero = c.zero;
   // Range-checked before it narrows to an int ("stage": 4294967298 became stage 2).
   const int64_t stage = r.integer(*z, "stage", "zero_optimization.stage").value_or(0);
@@ -309,6 +310,15 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
   zero.param_persistence_threshold =
       limit("stage3_param_persistence_threshold", zero.param_persistence_threshold);
   limit("stage3_max_reuse_distance", 0);
+  // MiCS (DeepSpeed's sharding groups): shard inside groups of this many ranks, replicate across;
+  // -1, its default, shards over all of them.
+  const int64_t mics =
+      r.integer(*z, "mics_shard_size", "zero_optimization.mics_shard_size").value_or(-1);
+  if (mics == 0 || mics < -1 || mics > (int64_t{1} << 20)) {
+    r.fail("zero_optimization.mics_shard_size",
+           "must be -1 (shard over every rank) or a group size >= 1, got " + std::to_string(mics));
+  }
+  zero.shard_group_size = mics == -1 ? 0 : static_cast<int>(mics);
   zero.validate();
 }
 

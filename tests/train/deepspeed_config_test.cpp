@@ -145,6 +145,17 @@ TEST(DeepSpeedConfig, StageThreeKeysSetItsLimits) {
   EXPECT_EQ(defaults.zero.prefetch_bucket_size, 50'000'000);
   EXPECT_EQ(defaults.zero.max_live_parameters, 1'000'000'000);
   EXPECT_EQ(defaults.zero.param_persistence_threshold, 100'000);
+  EXPECT_EQ(defaults.zero.shard_group_size, 0);
+  // MiCS: sharding groups (HSDP); its -1 shards over every rank.
+  for (const auto& [mics, size] : {std::pair{2, 2}, {-1, 0}}) {
+    EXPECT_EQ(DeepSpeedConfig::from_json(
+                  Json::parse(R"({"train_batch_size": 8, "zero_optimization": {"stage": 3,
+                                  "mics_shard_size": )" +
+                              std::to_string(mics) + "}}"),
+                  1)
+                  .zero.shard_group_size,
+              size);
+  }
 }
 
 // Megatron's example configs' block: every unit checkpointed; what cohort does not do beyond that
@@ -213,6 +224,9 @@ TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
        "fp16.enabled and bf16.enabled are both true"},
       {R"({"train_batch_size": 8, "gradient_clipping": -1})", "gradient_clipping must be >= 0"},
       {R"([1, 2])", "the top level must be a JSON object"},
+      {R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "mics_shard_size": 0}})",
+       "zero_optimization.mics_shard_size must be -1 (shard over every rank) or a group size >= "
+       "1, got 0"},
       {R"({"train_batch_size": 8, "activation_checkpointing": {"number_checkpoints": 0}})",
        "activation_checkpointing.number_checkpoints must be >= 1, got 0"},
       {R"({"train_batch_size": 8, "activation_checkpointing": {"cpu_checkpointing": 1}})",

@@ -27,7 +27,7 @@ namespace cohort::train {
 ///   gradient_clipping
 ///   zero_optimization {stage, reduce_bucket_size, allgather_bucket_size, overlap_comm,
 ///     contiguous_gradients, stage3_prefetch_bucket_size, stage3_max_live_parameters,
-///     stage3_param_persistence_threshold}
+///     stage3_param_persistence_threshold, mics_shard_size (sharding groups, HSDP)}
 ///   activation_checkpointing {partition_activations, cpu_checkpointing,
 ///     contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary,
 ///     profile}   the block's presence checkpoints every unit of the model (every:1); its keys
