@@ -1,0 +1,85 @@
+/// \file
+/// How much memory a plan needs on each worker, before any worker starts (DeepSpeed's
+/// estimate_zero2/3_model_states_mem_needs, with the activations measured on the real model):
+///
+///   auto estimate = train::estimate_memory(spec, plan, {.world_size = 8, .optimizer_states = 2,
+///                                                       .activation_bytes = probe});
+///   std::cout << estimate.table();
+///   estimate.check_budget(int64_t{16} << 30);   // UsageError naming the largest item and the fix
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+
+#include "cohort/train/parallel_model.h"
+#include "cohort/train/plan.h"
+
+namespace cohort::train {
+
+/// What estimate_memory needs besides the model and the plan.
+struct MemoryEstimateOptions {
+  int world_size = 1;  ///< workers
+  /// State tensors the optimizer keeps per parameter: Adam and AdamW 2, SGD with momentum 1,
+  /// plain SGD 0.
+  int optimizer_states = 2;
+  /// cohort's flat optimizers (optim::FlatOptimizer) keep a gradient buffer of their own beside
+  /// DDP's (ZeRO's engine is the flat optimizer: nothing more there).
+  bool flat_optimizer = false;
+  /// Bytes one micro-batch's forward and backward need beyond the parameters and gradients, on
+  /// the whole model (measure_step_memory); 0: not counted.
+  int64_t activation_bytes = 0;
+  /// Bytes a worker holds before its model: libtorch, its threads, the communication; 0: not
+  /// counted.
+  int64_t runtime_bytes = 0;
+};
+
+/// One item of a worker's memory.
+struct MemoryItem {
+  /// "parameters", "gradients", "optimizer state", "gathered units", "gradient buckets",
+  /// "replica copies", "activations" or "runtime".
+  std::string name;
+  int64_t bytes = 0;   ///< on the worker that holds the most (a pipeline's largest stage)
+  std::string shrink;  ///< what would make it smaller ("--zero-stage 1 shards it ...")
+};
+
+/// estimate_memory's answer: the items of the worker that holds the most.
+struct MemoryEstimate {
+  std::vector<MemoryItem> items;  ///< in the order above; items of 0 bytes left out
+  /// The sum of the items.
+  int64_t total() const;
+  /// The largest item other than the runtime (which no option shrinks).
+  const MemoryItem& largest() const;
+  /// One line per item and the total, in MB, for the log.
+  std::string table() const;
+  /// A UsageError of one line when total() exceeds `budget_bytes`: both figures, the largest
+  /// item and what would shrink it (exit code 2 in the CLI).
+  void check_budget(int64_t budget_bytes) const;
+};
+
+/// The bytes each worker needs to train `model` under `plan` (its parameters, gradients and
+/// optimizer state in the plan's layout, ZeRO's gather buffers and buckets, local SGD's and
+/// DiLoCo's copies, the activations of the micro-batches a pipeline stage keeps at once), for the
+/// worker that holds the most. The forms count what the engines allocate: DDP's gradients are
+/// its buckets' views; ZeRO-1 keeps the whole gradient and its shard; ZeRO-2 its shard and at
+/// most two buckets in flight (each with a receive buffer on Gloo); ZeRO-3 the shards, the
+/// parameters that stay whole (below param_persistence_threshold or outside every unit) and the
+/// largest unit with what is prefetched after it. With tensor parallelism the parameters are
+/// divided by tp (an upper bound for the parts that are not cut). A plan that does not validate
+/// for options.world_size: its UsageError.
+MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
+                               const MemoryEstimateOptions& options);
+
+/// The memory `step` (one forward and backward of `module`, in training mode) adds to this
+/// process at its peak: Linux's resident high-water mark is reset before it and read after,
+/// minus the resident memory before. The parameters' gradients are allocated first, so that only
+/// the activations and backward's own scratch are counted. Linux only; 0 where /proc is not
+/// there.
+int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step);
+
+/// This process's resident memory now (Linux's VmRSS); 0 where /proc is not there.
+int64_t resident_bytes();
+
+}  // namespace cohort::train

@@ -1,0 +1,246 @@
+#include "cohort/train/memory_estimate.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <variant>
+
+#include "cohort/error.h"
+#include "cohort/parallel/fully_shard.h"
+#include "cohort/parallel/pipeline/pipeline.h"
+#include "cohort/parallel/pipeline/schedule.h"
+
+namespace cohort::train {
+namespace {
+
+namespace pipeline = parallel::pipeline;
+
+// The parameters and buffers of one worker's part of the model.
+struct Part {
+  int64_t trainable = 0;       // elements of the parameters that train
+  int64_t frozen_bytes = 0;    // parameters that do not
+  int64_t buffer_bytes = 0;    // BatchNorm's statistics and the like
+  int64_t element_size = 4;    // of the trainable parameters
+  std::vector<int64_t> units;  // trainable elements of each FullyShard unit
+};
+
+Part part_of(const std::vector<std::shared_ptr<torch::nn::Module>>& modules) {
+  Part part;
+  std::set<const c10::TensorImpl*> seen;
+  bool sized = false;
+  for (const auto& m : modules) {
+    for (const auto& p : m->parameters()) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (p.requires_grad()) {
+        part.trainable += p.numel();
+        if (!sized) part.element_size = static_cast<int64_t>(p.element_size());
+        sized = true;
+      } else {
+        part.frozen_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      }
+    }
+    for (const auto& b : m->buffers()) {
+      if (seen.insert(b.unsafeGetTensorImpl()).second)
+        part.buffer_bytes += b.numel() * static_cast<int64_t>(b.element_size());
+    }
+    std::vector<std::shared_ptr<torch::nn::Module>> all{m};
+    for (const auto& child : m->modules(/*include_self=*/false)) all.push_back(child);
+    for (const auto& child : all) {
+      if (auto unit = std::dynamic_pointer_cast<parallel::FullyShardImpl>(child)) {
+        int64_t n = 0;
+        for (const auto& p : unit->parameters())
+          if (p.requires_grad()) n += p.numel();
+        part.units.push_back(n);
+      }
+    }
+  }
+  return part;
+}
+
+// The part of the worker that holds the most: the whole model, or the heaviest pipeline rank's
+// stages.
+Part heaviest_part(const ModelSpec& model, const Plan& plan) {
+  if (plan.pp == 1) return part_of({model.module});
+  const pipeline::PipelineLayout layout{.ranks = plan.pp, .virtual_stages = plan.virtual_stages()};
+  const int layers = static_cast<int>(model.layers->size());
+  const auto stages =
+      pipeline::split_sequential(model.layers, pipeline::even_split(layers, layout.stages()));
+  Part heaviest;
+  for (int rank = 0; rank < plan.pp; ++rank) {
+    std::vector<std::shared_ptr<torch::nn::Module>> modules;
+    for (int s : layout.stages_of(rank)) modules.push_back(stages[static_cast<size_t>(s)].ptr());
+    auto part = part_of(modules);
+    if (part.trainable >= heaviest.trainable) heaviest = std::move(part);
+  }
+  return heaviest;
+}
+
+std::string megabytes(int64_t bytes) {
+  std::ostringstream out;
+  out.setf(std::ios::fixed);
+  out.precision(1);
+  out << static_cast<double>(bytes) / 1e6 << " MB";
+  return out.str();
+}
+
+int64_t status_field(const std::string& name) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(name + ":", 0) == 0) return std::stoll(line.substr(name.size() + 1)) * 1024;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int64_t MemoryEstimate::total() const {
+  int64_t sum = 0;
+  for (const auto& item : items) sum += item.bytes;
+  return sum;
+}
+
+const MemoryItem& MemoryEstimate::largest() const {
+  const MemoryItem* best = nullptr;
+  for (const auto& item : items) {
+    if (item.name == "runtime") continue;
+    if (best == nullptr || item.bytes > best->bytes) best = &item;
+  }
+  if (best == nullptr) throw std::logic_error("MemoryEstimate::largest: no items");
+  return *best;
+}
+
+std::string MemoryEstimate::table() const {
+  std::ostringstream out;
+  for (const auto& item : items) {
+    std::string name = item.name + ":";
+    name.resize(std::max<size_t>(name.size(), 18), ' ');
+    out << "  " << name << megabytes(item.bytes) << "\n";
+  }
+  std::string name = "total:";
+  name.resize(18, ' ');
+  out << "  " << name << megabytes(total()) << "\n";
+  return out.str();
+}
+
+void MemoryEstimate::check_budget(int64_t budget_bytes) const {
+  if (budget_bytes <= 0 || total() <= budget_bytes) return;
+  const auto& big = largest();
+  throw UsageError("the plan needs about " + megabytes(total()) +
+                   " per worker, over --memory-budget " + megabytes(budget_bytes) +
+                   "; the largest item is " + big.name + " (" + megabytes(big.bytes) +
+                   "): " + big.shrink);
+}
+
+MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
+                               const MemoryEstimateOptions& options) {
+  if (!model.module) throw UsageError("estimate_memory: ModelSpec::module is null");
+  if (plan.pp > 1 && !model.layers)
+    throw UsageError("estimate_memory: a pipeline needs ModelSpec::layers");
+  if (options.world_size < 1 || options.optimizer_states < 0 || options.activation_bytes < 0 ||
+      options.runtime_bytes < 0) {
+    throw UsageError("estimate_memory: world_size must be >= 1 and the other options >= 0");
+  }
+  plan.validate(options.world_size);
+  const Part part = heaviest_part(model, plan);
+  const int64_t e = part.element_size;
+  const int64_t p = part.trainable / plan.tp;
+  const int dp = std::max(1, options.world_size / (plan.pp * plan.tp));
+  const int64_t shards = plan.zero.shard_group_size > 0 ? plan.zero.shard_group_size : dp;
+  const int stage = plan.zero.stage;
+  const int64_t k = options.optimizer_states;
+  // Gloo's reduce-scatter (1.13's all-to-all) has a receive buffer of each bucket's size: counted
+  // always, an upper bound with NCCL.
+  const bool gloo = true;
+  const auto shard = [&](int64_t elements) { return (elements + shards - 1) / shards; };
+
+  MemoryEstimate estimate;
+  const auto add = [&](std::string name, int64_t bytes, std::string shrink) {
+    if (bytes > 0) estimate.items.push_back({std::move(name), bytes, std::move(shrink)});
+  };
+  const std::string more_workers = "more --workers (ZeRO shards it over them)";
+  // Parameters.
+  int64_t parameters = p;
+  int64_t gathered = 0;
+  int64_t bucket = std::min(plan.zero.reduce_bucket_size, std::max<int64_t>(p, 1));
+  if (stage == 3) {
+    int64_t sharded = 0, largest = 0;
+    for (int64_t unit : part.units) {
+      if (unit < plan.zero.param_persistence_threshold) continue;
+      sharded += unit / plan.tp;
+      largest = std::max(largest, unit / plan.tp);
+    }
+    parameters = shard(sharded) + (p - sharded);
+    const int64_t prefetched = std::min(plan.zero.prefetch_bucket_size, sharded - largest);
+    gathered = std::min(std::max(plan.zero.max_live_parameters, largest), largest + prefetched);
+    // Each unit is a bucket of its own; the parameters that stay whole are bucketed as at stage 2.
+    bucket = std::max(largest, std::min(plan.zero.reduce_bucket_size, p - sharded));
+  }
+  add("parameters", parameters * e + part.frozen_bytes / plan.tp + part.buffer_bytes,
+      stage < 3 ? "--zero-stage 3 shards them over the workers" : "more --workers or --pp");
+  add("gathered units", gathered * e,
+      "a smaller stage3_prefetch_bucket_size or stage3_max_live_parameters (--deepspeed)");
+  // Gradients: DDP's bucket views (and a flat optimizer's own buffer); ZeRO-1 the whole gradient
+  // and its shard; ZeRO-2 and 3 the shard.
+  int64_t gradients = p;
+  if (stage == 0 && options.flat_optimizer) gradients += p;
+  if (stage == 1) gradients = p + shard(p);
+  if (stage >= 2) gradients = shard(p);
+  add("gradients", gradients * e,
+      stage < 2 ? "--zero-stage 2 shards them over the workers" : more_workers);
+  if (stage >= 2) {
+    // At most two buckets in flight, each with a receive buffer on Gloo.
+    add("gradient buckets", 2 * bucket * e * (gloo ? 2 : 1),
+        "a smaller reduce_bucket_size (--deepspeed)");
+  }
+  add("optimizer state", k * (stage >= 1 ? shard(p) : p) * e,
+      stage == 0                       ? "--zero-stage 1 shards it over the workers"
+      : plan.zero.shard_group_size > 0 ? "a larger --shard-group-size"
+                                       : more_workers);
+  // Local SGD and DiLoCo keep the parameters of the last synchronisation; DiLoCo its outer
+  // momentum too.
+  int64_t copies = 0;
+  if (std::holds_alternative<parallel::LocalSgd>(plan.sync)) copies = p;
+  if (std::holds_alternative<parallel::DiLoCo>(plan.sync)) copies = 2 * p;
+  add("replica copies", copies * e, "--sync ddp keeps none");
+  // Activations: a pipeline stage holds about 1/pp of a micro-batch's, for the micro-batches in
+  // flight at once (GPipe all of a step's; 1F1B, interleaved and zero-bubble at most pp).
+  int64_t activations = options.activation_bytes;
+  if (plan.pp > 1) {
+    const int64_t m = plan.micro_batches_per_step();
+    const int64_t in_flight =
+        plan.schedule == pipeline::ScheduleKind::kGPipe ? m : std::min<int64_t>(m, plan.pp);
+    activations = options.activation_bytes / plan.pp * in_flight;
+  }
+  add("activations", activations,
+      plan.activation_checkpointing.enabled()
+          ? "a smaller --batch-size with more --gradient-accumulation-steps"
+          : "--activation-checkpointing every:1 recomputes them in backward");
+  add("runtime", options.runtime_bytes, "nothing: it is libtorch and the process itself");
+  return estimate;
+}
+
+int64_t resident_bytes() { return status_field("VmRSS"); }
+
+int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step) {
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& p : module.parameters()) {
+      if (p.requires_grad() && !p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    }
+  }
+  const int64_t before = resident_bytes();
+  // Writing 5 to clear_refs resets the high-water mark to the resident memory now.
+  {
+    std::ofstream clear("/proc/self/clear_refs");
+    if (!clear) return 0;
+    clear << "5";
+  }
+  step();
+  return std::max<int64_t>(0, status_field("VmHWM") - before);
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,164 @@
+#include "cohort/train/memory_estimate.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+
+#include "cohort/error.h"
+#include "cohort/parallel/fully_shard.h"
+
+namespace cohort::train {
+namespace {
+
+// Four units of 1000 x 1000 + 1000 elements each: P = 4,004,000 fp32 parameters.
+constexpr int64_t kUnit = 1000 * 1000 + 1000;
+constexpr int64_t kP = 4 * kUnit;
+
+ModelSpec four_units() {
+  torch::nn::Sequential net;
+  for (int i = 0; i < 4; ++i) net->push_back(parallel::FullyShard(torch::nn::Linear(1000, 1000)));
+  return {.module = net.ptr(),
+          .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
+          .layers = net};
+}
+
+std::map<std::string, int64_t> items_of(const MemoryEstimate& e) {
+  std::map<std::string, int64_t> out;
+  for (const auto& item : e.items) out[item.name] = item.bytes;
+  return out;
+}
+
+// The ZeRO paper's forms for fp32 Adam on 4 workers (16, 8 + 8/N, 4 + 12/N, 16/N bytes per
+// parameter), with what the engines add: ZeRO-1's whole gradient beside its shard, ZeRO-2's two
+// buckets in flight, ZeRO-3's largest unit gathered and the next one prefetched.
+TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
+  const auto spec = four_units();
+  const MemoryEstimateOptions options{.world_size = 4, .optimizer_states = 2};
+  const auto at = [&](int stage, int shard_group_size = 0) {
+    Plan plan;
+    plan.zero.stage = stage;
+    plan.zero.shard_group_size = shard_group_size;
+    plan.zero.reduce_bucket_size = kUnit;
+    plan.zero.param_persistence_threshold = 0;
+    plan.zero.prefetch_bucket_size = kUnit;
+    return items_of(estimate_memory(spec, plan, options));
+  };
+  auto ddp = at(0);
+  EXPECT_EQ(ddp["parameters"], 4 * kP);
+  EXPECT_EQ(ddp["gradients"], 4 * kP);
+  EXPECT_EQ(ddp["optimizer state"], 8 * kP);
+  auto one = at(1);
+  EXPECT_EQ(one["parameters"], 4 * kP);
+  EXPECT_EQ(one["gradients"], 4 * kP + kP);
+  EXPECT_EQ(one["optimizer state"], 2 * kP);
+  auto two = at(2);
+  EXPECT_EQ(two["gradients"], kP);
+  EXPECT_EQ(two["gradient buckets"], 2 * kUnit * 4 * 2);
+  EXPECT_EQ(two["optimizer state"], 2 * kP);
+  auto three = at(3);
+  EXPECT_EQ(three["parameters"], kP);
+  EXPECT_EQ(three["gathered units"], 2 * kUnit * 4);  // the running unit and the next
+  EXPECT_EQ(three["optimizer state"], 2 * kP);
+  // Sharding groups of 2: half the state, not a quarter.
+  auto hsdp = at(2, 2);
+  EXPECT_EQ(hsdp["optimizer state"], 4 * kP);
+  EXPECT_EQ(hsdp["gradients"], 2 * kP);
+  // A flat optimizer under DDP keeps its own gradient buffer.
+  Plan ddp_plan;
+  EXPECT_EQ(items_of(estimate_memory(
+                spec, ddp_plan,
+                {.world_size = 4, .optimizer_states = 2, .flat_optimizer = true}))["gradients"],
+            8 * kP);
+}
+
+TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageAndItsMicroBatchesInFlight) {
+  const auto spec = four_units();
+  Plan plan{.pp = 2, .schedule = parallel::pipeline::ScheduleKind::kGPipe, .micro_batches = 8};
+  const MemoryEstimateOptions options{
+      .world_size = 2, .optimizer_states = 1, .activation_bytes = 1000};
+  auto gpipe = items_of(estimate_memory(spec, plan, options));
+  EXPECT_EQ(gpipe["parameters"], 4 * 2 * kUnit);
+  EXPECT_EQ(gpipe["optimizer state"], 4 * 2 * kUnit);
+  EXPECT_EQ(gpipe["activations"], 1000 / 2 * 8);  // half the model, all 8 micro-batches
+  plan.schedule = parallel::pipeline::ScheduleKind::kOneFOneB;
+  EXPECT_EQ(items_of(estimate_memory(spec, plan, options))["activations"], 1000 / 2 * 2);
+}
+
+TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
+  const auto estimate =
+      estimate_memory(four_units(), Plan{}, {.world_size = 2, .runtime_bytes = 500'000'000});
+  EXPECT_EQ(estimate.total(), 16 * kP + 500'000'000);
+  EXPECT_EQ(estimate.largest().name, "optimizer state");  // the runtime is larger, and no option
+  estimate.check_budget(estimate.total());                // fits exactly
+  try {
+    estimate.check_budget(100'000'000);
+    FAIL() << "over budget, taken";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the plan needs about 564.1 MB per worker, over --memory-budget 100.0 MB; the "
+              "largest item is optimizer state (32.0 MB): --zero-stage 1 shards it over the "
+              "workers");
+  }
+  EXPECT_THROW(estimate_memory(four_units(), Plan{.zero = {.stage = 2, .shard_group_size = 3}},
+                               {.world_size = 4}),
+               UsageError);
+}
+
+// Bytes of the distinct storages behind `tensors`.
+int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
+  std::set<const void*> seen;
+  int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    if (t.defined() && seen.insert(t.storage().unsafeGetStorageImpl()).second)
+      bytes += static_cast<int64_t>(t.storage().nbytes());
+  }
+  return bytes;
+}
+
+// What the estimate counts is what the process then holds: exactly the live parameters, gradients
+// and Adam state of a model of 4 M parameters after a step; and the resident memory the process
+// grew by, from before the model to after the step, within 20% of the whole estimate (what glibc
+// keeps of the optimizer's temporaries is not counted).
+TEST(MemoryEstimate, TheFormsMatchWhatTheProcessHoldsAfterAStep) {
+  if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/status: not Linux";
+  const int64_t before = resident_bytes();
+  auto spec = four_units();
+  auto* net = spec.module.get();
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(1e-3));
+  const auto x = torch::randn({8, 1000});
+  const int64_t activations = measure_step_memory(*net, [&] { spec.forward(x).sum().backward(); });
+  adam.step();
+  const int64_t held = resident_bytes() - before;
+  const auto items = items_of(estimate_memory(spec, Plan{}, {.optimizer_states = 2}));
+  std::vector<at::Tensor> parameters, gradients, state;
+  for (const auto& p : net->parameters()) {
+    parameters.push_back(p);
+    gradients.push_back(p.grad());
+  }
+  for (const auto& item : adam.state()) {
+    const auto& s = static_cast<const torch::optim::AdamParamState&>(*item.second);
+    state.push_back(s.exp_avg());
+    state.push_back(s.exp_avg_sq());
+  }
+  EXPECT_EQ(items.at("parameters"), storage_bytes(parameters));
+  EXPECT_EQ(items.at("gradients"), storage_bytes(gradients));
+  EXPECT_EQ(items.at("optimizer state"), storage_bytes(state));
+  ASSERT_GT(activations, 0);
+  const auto estimate =
+      estimate_memory(spec, Plan{}, {.optimizer_states = 2, .activation_bytes = activations});
+  EXPECT_NEAR(static_cast<double>(held), static_cast<double>(estimate.total()),
+              0.2 * static_cast<double>(estimate.total()))
+      << "held " << held << " bytes, estimated " << estimate.total();
+  // A step that allocates 64 MiB and frees it peaks about that far above its start.
+  const int64_t peak = measure_step_memory(*net, [] {
+    auto big = torch::ones({16 * 1024 * 1024});
+    ASSERT_EQ(big.sum().item<double>(), 16.0 * 1024 * 1024);
+  });
+  EXPECT_GE(peak, 60 * 1024 * 1024);
+  EXPECT_LT(peak, 80 * 1024 * 1024);
+}
+
+}  // namespace
+}  // namespace cohort::train
