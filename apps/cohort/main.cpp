@@ -12,6 +12,7 @@
 #include "config_file.h"
 #include "dashboard_command.h"
 #include "env_command.h"
+#include "estimate_command.h"
 #include "launch_command.h"
 #include "train_command.h"
 #include "tune_command.h"
@@ -52,6 +53,7 @@ int main(int argc, char** argv) {
       "  cohort tune --param lr=loguniform:1e-4:1e-1 --samples 8 --scheduler asha\n"
       "  cohort dashboard ./cohort_results                       the runs' live dashboard\n"
       "  cohort checkpoint consolidate RUN/checkpoint_000004 -o model.safetensors\n"
+      "  cohort estimate --model resnet18 --workers 4 --zero-stage 2   memory per worker\n"
       "  cohort env                                            what cohort sees of this machine\n"
       "  cohort launch --nnodes 2 --node-rank 0 --master host0:29500 --nproc-per-node 2 -- \\\n"
       "      cohort train --workers 4                             one node of a two-node job\n"
@@ -71,6 +73,8 @@ int main(int argc, char** argv) {
   std::string shell;
   auto* completion_cmd = cohort::cli::add_completion_command(app, shell);
   auto* env_cmd = cohort::cli::add_env_command(app);
+  cohort::cli::TrainOptions estimate;
+  auto* estimate_cmd = cohort::cli::add_estimate_command(app, estimate);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForVersion& e) {
@@ -94,6 +98,10 @@ int main(int argc, char** argv) {
     if (checkpoint_cmd->parsed()) return cohort::cli::run_checkpoint_command(checkpoint);
     if (completion_cmd->parsed()) return cohort::cli::run_completion_command(app, shell);
     if (env_cmd->parsed()) return cohort::cli::run_env_command();
+    if (estimate_cmd->parsed()) {
+      cohort::cli::apply_config_file(estimate_cmd, estimate.config_file);
+      return cohort::cli::run_estimate_command(estimate);
+    }
   } catch (const cohort::UsageError& e) {
     std::cerr << "error: " << e.what() << '\n';
     return 2;

@@ -1,6 +1,7 @@
 #include "train_command.h"
 
 #include <csignal>
+#include <iomanip>
 #include <iostream>
 
 #include "cohort/cohort.h"
@@ -34,6 +35,16 @@ int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Every worker runs this too (re-executed, or each rank under a launcher): said once.
   const bool driver = runtime::spawned_role().empty() && (!launch || launch->world_rank == 0);
   if (!o.data.empty() && !o.quiet && driver) std::cout << "data: " << describe_data(o) << std::endl;
+  if (o.memory_budget_gb > 0 && driver) {
+    const auto estimate = estimate_of(o);
+    estimate.check_budget(static_cast<int64_t>(o.memory_budget_gb * 1e9));
+    if (!o.quiet) {
+      std::cout << "memory: about " << std::fixed << std::setprecision(1)
+                << static_cast<double>(estimate.total()) / 1e9
+                << " GB per worker, within --memory-budget " << o.memory_budget_gb << " GB"
+                << std::defaultfloat << std::endl;
+    }
+  }
   RunConfig run = run_config_of(o);
   // `cohort train --config <run>/config.json` runs it again.
   run.extra_files[kConfigFile] = effective_options(&cmd).dump(2) + "\n";

@@ -151,6 +151,48 @@ int umask_of(const TrainOptions& o) {
   return mask;
 }
 
+train::MemoryEstimate estimate_of(const TrainOptions& o) {
+  // Before the model: libtorch and this process, as a worker has them.
+  const int64_t runtime = train::resident_bytes();
+  const auto plan = o.plan.plan(o.workers);
+  const auto options = o.data.empty() ? models::ModelOptions{}
+                                      : model_options_for(labelled_data_of(data_to_json(o)));
+  torch::manual_seed(o.seed);
+  auto model = models::create_model(o.model, options);
+  if (plan.activation_checkpointing.enabled())
+    parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
+  train::ModelSpec spec{
+      .module = model,
+      .forward = [model](const at::Tensor& x) { return model->forward(x); },
+      .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
+  // One micro-batch: the batch, or with a pipeline one of its micro-batches.
+  int64_t rows = o.batch_size;
+  if (plan.pp > 1) {
+    const int64_t per_batch =
+        plan.micro_batches_per_step() / std::max<int64_t>(plan.gradient_accumulation_steps, 1);
+    rows = std::max<int64_t>(1, o.batch_size / std::max<int64_t>(per_batch, 1));
+  }
+  const auto x = torch::randn({rows, options.in_channels, options.image_size, options.image_size});
+  const auto y = torch::randint(0, options.num_classes, {rows});
+  model->train();
+  const auto precision = optim::precision_from_string(o.plan.precision);
+  const int64_t activations = train::measure_step_memory(*model, [&] {
+    at::Tensor loss;
+    {
+      optim::AutocastGuard autocast(precision, torch::kCPU);
+      loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+    }
+    loss.backward();
+  });
+  const int states = o.optimizer == "sgd" ? (o.momentum > 0 ? 1 : 0) : 2;
+  return train::estimate_memory(spec, plan,
+                                {.world_size = o.workers,
+                                 .optimizer_states = states,
+                                 .flat_optimizer = o.flat_optimizer,
+                                 .activation_bytes = activations,
+                                 .runtime_bytes = runtime});
+}
+
 void validate_mesh(const TrainOptions& o) {
   const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
@@ -745,6 +787,12 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
+      ->capture_default_str();
+  cmd->add_option("--memory-budget", o.memory_budget_gb,
+                  "GB per worker: refuse, before any worker starts, a plan that `cohort estimate` "
+                  "says needs more, naming its largest item and the option that shrinks it (0: "
+                  "no check)")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--train-examples", o.train_examples,
                   "train on the first N examples only (0: all)")

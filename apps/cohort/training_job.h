@@ -23,6 +23,7 @@
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
+#include "cohort/train/memory_estimate.h"
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/plan.h"
 
@@ -54,10 +55,11 @@ struct TrainOptions {
   int64_t warmup_steps = 0;
   std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
   uint64_t seed = 0;
-  int64_t max_steps = 0;       // 0: no limit
-  int64_t train_examples = 0;  // the first N training examples only; 0: all
-  int64_t test_examples = 0;   // evaluate on the first N test examples only; 0: all
-  int parameter_servers = 0;   // with async-ps: servers in the first workers; 0: one
+  int64_t max_steps = 0;        // 0: no limit
+  double memory_budget_gb = 0;  // --memory-budget: refuse a plan estimated over it (0: none)
+  int64_t train_examples = 0;   // the first N training examples only; 0: all
+  int64_t test_examples = 0;    // evaluate on the first N test examples only; 0: all
+  int parameter_servers = 0;    // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
   // From a DeepSpeed config only: Adam's betas and eps, the lr schedule (and the plan's fp16 loss
@@ -105,6 +107,12 @@ void apply_deepspeed_config(TrainOptions& options);
 
 // Checks the options and the data before any worker starts; UsageError on bad input.
 void validate(const TrainOptions& options);
+
+// The memory each worker needs for the job (train::estimate_memory): the model built here as the
+// workers build it (its shapes from --data), its activations measured by one forward and backward
+// of a micro-batch of random inputs, this process's resident memory before the model as the
+// runtime. Needs neither the data set's files (MNIST-format) nor any worker.
+train::MemoryEstimate estimate_of(const TrainOptions& options);
 
 // What --data holds, in one line for the user: the rows of each split, the classes, the shape.
 std::string describe_data(const TrainOptions& options);

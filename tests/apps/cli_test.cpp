@@ -391,6 +391,38 @@ TEST_F(Cli, ConfigFilesGiveEveryOptionTheCommandLineOverridesAndRunsSaveTheirOwn
 
 // `cohort --version` says which build this is; `cohort env` what it sees, and names launcher
 // variables that contradict each other (exit code 2) and a rendezvous host that does not resolve.
+// `cohort estimate` prints each worker's memory by item, per plan, with no data and no worker;
+// `--memory-budget` refuses a plan over it there and in `cohort train`, before any worker starts.
+TEST_F(Cli, EstimateSaysWhatEachWorkerNeedsAndABudgetRefusesAPlanOverIt) {
+  const auto estimate = [&](std::vector<std::string> args) {
+    args.insert(args.begin(), {cli_path(), "estimate", "--model", "resnet18", "--workers", "4"});
+    return run_command(args, std::chrono::seconds(120));
+  };
+  // The optimizer state of 11.2 M parameters under AdamW: 89.4 MB whole, a quarter sharded.
+  const auto ddp = estimate({"--optimizer", "adamw"});
+  ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  EXPECT_NE(ddp.output.find("optimizer state:  89.4 MB"), std::string::npos) << ddp.output;
+  EXPECT_NE(ddp.output.find("activations:"), std::string::npos) << ddp.output;
+  EXPECT_NE(ddp.output.find("runtime:"), std::string::npos) << ddp.output;
+  const auto zero = estimate({"--optimizer", "adamw", "--zero-stage", "2"});
+  ASSERT_EQ(zero.exit_code, 0) << zero.output;
+  EXPECT_NE(zero.output.find("optimizer state:  22.4 MB"), std::string::npos) << zero.output;
+  EXPECT_NE(zero.output.find("gradient buckets:"), std::string::npos) << zero.output;
+  const auto over = estimate({"--optimizer", "adamw", "--memory-budget", "0.05"});
+  EXPECT_EQ(over.exit_code, 2) << over.output;
+  EXPECT_NE(over.output.find("over --memory-budget 50.0 MB; the largest item is "),
+            std::string::npos)
+      << over.output;
+  auto r = train({"--data-dir", data.string(), "--memory-budget", "0.05", "--name", "budget"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("over --memory-budget 50.0 MB"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(dir / "runs" / "budget" / "logs")) << "a worker started";
+  r = train({"--data-dir", data.string(), "--memory-budget", "64", "--name", "fits", "--max-steps",
+             "2", "--epochs", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("within --memory-budget 64.0 GB"), std::string::npos) << r.output;
+}
+
 TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
   auto r = run_command({cli_path(), "--version"}, std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -1,0 +1,47 @@
+#include "estimate_command.h"
+
+#include <iomanip>
+#include <iostream>
+
+#include "cohort/cohort.h"
+
+namespace cohort::cli {
+
+CLI::App* add_estimate_command(CLI::App& app, TrainOptions& options) {
+  auto* cmd = app.add_subcommand(
+      "estimate",
+      "the memory each worker of a `cohort train` job needs: parameters, gradients, optimizer "
+      "state, ZeRO's buffers, activations (one micro-batch measured) and the runtime; takes "
+      "train's options, and --memory-budget GB to check them against");
+  cmd->footer(
+      "\nExamples:\n"
+      "  cohort estimate --model resnet18 --workers 4 --zero-stage 2 --batch-size 128\n"
+      "  cohort estimate --model vit --workers 8 --zero-stage 3 --shard-group-size 4 "
+      "--activation-checkpointing every:1 --memory-budget 2");
+  add_training_options(cmd, options);
+  return cmd;
+}
+
+int run_estimate_command(TrainOptions o) {
+  apply_deepspeed_config(o);
+  // The job's own checks that need no data: the model, the plan, its units and its mesh.
+  models::create_model(o.model);
+  const auto plan = o.plan.plan(o.workers);
+  parallel::checkpointed_units(*models::create_model(o.model), plan.activation_checkpointing);
+  validate_mesh(o);
+  const auto estimate = estimate_of(o);
+  std::cout << "cohort estimate: --model " << o.model << " --workers " << o.workers
+            << " --batch-size " << o.batch_size << ", per worker (the one that holds the most):\n"
+            << estimate.table()
+            << "  (not counted: the data set each worker loads and its data pipeline's buffers)\n";
+  if (o.memory_budget_gb > 0) {
+    estimate.check_budget(static_cast<int64_t>(o.memory_budget_gb * 1e9));
+    std::cout << "fits --memory-budget " << o.memory_budget_gb << " GB" << std::endl;
+  } else {
+    const auto& big = estimate.largest();
+    std::cout << "largest: " << big.name << "; to shrink it: " << big.shrink << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace cohort::cli
