@@ -1,0 +1,146 @@
+// The memory estimator against measurement: for each zoo model and plan (DDP, ZeRO 1, 2 and 3),
+// train::estimate_memory's figure per worker (made here as `cohort estimate` makes it: this
+// process's resident memory before the model as the runtime, one micro-batch's forward and
+// backward measured for the activations) beside the peak resident memory of the workers of a
+// real run of the plan (2 workers by default, AdamW, random data of Fashion-MNIST's shape),
+// from their start to the end of their steps.
+//
+//   bench/memory_estimate [--models mlp,cnn,resnet18,vit] [--modes 0,1,2,3] [--workers 2]
+//                         [--batch-size 64] [--steps 3]
+//
+// Prints a table, then one JSON line per model and plan.
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/model_spec.h"
+#include "cohort/models/zoo.h"
+
+namespace {
+
+using cohort::Json;
+namespace train = cohort::train;
+
+train::Plan plan_of(const Json& c) {
+  train::Plan plan;
+  plan.zero.stage = c["stage"].get<int>();
+  return plan;
+}
+
+std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameters) {
+  return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(1e-3));
+}
+
+at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
+  return torch::nn::functional::cross_entropy(out, y);
+}
+
+// A worker: its resident memory before the model, then `steps` steps of the plan, then its peak.
+void worker_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const int64_t start = train::resident_bytes();
+  auto model =
+      train::parallelize(cohort::models::model_spec(c["model"], {}, 0), adamw, loss_of, plan_of(c));
+  const int64_t batch = c["batch_size"];
+  for (int64_t step = 0; step < c["steps"].get<int64_t>(); ++step) {
+    torch::manual_seed(step + 100 * ctx.get_world_rank());
+    model.step(torch::randn({batch, 1, 28, 28}), torch::randint(0, 10, {batch}));
+  }
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto mine = torch::tensor(
+      {static_cast<double>(start), static_cast<double>(usage.ru_maxrss) * 1024.0}, torch::kDouble);
+  double start_max = 0, peak_max = 0;
+  for (const auto& r : ctx.get_process_group().allgather(mine)) {
+    start_max = std::max(start_max, r[0].item<double>());
+    peak_max = std::max(peak_max, r[1].item<double>());
+  }
+  train::report({{"start_bytes", start_max}, {"peak_bytes", peak_max}});
+}
+
+// The estimate as `cohort estimate` makes it.
+train::MemoryEstimate estimate(const std::string& name, int stage, int workers, int64_t batch,
+                               int64_t runtime) {
+  torch::manual_seed(0);
+  auto model = cohort::models::create_model(name);
+  const auto x = torch::randn({batch, 1, 28, 28});
+  const auto y = torch::randint(0, 10, {batch});
+  model->train();
+  const int64_t activations =
+      train::measure_step_memory(*model, [&] { loss_of(model->forward(x), y).backward(); });
+  train::Plan plan;
+  plan.zero.stage = stage;
+  return train::estimate_memory(
+      {.module = model, .forward = [model](const at::Tensor& in) { return model->forward(in); }},
+      plan,
+      {.world_size = workers,
+       .optimizer_states = 2,
+       .activation_bytes = activations,
+       .runtime_bytes = runtime});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t runtime = train::resident_bytes();  // before any model: libtorch and this process
+  CLI::App app{"the memory estimator against the peak resident memory of real runs"};
+  std::vector<std::string> models{"mlp", "cnn", "resnet18", "vit"};
+  std::vector<int> modes{0, 1, 2, 3};
+  int workers = 2;
+  int64_t batch = 64, steps = 3;
+  app.add_option("--models", models, "zoo models")->delimiter(',')->capture_default_str();
+  app.add_option("--modes", modes, "ZeRO stages (0: DDP)")->delimiter(',')->capture_default_str();
+  app.add_option("--workers", workers)->capture_default_str();
+  app.add_option("--batch-size", batch, "rows per worker and step")->capture_default_str();
+  app.add_option("--steps", steps)->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("cohort-memory-estimate-" + std::to_string(::getpid()));
+  std::cout << "memory estimate against measurement: " << workers << " workers, AdamW, batch "
+            << batch << ", " << steps << " steps; runtime here " << std::fixed
+            << std::setprecision(1) << static_cast<double>(runtime) / 1e6 << " MB" << std::endl;
+  std::cout << std::left << std::setw(10) << "model" << std::setw(7) << "plan" << std::right
+            << std::setw(14) << "estimate MB" << std::setw(14) << "measured MB" << std::setw(9)
+            << "ratio" << std::setw(16) << "worker start MB" << std::endl;
+  for (const auto& name : models) {
+    for (int stage : modes) {
+      const auto e = estimate(name, stage, workers, batch, runtime);
+      cohort::Trainer trainer(
+          worker_loop, {.num_workers = workers},
+          {.name = name + "-" + std::to_string(stage), .storage_path = dir, .verbose = 0},
+          Json{{"model", name}, {"stage", stage}, {"batch_size", batch}, {"steps", steps}});
+      const auto result = trainer.fit();
+      if (!result.ok()) {
+        std::cerr << name << " stage " << stage << ": " << *result.error << std::endl;
+        std::filesystem::remove_all(dir);
+        return 1;
+      }
+      const double measured = result.metrics["peak_bytes"].get<double>();
+      const double start = result.metrics["start_bytes"].get<double>();
+      const double estimated = static_cast<double>(e.total());
+      const std::string plan = stage == 0 ? "ddp" : "zero" + std::to_string(stage);
+      std::cout << std::left << std::setw(10) << name << std::setw(7) << plan << std::right
+                << std::setw(14) << estimated / 1e6 << std::setw(14) << measured / 1e6
+                << std::setw(9) << std::setprecision(3) << estimated / measured << std::setw(16)
+                << std::setprecision(1) << start / 1e6 << std::endl;
+      Json items = Json::object();
+      for (const auto& item : e.items) items[item.name] = item.bytes;
+      std::cout << Json{{"model", name},
+                        {"plan", plan},
+                        {"workers", workers},
+                        {"estimate_bytes", e.total()},
+                        {"items", items},
+                        {"measured_peak_bytes", measured},
+                        {"worker_start_bytes", start},
+                        {"ratio", estimated / measured}}
+                       .dump()
+                << std::endl;
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
