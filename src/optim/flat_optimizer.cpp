@@ -3,8 +3,16 @@
 #include <torch/serialize/archive.h>
 #include <torch/version.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <map>
+#include <memory>
 #include <tuple>
 
 #include "cohort/error.h"
@@ -163,6 +171,64 @@ struct DeviceScalar {
   }
 };
 
+// A state buffer offloaded to disk: a file under the offload folder, unlinked as soon as it is
+// made (nothing stays behind, a crash included), its space reserved, mapped shared into memory.
+struct StateFile {
+  int fd = -1;
+  void* address = nullptr;
+  size_t bytes = 0;
+  StateFile() = default;
+  StateFile(const StateFile&) = delete;
+  StateFile& operator=(const StateFile&) = delete;
+  ~StateFile() {
+    if (address != nullptr) ::munmap(address, bytes);
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// A CPU tensor of `like`'s values in a new StateFile under `dir`.
+at::Tensor file_backed(const std::filesystem::path& dir, const at::Tensor& like,
+                       std::shared_ptr<StateFile>& file) {
+  const auto fail = [&](const std::string& what) {
+    throw RuntimeError("optimizer state offload: " + what + " in " + dir.string() + ": " +
+                       std::strerror(errno));
+  };
+  file = std::make_shared<StateFile>();
+  file->bytes = static_cast<size_t>(like.numel()) * like.element_size();
+  if (file->bytes == 0) return at::empty({0}, like.options());
+  std::string name = (dir / "cohort-optimizer-state-XXXXXX").string();
+  file->fd = ::mkstemp(name.data());
+  if (file->fd < 0) fail("cannot create a file");
+  ::unlink(name.c_str());
+  // Reserved now: a full disk is this error, not a SIGBUS in the middle of a step.
+  if (const int e = ::posix_fallocate(file->fd, 0, static_cast<off_t>(file->bytes)); e != 0) {
+    errno = e;
+    fail("cannot reserve " + std::to_string(file->bytes) + " bytes");
+  }
+  file->address = ::mmap(nullptr, file->bytes, PROT_READ | PROT_WRITE, MAP_SHARED, file->fd, 0);
+  if (file->address == MAP_FAILED) {
+    file->address = nullptr;
+    fail("cannot map " + std::to_string(file->bytes) + " bytes");
+  }
+  auto keep = file;
+  // Zero-filled by the reservation; the caller copies the values in a chunk at a time.
+  return at::from_blob(
+      file->address, {like.numel()}, [keep](void*) {}, like.options().device(at::kCPU));
+}
+
+// Zeros that take no memory until written: on the CPU, fresh pages of an anonymous mapping, which
+// the kernel hands out zeroed (the optimizer state: offloaded to disk, it is then never in memory
+// whole, not even before its first step).
+at::Tensor untouched_zeros(int64_t numel, const at::TensorOptions& options) {
+  if (!options.device().is_cpu() || numel == 0) return at::zeros({numel}, options);
+  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  void* address =
+      ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (address == MAP_FAILED) return at::zeros({numel}, options);
+  return at::from_blob(
+      address, {numel}, [bytes](void* p) { ::munmap(p, bytes); }, options);
+}
+
 // One flat layout: the parameters of a param group that share a dtype and a device.
 struct Partition {
   std::vector<size_t> members;  // indices into the group's params()
@@ -185,6 +251,37 @@ struct Partition {
   // device (see fused_update).
   DeviceScalar step_count, lr;
   bool fused_last = false;  // whether the last step ran on the fused kernels
+  // Disk offload: the files behind `state`, one each (empty: the state is in memory).
+  std::vector<std::shared_ptr<StateFile>> state_files;
+
+  // Disk offload: the kernel reads the chunk's state ahead; once updated, it starts writing it
+  // back and the chunk leaves this process's memory (the file's pages stay up to date).
+  void read_ahead(int64_t start, int64_t length) const {
+    for_state_pages(start, length, [](char* at, size_t bytes, const StateFile&, size_t) {
+      ::madvise(at, bytes, MADV_WILLNEED);
+    });
+  }
+  void write_behind(int64_t start, int64_t length) const {
+    for_state_pages(start, length, [](char* at, size_t bytes, const StateFile& f, size_t offset) {
+      ::sync_file_range(f.fd, static_cast<off_t>(offset), static_cast<off_t>(bytes),
+                        SYNC_FILE_RANGE_WRITE);
+      ::madvise(at, bytes, MADV_DONTNEED);
+    });
+  }
+  template <typename Fn>
+  void for_state_pages(int64_t start, int64_t length, const Fn& fn) const {
+    const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    for (size_t s = 0; s < state_files.size(); ++s) {
+      const auto& f = *state_files[s];
+      if (f.address == nullptr || length <= 0) continue;
+      const size_t element = state[s].element_size();
+      size_t begin = static_cast<size_t>(start) * element / page * page;
+      const size_t end = std::min(
+          f.bytes, (static_cast<size_t>(start + length) * element + page - 1) / page * page);
+      if (begin >= end) continue;
+      fn(static_cast<char*>(f.address) + begin, end - begin, f, begin);
+    }
+  }
 };
 
 namespace {
@@ -248,16 +345,40 @@ bool fused_update(const std::string& algorithm, const torch::optim::OptimizerOpt
 // handful of passes over one chunk stay in the cache.
 constexpr int64_t kChunkElements = int64_t{1} << 18;
 
+// Disk offload: the fused kernels a chunk at a time (elementwise the same arithmetic as over the
+// whole buffers, so the same results), each chunk's state read ahead and written behind. False
+// where this libtorch has no fused kernels (said by the first chunk, before it changes anything).
+bool fused_update_by_chunk(const std::string& algorithm,
+                           const torch::optim::OptimizerOptions& options, Partition& part);
+
 template <typename Update>
 void for_each_chunk(Partition& part, const Update& update) {
   for (int64_t start = 0; start < part.numel; start += kChunkElements) {
     const int64_t length = std::min(kChunkElements, part.numel - start);
+    part.read_ahead(start + length, std::min(kChunkElements, part.numel - start - length));
     auto p = part.master.narrow(0, start, length);
     const auto g = part.grads.narrow(0, start, length);
     std::vector<at::Tensor> state;
     for (const auto& s : part.state) state.push_back(s.narrow(0, start, length));
     update(p, g, state);
+    part.write_behind(start, length);
   }
+}
+
+bool fused_update_by_chunk(const std::string& algorithm,
+                           const torch::optim::OptimizerOptions& options, Partition& part) {
+  for (int64_t start = 0; start < part.numel; start += kChunkElements) {
+    const int64_t length = std::min(kChunkElements, part.numel - start);
+    part.read_ahead(start + length, std::min(kChunkElements, part.numel - start - length));
+    Partition chunk;
+    chunk.master = part.master.narrow(0, start, length);
+    chunk.grads = part.grads.narrow(0, start, length);
+    for (const auto& state : part.state) chunk.state.push_back(state.narrow(0, start, length));
+    chunk.steps = {part.steps.front()};
+    if (!fused_update(algorithm, options, chunk)) return false;
+    part.write_behind(start, length);
+  }
+  return true;
 }
 
 }  // namespace
@@ -265,6 +386,31 @@ void for_each_chunk(Partition& part, const Update& update) {
 struct FlatOptimizer::Impl {
   std::string algorithm;
   std::vector<std::vector<Partition>> groups;  // per param group
+  std::filesystem::path offload_dir;           // disk offload's folder (empty: in memory)
+
+  // The partition's state into files under offload_dir, its values kept.
+  void offload(Partition& part) const {
+    if (!part.state_files.empty()) return;
+    for (auto& state : part.state) {
+      if (!state.is_cpu()) {
+        throw UsageError("optimizer state offload to disk holds CPU state; this state is on " +
+                         state.device().str() + ": keep it in memory");
+      }
+    }
+    const std::vector<at::Tensor> in_memory = part.state;
+    for (auto& state : part.state) {
+      std::shared_ptr<StateFile> file;
+      state = file_backed(offload_dir, state, file);
+      part.state_files.push_back(std::move(file));
+    }
+    // The values, a chunk at a time, each written behind: never the whole state in memory twice.
+    for (int64_t start = 0; start < part.numel; start += kChunkElements) {
+      const int64_t length = std::min(kChunkElements, part.numel - start);
+      for (size_t s = 0; s < part.state.size(); ++s)
+        part.state[s].narrow(0, start, length).copy_(in_memory[s].narrow(0, start, length));
+      part.write_behind(start, length);
+    }
+  }
 
   // Whether every parameter's .grad is what the last gather copied: then the flat buffers (which
   // unscaling or clipping may have changed since) are the gradients to step with.
@@ -326,7 +472,7 @@ struct FlatOptimizer::Impl {
       part.grads = adopt_grad ? alias_into(own_grad, 0, {part.numel})
                               : at::zeros({part.numel}, first.options().dtype(compute));
       for (size_t s = 0; s < names.size(); ++s)
-        part.state.push_back(at::zeros({part.numel}, part.grads.options()));
+        part.state.push_back(untouched_zeros(part.numel, part.grads.options()));
       part.steps.assign(part.members.size(), 0);
       part.has_grad.assign(part.members.size(), 0);
       for (size_t k = 0; k < part.members.size(); ++k) {
@@ -346,6 +492,7 @@ struct FlatOptimizer::Impl {
         }
       }
       part.master = low_precision(first.scalar_type()) ? part.params.to(compute) : part.params;
+      if (!offload_dir.empty()) offload(part);
     }
     groups[g] = std::move(parts);
   }
@@ -483,7 +630,10 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
         all = all && part.has_grad[k];
         same_step = same_step && part.steps[k] == part.steps.front();
       }
-      part.fused_last = all && same_step && fused_update(algorithm_, options, part);
+      part.fused_last =
+          all && same_step &&
+          (part.state_files.empty() ? fused_update(algorithm_, options, part)
+                                    : fused_update_by_chunk(algorithm_, options, part));
       if (part.fused_last) {
         // done in one pass
       } else if (algorithm_ == "sgd") {
@@ -589,6 +739,24 @@ int64_t FlatOptimizer::steps_taken(size_t group) const {
 void FlatOptimizer::set_steps_taken(size_t group, int64_t steps) {
   for (auto& part : impl_->groups.at(group)) std::fill(part.steps.begin(), part.steps.end(), steps);
 }
+
+void FlatOptimizer::offload_state(const std::filesystem::path& dir) {
+  std::error_code error;
+  if (!std::filesystem::is_directory(dir, error)) {
+    throw UsageError("optimizer state offload: " + dir.string() +
+                     " is not a folder: create it, or choose one on a disk with room");
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    throw UsageError("optimizer state offload: " + dir.string() +
+                     " is not writable by this process: choose another folder");
+  }
+  torch::NoGradGuard no_grad;
+  impl_->offload_dir = dir;
+  for (auto& parts : impl_->groups)
+    for (auto& part : parts) impl_->offload(part);
+}
+
+bool FlatOptimizer::state_offloaded() const { return !impl_->offload_dir.empty(); }
 
 void FlatOptimizer::skip_step() {
   for (auto& parts : impl_->groups)

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <sstream>
 
 #include "cohort/error.h"
@@ -274,6 +277,65 @@ TEST(FlatOptimizer, ClipsLikeTorchWithoutSyncing) {
   EXPECT_NEAR(optim::clip_grad_norm(other->parameters(), 0.5).item<double>(), expected,
               1e-5 * expected);
   testing::expect_error<UsageError>([&] { optimizer.clip_grad_norm(0); }, "max_norm 0");
+}
+
+// Offloaded to disk, the state steps a chunk at a time through files that nothing can see (they
+// are unlinked at once), and the parameters after 20 steps are bit for bit those of the state in
+// memory: Adam, AdamW and SGD with momentum, over partitions of several chunks.
+TEST(FlatOptimizer, StateOffloadedToDiskStepsBitForBitAsInMemory) {
+  const auto dir = cohort::testing::temp_dir("flat_offload");
+  const auto run = [&](const std::string& algorithm, bool offload) {
+    torch::manual_seed(4);
+    // 2 x 600 x 600 + biases: about 2.8 chunks of state per buffer.
+    torch::nn::Sequential net(torch::nn::Linear(600, 600), torch::nn::Tanh(),
+                              torch::nn::Linear(600, 600));
+    std::unique_ptr<optim::FlatOptimizer> optimizer;
+    if (algorithm == "adam") {
+      optimizer =
+          std::make_unique<optim::FlatAdam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+    } else if (algorithm == "adamw") {
+      optimizer = std::make_unique<optim::FlatAdamW>(
+          net->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
+    } else {
+      optimizer = std::make_unique<optim::FlatSGD>(net->parameters(),
+                                                   torch::optim::SGDOptions(0.05).momentum(0.9));
+    }
+    if (offload) {
+      optimizer->offload_state(dir);
+      EXPECT_TRUE(optimizer->state_offloaded());
+      // The files exist only as mappings of this process.
+      EXPECT_TRUE(std::filesystem::is_empty(dir));
+      std::ifstream maps("/proc/self/maps");
+      const std::string text((std::istreambuf_iterator<char>(maps)), {});
+      EXPECT_NE(text.find("cohort-optimizer-state-"), std::string::npos);
+    }
+    for (int step = 0; step < 20; ++step) {
+      optimizer->zero_grad();
+      torch::manual_seed(100 + step);
+      net->forward(torch::randn({16, 600})).pow(2).mean().backward();
+      optimizer->step();
+    }
+    std::vector<at::Tensor> out;
+    for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+    return out;
+  };
+  for (const std::string algorithm : {"adam", "adamw", "sgd"}) {
+    const auto memory = run(algorithm, false), disk = run(algorithm, true);
+    ASSERT_EQ(memory.size(), disk.size());
+    for (size_t i = 0; i < memory.size(); ++i)
+      EXPECT_TRUE(torch::equal(memory[i], disk[i])) << algorithm << " parameter " << i;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+  // A folder that is not there, or a file: named with the fix.
+  torch::nn::Linear small(2, 2);
+  optim::FlatAdam adam(small->parameters());
+  cohort::testing::expect_error<UsageError>([&] { adam.offload_state(dir / "absent"); },
+                                            "absent is not a folder: create it");
+  std::ofstream(dir / "file") << "x";
+  cohort::testing::expect_error<UsageError>([&] { adam.offload_state(dir / "file"); },
+                                            "is not a folder");
+  EXPECT_FALSE(adam.state_offloaded());
+  std::filesystem::remove_all(dir);
 }
 
 TEST(FlatOptimizer, HyperparametersOutOfRangeAreNamed) {

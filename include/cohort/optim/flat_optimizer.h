@@ -1,4 +1,5 @@
 #pragma once
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,21 @@ class FlatOptimizer : public torch::optim::Optimizer {
   std::vector<int64_t> host_step_counts() const;
   /// See before_replay().
   void restore_host_step_counts(const std::vector<int64_t>& counts);
+
+  /// Moves the optimizer state into files under `dir` (ZeRO-Infinity's offload to NVMe;
+  /// DeepSpeed's offload_optimizer {device: nvme}): each buffer a file, unlinked as soon as it is
+  /// made (nothing stays behind, a crash included), its space reserved at once, mapped into
+  /// memory. A step then reads the state a chunk (1 MiB of each buffer) at a time, the next chunk
+  /// read ahead, each updated chunk written back behind it and dropped from this process's
+  /// memory: the state the process holds is about a chunk's, the rest in the kernel's page
+  /// cache, which it writes to the disk and reclaims under memory pressure. So a model whose
+  /// state exceeds the machine's memory steps, at the disk's speed. Results are bit for bit those
+  /// of the state in memory. Checkpoints read and write it as usual. CPU state only; UsageError
+  /// naming the folder when it is not a writable folder, RuntimeError when its disk cannot hold
+  /// the state. A relayout (module->to()) keeps it offloaded.
+  void offload_state(const std::filesystem::path& dir);
+  /// Whether offload_state() put the state on disk.
+  bool state_offloaded() const;
 
   /// "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }
