@@ -1,6 +1,7 @@
 #include "cohort/train/memory_estimate.h"
 
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
@@ -123,6 +124,8 @@ std::string MemoryEstimate::table() const {
   std::string name = "total:";
   name.resize(18, ' ');
   out << "  " << name << megabytes(total()) << "\n";
+  if (disk_bytes > 0)
+    out << "  (on disk, beside the total: the optimizer state, " << megabytes(disk_bytes) << ")\n";
   return out.str();
 }
 
@@ -196,10 +199,18 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
     add("gradient buckets", 2 * bucket * e * (gloo ? 2 : 1),
         "a smaller reduce_bucket_size (--deepspeed)");
   }
-  add("optimizer state", k * (stage >= 1 ? shard(p) : p) * e,
-      stage == 0                       ? "--zero-stage 1 shards it over the workers"
-      : plan.zero.shard_group_size > 0 ? "a larger --shard-group-size"
-                                       : more_workers);
+  const int64_t state = k * (stage >= 1 ? shard(p) : p) * e;
+  if (plan.offload_optimizer.device == OptimizerOffload::Device::kDisk) {
+    // In files; in memory a chunk of each state buffer at a time (1 MiB, and the next read ahead).
+    estimate.disk_bytes = state;
+    add("optimizer state", std::min<int64_t>(state, k * 2 * (int64_t{1} << 20)),
+        "nothing: it streams from disk a chunk at a time");
+  } else {
+    add("optimizer state", state,
+        stage == 0                       ? "--zero-stage 1 shards it over the workers"
+        : plan.zero.shard_group_size > 0 ? "a larger --shard-group-size"
+                                         : more_workers);
+  }
   // Local SGD and DiLoCo keep the parameters of the last synchronisation; DiLoCo its outer
   // momentum too.
   int64_t copies = 0;
@@ -221,6 +232,25 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
           : "--activation-checkpointing every:1 recomputes them in backward");
   add("runtime", options.runtime_bytes, "nothing: it is libtorch and the process itself");
   return estimate;
+}
+
+void check_offload_room(const OptimizerOffload& offload, int64_t bytes) {
+  if (offload.device != OptimizerOffload::Device::kDisk) return;
+  const std::string flag = "--offload-optimizer " + to_string(offload);
+  std::error_code error;
+  if (!std::filesystem::is_directory(offload.path, error))
+    throw UsageError(flag + ": " + offload.path.string() + " is not a folder: create it");
+  if (::access(offload.path.c_str(), W_OK) != 0) {
+    throw UsageError(flag + ": " + offload.path.string() +
+                     " is not writable: choose a folder this user may write");
+  }
+  const auto space = std::filesystem::space(offload.path, error);
+  if (!error && static_cast<int64_t>(space.available) < bytes) {
+    throw UsageError(flag + ": the optimizer state needs " + megabytes(bytes) + " there, and " +
+                     offload.path.string() + " has " +
+                     megabytes(static_cast<int64_t>(space.available)) +
+                     " free: choose a folder on a disk with room");
+  }
 }
 
 int64_t resident_bytes() { return status_field("VmRSS"); }

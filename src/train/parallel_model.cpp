@@ -206,6 +206,38 @@ void check_mesh(const Plan& plan, const TrainContext& ctx) {
   }
 }
 
+// --offload-optimizer: a flat optimizer's state (ZeRO's shard included) into files; host memory
+// is where a CPU run's state is already.
+void offload_optimizer_state(torch::optim::Optimizer& optimizer, const OptimizerOffload& offload,
+                             const TrainContext& ctx) {
+  using Device = OptimizerOffload::Device;
+  if (offload.device == Device::kNone) return;
+  const std::string flag = "--offload-optimizer " + to_string(offload);
+  if (offload.device == Device::kCpu) {
+    if (!ctx.get_device().is_cpu()) {
+      throw UsageError(flag + " with parameters on " + ctx.get_device().str() +
+                       " is not supported yet: keep the state on the GPU, or shard it with "
+                       "--zero-stage");
+    }
+    if (ctx.get_world_rank() == 0) {
+      std::cout << flag << ": the optimizer state is in host memory already on a CPU run; nothing "
+                << "to do" << std::endl;
+    }
+    return;
+  }
+  auto* flat = dynamic_cast<optim::FlatOptimizer*>(&optimizer);
+  if (flat == nullptr) {
+    throw UsageError(flag +
+                     " streams the state of cohort's flat optimizers and ZeRO's: use one (not "
+                     "--no-flat-optimizer), with --sync ddp");
+  }
+  flat->offload_state(offload.path);
+  if (ctx.get_world_rank() == 0) {
+    std::cout << flag << ": rank 0's optimizer state, " << flat->state_bytes() / 1000000
+              << " MB, streams from files there" << std::endl;
+  }
+}
+
 }  // namespace
 
 ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimizer,
@@ -283,6 +315,7 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
     st->find_engines();
     st->name_parameters();
   }
+  offload_optimizer_state(*st->optimizer, plan.offload_optimizer, ctx);
   st->lr_scheduler = std::make_unique<optim::LrScheduler>(*st->optimizer, schedule, 0);
   return ParallelModel(std::move(st));
 }

@@ -18,6 +18,27 @@ int Plan::micro_batches_per_step() const {
   return per_batch * static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
 }
 
+OptimizerOffload parse_optimizer_offload(const std::string& text) {
+  if (text.empty() || text == "none") return {};
+  if (text == "cpu") return {.device = OptimizerOffload::Device::kCpu};
+  if (text.rfind("disk:", 0) == 0 && text.size() > 5)
+    return {.device = OptimizerOffload::Device::kDisk, .path = text.substr(5)};
+  throw UsageError("--offload-optimizer '" + text +
+                   "': give none, cpu (host memory) or disk:PATH (files in the folder PATH)");
+}
+
+std::string to_string(const OptimizerOffload& offload) {
+  switch (offload.device) {
+    case OptimizerOffload::Device::kCpu:
+      return "cpu";
+    case OptimizerOffload::Device::kDisk:
+      return "disk:" + offload.path.string();
+    case OptimizerOffload::Device::kNone:
+      break;
+  }
+  return "none";
+}
+
 void Plan::validate(int world_size) const {
   const auto fail = [](const std::string& message) { throw UsageError(message); };
   if (pp < 1) fail("--pp " + std::to_string(pp) + " must be >= 1 (1: no pipeline)");
@@ -36,6 +57,8 @@ void Plan::validate(int world_size) const {
   zero.validate();
   loss_scaler.validate();
   activation_checkpointing.validate();
+  if (offload_optimizer.device == OptimizerOffload::Device::kDisk && offload_optimizer.path.empty())
+    fail("--offload-optimizer disk: needs a folder: disk:PATH");
   parallel::validate(sync);
   const std::string sync_flag = "--sync " + parallel::to_string(sync);
   if (zero.shard_group_size > 0 && zero.stage == 0) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <map>
 #include <set>
 
@@ -103,6 +104,32 @@ TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
   }
   EXPECT_THROW(estimate_memory(four_units(), Plan{.zero = {.stage = 2, .shard_group_size = 3}},
                                {.world_size = 4}),
+               UsageError);
+}
+
+// With the state on disk, memory holds a chunk of it; the folder is checked for room first.
+TEST(MemoryEstimate, StateOnDiskLeavesMemoryAndNeedsRoomThere) {
+  Plan plan;
+  plan.offload_optimizer =
+      parse_optimizer_offload("disk:" + std::filesystem::temp_directory_path().string());
+  const auto estimate = estimate_memory(four_units(), plan, {.optimizer_states = 2});
+  EXPECT_EQ(estimate.disk_bytes, 8 * kP);
+  EXPECT_EQ(items_of(estimate)["optimizer state"], 2 * 2 * (int64_t{1} << 20));
+  EXPECT_NE(estimate.table().find("on disk, beside the total: the optimizer state, 32.0 MB"),
+            std::string::npos)
+      << estimate.table();
+  check_offload_room(plan.offload_optimizer, estimate.disk_bytes);  // room for 32 MB
+  try {
+    check_offload_room(plan.offload_optimizer, int64_t{1} << 60);
+    FAIL() << "an exabyte fitted";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the optimizer state needs 1152921504606.8 MB there"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("free: choose a folder on a disk with room"),
+              std::string::npos);
+  }
+  EXPECT_THROW(check_offload_room(parse_optimizer_offload("disk:/nonexistent-cohort"), 1),
                UsageError);
 }
 

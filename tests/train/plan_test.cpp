@@ -47,6 +47,20 @@ TEST(Plan, ConflictingOptionsAreOneLineNamingBothAndTheFix) {
   EXPECT_EQ(problem_of({.pp = 2, .zero = {.stage = 1, .shard_group_size = 4}}, 4),
             "--shard-group-size 4 does not divide the 2 data-parallel workers (--workers 4 / "
             "(--pp x --tp)): use a divisor of 2");
+  // Where the optimizer state lives.
+  EXPECT_EQ(train::to_string(train::parse_optimizer_offload("disk:/scratch")), "disk:/scratch");
+  EXPECT_EQ(train::parse_optimizer_offload("cpu").device, train::OptimizerOffload::Device::kCpu);
+  EXPECT_EQ(train::parse_optimizer_offload("none").device, train::OptimizerOffload::Device::kNone);
+  for (const std::string bad : {"disk:", "gpu", "disk"}) {
+    try {
+      train::parse_optimizer_offload(bad);
+      ADD_FAILURE() << bad;
+    } catch (const UsageError& e) {
+      EXPECT_EQ(std::string(e.what()), "--offload-optimizer '" + bad +
+                                           "': give none, cpu (host memory) or disk:PATH (files "
+                                           "in the folder PATH)");
+    }
+  }
   // Activation checkpointing: a policy that means something, not inside a captured graph.
   EXPECT_EQ(problem_of({.activation_checkpointing = {.every = -1}}),
             "--activation-checkpointing every:-1: every:K needs K >= 1 (1: every unit; none: no "

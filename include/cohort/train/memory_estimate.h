@@ -48,6 +48,9 @@ struct MemoryItem {
 /// estimate_memory's answer: the items of the worker that holds the most.
 struct MemoryEstimate {
   std::vector<MemoryItem> items;  ///< in the order above; items of 0 bytes left out
+  /// With --offload-optimizer disk:PATH, the optimizer state's bytes in files there, per worker
+  /// (not in memory: only a chunk of it is, counted in the items).
+  int64_t disk_bytes = 0;
   /// The sum of the items.
   int64_t total() const;
   /// The largest item other than the runtime (which no option shrinks).
@@ -78,6 +81,12 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
 /// the activations and backward's own scratch are counted. Linux only; 0 where /proc is not
 /// there.
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step);
+
+/// For --offload-optimizer disk:PATH, before any worker starts: a UsageError of one line when
+/// PATH is not a folder, is not writable, or its disk has less room than `bytes` (the state of
+/// the workers that share it: the bytes needed and the bytes free named). Nothing for other
+/// kinds of offload.
+void check_offload_room(const OptimizerOffload& offload, int64_t bytes);
 
 /// This process's resident memory now (Linux's VmRSS); 0 where /proc is not there.
 int64_t resident_bytes();

@@ -4,7 +4,9 @@
 /// DeepSpeed's JSON). train::parallelize (parallel_model.h) carries it out.
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <optional>
+#include <string>
 
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/activation_checkpointing.h"
@@ -13,6 +15,25 @@
 #include "cohort/parallel/zero_optimizer.h"
 
 namespace cohort::train {
+
+/// Where the optimizer state lives (--offload-optimizer; DeepSpeed's offload_optimizer).
+struct OptimizerOffload {
+  /// kNone: with the parameters. kCpu: in host memory (on a CPU run it is there already: a no-op,
+  /// said once; GPU parameters: not supported yet, a UsageError). kDisk: in files under `path`,
+  /// streamed through a chunk at a time (optim::FlatOptimizer::offload_state), CPU state only.
+  enum class Device {
+    kNone,  ///< with the parameters
+    kCpu,   ///< host memory
+    kDisk   ///< files under `path`
+  };
+  Device device = Device::kNone;  ///< see Device
+  std::filesystem::path path;     ///< kDisk's folder
+};
+/// Parses --offload-optimizer: "none", "cpu" or "disk:PATH"; a UsageError naming the text and the
+/// forms otherwise.
+OptimizerOffload parse_optimizer_offload(const std::string& text);
+/// The flag's text of `offload` ("none", "cpu", "disk:/scratch/state").
+std::string to_string(const OptimizerOffload& offload);
 
 /// How a model trains over the workers: the parallel degrees, ZeRO, the sync mode, the precision
 /// and loss scaling, accumulation, clipping, CUDA-graph capture and the pipeline schedule
@@ -52,6 +73,9 @@ struct Plan {
   /// forward and recompute the rest in backward (--activation-checkpointing); parallelize marks
   /// them, naming a unit the model lacks in a UsageError.
   parallel::ActivationCheckpointing activation_checkpointing;
+  /// Where the optimizer state lives (--offload-optimizer): parallelize moves a flat optimizer's
+  /// (ZeRO's included) into files for kDisk.
+  OptimizerOffload offload_optimizer;
 
   /// A pipeline or tensor parallelism: the workers form a mesh.
   bool has_mesh() const { return pp > 1 || tp > 1; }
