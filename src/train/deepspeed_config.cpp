@@ -268,14 +268,14 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
                std::vector<std::string>& unknown) {
   const Json* z = r.object(root, "zero_optimization", "zero_optimization");
   if (z == nullptr) return;
-  r.collect_unknown(
-      *z,
-      {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
-       "contiguous_gradients", "reduce_scatter", "allgather_partitions",
-       "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
-       "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
-       "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients", "mics_shard_size"},
-      "zero_optimization.", unknown);
+  r.collect_unknown(*z,
+                    {"stage", "reduce_bucket_size", "allgather_bucket_size", "overlap_comm",
+                     "contiguous_gradients", "reduce_scatter", "allgather_partitions",
+                     "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+                     "stage3_param_persistence_threshold", "stage3_max_reuse_distance",
+                     "stage3_gather_16bit_weights_on_model_save", "round_robin_gradients",
+                     "mics_shard_size", "offload_optimizer", "cpu_offload"},
+                    "zero_optimization.", unknown);
   auto& zero = c.zero;
   // Range-checked before it narrows to an int ("stage": 4294967298 became stage 2).
   const int64_t stage = r.integer(*z, "stage", "zero_optimization.stage").value_or(0);
@@ -319,6 +319,33 @@ void read_zero(const Reader& r, const Json& root, DeepSpeedConfig& c,
            "must be -1 (shard over every rank) or a group size >= 1, got " + std::to_string(mics));
   }
   zero.shard_group_size = mics == -1 ? 0 : static_cast<int>(mics);
+  // Where the optimizer state lives: the older cpu_offload, or offload_optimizer's device.
+  if (r.boolean(*z, "cpu_offload", "zero_optimization.cpu_offload").value_or(false))
+    c.offload_optimizer = "cpu";
+  const std::string prefix = "zero_optimization.offload_optimizer";
+  if (const Json* offload = r.object(*z, "offload_optimizer", prefix)) {
+    r.collect_unknown(*offload,
+                      {"device", "nvme_path", "pin_memory", "buffer_count", "buffer_size",
+                       "fast_init", "ratio", "pipeline_read", "pipeline_write"},
+                      prefix + ".", unknown);
+    const std::string device = r.string(*offload, "device", prefix + ".device").value_or("none");
+    if (device == "cpu") {
+      c.offload_optimizer = "cpu";
+    } else if (device == "nvme") {
+      const auto path = r.string(*offload, "nvme_path", prefix + ".nvme_path");
+      if (!path || path->empty())
+        r.fail(prefix + ".nvme_path", "is missing: device nvme keeps the state in that folder");
+      c.offload_optimizer = "disk:" + *path;
+    } else if (device != "none") {
+      r.fail(prefix + ".device", "'" + device + "' is not one of none, cpu, nvme");
+    }
+    // How DeepSpeed's own offload engine buffers and pipelines: not done here.
+    for (const char* key :
+         {"buffer_count", "buffer_size", "fast_init", "ratio", "pipeline_read", "pipeline_write"}) {
+      if (offload->contains(key)) unknown.push_back(prefix + "." + key + " (not honoured)");
+    }
+    r.boolean(*offload, "pin_memory", prefix + ".pin_memory");
+  }
   zero.validate();
 }
 

@@ -158,6 +158,30 @@ TEST(DeepSpeedConfig, StageThreeKeysSetItsLimits) {
   }
 }
 
+// Where the optimizer state lives: offload_optimizer's device (nvme: files in nvme_path), or the
+// older cpu_offload; what DeepSpeed's own offload engine tunes is named for the warning.
+TEST(DeepSpeedConfig, OffloadOptimizerMapsOntoTheOffloadOption) {
+  const auto parse = [](const std::string& zero) {
+    return DeepSpeedConfig::from_json(
+        Json::parse(R"({"train_batch_size": 8, "zero_optimization": )" + zero + "}"), 1, "ds.json");
+  };
+  EXPECT_EQ(parse(R"({"stage": 2})").offload_optimizer, "none");
+  EXPECT_EQ(parse(R"({"stage": 2, "cpu_offload": true})").offload_optimizer, "cpu");
+  EXPECT_EQ(parse(R"({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true}})")
+                .offload_optimizer,
+            "cpu");
+  const auto nvme = parse(R"({"stage": 3, "offload_optimizer": {"device": "nvme",
+                             "nvme_path": "/local_nvme", "buffer_count": 4}})");
+  EXPECT_EQ(nvme.offload_optimizer, "disk:/local_nvme");
+  EXPECT_EQ(nvme.unknown_keys,
+            (std::vector<std::string>{"zero_optimization.offload_optimizer.buffer_count (not "
+                                      "honoured)"}));
+  expect_error<UsageError>([&] { parse(R"({"offload_optimizer": {"device": "nvme"}})"); },
+                           "ds.json: zero_optimization.offload_optimizer.nvme_path is missing");
+  expect_error<UsageError>([&] { parse(R"({"offload_optimizer": {"device": "tape"}})"); },
+                           "offload_optimizer.device 'tape' is not one of none, cpu, nvme");
+}
+
 // Megatron's example configs' block: every unit checkpointed; what cohort does not do beyond that
 // is listed for the one warning, with what it does not know.
 TEST(DeepSpeedConfig, ActivationCheckpointingChecksEveryUnitAndNamesWhatItCannotHonour) {
@@ -188,11 +212,11 @@ TEST(DeepSpeedConfig, ActivationCheckpointingChecksEveryUnitAndNamesWhatItCannot
 TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
   const auto c = DeepSpeedConfig::from_json(
       Json::parse(R"({"train_batch_size": 8, "flops_profiler": {"enabled": true},
-                      "zero_optimization": {"stage": 1, "offload_optimizer": {}},
+                      "zero_optimization": {"stage": 1, "offload_param": {}},
                       "optimizer": {"type": "SGD", "params": {"lr": 0.1, "foo": 1}}})"),
       1);
   EXPECT_EQ(c.unknown_keys, (std::vector<std::string>{"flops_profiler", "optimizer.params.foo",
-                                                      "zero_optimization.offload_optimizer"}));
+                                                      "zero_optimization.offload_param"}));
   const std::vector<std::pair<std::string, std::string>> bad{
       {R"({"train_batch_size": 8, "zero_optimization": {"stage": "two"}})",
        "ds.json: zero_optimization.stage must be an integer, got \"two\""},

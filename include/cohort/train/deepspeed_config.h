@@ -27,7 +27,8 @@ namespace cohort::train {
 ///   gradient_clipping
 ///   zero_optimization {stage, reduce_bucket_size, allgather_bucket_size, overlap_comm,
 ///     contiguous_gradients, stage3_prefetch_bucket_size, stage3_max_live_parameters,
-///     stage3_param_persistence_threshold, mics_shard_size (sharding groups, HSDP)}
+///     stage3_param_persistence_threshold, mics_shard_size (sharding groups, HSDP),
+///     offload_optimizer {device: none | cpu | nvme, nvme_path, pin_memory}, cpu_offload}
 ///   activation_checkpointing {partition_activations, cpu_checkpointing,
 ///     contiguous_memory_optimization, number_checkpoints, synchronize_checkpoint_boundary,
 ///     profile}   the block's presence checkpoints every unit of the model (every:1); its keys
@@ -62,6 +63,9 @@ struct DeepSpeedConfig {
   parallel::ZeroOptions zero;  ///< zero_optimization: the stage, bucket sizes, overlap, stage 3's
                                ///< prefetch and persistence
 
+  /// zero_optimization.offload_optimizer (or cpu_offload) as --offload-optimizer's text: none,
+  /// cpu, or disk:NVME_PATH for device nvme.
+  std::string offload_optimizer = "none";
   /// activation_checkpointing: every:1 when the block is there, else none.
   parallel::ActivationCheckpointing activation_checkpointing;
 
