@@ -151,6 +151,33 @@ int umask_of(const TrainOptions& o) {
   return mask;
 }
 
+namespace {
+
+// The model the workers build, as estimate_memory takes it.
+train::ModelSpec estimated_spec(const models::ImageClassifier& model, const train::Plan& plan) {
+  return {.module = model,
+          .forward = [model](const at::Tensor& x) { return model->forward(x); },
+          .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
+}
+
+int optimizer_states_of(const TrainOptions& o) {
+  return o.optimizer == "sgd" ? (o.momentum > 0 ? 1 : 0) : 2;
+}
+
+}  // namespace
+
+void check_offload_room(const TrainOptions& o) {
+  const auto plan = o.plan.plan(o.workers);
+  if (plan.offload_optimizer.device != train::OptimizerOffload::Device::kDisk) return;
+  const auto model = models::create_model(o.model);
+  const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
+                                               {.world_size = o.workers,
+                                                .optimizer_states = optimizer_states_of(o),
+                                                .flat_optimizer = o.flat_optimizer});
+  // Every worker of this machine writes its state there.
+  train::check_offload_room(plan.offload_optimizer, estimate.disk_bytes * o.workers);
+}
+
 train::MemoryEstimate estimate_of(const TrainOptions& o) {
   // Before the model: libtorch and this process, as a worker has them.
   const int64_t runtime = train::resident_bytes();
@@ -161,10 +188,7 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   auto model = models::create_model(o.model, options);
   if (plan.activation_checkpointing.enabled())
     parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
-  train::ModelSpec spec{
-      .module = model,
-      .forward = [model](const at::Tensor& x) { return model->forward(x); },
-      .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
+  const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
   int64_t rows = o.batch_size;
   if (plan.pp > 1) {
@@ -184,10 +208,9 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
     }
     loss.backward();
   });
-  const int states = o.optimizer == "sgd" ? (o.momentum > 0 ? 1 : 0) : 2;
   return train::estimate_memory(spec, plan,
                                 {.world_size = o.workers,
-                                 .optimizer_states = states,
+                                 .optimizer_states = optimizer_states_of(o),
                                  .flat_optimizer = o.flat_optimizer,
                                  .activation_bytes = activations,
                                  .runtime_bytes = runtime});
@@ -247,6 +270,7 @@ void validate(const TrainOptions& o) {
   parallel::checkpointed_units(
       *models::create_model(o.model),
       parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
+  check_offload_room(o);
   if (!o.label.empty() && o.data.rfind("csv:", 0) != 0)
     throw UsageError("--label " + o.label +
                      " names a CSV's class column: use it with --data csv:FILE");
@@ -482,6 +506,8 @@ void apply_deepspeed_config(TrainOptions& o) {
   o.plan.loss_scaler = ds.loss_scaler;
   o.plan.gradient_clipping = ds.gradient_clipping;
   o.plan.zero = ds.zero;
+  if (ds.offload_optimizer != "none" && o.plan.offload_optimizer == "none")
+    o.plan.offload_optimizer = ds.offload_optimizer;
   // The block checkpoints every unit, unless --activation-checkpointing chose.
   if (ds.activation_checkpointing.enabled() && o.plan.activation_checkpointing == "none")
     o.plan.activation_checkpointing = parallel::to_string(ds.activation_checkpointing);

@@ -114,6 +114,10 @@ void validate(const TrainOptions& options);
 // runtime. Needs neither the data set's files (MNIST-format) nor any worker.
 train::MemoryEstimate estimate_of(const TrainOptions& options);
 
+// --offload-optimizer disk:PATH: PATH is a writable folder with room for the optimizer state of
+// this machine's workers (UsageError naming what is missing); nothing otherwise.
+void check_offload_room(const TrainOptions& options);
+
 // What --data holds, in one line for the user: the rows of each split, the classes, the shape.
 std::string describe_data(const TrainOptions& options);
 

@@ -40,7 +40,8 @@ train::Plan PlanOptions::plan(int world_size) const {
                    .schedule = parallel::pipeline::schedule_from_string(schedule),
                    .micro_batches = micro_batches,
                    .activation_checkpointing =
-                       parallel::parse_activation_checkpointing(activation_checkpointing)};
+                       parallel::parse_activation_checkpointing(activation_checkpointing),
+                   .offload_optimizer = train::parse_optimizer_offload(offload_optimizer)};
   plan.validate(world_size);
   return plan;
 }
@@ -66,6 +67,7 @@ void to_json(Json& j, const PlanOptions& o) {
            {"cuda_graph", o.cuda_graph},
            {"precision", o.precision},
            {"activation_checkpointing", o.activation_checkpointing},
+           {"offload_optimizer", o.offload_optimizer},
            {"loss_scaler", o.loss_scaler}};
   if (o.outer_lr) j["outer_lr"] = *o.outer_lr;
   if (o.outer_momentum) j["outer_momentum"] = *o.outer_momentum;
@@ -101,6 +103,7 @@ void from_json(const Json& j, PlanOptions& o) {
   o.loss_scaler = json_field(j, "loss_scaler", d.loss_scaler);
   o.activation_checkpointing =
       json_field(j, "activation_checkpointing", d.activation_checkpointing);
+  o.offload_optimizer = json_field(j, "offload_optimizer", d.offload_optimizer);
 }
 
 void add_plan_options(CLI::App* cmd, PlanOptions& o) {
@@ -124,6 +127,12 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
                   "their activations: none, every:K (every K-th unit; every:1 all of them) or "
                   "layers:NAME[,NAME...] (units by name, e.g. layers.3, or type, e.g. "
                   "BasicBlock); less memory for about one more forward per step")
+      ->capture_default_str();
+  cmd->add_option("--offload-optimizer", o.offload_optimizer,
+                  "where the optimizer state lives: none (with the parameters), cpu (host "
+                  "memory: on CPU runs it is there already) or disk:PATH (files in the folder "
+                  "PATH, streamed through a chunk at a time: state larger than memory steps; "
+                  "checked for room before any worker starts)")
       ->capture_default_str();
   flag("--cuda-graph", o.cuda_graph,
        "capture each training step (forward, backward, all-reduce, optimizer) as one CUDA graph "

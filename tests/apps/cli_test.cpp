@@ -423,6 +423,48 @@ TEST_F(Cli, EstimateSaysWhatEachWorkerNeedsAndABudgetRefusesAPlanOverIt) {
   EXPECT_NE(r.output.find("within --memory-budget 64.0 GB"), std::string::npos) << r.output;
 }
 
+// The optimizer state in files trains as in memory, under DDP and ZeRO alike; a folder that is
+// not there or has no room is refused before any worker starts; cpu on a CPU run says it has
+// nothing to do.
+TEST_F(Cli, OptimizerStateOffloadedToDiskTrainsAsInMemory) {
+  const auto offload = dir / "offload";
+  std::filesystem::create_directories(offload);
+  for (const std::string stage : {"0", "2"}) {
+    const std::vector<std::string> common{
+        "--data-dir", data.string(), "--workers",   "2",     "--epochs",     "1",  "--max-steps",
+        "6",          "--quiet",     "--optimizer", "adamw", "--zero-stage", stage};
+    auto with = [&](std::vector<std::string> extra) {
+      auto args = common;
+      args.insert(args.end(), extra.begin(), extra.end());
+      return args;
+    };
+    auto memory = train(with({"--name", "memory" + stage}));
+    ASSERT_EQ(memory.exit_code, 0) << memory.output;
+    auto disk =
+        train(with({"--name", "disk" + stage, "--offload-optimizer", "disk:" + offload.string()}));
+    ASSERT_EQ(disk.exit_code, 0) << disk.output;
+    EXPECT_EQ(result_of("disk" + stage)["train_loss"], result_of("memory" + stage)["train_loss"])
+        << "stage " << stage;
+    EXPECT_EQ(result_of("disk" + stage)["test_loss"], result_of("memory" + stage)["test_loss"]);
+    const auto log = cohort::testing::read_text(
+        (dir / "runs" / ("disk" + stage) / "logs" / "rank-0.log").string());
+    EXPECT_NE(log.find("rank 0's optimizer state, "), std::string::npos) << log;
+  }
+  EXPECT_TRUE(std::filesystem::is_empty(offload)) << "a state file stayed behind";
+  auto r = train({"--data-dir", data.string(), "--offload-optimizer",
+                  "disk:" + (dir / "absent").string(), "--name", "absent"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("absent is not a folder: create it"), std::string::npos) << r.output;
+  r = train({"--data-dir", data.string(), "--offload-optimizer", "cpu", "--name", "cpu",
+             "--max-steps", "2", "--epochs", "1"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  const auto log =
+      cohort::testing::read_text((dir / "runs" / "cpu" / "logs" / "rank-0.log").string());
+  EXPECT_NE(log.find("--offload-optimizer cpu: the optimizer state is in host memory already"),
+            std::string::npos)
+      << log;
+}
+
 TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
   auto r = run_command({cli_path(), "--version"}, std::chrono::seconds(30));
   EXPECT_EQ(r.exit_code, 0) << r.output;

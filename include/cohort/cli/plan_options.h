@@ -49,6 +49,9 @@ struct PlanOptions {
   /// Which units recompute their forward in backward (--activation-checkpointing): none,
   /// every:K or layers:NAMES (parallel::parse_activation_checkpointing).
   std::string activation_checkpointing = "none";
+  /// Where the optimizer state lives (--offload-optimizer): none, cpu or disk:PATH
+  /// (train::parse_optimizer_offload).
+  std::string offload_optimizer = "none";
   /// fp16's loss scaling: no flags; DeepSpeed JSON's "fp16" section or a config file sets it.
   optim::LossScalerOptions loss_scaler;
 
