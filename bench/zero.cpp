@@ -2,6 +2,7 @@
 //
 //   bench/zero --workers 2 --modes ddp,ddp-flat,1,2,3   (defaults: a 100.7 M-parameter MLP,
 //                                                        Adam, fp32)
+//   bench/zero --modes ddp-flat,2 --offload-dir /scratch  the optimizer state in files there
 //
 // For each mode, N worker processes train the MLP (--layers Linear layers of --width x --width,
 // batch --batch-size of random data) for --warmup + --steps steps, and print one JSON line:
@@ -92,6 +93,11 @@ void bench_loop(const cohort::Json& c) {
   auto optimizer = cohort::train::prepare_optimizer(model.ptr(), std::move(adam));
   auto* flat = dynamic_cast<cohort::optim::FlatOptimizer*>(optimizer.get());
   auto* zero = dynamic_cast<cohort::parallel::ZeroOptimizer*>(optimizer.get());
+  const std::string offload = c["offload_dir"].get<std::string>();
+  if (!offload.empty()) {
+    if (flat == nullptr) throw cohort::UsageError("--offload-dir needs ddp-flat or a ZeRO stage");
+    flat->offload_state(offload);
+  }
   const int64_t batch = c["batch_size"].get<int64_t>();
   const int64_t width = c["width"].get<int64_t>();
   const int64_t warmup = c["warmup"].get<int64_t>();
@@ -231,6 +237,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("--checkpoint", checkpoint,
                "save a checkpoint after the steps: its time and peak memory");
+  std::string offload_dir;
+  app.add_option("--offload-dir", offload_dir,
+                 "the optimizer state in files in this folder (FlatOptimizer::offload_state; "
+                 "ddp-flat and ZeRO): the RSS without it, and the step time with the disk");
   CLI11_PARSE(app, argc, argv);
   std::stringstream list(modes);
   for (std::string mode; std::getline(list, mode, ',');) {
@@ -251,7 +261,8 @@ int main(int argc, char** argv) {
          {"steps", steps},
          {"warmup", warmup},
          {"reduce_bucket_size", reduce_bucket_size},
-         {"checkpoint", checkpoint}});
+         {"checkpoint", checkpoint},
+         {"offload_dir", offload_dir}});
     auto result = trainer.fit();
     if (!result.ok()) {
       std::cerr << "error: " << *result.error << std::endl;
