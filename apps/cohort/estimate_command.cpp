@@ -10,9 +10,9 @@ namespace cohort::cli {
 CLI::App* add_estimate_command(CLI::App& app, TrainOptions& options) {
   auto* cmd = app.add_subcommand(
       "estimate",
-      "the memory each worker of a `cohort train` job needs: parameters, gradients, optimizer "
-      "state, ZeRO's buffers, activations (one micro-batch measured) and the runtime; takes "
-      "train's options, and --memory-budget GB to check them against");
+      "Print the memory each worker of a `cohort train` job needs: parameters, gradients, "
+      "optimizer state, ZeRO's buffers, activations (one micro-batch measured) and the runtime; "
+      "takes train's options, and --memory-budget GB to check them against");
   cmd->footer(
       "\nExamples:\n"
       "  cohort estimate --model resnet18 --workers 4 --zero-stage 2 --batch-size 128\n"

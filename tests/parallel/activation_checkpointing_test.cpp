@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
+
 #include "cohort/error.h"
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/fully_shard.h"
@@ -109,6 +111,21 @@ TEST(ActivationCheckpointing, CheckpointedUnitsGiveThePlainLossAndGradientsWithD
   }
 }
 
+// The gradients `step` leaves in a plain net and in one with every unit checkpointed: equal.
+void expect_plain_gradients(const std::function<std::vector<at::Tensor>(RecomputedNet&)>& step) {
+  auto plain = seeded_net();
+  const auto expected = step(plain);
+  auto net = seeded_net();
+  apply_activation_checkpointing(*net, {.every = 1});
+  const auto actual = step(net);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 0, 1e-6))
+        << "gradient " << i << ": largest difference "
+        << (actual[i] - expected[i]).abs().max().item<double>();
+  }
+}
+
 TEST(ActivationCheckpointing, RecomputesUnderTheForwardsAutocast) {
   const auto step = [](RecomputedNet& net) {
     torch::manual_seed(7);
@@ -124,17 +141,7 @@ TEST(ActivationCheckpointing, RecomputesUnderTheForwardsAutocast) {
     for (const auto& p : net->parameters()) grads.push_back(p.grad().clone());
     return grads;
   };
-  auto plain = seeded_net();
-  const auto expected = step(plain);
-  auto net = seeded_net();
-  apply_activation_checkpointing(*net, {.every = 1});
-  const auto actual = step(net);
-  ASSERT_EQ(actual.size(), expected.size());
-  for (size_t i = 0; i < actual.size(); ++i) {
-    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 0, 1e-6))
-        << "gradient " << i << ": largest difference "
-        << (actual[i] - expected[i]).abs().max().item<double>();
-  }
+  expect_plain_gradients(step);
 }
 
 TEST(ActivationCheckpointing, EvaluationRunsTheForwardOnce) {
@@ -292,13 +299,7 @@ TEST(ActivationCheckpointing, CheckpointedUnitsGiveThePlainGradientsOnTheGpu) {
     for (const auto& p : net->parameters()) grads.push_back(p.grad().cpu());
     return grads;
   };
-  auto plain = seeded_net();
-  const auto expected = step(plain);
-  auto net = seeded_net();
-  apply_activation_checkpointing(*net, {.every = 1});
-  const auto actual = step(net);
-  for (size_t i = 0; i < actual.size(); ++i)
-    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 0, 1e-6)) << i;
+  expect_plain_gradients(step);
 }
 
 }  // namespace
