@@ -271,5 +271,8 @@ int main(int argc, char** argv) {
     std::cout << result.metrics.dump() << std::endl;
     std::filesystem::remove_all(result.path);
   }
+  // The storage folder too, once its runs are gone (it stays if something else is in it).
+  std::error_code ignored;
+  std::filesystem::remove("/tmp/cohort_bench", ignored);
   return 0;
 }
