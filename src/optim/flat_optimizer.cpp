@@ -270,6 +270,7 @@ struct Partition {
   }
   template <typename Fn>
   void for_state_pages(int64_t start, int64_t length, const Fn& fn) const {
+    if (state_files.empty()) return;  // the state is in memory
     const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
     for (size_t s = 0; s < state_files.size(); ++s) {
       const auto& f = *state_files[s];

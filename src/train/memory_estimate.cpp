@@ -87,8 +87,10 @@ std::string megabytes(int64_t bytes) {
   return out.str();
 }
 
-int64_t status_field(const std::string& name) {
-  std::ifstream status("/proc/self/status");
+// A "<name>: N kB" field of /proc/<pid>/status (0: this process), in bytes; 0 where it is not.
+int64_t status_field(const std::string& name, int pid = 0) {
+  std::ifstream status(pid == 0 ? std::string("/proc/self/status")
+                                : "/proc/" + std::to_string(pid) + "/status");
   std::string line;
   while (std::getline(status, line)) {
     if (line.rfind(name + ":", 0) == 0) return std::stoll(line.substr(name.size() + 1)) * 1024;
@@ -155,9 +157,6 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   const int64_t shards = plan.zero.shard_group_size > 0 ? plan.zero.shard_group_size : dp;
   const int stage = plan.zero.stage;
   const int64_t k = options.optimizer_states;
-  // Gloo's reduce-scatter (1.13's all-to-all) has a receive buffer of each bucket's size: counted
-  // always, an upper bound with NCCL.
-  const bool gloo = true;
   const auto shard = [&](int64_t elements) { return (elements + shards - 1) / shards; };
 
   MemoryEstimate estimate;
@@ -195,9 +194,9 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   add("gradients", gradients * e,
       stage < 2 ? "--zero-stage 2 shards them over the workers" : more_workers);
   if (stage >= 2) {
-    // At most two buckets in flight, each with a receive buffer on Gloo.
-    add("gradient buckets", 2 * bucket * e * (gloo ? 2 : 1),
-        "a smaller reduce_bucket_size (--deepspeed)");
+    // At most two buckets in flight, each with a receive buffer of its size on Gloo (1.13's
+    // reduce-scatter is an all-to-all): counted always, an upper bound with NCCL.
+    add("gradient buckets", 2 * bucket * e * 2, "a smaller reduce_bucket_size (--deepspeed)");
   }
   const int64_t state = k * (stage >= 1 ? shard(p) : p) * e;
   if (plan.offload_optimizer.device == OptimizerOffload::Device::kDisk) {
@@ -253,7 +252,7 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes) {
   }
 }
 
-int64_t resident_bytes() { return status_field("VmRSS"); }
+int64_t resident_bytes(int pid) { return status_field("VmRSS", pid); }
 
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step) {
   {

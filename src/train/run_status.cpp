@@ -7,19 +7,18 @@
 
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
+#include "cohort/train/memory_estimate.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
 
 namespace {
 
-// Resident memory of a process in MB, from /proc; null when it is gone.
+// Resident memory of a process in MB; null when it is gone.
 Json resident_mb(int pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  for (std::string line; std::getline(in, line);) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
-  }
-  return nullptr;
+  const int64_t bytes = resident_bytes(pid);
+  if (bytes == 0) return nullptr;
+  return static_cast<double>(bytes) / (1024.0 * 1024.0);
 }
 
 }  // namespace

@@ -88,7 +88,8 @@ int64_t measure_step_memory(torch::nn::Module& module, const std::function<void(
 /// kinds of offload.
 void check_offload_room(const OptimizerOffload& offload, int64_t bytes);
 
-/// This process's resident memory now (Linux's VmRSS); 0 where /proc is not there.
-int64_t resident_bytes();
+/// The resident memory of process `pid` now (Linux's VmRSS; 0: this process); 0 where /proc is
+/// not there or the process is gone.
+int64_t resident_bytes(int pid = 0);
 
 }  // namespace cohort::train
