@@ -37,7 +37,7 @@ struct Variant {
 };
 
 struct Runner {
-  cohort::models::ImageClassifier model;
+  cohort::models::ZooModel model;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   Variant variant;
   std::vector<double> step_ms, optimizer_ms, isolated_ms;

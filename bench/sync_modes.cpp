@@ -25,7 +25,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // Mean accuracy over the test set, each rank evaluating its shard.
-double test_accuracy(cohort::models::ImageClassifier& model, cohort::data::DataLoader& loader) {
+double test_accuracy(cohort::models::ZooModel& model, cohort::data::DataLoader& loader) {
   torch::NoGradGuard no_grad;
   model->eval();
   double correct = 0, total = 0;

@@ -10,7 +10,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
 
-double test_func(cohort::models::ImageClassifierImpl& model, cohort::data::DataLoader& loader) {
+double test_func(cohort::models::ZooModelImpl& model, cohort::data::DataLoader& loader) {
   model.eval();
   torch::NoGradGuard no_grad;
   double correct = 0, total = 0;

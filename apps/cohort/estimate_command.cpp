@@ -17,7 +17,9 @@ CLI::App* add_estimate_command(CLI::App& app, TrainOptions& options) {
       "\nExamples:\n"
       "  cohort estimate --model resnet18 --workers 4 --zero-stage 2 --batch-size 128\n"
       "  cohort estimate --model vit --workers 8 --zero-stage 3 --shard-group-size 4 "
-      "--activation-checkpointing every:1 --memory-budget 2");
+      "--activation-checkpointing every:1 --memory-budget 2\n"
+      "  cohort estimate --model gpt --layers 24 --width 1024 --heads 16 --context 1024 "
+      "--workers 4 --zero-stage 3 --optimizer adamw --batch-size 4");
   add_training_options(cmd, options);
   return cmd;
 }
@@ -25,9 +27,9 @@ CLI::App* add_estimate_command(CLI::App& app, TrainOptions& options) {
 int run_estimate_command(TrainOptions o) {
   apply_deepspeed_config(o);
   // The job's own checks that need no data: the model, the plan, its units and its mesh.
-  models::create_model(o.model);
   const auto plan = o.plan.plan(o.workers);
-  parallel::checkpointed_units(*models::create_model(o.model), plan.activation_checkpointing);
+  parallel::checkpointed_units(*models::create_model(o.model, model_options_of(o)),
+                               plan.activation_checkpointing);
   validate_mesh(o);
   const auto estimate = estimate_of(o);
   std::cout << "cohort estimate: --model " << o.model << " --workers " << o.workers

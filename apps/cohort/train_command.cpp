@@ -11,7 +11,8 @@
 namespace cohort::cli {
 
 CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
-  auto* cmd = app.add_subcommand("train", "Train a model of the zoo on an MNIST-format data set");
+  auto* cmd = app.add_subcommand(
+      "train", "Train a model of the zoo on an MNIST-format data set, your own, or text");
   add_training_options(cmd, o);
   cmd->footer(
       "Examples:\n"
@@ -20,6 +21,8 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
       "  cohort train --config cohort_results/fashion/config.json --epochs 20\n"
       "  cohort train --zero-stage 2 --precision bf16 --profile-steps 100-110\n"
       "  cohort train --deepspeed ds_config.json --workers 4\n"
+      "  cohort train --model gpt --data text:book.txt --context 256 --optimizer adamw "
+      "--zero-stage 3\n"
       "\n"
       "Bad input is one line naming the value and the fix, exit code 2; a failure while "
       "running, exit code 1.");

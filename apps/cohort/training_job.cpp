@@ -27,25 +27,34 @@ data::LabelledData labelled_data_of(const Json& c) {
   return data::open_labelled_data(c["data"].get<std::string>(),
                                   {.label_column = c.value("label", std::string()),
                                    .image_size = c.value("image_size", int64_t{28}),
+                                   .context = c.value("context", models::ModelOptions{}.context),
                                    .test_size = c.value("test_size", 0.1),
                                    .seed = c["seed"].get<uint64_t>()});
 }
 
-// The zoo model's options for the data: its channels, image size and classes.
-models::ModelOptions model_options_for(const data::LabelledData& labelled) {
-  models::ModelOptions options;
+// The zoo model's options for the data: its channels, image size and classes, or a text's
+// vocabulary and context.
+models::ModelOptions model_options_for(const data::LabelledData& labelled,
+                                       models::ModelOptions options) {
   options.in_channels = labelled.channels;
   options.image_size = labelled.image_size;
   options.num_classes = labelled.num_classes;
+  if (labelled.kind == data::LabelledData::Kind::kText) {
+    options.vocab_size = labelled.num_classes;
+    options.context = labelled.context;
+  }
   return options;
 }
 
 Json data_to_json(const TrainOptions& o) {
-  return {{"data", o.data},
-          {"label", o.label},
-          {"image_size", o.image_size},
-          {"test_size", o.test_size},
-          {"seed", o.seed}};
+  return {{"data", o.data},           {"label", o.label}, {"image_size", o.image_size},
+          {"test_size", o.test_size}, {"seed", o.seed},   {"context", o.context}};
+}
+
+// The columns a batch of the job's data has after normalisation: the model's input and target.
+std::pair<std::string, std::string> columns_of(const std::string& data) {
+  if (is_text_data(data)) return {"tokens", "next_tokens"};
+  return {"image", "label"};
 }
 
 }  // namespace
@@ -111,6 +120,10 @@ optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   return schedule;
 }
 
+bool is_text_data(const std::string& data) {
+  return data.rfind("text:", 0) == 0 || data.rfind("random-tokens:", 0) == 0;
+}
+
 models::ModelOptions model_options_of(const Json& c) {
   models::ModelOptions options;
   if (c.contains("model_options")) {
@@ -118,15 +131,33 @@ models::ModelOptions model_options_of(const Json& c) {
     options.in_channels = m.at("in_channels").get<int64_t>();
     options.image_size = m.at("image_size").get<int64_t>();
     options.num_classes = m.at("num_classes").get<int64_t>();
+    options.depth = m.value("depth", options.depth);
+    options.width = m.value("width", options.width);
+    options.heads = m.value("heads", options.heads);
+    options.vocab_size = m.value("vocab_size", options.vocab_size);
+    options.context = m.value("context", options.context);
+    options.tie_embeddings = m.value("tie_embeddings", options.tie_embeddings);
   }
   return options;
+}
+
+models::ModelOptions model_options_of(const TrainOptions& o) {
+  models::ModelOptions options;
+  options.depth = o.layers;
+  options.width = o.width;
+  options.heads = o.heads;
+  options.context = o.context;
+  options.tie_embeddings = !o.untie_embeddings;
+  if (o.data.empty()) return options;
+  return model_options_for(labelled_data_of(data_to_json(o)), options);
 }
 
 data::TensorDataset test_set_of(const Json& c) {
   data::TensorDataset test_set;
   if (c.contains("data")) {
     const auto labelled = labelled_data_of(c);
-    test_set = data::materialize_labelled(labelled.test, labelled.normalize);
+    test_set = data::materialize_labelled(labelled.test, labelled.normalize, labelled.input_column,
+                                          labelled.target_column);
   } else {
     test_set = data::load_mnist(c["data_dir"].get<std::string>(), data::Split::kTest);
   }
@@ -154,7 +185,7 @@ int umask_of(const TrainOptions& o) {
 namespace {
 
 // The model the workers build, as estimate_memory takes it.
-train::ModelSpec estimated_spec(const models::ImageClassifier& model, const train::Plan& plan) {
+train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan& plan) {
   return {.module = model,
           .forward = [model](const at::Tensor& x) { return model->forward(x); },
           .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
@@ -169,7 +200,7 @@ int optimizer_states_of(const TrainOptions& o) {
 void check_offload_room(const TrainOptions& o) {
   const auto plan = o.plan.plan(o.workers);
   if (plan.offload_optimizer.device != train::OptimizerOffload::Device::kDisk) return;
-  const auto model = models::create_model(o.model);
+  const auto model = models::create_model(o.model, model_options_of(o));
   const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
                                                {.world_size = o.workers,
                                                 .optimizer_states = optimizer_states_of(o),
@@ -182,8 +213,7 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   // Before the model: libtorch and this process, as a worker has them.
   const int64_t runtime = train::resident_bytes();
   const auto plan = o.plan.plan(o.workers);
-  const auto options = o.data.empty() ? models::ModelOptions{}
-                                      : model_options_for(labelled_data_of(data_to_json(o)));
+  const auto options = model_options_of(o);
   torch::manual_seed(o.seed);
   auto model = models::create_model(o.model, options);
   if (plan.activation_checkpointing.enabled())
@@ -196,15 +226,14 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
         plan.micro_batches_per_step() / std::max<int64_t>(plan.gradient_accumulation_steps, 1);
     rows = std::max<int64_t>(1, o.batch_size / std::max<int64_t>(per_batch, 1));
   }
-  const auto x = torch::randn({rows, options.in_channels, options.image_size, options.image_size});
-  const auto y = torch::randint(0, options.num_classes, {rows});
+  const auto [x, y] = model->sample_batch(rows);
   model->train();
   const auto precision = optim::precision_from_string(o.plan.precision);
   const int64_t activations = train::measure_step_memory(*model, [&] {
     at::Tensor loss;
     {
       optim::AutocastGuard autocast(precision, torch::kCPU);
-      loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      loss = models::logits_cross_entropy(model->forward(x), y);
     }
     loss.backward();
   });
@@ -229,7 +258,10 @@ void validate_mesh(const TrainOptions& o) {
                      " micro-batches (--micro-batches): use a batch of at least " +
                      std::to_string(per_batch) + " rows");
   }
-  auto model = models::create_model(o.model);
+  const auto options = model_options_of(o);
+  auto model = models::create_model(o.model, options);
+  if (const auto* gpt = dynamic_cast<const models::GptImpl*>(model.get()))
+    gpt->check_pipeline_stages(o.plan.pp);
   const int stages = o.plan.pp * plan.virtual_stages();
   const auto layers = static_cast<int>(model->pipeline_layers()->size());
   if (layers < stages) {
@@ -237,19 +269,19 @@ void validate_mesh(const TrainOptions& o) {
         o.model + " has " + std::to_string(layers) + " layers, too few for " +
         std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.plan.pp) +
         (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
-        "): use a smaller --pp or a deeper model (resnet18 has 10, vit depth + 2)");
+        "): use a smaller --pp or a deeper model (resnet18 has 10, vit and gpt --layers + 2)");
   }
-  if (o.plan.tp > 1 && o.model != "vit") {
+  if (o.plan.tp > 1 && o.model != "vit" && o.model != "gpt") {
     throw UsageError("--tp " + std::to_string(o.plan.tp) + ": " + o.model +
-                     " has no tensor-parallel layers; use --model vit, or --pp to cut " + o.model +
-                     " into pipeline stages");
+                     " has no tensor-parallel layers; use --model vit or gpt, or --pp to cut " +
+                     o.model + " into pipeline stages");
   }
   if (o.plan.tp > 1) {
-    const models::ModelOptions vit;
-    if (vit.heads % o.plan.tp != 0 || (vit.width * vit.mlp_ratio) % o.plan.tp != 0) {
-      throw UsageError("--tp " + std::to_string(o.plan.tp) + " must divide the vit's " +
-                       std::to_string(vit.heads) + " heads and " +
-                       std::to_string(vit.width * vit.mlp_ratio) + " MLP features");
+    if (options.heads % o.plan.tp != 0 || (options.width * options.mlp_ratio) % o.plan.tp != 0) {
+      throw UsageError("--tp " + std::to_string(o.plan.tp) + " must divide the " + o.model + "'s " +
+                       std::to_string(options.heads) + " heads (--heads) and " +
+                       std::to_string(options.width * options.mlp_ratio) +
+                       " MLP features (4 x --width)");
     }
   }
   // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
@@ -265,12 +297,18 @@ void validate(const TrainOptions& o) {
   if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
     throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
   }
-  // Throws, listing the zoo, for an unknown name; then the units --activation-checkpointing names
-  // are checked against the model the workers build, before any starts.
-  parallel::checkpointed_units(
-      *models::create_model(o.model),
-      parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
-  check_offload_room(o);
+  // A language model reads tokens, the classifiers images or feature rows.
+  const bool text = is_text_data(o.data);
+  if (o.model == "gpt" && !text) {
+    throw UsageError(
+        "--model gpt reads tokens: give --data text:FILE (a file's bytes) or --data "
+        "random-tokens:ROWS (for throughput)");
+  }
+  if (text && o.model != "gpt") {
+    throw UsageError("--data " + o.data +
+                     " is tokens, which only the language model reads: use "
+                     "--model gpt");
+  }
   if (!o.label.empty() && o.data.rfind("csv:", 0) != 0)
     throw UsageError("--label " + o.label +
                      " names a CSV's class column: use it with --data csv:FILE");
@@ -289,7 +327,7 @@ void validate(const TrainOptions& o) {
     // The model the workers will build, checked for this data (a ViT's patches, the cnn's
     // pooling).
     try {
-      models::create_model(o.model, model_options_for(labelled));
+      models::create_model(o.model, model_options_of(o));
     } catch (const UsageError& e) {
       throw UsageError("--model " + o.model + " on --data " + o.data + " (" + labelled.describe() +
                        "): " + e.what() +
@@ -311,6 +349,21 @@ void validate(const TrainOptions& o) {
                                        : dir / "train-labels-idx1-ubyte.gz")
                      .shape[0];
   }
+  // The model the workers build: an unknown name lists the zoo, a transformer's sizes (--layers,
+  // --width, --heads) are checked; then the units --activation-checkpointing names, before any
+  // worker starts.
+  models::ZooModel model;
+  try {
+    model = models::create_model(o.model, model_options_of(o));
+  } catch (const UsageError& e) {
+    if (o.model != "vit" && o.model != "gpt") throw;
+    throw UsageError("--model " + o.model + " (--layers " + std::to_string(o.layers) +
+                     ", --width " + std::to_string(o.width) + ", --heads " +
+                     std::to_string(o.heads) + "): " + e.what());
+  }
+  parallel::checkpointed_units(
+      *model, parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
+  check_offload_room(o);
   if (o.optimizer != "sgd" && o.optimizer != "adam" && o.optimizer != "adamw") {
     throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd, adam or adamw");
   }
@@ -420,6 +473,7 @@ void validate(const TrainOptions& o) {
 
 std::string describe_data(const TrainOptions& o) {
   const auto labelled = labelled_data_of(data_to_json(o));
+  if (labelled.kind == data::LabelledData::Kind::kText) return labelled.describe();
   std::string classes;
   for (size_t c = 0; c < labelled.class_names.size() && c < 10; ++c)
     classes += (c ? ", " : "") + labelled.class_names[c];
@@ -467,11 +521,17 @@ Json to_json(const TrainOptions& o) {
     config["data_dir"] = data_dir_of(o).string();
   } else {
     config.update(data_to_json(o));
-    const auto model = model_options_for(labelled_data_of(config));
-    config["model_options"] = {{"in_channels", model.in_channels},
-                               {"image_size", model.image_size},
-                               {"num_classes", model.num_classes}};
   }
+  const auto model = model_options_of(o);
+  config["model_options"] = {{"in_channels", model.in_channels},
+                             {"image_size", model.image_size},
+                             {"num_classes", model.num_classes},
+                             {"depth", model.depth},
+                             {"width", model.width},
+                             {"heads", model.heads},
+                             {"vocab_size", model.vocab_size},
+                             {"context", model.context},
+                             {"tie_embeddings", model.tie_embeddings}};
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
@@ -605,6 +665,10 @@ void train_loop(const Json& c) {
   // on every rank of a pipeline and of a tp group), shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
+  const auto [input_column, target_column] = columns_of(c.value("data", std::string()));
+  // A language model's rows are sequences: its throughput is reported in tokens too.
+  const int64_t tokens_per_row =
+      is_text_data(c.value("data", std::string())) ? model_options_of(c).context : 0;
   // Each optimizer step takes --gradient-accumulation-steps batches of --batch-size rows.
   const int64_t step_rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
   const int epochs = c["epochs"].get<int>();
@@ -618,10 +682,7 @@ void train_loop(const Json& c) {
   auto model = train::parallelize(
       models::model_spec(c["model"], model_options_of(c), c["seed"].get<uint64_t>()),
       [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
-      [](const at::Tensor& output, const at::Tensor& target) {
-        return torch::nn::functional::cross_entropy(output, target);
-      },
-      plan, schedule_of(c, epochs * steps_per_epoch));
+      models::logits_cross_entropy, plan, schedule_of(c, epochs * steps_per_epoch));
   if (rank0 && (plan.has_mesh() || plan.activation_checkpointing.enabled() ||
                 plan.zero.shard_group_size > 0))
     std::cout << model.describe() << std::endl;
@@ -653,8 +714,8 @@ void train_loop(const Json& c) {
     throughput.start();  // not the evaluation's time
     for (auto& batch :
          train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
-      const auto rows = batch["image"].size(0);
-      const auto result = model.step(batch["image"], batch["label"]);
+      const auto rows = batch[input_column].size(0);
+      const auto result = model.step(batch[input_column], batch[target_column]);
       if (!result.stepped) continue;
       ++step_in_epoch;
       throughput.step(rows * dp);
@@ -678,7 +739,10 @@ void train_loop(const Json& c) {
         return values;
       });
       Json progress{{"label", label}, {"step", step_in_epoch}, {"total", steps_per_epoch}};
-      if (const auto rate = throughput.samples_per_second()) progress["samples_per_s"] = *rate;
+      if (const auto rate = throughput.samples_per_second()) {
+        progress["samples_per_s"] = *rate;
+        if (tokens_per_row > 0) progress["tokens_per_s"] = *rate * tokens_per_row;
+      }
       if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
       train::report_progress(progress);
       if (max_steps > 0 && model.steps() >= max_steps) break;
@@ -734,6 +798,7 @@ void train_loop(const Json& c) {
     // A run of one step has no throughput to report (not 0): a line says why.
     if (const auto rate = throughput.samples_per_second()) {
       metrics["samples_per_second"] = *rate;
+      if (tokens_per_row > 0) metrics["tokens_per_second"] = *rate * tokens_per_row;
       metrics["throughput_steps"] = throughput.measured_steps();
     } else if (rank0 && last) {
       std::cout << "samples_per_second not measured: " << throughput.why_unmeasured() << std::endl;
@@ -758,14 +823,30 @@ CLI::Option* add_bool_flag(CLI::App* cmd, const std::string& names, bool& value,
 
 void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->option_defaults()->group("Model and data");
-  cmd->add_option("--model", o.model, "mlp, cnn, resnet18 or vit")->capture_default_str();
+  cmd->add_option("--model", o.model,
+                  "mlp, cnn, resnet18, vit or gpt (a decoder-only language model: --data "
+                  "text:FILE or random-tokens:ROWS)")
+      ->capture_default_str();
+  cmd->add_option("--layers", o.layers, "vit and gpt: transformer blocks")->capture_default_str();
+  cmd->add_option("--width", o.width, "vit and gpt: embedding width (a multiple of --heads)")
+      ->capture_default_str();
+  cmd->add_option("--heads", o.heads, "vit and gpt: attention heads per block")
+      ->capture_default_str();
+  cmd->add_option("--context", o.context,
+                  "gpt: the longest sequence in tokens, and the tokens per row of --data text:FILE")
+      ->capture_default_str();
+  add_bool_flag(cmd, "--untie-embeddings", o.untie_embeddings,
+                "gpt: an output head of its own instead of the token embedding's weight (needed "
+                "to cut it into pipeline stages with --pp)");
   cmd->add_option("--dataset", o.dataset, "fashion-mnist or mnist")->capture_default_str();
   cmd->add_option("--data-dir", o.data_dir,
                   "folder with the four IDX files (default for fashion-mnist: " +
                       data::default_fashion_mnist_dir().string() + ")");
   cmd->add_option("--data", o.data,
                   "your own data instead: images:DIR (a sub-folder per class, or train/ and "
-                  "test/ folders of them) or csv:FILE (numbers, a header line; with --label)");
+                  "test/ folders of them), csv:FILE (numbers, a header line; with --label); for "
+                  "--model gpt text:FILE (its bytes as tokens, the last --test-size held out) or "
+                  "random-tokens:ROWS");
   cmd->add_option("--label", o.label, "with --data csv:FILE: the class column (0, 1, ...)");
   cmd->add_option("--image-size", o.image_size,
                   "with --data images:DIR: each image resized to this square")

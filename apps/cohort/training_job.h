@@ -33,9 +33,17 @@ struct TrainOptions {
   std::string model = "cnn";
   std::string dataset = "fashion-mnist";
   std::string data_dir;
-  // --data images:DIR | csv:FILE: the user's own data (data::open_labelled_data), for the zoo's
-  // models; empty: the MNIST-format --dataset and --data-dir.
+  // --data images:DIR | csv:FILE | text:FILE | random-tokens:ROWS: the user's own data
+  // (data::open_labelled_data), for the zoo's models; empty: the MNIST-format --dataset and
+  // --data-dir.
   std::string data;
+  // The transformers' sizes (vit, gpt): models::ModelOptions' depth, width, heads; the GPT's
+  // context (also the tokens per row of text data) and whether its head is the embedding's weight.
+  int64_t layers = models::ModelOptions{}.depth;
+  int64_t width = models::ModelOptions{}.width;
+  int64_t heads = models::ModelOptions{}.heads;
+  int64_t context = models::ModelOptions{}.context;
+  bool untie_embeddings = false;
   std::string label;        // --label: a CSV's class column
   int64_t image_size = 28;  // --image-size: images resized to this square
   double test_size = 0.1;   // --test-size: held out for evaluation where the data has no test split
@@ -152,7 +160,12 @@ double default_weight_decay(const std::string& optimizer);
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // The test set of a job (its first test_examples rows when set).
 data::TensorDataset test_set_of(const Json& config);
-// The zoo model's options for a job's data: MNIST's 1x28x28 and 10 classes, or what --data holds.
+// The zoo model's options for a job's data (MNIST's 1x28x28 and 10 classes, or what --data
+// holds) and its transformer sizes: from a job's config, and from the command line.
 models::ModelOptions model_options_of(const Json& config);
+models::ModelOptions model_options_of(const TrainOptions& options);
+// Whether the job's data is a language model's, tokens and next tokens (--data text:FILE or
+// random-tokens:ROWS), and its columns.
+bool is_text_data(const std::string& data);
 
 }  // namespace cohort::cli

@@ -1,8 +1,14 @@
 #include "cohort/data/labelled_data.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <utility>
 
 #include "cohort/data/block.h"
@@ -15,7 +21,8 @@ namespace cohort::data {
 namespace {
 
 constexpr const char* kSchemes =
-    "use images:DIR (one sub-folder per class) or csv:FILE with its class column named";
+    "use images:DIR (one sub-folder per class), csv:FILE with its class column named, text:FILE "
+    "or random-tokens:ROWS";
 
 std::string join_class_names(const std::vector<std::string>& names) {
   std::string out;
@@ -119,9 +126,80 @@ void open_csv(LabelledData& data, const std::string& spec, const LabelledDataOpt
   };
 }
 
+// Bytes as tokens: row i is bytes [i T, (i + 1) T) and its targets the bytes one further on.
+void open_text(LabelledData& data, const std::string& spec, bool random,
+               const LabelledDataOptions& options) {
+  const int64_t context = options.context;
+  if (context < 1) {
+    throw UsageError("data " + spec + ": a context of " + std::to_string(context) +
+                     " tokens: give rows of at least 1 token (--context)");
+  }
+  at::Tensor bytes;
+  if (random) {
+    int64_t rows = 0;
+    try {
+      size_t used = 0;
+      rows = std::stoll(data.path.string(), &used);
+      if (used != data.path.string().size()) rows = 0;
+    } catch (const std::logic_error&) {
+      rows = 0;
+    }
+    if (rows < 2) {
+      throw UsageError("data " + spec +
+                       ": give the rows of random tokens as a number >= 2 (e.g. "
+                       "random-tokens:4096)");
+    }
+    at::Generator generator = at::detail::createCPUGenerator(options.seed);
+    bytes = at::randint(0, 256, {rows * context + 1}, generator, at::kByte);
+    data.path = "(" + std::to_string(rows) + " rows of random tokens)";
+  } else {
+    std::ifstream in(data.path, std::ios::binary);
+    if (!in) {
+      throw UsageError("data " + spec + ": cannot read " + data.path.string() +
+                       ": name a file of text (any bytes)");
+    }
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    bytes = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+    if (!text.empty()) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  }
+  const int64_t rows = std::max<int64_t>(bytes.numel() - 1, 0) / context;
+  if (rows < 2) {
+    throw UsageError("data " + spec + " has " + std::to_string(bytes.numel()) +
+                     " bytes, too few for 2 rows of " + std::to_string(context) +
+                     " tokens and the token after them: use a longer file or a shorter --context");
+  }
+  const auto inputs = bytes.narrow(0, 0, rows * context).view({rows, context});
+  const auto targets = bytes.narrow(0, 1, rows * context).view({rows, context});
+  // The text's end is the test split (a held-out passage, not rows scattered through it).
+  const int64_t test_rows =
+      std::clamp<int64_t>(std::llround(options.test_size * static_cast<double>(rows)), 1, rows - 1);
+  const int64_t train_rows = rows - test_rows;
+  data.train = Dataset::from_tensors({{"tokens", inputs.narrow(0, 0, train_rows).clone()},
+                                      {"next_tokens", targets.narrow(0, 0, train_rows).clone()}});
+  data.test =
+      Dataset::from_tensors({{"tokens", inputs.narrow(0, train_rows, test_rows).clone()},
+                             {"next_tokens", targets.narrow(0, train_rows, test_rows).clone()}});
+  data.num_classes = 256;
+  data.context = context;
+  data.channels = 1;
+  data.image_size = 1;
+  data.input_column = "tokens";
+  data.target_column = "next_tokens";
+  data.normalize = [](Block block) {
+    for (const char* column : {"tokens", "next_tokens"})
+      block[column] = block[column].to(at::kLong);
+    return block;
+  };
+}
+
 }  // namespace
 
 std::string LabelledData::describe() const {
+  if (kind == Kind::kText) {
+    return "text " + path.string() + ": " + std::to_string(train.num_source_rows()) +
+           " train and " + std::to_string(test.num_source_rows()) + " test rows of " +
+           std::to_string(context) + " tokens, a vocabulary of " + std::to_string(num_classes);
+  }
   return std::string(kind == Kind::kImages ? "images " : "csv ") + path.string() + ": " +
          std::to_string(train.num_source_rows()) + " train and " +
          std::to_string(test.num_source_rows()) + " test rows, " + std::to_string(num_classes) +
@@ -132,11 +210,15 @@ std::string LabelledData::describe() const {
 LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptions& options) {
   const auto colon = spec.find(':');
   const std::string scheme = colon == std::string::npos ? spec : spec.substr(0, colon);
-  if (colon == std::string::npos || (scheme != "images" && scheme != "csv")) {
+  if (colon == std::string::npos ||
+      (scheme != "images" && scheme != "csv" && scheme != "text" && scheme != "random-tokens")) {
     throw UsageError("data '" + spec + "': unknown scheme '" + scheme + "': " + kSchemes);
   }
   if (colon + 1 == spec.size()) {
-    throw UsageError("data '" + spec + "' names no " + (scheme == "csv" ? "file" : "folder") +
+    throw UsageError("data '" + spec + "' names no " +
+                     (scheme == "images"          ? "folder"
+                      : scheme == "random-tokens" ? "row count"
+                                                  : "file") +
                      ": " + kSchemes);
   }
   if (!(options.test_size > 0 && options.test_size < 1)) {
@@ -145,7 +227,10 @@ LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptio
   }
   LabelledData data;
   data.path = spec.substr(colon + 1);
-  if (scheme == "images") {
+  if (scheme == "text" || scheme == "random-tokens") {
+    data.kind = LabelledData::Kind::kText;
+    open_text(data, spec, scheme == "random-tokens", options);
+  } else if (scheme == "images") {
     data.kind = LabelledData::Kind::kImages;
     open_images(data, spec, options);
   } else {
@@ -155,9 +240,11 @@ LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptio
   return data;
 }
 
-TensorDataset materialize_labelled(const Dataset& dataset, const BatchFn& normalize) {
+TensorDataset materialize_labelled(const Dataset& dataset, const BatchFn& normalize,
+                                   const std::string& input_column,
+                                   const std::string& target_column) {
   Block rows = normalize(dataset.take());
-  return TensorDataset{.inputs = rows["image"], .targets = rows["label"]};
+  return TensorDataset{.inputs = rows[input_column], .targets = rows[target_column]};
 }
 
 }  // namespace cohort::data

@@ -7,32 +7,61 @@
 
 namespace cohort::models {
 
+namespace {
+
+// A GPT whose embeddings are tied stays one stage.
+void check_stages(const ZooModelImpl& model) {
+  const auto& ctx = train::get_context();
+  const auto* gpt = dynamic_cast<const GptImpl*>(&model);
+  if (gpt != nullptr && ctx.has_mesh()) {
+    const auto shape = ctx.get_mesh().shape();
+    gpt->check_pipeline_stages(shape.pp);
+  }
+}
+
+// A transformer (vit, gpt) whose blocks are cut over the mesh's tp group, beside the dense model
+// of the same seed that checkpoints hold.
+template <typename Transformer>
+train::ModelSpec tensor_parallel_spec(const std::string& name, const ModelOptions& options,
+                                      uint64_t seed, const comm::ProcessGroup& tp) {
+  auto sliced_options = options;
+  sliced_options.tensor_parallel_group = tp;
+  // The dense model made first: after the same seed, the sliced model's weights are its slices.
+  torch::manual_seed(seed);
+  auto dense = std::dynamic_pointer_cast<Transformer>(create_model(name, options));
+  torch::manual_seed(seed);
+  auto sliced = std::dynamic_pointer_cast<Transformer>(create_model(name, sliced_options));
+  check_stages(*sliced);
+  train::ModelSpec spec;
+  spec.module = sliced;
+  spec.forward = [sliced](const at::Tensor& x) { return sliced->forward(x); };
+  spec.layers = sliced->pipeline_layers();
+  spec.dense = dense;
+  spec.copy_to_dense = [sliced, dense] { sliced->copy_to_dense(*dense); };
+  spec.load_from_dense = [sliced, dense] { sliced->load_from_dense(*dense); };
+  return spec;
+}
+
+}  // namespace
+
 train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint64_t seed) {
   const auto& ctx = train::get_context();
   const bool mesh = ctx.has_mesh();
-  train::ModelSpec spec;
   if (mesh && ctx.get_mesh().shape().tp > 1) {
-    auto sliced_options = options;
-    sliced_options.tensor_parallel_group = ctx.get_mesh().tp();
-    // Only the ViT has tensor-parallel layers: create_model names the fix for the others.
-    if (name != "vit") create_model(name, sliced_options);
-    // The dense ViT that checkpoints hold, made first: after the same seed, the sliced model's
-    // weights are its slices.
-    torch::manual_seed(seed);
-    auto dense = std::static_pointer_cast<VisionTransformerImpl>(create_model(name, options));
-    torch::manual_seed(seed);
-    auto sliced =
-        std::static_pointer_cast<VisionTransformerImpl>(create_model(name, sliced_options));
-    spec.module = sliced;
-    spec.forward = [sliced](const at::Tensor& x) { return sliced->forward(x); };
-    spec.layers = sliced->pipeline_layers();
-    spec.dense = dense;
-    spec.copy_to_dense = [sliced, dense] { sliced->copy_to_dense(*dense); };
-    spec.load_from_dense = [sliced, dense] { sliced->load_from_dense(*dense); };
-    return spec;
+    const auto& tp = ctx.get_mesh().tp();
+    if (name == "gpt") return tensor_parallel_spec<GptImpl>(name, options, seed, tp);
+    // Only the transformers have tensor-parallel layers: create_model names the fix for others.
+    if (name != "vit") {
+      auto sliced_options = options;
+      sliced_options.tensor_parallel_group = tp;
+      create_model(name, sliced_options);
+    }
+    return tensor_parallel_spec<VisionTransformerImpl>(name, options, seed, tp);
   }
   torch::manual_seed(seed);
   auto model = create_model(name, options);
+  check_stages(*model);
+  train::ModelSpec spec;
   spec.module = model;
   spec.forward = [model](const at::Tensor& x) { return model->forward(x); };
   if (mesh) spec.layers = model->pipeline_layers();

@@ -1,5 +1,6 @@
 #include "cohort/models/zoo.h"
 
+#include <torch/nn/functional/loss.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/pooling.h>
@@ -67,7 +68,18 @@ torch::Tensor relu_pool(const torch::Tensor& x) { return torch::max_pool2d(torch
 
 }  // namespace
 
-torch::nn::Sequential ImageClassifierImpl::pipeline_layers() {
+std::pair<torch::Tensor, torch::Tensor> ZooModelImpl::sample_batch(int64_t rows) const {
+  const auto& o = options_;
+  return {torch::randn({rows, o.in_channels, o.image_size, o.image_size}),
+          torch::randint(0, o.num_classes, {rows})};
+}
+
+torch::Tensor logits_cross_entropy(const torch::Tensor& logits, const torch::Tensor& targets) {
+  if (logits.dim() <= 2) return F::cross_entropy(logits, targets);
+  return F::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+torch::nn::Sequential ZooModelImpl::pipeline_layers() {
   throw UsageError(name() +
                    " does not say where it may be cut into pipeline stages: override "
                    "pipeline_layers() to return its layers in order, or give the pipeline a "
@@ -75,6 +87,7 @@ torch::nn::Sequential ImageClassifierImpl::pipeline_layers() {
 }
 
 MlpImpl::MlpImpl(const ModelOptions& o) {
+  options_ = o;
   const int64_t in = o.in_channels * o.image_size * o.image_size;
   fc1_ = register_module("fc1", parallel::FullyShard(torch::nn::Linear(in, 128)));
   fc2_ = register_module("fc2", parallel::FullyShard(torch::nn::Linear(128, 64)));
@@ -98,6 +111,7 @@ torch::nn::Sequential MlpImpl::pipeline_layers() {
 }
 
 CnnImpl::CnnImpl(const ModelOptions& o) {
+  options_ = o;
   conv1_ = register_module(
       "conv1", parallel::FullyShard(
                    torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, 32, 3).padding(1))));
@@ -166,10 +180,13 @@ class BasicBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(BasicBlock);
 
+// A pre-norm transformer block: x + attention(norm1(x)), then x + mlp(norm2(x)). The ViT's
+// attends to every token; a decoder's (causal) to the tokens up to its own.
 class EncoderBlockImpl : public torch::nn::Module {
  public:
   EncoderBlockImpl(int64_t width, int64_t heads, int64_t mlp_ratio,
-                   const comm::ProcessGroup& tensor_parallel) {
+                   const comm::ProcessGroup& tensor_parallel, bool causal = false)
+      : heads_(heads), causal_(causal) {
     norm1_ = register_module("norm1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
     torch::nn::MultiheadAttention attention(width, heads);
     torch::nn::Sequential mlp(torch::nn::Linear(width, width * mlp_ratio), torch::nn::GELU(),
@@ -182,7 +199,7 @@ class EncoderBlockImpl : public torch::nn::Module {
       std::unique_lock lock(generator.mutex());
       const auto state = generator.get_state();
       lock.unlock();
-      parallel::TensorParallelSelfAttention sliced_attention(width, heads, tensor_parallel);
+      parallel::TensorParallelSelfAttention sliced_attention(width, heads, tensor_parallel, causal);
       parallel::TensorParallelMlp sliced_mlp(width, width * mlp_ratio, tensor_parallel);
       lock.lock();
       generator.set_state(state);
@@ -221,13 +238,25 @@ class EncoderBlockImpl : public torch::nn::Module {
   // x: [tokens, batch, width], the layout of torch::nn::MultiheadAttention.
   torch::Tensor forward(torch::Tensor x) {
     auto h = norm1_->forward(x);
-    x = x + (tp_attention_ ? tp_attention_->forward(h)
-                           : std::get<0>(attention_->forward(h, h, h, {}, /*need_weights=*/false)));
+    x = x + attend(h);
     h = norm2_->forward(x);
     return x + (tp_mlp_ ? tp_mlp_->forward(h) : mlp_->forward(h));
   }
 
  private:
+  torch::Tensor attend(const torch::Tensor& h) {
+    if (tp_attention_) return tp_attention_->forward(h);
+    // torch::nn::MultiheadAttention's weights; a decoder's mask through the attention kernel
+    // (libtorch's module takes masks only as tensors).
+    if (causal_) {
+      return attention_->out_proj->forward(parallel::self_attention_heads(
+          h, attention_->in_proj_weight, attention_->in_proj_bias, heads_, /*causal=*/true));
+    }
+    return std::get<0>(attention_->forward(h, h, h, {}, /*need_weights=*/false));
+  }
+
+  int64_t heads_;
+  bool causal_;
   torch::nn::LayerNorm norm1_{nullptr}, norm2_{nullptr};
   torch::nn::MultiheadAttention attention_{nullptr};
   torch::nn::Sequential mlp_{nullptr};
@@ -235,6 +264,15 @@ class EncoderBlockImpl : public torch::nn::Module {
   parallel::TensorParallelMlp tp_mlp_{nullptr};
 };
 TORCH_MODULE(EncoderBlock);
+
+// The GPT's block: its own type, so that `--activation-checkpointing layers:DecoderBlock` names it.
+class DecoderBlockImpl : public EncoderBlockImpl {
+ public:
+  DecoderBlockImpl(int64_t width, int64_t heads, int64_t mlp_ratio,
+                   const comm::ProcessGroup& tensor_parallel)
+      : EncoderBlockImpl(width, heads, mlp_ratio, tensor_parallel, /*causal=*/true) {}
+};
+TORCH_MODULE(DecoderBlock);
 
 // Block i of a ViT's blocks, each held through a FullyShard.
 std::shared_ptr<EncoderBlockImpl> block(const torch::nn::Sequential& blocks, size_t i) {
@@ -244,6 +282,7 @@ std::shared_ptr<EncoderBlockImpl> block(const torch::nn::Sequential& blocks, siz
 }  // namespace
 
 ResNet18Impl::ResNet18Impl(const ModelOptions& o) {
+  options_ = o;
   stem_ = register_module(
       "stem", parallel::FullyShard(torch::nn::Sequential(
                   conv(o.in_channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
@@ -281,6 +320,7 @@ torch::nn::Sequential ResNet18Impl::pipeline_layers() {
 }
 
 VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
+  options_ = o;
   const int64_t tokens = (o.image_size / o.patch_size) * (o.image_size / o.patch_size);
   patch_embed_ = register_module(
       "patch_embed",
@@ -347,12 +387,125 @@ torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
   return layers;
 }
 
+namespace {
+
+// tokens [N, T] -> the embedded sequence [N, T, width].
+torch::Tensor embed(torch::nn::Embedding& embedding, const torch::Tensor& positions,
+                    const torch::Tensor& tokens) {
+  const int64_t context = positions.size(0);
+  const int64_t length = tokens.dim() == 2 ? tokens.size(1) : 0;
+  if (length < 1 || length > context) {
+    throw UsageError("gpt: tokens of shape " + c10::str(tokens.sizes()) +
+                     " where [batch, T] with T <= the context " + std::to_string(context) +
+                     " was expected: use shorter sequences or a longer --context");
+  }
+  const auto ids = tokens.scalar_type() == torch::kLong ? tokens : tokens.to(torch::kLong);
+  return embedding->forward(ids) + positions.narrow(0, 0, length);
+}
+
+}  // namespace
+
+GptImpl::GptImpl(const ModelOptions& o) {
+  options_ = o;
+  token_embedding_ =
+      register_module("token_embedding", torch::nn::Embedding(o.vocab_size, o.width));
+  positions_ = register_parameter("positions", torch::randn({o.context, o.width}) * 0.02);
+  torch::nn::Sequential blocks;
+  for (int64_t i = 0; i < o.depth; ++i)
+    blocks->push_back(
+        parallel::FullyShard(DecoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group)));
+  blocks_ = register_module("blocks", blocks);
+  norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
+  if (!o.tie_embeddings) {
+    head_ = register_module(
+        "head", torch::nn::Linear(torch::nn::LinearOptions(o.width, o.vocab_size).bias(false)));
+  }
+  // GPT-2's initialisation of the embeddings: N(0, 0.02).
+  torch::NoGradGuard no_grad;
+  token_embedding_->weight.normal_(0, 0.02);
+}
+
+torch::Tensor GptImpl::forward(torch::Tensor tokens) {
+  // [N, T, width] -> [T, N, width], the blocks' layout, and back.
+  auto x = blocks_->forward(embed(token_embedding_, positions_, tokens).transpose(0, 1));
+  x = norm_->forward(x.transpose(0, 1));
+  return head_ ? head_->forward(x) : F::linear(x, token_embedding_->weight);
+}
+
+std::pair<torch::Tensor, torch::Tensor> GptImpl::sample_batch(int64_t rows) const {
+  const auto sequence = torch::randint(0, options_.vocab_size, {rows, options_.context + 1});
+  return {sequence.narrow(1, 0, options_.context), sequence.narrow(1, 1, options_.context)};
+}
+
+void GptImpl::load_from_dense(GptImpl& dense) {
+  copy_parameters(dense, *this);
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    block(blocks_, i)->load_from_dense(*block(dense.blocks_, i));
+}
+
+void GptImpl::copy_to_dense(GptImpl& dense) {
+  copy_parameters(*this, dense);
+  for (size_t i = 0; i < blocks_->size(); ++i)
+    block(blocks_, i)->copy_to_dense(*block(dense.blocks_, i));
+}
+
+int64_t GptImpl::flops_per_token(int64_t tokens) const {
+  const auto& o = options_;
+  // Per block: q, k, v and the output projection (4 w^2), the MLP (2 r w^2); the head (w v).
+  const int64_t weights =
+      o.depth * (4 + 2 * o.mlp_ratio) * o.width * o.width + o.width * o.vocab_size;
+  return 6 * weights + 12 * o.depth * o.width * tokens;
+}
+
+void GptImpl::check_pipeline_stages(int stages) const {
+  if (stages > 1 && !head_) {
+    throw UsageError(
+        "gpt ties its output head to its token embedding, which " + std::to_string(stages) +
+        " pipeline stages would put in the first and the last: untie them (cohort train "
+        "--untie-embeddings; ModelOptions::tie_embeddings = false) to cut the model into stages");
+  }
+}
+
+torch::nn::Sequential GptImpl::pipeline_layers() {
+  torch::nn::Sequential layers;
+  auto embedding = token_embedding_;
+  auto positions = positions_;
+  layers->push_back(Layer(NamedModules{{"token_embedding", embedding.ptr()}},
+                          NamedTensors{{"positions", positions}},
+                          [embedding, positions](const torch::Tensor& tokens) mutable {
+                            return embed(embedding, positions, tokens);
+                          }));
+  // Between the layers the batch comes first, [N, T, width].
+  for (size_t i = 0; i < blocks_->size(); ++i) {
+    EncoderBlock block(models::block(blocks_, i));
+    layers->push_back(Layer(NamedModules{{"block", block.ptr()}}, NamedTensors{},
+                            [block](const torch::Tensor& x) mutable {
+                              return block->forward(x.transpose(0, 1)).transpose(0, 1);
+                            }));
+  }
+  auto norm = norm_;
+  if (head_) {
+    auto head = head_;
+    layers->push_back(Layer(
+        NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
+        [norm, head](const torch::Tensor& x) mutable { return head->forward(norm->forward(x)); }));
+  } else {
+    // Tied: the head reads the embedding layer's weight, a parameter of that layer alone.
+    const auto weight = token_embedding_->weight;
+    layers->push_back(Layer(NamedModules{{"norm", norm.ptr()}}, NamedTensors{},
+                            [norm, weight](const torch::Tensor& x) mutable {
+                              return F::linear(norm->forward(x), weight);
+                            }));
+  }
+  return layers;
+}
+
 const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> names{"mlp", "cnn", "resnet18", "vit"};
+  static const std::vector<std::string> names{"mlp", "cnn", "resnet18", "vit", "gpt"};
   return names;
 }
 
-ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
+ZooModel create_model(const std::string& name, const ModelOptions& o) {
   auto positive = [](const char* what, int64_t v) {
     if (v < 1)
       throw UsageError(std::string("model option ") + what + "=" + std::to_string(v) +
@@ -361,10 +514,33 @@ ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
   positive("num_classes", o.num_classes);
   positive("in_channels", o.in_channels);
   positive("image_size", o.image_size);
+  const bool transformer = name == "vit" || name == "gpt";
   if (o.tensor_parallel_group.valid() && o.tensor_parallel_group.world_size() > 1 &&
-      name != "vit") {
-    throw UsageError(name + " has no tensor-parallel layers: use vit with tensor parallelism, or " +
-                     "pipeline " + name + " instead");
+      (name == "mlp" || name == "cnn" || name == "resnet18")) {
+    throw UsageError(name +
+                     " has no tensor-parallel layers: use vit or gpt with tensor "
+                     "parallelism, or pipeline " +
+                     name + " instead");
+  }
+  if (transformer) {
+    positive("depth", o.depth);
+    positive("heads", o.heads);
+    positive("mlp_ratio", o.mlp_ratio);
+    if (o.width % o.heads != 0) {
+      throw UsageError(name + ": width " + std::to_string(o.width) + " is not divisible by heads " +
+                       std::to_string(o.heads) +
+                       ": choose a width that is a multiple of the heads (e.g. " +
+                       std::to_string(o.heads * std::max<int64_t>(1, o.width / o.heads)) + ")");
+    }
+    if (const auto& tp = o.tensor_parallel_group; tp.valid() && tp.world_size() > 1) {
+      const int64_t ways = tp.world_size();
+      if (o.heads % ways != 0 || (o.width * o.mlp_ratio) % ways != 0) {
+        throw UsageError(name + ": tensor parallelism over " + std::to_string(ways) +
+                         " ranks cuts the " + std::to_string(o.heads) + " heads and the " +
+                         std::to_string(o.width * o.mlp_ratio) +
+                         " MLP features into equal slices: use a tp degree that divides both");
+      }
+    }
   }
   if (name == "mlp") return std::make_shared<MlpImpl>(o);
   if (name == "cnn") {
@@ -377,27 +553,16 @@ ImageClassifier create_model(const std::string& name, const ModelOptions& o) {
   if (name == "resnet18") return std::make_shared<ResNet18Impl>(o);
   if (name == "vit") {
     positive("patch_size", o.patch_size);
-    positive("depth", o.depth);
-    positive("heads", o.heads);
-    positive("mlp_ratio", o.mlp_ratio);
     if (o.image_size % o.patch_size != 0) {
       throw UsageError("vit: patch size " + std::to_string(o.patch_size) +
                        " does not divide image size " + std::to_string(o.image_size));
     }
-    if (o.width % o.heads != 0) {
-      throw UsageError("vit: width " + std::to_string(o.width) + " is not divisible by heads " +
-                       std::to_string(o.heads));
-    }
-    if (const auto& tp = o.tensor_parallel_group; tp.valid() && tp.world_size() > 1) {
-      const int64_t ways = tp.world_size();
-      if (o.heads % ways != 0 || (o.width * o.mlp_ratio) % ways != 0) {
-        throw UsageError("vit: tensor parallelism over " + std::to_string(ways) +
-                         " ranks cuts the " + std::to_string(o.heads) + " heads and the " +
-                         std::to_string(o.width * o.mlp_ratio) +
-                         " MLP features into equal slices: use a tp degree that divides both");
-      }
-    }
     return std::make_shared<VisionTransformerImpl>(o);
+  }
+  if (name == "gpt") {
+    positive("vocab_size", o.vocab_size);
+    positive("context", o.context);
+    return std::make_shared<GptImpl>(o);
   }
   std::string known;
   for (const auto& n : model_names()) known += (known.empty() ? "" : ", ") + n;

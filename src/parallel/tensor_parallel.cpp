@@ -5,8 +5,10 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
+#include <torch/version.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 
@@ -170,8 +172,9 @@ at::Tensor TensorParallelMlpImpl::forward(const at::Tensor& x) {
 }
 
 TensorParallelSelfAttentionImpl::TensorParallelSelfAttentionImpl(int64_t width, int64_t heads,
-                                                                 comm::ProcessGroup group)
-    : width_(width), heads_(heads), group_(std::move(group)) {
+                                                                 comm::ProcessGroup group,
+                                                                 bool causal)
+    : width_(width), heads_(heads), causal_(causal), group_(std::move(group)) {
   if (heads < 1 || width % heads != 0) {
     throw UsageError("TensorParallelSelfAttention: width " + std::to_string(width) +
                      " is not divisible by heads " + std::to_string(heads));
@@ -213,20 +216,33 @@ void TensorParallelSelfAttentionImpl::copy_to_dense(torch::nn::MultiheadAttentio
   out_proj_->copy_to_dense(dense->out_proj);
 }
 
-at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {
-  const int64_t tokens = x.size(0), batch = x.size(1), head_dim = width_ / heads_;
-  const auto qkv =
-      F::linear(copy_to_tensor_parallel(x, group_), in_proj_weight_, in_proj_bias_).chunk(3, -1);
-  // [tokens, batch, local heads x head_dim] -> [batch x local heads, tokens, head_dim]
-  auto heads = [&](const at::Tensor& t) {
-    return t.reshape({tokens, batch * local_heads_, head_dim}).transpose(0, 1);
+at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_weight,
+                                const at::Tensor& in_proj_bias, int64_t heads, bool causal) {
+  const int64_t tokens = x.size(0), batch = x.size(1);
+  const int64_t head_dim = in_proj_weight.size(0) / (3 * heads);
+  const auto qkv = F::linear(x, in_proj_weight, in_proj_bias).chunk(3, -1);
+  // [tokens, batch, heads x head_dim] -> [batch x heads, tokens, head_dim]
+  auto split = [&](const at::Tensor& t) {
+    return t.reshape({tokens, batch * heads, head_dim}).transpose(0, 1);
   };
-  const at::Tensor q = heads(qkv[0]) / std::sqrt(static_cast<double>(head_dim));
-  const at::Tensor weights = at::softmax(at::bmm(q, heads(qkv[1]).transpose(1, 2)), -1);
-  const at::Tensor out = at::bmm(weights, heads(qkv[2]))
-                             .transpose(0, 1)
-                             .reshape({tokens, batch, local_heads_ * head_dim});
-  return out_proj_->forward(out);
+#if TORCH_VERSION_MAJOR >= 2
+  const at::Tensor out = at::scaled_dot_product_attention(split(qkv[0]), split(qkv[1]),
+                                                          split(qkv[2]), {}, 0.0, causal);
+#else
+  const at::Tensor q = split(qkv[0]) / std::sqrt(static_cast<double>(head_dim));
+  at::Tensor scores = at::bmm(q, split(qkv[1]).transpose(1, 2));
+  if (causal) {
+    const auto future = at::ones({tokens, tokens}, x.options().dtype(at::kBool)).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  }
+  const at::Tensor out = at::bmm(at::softmax(scores, -1), split(qkv[2]));
+#endif
+  return out.transpose(0, 1).reshape({tokens, batch, heads * head_dim});
+}
+
+at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {
+  return out_proj_->forward(self_attention_heads(
+      copy_to_tensor_parallel(x, group_), in_proj_weight_, in_proj_bias_, local_heads_, causal_));
 }
 
 std::map<std::string, TensorParallelCut> tensor_parallel_cuts(const torch::nn::Module& module) {

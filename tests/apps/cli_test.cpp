@@ -1501,5 +1501,83 @@ TEST_F(Cli, YourOwnImageFolderAndCsvTrainAndBadDataIsNamed) {
   }
 }
 
+// The GPT on a file's bytes: it learns the text under ZeRO-3, reports tokens/s, cuts its heads
+// over a tensor-parallel group as one worker trains, and pipelines with untied embeddings.
+TEST_F(Cli, AGptLearnsATextUnderEveryPlanFamily) {
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  const auto file = dir / "book.txt";
+  std::ofstream(file, std::ios::binary) << text;
+  const std::vector<std::string> gpt{
+      "--model", "gpt",  "--data", "text:" + file.string(), "--seed", "5", "--quiet", "--optimizer",
+      "adamw",   "--lr", "0.01",   "--batch-size",          "8"};
+  const std::vector<std::string> sizes{"--layers", "2", "--width",   "32",
+                                       "--heads",  "4", "--context", "32"};
+  // A run of the GPT of `shape` (the small one unless given) with `extra`.
+  auto run = [&](const std::string& name, std::vector<std::string> extra,
+                 const std::vector<std::string>& shape = {}) {
+    auto args = gpt;
+    args.insert(args.end(), {"--name", name});
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto& chosen = shape.empty() ? sizes : shape;
+    args.insert(args.end(), chosen.begin(), chosen.end());
+    return train(args, std::chrono::seconds(300));
+  };
+  auto r = run("zero3", {"--workers", "2", "--epochs", "3", "--zero-stage", "3"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Json result = result_of("zero3");
+  // From log(256) = 5.5 nats a byte (uniform) to a text of 28 distinct bytes in a 45-byte cycle.
+  EXPECT_LT(result["train_loss"].get<double>(), 2.5);
+  EXPECT_LT(result["test_loss"].get<double>(), 2.5);
+  EXPECT_FALSE(result.contains("test_accuracy") && result["test_accuracy"].get<double>() > 0)
+      << "a language model's targets are tokens, not classes";
+  EXPECT_DOUBLE_EQ(result["tokens_per_second"].get<double>(),
+                   result["samples_per_second"].get<double>() * 32);
+  EXPECT_EQ(result["config"]["model_options"]["context"], 32);
+
+  const std::vector<std::string> short_run{"--epochs", "1", "--max-steps", "4"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), short_run.begin(), short_run.end());
+    return extra;
+  };
+  ASSERT_EQ(run("one", with({"--workers", "1"})).exit_code, 0);
+  r = run("tp", with({"--workers", "2", "--tp", "2"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NEAR(result_of("tp")["train_loss"].get<double>(),
+              result_of("one")["train_loss"].get<double>(),
+              1e-4 * result_of("one")["train_loss"].get<double>());
+  ASSERT_EQ(run("one_untied", with({"--workers", "1", "--untie-embeddings"})).exit_code, 0);
+  r = run("pp", with({"--workers", "2", "--pp", "2", "--untie-embeddings"}));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NEAR(result_of("pp")["train_loss"].get<double>(),
+              result_of("one_untied")["train_loss"].get<double>(),
+              1e-4 * result_of("one_untied")["train_loss"].get<double>());
+
+  for (const auto& [args, fragment] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--workers", "2", "--pp", "2"}, "--untie-embeddings"},
+           {{"--width", "100", "--heads", "3"}, "width 100 is not divisible by heads 3"},
+           {{"--workers", "2", "--tp", "2", "--heads", "3", "--width", "96"},
+            "--tp 2 must divide the gpt's 3 heads"},
+           {{"--context", "10000"}, "too few for 2 rows of 10000 tokens"}}) {
+    // The flags given replace the small GPT's sizes.
+    auto bad = run("bad", {}, [&] {
+      auto shape = args;
+      for (size_t i = 0; i + 1 < sizes.size(); i += 2)
+        if (std::find(args.begin(), args.end(), sizes[i]) == args.end())
+          shape.insert(shape.end(), {sizes[i], sizes[i + 1]});
+      return shape;
+    }());
+    EXPECT_EQ(bad.exit_code, 2) << bad.output;
+    EXPECT_NE(bad.output.find(fragment), std::string::npos) << bad.output;
+  }
+  auto bad = train({"--model", "gpt", "--data-dir", data.string()});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("--model gpt reads tokens: give --data text:FILE"), std::string::npos)
+      << bad.output;
+  bad = train({"--model", "mlp", "--data", "text:" + file.string()});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("only the language model reads"), std::string::npos) << bad.output;
+}
+
 }  // namespace
 }  // namespace cohort

@@ -72,6 +72,50 @@ TEST(LabelledData, ACsvIsStandardisedFeaturesAsAVectorImage) {
   EXPECT_NEAR(features.std(0, false).max().item<float>(), 1.0, 1e-3);
 }
 
+// A file's bytes as a language model's rows: each row's targets are its tokens shifted by one,
+// and the text's end is the test split.
+TEST(LabelledData, ATextIsRowsOfBytesAndTheBytesThatFollow) {
+  const auto file = cohort::testing::temp_dir("labelled_text") / "book.txt";
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += static_cast<char>('a' + (i * 7) % 26);
+  std::ofstream(file, std::ios::binary) << text;
+  auto data = open_labelled_data("text:" + file.string(), {.context = 16, .test_size = 0.1});
+  EXPECT_EQ(data.kind, LabelledData::Kind::kText);
+  EXPECT_EQ(data.num_classes, 256);
+  EXPECT_EQ(data.context, 16);
+  // (1000 - 1) / 16 = 62 rows: 6 held out.
+  EXPECT_EQ(data.train.num_source_rows(), 56);
+  EXPECT_EQ(data.test.num_source_rows(), 6);
+  const auto train =
+      materialize_labelled(data.train, data.normalize, data.input_column, data.target_column);
+  const auto test =
+      materialize_labelled(data.test, data.normalize, data.input_column, data.target_column);
+  ASSERT_EQ(train.inputs.sizes(), (std::vector<int64_t>{56, 16}));
+  EXPECT_EQ(train.inputs.scalar_type(), torch::kLong);
+  for (int64_t row : {0, 37}) {
+    for (int64_t t = 0; t < 16; ++t) {
+      const auto at = static_cast<size_t>(row * 16 + t);
+      EXPECT_EQ(train.inputs[row][t].item<int64_t>(), static_cast<unsigned char>(text[at]));
+      EXPECT_EQ(train.targets[row][t].item<int64_t>(), static_cast<unsigned char>(text[at + 1]));
+    }
+  }
+  EXPECT_EQ(test.inputs[5][15].item<int64_t>(), static_cast<unsigned char>(text[61 * 16 + 15]));
+  EXPECT_EQ(test.targets[5][15].item<int64_t>(), static_cast<unsigned char>(text[62 * 16]));
+  // Random tokens: seeded, the same rows for the same seed.
+  const auto a = open_labelled_data("random-tokens:40", {.context = 8, .seed = 4});
+  const auto b = open_labelled_data("random-tokens:40", {.context = 8, .seed = 4});
+  EXPECT_EQ(a.train.num_source_rows() + a.test.num_source_rows(), 40);
+  EXPECT_TRUE(torch::equal(a.train.take()["tokens"], b.train.take()["tokens"]));
+
+  expect_error<UsageError>([&] { open_labelled_data("text:" + file.string(), {.context = 600}); },
+                           "has 1000 bytes, too few for 2 rows of 600 tokens");
+  expect_error<UsageError>([&] { open_labelled_data("text:/no/such/file"); },
+                           "cannot read /no/such/file");
+  expect_error<UsageError>([&] { open_labelled_data("random-tokens:many"); },
+                           "give the rows of random tokens as a number >= 2");
+  expect_error<UsageError>([] { open_labelled_data("text:"); }, "names no file");
+}
+
 TEST(LabelledData, BadInputIsNamedWithTheFix) {
   auto dir = cohort::testing::temp_dir("labelled_bad");
   expect_error<UsageError>([] { open_labelled_data("parquet:x"); },

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <tuple>
 
 #include "cohort/error.h"
 #include "cohort/parallel/activation_checkpointing.h"
@@ -18,7 +19,7 @@
 namespace cohort::models {
 namespace {
 
-int64_t count_parameters(const ImageClassifier& m) {
+int64_t count_parameters(const ZooModel& m) {
   int64_t n = 0;
   for (const auto& p : m->parameters()) n += p.numel();
   return n;
@@ -34,12 +35,16 @@ TEST(Zoo, SeedArchitecturesHaveTheirParameterCounts) {
             11'689'512 - 64 * 2 * 49 - (512 * 990 + 990));
 }
 
-TEST(Zoo, EveryModelClassifiesABatch) {
+TEST(Zoo, EveryModelScoresABatch) {
   for (const auto& name : model_names()) {
     auto model = create_model(name);
-    auto out = model->forward(torch::randn({3, 1, 28, 28}));
-    EXPECT_EQ(out.sizes(), (std::vector<int64_t>{3, 10})) << name;
-    out.sum().backward();
+    const auto [x, y] = model->sample_batch(3);
+    auto out = model->forward(x);
+    // A classifier's logits per image; the GPT's per token, over its 256 byte values.
+    const auto want =
+        name == "gpt" ? std::vector<int64_t>{3, 128, 256} : std::vector<int64_t>{3, 10};
+    EXPECT_EQ(out.sizes(), want) << name;
+    logits_cross_entropy(out, y).backward();
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined()) << name;
   }
 }
@@ -50,11 +55,11 @@ TEST(Zoo, EveryModelTrainsUnderZeroStageThreeAsUnderDdp) {
   cohort::testing::run_ranks(2, [](comm::ProcessGroup& g) {
     for (const auto& name : model_names()) {
       auto run = [&](bool zero) {
-        ImageClassifier model;
+        ZooModel model;
         {
           std::lock_guard lock(testing::generator_mutex());
           torch::manual_seed(9);
-          model = create_model(name, {.depth = 2, .width = 32});
+          model = create_model(name, {.depth = 2, .width = 32, .context = 16});
         }
         torch::optim::SGD sgd(model->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
         std::unique_ptr<parallel::DistributedDataParallel> ddp;
@@ -62,7 +67,7 @@ TEST(Zoo, EveryModelTrainsUnderZeroStageThreeAsUnderDdp) {
         if (zero) {
           sharded = std::make_unique<parallel::ZeroOptimizer>(
               model, sgd, g, parallel::ZeroOptions{.stage = 3, .param_persistence_threshold = 0});
-          EXPECT_GE(sharded->stats().units, 2) << name;  // vit: its 2 blocks
+          EXPECT_GE(sharded->stats().units, 2) << name;  // vit, gpt: their 2 blocks
         } else {
           ddp = std::make_unique<parallel::DistributedDataParallel>(model, g);
         }
@@ -74,11 +79,10 @@ TEST(Zoo, EveryModelTrainsUnderZeroStageThreeAsUnderDdp) {
           {
             std::lock_guard lock(testing::generator_mutex());
             torch::manual_seed(100 + 10 * g.rank() + step);
-            x = torch::randn({2, 1, 28, 28});
-            y = torch::randint(0, 10, {2});
+            std::tie(x, y) = model->sample_batch(2);
           }
           optimizer.zero_grad();
-          auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+          auto loss = logits_cross_entropy(model->forward(x), y);
           loss.backward();
           optimizer.step();
           losses.push_back(loss.item<double>());
@@ -110,15 +114,14 @@ TEST(Zoo, EveryModelCheckpointsEveryUnitToThePlainGradients) {
     SCOPED_TRACE(name);
     const auto step = [&](bool checkpointed) {
       torch::manual_seed(9);
-      auto model = create_model(name, {.depth = 2, .width = 32});
+      auto model = create_model(name, {.depth = 2, .width = 32, .context = 16});
       if (checkpointed) {
         const auto units = parallel::apply_activation_checkpointing(*model, {.every = 1});
         EXPECT_GE(units.size(), 2u);
       }
       torch::manual_seed(10);
-      const auto x = torch::randn({3, 1, 28, 28});
-      const auto y = torch::randint(0, 10, {3});
-      const auto loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+      const auto [x, y] = model->sample_batch(3);
+      const auto loss = logits_cross_entropy(model->forward(x), y);
       loss.backward();
       std::vector<torch::Tensor> state{loss.detach()};
       for (const auto& p : model->parameters()) state.push_back(p.grad().clone());
@@ -154,12 +157,12 @@ TEST(Zoo, VitIsConfigurable) {
 
 TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
   const std::map<std::string, size_t> layer_counts{
-      {"mlp", 3}, {"cnn", 4}, {"resnet18", 10}, {"vit", 4 + 2}};
+      {"mlp", 3}, {"cnn", 4}, {"resnet18", 10}, {"vit", 4 + 2}, {"gpt", 4 + 2}};
   for (const auto& name : model_names()) {
     torch::manual_seed(5);
     auto model = create_model(name);
     model->eval();  // batch norm with its running statistics: both passes alike
-    const auto x = torch::randn({3, 1, 28, 28});
+    const auto x = model->sample_batch(3).first;
     auto layers = model->pipeline_layers();
     EXPECT_EQ(layers->size(), layer_counts.at(name)) << name;
     const auto whole = model->forward(x);
@@ -182,7 +185,7 @@ TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
 }
 
 TEST(Zoo, AModelWithoutPipelineLayersSaysHowToGiveThem) {
-  struct Custom : ImageClassifierImpl {
+  struct Custom : ZooModelImpl {
     torch::Tensor forward(torch::Tensor x) override { return x; }
   };
   cohort::testing::expect_error<UsageError>([] { Custom().pipeline_layers(); },
@@ -263,6 +266,91 @@ TEST(Zoo, TensorParallelismThatDoesNotFitIsNamed) {
     cohort::testing::expect_error<UsageError>(
         [&] { create_model("vit", {.width = 96, .heads = 3, .tensor_parallel_group = tp}); },
         "use a tp degree that divides both");
+  });
+}
+
+// A decoder: the logits at position t depend on the tokens up to t only.
+TEST(Zoo, GptAttendsToThePastOnly) {
+  torch::manual_seed(3);
+  auto gpt = create_model("gpt", {.depth = 2, .width = 32, .heads = 4, .context = 12});
+  const auto tokens = torch::randint(0, 256, {2, 12});
+  auto changed = tokens.clone();
+  changed.select(1, 7).fill_(0).add_(tokens.select(1, 7).add(1).remainder(256));
+  const auto a = gpt->forward(tokens), b = gpt->forward(changed);
+  EXPECT_TRUE(torch::equal(a.narrow(1, 0, 7), b.narrow(1, 0, 7)));
+  EXPECT_GT((a.narrow(1, 7, 5) - b.narrow(1, 7, 5)).abs().max().item<double>(), 1e-4);
+  // Shorter sequences are the prefix's logits.
+  EXPECT_TRUE(torch::allclose(gpt->forward(tokens.narrow(1, 0, 5)), a.narrow(1, 0, 5), 1e-5, 1e-6));
+}
+
+TEST(Zoo, GptTiesItsHeadToTheTokenEmbedding) {
+  const ModelOptions tied{.depth = 2, .width = 32, .heads = 4, .vocab_size = 50, .context = 8};
+  auto untied_options = tied;
+  untied_options.tie_embeddings = false;
+  const auto gpt = create_model("gpt", tied), untied = create_model("gpt", untied_options);
+  // Per block: 2 norms, q/k/v and output projection with biases, the MLP with biases.
+  const int64_t w = 32, block = 2 * 2 * w + (3 * w * w + 3 * w) + (w * w + w) +
+                                (w * 4 * w + 4 * w) + (4 * w * w + w);
+  EXPECT_EQ(count_parameters(gpt), 50 * w + 8 * w + 2 * block + 2 * w);
+  EXPECT_EQ(count_parameters(untied), count_parameters(gpt) + 50 * w);
+  EXPECT_EQ(gpt->named_parameters().find("head.weight"), nullptr);
+  // The head's gradient reaches the embedding: a token never input still gets one.
+  const auto tokens = torch::zeros({1, 8}, torch::kLong);
+  logits_cross_entropy(gpt->forward(tokens), torch::full({1, 8}, 7, torch::kLong)).backward();
+  const auto embedding_grad = gpt->named_parameters()["token_embedding.weight"].grad();
+  EXPECT_GT(embedding_grad[7].abs().sum().item<double>(), 0);
+  // FLOPs per token: 6 per block and head weight, attention's 12 x depth x width x T.
+  const auto& model = dynamic_cast<const GptImpl&>(*gpt);
+  EXPECT_EQ(model.flops_per_token(8), 6 * (2 * 12 * w * w + w * 50) + 12 * 2 * w * 8);
+}
+
+TEST(Zoo, GptShapesThatDoNotFitAreNamed) {
+  cohort::testing::expect_error<UsageError>([] { create_model("gpt", {.width = 100, .heads = 3}); },
+                                            "gpt: width 100 is not divisible by heads 3");
+  cohort::testing::expect_error<UsageError>([] { create_model("gpt", {.context = 0}); },
+                                            "context=0 must be >= 1");
+  auto gpt = create_model("gpt", {.depth = 1, .width = 16, .heads = 2, .context = 4});
+  cohort::testing::expect_error<UsageError>(
+      [&] {
+        gpt->forward(torch::zeros({1, 5}, torch::kLong));
+      },
+      "T <= the context 4");
+  cohort::testing::expect_error<UsageError>(
+      [&] { dynamic_cast<GptImpl&>(*gpt).check_pipeline_stages(2); }, "--untie-embeddings");
+  dynamic_cast<GptImpl&>(*gpt).check_pipeline_stages(1);
+}
+
+TEST(Zoo, TensorParallelGptIsTheDenseGptSliced) {
+  const ModelOptions options{.depth = 2, .width = 32, .heads = 4, .context = 10};
+  cohort::testing::run_ranks(2, [&](comm::ProcessGroup& tp) {
+    std::unique_lock lock(cohort::testing::generator_mutex());
+    torch::manual_seed(8);
+    auto dense = create_model("gpt", options);
+    torch::manual_seed(8);
+    auto sliced_options = options;
+    sliced_options.tensor_parallel_group = tp;
+    auto sliced = create_model("gpt", sliced_options);
+    torch::manual_seed(9);
+    const auto [x, y] = dense->sample_batch(3);
+    lock.unlock();
+    const auto y_dense = dense->forward(x), y_sliced = sliced->forward(x);
+    EXPECT_TRUE(torch::allclose(y_dense, y_sliced, 1e-5, 1e-5))
+        << "largest difference " << (y_dense - y_sliced).abs().max().item<double>();
+    logits_cross_entropy(y_dense, y).backward();
+    logits_cross_entropy(y_sliced, y).backward();
+    const auto dense_params = dense->named_parameters(), sliced_params = sliced->named_parameters();
+    for (const auto* key : {"token_embedding.weight", "positions", "blocks.1.norm2.weight"}) {
+      const auto want = dense_params[key].grad(), got = sliced_params[key].grad();
+      const double scale = want.abs().max().item<double>();
+      EXPECT_LT((want - got).abs().max().item<double>(), 1e-5 * scale)
+          << key << " on rank " << tp.rank();
+    }
+    // Gathered back, the slices are the dense weights.
+    torch::manual_seed(31);
+    auto gathered = create_model("gpt", options);
+    dynamic_cast<GptImpl&>(*sliced).copy_to_dense(dynamic_cast<GptImpl&>(*gathered));
+    for (const auto& p : dense->named_parameters())
+      EXPECT_TRUE(torch::equal(p.value(), gathered->named_parameters()[p.key()])) << p.key();
   });
 }
 

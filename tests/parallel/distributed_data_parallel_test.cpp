@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <mutex>
+#include <tuple>
+
 #include "cohort/error.h"
 #include "cohort/models/zoo.h"
 #include "support/local_group.h"
@@ -262,7 +265,7 @@ void expect_equivalent_to_one_process(
     torch::manual_seed(3);
     return models::create_model(model_name);
   };
-  std::vector<models::ImageClassifier> models;
+  std::vector<models::ZooModel> models;
   for (int r = 0; r < world; ++r) models.push_back(make());
   run_ranks(world, [&](int rank, comm::ProcessGroup& g) {
     DistributedDataParallel ddp(models[rank], g, options);
@@ -293,7 +296,7 @@ void expect_equivalent_to_one_process(
 }
 
 at::Tensor plain_forward(torch::nn::Module& m, const at::Tensor& x) {
-  return dynamic_cast<models::ImageClassifierImpl&>(m).forward(x);
+  return dynamic_cast<models::ZooModelImpl&>(m).forward(x);
 }
 
 TEST(DistributedDataParallel, CnnOnTwoAndThreeRanksEqualsOneProcessOver20Steps) {
@@ -309,7 +312,7 @@ TEST(DistributedDataParallel, SmallBucketsAndCopiedGradientsGiveTheSameResult) {
 
 // A model with a branch that never gets a gradient: under find_unused_parameters its gradient
 // stays undefined, so the optimizer skips it, exactly as in one process.
-struct WithUnusedBranchImpl : models::ImageClassifierImpl {
+struct WithUnusedBranchImpl : models::ZooModelImpl {
   WithUnusedBranchImpl() {
     mlp = register_module("mlp", std::make_shared<models::MlpImpl>());
     unused = register_module("unused", torch::nn::Linear(10, 10));
@@ -359,8 +362,8 @@ TEST(DistributedDataParallel, UnusedBranchUnderFindUnusedParametersEqualsOneProc
 }
 
 TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
-  auto models = std::vector<models::ImageClassifier>{models::create_model("cnn"),
-                                                     models::create_model("cnn")};
+  auto models =
+      std::vector<models::ZooModel>{models::create_model("cnn"), models::create_model("cnn")};
   run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
     DistributedDataParallel ddp(models[rank], g,
                                 {.bucket_cap_mb = 0.1, .first_bucket_cap_mb = 0.01});
@@ -379,8 +382,8 @@ TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
 TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
   for (const auto& [hook, tolerance] : std::vector<std::pair<CommHook, double>>{
            {fp16_compress_hook(), 1e-3}, {bf16_compress_hook(), 1e-2}}) {
-    auto models = std::vector<models::ImageClassifier>{models::create_model("mlp"),
-                                                       models::create_model("mlp")};
+    auto models =
+        std::vector<models::ZooModel>{models::create_model("mlp"), models::create_model("mlp")};
     std::vector<std::vector<at::Tensor>> exact(2);
     torch::manual_seed(9);
     auto inputs = torch::randn({2, 4, 1, 28, 28});
@@ -390,8 +393,8 @@ TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
       for (const auto& p : models[rank]->parameters()) exact[rank].push_back(p.grad().clone());
     });
     // Reference: the plain average of each rank's own gradient.
-    auto reference = std::vector<models::ImageClassifier>{models::create_model("mlp"),
-                                                          models::create_model("mlp")};
+    auto reference =
+        std::vector<models::ZooModel>{models::create_model("mlp"), models::create_model("mlp")};
     std::vector<at::Tensor> averaged;
     for (int r = 0; r < 2; ++r) {
       torch::NoGradGuard no_grad;
@@ -411,16 +414,19 @@ TEST(DistributedDataParallel, CompressionHooksAverageClosely) {
 
 TEST(DistributedDataParallel, WrapsEveryModelOfTheZoo) {
   for (const auto& name : models::model_names()) {
-    auto models = std::vector<models::ImageClassifier>{models::create_model(name),
-                                                       models::create_model(name)};
+    auto models =
+        std::vector<models::ZooModel>{models::create_model(name), models::create_model(name)};
     run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
       DistributedDataParallel ddp(models[rank], g);
       torch::optim::SGD opt(models[rank]->parameters(), torch::optim::SGDOptions(0.01));
       opt.zero_grad();
-      torch::nn::functional::cross_entropy(
-          models[rank]->forward(torch::randn({2, 1, 28, 28}) + rank),
-          torch::tensor({rank, 1 - rank}))
-          .backward();
+      torch::Tensor x, y;
+      {
+        std::lock_guard lock(cohort::testing::generator_mutex());
+        torch::manual_seed(rank);
+        std::tie(x, y) = models[rank]->sample_batch(2);
+      }
+      models::logits_cross_entropy(models[rank]->forward(x), y).backward();
       opt.step();
     });
     auto other = models[1]->named_parameters();

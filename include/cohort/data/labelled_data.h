@@ -8,9 +8,15 @@
 ///   csv:FILE     a numeric CSV with a header line; `label_column` names the class column (whole
 ///                numbers from 0), every other column is a feature; `test_size` of the rows held
 ///                out as the test split
+///   text:FILE    any file, read as bytes (tokens 0-255) for a language model: rows of `context`
+///                tokens and the `context` tokens that follow each by one; the file's last
+///                `test_size` of rows held out as the test split
+///   random-tokens:ROWS
+///                ROWS rows of uniformly random tokens (from `seed`), for throughput runs
 ///
-/// Rows come out of `normalize` as "image" float [C, H, W] and "label" int64, the shape of the
-/// zoo's image classifiers (a CSV row is a [features, 1, 1] image: the mlp reads it as a vector).
+/// Rows come out of `normalize` as `input_column` and `target_column`: "image" float [C, H, W] and
+/// "label" int64, the shape of the zoo's image classifiers (a CSV row is a [features, 1, 1] image:
+/// the mlp reads it as a vector), or "tokens" and "next_tokens" int64 [context], the GPT's.
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -27,6 +33,7 @@ struct LabelledDataOptions {
   std::string label_column;  ///< csv: the class column (required)
   int64_t image_size = 28;   ///< images: each resized to image_size x image_size
   bool grayscale = false;    ///< images: decoded to one channel
+  int64_t context = 128;     ///< text, random-tokens: tokens per row
   double test_size = 0.1;    ///< the test split's fraction where the data has no test split
   uint64_t seed = 0;         ///< draws the held-out test rows
 };
@@ -35,8 +42,12 @@ struct LabelledDataOptions {
 /// splits, how to normalise them and its shape.
 struct LabelledData {
   /// Where the rows came from.
-  enum class Kind { kImages, kCsv };
-  Kind kind = Kind::kImages;   ///< image folders or a CSV file
+  enum class Kind {
+    kImages,  ///< image folders
+    kCsv,     ///< a CSV file
+    kText,    ///< a file's bytes, or random tokens
+  };
+  Kind kind = Kind::kImages;   ///< where the rows came from
   std::filesystem::path path;  ///< the folder or file
   Dataset train;            ///< raw rows: images uint8 [C, H, W] / csv "features" [F], and "label"
   Dataset test;             ///< raw rows of the test split
@@ -45,19 +56,25 @@ struct LabelledData {
   int64_t image_size = 0;   ///< H = W (1 for a CSV)
   int64_t num_classes = 0;  ///< classes (labels 0 to num_classes - 1)
   std::vector<std::string> class_names;  ///< images: the sub-folders' names; csv: "0", "1", ...
+  int64_t context = 0;                   ///< text: tokens per row (num_classes: the vocabulary)
+  std::string input_column = "image";    ///< the model's input after `normalize`
+  std::string target_column = "label";   ///< its target after `normalize`
   /// One line for logs: what was read, the rows of each split and the classes.
   std::string describe() const;
 };
 
-/// Opens `spec` ("images:DIR" or "csv:FILE"). Throws UsageError naming the value and the fix for
-/// an unknown scheme, a missing path, an image folder without class sub-folders or images, a CSV
-/// without data rows, with rows of another length than its header, with a value that is no number
-/// or a label that is no whole number from 0, and for too few rows to hold out a test split.
-/// Reads the CSV and decodes one image to learn the shapes; the rest is read as it is iterated.
+/// Opens `spec` ("images:DIR", "csv:FILE", "text:FILE" or "random-tokens:ROWS"). Throws UsageError
+/// naming the value and the fix for an unknown scheme, a missing path, an image folder without
+/// class sub-folders or images, a CSV without data rows, with rows of another length than its
+/// header, with a value that is no number or a label that is no whole number from 0, for a text too
+/// short for two rows of `context` + 1 bytes, and for too few rows to hold out a test split. Reads
+/// the CSV and decodes one image to learn the shapes; the rest is read as it is iterated.
 LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptions& options = {});
 
-/// The rows of `dataset` through `normalize`, in memory: "image" and "label" as one TensorDataset
-/// (the test split of a run's evaluation).
-TensorDataset materialize_labelled(const Dataset& dataset, const BatchFn& normalize);
+/// The rows of `dataset` through `normalize`, in memory: the input and target columns as one
+/// TensorDataset (the test split of a run's evaluation).
+TensorDataset materialize_labelled(const Dataset& dataset, const BatchFn& normalize,
+                                   const std::string& input_column = "image",
+                                   const std::string& target_column = "label");
 
 }  // namespace cohort::data

@@ -12,9 +12,9 @@ namespace cohort::models {
 
 /// The zoo's model `name` for train::parallelize on this worker's mesh (get_context()): built
 /// after torch::manual_seed(`seed`), so every rank holds the same weights; with a mesh, cut at its
-/// pipeline_layers(); with tp > 1 the ViT's blocks tensor-parallel over the mesh's tp group,
-/// beside the dense ViT of the same seed that checkpoints hold. Every rank calls it alike (the tp
-/// group's slices are cut from the same dense weights). UsageError as create_model().
+/// pipeline_layers(); with tp > 1 the ViT's or GPT's blocks tensor-parallel over the mesh's tp
+/// group, beside the dense model of the same seed that checkpoints hold. Every rank calls it alike
+/// (the tp group's slices are cut from the same dense weights). UsageError as create_model().
 train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint64_t seed);
 
 }  // namespace cohort::models

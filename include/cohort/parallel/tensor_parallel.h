@@ -87,13 +87,23 @@ class TensorParallelMlpImpl : public torch::nn::Module {
 /// The module holder of TensorParallelMlpImpl.
 TORCH_MODULE(TensorParallelMlp);
 
+/// Scaled dot-product attention of `heads` heads before the output projection, in
+/// torch::nn::MultiheadAttention's layout: x [tokens, batch, width] projected by `in_proj_weight`
+/// [3 x heads x head_dim, width] and `in_proj_bias` (q, k and v stacked) -> [tokens, batch,
+/// heads x head_dim]. `causal`: token t attends to tokens 0..t only (a decoder's mask). Uses
+/// at::scaled_dot_product_attention where libtorch has it (2.0 on), the explicit softmax before.
+at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_weight,
+                                const at::Tensor& in_proj_bias, int64_t heads, bool causal);
+
 /// Self-attention with the heads cut over the group (torch::nn::MultiheadAttention's math and
 /// layout, [tokens, batch, width]): q, k and v column-parallel by heads, the output projection
 /// row-parallel. `heads` must be divisible by the group's size.
 class TensorParallelSelfAttentionImpl : public torch::nn::Module {
  public:
-  /// Self-attention of `width` features and `heads` heads, the heads cut over `group`.
-  TensorParallelSelfAttentionImpl(int64_t width, int64_t heads, comm::ProcessGroup group);
+  /// Self-attention of `width` features and `heads` heads, the heads cut over `group`; `causal`:
+  /// each token attends to itself and the tokens before it only (a decoder's).
+  TensorParallelSelfAttentionImpl(int64_t width, int64_t heads, comm::ProcessGroup group,
+                                  bool causal = false);
   /// Takes this rank's heads of a dense torch::nn::MultiheadAttention(width, heads).
   void load_from_dense(const torch::nn::MultiheadAttention& dense);
   /// Gathers the whole attention into `dense` (a collective of the group).
@@ -103,6 +113,7 @@ class TensorParallelSelfAttentionImpl : public torch::nn::Module {
 
  private:
   int64_t width_, heads_, local_heads_;
+  bool causal_;
   comm::ProcessGroup group_;
   at::Tensor in_proj_weight_, in_proj_bias_;  ///< this rank's q, k and v rows, stacked
   RowParallelLinear out_proj_{nullptr};
