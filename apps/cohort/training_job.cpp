@@ -137,6 +137,7 @@ models::ModelOptions model_options_of(const Json& c) {
     options.vocab_size = m.value("vocab_size", options.vocab_size);
     options.context = m.value("context", options.context);
     options.tie_embeddings = m.value("tie_embeddings", options.tie_embeddings);
+    options.deferred_init = m.value("deferred_init", options.deferred_init);
   }
   return options;
 }
@@ -531,7 +532,8 @@ Json to_json(const TrainOptions& o) {
                              {"heads", model.heads},
                              {"vocab_size", model.vocab_size},
                              {"context", model.context},
-                             {"tie_embeddings", model.tie_embeddings}};
+                             {"tie_embeddings", model.tie_embeddings},
+                             {"deferred_init", o.deferred_init}};
   if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
   if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
@@ -835,6 +837,10 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--context", o.context,
                   "gpt: the longest sequence in tokens, and the tokens per row of --data text:FILE")
       ->capture_default_str();
+  add_bool_flag(cmd, "--deferred-init", o.deferred_init,
+                "build the model's units without keeping their weights until the plan places "
+                "them: with --zero-stage 3 each worker initialises only its shards, one unit at a "
+                "time (the weights are those of an ordinary build, bit for bit)");
   add_bool_flag(cmd, "--untie-embeddings", o.untie_embeddings,
                 "gpt: an output head of its own instead of the token embedding's weight (needed "
                 "to cut it into pipeline stages with --pp)");

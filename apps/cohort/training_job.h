@@ -44,6 +44,9 @@ struct TrainOptions {
   int64_t heads = models::ModelOptions{}.heads;
   int64_t context = models::ModelOptions{}.context;
   bool untie_embeddings = false;
+  // models::ModelOptions::deferred_init: the workers build each unit's parameters only when the
+  // plan places them (ZeRO stage 3: this rank's shards, one unit at a time).
+  bool deferred_init = false;
   std::string label;        // --label: a CSV's class column
   int64_t image_size = 28;  // --image-size: images resized to this square
   double test_size = 0.1;   // --test-size: held out for evaluation where the data has no test split

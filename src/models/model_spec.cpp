@@ -24,11 +24,14 @@ void check_stages(const ZooModelImpl& model) {
 template <typename Transformer>
 train::ModelSpec tensor_parallel_spec(const std::string& name, const ModelOptions& options,
                                       uint64_t seed, const comm::ProcessGroup& tp) {
-  auto sliced_options = options;
+  // A mesh holds the whole model (and the dense one beside it): nothing to defer.
+  auto dense_options = options;
+  dense_options.deferred_init = false;
+  auto sliced_options = dense_options;
   sliced_options.tensor_parallel_group = tp;
   // The dense model made first: after the same seed, the sliced model's weights are its slices.
   torch::manual_seed(seed);
-  auto dense = std::dynamic_pointer_cast<Transformer>(create_model(name, options));
+  auto dense = std::dynamic_pointer_cast<Transformer>(create_model(name, dense_options));
   torch::manual_seed(seed);
   auto sliced = std::dynamic_pointer_cast<Transformer>(create_model(name, sliced_options));
   check_stages(*sliced);

@@ -62,6 +62,12 @@ void copy_parameters(const torch::nn::Module& from, torch::nn::Module& to) {
   }
 }
 
+// A FullyShard unit of `make()`, deferred when the options ask (parallel::deferred_unit).
+template <typename Make>
+parallel::FullyShard unit(const ModelOptions& o, Make make) {
+  return parallel::deferred_unit(std::move(make), o.deferred_init);
+}
+
 torch::Tensor identity(const torch::Tensor& x) { return x; }
 torch::Tensor relu(const torch::Tensor& x) { return torch::relu(x); }
 torch::Tensor relu_pool(const torch::Tensor& x) { return torch::max_pool2d(torch::relu(x), 2); }
@@ -89,9 +95,10 @@ torch::nn::Sequential ZooModelImpl::pipeline_layers() {
 MlpImpl::MlpImpl(const ModelOptions& o) {
   options_ = o;
   const int64_t in = o.in_channels * o.image_size * o.image_size;
-  fc1_ = register_module("fc1", parallel::FullyShard(torch::nn::Linear(in, 128)));
-  fc2_ = register_module("fc2", parallel::FullyShard(torch::nn::Linear(128, 64)));
-  fc3_ = register_module("fc3", parallel::FullyShard(torch::nn::Linear(64, o.num_classes)));
+  fc1_ = register_module("fc1", unit(o, [=] { return torch::nn::Linear(in, 128); }));
+  fc2_ = register_module("fc2", unit(o, [] { return torch::nn::Linear(128, 64); }));
+  fc3_ = register_module(
+      "fc3", unit(o, [classes = o.num_classes] { return torch::nn::Linear(64, classes); }));
 }
 
 torch::Tensor MlpImpl::forward(torch::Tensor x) {
@@ -113,15 +120,18 @@ torch::nn::Sequential MlpImpl::pipeline_layers() {
 CnnImpl::CnnImpl(const ModelOptions& o) {
   options_ = o;
   conv1_ = register_module(
-      "conv1", parallel::FullyShard(
-                   torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, 32, 3).padding(1))));
+      "conv1", unit(o, [channels = o.in_channels] {
+        return torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, 32, 3).padding(1));
+      }));
   conv2_ = register_module(
       "conv2",
-      parallel::FullyShard(torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1))));
+      unit(o, [] { return torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)); }));
   const int64_t side = o.image_size / 4;
   flat_features_ = 64 * side * side;
-  fc1_ = register_module("fc1", parallel::FullyShard(torch::nn::Linear(flat_features_, 128)));
-  fc2_ = register_module("fc2", parallel::FullyShard(torch::nn::Linear(128, o.num_classes)));
+  fc1_ = register_module(
+      "fc1", unit(o, [features = flat_features_] { return torch::nn::Linear(features, 128); }));
+  fc2_ = register_module(
+      "fc2", unit(o, [classes = o.num_classes] { return torch::nn::Linear(128, classes); }));
 }
 
 torch::Tensor CnnImpl::forward(torch::Tensor x) {
@@ -284,19 +294,22 @@ std::shared_ptr<EncoderBlockImpl> block(const torch::nn::Sequential& blocks, siz
 ResNet18Impl::ResNet18Impl(const ModelOptions& o) {
   options_ = o;
   stem_ = register_module(
-      "stem", parallel::FullyShard(torch::nn::Sequential(
-                  conv(o.in_channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
-                  torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1)))));
+      "stem", unit(o, [channels = o.in_channels] {
+        return torch::nn::Sequential(
+            conv(channels, 64, 7, 2, 3), torch::nn::BatchNorm2d(64), torch::nn::ReLU(),
+            torch::nn::MaxPool2d(torch::nn::MaxPool2dOptions(3).stride(2).padding(1)));
+      }));
   torch::nn::Sequential layers;
   int64_t in = 64;
   for (int64_t out : {64, 128, 256, 512}) {
     const int64_t stride = out == 64 ? 1 : 2;
-    layers->push_back(parallel::FullyShard(BasicBlock(in, out, stride)));
-    layers->push_back(parallel::FullyShard(BasicBlock(out, out, 1)));
+    layers->push_back(unit(o, [=] { return BasicBlock(in, out, stride); }));
+    layers->push_back(unit(o, [=] { return BasicBlock(out, out, 1); }));
     in = out;
   }
   layers_ = register_module("layers", layers);
-  fc_ = register_module("fc", parallel::FullyShard(torch::nn::Linear(512, o.num_classes)));
+  fc_ = register_module(
+      "fc", unit(o, [classes = o.num_classes] { return torch::nn::Linear(512, classes); }));
 }
 
 torch::Tensor ResNet18Impl::forward(torch::Tensor x) {
@@ -330,8 +343,8 @@ VisionTransformerImpl::VisionTransformerImpl(const ModelOptions& o) {
   positions_ = register_parameter("positions", torch::randn({tokens + 1, 1, o.width}) * 0.02);
   torch::nn::Sequential blocks;
   for (int64_t i = 0; i < o.depth; ++i)
-    blocks->push_back(
-        parallel::FullyShard(EncoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group)));
+    blocks->push_back(unit(
+        o, [o] { return EncoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group); }));
   blocks_ = register_module("blocks", blocks);
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
   head_ = register_module("head", torch::nn::Linear(o.width, o.num_classes));
@@ -412,8 +425,8 @@ GptImpl::GptImpl(const ModelOptions& o) {
   positions_ = register_parameter("positions", torch::randn({o.context, o.width}) * 0.02);
   torch::nn::Sequential blocks;
   for (int64_t i = 0; i < o.depth; ++i)
-    blocks->push_back(
-        parallel::FullyShard(DecoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group)));
+    blocks->push_back(unit(
+        o, [o] { return DecoderBlock(o.width, o.heads, o.mlp_ratio, o.tensor_parallel_group); }));
   blocks_ = register_module("blocks", blocks);
   norm_ = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width})));
   if (!o.tie_embeddings) {

@@ -588,7 +588,15 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> grou
                          std::string(c10::toString(p.scalar_type())) + " in param group " +
                          std::to_string(g) + " is not floating point");
     }
-    impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
+    // Parameters awaiting deferred initialisation (parallel::deferred_unit: a shape over one
+    // element) have no values to lay out yet: the first step lays the group out. Under ZeRO the
+    // engine builds its own optimizer over the shards and this one never steps.
+    const auto& params = param_groups_[g].params();
+    const bool deferred = std::any_of(params.begin(), params.end(), [](const at::Tensor& p) {
+      return static_cast<int64_t>(p.storage().nbytes()) < p.numel() * p.element_size();
+    });
+    if (!deferred)
+      impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
   }
 }
 

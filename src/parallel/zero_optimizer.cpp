@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "cohort/error.h"
+#include "cohort/parallel/fully_shard.h"
 #include "replicas.h"
 
 namespace cohort::parallel {
@@ -196,10 +197,25 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     names = std::move(trainable.names);
     params = std::move(trainable.params);
     for (const auto& b : module->buffers()) buffers.push_back(b);
-    detail::start_replicas(group, names, params, buffers, "ZeroOptimizer");
+    // Deferred units' parameters have no values yet: at stage 3 each unit is materialised in
+    // lay_out() and rank 0's copy broadcast there, one unit at a time (find_units() materialises
+    // the FullyShards too small to be units); other stages materialise the model here.
+    if (options.stage == 3) {
+      find_units();
+    } else {
+      materialize(*module);
+    }
+    std::vector<std::string> whole_names;
+    std::vector<at::Tensor> whole_params;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (is_deferred(params[i])) continue;
+      whole_names.push_back(names[i]);
+      whole_params.push_back(params[i]);
+    }
+    detail::verify_same_layout(group, names, params, "ZeroOptimizer");
+    detail::start_replicas(group, whole_names, whole_params, buffers, "ZeroOptimizer");
     data_parallel = group;
     split_into_sharding_groups();
-    if (options.stage == 3) find_units();
     lay_out();
   }
 
@@ -255,7 +271,10 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         members.push_back(found->second);
         numel += p.numel();
       }
-      if (members.empty() || numel < options.param_persistence_threshold) continue;
+      if (members.empty() || numel < options.param_persistence_threshold) {
+        wrapper->materialize();  // whole on every rank
+        continue;
+      }
       for (size_t i : members) unit_of[i] = static_cast<int>(units.size());
       units.push_back(Unit{.name = item.key(), .module = wrapper});
     }
@@ -268,6 +287,15 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
           "cohort/parallel/fully_shard.h), or use stage 2");
     }
     stats.units = static_cast<int64_t>(units.size());
+  }
+
+  // Parameter i's values into its slot of its bucket's full buffer, and the parameter re-pointed
+  // there.
+  void move_into_bucket(size_t i) {
+    const auto& b = buckets[bucket_of[i]];
+    auto slot = alias_into(b.full, offsets[i] - b.offset, params[i].sizes());
+    slot.copy_(params[i]);
+    params[i].set_data(slot);
   }
 
   // Buckets in reverse registration order, each padded to a multiple of the world size; the
@@ -306,14 +334,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     if (options.stage < 3) {
       flat_params = at::zeros({offset}, params[0].options());
       for (auto& b : buckets) b.full = flat_params.narrow(0, b.offset, b.numel);
-    } else {
-      for (auto& b : buckets) b.full = at::zeros({b.numel}, params[0].options());
-    }
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& b = buckets[bucket_of[i]];
-      auto slot = alias_into(b.full, offsets[i] - b.offset, params[i].sizes());
-      slot.copy_(params[i]);
-      params[i].set_data(slot);
+      for (size_t i = 0; i < params.size(); ++i) move_into_bucket(i);
     }
     if (options.stage == 1) {
       flat_grads = at::zeros({offset}, params[0].options());
@@ -324,6 +345,23 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     }
     for (auto& b : buckets) {
       const int64_t piece = b.numel / n;
+      if (options.stage == 3) {
+        // One bucket at a time: the peak is the model (or, deferred, nothing of the units) and
+        // one bucket, not the model twice.
+        b.full = at::zeros({b.numel}, params[0].options());
+        bool deferred = false;
+        if (b.unit >= 0) {
+          auto& unit = units[static_cast<size_t>(b.unit)].module;
+          deferred = unit->deferred();
+          unit->materialize();
+        }
+        for (size_t i : b.params) move_into_bucket(i);
+        // A deferred unit's values are rank 0's, as start_replicas makes the others'.
+        if (deferred && data_parallel.world_size() > 1) {
+          std::vector<at::Tensor> full{b.full};
+          data_parallel.broadcast(full, 0);
+        }
+      }
       if (b.unit >= 0) {
         // Stage 3: the shard is all this rank keeps of the unit.
         b.shard = b.full.narrow(0, rank() * piece, piece).clone();

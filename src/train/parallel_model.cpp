@@ -8,6 +8,7 @@
 #include "cohort/data/data_loader.h"
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/parameter_server.h"
@@ -252,6 +253,11 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   st->plan = plan;
   st->loss = std::move(loss);
   st->schedule = schedule;
+  // Deferred initialisation: ZeRO stage 3 materialises the units one at a time as it shards
+  // them, on a CPU run; every other plan, and a model bound for a GPU, needs the whole model now.
+  const bool shards_as_it_materialises =
+      plan.zero.stage == 3 && !plan.has_mesh() && ctx.get_device().is_cpu();
+  if (!shards_as_it_materialises) parallel::materialize(*model.module);
   // Before any engine wraps the model: the units are the model's own (a pipeline's stages share
   // them).
   if (plan.activation_checkpointing.enabled()) {

@@ -1534,6 +1534,14 @@ TEST_F(Cli, AGptLearnsATextUnderEveryPlanFamily) {
   EXPECT_DOUBLE_EQ(result["tokens_per_second"].get<double>(),
                    result["samples_per_second"].get<double>() * 32);
   EXPECT_EQ(result["config"]["model_options"]["context"], 32);
+  // Deferred initialisation: each worker initialises its shards only, to the same weights, and
+  // trains as the run that built the whole model.
+  r = run("zero3_deferred",
+          {"--workers", "2", "--epochs", "3", "--zero-stage", "3", "--deferred-init"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Json deferred = result_of("zero3_deferred");
+  EXPECT_EQ(deferred["train_loss"].get<double>(), result["train_loss"].get<double>());
+  EXPECT_EQ(deferred["test_loss"].get<double>(), result["test_loss"].get<double>());
 
   const std::vector<std::string> short_run{"--epochs", "1", "--max-steps", "4"};
   auto with = [&](std::vector<std::string> extra) {

@@ -10,8 +10,10 @@
 #include <tuple>
 
 #include "cohort/error.h"
+#include "cohort/optim/flat_optimizer.h"
 #include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/distributed_data_parallel.h"
+#include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "support/expect.h"
 #include "support/local_group.h"
@@ -140,6 +142,97 @@ TEST(Zoo, EveryModelCheckpointsEveryUnitToThePlainGradients) {
                  .item<double>();
     }
   }
+}
+
+// Deferred initialisation: the units hold no weights until materialised, and then the weights
+// of an ordinary build with the same seed, bit for bit; torch's generator is where an ordinary
+// build leaves it.
+TEST(Zoo, EveryModelBuiltDeferredMaterialisesToTheOrdinaryWeights) {
+  for (const auto& name : model_names()) {
+    SCOPED_TRACE(name);
+    const auto build = [&](bool deferred) {
+      torch::manual_seed(17);
+      auto model =
+          create_model(name, {.depth = 2, .width = 32, .context = 16, .deferred_init = deferred});
+      return std::make_pair(model, torch::randn({4}));  // the generator's next draws
+    };
+    const auto [ordinary, next_ordinary] = build(false);
+    const auto [deferred, next_deferred] = build(true);
+    EXPECT_TRUE(torch::equal(next_deferred, next_ordinary));
+    ASSERT_TRUE(parallel::has_deferred_units(*deferred));
+    int64_t held = 0, whole = 0;
+    for (const auto& p : deferred->parameters()) {
+      held += static_cast<int64_t>(p.storage().nbytes());
+      whole += p.numel() * p.element_size();
+    }
+    // mlp, cnn and resnet18 are all units; the transformers keep their embeddings and head.
+    EXPECT_LT(held, whole / 2) << "held " << held << " of " << whole << " bytes";
+    torch::manual_seed(99);
+    parallel::materialize(*deferred);
+    EXPECT_FALSE(parallel::has_deferred_units(*deferred));
+    const auto after = torch::randn({4});
+    torch::manual_seed(99);
+    EXPECT_TRUE(torch::equal(after, torch::randn({4})))
+        << "materialising leaves the generator where it was";
+    const auto want = ordinary->named_parameters();
+    for (const auto& p : deferred->named_parameters()) {
+      EXPECT_FALSE(parallel::is_deferred(p.value())) << p.key();
+      EXPECT_TRUE(torch::equal(p.value(), want[p.key()])) << p.key();
+    }
+  }
+}
+
+// ZeRO stage 3 materialises a deferred model one unit at a time, keeping its shard, and trains
+// as it does the ordinary model: the same losses and weights, bit for bit. The user's flat
+// optimizer, built over the deferred parameters, allocates nothing for them.
+TEST(Zoo, StageThreeShardsADeferredModelAsItShardsTheOrdinaryOne) {
+  cohort::testing::run_ranks(2, [](comm::ProcessGroup& g) {
+    auto run = [&](bool deferred, int64_t threshold) {
+      ZooModel model;
+      std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+      {
+        // The batches drawn first: the ranks' threads share torch's generator, which
+        // materialising a unit sets and restores.
+        std::lock_guard lock(testing::generator_mutex());
+        torch::manual_seed(5);
+        model =
+            create_model("gpt", {.depth = 3, .width = 32, .context = 8, .deferred_init = deferred});
+        for (int step = 0; step < 3; ++step) {
+          torch::manual_seed(40 + 10 * g.rank() + step);
+          batches.push_back(model->sample_batch(2));
+        }
+      }
+      optim::FlatAdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-2));
+      parallel::ZeroOptimizer zero(
+          model, adam, g,
+          parallel::ZeroOptions{.stage = 3, .param_persistence_threshold = threshold});
+      EXPECT_FALSE(parallel::has_deferred_units(*model));
+      std::vector<double> losses;
+      for (int step = 0; step < 3; ++step) {
+        const auto& [x, y] = batches[static_cast<size_t>(step)];
+        zero.zero_grad();
+        auto loss = logits_cross_entropy(model->forward(x), y);
+        loss.backward();
+        zero.step();
+        losses.push_back(loss.item<double>());
+      }
+      parallel::ZeroOptimizer::GatheredParameters whole(zero);
+      std::vector<torch::Tensor> params;
+      for (const auto& p : model->parameters()) params.push_back(p.detach().clone());
+      return std::make_pair(losses, params);
+    };
+    // Every block a unit; and none (blocks below the threshold stay whole on every rank).
+    for (const int64_t threshold : {int64_t{0}, int64_t{1} << 30}) {
+      const auto [ordinary_losses, ordinary] = run(false, threshold);
+      const auto [deferred_losses, deferred] = run(true, threshold);
+      EXPECT_EQ(deferred_losses, ordinary_losses) << "threshold " << threshold;
+      ASSERT_EQ(deferred.size(), ordinary.size());
+      for (size_t i = 0; i < ordinary.size(); ++i) {
+        EXPECT_TRUE(torch::equal(deferred[i], ordinary[i]))
+            << "parameter " << i << ", threshold " << threshold;
+      }
+    }
+  });
 }
 
 TEST(Zoo, VitIsConfigurable) {

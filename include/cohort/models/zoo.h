@@ -35,6 +35,12 @@ struct ModelOptions {
   /// its own. A pipeline needs it false: the embedding is in the first stage, the head in the
   /// last.
   bool tie_embeddings = true;
+  /// Deferred initialisation: each FullyShard unit is built, its parameters then give their
+  /// memory back until it is materialised (parallel::deferred_unit): by ZeRO stage 3 one unit at a
+  /// time, keeping its shard, by parallel::materialize() for any other plan (train::parallelize
+  /// does either). The weights are those of the model built without it, bit for bit; the peak
+  /// while building is the parameters outside the units and one unit.
+  bool deferred_init = false;
   /// ViT and GPT: each block's attention heads and MLP cut over this group (Megatron-style
   /// tensor parallelism: one all-reduce forward and one backward per attention and per MLP).
   /// Every rank of the group builds the model at the same point with the same torch seed and

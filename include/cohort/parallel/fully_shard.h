@@ -2,7 +2,9 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <utility>
 
+#include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
@@ -70,14 +72,59 @@ class FullyShardImpl : public torch::nn::Module {
   /// Set by the ZeroOptimizer at stage 3 (unit `unit` of its own), cleared when it goes.
   void set_sharding(std::weak_ptr<ShardedUnitHooks> hooks, size_t unit);
 
+  /// Deferred initialisation: the unit's parameters give their memory back (each keeps its shape,
+  /// dtype and device, over one element's storage) until materialize(). `remake` builds the
+  /// module again as it was built, from torch's CPU generator in the state it had then
+  /// (`generator_state`, taken before the first build): materialize() runs it from that state and
+  /// takes its parameters, which are then those of the first build, bit for bit. Build the unit
+  /// with deferred_unit(), which does all this.
+  void defer(std::function<std::shared_ptr<torch::nn::Module>()> remake,
+             at::Tensor generator_state);
+  /// Whether the parameters await materialize().
+  bool deferred() const { return static_cast<bool>(remake_); }
+  /// Allocates and initialises the parameters (see defer()); torch's CPU generator is left where
+  /// it was. Nothing when not deferred. Threads of one process that materialise units take turns;
+  /// one that draws from torch's generator meanwhile would change what is drawn.
+  void materialize();
+
  private:
   Forward forward_;
   std::shared_ptr<torch::nn::Module> module_;
   std::weak_ptr<ShardedUnitHooks> hooks_;
   size_t unit_ = 0;
   bool checkpointing_ = false;
+  std::function<std::shared_ptr<torch::nn::Module>()> remake_;
+  at::Tensor generator_state_;
 };
 /// The module holder of FullyShardImpl (`parallel::FullyShard(block)`).
 TORCH_MODULE(FullyShard);
+
+namespace detail {
+/// The state of torch's default CPU generator (a copy).
+at::Tensor cpu_generator_state();
+/// Sets torch's default CPU generator to `state`.
+void set_cpu_generator_state(const at::Tensor& state);
+}  // namespace detail
+
+/// A unit of `make()` (a function returning a module holder, e.g. `[&] { return Block(width);
+/// }`), built now, from torch's CPU generator as it is, so that every later draw is what it would
+/// be; with `defer` its parameters then give their memory back until the unit is materialised
+/// (FullyShardImpl::defer): by ZeRO stage 3 one unit at a time, keeping its shard only, or by
+/// materialize() for every other plan. The peak while a model is built is one unit, not the model.
+template <typename Make>
+FullyShard deferred_unit(Make make, bool defer = true) {
+  auto state = defer ? detail::cpu_generator_state() : at::Tensor();
+  FullyShard unit(make());
+  if (defer) unit->defer([make]() mutable { return make().ptr(); }, std::move(state));
+  return unit;
+}
+
+/// Materialises every deferred unit of `module` (FullyShardImpl::materialize), in order.
+void materialize(torch::nn::Module& module);
+/// Whether `module` has deferred units.
+bool has_deferred_units(const torch::nn::Module& module);
+/// Whether `t` is a deferred parameter awaiting materialisation: a shape over less storage than
+/// it needs (one element).
+bool is_deferred(const at::Tensor& t);
 
 }  // namespace cohort::parallel
