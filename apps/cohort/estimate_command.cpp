@@ -28,8 +28,7 @@ int run_estimate_command(TrainOptions o) {
   apply_deepspeed_config(o);
   // The job's own checks that need no data: the model, the plan, its units and its mesh.
   const auto plan = o.plan.plan(o.workers);
-  parallel::checkpointed_units(*models::create_model(o.model, model_options_of(o)),
-                               plan.activation_checkpointing);
+  parallel::checkpointed_units(*model_shape_of(o), plan.activation_checkpointing);
   validate_mesh(o);
   const auto estimate = estimate_of(o);
   std::cout << "cohort estimate: --model " << o.model << " --workers " << o.workers

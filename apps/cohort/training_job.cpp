@@ -120,6 +120,12 @@ optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   return schedule;
 }
 
+models::ZooModel model_shape_of(const TrainOptions& o) {
+  auto options = model_options_of(o);
+  options.deferred_init = true;
+  return models::create_model(o.model, options);
+}
+
 bool is_text_data(const std::string& data) {
   return data.rfind("text:", 0) == 0 || data.rfind("random-tokens:", 0) == 0;
 }
@@ -201,7 +207,7 @@ int optimizer_states_of(const TrainOptions& o) {
 void check_offload_room(const TrainOptions& o) {
   const auto plan = o.plan.plan(o.workers);
   if (plan.offload_optimizer.device != train::OptimizerOffload::Device::kDisk) return;
-  const auto model = models::create_model(o.model, model_options_of(o));
+  const auto model = model_shape_of(o);
   const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
                                                {.world_size = o.workers,
                                                 .optimizer_states = optimizer_states_of(o),
@@ -260,7 +266,7 @@ void validate_mesh(const TrainOptions& o) {
                      std::to_string(per_batch) + " rows");
   }
   const auto options = model_options_of(o);
-  auto model = models::create_model(o.model, options);
+  auto model = model_shape_of(o);
   if (const auto* gpt = dynamic_cast<const models::GptImpl*>(model.get()))
     gpt->check_pipeline_stages(o.plan.pp);
   const int stages = o.plan.pp * plan.virtual_stages();
@@ -328,7 +334,7 @@ void validate(const TrainOptions& o) {
     // The model the workers will build, checked for this data (a ViT's patches, the cnn's
     // pooling).
     try {
-      models::create_model(o.model, model_options_of(o));
+      model_shape_of(o);
     } catch (const UsageError& e) {
       throw UsageError("--model " + o.model + " on --data " + o.data + " (" + labelled.describe() +
                        "): " + e.what() +
@@ -355,7 +361,7 @@ void validate(const TrainOptions& o) {
   // worker starts.
   models::ZooModel model;
   try {
-    model = models::create_model(o.model, model_options_of(o));
+    model = model_shape_of(o);
   } catch (const UsageError& e) {
     if (o.model != "vit" && o.model != "gpt") throw;
     throw UsageError("--model " + o.model + " (--layers " + std::to_string(o.layers) +

@@ -167,6 +167,9 @@ data::TensorDataset test_set_of(const Json& config);
 // holds) and its transformer sizes: from a job's config, and from the command line.
 models::ModelOptions model_options_of(const Json& config);
 models::ModelOptions model_options_of(const TrainOptions& options);
+// The model the workers build, its units deferred (models::ModelOptions::deferred_init): its
+// shapes, units and layers without their weights, for the checks before any worker starts.
+models::ZooModel model_shape_of(const TrainOptions& options);
 // Whether the job's data is a language model's, tokens and next tokens (--data text:FILE or
 // random-tokens:ROWS), and its columns.
 bool is_text_data(const std::string& data);

@@ -284,9 +284,41 @@ class DecoderBlockImpl : public EncoderBlockImpl {
 };
 TORCH_MODULE(DecoderBlock);
 
-// Block i of a ViT's blocks, each held through a FullyShard.
+// Block i of a ViT's or GPT's blocks, each held through a FullyShard.
 std::shared_ptr<EncoderBlockImpl> block(const torch::nn::Sequential& blocks, size_t i) {
   return blocks->ptr<parallel::FullyShardImpl>(i)->module_as<EncoderBlockImpl>();
+}
+
+// A transformer's weights from a dense one of the same options (`sliced` holds this rank's
+// slices of the blocks; the other parameters are copied), or gathered into it (`gather`,
+// collective).
+void exchange_with_dense(torch::nn::Module& sliced, const torch::nn::Sequential& sliced_blocks,
+                         torch::nn::Module& dense, const torch::nn::Sequential& dense_blocks,
+                         bool gather) {
+  if (gather) {
+    copy_parameters(sliced, dense);
+  } else {
+    copy_parameters(dense, sliced);  // all but the sliced weights
+  }
+  for (size_t i = 0; i < sliced_blocks->size(); ++i) {
+    if (gather) {
+      block(sliced_blocks, i)->copy_to_dense(*block(dense_blocks, i));
+    } else {
+      block(sliced_blocks, i)->load_from_dense(*block(dense_blocks, i));
+    }
+  }
+}
+
+// A pipeline layer per block; between the layers the batch comes first, [N, T, width], the
+// blocks take [T, N, width].
+void push_block_layers(torch::nn::Sequential& layers, const torch::nn::Sequential& blocks) {
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    EncoderBlock one(block(blocks, i));
+    layers->push_back(Layer(NamedModules{{"block", one.ptr()}}, NamedTensors{},
+                            [one](const torch::Tensor& x) mutable {
+                              return one->forward(x.transpose(0, 1)).transpose(0, 1);
+                            }));
+  }
 }
 
 }  // namespace
@@ -359,15 +391,11 @@ torch::Tensor VisionTransformerImpl::forward(torch::Tensor x) {
 }
 
 void VisionTransformerImpl::load_from_dense(VisionTransformerImpl& dense) {
-  copy_parameters(dense, *this);  // all but the sliced weights
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    block(blocks_, i)->load_from_dense(*block(dense.blocks_, i));
+  exchange_with_dense(*this, blocks_, dense, dense.blocks_, /*gather=*/false);
 }
 
 void VisionTransformerImpl::copy_to_dense(VisionTransformerImpl& dense) {
-  copy_parameters(*this, dense);
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    block(blocks_, i)->copy_to_dense(*block(dense.blocks_, i));
+  exchange_with_dense(*this, blocks_, dense, dense.blocks_, /*gather=*/true);
 }
 
 // Between the layers the batch comes first, [N, tokens, width], as a pipeline needs; the blocks
@@ -384,13 +412,7 @@ torch::nn::Sequential VisionTransformerImpl::pipeline_layers() {
         x = torch::cat({cls_token.expand({1, x.size(1), cls_token.size(2)}), x}, 0) + positions;
         return x.transpose(0, 1);
       }));
-  for (size_t i = 0; i < blocks_->size(); ++i) {
-    EncoderBlock block(models::block(blocks_, i));
-    layers->push_back(Layer(NamedModules{{"block", block.ptr()}}, NamedTensors{},
-                            [block](const torch::Tensor& x) mutable {
-                              return block->forward(x.transpose(0, 1)).transpose(0, 1);
-                            }));
-  }
+  push_block_layers(layers, blocks_);
   auto norm = norm_;
   auto head = head_;
   layers->push_back(Layer(NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
@@ -451,15 +473,11 @@ std::pair<torch::Tensor, torch::Tensor> GptImpl::sample_batch(int64_t rows) cons
 }
 
 void GptImpl::load_from_dense(GptImpl& dense) {
-  copy_parameters(dense, *this);
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    block(blocks_, i)->load_from_dense(*block(dense.blocks_, i));
+  exchange_with_dense(*this, blocks_, dense, dense.blocks_, /*gather=*/false);
 }
 
 void GptImpl::copy_to_dense(GptImpl& dense) {
-  copy_parameters(*this, dense);
-  for (size_t i = 0; i < blocks_->size(); ++i)
-    block(blocks_, i)->copy_to_dense(*block(dense.blocks_, i));
+  exchange_with_dense(*this, blocks_, dense, dense.blocks_, /*gather=*/true);
 }
 
 int64_t GptImpl::flops_per_token(int64_t tokens) const {
@@ -488,14 +506,7 @@ torch::nn::Sequential GptImpl::pipeline_layers() {
                           [embedding, positions](const torch::Tensor& tokens) mutable {
                             return embed(embedding, positions, tokens);
                           }));
-  // Between the layers the batch comes first, [N, T, width].
-  for (size_t i = 0; i < blocks_->size(); ++i) {
-    EncoderBlock block(models::block(blocks_, i));
-    layers->push_back(Layer(NamedModules{{"block", block.ptr()}}, NamedTensors{},
-                            [block](const torch::Tensor& x) mutable {
-                              return block->forward(x.transpose(0, 1)).transpose(0, 1);
-                            }));
-  }
+  push_block_layers(layers, blocks_);
   auto norm = norm_;
   if (head_) {
     auto head = head_;

@@ -205,10 +205,12 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
     add("optimizer state", std::min<int64_t>(state, k * 2 * (int64_t{1} << 20)),
         "nothing: it streams from disk a chunk at a time");
   } else {
+    const std::string to_disk = ", or --offload-optimizer disk:PATH streams it from files";
     add("optimizer state", state,
-        stage == 0                       ? "--zero-stage 1 shards it over the workers"
-        : plan.zero.shard_group_size > 0 ? "a larger --shard-group-size"
-                                         : more_workers);
+        (stage == 0                       ? "--zero-stage 1 shards it over the workers"
+         : plan.zero.shard_group_size > 0 ? "a larger --shard-group-size"
+                                          : more_workers) +
+            to_disk);
   }
   // Local SGD and DiLoCo keep the parameters of the last synchronisation; DiLoCo its outer
   // momentum too.

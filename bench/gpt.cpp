@@ -1,0 +1,243 @@
+// The zoo's GPT on random tokens, trained by `--workers` processes with AdamW (fp32 state) under
+// each plan of `--modes`, to the first checkpoint and back:
+//
+//   ddp            every worker the whole model and optimizer state
+//   zero3          ZeRO stage 3: each worker builds the whole model, then keeps its shards
+//   zero3-deferred ZeRO stage 3 with deferred initialisation: each worker initialises its shards
+//                  only, one unit at a time (models::ModelOptions::deferred_init)
+//   zero3-disk     that, with the optimizer state of its shard in files under --offload-dir
+//
+// For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
+// each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
+// per mode: the largest worker's peak resident memory from its start to its last step, beside
+// train::estimate_memory's figure for the plan (activations not probed: the model is too large to
+// build a second time in this process; they are small at these batches), and its peak once the
+// checkpoint is written; the mean step time and tokens/s of the timed steps (after the first);
+// and whether the checkpoint reloaded (the resumed run's step count). Then one JSON line per mode.
+//
+//   bench/gpt --layers 24 --width 2048 --heads 16 --workers 4 --modes zero3-deferred,zero3-disk
+//             --offload-dir /var/tmp                                   (1.2 B parameters)
+//
+// On a GPU (--device cuda, one worker: bf16 autocast, each step one CUDA graph) it also prints
+// model FLOPs utilisation against --peak-tflops (models::GptImpl::flops_per_token: 6 per weight
+// and token, and attention's).
+#include <sys/resource.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iomanip>
+#include <iostream>
+
+#include "cohort/cohort.h"
+#include "cohort/models/model_spec.h"
+#include "cohort/models/zoo.h"
+
+namespace {
+
+using cohort::Json;
+namespace train = cohort::train;
+namespace models = cohort::models;
+
+models::ModelOptions options_of(const Json& c) {
+  models::ModelOptions o;
+  o.depth = c["layers"];
+  o.width = c["width"];
+  o.heads = c["heads"];
+  o.context = c["context"];
+  o.deferred_init = c["mode"].get<std::string>().rfind("zero3-", 0) == 0;
+  return o;
+}
+
+train::Plan plan_of(const Json& c) {
+  train::Plan plan;
+  const auto mode = c["mode"].get<std::string>();
+  if (mode != "ddp") plan.zero.stage = 3;
+  // On a GPU: bf16 autocast and each step one CUDA graph (the flat optimizer's step included).
+  if (c["cuda"].get<bool>()) {
+    plan.precision = cohort::optim::Precision::kBf16;
+    plan.cuda_graph = true;
+  }
+  if (mode == "zero3-disk")
+    plan.offload_optimizer =
+        train::parse_optimizer_offload("disk:" + c["offload_dir"].get<std::string>());
+  return plan;
+}
+
+std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameters) {
+  return std::make_unique<cohort::optim::FlatAdamW>(parameters, torch::optim::AdamWOptions(1e-4));
+}
+
+double peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<double>(usage.ru_maxrss) * 1024.0;
+}
+
+// A worker: the plan's model, its steps, its peak memory, then the checkpoint; resumed, one step.
+void worker_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const auto o = options_of(c);
+  auto model = train::parallelize(models::model_spec("gpt", o, 0), adamw,
+                                  models::logits_cross_entropy, plan_of(c));
+  const bool resumed = train::get_checkpoint().has_value();
+  if (resumed) model.load(*train::get_checkpoint());
+  const int64_t batch = c["batch_size"];
+  const int64_t steps = resumed ? 1 : c["steps"].get<int64_t>();
+  double timed = 0;
+  for (int64_t step = 0; step < steps; ++step) {
+    torch::manual_seed(step + 1000 * ctx.get_world_rank());
+    const auto tokens = torch::randint(0, o.vocab_size, {batch, o.context + 1});
+    const auto start = std::chrono::steady_clock::now();
+    model.step(tokens.narrow(1, 0, o.context), tokens.narrow(1, 1, o.context));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (step > 0) timed += seconds;
+    if (ctx.get_world_rank() == 0)
+      std::cout << "  step " << model.steps() << ": " << seconds << " s" << std::endl;
+  }
+  const double peak_training = peak_rss_bytes();
+  const auto checkpointing = std::chrono::steady_clock::now();
+  train::report({{"steps", model.steps()}}, model);
+  const double checkpoint_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - checkpointing).count();
+  const auto mine = torch::tensor({peak_training, peak_rss_bytes(), timed}, torch::kDouble);
+  double peak = 0, peak_checkpoint = 0, slowest = 0;
+  for (const auto& r : ctx.get_process_group().allgather(mine)) {
+    peak = std::max(peak, r[0].item<double>());
+    peak_checkpoint = std::max(peak_checkpoint, r[1].item<double>());
+    slowest = std::max(slowest, r[2].item<double>());
+  }
+  const double step_s = steps > 1 ? slowest / static_cast<double>(steps - 1) : 0.0;
+  const double tokens_per_s =
+      step_s > 0 ? static_cast<double>(batch * o.context * ctx.get_world_size()) / step_s : 0.0;
+  train::report({{"peak_rss_bytes", peak},
+                 {"peak_rss_bytes_with_checkpoint", peak_checkpoint},
+                 {"step_s", step_s},
+                 {"tokens_per_s", tokens_per_s},
+                 {"checkpoint_s", checkpoint_s},
+                 {"steps", model.steps()},
+                 {"resumed", resumed}});
+}
+
+// The estimate for the plan, from the model's shapes (built deferred: one unit at a time).
+train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime) {
+  auto o = options_of(c);
+  o.deferred_init = true;
+  torch::manual_seed(0);
+  auto model = models::create_model("gpt", o);
+  train::ModelSpec spec{.module = model,
+                        .forward = [model](const at::Tensor& x) { return model->forward(x); }};
+  return train::estimate_memory(
+      spec, plan_of(c), {.world_size = workers, .optimizer_states = 2, .runtime_bytes = runtime});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t runtime = train::resident_bytes();
+  CLI::App app{"the zoo's GPT under DDP and ZeRO-3 (deferred, on disk): memory and throughput"};
+  std::vector<std::string> modes{"ddp", "zero3", "zero3-deferred", "zero3-disk"};
+  int workers = 4, threads = 1;
+  int64_t layers = 4, width = 256, heads = 8, context = 64, batch = 2, steps = 3;
+  std::string offload_dir = std::filesystem::temp_directory_path().string();
+  std::string device = "cpu";
+  double peak_tflops = 989;
+  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk")
+      ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--workers", workers)->capture_default_str();
+  app.add_option("--threads", threads, "torch threads per worker")->capture_default_str();
+  app.add_option("--layers", layers)->capture_default_str();
+  app.add_option("--width", width)->capture_default_str();
+  app.add_option("--heads", heads)->capture_default_str();
+  app.add_option("--context", context, "tokens per row")->capture_default_str();
+  app.add_option("--batch-size", batch, "rows per worker and step")->capture_default_str();
+  app.add_option("--steps", steps, "steps before the checkpoint (the first untimed)")
+      ->capture_default_str();
+  app.add_option("--offload-dir", offload_dir, "zero3-disk: where the state's files go")
+      ->capture_default_str();
+  app.add_option("--device", device, "cpu, or cuda (one worker)")->capture_default_str();
+  app.add_option("--peak-tflops", peak_tflops,
+                 "cuda: the GPU's peak for MFU (H100/H200 bf16 dense: 989)")
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+  const bool cuda = device == "cuda";
+  if (cuda && !torch::cuda::is_available()) {
+    std::cout << "--device cuda: not measured: no GPU here" << std::endl;
+    return 0;
+  }
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("cohort-bench-gpt-" + std::to_string(::getpid()));
+  torch::manual_seed(0);
+  const auto shape = models::create_model(
+      "gpt",
+      {.depth = layers, .width = width, .heads = heads, .context = context, .deferred_init = true});
+  int64_t parameters = 0;
+  for (const auto& p : shape->parameters()) parameters += p.numel();
+  const int64_t flops_per_token =
+      dynamic_cast<const models::GptImpl&>(*shape).flops_per_token(context);
+  std::cout << "gpt: " << layers << " layers, width " << width << ", " << heads
+            << " heads, context " << context << ": " << std::fixed << std::setprecision(1)
+            << static_cast<double>(parameters) / 1e6 << " M parameters; " << workers
+            << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
+            << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
+            << std::endl;
+  std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
+            << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
+            << "with checkpoint" << std::setw(10) << "step s"
+            << std::setw(10) << "tokens/s" << std::setw(14) << "checkpoint s" << std::setw(10)
+            << "reloads" << std::endl;
+  int failures = 0;
+  for (const auto& mode : modes) {
+    const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
+                      {"heads", heads}, {"context", context},         {"batch_size", batch},
+                      {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
+    const auto e = estimate(config, workers, runtime);
+    const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
+                                        .use_gpu = cuda,
+                                        .resources_per_worker = {.cpu_threads = threads}};
+    const cohort::RunConfig run{.name = mode, .storage_path = dir, .verbose = 0};
+    const auto first = cohort::Trainer(worker_loop, scaling, run, config).fit();
+    if (!first.ok()) {
+      std::cout << std::left << std::setw(16) << mode << "failed: " << *first.error << std::endl;
+      ++failures;
+      continue;
+    }
+    const auto again = cohort::Trainer(worker_loop, scaling, run, config).fit();
+    const bool reloaded = again.ok() && again.metrics["resumed"].get<bool>() &&
+                          again.metrics["steps"].get<int64_t>() == steps + 1;
+    const auto& m = first.metrics;
+    const double peak = m["peak_rss_bytes"].get<double>();
+    const double with_checkpoint = m["peak_rss_bytes_with_checkpoint"].get<double>();
+    const double estimated = static_cast<double>(e.total());
+    std::cout << std::left << std::setw(16) << mode << std::right << std::setprecision(0)
+              << std::setw(16) << peak / 1e6 << std::setw(14) << estimated / 1e6
+              << std::setprecision(2) << std::setw(8) << estimated / peak << std::setprecision(0)
+              << std::setw(18) << with_checkpoint / 1e6 << std::setprecision(2) << std::setw(10)
+              << m["step_s"].get<double>() << std::setprecision(0) << std::setw(10)
+              << m["tokens_per_s"].get<double>() << std::setprecision(1) << std::setw(14)
+              << m["checkpoint_s"].get<double>() << std::setw(10) << (reloaded ? "yes" : "NO")
+              << std::endl;
+    Json out{{"mode", mode},
+             {"parameters", parameters},
+             {"workers", workers},
+             {"peak_rss_bytes", peak},
+             {"peak_rss_bytes_with_checkpoint", with_checkpoint},
+             {"estimate_bytes", e.total()},
+             {"step_s", m["step_s"]},
+             {"tokens_per_s", m["tokens_per_s"]},
+             {"checkpoint_s", m["checkpoint_s"]},
+             {"reloaded", reloaded}};
+    if (cuda && m["step_s"].get<double>() > 0) {
+      out["mfu"] = m["tokens_per_s"].get<double>() * static_cast<double>(flops_per_token) /
+                   (peak_tflops * 1e12);
+    }
+    std::cout << out.dump() << std::endl;
+    if (!reloaded) ++failures;
+    std::filesystem::remove_all(dir / mode);
+  }
+  std::filesystem::remove_all(dir);
+  return failures == 0 ? 0 : 1;
+}
