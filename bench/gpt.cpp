@@ -186,9 +186,8 @@ int main(int argc, char** argv) {
             << std::endl;
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
-            << "with checkpoint" << std::setw(10) << "step s"
-            << std::setw(10) << "tokens/s" << std::setw(14) << "checkpoint s" << std::setw(10)
-            << "reloads" << std::endl;
+            << "with checkpoint" << std::setw(10) << "step s" << std::setw(10) << "tokens/s"
+            << std::setw(14) << "checkpoint s" << std::setw(10) << "reloads" << std::endl;
   int failures = 0;
   for (const auto& mode : modes) {
     const Json config{{"mode", mode},   {"layers", layers},           {"width", width},

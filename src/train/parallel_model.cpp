@@ -390,8 +390,8 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
   // Summed on the device, read once at the end: no host sync per batch.
   auto loss_sum = at::zeros({}, at::TensorOptions(at::kDouble).device(ctx.get_device()));
   auto correct = at::zeros_like(loss_sum);
-  double rows = 0;
-  bool classes = data.targets.defined() && data.targets.dim() == 1 &&
+  double rows = 0, targets = 0;
+  bool classes = data.targets.defined() && data.targets.dim() >= 1 &&
                  !at::isFloatingType(data.targets.scalar_type());
   for (auto& batch : loader) {
     at::Tensor output;
@@ -402,14 +402,18 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
     output = output.to(at::kFloat);
     const auto n = static_cast<double>(batch.data.size(0));
     loss_sum += st.loss(output, batch.target).to(at::kDouble) * n;
-    classes = classes && output.dim() == 2;
-    if (classes) correct += output.argmax(1).eq(batch.target).sum();
+    // A logit per class for each target: a classifier's [N, classes] against [N], a language
+    // model's [N, T, vocab] against [N, T].
+    classes = classes && output.dim() == batch.target.dim() + 1;
+    if (classes) correct += output.argmax(-1).eq(batch.target).sum();
     rows += n;
+    targets += static_cast<double>(batch.target.numel());
   }
   module.train(training);
   std::vector<at::Tensor> sums{
       at::stack({loss_sum.cpu(), correct.cpu(), at::scalar_tensor(rows, at::kDouble),
-                 at::scalar_tensor(classes ? 1.0 : 0.0, at::kDouble)})};
+                 at::scalar_tensor(classes ? 1.0 : 0.0, at::kDouble),
+                 at::scalar_tensor(targets, at::kDouble)})};
   ctx.get_process_group().allreduce(sums);
   const auto total = sums[0];
   Evaluation out;
@@ -417,9 +421,9 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
   out.rows = static_cast<int64_t>(all / tp);
   if (all == 0) return out;
   out.loss = total[0].item<double>() / all;
-  // Every rank scored class indices into 2-D outputs (a rank without rows counts as one).
+  // Every rank scored class indices (a rank without rows counts as one).
   if (total[3].item<double>() == static_cast<double>(ctx.get_world_size()))
-    out.accuracy = total[1].item<double>() / all;
+    out.accuracy = total[1].item<double>() / total[4].item<double>();
   return out;
 }
 

@@ -1529,8 +1529,8 @@ TEST_F(Cli, AGptLearnsATextUnderEveryPlanFamily) {
   // From log(256) = 5.5 nats a byte (uniform) to a text of 28 distinct bytes in a 45-byte cycle.
   EXPECT_LT(result["train_loss"].get<double>(), 2.5);
   EXPECT_LT(result["test_loss"].get<double>(), 2.5);
-  EXPECT_FALSE(result.contains("test_accuracy") && result["test_accuracy"].get<double>() > 0)
-      << "a language model's targets are tokens, not classes";
+  // Next-byte accuracy over the held-out end of the text (chance: 1 in 256).
+  EXPECT_GT(result["test_accuracy"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(result["tokens_per_second"].get<double>(),
                    result["samples_per_second"].get<double>() * 32);
   EXPECT_EQ(result["config"]["model_options"]["context"], 32);

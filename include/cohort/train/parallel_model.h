@@ -73,8 +73,9 @@ struct StepResult {
 struct Evaluation {
   /// The loss function's mean over the rows.
   double loss = 0;
-  /// The share of rows whose output's largest logit is at the target class, where the targets are
-  /// class indices (one integer per row); unset otherwise.
+  /// Where the targets are class indices (integers) and the output has a logit per class for each
+  /// of them: the share of targets whose largest logit is theirs (a classifier's rows, a language
+  /// model's tokens: next-token accuracy); unset otherwise.
   std::optional<double> accuracy;
   /// The rows scored, over the ranks (each row once).
   int64_t rows = 0;
