@@ -320,6 +320,7 @@ void validate(const TrainOptions& o) {
     throw UsageError("--label " + o.label +
                      " names a CSV's class column: use it with --data csv:FILE");
   int64_t train_size = 0;
+  std::string on_data, data_fix;  // what a model that does not fit the data is told
   if (!o.data.empty()) {
     if (!o.data_dir.empty()) {
       throw UsageError("--data " + o.data + " and --data-dir " + o.data_dir +
@@ -331,17 +332,10 @@ void validate(const TrainOptions& o) {
                        ": a CSV's rows are feature vectors, which only the mlp reads; use "
                        "--model mlp");
     }
-    // The model the workers will build, checked for this data (a ViT's patches, the cnn's
-    // pooling).
-    try {
-      model_shape_of(o);
-    } catch (const UsageError& e) {
-      throw UsageError("--model " + o.model + " on --data " + o.data + " (" + labelled.describe() +
-                       "): " + e.what() +
-                       (labelled.kind == data::LabelledData::Kind::kImages
-                            ? "; choose another --image-size"
-                            : ""));
-    }
+    // The model below is built for this data (a ViT's patches, the cnn's pooling).
+    on_data = " on --data " + o.data + " (" + labelled.describe() + ")";
+    if (labelled.kind == data::LabelledData::Kind::kImages)
+      data_fix = "; choose another --image-size";
     train_size = labelled.train.num_source_rows();
   } else {
     if (o.image_size != TrainOptions{}.image_size || o.test_size != TrainOptions{}.test_size) {
@@ -356,13 +350,15 @@ void validate(const TrainOptions& o) {
                                        : dir / "train-labels-idx1-ubyte.gz")
                      .shape[0];
   }
-  // The model the workers build: an unknown name lists the zoo, a transformer's sizes (--layers,
-  // --width, --heads) are checked; then the units --activation-checkpointing names, before any
-  // worker starts.
+  // The model the workers build, once: an unknown name lists the zoo, the data's shape and a
+  // transformer's sizes (--layers, --width, --heads) are checked; then the units
+  // --activation-checkpointing names, before any worker starts.
   models::ZooModel model;
   try {
     model = model_shape_of(o);
   } catch (const UsageError& e) {
+    if (!on_data.empty())
+      throw UsageError("--model " + o.model + on_data + ": " + e.what() + data_fix);
     if (o.model != "vit" && o.model != "gpt") throw;
     throw UsageError("--model " + o.model + " (--layers " + std::to_string(o.layers) +
                      ", --width " + std::to_string(o.width) + ", --heads " +

@@ -205,15 +205,16 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     } else {
       materialize(*module);
     }
-    std::vector<std::string> whole_names;
-    std::vector<at::Tensor> whole_params;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (is_deferred(params[i])) continue;
-      whole_names.push_back(names[i]);
-      whole_params.push_back(params[i]);
+    // Where data parallelism starts (detail::start_replicas), for the parameters that have
+    // values.
+    if (group.world_size() > 1) {
+      detail::verify_same_layout(group, names, params, "ZeroOptimizer");
+      std::vector<at::Tensor> values;
+      for (const auto& p : params)
+        if (!is_deferred(p)) values.push_back(p.detach());
+      values.insert(values.end(), buffers.begin(), buffers.end());
+      detail::broadcast_from_rank0(group, values);
     }
-    detail::verify_same_layout(group, names, params, "ZeroOptimizer");
-    detail::start_replicas(group, whole_names, whole_params, buffers, "ZeroOptimizer");
     data_parallel = group;
     split_into_sharding_groups();
     lay_out();

@@ -202,6 +202,9 @@ TEST(Zoo, StageThreeShardsADeferredModelAsItShardsTheOrdinaryOne) {
           batches.push_back(model->sample_batch(2));
         }
       }
+      // No rank materialises (which sets and restores torch's generator) while another still
+      // draws from it above.
+      g.barrier();
       optim::FlatAdamW adam(model->parameters(), torch::optim::AdamWOptions(1e-2));
       parallel::ZeroOptimizer zero(
           model, adam, g,
