@@ -147,20 +147,24 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
 
 // What the estimate counts is what the process then holds: exactly the live parameters, gradients
 // and Adam state of a model of 4 M parameters after a step; and the resident memory the process
-// grew by, from before the model to after the step, within 20% of the whole estimate (what glibc
-// keeps of the optimizer's temporaries is not counted).
+// grew by, from before the model to after the step, within 10% of the whole estimate (which counts
+// the step's activations, freed by the time it is measured).
 TEST(MemoryEstimate, TheFormsMatchWhatTheProcessHoldsAfterAStep) {
   if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/status: not Linux";
+  // Every tensor of 64 KiB or more gets its own mapping, given back when it is freed: without a
+  // fixed threshold glibc raises it as tensors are freed and keeps the optimizer's temporaries in
+  // per-thread heaps, more of them the more threads the machine has.
+  ASSERT_EQ(mallopt(M_MMAP_THRESHOLD, 64 * 1024), 1);
   // A first step on another net pages in the code of libtorch's kernels, which resident memory
-  // counts too (how much depends on how the binary happens to be laid out), and its memory is
-  // given back: then the step measured holds what the forms count.
+  // counts too (how much depends on how the binary happens to be laid out): then the step
+  // measured holds what the forms count.
   {
     auto warm = four_units();
     torch::optim::Adam adam(warm.module->parameters(), torch::optim::AdamOptions(1e-3));
     warm.forward(torch::randn({8, 1000})).sum().backward();
     adam.step();
   }
-  malloc_trim(0);  // the C library's heap gives back what the warm-up freed
+  malloc_trim(0);  // what was freed into the heaps before, as resident pages, is given back
   const int64_t before = resident_bytes();
   auto spec = four_units();
   auto* net = spec.module.get();
@@ -187,7 +191,7 @@ TEST(MemoryEstimate, TheFormsMatchWhatTheProcessHoldsAfterAStep) {
   const auto estimate =
       estimate_memory(spec, Plan{}, {.optimizer_states = 2, .activation_bytes = activations});
   EXPECT_NEAR(static_cast<double>(held), static_cast<double>(estimate.total()),
-              0.2 * static_cast<double>(estimate.total()))
+              0.1 * static_cast<double>(estimate.total()))
       << "held " << held << " bytes, estimated " << estimate.total();
   // A step that allocates 64 MiB and frees it peaks about that far above its start.
   const int64_t peak = measure_step_memory(*net, [] {
