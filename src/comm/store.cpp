@@ -17,6 +17,7 @@ Store Store::connect(const StoreOptions& options) {
   state->timeout = options.timeout;
   state->port = options.port;
   state->secret = options.secret;
+  state->job_id = options.job_id;
   if (options.is_server) {
     state->server = std::make_unique<TcpStoreServer>(options.host, options.port, options.job_id,
                                                      options.secret);
@@ -27,6 +28,15 @@ Store Store::connect(const StoreOptions& options) {
   state->store = c10::make_intrusive<TcpStoreClient>(options.host, state->port, options.job_id,
                                                      options.secret, options.timeout);
   return Store(std::move(state));
+}
+
+Store Store::connect_again() const {
+  if (!state_) throw RuntimeError("Store::connect_again() on an empty handle: connect() first");
+  return connect({.host = state_->host,
+                  .port = state_->port,
+                  .timeout = state_->timeout,
+                  .job_id = state_->job_id,
+                  .secret = state_->secret});
 }
 
 int Store::port() const { return state_->port; }

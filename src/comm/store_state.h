@@ -14,6 +14,7 @@ struct Store::State {
   int port = 0;
   std::chrono::milliseconds timeout{};
   JobSecret secret;
+  std::string job_id;
 };
 
 // The c10d store behind a Store handle, for the transports of comm/.

@@ -57,6 +57,26 @@ TEST(Store, WaitReturnsWhenAnotherClientSetsTheKey) {
   EXPECT_EQ(server.get("ready"), "yes");
 }
 
+// A thread may wait on a second connection while the first goes on using its own: the waiter
+// returns once the first sets its key. The second client joins with the first's job and secret.
+TEST(Store, ASecondConnectionWaitsWhileTheFirstIsUsed) {
+  const auto secret = JobSecret::from_text("the store test's secret", "test");
+  auto server = Store::connect({.is_server = true,
+                                .timeout = std::chrono::seconds(20),
+                                .job_id = "job-a",
+                                .secret = secret});
+  auto again = server.connect_again();
+  EXPECT_EQ(again.port(), server.port());
+  EXPECT_EQ(server.stats().clients, 2);
+  const auto start = std::chrono::steady_clock::now();
+  std::thread waiter([&] { again.wait({"go"}, std::chrono::seconds(20)); });
+  server.set("go", "now");
+  waiter.join();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(again.get("go"), "now");
+  EXPECT_THROW(Store().connect_again(), RuntimeError);
+}
+
 TEST(Store, UnreachableServerFailsWithinTheDeadline) {
   // Take a port, close the server, then nobody listens there.
   int port = Store::connect({.is_server = true}).port();

@@ -38,6 +38,10 @@ class Store {
   /// options.timeout, UsageError for a client of another job.
   static Store connect(const StoreOptions& options);
 
+  /// A second client of the same server, with this handle's options and its own connection: for
+  /// a thread that waits on the store while this handle's thread goes on using it (a blocking call
+  /// holds its connection until it returns).
+  Store connect_again() const;
   /// The server's port.
   int port() const;
   /// The server's address.
