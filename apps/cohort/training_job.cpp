@@ -249,7 +249,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
                                  .optimizer_states = optimizer_states_of(o),
                                  .flat_optimizer = o.flat_optimizer,
                                  .activation_bytes = activations,
-                                 .runtime_bytes = runtime});
+                                 .runtime_bytes = runtime,
+                                 .async_checkpoint = o.async_checkpoint});
 }
 
 void validate_mesh(const TrainOptions& o) {
@@ -451,6 +452,10 @@ void validate(const TrainOptions& o) {
   if (o.data_workers < -1)
     throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
+  if (o.checkpoint_every_steps && *o.checkpoint_every_steps < 1) {
+    throw UsageError("--checkpoint-every-steps " + std::to_string(*o.checkpoint_every_steps) +
+                     " must be >= 1 (leave it out to checkpoint at each epoch's end only)");
+  }
   umask_of(o);
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   if (!(o.heartbeat_timeout_s > 0)) {
@@ -517,7 +522,9 @@ Json to_json(const TrainOptions& o) {
               {"weight_decay", o.weight_decay.value_or(default_weight_decay(o.optimizer))},
               {"flat_optimizer", o.flat_optimizer},
               {"warmup_steps", o.warmup_steps},
-              {"lr_decay", o.lr_decay}};
+              {"lr_decay", o.lr_decay},
+              {"checkpoint_every_steps", o.checkpoint_every_steps.value_or(0)},
+              {"async_checkpoint", o.async_checkpoint}};
   // The plan's keys as PlanOptions writes them: a user's own program reads the same.
   config.update(Json(o.plan));
   if (o.data.empty()) {
@@ -702,6 +709,8 @@ void train_loop(const Json& c) {
   // every step, or where the workers agree anyway (epoch ends) with local SGD, DiLoCo and the
   // parameter server, whose workers must not wait for each other every step.
   const bool stop_every_step = model.synchronous();
+  const int64_t every_steps = c.value("checkpoint_every_steps", int64_t{0});
+  const train::SaveOptions save_options{.async = c.value("async_checkpoint", false)};
   bool stopping = false;
   // Throughput over the steps after the first few (start-up, the first step's probes).
   train::Throughput throughput;
@@ -753,6 +762,19 @@ void train_loop(const Json& c) {
       if (stop_every_step && train::should_stop()) {
         stopping = true;
         break;
+      }
+      // --checkpoint-every-steps: a checkpoint inside the epoch (its end has one anyway), from
+      // which a resumed run starts after this step. Local SGD, DiLoCo and the parameter server
+      // agree first, as at an epoch's end.
+      if (every_steps > 0 && model.steps() % every_steps == 0 && step_in_epoch < steps_per_epoch) {
+        model.sync();
+        Json step_metrics{{"epoch", epoch + 1},
+                          {train::kEpochStepMetric, step_in_epoch},
+                          {"steps", model.steps()},
+                          {"world_size", ctx.get_world_size()},
+                          {"lr", model.lr()}};
+        if (loss_count > 0) step_metrics["train_loss"] = loss_sum / static_cast<double>(loss_count);
+        train::report(step_metrics, model, save_options);
       }
     }
     // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
@@ -810,7 +832,7 @@ void train_loop(const Json& c) {
     if (ctx.has_mesh()) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
     if (stopping && step_in_epoch < steps_per_epoch)
       metrics[train::kEpochStepMetric] = step_in_epoch;
-    train::report(metrics, model);
+    train::report(metrics, model, save_options);
     if (last) break;
   }
 }
@@ -951,6 +973,13 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--num-to-keep", o.num_to_keep,
                   "checkpoints kept by best test accuracy, besides the latest (0: all)")
       ->capture_default_str();
+  cmd->add_option("--checkpoint-every-steps", o.checkpoint_every_steps,
+                  "also checkpoint every N optimizer steps (a run killed inside an epoch then "
+                  "resumes at most N steps back); default: at each epoch's end only");
+  add_bool_flag(cmd, "--async-checkpoint", o.async_checkpoint,
+                "write checkpoints behind the training loop: a step waits only while each "
+                "worker copies its state into memory; the writing into the run directory and the "
+                "commit happen on a thread of their own");
   cmd->add_option("--umask", o.umask,
                   "permission bits taken from the run directory and its files, in octal as the "
                   "shell's umask: 077 keeps the run yours alone, 022 lets others read it")

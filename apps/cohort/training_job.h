@@ -89,8 +89,11 @@ struct TrainOptions {
   // FailureConfig.heartbeat_timeout, in seconds.
   double heartbeat_timeout_s =
       std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();
-  int num_to_keep = 2;        // checkpoints kept besides the latest, by test accuracy
-  std::string umask = "077";  // RunConfig::umask, in octal
+  int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
+  // --checkpoint-every-steps: a checkpoint every N optimizer steps too; unset: at epoch ends only.
+  std::optional<int64_t> checkpoint_every_steps;
+  bool async_checkpoint = false;  // train::SaveOptions::async
+  std::string umask = "077";      // RunConfig::umask, in octal
   bool quiet = false;
   bool tensorboard = true;              // <run>/tensorboard/ event files
   bool tensorboard_histograms = false;  // with them, parameter and gradient histograms

@@ -336,10 +336,7 @@ void load_by_name(torch::nn::Module& module, const std::filesystem::path& dir) {
 }
 
 void save_optimizer(const torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {
-  auto tmp = file;
-  tmp += ".tmp";
-  torch::save(optimizer, tmp.string());
-  rename_durably(tmp, file);
+  write_atomically(file, [&](std::ostream& out) { torch::save(optimizer, out); });
 }
 
 void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::path& file) {

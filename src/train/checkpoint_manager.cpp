@@ -80,9 +80,11 @@ void CheckpointManager::check_score_attribute(const Json& metrics) const {
 
 bool CheckpointManager::better(const Entry& a, const Entry& b) const {
   const auto& attribute = config_.checkpoint_score_attribute;
-  if (attribute.empty() || !a.metrics.contains(attribute) || !b.metrics.contains(attribute)) {
-    return a.index > b.index;
-  }
+  // One without the score (a checkpoint inside an epoch, before its evaluation) ranks below every
+  // one with it; among themselves, newer first.
+  if (!attribute.empty() && a.metrics.contains(attribute) != b.metrics.contains(attribute))
+    return a.metrics.contains(attribute);
+  if (attribute.empty() || !a.metrics.contains(attribute)) return a.index > b.index;
   const double sa = a.metrics[attribute].get<double>();
   const double sb = b.metrics[attribute].get<double>();
   if (sa == sb) return a.index > b.index;

@@ -438,11 +438,15 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     }
     if (type == "report_begin") {
       stop_because(report_counter.on_report(rank, message.value("index", int64_t{0})));
-    } else if (type == "report" && rank == 0) {
+    } else if ((type == "report" || type == "checkpoint") && rank == 0) {
       std::string broken;
-      recorder_->on_report(message, broken);
-      status_->on_report(message);
-      stop_because(broken);
+      if (type == "report") {
+        recorder_->on_report(message, broken);
+        status_->on_report(message);
+        stop_because(broken);
+      } else {
+        recorder_->on_checkpoint(message);  // committed behind the loop (SaveOptions::async)
+      }
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
       if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers &&

@@ -218,6 +218,14 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   if (std::holds_alternative<parallel::LocalSgd>(plan.sync)) copies = p;
   if (std::holds_alternative<parallel::DiLoCo>(plan.sync)) copies = 2 * p;
   add("replica copies", copies * e, "--sync ddp keeps none");
+  // An asynchronous checkpoint's buffers, on the worker that writes the most: the whole model's
+  // parameters and buffers (the first rank writes them), beside its optimizer state.
+  if (options.async_checkpoint) {
+    const Part whole = part_of({model.module});
+    add("checkpoint buffers",
+        whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state,
+        "a synchronous save (no --async-checkpoint) keeps none");
+  }
   // Activations: a pipeline stage holds about 1/pp of a micro-batch's, for the micro-batches in
   // flight at once (GPipe all of a step's; 1F1B, interleaved and zero-bubble at most pp).
   int64_t activations = options.activation_bytes;

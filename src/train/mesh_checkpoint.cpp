@@ -8,6 +8,7 @@
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/pipeline/schedule.h"
 #include "cohort/train/context.h"
+#include "train/run_files.h"
 
 namespace cohort::train {
 namespace {
@@ -128,12 +129,12 @@ bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpoint
     save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = parts.parameters});
   if (first_rank()) {
     const auto& layout = parts.layout;
-    std::ofstream(dir / kMeshFile) << Json{{"pp", layout.pp},
+    write_atomically(dir / kMeshFile, Json{{"pp", layout.pp},
                                            {"tp", layout.tp},
                                            {"schedule", layout.schedule},
                                            {"zero_stage", layout.zero_stage}}
-                                          .dump(2)
-                                   << "\n";
+                                              .dump(2) +
+                                          "\n");
   }
   return true;
 }

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <iostream>
 #include <map>
 
@@ -19,6 +20,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "mesh_checkpoint.h"
+#include "train/run_files.h"
 #include "train/worker_session.h"
 
 namespace cohort::train {
@@ -503,17 +505,56 @@ ResumePoint resume_point(const Checkpoint& checkpoint) {
   return {.epoch = epoch};
 }
 
-void report(const Json& metrics, const ParallelModel& model) {
+namespace {
+
+// The folder a rank's checkpoint files are written to before they are reported.
+std::filesystem::path report_folder() {
   const auto& ctx = get_context();
-  const auto dir =
-      ctx.get_storage_path() / (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
-  std::filesystem::remove_all(dir);
+  return ctx.get_storage_path() /
+         (".report-checkpoint-rank" + std::to_string(ctx.get_world_rank()));
+}
+
+// This rank's files captured in memory, reported, and written and committed behind the loop.
+void report_asynchronously(Json metrics, const ParallelModel& model) {
+  metrics["checkpoint_wait_s"] = wait_for_checkpoint_in_flight();
+  const auto dir = report_folder();
+  const auto start = std::chrono::steady_clock::now();
+  bool saved = false;
+  {
+    FileCapture capture(dir, checkpoint_capture());
+    saved = model.save(dir);
+  }
+  // The save made the folders, empty: every file went through write_atomically into memory.
+  std::error_code error;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir, error)) {
+    if (entry.is_regular_file()) {
+      remove_tree(dir);
+      throw RuntimeError("an asynchronous checkpoint's save wrote " + entry.path().string() +
+                         " to disk, not into memory: save it synchronously (this is a bug of "
+                         "cohort's: report it)");
+    }
+  }
+  remove_tree(dir);
+  metrics["checkpoint_snapshot_s"] =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  report_async(metrics, saved);
+}
+
+}  // namespace
+
+void report(const Json& metrics, const ParallelModel& model, const SaveOptions& options) {
+  if (options.async) {
+    report_asynchronously(metrics, model);
+    return;
+  }
+  const auto dir = report_folder();
+  remove_tree(dir);
   if (!model.save(dir)) {
     report(metrics);
     return;
   }
   report(metrics, Checkpoint::from_directory(dir));
-  std::filesystem::remove_all(dir);
+  remove_tree(dir);
 }
 
 }  // namespace cohort::train

@@ -105,6 +105,10 @@ void Console::message(const std::string& line) {
   draw_bar();
 }
 
+void Console::info(const std::string& line) {
+  if (verbose_ >= 1) message(line);
+}
+
 void Console::report(int64_t index, const Json& metrics) {
   if (verbose_ < 1) return;
   bar_.clear();

@@ -20,6 +20,8 @@ class Console {
   void report(int64_t index, const Json& metrics);
   void progress(const Json& progress);
   void message(const std::string& line);
+  // A line of what the run does, printed unless it is quiet (verbose 0).
+  void info(const std::string& line);
   // Prints the repeat counts whose window has passed (all of them when flush_all).
   void tick(bool flush_all = false);
 

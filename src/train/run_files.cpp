@@ -90,8 +90,103 @@ std::string hex(uint32_t v) {
 
 }  // namespace
 
+namespace {
+
+// The innermost FileCapture of this thread.
+thread_local FileCapture* active_capture = nullptr;
+
+// An ostream's buffer that appends to a string (whose capacity a capture keeps).
+class AppendBuffer : public std::streambuf {
+ public:
+  explicit AppendBuffer(std::string& out) : out_(out) {}
+
+ protected:
+  std::streamsize xsputn(const char* data, std::streamsize n) override {
+    out_.append(data, static_cast<size_t>(n));
+    return n;
+  }
+  int_type overflow(int_type c) override {
+    if (c != traits_type::eof()) out_.push_back(static_cast<char>(c));
+    return traits_type::not_eof(c);
+  }
+
+ private:
+  std::string& out_;
+};
+
+// Puts `tmp` (a complete file) in place as `target` of a staging folder shared by the ranks:
+// rank 0's replaces another rank's; the others' never replace an existing file (link() fails on
+// an existing name, atomically).
+void place_file(const std::filesystem::path& tmp, const std::filesystem::path& target, int rank,
+                int umask) {
+  apply_umask(tmp, umask);  // not the bits of the file the loop wrote
+  if (rank == 0) {
+    std::filesystem::rename(tmp, target);
+  } else {
+    ::link(tmp.c_str(), target.c_str());
+    std::filesystem::remove(tmp);
+  }
+}
+
+std::filesystem::path rank_tmp(const std::filesystem::path& target, int rank) {
+  auto tmp = target;
+  tmp += ".rank" + std::to_string(rank) + ".tmp";
+  return tmp;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, const std::string*>> CapturedFiles::files() const {
+  std::vector<std::pair<std::string, const std::string*>> out;
+  for (const auto& [name, buffer] : buffers_)
+    if (buffer.current) out.emplace_back(name, &buffer.bytes);
+  return out;
+}
+
+int64_t CapturedFiles::capacity() const {
+  int64_t bytes = 0;
+  for (const auto& [name, buffer] : buffers_)
+    bytes += static_cast<int64_t>(buffer.bytes.capacity());
+  return bytes;
+}
+
+FileCapture::FileCapture(std::filesystem::path root, CapturedFiles& captured)
+    : root_(std::move(root)), captured_(captured), previous_(active_capture) {
+  for (auto& [name, buffer] : captured_.buffers_) {
+    buffer.current = false;
+    buffer.bytes.clear();  // its capacity stays
+  }
+  active_capture = this;
+}
+
+FileCapture::~FileCapture() { active_capture = previous_; }
+
+FileCapture* FileCapture::of(const std::filesystem::path& path, std::string& relative) {
+  if (active_capture == nullptr) return nullptr;
+  const auto rel = path.lexically_normal().lexically_relative(active_capture->root_);
+  if (rel.empty() || *rel.begin() == "..") return nullptr;
+  relative = rel.string();
+  return active_capture;
+}
+
+void FileCapture::write(const std::string& relative,
+                        const std::function<void(std::ostream&)>& fill) {
+  auto& buffer = captured_.buffers_[relative];
+  buffer.bytes.clear();
+  AppendBuffer sink(buffer.bytes);
+  std::ostream out(&sink);
+  fill(out);
+  if (!out) throw RuntimeError("failed capturing " + relative + " in memory");
+  buffer.current = true;
+}
+
 void write_atomically(const std::filesystem::path& path,
                       const std::function<void(std::ostream&)>& fill) {
+  std::string relative;
+  if (auto* capture = FileCapture::of(path, relative)) {
+    capture->write(relative, fill);
+    return;
+  }
   auto tmp = path;
   tmp += ".tmp";
   {
@@ -227,6 +322,35 @@ std::vector<Json> read_steps(const std::filesystem::path& run_dir, size_t max_re
     ++i;
   }
   return steps;
+}
+
+void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank,
+                 int umask) {
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(from)) {
+    if (!entry.is_regular_file()) continue;
+    const auto target = into / std::filesystem::relative(entry.path(), from);
+    std::filesystem::create_directories(target.parent_path());
+    const auto tmp = rank_tmp(target, rank);
+    std::filesystem::copy_file(entry.path(), tmp,
+                               std::filesystem::copy_options::overwrite_existing);
+    place_file(tmp, target, rank, umask);
+  }
+}
+
+void merge_captured(const CapturedFiles& captured, const std::filesystem::path& into, int rank,
+                    int umask) {
+  for (const auto& [relative, bytes] : captured.files()) {
+    const auto target = into / relative;
+    std::filesystem::create_directories(target.parent_path());
+    const auto tmp = rank_tmp(target, rank);
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out.write(bytes->data(), static_cast<std::streamsize>(bytes->size()));
+      out.flush();
+      if (!out) throw RuntimeError("failed writing " + tmp.string() + " (disk full?)");
+    }
+    place_file(tmp, target, rank, umask);
+  }
 }
 
 void write_manifest(const std::filesystem::path& dir) {

@@ -95,6 +95,54 @@ class RunDirLock {
   int fd_ = -1;
 };
 
+// A checkpoint's files captured in memory (FileCapture): their bytes by path relative to the
+// capture's root. Kept from one capture to the next, so that each buffer's memory is reused: a
+// copy into memory already touched costs milliseconds per GB, where fresh pages can cost seconds.
+class CapturedFiles {
+ public:
+  // The files of the last capture, by relative path.
+  std::vector<std::pair<std::string, const std::string*>> files() const;
+  // Bytes held, with the capacity kept for the next capture.
+  int64_t capacity() const;
+
+ private:
+  friend class FileCapture;
+  struct Buffer {
+    std::string bytes;
+    bool current = false;  // written by the last capture
+  };
+  std::map<std::string, Buffer> buffers_;
+};
+
+// While it lives, write_atomically() on this thread of a file under `root` (however deep) writes
+// into `captured` instead of the disk: what a save function writes, taken in memory to be written
+// out later (merge_captured) while training goes on. The files of an earlier capture are dropped.
+class FileCapture {
+ public:
+  FileCapture(std::filesystem::path root, CapturedFiles& captured);
+  ~FileCapture();
+  FileCapture(const FileCapture&) = delete;
+  FileCapture& operator=(const FileCapture&) = delete;
+  // The capture of this thread that takes `path`, or none; `relative` is set to its path under
+  // the capture's root.
+  static FileCapture* of(const std::filesystem::path& path, std::string& relative);
+  // write_atomically()'s bytes of a captured file.
+  void write(const std::string& relative, const std::function<void(std::ostream&)>& fill);
+
+ private:
+  std::filesystem::path root_;
+  CapturedFiles& captured_;
+  FileCapture* previous_;
+};
+
+// Copies the files of `from` into `into` (a checkpoint's staging folder), each given the run's
+// `umask`. Rank 0's copy of a file replaces another rank's; the others' never replace an existing
+// file (link() fails on an existing name, atomically).
+void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank,
+                 int umask);
+// The same for files captured in memory.
+void merge_captured(const CapturedFiles& captured, const std::filesystem::path& into, int rank,
+                    int umask);
 // manifest.json: every file under `dir` with its size and CRC-32.
 void write_manifest(const std::filesystem::path& dir);
 // Throws UsageError naming the first file that is missing, truncated or altered.

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "cohort/error.h"
+#include "cohort/train/parallel_model.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 
@@ -156,9 +157,11 @@ std::optional<Checkpoint> RunRecorder::latest_on_disk() {
 }
 
 void RunRecorder::on_report(const Json& message, std::string& driver_error) {
-  const int64_t index = message.value("index", int64_t{0});
   const Json& metrics = message["metrics"];
-  if (index == 1) {
+  // The score is checked at the first report that is not one inside an epoch (which may lack an
+  // evaluation's metrics: a checkpoint every N steps).
+  if (!score_checked_ && !metrics.contains(kEpochStepMetric)) {
+    score_checked_ = true;
     try {
       checkpoints_.check_score_attribute(metrics);
     } catch (const UsageError& e) {
@@ -178,6 +181,13 @@ void RunRecorder::on_report(const Json& message, std::string& driver_error) {
   console_.report(record["training_iteration"].get<int64_t>(), metrics);
   if (const auto line = straggler_line(metrics)) console_.message(*line);
   if (on_report_) on_report_(record);
+}
+
+void RunRecorder::on_checkpoint(const Json& message) {
+  const auto path = message.at("checkpoint").get<std::string>();
+  checkpoints_.add(path, message.value("metrics", Json::object()));
+  console_.info("cohort: " + std::filesystem::path(path).filename().string() +
+                " committed (written behind the loop)");
 }
 
 void RunRecorder::on_step(const Json& message) {

@@ -46,6 +46,9 @@ class RunRecorder {
   // A "report" control message of rank 0 (with "histograms" when RunConfig::tensorboard asks for
   // them). Sets `driver_error` when the run broke a rule.
   void on_report(const Json& message, std::string& driver_error);
+  // A "checkpoint" control message of rank 0: a checkpoint saved asynchronously
+  // (SaveOptions::async) was committed after its report.
+  void on_checkpoint(const Json& message);
   // A "step" control message of rank 0 (train::log_step): a line of steps.jsonl, and TensorBoard
   // scalars "step/<metric>" at that step.
   void on_step(const Json& message);
@@ -68,6 +71,7 @@ class RunRecorder {
   Result result_;
   std::ofstream steps_log_;
   std::function<void(const Json&)> on_report_;
+  bool score_checked_ = false;  // CheckpointConfig's score attribute, at the first epoch's report
   std::optional<TensorBoardLog> tensorboard_;  // from resume_point() on, when enabled
 };
 

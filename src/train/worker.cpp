@@ -295,6 +295,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.on_world_size_change = scaling.on_world_size_change;
     open_session(std::move(settings), datasets);
     train_loop(spec.config);
+    finish_session();
     trace::finish_profile();
   } catch (const std::exception& e) {
     code = 1;
@@ -447,6 +448,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       if (type == "report") {
         recorder->on_report(message, broken);
         if (!broken.empty()) throw UsageError(broken);
+      } else if (type == "checkpoint") {
+        recorder->on_checkpoint(message);
       } else if (type == "step") {
         recorder->on_step(message);
       } else if (type == "progress") {
@@ -465,6 +468,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     settings.on_world_size_change = scaling.on_world_size_change;
     open_session(settings, datasets);
     train_loop(config);
+    finish_session();
     trace::finish_profile();
     // From here a rank that goes away is no longer a failure (the others may end first).
     if (!rank0) runtime::leave_coordinator();

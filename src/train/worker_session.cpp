@@ -372,28 +372,6 @@ data::DataLoader prepare_data_loader(data::TensorDataset dataset, data::DataLoad
 
 namespace {
 
-// Copies the files of `from` into `into`. Rank 0's copy of a file replaces another rank's; the
-// others' never replace an existing file (link() fails on an existing name, atomically).
-void merge_files(const std::filesystem::path& from, const std::filesystem::path& into, int rank,
-                 int umask) {
-  for (const auto& entry : std::filesystem::recursive_directory_iterator(from)) {
-    if (!entry.is_regular_file()) continue;
-    const auto target = into / std::filesystem::relative(entry.path(), from);
-    std::filesystem::create_directories(target.parent_path());
-    auto tmp = target;
-    tmp += ".rank" + std::to_string(rank) + ".tmp";
-    std::filesystem::copy_file(entry.path(), tmp,
-                               std::filesystem::copy_options::overwrite_existing);
-    apply_umask(tmp, umask);  // not the bits of the file the loop wrote
-    if (rank == 0) {
-      std::filesystem::rename(tmp, target);
-    } else {
-      ::link(tmp.c_str(), target.c_str());
-      std::filesystem::remove(tmp);
-    }
-  }
-}
-
 // "a;b;;c" -> {"a", "b", "", "c"}.
 std::vector<std::string> split_fields(const std::string& text) {
   std::vector<std::string> fields;
@@ -501,12 +479,35 @@ Json positions_by_shard(const std::vector<std::string>& ranks) {
 
 }  // namespace
 
-void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
+namespace {
+
+// The session's writer of asynchronous checkpoints, made at the first.
+AsyncCheckpointWriter& writer_of(WorkerSession& s) {
+  if (!s.checkpoint_writer) {
+    s.checkpoint_writer = std::make_unique<AsyncCheckpointWriter>(s.store, s.collective_timeout);
+  }
+  return *s.checkpoint_writer;
+}
+
+// "[1, 3]".
+std::string ranks_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + out + "]";
+}
+
+// report()'s work: `files`, the folder of this rank's checkpoint files, is merged into the
+// report's staging folder now; with `async` the files captured in memory are, by the session's
+// writer, behind the loop (`files` set: this rank has some).
+void report_files(const Json& metrics, const std::optional<std::filesystem::path>& files,
+                  bool async) {
   auto& s = require_session("cohort::train::report()");
   if (!metrics.is_object()) {
     throw UsageError("report: metrics must be a JSON object of name -> value, got " +
                      metrics.dump());
   }
+  // Checkpoints commit in the order of their reports: a synchronous one after the save in flight.
+  if (files && !async) wait_for_checkpoint_in_flight();
   const int64_t index = ++s.reports;
   // Announced before waiting for the others, so that the driver can tell a rank that will never
   // come (it finished with fewer calls) from one that is late.
@@ -516,9 +517,20 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   }
   const auto staging =
       s.context.storage_path / kStagingDir / (s.run_token + "-" + std::to_string(index));
-  if (checkpoint) {
+  // The store keys of an asynchronous save's ranks: each says whether its files are in.
+  const std::string async_keys =
+      "async-checkpoint/" + s.run_token + "/" + std::to_string(index) + "/";
+  AsyncCheckpointWriter::Job job{.has_files = files.has_value(),
+                                 .staging = staging,
+                                 .keys = async_keys,
+                                 .rank = s.context.world_rank,
+                                 .umask = s.umask,
+                                 .report_index = index};
+  if (files && !async) {
     trace::Span span(trace::Phase::kCheckpoint);
-    merge_files(checkpoint->path(), staging, s.context.world_rank, s.umask);
+    merge_files(*files, staging, s.context.world_rank, s.umask);
+  } else if (files && s.context.world_rank != 0) {
+    writer_of(s).start(std::move(job));  // rank 0's waits for the others' arrivals
   }
   // Each rank's mean wait for data per batch, bytes sent, optimizer steps, and its traced steps,
   // busy seconds (trace::Totals) and seconds per phase (cohort/trace.h) since its last report ride
@@ -529,7 +541,8 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   const auto traced = trace::take_totals();
   const int64_t bytes = s.context.process_group.bytes_sent();
   const int64_t steps = optimizer_steps(s);
-  std::string arrival = checkpoint ? "1;" : "0;";
+  // "1": files merged now, "2": merged behind the loop.
+  std::string arrival = !files ? "0;" : async ? "2;" : "1;";
   if (ingest.batches > 0)
     arrival += std::to_string(1000.0 * ingest.wait_seconds / static_cast<double>(ingest.batches));
   arrival += ";" + std::to_string(bytes - s.bytes_at_report) + ";" +
@@ -590,6 +603,7 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
       message["metrics"]["skipped_steps"] = s.loss_scaler->skipped_steps();
   }
   bool with_checkpoint = false;
+  std::vector<int> async_ranks, sync_ranks;
   std::optional<double> ingest_ms;
   double bytes_per_step = 0;
   int workers_stepping = 0;
@@ -601,7 +615,9 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   for (size_t r = 0; r < arrivals.size(); ++r) {
     const auto& a = arrivals[r];
     const auto fields = split_fields(a);
-    with_checkpoint |= fields.at(0) == "1";
+    with_checkpoint |= fields.at(0) != "0";
+    if (fields.at(0) == "1") sync_ranks.push_back(static_cast<int>(r));
+    if (fields.at(0) == "2") async_ranks.push_back(static_cast<int>(r));
     if (!fields.at(1).empty())
       ingest_ms = std::max(ingest_ms.value_or(0.0), std::stod(fields.at(1)));
     if (const int64_t rank_steps = std::stoll(fields.at(3)); rank_steps > 0) {
@@ -628,9 +644,13 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
   if (ingest_ms && !metrics.contains(kIngestMetric)) message["metrics"][kIngestMetric] = *ingest_ms;
   if (workers_stepping > 0 && !metrics.contains(kCommBytesMetric))
     message["metrics"][kCommBytesMetric] = bytes_per_step / workers_stepping;
+  if (!async_ranks.empty() && !sync_ranks.empty()) {
+    throw UsageError("report() call #" + std::to_string(index) + ": ranks " +
+                     ranks_list(async_ranks) + " saved their checkpoint asynchronously and ranks " +
+                     ranks_list(sync_ranks) + " did not: every rank saves alike");
+  }
+  std::optional<AsyncCheckpointWriter::Commit> commit;
   if (with_checkpoint) {
-    // Whole before it gets its final name: a crash leaves a staging folder, never a
-    // checkpoint_NNNNNN that looks valid and is not.
     Json meta{{"metrics", message["metrics"]},
               {"report_index", index},
               {"world_size", s.context.world_size},
@@ -638,15 +658,60 @@ void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
               {"timestamp", std::time(nullptr)}};
     if (!ranks_with_positions.empty())
       meta[kDataPositionsKey] = positions_by_shard(s.store.get_many(ranks_with_positions));
-    write_atomically(staging / kMetaFile, meta.dump(2) + "\n");
-    write_manifest(staging);
     const auto final_path = s.context.storage_path / checkpoint_name(s.next_checkpoint_index++);
-    rename_durably(staging, final_path);
-    message["checkpoint"] = final_path.string();
+    if (async_ranks.empty()) {
+      // Whole before it gets its final name: a crash leaves a staging folder, never a
+      // checkpoint_NNNNNN that looks valid and is not.
+      write_atomically(staging / kMetaFile, meta.dump(2) + "\n");
+      write_manifest(staging);
+      rename_durably(staging, final_path);
+      message["checkpoint"] = final_path.string();
+    } else {
+      commit = AsyncCheckpointWriter::Commit{.meta = std::move(meta),
+                                             .final_path = final_path,
+                                             .ranks = async_ranks,
+                                             .message = {{"type", "checkpoint"},
+                                                         {"rank", 0},
+                                                         {"index", index},
+                                                         {"metrics", message["metrics"]}}};
+    }
   }
   if (s.tensorboard_histograms) message["histograms"] = model_histograms(s);
   if (runtime::has_control_channel()) runtime::send_control_message(message.dump());
   s.store.set(committed_key, "1");
+  if (commit) {
+    job.commit = std::move(commit);
+    writer_of(s).start(std::move(job));
+  }
+}
+
+}  // namespace
+
+void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint) {
+  report_files(metrics,
+               checkpoint ? std::optional<std::filesystem::path>(checkpoint->path()) : std::nullopt,
+               false);
+}
+
+CapturedFiles& checkpoint_capture() {
+  return writer_of(require_session("cohort::train::report()")).captured();
+}
+
+void report_async(const Json& metrics, bool has_files) {
+  report_files(
+      metrics,
+      has_files ? std::optional<std::filesystem::path>(std::filesystem::path()) : std::nullopt,
+      true);
+}
+
+double wait_for_checkpoint_in_flight() {
+  auto& s = require_session("cohort::train::report()");
+  return s.checkpoint_writer ? s.checkpoint_writer->wait() : 0.0;
+}
+
+void finish_session() {
+  if (auto* s = current_session(); s != nullptr && s->checkpoint_writer)
+    s->checkpoint_writer->wait();
 }
 
 bool should_stop() {

@@ -18,6 +18,7 @@
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
+#include "train/async_checkpoint.h"
 
 namespace cohort::train {
 
@@ -92,6 +93,8 @@ struct WorkerSession {
     std::optional<std::chrono::steady_clock::time_point> last_call, last_logged;
     std::vector<double> gaps_ms;
   } step_log;
+  // train::SaveOptions::async: this rank's save in flight (made at the first).
+  std::unique_ptr<AsyncCheckpointWriter> checkpoint_writer;
 };
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the
@@ -126,6 +129,20 @@ inline constexpr const char* kCommBytesMetric = "comm_bytes_per_step";
 // (updates the servers applied between a worker's pull and its push), and the largest so far.
 inline constexpr const char* kStalenessMeanMetric = "staleness_mean";
 inline constexpr const char* kStalenessMaxMetric = "staleness_max";
+
+// Where an asynchronous save captures this rank's files (the session's writer's buffers), once
+// wait_for_checkpoint_in_flight() returned.
+CapturedFiles& checkpoint_capture();
+// train::report with a checkpoint saved asynchronously: checkpoint_capture() holds this rank's
+// files when `has_files`, which the session's writer writes into the run directory, and rank 0
+// commits, behind the loop.
+void report_async(const Json& metrics, bool has_files);
+// Waits for this rank's asynchronous save in flight, if any, and rethrows its failure; returns the
+// seconds waited. A loop's end waits too (finish_session).
+double wait_for_checkpoint_in_flight();
+// What a train loop leaves in flight when it returns: its last asynchronous checkpoint, committed
+// before the worker reports that it finished.
+void finish_session();
 
 // A fresh token for one start of a group: nothing of an earlier start's store keys or staging
 // folders is mistaken for this one's.

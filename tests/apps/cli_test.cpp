@@ -218,6 +218,11 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--umask", "0o77", "--data-dir", data.string()},
        "unknown --umask '0o77': give octal permission bits such as 077"},
       {{"--umask", "1777", "--data-dir", data.string()}, "unknown --umask '1777'"},
+      {{"--checkpoint-every-steps", "0", "--data-dir", data.string()},
+       "--checkpoint-every-steps 0 must be >= 1 (leave it out to checkpoint at each epoch's end "
+       "only)"},
+      {{"--checkpoint-every-steps", "-3", "--data-dir", data.string()},
+       "--checkpoint-every-steps -3 must be >= 1"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
@@ -1315,6 +1320,61 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
   EXPECT_EQ(resumed["epochs"], 3);
   EXPECT_TRUE(resumed["failures"].empty()) << resumed.dump();
   EXPECT_EQ(resumed["train_loss"].get<double>(), straight["train_loss"].get<double>());
+}
+
+// Checkpoints every 3 steps, saved asynchronously: the driver killed after a few, the same command
+// again resumes inside the epoch from the latest committed one (every checkpoint left verifies:
+// a save cut short is never taken for one), and ends exactly where a run with synchronous saves
+// and no kill ends.
+TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
+  auto args = [&](const std::string& name, bool async) {
+    std::vector<std::string> argv{cli_path(),
+                                  "train",
+                                  "--storage-path",
+                                  (dir / "runs").string(),
+                                  "--name",
+                                  name,
+                                  "--data-dir",
+                                  data.string(),
+                                  "--workers",
+                                  "2",
+                                  "--batch-size",
+                                  "16",
+                                  "--epochs",
+                                  "2",
+                                  "--optimizer",
+                                  "adam",
+                                  "--checkpoint-every-steps",
+                                  "3"};
+    if (async) argv.push_back("--async-checkpoint");
+    return argv;
+  };
+  ASSERT_EQ(run_command(args("straight", false), std::chrono::seconds(120)).exit_code, 0);
+  {
+    cohort::testing::Process driver(args("killed", true));
+    ASSERT_TRUE(
+        driver.wait_for_line("committed (written behind the loop)", std::chrono::seconds(60)))
+        << driver.output();
+    ASSERT_TRUE(driver.wait_for_line("[report 3]", std::chrono::seconds(60))) << driver.output();
+    ::kill(driver.pid(), SIGKILL);
+    driver.wait(std::chrono::seconds(10));
+  }
+  const auto run = dir / "runs" / "killed";
+  int checkpoints = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(run)) {
+    if (!entry.is_directory() || entry.path().filename().string().rfind("checkpoint_", 0) != 0)
+      continue;
+    ++checkpoints;
+    EXPECT_NO_THROW(Checkpoint::from_directory(entry.path()).verify()) << entry.path();
+  }
+  EXPECT_GE(checkpoints, 1);
+  auto again = run_command(args("killed", true), std::chrono::seconds(120));
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_NE(again.output.find("resuming epoch 1 after step "), std::string::npos) << again.output;
+  auto straight = result_of("straight"), resumed = result_of("killed");
+  EXPECT_EQ(resumed["steps"], straight["steps"]);
+  EXPECT_EQ(resumed["test_loss"].get<double>(), straight["test_loss"].get<double>());
+  EXPECT_TRUE(resumed.contains("checkpoint_snapshot_s")) << resumed.dump();
 }
 
 TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {

@@ -67,6 +67,20 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   auto hsdp = at(2, 2);
   EXPECT_EQ(hsdp["optimizer state"], 4 * kP);
   EXPECT_EQ(hsdp["gradients"], 2 * kP);
+  // Asynchronous checkpoints keep their files' buffers: the whole model, and the optimizer state
+  // the worker holds (all of it under DDP, its shard under ZeRO).
+  for (const auto& [stage, bytes] :
+       {std::pair{0, 4 * kP + 8 * kP}, std::pair{1, 4 * kP + 2 * kP}}) {
+    Plan plan;
+    plan.zero.stage = stage;
+    EXPECT_EQ(items_of(estimate_memory(spec, plan,
+                                       {.world_size = 4,
+                                        .optimizer_states = 2,
+                                        .async_checkpoint = true}))["checkpoint buffers"],
+              bytes)
+        << stage;
+  }
+  EXPECT_EQ(ddp.count("checkpoint buffers"), 0u);
   // A flat optimizer under DDP keeps its own gradient buffer.
   Plan ddp_plan;
   EXPECT_EQ(items_of(estimate_memory(

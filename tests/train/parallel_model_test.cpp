@@ -146,7 +146,7 @@ void train_loop(const Json& c) {
                    {train::kEpochStepMetric, stopped ? step : 0},
                    {"steps", model.steps()},
                    {"checkpointed_units", checkpointed_units}},
-                  model);
+                  model, {.async = c.value("async", false)});
     if (stopped) break;
   }
 }
@@ -157,7 +157,7 @@ class ParallelModelResume : public ::testing::Test {
 
   Result fit(const std::string& name, const std::string& plan, int workers, int64_t stop_after,
              const std::string& stream = "dataset",
-             const std::string& activation_checkpointing = "none") {
+             const std::string& activation_checkpointing = "none", bool async = false) {
     const auto p = plan_named(plan);
     Trainer trainer(train_loop,
                     {.num_workers = workers,
@@ -172,10 +172,15 @@ class ParallelModelResume : public ::testing::Test {
                          {"activation_checkpointing", activation_checkpointing},
                          {"stop_after", stop_after},
                          {"stream", stream},
+                         {"async", async},
                          {"ids", (dir / name).string() + "-ids"}},
                     {{"train", dataset()}});
     return trainer.fit();
   }
+
+  // Stopped inside its second epoch with a checkpoint and run again, `plan` trains on exactly the
+  // rows an uninterrupted run does and ends with its parameters.
+  void expect_resumed_run_matches(const std::string& plan, int workers, bool async);
 
   // The run's whole model, one tensor per name.
   std::map<std::string, at::Tensor> model_of(const Result& result) {
@@ -211,13 +216,31 @@ class EveryPlanFamily : public ParallelModelResume,
 
 TEST_P(EveryPlanFamily, ResumedInsideAnEpochMatchesAnUninterruptedRun) {
   const auto& [plan, workers] = GetParam();
-  const auto whole = fit(plan + "-whole", plan, workers, 0);
+  expect_resumed_run_matches(plan, workers, /*async=*/false);
+}
+
+// The same with every checkpoint saved asynchronously (SaveOptions::async: written to memory,
+// copied into the run directory and committed behind the loop).
+class AsynchronousSaves : public ParallelModelResume,
+                          public ::testing::WithParamInterface<PlanCase> {};
+
+TEST_P(AsynchronousSaves, ResumedInsideAnEpochMatchesAnUninterruptedRun) {
+  const auto& [plan, workers] = GetParam();
+  expect_resumed_run_matches(plan, workers, /*async=*/true);
+}
+
+void ParallelModelResume::expect_resumed_run_matches(const std::string& plan, int workers,
+                                                     bool async) {
+  const auto whole = fit(plan + "-whole", plan, workers, 0, "dataset", "none", async);
   ASSERT_TRUE(whole.ok()) << *whole.error;
   const int64_t steps = whole.metrics["steps"];
-  const auto stopped = fit(plan + "-stopped", plan, workers, steps / 2 + steps / 4);
+  const auto stopped =
+      fit(plan + "-stopped", plan, workers, steps / 2 + steps / 4, "dataset", "none", async);
   ASSERT_TRUE(stopped.ok()) << *stopped.error;
   EXPECT_EQ(stopped.metrics[train::kEpochStepMetric], steps / 4);
-  const auto resumed = fit(plan + "-stopped", plan, workers, 0);
+  // An asynchronous save says how long the step stood still for it.
+  EXPECT_EQ(stopped.metrics.contains("checkpoint_snapshot_s"), async) << stopped.metrics.dump();
+  const auto resumed = fit(plan + "-stopped", plan, workers, 0, "dataset", "none", async);
   ASSERT_TRUE(resumed.ok()) << *resumed.error;
   EXPECT_EQ(resumed.metrics["steps"], steps);
   for (int rank = 0; rank < workers; ++rank)
@@ -238,6 +261,10 @@ INSTANTIATE_TEST_SUITE_P(ParallelModel, EveryPlanFamily,
                                            PlanCase{"hsdp", 4}, PlanCase{"pipeline", 2},
                                            PlanCase{"mesh", 4}, PlanCase{"local_sgd", 2},
                                            PlanCase{"diloco", 2}, PlanCase{"parameter_server", 2}),
+                         [](const auto& info) { return info.param.plan; });
+INSTANTIATE_TEST_SUITE_P(ParallelModel, AsynchronousSaves,
+                         ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero3", 2},
+                                           PlanCase{"mesh", 4}, PlanCase{"local_sgd", 2}),
                          [](const auto& info) { return info.param.plan; });
 
 // Every unit checkpointed (recomputed in backward: at stage 3 inside its gather again, in a

@@ -34,12 +34,15 @@ struct MemoryEstimateOptions {
   /// Bytes a worker holds before its model: libtorch, its threads, the communication; 0: not
   /// counted.
   int64_t runtime_bytes = 0;
+  /// Checkpoints saved asynchronously (SaveOptions::async): the worker keeps its files' buffers,
+  /// the first one the whole model's parameters with its optimizer state.
+  bool async_checkpoint = false;
 };
 
 /// One item of a worker's memory.
 struct MemoryItem {
   /// "parameters", "gradients", "optimizer state", "gathered units", "gradient buckets",
-  /// "replica copies", "activations" or "runtime".
+  /// "replica copies", "checkpoint buffers", "activations" or "runtime".
   std::string name;
   int64_t bytes = 0;   ///< on the worker that holds the most (a pipeline's largest stage)
   std::string shrink;  ///< what would make it smaller ("--zero-stage 1 shards it ...")

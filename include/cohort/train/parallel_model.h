@@ -31,6 +31,7 @@
 #include "cohort/train/checkpoint.h"
 #include "cohort/train/plan.h"
 #include "cohort/train/prepare.h"
+#include "cohort/train/report.h"
 
 namespace cohort::train {
 
@@ -172,7 +173,9 @@ struct ResumePoint {
 ResumePoint resume_point(const Checkpoint& checkpoint);
 
 /// train::report with a checkpoint of `model`: every rank writes its part into a staging folder of
-/// its own, reports it, and removes the folder once the driver took it.
-void report(const Json& metrics, const ParallelModel& model);
+/// its own, reports it, and removes the folder once the driver took it. With `options.async` its
+/// files are copied into memory instead, and written and committed behind the loop (see
+/// SaveOptions).
+void report(const Json& metrics, const ParallelModel& model, const SaveOptions& options = {});
 
 }  // namespace cohort::train

@@ -16,6 +16,19 @@ namespace cohort::train {
 /// manifest, before report() returns on any rank.
 void report(const Json& metrics, const std::optional<Checkpoint>& checkpoint = std::nullopt);
 
+/// How train::report(metrics, model, options) saves the model's checkpoint.
+struct SaveOptions {
+  /// Asynchronous: the loop waits only while this rank's files are copied into memory (buffers
+  /// kept from one save to the next); a thread of its own writes them into the run directory, and
+  /// rank 0's commits the checkpoint once every rank's are in (meta.json, manifest and checksums,
+  /// a durable rename), as a synchronous save does. At most one save is in flight per rank: the
+  /// next report with a checkpoint waits for it first and says how long in its
+  /// "checkpoint_wait_s" metric (beside "checkpoint_snapshot_s", the time the step stood still to
+  /// copy). A crash or kill before the commit leaves the previous checkpoint the latest; a failed
+  /// write fails the next report, or the loop's end, naming the rank.
+  bool async = false;
+};
+
 /// The checkpoint to resume from: the run's latest valid one when this run continues an earlier
 /// one with the same storage path and name (RunConfig::resume), else none.
 std::optional<Checkpoint> get_checkpoint();

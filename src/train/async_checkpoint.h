@@ -1,0 +1,76 @@
+// A checkpoint written and committed behind the training loop (train::SaveOptions::async): the
+// loop's rank captures its files in memory (captured(), buffers reused from save to save) and goes
+// on; this writer's thread writes them into the report's staging folder of the run directory, and
+// on rank 0 commits the checkpoint once every rank's files are there, as a synchronous report
+// would (meta.json, manifest, a durable rename, the driver told). At most one save in flight per
+// rank.
+#pragma once
+#include <atomic>
+#include <chrono>
+#include <exception>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cohort/comm/store.h"
+#include "cohort/json.h"
+#include "train/run_files.h"
+
+namespace cohort::train {
+
+class AsyncCheckpointWriter {
+ public:
+  // Rank 0's part: what it commits once the ranks' files are in the staging folder.
+  struct Commit {
+    Json meta;                         // meta.json
+    std::filesystem::path final_path;  // <run>/checkpoint_NNNNNN
+    std::vector<int> ranks;            // whose files it waits for (rank 0's own among them)
+    Json message;                      // sent to the driver with "checkpoint" set, when committed
+  };
+  // One save.
+  struct Job {
+    bool has_files = false;         // this rank captured files (rank 0 may have none to write)
+    std::filesystem::path staging;  // the report's staging folder in the run directory
+    std::string keys;               // store prefix: "<keys><rank>" says "ok" or the rank's error
+    int rank = 0;
+    int umask = 077;
+    int64_t report_index = 0;
+    std::optional<Commit> commit;  // rank 0's
+  };
+
+  // Waits on `store` (a connection of its own is made for the writer's thread) up to `timeout`
+  // for the other ranks' files.
+  AsyncCheckpointWriter(comm::Store store, std::chrono::milliseconds timeout);
+  // Abandons a save in flight: it stops at its next wait, its staging folder is never committed
+  // (the previous checkpoint stays the latest).
+  ~AsyncCheckpointWriter();
+  AsyncCheckpointWriter(const AsyncCheckpointWriter&) = delete;
+  AsyncCheckpointWriter& operator=(const AsyncCheckpointWriter&) = delete;
+
+  // Waits for the save in flight, if any, and rethrows its failure (a RuntimeError naming the
+  // report); returns the seconds waited.
+  double wait();
+  // Starts `job`, writing out what captured() holds (none may be in flight: wait() first).
+  void start(Job job);
+  // Where a save captures this rank's files (train::FileCapture), between wait() and start().
+  CapturedFiles& captured() { return captured_; }
+  // Whether a save is in flight.
+  bool busy() const { return thread_.joinable() && !done_; }
+
+ private:
+  void run(const Job& job);
+  void commit(const Job& job);
+
+  comm::Store store_;
+  std::optional<comm::Store> own_store_;  // made by the first job's thread
+  std::chrono::milliseconds timeout_;
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+  std::atomic<bool> abandon_{false};
+  std::exception_ptr error_;
+  CapturedFiles captured_;
+};
+
+}  // namespace cohort::train
