@@ -849,9 +849,24 @@ void FlatOptimizer::save(torch::serialize::OutputArchive& archive) const {
     }
     flat.write(prefix + "steps", at::tensor(steps, at::kLong));
     flat.write(prefix + "numels", at::tensor(numels, at::kLong));
+    // One part holding every parameter in the group's order, back to back, in the saved dtype on
+    // the CPU: its state buffers are already the concatenation, written as they are (a
+    // concatenation would copy the whole state into fresh memory).
+    bool in_order = parts.size() == 1 && parts[0].members.size() == params.size();
+    int64_t total = 0;
+    for (size_t k = 0; in_order && k < params.size(); ++k) {
+      in_order = parts[0].members[k] == k && parts[0].offsets[k] == total;
+      total += params[k].numel();
+    }
     for (size_t s = 0; s < names.size(); ++s) {
-      flat.write(prefix + names[s],
-                 params.empty() ? at::zeros({0}, at::kFloat) : at::cat(per_name[s]));
+      if (params.empty()) {
+        flat.write(prefix + names[s], at::zeros({0}, at::kFloat));
+      } else if (in_order && parts[0].state[s].device().is_cpu() &&
+                 parts[0].state[s].scalar_type() == saved_dtype) {
+        flat.write(prefix + names[s], parts[0].state[s].narrow(0, 0, total));
+      } else {
+        flat.write(prefix + names[s], at::cat(per_name[s]));
+      }
     }
   }
   archive.write("cohort_flat_state", flat);
