@@ -9,11 +9,11 @@
 //          their own
 //
 // The workers train --steps steps on random tokens and report a checkpoint every --every steps.
-// Printed per mode: the checkpoint's size, the stall per save (the report call, the slowest rank's,
-// mean and max over the saves), the mean step time of the steps right after a save against the
-// others (what the background copy takes from training on these cores), and whether the last
-// checkpoint verifies against its manifest and equals the other mode's. Then one JSON line per
-// mode.
+// Printed per mode: the checkpoint's size, the stall per save (the report call, the slowest rank's:
+// its mean, the first save's, the later saves' mean), the mean step time of the steps right after a
+// save against the others (what the background copy takes from training on these cores), and
+// whether the last checkpoint verifies against its manifest and equals the other mode's. Then one
+// JSON line per mode.
 //
 //   bench/async_checkpoint                  (14 layers x 768: 99 M parameters, 4 workers)
 #include <torch/torch.h>
@@ -95,7 +95,11 @@ void worker_loop(const Json& c) {
   const auto step_means = torch::stack(ctx.get_process_group().allgather(torch::tensor(
                                            {mean(after_save), mean(others)}, torch::kDouble)))
                               .mean(0);
+  // The first asynchronous save allocates its buffers; the others reuse them.
+  const auto later = slowest.numel() > 1 ? slowest.narrow(0, 1, slowest.numel() - 1) : slowest;
   train::report({{"stall_mean_s", slowest.mean().item<double>()},
+                 {"stall_first_s", slowest[0].item<double>()},
+                 {"stall_later_mean_s", later.mean().item<double>()},
                  {"stall_max_s", slowest.max().item<double>()},
                  {"saves", static_cast<int64_t>(stalls.size())},
                  {"step_after_save_s", step_means[0].item<double>()},
@@ -183,14 +187,16 @@ int main(int argc, char** argv) {
     rows.push_back(std::move(row));
   }
   std::cout << std::left << std::setw(8) << "mode" << std::right << std::setw(16) << "checkpoint MB"
-            << std::setw(8) << "saves" << std::setw(14) << "stall mean s" << std::setw(13)
-            << "stall max s" << std::setw(18) << "step after save" << std::setw(14) << "other steps"
-            << std::setw(10) << "verifies" << std::endl;
+            << std::setw(8) << "saves" << std::setw(14) << "stall mean s" << std::setw(14)
+            << "first save s" << std::setw(16) << "later saves s" << std::setw(18)
+            << "step after save" << std::setw(14) << "other steps" << std::setw(10) << "verifies"
+            << std::endl;
   for (const auto& r : rows) {
     std::cout << std::left << std::setw(8) << r.mode << std::right << std::setprecision(1)
               << std::setw(16) << r.checkpoint_mb << std::setw(8) << r.metrics["saves"].get<int>()
               << std::setprecision(3) << std::setw(14) << r.metrics["stall_mean_s"].get<double>()
-              << std::setw(13) << r.metrics["stall_max_s"].get<double>() << std::setw(18)
+              << std::setw(14) << r.metrics["stall_first_s"].get<double>() << std::setw(16)
+              << r.metrics["stall_later_mean_s"].get<double>() << std::setw(18)
               << r.metrics["step_after_save_s"].get<double>() << std::setw(14)
               << r.metrics["step_other_s"].get<double>() << std::setw(10)
               << (r.verified ? "yes" : "no") << std::endl;
@@ -202,10 +208,13 @@ int main(int argc, char** argv) {
     std::cout << "the last checkpoints of " << rows[0].mode << " and " << rows[1].mode << " are "
               << (equal ? "equal" : "NOT equal") << std::endl;
     failures += equal ? 0 : 1;
-    const double ratio = rows[1].metrics["stall_mean_s"].get<double>() /
-                         rows[0].metrics["stall_mean_s"].get<double>();
-    std::cout << rows[1].mode << " stalls " << std::setprecision(1) << 100 * ratio << "% of "
-              << rows[0].mode << " per checkpoint (goal: at most 10%)" << std::endl;
+    const auto ratio = [&](const char* key) {
+      return 100 * rows[1].metrics[key].get<double>() / rows[0].metrics[key].get<double>();
+    };
+    std::cout << rows[1].mode << " stalls " << std::setprecision(1) << ratio("stall_mean_s")
+              << "% of " << rows[0].mode << " per checkpoint, " << ratio("stall_later_mean_s")
+              << "% after the first save (which allocates the buffers); goal: at most 10%"
+              << std::endl;
   }
   for (const auto& r : rows) {
     Json line = r.metrics;

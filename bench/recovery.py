@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""Seconds lost to a failure: `kill -9` of one of 4 workers of `cohort train` at about step
+--kill-at, for each way of coming back, in the same run:
+
+  epoch     the driver restarts the group from the last checkpoint on disk, taken at epoch ends
+            (today's default)
+  steps     the same with --checkpoint-every-steps N
+  async     the same with the checkpoints written behind the loop (--async-checkpoint)
+  torchrun  PyTorch's torchrun --max_restarts 2 restarts its 4 `cohort train` ranks, which resume
+            from their checkpoints (--checkpoint-every-steps N)
+
+Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
+again), the seconds from the kill to the next completed step and to the first step past the killed
+one (rank 0's steps.jsonl, polled every 10 ms), then one JSON line per mode.
+
+  bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--modes ...]
+"""
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def steps_logged(path):
+    """The "step" of every record of steps.jsonl so far."""
+    try:
+        with open(path) as f:
+            out = []
+            for line in f:
+                try:
+                    out.append(json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    pass
+            return out
+    except FileNotFoundError:
+        return []
+
+
+def wait_until(condition, deadline_s, what):
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise TimeoutError(f"gave up after {deadline_s} s waiting for {what}")
+
+
+def worker_pids(process):
+    """The training processes: the driver's workers, or torchrun's ranks."""
+    out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def run_mode(args, mode, storage):
+    name = mode
+    train = [args.cohort, "train", "--workers", "4", "--epochs", "2", "--batch-size", "64",
+             "--model", args.model, "--optimizer", "adam", "--storage-path", storage,
+             "--name", name, "--log-every-steps", "1", "--quiet"]
+    if mode != "epoch":
+        train += ["--checkpoint-every-steps", str(args.every)]
+    if mode == "async":
+        train += ["--async-checkpoint"]
+    if mode == "torchrun":
+        # Each rank a `cohort train` of its own, restarted by torchrun (its run directory the same).
+        # --redirects/--tee 1: Debian's torchrun (1.13 on Python 3.11) fails on its default 0.
+        command = ["torchrun", "--standalone", "--nproc_per_node", "4", "--max_restarts", "2",
+                   "--no_python", "--redirects", "1", "--tee", "1", args.cohort] + train[1:]
+    else:
+        command = train + ["--max-failures", "1"]
+    log = open(os.path.join(storage, name + ".log"), "w")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    steps_file = os.path.join(storage, name, "steps.jsonl")
+    try:
+        at_kill = wait_until(lambda: [s for s in steps_logged(steps_file) if s >= args.kill_at],
+                             600, f"step {args.kill_at}")[0]
+        victims = wait_until(lambda: worker_pids(process), 30, "the workers' pids")
+        seen = len(steps_logged(steps_file))
+        killed_at = time.monotonic()
+        os.kill(victims[min(1, len(victims) - 1)], signal.SIGKILL)
+        step_at_kill = steps_logged(steps_file)[-1]
+        # The next completed step: a record below the step at the kill (the group came back from a
+        # checkpoint), or one past it that was logged after the kill.
+        def next_step():
+            records = steps_logged(steps_file)[seen:]
+            for s in records:
+                if s <= step_at_kill or len(records) > 4:
+                    return s
+            return None
+        resumed_step = wait_until(next_step, 600, "a step after the kill")
+        seconds = time.monotonic() - killed_at
+        # Back where the kill struck: the lost steps done again.
+        wait_until(lambda: any(s > step_at_kill for s in steps_logged(steps_file)[seen:]
+                               if s >= resumed_step), 600, "the step after the killed one")
+        back_seconds = time.monotonic() - killed_at
+        process.wait(timeout=900)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
+    return {"mode": mode, "step_at_kill": step_at_kill, "resumed_after": resumed_step - 1,
+            "steps_lost": step_at_kill - (resumed_step - 1), "kill_to_next_step_s": seconds,
+            "kill_to_step_after_killed_s": back_seconds,
+            "exit_code": process.returncode}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cohort", default=os.path.join(os.path.dirname(__file__), "..", "build",
+                                                         "cohort"))
+    parser.add_argument("--model", default="mlp")
+    parser.add_argument("--kill-at", type=int, default=200)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--modes", default="epoch,steps,async,torchrun")
+    args = parser.parse_args()
+    args.cohort = os.path.abspath(args.cohort)
+    modes = args.modes.split(",")
+    if "torchrun" in modes and shutil.which("torchrun") is None:
+        print("torchrun: not measured: no torchrun here (apt install python3-torch)")
+        modes.remove("torchrun")
+    storage = tempfile.mkdtemp(prefix="cohort-bench-recovery-")
+    rows = []
+    try:
+        for mode in modes:
+            print(f"{mode}: training, killing a worker at step {args.kill_at}...", flush=True)
+            rows.append(run_mode(args, mode, storage))
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    print(f"{'mode':<10}{'killed at':>10}{'resumed after':>15}{'steps lost':>12}"
+          f"{'kill -> next step s':>21}{'-> past the kill s':>20}{'exit':>6}")
+    for r in rows:
+        print(f"{r['mode']:<10}{r['step_at_kill']:>10}{r['resumed_after']:>15}{r['steps_lost']:>12}"
+              f"{r['kill_to_next_step_s']:>21.2f}{r['kill_to_step_after_killed_s']:>20.2f}"
+              f"{r['exit_code']:>6}")
+    for r in rows:
+        print(json.dumps(r))
+    return 0 if all(r["exit_code"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
