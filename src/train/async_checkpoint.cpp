@@ -41,7 +41,6 @@ void AsyncCheckpointWriter::start(Job job) {
   if (thread_.joinable()) {
     throw RuntimeError("an asynchronous checkpoint is still in flight: wait() for it first");
   }
-  done_ = false;
   thread_ = std::thread([this, job = std::move(job)] {
     // The failure keeps its kind: a peer's that timed out or went away is a consequence.
     const std::string failed = "the asynchronous checkpoint of report #" +
@@ -56,7 +55,6 @@ void AsyncCheckpointWriter::start(Job job) {
     } catch (const std::exception& e) {
       error_ = std::make_exception_ptr(RuntimeError(failed + e.what()));
     }
-    done_ = true;
   });
 }
 

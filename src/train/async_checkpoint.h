@@ -56,8 +56,6 @@ class AsyncCheckpointWriter {
   void start(Job job);
   // Where a save captures this rank's files (train::FileCapture), between wait() and start().
   CapturedFiles& captured() { return captured_; }
-  // Whether a save is in flight.
-  bool busy() const { return thread_.joinable() && !done_; }
 
  private:
   void run(const Job& job);
@@ -67,7 +65,6 @@ class AsyncCheckpointWriter {
   std::optional<comm::Store> own_store_;  // made by the first job's thread
   std::chrono::milliseconds timeout_;
   std::thread thread_;
-  std::atomic<bool> done_{false};
   std::atomic<bool> abandon_{false};
   std::exception_ptr error_;
   CapturedFiles captured_;

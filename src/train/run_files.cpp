@@ -143,13 +143,6 @@ std::vector<std::pair<std::string, const std::string*>> CapturedFiles::files() c
   return out;
 }
 
-int64_t CapturedFiles::capacity() const {
-  int64_t bytes = 0;
-  for (const auto& [name, buffer] : buffers_)
-    bytes += static_cast<int64_t>(buffer.bytes.capacity());
-  return bytes;
-}
-
 FileCapture::FileCapture(std::filesystem::path root, CapturedFiles& captured)
     : root_(std::move(root)), captured_(captured), previous_(active_capture) {
   for (auto& [name, buffer] : captured_.buffers_) {

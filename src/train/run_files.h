@@ -102,8 +102,6 @@ class CapturedFiles {
  public:
   // The files of the last capture, by relative path.
   std::vector<std::pair<std::string, const std::string*>> files() const;
-  // Bytes held, with the capacity kept for the next capture.
-  int64_t capacity() const;
 
  private:
   friend class FileCapture;
