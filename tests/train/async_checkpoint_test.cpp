@@ -77,7 +77,7 @@ TEST_F(AsyncCheckpoint, ACaptureKeepsTheFilesUnderItsRootInMemory) {
   files = captured.files();
   ASSERT_EQ(files.size(), 1u);
   EXPECT_EQ(*files[0].second, std::string(900, 'n'));
-  EXPECT_EQ(files[0].second->data(), buffer);             // the same memory, reused
+  EXPECT_EQ(files[0].second->data(), buffer);  // the same memory, reused
   std::filesystem::create_directories(root);
   write_atomically(root / "model.safetensors", "after");  // no capture now: to disk
   EXPECT_TRUE(std::filesystem::exists(root / "model.safetensors"));
