@@ -27,6 +27,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "gpt_config.h"
 
 namespace {
 
@@ -34,15 +35,6 @@ using cohort::Json;
 namespace train = cohort::train;
 namespace models = cohort::models;
 using Clock = std::chrono::steady_clock;
-
-models::ModelOptions options_of(const Json& c) {
-  models::ModelOptions o;
-  o.depth = c["layers"];
-  o.width = c["width"];
-  o.heads = c["heads"];
-  o.context = c["context"];
-  return o;
-}
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -57,7 +49,7 @@ double mean(const std::vector<double>& v) {
 // A worker: --steps steps, a checkpoint every --every, each report call timed.
 void worker_loop(const Json& c) {
   auto& ctx = train::get_context();
-  const auto o = options_of(c);
+  const auto o = cohort::bench::gpt_options(c);
   train::Plan plan;
   plan.zero.stage = c["zero_stage"];
   auto model = train::parallelize(

@@ -33,6 +33,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "gpt_config.h"
 
 namespace {
 
@@ -41,11 +42,7 @@ namespace train = cohort::train;
 namespace models = cohort::models;
 
 models::ModelOptions options_of(const Json& c) {
-  models::ModelOptions o;
-  o.depth = c["layers"];
-  o.width = c["width"];
-  o.heads = c["heads"];
-  o.context = c["context"];
+  auto o = cohort::bench::gpt_options(c);
   o.deferred_init = c["mode"].get<std::string>().rfind("zero3-", 0) == 0;
   return o;
 }
