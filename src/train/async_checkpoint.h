@@ -3,7 +3,8 @@
 // on; this writer's thread writes them into the report's staging folder of the run directory, and
 // on rank 0 commits the checkpoint once every rank's files are there, as a synchronous report
 // would (meta.json, manifest, a durable rename, the driver told). At most one save in flight per
-// rank.
+// rank. The same writer keeps train::snapshot's in-memory snapshots (train/snapshots.h): its
+// thread writes them onto the node's memory-backed storage and exchanges buddy copies.
 #pragma once
 #include <atomic>
 #include <chrono>
@@ -14,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
 #include "cohort/json.h"
 #include "train/run_files.h"
@@ -29,6 +31,18 @@ class AsyncCheckpointWriter {
     std::vector<int> ranks;            // whose files it waits for (rank 0's own among them)
     Json message;                      // sent to the driver with "checkpoint" set, when committed
   };
+  // A snapshot's part (train::snapshot): where on the node, the buddy copies, who commits.
+  struct Snapshot {
+    std::filesystem::path run_folder;  // the node's folder of the run's snapshots
+    std::string token;                 // the start's run token (its staging folders are kept)
+    std::string name;                  // snapshot_<token>_<n>, staged as staging_<token>_<n>
+    Json meta;                         // meta.json, the same on every node
+    comm::ProcessGroup group;          // for the buddy copies (not the loop's: a thread of its own)
+    int buddy = -1;                    // who keeps a copy of this rank's files (-1: nobody)
+    std::vector<int> wards;            // whose copies this rank keeps
+    std::vector<int> node_ranks;       // the node's ranks, when this rank commits the node's
+    std::string keys;                  // store prefix: "<keys><rank>" says "ok" or the error
+  };
   // One save.
   struct Job {
     bool has_files = false;         // this rank captured files (rank 0 may have none to write)
@@ -37,7 +51,8 @@ class AsyncCheckpointWriter {
     int rank = 0;
     int umask = 077;
     int64_t report_index = 0;
-    std::optional<Commit> commit;  // rank 0's
+    std::optional<Commit> commit;      // rank 0's
+    std::optional<Snapshot> snapshot;  // a snapshot's (then staging, keys and commit are unused)
   };
 
   // Waits on `store` (a connection of its own is made for the writer's thread) up to `timeout`
@@ -60,6 +75,12 @@ class AsyncCheckpointWriter {
  private:
   void run(const Job& job);
   void commit(const Job& job);
+  void keep_snapshot(const Job& job);
+  // Waits for the keys "<prefix><rank>" of `ranks` (in slices, so that an abandoned save stops
+  // soon) and throws unless each says "ok"; false when the save was abandoned meanwhile. `what`
+  // names what is not done ("the checkpoint is not committed").
+  bool wait_for_ranks(const std::string& prefix, const std::vector<int>& ranks,
+                      const std::string& what);
 
   comm::Store store_;
   std::optional<comm::Store> own_store_;  // made by the first job's thread

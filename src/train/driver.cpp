@@ -21,6 +21,7 @@
 #include "train/run_files.h"
 #include "train/run_recorder.h"
 #include "train/run_status.h"
+#include "train/snapshots.h"
 #include "train/worker_session.h"
 #include "train/worker_spec.h"
 
@@ -293,6 +294,17 @@ Result Driver::run() {
   recorder_->result().interrupted =
       attempt.outcome.stop_requested && attempt.outcome.interrupted_by == 0 && !error;
   Result result = recorder_->finish(error, static_cast<int>(slots_.size()), since_start());
+  // The run's snapshots on this node (train::snapshot): gone with a run that ended well; a failed
+  // one keeps them for a run that resumes it.
+  if (!run_.snapshot_path.empty()) {
+    const auto snapshots = snapshot_run_folder(run_.snapshot_path, recorder_->run_dir());
+    if (result.ok()) {
+      remove_tree(snapshots);
+    } else if (!held_snapshots(snapshots).empty() && run_.verbose >= 1) {
+      console_.message("cohort: the run's in-memory snapshots stay in " + snapshots.string() +
+                       " for a run that resumes it; remove the folder to free the memory");
+    }
+  }
   status_->write(!result.ok()         ? "failed"
                  : result.interrupted ? "interrupted"
                                       : "finished",
@@ -341,6 +353,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .gpus_per_worker = gpus_per_worker_,
       .backend = scaling_.backend,
       .resume_from = resume_from ? resume_from->path().string() : "",
+      .resume = run_.resume,
+      .snapshot_path = run_.snapshot_path.string(),
       .next_checkpoint_index = recorder_->next_checkpoint_index(),
       .tensorboard_histograms = run_.tensorboard.enabled && run_.tensorboard.histograms,
       .profile_first = run_.profile_steps.first,
@@ -426,6 +440,10 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       return;
     }
     if (type == "heartbeat") return;
+    if (type == "restored") {  // before training: what the group restores from
+      if (rank == 0) recorder_->on_restored(message);
+      return;
+    }
     if (rank == 0 && !trained) {
       trained = true;
       status_->on_training();

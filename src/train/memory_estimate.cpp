@@ -220,11 +220,19 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   add("replica copies", copies * e, "--sync ddp keeps none");
   // An asynchronous checkpoint's buffers, on the worker that writes the most: the whole model's
   // parameters and buffers (the first rank writes them), beside its optimizer state.
-  if (options.async_checkpoint) {
-    const Part whole = part_of({model.module});
-    add("checkpoint buffers",
-        whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state,
-        "a synchronous save (no --async-checkpoint) keeps none");
+  const Part whole = part_of({model.module});
+  const int64_t checkpoint_bytes =
+      whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state;
+  if (options.async_checkpoint || options.snapshots) {
+    add("checkpoint buffers", checkpoint_bytes,
+        "a synchronous save (no --async-checkpoint, no --snapshot-every-steps) keeps none");
+  }
+  // Snapshots: in the node's memory-backed storage (tmpfs), not the process's, but memory all
+  // the same; the two newest of the worker's own files and two copies of its ward's.
+  if (options.snapshots) {
+    add("snapshots (memory-backed storage)", 4 * checkpoint_bytes,
+        "a larger --snapshot-every-steps does not shrink it; leave snapshots out, or shard the "
+        "state with --zero-stage");
   }
   // Activations: a pipeline stage holds about 1/pp of a micro-batch's, for the micro-batches in
   // flight at once (GPipe all of a step's; 1F1B, interleaved and zero-bubble at most pp).

@@ -515,8 +515,15 @@ std::filesystem::path report_folder() {
 }
 
 // This rank's files captured in memory, reported, and written and committed behind the loop.
-void report_asynchronously(Json metrics, const ParallelModel& model) {
-  metrics["checkpoint_wait_s"] = wait_for_checkpoint_in_flight();
+// Saves `model` into memory (checkpoint_capture()) once the save in flight is done: whether this
+// rank saved files, the seconds waited for that one, and the seconds the save took (the step's
+// stall).
+struct CapturedSave {
+  bool saved = false;
+  double waited_s = 0, stalled_s = 0;
+};
+CapturedSave capture_save(const ParallelModel& model) {
+  const double waited = wait_for_checkpoint_in_flight();
   const auto dir = report_folder();
   const auto start = std::chrono::steady_clock::now();
   bool saved = false;
@@ -535,12 +542,28 @@ void report_asynchronously(Json metrics, const ParallelModel& model) {
     }
   }
   remove_tree(dir);
-  metrics["checkpoint_snapshot_s"] =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  report_async(metrics, saved);
+  return {
+      .saved = saved,
+      .waited_s = waited,
+      .stalled_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+}
+
+void report_asynchronously(Json metrics, const ParallelModel& model) {
+  const auto save = capture_save(model);
+  metrics["checkpoint_wait_s"] = save.waited_s;
+  metrics["checkpoint_snapshot_s"] = save.stalled_s;
+  report_async(metrics, save.saved);
 }
 
 }  // namespace
+
+void snapshot(const Json& metrics, const ParallelModel& model) {
+  auto kept = metrics;
+  const auto save = capture_save(model);
+  kept["snapshot_wait_s"] = save.waited_s;
+  kept["snapshot_stall_s"] = save.stalled_s;
+  snapshot_async(kept);
+}
 
 void report(const Json& metrics, const ParallelModel& model, const SaveOptions& options) {
   if (options.async) {

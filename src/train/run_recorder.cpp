@@ -190,6 +190,14 @@ void RunRecorder::on_checkpoint(const Json& message) {
                 " committed (written behind the loop)");
 }
 
+void RunRecorder::on_restored(const Json& message) {
+  console_.message("cohort: " + message.value("why", std::string{}));
+  if (result_.failures.empty()) return;
+  auto& failure = result_.failures.back();
+  failure["restored_from"] = message.value("source", std::string{});
+  failure["restored_checkpoint"] = message.value("checkpoint", std::string{});
+}
+
 void RunRecorder::on_step(const Json& message) {
   const Json metrics = message.value("metrics", Json::object());
   const int64_t step = message.value("step", int64_t{0});

@@ -49,6 +49,10 @@ class RunRecorder {
   // A "checkpoint" control message of rank 0: a checkpoint saved asynchronously
   // (SaveOptions::async) was committed after its report.
   void on_checkpoint(const Json& message);
+  // A "restored" control message of rank 0: what the (re)started group restores from (a
+  // snapshot, or the disk, and why). The console says it; the failure that caused the restart
+  // records it ("restored_from": "snapshot" or "disk", "restored_checkpoint": its path).
+  void on_restored(const Json& message);
   // A "step" control message of rank 0 (train::log_step): a line of steps.jsonl, and TensorBoard
   // scalars "step/<metric>" at that step.
   void on_step(const Json& message);

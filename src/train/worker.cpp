@@ -29,6 +29,7 @@
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
+#include "train/snapshots.h"
 #include "train/worker_session.h"
 #include "train/worker_spec.h"
 
@@ -57,6 +58,8 @@ struct SessionSettings {
   std::filesystem::path run_dir;
   std::chrono::system_clock::time_point run_start;
   std::string resume_from;
+  bool resume = true;                   // RunConfig::resume
+  std::filesystem::path snapshot_path;  // RunConfig::snapshot_path
   int64_t next_checkpoint_index = 0;
   c10::Device device = c10::Device(c10::DeviceType::CPU);
   comm::Backend backend = comm::Backend::kAuto;
@@ -131,6 +134,10 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   optim::check_precision_supported(ctx.precision, ctx.device);
   session->loss_scaler = std::make_unique<optim::LossScaler>(
       scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
+  if (!settings.snapshot_path.empty()) {
+    session->snapshot_folder = snapshot_run_folder(settings.snapshot_path, settings.run_dir);
+    choose_snapshot_to_restore(*session, settings.resume, settings.setup_timeout);
+  }
   set_current_session(std::move(session));
   runtime::watch_stop_requests();
   if (settings.profile_steps.first > 0) {
@@ -278,6 +285,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
         std::chrono::duration_cast<std::chrono::system_clock::duration>(
             std::chrono::nanoseconds(spec.run_start_ns)));
     settings.resume_from = spec.resume_from;
+    settings.resume = spec.resume;
+    settings.snapshot_path = spec.snapshot_path;
     settings.next_checkpoint_index = spec.next_checkpoint_index;
     settings.device = device_of(spec.gpus_per_worker, info->local_rank);
     settings.backend = comm::backend_from_string(spec.backend);
@@ -421,6 +430,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.name = shared["name"];
   settings.run_dir = shared["run_dir"].get<std::string>();
   settings.resume_from = shared["resume_from"];
+  settings.resume = run.resume;
+  settings.snapshot_path = run.snapshot_path;
   settings.next_checkpoint_index = shared["next_checkpoint"];
   settings.run_token = shared["token"];
   settings.run_start = std::chrono::system_clock::time_point(
@@ -450,6 +461,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
         if (!broken.empty()) throw UsageError(broken);
       } else if (type == "checkpoint") {
         recorder->on_checkpoint(message);
+      } else if (type == "restored") {
+        recorder->on_restored(message);
       } else if (type == "step") {
         recorder->on_step(message);
       } else if (type == "progress") {
@@ -475,6 +488,9 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     // Rank 0 serves the store: nobody may still need it when it returns.
     settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1",
                                    "finish the train loop", run.collective_timeout);
+    // Every rank is done: the node's snapshots of the run served their purpose.
+    if (info.local_rank == 0 && !settings.snapshot_path.empty())
+      remove_tree(snapshot_run_folder(settings.snapshot_path, settings.run_dir));
   } catch (const std::exception& e) {
     error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
     std::cerr << "error: " << *error << std::endl;

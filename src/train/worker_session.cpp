@@ -21,6 +21,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "train/run_files.h"
+#include "train/snapshots.h"
 #include "train/tensorboard_log.h"
 
 namespace cohort::train {
@@ -655,6 +656,9 @@ void report_files(const Json& metrics, const std::optional<std::filesystem::path
               {"report_index", index},
               {"world_size", s.context.world_size},
               {"data_parallel_size", data_parallel_position(s.context).world_size},
+              {"saved_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
+                               std::chrono::system_clock::now().time_since_epoch())
+                               .count()},
               {"timestamp", std::time(nullptr)}};
     if (!ranks_with_positions.empty())
       meta[kDataPositionsKey] = positions_by_shard(s.store.get_many(ranks_with_positions));
@@ -702,6 +706,117 @@ void report_async(const Json& metrics, bool has_files) {
       metrics,
       has_files ? std::optional<std::filesystem::path>(std::filesystem::path()) : std::nullopt,
       true);
+}
+
+void snapshot_async(const Json& metrics) {
+  auto& s = require_session("cohort::train::snapshot()");
+  if (!metrics.is_object()) {
+    throw UsageError("snapshot: metrics must be a JSON object of name -> value, got " +
+                     metrics.dump());
+  }
+  if (s.snapshot_folder.empty()) {
+    throw UsageError(
+        "snapshot: RunConfig::snapshot_path is empty: set it to memory-backed storage of each "
+        "node (e.g. /dev/shm/cohort-snapshots) to keep snapshots");
+  }
+  const auto& ctx = s.context;
+  const int64_t index = ++s.snapshots;
+  // A group of its own (not a sub-group of the loop's: its bytes are not the training's traffic),
+  // through Gloo: the copies are of host memory.
+  if (ctx.world_size > 1 && !s.snapshot_group.valid()) {
+    s.snapshot_group = comm::ProcessGroup::create(s.store, ctx.world_rank, ctx.world_size,
+                                                  {.interface_address = s.interface_address,
+                                                   .setup_timeout = s.collective_timeout,
+                                                   .timeout = s.collective_timeout,
+                                                   .prefix = "snapshot/" + s.run_token + "/group",
+                                                   .backend = comm::Backend::kGloo});
+  }
+  // Each rank's node, clock and data positions; every rank builds the same meta.json from them.
+  Json arrival{{"node", ctx.node_rank},
+               {"saved_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count()}};
+  if (!s.data_positions.empty()) {
+    const auto position = data_parallel_position(ctx);
+    arrival["data"] = Json{
+        {"shard", position.rank}, {"shards", position.world_size}, {"positions", s.data_positions}};
+  }
+  const std::string keys = "snapshot/" + s.run_token + "/" + std::to_string(index) + "/";
+  const auto arrivals =
+      s.store.arrive_and_wait(keys + "arrive/", ctx.world_rank, ctx.world_size, arrival.dump(),
+                              "reach snapshot() call #" + std::to_string(index) +
+                                  " (every rank must call snapshot() equally often)",
+                              s.collective_timeout);
+  // Every rank's writer finished the previous snapshot before it arrived here.
+  if (ctx.world_rank == 0 && index > 1)
+    s.store.remove_prefix("snapshot/" + s.run_token + "/" + std::to_string(index - 1) + "/");
+  std::vector<int> node_of_rank;
+  std::vector<std::string> positions;
+  for (const auto& text : arrivals) {
+    const auto a = Json::parse(text);
+    node_of_rank.push_back(a.at("node"));
+    if (a.contains("data")) positions.push_back(a["data"].dump());
+  }
+  Json meta{{"metrics", metrics},
+            {"snapshot_index", index},
+            {"world_size", ctx.world_size},
+            {"data_parallel_size", data_parallel_position(ctx).world_size},
+            {"saved_ns", Json::parse(arrivals.at(0)).at("saved_ns")},
+            {"timestamp", std::time(nullptr)}};
+  if (!positions.empty()) meta[kDataPositionsKey] = positions_by_shard(positions);
+  const auto buddies = snapshot_buddies(node_of_rank);
+  AsyncCheckpointWriter::Snapshot snapshot{.run_folder = s.snapshot_folder,
+                                           .token = s.run_token,
+                                           .name = snapshot_name(s.run_token, index),
+                                           .meta = std::move(meta),
+                                           .group = s.snapshot_group,
+                                           .buddy = buddies[static_cast<size_t>(ctx.world_rank)],
+                                           .keys = keys + "kept/"};
+  for (int r = 0; r < ctx.world_size; ++r) {
+    if (buddies[static_cast<size_t>(r)] == ctx.world_rank) snapshot.wards.push_back(r);
+    if (node_of_rank[static_cast<size_t>(r)] == ctx.node_rank) snapshot.node_ranks.push_back(r);
+  }
+  // The node's lowest rank commits the node's snapshot.
+  if (snapshot.node_ranks.front() != ctx.world_rank) snapshot.node_ranks.clear();
+  // Every rank lists its files (none is a list too) and keeps its wards' copies.
+  writer_of(s).start({.rank = ctx.world_rank,
+                      .umask = s.umask,
+                      .report_index = index,
+                      .snapshot = std::move(snapshot)});
+}
+
+void choose_snapshot_to_restore(WorkerSession& s, bool resume, std::chrono::milliseconds timeout) {
+  if (s.snapshot_folder.empty()) return;
+  const auto& ctx = s.context;
+  if (!resume) {
+    // A new run of the same name: an earlier one's snapshots are not its past.
+    if (ctx.local_rank == 0) remove_tree(s.snapshot_folder);
+    return;
+  }
+  const auto held = held_snapshots(s.snapshot_folder);
+  const auto arrivals =
+      s.store.arrive_and_wait("snapshot/" + s.run_token + "/held/", ctx.world_rank, ctx.world_size,
+                              Json(held).dump(), "say which snapshots its node holds", timeout);
+  std::vector<std::vector<HeldSnapshot>> by_rank;
+  for (const auto& text : arrivals)
+    by_rank.push_back(Json::parse(text).get<std::vector<HeldSnapshot>>());
+  const auto choice = choose_snapshot(
+      by_rank, ctx.world_rank, s.resume_from ? saved_ns_of(s.resume_from->path()) : std::nullopt);
+  if (choice.snapshot) {
+    s.resume_from = Checkpoint::from_directory(
+        snapshot_checkpoint(s.snapshot_folder, *choice.snapshot, ctx.world_rank));
+  }
+  if (ctx.world_rank != 0 || choice.why.empty()) return;
+  if (!runtime::has_control_channel()) {
+    std::cerr << "cohort: " << choice.why << std::endl;
+  } else {
+    runtime::send_control_message(Json{
+        {"type", "restored"},
+        {"rank", 0},
+        {"source", choice.snapshot ? "snapshot" : "disk"},
+        {"checkpoint", s.resume_from ? s.resume_from->path().string() : ""},
+        {"why", choice.why}}.dump());
+  }
 }
 
 double wait_for_checkpoint_in_flight() {

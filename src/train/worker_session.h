@@ -93,8 +93,15 @@ struct WorkerSession {
     std::optional<std::chrono::steady_clock::time_point> last_call, last_logged;
     std::vector<double> gaps_ms;
   } step_log;
-  // train::SaveOptions::async: this rank's save in flight (made at the first).
+  // train::SaveOptions::async and train::snapshot: this rank's save in flight (made at the
+  // first).
   std::unique_ptr<AsyncCheckpointWriter> checkpoint_writer;
+  // train::snapshot: this node's folder of the run's snapshots (RunConfig::snapshot_path; empty:
+  // none), the snapshots taken in this start, and the group that carries their buddy copies
+  // (made at the first, behind the loop's back on the writer's thread).
+  std::filesystem::path snapshot_folder;
+  int64_t snapshots = 0;
+  comm::ProcessGroup snapshot_group;
 };
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the
@@ -137,6 +144,14 @@ CapturedFiles& checkpoint_capture();
 // files when `has_files`, which the session's writer writes into the run directory, and rank 0
 // commits, behind the loop.
 void report_async(const Json& metrics, bool has_files);
+// train::snapshot with the files checkpoint_capture() holds (none: this rank has none): the
+// session's writer keeps them on the node's memory-backed storage and copies them to the buddy.
+void snapshot_async(const Json& metrics);
+// At the start of a group (every rank, before the loop): when a snapshot that the ranks' nodes
+// hold is newer than the checkpoint on disk, the session resumes from it instead; rank 0 says
+// which it chose and why. With `resume` false the node's snapshots of the run are removed.
+void choose_snapshot_to_restore(WorkerSession& session, bool resume,
+                                std::chrono::milliseconds timeout);
 // Waits for this rank's asynchronous save in flight, if any, and rethrows its failure; returns the
 // seconds waited. A loop's end waits too (finish_session).
 double wait_for_checkpoint_in_flight();

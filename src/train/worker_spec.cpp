@@ -64,6 +64,8 @@ std::string to_text(const WorkerSpec& s) {
               {"gpus_per_worker", s.gpus_per_worker},
               {"backend", s.backend},
               {"resume_from", s.resume_from},
+              {"resume", s.resume},
+              {"snapshot_path", s.snapshot_path},
               {"next_checkpoint_index", s.next_checkpoint_index},
               {"slot", s.slot},
               {"tensorboard_histograms", s.tensorboard_histograms},
@@ -124,6 +126,8 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.gpus_per_worker = field<int>(j, "gpus_per_worker");
   s.backend = field<std::string>(j, "backend");
   s.resume_from = field<std::string>(j, "resume_from");
+  s.resume = field<bool>(j, "resume");
+  s.snapshot_path = field<std::string>(j, "snapshot_path");
   s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
   s.slot = field<int>(j, "slot");
   s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");

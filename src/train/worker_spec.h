@@ -45,7 +45,9 @@ struct WorkerSpec {
   runtime::HeartbeatOptions heartbeat;
   int gpus_per_worker = 0;  // 0: CPU training
   std::string backend = "auto";
-  std::string resume_from;  // a checkpoint folder, or empty
+  std::string resume_from;    // a checkpoint folder, or empty
+  bool resume = true;         // RunConfig::resume: a newer snapshot may be restored from instead
+  std::string snapshot_path;  // RunConfig::snapshot_path
   int64_t next_checkpoint_index = 0;
   int slot = 0;                         // the worker slot (ScalingConfig) the rank runs in
   bool tensorboard_histograms = false;  // RunConfig::tensorboard.histograms

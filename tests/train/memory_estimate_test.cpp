@@ -81,6 +81,15 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
         << stage;
   }
   EXPECT_EQ(ddp.count("checkpoint buffers"), 0u);
+  EXPECT_EQ(ddp.count("snapshots (memory-backed storage)"), 0u);
+  // Snapshots: the same buffers, and on the node's tmpfs the newest two of the worker's files
+  // and two buddy copies of another's.
+  {
+    auto kept = items_of(
+        estimate_memory(spec, Plan{}, {.world_size = 4, .optimizer_states = 2, .snapshots = true}));
+    EXPECT_EQ(kept["checkpoint buffers"], 4 * kP + 8 * kP);
+    EXPECT_EQ(kept["snapshots (memory-backed storage)"], 4 * (4 * kP + 8 * kP));
+  }
   // A flat optimizer under DDP keeps its own gradient buffer.
   Plan ddp_plan;
   EXPECT_EQ(items_of(estimate_memory(

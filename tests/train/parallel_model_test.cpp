@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <csignal>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "cohort/cohort.h"
@@ -11,6 +13,8 @@
 #include "support/run_config.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
+#include "train/run_files.h"
+#include "train/snapshots.h"
 
 namespace cohort {
 namespace {
@@ -103,9 +107,19 @@ void train_loop(const Json& c) {
   }
   const int64_t rows = kBatch * plan.gradient_accumulation_steps;
   const int64_t stop_after = c["stop_after"];
-  std::ofstream ids(
-      c["ids"].get<std::string>() + "-rank" + std::to_string(ctx.get_world_rank()) + ".txt",
-      std::ios::app);
+  // Snapshots after the steps `snapshot_at`; rank 1 killed after step `kill_at`, once (a file says
+  // it was).
+  const auto snapshot_at = c.value("snapshot_at", std::vector<int64_t>{});
+  const int64_t kill_at = c.value("kill_at", int64_t{0});
+  const std::string ids_file =
+      c["ids"].get<std::string>() + "-rank" + std::to_string(ctx.get_world_rank()) + ".txt";
+  std::ofstream ids(ids_file, std::ios::app);
+  // With a kill: "<epoch> <step> <id>" of every row, for the rows of the steps retaken.
+  std::ofstream rows_by_step(ids_file + ".steps", std::ios::app);
+  if (ctx.get_world_rank() == 0) {
+    std::ofstream(c["ids"].get<std::string>() + "-resumed-from.txt", std::ios::app)
+        << (train::get_checkpoint() ? train::get_checkpoint()->path().string() : "none") << "\n";
+  }
   std::optional<data::DataIterator> stream;
   std::optional<data::DataLoader> loader;
   if (c["stream"] == "loader") {
@@ -119,10 +133,24 @@ void train_loop(const Json& c) {
     int64_t step = epoch == start.epoch ? start.epoch_steps_done : 0;
     bool stopped = false;
     const auto train_on = [&](const at::Tensor& x, const at::Tensor& y) {
-      for (int64_t i = 0; i < x.size(0); ++i)
+      for (int64_t i = 0; i < x.size(0); ++i) {
         ids << epoch << " " << x[i][0].item<int64_t>() << "\n";
+        rows_by_step << epoch << " " << model.steps() + 1 << " " << x[i][0].item<int64_t>() << "\n";
+      }
+      rows_by_step.flush();
       model.step(x, y);
       ++step;
+      if (std::count(snapshot_at.begin(), snapshot_at.end(), model.steps()) > 0) {
+        train::snapshot(
+            {{"epoch", epoch + 1}, {train::kEpochStepMetric, step}, {"steps", model.steps()}},
+            model);
+      }
+      const auto killed = std::filesystem::path(c["ids"].get<std::string>() + "-killed");
+      if (model.steps() == kill_at && ctx.get_world_rank() == 1 &&
+          !std::filesystem::exists(killed)) {
+        std::ofstream(killed) << "once\n";
+        std::raise(SIGKILL);
+      }
       return stopped = model.steps() == stop_after;
     };
     if (loader) {
@@ -158,23 +186,34 @@ class ParallelModelResume : public ::testing::Test {
   Result fit(const std::string& name, const std::string& plan, int workers, int64_t stop_after,
              const std::string& stream = "dataset",
              const std::string& activation_checkpointing = "none", bool async = false) {
+    return fit_with(name, plan, workers,
+                    {{"activation_checkpointing", activation_checkpointing},
+                     {"stop_after", stop_after},
+                     {"stream", stream},
+                     {"async", async}});
+  }
+
+  // train_loop's run `name` of `plan` on `workers` with `config` (beside the plan and the ids
+  // files), surviving `max_failures`.
+  Result fit_with(const std::string& name, const std::string& plan, int workers, Json config,
+                  int max_failures = 0) {
     const auto p = plan_named(plan);
+    config["plan"] = plan;
+    config["ids"] = (dir / name).string() + "-ids";
+    if (!config.contains("stop_after")) config["stop_after"] = 0;
+    if (!config.contains("stream")) config["stream"] = "dataset";
     Trainer trainer(train_loop,
                     {.num_workers = workers,
                      .num_parameter_servers = plan == "parameter_server" ? 1 : 0,
                      .mesh = {.pp = p.pp}},
                     {.name = name,
                      .storage_path = dir,
+                     .failure_config = {.max_failures = max_failures},
+                     .snapshot_path = snapshots,
                      .verbose = 0,
                      .setup_timeout = std::chrono::seconds(60),
                      .collective_timeout = std::chrono::seconds(60)},
-                    Json{{"plan", plan},
-                         {"activation_checkpointing", activation_checkpointing},
-                         {"stop_after", stop_after},
-                         {"stream", stream},
-                         {"async", async},
-                         {"ids", (dir / name).string() + "-ids"}},
-                    {{"train", dataset()}});
+                    config, {{"train", dataset()}});
     return trainer.fit();
   }
 
@@ -189,6 +228,31 @@ class ParallelModelResume : public ::testing::Test {
     return safetensors::read(file);
   }
 
+  // (epoch, row id) of every row rank `rank` of run `name` trained on in the steps that count: a
+  // step taken again after a restore counts as its last taking.
+  std::vector<std::pair<int, int64_t>> rows_by_step_of(const std::string& name, int rank) {
+    std::map<int64_t, std::vector<std::pair<int, int64_t>>> by_step;
+    std::ifstream in((dir / name).string() + "-ids-rank" + std::to_string(rank) + ".txt.steps");
+    int epoch;
+    int64_t step, id, previous = -1;
+    while (in >> epoch >> step >> id) {
+      if (step != previous) by_step[step].clear();  // a taking of the step begins
+      by_step[step].emplace_back(epoch, id);
+      previous = step;
+    }
+    std::vector<std::pair<int, int64_t>> out;
+    for (const auto& [s, rows] : by_step) out.insert(out.end(), rows.begin(), rows.end());
+    return out;
+  }
+
+  // The checkpoints each start of run `name` resumed from ("none" for a fresh start).
+  std::vector<std::string> resumed_from(const std::string& name) {
+    std::vector<std::string> out;
+    std::ifstream in((dir / name).string() + "-ids-resumed-from.txt");
+    for (std::string line; std::getline(in, line);) out.push_back(line);
+    return out;
+  }
+
   // (epoch, row id) of every row rank `rank` of run `name` trained on, in order.
   std::vector<std::pair<int, int64_t>> ids_of(const std::string& name, int rank) {
     std::vector<std::pair<int, int64_t>> out;
@@ -200,6 +264,8 @@ class ParallelModelResume : public ::testing::Test {
   }
 
   std::filesystem::path dir = cohort::testing::temp_dir("parallel_model_resume");
+  // Where the runs keep their snapshots (RunConfig::snapshot_path): the test's own.
+  std::filesystem::path snapshots = dir / "snapshots";
 };
 
 // Stopped half way through the second epoch (6 steps of 2 x 8 rows an epoch; 12 of 8 rows with a
@@ -248,6 +314,78 @@ void ParallelModelResume::expect_resumed_run_matches(const std::string& plan, in
   // The parameter server applies each push as it comes, in whatever order the workers' pushes
   // arrive: two of its runs never agree bit for bit, stopped or not.
   if (plan == "parameter_server") return;
+  const auto expected = model_of(whole);
+  const auto actual = model_of(resumed);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, tensor] : expected)
+    EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+}
+
+// A rank killed two steps after a snapshot inside the second epoch (the last checkpoint on disk is
+// the first epoch's end): the restarted group resumes from the snapshot, not the disk, retakes at
+// most the steps since it, trains on every row of the epoch once in the end, in the uninterrupted
+// run's order, and ends with its parameters bit for bit. The run's snapshots go when it ends.
+class SnapshotRestore : public ParallelModelResume,
+                        public ::testing::WithParamInterface<PlanCase> {};
+
+TEST_P(SnapshotRestore, AfterAKillMatchesAnUninterruptedRun) {
+  const auto& [plan, workers] = GetParam();
+  const auto whole = fit(plan + "-whole", plan, workers, 0);
+  ASSERT_TRUE(whole.ok()) << *whole.error;
+  // Rank 1 passes the second snapshot's start only once every rank's writer finished the first:
+  // the first is whole when the kill comes.
+  const auto killed = fit_with(plan + "-killed", plan, workers,
+                               {{"snapshot_at", {8, 9}}, {"kill_at", 10}}, /*max_failures=*/1);
+  ASSERT_TRUE(killed.ok()) << *killed.error;
+  ASSERT_EQ(killed.failures.size(), 1u);
+  EXPECT_EQ(killed.failures[0].value("restored_from", ""), "snapshot") << killed.failures[0].dump();
+  const auto starts = resumed_from(plan + "-killed");
+  ASSERT_EQ(starts.size(), 2u);
+  EXPECT_EQ(starts[0], "none");
+  EXPECT_NE(starts[1].find("/snapshot_"), std::string::npos) << starts[1];
+  EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
+  for (int rank = 0; rank < workers; ++rank)
+    EXPECT_EQ(rows_by_step_of(plan + "-killed", rank), ids_of(plan + "-whole", rank)) << rank;
+  const auto expected = model_of(whole);
+  const auto actual = model_of(killed);
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, tensor] : expected)
+    EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+  EXPECT_FALSE(std::filesystem::exists(train::snapshot_run_folder(snapshots, killed.path)));
+}
+
+INSTANTIATE_TEST_SUITE_P(ParallelModel, SnapshotRestore,
+                         ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero2", 2},
+                                           PlanCase{"zero3", 2}, PlanCase{"local_sgd", 2}),
+                         [](const auto& info) { return info.param.plan; });
+
+// A failed run keeps its snapshots; when the files a rank wrote are lost with its node, the run
+// resumed later restores from the copies its buddy kept, to the uninterrupted run's parameters.
+TEST_F(ParallelModelResume, ASnapshotWhoseOwnFilesAreLostRestoresFromTheBuddyCopies) {
+  const auto whole = fit("buddy-whole", "zero2", 2, 0);
+  ASSERT_TRUE(whole.ok()) << *whole.error;
+  const auto failed = fit_with("buddy", "zero2", 2, {{"snapshot_at", {8, 9}}, {"kill_at", 10}});
+  ASSERT_FALSE(failed.ok());
+  const auto folder = train::snapshot_run_folder(snapshots, failed.path);
+  const auto held = train::held_snapshots(folder);
+  ASSERT_GE(held.size(), 1u);
+  // Rank 0's own files gone from every snapshot, as with the loss of its node.
+  for (const auto& s : held) {
+    const auto snap = folder / s.name;
+    const auto list = snap / train::kSnapshotRanksDir / "0.json";
+    ASSERT_TRUE(std::filesystem::exists(list));
+    const auto names = read_json(list).get<std::vector<std::string>>();
+    ASSERT_FALSE(names.empty());
+    for (const auto& name : names)
+      ASSERT_TRUE(std::filesystem::remove(snap / train::kSnapshotCheckpointDir / name)) << name;
+    std::filesystem::remove(list);
+  }
+  const auto resumed = fit_with("buddy", "zero2", 2, Json::object());
+  ASSERT_TRUE(resumed.ok()) << *resumed.error;
+  const auto starts = resumed_from("buddy");
+  ASSERT_EQ(starts.size(), 2u);
+  EXPECT_NE(starts[1].find("restored-rank"), std::string::npos) << starts[1];
+  EXPECT_EQ(resumed.metrics["steps"], whole.metrics["steps"]);
   const auto expected = model_of(whole);
   const auto actual = model_of(resumed);
   ASSERT_EQ(actual.size(), expected.size());

@@ -141,6 +141,11 @@ struct RunConfig {
   /// checkpoint (train::get_checkpoint() returns it). false starts afresh (old checkpoints stay
   /// on disk, untouched, and new ones are numbered after them).
   bool resume = true;
+  /// Where each node keeps train::snapshot's in-memory snapshots: memory-backed storage local to
+  /// the node (tmpfs), which outlives the worker processes. A restarted group restores from the
+  /// newest snapshot its nodes hold when it is newer than the latest checkpoint; the run's folder
+  /// in it goes when the run ends. Empty: snapshot() is an error.
+  std::filesystem::path snapshot_path = "/dev/shm/cohort-snapshots";
   /// 0: silent driver; 1: a line per report and a progress bar on a terminal.
   int verbose = 1;
   /// Rendezvous and process-group setup deadline.

@@ -37,6 +37,9 @@ struct MemoryEstimateOptions {
   /// Checkpoints saved asynchronously (SaveOptions::async): the worker keeps its files' buffers,
   /// the first one the whole model's parameters with its optimizer state.
   bool async_checkpoint = false;
+  /// In-memory snapshots (train::snapshot): the same buffers, and on the node's memory-backed
+  /// storage the newest two snapshots of the worker's files and two buddy copies of another's.
+  bool snapshots = false;
 };
 
 /// One item of a worker's memory.

@@ -178,4 +178,17 @@ ResumePoint resume_point(const Checkpoint& checkpoint);
 /// SaveOptions).
 void report(const Json& metrics, const ParallelModel& model, const SaveOptions& options = {});
 
+/// Keeps an in-memory snapshot of `model` (`metrics` kept with it as a checkpoint's, e.g.
+/// {"epoch", 2}, {"epoch_step", 40}, {"steps", 640}; no report, no row): the step waits only
+/// while this rank's files are copied into memory, as an asynchronous save's (SaveOptions::async,
+/// with which it shares the one save in flight). Behind the loop each rank writes them onto its
+/// node's memory-backed storage (RunConfig::snapshot_path) and sends a copy to a buddy rank, on
+/// another node when the job spans nodes; each node's snapshot is whole once its ranks' files and
+/// copies are in, and the newest two are kept. After a failure the restarted group resumes from
+/// the newest snapshot that is newer than the latest checkpoint when its nodes hold every rank's
+/// files, own or copies (train::get_checkpoint() returns it), else from disk, and says which and
+/// why. Every rank calls it at the same points; the kept metrics gain "snapshot_stall_s" and
+/// "snapshot_wait_s" (the wait for the save in flight).
+void snapshot(const Json& metrics, const ParallelModel& model);
+
 }  // namespace cohort::train

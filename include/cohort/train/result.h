@@ -33,7 +33,8 @@ struct Result {
   double wall_seconds = 0;  ///< the run's wall-clock time, start to end, restarts included
   /// One entry per worker-group failure: {"rank", "cause", "reports" (rank 0's reports before
   /// it), "detected_at_s" (since the start), "restarted" (bool), "recovery_s" (until the new group
-  /// trained again)}.
+  /// trained again)}; when a snapshot was newer than the disk's checkpoint (train::snapshot),
+  /// also "restored_from" ("snapshot" or "disk") and "restored_checkpoint" (its folder).
   std::vector<Json> failures;
   /// Elastic training: one entry per change of the group's size: {"from", "to", "reports",
   /// "at_s", "reason"}.
