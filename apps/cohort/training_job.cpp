@@ -250,7 +250,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
                                  .flat_optimizer = o.flat_optimizer,
                                  .activation_bytes = activations,
                                  .runtime_bytes = runtime,
-                                 .async_checkpoint = o.async_checkpoint});
+                                 .async_checkpoint = o.async_checkpoint,
+                                 .snapshots = o.snapshot_every_steps.has_value()});
 }
 
 void validate_mesh(const TrainOptions& o) {
@@ -456,6 +457,15 @@ void validate(const TrainOptions& o) {
     throw UsageError("--checkpoint-every-steps " + std::to_string(*o.checkpoint_every_steps) +
                      " must be >= 1 (leave it out to checkpoint at each epoch's end only)");
   }
+  if (o.snapshot_every_steps && *o.snapshot_every_steps < 1) {
+    throw UsageError("--snapshot-every-steps " + std::to_string(*o.snapshot_every_steps) +
+                     " must be >= 1 (leave it out to keep no in-memory snapshots)");
+  }
+  if (o.snapshot_every_steps && o.snapshot_dir.empty()) {
+    throw UsageError(
+        "--snapshot-every-steps needs a --snapshot-dir: memory-backed storage of "
+        "each node (e.g. /dev/shm/cohort-snapshots)");
+  }
   umask_of(o);
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   if (!(o.heartbeat_timeout_s > 0)) {
@@ -524,7 +534,8 @@ Json to_json(const TrainOptions& o) {
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
               {"checkpoint_every_steps", o.checkpoint_every_steps.value_or(0)},
-              {"async_checkpoint", o.async_checkpoint}};
+              {"async_checkpoint", o.async_checkpoint},
+              {"snapshot_every_steps", o.snapshot_every_steps.value_or(0)}};
   // The plan's keys as PlanOptions writes them: a user's own program reads the same.
   config.update(Json(o.plan));
   if (o.data.empty()) {
@@ -658,6 +669,7 @@ RunConfig run_config_of(const TrainOptions& o) {
                             .checkpoint_score_attribute = "test_accuracy",
                             .checkpoint_score_order = "max"},
       .resume = o.resume,
+      .snapshot_path = o.snapshot_dir,
       .verbose = o.quiet ? 0 : 1,
       .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
       .log_every_steps = o.log_every_steps,
@@ -711,6 +723,7 @@ void train_loop(const Json& c) {
   const bool stop_every_step = model.synchronous();
   const int64_t every_steps = c.value("checkpoint_every_steps", int64_t{0});
   const train::SaveOptions save_options{.async = c.value("async_checkpoint", false)};
+  const int64_t snapshot_every = c.value("snapshot_every_steps", int64_t{0});
   bool stopping = false;
   // Throughput over the steps after the first few (start-up, the first step's probes).
   train::Throughput throughput;
@@ -766,7 +779,10 @@ void train_loop(const Json& c) {
       // --checkpoint-every-steps: a checkpoint inside the epoch (its end has one anyway), from
       // which a resumed run starts after this step. Local SGD, DiLoCo and the parameter server
       // agree first, as at an epoch's end.
-      if (every_steps > 0 && model.steps() % every_steps == 0 && step_in_epoch < steps_per_epoch) {
+      // --snapshot-every-steps: an in-memory snapshot instead where no checkpoint is due.
+      const bool checkpoint_due = every_steps > 0 && model.steps() % every_steps == 0;
+      const bool snapshot_due = snapshot_every > 0 && model.steps() % snapshot_every == 0;
+      if ((checkpoint_due || snapshot_due) && step_in_epoch < steps_per_epoch) {
         model.sync();
         Json step_metrics{{"epoch", epoch + 1},
                           {train::kEpochStepMetric, step_in_epoch},
@@ -774,7 +790,10 @@ void train_loop(const Json& c) {
                           {"world_size", ctx.get_world_size()},
                           {"lr", model.lr()}};
         if (loss_count > 0) step_metrics["train_loss"] = loss_sum / static_cast<double>(loss_count);
-        train::report(step_metrics, model, save_options);
+        if (checkpoint_due)
+          train::report(step_metrics, model, save_options);
+        else
+          train::snapshot(step_metrics, model);
       }
     }
     // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
@@ -976,6 +995,15 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--checkpoint-every-steps", o.checkpoint_every_steps,
                   "also checkpoint every N optimizer steps (a run killed inside an epoch then "
                   "resumes at most N steps back); default: at each epoch's end only");
+  cmd->add_option("--snapshot-every-steps", o.snapshot_every_steps,
+                  "keep an in-memory snapshot every N optimizer steps, with a copy on a buddy "
+                  "worker (on another node when the job spans nodes): a restart after a failure "
+                  "resumes from it, at most N steps back, when it is newer than the last "
+                  "checkpoint");
+  cmd->add_option("--snapshot-dir", o.snapshot_dir,
+                  "memory-backed storage of each node where snapshots are kept (the run's folder "
+                  "goes when it ends)")
+      ->capture_default_str();
   add_bool_flag(cmd, "--async-checkpoint", o.async_checkpoint,
                 "write checkpoints behind the training loop: a step waits only while each "
                 "worker copies its state into memory; the writing into the run directory and the "

@@ -93,7 +93,10 @@ struct TrainOptions {
   // --checkpoint-every-steps: a checkpoint every N optimizer steps too; unset: at epoch ends only.
   std::optional<int64_t> checkpoint_every_steps;
   bool async_checkpoint = false;  // train::SaveOptions::async
-  std::string umask = "077";      // RunConfig::umask, in octal
+  // --snapshot-every-steps: an in-memory snapshot (train::snapshot) every N optimizer steps.
+  std::optional<int64_t> snapshot_every_steps;
+  std::string snapshot_dir = RunConfig{}.snapshot_path.string();  // RunConfig::snapshot_path
+  std::string umask = "077";                                      // RunConfig::umask, in octal
   bool quiet = false;
   bool tensorboard = true;              // <run>/tensorboard/ event files
   bool tensorboard_histograms = false;  // with them, parameter and gradient histograms

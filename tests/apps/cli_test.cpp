@@ -9,6 +9,7 @@
 #include <iterator>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <tuple>
 
 #include "cohort/comm/store.h"
@@ -223,6 +224,12 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "only)"},
       {{"--checkpoint-every-steps", "-3", "--data-dir", data.string()},
        "--checkpoint-every-steps -3 must be >= 1"},
+      {{"--snapshot-every-steps", "0", "--data-dir", data.string()},
+       "--snapshot-every-steps 0 must be >= 1 (leave it out to keep no in-memory snapshots)"},
+      {{"--snapshot-every-steps", "-2", "--data-dir", data.string()},
+       "--snapshot-every-steps -2 must be >= 1"},
+      {{"--snapshot-every-steps", "5", "--snapshot-dir", "", "--data-dir", data.string()},
+       "--snapshot-every-steps needs a --snapshot-dir"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
@@ -1375,6 +1382,77 @@ TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
   EXPECT_EQ(resumed["steps"], straight["steps"]);
   EXPECT_EQ(resumed["test_loss"].get<double>(), straight["test_loss"].get<double>());
   EXPECT_TRUE(resumed.contains("checkpoint_snapshot_s")) << resumed.dump();
+}
+
+// A worker killed with SIGKILL inside the first epoch, after an in-memory snapshot and before any
+// checkpoint: the restarted group restores from the snapshot, not from the beginning, says so,
+// and ends with the model of the run never killed, bit for bit. A run that ends leaves no
+// snapshot behind.
+TEST_F(Cli, AWorkerKilledAfterASnapshotRestartsFromItAndEndsAsTheStraightRun) {
+  const auto snapshots = dir / "snapshots";
+  auto args = [&](const std::string& name) {
+    return std::vector<std::string>{cli_path(),
+                                    "train",
+                                    "--storage-path",
+                                    (dir / "runs").string(),
+                                    "--name",
+                                    name,
+                                    "--data-dir",
+                                    data.string(),
+                                    "--workers",
+                                    "2",
+                                    "--batch-size",
+                                    "4",
+                                    "--epochs",
+                                    "1",
+                                    "--optimizer",
+                                    "adam",
+                                    "--seed",
+                                    "4",
+                                    "--snapshot-every-steps",
+                                    "4",
+                                    "--snapshot-dir",
+                                    snapshots.string(),
+                                    "--max-failures",
+                                    "1"};
+  };
+  ASSERT_EQ(run_command(args("straight"), std::chrono::seconds(120)).exit_code, 0);
+  const auto snapshot_folders = [&] {
+    std::vector<std::filesystem::path> whole;
+    std::error_code error;
+    for (const auto& run : std::filesystem::directory_iterator(snapshots, error)) {
+      for (const auto& s : std::filesystem::directory_iterator(run.path(), error)) {
+        if (s.path().filename().string().rfind("snapshot_", 0) == 0 &&
+            std::filesystem::exists(s.path() / "checkpoint" / "meta.json", error))
+          whole.push_back(s.path());
+      }
+    }
+    return whole;
+  };
+  EXPECT_TRUE(snapshot_folders().empty());
+  cohort::testing::Process driver(args("killed"));
+  const auto pids = wait_until_training(driver);
+  ASSERT_EQ(pids.size(), 2u);
+  // Polled, with a deadline: a snapshot is whole on the node once its meta.json is in.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (snapshot_folders().empty() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  ASSERT_FALSE(snapshot_folders().empty()) << driver.output();
+  ::kill(pids[1], SIGKILL);
+  const auto killed = driver.wait(std::chrono::seconds(120));
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  EXPECT_NE(killed.output.find("cohort: restoring from the in-memory snapshot snapshot_"),
+            std::string::npos)
+      << killed.output;
+  const auto result = result_of("killed");
+  ASSERT_EQ(result["failures"].size(), 1u) << result.dump();
+  EXPECT_EQ(result["failures"][0]["restored_from"], "snapshot") << result.dump();
+  // The epoch's train loss counts the steps after the restore only; the model is the same.
+  const auto straight = result_of("straight");
+  EXPECT_EQ(result["steps"], straight["steps"]);
+  EXPECT_EQ(result["test_loss"].get<double>(), straight["test_loss"].get<double>());
+  EXPECT_EQ(result["test_accuracy"].get<double>(), straight["test_accuracy"].get<double>());
+  EXPECT_TRUE(snapshot_folders().empty());
 }
 
 TEST_F(Cli, TuneSearchesTheParamSpaceAndNamesTheBestTrial) {
