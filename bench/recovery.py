@@ -6,6 +6,9 @@
             (today's default)
   steps     the same with --checkpoint-every-steps N
   async     the same with the checkpoints written behind the loop (--async-checkpoint)
+  snapshot  checkpoints at epoch ends only, and an in-memory snapshot every --snapshot-every steps
+            (--snapshot-every-steps, kept in /dev/shm with a buddy copy): the restarted group
+            restores from the snapshot
   torchrun  PyTorch's torchrun --max_restarts 2 restarts its 4 `cohort train` ranks, which resume
             from their checkpoints (--checkpoint-every-steps N)
 
@@ -13,7 +16,8 @@ Printed per mode: the step at the kill, the step the group resumed after, the st
 again), the seconds from the kill to the next completed step and to the first step past the killed
 one (rank 0's steps.jsonl, polled every 10 ms), then one JSON line per mode.
 
-  bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--modes ...]
+  bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--snapshot-every 10]
+                    [--modes ...]
 """
 import argparse
 import json
@@ -62,7 +66,10 @@ def run_mode(args, mode, storage):
     train = [args.cohort, "train", "--workers", "4", "--epochs", "2", "--batch-size", "64",
              "--model", args.model, "--optimizer", "adam", "--storage-path", storage,
              "--name", name, "--log-every-steps", "1", "--quiet"]
-    if mode != "epoch":
+    if mode == "snapshot":
+        train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
+                  args.snapshot_dir]
+    elif mode != "epoch":
         train += ["--checkpoint-every-steps", str(args.every)]
     if mode == "async":
         train += ["--async-checkpoint"]
@@ -118,7 +125,8 @@ def main():
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--modes", default="epoch,steps,async,torchrun")
+    parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--modes", default="epoch,steps,async,snapshot,torchrun")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")
@@ -126,6 +134,9 @@ def main():
         print("torchrun: not measured: no torchrun here (apt install python3-torch)")
         modes.remove("torchrun")
     storage = tempfile.mkdtemp(prefix="cohort-bench-recovery-")
+    # Memory-backed, as snapshots are meant to be kept.
+    args.snapshot_dir = tempfile.mkdtemp(prefix="cohort-bench-snapshots-",
+                                         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     rows = []
     try:
         for mode in modes:
@@ -133,6 +144,7 @@ def main():
             rows.append(run_mode(args, mode, storage))
     finally:
         shutil.rmtree(storage, ignore_errors=True)
+        shutil.rmtree(args.snapshot_dir, ignore_errors=True)
     print(f"{'mode':<10}{'killed at':>10}{'resumed after':>15}{'steps lost':>12}"
           f"{'kill -> next step s':>21}{'-> past the kill s':>20}{'exit':>6}")
     for r in rows:
