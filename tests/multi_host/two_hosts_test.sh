@@ -5,7 +5,11 @@
 #  2. SIGKILL of host B's launcher mid-run: host A's launcher fails within its deadline, naming
 #     the lost node 1;
 #  3. with --max-restarts 1, SIGKILL of a rank on host B after the first epoch's checkpoint: both
-#     launchers restart the job as round 1, which resumes after epoch 1 and finishes (exit 0).
+#     launchers restart the job as round 1, which resumes after epoch 1 and finishes (exit 0);
+#  4. the same with in-memory snapshots (--snapshot-every-steps, each host its own
+#     --snapshot-dir as each node its own tmpfs): each host keeps buddy copies of the other host's
+#     ranks' files, round 1 restores from the snapshot (newer than the epoch's checkpoint), and
+#     the run's snapshots go when it ends.
 # Usage: two_hosts_test.sh COHORT_BINARY TINY_DATA_DIR. Needs root (ip netns); cleans up on exit.
 set -uo pipefail
 cli="$1"
@@ -20,7 +24,8 @@ launch() {
   local ns="$1" node="$2" port="$3" name="$4"
   shift 4
   ip netns exec "$ns" "$cli" launch --nnodes 2 --node-rank "$node" --master "$net.1:$port" \
-    --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 ${restarts:+--max-restarts $restarts} -- \
+    --nproc-per-node 2 --rdzv-timeout 30 --heartbeat-timeout 3 ${restarts:+--max-restarts $restarts} \
+    ${job:+--job-id $job} -- \
     "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --batch-size 16 --storage-path "$work" --name "$name" --quiet "$@" \
     >"$work/$name-$node.log" 2>&1 &
   launched=$!
@@ -108,4 +113,44 @@ grep -q "round failed (node 1 (.*): rank [23] (pid $victim) was killed by signal
 grep -q "resuming after epoch 1 from $work/again/checkpoint_" "$work/again-0.log" || fail "round 1 did not resume"
 python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['epochs'] == 3 and r['error'] is None, r" \
   "$work/again/result.json" || fail "result.json after the restart"
+# 4. In-memory snapshots across the hosts; a rank on host B dies after a snapshot of epoch 2. The
+# hosts' command lines differ (their --snapshot-dir): the job is named, not derived from them.
+restarts=1 job=snapshots launch "$a" 0 29404 snap --epochs 2 --train-examples 6400 --snapshot-every-steps 10 \
+  --snapshot-dir "$work/shm-a"
+pa=$launched
+restarts=1 job=snapshots launch "$b" 1 29404 snap --epochs 2 --train-examples 6400 --snapshot-every-steps 10 \
+  --snapshot-dir "$work/shm-b"
+pb=$launched
+# whole_snapshot DIR: prints a snapshot of the second epoch that the node of DIR holds whole.
+whole_snapshot() {
+  local meta
+  for meta in "$1"/*/snapshot_*/checkpoint/meta.json; do
+    [ -f "$meta" ] || continue
+    python3 -c "import json,sys; sys.exit(json.load(open(sys.argv[1]))['metrics']['epoch'] != 2)" \
+      "$meta" 2>/dev/null && { dirname "$(dirname "$meta")"; return 0; }
+  done
+  return 1
+}
+for _ in $(seq 1200); do
+  whole_snapshot "$work/shm-a" >/dev/null && whole_snapshot "$work/shm-b" >/dev/null && break
+  kill -0 "$pa" 2>/dev/null || break
+  sleep 0.1
+done
+snapshot_a=$(whole_snapshot "$work/shm-a") ||
+  { cat "$work/snap-0.log" "$work/snap-1.log"; fail "host A holds no snapshot of epoch 2"; }
+whole_snapshot "$work/shm-b" >/dev/null || fail "host B holds no snapshot of epoch 2"
+# Host B's ranks 2 and 3 have their buddies on host A (and A's on B).
+[ -f "$snapshot_a/copies/2.json" ] && [ -f "$snapshot_a/copies/3.json" ] ||
+  fail "host A keeps no copies of host B's ranks: $(ls -R "$snapshot_a")"
+victim=$(pgrep -P "$pb" | head -n 1)
+[ -n "$victim" ] || fail "no rank of host B to kill"
+kill -9 "$victim"
+wait_for "$pa" 180; ca=$status
+wait_for "$pb" 60; cb=$status
+cat "$work/snap-0.log" "$work/snap-1.log"
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "with snapshots, after a restart the launchers exited $ca and $cb"
+grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap-0.log" ||
+  fail "round 1 did not restore from the in-memory snapshot"
+[ -z "$(ls -A "$work/shm-a")" ] && [ -z "$(ls -A "$work/shm-b")" ] ||
+  fail "the run's snapshots stayed after it ended: $(ls -R "$work/shm-a" "$work/shm-b")"
 echo "two_hosts_test: PASS"
