@@ -9,6 +9,7 @@
 
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "cohort/hash.h"
 #include "data/plan.h"
 #include "data/sources.h"
 
@@ -18,15 +19,6 @@ namespace {
 
 std::atomic<int> g_default_workers{0};
 thread_local int64_t t_epoch = 0;
-
-uint64_t fnv1a(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
-}
 
 std::string describe_ids(const at::Tensor& column) {
   if (!column.defined() || column.numel() == 0) return "no ids";

@@ -9,18 +9,10 @@
 #include <torch/torch.h>
 
 #include "cohort/error.h"
+#include "cohort/hash.h"
 
 namespace cohort::train {
 namespace {
-
-uint64_t fnv1a(const std::string& text) {
-  uint64_t h = 1469598103934665603ULL;
-  for (unsigned char c : text) {
-    h ^= c;
-    h *= 1099511628211ULL;
-  }
-  return h;
-}
 
 // "<prefix><token>_<index>" -> whether it has the prefix.
 bool has_prefix(const std::string& name, const std::string& prefix) {

@@ -69,6 +69,15 @@ class Cli : public ::testing::Test {
     args.insert(args.end(), extra.begin(), extra.end());
     return args;
   }
+  // `cohort train` of run `name`: 2 workers on the tiny data set with Adam, then `extra`.
+  std::vector<std::string> named_run(const std::string& name,
+                                     const std::vector<std::string>& extra) const {
+    std::vector<std::string> argv{cli_path(),  "train", "--storage-path", (dir / "runs").string(),
+                                  "--name",    name,    "--data-dir",     data.string(),
+                                  "--workers", "2",     "--optimizer",    "adam"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  }
   Json result_of(const std::string& name) {
     return Json::parse(cohort::testing::read_text((dir / "runs" / name / "result.json").string()));
   }
@@ -1335,24 +1344,8 @@ TEST_F(Cli, AKilledDriverResumesWhenRunAgain) {
 // and no kill ends.
 TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
   auto args = [&](const std::string& name, bool async) {
-    std::vector<std::string> argv{cli_path(),
-                                  "train",
-                                  "--storage-path",
-                                  (dir / "runs").string(),
-                                  "--name",
-                                  name,
-                                  "--data-dir",
-                                  data.string(),
-                                  "--workers",
-                                  "2",
-                                  "--batch-size",
-                                  "16",
-                                  "--epochs",
-                                  "2",
-                                  "--optimizer",
-                                  "adam",
-                                  "--checkpoint-every-steps",
-                                  "3"};
+    auto argv =
+        named_run(name, {"--batch-size", "16", "--epochs", "2", "--checkpoint-every-steps", "3"});
     if (async) argv.push_back("--async-checkpoint");
     return argv;
   };
@@ -1391,30 +1384,9 @@ TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
 TEST_F(Cli, AWorkerKilledAfterASnapshotRestartsFromItAndEndsAsTheStraightRun) {
   const auto snapshots = dir / "snapshots";
   auto args = [&](const std::string& name) {
-    return std::vector<std::string>{cli_path(),
-                                    "train",
-                                    "--storage-path",
-                                    (dir / "runs").string(),
-                                    "--name",
-                                    name,
-                                    "--data-dir",
-                                    data.string(),
-                                    "--workers",
-                                    "2",
-                                    "--batch-size",
-                                    "4",
-                                    "--epochs",
-                                    "1",
-                                    "--optimizer",
-                                    "adam",
-                                    "--seed",
-                                    "4",
-                                    "--snapshot-every-steps",
-                                    "4",
-                                    "--snapshot-dir",
-                                    snapshots.string(),
-                                    "--max-failures",
-                                    "1"};
+    return named_run(
+        name, {"--batch-size", "4", "--epochs", "1", "--seed", "4", "--snapshot-every-steps", "4",
+               "--snapshot-dir", snapshots.string(), "--max-failures", "1"});
   };
   ASSERT_EQ(run_command(args("straight"), std::chrono::seconds(120)).exit_code, 0);
   const auto snapshot_folders = [&] {
