@@ -202,7 +202,11 @@ SnapshotChoice choose_snapshot(const std::vector<std::vector<HeldSnapshot>>& by_
     for (const auto& s : held)
       if (!disk_saved_ns || s.saved_ns > *disk_saved_ns) candidates[s.saved_ns] = s.name;
   SnapshotChoice choice;
-  const std::string than = disk_saved_ns ? "the latest checkpoint on disk" : "no checkpoint";
+  // How the snapshot compares with the disk, and what the disk gives instead.
+  const std::string newer =
+      disk_saved_ns ? ", newer than the latest checkpoint on disk" : " (no checkpoint on disk yet)";
+  const std::string otherwise = disk_saved_ns ? "restoring from the latest checkpoint on disk"
+                                              : "starting from the beginning";
   for (const auto& [saved_ns, name] : candidates) {
     // What each rank's node holds of it, and all of them together.
     std::set<int> union_of_nodes;
@@ -227,22 +231,27 @@ SnapshotChoice choose_snapshot(const std::vector<std::vector<HeldSnapshot>>& by_
     const std::string steps =
         mine && mine->steps >= 0 ? " (step " + std::to_string(mine->steps) + ")" : "";
     if (incomplete.empty()) {
-      const bool copies = mine && missing_ranks({mine->own.begin(), mine->own.end()}, world).size();
+      const auto copied =
+          mine ? missing_ranks({mine->own.begin(), mine->own.end()}, world) : std::vector<int>{};
       choice.snapshot = mine;
-      choice.why = "restoring from the in-memory snapshot " + name + steps + ", newer than " +
-                   than + (copies ? ", with buddy copies of lost ranks' files" : "");
+      choice.why =
+          "restoring from the in-memory snapshot " + name + steps + newer +
+          (copied.empty() ? ""
+                          : ", rank " + std::to_string(rank) +
+                                "'s node with the buddy copies of ranks " + ranks_text(copied));
       return choice;
     }
+    // The newest one's reason is said; older candidates may still be whole.
+    if (!choice.why.empty()) continue;
     const auto lost = missing_ranks(union_of_nodes, world);
-    choice.why = "the in-memory snapshot " + name + " is newer than " + than + " but " +
+    choice.why = "the in-memory snapshot " + name + newer + " cannot be restored from: " +
                  (lost.empty() ? "the nodes of ranks " + ranks_text(incomplete) +
                                      " do not each hold every rank's files (restoring one "
                                      "spread over nodes is not built)"
                                : "no surviving node holds the files of ranks " + ranks_text(lost)) +
                  "; ";
-    // Older candidates may still be whole: the next is looked at.
   }
-  if (!choice.why.empty()) choice.why += "restoring from " + than;
+  if (!choice.why.empty()) choice.why += otherwise;
   return choice;
 }
 

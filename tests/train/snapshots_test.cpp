@@ -58,7 +58,9 @@ TEST(ChooseSnapshot, UsesBuddyCopiesAndSaysWhenTheSurvivorsLackFiles) {
   auto choice = choose_snapshot({first, first, second, second}, 2, 1);
   ASSERT_TRUE(choice.snapshot);
   EXPECT_EQ(choice.snapshot->own, std::vector<int>({2, 3}));
-  EXPECT_NE(choice.why.find("buddy copies"), std::string::npos) << choice.why;
+  EXPECT_NE(choice.why.find("rank 2's node with the buddy copies of ranks [0, 1]"),
+            std::string::npos)
+      << choice.why;
   // The second node lost, the group restarted on the first alone: still whole there.
   EXPECT_TRUE(choose_snapshot({first, first}, 0, 1).snapshot);
   // A node whose copies were never written: the disk, naming the ranks nobody holds.
