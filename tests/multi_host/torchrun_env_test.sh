@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # torchrun-style variables set by hand: two `cohort train` processes become a 2-rank group
 # (rank 0 serves the rendezvous on MASTER_ADDR:MASTER_PORT and hands rank 1 the job secret through
-# the storage path, past a stale one), and inconsistent variables are named.
+# the storage path, past a stale one), a job restarted after a kill restores from its in-memory
+# snapshot, and inconsistent variables are named.
 # Usage: torchrun_env_test.sh COHORT_BINARY DATA_DIR
 set -uo pipefail
 cli="$1"
@@ -27,6 +28,40 @@ cat "$work/rank0.log" "$work/rank1.log"
 [ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "ranks exited $c0 and $c1"
 python3 "$(dirname "$0")/check_result.py" "$work/env/result.json" 2 8 torchrun-style || fail "result.json"
 [ ! -e "$work/.job-secret-default" ] || fail "rank 0 left the job secret's file behind once every rank joined"
+# In-memory snapshots under this launcher: rank 1 killed once a snapshot is whole ends the job;
+# every rank started again, as torchrun restarts a failed job, restores from the snapshot (newer
+# than any checkpoint: there is none yet), and the run's snapshots go when it ends.
+snapshot_run() {  # snapshot_run START: both ranks in the background, their pids in snap_pids
+  local port
+  port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+  snap_pids=()
+  for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      timeout -k 5 180 "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 \
+      --max-steps 300 --batch-size 16 --storage-path "$work" --name snap --snapshot-every-steps 5 \
+      --snapshot-dir "$work/shm" >"$work/snap$1-rank$rank.log" 2>&1 &
+    pids+=($!); snap_pids+=($!)
+  done
+}
+snapshot_run 0
+for _ in $(seq 1200); do
+  compgen -G "$work/shm/*/snapshot_*/checkpoint/meta.json" >/dev/null && break
+  kill -0 "${snap_pids[0]}" 2>/dev/null || break
+  sleep 0.1
+done
+compgen -G "$work/shm/*/snapshot_*/checkpoint/meta.json" >/dev/null ||
+  { cat "$work/snap0-rank0.log"; fail "no whole snapshot"; }
+pkill -KILL -P "${snap_pids[1]}"  # rank 1 itself, not the timeout that runs it
+wait "${snap_pids[0]}"; c0=$?
+[ "$c0" != 0 ] || fail "rank 0 ended well though rank 1 was killed"
+snapshot_run 1
+wait "${snap_pids[0]}"; c0=$?
+wait "${snap_pids[1]}"; c1=$?
+cat "$work/snap1-rank0.log"
+[ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "started again, the ranks exited $c0 and $c1"
+grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap1-rank0.log" ||
+  fail "the restarted job did not restore from the snapshot"
+[ -z "$(ls -A "$work/shm")" ] || fail "the run's snapshots stayed: $(ls -R "$work/shm")"
 out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
 [ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
 grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"

@@ -121,27 +121,34 @@ pa=$launched
 restarts=1 job=snapshots launch "$b" 1 29404 snap --epochs 2 --train-examples 6400 --snapshot-every-steps 10 \
   --snapshot-dir "$work/shm-b"
 pb=$launched
-# whole_snapshot DIR: prints a snapshot of the second epoch that the node of DIR holds whole.
+# whole_snapshot DIR RANK...: whether the node of DIR holds a whole snapshot of the second epoch
+# with buddy copies of RANK... (checked in one go: older snapshots are pruned as newer ones come).
 whole_snapshot() {
-  local meta
-  for meta in "$1"/*/snapshot_*/checkpoint/meta.json; do
-    [ -f "$meta" ] || continue
-    python3 -c "import json,sys; sys.exit(json.load(open(sys.argv[1]))['metrics']['epoch'] != 2)" \
-      "$meta" 2>/dev/null && { dirname "$(dirname "$meta")"; return 0; }
-  done
-  return 1
+  python3 - "$@" <<'PY'
+import glob, json, os, sys
+folder, copies = sys.argv[1], sys.argv[2:]
+for meta in glob.glob(os.path.join(folder, "*", "snapshot_*", "checkpoint", "meta.json")):
+    snapshot = os.path.dirname(os.path.dirname(meta))
+    try:
+        whole = json.load(open(meta))["metrics"]["epoch"] == 2 and all(
+            os.path.exists(os.path.join(snapshot, "copies", r + ".json")) for r in copies)
+    except (OSError, ValueError, KeyError):
+        continue
+    if whole:
+        sys.exit(0)
+sys.exit(1)
+PY
 }
+# Each host keeps the copies of the other's ranks (their buddies: 0 and 2, 1 and 3).
 for _ in $(seq 1200); do
-  whole_snapshot "$work/shm-a" >/dev/null && whole_snapshot "$work/shm-b" >/dev/null && break
+  whole_snapshot "$work/shm-a" 2 3 && whole_snapshot "$work/shm-b" 0 1 && break
   kill -0 "$pa" 2>/dev/null || break
   sleep 0.1
 done
-snapshot_a=$(whole_snapshot "$work/shm-a") ||
-  { cat "$work/snap-0.log" "$work/snap-1.log"; fail "host A holds no snapshot of epoch 2"; }
-whole_snapshot "$work/shm-b" >/dev/null || fail "host B holds no snapshot of epoch 2"
-# Host B's ranks 2 and 3 have their buddies on host A (and A's on B).
-[ -f "$snapshot_a/copies/2.json" ] && [ -f "$snapshot_a/copies/3.json" ] ||
-  fail "host A keeps no copies of host B's ranks: $(ls -R "$snapshot_a")"
+whole_snapshot "$work/shm-a" 2 3 || { cat "$work/snap-0.log" "$work/snap-1.log";
+  fail "host A holds no whole snapshot of epoch 2 with copies of host B's ranks 2 and 3"; }
+whole_snapshot "$work/shm-b" 0 1 ||
+  fail "host B holds no whole snapshot of epoch 2 with copies of host A's ranks 0 and 1"
 victim=$(pgrep -P "$pb" | head -n 1)
 [ -n "$victim" ] || fail "no rank of host B to kill"
 kill -9 "$victim"
