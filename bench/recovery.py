@@ -11,6 +11,9 @@
             restores from the snapshot
   torchrun  PyTorch's torchrun --max_restarts 2 restarts its 4 `cohort train` ranks, which resume
             from their checkpoints (--checkpoint-every-steps N)
+  torchrun-snapshot
+            the same ranks with snapshots instead (--snapshot-every-steps): restored from the
+            snapshots on /dev/shm under an external launcher
 
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
 again), the seconds from the kill to the next completed step and to the first step past the killed
@@ -66,14 +69,14 @@ def run_mode(args, mode, storage):
     train = [args.cohort, "train", "--workers", "4", "--epochs", "2", "--batch-size", "64",
              "--model", args.model, "--optimizer", "adam", "--storage-path", storage,
              "--name", name, "--log-every-steps", "1", "--quiet"]
-    if mode == "snapshot":
+    if mode in ("snapshot", "torchrun-snapshot"):
         train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
                   args.snapshot_dir]
     elif mode != "epoch":
         train += ["--checkpoint-every-steps", str(args.every)]
     if mode == "async":
         train += ["--async-checkpoint"]
-    if mode == "torchrun":
+    if mode.startswith("torchrun"):
         # Each rank a `cohort train` of its own, restarted by torchrun (its run directory the same).
         # --redirects/--tee 1: Debian's torchrun (1.13 on Python 3.11) fails on its default 0.
         command = ["torchrun", "--standalone", "--nproc_per_node", "4", "--max_restarts", "2",
@@ -126,13 +129,14 @@ def main():
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--snapshot-every", type=int, default=10)
-    parser.add_argument("--modes", default="epoch,steps,async,snapshot,torchrun")
+    parser.add_argument("--modes", default="epoch,steps,async,snapshot,torchrun,torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")
-    if "torchrun" in modes and shutil.which("torchrun") is None:
-        print("torchrun: not measured: no torchrun here (apt install python3-torch)")
-        modes.remove("torchrun")
+    if shutil.which("torchrun") is None:
+        for mode in [m for m in modes if m.startswith("torchrun")]:
+            print(f"{mode}: not measured: no torchrun here (apt install python3-torch)")
+            modes.remove(mode)
     storage = tempfile.mkdtemp(prefix="cohort-bench-recovery-")
     # Memory-backed, as snapshots are meant to be kept.
     args.snapshot_dir = tempfile.mkdtemp(prefix="cohort-bench-snapshots-",
@@ -145,10 +149,10 @@ def main():
     finally:
         shutil.rmtree(storage, ignore_errors=True)
         shutil.rmtree(args.snapshot_dir, ignore_errors=True)
-    print(f"{'mode':<10}{'killed at':>10}{'resumed after':>15}{'steps lost':>12}"
+    print(f"{'mode':<18}{'killed at':>10}{'resumed after':>15}{'steps lost':>12}"
           f"{'kill -> next step s':>21}{'-> past the kill s':>20}{'exit':>6}")
     for r in rows:
-        print(f"{r['mode']:<10}{r['step_at_kill']:>10}{r['resumed_after']:>15}{r['steps_lost']:>12}"
+        print(f"{r['mode']:<18}{r['step_at_kill']:>10}{r['resumed_after']:>15}{r['steps_lost']:>12}"
               f"{r['kill_to_next_step_s']:>21.2f}{r['kill_to_step_after_killed_s']:>20.2f}"
               f"{r['exit_code']:>6}")
     for r in rows:
