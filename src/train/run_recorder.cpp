@@ -120,20 +120,20 @@ bool ends_inside_a_line(const std::filesystem::path& file) {
 
 }  // namespace
 
-std::optional<Checkpoint> RunRecorder::resume_point() {
+std::optional<Checkpoint> RunRecorder::resume_point(bool restarted) {
   std::optional<Checkpoint> resume_from;
+  bool continues = false;  // the history on disk goes on
   if (resume_) {
     for (const auto& warning : checkpoints_.adopt_existing())
       console_.message("cohort: warning: " + warning);
     resume_from = checkpoints_.latest();
-    if (resume_from) {
-      result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
-      console_.message("cohort: resuming from " + resume_from->path().string());
-    }
+    continues = resume_from || restarted;
+    if (continues) result_.metrics_history = read_jsonl(run_dir_ / kMetricsFile);
+    if (resume_from) console_.message("cohort: resuming from " + resume_from->path().string());
   }
   for (const char* file : {kMetricsFile, kStepsFile}) {
     const auto log = run_dir_ / file;
-    if (resume_from) {
+    if (continues) {
       // Append-only: the history on disk is never rewritten, so a crash now loses none of it. A
       // line a crash cut short (read_jsonl skips it) is ended, so the next record has its own.
       // Steps a resumed run takes again are read as the later record's (read_steps).

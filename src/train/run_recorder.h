@@ -36,8 +36,11 @@ class RunRecorder {
   RunRecorder(const RunConfig& run, const std::string& name, const Json& config, Console& console);
 
   // The checkpoint to resume from: with RunConfig::resume, the run's latest valid one (a corrupt
-  // one skipped with a warning), and the metrics history up to it is reloaded.
-  std::optional<Checkpoint> resume_point();
+  // one skipped with a warning), and the metrics history up to it is reloaded. `restarted`: a
+  // launcher's restart of the same job (round > 0), whose history goes on even without a
+  // checkpoint on disk (its group may restore from an in-memory snapshot, as the driver's restarts
+  // keep theirs).
+  std::optional<Checkpoint> resume_point(bool restarted = false);
   // After a failed start: the latest valid checkpoint on disk, including any that rank 0
   // committed before the group was stopped.
   std::optional<Checkpoint> latest_on_disk();

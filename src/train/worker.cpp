@@ -386,7 +386,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   std::unique_ptr<runtime::CoordinatorServer> coordinator;
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
-    const auto resume_from = recorder->resume_point();
+    const auto resume_from = recorder->resume_point(/*restarted=*/info.restart_round > 0);
     const std::string token =
         info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token();
     coordinator = std::make_unique<runtime::CoordinatorServer>(

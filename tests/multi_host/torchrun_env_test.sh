@@ -29,17 +29,19 @@ cat "$work/rank0.log" "$work/rank1.log"
 python3 "$(dirname "$0")/check_result.py" "$work/env/result.json" 2 8 torchrun-style || fail "result.json"
 [ ! -e "$work/.job-secret-default" ] || fail "rank 0 left the job secret's file behind once every rank joined"
 # In-memory snapshots under this launcher: rank 1 killed once a snapshot is whole ends the job;
-# every rank started again, as torchrun restarts a failed job, restores from the snapshot (newer
-# than any checkpoint: there is none yet), and the run's snapshots go when it ends.
-snapshot_run() {  # snapshot_run START: both ranks in the background, their pids in snap_pids
+# every rank started again, as torchrun restarts a failed job (TORCHELASTIC_RESTART_COUNT=1),
+# restores from the snapshot (newer than any checkpoint: there is none yet), the run's history
+# goes on, and the run's snapshots go when it ends.
+snapshot_run() {  # snapshot_run ROUND: both ranks in the background, their pids in snap_pids
   local port
   port=$(python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
   snap_pids=()
   for rank in 0 1; do
     RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-      timeout -k 5 180 "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 \
-      --max-steps 300 --batch-size 16 --storage-path "$work" --name snap --snapshot-every-steps 5 \
-      --snapshot-dir "$work/shm" >"$work/snap$1-rank$rank.log" 2>&1 &
+      TORCHELASTIC_RESTART_COUNT=$1 timeout -k 5 180 "$cli" train --model cnn --data-dir "$data" \
+      --test-examples 1000 --epochs 1 --max-steps 300 --batch-size 16 --storage-path "$work" \
+      --name snap --snapshot-every-steps 5 --snapshot-dir "$work/shm" --log-every-steps 1 \
+      >"$work/snap$1-rank$rank.log" 2>&1 &
     pids+=($!); snap_pids+=($!)
   done
 }
@@ -62,6 +64,8 @@ cat "$work/snap1-rank0.log"
 grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap1-rank0.log" ||
   fail "the restarted job did not restore from the snapshot"
 [ -z "$(ls -A "$work/shm")" ] || fail "the run's snapshots stayed: $(ls -R "$work/shm")"
+python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])]; sys.exit(s[0] != 1)" \
+  "$work/snap/steps.jsonl" || fail "the restarted job's steps.jsonl lost the first round's steps"
 out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
 [ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
 grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"
