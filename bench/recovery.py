@@ -20,7 +20,7 @@ again), the seconds from the kill to the next completed step and to the first st
 one (rank 0's steps.jsonl, polled every 10 ms), then one JSON line per mode.
 
   bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--snapshot-every 10]
-                    [--modes ...]
+                    [--model mlp] [--train-args "--epochs 2 --batch-size 64"] [--modes ...]
 """
 import argparse
 import json
@@ -66,9 +66,9 @@ def worker_pids(process):
 
 def run_mode(args, mode, storage):
     name = mode
-    train = [args.cohort, "train", "--workers", "4", "--epochs", "2", "--batch-size", "64",
-             "--model", args.model, "--optimizer", "adam", "--storage-path", storage,
-             "--name", name, "--log-every-steps", "1", "--quiet"]
+    train = [args.cohort, "train", "--workers", "4", "--model", args.model, "--optimizer", "adam",
+             "--storage-path", storage, "--name", name, "--log-every-steps", "1",
+             "--quiet"] + args.train_args.split()
     if mode in ("snapshot", "torchrun-snapshot"):
         train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
                   args.snapshot_dir]
@@ -129,6 +129,9 @@ def main():
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--train-args", default="--epochs 2 --batch-size 64",
+                        help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
+                             "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
     parser.add_argument("--modes", default="epoch,steps,async,snapshot,torchrun,torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
