@@ -31,24 +31,29 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 install -y -qq \
     --no-install-recommends "${missing[@]}" >&2
 fi
-# Prometheus' promtool lints the dashboard's /metrics (tests/train/dashboard). Taken out of
-# Debian's prometheus package into .tools/ rather than installed: installing it would start a
-# Prometheus server on this machine.
+# Tools taken out of Debian packages into .tools/ rather than installed, because installing the
+# package would start its server on this machine: Prometheus' promtool lints the dashboard's
+# /metrics (tests/train/dashboard); etcd is the rendezvous of `--rdzv etcd://` that the tests start
+# on loopback (tests/comm/etcd_store_test, tests/multi_host/etcd_failover_test).
 tools="$root/.tools"
-if [ ! -x "$tools/promtool" ]; then
-  echo "setup: unpacking promtool from Debian's prometheus package into $tools" >&2
+unpack_tool() {  # unpack_tool PACKAGE PATH-IN-PACKAGE: .tools/<its file name>
+  local package="$1" path="$2" unpack
+  [ -x "$tools/$(basename "$path")" ] && return 0
+  echo "setup: unpacking $(basename "$path") from Debian's $package package into $tools" >&2
   unpack="$(mktemp -d)"
   chmod 777 "$unpack"  # apt's download user (_apt) writes there
-  if ! (cd "$unpack" && apt-get download -qq prometheus >&2); then
+  if ! (cd "$unpack" && apt-get download -qq "$package" >&2); then
     # No package lists yet (a fresh root whose packages were all there): fetch them once.
     "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=900 update -qq
-    (cd "$unpack" && apt-get download -qq prometheus >&2)
+    (cd "$unpack" && apt-get download -qq "$package" >&2)
   fi
-  (cd "$unpack" && dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool)
+  (cd "$unpack" && dpkg-deb --fsys-tarfile "${package}"_*.deb | tar -x ".$path")
   mkdir -p "$tools"
-  mv "$unpack/usr/bin/promtool" "$tools/promtool.new" && mv "$tools/promtool.new" "$tools/promtool"
+  mv "$unpack$path" "$tools/$(basename "$path").new" && mv "$tools/$(basename "$path").new" "$tools/$(basename "$path")"
   rm -rf "$unpack"
-fi
+}
+unpack_tool prometheus /usr/bin/promtool
+unpack_tool etcd-server /usr/bin/etcd
 [ "$install_only" -eq 1 ] && exit 0
 
 if [ ! -f "$build/build.ninja" ]; then

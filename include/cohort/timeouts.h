@@ -14,6 +14,9 @@ inline constexpr std::chrono::milliseconds kDefaultCollectiveTimeout{300'000};
 inline constexpr std::chrono::milliseconds kDefaultHeartbeatTimeout{30'000};
 /// A node's launcher silent this long is lost (cohort launch; nodes beat often and cheaply).
 inline constexpr std::chrono::milliseconds kDefaultNodeHeartbeatTimeout{5'000};
+/// A job's keys in etcd (`--rdzv etcd://`) outlive its last process by this: its lease, which
+/// each of its processes renews a third of it apart.
+inline constexpr std::chrono::seconds kDefaultEtcdLeaseTtl{15};
 /// A store call (connect, get, wait) ends within this unless the caller gives its own deadline.
 inline constexpr std::chrono::milliseconds kDefaultStoreTimeout{30'000};
 /// A message of the data plane (preprocessing workers), and a data worker's start: read or sent

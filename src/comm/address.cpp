@@ -25,4 +25,16 @@ HostPort parse_host_port(const std::string& text, const std::string& what) {
   return address;
 }
 
+HostPort parse_etcd_endpoint(const std::string& text, const std::string& what) {
+  const std::string scheme = "etcd://";
+  if (text.compare(0, scheme.size(), scheme) != 0) {
+    throw UsageError(what + " '" + text +
+                     "' is no etcd endpoint: give etcd://HOST:PORT (an etcd's client URL, e.g. "
+                     "etcd://10.0.0.9:2379), or leave it out for cohort's own store");
+  }
+  auto address = parse_host_port(text.substr(scheme.size()), what);
+  if (address.port == 0) throw UsageError(what + " '" + text + "' needs etcd's client port");
+  return address;
+}
+
 }  // namespace cohort::comm

@@ -1,6 +1,7 @@
 #include "cohort/comm/store.h"
 
 #include "cohort/error.h"
+#include "comm/etcd_store.h"
 #include "comm/store_state.h"
 
 namespace cohort::comm {
@@ -18,6 +19,19 @@ Store Store::connect(const StoreOptions& options) {
   state->port = options.port;
   state->secret = options.secret;
   state->job_id = options.job_id;
+  state->etcd = options.etcd;
+  state->etcd_lease_ttl = options.etcd_lease_ttl;
+  if (options.etcd) {
+    if (options.port == 0) throw UsageError("etcd at " + options.host + " needs its client port");
+    if (options.etcd_lease_ttl.count() < 3) {
+      throw UsageError("etcd lease of " + std::to_string(options.etcd_lease_ttl.count()) +
+                       " s is too short to renew: give at least 3 s");
+    }
+    state->store = c10::make_intrusive<EtcdStoreClient>(options.host, options.port, options.job_id,
+                                                        options.secret, options.timeout,
+                                                        options.etcd_lease_ttl);
+    return Store(std::move(state));
+  }
   if (options.is_server) {
     state->server = std::make_unique<TcpStoreServer>(options.host, options.port, options.job_id,
                                                      options.secret);
@@ -36,13 +50,17 @@ Store Store::connect_again() const {
                   .port = state_->port,
                   .timeout = state_->timeout,
                   .job_id = state_->job_id,
-                  .secret = state_->secret});
+                  .secret = state_->secret,
+                  .etcd = state_->etcd,
+                  .etcd_lease_ttl = state_->etcd_lease_ttl});
 }
 
 int Store::port() const { return state_->port; }
 const std::string& Store::host() const { return state_->host; }
 std::chrono::milliseconds Store::timeout() const { return state_->timeout; }
 const JobSecret& Store::secret() const { return state_->secret; }
+std::string Store::where() const { return state_->store->where(); }
+bool Store::in_etcd() const { return state_->etcd; }
 
 void Store::set(const std::string& key, const std::string& value) {
   state_->store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
@@ -78,8 +96,7 @@ void Store::wait(const std::vector<std::string>& keys, std::chrono::milliseconds
     for (const auto& key : keys) {
       if (!state_->store->check({key})) missing += (missing.empty() ? "" : ", ") + key;
     }
-    throw TimeoutError("store at " + state_->host + ":" + std::to_string(state_->port) +
-                       ": keys [" + missing + "] did not appear within " +
+    throw TimeoutError(where() + ": keys [" + missing + "] did not appear within " +
                        std::to_string(timeout.count()) + " ms");
   }
 }

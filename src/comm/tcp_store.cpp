@@ -383,7 +383,7 @@ struct TcpStoreClient::Reply {
 
 TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::string& job_id,
                                JobSecret secret, std::chrono::milliseconds timeout)
-    : c10d::Store(timeout), host_(host), port_(port), job_id_(job_id), secret_(std::move(secret)) {
+    : StoreClient(timeout), host_(host), port_(port), job_id_(job_id), secret_(std::move(secret)) {
   const auto deadline = Clock::now() + timeout;
   std::string last_error;
   while (fd_ < 0) {
@@ -402,8 +402,8 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
     if (fd_ >= 0) break;
     if (Clock::now() >= deadline) {
       throw TimeoutError(
-          "cannot reach the rendezvous store at " + where() + " within " +
-          std::to_string(timeout.count()) + " ms (" + last_error +
+          "cannot reach the rendezvous " + where() + " within " + std::to_string(timeout.count()) +
+          " ms (" + last_error +
           "): is the master (rank 0, or node 0's launcher) running, and is MASTER_ADDR/"
           "MASTER_PORT its address?");
     }
@@ -413,7 +413,7 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
   ::setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   try {
     prove_secret(fd_, secret_, std::max(deadline, Clock::now() + std::chrono::seconds(1)),
-                 "the rendezvous store at " + where());
+                 "the rendezvous " + where());
   } catch (...) {
     ::close(fd_);
     fd_ = -1;
@@ -422,7 +422,7 @@ TcpStoreClient::TcpStoreClient(const std::string& host, int port, const std::str
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
   const auto hello = call(kHello, {job_id}, std::max(std::chrono::milliseconds(1000), left));
   if (!hello.ok)
-    throw UsageError("rendezvous at " + where() + ": " +
+    throw UsageError("rendezvous " + where() + ": " +
                      (hello.fields.empty() ? "refused" : hello.fields[0]));
 }
 
@@ -430,7 +430,9 @@ TcpStoreClient::~TcpStoreClient() {
   if (fd_ >= 0) ::close(fd_);
 }
 
-std::string TcpStoreClient::where() const { return host_ + ":" + std::to_string(port_); }
+std::string TcpStoreClient::where() const {
+  return "store at " + host_ + ":" + std::to_string(port_);
+}
 
 TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::string>& fields,
                                            std::chrono::milliseconds timeout) {
@@ -438,7 +440,7 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
   const uint64_t id = next_id_++;
   if (fd_ < 0 ||
       !send_all(fd_, encode_store_frame({.id = id, .code = op, .fields = fields}), timeout)) {
-    throw PeerFailureError("lost the rendezvous store at " + where() +
+    throw PeerFailureError("lost the rendezvous " + where() +
                            " (its process or host went away, or it took no request for " +
                            std::to_string(timeout.count()) + " ms)");
   }
@@ -455,8 +457,7 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
     const auto left =
         std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
     if (left <= 0)
-      throw TimeoutError("store at " + where() + ": no answer within " +
-                         std::to_string(timeout.count()) + " ms");
+      throw TimeoutError(where() + ": no answer within " + std::to_string(timeout.count()) + " ms");
     pollfd p{fd_, POLLIN, 0};
     const int ready = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left, 1000)));
     if (ready < 0 && errno == EINTR) continue;
@@ -467,8 +468,7 @@ TcpStoreClient::Reply TcpStoreClient::call(uint8_t op, const std::vector<std::st
     if (n <= 0) {
       ::close(fd_);
       fd_ = -1;
-      throw PeerFailureError("lost the rendezvous store at " + where() +
-                             " (its process or host went away)");
+      throw PeerFailureError("lost the rendezvous " + where() + " (its process or host went away)");
     }
     in.append(buffer, static_cast<size_t>(n));
   }
@@ -496,13 +496,13 @@ std::vector<uint8_t> TcpStoreClient::get(const std::string& key) {
 
 std::string TcpStoreClient::get_present(const std::string& key) {
   auto r = call(kGet, {key}, timeout_);
-  if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
+  if (!r.ok) throw RuntimeError(where() + ": " + r.fields.at(0));
   return r.fields.at(0);
 }
 
 std::vector<std::string> TcpStoreClient::get_many(const std::vector<std::string>& keys) {
   auto r = call(kGetMany, keys, timeout_);
-  if (!r.ok) throw RuntimeError("store at " + where() + ": " + r.fields.at(0));
+  if (!r.ok) throw RuntimeError(where() + ": " + r.fields.at(0));
   return std::move(r.fields);
 }
 

@@ -4,8 +4,6 @@
 // address fail fast instead of mixing their keys. Before that, each connection proves that it holds
 // the job secret (comm/handshake.h). Private to comm/.
 #pragma once
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <memory>
 #include <mutex>
@@ -14,6 +12,7 @@
 #include <vector>
 
 #include "cohort/comm/job_secret.h"
+#include "comm/store_client.h"
 
 namespace cohort::comm {
 
@@ -38,7 +37,7 @@ class TcpStoreServer {
   std::thread thread_;
 };
 
-class TcpStoreClient : public c10d::Store {
+class TcpStoreClient : public StoreClient {
  public:
   // Connects (retrying until `timeout` while nobody listens yet), proves it holds `secret` and
   // presents `job_id`. SecretRefused when the server holds another secret.
@@ -51,15 +50,11 @@ class TcpStoreClient : public c10d::Store {
                                   const std::vector<uint8_t>& desired) override;
   // Waits for the key (within the store's timeout) as c10d's TCPStore does.
   std::vector<uint8_t> get(const std::string& key) override;
-  // One round trip, for a key known to be set; throws RuntimeError when it is not.
-  std::string get_present(const std::string& key);
-  // The values of keys known to be set, in one round trip; throws RuntimeError naming one that
-  // is not.
-  std::vector<std::string> get_many(const std::vector<std::string>& keys);
-  // Deletes the keys that start with `prefix`; returns how many.
-  int64_t delete_prefix(const std::string& prefix);
-  // Keys, bytes of keys and values, clients: what the server holds.
-  std::vector<int64_t> stats();
+  std::string get_present(const std::string& key) override;
+  std::vector<std::string> get_many(const std::vector<std::string>& keys) override;
+  int64_t delete_prefix(const std::string& prefix) override;
+  std::vector<int64_t> stats() override;
+  std::string where() const override;
   int64_t add(const std::string& key, int64_t value) override;
   bool deleteKey(const std::string& key) override;
   bool check(const std::vector<std::string>& keys) override;
@@ -74,7 +69,6 @@ class TcpStoreClient : public c10d::Store {
  private:
   struct Reply;
   Reply call(uint8_t op, const std::vector<std::string>& fields, std::chrono::milliseconds timeout);
-  std::string where() const;
 
   std::mutex mutex_;
   int fd_ = -1;

@@ -18,6 +18,7 @@ extern char** environ;
 namespace cohort::testing {
 
 std::string cli_path() { return COHORT_CLI_PATH; }
+std::string tools_dir() { return COHORT_TOOLS_DIR; }
 
 namespace {
 

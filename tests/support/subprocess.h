@@ -11,6 +11,9 @@ namespace cohort::testing {
 // The cohort command-line program built with these tests (its path is compiled into one support
 // file only, so that the other test objects stay cacheable across build folders).
 std::string cli_path();
+// The folder of the tools scripts/setup.sh unpacks from Debian packages without installing them
+// (<source>/.tools: promtool, etcd).
+std::string tools_dir();
 
 struct CommandResult {
   int exit_code = -1;  // -1 when a signal ended it

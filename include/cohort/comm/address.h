@@ -17,4 +17,9 @@ struct HostPort {
 /// example, otherwise.
 HostPort parse_host_port(const std::string& text, const std::string& what = "address");
 
+/// The etcd endpoint of a rendezvous given as "etcd://HOST:PORT" (`--rdzv`, COHORT_RDZV).
+/// UsageError naming `what` and the value, with the form to give, for another scheme or a bad
+/// address.
+HostPort parse_etcd_endpoint(const std::string& text, const std::string& what);
+
 }  // namespace cohort::comm

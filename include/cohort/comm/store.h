@@ -13,10 +13,13 @@ namespace cohort::comm {
 /// How Store::connect() starts or reaches the store.
 struct StoreOptions {
   /// The server listens on this address only (never on every interface); clients connect to it.
+  /// With `etcd`, etcd's host.
   std::string host = "127.0.0.1";
-  /// 0 lets the server pick a free port (read it back with Store::port()).
+  /// 0 lets the server pick a free port (read it back with Store::port()). With `etcd`, etcd's
+  /// client port.
   int port = 0;
-  bool is_server = false;  ///< this process runs the server (and is its first client)
+  /// This process runs the server (and is its first client); ignored with `etcd`, which serves.
+  bool is_server = false;
   /// Deadline for connecting and for every get/wait.
   std::chrono::milliseconds timeout = kDefaultStoreTimeout;
   /// Checked when a client joins: a client of another job is refused with an error naming both.
@@ -25,10 +28,17 @@ struct StoreOptions {
   /// the server holds it too (a UsageError naming the store otherwise). Empty:
   /// an insecure job's store, which any client of the same version may join.
   JobSecret secret;
+  /// Keep the keys in etcd at host:port (`--rdzv etcd://HOST:PORT`; Debian's etcd-server) rather
+  /// than in cohort's own TCP store: no process of the job serves them, so the job outlives any of
+  /// its nodes. The keys live under "/cohort/<job_id>/" with a lease that every client keeps
+  /// alive; etcd drops them etcd_lease_ttl after the job's last process is gone.
+  bool etcd = false;
+  /// The job's lease in etcd: how long its keys outlive its last process.
+  std::chrono::seconds etcd_lease_ttl = kDefaultEtcdLeaseTtl;
 };
 
-/// A key-value rendezvous store (cohort's own TCP store, bound to one address, usable by Gloo):
-/// set/get/add/wait, every blocking call bounded by the store's timeout. Copies share one
+/// A key-value rendezvous store (cohort's own TCP store, bound to one address, or etcd; usable by
+/// Gloo): set/get/add/wait, every blocking call bounded by the store's timeout. Copies share one
 /// connection; the server lives as long as a copy of the handle that started it.
 class Store {
  public:
@@ -46,6 +56,10 @@ class Store {
   int port() const;
   /// The server's address.
   const std::string& host() const;
+  /// The server, as messages name it: "store at 10.0.0.1:29500" or "etcd at 10.0.0.9:2379".
+  std::string where() const;
+  /// Whether the keys live in etcd (StoreOptions::etcd).
+  bool in_etcd() const;
   /// The deadline of connecting and of each blocking call.
   std::chrono::milliseconds timeout() const;
   /// The job secret this handle joined with: what the job's other servers (the coordinator,
