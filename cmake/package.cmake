@@ -55,4 +55,6 @@ if(COHORT_WITH_OPENCV)
 endif()
 list(JOIN cohort_dev_depends ", " CPACK_DEBIAN_PACKAGE_DEPENDS)
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "g++, cmake, dataset-fashion-mnist")
+# The rendezvous of `cohort launch --rdzv etcd://` runs on some host of the job's network.
+set(CPACK_DEBIAN_PACKAGE_SUGGESTS "etcd-server")
 include(CPack)

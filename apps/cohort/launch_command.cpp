@@ -17,6 +17,12 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
   cmd->add_option("--master", o.master,
                   "HOST:PORT of node 0, whose launcher serves the rendezvous there")
       ->capture_default_str();
+  cmd->add_option("--rdzv", o.rdzv,
+                  "etcd://HOST:PORT: keep the rendezvous in etcd (Debian's etcd-server) so that "
+                  "the job outlives any node, node 0 included; --master is then not used");
+  cmd->add_option("--min-nodes", o.node.min_nodes,
+                  "with --rdzv etcd://: the fewest nodes a round restarted after losing a node may "
+                  "have (default: --nnodes)");
   cmd->add_option("--nproc-per-node", o.node.nproc_per_node,
                   "train workers (ranks) on this node; 0: a CPU-only node")
       ->capture_default_str();
@@ -46,6 +52,10 @@ int run_launch_command(LaunchOptions o) {
   const auto master = comm::parse_host_port(o.master, "--master");
   o.node.master_addr = master.host;
   o.node.master_port = master.port;
+  if (!o.rdzv.empty()) {
+    const auto etcd = comm::parse_etcd_endpoint(o.rdzv, "--rdzv");
+    o.node.etcd = etcd.host + ":" + std::to_string(etcd.port);
+  }
   if (o.rendezvous_timeout_s <= 0 || o.heartbeat_timeout_s <= 0) {
     throw UsageError("--rdzv-timeout and --heartbeat-timeout must be > 0 seconds");
   }

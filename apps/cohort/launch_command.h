@@ -9,6 +9,7 @@ namespace cohort::cli {
 struct LaunchOptions {
   runtime::NodeLaunchOptions node;
   std::string master = "127.0.0.1:29500";
+  std::string rdzv;  // "etcd://HOST:PORT"; empty: node 0's launcher serves the rendezvous
   double rendezvous_timeout_s = 60;
   double heartbeat_timeout_s = 5;
 };

@@ -391,6 +391,7 @@ void validate(const TrainOptions& o) {
                      " (0: a fixed-size group)");
   }
   if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
+  if (!o.rdzv.empty()) comm::parse_etcd_endpoint(o.rdzv, "--rdzv");
   profile_steps_of(o);
   dashboard_of(o);
   comm::backend_from_string(o.backend);
@@ -671,6 +672,7 @@ RunConfig run_config_of(const TrainOptions& o) {
       .resume = o.resume,
       .snapshot_path = o.snapshot_dir,
       .verbose = o.quiet ? 0 : 1,
+      .rendezvous = o.rdzv,
       .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
       .log_every_steps = o.log_every_steps,
       .umask = umask_of(o),
@@ -1000,6 +1002,9 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "worker (on another node when the job spans nodes): a restart after a failure "
                   "resumes from it, at most N steps back, when it is newer than the last "
                   "checkpoint");
+  cmd->add_option("--rdzv", o.rdzv,
+                  "under a launcher (torchrun, srun, mpirun): etcd://HOST:PORT makes the ranks "
+                  "rendezvous in etcd there (cohort launch --rdzv sets it for its ranks)");
   cmd->add_option("--snapshot-dir", o.snapshot_dir,
                   "memory-backed storage of each node where snapshots are kept (the run's folder "
                   "goes when it ends)")

@@ -96,6 +96,7 @@ struct TrainOptions {
   // --snapshot-every-steps: an in-memory snapshot (train::snapshot) every N optimizer steps.
   std::optional<int64_t> snapshot_every_steps;
   std::string snapshot_dir = RunConfig{}.snapshot_path.string();  // RunConfig::snapshot_path
+  std::string rdzv;                                               // RunConfig::rendezvous
   std::string umask = "077";                                      // RunConfig::umask, in octal
   bool quiet = false;
   bool tensorboard = true;              // <run>/tensorboard/ event files

@@ -3,6 +3,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -10,6 +11,7 @@
 #include <optional>
 #include <thread>
 
+#include "cohort/comm/address.h"
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
@@ -59,8 +61,7 @@ class NodeLauncher {
  private:
   void say(const std::string& line) const {
     if (o_.verbose >= 1)
-      std::cerr << "cohort launch (node " << o_.node_rank << "/" << o_.nnodes << "): " << line
-                << std::endl;
+      std::cerr << "cohort launch (node " << node_ << "/" << nodes_ << "): " << line << std::endl;
   }
   std::string key(const std::string& what) const {
     return "launch/" + std::to_string(round_) + "/" + what;
@@ -82,6 +83,12 @@ class NodeLauncher {
 
   // Every node's share of the round, from what each said when it joined.
   void lay_out(const std::vector<std::string>& joined);
+  // With etcd: joins the round in the order of arrival (node_ set), with as many nodes as the
+  // last round had less those it lost; returns what every node said. "" in `error` otherwise.
+  std::vector<std::string> join_elastic_round(const std::string& share, std::string& error);
+  // Records that `node` of this round is lost (counted once however many nodes see it).
+  void mark_lost(int node);
+  bool elastic() const { return !o_.etcd.empty(); }
   // Local worker `local` is a rank of the job, or (after the ranks) one of its data workers;
   // its index among those.
   bool is_rank(int local) const { return local < o_.nproc_per_node; }
@@ -91,6 +98,10 @@ class NodeLauncher {
 
   NodeLaunchOptions o_;
   std::optional<comm::Store> store_;
+  // This node's index in the round and the round's nodes: --node-rank and --nnodes, except with
+  // etcd, where each round numbers the nodes that join it.
+  int node_ = 0;
+  int nodes_ = 1;
   std::vector<std::string> hosts_;
   int world_ = 0;         // ranks of the job
   int first_rank_ = 0;    // this node's first
@@ -109,17 +120,17 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
   if (now - last_beat_ < std::chrono::milliseconds(200)) return {};
   last_beat_ = now;
   try {
-    store_->add("launch/heartbeat/" + std::to_string(o_.node_rank), 1);
+    store_->add(key("heartbeat/") + std::to_string(node_), 1);
     if (store_->check({key("failed")})) return {.reason = store_->get(key("failed"))};
     if (!monitor_) {
-      monitor_.emplace(o_.nnodes, HeartbeatOptions{.interval = std::chrono::milliseconds(200),
-                                                   .timeout = o_.heartbeat_timeout});
-      beats_.assign(static_cast<size_t>(o_.nnodes), -1);
-      monitor_->finished(o_.node_rank);  // this node is not watched by itself
+      monitor_.emplace(nodes_, HeartbeatOptions{.interval = std::chrono::milliseconds(200),
+                                                .timeout = o_.heartbeat_timeout});
+      beats_.assign(static_cast<size_t>(nodes_), -1);
+      monitor_->finished(node_);  // this node is not watched by itself
     }
-    for (int node = 0; node < o_.nnodes; ++node) {
-      if (node == o_.node_rank) continue;
-      const int64_t beats = store_->add("launch/heartbeat/" + std::to_string(node), 0);
+    for (int node = 0; node < nodes_; ++node) {
+      if (node == node_) continue;
+      const int64_t beats = store_->add(key("heartbeat/") + std::to_string(node), 0);
       if (beats != beats_[static_cast<size_t>(node)]) {
         beats_[static_cast<size_t>(node)] = beats;
         monitor_->heard(node);
@@ -127,17 +138,70 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
     }
     if (const auto silent = monitor_->find_silent()) {
       const auto node = static_cast<size_t>(silent->member);
+      if (elastic()) mark_lost(silent->member);
       return {.reason = silent->describe("node " + std::to_string(node) + " (" + hosts_.at(node) +
                                          ")'s launcher") +
                         ": node " + std::to_string(node) + " is lost",
               .node_lost = true};
     }
-  } catch (const PeerFailureError&) {
+  } catch (const PeerFailureError& e) {
+    if (elastic()) return {.reason = e.what()};  // etcd is gone
     return {.reason = "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
                       "), which holds the rendezvous: its launcher or host is gone",
             .node_lost = true};
   }
   return {};
+}
+
+void NodeLauncher::mark_lost(int node) {
+  if (store_->add(key("lost/") + std::to_string(node), 1) == 1) store_->add(key("lost"), 1);
+}
+
+std::vector<std::string> NodeLauncher::join_elastic_round(const std::string& share,
+                                                          std::string& error) {
+  // Round 0 has --nnodes; a later one the nodes of the last less those it lost.
+  int expected = o_.nnodes;
+  if (round_ > 0) {
+    const std::string last = "launch/" + std::to_string(round_ - 1) + "/";
+    expected = static_cast<int>(store_->add(last + "nodes", 0) - store_->add(last + "lost", 0));
+  }
+  const int fewest = o_.min_nodes > 0 ? o_.min_nodes : o_.nnodes;
+  if (expected < fewest) {
+    error = std::to_string(expected) + " node(s) are left, fewer than --min-nodes " +
+            std::to_string(fewest) + ": the job cannot go on (lower --min-nodes to run smaller)";
+    return {};
+  }
+  node_ = static_cast<int>(store_->add(key("joined"), 1)) - 1;
+  if (node_ >= expected) {
+    error = "round " + std::to_string(round_) + " already has its " + std::to_string(expected) +
+            " node(s): this node joined too late (start it for a new job, or with --job-id)";
+    return {};
+  }
+  nodes_ = expected;
+  if (node_ == 0) store_->set(key("nodes"), std::to_string(expected));
+  const int slot = node_;
+  auto joined =
+      store_->arrive_and_wait(key("join/"), slot, expected, share,
+                              "join round " + std::to_string(round_) + " of job " + o_.job_id,
+                              o_.rendezvous_timeout, "nodes");
+  // The nodes in the order of their --node-rank, whatever their order of arrival: the first round
+  // is laid out as given, a later one keeps the survivors' order.
+  std::vector<std::pair<int, std::string>> by_label;
+  for (const auto& text : joined)
+    by_label.emplace_back(Json::parse(text)["node_rank"].get<int>(), text);
+  std::stable_sort(by_label.begin(), by_label.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  joined.clear();
+  for (size_t i = 0; i < by_label.size(); ++i) {
+    if (i > 0 && by_label[i].first == by_label[i - 1].first) {
+      error = "two nodes joined round " + std::to_string(round_) + " as --node-rank " +
+              std::to_string(by_label[i].first) + ": give each node its own";
+      return {};
+    }
+    if (by_label[i].first == o_.node_rank) node_ = static_cast<int>(i);
+    joined.push_back(by_label[i].second);
+  }
+  return joined;
 }
 
 std::string NodeLauncher::find_root_cause() {
@@ -152,9 +216,8 @@ std::string NodeLauncher::find_root_cause() {
 
 std::string NodeLauncher::wait_for_nodes(const std::string& what) {
   std::vector<std::string> keys;
-  for (int node = 0; node < o_.nnodes; ++node)
-    keys.push_back(key(what) + "/" + std::to_string(node));
-  store_->set(keys[static_cast<size_t>(o_.node_rank)], "1");
+  for (int node = 0; node < nodes_; ++node) keys.push_back(key(what) + "/" + std::to_string(node));
+  store_->set(keys[static_cast<size_t>(node_)], "1");
   while (true) {
     try {
       if (store_->check(keys)) return "";
@@ -176,9 +239,9 @@ void NodeLauncher::mark_failed(const std::string& reason) {
 void NodeLauncher::lay_out(const std::vector<std::string>& joined) {
   hosts_.clear();
   world_ = members_ = 0;
-  for (int node = 0; node < o_.nnodes; ++node) {
+  for (int node = 0; node < nodes_; ++node) {
     const Json share = Json::parse(joined.at(static_cast<size_t>(node)));
-    if (node == o_.node_rank) {
+    if (node == node_) {
       first_rank_ = world_;
       first_member_ = members_;
     }
@@ -218,31 +281,54 @@ comm::JobSecret job_secret(const NodeLaunchOptions& o) {
 int NodeLauncher::run() {
   const std::string program = resolve_program(o_.command.front());
   if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
-  const bool serve = o_.node_rank == 0;
-  store_ = comm::Store::connect({.host = o_.master_addr,
-                                 .port = o_.master_port,
+  // Node 0's launcher serves the store, unless etcd holds it.
+  const bool serve = !elastic() && o_.node_rank == 0;
+  const auto store_address = elastic() ? comm::parse_host_port(o_.etcd, "--rdzv etcd://")
+                                       : comm::HostPort{o_.master_addr, o_.master_port};
+  node_ = o_.node_rank;
+  nodes_ = o_.nnodes;
+  store_ = comm::Store::connect({.host = store_address.host,
+                                 .port = store_address.port,
                                  .is_server = serve,
                                  .timeout = o_.rendezvous_timeout,
                                  .job_id = o_.job_id,
-                                 .secret = job_secret(o_)});
+                                 .secret = job_secret(o_),
+                                 .etcd = elastic()});
   round_ = static_cast<int>(store_->add("launch/round", 0));
-  const std::string share =
-      Json{{"host", host_name()}, {"nproc", o_.nproc_per_node}, {"data_workers", o_.data_workers}}
-          .dump();
+  const std::string share = Json{
+      {"host", host_name()},
+      {"node_rank", o_.node_rank},
+      {"nproc", o_.nproc_per_node},
+      {"data_workers",
+       o_.data_workers}}.dump();
   while (true) {
-    say("joining round " + std::to_string(round_) + " at " + o_.master_addr + ":" +
-        std::to_string(o_.master_port) + " (job " + o_.job_id + ")");
+    say("joining round " + std::to_string(round_) + " at the " + store_->where() + " (job " +
+        o_.job_id + ")");
     try {
-      lay_out(
-          store_->arrive_and_wait(key("join/"), o_.node_rank, o_.nnodes, share,
-                                  "join round " + std::to_string(round_) + " of job " + o_.job_id,
-                                  o_.rendezvous_timeout, "nodes"));
+      if (elastic()) {
+        std::string error;
+        const auto joined = join_elastic_round(share, error);
+        if (!error.empty()) {
+          std::cerr << "error: cohort launch: " << error << std::endl;
+          return 1;
+        }
+        lay_out(joined);
+      } else {
+        lay_out(
+            store_->arrive_and_wait(key("join/"), node_, nodes_, share,
+                                    "join round " + std::to_string(round_) + " of job " + o_.job_id,
+                                    o_.rendezvous_timeout, "nodes"));
+      }
     } catch (const TimeoutError& e) {
       std::cerr << "error: cohort launch: " << e.what() << " (lost, or not started?)" << std::endl;
       return 1;
-    } catch (const PeerFailureError&) {
-      std::cerr << "error: cohort launch: lost node 0 (" << o_.master_addr << ":" << o_.master_port
-                << "), which holds the rendezvous" << std::endl;
+    } catch (const PeerFailureError& e) {
+      if (elastic()) {
+        std::cerr << "error: cohort launch: " << e.what() << std::endl;
+      } else {
+        std::cerr << "error: cohort launch: lost node 0 (" << o_.master_addr << ":"
+                  << o_.master_port << "), which holds the rendezvous" << std::endl;
+      }
       return 1;
     }
     monitor_.reset();
@@ -260,19 +346,21 @@ int NodeLauncher::run() {
     group_options.rank_role = [this](int local) {
       return is_rank(local) ? std::string() : std::string(kDataWorkerRole);
     };
-    group_options.rank_env = [this](int local) {
+    group_options.rank_env = [this, &store_address](int local) {
       std::map<std::string, std::string> env;
       if (is_rank(local)) {
+        // With etcd, MASTER_ADDR is etcd's host: the data plane binds to the interface that
+        // reaches it.
         env = worker_env({.world_rank = index_in_job(local),
                           .local_rank = local,
-                          .node_rank = o_.node_rank,
+                          .node_rank = node_,
                           .world_size = world_,
                           .local_world_size = o_.nproc_per_node,
-                          .master_addr = o_.master_addr,
-                          .master_port = o_.master_port});
+                          .master_addr = store_address.host,
+                          .master_port = store_address.port});
       } else {
         // A data worker holds no rank: it finds its work through the store.
-        env["MASTER_ADDR"] = o_.master_addr;
+        env["MASTER_ADDR"] = store_address.host;
         env[kDataMemberVar] = std::to_string(index_in_job(local));
         env[kTrainRanksVar] = std::to_string(world_);
       }
@@ -281,7 +369,8 @@ int NodeLauncher::run() {
       env[kJobIdVar] = o_.job_id;
       env[kRestartRoundVar] = std::to_string(round_);
       env[kStoreOnLauncherVar] = "1";
-      env[kStorePortVar] = std::to_string(o_.master_port);
+      env[kStorePortVar] = std::to_string(store_address.port);
+      env[kRendezvousVar] = elastic() ? "etcd://" + o_.etcd : "";
       add_job_secret_env(env, store_->secret());
       return env;
     };
@@ -314,7 +403,7 @@ int NodeLauncher::run() {
     say("round " + std::to_string(round_) + ": started " + started);
     const auto outcome = group.wait(handlers);
     if (outcome.interrupted_by != 0) {
-      mark_failed("node " + std::to_string(o_.node_rank) + " was interrupted");
+      mark_failed("node " + std::to_string(node_) + " was interrupted");
       return 128 + outcome.interrupted_by;
     }
     std::string reason = peer_reason;
@@ -323,13 +412,15 @@ int NodeLauncher::run() {
       reason = wait_for_nodes("finished");
       if (reason.empty()) {
         try {
-          // Node 0 serves the store: it stays until every node has seen the end.
-          store_->set(key("left/") + std::to_string(o_.node_rank), "1");
-          if (serve) {
+          // Node 0 serves the store: it stays until every node has seen the end. With etcd, it
+          // then removes the job's keys.
+          store_->set(key("left/") + std::to_string(node_), "1");
+          if (node_ == 0) {
             std::vector<std::string> left;
-            for (int node = 0; node < o_.nnodes; ++node)
+            for (int node = 0; node < nodes_; ++node)
               left.push_back(key("left/") + std::to_string(node));
             store_->wait(left, o_.rendezvous_timeout);
+            if (elastic()) store_->remove_prefix("");
           }
         } catch (const std::exception&) {
           // Everyone finished; a node that left without saying so changes nothing.
@@ -338,14 +429,14 @@ int NodeLauncher::run() {
         return 0;
       }
     } else if (reason.empty()) {
-      reason = "node " + std::to_string(o_.node_rank) + " (" + host_name() +
-               "): " + outcome.failure_reason;
+      reason =
+          "node " + std::to_string(node_) + " (" + host_name() + "): " + outcome.failure_reason;
       // A worker killed by a signal is a cause: the other nodes learn it at once. A worker that
       // exited with an error most often failed in a collective because a peer node or its worker
       // died: that is named first.
       const bool killed = outcome.first_failure && outcome.first_failure->signal != 0 &&
                           !outcome.first_failure->stopped_by_driver;
-      if (!killed && o_.nnodes > 1) {  // on one node there is no other node to blame
+      if (!killed && nodes_ > 1) {  // on one node there is no other node to blame
         if (auto cause = find_root_cause(); !cause.empty())
           reason = cause + " (then " + reason + ")";
       }
@@ -393,6 +484,15 @@ int launch_node(const NodeLaunchOptions& options) {
   if (options.master_addr.empty())
     throw UsageError("--master needs HOST:PORT, the address of node 0");
   if (options.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
+  if (options.min_nodes != 0 && options.etcd.empty()) {
+    throw UsageError("--min-nodes " + std::to_string(options.min_nodes) +
+                     " needs --rdzv etcd://HOST:PORT: without etcd, node 0 holds the rendezvous "
+                     "and the job cannot lose it");
+  }
+  if (options.min_nodes < 0 || options.min_nodes > options.nnodes) {
+    throw UsageError("--min-nodes " + std::to_string(options.min_nodes) + " must be in [1, " +
+                     std::to_string(options.nnodes) + "] (--nnodes)");
+  }
   if (options.command.empty()) throw UsageError("cohort launch: give the program after '--'");
   return NodeLauncher(options).run();
 }

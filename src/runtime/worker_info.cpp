@@ -34,6 +34,13 @@ std::optional<int> whole_number(const std::string& text) {
   return std::nullopt;
 }
 
+// The etcd that COHORT_RDZV names; nullopt when it is unset.
+std::optional<comm::HostPort> etcd_from_env() {
+  const auto endpoint = env(kRendezvousVar);
+  if (!endpoint) return std::nullopt;
+  return comm::parse_etcd_endpoint(*endpoint, kRendezvousVar);
+}
+
 }  // namespace
 
 int env_int(const char* name, int fallback, int min_value) {
@@ -87,7 +94,8 @@ std::optional<DataMemberInfo> data_member_from_env() {
                       .store_port = env_int(kStorePortVar, 0, 1),
                       .train_ranks = env_int(kTrainRanksVar, 0, 1),
                       .restart_round = env_int(kRestartRoundVar, 0, 0),
-                      .job_id = env_string(kJobIdVar)};
+                      .job_id = env_string(kJobIdVar),
+                      .etcd = etcd_from_env()};
   if (info.master_addr.empty() || info.store_port == 0 || info.train_ranks == 0) {
     throw UsageError(std::string("MASTER_ADDR, ") + kStorePortVar + " and " + kTrainRanksVar +
                      " must be set: start data workers with cohort launch --data-workers");
@@ -290,6 +298,7 @@ std::optional<WorkerInfo> detect_launch() {
         port_from_job(job), "srun sets SLURM_STEP_NODELIST; set MASTER_ADDR to rank 0's host");
     info->store_port = info->master_port;
   }
+  if (info) info->etcd = etcd_from_env();
   return info;
 }
 

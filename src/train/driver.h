@@ -22,8 +22,7 @@ runtime::HeartbeatOptions heartbeat_options(const RunConfig& run);
 // keeps the run directory and returns the Result, the other ranks end their process.
 Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const ScalingConfig& scaling, const RunConfig& run, const Json& config,
-                    const std::map<std::string, data::Dataset>& datasets,
-                    const runtime::WorkerInfo& info);
+                    const std::map<std::string, data::Dataset>& datasets, runtime::WorkerInfo info);
 
 // The worker side: joins the group, runs the loop, ends the process.
 [[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop,

@@ -14,6 +14,7 @@
 
 #include <thread>
 
+#include "cohort/comm/address.h"
 #include "cohort/comm/store.h"
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
@@ -211,9 +212,22 @@ comm::Store join_launched_store(const runtime::WorkerInfo& info, const RunConfig
                              .is_server = serve,
                              .timeout = run.setup_timeout,
                              .job_id = info.job_id};
+  if (info.etcd) {
+    options.host = info.etcd->host;
+    options.port = info.etcd->port;
+    options.etcd = true;
+  }
   if (auto given = runtime::job_secret_from_env()) {
     options.secret = *given;
     return comm::Store::connect(options);
+  }
+  if (info.etcd && info.world_size > 1) {
+    // In etcd the first rank to arrive records the secret's proof: one read from a stale file
+    // would shut rank 0 out.
+    throw UsageError(std::string("ranks that rendezvous in etcd need the job secret from their "
+                                 "environment: set ") +
+                     runtime::kJobSecretVar + " (or " + runtime::kJobSecretFileVar +
+                     ") to the same secret for every rank, or " + runtime::kInsecureVar + "=1");
   }
   if (info.world_size == 1 && serve) {
     options.secret = comm::JobSecret::generate();
@@ -327,7 +341,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
 Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const ScalingConfig& scaling, const RunConfig& run, const Json& config,
                     const std::map<std::string, data::Dataset>& datasets,
-                    const runtime::WorkerInfo& info) {
+                    runtime::WorkerInfo info) {
   const auto started = Clock::now();
   const auto started_wall = std::chrono::system_clock::now();
   // Rank 0 opens the run directory here: everything of the run takes its mask while it lasts.
@@ -335,16 +349,16 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   const std::string where = " (launched by " + info.launcher + " as rank " +
                             std::to_string(info.world_rank) + " of " +
                             std::to_string(info.world_size) + ")";
-  if (scaling.num_workers != info.world_size) {
-    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) +
-                     " but the launcher started " + std::to_string(info.world_size) + " processes" +
-                     where +
-                     ": make them agree (e.g. srun -n / mpirun -np / --nnodes x --nproc-per-node)");
-  }
-  if (scaling.min_workers != 0 && scaling.min_workers != scaling.num_workers) {
+  // With min_workers, a launcher that lost a node (cohort launch --min-nodes) may restart the
+  // group smaller: any size from min_workers to num_workers.
+  const int fewest = scaling.min_workers > 0 ? scaling.min_workers : scaling.num_workers;
+  if (info.world_size > scaling.num_workers || info.world_size < fewest) {
     throw UsageError(
-        "ScalingConfig.min_workers: elastic group sizes need cohort's own driver; under " +
-        info.launcher + " the launcher decides the size (leave min_workers at 0)");
+        "ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) +
+        (scaling.min_workers > 0 ? " (min_workers=" + std::to_string(scaling.min_workers) + ")"
+                                 : std::string()) +
+        " but the launcher started " + std::to_string(info.world_size) + " processes" + where +
+        ": make them agree (e.g. srun -n / mpirun -np / --nnodes x --nproc-per-node)");
   }
   set_threads(scaling.resources_per_worker.cpu_threads);
   const bool rank0 = info.world_rank == 0;
@@ -358,14 +372,15 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   settings.log_every_steps = run.log_every_steps;
   settings.umask = run.umask;
   std::string secret_file;  // where rank 0 left the job secret for the others, if it did
+  if (!run.rendezvous.empty())
+    info.etcd = comm::parse_etcd_endpoint(run.rendezvous, "RunConfig.rendezvous (--rdzv)");
   settings.store = join_launched_store(info, run, serve, secret_file);
   const std::string round = "job/" + std::to_string(info.restart_round) + "/";
 
   // Same program everywhere, or a clear refusal.
   const auto fingerprints = settings.store.arrive_and_wait(
       round + "binary/", info.world_rank, info.world_size, program_identity(),
-      "join the rendezvous at " + info.master_addr + ":" + std::to_string(info.store_port),
-      run.setup_timeout);
+      "join the rendezvous (" + settings.store.where() + ")", run.setup_timeout);
   // Every rank is in: the secret's file has served its purpose.
   if (rank0 && !secret_file.empty()) std::filesystem::remove(secret_file);
   for (int r = 1; r < info.world_size; ++r) {
@@ -540,12 +555,13 @@ namespace {
       throw UsageError(std::string("a data worker got no ") + runtime::kJobSecretVar +
                        ": start data workers with cohort launch --data-workers");
     }
-    auto store = comm::Store::connect({.host = member.master_addr,
-                                       .port = member.store_port,
+    auto store = comm::Store::connect({.host = member.etcd ? member.etcd->host : member.master_addr,
+                                       .port = member.etcd ? member.etcd->port : member.store_port,
                                        .is_server = false,
                                        .timeout = kDefaultSetupTimeout,
                                        .job_id = member.job_id,
-                                       .secret = *secret});
+                                       .secret = *secret,
+                                       .etcd = member.etcd.has_value()});
     const std::string round = "job/" + std::to_string(member.restart_round) + "/";
     store.wait({round + "run"},
                std::chrono::hours(24));  // rank 0 opens the run once every rank joined

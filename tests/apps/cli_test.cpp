@@ -301,7 +301,15 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
             "--nproc-per-node and --data-workers must be >= 0"},
            {{"--nnodes", "2", "--", "/bin/true"},
             "a job of 2 nodes needs one secret on every node: set COHORT_JOB_SECRET (or "
-            "COHORT_JOB_SECRET_FILE"}}) {
+            "COHORT_JOB_SECRET_FILE"},
+           {{"--rdzv", "http://10.0.0.9:2379", "--", "/bin/true"},
+            "--rdzv 'http://10.0.0.9:2379' is no etcd endpoint: give etcd://HOST:PORT"},
+           {{"--rdzv", "etcd://10.0.0.9", "--", "/bin/true"},
+            "--rdzv '10.0.0.9' must be HOST:PORT"},
+           {{"--min-nodes", "1", "--", "/bin/true"}, "--min-nodes 1 needs --rdzv etcd://HOST:PORT"},
+           {{"--rdzv", "etcd://127.0.0.1:2379", "--nnodes", "2", "--min-nodes", "3", "--",
+             "/bin/true"},
+            "--min-nodes 3 must be in [1, 2] (--nnodes)"}}) {
     std::vector<std::string> argv{cli, "launch"};
     argv.insert(argv.end(), args.begin(), args.end());
     auto r = run_command(argv, std::chrono::seconds(30));
@@ -342,6 +350,18 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+
+  // An etcd that does not answer: named within the rendezvous deadline.
+  const auto asked = std::chrono::steady_clock::now();
+  r = run_command({cli, "launch", "--rdzv", "etcd://127.0.0.1:" + std::to_string(port),
+                   "--rdzv-timeout", "2", "--insecure", "--", "/bin/true"},
+                  std::chrono::seconds(60));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("cannot reach the rendezvous etcd at 127.0.0.1:" + std::to_string(port) +
+                          " within 2000 ms"),
+            std::string::npos)
+      << r.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - asked, std::chrono::seconds(30));
 }
 
 TEST_F(Cli, ConfigFilesGiveEveryOptionTheCommandLineOverridesAndRunsSaveTheirOwn) {

@@ -33,6 +33,9 @@ inline constexpr const char* kRestartRoundVar =
 inline constexpr const char* kStoreOnLauncherVar =
     "COHORT_STORE_ON_LAUNCHER";  ///< "1": node 0's launcher serves the store
 inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";  ///< the store's port
+/// "etcd://HOST:PORT": the rendezvous store is etcd there (`cohort launch --rdzv`; or set for ranks
+/// under another launcher). Unset or empty: cohort's own store.
+inline constexpr const char* kRendezvousVar = "COHORT_RDZV";
 
 /// The job's secret (comm/job_secret.h), at least 16 bytes: set by the user under torchrun, srun
 /// or mpirun, and by the local driver and `cohort launch` in the processes they start.

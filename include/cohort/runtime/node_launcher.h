@@ -16,6 +16,15 @@ struct NodeLaunchOptions {
   /// address only). Workers rendezvous through the same store.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  ///< the store's port on node 0
+  /// Keep the rendezvous in etcd at this "HOST:PORT" (`--rdzv etcd://HOST:PORT`) instead of in node
+  /// 0's launcher: membership, the run record and barriers live in etcd under the job's lease
+  /// (comm::StoreOptions::etcd), so the job outlives any node, node 0's included. Each round
+  /// numbers the nodes in the order they join; master_addr/master_port are not used.
+  std::string etcd;
+  /// With etcd: the fewest nodes a restarted round may have. A round after the loss of a node
+  /// goes on with the nodes left when they are at least this many (each worker program must
+  /// accept the smaller world, e.g. cohort train --min-workers). 0: every round has nnodes.
+  int min_nodes = 0;
   /// Train workers (ranks) on this node; nodes may differ. 0: a CPU-only node (needs data_workers).
   int nproc_per_node = 1;
   /// Preprocessing processes on this node for the job's trainers: the program in the data role,

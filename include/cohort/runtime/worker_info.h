@@ -3,6 +3,7 @@
 #include <optional>
 #include <string>
 
+#include "cohort/comm/address.h"
 #include "cohort/comm/job_secret.h"
 #include "cohort/runtime/environment.h"
 
@@ -29,6 +30,8 @@ struct WorkerInfo {
   /// 0's cohort launch, or torchrun's agent) when store_on_launcher.
   int store_port = 0;
   bool store_on_launcher = false;  ///< the launcher serves the store, not rank 0
+  /// The store is etcd at this address instead (COHORT_RDZV, or RunConfig::rendezvous).
+  std::optional<comm::HostPort> etcd;
 };
 
 /// The whole number in environment variable `name`, or `fallback` when it is unset or empty;
@@ -48,6 +51,7 @@ struct DataMemberInfo {
   int train_ranks = 0;      ///< the job's train ranks (COHORT_TRAIN_RANKS)
   int restart_round = 0;    ///< restarts of the job so far (COHORT_RESTART_ROUND)
   std::string job_id;       ///< the job, checked at the store (COHORT_JOB_ID)
+  std::optional<comm::HostPort> etcd;  ///< the store is etcd there instead (COHORT_RDZV)
 };
 /// This process's data-worker settings; nullopt when COHORT_DATA_MEMBER is unset. UsageError naming
 /// the variable that is missing or malformed, and the fix.
@@ -74,6 +78,7 @@ std::optional<WorkerInfo> worker_info_from_env();
 /// UsageError naming the variable that is missing or inconsistent. The rendezvous address is
 /// MASTER_ADDR/MASTER_PORT when set; else under Slurm the first host of the step's node list and
 /// port 15000 + job id % 10000; under mpirun on one host 127.0.0.1 and 15000 + job id % 10000.
+/// Under any of them, COHORT_RDZV=etcd://HOST:PORT puts the store in etcd there.
 std::optional<WorkerInfo> detect_launch();
 
 /// The first host name of a Slurm host list such as "node[07-09,12],gpu1" ("node07").

@@ -148,6 +148,10 @@ struct RunConfig {
   std::filesystem::path snapshot_path = "/dev/shm/cohort-snapshots";
   /// 0: silent driver; 1: a line per report and a progress bar on a terminal.
   int verbose = 1;
+  /// Under a launcher: "etcd://HOST:PORT" makes the ranks rendezvous in etcd there rather than in
+  /// rank 0's (or the launcher's) store, as COHORT_RDZV does (`cohort launch --rdzv` sets it).
+  /// Empty: COHORT_RDZV's, else cohort's own store. Ignored by cohort's own driver.
+  std::string rendezvous;
   /// Rendezvous and process-group setup deadline.
   std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
   /// Deadline of every collective (a peer that died or hangs ends in an error, not a hang).
