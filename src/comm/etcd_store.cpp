@@ -198,7 +198,7 @@ EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::s
                                                      : "with another job secret") +
                         ": give every process of the job the same " +
                         (secret_.empty() ? "setting" : std::string("COHORT_JOB_SECRET")) +
-                        ", or give this job another id (--job-id)");
+                        ", or give this job another id (cohort launch --job-id, or COHORT_JOB_ID)");
   }
   keeper_ = std::thread([this] { keep_lease_alive(); });
 }

@@ -2,11 +2,13 @@
 # torchrun-style variables set by hand: two `cohort train` processes become a 2-rank group
 # (rank 0 serves the rendezvous on MASTER_ADDR:MASTER_PORT and hands rank 1 the job secret through
 # the storage path, past a stale one), a job restarted after a kill restores from its in-memory
-# snapshot, and inconsistent variables are named.
-# Usage: torchrun_env_test.sh COHORT_BINARY DATA_DIR
+# snapshot, ranks given `--rdzv etcd://` rendezvous in a real etcd instead, and inconsistent
+# variables are named.
+# Usage: torchrun_env_test.sh COHORT_BINARY DATA_DIR [ETCD_BINARY]
 set -uo pipefail
 cli="$1"
 data="$2"
+etcd="${3:-}"
 fail() { echo "torchrun_env_test: FAIL: $*" >&2; exit 1; }
 work="$(mktemp -d)"
 pids=()
@@ -66,6 +68,59 @@ grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap1-r
 [ -z "$(ls -A "$work/shm")" ] || fail "the run's snapshots stayed: $(ls -R "$work/shm")"
 python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])]; sys.exit(s[0] != 1)" \
   "$work/snap/steps.jsonl" || fail "the restarted job's steps.jsonl lost the first round's steps"
+# The ranks rendezvous in etcd (`--rdzv etcd://`): nothing serves on MASTER_PORT, and the job's keys
+# are in etcd under /cohort/<job id>/. Without a secret in their environment they are refused.
+if [ -x "$etcd" ]; then
+  free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
+  eport=$(free_port)
+  peer="http://127.0.0.1:$(free_port)"
+  "$etcd" --name t --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$eport" \
+    --advertise-client-urls "http://127.0.0.1:$eport" --listen-peer-urls "$peer" \
+    --initial-advertise-peer-urls "$peer" --initial-cluster "t=$peer" >"$work/etcd.log" 2>&1 &
+  pids+=($!)
+  etcd_healthy() {
+    python3 -c "import sys, urllib.request
+sys.exit(b'\"health\":\"true\"' not in urllib.request.urlopen(sys.argv[1] + '/health', timeout=2).read())" "$1" 2>/dev/null
+  }
+  for _ in $(seq 600); do
+    etcd_healthy "http://127.0.0.1:$eport" && break
+    sleep 0.1
+  done
+  etcd_healthy "http://127.0.0.1:$eport" || { cat "$work/etcd.log"; fail "etcd did not start"; }
+  etcd_pids=()
+  secret="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+  for rank in 0 1; do
+    RANK=$rank WORLD_SIZE=2 LOCAL_RANK=$rank LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$(free_port) \
+      COHORT_JOB_ID=in-etcd COHORT_JOB_SECRET="$secret" \
+      timeout -k 5 120 "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 8 \
+      --batch-size 16 --storage-path "$work" --name in-etcd --quiet --rdzv "etcd://127.0.0.1:$eport" \
+      >"$work/etcd-rank$rank.log" 2>&1 &
+    pids+=($!); etcd_pids+=($!)
+  done
+  wait "${etcd_pids[0]}"; c0=$?
+  wait "${etcd_pids[1]}"; c1=$?
+  cat "$work/etcd-rank0.log" "$work/etcd-rank1.log"
+  [ "$c0" = 0 ] && [ "$c1" = 0 ] || fail "ranks in etcd exited $c0 and $c1"
+  python3 "$(dirname "$0")/check_result.py" "$work/in-etcd/result.json" 2 8 "torchrun-style in etcd" ||
+    fail "result.json of the ranks in etcd"
+  python3 - "$eport" <<'PY' || fail "the job's keys are not in etcd"
+import base64, json, sys, urllib.request
+key = base64.b64encode(b"/cohort/in-etcd/").decode()
+end = base64.b64encode(b"/cohort/in-etcd0").decode()
+request = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v3/kv/range",
+                                 json.dumps({"key": key, "range_end": end, "count_only": True}).encode())
+count = int(json.load(urllib.request.urlopen(request, timeout=10)).get("count", 0))
+print(f"etcd holds {count} keys of job in-etcd")
+sys.exit(0 if count > 0 else 1)
+PY
+  out=$(RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" \
+    --rdzv "etcd://127.0.0.1:$eport" 2>&1)
+  [ $? = 2 ] || fail "ranks in etcd without a secret did not exit 2: $out"
+  grep -q "ranks that rendezvous in etcd need the job secret from their environment" <<<"$out" ||
+    fail "the missing secret is not named: $out"
+else
+  echo "torchrun_env_test: the etcd case is skipped: no etcd binary given (scripts/setup.sh unpacks it)"
+fi
 out=$(RANK=2 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 60 "$cli" train --data-dir "$data" 2>&1)
 [ $? = 2 ] || fail "RANK=2 WORLD_SIZE=2 did not exit 2: $out"
 grep -q "RANK=2 must be < WORLD_SIZE=2" <<<"$out" || fail "unnamed: $out"

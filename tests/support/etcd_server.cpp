@@ -2,11 +2,13 @@
 
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <csignal>
 #include <filesystem>
 #include <stdexcept>
+#include <thread>
 
 namespace cohort::testing {
 namespace {
@@ -25,6 +27,31 @@ int free_port() {
   }
   ::close(fd);
   return ntohs(address.sin_port);
+}
+
+// Whether etcd on 127.0.0.1:port answers GET /health with {"health":"true"}.
+bool healthy(int port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  timeval wait{.tv_sec = 2, .tv_usec = 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  std::string reply;
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0) {
+    const std::string request = "GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+    if (::send(fd, request.data(), request.size(), MSG_NOSIGNAL) ==
+        static_cast<ssize_t>(request.size())) {
+      char buffer[1024];
+      ssize_t n = 0;
+      while ((n = ::recv(fd, buffer, sizeof buffer, 0)) > 0)
+        reply.append(buffer, static_cast<size_t>(n));
+    }
+  }
+  ::close(fd);
+  return reply.find("\"health\":\"true\"") != std::string::npos;
 }
 
 }  // namespace
@@ -61,9 +88,14 @@ std::unique_ptr<EtcdServer> EtcdServer::start(std::string& why_not) {
       binary, "--name", "test", "--data-dir", server->data_dir_, "--listen-client-urls", client,
       "--advertise-client-urls", client, "--listen-peer-urls", peer,
       "--initial-advertise-peer-urls", peer, "--initial-cluster", "test=" + peer});
-  if (!server->process_->wait_for_line("ready to serve client requests",
-                                       std::chrono::seconds(60))) {
-    throw std::runtime_error("etcd did not start within 60 s:\n" + server->process_->output());
+  // Serving once /health says so (what etcd logs on the way differs between its versions).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!healthy(server->port_)) {
+    if (std::chrono::steady_clock::now() >= deadline || !process_alive(server->process_->pid())) {
+      server->process_->wait(std::chrono::seconds(5));
+      throw std::runtime_error("etcd did not serve within 60 s:\n" + server->process_->output());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   return server;
 }
