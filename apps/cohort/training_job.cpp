@@ -462,6 +462,15 @@ void validate(const TrainOptions& o) {
     throw UsageError("--snapshot-every-steps " + std::to_string(*o.snapshot_every_steps) +
                      " must be >= 1 (leave it out to keep no in-memory snapshots)");
   }
+  if (o.checkpoint_when_busy != "wait" && o.checkpoint_when_busy != "skip") {
+    throw UsageError("unknown --checkpoint-when-busy '" + o.checkpoint_when_busy +
+                     "': choose wait or skip");
+  }
+  if (o.checkpoint_when_busy == "skip" && !o.async_checkpoint) {
+    throw UsageError(
+        "--checkpoint-when-busy skip needs --async-checkpoint: only an asynchronous save can "
+        "still be in flight at the next checkpoint");
+  }
   if (o.snapshot_every_steps && o.snapshot_dir.empty()) {
     throw UsageError(
         "--snapshot-every-steps needs a --snapshot-dir: memory-backed storage of "
@@ -536,6 +545,7 @@ Json to_json(const TrainOptions& o) {
               {"lr_decay", o.lr_decay},
               {"checkpoint_every_steps", o.checkpoint_every_steps.value_or(0)},
               {"async_checkpoint", o.async_checkpoint},
+              {"checkpoint_when_busy", o.checkpoint_when_busy},
               {"snapshot_every_steps", o.snapshot_every_steps.value_or(0)}};
   // The plan's keys as PlanOptions writes them: a user's own program reads the same.
   config.update(Json(o.plan));
@@ -724,7 +734,9 @@ void train_loop(const Json& c) {
   // parameter server, whose workers must not wait for each other every step.
   const bool stop_every_step = model.synchronous();
   const int64_t every_steps = c.value("checkpoint_every_steps", int64_t{0});
-  const train::SaveOptions save_options{.async = c.value("async_checkpoint", false)};
+  const train::SaveOptions save_options{
+      .async = c.value("async_checkpoint", false),
+      .skip_when_busy = c.value("checkpoint_when_busy", std::string("wait")) == "skip"};
   const int64_t snapshot_every = c.value("snapshot_every_steps", int64_t{0});
   bool stopping = false;
   // Throughput over the steps after the first few (start-up, the first step's probes).
@@ -1002,9 +1014,6 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "worker (on another node when the job spans nodes): a restart after a failure "
                   "resumes from it, at most N steps back, when it is newer than the last "
                   "checkpoint");
-  cmd->add_option("--rdzv", o.rdzv,
-                  "under a launcher (torchrun, srun, mpirun): etcd://HOST:PORT makes the ranks "
-                  "rendezvous in etcd there (cohort launch --rdzv sets it for its ranks)");
   cmd->add_option("--snapshot-dir", o.snapshot_dir,
                   "memory-backed storage of each node where snapshots are kept (the run's folder "
                   "goes when it ends)")
@@ -1013,6 +1022,13 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "write checkpoints behind the training loop: a step waits only while each "
                 "worker copies its state into memory; the writing into the run directory and the "
                 "commit happen on a thread of their own");
+  cmd->add_option("--checkpoint-when-busy", o.checkpoint_when_busy,
+                  "with --async-checkpoint, when a save is still being written at the next "
+                  "checkpoint: wait for it, or skip this one (its report says so)")
+      ->capture_default_str();
+  cmd->add_option("--rdzv", o.rdzv,
+                  "under a launcher (torchrun, srun, mpirun): etcd://HOST:PORT makes the ranks "
+                  "rendezvous in etcd there (cohort launch --rdzv sets it for its ranks)");
   cmd->add_option("--umask", o.umask,
                   "permission bits taken from the run directory and its files, in octal as the "
                   "shell's umask: 077 keeps the run yours alone, 022 lets others read it")

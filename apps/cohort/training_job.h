@@ -92,7 +92,8 @@ struct TrainOptions {
   int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
   // --checkpoint-every-steps: a checkpoint every N optimizer steps too; unset: at epoch ends only.
   std::optional<int64_t> checkpoint_every_steps;
-  bool async_checkpoint = false;  // train::SaveOptions::async
+  bool async_checkpoint = false;              // train::SaveOptions::async
+  std::string checkpoint_when_busy = "wait";  // "skip": train::SaveOptions::skip_when_busy
   // --snapshot-every-steps: an in-memory snapshot (train::snapshot) every N optimizer steps.
   std::optional<int64_t> snapshot_every_steps;
   std::string snapshot_dir = RunConfig{}.snapshot_path.string();  // RunConfig::snapshot_path

@@ -42,6 +42,7 @@ void AsyncCheckpointWriter::start(Job job) {
   if (thread_.joinable()) {
     throw RuntimeError("an asynchronous checkpoint is still in flight: wait() for it first");
   }
+  running_ = true;
   thread_ = std::thread([this, job = std::move(job)] {
     // The failure keeps its kind: a peer's that timed out or went away is a consequence.
     const std::string failed =
@@ -56,6 +57,7 @@ void AsyncCheckpointWriter::start(Job job) {
     } catch (const std::exception& e) {
       error_ = std::make_exception_ptr(RuntimeError(failed + e.what()));
     }
+    running_ = false;
   });
 }
 

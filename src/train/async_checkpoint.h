@@ -67,6 +67,8 @@ class AsyncCheckpointWriter {
   // Waits for the save in flight, if any, and rethrows its failure (a RuntimeError naming the
   // report); returns the seconds waited.
   double wait();
+  // Whether a save is still being written (without waiting).
+  bool busy() const { return running_; }
   // Starts `job`, writing out what captured() holds (none may be in flight: wait() first).
   void start(Job job);
   // Where a save captures this rank's files (train::FileCapture), between wait() and start().
@@ -87,6 +89,7 @@ class AsyncCheckpointWriter {
   std::chrono::milliseconds timeout_;
   std::thread thread_;
   std::atomic<bool> abandon_{false};
+  std::atomic<bool> running_{false};  // the thread has not finished its job
   std::exception_ptr error_;
   CapturedFiles captured_;
 };

@@ -566,6 +566,12 @@ void snapshot(const Json& metrics, const ParallelModel& model) {
 }
 
 void report(const Json& metrics, const ParallelModel& model, const SaveOptions& options) {
+  if (options.async && options.skip_when_busy && checkpoint_in_flight_on_any_rank()) {
+    auto reported = metrics;
+    reported["checkpoint_skipped"] = true;
+    report(reported);
+    return;
+  }
   if (options.async) {
     report_asynchronously(metrics, model);
     return;

@@ -824,6 +824,14 @@ double wait_for_checkpoint_in_flight() {
   return s.checkpoint_writer ? s.checkpoint_writer->wait() : 0.0;
 }
 
+bool checkpoint_in_flight_on_any_rank() {
+  auto& s = require_session("cohort::train::report()");
+  const bool busy = s.checkpoint_writer && s.checkpoint_writer->busy();
+  std::vector<at::Tensor> flag{torch::tensor({busy ? 1 : 0}, torch::kInt)};
+  s.context.process_group.allreduce(flag, comm::ReduceOp::kMax);
+  return flag[0].item<int>() > 0;
+}
+
 void finish_session() {
   if (auto* s = current_session(); s != nullptr && s->checkpoint_writer)
     s->checkpoint_writer->wait();

@@ -155,6 +155,9 @@ void choose_snapshot_to_restore(WorkerSession& session, bool resume,
 // Waits for this rank's asynchronous save in flight, if any, and rethrows its failure; returns the
 // seconds waited. A loop's end waits too (finish_session).
 double wait_for_checkpoint_in_flight();
+// Whether some rank's asynchronous save is still being written: a collective (every rank asks at
+// the same point, and every rank gets the same answer).
+bool checkpoint_in_flight_on_any_rank();
 // What a train loop leaves in flight when it returns: its last asynchronous checkpoint, committed
 // before the worker reports that it finished.
 void finish_session();

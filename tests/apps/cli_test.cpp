@@ -6,7 +6,9 @@
 #include <csignal>
 #include <cstdio>
 #include <fstream>
+#include <iostream>
 #include <iterator>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -233,6 +235,10 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "only)"},
       {{"--checkpoint-every-steps", "-3", "--data-dir", data.string()},
        "--checkpoint-every-steps -3 must be >= 1"},
+      {{"--checkpoint-when-busy", "skip", "--data-dir", data.string()},
+       "--checkpoint-when-busy skip needs --async-checkpoint"},
+      {{"--checkpoint-when-busy", "never", "--async-checkpoint", "--data-dir", data.string()},
+       "unknown --checkpoint-when-busy 'never': choose wait or skip"},
       {{"--snapshot-every-steps", "0", "--data-dir", data.string()},
        "--snapshot-every-steps 0 must be >= 1 (leave it out to keep no in-memory snapshots)"},
       {{"--snapshot-every-steps", "-2", "--data-dir", data.string()},
@@ -1395,6 +1401,44 @@ TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
   EXPECT_EQ(resumed["steps"], straight["steps"]);
   EXPECT_EQ(resumed["test_loss"].get<double>(), straight["test_loss"].get<double>());
   EXPECT_TRUE(resumed.contains("checkpoint_snapshot_s")) << resumed.dump();
+}
+
+// Asynchronous checkpoints every step that skip rather than wait for a save still in flight: every
+// report either came with its checkpoint or says it skipped it, and the latest checkpoint
+// verifies.
+TEST_F(Cli, AsynchronousCheckpointsThatSkipWhenBusySayWhichTheySkipped) {
+  auto r = run_command(
+      named_run("skipping", {"--batch-size", "1", "--epochs", "1", "--max-steps", "60",
+                             "--checkpoint-every-steps", "1", "--async-checkpoint",
+                             "--checkpoint-when-busy", "skip"}),
+      std::chrono::seconds(180));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto run = dir / "runs" / "skipping";
+  std::ifstream lines(run / "metrics.jsonl");
+  int saved = 0, skipped = 0, reports = 0;
+  for (std::string line; std::getline(lines, line);) {
+    const Json record = Json::parse(line);
+    ++reports;
+    if (record.value("checkpoint_skipped", false)) {
+      ++skipped;
+      EXPECT_FALSE(record.contains("checkpoint_snapshot_s")) << line;
+    } else {
+      ++saved;
+      EXPECT_TRUE(record.contains("checkpoint_snapshot_s")) << line;
+    }
+  }
+  EXPECT_GE(reports, 60);
+  EXPECT_GE(saved, 1);
+  std::cout << "checkpoints every step: " << saved << " saved, " << skipped
+            << " skipped while the one before was still being written\n";
+  std::optional<std::filesystem::path> latest;
+  for (const auto& entry : std::filesystem::directory_iterator(run)) {
+    if (entry.is_directory() && entry.path().filename().string().rfind("checkpoint_", 0) == 0 &&
+        (!latest || entry.path() > *latest))
+      latest = entry.path();
+  }
+  ASSERT_TRUE(latest);
+  EXPECT_NO_THROW(Checkpoint::from_directory(*latest).verify()) << *latest;
 }
 
 // A worker killed with SIGKILL inside the first epoch, after an in-memory snapshot and before any

@@ -88,7 +88,9 @@ TEST_F(AsyncCheckpoint, ACaptureKeepsTheFilesUnderItsRootInMemory) {
 TEST_F(AsyncCheckpoint, TheCommitWaitsForEveryRanksFilesAndHoldsThemAll) {
   AsyncCheckpointWriter rank0(store, seconds(20)), rank1(store, seconds(20));
   auto job0 = job_of(rank0, 0), job1 = job_of(rank1, 1);
+  EXPECT_FALSE(rank0.busy());
   rank0.start(job0);
+  EXPECT_TRUE(rank0.busy());  // what SaveOptions::skip_when_busy asks every rank
   EXPECT_FALSE(std::filesystem::exists(final_path));  // rank 1's files are not in
   EXPECT_THROW(rank0.start({}), RuntimeError);        // one save in flight at most
   rank1.start(job1);
@@ -102,6 +104,7 @@ TEST_F(AsyncCheckpoint, TheCommitWaitsForEveryRanksFilesAndHoldsThemAll) {
   EXPECT_FALSE(std::filesystem::exists(job0.staging));
   EXPECT_EQ(store.remove_prefix(job0.keys), 0);  // its keys went with the commit
   EXPECT_EQ(rank0.wait(), 0.0);                  // nothing in flight
+  EXPECT_FALSE(rank0.busy());
 }
 
 // A loop that ends (fails) while its save waits for a rank that never comes: the save stops at

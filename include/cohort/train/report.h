@@ -27,6 +27,10 @@ struct SaveOptions {
   /// copy). A crash or kill before the commit leaves the previous checkpoint the latest; a failed
   /// write fails the next report, or the loop's end, naming the rank.
   bool async = false;
+  /// With async, when a save is still in flight on some rank: true skips this checkpoint (the
+  /// report goes without one, its metrics gain "checkpoint_skipped": true) rather than waiting for
+  /// that save. Every rank decides alike (one small all-reduce). Snapshots are never skipped.
+  bool skip_when_busy = false;
 };
 
 /// The checkpoint to resume from: the run's latest valid one when this run continues an earlier
