@@ -17,21 +17,8 @@ source "$(dirname "$0")/two_hosts.sh"
 [ -x "$etcd" ] || skip "no etcd at $etcd: scripts/setup.sh unpacks Debian's etcd-server into .tools/"
 
 # etcd on host B, serving its clients on B's address.
-ip netns exec "$b" "$etcd" --name b --data-dir "$work/etcd" \
-  --listen-client-urls "http://$net.2:2379" --advertise-client-urls "http://$net.2:2379" \
-  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
-  --initial-cluster b=http://127.0.0.1:2380 >"$work/etcd.log" 2>&1 &
-pids+=("$!")
-# etcd_healthy URL: whether etcd there answers /health (asked from host B, where it listens).
-etcd_healthy() {
-  ip netns exec "$b" python3 -c "import sys, urllib.request
-sys.exit(b'\"health\":\"true\"' not in urllib.request.urlopen(sys.argv[1] + '/health', timeout=2).read())" "$1" 2>/dev/null
-}
-for _ in $(seq 600); do
-  etcd_healthy "http://$net.2:2379" && break
-  sleep 0.1
-done
-etcd_healthy "http://$net.2:2379" || { cat "$work/etcd.log"; fail "etcd did not start"; }
+source "$(dirname "$0")/etcd.sh"
+start_etcd "$etcd" "$net.2:2379" 2380 "$b"
 
 # launch NS NODE: one host's launcher in the background ($launched: its pid), output to
 # $work/failover-NODE.log. Both hosts share $work, as nodes share a run directory.

@@ -73,20 +73,8 @@ python3 -c "import json,sys; s=[json.loads(l)['step'] for l in open(sys.argv[1])
 if [ -x "$etcd" ]; then
   free_port() { python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"; }
   eport=$(free_port)
-  peer="http://127.0.0.1:$(free_port)"
-  "$etcd" --name t --data-dir "$work/etcd" --listen-client-urls "http://127.0.0.1:$eport" \
-    --advertise-client-urls "http://127.0.0.1:$eport" --listen-peer-urls "$peer" \
-    --initial-advertise-peer-urls "$peer" --initial-cluster "t=$peer" >"$work/etcd.log" 2>&1 &
-  pids+=($!)
-  etcd_healthy() {
-    python3 -c "import sys, urllib.request
-sys.exit(b'\"health\":\"true\"' not in urllib.request.urlopen(sys.argv[1] + '/health', timeout=2).read())" "$1" 2>/dev/null
-  }
-  for _ in $(seq 600); do
-    etcd_healthy "http://127.0.0.1:$eport" && break
-    sleep 0.1
-  done
-  etcd_healthy "http://127.0.0.1:$eport" || { cat "$work/etcd.log"; fail "etcd did not start"; }
+  source "$(dirname "$0")/etcd.sh"
+  start_etcd "$etcd" "127.0.0.1:$eport" "$(free_port)"
   etcd_pids=()
   secret="$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"
   for rank in 0 1; do
