@@ -83,12 +83,13 @@ class NodeLauncher {
 
   // Every node's share of the round, from what each said when it joined.
   void lay_out(const std::vector<std::string>& joined);
-  // With etcd: joins the round in the order of arrival (node_ set), with as many nodes as the
-  // last round had less those it lost; returns what every node said. "" in `error` otherwise.
+  // With etcd: joins the round, which needs as many nodes as the last round had less those it
+  // lost; returns what every node said, in the order of their --node-rank (node_ set to this
+  // node's place). Empty, with the reason in `error`, when the round cannot be.
   std::vector<std::string> join_elastic_round(const std::string& share, std::string& error);
   // Records that `node` of this round is lost (counted once however many nodes see it).
   void mark_lost(int node);
-  bool elastic() const { return !o_.etcd.empty(); }
+  bool rendezvous_in_etcd() const { return !o_.etcd.empty(); }
   // Local worker `local` is a rank of the job, or (after the ranks) one of its data workers;
   // its index among those.
   bool is_rank(int local) const { return local < o_.nproc_per_node; }
@@ -138,14 +139,14 @@ NodeLauncher::PeerState NodeLauncher::check_peers() {
     }
     if (const auto silent = monitor_->find_silent()) {
       const auto node = static_cast<size_t>(silent->member);
-      if (elastic()) mark_lost(silent->member);
+      if (rendezvous_in_etcd()) mark_lost(silent->member);
       return {.reason = silent->describe("node " + std::to_string(node) + " (" + hosts_.at(node) +
                                          ")'s launcher") +
                         ": node " + std::to_string(node) + " is lost",
               .node_lost = true};
     }
   } catch (const PeerFailureError& e) {
-    if (elastic()) return {.reason = e.what()};  // etcd is gone
+    if (rendezvous_in_etcd()) return {.reason = e.what()};  // etcd is gone
     return {.reason = "lost node 0 (" + o_.master_addr + ":" + std::to_string(o_.master_port) +
                       "), which holds the rendezvous: its launcher or host is gone",
             .node_lost = true};
@@ -178,7 +179,7 @@ std::vector<std::string> NodeLauncher::join_elastic_round(const std::string& sha
     return {};
   }
   nodes_ = expected;
-  if (node_ == 0) store_->set(key("nodes"), std::to_string(expected));
+  store_->set(key("nodes"), std::to_string(expected));  // every node alike: any may be lost next
   const int slot = node_;
   auto joined =
       store_->arrive_and_wait(key("join/"), slot, expected, share,
@@ -282,9 +283,9 @@ int NodeLauncher::run() {
   const std::string program = resolve_program(o_.command.front());
   if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
   // Node 0's launcher serves the store, unless etcd holds it.
-  const bool serve = !elastic() && o_.node_rank == 0;
-  const auto store_address = elastic() ? comm::parse_host_port(o_.etcd, "--rdzv etcd://")
-                                       : comm::HostPort{o_.master_addr, o_.master_port};
+  const bool serve = !rendezvous_in_etcd() && o_.node_rank == 0;
+  const auto store_address = rendezvous_in_etcd() ? comm::parse_host_port(o_.etcd, "--rdzv etcd://")
+                                                  : comm::HostPort{o_.master_addr, o_.master_port};
   node_ = o_.node_rank;
   nodes_ = o_.nnodes;
   store_ = comm::Store::connect({.host = store_address.host,
@@ -293,19 +294,19 @@ int NodeLauncher::run() {
                                  .timeout = o_.rendezvous_timeout,
                                  .job_id = o_.job_id,
                                  .secret = job_secret(o_),
-                                 .etcd = elastic()});
+                                 .etcd = rendezvous_in_etcd()});
   round_ = static_cast<int>(store_->add("launch/round", 0));
-  const std::string share = Json{
-      {"host", host_name()},
-      {"node_rank", o_.node_rank},
-      {"nproc", o_.nproc_per_node},
-      {"data_workers",
-       o_.data_workers}}.dump();
+  Json about_node;
+  about_node["host"] = host_name();
+  about_node["node_rank"] = o_.node_rank;
+  about_node["nproc"] = o_.nproc_per_node;
+  about_node["data_workers"] = o_.data_workers;
+  const std::string share = about_node.dump();
   while (true) {
     say("joining round " + std::to_string(round_) + " at the " + store_->where() + " (job " +
         o_.job_id + ")");
     try {
-      if (elastic()) {
+      if (rendezvous_in_etcd()) {
         std::string error;
         const auto joined = join_elastic_round(share, error);
         if (!error.empty()) {
@@ -323,7 +324,7 @@ int NodeLauncher::run() {
       std::cerr << "error: cohort launch: " << e.what() << " (lost, or not started?)" << std::endl;
       return 1;
     } catch (const PeerFailureError& e) {
-      if (elastic()) {
+      if (rendezvous_in_etcd()) {
         std::cerr << "error: cohort launch: " << e.what() << std::endl;
       } else {
         std::cerr << "error: cohort launch: lost node 0 (" << o_.master_addr << ":"
@@ -370,7 +371,7 @@ int NodeLauncher::run() {
       env[kRestartRoundVar] = std::to_string(round_);
       env[kStoreOnLauncherVar] = "1";
       env[kStorePortVar] = std::to_string(store_address.port);
-      env[kRendezvousVar] = elastic() ? "etcd://" + o_.etcd : "";
+      env[kRendezvousVar] = rendezvous_in_etcd() ? "etcd://" + o_.etcd : "";
       add_job_secret_env(env, store_->secret());
       return env;
     };
@@ -420,7 +421,7 @@ int NodeLauncher::run() {
             for (int node = 0; node < nodes_; ++node)
               left.push_back(key("left/") + std::to_string(node));
             store_->wait(left, o_.rendezvous_timeout);
-            if (elastic()) store_->remove_prefix("");
+            if (rendezvous_in_etcd()) store_->remove_prefix("");
           }
         } catch (const std::exception&) {
           // Everyone finished; a node that left without saying so changes nothing.
