@@ -191,7 +191,7 @@ EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::s
   const std::string proof = secret_.empty()
                                 ? std::string("insecure")
                                 : hex(secret_.mac("cohort etcd rendezvous of job " + job_id_));
-  const std::vector<uint8_t> held = compareSet("@secret", {}, as_bytes(proof));
+  const std::vector<uint8_t> held = compareSet("@secret", std::vector<uint8_t>{}, as_bytes(proof));
   if (as_text(held) != proof) {
     throw SecretRefused(where() + " holds job '" + job_id_ + "' " +
                         (as_text(held) == "insecure" ? "without a job secret (--insecure)"

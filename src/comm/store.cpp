@@ -108,8 +108,9 @@ std::vector<std::string> Store::arrive_and_wait(const std::string& prefix, int r
   // One name, one set of participants: a second barrier of another size under the same name
   // would pass on the first one's keys.
   const std::string participants = std::to_string(world) + " " + members;
-  const auto held = state_->store->compareSet(prefix + "@participants", {},
-                                              {participants.begin(), participants.end()});
+  const std::vector<uint8_t> held =
+      state_->store->compareSet(prefix + "@participants", std::vector<uint8_t>{},
+                                std::vector<uint8_t>(participants.begin(), participants.end()));
   if (std::string(held.begin(), held.end()) != participants) {
     throw UsageError("barrier '" + prefix + "' was entered by rank " + std::to_string(rank) +
                      " as a barrier of " + participants + " but it is a barrier of " +
