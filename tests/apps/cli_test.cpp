@@ -1407,11 +1407,11 @@ TEST_F(Cli, AsynchronousCheckpointsInsideAnEpochResumeAKilledRunExactly) {
 // report either came with its checkpoint or says it skipped it, and the latest checkpoint
 // verifies.
 TEST_F(Cli, AsynchronousCheckpointsThatSkipWhenBusySayWhichTheySkipped) {
-  auto r = run_command(
-      named_run("skipping", {"--batch-size", "1", "--epochs", "1", "--max-steps", "60",
-                             "--checkpoint-every-steps", "1", "--async-checkpoint",
-                             "--checkpoint-when-busy", "skip"}),
-      std::chrono::seconds(180));
+  auto r =
+      run_command(named_run("skipping", {"--batch-size", "1", "--epochs", "1", "--max-steps", "60",
+                                         "--checkpoint-every-steps", "1", "--async-checkpoint",
+                                         "--checkpoint-when-busy", "skip"}),
+                  std::chrono::seconds(180));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto run = dir / "runs" / "skipping";
   std::ifstream lines(run / "metrics.jsonl");
