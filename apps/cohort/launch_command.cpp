@@ -52,10 +52,7 @@ int run_launch_command(LaunchOptions o) {
   const auto master = comm::parse_host_port(o.master, "--master");
   o.node.master_addr = master.host;
   o.node.master_port = master.port;
-  if (!o.rdzv.empty()) {
-    const auto etcd = comm::parse_etcd_endpoint(o.rdzv, "--rdzv");
-    o.node.etcd = etcd.host + ":" + std::to_string(etcd.port);
-  }
+  o.node.etcd = o.rdzv;
   if (o.rendezvous_timeout_s <= 0 || o.heartbeat_timeout_s <= 0) {
     throw UsageError("--rdzv-timeout and --heartbeat-timeout must be > 0 seconds");
   }

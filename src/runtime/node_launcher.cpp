@@ -284,7 +284,7 @@ int NodeLauncher::run() {
   if (o_.job_id.empty()) o_.job_id = default_job_id(o_);
   // Node 0's launcher serves the store, unless etcd holds it.
   const bool serve = !rendezvous_in_etcd() && o_.node_rank == 0;
-  const auto store_address = rendezvous_in_etcd() ? comm::parse_host_port(o_.etcd, "--rdzv etcd://")
+  const auto store_address = rendezvous_in_etcd() ? comm::parse_etcd_endpoint(o_.etcd, "--rdzv")
                                                   : comm::HostPort{o_.master_addr, o_.master_port};
   node_ = o_.node_rank;
   nodes_ = o_.nnodes;
@@ -371,7 +371,7 @@ int NodeLauncher::run() {
       env[kRestartRoundVar] = std::to_string(round_);
       env[kStoreOnLauncherVar] = "1";
       env[kStorePortVar] = std::to_string(store_address.port);
-      env[kRendezvousVar] = rendezvous_in_etcd() ? "etcd://" + o_.etcd : "";
+      env[kRendezvousVar] = o_.etcd;
       add_job_secret_env(env, store_->secret());
       return env;
     };
@@ -485,6 +485,7 @@ int launch_node(const NodeLaunchOptions& options) {
   if (options.master_addr.empty())
     throw UsageError("--master needs HOST:PORT, the address of node 0");
   if (options.max_restarts < 0) throw UsageError("--max-restarts must be >= 0");
+  if (!options.etcd.empty()) comm::parse_etcd_endpoint(options.etcd, "--rdzv");
   if (options.min_nodes != 0 && options.etcd.empty()) {
     throw UsageError("--min-nodes " + std::to_string(options.min_nodes) +
                      " needs --rdzv etcd://HOST:PORT: without etcd, node 0 holds the rendezvous "

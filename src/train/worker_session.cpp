@@ -42,6 +42,14 @@ WorkerSession& require_session(const char* what) {
   return *session;
 }
 
+// Now on the wall clock, in nanoseconds since the epoch: a checkpoint's or snapshot's "saved_ns",
+// which orders saves made on different nodes.
+int64_t wall_clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
 }  // namespace
 
 std::string new_run_token() {
@@ -656,9 +664,7 @@ void report_files(const Json& metrics, const std::optional<std::filesystem::path
               {"report_index", index},
               {"world_size", s.context.world_size},
               {"data_parallel_size", data_parallel_position(s.context).world_size},
-              {"saved_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
-                               std::chrono::system_clock::now().time_since_epoch())
-                               .count()},
+              {"saved_ns", wall_clock_ns()},
               {"timestamp", std::time(nullptr)}};
     if (!ranks_with_positions.empty())
       meta[kDataPositionsKey] = positions_by_shard(s.store.get_many(ranks_with_positions));
@@ -732,10 +738,7 @@ void snapshot_async(const Json& metrics) {
                                                    .backend = comm::Backend::kGloo});
   }
   // Each rank's node, clock and data positions; every rank builds the same meta.json from them.
-  Json arrival{{"node", ctx.node_rank},
-               {"saved_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                std::chrono::system_clock::now().time_since_epoch())
-                                .count()}};
+  Json arrival{{"node", ctx.node_rank}, {"saved_ns", wall_clock_ns()}};
   if (!s.data_positions.empty()) {
     const auto position = data_parallel_position(ctx);
     arrival["data"] = Json{

@@ -32,6 +32,17 @@ launch() {
   pids+=("$launched")
 }
 
+# kill_a_rank_of_b NAME: SIGKILLs one rank of host B's launcher ($pb; $victim: its pid), waits for
+# both launchers (their exit codes in $ca and $cb) and prints their logs of run NAME.
+kill_a_rank_of_b() {
+  victim=$(pgrep -P "$pb" | head -n 1)
+  [ -n "$victim" ] || fail "no rank of host B to kill"
+  kill -9 "$victim"
+  wait_for "$pa" 180; ca=$status
+  wait_for "$pb" 60; cb=$status
+  cat "$work/$1-0.log" "$work/$1-1.log"
+}
+
 # 1. Train a few steps across the two hosts.
 launch "$a" 0 29400 sync --epochs 1 --max-steps 12
 pa=$launched
@@ -97,12 +108,7 @@ for _ in $(seq 1200); do
   sleep 0.1
 done
 [ -s "$work/again/metrics.jsonl" ] || { cat "$work/again-0.log" "$work/again-1.log"; fail "no first report"; }
-victim=$(pgrep -P "$pb" | head -n 1)
-[ -n "$victim" ] || fail "no rank of host B to kill"
-kill -9 "$victim"
-wait_for "$pa" 180; ca=$status
-wait_for "$pb" 60; cb=$status
-cat "$work/again-0.log" "$work/again-1.log"
+kill_a_rank_of_b again
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "after a restart the launchers exited $ca and $cb"
 for node in 0 1; do
   grep -q "restarting as round 1 of at most 1" "$work/again-$node.log" || fail "node $node did not restart the job"
@@ -149,12 +155,7 @@ whole_snapshot "$work/shm-a" 2 3 || { cat "$work/snap-0.log" "$work/snap-1.log";
   fail "host A holds no whole snapshot of epoch 2 with copies of host B's ranks 2 and 3"; }
 whole_snapshot "$work/shm-b" 0 1 ||
   fail "host B holds no whole snapshot of epoch 2 with copies of host A's ranks 0 and 1"
-victim=$(pgrep -P "$pb" | head -n 1)
-[ -n "$victim" ] || fail "no rank of host B to kill"
-kill -9 "$victim"
-wait_for "$pa" 180; ca=$status
-wait_for "$pb" 60; cb=$status
-cat "$work/snap-0.log" "$work/snap-1.log"
+kill_a_rank_of_b snap
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "with snapshots, after a restart the launchers exited $ca and $cb"
 grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap-0.log" ||
   fail "round 1 did not restore from the in-memory snapshot"

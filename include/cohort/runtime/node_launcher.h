@@ -16,7 +16,7 @@ struct NodeLaunchOptions {
   /// address only). Workers rendezvous through the same store.
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  ///< the store's port on node 0
-  /// Keep the rendezvous in etcd at this "HOST:PORT" (`--rdzv etcd://HOST:PORT`) instead of in node
+  /// Keep the rendezvous in etcd at this "etcd://HOST:PORT" (`--rdzv`) instead of in node
   /// 0's launcher: membership, the run record and barriers live in etcd under the job's lease
   /// (comm::StoreOptions::etcd), so the job outlives any node, node 0's included. Each round
   /// numbers the nodes in the order they join; master_addr/master_port are not used.
