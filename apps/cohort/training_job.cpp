@@ -478,6 +478,18 @@ void validate(const TrainOptions& o) {
   }
   umask_of(o);
   if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
+  if (o.recovery != "restart" && o.recovery != "live")
+    throw UsageError("unknown --recovery '" + o.recovery + "': choose restart or live");
+  if (o.recovery == "live") {
+    if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
+      throw UsageError(refusal);
+    if (o.min_workers == 0 || o.min_workers >= o.workers) {
+      throw UsageError("--recovery live goes on with fewer workers: give --min-workers below "
+                       "--workers " +
+                       std::to_string(o.workers) + " (e.g. --min-workers " +
+                       std::to_string(std::max(1, o.workers - 1)) + ")");
+    }
+  }
   if (!(o.heartbeat_timeout_s > 0)) {
     throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
                      " must be > 0 seconds");
@@ -675,7 +687,9 @@ RunConfig run_config_of(const TrainOptions& o) {
       .storage_path = o.storage_path,
       .failure_config = {.max_failures = o.max_failures,
                          .heartbeat_timeout = std::chrono::milliseconds(
-                             static_cast<int64_t>(o.heartbeat_timeout_s * 1000))},
+                             static_cast<int64_t>(o.heartbeat_timeout_s * 1000)),
+                         .recovery = o.recovery == "live" ? FailureConfig::Recovery::kLive
+                                                          : FailureConfig::Recovery::kRestart},
       .checkpoint_config = {.num_to_keep = o.num_to_keep,
                             .checkpoint_score_attribute = "test_accuracy",
                             .checkpoint_score_order = "max"},
@@ -998,6 +1012,12 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option(
          "--max-failures", o.max_failures,
          "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
+      ->capture_default_str();
+  cmd->add_option("--recovery", o.recovery,
+                  "when a worker dies or hangs: restart the group from the latest checkpoint or "
+                  "snapshot (--max-failures times), or live: the survivors go on without it at "
+                  "the current step, in the same processes (DDP plans under the local driver; "
+                  "needs --min-workers below --workers)")
       ->capture_default_str();
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout_s,
                   "seconds a rank may send no heartbeat before the coordinator stops the group "

@@ -86,6 +86,7 @@ struct TrainOptions {
   std::string name;
   bool resume = true;
   int max_failures = 0;
+  std::string recovery = "restart";  // FailureConfig::recovery: restart or live
   // FailureConfig.heartbeat_timeout, in seconds.
   double heartbeat_timeout_s =
       std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();

@@ -414,7 +414,7 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
   for (Worker* w : exited) {
     if (handlers.on_exit) handlers.on_exit(w->exit);
     if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
-    if (!w->exit.ok() && !outcome.first_failure && !kill_at) {
+    if (!w->exit.ok() && !w->exit.tolerated && !outcome.first_failure && !kill_at) {
       outcome.first_failure = w->exit;
       if (options.failure_grace.count() > 0) {
         outcome.stop_began = Clock::now();
@@ -453,10 +453,10 @@ GroupOutcome WorkerGroup::Impl::conclude() {
   close_streams();
   for (auto& w : workers) outcome.exits.push_back(w.exit);
   outcome.success = outcome.failure_reason.empty();
-  for (const auto& e : outcome.exits) outcome.success &= e.ok();
+  for (const auto& e : outcome.exits) outcome.success &= e.ok() || e.tolerated;
   if (!outcome.success && outcome.failure_reason.empty()) {
     for (const auto& e : outcome.exits) {
-      if (!e.ok()) {
+      if (!e.ok() && !e.tolerated) {
         outcome.failure_reason = e.describe();
         break;
       }
@@ -483,6 +483,16 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
 
 void WorkerGroup::request_stop(std::string reason) {
   if (impl_->requested_stop.empty()) impl_->requested_stop = std::move(reason);
+}
+
+void WorkerGroup::tolerate(int rank) {
+  impl_->workers.at(static_cast<size_t>(rank)).exit.tolerated = true;
+}
+
+void WorkerGroup::kill(int rank) {
+  const auto& w = impl_->workers.at(static_cast<size_t>(rank));
+  if (!w.running) return;
+  if (::kill(-w.pid, SIGKILL) != 0) ::kill(w.pid, SIGKILL);
 }
 
 bool WorkerGroup::stopping() const { return impl_->stopping || !impl_->requested_stop.empty(); }

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <numeric>
 #include <csignal>
 #include <iostream>
 #include <set>
@@ -17,6 +18,7 @@
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
+#include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
@@ -37,7 +39,7 @@ std::string describe_failure(const runtime::GroupOutcome& outcome,
                              const std::vector<int>& error_order) {
   std::vector<std::string> causes;
   for (const auto& e : outcome.exits) {
-    if (e.signal != 0 && !e.stopped_by_driver) causes.push_back(e.describe());
+    if (e.signal != 0 && !e.stopped_by_driver && !e.tolerated) causes.push_back(e.describe());
   }
   for (int rank : error_order) {
     causes.push_back("rank " + std::to_string(rank) + " failed: " + worker_errors.at(rank));
@@ -59,14 +61,20 @@ class ReportCounter {
   std::string on_report(int rank, int64_t index) {
     counts_[static_cast<size_t>(rank)] = index;
     for (size_t r = 0; r < counts_.size(); ++r) {
-      if (finished_[r] && counts_[r] < index) return mismatch(static_cast<int>(r), rank, index);
+      if (finished_[r] && !lost_[r] && counts_[r] < index)
+        return mismatch(static_cast<int>(r), rank, index);
     }
     return "";
+  }
+  // A live regroup: the loops start their reports again from the first; `lost` report no more.
+  void regroup(const std::vector<bool>& lost) {
+    std::fill(counts_.begin(), counts_.end(), 0);
+    lost_ = lost;
   }
   std::string on_clean_exit(int rank) {
     finished_[static_cast<size_t>(rank)] = true;
     for (size_t r = 0; r < counts_.size(); ++r) {
-      if (counts_[r] > counts_[static_cast<size_t>(rank)])
+      if (!lost_[r] && counts_[r] > counts_[static_cast<size_t>(rank)])
         return mismatch(rank, static_cast<int>(r), counts_[r]);
     }
     return "";
@@ -81,6 +89,7 @@ class ReportCounter {
   }
   std::vector<int64_t> counts_;
   std::vector<bool> finished_;
+  std::vector<bool> lost_ = std::vector<bool>(counts_.size(), false);
 };
 
 // The local driver: starts the worker group, and starts it again after a failure while the
@@ -355,6 +364,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .resume_from = resume_from ? resume_from->path().string() : "",
       .resume = run_.resume,
       .snapshot_path = run_.snapshot_path.string(),
+      .live_recovery = run_.failure_config.recovery == FailureConfig::Recovery::kLive,
       .next_checkpoint_index = recorder_->next_checkpoint_index(),
       .tensorboard_histograms = run_.tensorboard.enabled && run_.tensorboard.histograms,
       .profile_first = run_.profile_steps.first,
@@ -400,6 +410,112 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     group.request_stop(reason);
   };
 
+  // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): each worker's rank in the
+  // group now, by its index in the worker group (-1: lost); the survivors' optimizer steps as
+  // they say they are ready to regroup; the regroup under way, and its cause.
+  const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
+  const std::vector<int> first_slots = slots_;
+  std::vector<int> rank_of(static_cast<size_t>(world));
+  std::iota(rank_of.begin(), rank_of.end(), 0);
+  std::vector<bool> lost(static_cast<size_t>(world), false);
+  std::map<int, int64_t> ready;
+  std::optional<Clock::time_point> regroup_deadline;
+  std::string regroup_cause;
+  std::map<int, std::string> killed_as_hung;  // by worker index: the coordinator's verdict
+  int live_rounds = 0;
+  bool awaiting_recovery = false;  // regrouped: the new rank 0's next step ends the recovery
+  auto survivors = [&] {
+    std::vector<int> alive;
+    for (int i = 0; i < world; ++i)
+      if (!lost[static_cast<size_t>(i)] && !exited[static_cast<size_t>(i)]) alive.push_back(i);
+    return alive;
+  };
+  // A worker that was killed (or hung, then killed by the driver) while the others train: the
+  // group goes on without it when live recovery is on and enough workers remain.
+  auto go_on_without = [&](const runtime::WorkerExit& exit) {
+    const bool hung = killed_as_hung.count(exit.rank) > 0;
+    if (!live || !trained || group.stopping() || exit.ok() || (exit.signal == 0 && !hung) ||
+        (exit.stopped_by_driver && !hung))
+      return false;
+    for (int i = 0; i < world; ++i) {
+      // A worker that finished: the loop is over, nothing to go on with.
+      if (exited[static_cast<size_t>(i)] && i != exit.rank && !lost[static_cast<size_t>(i)])
+        return false;
+    }
+    const int left = static_cast<int>(survivors().size());
+    if (left < min_workers()) {
+      console_.message("cohort: rank " + std::to_string(rank_of[static_cast<size_t>(exit.rank)]) +
+                       " lost; " + std::to_string(left) + " survivor(s) are fewer than the " +
+                       std::to_string(min_workers()) +
+                       " the group needs (ScalingConfig.min_workers): restarting instead");
+      return false;
+    }
+    group.tolerate(exit.rank);
+    lost[static_cast<size_t>(exit.rank)] = true;
+    const std::string cause = hung ? killed_as_hung.at(exit.rank) : exit.describe();
+    regroup_cause += (regroup_cause.empty() ? "" : "; ") + cause;
+    attempt.detected = Clock::now();
+    recorder_->result().failures.push_back(
+        {{"rank", rank_of[static_cast<size_t>(exit.rank)]},
+         {"slot", first_slots[static_cast<size_t>(exit.rank)]},
+         {"cause", cause},
+         {"reports", recorder_->result().metrics_history.size()},
+         {"detected_at_s", since_start()},
+         {"restarted", false},
+         {"live", true},
+         {"recovery_s", nullptr}});
+    rank_of[static_cast<size_t>(exit.rank)] = -1;
+    if (!regroup_deadline) regroup_deadline = Clock::now() + run_.setup_timeout;
+    if (run_.verbose >= 1)
+      console_.message("cohort: " + cause + ": the " + std::to_string(left) +
+                       " survivors regroup without it (live recovery)");
+    return true;
+  };
+  // Once every survivor is ready: the new group, the survivor that stepped furthest first.
+  auto regroup_if_ready = [&] {
+    if (!regroup_deadline || group.stopping()) return;
+    auto order = survivors();
+    std::string missing;
+    for (int i : order)
+      if (!ready.count(i))
+        missing += (missing.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
+    if (!missing.empty()) {
+      if (Clock::now() > *regroup_deadline) {
+        group.request_stop("live recovery: ranks [" + missing + "] did not reach the regroup within " +
+                           std::to_string(run_.setup_timeout.count() / 1000) +
+                           " s (a failure outside a step's collectives): restarting the group");
+      }
+      return;
+    }
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ready[a] > ready[b]; });
+    Json members = Json::array();
+    for (int i : order) members.push_back(rank_of[static_cast<size_t>(i)]);
+    store_.set(live_decision_key(spec.run_token, ++live_rounds),
+               Json{{"members", members},
+                    {"next_checkpoint", recorder_->next_checkpoint_index()},
+                    {"cause", regroup_cause}}
+                   .dump());
+    const size_t from = slots_.size();
+    slots_.clear();
+    for (size_t k = 0; k < order.size(); ++k) {
+      rank_of[static_cast<size_t>(order[k])] = static_cast<int>(k);
+      slots_.push_back(first_slots[static_cast<size_t>(order[k])]);
+    }
+    std::vector<bool> gone(static_cast<size_t>(world));
+    for (int i = 0; i < world; ++i) gone[static_cast<size_t>(i)] = rank_of[static_cast<size_t>(i)] < 0;
+    report_counter.regroup(gone);
+    record_resize(from, "live recovery: " + regroup_cause);
+    if (run_.verbose >= 1) {
+      console_.message("cohort: live recovery: " + std::to_string(order.size()) +
+                       " workers go on after step " + std::to_string(ready[order.front()]) +
+                       " in the same processes");
+    }
+    ready.clear();
+    regroup_deadline.reset();
+    regroup_cause.clear();
+    awaiting_recovery = true;
+  };
+
   runtime::WorkerGroupHandlers handlers;
   handlers.on_output = [&](int rank, int pid, bool is_stderr, const std::string& line) {
     if (run_.verbose >= 1 || is_stderr) console_.worker_line(rank, pid, is_stderr, line);
@@ -409,12 +525,21 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     status_->on_exit(exit.rank, exit.ok());
     coordinator.on_finished(exit.rank);
     if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
+    go_on_without(exit);
   };
   handlers.on_tick = [&] {
     console_.tick();
     status_->write("running", recorder_->result().failures);
     if (group.stopping()) return;  // a failure is already being handled
+    regroup_if_ready();
     if (const auto verdict = coordinator.verdict()) {
+      if (killed_as_hung.count(verdict->rank) > 0) return;
+      if (live && trained && static_cast<int>(survivors().size()) > min_workers()) {
+        // The others go on without it: killed, its connections close and their collectives fail.
+        killed_as_hung[verdict->rank] = verdict->reason;
+        group.kill(verdict->rank);
+        return;
+      }
       hung_rank = verdict->rank;
       attempt.detected = Clock::now();
       group.request_stop(verdict->reason);
@@ -425,21 +550,37 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     console_.message(
         "cohort: stopping after the next checkpoint (Ctrl-C again stops the workers at once)");
   };
-  handlers.on_control = [&](int rank, const std::string& line) {
+  handlers.on_control = [&](int index, const std::string& line) {
     Json message;
     std::string type;
+    // Its rank in the group now (live recovery renumbers the survivors).
+    const int rank = rank_of[static_cast<size_t>(index)];
     try {
       message = Json::parse(line);
       type = json_field<std::string>(message, "type", "");
       // Errors are the driver's to order (it sees the processes' exits too): the coordinator
       // takes the signs of life.
-      coordinator.on_message(rank, type == "error" ? Json{{"type", "alive"}} : message);
+      coordinator.on_message(index, type == "error" ? Json{{"type", "alive"}} : message);
     } catch (const std::exception& e) {
       console_.message("cohort: ignoring a malformed control message from rank " +
                        std::to_string(rank) + ": " + e.what());
       return;
     }
     if (type == "heartbeat") return;
+    if (type == "regroup_ready") {
+      ready[index] = json_field<int64_t>(message, "steps", 0);
+      return;
+    }
+    if (awaiting_recovery && rank == 0 && (type == "progress" || type == "step")) {
+      awaiting_recovery = false;
+      auto& failure = recorder_->result().failures.back();
+      failure["recovery_s"] = since_start() - failure["detected_at_s"].get<double>();
+      if (run_.verbose >= 1) {
+        console_.message("cohort: live recovery: training again " +
+                         std::to_string(failure["recovery_s"].get<double>()) +
+                         " s after the failure was detected");
+      }
+    }
     if (type == "restored") {  // before training: what the group restores from
       if (rank == 0) recorder_->on_restored(message);
       return;
@@ -455,7 +596,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
     }
     if (type == "report_begin") {
-      stop_because(report_counter.on_report(rank, message.value("index", int64_t{0})));
+      stop_because(report_counter.on_report(index, message.value("index", int64_t{0})));
     } else if ((type == "report" || type == "checkpoint") && rank == 0) {
       std::string broken;
       if (type == "report") {
@@ -467,10 +608,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
-      if (broken.empty() && message.contains("checkpoint") && world < scaling_.num_workers &&
+      if (broken.empty() && message.contains("checkpoint") &&
+          static_cast<int>(slots_.size()) < scaling_.num_workers &&
           !group.stopping() && !stop_asked &&
           std::find(exited.begin(), exited.end(), true) == exited.end() &&
-          workers_available() > world) {
+          workers_available() > static_cast<int>(slots_.size())) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");
       }
@@ -486,11 +628,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       console_.progress(message["progress"]);
       status_->on_progress(message["progress"]);
     } else if (type == "error") {
-      if (!worker_errors.count(rank)) {
-        error_order.push_back(rank);
-        if (message.value("consequence", false)) consequences.insert(rank);
+      if (!worker_errors.count(index)) {
+        error_order.push_back(index);
+        if (message.value("consequence", false)) consequences.insert(index);
       }
-      worker_errors[rank] = message.value("message", std::string{"unknown error"});
+      worker_errors[index] = message.value("message", std::string{"unknown error"});
     }
   };
 
@@ -536,7 +678,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (!error_order.empty() && !consequences.count(error_order.front()))
       attempt.failed_rank = error_order.front();
     for (const auto& e : attempt.outcome.exits) {
-      if (e.signal != 0 && !e.stopped_by_driver) {
+      if (e.signal != 0 && !e.stopped_by_driver && !e.tolerated) {
         attempt.failed_rank = e.rank;
         break;
       }

@@ -20,6 +20,7 @@
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "mesh_checkpoint.h"
+#include "train/live_recovery.h"
 #include "train/run_files.h"
 #include "train/worker_session.h"
 
@@ -174,10 +175,27 @@ struct ParallelModel::State {
   }
 };
 
-ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(state)) {}
+ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(state)) {
+  // Live recovery takes the state from here (the State stays put when the model moves).
+  WorkerSession* session = current_session();
+  if (session == nullptr || !session->live_recovery) return;
+  State* st = state_.get();
+  session->live_owner = st;
+  session->live_steps = [st] { return st->steps; };
+  session->live_save = [st](const std::filesystem::path& dir) {
+    save_checkpoint(dir, *st->model.module, *st->optimizer);
+  };
+}
 ParallelModel::ParallelModel(ParallelModel&&) noexcept = default;
 ParallelModel& ParallelModel::operator=(ParallelModel&&) noexcept = default;
-ParallelModel::~ParallelModel() = default;
+ParallelModel::~ParallelModel() {
+  WorkerSession* session = current_session();
+  if (state_ && session != nullptr && session->live_owner == state_.get()) {
+    session->live_owner = nullptr;
+    session->live_steps = nullptr;
+    session->live_save = nullptr;
+  }
+}
 
 namespace {
 
@@ -247,6 +265,11 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
                           LossFunction loss, Plan plan, const optim::LrScheduleOptions& schedule) {
   auto& ctx = get_context();
   plan.validate(ctx.get_world_size());
+  if (const WorkerSession* session = current_session();
+      session != nullptr && session->live_recovery) {
+    if (const auto refusal = plan.live_recovery_refusal(); !refusal.empty())
+      throw UsageError(refusal);
+  }
   check_model(model, plan);
   check_mesh(plan, ctx);
   if (plan.precision) use_precision(*plan.precision, plan.loss_scaler);
@@ -329,6 +352,18 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
 }
 
 StepResult ParallelModel::step(const at::Tensor& inputs, const at::Tensor& targets) {
+  return live_collective([&] {
+    auto result = step_here(inputs, targets);
+    // Where a regroup resumes the data from: after this step.
+    if (WorkerSession* session = current_session(); session != nullptr && session->live_recovery) {
+      session->positions_at_step = session->data_positions;
+      session->rows_at_step = inputs.size(0);
+    }
+    return result;
+  });
+}
+
+StepResult ParallelModel::step_here(const at::Tensor& inputs, const at::Tensor& targets) {
   auto& st = *state_;
   at::Tensor loss;
   if (st.pipe) {

@@ -123,4 +123,24 @@ void Plan::validate(int world_size) const {
          "the parameter server serves whole models; use --sync ddp, local-sgd:H or diloco:H");
 }
 
+std::string Plan::live_recovery_refusal() const {
+  std::string what;
+  if (has_mesh()) {
+    what = "a pipeline or tensor parallelism (--pp " + std::to_string(pp) + ", --tp " +
+           std::to_string(tp) + ": the lost worker's stage or slices live nowhere else)";
+  } else if (zero.stage > 0) {
+    what = "ZeRO stage " + std::to_string(zero.stage) +
+           " (--zero-stage: the lost worker's optimizer shard lives nowhere else)";
+  } else if (!std::holds_alternative<parallel::Synchronous>(sync)) {
+    what = parallel::to_string(sync) +
+           " (--sync-mode: the replicas differ between synchronisations, and the lost one's "
+           "progress lives nowhere else)";
+  } else {
+    return "";
+  }
+  return "live recovery (--recovery live) cannot go on without a lost worker of " + what +
+         ": use --recovery restart, with --snapshot-every-steps K to restore from in-memory "
+         "snapshots instead of the disk";
+}
+
 }  // namespace cohort::train

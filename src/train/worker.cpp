@@ -27,6 +27,7 @@
 #include "cohort/train/prepare.h"
 #include "comm/handshake.h"
 #include "train/driver.h"
+#include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
@@ -73,7 +74,21 @@ struct SessionSettings {
   SessionScaling scaling;
   // A function: the worker program's own ScalingConfig's.
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
+  // FailureConfig::Recovery::kLive (the local driver's workers), the token the driver's answers
+  // are keyed by (the group's first), and the live regroup this session starts after, if any.
+  bool live_recovery = false;
+  std::string live_token;
+  const LiveRegroup* regroup = nullptr;
 };
+
+// Where a survivor keeps the state a live regroup healed it with: the node's memory-backed
+// snapshot storage, else the run directory.
+std::filesystem::path live_state_folder(const SessionSettings& settings) {
+  const auto root = settings.snapshot_path.empty()
+                        ? settings.run_dir
+                        : snapshot_run_folder(settings.snapshot_path, settings.run_dir);
+  return root / ("live_" + settings.live_token + "_rank" + std::to_string(settings.info.world_rank));
+}
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
 c10::Device device_of(int per_worker, int local_rank) {
@@ -135,9 +150,18 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   optim::check_precision_supported(ctx.precision, ctx.device);
   session->loss_scaler = std::make_unique<optim::LossScaler>(
       scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
+  session->live_recovery = settings.live_recovery;
+  session->live_token = settings.live_token;
+  if (settings.regroup != nullptr) {
+    session->live_round = settings.regroup->round;
+    session->resume_from = heal_from_peer(
+        *settings.regroup, settings.store, settings.run_token, settings.interface_address,
+        settings.setup_timeout, live_state_folder(settings), settings.umask);
+  }
   if (!settings.snapshot_path.empty()) {
     session->snapshot_folder = snapshot_run_folder(settings.snapshot_path, settings.run_dir);
-    choose_snapshot_to_restore(*session, settings.resume, settings.setup_timeout);
+    if (settings.regroup == nullptr)
+      choose_snapshot_to_restore(*session, settings.resume, settings.setup_timeout);
   }
   set_current_session(std::move(session));
   runtime::watch_stop_requests();
@@ -316,10 +340,31 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.cpu_threads = spec.cpu_threads;
     settings.scaling = spec.scaling;
     settings.on_world_size_change = scaling.on_world_size_change;
-    open_session(std::move(settings), datasets);
-    train_loop(spec.config);
+    settings.live_recovery = spec.live_recovery;
+    settings.live_token = spec.run_token;
+    // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
+    // new group, from the state of the survivor that stepped furthest.
+    std::optional<LiveRegroup> regroup;
+    while (true) {
+      try {
+        open_session(settings, datasets);
+        train_loop(spec.config);
+        break;
+      } catch (const LiveRegroup& next) {
+        regroup = next;
+      }
+      set_current_session(nullptr);
+      if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
+      settings.info.world_rank = regroup->rank;
+      settings.info.world_size = regroup->world_size;
+      settings.run_token = spec.run_token + "-live" + std::to_string(regroup->round);
+      settings.next_checkpoint_index = regroup->next_checkpoint_index;
+      settings.regroup = &*regroup;
+      rank = regroup->rank;
+    }
     finish_session();
     trace::finish_profile();
+    if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;
@@ -349,6 +394,11 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   const std::string where = " (launched by " + info.launcher + " as rank " +
                             std::to_string(info.world_rank) + " of " +
                             std::to_string(info.world_size) + ")";
+  if (run.failure_config.recovery == FailureConfig::Recovery::kLive) {
+    throw UsageError("live recovery (FailureConfig.recovery, --recovery live) needs cohort's local "
+                     "driver" + where + ": under a launcher use --recovery restart, with "
+                     "--snapshot-every-steps K to restore from in-memory snapshots");
+  }
   // With min_workers, a launcher that lost a node (cohort launch --min-nodes) may restart the
   // group smaller: any size from min_workers to num_workers.
   const int fewest = scaling.min_workers > 0 ? scaling.min_workers : scaling.num_workers;

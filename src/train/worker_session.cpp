@@ -20,6 +20,7 @@
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
+#include "train/live_recovery.h"
 #include "train/run_files.h"
 #include "train/snapshots.h"
 #include "train/tensorboard_log.h"
@@ -850,7 +851,7 @@ bool should_stop() {
     }
   }
   std::vector<at::Tensor> flag{torch::tensor({runtime::stop_requested() ? 1 : 0}, torch::kInt)};
-  s.context.process_group.allreduce(flag, comm::ReduceOp::kMax);
+  live_collective([&] { s.context.process_group.allreduce(flag, comm::ReduceOp::kMax); });
   return flag[0].item<int>() > 0;
 }
 
@@ -937,7 +938,7 @@ data::DataIterator get_dataset_shard(const std::string& name) {
           std::vector<at::Tensor> flag{
               torch::full({1}, have ? 1 : 0, torch::TensorOptions(torch::kInt32).device(device))};
           auto g = group;
-          g.allreduce(flag, comm::ReduceOp::kMin);
+          live_collective([&] { g.allreduce(flag, comm::ReduceOp::kMin); });
           return flag[0].item<int32_t>() == 1;
         });
   }

@@ -102,6 +102,20 @@ struct WorkerSession {
   std::filesystem::path snapshot_folder;
   int64_t snapshots = 0;
   comm::ProcessGroup snapshot_group;
+  // FailureConfig::Recovery::kLive: a peer's failure in one of a step's collectives regroups the
+  // survivors (live_recovery.h) instead of ending this process. The driver answers under
+  // live_decision_key(live_token, live_round + 1).
+  bool live_recovery = false;
+  std::string live_token;
+  int live_round = 0;
+  // The ParallelModel the loop trains (registered by it while it lives): its optimizer steps and
+  // a save of its whole state, which a regroup takes from the survivor that stepped furthest.
+  const void* live_owner = nullptr;
+  std::function<int64_t()> live_steps;
+  std::function<void(const std::filesystem::path& dir)> live_save;
+  // The data positions after the last completed step, and that step's rows.
+  std::map<std::string, data::EpochPosition> positions_at_step;
+  int64_t rows_at_step = 0;
 };
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the

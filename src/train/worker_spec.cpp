@@ -66,6 +66,7 @@ std::string to_text(const WorkerSpec& s) {
               {"resume_from", s.resume_from},
               {"resume", s.resume},
               {"snapshot_path", s.snapshot_path},
+              {"live_recovery", s.live_recovery},
               {"next_checkpoint_index", s.next_checkpoint_index},
               {"slot", s.slot},
               {"tensorboard_histograms", s.tensorboard_histograms},
@@ -128,6 +129,7 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.resume_from = field<std::string>(j, "resume_from");
   s.resume = field<bool>(j, "resume");
   s.snapshot_path = field<std::string>(j, "snapshot_path");
+  s.live_recovery = field<bool>(j, "live_recovery");
   s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
   s.slot = field<int>(j, "slot");
   s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");

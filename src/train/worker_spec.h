@@ -48,6 +48,7 @@ struct WorkerSpec {
   std::string resume_from;    // a checkpoint folder, or empty
   bool resume = true;         // RunConfig::resume: a newer snapshot may be restored from instead
   std::string snapshot_path;  // RunConfig::snapshot_path
+  bool live_recovery = false;  // FailureConfig::recovery is kLive
   int64_t next_checkpoint_index = 0;
   int slot = 0;                         // the worker slot (ScalingConfig) the rank runs in
   bool tensorboard_histograms = false;  // RunConfig::tensorboard.histograms

@@ -50,6 +50,8 @@ struct WorkerExit {
   int exit_code = 0;  ///< when it exited
   int signal = 0;     ///< when a signal ended it
   bool stopped_by_driver = false;  ///< the group stopped it (after another's failure, or a signal)
+  /// The group went on without it (WorkerGroup::tolerate): its end is no failure of the group.
+  bool tolerated = false;
   /// Whether it ended cleanly: exit code 0, no signal, not stopped.
   bool ok() const { return signal == 0 && exit_code == 0 && !stopped_by_driver; }
   /// "rank 1 (pid 123) exited with code 1", or how it ended otherwise.
@@ -87,7 +89,8 @@ struct WorkerGroupHandlers {
 /// A group of local worker processes, each a re-execution of this program with its rank in the
 /// environment (never a fork of this threaded process). The group is all-or-nothing: when one
 /// worker fails the others are stopped. No worker outlives the group: the destructor stops them,
-/// and each worker dies with this process (runtime::bind_lifetime_to_driver).
+/// and each worker dies with this process (runtime::bind_lifetime_to_driver). A handler may let the
+/// group go on without a failed worker (tolerate).
 class WorkerGroup {
  public:
   /// A group of `options`; nothing starts before start().
@@ -109,6 +112,12 @@ class WorkerGroup {
                                    std::chrono::milliseconds max_wait);
   /// From a handler inside wait(): ends the group as failed, with this reason.
   void request_stop(std::string reason);
+  /// From WorkerGroupHandlers::on_exit: the group goes on without worker `rank`, whose failed end
+  /// then neither stops the others nor fails the group (live recovery).
+  void tolerate(int rank);
+  /// Kills worker `rank` and its helpers at once (SIGKILL to its process group): a hung worker
+  /// that the others must go on without. Its end reaches on_exit as any other.
+  void kill(int rank);
   /// True once the group is being stopped (a failure, a request or a signal).
   bool stopping() const;
   /// From a handler inside wait(): the workers stop on their own when asked (they poll

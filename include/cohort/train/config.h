@@ -90,6 +90,20 @@ struct FailureConfig {
   int max_failures = 0;
   /// A worker that sends no heartbeat for this long is considered hung (or stopped) and fails.
   std::chrono::milliseconds heartbeat_timeout = kDefaultHeartbeatTimeout;
+  /// What the failure of one worker does to the others.
+  enum class Recovery {
+    /// The group stops and starts again from the newest checkpoint or snapshot (max_failures).
+    kRestart,
+    /// The survivors go on without a worker that was killed or hung (then killed): they abort
+    /// the step in flight, re-form the group without it, take the state of the survivor that
+    /// stepped furthest, re-balance the epoch's remaining rows and continue at the current step,
+    /// in the same processes. For loops of a train::ParallelModel whose plan is DDP (no ZeRO,
+    /// mesh or other sync mode), under the local driver, while at least
+    /// ScalingConfig::min_workers remain; otherwise the group restarts, as kRestart.
+    kLive,
+  };
+  /// kRestart or kLive (`cohort train --recovery`).
+  Recovery recovery = Recovery::kRestart;
 };
 
 /// Which checkpoints a run keeps (Ray Train's CheckpointConfig).

@@ -145,6 +145,8 @@ class ParallelModel {
                                    const optim::LrScheduleOptions&);
   struct State;
   explicit ParallelModel(std::unique_ptr<State> state);
+  // step() without live recovery around it.
+  StepResult step_here(const at::Tensor& inputs, const at::Tensor& targets);
   std::unique_ptr<State> state_;
 };
 

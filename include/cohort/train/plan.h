@@ -87,6 +87,11 @@ struct Plan {
   /// Checks the plan for `world_size` workers (0: the degrees alone). A UsageError of one line
   /// names the options that conflict (by their flags) and the fix.
   void validate(int world_size = 0) const;
+  /// Why the survivors of this plan cannot go on without a lost worker in the same processes
+  /// (FailureConfig::Recovery::kLive), naming the options and the fallback; empty when they can.
+  /// Live recovery takes the lost worker's state from a survivor: only plans whose every worker
+  /// holds the whole state (DDP) allow it.
+  std::string live_recovery_refusal() const;
 };
 
 }  // namespace cohort::train

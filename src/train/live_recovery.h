@@ -1,0 +1,72 @@
+// Live recovery (FailureConfig::Recovery::kLive): when a worker dies or hangs, the survivors abort
+// the step in flight and go on without it, in the same processes.
+//
+//   1. A survivor's collective fails (PeerFailureError: the lost worker's connections closed; the
+//      driver kills a hung worker first). The step, the batch agreement and should_stop() call
+//      regroup_after(), which tells the driver "regroup_ready" with the survivor's optimizer
+//      steps, and waits for the driver's answer in the store (live_decision_key).
+//   2. The driver, once every survivor is ready, orders them (the one that stepped furthest
+//      first) and publishes the new group; a survivor that ended instead, too few survivors, or
+//      no answer within the setup timeout fall back to a restart of the group.
+//   3. The new rank 0 saves its model's whole state into memory (with the data positions after
+//      its last completed step), and every survivor unwinds its loop with a LiveRegroup.
+//   4. run_worker joins the new group and heal_from_peer() sends rank 0's state to the others;
+//      the loop runs again from that checkpoint: every rank the same parameters and optimizer
+//      state, the epoch's remaining rows re-balanced over the new group (data::resume_start).
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "cohort/comm/store.h"
+#include "cohort/error.h"
+#include "cohort/train/checkpoint.h"
+#include "train/run_files.h"
+
+namespace cohort::train {
+
+struct WorkerSession;
+
+// Unwinds a survivor's train loop after the group re-formed without a lost worker. Not a
+// std::exception: a loop's own catch of std::exception lets it through.
+struct LiveRegroup {
+  int round = 0;       // the live rounds so far, this one included
+  int rank = 0;        // this process's rank in the new group
+  int world_size = 0;  // the new group's
+  int64_t next_checkpoint_index = 0;
+  std::string cause;  // the failure, as the driver saw it
+  // New rank 0's whole state (a checkpoint's files, meta.json included); null on the others.
+  std::shared_ptr<CapturedFiles> state;
+};
+
+// Where the driver publishes live round `round` of the group started with `token`: a JSON object
+// {"members": [the old ranks of the new group, in new rank order], "next_checkpoint", "cause"}.
+inline std::string live_decision_key(const std::string& token, int round) {
+  return "live/" + token + "/" + std::to_string(round);
+}
+
+// From inside a catch of PeerFailureError in one of a step's collectives: with live recovery on
+// and a ParallelModel to take the state from, takes part in the regroup and throws LiveRegroup;
+// otherwise (or when the driver gives no answer) rethrows the error being handled.
+[[noreturn]] void regroup_after(const PeerFailureError& error);
+
+// Runs one of a step's collectives (`collective()`), regrouping on a peer's failure.
+template <typename Collective>
+decltype(auto) live_collective(Collective&& collective) {
+  try {
+    return collective();
+  } catch (const PeerFailureError& e) {
+    regroup_after(e);
+  }
+}
+
+// In the new group (rank `rank` of `world_size` through `store`): rank 0 sends the state the
+// regroup captured to the others over a Gloo group of their own; every rank writes it into `dir`
+// (replaced) with its manifest, and gets it as a checkpoint to resume from.
+Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
+                          const std::string& token, const std::string& interface_address,
+                          std::chrono::milliseconds timeout, const std::filesystem::path& dir,
+                          int umask);
+
+}  // namespace cohort::train
