@@ -483,11 +483,12 @@ void validate(const TrainOptions& o) {
   if (o.recovery == "live") {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
-    if (o.min_workers == 0 || o.min_workers >= o.workers) {
-      throw UsageError("--recovery live goes on with fewer workers: give --min-workers below "
-                       "--workers " +
+    if (!o.replace_lost && (o.min_workers == 0 || o.min_workers >= o.workers)) {
+      throw UsageError("--recovery live --no-replace-lost goes on with fewer workers: give "
+                       "--min-workers below --workers " +
                        std::to_string(o.workers) + " (e.g. --min-workers " +
-                       std::to_string(std::max(1, o.workers - 1)) + ")");
+                       std::to_string(std::max(1, o.workers - 1)) +
+                       "), or let a replacement take the lost worker's place (--replace-lost)");
     }
   }
   if (!(o.heartbeat_timeout_s > 0)) {
@@ -689,7 +690,8 @@ RunConfig run_config_of(const TrainOptions& o) {
                          .heartbeat_timeout = std::chrono::milliseconds(
                              static_cast<int64_t>(o.heartbeat_timeout_s * 1000)),
                          .recovery = o.recovery == "live" ? FailureConfig::Recovery::kLive
-                                                          : FailureConfig::Recovery::kRestart},
+                                                          : FailureConfig::Recovery::kRestart,
+                         .replace_lost = o.replace_lost},
       .checkpoint_config = {.num_to_keep = o.num_to_keep,
                             .checkpoint_score_attribute = "test_accuracy",
                             .checkpoint_score_order = "max"},
@@ -1016,9 +1018,13 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--recovery", o.recovery,
                   "when a worker dies or hangs: restart the group from the latest checkpoint or "
                   "snapshot (--max-failures times), or live: the survivors go on without it at "
-                  "the current step, in the same processes (DDP plans under the local driver; "
-                  "needs --min-workers below --workers)")
+                  "the current step, in the same processes, with a replacement in the lost one's "
+                  "place (DDP plans under the local driver)")
       ->capture_default_str();
+  add_bool_flag(cmd, "--replace-lost,!--no-replace-lost", o.replace_lost,
+                "with --recovery live: start a replacement for a lost worker, which takes its "
+                "state from a survivor (the group keeps its size); --no-replace-lost: the "
+                "survivors go on alone, down to --min-workers");
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout_s,
                   "seconds a rank may send no heartbeat before the coordinator stops the group "
                   "naming it (a hung or stopped rank)")

@@ -87,6 +87,7 @@ struct TrainOptions {
   bool resume = true;
   int max_failures = 0;
   std::string recovery = "restart";  // FailureConfig::recovery: restart or live
+  bool replace_lost = true;          // FailureConfig::replace_lost
   // FailureConfig.heartbeat_timeout, in seconds.
   double heartbeat_timeout_s =
       std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();

@@ -56,6 +56,12 @@ void HeartbeatMonitor::heard(int member) {
 
 void HeartbeatMonitor::finished(int member) { finished_.at(static_cast<size_t>(member)) = true; }
 
+void HeartbeatMonitor::restarted(int member) {
+  finished_.at(static_cast<size_t>(member)) = false;
+  heard_[static_cast<size_t>(member)] = false;
+  last_[static_cast<size_t>(member)] = clock_();
+}
+
 std::optional<HeartbeatMonitor::Silence> HeartbeatMonitor::find_silent() const {
   const auto now = clock_();
   for (size_t m = 0; m < last_.size(); ++m) {
@@ -218,6 +224,16 @@ void Coordinator::on_lost(int rank, const std::string& how) {
   if (rank < 0 || rank >= world_size()) return;
   monitor_.finished(rank);
   if (!cause_) cause_ = Verdict{.rank = rank, .reason = "rank " + std::to_string(rank) + " " + how};
+}
+
+void Coordinator::on_regrouped(const std::vector<int>& restarted) {
+  cause_.reset();
+  consequence_.reset();
+  verdict_.reset();
+  for (int rank : restarted) {
+    monitor_.restarted(rank);
+    status_.at(static_cast<size_t>(rank)) = nullptr;
+  }
 }
 
 std::string Coordinator::stall_report() const { return runtime::stall_report(status_); }

@@ -72,6 +72,7 @@ struct Worker {
   WorkerExit exit;
   std::array<Stream, 3> streams;  // stdout, stderr, control
   std::ofstream log;
+  std::map<std::string, std::string> extra_env;  // on top of its rank's (a replacement's)
 };
 
 int g_scope_depth = 0;
@@ -203,11 +204,13 @@ struct WorkerGroup::Impl {
   bool step(const WorkerGroupHandlers& handlers, std::chrono::milliseconds max_wait);
   GroupOutcome conclude();
 
-  std::vector<std::string> environment(int rank) const {
+  std::vector<std::string> environment(const Worker& worker) const {
+    const int rank = worker.rank;
     auto vars = options.env;
     if (options.rank_env) {
       for (const auto& [k, v] : options.rank_env(rank)) vars[k] = v;
     }
+    for (const auto& [k, v] : worker.extra_env) vars[k] = v;
     return child_environment(vars, options.rank_role ? options.rank_role(rank) : options.role,
                              !options.role.empty());
   }
@@ -228,7 +231,7 @@ struct WorkerGroup::Impl {
     if (args.empty()) args.push_back(exe);
     int pid = -1;
     const int rc =
-        spawn_in_own_group(exe, std::move(args), environment(worker.rank), &actions, pid);
+        spawn_in_own_group(exe, std::move(args), environment(worker), &actions, pid);
     posix_spawn_file_actions_destroy(&actions);
     for (int fd : {out[1], err[1], ctl[1]}) ::close(fd);
     if (rc != 0) {
@@ -487,6 +490,21 @@ void WorkerGroup::request_stop(std::string reason) {
 
 void WorkerGroup::tolerate(int rank) {
   impl_->workers.at(static_cast<size_t>(rank)).exit.tolerated = true;
+}
+
+void WorkerGroup::restart(int rank, const std::map<std::string, std::string>& env) {
+  auto& w = impl_->workers.at(static_cast<size_t>(rank));
+  if (w.running) {
+    throw RuntimeError("cannot restart worker rank " + std::to_string(rank) + ": it still runs");
+  }
+  // Its end was handled when it was reaped: what is left in its pipes is dropped.
+  for (auto& stream : w.streams) {
+    if (stream.fd >= 0) ::close(stream.fd);
+    stream = Stream{};
+  }
+  w.exit = WorkerExit{};
+  w.extra_env = env;
+  impl_->spawn(w);
 }
 
 void WorkerGroup::kill(int rank) {

@@ -372,24 +372,26 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .log_every_steps = run_.log_every_steps,
       .umask = run_.umask,
       .scaling = session_scaling_of(scaling_)};
+  // The environment of worker `index` (its slot's) as rank `rank` of `world_size`, with `mine`.
   const int port = store_.port();
-  options.rank_env = [port, world, spec, slots = slots_, gpus = gpus_,
-                      per_worker = gpus_per_worker_, secret = store_.secret()](int rank) {
+  const auto env_of = [port, slots = slots_, gpus = gpus_, per_worker = gpus_per_worker_,
+                       secret = store_.secret()](int index, int rank, int world_size,
+                                                 WorkerSpec mine) {
     auto env = runtime::worker_env({.world_rank = rank,
-                                    .local_rank = rank,
+                                    .local_rank = index,
                                     .node_rank = 0,
-                                    .world_size = world,
-                                    .local_world_size = world,
+                                    .world_size = world_size,
+                                    .local_world_size = static_cast<int>(slots.size()),
                                     .master_addr = "127.0.0.1",
                                     .master_port = port});
-    const int slot = slots[static_cast<size_t>(rank)];
-    WorkerSpec mine = spec;
+    const int slot = slots[static_cast<size_t>(index)];
     mine.slot = slot;
     env[runtime::kWorkerSpecVar] = to_text(mine);
     runtime::add_job_secret_env(env, secret);
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
   };
+  options.rank_env = [env_of, world, spec](int rank) { return env_of(rank, rank, world, spec); };
 
   runtime::WorkerGroup group(std::move(options));
   Attempt attempt;
@@ -411,8 +413,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
 
   // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): each worker's rank in the
-  // group now, by its index in the worker group (-1: lost); the survivors' optimizer steps as
-  // they say they are ready to regroup; the regroup under way, and its cause.
+  // group now, by its index in the worker group (-1: no longer in it); the workers lost since the
+  // last regroup; the survivors' optimizer steps as they say they are ready to regroup; the
+  // regroup under way and its cause.
   const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
   const std::vector<int> first_slots = slots_;
   std::vector<int> rank_of(static_cast<size_t>(world));
@@ -424,11 +427,20 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   std::map<int, std::string> killed_as_hung;  // by worker index: the coordinator's verdict
   int live_rounds = 0;
   bool awaiting_recovery = false;  // regrouped: the new rank 0's next step ends the recovery
+  // The workers of the group now that are still running.
   auto survivors = [&] {
     std::vector<int> alive;
-    for (int i = 0; i < world; ++i)
-      if (!lost[static_cast<size_t>(i)] && !exited[static_cast<size_t>(i)]) alive.push_back(i);
+    for (int i = 0; i < world; ++i) {
+      const auto at = static_cast<size_t>(i);
+      if (rank_of[at] >= 0 && !lost[at] && !exited[at]) alive.push_back(i);
+    }
     return alive;
+  };
+  // Whether lost worker `index`'s slot may take a replacement.
+  auto replaceable = [&](int index) {
+    return run_.failure_config.replace_lost &&
+           (!scaling_.slot_available ||
+            scaling_.slot_available(first_slots[static_cast<size_t>(index)]));
   };
   // A worker that was killed (or hung, then killed by the driver) while the others train: the
   // group goes on without it when live recovery is on and enough workers remain.
@@ -439,18 +451,22 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       return false;
     for (int i = 0; i < world; ++i) {
       // A worker that finished: the loop is over, nothing to go on with.
-      if (exited[static_cast<size_t>(i)] && i != exit.rank && !lost[static_cast<size_t>(i)])
+      if (exited[static_cast<size_t>(i)] && i != exit.rank && !lost[static_cast<size_t>(i)] &&
+          rank_of[static_cast<size_t>(i)] >= 0)
         return false;
     }
-    const int left = static_cast<int>(survivors().size());
-    if (left < min_workers()) {
+    const int left = static_cast<int>(survivors().size()) - 0;
+    if (left == 0 || (!replaceable(exit.rank) && left < min_workers())) {
       console_.message("cohort: rank " + std::to_string(rank_of[static_cast<size_t>(exit.rank)]) +
                        " lost; " + std::to_string(left) + " survivor(s) are fewer than the " +
                        std::to_string(min_workers()) +
-                       " the group needs (ScalingConfig.min_workers): restarting instead");
+                       " the group needs (ScalingConfig.min_workers) and its slot takes no "
+                       "replacement: restarting instead");
       return false;
     }
     group.tolerate(exit.rank);
+    // Helpers it started go with it: its slot is free for a replacement.
+    group.kill(exit.rank);
     lost[static_cast<size_t>(exit.rank)] = true;
     const std::string cause = hung ? killed_as_hung.at(exit.rank) : exit.describe();
     regroup_cause += (regroup_cause.empty() ? "" : "; ") + cause;
@@ -464,19 +480,18 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
          {"restarted", false},
          {"live", true},
          {"recovery_s", nullptr}});
-    rank_of[static_cast<size_t>(exit.rank)] = -1;
     if (!regroup_deadline) regroup_deadline = Clock::now() + run_.setup_timeout;
     if (run_.verbose >= 1)
       console_.message("cohort: " + cause + ": the " + std::to_string(left) +
-                       " survivors regroup without it (live recovery)");
+                       " survivor(s) regroup without restarting (live recovery)");
     return true;
   };
-  // Once every survivor is ready: the new group, the survivor that stepped furthest first.
+  // Once every survivor is ready: the new group. The survivors keep their order; a lost worker's
+  // place goes to a replacement started in its slot, or the group shrinks.
   auto regroup_if_ready = [&] {
     if (!regroup_deadline || group.stopping()) return;
-    auto order = survivors();
     std::string missing;
-    for (int i : order)
+    for (int i : survivors())
       if (!ready.count(i))
         missing += (missing.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
     if (!missing.empty()) {
@@ -487,28 +502,77 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
       return;
     }
-    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ready[a] > ready[b]; });
+    std::vector<int> in_group;
+    for (int i = 0; i < world; ++i)
+      if (rank_of[static_cast<size_t>(i)] >= 0) in_group.push_back(i);
+    std::sort(in_group.begin(), in_group.end(), [&](int a, int b) {
+      return rank_of[static_cast<size_t>(a)] < rank_of[static_cast<size_t>(b)];
+    });
     Json members = Json::array();
-    for (int i : order) members.push_back(rank_of[static_cast<size_t>(i)]);
+    std::vector<int> new_group, replacements;
+    int source = -1;
+    for (int i : in_group) {
+      const auto at = static_cast<size_t>(i);
+      if (lost[at]) {
+        if (!replaceable(i)) continue;
+        // Its helpers were killed with it; the slot is free once they are gone.
+        if (runtime::process_group_alive(group.pids()[at])) return;
+        replacements.push_back(i);
+        members.push_back(-1);
+      } else {
+        if (source < 0 || ready[i] > ready[new_group[static_cast<size_t>(source)]])
+          source = static_cast<int>(new_group.size());
+        members.push_back(rank_of[at]);
+      }
+      new_group.push_back(i);
+    }
+    if (static_cast<int>(new_group.size()) < min_workers()) {
+      group.request_stop("live recovery: " + std::to_string(new_group.size()) +
+                         " workers left, fewer than the " + std::to_string(min_workers()) +
+                         " the group needs: restarting the group");
+      return;
+    }
+    const int64_t steps = ready[new_group[static_cast<size_t>(source)]];
     store_.set(live_decision_key(spec.run_token, ++live_rounds),
                Json{{"members", members},
+                    {"source", source},
                     {"next_checkpoint", recorder_->next_checkpoint_index()},
                     {"cause", regroup_cause}}
                    .dump());
+    for (int i = 0; i < world; ++i) rank_of[static_cast<size_t>(i)] = -1;
     const size_t from = slots_.size();
     slots_.clear();
-    for (size_t k = 0; k < order.size(); ++k) {
-      rank_of[static_cast<size_t>(order[k])] = static_cast<int>(k);
-      slots_.push_back(first_slots[static_cast<size_t>(order[k])]);
+    for (size_t k = 0; k < new_group.size(); ++k) {
+      rank_of[static_cast<size_t>(new_group[k])] = static_cast<int>(k);
+      slots_.push_back(first_slots[static_cast<size_t>(new_group[k])]);
     }
+    const int new_world = static_cast<int>(new_group.size());
+    for (int i : replacements) {
+      WorkerSpec joining = spec;
+      joining.live_round = live_rounds;
+      joining.live_source = source;
+      joining.next_checkpoint_index = recorder_->next_checkpoint_index();
+      group.restart(i, env_of(i, rank_of[static_cast<size_t>(i)], new_world, joining));
+      const auto at = static_cast<size_t>(i);
+      lost[at] = false;
+      exited[at] = false;
+      slot_pids_[static_cast<size_t>(first_slots[at])] = group.pids()[at];
+    }
+    for (int i = 0; i < world; ++i) lost[static_cast<size_t>(i)] = false;
+    coordinator.on_regrouped(replacements);
     std::vector<bool> gone(static_cast<size_t>(world));
     for (int i = 0; i < world; ++i) gone[static_cast<size_t>(i)] = rank_of[static_cast<size_t>(i)] < 0;
     report_counter.regroup(gone);
     record_resize(from, "live recovery: " + regroup_cause);
     if (run_.verbose >= 1) {
-      console_.message("cohort: live recovery: " + std::to_string(order.size()) +
-                       " workers go on after step " + std::to_string(ready[order.front()]) +
-                       " in the same processes");
+      std::string replaced;
+      for (int i : replacements)
+        replaced += (replaced.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
+      console_.message("cohort: live recovery: " + std::to_string(new_world) +
+                       " workers go on after step " + std::to_string(steps) +
+                       (replaced.empty() ? std::string(" without restarting")
+                                         : " (rank(s) " + replaced + " replaced, the others in "
+                                                                     "the same processes)"));
     }
     ready.clear();
     regroup_deadline.reset();
@@ -534,7 +598,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     regroup_if_ready();
     if (const auto verdict = coordinator.verdict()) {
       if (killed_as_hung.count(verdict->rank) > 0) return;
-      if (live && trained && static_cast<int>(survivors().size()) > min_workers()) {
+      if (live && trained &&
+          (replaceable(verdict->rank) || static_cast<int>(survivors().size()) > min_workers())) {
         // The others go on without it: killed, its connections close and their collectives fail.
         killed_as_hung[verdict->rank] = verdict->reason;
         group.kill(verdict->rank);

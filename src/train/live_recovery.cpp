@@ -67,9 +67,10 @@ void regroup_after(const PeerFailureError& error) {
   LiveRegroup regroup{.round = s->live_round + 1,
                       .rank = static_cast<int>(mine - members.begin()),
                       .world_size = static_cast<int>(members.size()),
+                      .source = decision.at("source").get<int>(),
                       .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>(),
                       .cause = decision.value("cause", std::string(error.what()))};
-  if (regroup.rank == 0) {
+  if (regroup.rank == regroup.source) {
     regroup.state = std::make_shared<CapturedFiles>();
     // Captured in memory: nothing is written under this folder but its empty directories.
     const auto root = s->context.storage_path /
@@ -98,16 +99,17 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                                              .timeout = timeout,
                                              .prefix = "live/" + token + "/heal",
                                              .backend = comm::Backend::kGloo});
-    if (regroup.rank == 0) {
+    if (regroup.rank == regroup.source) {
       std::vector<SendsInFlight> sends;
-      for (int peer = 1; peer < regroup.world_size; ++peer)
-        sends.push_back(send_files_async(group, peer, *regroup.state));
+      for (int peer = 0; peer < regroup.world_size; ++peer)
+        if (peer != regroup.source) sends.push_back(send_files_async(group, peer, *regroup.state));
       for (auto& send : sends) send.wait();
     } else {
-      for (const auto& [name, bytes] : receive_files(group, 0)) write_atomically(dir / name, bytes);
+      for (const auto& [name, bytes] : receive_files(group, regroup.source))
+        write_atomically(dir / name, bytes);
     }
   }
-  if (regroup.rank == 0) merge_captured(*regroup.state, dir, 0, umask);
+  if (regroup.rank == regroup.source) merge_captured(*regroup.state, dir, 0, umask);
   write_manifest(dir);
   return Checkpoint::from_directory(dir);
 }

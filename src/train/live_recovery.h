@@ -5,14 +5,17 @@
 //      driver kills a hung worker first). The step, the batch agreement and should_stop() call
 //      regroup_after(), which tells the driver "regroup_ready" with the survivor's optimizer
 //      steps, and waits for the driver's answer in the store (live_decision_key).
-//   2. The driver, once every survivor is ready, orders them (the one that stepped furthest
-//      first) and publishes the new group; a survivor that ended instead, too few survivors, or
-//      no answer within the setup timeout fall back to a restart of the group.
-//   3. The new rank 0 saves its model's whole state into memory (with the data positions after
-//      its last completed step), and every survivor unwinds its loop with a LiveRegroup.
-//   4. run_worker joins the new group and heal_from_peer() sends rank 0's state to the others;
-//      the loop runs again from that checkpoint: every rank the same parameters and optimizer
-//      state, the epoch's remaining rows re-balanced over the new group (data::resume_start).
+//   2. The driver, once every survivor is ready, publishes the new group: the survivors keep
+//      their order, and a replacement it starts in the lost worker's slot takes the lost rank
+//      (FailureConfig::replace_lost), else the group shrinks (down to ScalingConfig::min_workers).
+//      The survivor that stepped furthest is the source of the state. A survivor that ended
+//      instead, too few workers, or no answer within the setup timeout fall back to a restart.
+//   3. The source saves its model's whole state into memory (with the data positions after its
+//      last completed step), and every survivor unwinds its loop with a LiveRegroup.
+//   4. run_worker joins the new group (a replacement joins it from the start, WorkerSpec::
+//      live_round) and heal_from_peer() sends the source's state to the others; the loop runs
+//      again from that checkpoint: every rank the same parameters and optimizer state, the
+//      epoch's remaining rows re-balanced over the new group (data::resume_start).
 #pragma once
 #include <cstdint>
 #include <filesystem>
@@ -34,14 +37,16 @@ struct LiveRegroup {
   int round = 0;       // the live rounds so far, this one included
   int rank = 0;        // this process's rank in the new group
   int world_size = 0;  // the new group's
+  int source = 0;      // the rank whose state every rank takes
   int64_t next_checkpoint_index = 0;
   std::string cause;  // the failure, as the driver saw it
-  // New rank 0's whole state (a checkpoint's files, meta.json included); null on the others.
+  // The source's whole state (a checkpoint's files, meta.json included); null on the others.
   std::shared_ptr<CapturedFiles> state;
 };
 
 // Where the driver publishes live round `round` of the group started with `token`: a JSON object
-// {"members": [the old ranks of the new group, in new rank order], "next_checkpoint", "cause"}.
+// {"members": [by new rank: the old rank, or -1 for a replacement], "source": the new rank whose
+// state everyone takes, "next_checkpoint": the next checkpoint's index, "cause"}.
 inline std::string live_decision_key(const std::string& token, int round) {
   return "live/" + token + "/" + std::to_string(round);
 }
@@ -61,7 +66,7 @@ decltype(auto) live_collective(Collective&& collective) {
   }
 }
 
-// In the new group (rank `rank` of `world_size` through `store`): rank 0 sends the state the
+// In the new group (rank `rank` of `world_size` through `store`): the source sends the state the
 // regroup captured to the others over a Gloo group of their own; every rank writes it into `dir`
 // (replaced) with its manifest, and gets it as a checkpoint to resume from.
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,

@@ -345,9 +345,20 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
     // new group, from the state of the survivor that stepped furthest.
     std::optional<LiveRegroup> regroup;
+    if (spec.live_round > 0) {
+      // A replacement: it joins the live round's group and takes the source's state.
+      regroup = LiveRegroup{.round = spec.live_round,
+                            .rank = info->world_rank,
+                            .world_size = info->world_size,
+                            .source = spec.live_source,
+                            .next_checkpoint_index = spec.next_checkpoint_index};
+      settings.run_token = spec.run_token + "-live" + std::to_string(spec.live_round);
+      settings.regroup = &*regroup;
+    }
     while (true) {
       try {
         open_session(settings, datasets);
+        if (regroup) regroup->state.reset();  // sent: its memory is free again
         train_loop(spec.config);
         break;
       } catch (const LiveRegroup& next) {

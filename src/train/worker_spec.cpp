@@ -67,6 +67,8 @@ std::string to_text(const WorkerSpec& s) {
               {"resume", s.resume},
               {"snapshot_path", s.snapshot_path},
               {"live_recovery", s.live_recovery},
+              {"live_round", s.live_round},
+              {"live_source", s.live_source},
               {"next_checkpoint_index", s.next_checkpoint_index},
               {"slot", s.slot},
               {"tensorboard_histograms", s.tensorboard_histograms},
@@ -130,6 +132,8 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.resume = field<bool>(j, "resume");
   s.snapshot_path = field<std::string>(j, "snapshot_path");
   s.live_recovery = field<bool>(j, "live_recovery");
+  s.live_round = field<int>(j, "live_round");
+  s.live_source = field<int>(j, "live_source");
   s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
   s.slot = field<int>(j, "slot");
   s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");

@@ -49,6 +49,10 @@ struct WorkerSpec {
   bool resume = true;         // RunConfig::resume: a newer snapshot may be restored from instead
   std::string snapshot_path;  // RunConfig::snapshot_path
   bool live_recovery = false;  // FailureConfig::recovery is kLive
+  // A replacement started by a live regroup: the round it joins (0: a worker of the group's
+  // start), and the rank whose state it takes.
+  int live_round = 0;
+  int live_source = 0;
   int64_t next_checkpoint_index = 0;
   int slot = 0;                         // the worker slot (ScalingConfig) the rank runs in
   bool tensorboard_histograms = false;  // RunConfig::tensorboard.histograms

@@ -56,6 +56,8 @@ class HeartbeatMonitor {
   void heard(int member);
   /// `member` ended cleanly: it is no longer expected to beat.
   void finished(int member);
+  /// `member` starts again (a replacement): expected to beat after its start-up grace.
+  void restarted(int member);
   /// A member silent too long.
   struct Silence {
     /// Which member.
@@ -110,6 +112,9 @@ class Coordinator {
   void on_finished(int rank);
   /// `rank` ended without finishing, `how` says how ("exited with code 1", ...).
   void on_lost(int rank, const std::string& how);
+  /// The group went on after a failure (live recovery): no verdict so far stands, and `restarted`
+  /// (a replacement in a lost rank's place, starting up) is expected to beat again.
+  void on_regrouped(const std::vector<int>& restarted);
 
   /// Why the group must stop.
   struct Verdict {

@@ -118,6 +118,10 @@ class WorkerGroup {
   /// Kills worker `rank` and its helpers at once (SIGKILL to its process group): a hung worker
   /// that the others must go on without. Its end reaches on_exit as any other.
   void kill(int rank);
+  /// Starts worker `rank` again after it ended (a replacement), with `env` on top of its
+  /// environment; it is running and watched as at start(). RuntimeError when it still runs or
+  /// cannot be started.
+  void restart(int rank, const std::map<std::string, std::string>& env);
   /// True once the group is being stopped (a failure, a request or a signal).
   bool stopping() const;
   /// From a handler inside wait(): the workers stop on their own when asked (they poll

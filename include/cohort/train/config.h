@@ -95,15 +95,20 @@ struct FailureConfig {
     /// The group stops and starts again from the newest checkpoint or snapshot (max_failures).
     kRestart,
     /// The survivors go on without a worker that was killed or hung (then killed): they abort
-    /// the step in flight, re-form the group without it, take the state of the survivor that
-    /// stepped furthest, re-balance the epoch's remaining rows and continue at the current step,
-    /// in the same processes. For loops of a train::ParallelModel whose plan is DDP (no ZeRO,
-    /// mesh or other sync mode), under the local driver, while at least
-    /// ScalingConfig::min_workers remain; otherwise the group restarts, as kRestart.
+    /// the step in flight, re-form the group (with a replacement in its place, replace_lost),
+    /// all take the state of the survivor that stepped furthest, re-balance the epoch's
+    /// remaining rows and continue at the current step, in the same processes. For loops of a
+    /// train::ParallelModel whose plan is DDP (no ZeRO, mesh or other sync mode), under the local
+    /// driver; where the group cannot go on (a failure outside a step's collectives, too few
+    /// workers) it restarts, as kRestart.
     kLive,
   };
   /// kRestart or kLive (`cohort train --recovery`).
   Recovery recovery = Recovery::kRestart;
+  /// kLive: a lost worker's place goes to a replacement the driver starts in its slot (when
+  /// ScalingConfig::slot_available allows), which takes the state from a survivor, so the group
+  /// keeps its size; false: the group shrinks (`cohort train --no-replace-lost`).
+  bool replace_lost = true;
 };
 
 /// Which checkpoints a run keeps (Ray Train's CheckpointConfig).
