@@ -484,11 +484,12 @@ void validate(const TrainOptions& o) {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
     if (!o.replace_lost && (o.min_workers == 0 || o.min_workers >= o.workers)) {
-      throw UsageError("--recovery live --no-replace-lost goes on with fewer workers: give "
-                       "--min-workers below --workers " +
-                       std::to_string(o.workers) + " (e.g. --min-workers " +
-                       std::to_string(std::max(1, o.workers - 1)) +
-                       "), or let a replacement take the lost worker's place (--replace-lost)");
+      throw UsageError(
+          "--recovery live --no-replace-lost goes on with fewer workers: give "
+          "--min-workers below --workers " +
+          std::to_string(o.workers) + " (e.g. --min-workers " +
+          std::to_string(std::max(1, o.workers - 1)) +
+          "), or let a replacement take the lost worker's place (--replace-lost)");
     }
   }
   if (!(o.heartbeat_timeout_s > 0)) {

@@ -126,6 +126,13 @@ int run_tune_command(TuneOptions o, const CLI::App& cmd) {
   tune::ResultGrid grid = [&] {
     if (o.job.resume && tune::Tuner::can_restore(experiment))
       return tune::Tuner::restore(experiment, trainer).fit();
+    // Set field by field: GCC 12 takes a designated initializer of RunConfig's nested members for
+    // a read of uninitialized memory (-Wmaybe-uninitialized).
+    RunConfig run;
+    run.name = name;
+    run.storage_path = o.job.storage_path;
+    run.verbose = o.job.quiet ? 0 : 1;
+    run.extra_files = {{kConfigFile, effective_options(&cmd).dump(2) + "\n"}};
     return tune::Tuner(
                trainer, space,
                tune::TuneConfig{.metric = o.metric,
@@ -137,10 +144,7 @@ int run_tune_command(TuneOptions o, const CLI::App& cmd) {
                                 .seed = o.search_seed,
                                 .max_cpu_threads = o.cpus,
                                 .metric_columns = {o.metric, "train_loss", "epoch", "steps"}},
-               RunConfig{.name = name,
-                         .storage_path = o.job.storage_path,
-                         .verbose = o.job.quiet ? 0 : 1,
-                         .extra_files = {{kConfigFile, effective_options(&cmd).dump(2) + "\n"}}})
+               run)
         .fit();
   }();
   int64_t steps = 0, stopped = 0;

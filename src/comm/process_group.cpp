@@ -55,6 +55,7 @@ struct Work::State {
   std::chrono::steady_clock::time_point started;
   std::function<void()> finish;
   std::optional<c10::Device> cuda_device;  // set for collectives on CUDA tensors
+  std::function<bool()> aborted;           // ProcessGroupOptions::aborted
 };
 
 namespace {
@@ -91,6 +92,34 @@ std::string message_of(const std::exception_ptr& error) {
   return "unknown error";
 }
 
+// Waits for `state`'s collective in slices of 100 ms up to its deadline, and throws
+// PeerFailureError as soon as its group is aborted (ProcessGroupOptions::aborted).
+void wait_unless_aborted(const Work::State& state) {
+  constexpr std::chrono::milliseconds kSlice{100};
+  const auto deadline = state.started + state.timeout;
+  while (true) {
+    if (state.work->isCompleted()) {
+      state.work->wait(state.timeout);  // rethrows its error, if any
+      return;
+    }
+    if (state.aborted()) {
+      throw PeerFailureError(state.what + " aborted: a peer of the group was lost");
+    }
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) {
+      state.work->wait(std::chrono::milliseconds(1));  // throws: past the deadline
+      return;
+    }
+    try {
+      state.work->wait(std::min(left, kSlice));
+      return;
+    } catch (...) {
+      if (state.work->isCompleted()) throw;  // the collective's own error
+    }
+  }
+}
+
 }  // namespace
 
 void Work::wait() {
@@ -101,9 +130,13 @@ void Work::wait() {
       // No deadline here: c10d's NCCL work blocks the host when given one. The transport's own
       // timeout (NCCL's watchdog, Gloo's per-operation deadline) ends a collective that hangs.
       state_->work->wait();
+    } else if (state_->aborted) {
+      wait_unless_aborted(*state_);
     } else {
       state_->work->wait(state_->timeout);
     }
+  } catch (const PeerFailureError&) {
+    throw;
   } catch (...) {
     const auto error = std::current_exception();
     const auto elapsed = std::chrono::steady_clock::now() - state_->started;
@@ -240,6 +273,7 @@ struct ProcessGroup::State {
     auto state = std::make_shared<Work::State>();
     state->what = describe(std::string(what) + " (" + transport.name() + ")");
     state->timeout = options.timeout;
+    state->aborted = options.aborted;
     state->started = std::chrono::steady_clock::now();
     state->cuda_device = cuda_device;
     Started started;

@@ -109,7 +109,20 @@ HeartbeatThread& heartbeat_thread() {
 namespace {
 volatile sig_atomic_t g_stop_requested = 0;
 void on_stop_request(int) { g_stop_requested = 1; }
+std::atomic<int> g_peer_losses{0};
+static_assert(std::atomic<int>::is_always_lock_free, "a signal handler increments it");
+void on_peer_lost(int) { g_peer_losses.fetch_add(1, std::memory_order_relaxed); }
 }  // namespace
+
+void watch_peer_losses() {
+  struct sigaction action {};
+  action.sa_handler = on_peer_lost;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(kPeerLostSignal, &action, nullptr);
+}
+
+int peer_losses() { return g_peer_losses.load(std::memory_order_relaxed); }
 
 void watch_stop_requests() {
   struct sigaction action {};

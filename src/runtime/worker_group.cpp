@@ -230,8 +230,7 @@ struct WorkerGroup::Impl {
     std::vector<std::string> args = options.argv.empty() ? self_arguments() : options.argv;
     if (args.empty()) args.push_back(exe);
     int pid = -1;
-    const int rc =
-        spawn_in_own_group(exe, std::move(args), environment(worker), &actions, pid);
+    const int rc = spawn_in_own_group(exe, std::move(args), environment(worker), &actions, pid);
     posix_spawn_file_actions_destroy(&actions);
     for (int fd : {out[1], err[1], ctl[1]}) ::close(fd);
     if (rc != 0) {
@@ -505,6 +504,11 @@ void WorkerGroup::restart(int rank, const std::map<std::string, std::string>& en
   w.exit = WorkerExit{};
   w.extra_env = env;
   impl_->spawn(w);
+}
+
+void WorkerGroup::signal(int rank, int signal) {
+  const auto& w = impl_->workers.at(static_cast<size_t>(rank));
+  if (w.running) ::kill(w.pid, signal);
 }
 
 void WorkerGroup::kill(int rank) {

@@ -3,14 +3,15 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <numeric>
 #include <csignal>
 #include <iostream>
+#include <numeric>
 #include <set>
 #include <thread>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
+#include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
@@ -425,6 +426,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   std::optional<Clock::time_point> regroup_deadline;
   std::string regroup_cause;
   std::map<int, std::string> killed_as_hung;  // by worker index: the coordinator's verdict
+  // The workers whose loop trains a ParallelModel now ("live_model"): what a regroup needs.
+  std::set<int> in_loop;
   int live_rounds = 0;
   bool awaiting_recovery = false;  // regrouped: the new rank 0's next step ends the recovery
   // The workers of the group now that are still running.
@@ -446,9 +449,13 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   // group goes on without it when live recovery is on and enough workers remain.
   auto go_on_without = [&](const runtime::WorkerExit& exit) {
     const bool hung = killed_as_hung.count(exit.rank) > 0;
-    if (!live || !trained || group.stopping() || exit.ok() || (exit.signal == 0 && !hung) ||
+    if (!live || group.stopping() || exit.ok() || (exit.signal == 0 && !hung) ||
         (exit.stopped_by_driver && !hung))
       return false;
+    for (int i : survivors()) {
+      // Not training yet (or any more), nor regrouping already.
+      if (i != exit.rank && !in_loop.count(i) && !ready.count(i)) return false;
+    }
     for (int i = 0; i < world; ++i) {
       // A worker that finished: the loop is over, nothing to go on with.
       if (exited[static_cast<size_t>(i)] && i != exit.rank && !lost[static_cast<size_t>(i)] &&
@@ -467,19 +474,22 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     group.tolerate(exit.rank);
     // Helpers it started go with it: its slot is free for a replacement.
     group.kill(exit.rank);
+    // The survivors' collectives stop waiting for it (a transport may never notice it is gone).
+    for (int i : survivors())
+      if (i != exit.rank && (in_loop.count(i) || ready.count(i)))
+        group.signal(i, runtime::kPeerLostSignal);
     lost[static_cast<size_t>(exit.rank)] = true;
     const std::string cause = hung ? killed_as_hung.at(exit.rank) : exit.describe();
     regroup_cause += (regroup_cause.empty() ? "" : "; ") + cause;
     attempt.detected = Clock::now();
-    recorder_->result().failures.push_back(
-        {{"rank", rank_of[static_cast<size_t>(exit.rank)]},
-         {"slot", first_slots[static_cast<size_t>(exit.rank)]},
-         {"cause", cause},
-         {"reports", recorder_->result().metrics_history.size()},
-         {"detected_at_s", since_start()},
-         {"restarted", false},
-         {"live", true},
-         {"recovery_s", nullptr}});
+    recorder_->result().failures.push_back({{"rank", rank_of[static_cast<size_t>(exit.rank)]},
+                                            {"slot", first_slots[static_cast<size_t>(exit.rank)]},
+                                            {"cause", cause},
+                                            {"reports", recorder_->result().metrics_history.size()},
+                                            {"detected_at_s", since_start()},
+                                            {"restarted", false},
+                                            {"live", true},
+                                            {"recovery_s", nullptr}});
     if (!regroup_deadline) regroup_deadline = Clock::now() + run_.setup_timeout;
     if (run_.verbose >= 1)
       console_.message("cohort: " + cause + ": the " + std::to_string(left) +
@@ -496,7 +506,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
         missing += (missing.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
     if (!missing.empty()) {
       if (Clock::now() > *regroup_deadline) {
-        group.request_stop("live recovery: ranks [" + missing + "] did not reach the regroup within " +
+        group.request_stop("live recovery: ranks [" + missing +
+                           "] did not reach the regroup within " +
                            std::to_string(run_.setup_timeout.count() / 1000) +
                            " s (a failure outside a step's collectives): restarting the group");
       }
@@ -561,18 +572,21 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     for (int i = 0; i < world; ++i) lost[static_cast<size_t>(i)] = false;
     coordinator.on_regrouped(replacements);
     std::vector<bool> gone(static_cast<size_t>(world));
-    for (int i = 0; i < world; ++i) gone[static_cast<size_t>(i)] = rank_of[static_cast<size_t>(i)] < 0;
+    for (int i = 0; i < world; ++i)
+      gone[static_cast<size_t>(i)] = rank_of[static_cast<size_t>(i)] < 0;
     report_counter.regroup(gone);
     record_resize(from, "live recovery: " + regroup_cause);
     if (run_.verbose >= 1) {
       std::string replaced;
       for (int i : replacements)
-        replaced += (replaced.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
+        replaced +=
+            (replaced.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
       console_.message("cohort: live recovery: " + std::to_string(new_world) +
                        " workers go on after step " + std::to_string(steps) +
                        (replaced.empty() ? std::string(" without restarting")
-                                         : " (rank(s) " + replaced + " replaced, the others in "
-                                                                     "the same processes)"));
+                                         : " (rank(s) " + replaced +
+                                               " replaced, the others in "
+                                               "the same processes)"));
     }
     ready.clear();
     regroup_deadline.reset();
@@ -598,7 +612,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     regroup_if_ready();
     if (const auto verdict = coordinator.verdict()) {
       if (killed_as_hung.count(verdict->rank) > 0) return;
-      if (live && trained &&
+      if (live && in_loop.count(verdict->rank) &&
           (replaceable(verdict->rank) || static_cast<int>(survivors().size()) > min_workers())) {
         // The others go on without it: killed, its connections close and their collectives fail.
         killed_as_hung[verdict->rank] = verdict->reason;
@@ -634,6 +648,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (type == "heartbeat") return;
     if (type == "regroup_ready") {
       ready[index] = json_field<int64_t>(message, "steps", 0);
+      in_loop.erase(index);  // its loop unwinds; it says so again in the new group
+      return;
+    }
+    if (type == "live_model") {
+      in_loop.insert(index);
       return;
     }
     if (awaiting_recovery && rank == 0 && (type == "progress" || type == "step")) {
@@ -674,9 +693,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       // Elastic: a checkpoint was just committed, so a restart with more workers loses nothing.
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
       if (broken.empty() && message.contains("checkpoint") &&
-          static_cast<int>(slots_.size()) < scaling_.num_workers &&
-          !group.stopping() && !stop_asked &&
-          std::find(exited.begin(), exited.end(), true) == exited.end() &&
+          static_cast<int>(slots_.size()) < scaling_.num_workers && !group.stopping() &&
+          !stop_asked && std::find(exited.begin(), exited.end(), true) == exited.end() &&
           workers_available() > static_cast<int>(slots_.size())) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");

@@ -30,7 +30,8 @@ Json live_meta(const WorkerSession& s, int64_t steps) {
       // epoch, after the rows the positions say were taken.
       const int64_t rows = p.unsharded_rows / world + p.yielded_rows;
       if (!p.finished)
-        metrics[kEpochStepMetric] = std::max<int64_t>(1, rows / std::max<int64_t>(1, s.rows_at_step));
+        metrics[kEpochStepMetric] =
+            std::max<int64_t>(1, rows / std::max<int64_t>(1, s.rows_at_step));
     }
   }
   Json meta{{"metrics", metrics},
@@ -73,8 +74,8 @@ void regroup_after(const PeerFailureError& error) {
   if (regroup.rank == regroup.source) {
     regroup.state = std::make_shared<CapturedFiles>();
     // Captured in memory: nothing is written under this folder but its empty directories.
-    const auto root = s->context.storage_path /
-                      (".live-capture-rank" + std::to_string(s->context.world_rank));
+    const auto root =
+        s->context.storage_path / (".live-capture-rank" + std::to_string(s->context.world_rank));
     {
       FileCapture capture(root, *regroup.state);
       s->live_save(root);

@@ -15,6 +15,7 @@
 #include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/tensor_parallel.h"
+#include "cohort/runtime/control_channel.h"
 #include "cohort/train/captured_step.h"
 #include "cohort/train/context.h"
 #include "cohort/train/prepare.h"
@@ -185,6 +186,9 @@ ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(st
   session->live_save = [st](const std::filesystem::path& dir) {
     save_checkpoint(dir, *st->model.module, *st->optimizer);
   };
+  // The driver regroups live only while every survivor trains such a model.
+  if (runtime::has_control_channel())
+    runtime::send_control_message(Json{{"type", "live_model"}}.dump());
 }
 ParallelModel::ParallelModel(ParallelModel&&) noexcept = default;
 ParallelModel& ParallelModel::operator=(ParallelModel&&) noexcept = default;

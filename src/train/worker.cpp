@@ -87,7 +87,8 @@ std::filesystem::path live_state_folder(const SessionSettings& settings) {
   const auto root = settings.snapshot_path.empty()
                         ? settings.run_dir
                         : snapshot_run_folder(settings.snapshot_path, settings.run_dir);
-  return root / ("live_" + settings.live_token + "_rank" + std::to_string(settings.info.world_rank));
+  return root /
+         ("live_" + settings.live_token + "_rank" + std::to_string(settings.info.world_rank));
 }
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
@@ -138,12 +139,19 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   ctx.storage_path = settings.run_dir;
   ctx.run_start = settings.run_start;
   ctx.device = settings.device;
+  // With live recovery the driver signals a lost peer, and the group's collectives stop waiting.
+  std::function<bool()> aborted;
+  if (settings.live_recovery) {
+    runtime::watch_peer_losses();
+    aborted = [seen = runtime::peer_losses()] { return runtime::peer_losses() != seen; };
+  }
   ctx.process_group = comm::ProcessGroup::create(settings.store, info.world_rank, info.world_size,
                                                  {.interface_address = settings.interface_address,
                                                   .setup_timeout = settings.setup_timeout,
                                                   .timeout = settings.collective_timeout,
                                                   .prefix = "train/" + settings.run_token,
-                                                  .backend = settings.backend});
+                                                  .backend = settings.backend,
+                                                  .aborted = aborted});
   if (scaling.mesh.pp * scaling.mesh.tp > 1)
     ctx.mesh = parallel::DeviceMesh::create(ctx.process_group, scaling.mesh);
   ctx.precision = optim::precision_from_string(scaling.precision);
@@ -154,9 +162,9 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   session->live_token = settings.live_token;
   if (settings.regroup != nullptr) {
     session->live_round = settings.regroup->round;
-    session->resume_from = heal_from_peer(
-        *settings.regroup, settings.store, settings.run_token, settings.interface_address,
-        settings.setup_timeout, live_state_folder(settings), settings.umask);
+    session->resume_from = heal_from_peer(*settings.regroup, settings.store, settings.run_token,
+                                          settings.interface_address, settings.setup_timeout,
+                                          live_state_folder(settings), settings.umask);
   }
   if (!settings.snapshot_path.empty()) {
     session->snapshot_folder = snapshot_run_folder(settings.snapshot_path, settings.run_dir);
@@ -345,6 +353,9 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
     // new group, from the state of the survivor that stepped furthest.
     std::optional<LiveRegroup> regroup;
+    // The groups a regroup left: a collective may still wait inside one until its deadline, which
+    // their destructors would wait for. They live as long as the process.
+    std::vector<comm::ProcessGroup> abandoned;
     if (spec.live_round > 0) {
       // A replacement: it joins the live round's group and takes the source's state.
       regroup = LiveRegroup{.round = spec.live_round,
@@ -364,6 +375,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       } catch (const LiveRegroup& next) {
         regroup = next;
       }
+      abandoned.push_back(current_session()->context.process_group);
+      abandoned.push_back(current_session()->snapshot_group);
       set_current_session(nullptr);
       if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
       settings.info.world_rank = regroup->rank;
@@ -406,9 +419,12 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                             std::to_string(info.world_rank) + " of " +
                             std::to_string(info.world_size) + ")";
   if (run.failure_config.recovery == FailureConfig::Recovery::kLive) {
-    throw UsageError("live recovery (FailureConfig.recovery, --recovery live) needs cohort's local "
-                     "driver" + where + ": under a launcher use --recovery restart, with "
-                     "--snapshot-every-steps K to restore from in-memory snapshots");
+    throw UsageError(
+        "live recovery (FailureConfig.recovery, --recovery live) needs cohort's local "
+        "driver" +
+        where +
+        ": under a launcher use --recovery restart, with "
+        "--snapshot-every-steps K to restore from in-memory snapshots");
   }
   // With min_workers, a launcher that lost a node (cohort launch --min-nodes) may restart the
   // group smaller: any size from min_workers to num_workers.

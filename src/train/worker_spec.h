@@ -45,9 +45,9 @@ struct WorkerSpec {
   runtime::HeartbeatOptions heartbeat;
   int gpus_per_worker = 0;  // 0: CPU training
   std::string backend = "auto";
-  std::string resume_from;    // a checkpoint folder, or empty
-  bool resume = true;         // RunConfig::resume: a newer snapshot may be restored from instead
-  std::string snapshot_path;  // RunConfig::snapshot_path
+  std::string resume_from;     // a checkpoint folder, or empty
+  bool resume = true;          // RunConfig::resume: a newer snapshot may be restored from instead
+  std::string snapshot_path;   // RunConfig::snapshot_path
   bool live_recovery = false;  // FailureConfig::recovery is kLive
   // A replacement started by a live regroup: the round it joins (0: a worker of the group's
   // start), and the rank whose state it takes.

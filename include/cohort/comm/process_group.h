@@ -46,6 +46,11 @@ struct ProcessGroupOptions {
   /// Keys of this group live under this prefix in the store, so several groups share one store.
   std::string prefix = "pg";
   Backend backend = Backend::kAuto;  ///< which transport runs the collectives
+  /// Asked about every 100 ms while a collective on CPU tensors is waited for: true ends the wait
+  /// with PeerFailureError. The group is unusable then (the collective still runs inside it until
+  /// its deadline: keep the group alive, its destructor would wait for it). Live recovery sets it
+  /// to "a peer was lost since the group was made", which a transport does not always notice.
+  std::function<bool()> aborted;
 };
 
 /// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA

@@ -33,6 +33,15 @@ void watch_stop_requests();
 /// Whether this process received kStopRequestSignal since watch_stop_requests().
 bool stop_requested();
 
+/// The signal the local driver sends the survivors when it lost a worker and recovers live
+/// (FailureConfig::Recovery::kLive): their collectives stop waiting for the lost one, which a
+/// transport does not always notice (comm::ProcessGroupOptions::aborted).
+inline constexpr int kPeerLostSignal = SIGUSR2;
+/// Installs the handler of kPeerLostSignal in this process (idempotent).
+void watch_peer_losses();
+/// How many kPeerLostSignal this process received since watch_peer_losses().
+int peer_losses();
+
 /// Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
 /// `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one
 /// and name the ranks a collective waits for. Idempotent; nothing without a control channel.

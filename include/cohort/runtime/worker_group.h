@@ -118,6 +118,8 @@ class WorkerGroup {
   /// Kills worker `rank` and its helpers at once (SIGKILL to its process group): a hung worker
   /// that the others must go on without. Its end reaches on_exit as any other.
   void kill(int rank);
+  /// Sends `signal` to worker `rank` alone (not its helpers), when it runs.
+  void signal(int rank, int signal);
   /// Starts worker `rank` again after it ended (a replacement), with `env` on top of its
   /// environment; it is running and watched as at start(). RuntimeError when it still runs or
   /// cannot be started.

@@ -1,0 +1,238 @@
+// Live recovery (FailureConfig::Recovery::kLive): a worker killed or hung inside an epoch, the
+// survivors go on in the same processes, with a replacement in its place or without it.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <csignal>
+#include <fstream>
+#include <map>
+#include <set>
+
+#include "cohort/cohort.h"
+#include "support/tiny_mnist.h"
+#include "train/run_files.h"
+
+namespace cohort {
+namespace {
+
+constexpr int64_t kRows = 96;
+constexpr int64_t kBatch = 8;  // rows per rank and step: 4 steps an epoch on 3 workers
+
+// Row i: 8 features, the first i itself (so a rank can say which rows it trained on), a label of
+// 4 classes.
+data::Dataset dataset() {
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(3);
+  auto x = torch::randn({kRows, 8}, generator);
+  x.select(1, 0).copy_(torch::arange(kRows, torch::kFloat));
+  return data::Dataset::from_tensors({{"x", x}, {"y", torch::arange(kRows, torch::kLong) % 4}})
+      .random_shuffle(7);
+}
+
+// True once per run directory and tag: the first caller creates the marker.
+bool first_time(const std::string& tag) {
+  const auto marker = train::get_context().get_storage_path() / ("injected-" + tag);
+  const int fd = ::open(marker.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
+  if (fd < 0) return false;
+  ::close(fd);
+  return true;
+}
+
+// Two epochs of an MLP under config {"plan": "ddp"|"zero1", "files", "fault": "none"|"kill"|
+// "stop", "fault_rank", "fault_step"}: the rank fails so once, right after that step. Every
+// process writes its pid to <files>-pids.txt at each start of the loop, and "<epoch> <id>" of
+// each row of its completed steps to <files>-<pid>.txt. Each epoch reports the spread of the
+// ranks' parameter sums (0: the replicas agree).
+void live_loop(const Json& c) {
+  auto& ctx = train::get_context();
+  const std::string files = c["files"];
+  std::ofstream(files + "-pids.txt", std::ios::app) << ::getpid() << "\n";
+  train::Plan plan;
+  if (c["plan"] == "zero1") plan.zero.stage = 1;
+  torch::manual_seed(0);
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
+  auto model = train::parallelize(
+      {.module = net.ptr(),
+       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-2));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      plan);
+  train::ResumePoint start;
+  if (auto checkpoint = train::get_checkpoint()) {
+    model.load(*checkpoint);
+    start = train::resume_point(*checkpoint);
+  }
+  std::ofstream rows(files + "-" + std::to_string(::getpid()) + ".txt", std::ios::app);
+  auto stream = train::get_dataset_shard("train");
+  const std::string fault = c.value("fault", std::string("none"));
+  for (int epoch = start.epoch; epoch < 2; ++epoch) {
+    stream.set_epoch(epoch);
+    for (auto& batch : stream.iter_batches({.batch_size = kBatch})) {
+      model.step(batch["x"], batch["y"]);
+      for (int64_t i = 0; i < batch["x"].size(0); ++i)
+        rows << epoch << " " << batch["x"][i][0].item<int64_t>() << "\n";
+      rows.flush();
+      if (ctx.get_world_rank() == c.value("fault_rank", -1) &&
+          model.steps() == c.value("fault_step", int64_t{-1}) && first_time(fault)) {
+        if (fault == "kill") std::raise(SIGKILL);
+        if (fault == "stop") std::raise(SIGSTOP);
+      }
+    }
+    double sum = 0;
+    for (const auto& p : model.module().parameters())
+      sum += p.detach().to(torch::kDouble).sum().item<double>();
+    const auto sums =
+        torch::cat(ctx.get_process_group().allgather(torch::tensor({sum}, torch::kDouble)));
+    train::report({{"epoch", epoch + 1},
+                   {"steps", model.steps()},
+                   {"world_size", ctx.get_world_size()},
+                   {"replica_spread", (sums.max() - sums.min()).item<double>()}},
+                  model);
+  }
+}
+
+class LiveRecovery : public ::testing::Test {
+ protected:
+  void TearDown() override { std::filesystem::remove_all(dir); }
+
+  Result fit(const std::string& name, Json config, FailureConfig failure = {},
+             int min_workers = 0) {
+    config["files"] = (dir / name).string();
+    if (!config.contains("plan")) config["plan"] = "ddp";
+    failure.recovery = FailureConfig::Recovery::kLive;
+    if (failure.heartbeat_timeout == kDefaultHeartbeatTimeout)
+      failure.heartbeat_timeout = std::chrono::seconds(3);
+    // Field by field: GCC 12 takes a designated initializer of RunConfig's nested members for a
+    // read of uninitialized memory (-Wmaybe-uninitialized).
+    RunConfig run;
+    run.name = name;
+    run.storage_path = dir;
+    run.failure_config = failure;
+    run.snapshot_path = dir / "snapshots";
+    run.verbose = 0;
+    run.setup_timeout = std::chrono::seconds(60);
+    run.collective_timeout = std::chrono::seconds(60);
+    Trainer trainer(live_loop, {.num_workers = 3, .min_workers = min_workers}, run, config,
+                    {{"train", dataset()}});
+    return trainer.fit();
+  }
+
+  // The pids that started run `name`'s loop, one per start.
+  std::vector<int> loop_starts(const std::string& name) {
+    std::vector<int> pids;
+    std::ifstream in((dir / name).string() + "-pids.txt");
+    for (int pid; in >> pid;) pids.push_back(pid);
+    return pids;
+  }
+
+  // Of run `name`, by epoch: how often each row id was trained on, over every process.
+  std::map<int, std::map<int64_t, int>> rows_trained(const std::string& name) {
+    std::map<int, std::map<int64_t, int>> out;
+    const auto starts = loop_starts(name);
+    for (int pid : std::set<int>(starts.begin(), starts.end())) {
+      std::ifstream in((dir / name).string() + "-" + std::to_string(pid) + ".txt");
+      int epoch;
+      int64_t id;
+      while (in >> epoch >> id) ++out[epoch][id];
+    }
+    return out;
+  }
+
+  void expect_every_row_once_per_epoch(const std::string& name) {
+    const auto trained = rows_trained(name);
+    ASSERT_EQ(trained.size(), 2u);
+    for (const auto& [epoch, counts] : trained) {
+      EXPECT_EQ(static_cast<int64_t>(counts.size()), kRows) << "epoch " << epoch;
+      for (const auto& [id, times] : counts)
+        EXPECT_EQ(times, 1) << "row " << id << " of epoch " << epoch;
+    }
+  }
+
+  std::map<std::string, at::Tensor> model_of(const Result& result) {
+    return safetensors::read(result.checkpoint->path() / "model.safetensors");
+  }
+
+  std::filesystem::path dir = cohort::testing::temp_dir("live_recovery");
+};
+
+// Rank 0 (which reports), then rank 1, killed after step 2 of the first epoch: a replacement
+// takes its place and the state of a survivor; the survivors never restart; the run trains on
+// every row once per epoch and ends with the parameters of a run that never failed, bit for bit.
+TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) {
+  const auto whole = fit("whole", {});
+  ASSERT_TRUE(whole.ok()) << *whole.error;
+  const auto expected = model_of(whole);
+  for (int rank : {0, 1}) {
+    SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
+    const std::string name = "killed" + std::to_string(rank);
+    const auto killed = fit(name, {{"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}});
+    ASSERT_TRUE(killed.ok()) << *killed.error;
+    ASSERT_EQ(killed.failures.size(), 1u);
+    EXPECT_EQ(killed.failures[0]["live"], true);
+    EXPECT_EQ(killed.failures[0]["restarted"], false);
+    EXPECT_EQ(killed.failures[0]["rank"], rank);
+    EXPECT_FALSE(killed.failures[0]["recovery_s"].is_null());
+    // Three processes started the loop, the replacement a fourth; the two survivors started it
+    // again in their own processes.
+    const auto starts = loop_starts(name);
+    EXPECT_EQ(starts.size(), 6u);
+    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 4u);
+    EXPECT_EQ(killed.metrics["world_size"], 3);
+    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
+    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
+    expect_every_row_once_per_epoch(name);
+    const auto actual = model_of(killed);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (const auto& [tensor_name, tensor] : expected)
+      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+  }
+}
+
+// Without replacements the two survivors go on alone: the epoch's remaining rows re-balanced over
+// them, each trained on once, the replicas equal.
+TEST_F(LiveRecovery, WithoutAReplacementTheSurvivorsGoOnAlone) {
+  FailureConfig failure;
+  failure.replace_lost = false;
+  const auto result = fit("shrunk", {{"fault", "kill"}, {"fault_rank", 2}, {"fault_step", 2}},
+                          failure, /*min_workers=*/2);
+  ASSERT_TRUE(result.ok()) << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_EQ(result.failures[0]["live"], true);
+  EXPECT_EQ(result.metrics["world_size"], 2);
+  EXPECT_EQ(result.metrics["replica_spread"], 0.0);
+  const auto starts = loop_starts("shrunk");
+  EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 3u);
+  ASSERT_EQ(result.resizes.size(), 1u);
+  EXPECT_EQ(result.resizes[0]["to"], 2);
+  expect_every_row_once_per_epoch("shrunk");
+}
+
+// A worker that stops (SIGSTOP) is found by its missing heartbeats, killed by the driver and
+// replaced; the others go on.
+TEST_F(LiveRecovery, AHungWorkerIsKilledAndReplaced) {
+  const auto result = fit("hung", {{"fault", "stop"}, {"fault_rank", 2}, {"fault_step", 2}});
+  ASSERT_TRUE(result.ok()) << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_EQ(result.failures[0]["live"], true);
+  EXPECT_NE(result.failures[0]["cause"].get<std::string>().find("heartbeat"), std::string::npos)
+      << result.failures[0].dump();
+  EXPECT_EQ(result.metrics["world_size"], 3);
+  EXPECT_EQ(result.metrics["replica_spread"], 0.0);
+  expect_every_row_once_per_epoch("hung");
+}
+
+// A plan whose lost worker's state lives nowhere else is refused, naming the fallback.
+TEST_F(LiveRecovery, IsRefusedForAPlanThatCannotRecoverLive) {
+  const auto result = fit("zero", {{"plan", "zero1"}});
+  ASSERT_FALSE(result.ok());
+  EXPECT_NE(result.error->find("ZeRO stage 1"), std::string::npos) << *result.error;
+  EXPECT_NE(result.error->find("--recovery restart"), std::string::npos) << *result.error;
+}
+
+}  // namespace
+}  // namespace cohort
