@@ -14,6 +14,11 @@
   torchrun-snapshot
             the same ranks with snapshots instead (--snapshot-every-steps): restored from the
             snapshots on /dev/shm under an external launcher
+  live      live recovery (--recovery live): the 3 survivors abort the step in flight and go on
+            in their processes with a replacement that takes a survivor's state (checkpoints at
+            epoch ends only); the next completed step is the one the driver says trained again
+  live-shrink
+            the same without a replacement (--no-replace-lost --min-workers 3)
 
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
 again), the seconds from the kill to the next completed step and to the first step past the killed
@@ -21,6 +26,7 @@ one (rank 0's steps.jsonl, polled every 10 ms), then one JSON line per mode.
 
   bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--snapshot-every 10]
                     [--model mlp] [--train-args "--epochs 2 --batch-size 64"] [--modes ...]
+
 """
 import argparse
 import json
@@ -66,13 +72,17 @@ def worker_pids(process):
 
 def run_mode(args, mode, storage):
     name = mode
+    live = mode.startswith("live")
     train = [args.cohort, "train", "--workers", "4", "--model", args.model, "--optimizer", "adam",
-             "--storage-path", storage, "--name", name, "--log-every-steps", "1",
-             "--quiet"] + args.train_args.split()
+             "--storage-path", storage, "--name", name, "--log-every-steps", "1"]
+    # Live recovery: the driver's lines say when the group trains again.
+    train += (["--recovery", "live"] if live else ["--quiet"]) + args.train_args.split()
+    if mode == "live-shrink":
+        train += ["--no-replace-lost", "--min-workers", "3"]
     if mode in ("snapshot", "torchrun-snapshot"):
         train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
                   args.snapshot_dir]
-    elif mode != "epoch":
+    elif mode != "epoch" and not live:
         train += ["--checkpoint-every-steps", str(args.every)]
     if mode == "async":
         train += ["--async-checkpoint"]
@@ -88,8 +98,14 @@ def run_mode(args, mode, storage):
                                start_new_session=True)
     steps_file = os.path.join(storage, name, "steps.jsonl")
     try:
-        at_kill = wait_until(lambda: [s for s in steps_logged(steps_file) if s >= args.kill_at],
-                             600, f"step {args.kill_at}")[0]
+        def reached_kill_step():
+            if process.poll() is not None:
+                with open(os.path.join(storage, name + ".log")) as f:
+                    last = f.read().strip().splitlines()[-1:]
+                raise RuntimeError(f"{mode}: the run ended (exit {process.returncode}) before step "
+                                   f"{args.kill_at}: {last}")
+            return [s for s in steps_logged(steps_file) if s >= args.kill_at]
+        at_kill = wait_until(reached_kill_step, 600, f"step {args.kill_at}")[0]
         victims = wait_until(lambda: worker_pids(process), 30, "the workers' pids")
         seen = len(steps_logged(steps_file))
         killed_at = time.monotonic()
@@ -103,7 +119,19 @@ def run_mode(args, mode, storage):
                 if s <= step_at_kill or len(records) > 4:
                     return s
             return None
-        resumed_step = wait_until(next_step, 600, "a step after the kill")
+        if live:
+            log_file = os.path.join(storage, name + ".log")
+            def trained_again():
+                with open(log_file) as f:
+                    text = f.read()
+                marker = "live recovery: training again"
+                if marker not in text:
+                    return None
+                after = text.split("go on after step ")[1].split()[0]
+                return int(after) + 1
+            resumed_step = wait_until(trained_again, 600, "the driver's 'training again'")
+        else:
+            resumed_step = wait_until(next_step, 600, "a step after the kill")
         seconds = time.monotonic() - killed_at
         # Back where the kill struck: the lost steps done again.
         wait_until(lambda: any(s > step_at_kill for s in steps_logged(steps_file)[seen:]
@@ -132,7 +160,8 @@ def main():
     parser.add_argument("--train-args", default="--epochs 2 --batch-size 64",
                         help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
                              "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
-    parser.add_argument("--modes", default="epoch,steps,async,snapshot,torchrun,torchrun-snapshot")
+    parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,torchrun,"
+                        "torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")

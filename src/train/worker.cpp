@@ -159,6 +159,7 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
   session->loss_scaler = std::make_unique<optim::LossScaler>(
       scaling.loss_scaler, ctx.process_group, ctx.precision == optim::Precision::kFp16);
   session->live_recovery = settings.live_recovery;
+  session->collectives_aborted = aborted;
   session->live_token = settings.live_token;
   if (settings.regroup != nullptr) {
     session->live_round = settings.regroup->round;

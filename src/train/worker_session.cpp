@@ -736,7 +736,8 @@ void snapshot_async(const Json& metrics) {
                                                    .setup_timeout = s.collective_timeout,
                                                    .timeout = s.collective_timeout,
                                                    .prefix = "snapshot/" + s.run_token + "/group",
-                                                   .backend = comm::Backend::kGloo});
+                                                   .backend = comm::Backend::kGloo,
+                                                   .aborted = s.collectives_aborted});
   }
   // Each rank's node, clock and data positions; every rank builds the same meta.json from them.
   Json arrival{{"node", ctx.node_rank}, {"saved_ns", wall_clock_ns()}};

@@ -107,6 +107,8 @@ struct WorkerSession {
   // live_decision_key(live_token, live_round + 1).
   bool live_recovery = false;
   std::string live_token;
+  // comm::ProcessGroupOptions::aborted of the session's groups: a lost peer was signalled.
+  std::function<bool()> collectives_aborted;
   int live_round = 0;
   // The ParallelModel the loop trains (registered by it while it lives): its optimizer steps and
   // a save of its whole state, which a regroup takes from the survivor that stepped furthest.

@@ -245,6 +245,16 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "--snapshot-every-steps -2 must be >= 1"},
       {{"--snapshot-every-steps", "5", "--snapshot-dir", "", "--data-dir", data.string()},
        "--snapshot-every-steps needs a --snapshot-dir"},
+      {{"--recovery", "heal", "--data-dir", data.string()},
+       "unknown --recovery 'heal': choose restart or live"},
+      {{"--recovery", "live", "--zero-stage", "2", "--workers", "2", "--data-dir", data.string()},
+       "live recovery (--recovery live) cannot go on without a lost worker of ZeRO stage 2"},
+      {{"--recovery", "live", "--sync", "local-sgd:4", "--workers", "2", "--data-dir",
+        data.string()},
+       "--recovery restart, with --snapshot-every-steps K"},
+      {{"--recovery", "live", "--no-replace-lost", "--workers", "3", "--data-dir", data.string()},
+       "--recovery live --no-replace-lost goes on with fewer workers: give --min-workers below "
+       "--workers 3 (e.g. --min-workers 2)"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},
