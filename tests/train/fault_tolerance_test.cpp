@@ -1,7 +1,6 @@
 // Fault injection: workers killed, stopped, throwing, never joining, or dying while a checkpoint
 // is being committed. Each injection fires once (a marker file in the run directory), so the
 // restarted group runs clean.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <torch/torch.h>
@@ -12,6 +11,7 @@
 
 #include "cohort/cohort.h"
 #include "support/expect.h"
+#include "support/fault_injection.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
 
@@ -26,15 +26,6 @@ RunConfig run_config(const std::filesystem::path& dir, const std::string& name, 
                    .verbose = 0,
                    .setup_timeout = std::chrono::seconds(10),
                    .collective_timeout = std::chrono::seconds(30)};
-}
-
-// True once per run directory and tag: the first caller creates the marker.
-bool first_time(const std::string& tag) {
-  const auto marker = train::get_context().get_storage_path() / ("injected-" + tag);
-  const int fd = ::open(marker.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
-  if (fd < 0) return false;
-  ::close(fd);
-  return true;
 }
 
 // A small data-parallel regression, checkpointed after every step and resumed exactly:
@@ -60,8 +51,9 @@ void regression_loop(const Json& c) {
     torch::mse_loss(model->forward(x), y).backward();
     optimizer.step();
     if (my_fault && step == c["fault_step"].get<int>()) {
-      if (fault == "kill_before_report" && first_time(fault)) std::raise(SIGKILL);
-      if (fault == "throw" && first_time(fault)) throw std::runtime_error("injected failure");
+      if (fault == "kill_before_report" && testing::first_time_in_run(fault)) std::raise(SIGKILL);
+      if (fault == "throw" && testing::first_time_in_run(fault))
+        throw std::runtime_error("injected failure");
     }
     std::optional<Checkpoint> checkpoint;
     // Inside the run directory: a rank killed before removing it leaves nothing in /tmp.
@@ -75,8 +67,8 @@ void regression_loop(const Json& c) {
                   checkpoint);
     std::filesystem::remove_all(tmp);
     if (my_fault && step == c["fault_step"].get<int>()) {
-      if (fault == "kill" && first_time(fault)) std::raise(SIGKILL);
-      if (fault == "stop" && first_time(fault)) std::raise(SIGSTOP);
+      if (fault == "kill" && testing::first_time_in_run(fault)) std::raise(SIGKILL);
+      if (fault == "stop" && testing::first_time_in_run(fault)) std::raise(SIGSTOP);
     }
   }
 }
@@ -117,7 +109,7 @@ void parameter_server_loop(const Json& c) {
     train::report({{"step", step}, {"loss", loss.item<double>()}}, checkpoint);
     std::filesystem::remove_all(tmp);
     if (ctx.get_world_rank() == c["fault_rank"].get<int>() && step == c["fault_step"].get<int>() &&
-        first_time("kill"))
+        testing::first_time_in_run("kill"))
       std::raise(SIGKILL);
   }
 }
@@ -288,7 +280,7 @@ void elastic_loop(const Json& c) {
       while (std::chrono::steady_clock::now() < deadline) ::poll(nullptr, 0, 50);
     }
     if (ctx.get_world_rank() == c.value("kill_rank", -1) && epoch == c.value("kill_epoch", -1) &&
-        first_time("elastic-kill")) {
+        testing::first_time_in_run("elastic-kill")) {
       std::ofstream(busy) << "slot of a killed worker";
       std::raise(SIGKILL);
     }

@@ -1,6 +1,5 @@
 // Live recovery (FailureConfig::Recovery::kLive): a worker killed or hung inside an epoch, the
 // survivors go on in the same processes, with a replacement in its place or without it.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -11,6 +10,7 @@
 #include <set>
 
 #include "cohort/cohort.h"
+#include "support/fault_injection.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
 
@@ -28,15 +28,6 @@ data::Dataset dataset() {
   x.select(1, 0).copy_(torch::arange(kRows, torch::kFloat));
   return data::Dataset::from_tensors({{"x", x}, {"y", torch::arange(kRows, torch::kLong) % 4}})
       .random_shuffle(7);
-}
-
-// True once per run directory and tag: the first caller creates the marker.
-bool first_time(const std::string& tag) {
-  const auto marker = train::get_context().get_storage_path() / ("injected-" + tag);
-  const int fd = ::open(marker.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0644);
-  if (fd < 0) return false;
-  ::close(fd);
-  return true;
 }
 
 // Two epochs of an MLP under config {"plan": "ddp"|"zero1", "files", "fault": "none"|"kill"|
@@ -78,7 +69,8 @@ void live_loop(const Json& c) {
         rows << epoch << " " << batch["x"][i][0].item<int64_t>() << "\n";
       rows.flush();
       if (ctx.get_world_rank() == c.value("fault_rank", -1) &&
-          model.steps() == c.value("fault_step", int64_t{-1}) && first_time(fault)) {
+          model.steps() == c.value("fault_step", int64_t{-1}) &&
+          testing::first_time_in_run(fault)) {
         if (fault == "kill") std::raise(SIGKILL);
         if (fault == "stop") std::raise(SIGSTOP);
       }
