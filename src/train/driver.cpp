@@ -462,7 +462,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
           rank_of[static_cast<size_t>(i)] >= 0)
         return false;
     }
-    const int left = static_cast<int>(survivors().size()) - 0;
+    in_loop.erase(exit.rank);
+    ready.erase(exit.rank);
+    const int left = static_cast<int>(survivors().size());
     if (left == 0 || (!replaceable(exit.rank) && left < min_workers())) {
       console_.message("cohort: rank " + std::to_string(rank_of[static_cast<size_t>(exit.rank)]) +
                        " lost; " + std::to_string(left) + " survivor(s) are fewer than the " +
@@ -526,8 +528,12 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       const auto at = static_cast<size_t>(i);
       if (lost[at]) {
         if (!replaceable(i)) continue;
-        // Its helpers were killed with it; the slot is free once they are gone.
-        if (runtime::process_group_alive(group.pids()[at])) return;
+        // Its helpers were killed with it; the slot is free once they are gone (a process stuck
+        // in the kernel may stay: then the group goes on without a replacement).
+        if (runtime::process_group_alive(group.pids()[at])) {
+          if (Clock::now() < *regroup_deadline) return;
+          continue;
+        }
         replacements.push_back(i);
         members.push_back(-1);
       } else {

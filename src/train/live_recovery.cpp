@@ -69,8 +69,7 @@ void regroup_after(const PeerFailureError& error) {
                       .rank = static_cast<int>(mine - members.begin()),
                       .world_size = static_cast<int>(members.size()),
                       .source = decision.at("source").get<int>(),
-                      .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>(),
-                      .cause = decision.value("cause", std::string(error.what()))};
+                      .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>()};
   if (regroup.rank == regroup.source) {
     regroup.state = std::make_shared<CapturedFiles>();
     // Captured in memory: nothing is written under this folder but its empty directories.

@@ -39,14 +39,13 @@ struct LiveRegroup {
   int world_size = 0;  // the new group's
   int source = 0;      // the rank whose state every rank takes
   int64_t next_checkpoint_index = 0;
-  std::string cause;  // the failure, as the driver saw it
   // The source's whole state (a checkpoint's files, meta.json included); null on the others.
   std::shared_ptr<CapturedFiles> state;
 };
 
 // Where the driver publishes live round `round` of the group started with `token`: a JSON object
 // {"members": [by new rank: the old rank, or -1 for a replacement], "source": the new rank whose
-// state everyone takes, "next_checkpoint": the next checkpoint's index, "cause"}.
+// state everyone takes, "next_checkpoint": the next checkpoint's index, "cause": the failures}.
 inline std::string live_decision_key(const std::string& token, int round) {
   return "live/" + token + "/" + std::to_string(round);
 }
