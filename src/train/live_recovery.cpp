@@ -1,11 +1,13 @@
 #include "train/live_recovery.h"
 
 #include <algorithm>
+#include <ctime>
 #include <exception>
 #include <vector>
 
 #include "cohort/comm/process_group.h"
 #include "cohort/runtime/control_channel.h"
+#include "cohort/train/parallel_model.h"
 #include "train/snapshots.h"
 #include "train/worker_session.h"
 
