@@ -112,25 +112,22 @@ void on_stop_request(int) { g_stop_requested = 1; }
 std::atomic<int> g_peer_losses{0};
 static_assert(std::atomic<int>::is_always_lock_free, "a signal handler increments it");
 void on_peer_lost(int) { g_peer_losses.fetch_add(1, std::memory_order_relaxed); }
-}  // namespace
 
-void watch_peer_losses() {
+// `handler` for `signal`, restarting the system calls it interrupts.
+void install_handler(int signal, void (*handler)(int)) {
   struct sigaction action {};
-  action.sa_handler = on_peer_lost;
+  action.sa_handler = handler;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  sigaction(kPeerLostSignal, &action, nullptr);
+  sigaction(signal, &action, nullptr);
 }
+}  // namespace
+
+void watch_peer_losses() { install_handler(kPeerLostSignal, on_peer_lost); }
 
 int peer_losses() { return g_peer_losses.load(std::memory_order_relaxed); }
 
-void watch_stop_requests() {
-  struct sigaction action {};
-  action.sa_handler = on_stop_request;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  sigaction(kStopRequestSignal, &action, nullptr);
-}
+void watch_stop_requests() { install_handler(kStopRequestSignal, on_stop_request); }
 
 bool stop_requested() { return g_stop_requested != 0; }
 

@@ -11,24 +11,15 @@
 
 #include "cohort/cohort.h"
 #include "support/fault_injection.h"
+#include "support/small_classifier.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
 
 namespace cohort {
 namespace {
 
-constexpr int64_t kRows = 96;
-constexpr int64_t kBatch = 8;  // rows per rank and step: 4 steps an epoch on 3 workers
-
-// Row i: 8 features, the first i itself (so a rank can say which rows it trained on), a label of
-// 4 classes.
-data::Dataset dataset() {
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(3);
-  auto x = torch::randn({kRows, 8}, generator);
-  x.select(1, 0).copy_(torch::arange(kRows, torch::kFloat));
-  return data::Dataset::from_tensors({{"x", x}, {"y", torch::arange(kRows, torch::kLong) % 4}})
-      .random_shuffle(7);
-}
+using testing::kClassifierBatch;
+using testing::kClassifierRows;
 
 // Two epochs of an MLP under config {"plan": "ddp"|"zero1", "files", "fault": "none"|"kill"|
 // "stop", "fault_rank", "fault_step"}: the rank fails so once, right after that step. Every
@@ -39,20 +30,7 @@ void live_loop(const Json& c) {
   auto& ctx = train::get_context();
   const std::string files = c["files"];
   std::ofstream(files + "-pids.txt", std::ios::app) << ::getpid() << "\n";
-  train::Plan plan;
-  if (c["plan"] == "zero1") plan.zero.stage = 1;
-  torch::manual_seed(0);
-  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4));
-  auto model = train::parallelize(
-      {.module = net.ptr(),
-       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-2));
-      },
-      [](const at::Tensor& out, const at::Tensor& y) {
-        return torch::nn::functional::cross_entropy(out, y);
-      },
-      plan);
+  auto model = testing::classifier_net(testing::plan_named(c["plan"]), /*hidden_layers=*/1);
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
     model.load(*checkpoint);
@@ -63,7 +41,7 @@ void live_loop(const Json& c) {
   const std::string fault = c.value("fault", std::string("none"));
   for (int epoch = start.epoch; epoch < 2; ++epoch) {
     stream.set_epoch(epoch);
-    for (auto& batch : stream.iter_batches({.batch_size = kBatch})) {
+    for (auto& batch : stream.iter_batches({.batch_size = kClassifierBatch})) {
       model.step(batch["x"], batch["y"]);
       for (int64_t i = 0; i < batch["x"].size(0); ++i)
         rows << epoch << " " << batch["x"][i][0].item<int64_t>() << "\n";
@@ -110,7 +88,7 @@ class LiveRecovery : public ::testing::Test {
     run.setup_timeout = std::chrono::seconds(60);
     run.collective_timeout = std::chrono::seconds(60);
     Trainer trainer(live_loop, {.num_workers = 3, .min_workers = min_workers}, run, config,
-                    {{"train", dataset()}});
+                    {{"train", testing::classifier_dataset()}});
     return trainer.fit();
   }
 
@@ -139,7 +117,7 @@ class LiveRecovery : public ::testing::Test {
     const auto trained = rows_trained(name);
     ASSERT_EQ(trained.size(), 2u);
     for (const auto& [epoch, counts] : trained) {
-      EXPECT_EQ(static_cast<int64_t>(counts.size()), kRows) << "epoch " << epoch;
+      EXPECT_EQ(static_cast<int64_t>(counts.size()), kClassifierRows) << "epoch " << epoch;
       for (const auto& [id, times] : counts)
         EXPECT_EQ(times, 1) << "row " << id << " of epoch " << epoch;
     }

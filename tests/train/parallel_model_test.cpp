@@ -11,6 +11,7 @@
 #include "cohort/cohort.h"
 #include "cohort/parallel/fully_shard.h"
 #include "support/run_config.h"
+#include "support/small_classifier.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 #include "train/run_files.h"
@@ -19,77 +20,9 @@
 namespace cohort {
 namespace {
 
-constexpr int64_t kRows = 96;
-constexpr int64_t kBatch = 8;  // rows per rank and step
-
-// Row i: 8 features, the first i itself (so a rank can say which rows it trained on), a label of
-// 4 classes.
-std::pair<at::Tensor, at::Tensor> examples() {
-  auto generator = at::make_generator<at::CPUGeneratorImpl>(3);
-  auto x = torch::randn({kRows, 8}, generator);
-  x.select(1, 0).copy_(torch::arange(kRows, torch::kFloat));
-  return {x, torch::arange(kRows, torch::kLong) % 4};
-}
-
-data::Dataset dataset() {
-  auto [x, y] = examples();
-  return data::Dataset::from_tensors({{"x", x}, {"y", y}}).random_shuffle(7);
-}
-
-// The plan families by name.
-train::Plan plan_named(const std::string& name) {
-  train::Plan plan;
-  if (name == "zero1") plan.zero.stage = 1;
-  if (name == "zero2") plan.zero.stage = 2;
-  if (name == "zero3") plan.zero.stage = 3;
-  if (name == "hsdp") plan.zero = {.stage = 2, .shard_group_size = 2};
-  if (name == "pipeline") plan.pp = 2;
-  if (name == "mesh") {
-    plan.pp = 2;
-    plan.zero.stage = 1;
-    plan.gradient_accumulation_steps = 2;
-  }
-  if (name == "zero_bubble") {
-    plan.pp = 2;
-    plan.schedule = parallel::pipeline::ScheduleKind::kZeroBubble;
-  }
-  if (name == "local_sgd") plan.sync = parallel::LocalSgd{.every = 2};
-  if (name == "diloco") plan.sync = parallel::DiLoCo{.inner_steps = 2};
-  if (name == "parameter_server")
-    plan.sync = parallel::AsyncParameterServer{.max_staleness = 0, .servers = 1};
-  return plan;
-}
-
-// An MLP of 8 features, `hidden_layers` of 16 and 4 classes, every rank the same weights, made
-// parallel by `plan` with AdamW; with ZeRO-3 or activation checkpointing each linear layer is a
-// unit (parallel::FullyShard).
-train::ParallelModel parallel_net(const train::Plan& plan, int hidden_layers) {
-  torch::manual_seed(0);
-  const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
-    if (plan.zero.stage == 3 || plan.activation_checkpointing.enabled())
-      return torch::nn::AnyModule(parallel::FullyShard(torch::nn::Linear(in, out)));
-    return torch::nn::AnyModule(torch::nn::Linear(in, out));
-  };
-  torch::nn::Sequential net;
-  net->push_back(linear(8, 16));
-  for (int layer = 1; layer < hidden_layers; ++layer) {
-    net->push_back(torch::nn::ReLU());
-    net->push_back(linear(16, 16));
-  }
-  net->push_back(torch::nn::ReLU());
-  net->push_back(linear(16, 4));
-  return train::parallelize(
-      {.module = net.ptr(),
-       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
-       .layers = net},
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-2));
-      },
-      [](const at::Tensor& out, const at::Tensor& y) {
-        return torch::nn::functional::cross_entropy(out, y);
-      },
-      plan);
-}
+using testing::kClassifierBatch;
+using testing::kClassifierRows;
+using testing::plan_named;
 
 // Two epochs of `plan` on the rows of get_dataset_shard, or of prepare_data_loader with config
 // "loader"; stopped with a checkpoint after `stop_after` steps (0: never). Every rank writes the
@@ -99,13 +32,13 @@ void train_loop(const Json& c) {
   auto plan = plan_named(c["plan"]);
   plan.activation_checkpointing =
       parallel::parse_activation_checkpointing(c.value("activation_checkpointing", "none"));
-  auto model = parallel_net(plan, /*hidden_layers=*/2);
+  auto model = testing::classifier_net(plan, /*hidden_layers=*/2);
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
     model.load(*checkpoint);
     start = train::resume_point(*checkpoint);
   }
-  const int64_t rows = kBatch * plan.gradient_accumulation_steps;
+  const int64_t rows = kClassifierBatch * plan.gradient_accumulation_steps;
   const int64_t stop_after = c["stop_after"];
   // Snapshots after the steps `snapshot_at`; rank 1 killed after step `kill_at`, once (a file says
   // it was).
@@ -123,7 +56,7 @@ void train_loop(const Json& c) {
   std::optional<data::DataIterator> stream;
   std::optional<data::DataLoader> loader;
   if (c["stream"] == "loader") {
-    auto [x, y] = examples();
+    auto [x, y] = testing::classifier_examples();
     loader.emplace(
         train::prepare_data_loader({.inputs = x, .targets = y}, {.batch_size = rows, .seed = 7}));
   } else {
@@ -213,7 +146,7 @@ class ParallelModelResume : public ::testing::Test {
                      .verbose = 0,
                      .setup_timeout = std::chrono::seconds(60),
                      .collective_timeout = std::chrono::seconds(60)},
-                    config, {{"train", dataset()}});
+                    config, {{"train", testing::classifier_dataset()}});
     return trainer.fit();
   }
 
@@ -451,20 +384,20 @@ TEST_F(ParallelModelResume, AnEpochResumedAtAnotherWorldSizeLosesAndRepeatsNoRow
         if (epoch == 1) second_epoch.insert(id);
     // 48 rows taken on 2 ranks, the other 48 split over 3.
     std::multiset<int64_t> every_row;
-    for (int64_t id = 0; id < kRows; ++id) every_row.insert(id);
+    for (int64_t id = 0; id < kClassifierRows; ++id) every_row.insert(id);
     EXPECT_EQ(second_epoch, every_row);
   }
 }
 
-// Two steps of plan `c["plan"]`, then ParallelModel::evaluate on every row of examples(), and the
-// same rows scored by hand on the whole model in this one process.
+// Two steps of plan `c["plan"]`, then ParallelModel::evaluate on every row of
+// classifier_examples(), and the same rows scored by hand on the whole model in this one process.
 void evaluate_loop(const Json& c) {
   const auto plan = plan_named(c["plan"]);
-  auto model = parallel_net(plan, /*hidden_layers=*/1);
-  auto [x, y] = examples();
+  auto model = testing::classifier_net(plan, /*hidden_layers=*/1);
+  auto [x, y] = testing::classifier_examples();
   for (int step = 0; step < 2; ++step)
-    model.step(x.narrow(0, step * 2 * kBatch, 2 * kBatch),
-               y.narrow(0, step * 2 * kBatch, 2 * kBatch));
+    model.step(x.narrow(0, step * 2 * kClassifierBatch, 2 * kClassifierBatch),
+               y.narrow(0, step * 2 * kClassifierBatch, 2 * kClassifierBatch));
   // 500-row batches would give each rank one; 10 makes several, and a last short one.
   const auto eval = model.evaluate({.inputs = x, .targets = y}, 10);
   double loss = 0, accuracy = 0;
@@ -493,7 +426,7 @@ TEST(ParallelModelEvaluate, ScoresEveryRowOnceWhateverThePlanCuts) {
                     cohort::testing::quiet_run(dir, plan), Json{{"plan", plan}});
     const auto result = trainer.fit();
     ASSERT_TRUE(result.ok()) << *result.error;
-    EXPECT_EQ(result.metrics["rows"], kRows);
+    EXPECT_EQ(result.metrics["rows"], kClassifierRows);
     EXPECT_NEAR(result.metrics["loss"].get<double>(), result.metrics["expected_loss"].get<double>(),
                 1e-6);
     EXPECT_DOUBLE_EQ(result.metrics["accuracy"].get<double>(),
@@ -520,8 +453,8 @@ void precision_loop(const Json& c) {
         return torch::nn::functional::cross_entropy(out, y);
       },
       plan);
-  auto [x, y] = examples();
-  model.step(x.narrow(0, 0, kBatch), y.narrow(0, 0, kBatch));
+  auto [x, y] = testing::classifier_examples();
+  model.step(x.narrow(0, 0, kClassifierBatch), y.narrow(0, 0, kClassifierBatch));
   at::Tensor out;
   {
     auto autocast = train::autocast();
