@@ -56,6 +56,12 @@ struct Work::State {
   std::function<void()> finish;
   std::optional<c10::Device> cuda_device;  // set for collectives on CUDA tensors
   std::function<bool()> aborted;           // ProcessGroupOptions::aborted
+  // Its record in the group's flight recorder, ended by wait() as it ends.
+  std::shared_ptr<FlightRecorder> recorder;
+  int64_t record = 0;
+  void end_record(FlightState how) const {
+    if (recorder) recorder->end(record, how);
+  }
 };
 
 namespace {
@@ -136,22 +142,26 @@ void Work::wait() {
       state_->work->wait(state_->timeout);
     }
   } catch (const PeerFailureError&) {
+    state_->end_record(FlightState::kAborted);
     throw;
   } catch (...) {
     const auto error = std::current_exception();
     const auto elapsed = std::chrono::steady_clock::now() - state_->started;
     // Not done at the deadline (our wait gave up), or the transport itself gave up at it.
     if (!state_->work->isCompleted() || elapsed >= state_->timeout) {
+      state_->end_record(FlightState::kTimedOut);
       throw TimeoutError(state_->what + " did not complete within " +
                          std::to_string(state_->timeout.count()) +
                          " ms: a peer hangs or skipped the call (" + message_of(error) + ")");
     }
+    state_->end_record(FlightState::kFailed);
     if (classify(error) == FailureKind::kConnection) {
       throw PeerFailureError(state_->what + " failed: a peer died or closed its connection (" +
                              message_of(error) + ")");
     }
     throw RuntimeError(state_->what + " failed: " + message_of(error));
   }
+  state_->end_record(FlightState::kCompleted);
   if (state_->finish) {
     auto finish = std::move(state_->finish);
     state_->finish = nullptr;
@@ -197,6 +207,8 @@ struct ProcessGroup::State {
   std::once_flag nccl_once;
   std::unique_ptr<Transport> nccl;  // made on the first collective on CUDA tensors
   int64_t subgroups_made = 0;
+  // ProcessGroupOptions::flight_recorder: shared with the sub-groups made from this group.
+  std::shared_ptr<FlightRecorder> recorder;
   // Read by the heartbeat thread while the training thread launches collectives.
   std::atomic<int64_t> entered{0};
   std::atomic<const char*> last{"none"};
@@ -256,30 +268,46 @@ struct ProcessGroup::State {
     return *nccl;
   }
 
-  // Runs a collective: counts it for the stall inspector, starts it on the tensor's transport
-  // and wraps the native work. An error while starting is named with the collective.
+  // Runs a collective: counts it for the stall inspector, records it in the flight recorder,
+  // starts it on the tensor's transport and wraps the native work. An error while starting is
+  // named with the collective. `tensors`: how many were given; `peer`: a send's or recv's.
   template <typename Start>
-  Work run(const char* what, const at::Tensor& first, Start&& start) {
+  Work run(const char* what, const at::Tensor& first, Start&& start, size_t tensors = 1,
+           int peer = -1) {
+    FlightEntry entry{.dtype = c10::toString(first.scalar_type()),
+                      .numel = first.numel(),
+                      .tensors = static_cast<int>(tensors),
+                      .peer = peer};
     return run_on(transport_for(first, what), what,
                   first.is_cuda() ? std::optional<c10::Device>(first.device()) : std::nullopt,
-                  std::forward<Start>(start));
+                  std::forward<Start>(start), std::move(entry));
   }
 
   template <typename Start>
   Work run_on(Transport& transport, const char* what, std::optional<c10::Device> cuda_device,
-              Start&& start) {
+              Start&& start, FlightEntry entry = {}) {
     last.store(what);
-    entered.fetch_add(1);
+    const int64_t seq = entered.fetch_add(1) + 1;
     auto state = std::make_shared<Work::State>();
     state->what = describe(std::string(what) + " (" + transport.name() + ")");
     state->timeout = options.timeout;
     state->aborted = options.aborted;
     state->started = std::chrono::steady_clock::now();
     state->cuda_device = cuda_device;
+    if (recorder) {
+      entry.group = options.prefix;
+      entry.seq = seq;
+      entry.op = what;
+      const std::string doing = current_activity();
+      entry.detail = transport.name() + (doing.empty() ? "" : ", " + doing);
+      state->recorder = recorder;
+      state->record = recorder->begin(std::move(entry));
+    }
     Started started;
     try {
       started = start(transport);
     } catch (const c10::Error& e) {
+      state->end_record(FlightState::kFailed);
       throw RuntimeError(state->what + " could not start: " + e.what_without_backtrace());
     }
     state->work = std::move(started.work);
@@ -386,6 +414,10 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
   state->rank = rank;
   state->world_size = world_size;
   state->global_ranks = global_ranks;
+  state->recorder = options.flight_recorder;
+  if (!state->recorder) state->recorder = std::make_shared<FlightRecorder>();
+  state->options.flight_recorder = state->recorder;
+  state->recorder->add_group(options.prefix, global_ranks);
   {
     auto& registry = group_registry();
     std::lock_guard lock(registry.mutex);
@@ -459,6 +491,7 @@ ProcessGroup ProcessGroup::new_group(const std::vector<int>& ranks,
   if (mine == ranks.end()) return ProcessGroup();
   ProcessGroupOptions sub = options;
   sub.prefix = prefix;
+  if (!sub.flight_recorder) sub.flight_recorder = state_->recorder;
   std::vector<int> global;
   for (int r : ranks) global.push_back(state_->global_ranks[static_cast<size_t>(r)]);
   auto group = make_group(state_->store, static_cast<int>(mine - ranks.begin()),
@@ -544,13 +577,17 @@ const std::string& ProcessGroup::interface_address() const {
   return state_->options.interface_address;
 }
 const JobSecret& ProcessGroup::secret() const { return state_->store.secret(); }
+const std::shared_ptr<FlightRecorder>& ProcessGroup::flight_recorder() const {
+  return state_->recorder;
+}
 void ProcessGroup::add_bytes_sent(int64_t bytes) { state_->count_sent(1.0, bytes); }
 
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {
   check_same_kind(tensors, "allreduce");
   for (const auto& t : tensors) state_->count_sent(2 * state_->share_of_others(), t.nbytes());
-  return state_->run("allreduce", tensors[0],
-                     [&](Transport& t) { return t.allreduce(tensors, op); });
+  return state_->run(
+      "allreduce", tensors[0], [&](Transport& t) { return t.allreduce(tensors, op); },
+      tensors.size());
 }
 
 void ProcessGroup::allreduce(std::vector<at::Tensor>& tensors, ReduceOp op) {
@@ -564,10 +601,13 @@ Work ProcessGroup::broadcast_async(std::vector<at::Tensor>& tensors, int root) {
                      " is not a rank of this group (0-" + std::to_string(state_->world_size - 1) +
                      ")");
   }
-  return state_->run("broadcast", tensors[0], [&](Transport& t) {
-    for (const auto& x : tensors) state_->count_sent(state_->share_of_others(), x.nbytes());
-    return t.broadcast(tensors, root);
-  });
+  return state_->run(
+      "broadcast", tensors[0],
+      [&](Transport& t) {
+        for (const auto& x : tensors) state_->count_sent(state_->share_of_others(), x.nbytes());
+        return t.broadcast(tensors, root);
+      },
+      tensors.size());
 }
 
 void ProcessGroup::broadcast(std::vector<at::Tensor>& tensors, int root) {
@@ -679,10 +719,13 @@ void ProcessGroup::all_to_all(at::Tensor& output, const at::Tensor& input,
 
 Work ProcessGroup::send_async(const at::Tensor& tensor, int peer, int tag) {
   state_->check_peer(peer, "send");
-  return state_->run("send", tensor, [&](Transport& t) {
-    state_->count_sent(1.0, tensor.nbytes());
-    return t.send(tensor.contiguous(), peer, tag);
-  });
+  return state_->run(
+      "send", tensor,
+      [&](Transport& t) {
+        state_->count_sent(1.0, tensor.nbytes());
+        return t.send(tensor.contiguous(), peer, tag);
+      },
+      1, peer);
 }
 
 void ProcessGroup::send(const at::Tensor& tensor, int peer, int tag) {
@@ -693,7 +736,8 @@ Work ProcessGroup::recv_async(at::Tensor& tensor, int peer, int tag) {
   state_->check_peer(peer, "recv");
   if (!tensor.is_contiguous())
     throw UsageError(state_->describe("recv") + ": the tensor must be contiguous");
-  return state_->run("recv", tensor, [&](Transport& t) { return t.recv(tensor, peer, tag); });
+  return state_->run(
+      "recv", tensor, [&](Transport& t) { return t.recv(tensor, peer, tag); }, 1, peer);
 }
 
 void ProcessGroup::recv(at::Tensor& tensor, int peer, int tag) {

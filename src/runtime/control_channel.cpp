@@ -10,10 +10,12 @@
 #include <atomic>
 #include <cerrno>
 #include <condition_variable>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <mutex>
+#include <string_view>
 #include <thread>
 
 #include "cohort/comm/address.h"
@@ -47,7 +49,69 @@ std::mutex& sink_mutex() {
   return mutex;
 }
 
+// set_flight_recorder(): the recorder and its dump, and the dump requests received
+// (kFlightDumpSignal) and served.
+struct FlightSlot {
+  std::mutex mutex;
+  std::shared_ptr<comm::FlightRecorder> recorder;
+  std::function<void(const std::string&)> dump;
+  int served = 0;
+};
+FlightSlot& flight_slot() {
+  static FlightSlot slot;
+  return slot;
+}
+std::atomic<int> g_dump_requests{0};
+void on_dump_request(int) { g_dump_requests.fetch_add(1, std::memory_order_relaxed); }
+
+// The "type" of a control message, found without parsing it ("" when it has none).
+std::string type_of(const std::string& line) {
+  constexpr std::string_view key = R"("type":")";
+  const auto at = line.find(key);
+  if (at == std::string::npos) return "";
+  const auto begin = at + key.size();
+  const auto end = line.find('"', begin);
+  return end == std::string::npos ? "" : line.substr(begin, end - begin);
+}
+
+void record_control(const std::string& type, const char* direction) {
+  if (type == "heartbeat") return;
+  std::shared_ptr<comm::FlightRecorder> recorder;
+  {
+    std::lock_guard lock(flight_slot().mutex);
+    recorder = flight_slot().recorder;
+  }
+  if (recorder) recorder->note_control(type, direction);
+}
+
 }  // namespace
+
+void set_flight_recorder(std::shared_ptr<comm::FlightRecorder> recorder,
+                         std::function<void(const std::string& reason)> dump) {
+  struct sigaction action {};
+  action.sa_handler = dump ? on_dump_request : SIG_DFL;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(kFlightDumpSignal, &action, nullptr);
+  auto& slot = flight_slot();
+  std::lock_guard lock(slot.mutex);
+  slot.recorder = std::move(recorder);
+  slot.dump = std::move(dump);
+  slot.served = g_dump_requests.load();
+}
+
+void dump_flight_recorder(const std::string& reason) {
+  auto& slot = flight_slot();
+  std::lock_guard lock(slot.mutex);
+  if (!slot.dump) return;
+  try {
+    slot.dump(reason);
+  } catch (const std::exception& e) {
+    const std::string line =
+        std::string("cohort: could not write the flight recorder: ") + e.what() + "\n";
+    [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
+  }
+}
 
 void set_control_sink(std::function<void(const std::string&)> sink) {
   std::lock_guard lock(sink_mutex());
@@ -64,6 +128,7 @@ void send_control_message(const std::string& line) {
   if (line.find('\n') != std::string::npos) {
     throw RuntimeError("control message must be one line");
   }
+  record_control(type_of(line), "send");
   {
     std::lock_guard lock(sink_mutex());
     if (control_sink()) {
@@ -145,6 +210,18 @@ void start_heartbeat(std::chrono::milliseconds interval) {
       } catch (const std::exception&) {
         return;  // the driver is gone; PDEATHSIG ends this process
       }
+      // The driver asked for the flight recorder (kFlightDumpSignal): it stops this process
+      // next, so it is written now.
+      {
+        auto& slot = flight_slot();
+        std::unique_lock lock(slot.mutex);
+        const int requests = g_dump_requests.load();
+        if (requests != slot.served) {
+          slot.served = requests;
+          lock.unlock();
+          dump_flight_recorder("the driver stops the group after a failure");
+        }
+      }
       std::unique_lock wait(beat.mutex);
       if (beat.wake.wait_for(wait, interval, [&] { return beat.stop; })) return;
     }
@@ -223,8 +300,11 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
           continue;
         }
         const auto type = message.value("type", std::string{});
+        record_control(type, "recv");
         if (type == "abort" || type == "refused") {
-          stop_process(who + " stops: " + message.value("reason", std::string("told to stop")));
+          const std::string reason = message.value("reason", std::string("told to stop"));
+          if (type == "abort") dump_flight_recorder("the coordinator stops the job: " + reason);
+          stop_process(who + " stops: " + reason);
         }
       }
     }

@@ -176,6 +176,10 @@ struct WorkerGroup::Impl {
   std::vector<Worker> workers;
   bool started = false;
   std::string requested_stop;
+  bool requested_for_failure = false;
+  // A failure stops the group after the workers answered dump_signal: until then, and why.
+  std::optional<std::pair<Clock::time_point, std::string>> dump_until;
+  bool dumped = false;
   bool stopping = false;
   bool accepts_stop_requests = false;
   // The state of wait()/poll() between steps.
@@ -187,10 +191,19 @@ struct WorkerGroup::Impl {
   std::optional<std::pair<Clock::time_point, std::string>> stop_after_grace;
   std::optional<Clock::time_point> drain_until;  // all exited; read what is left in the pipes
 
-  void begin_stop(std::string reason) {
-    if (kill_at) return;
+  void begin_stop(std::string reason, bool failure = false) {
+    if (kill_at || dump_until) return;
     stopping = true;
     if (outcome.stop_began == Clock::time_point{}) outcome.stop_began = Clock::now();
+    if (failure && !dumped && options.dump_signal != 0 && options.dump_grace.count() > 0) {
+      // The workers write what they know (their flight recorders) before they are stopped.
+      dumped = true;
+      for (auto& w : workers) {
+        if (w.running) ::kill(w.pid, options.dump_signal);
+      }
+      dump_until.emplace(Clock::now() + options.dump_grace, std::move(reason));
+      return;
+    }
     if (outcome.failure_reason.empty()) outcome.failure_reason = std::move(reason);
     // Whoever already died did so on their own, not by our SIGTERM: record them as such.
     for (auto& w : workers) reap(w, false);
@@ -382,7 +395,7 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
     if (fds[i].revents != 0) pump(*owners[i].first, *owners[i].second, handlers);
   }
 
-  if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
+  if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop, requested_for_failure);
   if (g_interrupt != 0 && outcome.interrupted_by == 0) {
     if (accepts_stop_requests && g_interrupt == SIGINT && g_sigints == 1) {
       // Passed on once: the workers stop after their next checkpoint.
@@ -415,14 +428,14 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
                         [](Worker* w) { return w->exit.signal != 0; });
   for (Worker* w : exited) {
     if (handlers.on_exit) handlers.on_exit(w->exit);
-    if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop);
+    if (!requested_stop.empty() && !kill_at) begin_stop(requested_stop, requested_for_failure);
     if (!w->exit.ok() && !w->exit.tolerated && !outcome.first_failure && !kill_at) {
       outcome.first_failure = w->exit;
       if (options.failure_grace.count() > 0) {
         outcome.stop_began = Clock::now();
         stop_after_grace.emplace(Clock::now() + options.failure_grace, w->exit.describe());
       } else {
-        begin_stop(w->exit.describe());
+        begin_stop(w->exit.describe(), /*failure=*/true);
       }
     } else if (w->exit.ok() && !skew_deadline) {
       skew_deadline = Clock::now() + options.exit_skew_timeout;
@@ -436,11 +449,24 @@ bool WorkerGroup::Impl::step(const WorkerGroupHandlers& handlers,
       if (w.running) hung += (hung.empty() ? "" : ", ") + std::to_string(w.rank);
     }
     begin_stop("ranks [" + hung + "] still running " +
-               std::to_string(options.exit_skew_timeout.count() / 1000) +
-               " s after another rank finished: stopped as hung");
+                   std::to_string(options.exit_skew_timeout.count() / 1000) +
+                   " s after another rank finished: stopped as hung",
+               /*failure=*/true);
   }
   if (stop_after_grace && now >= stop_after_grace->first && !kill_at) {
-    begin_stop(stop_after_grace->second);
+    begin_stop(stop_after_grace->second, /*failure=*/true);
+  }
+  if (dump_until) {
+    std::vector<int> running;
+    for (const auto& w : workers) {
+      if (w.running) running.push_back(w.rank);
+    }
+    if (now >= dump_until->first || running.empty() ||
+        (options.dumped && options.dumped(running))) {
+      std::string reason = std::move(dump_until->second);
+      dump_until.reset();
+      begin_stop(std::move(reason));
+    }
   }
   if (kill_at && now > *kill_at) signal_all(SIGKILL);
   // A grandchild holding a pipe open must not keep the driver waiting once workers are gone.
@@ -483,8 +509,10 @@ GroupOutcome WorkerGroup::wait(const WorkerGroupHandlers& handlers) {
   return impl_->conclude();
 }
 
-void WorkerGroup::request_stop(std::string reason) {
-  if (impl_->requested_stop.empty()) impl_->requested_stop = std::move(reason);
+void WorkerGroup::request_stop(std::string reason, bool failure) {
+  if (!impl_->requested_stop.empty()) return;
+  impl_->requested_stop = std::move(reason);
+  impl_->requested_for_failure = failure;
 }
 
 void WorkerGroup::tolerate(int rank) {

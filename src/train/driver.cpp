@@ -19,6 +19,7 @@
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
+#include "train/flight_records.h"
 #include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
@@ -393,6 +394,24 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     return env;
   };
   options.rank_env = [env_of, world, spec](int rank) { return env_of(rank, rank, world, spec); };
+  // Each worker's rank in the group now, by its index in the worker group (-1: no longer in it;
+  // live recovery renumbers the survivors).
+  std::vector<int> rank_of(static_cast<size_t>(world));
+  std::iota(rank_of.begin(), rank_of.end(), 0);
+  // Before a failure stops the group, the workers still running write their flight recorders
+  // (<run>/flight/rank-R.json), which the failure's message then reads.
+  const auto attempt_began = std::filesystem::file_time_type::clock::now();
+  options.dump_signal = runtime::kFlightDumpSignal;
+  options.dump_grace = 2 * heartbeat.interval + std::chrono::seconds(1);
+  options.dumped = [&rank_of, run_dir = recorder_->run_dir(),
+                    attempt_began](const std::vector<int>& running) {
+    std::vector<int> ranks;
+    for (int index : running) {
+      if (rank_of[static_cast<size_t>(index)] >= 0)
+        ranks.push_back(rank_of[static_cast<size_t>(index)]);
+    }
+    return flight_records_written(run_dir, ranks, attempt_began);
+  };
 
   runtime::WorkerGroup group(std::move(options));
   Attempt attempt;
@@ -413,14 +432,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     group.request_stop(reason);
   };
 
-  // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): each worker's rank in the
-  // group now, by its index in the worker group (-1: no longer in it); the workers lost since the
+  // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): the workers lost since the
   // last regroup; the survivors' optimizer steps as they say they are ready to regroup; the
   // regroup under way and its cause.
   const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
   const std::vector<int> first_slots = slots_;
-  std::vector<int> rank_of(static_cast<size_t>(world));
-  std::iota(rank_of.begin(), rank_of.end(), 0);
   std::vector<bool> lost(static_cast<size_t>(world), false);
   std::map<int, int64_t> ready;
   std::optional<Clock::time_point> regroup_deadline;
@@ -627,7 +643,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
       hung_rank = verdict->rank;
       attempt.detected = Clock::now();
-      group.request_stop(verdict->reason);
+      group.request_stop(verdict->reason, /*failure=*/true);
     }
   };
   handlers.on_stop_request = [&] {
@@ -773,6 +789,10 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       }
     }
     if (!consequences.empty() && !stall.empty()) attempt.error += "; " + stall;
+  }
+  if (!attempt.outcome.success && !attempt.error.empty()) {
+    const std::string flights = flight_report(recorder_->run_dir(), world, attempt_began);
+    if (!flights.empty()) attempt.error += "; " + flights;
   }
   return attempt;
 }

@@ -2,6 +2,7 @@
 // launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
 // run's bookkeeping.
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <poll.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <numeric>
 
 #include <thread>
 
@@ -27,6 +29,7 @@
 #include "cohort/train/prepare.h"
 #include "comm/handshake.h"
 #include "train/driver.h"
+#include "train/flight_records.h"
 #include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
@@ -152,6 +155,7 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
                                                   .prefix = "train/" + settings.run_token,
                                                   .backend = settings.backend,
                                                   .aborted = aborted});
+  record_flights(ctx.process_group, settings.run_dir, info.world_rank);
   if (scaling.mesh.pp * scaling.mesh.tp > 1)
     ctx.mesh = parallel::DeviceMesh::create(ctx.process_group, scaling.mesh);
   ctx.precision = optim::precision_from_string(scaling.precision);
@@ -197,6 +201,12 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
 bool is_consequence(const std::exception& e) {
   return dynamic_cast<const PeerFailureError*>(&e) != nullptr ||
          dynamic_cast<const TimeoutError*>(&e) != nullptr;
+}
+
+// A rank whose collective failed or timed out writes its flight recorder before it reports the
+// failure: what it did last is what names a hang.
+void dump_flight_records_after(const std::exception& e) {
+  if (is_consequence(e)) dump_flight_records(e.what());
 }
 
 [[noreturn]] void end_process(int code) {
@@ -393,6 +403,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;
+    dump_flight_records_after(e);
     if (runtime::has_control_channel()) {
       try {
         runtime::send_control_message(Json{
@@ -414,6 +425,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                     runtime::WorkerInfo info) {
   const auto started = Clock::now();
   const auto started_wall = std::chrono::system_clock::now();
+  // What the ranks write from now on is this run's (their flight recorders).
+  const auto began_on_disk = std::filesystem::file_time_type::clock::now();
   // Rank 0 opens the run directory here: everything of the run takes its mask while it lasts.
   const ScopedUmask umask(run.umask);
   const std::string where = " (launched by " + info.launcher + " as rank " +
@@ -494,12 +507,30 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
           std::lock_guard lock(bookkeeping);
           if (finished) return;  // the training thread took the verdict as its error
           finished = true;
-          // One write: a launcher's own lines (mpirun's) must not land inside it.
+          // One write: a launcher's own lines (mpirun's) must not land inside it. Said at once:
+          // a launcher may end this process as soon as another rank failed.
           const std::string line =
               "cohort: the coordinator stops the job: " + verdict.reason + "\n";
           [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
+          // Told to stop, every rank writes its flight recorder; rank 0 reads what they say.
+          runtime::dump_flight_recorder("the coordinator stops the job: " + verdict.reason);
+          std::vector<int> ranks(static_cast<size_t>(info.world_size));
+          std::iota(ranks.begin(), ranks.end(), 0);
+          const auto dump_deadline =
+              Clock::now() + 2 * heartbeat.interval + std::chrono::seconds(1);
+          while (Clock::now() < dump_deadline &&
+                 !flight_records_written(recorder->run_dir(), ranks, began_on_disk)) {
+            ::poll(nullptr, 0, 50);
+          }
+          const std::string flights =
+              flight_report(recorder->run_dir(), info.world_size, began_on_disk);
+          if (!flights.empty()) {
+            const std::string said = "cohort: " + flights + "\n";
+            [[maybe_unused]] const auto also = ::write(2, said.data(), said.size());
+          }
+          const std::string reason = verdict.reason + (flights.empty() ? "" : "; " + flights);
           console.tick(/*flush_all=*/true);
-          recorder->finish(verdict.reason, info.world_size,
+          recorder->finish(reason, info.world_size,
                            std::chrono::duration<double>(Clock::now() - started).count());
           end_process(1);
         });
@@ -587,6 +618,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   } catch (const std::exception& e) {
     error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
     std::cerr << "error: " << *error << std::endl;
+    dump_flight_records_after(e);
     // The coordinator learns of it, and names the cause: this rank's own error, or when the
     // error is a peer's consequence, the peer (it ends this process then, with its reason).
     const Json message{{"type", "error"},

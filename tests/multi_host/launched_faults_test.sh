@@ -68,7 +68,15 @@ for launcher in "$@"; do
     # joined: the rendezvous deadline on rank 0).
     said="$(grep -E "coordinator stops the job: |rank [0-9]+ stops: |result: " "$out" | grep -F "$want" | head -1)"
     [ -n "$said" ] || { cat "$out"; fail "$launcher/$fault: no message of the coordinator with '$want'"; }
+    # A rank that hangs: rank 0 writes its flight recorder and says what the ranks' records tell.
+    if [ "$fault" = stop ]; then
+      grep -qF "flight recorder (" "$out" ||
+        { cat "$out"; fail "$launcher/$fault: no flight recorder report"; }
+      ls "$work/$launcher"/*/flight/rank-0.json >/dev/null 2>&1 ||
+        { cat "$out"; fail "$launcher/$fault: rank 0 wrote no flight/rank-0.json"; }
+    fi
     echo "launched_faults_test: $launcher/$fault: exit $status after ${took_ms} ms: $said"
+    grep -hF "cohort: flight recorder (" "$out" | head -1 | cut -c1-400
   done
 done
 echo "launched_faults_test: PASS"

@@ -8,6 +8,7 @@
 
 #include <csignal>
 #include <fstream>
+#include <future>
 
 #include "cohort/cohort.h"
 #include "support/expect.h"
@@ -69,6 +70,10 @@ void regression_loop(const Json& c) {
     if (my_fault && step == c["fault_step"].get<int>()) {
       if (fault == "kill" && testing::first_time_in_run(fault)) std::raise(SIGKILL);
       if (fault == "stop" && testing::first_time_in_run(fault)) std::raise(SIGSTOP);
+      if (fault == "hang" && testing::first_time_in_run(fault)) {
+        // Alive and beating, but in none of the group's collectives: the driver ends it.
+        std::promise<void>().get_future().wait_for(std::chrono::minutes(2));
+      }
     }
   }
 }
@@ -189,6 +194,40 @@ TEST_F(FaultTolerance, AStoppedRankIsFoundByItsMissingHeartbeat) {
   ASSERT_TRUE(recovered.ok()) << *recovered.error;
   ASSERT_EQ(recovered.failures.size(), 1u);
   EXPECT_EQ(recovered.failures[0]["rank"], 1);
+}
+
+// A rank that stays alive but leaves the group's collectives: rank 0's collective times out, and
+// before the group is stopped every rank writes its flight recorder, whose records name the
+// collective rank 1 never entered.
+TEST_F(FaultTolerance, AHangIsExplainedByTheRanksFlightRecorders) {
+  RunConfig run = run_config(dir, "hang", 0);
+  run.collective_timeout = std::chrono::seconds(3);
+  Trainer trainer(regression_loop, ScalingConfig{.num_workers = 2}, run,
+                  Json{{"steps", 8}, {"fault", "hang"}, {"fault_rank", 1}, {"fault_step", 2}});
+  const Result result = trainer.fit();
+  ASSERT_FALSE(result.ok());
+  const std::string& error = *result.error;
+  std::cout << "the failure: " << error << std::endl;
+  EXPECT_NE(error.find("did not complete within 3000 ms"), std::string::npos) << error;
+  const auto flight = dir / "hang" / "flight";
+  EXPECT_NE(error.find("flight recorder (" + flight.string() + "): group train/"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find(": ranks [0] entered it (rank 0 timed out); ranks [1] did not: rank 1 "
+                       "(its last: #"),
+            std::string::npos)
+      << error;
+  // Rank 0 wrote its own when its collective timed out; rank 1 when the driver asked.
+  const Json rank0 = read_json(flight / "rank-0.json");
+  const Json rank1 = read_json(flight / "rank-1.json");
+  EXPECT_NE(rank0["reason"].get<std::string>().find("did not complete"), std::string::npos)
+      << rank0["reason"];
+  EXPECT_EQ(rank1["reason"], "the driver stops the group after a failure");
+  // The control messages are there too: rank 1 said it reports (each rank does, at each report).
+  bool reported = false;
+  for (const auto& entry : rank1["entries"])
+    reported = reported || (entry["group"] == "control" && entry["op"] == "report_begin");
+  EXPECT_TRUE(reported) << rank1.dump(1);
 }
 
 TEST_F(FaultTolerance, AnExceptionOnOneRankIsRetried) {

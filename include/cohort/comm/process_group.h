@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "cohort/comm/flight_recorder.h"
 #include "cohort/comm/store.h"
 #include "cohort/timeouts.h"
 
@@ -51,6 +52,9 @@ struct ProcessGroupOptions {
   /// its deadline: keep the group alive, its destructor would wait for it). Live recovery sets it
   /// to "a peer was lost since the group was made", which a transport does not always notice.
   std::function<bool()> aborted;
+  /// Where the group records its collectives and point-to-point operations (flight_recorder.h).
+  /// Null: create() makes one of kDefaultFlightRecorderEntries; sub-groups share their parent's.
+  std::shared_ptr<FlightRecorder> flight_recorder;
 };
 
 /// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
@@ -110,6 +114,9 @@ class ProcessGroup {
   /// The job secret its store was joined with: what services between the same ranks (parameter
   /// servers) check as well.
   const JobSecret& secret() const;
+  /// The flight recorder of its operations (shared with the groups made from it): what a rank
+  /// writes out when a collective times out or the coordinator declares a hang.
+  const std::shared_ptr<FlightRecorder>& flight_recorder() const;
 
   /// Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
   /// group), in the same order as its other new_group/split calls; members get the new group,

@@ -2,8 +2,10 @@
 #include <chrono>
 #include <csignal>
 #include <functional>
+#include <memory>
 #include <string>
 
+#include "cohort/comm/flight_recorder.h"
 #include "cohort/comm/job_secret.h"
 #include "cohort/runtime/coordinator.h"
 
@@ -41,6 +43,20 @@ inline constexpr int kPeerLostSignal = SIGUSR2;
 void watch_peer_losses();
 /// How many kPeerLostSignal this process received since watch_peer_losses().
 int peer_losses();
+
+/// The signal the local driver sends its workers before it stops them after a failure: each
+/// writes out its flight recorder (set_flight_recorder). SIGURG is ignored by default, so a
+/// process that records nothing is not hurt by it.
+inline constexpr int kFlightDumpSignal = SIGURG;
+/// This process's flight recorder, and how it is written out (`dump`, given why). The control
+/// messages sent and received from now on are recorded in it, heartbeats aside. kFlightDumpSignal
+/// makes the heartbeat thread call `dump` (within a heartbeat interval), and a coordinator's abort
+/// makes the thread that follows it call `dump` before the process ends. Null and empty: none.
+void set_flight_recorder(std::shared_ptr<comm::FlightRecorder> recorder,
+                         std::function<void(const std::string& reason)> dump);
+/// Calls the `dump` of set_flight_recorder now with `reason` (nothing when none is set; an error
+/// of its own is printed, not thrown: it is called on the way out of a failure).
+void dump_flight_recorder(const std::string& reason);
 
 /// Starts a background thread that sends {"type":"heartbeat", "status": activity_status()} every
 /// `interval`, so the coordinator can tell a hung or stopped worker (no heartbeats) from a busy one

@@ -40,6 +40,14 @@ struct WorkerGroupOptions {
   /// After one worker finished cleanly, how long the others may still run before they are
   /// considered hung and stopped.
   std::chrono::milliseconds exit_skew_timeout{120'000};
+  /// Before the group is stopped because a worker failed or hung, the workers still running are
+  /// sent this signal (0: none) and given up to `dump_grace`, or until `dumped` (when set) says
+  /// they wrote what they were asked for (their flight recorders), before they are stopped.
+  int dump_signal = 0;
+  /// How long the workers are given to answer dump_signal.
+  std::chrono::milliseconds dump_grace{0};
+  /// Whether the workers of these ranks, the ones still running, have answered dump_signal.
+  std::function<bool(const std::vector<int>& running)> dumped;
 };
 
 /// How a worker ended.
@@ -110,8 +118,10 @@ class WorkerGroup {
   /// stops the groups instead of ending this process.
   std::optional<GroupOutcome> poll(const WorkerGroupHandlers& handlers,
                                    std::chrono::milliseconds max_wait);
-  /// From a handler inside wait(): ends the group as failed, with this reason.
-  void request_stop(std::string reason);
+  /// From a handler inside wait(): ends the group as failed, with this reason. `failure`: a
+  /// worker failed or hangs (the workers get dump_signal first), not a plain stop (a restart
+  /// with more workers, a driver's error).
+  void request_stop(std::string reason, bool failure = false);
   /// From WorkerGroupHandlers::on_exit: the group goes on without worker `rank`, whose failed end
   /// then neither stops the others nor fails the group (live recovery).
   void tolerate(int rank);

@@ -1,0 +1,367 @@
+#include "cohort/comm/flight_recorder.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <optional>
+#include <set>
+
+namespace cohort::comm {
+namespace {
+
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+const char* to_string(FlightState state) {
+  switch (state) {
+    case FlightState::kCompleted:
+      return "completed";
+    case FlightState::kFailed:
+      return "failed";
+    case FlightState::kTimedOut:
+      return "timed out";
+    case FlightState::kAborted:
+      return "aborted";
+    case FlightState::kStarted:
+      break;
+  }
+  return "started";
+}
+
+FlightRecorder::FlightRecorder(size_t capacity)
+    : capacity_(std::max<size_t>(1, capacity)), ring_(capacity_) {}
+
+void FlightRecorder::add_group(const std::string& name, const std::vector<int>& global_ranks) {
+  std::lock_guard lock(mutex_);
+  for (auto& [known, group] : groups_) {
+    if (known == name) {
+      group.ranks = global_ranks;
+      return;
+    }
+  }
+  groups_.push_back({name, Group{.ranks = global_ranks}});
+}
+
+int64_t FlightRecorder::begin(FlightEntry entry) {
+  entry.started_s = unix_seconds();
+  std::lock_guard lock(mutex_);
+  entry.id = next_id_++;
+  for (auto& [name, group] : groups_) {
+    if (name == entry.group) group.entered = std::max(group.entered, entry.seq);
+  }
+  ring_[static_cast<size_t>(entry.id - 1) % capacity_] = std::move(entry);
+  return next_id_ - 1;
+}
+
+void FlightRecorder::end(int64_t id, FlightState state) {
+  const double now = unix_seconds();
+  std::lock_guard lock(mutex_);
+  auto& entry = ring_[static_cast<size_t>(id - 1) % capacity_];
+  if (entry.id != id || entry.ended_s != 0) return;  // dropped, or ended already
+  entry.ended_s = now;
+  entry.state = state;
+}
+
+void FlightRecorder::note_control(const std::string& type, const std::string& direction) {
+  const int64_t id = begin(FlightEntry{.group = "control", .op = type, .detail = direction});
+  end(id, FlightState::kCompleted);
+}
+
+std::vector<FlightEntry> FlightRecorder::entries() const {
+  std::lock_guard lock(mutex_);
+  std::vector<FlightEntry> out;
+  const int64_t first = std::max<int64_t>(1, next_id_ - static_cast<int64_t>(capacity_));
+  for (int64_t id = first; id < next_id_; ++id)
+    out.push_back(ring_[static_cast<size_t>(id - 1) % capacity_]);
+  return out;
+}
+
+int64_t FlightRecorder::dropped() const {
+  std::lock_guard lock(mutex_);
+  return std::max<int64_t>(0, next_id_ - 1 - static_cast<int64_t>(capacity_));
+}
+
+Json FlightRecorder::to_json(int rank, const std::string& reason) const {
+  Json groups = Json::object();
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [name, group] : groups_)
+      groups[name] = Json{{"ranks", group.ranks}, {"entered", group.entered}};
+  }
+  Json entries = Json::array();
+  for (const auto& e : this->entries()) {
+    Json entry{{"id", e.id},
+               {"group", e.group},
+               {"seq", e.seq},
+               {"op", e.op},
+               {"state", to_string(e.state)},
+               {"started_s", e.started_s},
+               {"ended_s", e.ended_s}};
+    if (!e.dtype.empty()) {
+      entry["dtype"] = e.dtype;
+      entry["numel"] = e.numel;
+      entry["tensors"] = e.tensors;
+    }
+    if (e.peer >= 0) entry["peer"] = e.peer;
+    if (!e.detail.empty()) entry["detail"] = e.detail;
+    entries.push_back(std::move(entry));
+  }
+  return Json{{"rank", rank},
+              {"pid", static_cast<int64_t>(::getpid())},
+              {"reason", reason},
+              {"written_at_s", unix_seconds()},
+              {"capacity", static_cast<int64_t>(capacity_)},
+              {"dropped", dropped()},
+              {"groups", std::move(groups)},
+              {"entries", std::move(entries)}};
+}
+
+// ---------------------------------------------------------------------------------------------
+// flight_divergence
+
+namespace {
+
+// One rank's written records of one group: its count of operations, and those the ring kept, by
+// number.
+struct GroupRecords {
+  int64_t entered = 0;
+  std::map<int64_t, const Json*> by_seq;
+  const Json* last_overall = nullptr;  // the rank's newest operation of any group
+  double written_at_s = 0;
+};
+
+std::string what_of(const Json& entry) {
+  if (entry.value("group", std::string()) == "control") {
+    return "control message " + entry.value("op", std::string("?")) + " (" +
+           entry.value("detail", std::string("?")) + ")";
+  }
+  std::string out = entry.value("op", std::string("?"));
+  if (entry.contains("dtype")) {
+    out += " (" + entry.value("dtype", std::string()) + ", " +
+           std::to_string(entry.value("numel", int64_t{0})) + " elements";
+    if (entry.value("tensors", 1) > 1) out += " x " + std::to_string(entry.value("tensors", 1));
+    out += ")";
+  }
+  if (entry.contains("peer")) out += " with group rank " + std::to_string(entry.value("peer", -1));
+  return out;
+}
+
+// Whether two records are the same call: the same operation on tensors of the same kind and size.
+bool same_call(const Json& a, const Json& b) {
+  return a.value("op", "") == b.value("op", "") && a.value("dtype", "") == b.value("dtype", "") &&
+         a.value("numel", int64_t{0}) == b.value("numel", int64_t{0}) &&
+         a.value("tensors", 0) == b.value("tensors", 0);
+}
+
+bool point_to_point(const Json& entry) {
+  const std::string op = entry.value("op", std::string());
+  return op == "send" || op == "recv";
+}
+
+// Whether two ranks' records of one number match: the same call, or a send and the recv it feeds.
+bool matching(const Json& a, const Json& b) {
+  if (same_call(a, b)) return true;
+  return point_to_point(a) && point_to_point(b) && a.value("op", "") != b.value("op", "") &&
+         a.value("dtype", "") == b.value("dtype", "") &&
+         a.value("numel", int64_t{0}) == b.value("numel", int64_t{0});
+}
+
+std::string state_of(const Json& entry, double written_at_s) {
+  const std::string state = entry.value("state", std::string("?"));
+  if (state != "started") return state;
+  const double waited = written_at_s - entry.value("started_s", 0.0);
+  char text[64];
+  std::snprintf(text, sizeof text, "still in it, %.1f s after it began", waited);
+  return text;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
+  return "[" + out + "]";
+}
+
+}  // namespace
+
+std::string flight_divergence(const std::vector<Json>& records_by_rank) {
+  // The groups in the order they first appear, with their members; each rank's records.
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<int>> members;
+  std::vector<std::map<std::string, GroupRecords>> of_rank(records_by_rank.size());
+  for (size_t r = 0; r < records_by_rank.size(); ++r) {
+    const Json& records = records_by_rank[r];
+    if (!records.is_object() || !records.contains("groups") || !records["groups"].is_object() ||
+        !records.contains("entries") || !records["entries"].is_array())
+      continue;
+    try {
+      const double written = records.value("written_at_s", 0.0);
+      for (const auto& [name, group] : records["groups"].items()) {
+        if (!members.count(name)) {
+          order.push_back(name);
+          members[name] = group.value("ranks", std::vector<int>{});
+        }
+        of_rank[r][name] =
+            GroupRecords{.entered = group.value("entered", int64_t{0}), .written_at_s = written};
+      }
+      const Json* newest = nullptr;
+      for (const Json& entry : records["entries"]) {
+        if (!entry.is_object()) continue;
+        newest = &entry;
+        const auto it = of_rank[r].find(entry.value("group", std::string()));
+        if (it != of_rank[r].end()) it->second.by_seq[entry.value("seq", int64_t{0})] = &entry;
+      }
+      for (auto& [name, group] : of_rank[r]) group.last_overall = newest;
+    } catch (const Json::exception&) {
+      of_rank[r].clear();  // malformed: this rank's records tell nothing
+    }
+  }
+
+  std::vector<std::pair<double, std::string>> found;  // by when the diverging operation began
+  for (const auto& name : order) {
+    std::vector<int> known, unknown;
+    for (int m : members[name]) {
+      const bool has = m >= 0 && static_cast<size_t>(m) < of_rank.size() &&
+                       of_rank[static_cast<size_t>(m)].count(name);
+      (has ? known : unknown).push_back(m);
+    }
+    if (known.empty()) continue;
+    auto records = [&](int m) -> const GroupRecords& {
+      return of_rank[static_cast<size_t>(m)].at(name);
+    };
+    int64_t lo = records(known[0]).entered, hi = lo;
+    bool sends_or_receives = false;
+    for (int m : known) {
+      lo = std::min(lo, records(m).entered);
+      hi = std::max(hi, records(m).entered);
+      for (const auto& [seq, entry] : records(m).by_seq)
+        sends_or_receives = sends_or_receives || point_to_point(*entry);
+    }
+    std::string line;
+    std::optional<double> began;
+    auto note_began = [&](const Json* entry) {
+      if (entry == nullptr) return;
+      const double at = entry->value("started_s", 0.0);
+      began = began ? std::min(*began, at) : at;
+    };
+    auto entry_at = [&](int m, int64_t seq) -> const Json* {
+      const auto& by_seq = records(m).by_seq;
+      const auto it = by_seq.find(seq);
+      return it == by_seq.end() ? nullptr : it->second;
+    };
+    // The first number, of those every member entered, whose records do not match.
+    std::string differs;
+    for (int64_t seq = 1; seq <= lo && differs.empty(); ++seq) {
+      const Json* first = nullptr;
+      int first_rank = -1;
+      for (int m : known) {
+        const Json* entry = entry_at(m, seq);
+        if (entry == nullptr) continue;
+        if (first == nullptr) {
+          first = entry;
+          first_rank = m;
+        } else if (!matching(*first, *entry)) {
+          note_began(first);
+          note_began(entry);
+          differs = "collective #" + std::to_string(seq) + " differs: rank " +
+                    std::to_string(first_rank) + " called " + what_of(*first) + ", rank " +
+                    std::to_string(m) + " " + what_of(*entry);
+          break;
+        }
+      }
+    }
+    if (sends_or_receives && !differs.empty()) {
+      // A pipeline's members legitimately send and receive in different orders: name who waits
+      // in what.
+      std::string waits;
+      for (int m : known) {
+        for (const auto& [seq, entry] : records(m).by_seq) {
+          if (entry->value("state", std::string()) == "completed") continue;
+          note_began(entry);
+          waits += (waits.empty() ? "" : ", ") + std::string("rank ") + std::to_string(m) +
+                   " in #" + std::to_string(seq) + " " + what_of(*entry) + " (" +
+                   state_of(*entry, records(m).written_at_s) + ")";
+        }
+      }
+      if (!waits.empty()) line = "unfinished point-to-point operations: " + waits;
+    } else if (!differs.empty()) {
+      line = differs;
+    } else if (lo < hi) {
+      // The first call some members entered and others did not.
+      const int64_t seq = lo + 1;
+      std::vector<int> entered, missing;
+      std::string what, in, out;
+      for (int m : known) {
+        if (records(m).entered >= seq) {
+          entered.push_back(m);
+          const Json* entry = entry_at(m, seq);
+          note_began(entry);
+          if (entry != nullptr && what.empty()) what = what_of(*entry);
+          in += (in.empty() ? "" : ", ") + std::string("rank ") + std::to_string(m) + " " +
+                (entry ? state_of(*entry, records(m).written_at_s) : "entered it");
+        } else {
+          missing.push_back(m);
+          const Json* last = entry_at(m, records(m).entered);
+          const Json* newest = records(m).last_overall;
+          out += (out.empty() ? "" : ", ") + std::string("rank ") + std::to_string(m) +
+                 " (its last: #" + std::to_string(records(m).entered) + " " +
+                 (last ? what_of(*last) + ", " + state_of(*last, records(m).written_at_s)
+                       : std::string("not kept")) +
+                 (newest != nullptr && newest != last
+                      ? "; then " +
+                            (newest->value("group", std::string()) == "control"
+                                 ? std::string()
+                                 : newest->value("group", std::string()) + " ") +
+                            what_of(*newest) + ", " + state_of(*newest, records(m).written_at_s)
+                      : "") +
+                 ")";
+        }
+      }
+      line = "collective #" + std::to_string(seq) + (what.empty() ? "" : " " + what) + ": ranks " +
+             rank_list(entered) + " entered it (" + in + "); ranks " + rank_list(missing) +
+             " did not: " + out;
+    } else {
+      // Every member entered as many calls: the last one, when some finished it and others not.
+      if (hi > 0) {
+        std::vector<int> done, waiting;
+        std::string what, how;
+        for (int m : known) {
+          const Json* entry = entry_at(m, hi);
+          if (entry == nullptr) continue;
+          if (what.empty()) what = what_of(*entry);
+          if (entry->value("state", std::string()) == "completed") {
+            done.push_back(m);
+          } else {
+            waiting.push_back(m);
+            note_began(entry);
+            how += (how.empty() ? "" : ", ") + std::string("rank ") + std::to_string(m) + " " +
+                   state_of(*entry, records(m).written_at_s);
+          }
+        }
+        if (!done.empty() && !waiting.empty()) {
+          line = "collective #" + std::to_string(hi) + " " + what + ": ranks " + rank_list(done) +
+                 " completed it, ranks " + rank_list(waiting) + " did not (" + how + ")";
+        } else if (!waiting.empty() && !unknown.empty()) {
+          // The others wrote nothing: where these wait is all there is to say.
+          line = "collective #" + std::to_string(hi) + " " + what + ": ranks " +
+                 rank_list(waiting) + " did not finish it (" + how + ")";
+        }
+      }
+    }
+    if (line.empty()) continue;
+    if (!unknown.empty()) line += "; no records from ranks " + rank_list(unknown);
+    found.emplace_back(began.value_or(0.0), "group " + name + ": " + line);
+  }
+  std::stable_sort(found.begin(), found.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::string report;
+  for (const auto& [at, line] : found) report += (report.empty() ? "" : "; ") + line;
+  return report;
+}
+
+}  // namespace cohort::comm
