@@ -415,9 +415,10 @@ std::shared_ptr<ProcessGroup::State> make_group(Store store, int rank, int world
   state->world_size = world_size;
   state->global_ranks = global_ranks;
   state->recorder = options.flight_recorder;
-  if (!state->recorder) state->recorder = std::make_shared<FlightRecorder>();
+  if (!state->recorder && options.flight_recorder_entries > 0)
+    state->recorder = std::make_shared<FlightRecorder>(options.flight_recorder_entries);
   state->options.flight_recorder = state->recorder;
-  state->recorder->add_group(options.prefix, global_ranks);
+  if (state->recorder) state->recorder->add_group(options.prefix, global_ranks);
   {
     auto& registry = group_registry();
     std::lock_guard lock(registry.mutex);

@@ -16,6 +16,7 @@ std::filesystem::path flight_records_path(const std::filesystem::path& run_dir, 
 void record_flights(const comm::ProcessGroup& group, const std::filesystem::path& run_dir,
                     int rank) {
   const auto recorder = group.flight_recorder();
+  if (!recorder) return;
   const auto file = flight_records_path(run_dir, rank);
   runtime::set_flight_recorder(recorder, [recorder, file, rank](const std::string& reason) {
     std::filesystem::create_directories(file.parent_path());

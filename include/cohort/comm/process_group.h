@@ -53,8 +53,10 @@ struct ProcessGroupOptions {
   /// to "a peer was lost since the group was made", which a transport does not always notice.
   std::function<bool()> aborted;
   /// Where the group records its collectives and point-to-point operations (flight_recorder.h).
-  /// Null: create() makes one of kDefaultFlightRecorderEntries; sub-groups share their parent's.
+  /// Null: create() makes one of `flight_recorder_entries`; sub-groups share their parent's.
   std::shared_ptr<FlightRecorder> flight_recorder;
+  /// The operations the recorder create() makes keeps; 0: the group records nothing.
+  size_t flight_recorder_entries = kDefaultFlightRecorderEntries;
 };
 
 /// An in-flight collective. For CPU tensors wait() blocks until the result is there. For CUDA
@@ -115,7 +117,8 @@ class ProcessGroup {
   /// servers) check as well.
   const JobSecret& secret() const;
   /// The flight recorder of its operations (shared with the groups made from it): what a rank
-  /// writes out when a collective times out or the coordinator declares a hang.
+  /// writes out when a collective times out or the coordinator declares a hang. Null when
+  /// ProcessGroupOptions::flight_recorder_entries was 0.
   const std::shared_ptr<FlightRecorder>& flight_recorder() const;
 
   /// Sub-groups. Every rank of this group calls new_group with the same ranks (ranks of this
