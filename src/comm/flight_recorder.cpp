@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <map>
 #include <optional>
-#include <set>
 
 namespace cohort::comm {
 namespace {

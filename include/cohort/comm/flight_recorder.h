@@ -25,7 +25,7 @@ inline constexpr size_t kDefaultFlightRecorderEntries = 2048;
 /// Where a recorded operation stands.
 enum class FlightState {
   kStarted,    ///< entered, not finished (or not waited for yet)
-  kCompleted,  ///< waited for and done
+  kCompleted,  ///< waited for and done (for CUDA tensors: ordered on the caller's stream)
   kFailed,     ///< ended with an error (a peer died or closed its connection, another error)
   kTimedOut,   ///< past its deadline
   kAborted,    ///< given up because a peer was lost (live recovery)
