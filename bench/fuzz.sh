@@ -17,7 +17,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 seconds="${1:-600}"
 [ $# -gt 0 ] && shift
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(store_frames handshake coordinator_messages)
+[ ${#targets[@]} -gt 0 ] || targets=(store_frames handshake coordinator_messages flight_records)
 clang="$(command -v clang++ || command -v clang++-14 || true)"
 [ -n "$clang" ] || { echo "fuzz.sh: no clang++ (apt install clang)" >&2; exit 2; }
 
@@ -27,7 +27,8 @@ sources_of() {
     store_frames) echo src/comm/store_frame.cpp ;;
     handshake) echo src/comm/handshake.cpp src/comm/job_secret.cpp src/comm/socket.cpp src/comm/address.cpp ;;
     coordinator_messages) echo src/runtime/coordinator.cpp ;;
-    *) echo "fuzz.sh: no target '$1' (targets: store_frames handshake coordinator_messages)" >&2; return 2 ;;
+    flight_records) echo src/comm/flight_recorder.cpp ;;
+    *) echo "fuzz.sh: no target '$1' (targets: store_frames handshake coordinator_messages flight_records)" >&2; return 2 ;;
   esac
 }
 

@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <map>
 #include <optional>
+#include <set>
 
 namespace cohort::comm {
 namespace {
@@ -180,6 +182,54 @@ std::string state_of(const Json& entry, double written_at_s) {
   return text;
 }
 
+// Whether `value` is a whole number in [lo, hi] (lo <= 0 <= hi).
+bool integer_in(const Json& value, int64_t lo, int64_t hi) {
+  if (!value.is_number_integer()) return false;
+  if (value.is_number_unsigned()) return value.get<uint64_t>() <= static_cast<uint64_t>(hi);
+  const int64_t number = value.get<int64_t>();
+  return number >= lo && number <= hi;
+}
+// Whether `object[key]` is absent or a whole number in [lo, hi].
+bool integer_or_absent(const Json& object, const char* key, int64_t lo, int64_t hi) {
+  const auto it = object.find(key);
+  return it == object.end() || integer_in(*it, lo, hi);
+}
+bool string_or_absent(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  return it == object.end() || it->is_string();
+}
+bool number_or_absent(const Json& object, const char* key) {
+  const auto it = object.find(key);
+  return it == object.end() || it->is_number();
+}
+
+// Whether a written entry has every field of the type to_json() gives it: records are read back
+// from files a failing rank wrote, and a malformed one must not end the reader.
+bool well_formed_entry(const Json& entry) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  constexpr int64_t kMaxInt = std::numeric_limits<int>::max();
+  return entry.is_object() && string_or_absent(entry, "group") && string_or_absent(entry, "op") &&
+         string_or_absent(entry, "dtype") && string_or_absent(entry, "state") &&
+         string_or_absent(entry, "detail") && integer_or_absent(entry, "seq", 0, kMax) &&
+         integer_or_absent(entry, "numel", 0, kMax) &&
+         integer_or_absent(entry, "tensors", 0, kMaxInt) &&
+         integer_or_absent(entry, "peer", -1, kMaxInt) && number_or_absent(entry, "started_s");
+}
+
+// Whether a written group is {"ranks": [rank, ...], "entered": n}.
+bool well_formed_group(const Json& group) {
+  if (!group.is_object() ||
+      !integer_or_absent(group, "entered", 0, std::numeric_limits<int64_t>::max()))
+    return false;
+  const auto ranks = group.find("ranks");
+  if (ranks == group.end()) return true;
+  if (!ranks->is_array()) return false;
+  for (const Json& rank : *ranks) {
+    if (!integer_in(rank, 0, std::numeric_limits<int>::max())) return false;
+  }
+  return true;
+}
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string out;
   for (int r : ranks) out += (out.empty() ? "" : ", ") + std::to_string(r);
@@ -196,8 +246,15 @@ std::string flight_divergence(const std::vector<Json>& records_by_rank) {
   for (size_t r = 0; r < records_by_rank.size(); ++r) {
     const Json& records = records_by_rank[r];
     if (!records.is_object() || !records.contains("groups") || !records["groups"].is_object() ||
-        !records.contains("entries") || !records["entries"].is_array())
+        !records.contains("entries") || !records["entries"].is_array() ||
+        !number_or_absent(records, "written_at_s"))
       continue;
+    bool well_formed = true;
+    for (const auto& [name, group] : records["groups"].items())
+      well_formed = well_formed && well_formed_group(group);
+    for (const Json& entry : records["entries"])
+      well_formed = well_formed && well_formed_entry(entry);
+    if (!well_formed) continue;  // malformed: this rank's records tell nothing
     try {
       const double written = records.value("written_at_s", 0.0);
       for (const auto& [name, group] : records["groups"].items()) {
@@ -253,9 +310,16 @@ std::string flight_divergence(const std::vector<Json>& records_by_rank) {
       const auto it = by_seq.find(seq);
       return it == by_seq.end() ? nullptr : it->second;
     };
-    // The first number, of those every member entered, whose records do not match.
+    // The first number, of those every member entered, whose records do not match (of those the
+    // rings kept: a written count may be anything).
+    std::set<int64_t> kept;
+    for (int m : known) {
+      for (const auto& [seq, entry] : records(m).by_seq)
+        if (seq >= 1 && seq <= lo) kept.insert(seq);
+    }
     std::string differs;
-    for (int64_t seq = 1; seq <= lo && differs.empty(); ++seq) {
+    for (const int64_t seq : kept) {
+      if (!differs.empty()) break;
       const Json* first = nullptr;
       int first_rank = -1;
       for (int m : known) {
@@ -302,7 +366,7 @@ std::string flight_divergence(const std::vector<Json>& records_by_rank) {
           note_began(entry);
           if (entry != nullptr && what.empty()) what = what_of(*entry);
           in += (in.empty() ? "" : ", ") + std::string("rank ") + std::to_string(m) + " " +
-                (entry ? state_of(*entry, records(m).written_at_s) : "entered it");
+                (entry ? state_of(*entry, records(m).written_at_s) : "kept no record of it");
         } else {
           missing.push_back(m);
           const Json* last = entry_at(m, records(m).entered);

@@ -162,6 +162,23 @@ TEST(FlightDivergence, WithOneRanksRecordsNamesWhereItWaits) {
             "(rank 0 still in it, 8.0 s after it began); no records from ranks [1, 2]");
 }
 
+// Records are read back from files a failing rank wrote: a field of the wrong type makes that
+// rank's records none, and a count of calls far past what a ring holds costs nothing.
+TEST(FlightDivergence, AMalformedRecordIsReadAsNone) {
+  Json wrong_type = records_of(1, {{"allreduce", 10, "completed"}});
+  wrong_type["entries"][0]["numel"] = "ten";
+  Json huge_count = records_of(2, {{"allreduce", 10, "completed"}});
+  huge_count["groups"]["pg"]["entered"] = int64_t{1} << 62;
+  Json bad_rank = records_of(0, {{"allreduce", 10, "completed"}});
+  bad_rank["groups"]["pg"]["ranks"] = Json::array({0, -1});
+  EXPECT_EQ(flight_divergence({bad_rank, wrong_type, huge_count}), "");
+  EXPECT_EQ(
+      flight_divergence({records_of(0, {{"allreduce", 10, "completed"}}), wrong_type, huge_count}),
+      "group pg: collective #2: ranks [2] entered it (rank 2 kept no record of it); ranks [0] did "
+      "not: rank 0 (its last: #1 allreduce (Float, 10 elements), completed); no records "
+      "from ranks [1]");
+}
+
 TEST(FlightDivergence, RecordsThatAgreeSayNothing) {
   const std::vector<Json> records{records_of(0, {{"allreduce", 10, "completed"}}),
                                   records_of(1, {{"allreduce", 10, "completed"}}),
