@@ -590,6 +590,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       lost[at] = false;
       exited[at] = false;
       slot_pids_[static_cast<size_t>(first_slots[at])] = group.pids()[at];
+      status_->on_restart(i, group.pids()[at]);
     }
     for (int i = 0; i < world; ++i) lost[static_cast<size_t>(i)] = false;
     coordinator.on_regrouped(replacements);
@@ -679,6 +680,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     }
     if (awaiting_recovery && rank == 0 && (type == "progress" || type == "step")) {
       awaiting_recovery = false;
+      status_->on_training();  // the replacements train too
       auto& failure = recorder_->result().failures.back();
       failure["recovery_s"] = since_start() - failure["detected_at_s"].get<double>();
       if (run_.verbose >= 1) {

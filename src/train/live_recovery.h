@@ -43,6 +43,11 @@ struct LiveRegroup {
   std::shared_ptr<CapturedFiles> state;
 };
 
+// The run token of live round `round` of a start whose token is `token`: the regrouped group's
+// store keys and staging folders are its own.
+inline std::string live_run_token(const std::string& token, int round) {
+  return token + "-live" + std::to_string(round);
+}
 // Where the driver publishes live round `round` of the group started with `token`: a JSON object
 // {"members": [by new rank: the old rank, or -1 for a replacement], "source": the new rank whose
 // state everyone takes, "next_checkpoint": the next checkpoint's index, "cause": the failures}.

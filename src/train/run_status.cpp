@@ -58,6 +58,14 @@ void RunStatus::on_exit(int rank, bool ok) {
     workers_[static_cast<size_t>(rank)].state = ok ? "finished" : "failed";
 }
 
+void RunStatus::on_restart(int rank, int pid) {
+  if (rank < 0 || static_cast<size_t>(rank) >= workers_.size()) return;
+  auto& worker = workers_[static_cast<size_t>(rank)];
+  worker.pid = pid;
+  worker.state = "starting";
+  worker.step_time_ms = nullptr;
+}
+
 void RunStatus::write(const std::string& state, const Json& failures, bool force) {
   const auto now = std::chrono::steady_clock::now();
   if (!force && now - written_ < std::chrono::seconds(1)) return;

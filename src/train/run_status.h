@@ -25,6 +25,8 @@ class RunStatus {
   // A committed report: its metrics and each rank's step time ("rank_step_time_ms").
   void on_report(const Json& message);
   void on_exit(int rank, bool ok);
+  // Worker `rank` was started again as `pid` (live recovery's replacement): it starts up.
+  void on_restart(int rank, int pid);
 
   // Writes status.json with the run's `state` ("running", "finished", "failed", "interrupted")
   // and its failures, unless it was written less than a second ago and `force` is false. A live

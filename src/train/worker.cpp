@@ -374,7 +374,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
                             .world_size = info->world_size,
                             .source = spec.live_source,
                             .next_checkpoint_index = spec.next_checkpoint_index};
-      settings.run_token = spec.run_token + "-live" + std::to_string(spec.live_round);
+      settings.run_token = live_run_token(spec.run_token, spec.live_round);
       settings.regroup = &*regroup;
     }
     while (true) {
@@ -392,7 +392,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
       settings.info.world_rank = regroup->rank;
       settings.info.world_size = regroup->world_size;
-      settings.run_token = spec.run_token + "-live" + std::to_string(regroup->round);
+      settings.run_token = live_run_token(spec.run_token, regroup->round);
       settings.next_checkpoint_index = regroup->next_checkpoint_index;
       settings.regroup = &*regroup;
       rank = regroup->rank;

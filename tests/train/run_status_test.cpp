@@ -41,5 +41,22 @@ TEST(RunStatus, AWorkerOnAGpuShowsItsGpuMemoryAndUtilisation) {
   fs::remove_all(storage);
 }
 
+// A worker that failed and was replaced (live recovery) shows the replacement's pid, starting up.
+TEST(RunStatus, AReplacedWorkerShowsItsReplacement) {
+  const auto storage = testing::temp_dir("run_status_restart");
+  RunStatus status(storage);
+  status.on_group_start({::getpid(), ::getppid()}, {"cpu", "cpu"});
+  status.on_training();
+  status.on_exit(1, /*ok=*/false);
+  status.on_restart(1, ::getpid());
+  status.write("running", Json::array(), true);
+  const auto workers = Json::parse(std::ifstream(storage / kStatusFile)).at("workers");
+  ASSERT_EQ(workers.size(), 2u);
+  EXPECT_EQ(workers[1]["pid"], ::getpid()) << workers.dump();
+  EXPECT_EQ(workers[1]["state"], "starting") << workers.dump();
+  EXPECT_EQ(workers[0]["state"], "running") << workers.dump();
+  fs::remove_all(storage);
+}
+
 }  // namespace
 }  // namespace cohort::train
