@@ -17,19 +17,19 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 seconds="${1:-600}"
 [ $# -gt 0 ] && shift
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(store_frames handshake coordinator_messages flight_records)
+[ ${#targets[@]} -gt 0 ] || mapfile -t targets < <(sed -n 's/^\([a-z_]*\):.*/\1/p' "$root/tests/fuzz/targets.txt")
 clang="$(command -v clang++ || command -v clang++-14 || true)"
 [ -n "$clang" ] || { echo "fuzz.sh: no clang++ (apt install clang)" >&2; exit 2; }
 
-# The sources each target's decoder is built from, instrumented with it.
+# The sources each target's decoder is built from, instrumented with it (tests/fuzz/targets.txt).
 sources_of() {
-  case "$1" in
-    store_frames) echo src/comm/store_frame.cpp ;;
-    handshake) echo src/comm/handshake.cpp src/comm/job_secret.cpp src/comm/socket.cpp src/comm/address.cpp ;;
-    coordinator_messages) echo src/runtime/coordinator.cpp ;;
-    flight_records) echo src/comm/flight_recorder.cpp ;;
-    *) echo "fuzz.sh: no target '$1' (targets: store_frames handshake coordinator_messages flight_records)" >&2; return 2 ;;
-  esac
+  local line
+  line="$(grep -E "^$1:" "$root/tests/fuzz/targets.txt" || true)"
+  [ -n "$line" ] || {
+    echo "fuzz.sh: no target '$1' (targets: $(sed -n 's/^\([a-z_]*\):.*/\1/p' "$root/tests/fuzz/targets.txt" | tr '\n' ' '))" >&2
+    return 2
+  }
+  echo "${line#*:}"
 }
 
 work="$(mktemp -d /tmp/cohort-fuzz.XXXXXX)"
@@ -37,7 +37,8 @@ trap 'rm -rf "$work"' EXIT
 printf '%-22s %8s %12s %8s %6s %7s %s\n' target seconds executions exec/s cov ft crashes
 status=0
 for target in "${targets[@]}"; do
-  read -r -a sources <<<"$(sources_of "$target")"
+  listed="$(sources_of "$target")" || exit 2
+  read -r -a sources <<<"$listed"
   (cd "$root" && "$clang" -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined \
     -fno-sanitize-recover=undefined -I include -I src "tests/fuzz/$target.cpp" "${sources[@]}" \
     -lcrypto -o "$work/$target") || { echo "fuzz.sh: $target does not build" >&2; exit 1; }
