@@ -49,6 +49,15 @@ std::mutex& sink_mutex() {
   return mutex;
 }
 
+// `handler` for `signal` (SIG_DFL: the default), restarting the system calls it interrupts.
+void install_handler(int signal, void (*handler)(int)) {
+  struct sigaction action {};
+  action.sa_handler = handler;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(signal, &action, nullptr);
+}
+
 // set_flight_recorder(): the recorder and its dump, and the dump requests received
 // (kFlightDumpSignal) and served.
 struct FlightSlot {
@@ -88,11 +97,7 @@ void record_control(const std::string& type, const char* direction) {
 
 void set_flight_recorder(std::shared_ptr<comm::FlightRecorder> recorder,
                          std::function<void(const std::string& reason)> dump) {
-  struct sigaction action {};
-  action.sa_handler = dump ? on_dump_request : SIG_DFL;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  sigaction(kFlightDumpSignal, &action, nullptr);
+  install_handler(kFlightDumpSignal, dump ? on_dump_request : SIG_DFL);
   auto& slot = flight_slot();
   std::lock_guard lock(slot.mutex);
   slot.recorder = std::move(recorder);
@@ -177,15 +182,6 @@ void on_stop_request(int) { g_stop_requested = 1; }
 std::atomic<int> g_peer_losses{0};
 static_assert(std::atomic<int>::is_always_lock_free, "a signal handler increments it");
 void on_peer_lost(int) { g_peer_losses.fetch_add(1, std::memory_order_relaxed); }
-
-// `handler` for `signal`, restarting the system calls it interrupts.
-void install_handler(int signal, void (*handler)(int)) {
-  struct sigaction action {};
-  action.sa_handler = handler;
-  sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;
-  sigaction(signal, &action, nullptr);
-}
 }  // namespace
 
 void watch_peer_losses() { install_handler(kPeerLostSignal, on_peer_lost); }

@@ -402,7 +402,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   // (<run>/flight/rank-R.json), which the failure's message then reads.
   const auto attempt_began = std::filesystem::file_time_type::clock::now();
   options.dump_signal = runtime::kFlightDumpSignal;
-  options.dump_grace = 2 * heartbeat.interval + std::chrono::seconds(1);
+  options.dump_grace = flight_dump_grace(heartbeat);
   options.dumped = [&rank_of, run_dir = recorder_->run_dir(),
                     attempt_began](const std::vector<int>& running) {
     std::vector<int> ranks;

@@ -1,6 +1,9 @@
 #include "train/flight_records.h"
 
+#include <poll.h>
+
 #include <fstream>
+#include <numeric>
 #include <vector>
 
 #include "cohort/json.h"
@@ -23,8 +26,6 @@ void record_flights(const comm::ProcessGroup& group, const std::filesystem::path
     write_atomically(file, recorder->to_json(rank, reason).dump(1));
   });
 }
-
-void dump_flight_records(const std::string& reason) { runtime::dump_flight_recorder(reason); }
 
 namespace {
 
@@ -70,6 +71,19 @@ std::string flight_report(const std::filesystem::path& run_dir, int world_size,
                            : "ranks [" + missing + "] wrote none (stopped, or gone before asked)";
   }
   return "flight recorder (" + (run_dir / kFlightDir).string() + "): " + says;
+}
+
+std::string flight_report_once_written(const std::filesystem::path& run_dir, int world_size,
+                                       std::filesystem::file_time_type since,
+                                       std::chrono::milliseconds within) {
+  std::vector<int> ranks(static_cast<size_t>(world_size));
+  std::iota(ranks.begin(), ranks.end(), 0);
+  const auto deadline = std::chrono::steady_clock::now() + within;
+  while (std::chrono::steady_clock::now() < deadline &&
+         !flight_records_written(run_dir, ranks, since)) {
+    ::poll(nullptr, 0, 50);
+  }
+  return flight_report(run_dir, world_size, since);
 }
 
 }  // namespace cohort::train

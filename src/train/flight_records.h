@@ -1,11 +1,13 @@
 // Each rank's flight recorder (comm/flight_recorder.h) written into the run directory when a
 // failure stops the group, and what the ranks' records say together.
 #pragma once
+#include <chrono>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/runtime/coordinator.h"
 
 namespace cohort::train {
 
@@ -15,11 +17,15 @@ std::filesystem::path flight_records_path(const std::filesystem::path& run_dir, 
 
 // From now on `group`'s flight recorder (with this process's control messages) is written to
 // flight_records_path(run_dir, rank) when the driver or the coordinator asks for it before it
-// stops the group, or when dump_flight_records() is called.
+// stops the group, or when runtime::dump_flight_recorder() is called.
 void record_flights(const comm::ProcessGroup& group, const std::filesystem::path& run_dir,
                     int rank);
-// Writes this rank's records now, saying why (after a collective of its own failed).
-void dump_flight_records(const std::string& reason);
+
+// How long the ranks are given to write their records once asked: their heartbeat threads write
+// them, within an interval.
+inline std::chrono::milliseconds flight_dump_grace(const runtime::HeartbeatOptions& heartbeat) {
+  return 2 * heartbeat.interval + std::chrono::seconds(1);
+}
 
 // Whether each of `ranks` wrote its records since `since`.
 bool flight_records_written(const std::filesystem::path& run_dir, const std::vector<int>& ranks,
@@ -30,5 +36,9 @@ bool flight_records_written(const std::filesystem::path& run_dir, const std::vec
 // naming the ranks that wrote none. "" when no rank wrote records since then.
 std::string flight_report(const std::filesystem::path& run_dir, int world_size,
                           std::filesystem::file_time_type since);
+// flight_report() once every rank wrote its records since `since`, or `within` passed.
+std::string flight_report_once_written(const std::filesystem::path& run_dir, int world_size,
+                                       std::filesystem::file_time_type since,
+                                       std::chrono::milliseconds within);
 
 }  // namespace cohort::train

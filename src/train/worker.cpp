@@ -2,7 +2,6 @@
 // launcher (torchrun-style variables, mpirun, srun, cohort launch), where rank 0 also keeps the
 // run's bookkeeping.
 #include <c10/core/impl/VirtualGuardImpl.h>
-#include <poll.h>
 #include <sys/stat.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -12,7 +11,6 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
-#include <numeric>
 
 #include <thread>
 
@@ -206,7 +204,7 @@ bool is_consequence(const std::exception& e) {
 // A rank whose collective failed or timed out writes its flight recorder before it reports the
 // failure: what it did last is what names a hang.
 void dump_flight_records_after(const std::exception& e) {
-  if (is_consequence(e)) dump_flight_records(e.what());
+  if (is_consequence(e)) runtime::dump_flight_recorder(e.what());
 }
 
 [[noreturn]] void end_process(int code) {
@@ -514,16 +512,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
           [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
           // Told to stop, every rank writes its flight recorder; rank 0 reads what they say.
           runtime::dump_flight_recorder("the coordinator stops the job: " + verdict.reason);
-          std::vector<int> ranks(static_cast<size_t>(info.world_size));
-          std::iota(ranks.begin(), ranks.end(), 0);
-          const auto dump_deadline =
-              Clock::now() + 2 * heartbeat.interval + std::chrono::seconds(1);
-          while (Clock::now() < dump_deadline &&
-                 !flight_records_written(recorder->run_dir(), ranks, began_on_disk)) {
-            ::poll(nullptr, 0, 50);
-          }
-          const std::string flights =
-              flight_report(recorder->run_dir(), info.world_size, began_on_disk);
+          const std::string flights = flight_report_once_written(
+              recorder->run_dir(), info.world_size, began_on_disk, flight_dump_grace(heartbeat));
           if (!flights.empty()) {
             const std::string said = "cohort: " + flights + "\n";
             [[maybe_unused]] const auto also = ::write(2, said.data(), said.size());
