@@ -70,6 +70,14 @@ class ShardOptimizer : public optim::FlatOptimizer {
   using FlatOptimizer::steps_taken;
 };
 
+// A server's state at the last sync(): what a checkpoint writes.
+struct ServerSnapshot {
+  std::vector<at::Tensor> state;  // the optimizer's buffers, in state_buffer_names() order
+  int64_t optimizer_steps = 0;    // the optimizer's step count (Adam's bias)
+  int64_t version = 0;            // updates applied
+  std::vector<int64_t> pushes;    // taken from each worker, by rank
+};
+
 }  // namespace
 
 // One shard's server: a thread that answers every worker's pushes and pulls over TCP.
@@ -102,7 +110,7 @@ struct ParameterServerOptimizer::Server {
   int64_t version = 0;
   std::vector<int64_t> pushes;  // by worker
   std::vector<char> done;       // said goodbye, or closed its connection
-  ParameterServerShard snapshot;
+  ServerSnapshot snapshot;
   std::atomic<bool> stop{false};
   std::thread thread;
 
@@ -138,17 +146,12 @@ struct ParameterServerOptimizer::Server {
   }
 
   void take_snapshot() {
-    snapshot.begin = begin;
-    snapshot.end = end;
-    snapshot.params = shard.detach().clone();
     snapshot.state.clear();
-    const auto names = optimizer->state_buffer_names();
-    const auto buffers = optimizer->state_buffers(0);
-    for (size_t i = 0; i < names.size() && i < buffers.size(); ++i)
-      snapshot.state[names[i]] = buffers[i].detach().clone();
+    for (const auto& buffer : optimizer->state_buffers(0))
+      snapshot.state.push_back(buffer.detach().clone());
     snapshot.optimizer_steps = optimizer->steps_taken(0);
     snapshot.version = version;
-    snapshot.pushes_by_worker = pushes;
+    snapshot.pushes = pushes;
   }
 
   // Waits until every worker said goodbye, up to the group's timeout; then stops the thread.
@@ -429,14 +432,15 @@ ParameterServerOptimizer::ParameterServerOptimizer(
                      " workers: the servers run in the worker processes, so choose 1 to " +
                      std::to_string(world));
   }
-  const std::string algorithm =
-      optim::algorithm_of(*optimizer_, who, "the parameter servers step only those");
+  algorithm_ = optim::algorithm_of(*optimizer_, who, "the parameter servers step only those");
+  const std::string& algorithm = algorithm_;
   if (optimizer_->param_groups().size() != 1) {
     throw UsageError(who + ": the optimizer has " +
                      std::to_string(optimizer_->param_groups().size()) +
                      " param groups; the parameter servers support one, holding the module's "
                      "parameters");
   }
+  state_names_ = optim::state_names_of(algorithm_, optimizer_->param_groups()[0].options());
   auto& c = *client_;
   c.rank = group_.rank();
   c.timeout = group_.timeout();
@@ -593,73 +597,96 @@ void ParameterServerOptimizer::load(torch::serialize::InputArchive& archive) {
   detail::load_wrapped(*this, *optimizer_, archive);
 }
 
-ParameterServerShard ParameterServerOptimizer::checkpoint() const {
-  if (!server_) return {};
-  std::lock_guard lock(server_->mutex);
-  return server_->snapshot;
-}
-
-void ParameterServerOptimizer::restore(const std::vector<ParameterServerShard>& shards) {
-  group_.barrier();
+optim::StateDict ParameterServerOptimizer::state_dict() const {
+  optim::StateDict out;
+  out.shards = mode_.servers;
+  const auto& c = *client_;
   if (server_) {
     auto& s = *server_;
     std::lock_guard lock(s.mutex);
-    torch::NoGradGuard no_grad;
-    const auto names = s.optimizer->state_buffer_names();
-    const auto buffers = s.optimizer->state_buffers(0);
-    for (const auto& b : buffers) b.zero_();
-    if (shards.empty()) {
-      // No server state saved: the shard starts from the module's (loaded) parameters.
-      auto& c = *client_;
-      for (size_t i = 0; i < c.params.size(); ++i) c.view(c.pulled, i).copy_(c.params[i]);
-      s.shard.copy_(c.pulled.narrow(0, s.begin, s.end - s.begin));
-    }
-    int64_t covered = shards.empty() ? s.end - s.begin : 0;
-    for (const auto& shard : shards) {
-      const int64_t from = std::max(shard.begin, s.begin);
-      const int64_t to = std::min(shard.end, s.end);
+    out.shard = s.index;
+    // Each parameter's elements in [begin, end), as ZeRO cuts its shards.
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      const int64_t first = c.offsets[i];
+      const int64_t numel = c.params[i].numel();
+      const int64_t from = std::max(first, s.begin);
+      const int64_t to = std::min(first + numel, s.end);
       if (from >= to) continue;
-      if (shard.params.numel() != shard.end - shard.begin) {
-        throw UsageError("ParameterServerOptimizer: a checkpoint's shard [" +
-                         std::to_string(shard.begin) + ", " + std::to_string(shard.end) +
-                         ") holds " + std::to_string(shard.params.numel()) +
-                         " parameters: the checkpoint is damaged");
+      for (size_t k = 0; k < state_names_.size() && k < s.snapshot.state.size(); ++k) {
+        out.tensors[c.names[i] + "/" + state_names_[k]] =
+            optim::StateTensor{.values = s.snapshot.state[k].narrow(0, from - s.begin, to - from),
+                               .offset = from - first,
+                               .numel = numel};
       }
-      covered += to - from;
-      s.shard.narrow(0, from - s.begin, to - from)
-          .copy_(shard.params.narrow(0, from - shard.begin, to - from));
-      for (size_t i = 0; i < names.size() && i < buffers.size(); ++i) {
-        const auto it = shard.state.find(names[i]);
-        if (it == shard.state.end()) {
-          throw UsageError("ParameterServerOptimizer: the checkpoint has no optimizer state '" +
-                           names[i] + "': it was saved with another optimizer than " +
-                           s.optimizer->algorithm());
+    }
+    out.values = optim::optimizer_state_values(algorithm_, state_names_, s.snapshot.optimizer_steps,
+                                               param_groups()[0].options().get_lr());
+    out.values["version"] = s.snapshot.version;
+    out.values["pushes_by_worker"] = s.snapshot.pushes;
+    return out;
+  }
+  out.values = optim::optimizer_state_values(algorithm_, state_names_, 0,
+                                             param_groups()[0].options().get_lr());
+  return out;
+}
+
+void ParameterServerOptimizer::check_state(const Json& values) const {
+  optim::check_optimizer_state(values, algorithm_, state_names_);
+}
+
+void ParameterServerOptimizer::load_state_dict(const optim::StateDict& state) {
+  check_state(state.values);
+  group_.barrier();
+  const double lr = state.values.value("lr", param_groups()[0].options().get_lr());
+  param_groups()[0].options().set_lr(lr);
+  optimizer_->param_groups()[0].options().set_lr(lr);
+  if (server_) {
+    auto& s = *server_;
+    auto& c = *client_;
+    std::lock_guard lock(s.mutex);
+    torch::NoGradGuard no_grad;
+    // The shard starts from the module's (loaded) parameters.
+    for (size_t i = 0; i < c.params.size(); ++i) c.view(c.pulled, i).copy_(c.params[i]);
+    s.shard.copy_(c.pulled.narrow(0, s.begin, s.end - s.begin));
+    const auto buffers = s.optimizer->state_buffers(0);
+    for (size_t i = 0; i < c.params.size(); ++i) {
+      const int64_t first = c.offsets[i];
+      const int64_t from = std::max(first, s.begin);
+      const int64_t to = std::min(first + c.params[i].numel(), s.end);
+      if (from >= to) continue;
+      for (size_t k = 0; k < state_names_.size() && k < buffers.size(); ++k) {
+        const auto name = c.names[i] + "/" + state_names_[k];
+        const auto found = state.tensors.find(name);
+        if (found == state.tensors.end() || found->second.values.numel() != to - from) {
+          throw UsageError("ParameterServerOptimizer: the state to load holds no " +
+                           state_names_[k] + " of elements [" + std::to_string(from - first) +
+                           ", " + std::to_string(to - first) + ") of parameter '" + c.names[i] +
+                           "': it was written for another model");
         }
-        buffers[i]
-            .narrow(0, from - s.begin, to - from)
-            .copy_(it->second.narrow(0, from - shard.begin, to - from));
+        buffers[k].narrow(0, from - s.begin, to - from).copy_(found->second.values);
       }
     }
-    if (covered != s.end - s.begin) {
-      throw UsageError("ParameterServerOptimizer: the checkpoint's shards cover " +
-                       std::to_string(covered) + " of the " + std::to_string(s.end - s.begin) +
-                       " parameters of server " + std::to_string(s.index) +
-                       ": it was saved from a different model");
-    }
-    if (!shards.empty()) {
-      s.optimizer->set_steps_taken(0, shards.front().optimizer_steps);
-      s.version = shards.front().version;
-      const auto& pushes = shards.front().pushes_by_worker;
-      if (pushes.size() == s.pushes.size()) {
-        s.pushes = pushes;
-      } else {
-        // Another number of workers: every worker starts level with the slowest of before.
-        const int64_t least = pushes.empty() ? 0 : *std::min_element(pushes.begin(), pushes.end());
-        std::fill(s.pushes.begin(), s.pushes.end(), least);
-      }
+    s.optimizer->set_steps_taken(0, state.values.value("steps", int64_t{0}));
+    s.version = state.values.value("version", int64_t{0});
+    const auto pushes = state.values.value("pushes_by_worker", std::vector<int64_t>{});
+    if (pushes.size() == s.pushes.size()) {
+      s.pushes = pushes;
+    } else {
+      // Another number of workers: every worker starts level with the slowest of before.
+      const int64_t least = pushes.empty() ? 0 : *std::min_element(pushes.begin(), pushes.end());
+      std::fill(s.pushes.begin(), s.pushes.end(), least);
     }
   }
   sync();
+}
+
+int ParameterServerOptimizer::checkpoint_rank() const { return group_.rank(); }
+
+bool ParameterServerOptimizer::writes_state() const { return server_ != nullptr; }
+
+void ParameterServerOptimizer::prepare_checkpoint() const {
+  // The servers' state does not change: every rank is only brought to it.
+  const_cast<ParameterServerOptimizer*>(this)->sync();
 }
 
 }  // namespace cohort::parallel

@@ -959,6 +959,22 @@ const comm::ProcessGroup& ZeroOptimizer::process_group() const { return engine_-
 
 int ZeroOptimizer::replica() const { return engine_->replica(); }
 
+int ZeroOptimizer::checkpoint_rank() const { return engine_->group.rank(); }
+
+bool ZeroOptimizer::writes_state() const { return replica() == 0; }
+
+bool ZeroOptimizer::every_rank_saves() const {
+  return replica() == 0 && engine_->group.world_size() > 1;
+}
+
+std::vector<std::string> ZeroOptimizer::sharded_units() const { return unit_names(); }
+
+std::unique_ptr<optim::ParameterGather> ZeroOptimizer::gather_parameters(int64_t unit,
+                                                                         bool write_back) const {
+  if (unit < 0) return std::make_unique<GatheredParameters>(*this, write_back);
+  return std::make_unique<GatheredParameters>(*this, static_cast<size_t>(unit), write_back);
+}
+
 ZeroStats ZeroOptimizer::stats() const {
   std::lock_guard lock(engine_->mutex);
   engine_->update_memory_stats();

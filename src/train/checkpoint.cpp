@@ -9,10 +9,9 @@
 
 #include "cohort/error.h"
 #include "cohort/limits.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/local_sgd.h"
-#include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/pipeline/pipeline.h"
-#include "cohort/parallel/zero_optimizer.h"
 #include "cohort/trace.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
@@ -478,121 +477,18 @@ void load_local_sgd(parallel::LocalSgdOptimizer& local, const torch::nn::Module&
   local.restore(momentum, &own, manifest->value("steps_since_sync", int64_t{0}), stats);
 }
 
-// The asynchronous parameter server: save_checkpoint first synchronises (every worker's pushes
-// applied, every rank holding the servers' parameters); rank 0 writes those as
-// model.safetensors, its optimizer's options and parameter_server.json; every server rank its
-// shard's parameters and optimizer state (ps-shard-rank<s>-of-<S>.safetensors) with the shard's
-// range, version and push counts (.json). Any number of servers and workers loads it: each
-// server reads the ranges of the saved shards that overlap its own.
-constexpr const char* kPsManifest = "parameter_server.json";
-constexpr const char* kPsFormat = "cohort.parameter_server.v1";
-
-void save_parameter_server(const parallel::ParameterServerOptimizer& ps,
-                           const torch::nn::Module& module, const std::filesystem::path& dir) {
-  // The servers' state does not change: every rank is only brought to it.
-  const_cast<parallel::ParameterServerOptimizer&>(ps).sync();
-  const int rank = ps.process_group().rank();
-  if (ps.serves()) {
-    const auto shard = ps.checkpoint();
-    std::map<std::string, at::Tensor> tensors{{"params", shard.params}};
-    for (const auto& [name, tensor] : shard.state) tensors["state/" + name] = tensor;
-    safetensors::write(dir / rank_file("ps-shard", rank, ps.servers(), ".safetensors"), tensors,
-                       {{"format", kPsFormat}});
-    write_atomically(dir / rank_file("ps-shard", rank, ps.servers(), ".json"),
-                     Json{{"begin", shard.begin},
-                          {"end", shard.end},
-                          {"optimizer_steps", shard.optimizer_steps},
-                          {"version", shard.version},
-                          {"pushes_by_worker", shard.pushes_by_worker}}
-                             .dump(2) +
-                         "\n");
-  }
-  if (rank != 0) return;
-  save_model(module, dir / "model.safetensors");
-  save_optimizer(ps, dir / "optimizer.pt");
-  write_atomically(dir / kPsManifest, Json{{"format", kPsFormat},
-                                           {"servers", ps.servers()},
-                                           {"workers", ps.process_group().world_size()},
-                                           {"numel", ps.numel()},
-                                           {"sync", parallel::to_string(ps.mode())}}
-                                              .dump(2) +
-                                          "\n");
-}
-
-void load_parameter_server(parallel::ParameterServerOptimizer& ps,
-                           const std::filesystem::path& dir) {
-  if (std::filesystem::exists(dir / "optimizer.pt")) load_optimizer(ps, dir / "optimizer.pt");
-  if (!std::filesystem::exists(dir / kPsManifest)) {
-    // A checkpoint of another sync mode: the servers start from its parameters (loaded above).
-    ps.restore({});
-    return;
-  }
-  const auto manifest = read_json(dir / kPsManifest);
-  if (manifest.value("format", "") != kPsFormat || manifest.value("servers", 0) < 1) {
-    throw UsageError("checkpoint " + dir.string() + ": " + kPsManifest + " is not a " + kPsFormat +
-                     " manifest: it was altered or written by another program");
-  }
-  if (manifest.value("numel", int64_t{-1}) != ps.numel()) {
-    throw UsageError("checkpoint " + dir.string() + " holds " +
-                     std::to_string(manifest.value("numel", int64_t{-1})) +
-                     " parameters on its servers, the model " + std::to_string(ps.numel()) +
-                     ": it was saved from a different model");
-  }
-  std::vector<parallel::ParameterServerShard> shards;
-  if (ps.serves()) {
-    const int written = manifest["servers"].get<int>();
-    for (int s = 0; s < written; ++s) {
-      const auto tensors_file = dir / rank_file("ps-shard", s, written, ".safetensors");
-      const auto info_file = dir / rank_file("ps-shard", s, written, ".json");
-      if (!std::filesystem::exists(tensors_file) || !std::filesystem::exists(info_file)) {
-        throw UsageError("checkpoint " + dir.string() + " lacks server " + std::to_string(s) +
-                         "'s shard (" + tensors_file.filename().string() + " and .json), which " +
-                         kPsManifest + " lists: the checkpoint is incomplete");
-      }
-      const auto info = read_json(info_file);
-      auto tensors = safetensors::read(tensors_file);
-      parallel::ParameterServerShard shard;
-      shard.begin = info.at("begin").get<int64_t>();
-      shard.end = info.at("end").get<int64_t>();
-      shard.optimizer_steps = info.at("optimizer_steps").get<int64_t>();
-      shard.version = info.at("version").get<int64_t>();
-      shard.pushes_by_worker = info.at("pushes_by_worker").get<std::vector<int64_t>>();
-      for (auto& [name, tensor] : tensors) {
-        if (name == "params") {
-          shard.params = tensor;
-        } else if (name.rfind("state/", 0) == 0) {
-          shard.state[name.substr(6)] = tensor;
-        }
-      }
-      if (!shard.params.defined()) {
-        throw UsageError("checkpoint " + dir.string() + ": " + tensors_file.filename().string() +
-                         " has no 'params': it was altered or written by another program");
-      }
-      shards.push_back(std::move(shard));
-    }
-  }
-  ps.restore(shards);
-}
-
-// Local SGD, DiLoCo and the parameter server keep their optimizer state with their parameters.
-void refuse_zero_shards(const std::filesystem::path& dir) {
-  if (!std::filesystem::exists(dir / kZeroManifest)) return;
-  throw UsageError("checkpoint " + dir.string() +
-                   " holds ZeRO optimizer shards: resume with ZeRO (any stage and number of "
-                   "workers) or DDP; local SGD, DiLoCo and the parameter server keep their "
-                   "state otherwise");
-}
-
 void refuse_replica_optimizer(const torch::optim::Optimizer& optimizer, const char* what,
                               const char* instead) {
-  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) == nullptr &&
-      dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) == nullptr) {
-    return;
-  }
+  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) == nullptr) return;
   throw UsageError(std::string(what) +
-                   ": local SGD, DiLoCo and the parameter server keep their optimizer state with "
-                   "their parameters: use " +
+                   ": local SGD and DiLoCo keep their optimizer state with their parameters: use " +
                    instead);
+}
+
+// This rank's piece of a sharded optimizer's state, where it writes one (see
+// optim::ShardedState), after the group was brought to one state.
+void save_sharded_state(const std::filesystem::path& dir, const optim::ShardedState& sharded) {
+  if (sharded.writes_state()) save_state(dir, detail::kShardedOptimizerPart, sharded.state_dict());
 }
 
 }  // namespace
@@ -601,8 +497,9 @@ void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer) {
   refuse_replica_optimizer(optimizer, "save_optimizer_state", "save_checkpoint");
   std::filesystem::create_directories(dir);
-  if (const auto* sharded = dynamic_cast<const optim::Stateful*>(&optimizer)) {
-    save_state(dir, detail::kShardedOptimizerPart, sharded->state_dict());
+  if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
+    sharded->prepare_checkpoint();
+    save_sharded_state(dir, *sharded);
   } else {
     save_optimizer(optimizer, dir / "optimizer.pt");
   }
@@ -619,8 +516,10 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
       return load_optimizer_parts(parts, optimizer, module);
   }
   if (zero_shards) {
-    // Into ZeRO at any world size and stage, or DDP's whole optimizer.
+    // Into ZeRO at any world size and stage, the parameter server, or DDP's whole optimizer.
     detail::load_zero_shards(optimizer, module, dir);
+  } else if (detail::is_legacy_parameter_server_checkpoint(dir)) {
+    detail::load_legacy_parameter_server(optimizer, module, dir);
   } else if (dynamic_cast<const optim::Stateful*>(&optimizer) != nullptr) {
     // A DDP run's checkpoint: its whole optimizer state, sharded here.
     detail::load_optimizer_file_into_part(optimizer, module, file);
@@ -630,15 +529,9 @@ void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimi
 }
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
-  // HSDP: the other sharding groups hold copies of the first one's shards.
-  if (const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
-      zero != nullptr && zero->replica() > 0)
-    return false;
-  // A part whose state lies in shards over its group (ZeRO's).
-  if (const auto* part = dynamic_cast<const optim::Stateful*>(&optimizer))
-    return part->state_dict().shards > 1;
-  return dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr ||
-         dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer) != nullptr;
+  if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer))
+    return sharded->every_rank_saves();
+  return dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr;
 }
 
 bool is_local_sgd_checkpoint(const std::filesystem::path& dir) {
@@ -651,20 +544,21 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
   std::filesystem::create_directories(dir);
   if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
     save_local_sgd(*local, module, dir);
-  } else if (const auto* ps = dynamic_cast<const parallel::ParameterServerOptimizer*>(&optimizer)) {
-    save_parameter_server(*ps, module, dir);
-  } else {
-    // With ZeRO every rank writes its own shard and rank 0 the parameters (stage 3: while the
-    // group gathers one unit at a time).
-    const auto* zero = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
-    if (zero != nullptr && zero->replica() > 0) {
-      // HSDP: the first sharding group writes; the others hold the same shards.
-    } else if (zero != nullptr && zero->stage() == 3) {
-      detail::save_model_by_unit(*zero, module, dir / "model.safetensors");
-    } else if (zero == nullptr || zero->process_group().rank() == 0) {
-      save_model(module, dir / "model.safetensors");
+  } else if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
+    // Every rank of the group: the model by its first rank (while the group gathers one unit at
+    // a time where the parameters lie in shards), its piece of the state by each.
+    sharded->prepare_checkpoint();
+    if (sharded->writes_state()) {
+      if (!sharded->sharded_units().empty()) {
+        detail::save_model_by_unit(*sharded, module, dir / "model.safetensors");
+      } else if (sharded->checkpoint_rank() == 0) {
+        save_model(module, dir / "model.safetensors");
+      }
+      save_sharded_state(dir, *sharded);
     }
-    if (zero == nullptr || zero->replica() == 0) save_optimizer_state(dir, optimizer);
+  } else {
+    save_model(module, dir / "model.safetensors");
+    save_optimizer(optimizer, dir / "optimizer.pt");
   }
   // fp16: the loss scale and its counters, so that a resumed run scales as the original.
   if (const auto* session = current_session();
@@ -677,8 +571,8 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
   // ZeRO stage 3: every rank loads one unit at a time and keeps its shards of it.
-  const auto* sharded = dynamic_cast<const parallel::ZeroOptimizer*>(&optimizer);
-  if (sharded != nullptr && sharded->stage() == 3) {
+  const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  if (sharded != nullptr && !sharded->sharded_units().empty()) {
     detail::load_model_by_unit(*sharded, module, checkpoint.path() / "model.safetensors");
   } else {
     load_model(module, checkpoint.path() / "model.safetensors");
@@ -686,9 +580,6 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   const auto& dir = checkpoint.path();
   if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
     load_local_sgd(*local, module, dir);
-  } else if (auto* ps = dynamic_cast<parallel::ParameterServerOptimizer*>(&optimizer)) {
-    refuse_zero_shards(dir);
-    load_parameter_server(*ps, dir);
   } else {
     // From a local SGD checkpoint too: the global parameters (loaded above) and its first rank's
     // inner optimizer state on every rank (see whole_optimizer_file).

@@ -60,6 +60,11 @@ class OptimizerAsPart {
   optim::Stateful& part() const { return *part_; }
   // Its algorithm and its options: to read another program's archive as this optimizer's kind.
   std::string algorithm(const char* who) const {
+    // An engine (a part itself) names its own: its optimizer may wrap another.
+    if (!whole_) {
+      if (auto named = part_->state_dict().values.value("algorithm", ""); !named.empty())
+        return named;
+    }
     return optim::algorithm_of(optimizer_, who, "its state moves between SGD, Adam or AdamW only");
   }
   const torch::optim::OptimizerOptions& options() const {
@@ -113,6 +118,14 @@ class StateSource {
     auto state = optim::OptimizerState(*writer, std::move(names)).state_dict();
     out.whole_ = std::move(state.tensors);
     out.values_ = std::move(state.values);
+    return out;
+  }
+
+  // State held in memory: whole tensors by "<parameter>/<state>", and the writer's values.
+  static StateSource whole(std::map<std::string, optim::StateTensor> tensors, Json values) {
+    StateSource out;
+    out.whole_ = std::move(tensors);
+    out.values_ = std::move(values);
     return out;
   }
 
@@ -312,8 +325,8 @@ void load_named_state(const NamedState& state, optim::Stateful& part, optim::Sta
 // than the largest unit is whole at once. Every rank of the group walks the same names.
 class UnitByUnit {
  public:
-  UnitByUnit(const parallel::ZeroOptimizer& zero, bool write_back)
-      : zero_(zero), units_(zero.unit_names()), write_back_(write_back) {}
+  UnitByUnit(const optim::ShardedState& sharded, bool write_back)
+      : sharded_(sharded), units_(sharded.sharded_units()), write_back_(write_back) {}
 
   // Whether every tensor whose storage stage 3 emptied lies in a unit by name: false for a module
   // that names them otherwise than the engine's (e.g. a parent of it), which must gather whole.
@@ -329,7 +342,7 @@ class UnitByUnit {
     if (unit == current_) return;
     gathered_.reset();
     current_ = unit;
-    if (unit >= 0) gathered_.emplace(zero_, static_cast<size_t>(unit), write_back_);
+    if (unit >= 0) gathered_ = sharded_.gather_parameters(unit, write_back_);
   }
 
  private:
@@ -339,12 +352,114 @@ class UnitByUnit {
     return -1;
   }
 
-  const parallel::ZeroOptimizer& zero_;
+  const optim::ShardedState& sharded_;
   std::vector<std::string> units_;
   bool write_back_;
   int64_t current_ = -1;
-  std::optional<parallel::ZeroOptimizer::GatheredParameters> gathered_;
+  std::unique_ptr<optim::ParameterGather> gathered_;
 };
+
+// The first format of a parameter-server checkpoint ("cohort.parameter_server.v1", until
+// cohort 0.x): parameter_server.json, and each server's range of the flat parameters (the
+// module's trainable ones in order, end to end) in ps-shard-rank<s>-of-<S>.safetensors
+// ("state/<name>") with its range, steps, version and pushes in the .json beside it.
+constexpr const char* kLegacyPsManifest = "parameter_server.json";
+constexpr const char* kLegacyPsFormat = "cohort.parameter_server.v1";
+
+// Its whole optimizer state by "<parameter>/<state>" over `module`'s trainable parameters, and
+// values as `target` writes them (its algorithm: the files do not name one) with the files'
+// steps, version and pushes and optimizer.pt's learning rate.
+StateSource legacy_parameter_server_state(const std::filesystem::path& dir,
+                                          const torch::nn::Module& module,
+                                          const OptimizerAsPart& target) {
+  const auto manifest = read_json(dir / kLegacyPsManifest);
+  const int servers = manifest.value("servers", 0);
+  if (manifest.value("format", "") != kLegacyPsFormat || servers < 1) {
+    throw UsageError("checkpoint " + dir.string() + ": " + kLegacyPsManifest + " is not a " +
+                     kLegacyPsFormat + " manifest: it was altered or written by another program");
+  }
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  int64_t numel = 0;
+  for (const auto& p : module.named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    params.emplace_back(p.key(), p.value());
+    numel += p.value().numel();
+  }
+  if (manifest.value("numel", int64_t{-1}) != numel) {
+    throw UsageError("checkpoint " + dir.string() + " holds " +
+                     std::to_string(manifest.value("numel", int64_t{-1})) +
+                     " parameters on its servers, the model " + std::to_string(numel) +
+                     ": it was saved from a different model");
+  }
+  std::map<std::string, at::Tensor> flat;  // by state name, over every parameter
+  Json first;
+  int64_t covered = 0;
+  for (int s = 0; s < servers; ++s) {
+    const auto tensors_file = dir / rank_file("ps-shard", s, servers, ".safetensors");
+    const auto info_file = dir / rank_file("ps-shard", s, servers, ".json");
+    if (!std::filesystem::exists(tensors_file) || !std::filesystem::exists(info_file)) {
+      throw UsageError("checkpoint " + dir.string() + " lacks server " + std::to_string(s) +
+                       "'s shard (" + tensors_file.filename().string() + " and .json), which " +
+                       kLegacyPsManifest + " lists: the checkpoint is incomplete");
+    }
+    const auto info = read_json(info_file);
+    const int64_t begin = info.value("begin", int64_t{-1});
+    const int64_t end = info.value("end", int64_t{-1});
+    if (begin < 0 || end < begin || end > numel) {
+      throw UsageError("checkpoint " + dir.string() + ": " + info_file.filename().string() +
+                       " holds the range [" + std::to_string(begin) + ", " + std::to_string(end) +
+                       ") of " + std::to_string(numel) + " parameters: it was altered");
+    }
+    if (s == 0) first = info;
+    covered += end - begin;
+    for (const auto& [name, tensor] : safetensors::read(tensors_file)) {
+      if (name.rfind("state/", 0) != 0) continue;
+      if (tensor.numel() != end - begin) {
+        throw UsageError("checkpoint " + dir.string() + ": " + tensors_file.filename().string() +
+                         " holds " + std::to_string(tensor.numel()) + " elements of " + name +
+                         " for a range of " + std::to_string(end - begin) + ": it was altered");
+      }
+      auto& whole = flat[name.substr(6)];
+      if (!whole.defined()) whole = at::zeros({numel}, at::kFloat);
+      whole.narrow(0, begin, end - begin).copy_(tensor.reshape({-1}));
+    }
+  }
+  if (covered != numel) {
+    throw UsageError("checkpoint " + dir.string() + ": its servers' shards cover " +
+                     std::to_string(covered) + " of " + std::to_string(numel) +
+                     " parameters: it was altered");
+  }
+  std::map<std::string, optim::StateTensor> tensors;
+  std::vector<std::string> names;
+  for (const auto& [state, whole] : flat) names.push_back(state);
+  int64_t offset = 0;
+  for (const auto& [name, p] : params) {
+    for (const auto& [state, whole] : flat) {
+      tensors[name + "/" + state] = optim::StateTensor{
+          .values = whole.narrow(0, offset, p.numel()), .offset = 0, .numel = p.numel()};
+    }
+    offset += p.numel();
+  }
+  // The writer's algorithm is the reader's when the state kept per element agrees.
+  auto values = target.part().state_dict().values;
+  const auto expected = values.value("state_names", std::vector<std::string>{});
+  if (std::set<std::string>(expected.begin(), expected.end()) ==
+      std::set<std::string>(names.begin(), names.end())) {
+    names = expected;
+  }
+  values["state_names"] = names;
+  values["steps"] = first.value("optimizer_steps", int64_t{0});
+  values["version"] = first.value("version", int64_t{0});
+  values["pushes_by_worker"] = first.value("pushes_by_worker", std::vector<int64_t>{});
+  if (std::filesystem::exists(dir / "optimizer.pt")) {
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+    for (const auto& [name, p] : params) shapes.emplace_back(name, p.sizes().vec());
+    const auto options = StateSource::file(dir / "optimizer.pt", shapes,
+                                           target.algorithm("load_checkpoint"), target.options());
+    values["lr"] = options.values().value("lr", values.value("lr", 0.0));
+  }
+  return StateSource::whole(std::move(tensors), std::move(values));
+}
 
 }  // namespace
 
@@ -353,6 +468,19 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
   NamedState state;
   state.add(StateSource::shards(dir));
   const OptimizerAsPart target(optimizer, module, "load_checkpoint");
+  load_named_state(state, target.part(), target.part().state_dict(), Layout());
+}
+
+bool is_legacy_parameter_server_checkpoint(const std::filesystem::path& dir) {
+  return std::filesystem::exists(dir / kLegacyPsManifest);
+}
+
+void load_legacy_parameter_server(torch::optim::Optimizer& optimizer,
+                                  const torch::nn::Module& module,
+                                  const std::filesystem::path& dir) {
+  const OptimizerAsPart target(optimizer, module, "load_checkpoint");
+  NamedState state;
+  state.add(legacy_parameter_server_state(dir, module, target));
   load_named_state(state, target.part(), target.part().state_dict(), Layout());
 }
 
@@ -371,16 +499,16 @@ void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
   load_named_state(state, target.part(), target.part().state_dict(), Layout());
 }
 
-void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Module& module,
                         const std::filesystem::path& file) {
   const auto tensors = model_tensors(module);
-  UnitByUnit units(zero, /*write_back=*/false);
+  UnitByUnit units(sharded, /*write_back=*/false);
   if (!units.covers(tensors)) {
-    parallel::ZeroOptimizer::GatheredParameters whole(zero);
-    if (zero.process_group().rank() == 0) save_model(module, file);
+    const auto whole = sharded.gather_parameters(-1, /*write_back=*/false);
+    if (sharded.checkpoint_rank() == 0) save_model(module, file);
     return;
   }
-  if (zero.process_group().rank() != 0) {
+  if (sharded.checkpoint_rank() != 0) {
     for (const auto& [name, tensor] : tensors) units.visit(name);  // rank 0's gathers
     return;
   }
@@ -393,7 +521,7 @@ void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Mo
   });
 }
 
-void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& module,
+void load_model_by_unit(const optim::ShardedState& sharded, torch::nn::Module& module,
                         const std::filesystem::path& file) {
   const auto header = safetensors::read_header(file);
   const auto tensors = model_tensors(module);
@@ -402,9 +530,9 @@ void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& 
   for (const auto& [name, info] : header.tensors) shapes[name] = info.shape;
   check_model_file(file, module, shapes);
   torch::NoGradGuard no_grad;
-  UnitByUnit units(zero, /*write_back=*/true);
+  UnitByUnit units(sharded, /*write_back=*/true);
   if (!units.covers(tensors)) {
-    parallel::ZeroOptimizer::GatheredParameters whole(zero, /*write_back=*/true);
+    const auto whole = sharded.gather_parameters(-1, /*write_back=*/true);
     load_model(module, file);
     return;
   }

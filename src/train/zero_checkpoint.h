@@ -9,12 +9,13 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include "cohort/parallel/zero_optimizer.h"
+#include "cohort/optim/state_dict.h"
 #include "train/state_files.h"
 
 namespace cohort::train::detail {
 
-// A sharded optimizer's state (ZeRO's) is the part of this name in a checkpoint (save_state).
+// A sharded optimizer's state (ZeRO's, the parameter server's) is the part of this name in a
+// checkpoint (save_state).
 inline constexpr const char* kShardedOptimizerPart = "zero";
 inline constexpr const char* kZeroManifest = "zero_manifest.json";  // its manifest
 
@@ -30,6 +31,15 @@ std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir);
 // AdamW over `module`'s parameters: every parameter's state read whole).
 void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                       const std::filesystem::path& dir);
+// Whether `dir` is a parameter-server checkpoint of the first format (parameter_server.json):
+// each server's flat range in its own files.
+bool is_legacy_parameter_server_checkpoint(const std::filesystem::path& dir);
+// Its optimizer state into `optimizer` (the parameter server at any number of servers, ZeRO, or
+// a whole optimizer over `module`'s parameters): every parameter's state by name, as the shards
+// of the current format load.
+void load_legacy_parameter_server(torch::optim::Optimizer& optimizer,
+                                  const torch::nn::Module& module,
+                                  const std::filesystem::path& dir);
 // A DDP checkpoint's optimizer.pt (written by torch::optim's or a flat optimizer of the same
 // algorithm over `module`'s parameters) into an optimizer that is a part with state itself
 // (optim::Stateful: ZeRO's shard of it).
@@ -37,14 +47,15 @@ void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
                                    const torch::nn::Module& module,
                                    const std::filesystem::path& file);
 
-// ZeRO stage 3: the module's parameters and buffers as one safetensors file (save_model's), written
-// by rank 0 while the group gathers one unit at a time: no rank holds more than the largest unit
-// beyond its shards. Every rank of the group calls it.
-void save_model_by_unit(const parallel::ZeroOptimizer& zero, const torch::nn::Module& module,
+// ZeRO stage 3 (parameters in shards, optim::ShardedState::sharded_units): the module's parameters
+// and buffers as one safetensors file (save_model's), written by rank 0 while the group gathers one
+// unit at a time: no rank holds more than the largest unit beyond its shards. Every rank of the
+// group calls it.
+void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Module& module,
                         const std::filesystem::path& file);
 // Its inverse (load_model's checks and errors): every rank reads each unit's tensors while that
 // unit is gathered and keeps its shards of them.
-void load_model_by_unit(const parallel::ZeroOptimizer& zero, torch::nn::Module& module,
+void load_model_by_unit(const optim::ShardedState& sharded, torch::nn::Module& module,
                         const std::filesystem::path& file);
 
 }  // namespace cohort::train::detail

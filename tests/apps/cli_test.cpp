@@ -1138,8 +1138,9 @@ TEST_F(Cli, AsyncParameterServerTrainsReportsStalenessAndResumes) {
   EXPECT_GT(ps["test_accuracy"].get<double>(), ddp["test_accuracy"].get<double>() - 0.15)
       << "ddp " << ddp["test_accuracy"] << ", async-ps " << ps["test_accuracy"];
   const auto checkpoint = dir / "runs" / "ps" / "checkpoint_000000";
-  for (const char* file : {"parameter_server.json", "ps-shard-rank0-of-2.safetensors",
-                           "ps-shard-rank1-of-2.safetensors", "ps-shard-rank1-of-2.json"})
+  // The servers' optimizer state as ZeRO's shards, by parameter name.
+  for (const char* file :
+       {"zero_manifest.json", "zero-rank0-of-2.safetensors", "zero-rank1-of-2.safetensors"})
     EXPECT_TRUE(std::filesystem::exists(checkpoint / file)) << file;
   // Resumed, also with one server instead of two (the shards are read where they overlap).
   r = train(

@@ -7,8 +7,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <future>
+#include <map>
 #include <mutex>
 
 #include "cohort/error.h"
@@ -204,10 +206,35 @@ TEST(ParameterServer, AWorkerMoreThanKStepsAheadWaitsForTheSlowest) {
       {.timeout = std::chrono::milliseconds(1500)});
 }
 
-// sync() brings every rank to the servers' parameters; the servers' state at that point is a
-// checkpoint that restores exactly, into as many servers or another number of them.
-TEST(ParameterServer, ShardsRestoreIntoAnyNumberOfServers) {
-  std::vector<ParameterServerShard> saved(2);
+// What train::load_state does with files, from states in memory: each piece `wanted` holds is
+// copied from the pieces of `saved` that overlap it; the values are the first's.
+optim::StateDict fill(optim::StateDict wanted, const std::vector<optim::StateDict>& saved) {
+  torch::NoGradGuard no_grad;
+  for (auto& [name, piece] : wanted.tensors) {
+    int64_t covered = 0;
+    for (const auto& state : saved) {
+      const auto found = state.tensors.find(name);
+      if (found == state.tensors.end()) continue;
+      const auto& from = found->second;
+      const int64_t lo = std::max(piece.offset, from.offset);
+      const int64_t hi =
+          std::min(piece.offset + piece.values.numel(), from.offset + from.values.numel());
+      if (lo >= hi) continue;
+      piece.values.narrow(0, lo - piece.offset, hi - lo)
+          .copy_(from.values.narrow(0, lo - from.offset, hi - lo));
+      covered += hi - lo;
+    }
+    EXPECT_EQ(covered, piece.values.numel()) << name;
+  }
+  wanted.values = saved.front().values;
+  return wanted;
+}
+
+// sync() brings every rank to the servers' parameters; the servers' optimizer state at that
+// point is a checkpoint's part cut as ZeRO's (by parameter name), which loads exactly into as
+// many servers or another number of them.
+TEST(ParameterServer, StateLoadsIntoAnyNumberOfServers) {
+  std::vector<optim::StateDict> saved(2);
   std::vector<torch::Tensor> synced;
   std::mutex mutex;
   run_ranks(2, [&](comm::ProcessGroup& group) {
@@ -217,23 +244,31 @@ TEST(ParameterServer, ShardsRestoreIntoAnyNumberOfServers) {
     ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
                                 {.max_staleness = 1, .servers = 2});
     for (int step = 0; step < 5; ++step) train_step(net, ps, group.rank(), step);
-    ps.sync();
+    ps.prepare_checkpoint();
+    EXPECT_TRUE(ps.writes_state());
+    auto state = ps.state_dict();
+    for (auto& [name, piece] : state.tensors) piece.values = piece.values.clone();
     std::lock_guard lock(mutex);
-    saved[static_cast<size_t>(group.rank())] = ps.checkpoint();
+    saved[static_cast<size_t>(group.rank())] = std::move(state);
     if (group.rank() == 0) synced = parameters_of(*net);
   });
-  ASSERT_EQ(saved[0].end, saved[1].begin);
-  EXPECT_EQ(saved[0].version, 10) << "two workers, five pushes each";
-  EXPECT_EQ(saved[1].pushes_by_worker, (std::vector<int64_t>{5, 5}));
-  ASSERT_EQ(saved[0].state.count("exp_avg_sq"), 1u);
-  const auto whole_params = torch::cat({saved[0].params, saved[1].params});
-  const auto whole_exp_avg = torch::cat({saved[0].state["exp_avg"], saved[1].state["exp_avg"]});
-  // The servers' parameters are what every rank holds after sync().
-  int64_t offset = 0;
-  for (const auto& p : synced) {
-    EXPECT_TRUE(torch::equal(whole_params.narrow(0, offset, p.numel()).view(p.sizes()), p));
-    offset += p.numel();
+  EXPECT_EQ(saved[0].shard, 0);
+  EXPECT_EQ(saved[1].shards, 2);
+  EXPECT_EQ(saved[0].values["version"], 10) << "two workers, five pushes each";
+  EXPECT_EQ(saved[0].values["pushes_by_worker"], Json::array({5, 5}));
+  EXPECT_EQ(saved[0].values["steps"], 10);
+  EXPECT_EQ(saved[0].values["algorithm"], "adam");
+  // Every element of every parameter's state is in exactly one server's pieces.
+  std::map<std::string, torch::Tensor> whole;
+  for (const auto& state : saved) {
+    for (const auto& [name, piece] : state.tensors) {
+      auto& w = whole[name];
+      if (!w.defined()) w = torch::full({piece.numel}, std::nan(""));
+      w.narrow(0, piece.offset, piece.values.numel()).copy_(piece.values);
+    }
   }
+  ASSERT_EQ(whole.size(), 2 * synced.size()) << "exp_avg and exp_avg_sq of every parameter";
+  for (const auto& [name, w] : whole) EXPECT_FALSE(w.isnan().any().item<bool>()) << name;
   for (const int world : {1, 3}) {
     run_ranks(world, [&](comm::ProcessGroup& group) {
       auto net = make_net();
@@ -245,32 +280,39 @@ TEST(ParameterServer, ShardsRestoreIntoAnyNumberOfServers) {
           std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01));
       ParameterServerOptimizer ps(net.ptr(), std::move(inner), group,
                                   {.max_staleness = 1, .servers = world});
-      ps.restore(saved);
-      const auto mine = ps.checkpoint();
-      if (!ps.serves()) return;
-      EXPECT_TRUE(torch::equal(mine.params, whole_params.slice(0, mine.begin, mine.end)));
-      EXPECT_TRUE(
-          torch::equal(mine.state.at("exp_avg"), whole_exp_avg.slice(0, mine.begin, mine.end)));
-      EXPECT_EQ(mine.optimizer_steps, saved[0].optimizer_steps);
-      EXPECT_EQ(mine.version, 10);
+      ps.load_state_dict(fill(ps.state_dict(), saved));
+      // Loaded, synchronised again: the state is the saved one, cut for `world` servers.
+      ps.prepare_checkpoint();
+      const auto mine = ps.state_dict();
+      EXPECT_EQ(mine.values["version"], 10);
+      EXPECT_EQ(mine.values["steps"], 10);
+      for (const auto& [name, piece] : mine.tensors) {
+        EXPECT_TRUE(torch::equal(piece.values,
+                                 whole.at(name).narrow(0, piece.offset, piece.values.numel())))
+            << name << " on " << world << " servers";
+      }
+      for (size_t i = 0; i < synced.size(); ++i)
+        EXPECT_TRUE(torch::equal(net->parameters()[i], synced[i]));
     });
   }
-  // A shard that does not cover the parameters, or another optimizer's state, is refused.
+  // A state without a piece of this server's range, or another optimizer's, is refused.
   run_ranks(1, [&](comm::ProcessGroup& group) {
     auto net = make_net();
     auto inner =
         std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(0.01));
     ParameterServerOptimizer ps(net.ptr(), std::move(inner), group, {.servers = 1});
-    testing::expect_error<UsageError>([&] { ps.restore({saved[0]}); },
-                                      "it was saved from a different model");
+    auto partial = fill(ps.state_dict(), saved);
+    partial.tensors.erase(partial.tensors.begin());
+    testing::expect_error<UsageError>([&] { ps.load_state_dict(partial); },
+                                      "it was written for another model");
   });
   run_ranks(1, [&](comm::ProcessGroup& group) {
     auto net = make_net();
     auto inner = std::make_unique<torch::optim::SGD>(net->parameters(),
                                                      torch::optim::SGDOptions(0.1).momentum(0.9));
     ParameterServerOptimizer ps(net.ptr(), std::move(inner), group, {.servers = 1});
-    testing::expect_error<UsageError>([&] { ps.restore(saved); },
-                                      "saved with another optimizer than sgd");
+    testing::expect_error<UsageError>([&] { ps.check_state(saved[0].values); },
+                                      "resume with the optimizer that wrote it");
   });
 }
 

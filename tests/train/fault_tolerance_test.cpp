@@ -166,7 +166,7 @@ TEST_F(FaultTolerance, AKilledParameterServerRestartsFromItsShard) {
   EXPECT_EQ(result.failures[0]["rank"], 1) << result.failures[0].dump();
   EXPECT_TRUE(result.failures[0]["restarted"].get<bool>());
   const auto shards = result.checkpoint->path();
-  EXPECT_TRUE(std::filesystem::exists(shards / "ps-shard-rank1-of-2.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(shards / "zero-rank1-of-2.safetensors"));
 }
 
 TEST_F(FaultTolerance, WithoutRestartsTheFailureIsTheResult) {

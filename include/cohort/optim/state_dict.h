@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,46 @@ class Stateful {
   virtual void check_state(const Json& values) const { (void)values; }
   /// Takes `state`: state_dict()'s tensors, filled, and the checkpoint's values.
   virtual void load_state_dict(const StateDict& state) = 0;
+};
+
+/// What ShardedState::gather_parameters returns: while it lives, the parameters it gathered are
+/// whole on every rank of the group.
+class ParameterGather {
+ public:
+  virtual ~ParameterGather() = default;
+};
+
+/// An optimizer whose state lies in shards over a group of ranks (ZeRO's, the parameter
+/// server's): a Stateful part with OptimizerState's names ("<parameter>/<state>"), so that any of
+/// them loads into any other and into a whole optimizer. train's checkpointer asks it, not its
+/// type, which rank writes what.
+class ShardedState : public Stateful {
+ public:
+  /// This rank's index in the group whose first rank writes the model and the state's manifest.
+  virtual int checkpoint_rank() const = 0;
+  /// Whether this rank writes its piece of the state: false where another rank holds the same
+  /// (ZeRO's sharding groups after the first) or none (the parameter server's ranks that run no
+  /// server).
+  virtual bool writes_state() const = 0;
+  /// Whether every rank of the group must save and load checkpoints (a collective, or its own
+  /// files), rather than one.
+  virtual bool every_rank_saves() const = 0;
+  /// Brings the group to one state before a checkpoint is taken: a collective that every rank
+  /// calls (the parameter server applies every push, and every rank takes the servers'
+  /// parameters). Nothing by default.
+  virtual void prepare_checkpoint() const {}
+  /// The units whose parameters lie in shards between steps (ZeRO-3's), by their names in the
+  /// module (their parameters' names start with "<name>."); empty by default (none).
+  virtual std::vector<std::string> sharded_units() const { return {}; }
+  /// Unit `unit` (an index of sharded_units()), or every unit when `unit` is negative, whole on
+  /// every rank while the result lives; with `write_back` this rank's shards are cut anew from
+  /// the parameters when it ends (after a load). A collective: every rank of the group calls it.
+  /// Nothing to gather by default (an empty guard).
+  virtual std::unique_ptr<ParameterGather> gather_parameters(int64_t unit, bool write_back) const {
+    (void)unit;
+    (void)write_back;
+    return std::make_unique<ParameterGather>();
+  }
 };
 
 /// The values every optimizer's state dict holds: its algorithm ("sgd", "adam", "adamw"), the

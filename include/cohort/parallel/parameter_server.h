@@ -9,6 +9,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/sync_mode.h"
 
 namespace cohort::parallel {
@@ -26,19 +27,6 @@ struct ParameterServerStats {
   }
 };
 
-/// What one server holds: its range of the flat parameters (the module's trainable parameters
-/// in registration order, laid end to end), their optimizer state, its version (the updates it
-/// applied) and the pushes it took from each worker.
-struct ParameterServerShard {
-  int64_t begin = 0;                        ///< the shard's first element of the flat parameters
-  int64_t end = 0;                          ///< one past its last
-  at::Tensor params;                        ///< float32, end - begin elements
-  std::map<std::string, at::Tensor> state;  ///< e.g. exp_avg, exp_avg_sq, of the same size
-  int64_t optimizer_steps = 0;              ///< the optimizer's step count (Adam's bias)
-  int64_t version = 0;                      ///< updates applied
-  std::vector<int64_t> pushes_by_worker;    ///< by rank
-};
-
 /// The optimizer of a model trained with an asynchronous parameter server. The first S ranks of
 /// the group each run a server (a thread of the worker process) that holds one contiguous shard
 /// of the parameters and that shard's optimizer state (the wrapped optimizer's algorithm and
@@ -51,7 +39,7 @@ struct ParameterServerShard {
 ///
 /// Each push is one update with the learning rate as given (TensorFlow's ParameterServerStrategy
 /// does the same): with W workers the servers take W updates per round of steps.
-class ParameterServerOptimizer : public torch::optim::Optimizer {
+class ParameterServerOptimizer : public torch::optim::Optimizer, public optim::ShardedState {
  public:
   /// `mode.servers` >= 1 and at most the group's size (UsageError otherwise); the module's
   /// trainable parameters must be `optimizer`'s (one param group), float32.
@@ -66,7 +54,7 @@ class ParameterServerOptimizer : public torch::optim::Optimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
   /// Every rank at the same point (e.g. the end of an epoch): waits until every worker's pushes
   /// are applied, then every rank takes the servers' parameters, so that all hold one model; the
-  /// servers' state at that point is what checkpoint() returns. A collective of the group.
+  /// servers' state at that point is what state_dict() holds. A collective of the group.
   void sync();
 
   /// The wrapped optimizer's param groups and options (its state is on the servers).
@@ -90,14 +78,28 @@ class ParameterServerOptimizer : public torch::optim::Optimizer {
   std::vector<std::pair<int64_t, int64_t>> shard_ranges() const;
   /// The address this rank's server listens on ("host:port"; empty where it serves none).
   std::string server_address() const;
-  /// This rank's server's state at the last sync() (an empty shard where it serves none).
-  ParameterServerShard checkpoint() const;
+  /// This rank's server's optimizer state at the last sync() as a checkpoint's part (see
+  /// optim::ShardedState): ZeRO's names and cut, "<parameter>/<state>" pieces of the parameters
+  /// in the server's range; shard = the server's index of servers() (nothing where it serves
+  /// none). The values are optim::optimizer_state_values, the servers' version and the pushes
+  /// they took from each worker.
+  optim::StateDict state_dict() const override;
+  /// See optim::Stateful and optim::check_optimizer_state.
+  void check_state(const Json& values) const override;
   /// Collective: after the module's parameters were loaded (the same on every rank), each server
-  /// takes its range of `shards` (saved by any number of servers: ranges are read where they
-  /// overlap), and every worker its versions; with no shards (a checkpoint of another sync mode)
-  /// each server starts from the module's parameters with fresh optimizer state. Throws
-  /// UsageError when the shards do not cover the parameters or were saved from another algorithm.
-  void restore(const std::vector<ParameterServerShard>& shards);
+  /// takes them and its range of `state`'s pieces (written by any number of servers, by ZeRO at
+  /// any stage, or by a whole optimizer), and every worker the version and pushes of the values
+  /// (a state without them, e.g. ZeRO's, starts the counts at 0). Then sync().
+  void load_state_dict(const optim::StateDict& state) override;
+  /// See optim::ShardedState: the rank in process_group().
+  int checkpoint_rank() const override;
+  /// See optim::ShardedState: whether this rank serves.
+  bool writes_state() const override;
+  /// See optim::ShardedState: true (saving synchronises the group).
+  bool every_rank_saves() const override { return true; }
+  /// See optim::ShardedState: sync(). The servers' state does not change; every rank is brought
+  /// to it.
+  void prepare_checkpoint() const override;
 
  private:
   struct Server;
@@ -106,6 +108,8 @@ class ParameterServerOptimizer : public torch::optim::Optimizer {
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   comm::ProcessGroup group_;
   AsyncParameterServer mode_;
+  std::string algorithm_;                 ///< "sgd", "adam" or "adamw"
+  std::vector<std::string> state_names_;  ///< the state it keeps per element
   std::unique_ptr<Server> server_;
   std::unique_ptr<Client> client_;
   ParameterServerStats stats_;

@@ -126,7 +126,7 @@ struct ZeroStats {
 /// 0's parameters and buffers. All trainable parameters must share one dtype and device, and
 /// `optimizer` (torch::optim's or cohort's flat SGD, Adam or AdamW) must have one param group
 /// holding exactly them: its algorithm and options are taken over, its state is not.
-class ZeroOptimizer : public optim::FlatOptimizer, public optim::Stateful {
+class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
  public:
   struct Engine;  ///< defined in src/parallel/zero_optimizer.cpp
 
@@ -164,13 +164,13 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::Stateful {
   /// (after a load: every rank loaded the same values). Stages 1 and 2: nothing to do.
   /// Stage 3 also gathers one unit at a time (`unit` indexes unit_names()), to hold no more than
   /// the largest unit while every parameter is read or written (checkpoints do).
-  class GatheredParameters {
+  class GatheredParameters : public optim::ParameterGather {
    public:
     /// Every unit gathered (see the class comment).
     explicit GatheredParameters(const ZeroOptimizer& zero, bool write_back = false);
     /// Unit `unit` alone gathered.
     GatheredParameters(const ZeroOptimizer& zero, size_t unit, bool write_back = false);
-    ~GatheredParameters();
+    ~GatheredParameters() override;
     GatheredParameters(const GatheredParameters&) = delete;
     GatheredParameters& operator=(const GatheredParameters&) = delete;
 
@@ -227,6 +227,18 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::Stateful {
   void check_state(const Json& values) const override;
   /// See optim::Stateful: the shard's pieces, the steps and the learning rate of every group.
   void load_state_dict(const optim::StateDict& state) override;
+
+  /// See optim::ShardedState: this rank's in process_group().
+  int checkpoint_rank() const override;
+  /// See optim::ShardedState: the first sharding group's ranks (replica() 0).
+  bool writes_state() const override;
+  /// See optim::ShardedState: with more than one rank in process_group() and replica() 0.
+  bool every_rank_saves() const override;
+  /// See optim::ShardedState: unit_names().
+  std::vector<std::string> sharded_units() const override;
+  /// See optim::ShardedState: a GatheredParameters.
+  std::unique_ptr<optim::ParameterGather> gather_parameters(int64_t unit,
+                                                            bool write_back) const override;
 
  private:
   explicit ZeroOptimizer(std::shared_ptr<Engine> engine);

@@ -83,17 +83,19 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
 void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part);
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
-/// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With a
-/// ZeroOptimizer or LocalSgdOptimizer every rank writes its part (see checkpoint_per_rank); with
+/// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With an
+/// optimizer whose state lies in shards (optim::ShardedState: ZeRO's, the parameter server's) or
+/// a LocalSgdOptimizer every rank calls it and writes its part (see checkpoint_per_rank); with
 /// ZeRO's sharding groups (HSDP) the ranks of the first group do, the others write nothing.
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
 /// The optimizer's part of save_checkpoint and load_checkpoint alone, for loops that keep their
-/// model otherwise (a pipeline's stages): `dir` (created) gets optimizer.pt, or with a
-/// ZeroOptimizer this rank's shards (every rank of its group calls it then). Either loads into
-/// either: shards into ZeRO at any world size and stage, or into the whole optimizer over
-/// `module`'s parameters; optimizer.pt into ZeRO's shard of it. Local SGD, DiLoCo and the
-/// parameter server keep their state with the parameters: UsageError (use save_checkpoint).
+/// model otherwise (a pipeline's stages): `dir` (created) gets optimizer.pt, or with an
+/// optim::ShardedState (ZeRO's, the parameter server's) this rank's shards (every rank of its
+/// group calls it then). Either loads into either: shards into ZeRO at any world size and stage,
+/// into the parameter server at any number of servers, or into the whole optimizer over
+/// `module`'s parameters; optimizer.pt into a shard of it. Local SGD and DiLoCo keep their state
+/// with the parameters: UsageError (use save_checkpoint).
 void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer);
 /// Loads save_optimizer_state's files of `dir` into `optimizer` over `module`'s parameters, at
@@ -134,8 +136,9 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
                           torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                           const std::vector<OptimizerPart::Parameter>& layout = {});
 /// Whether every rank must call save_checkpoint (and report the result) for `optimizer`: ZeRO's
-/// shards (with sharding groups, the first group's ranks), local SGD's per-rank parameters and
-/// state. Otherwise rank 0's files are the checkpoint.
+/// shards (with sharding groups, the first group's ranks), the parameter server's (saving
+/// synchronises the group), local SGD's per-rank parameters and state. Otherwise rank 0's files
+/// are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
 /// Whether `dir` is save_checkpoint's folder of a LocalSgdOptimizer (local SGD or DiLoCo: the
 /// global parameters, every rank's own and its inner state). A synchronous run loads it too (its
