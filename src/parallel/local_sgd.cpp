@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <map>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -165,40 +167,152 @@ std::map<std::string, at::Tensor> LocalSgdOptimizer::outer_momentum() const {
   return flat_->named(flat_->momentum);
 }
 
-void LocalSgdOptimizer::restore(const std::map<std::string, at::Tensor>& momentum,
-                                const std::map<std::string, at::Tensor>* local,
-                                int64_t steps_since_sync, const LocalSgdStats& stats) {
+namespace {
+
+// A local SGD checkpoint's tensors, by what they are (see optim::kReplicasPart).
+constexpr const char* kReplica = optim::kReplicaTensors;    // a rank's parameters and buffers
+constexpr const char* kInner = optim::kInnerTensors;        // its inner optimizer's state
+constexpr const char* kMomentum = optim::kMomentumTensors;  // DiLoCo's outer momentum
+
+// Rank `rank`'s piece, `values` (n elements, flattened), of a tensor over `world` ranks.
+optim::StateTensor rank_piece(const at::Tensor& values, int rank, int world) {
+  const int64_t n = values.numel();
+  return {.values = values.reshape({-1}), .offset = rank * n, .numel = world * n};
+}
+
+}  // namespace
+
+optim::OptimizerState LocalSgdOptimizer::inner_state() const {
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& p : module_->named_parameters())
+    names[p.value().unsafeGetTensorImpl()] = p.key();
+  std::vector<std::string> in_order;
+  for (const auto& g : inner_->param_groups()) {
+    for (const auto& p : g.params()) {
+      const auto found = names.find(p.unsafeGetTensorImpl());
+      in_order.push_back(found == names.end() ? std::string() : found->second);
+    }
+  }
+  try {
+    return optim::OptimizerState(*inner_, std::move(in_order));
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("LocalSgdOptimizer: a checkpoint keeps the inner optimizer's "
+                                 "state by parameter name, for SGD, Adam or AdamW with one param "
+                                 "group: ") +
+                     e.what());
+  }
+}
+
+optim::StateDict LocalSgdOptimizer::state_dict() const {
+  const auto& f = *flat_;
+  const int rank = group_.rank();
+  const int world = group_.world_size();
+  optim::StateDict out;
+  out.shard = rank;
+  out.shards = world;
+  for (size_t i = 0; i < f.params.size(); ++i)
+    out.tensors[kReplica + f.names[i]] = rank_piece(f.params[i].detach(), rank, world);
+  for (const auto& b : module_->named_buffers())
+    out.tensors[kReplica + b.key()] = rank_piece(b.value().detach(), rank, world);
+  auto inner = inner_state().state_dict();
+  for (auto& [name, piece] : inner.tensors)
+    out.tensors[kInner + name] = rank_piece(piece.values, rank, world);
+  if (rank == 0 && f.momentum.defined()) {
+    for (size_t i = 0; i < f.params.size(); ++i)
+      out.tensors[kMomentum + f.names[i]] = rank_piece(f.view(f.momentum, i), 0, 1);
+  }
+  out.values = std::move(inner.values);
+  out.values["lr"] = param_groups_.front().options().get_lr();
+  out.values["world_size"] = world;
+  out.values["sync"] = to_string(mode_);
+  out.values["momentum"] = f.momentum.defined();
+  out.values["steps_since_sync"] = steps_since_sync_;
+  out.values["inner_steps"] = stats_.inner_steps;
+  out.values["outer_steps"] = stats_.outer_steps;
+  return out;
+}
+
+void LocalSgdOptimizer::check_state(const Json& values) const { inner_state().check_state(values); }
+
+optim::StateDict LocalSgdOptimizer::state_to_load(const Json& values) const {
+  const auto inner = inner_state().state_dict();
+  optim::StateDict out;
+  auto empty_like = [](const optim::StateTensor& piece) {
+    return at::empty({piece.values.numel()}, piece.values.options());
+  };
+  if (!values.contains("world_size")) {
+    // A whole optimizer's state: the inner optimizer's, by name.
+    for (const auto& [name, piece] : inner.tensors)
+      out.tensors[name] = {.values = empty_like(piece), .offset = 0, .numel = piece.numel};
+    return out;
+  }
+  const int written = values["world_size"].get<int>();
+  const int rank = group_.rank();
+  const int world = group_.world_size();
+  // As many ranks: each its own replica; another number: the state of rank (rank mod written).
+  const int from = written == world ? rank : rank % written;
+  for (const auto& [name, piece] : inner.tensors)
+    out.tensors[kInner + name] = rank_piece(empty_like(piece), from, written);
+  const auto& f = *flat_;
+  if (written == world) {
+    for (size_t i = 0; i < f.params.size(); ++i)
+      out.tensors[kReplica + f.names[i]] = rank_piece(at::empty_like(f.params[i]), rank, world);
+    for (const auto& b : module_->named_buffers())
+      out.tensors[kReplica + b.key()] = rank_piece(at::empty_like(b.value()), rank, world);
+  }
+  if (f.momentum.defined() && values.value("momentum", false)) {
+    for (size_t i = 0; i < f.params.size(); ++i)
+      out.tensors[kMomentum + f.names[i]] = rank_piece(at::empty_like(f.params[i]), 0, 1);
+  }
+  return out;
+}
+
+void LocalSgdOptimizer::load_state_dict(const optim::StateDict& state) {
   torch::NoGradGuard no_grad;
   auto& f = *flat_;
-  f.take_global_from_params();
-  auto take = [&](const std::map<std::string, at::Tensor>& from, const std::string& name,
-                  at::Tensor target, const char* what) {
-    auto it = from.find(name);
-    if (it == from.end() || it->second.numel() != target.numel()) {
-      throw UsageError(
-          "LocalSgdOptimizer: the checkpoint's " + std::string(what) + " has " +
-          (it == from.end() ? "no tensor '" + name + "'" : "another shape for '" + name + "'") +
-          ": it was saved from a different model");
+  const bool own = state.values.contains("world_size");
+  auto take = [&](const std::string& name, at::Tensor target) {
+    const auto found = state.tensors.find(name);
+    if (found == state.tensors.end() || found->second.values.numel() != target.numel()) {
+      throw UsageError("LocalSgdOptimizer: the state to load has " +
+                       (found == state.tensors.end() ? "no tensor '" + name + "'"
+                                                     : "another size for '" + name + "'") +
+                       ": it was written for a different model");
     }
-    target.copy_(it->second.reshape(target.sizes()));
+    target.copy_(found->second.values.view(target.sizes()));
   };
+  // The inner optimizer's state, steps and learning rate.
+  auto inner = inner_state();
+  auto wanted = inner.state_dict();
+  for (auto& [name, piece] : wanted.tensors) {
+    const auto found = state.tensors.find(own ? kInner + name : name);
+    if (found == state.tensors.end()) {
+      throw UsageError("LocalSgdOptimizer: the state to load holds no inner optimizer state '" +
+                       name + "': it was written for a different model");
+    }
+    piece.values = found->second.values;
+  }
+  wanted.values = state.values;
+  inner.load_state_dict(wanted);
+  param_groups_.front().options().set_lr(
+      state.values.value("lr", param_groups_.front().options().get_lr()));
+  // The module's (loaded) parameters are the global ones; a replica continues from its own.
+  f.take_global_from_params();
   if (f.momentum.defined()) {
     f.momentum.zero_();
-    if (!momentum.empty()) {
+    if (own && state.values.value("momentum", false)) {
       for (size_t i = 0; i < f.params.size(); ++i)
-        take(momentum, f.names[i], f.view(f.momentum, i), "outer momentum");
+        take(kMomentum + f.names[i], f.view(f.momentum, i));
     }
   }
   steps_since_sync_ = 0;
-  if (local != nullptr) {
-    for (size_t i = 0; i < f.params.size(); ++i)
-      take(*local, f.names[i], f.params[i], "local parameters");
-    for (const auto& b : module_->named_buffers())
-      take(*local, b.key(), b.value(), "local buffers");
-    steps_since_sync_ = steps_since_sync;
+  if (state.tensors.count(kReplica + f.names.front()) > 0) {
+    for (size_t i = 0; i < f.params.size(); ++i) take(kReplica + f.names[i], f.params[i]);
+    for (const auto& b : module_->named_buffers()) take(kReplica + b.key(), b.value());
+    steps_since_sync_ = state.values.value("steps_since_sync", int64_t{0});
   }
-  stats_.inner_steps = stats.inner_steps;
-  stats_.outer_steps = stats.outer_steps;
+  stats_.inner_steps = own ? state.values.value("inner_steps", int64_t{0}) : 0;
+  stats_.outer_steps = own ? state.values.value("outer_steps", int64_t{0}) : 0;
 }
 
 }  // namespace cohort::parallel

@@ -10,7 +10,6 @@
 #include "cohort/error.h"
 #include "cohort/limits.h"
 #include "cohort/optim/state_dict.h"
-#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/trace.h"
 #include "train/model_file.h"
@@ -374,128 +373,63 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 namespace {
 
 using detail::kZeroManifest;
-using detail::rank_file;
 
-// Local SGD and DiLoCo: rank 0 writes the global parameters as model.safetensors, the outer
-// momentum and local_sgd.json; every rank its own parameters and inner optimizer state, which
-// differ between synchronisations. Loaded by as many ranks, each continues exactly; by another
-// number, all start a new period from the global parameters.
-constexpr const char* kLocalSgdManifest = "local_sgd.json";
-constexpr const char* kLocalSgdFormat = "cohort.local_sgd.v1";
-constexpr const char* kOuterMomentumFile = "outer_momentum.safetensors";
-
-void save_local_sgd(const parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
-                    const std::filesystem::path& dir) {
-  const auto& group = local.process_group();
-  const int rank = group.rank();
-  const int world = group.world_size();
-  save_model(module, dir / rank_file("local", rank, world, ".safetensors"));
-  save_optimizer(local, dir / rank_file("optimizer", rank, world, ".pt"));
-  if (rank != 0) return;
-  safetensors::write(dir / "model.safetensors", local.global_state(), {{"format", "pt"}});
-  const auto momentum = local.outer_momentum();
-  if (!momentum.empty()) safetensors::write(dir / kOuterMomentumFile, momentum);
-  const auto stats = local.stats();
-  write_atomically(dir / kLocalSgdManifest, Json{{"format", kLocalSgdFormat},
-                                                 {"world_size", world},
-                                                 {"sync", parallel::to_string(local.mode())},
-                                                 {"steps_since_sync", local.steps_since_sync()},
-                                                 {"inner_steps", stats.inner_steps},
-                                                 {"outer_steps", stats.outer_steps}}
-                                                    .dump(2) +
-                                                "\n");
+// Whether `optimizer` keeps replicas that differ between synchronisations (local SGD's, DiLoCo's).
+const optim::ShardedState* replicas_of(const torch::optim::Optimizer& optimizer) {
+  const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  return sharded != nullptr && sharded->holds_replicas() ? sharded : nullptr;
 }
 
-// The manifest of a local SGD checkpoint, checked; nullopt when `dir` has none.
-std::optional<Json> read_local_sgd_manifest(const std::filesystem::path& dir) {
-  if (!std::filesystem::exists(dir / kLocalSgdManifest)) return std::nullopt;
-  auto manifest = read_json(dir / kLocalSgdManifest);
-  if (manifest.value("format", "") != kLocalSgdFormat || !manifest.contains("world_size") ||
-      manifest["world_size"].get<int>() < 1) {
-    throw UsageError("checkpoint " + dir.string() + ": " + kLocalSgdManifest + " is not a " +
-                     kLocalSgdFormat + " manifest: it was altered or written by another program");
-  }
-  return manifest;
-}
-
-// Which rank's inner optimizer state rank `rank` of `world` takes from a local SGD checkpoint of
-// `written` ranks: its own when the sizes match, else that of rank (rank mod written).
-std::filesystem::path local_optimizer_file(const std::filesystem::path& dir, int rank,
-                                           int written) {
-  const auto file = dir / rank_file("optimizer", rank % written, written, ".pt");
-  if (!std::filesystem::exists(file)) {
-    throw UsageError("checkpoint " + dir.string() + " lacks " + file.filename().string() +
-                     ", which its " + kLocalSgdManifest + " lists: the checkpoint is incomplete");
-  }
-  return file;
-}
-
-}  // namespace
-
-std::filesystem::path detail::whole_optimizer_file(const std::filesystem::path& dir) {
-  if (std::filesystem::exists(dir / "optimizer.pt")) return dir / "optimizer.pt";
-  const auto manifest = read_local_sgd_manifest(dir);
-  if (!manifest) return dir / "optimizer.pt";
-  return local_optimizer_file(dir, 0, (*manifest)["world_size"].get<int>());
-}
-
-namespace {
-
-// Whether `dir` holds what load_optimizer_state reads: ZeRO's shards, a whole optimizer's file
-// (see whole_optimizer_file) or a pipeline's parts.
-bool holds_optimizer_state(const std::filesystem::path& dir) {
-  return std::filesystem::exists(dir / kZeroManifest) ||
-         std::filesystem::exists(detail::whole_optimizer_file(dir)) ||
-         !find_optimizer_parts(dir).empty();
-}
-
-void load_local_sgd(parallel::LocalSgdOptimizer& local, const torch::nn::Module& module,
-                    const std::filesystem::path& dir) {
-  const int rank = local.process_group().rank();
-  const int world = local.process_group().world_size();
-  const auto manifest = read_local_sgd_manifest(dir);
-  if (!manifest) {
-    // A checkpoint of synchronous training (DDP's optimizer.pt, ZeRO's shards at any stage and
-    // size, a pipeline's parts): its optimizer state for every rank's inner optimizer, a new
-    // period. A folder with none of them (only a model) starts the inner optimizer afresh.
-    if (holds_optimizer_state(dir)) load_optimizer_state(dir, local.inner(), module);
-    local.restore({}, nullptr, 0, {});
-    return;
-  }
-  const int written = (*manifest)["world_size"].get<int>();
-  load_optimizer(local, local_optimizer_file(dir, rank, written));
-  std::map<std::string, at::Tensor> momentum;
-  if (std::filesystem::exists(dir / kOuterMomentumFile))
-    momentum = safetensors::read(dir / kOuterMomentumFile);
-  const parallel::LocalSgdStats stats{.inner_steps = manifest->value("inner_steps", int64_t{0}),
-                                      .outer_steps = manifest->value("outer_steps", int64_t{0})};
-  if (written != world) {
-    local.restore(momentum, nullptr, 0, stats);
-    return;
-  }
-  const auto own = safetensors::read(dir / rank_file("local", rank, world, ".safetensors"));
-  local.restore(momentum, &own, manifest->value("steps_since_sync", int64_t{0}), stats);
-}
-
-void refuse_replica_optimizer(const torch::optim::Optimizer& optimizer, const char* what,
-                              const char* instead) {
-  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) == nullptr) return;
+// Local SGD's and DiLoCo's state is their replicas, which save_checkpoint keeps.
+void refuse_replicas(const torch::optim::Optimizer& optimizer, const char* what,
+                     const char* instead) {
+  if (replicas_of(optimizer) == nullptr) return;
   throw UsageError(std::string(what) +
                    ": local SGD and DiLoCo keep their optimizer state with their parameters: use " +
                    instead);
 }
 
+// What load_optimizer_state reads, for any optimizer: replicas (local SGD's own checkpoint at any
+// world size, or its first rank's inner state for another optimizer), ZeRO's or the parameter
+// server's shards, a whole optimizer's file, a pipeline's parts, and the first formats of local
+// SGD's and the parameter server's checkpoints.
+void load_any_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+                              const torch::nn::Module& module) {
+  if (std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart)))
+    return detail::load_replicas(optimizer, module, dir);
+  if (detail::is_legacy_local_sgd_checkpoint(dir) && replicas_of(optimizer) != nullptr)
+    return detail::load_legacy_local_sgd(optimizer, module, dir);
+  if (detail::is_legacy_parameter_server_checkpoint(dir))
+    return detail::load_legacy_parameter_server(optimizer, module, dir);
+  // Into ZeRO at any world size and stage, the parameter server, local SGD's inner optimizers
+  // (a new period) or DDP's whole optimizer.
+  if (std::filesystem::exists(dir / kZeroManifest))
+    return detail::load_zero_shards(optimizer, module, dir);
+  const auto file = detail::whole_optimizer_file(dir);
+  if (!std::filesystem::exists(file)) {
+    // A pipeline's checkpoint: its stages' state in parts, by the whole model's names.
+    if (auto parts = find_optimizer_parts(dir); !parts.empty())
+      return load_optimizer_parts(parts, optimizer, module);
+  }
+  if (dynamic_cast<const optim::Stateful*>(&optimizer) != nullptr) {
+    // A DDP run's checkpoint: its whole optimizer state, sharded here.
+    detail::load_optimizer_file_into_part(optimizer, module, file);
+  } else {
+    load_optimizer(optimizer, file);
+  }
+}
+
 // This rank's piece of a sharded optimizer's state, where it writes one (see
 // optim::ShardedState), after the group was brought to one state.
 void save_sharded_state(const std::filesystem::path& dir, const optim::ShardedState& sharded) {
-  if (sharded.writes_state()) save_state(dir, detail::kShardedOptimizerPart, sharded.state_dict());
+  if (sharded.writes_state()) save_state(dir, sharded.part_name(), sharded.state_dict());
 }
 
 }  // namespace
 
 void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer) {
-  refuse_replica_optimizer(optimizer, "save_optimizer_state", "save_checkpoint");
+  refuse_replicas(optimizer, "save_optimizer_state", "save_checkpoint");
   std::filesystem::create_directories(dir);
   if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
     sharded->prepare_checkpoint();
@@ -507,52 +441,42 @@ void save_optimizer_state(const std::filesystem::path& dir,
 
 void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& module) {
-  refuse_replica_optimizer(optimizer, "load_optimizer_state", "load_checkpoint");
-  const bool zero_shards = std::filesystem::exists(dir / kZeroManifest);
-  const auto file = detail::whole_optimizer_file(dir);
-  if (!zero_shards && !std::filesystem::exists(file)) {
-    // A pipeline's checkpoint: its stages' state in parts, by the whole model's names.
-    if (auto parts = find_optimizer_parts(dir); !parts.empty())
-      return load_optimizer_parts(parts, optimizer, module);
+  if (replicas_of(optimizer) != nullptr && is_local_sgd_checkpoint(dir)) {
+    throw UsageError("load_optimizer_state: " + dir.string() +
+                     " holds local SGD's replicas with their parameters: use load_checkpoint");
   }
-  if (zero_shards) {
-    // Into ZeRO at any world size and stage, the parameter server, or DDP's whole optimizer.
-    detail::load_zero_shards(optimizer, module, dir);
-  } else if (detail::is_legacy_parameter_server_checkpoint(dir)) {
-    detail::load_legacy_parameter_server(optimizer, module, dir);
-  } else if (dynamic_cast<const optim::Stateful*>(&optimizer) != nullptr) {
-    // A DDP run's checkpoint: its whole optimizer state, sharded here.
-    detail::load_optimizer_file_into_part(optimizer, module, file);
-  } else {
-    load_optimizer(optimizer, file);
-  }
+  load_any_optimizer_state(dir, optimizer, module);
 }
 
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
-  if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer))
-    return sharded->every_rank_saves();
-  return dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr;
+  const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  return sharded != nullptr && sharded->every_rank_saves();
 }
 
 bool is_local_sgd_checkpoint(const std::filesystem::path& dir) {
-  return read_local_sgd_manifest(dir).has_value();
+  return std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart)) ||
+         detail::is_legacy_local_sgd_checkpoint(dir);
 }
 
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer) {
   trace::Span span(trace::Phase::kCheckpoint);
   std::filesystem::create_directories(dir);
-  if (const auto* local = dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer)) {
-    save_local_sgd(*local, module, dir);
-  } else if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
+  if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
     // Every rank of the group: the model by its first rank (while the group gathers one unit at
-    // a time where the parameters lie in shards), its piece of the state by each.
+    // a time where the parameters lie in shards; local SGD's global parameters where the ranks
+    // hold replicas), its piece of the state by each.
     sharded->prepare_checkpoint();
     if (sharded->writes_state()) {
+      const auto file = dir / "model.safetensors";
       if (!sharded->sharded_units().empty()) {
-        detail::save_model_by_unit(*sharded, module, dir / "model.safetensors");
+        detail::save_model_by_unit(*sharded, module, file);
       } else if (sharded->checkpoint_rank() == 0) {
-        save_model(module, dir / "model.safetensors");
+        if (auto tensors = sharded->model_state(); !tensors.empty()) {
+          safetensors::write(file, tensors, {{"format", "pt"}});
+        } else {
+          save_model(module, file);
+        }
       }
       save_sharded_state(dir, *sharded);
     }
@@ -577,14 +501,9 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   } else {
     load_model(module, checkpoint.path() / "model.safetensors");
   }
-  const auto& dir = checkpoint.path();
-  if (auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer)) {
-    load_local_sgd(*local, module, dir);
-  } else {
-    // From a local SGD checkpoint too: the global parameters (loaded above) and its first rank's
-    // inner optimizer state on every rank (see whole_optimizer_file).
-    load_optimizer_state(dir, optimizer, module);
-  }
+  // From a local SGD checkpoint into another optimizer too: the global parameters (loaded above)
+  // and its first rank's inner optimizer state on every rank.
+  load_any_optimizer_state(checkpoint.path(), optimizer, module);
   restore_run_state(checkpoint, optimizer);
 }
 

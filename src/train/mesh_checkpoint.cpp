@@ -5,8 +5,9 @@
 
 #include "cohort/error.h"
 #include "cohort/json.h"
-#include "cohort/parallel/local_sgd.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/pipeline/schedule.h"
+#include "cohort/parallel/sync_mode.h"
 #include "cohort/train/context.h"
 #include "train/run_files.h"
 
@@ -73,7 +74,8 @@ void load_mesh_optimizer_state(const std::filesystem::path& dir, const MeshLayou
   } else if (std::filesystem::exists(old_file)) {
     throw UsageError("checkpoint " + dir.string() +
                      " was written before ZeRO could shard a pipeline's optimizer state: resume "
-                     "it with --zero-stage 0 (its next checkpoint then loads into ZeRO)");
+                     "it with --zero-stage 0 --sync ddp (its next checkpoint then loads into ZeRO "
+                     "and local SGD)");
   } else {
     throw UsageError("checkpoint " + dir.string() + " holds no optimizer state for " +
                      optimizer_folder(*parts.mesh) + ": it is incomplete; resume from another one");
@@ -120,7 +122,9 @@ bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpoint
     if (parts.copy_to_dense) parts.copy_to_dense();  // collective over tp
     if (mesh.tp_index() == 0) save_model(*parts.whole, dir / "model.safetensors");
   }
-  if (dynamic_cast<const parallel::LocalSgdOptimizer*>(&optimizer) != nullptr) {
+  if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+      sharded != nullptr && sharded->holds_replicas()) {
+    // Local SGD's replicas: the stages' global parameters with every rank's own.
     save_checkpoint(dir / optimizer_folder(mesh), *parts.stages, optimizer);
   } else {
     save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
@@ -145,15 +149,15 @@ void load_mesh_checkpoint(const Checkpoint& checkpoint, const MeshCheckpointPart
   load_model(*parts.whole, dir / "model.safetensors");
   if (parts.load_from_dense) parts.load_from_dense();
   auto& optimizer = *parts.optimizer;
-  auto* local = dynamic_cast<parallel::LocalSgdOptimizer*>(&optimizer);
+  const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  const bool replicas = sharded != nullptr && sharded->holds_replicas();
   const auto state = dir / optimizer_folder(*parts.mesh);
-  if (local != nullptr && written.same_cut(parts.layout) && is_local_sgd_checkpoint(state)) {
+  if (replicas && written.same_cut(parts.layout) && is_local_sgd_checkpoint(state)) {
     // Its own checkpoint: the stages' global parameters, this rank's own and its inner state.
-    load_checkpoint(Checkpoint::from_directory(state), *parts.stages, *local);
+    load_checkpoint(Checkpoint::from_directory(state), *parts.stages, optimizer);
   } else {
-    // The state that the optimizer steps with: local SGD's inner optimizer's, a new period.
-    load_mesh_optimizer_state(dir, written, parts, local != nullptr ? local->inner() : optimizer);
-    if (local != nullptr) local->restore({}, nullptr, 0, {});
+    // The state that the optimizer steps with (local SGD: its inner optimizer's, a new period).
+    load_mesh_optimizer_state(dir, written, parts, optimizer);
   }
   // From a group of another dp degree (--workers, or an elastic restart): the lr scaled.
   restore_run_state(checkpoint, optimizer);

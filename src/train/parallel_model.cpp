@@ -9,10 +9,9 @@
 #include "cohort/data/data_loader.h"
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/fully_shard.h"
-#include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
-#include "cohort/parallel/parameter_server.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/tensor_parallel.h"
 #include "cohort/runtime/control_channel.h"
@@ -37,9 +36,8 @@ struct ParallelModel::State {
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<optim::LrScheduler> lr_scheduler;
   int64_t steps = 0;
-  // The engines that agree outside steps (sync()).
-  parallel::LocalSgdOptimizer* local_sgd = nullptr;
-  parallel::ParameterServerOptimizer* parameter_server = nullptr;
+  // An engine whose ranks agree outside steps (local SGD, the parameter server: sync()).
+  optim::ShardedState* sharded = nullptr;
   // Without a mesh.
   optim::FlatOptimizer* flat = nullptr;
   std::unique_ptr<CapturedStep> captured;
@@ -170,8 +168,7 @@ struct ParallelModel::State {
   }
 
   void find_engines() {
-    local_sgd = dynamic_cast<parallel::LocalSgdOptimizer*>(optimizer.get());
-    parameter_server = dynamic_cast<parallel::ParameterServerOptimizer*>(optimizer.get());
+    sharded = dynamic_cast<optim::ShardedState*>(optimizer.get());
     flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
   }
 };
@@ -397,8 +394,7 @@ StepResult ParallelModel::step_here(const at::Tensor& inputs, const at::Tensor& 
 }
 
 void ParallelModel::sync() {
-  if (state_->local_sgd != nullptr) state_->local_sgd->sync();
-  if (state_->parameter_server != nullptr) state_->parameter_server->sync();
+  if (state_->sharded != nullptr) state_->sharded->synchronize();
 }
 
 bool ParallelModel::synchronous() const { return parallel::is_synchronous(state_->plan.sync); }

@@ -134,7 +134,7 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
 void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part) {
   const detail::StateFiles files(dir, name);
   part.check_state(files.values());
-  auto state = part.state_dict();
+  auto state = part.state_to_load(files.values());
   torch::NoGradGuard no_grad;
   for (auto& [tensor, piece] : state.tensors) files.read(tensor, piece.offset, piece.values);
   state.values = files.values();

@@ -3,6 +3,7 @@
 #include <torch/serialize.h>
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <optional>
@@ -84,8 +85,23 @@ class StateSource {
  public:
   static StateSource shards(const std::filesystem::path& dir) {
     StateSource out;
-    out.files_.emplace(dir, kShardedOptimizerPart);
+    out.files_.emplace(dir, optim::kOptimizerShardsPart);
     out.values_ = out.files_->values();
+    return out;
+  }
+
+  // Local SGD's replicas (optim::kReplicasPart): the first rank's inner optimizer state, whose
+  // pieces begin at element 0 of their tensors over the ranks.
+  static StateSource first_replica(const std::filesystem::path& dir) {
+    StateSource out;
+    out.files_.emplace(dir, optim::kReplicasPart);
+    out.prefix_ = optim::kInnerTensors;
+    // A whole optimizer's values: not the replicas' (world size, period), which would ask a
+    // local SGD reader for them.
+    const Json& all = out.files_->values();
+    out.values_ = optim::optimizer_state_values(
+        all.value("algorithm", ""), all.value("state_names", std::vector<std::string>{}),
+        all.value("steps", int64_t{0}), all.value("lr", 0.0));
     return out;
   }
 
@@ -130,7 +146,7 @@ class StateSource {
   }
 
   bool holds(const std::string& parameter) const {
-    if (files_) return files_->holds_prefix(parameter + "/");
+    if (files_) return files_->holds_prefix(prefix_ + parameter + "/");
     const auto found = whole_.lower_bound(parameter + "/");
     return found != whole_.end() && found->first.rfind(parameter + "/", 0) == 0;
   }
@@ -140,7 +156,7 @@ class StateSource {
   void read(const std::string& parameter, const std::string& state, int64_t begin,
             at::Tensor target) const {
     const auto key = parameter + "/" + state;
-    if (files_) return files_->read(key, begin, std::move(target));
+    if (files_) return files_->read(prefix_ + key, begin, std::move(target));
     const auto found = whole_.find(key);
     if (found == whole_.end()) {
       throw UsageError("the checkpoint holds no " + state + " of parameter '" + parameter +
@@ -151,6 +167,7 @@ class StateSource {
 
  private:
   std::optional<StateFiles> files_;
+  std::string prefix_;                               // of the state's names in files_
   std::map<std::string, optim::StateTensor> whole_;  // a file's, by "<parameter>/<state>"
   Json values_;
 };
@@ -305,8 +322,8 @@ std::pair<std::string, std::string> parameter_and_state(const std::string& tenso
 }
 
 // `state` into `part` (a ZeroOptimizer's shard, or a whole optimizer's state): every tensor of
-// `wanted` (part.state_dict(), what it holds), by its parameter's name in the whole model
-// (`layout`).
+// `wanted` (part.state_to_load(state.values()), what it holds), by its parameter's name in the
+// whole model (`layout`).
 void load_named_state(const NamedState& state, optim::Stateful& part, optim::StateDict wanted,
                       const Layout& layout) {
   torch::NoGradGuard no_grad;
@@ -359,8 +376,8 @@ class UnitByUnit {
   std::unique_ptr<optim::ParameterGather> gathered_;
 };
 
-// The first format of a parameter-server checkpoint ("cohort.parameter_server.v1", until
-// cohort 0.x): parameter_server.json, and each server's range of the flat parameters (the
+// The first format of a parameter-server checkpoint ("cohort.parameter_server.v1", of
+// cohort 0.1.0): parameter_server.json, and each server's range of the flat parameters (the
 // module's trainable ones in order, end to end) in ps-shard-rank<s>-of-<S>.safetensors
 // ("state/<name>") with its range, steps, version and pushes in the .json beside it.
 constexpr const char* kLegacyPsManifest = "parameter_server.json";
@@ -468,7 +485,149 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
   NamedState state;
   state.add(StateSource::shards(dir));
   const OptimizerAsPart target(optimizer, module, "load_checkpoint");
-  load_named_state(state, target.part(), target.part().state_dict(), Layout());
+  load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
+}
+
+namespace {
+
+// The first format of a local SGD checkpoint ("cohort.local_sgd.v1", of cohort 0.1.0): rank 0's
+// model.safetensors (the global parameters), outer_momentum.safetensors and local_sgd.json; every
+// rank's parameters and buffers in local-rank<r>-of-<N>.safetensors and its inner optimizer's
+// archive in optimizer-rank<r>-of-<N>.pt.
+constexpr const char* kLegacyLocalSgdManifest = "local_sgd.json";
+constexpr const char* kLegacyLocalSgdFormat = "cohort.local_sgd.v1";
+constexpr const char* kLegacyOuterMomentumFile = "outer_momentum.safetensors";
+
+// Its manifest, checked; nullopt when `dir` has none.
+std::optional<Json> read_legacy_local_sgd_manifest(const std::filesystem::path& dir) {
+  if (!std::filesystem::exists(dir / kLegacyLocalSgdManifest)) return std::nullopt;
+  auto manifest = read_json(dir / kLegacyLocalSgdManifest);
+  if (manifest.value("format", "") != kLegacyLocalSgdFormat || !manifest.contains("world_size") ||
+      !manifest["world_size"].is_number_integer() || manifest["world_size"].get<int>() < 1) {
+    throw UsageError("checkpoint " + dir.string() + ": " + kLegacyLocalSgdManifest + " is not a " +
+                     kLegacyLocalSgdFormat +
+                     " manifest: it was altered or written by another program");
+  }
+  return manifest;
+}
+
+// Rank `rank`'s file "<stem>-rank<r>-of-<written><extension>" of a first-format local SGD
+// checkpoint, which must exist.
+std::filesystem::path legacy_local_sgd_file(const std::filesystem::path& dir, const char* stem,
+                                            const char* extension, int rank, int written) {
+  const auto file = dir / rank_file(stem, rank, written, extension);
+  if (!std::filesystem::exists(file)) {
+    throw UsageError("checkpoint " + dir.string() + " lacks " + file.filename().string() +
+                     ", which its " + kLegacyLocalSgdManifest +
+                     " lists: the checkpoint is incomplete");
+  }
+  return file;
+}
+
+// The module's trainable parameters in order, by name and shape: what an inner optimizer or a
+// DDP run's optimizer was built over.
+std::vector<std::pair<std::string, std::vector<int64_t>>> trainable_shapes(
+    const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& p : module.named_parameters())
+    if (p.value().requires_grad()) out.emplace_back(p.key(), p.value().sizes().vec());
+  return out;
+}
+
+}  // namespace
+
+std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir) {
+  if (std::filesystem::exists(dir / "optimizer.pt")) return dir / "optimizer.pt";
+  const auto manifest = read_legacy_local_sgd_manifest(dir);
+  if (!manifest) return dir / "optimizer.pt";
+  return legacy_local_sgd_file(dir, "optimizer", ".pt", 0, (*manifest)["world_size"].get<int>());
+}
+
+bool is_legacy_local_sgd_checkpoint(const std::filesystem::path& dir) {
+  return read_legacy_local_sgd_manifest(dir).has_value();
+}
+
+void load_legacy_local_sgd(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                           const std::filesystem::path& dir) {
+  auto* replicas = dynamic_cast<optim::ShardedState*>(&optimizer);
+  if (replicas == nullptr || !replicas->holds_replicas()) {
+    throw UsageError("load_legacy_local_sgd: the optimizer holds no replicas");
+  }
+  const auto manifest = *read_legacy_local_sgd_manifest(dir);
+  const int written = manifest["world_size"].get<int>();
+  const OptimizerAsPart target(optimizer, module, "load_checkpoint");
+  const auto parameters = trainable_shapes(module);
+  std::map<int, StateSource> inner;  // by writer
+  auto inner_of = [&](int rank) -> const StateSource& {
+    if (auto found = inner.find(rank); found != inner.end()) return found->second;
+    const auto file = legacy_local_sgd_file(dir, "optimizer", ".pt", rank, written);
+    return inner
+        .emplace(rank, StateSource::file(file, parameters, target.algorithm("load_checkpoint"),
+                                         target.options()))
+        .first->second;
+  };
+  std::map<int, std::map<std::string, at::Tensor>> own;  // by writer
+  auto own_of = [&](int rank) -> const std::map<std::string, at::Tensor>& {
+    if (auto found = own.find(rank); found != own.end()) return found->second;
+    return own
+        .emplace(rank, safetensors::read(
+                           legacy_local_sgd_file(dir, "local", ".safetensors", rank, written)))
+        .first->second;
+  };
+  // The values the current format keeps, the inner state's those of the writer this rank reads.
+  Json values = manifest;
+  values.erase("format");
+  values["momentum"] = std::filesystem::exists(dir / kLegacyOuterMomentumFile);
+  values.update(inner_of(replicas->checkpoint_rank() % written).values());
+  replicas->check_state(values);
+  auto wanted = replicas->state_to_load(values);
+  std::map<std::string, at::Tensor> momentum;
+  if (values["momentum"].get<bool>()) momentum = safetensors::read(dir / kLegacyOuterMomentumFile);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, piece] : wanted.tensors) {
+    const int64_t n = piece.values.numel();
+    if (n == 0) continue;
+    const int rank = static_cast<int>(piece.offset / n);
+    auto take = [&](const std::map<std::string, at::Tensor>& from, const std::string& tensor,
+                    const std::string& file) {
+      const auto found = from.find(tensor);
+      if (found == from.end() || found->second.numel() != n) {
+        throw UsageError("checkpoint " + dir.string() + ": " + file + " holds " +
+                         (found == from.end() ? "no tensor '" + tensor + "'"
+                                              : "another size for '" + tensor + "'") +
+                         ": it was saved from a different model");
+      }
+      piece.values.copy_(found->second.reshape({-1}));
+    };
+    if (name.rfind(optim::kInnerTensors, 0) == 0) {
+      const auto [parameter, state] =
+          parameter_and_state(name.substr(strlen(optim::kInnerTensors)));
+      inner_of(rank).read(parameter, state, 0, piece.values);
+    } else if (name.rfind(optim::kReplicaTensors, 0) == 0) {
+      take(own_of(rank), name.substr(strlen(optim::kReplicaTensors)),
+           rank_file("local", rank, written, ".safetensors"));
+    } else if (name.rfind(optim::kMomentumTensors, 0) == 0) {
+      take(momentum, name.substr(strlen(optim::kMomentumTensors)), kLegacyOuterMomentumFile);
+    } else {
+      throw UsageError("checkpoint " + dir.string() +
+                       " is local SGD's first format, which holds no '" + name + "'");
+    }
+  }
+  wanted.values = values;
+  replicas->load_state_dict(wanted);
+}
+
+void load_replicas(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                   const std::filesystem::path& dir) {
+  if (auto* replicas = dynamic_cast<optim::ShardedState*>(&optimizer);
+      replicas != nullptr && replicas->holds_replicas()) {
+    // Local SGD's own: its replicas at as many ranks, a new period at another number.
+    return load_state(dir, optim::kReplicasPart, *replicas);
+  }
+  const OptimizerAsPart target(optimizer, module, "load_checkpoint");
+  NamedState state;
+  state.add(StateSource::first_replica(dir));
+  load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
 }
 
 bool is_legacy_parameter_server_checkpoint(const std::filesystem::path& dir) {
@@ -481,7 +640,7 @@ void load_legacy_parameter_server(torch::optim::Optimizer& optimizer,
   const OptimizerAsPart target(optimizer, module, "load_checkpoint");
   NamedState state;
   state.add(legacy_parameter_server_state(dir, module, target));
-  load_named_state(state, target.part(), target.part().state_dict(), Layout());
+  load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
 }
 
 void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
@@ -489,14 +648,11 @@ void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
                                    const std::filesystem::path& file) {
   // The writer's optimizer was over the model's trainable parameters in their order (as a DDP
   // run builds it).
-  std::vector<std::pair<std::string, std::vector<int64_t>>> parameters;
-  for (const auto& p : module.named_parameters())
-    if (p.value().requires_grad()) parameters.emplace_back(p.key(), p.value().sizes().vec());
   const OptimizerAsPart target(optimizer, module, "load_checkpoint");
   NamedState state;
-  state.add(
-      StateSource::file(file, parameters, target.algorithm("load_checkpoint"), target.options()));
-  load_named_state(state, target.part(), target.part().state_dict(), Layout());
+  state.add(StateSource::file(file, trainable_shapes(module), target.algorithm("load_checkpoint"),
+                              target.options()));
+  load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
 }
 
 void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Module& module,
@@ -610,7 +766,9 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
   const detail::Layout names(layout);
   const detail::OptimizerAsPart target(optimizer, module, "load_optimizer_parts");
   // The whole model's names this optimizer needs, and its algorithm (a file is read as one).
-  auto held = target.part().state_dict();  // asked once: a whole optimizer's is a copy
+  // What it fills from a whole optimizer's state (the parts'), asked once: a whole optimizer's is
+  // a copy.
+  auto held = target.part().state_to_load(Json::object());
   std::set<std::string> needed;
   for (const auto& [tensor, piece] : held.tensors)
     needed.insert(names.whole(detail::parameter_and_state(tensor).first));
@@ -634,6 +792,10 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
     const auto what = part.dir.filename().string();
     if (std::filesystem::exists(part.dir / detail::kZeroManifest)) {
       state.add(detail::StateSource::shards(part.dir), part.parameters, what);
+    } else if (std::filesystem::exists(part.dir /
+                                       detail::state_manifest_file(optim::kReplicasPart))) {
+      // Local SGD's replicas: their first rank's inner state.
+      state.add(detail::StateSource::first_replica(part.dir), part.parameters, what);
     } else {
       state.add(detail::StateSource::file(detail::whole_optimizer_file(part.dir), in_order,
                                           algorithm, options),

@@ -14,23 +14,34 @@
 
 namespace cohort::train::detail {
 
-// A sharded optimizer's state (ZeRO's, the parameter server's) is the part of this name in a
-// checkpoint (save_state).
-inline constexpr const char* kShardedOptimizerPart = "zero";
-inline constexpr const char* kZeroManifest = "zero_manifest.json";  // its manifest
+// The manifest of a checkpoint's optimizer shards (optim::kOptimizerShardsPart).
+inline constexpr const char* kZeroManifest = "zero_manifest.json";
 
 // The file of a folder's whole optimizer state (a torch::optim archive, e.g. DDP's): optimizer.pt,
-// else a local SGD checkpoint's first rank's inner state (its replicas agree at the checkpoints
-// of `cohort train`, which synchronises first; any one serves every rank of a synchronous run,
-// which must step alike). optimizer.pt when the folder holds neither (the caller names it).
+// else a first-format local SGD checkpoint's first rank's inner state (its replicas agree at the
+// checkpoints of `cohort train`, which synchronises first; any one serves every rank of a
+// synchronous run, which must step alike). optimizer.pt when the folder holds neither (the
+// caller names it).
 std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir);
 
-// The sharded optimizer state of `dir` (kShardedOptimizerPart) into `optimizer`: a ZeroOptimizer
-// at any stage and world size (for each piece of this rank's shard only the overlapping ranges of
-// the files are read), or the optimizer of a DDP model (torch::optim's or a flat SGD, Adam or
-// AdamW over `module`'s parameters: every parameter's state read whole).
+// The sharded optimizer state of `dir` (optim::kOptimizerShardsPart) into `optimizer`: a
+// ZeroOptimizer at any stage and world size (for each piece of this rank's shard only the
+// overlapping ranges of the files are read), or the optimizer of a DDP model (torch::optim's or a
+// flat SGD, Adam or AdamW over `module`'s parameters: every parameter's state read whole).
 void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                       const std::filesystem::path& dir);
+// Local SGD's replicas (optim::kReplicasPart) in `dir` into `optimizer`: local SGD's own at any
+// world size (optim::Stateful::state_to_load says which ranks' pieces), or any other optimizer
+// (a whole one over `module`'s parameters, ZeRO, the parameter server) the first rank's inner
+// optimizer state by name.
+void load_replicas(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                   const std::filesystem::path& dir);
+// Whether `dir` is a local SGD checkpoint of the first format (local_sgd.json).
+bool is_legacy_local_sgd_checkpoint(const std::filesystem::path& dir);
+// Its state into `optimizer`, which holds replicas (optim::ShardedState::holds_replicas), as the
+// current format loads; UsageError naming a missing or altered file.
+void load_legacy_local_sgd(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
+                           const std::filesystem::path& dir);
 // Whether `dir` is a parameter-server checkpoint of the first format (parameter_server.json):
 // each server's flat range in its own files.
 bool is_legacy_parameter_server_checkpoint(const std::filesystem::path& dir);

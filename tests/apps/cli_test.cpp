@@ -1051,10 +1051,9 @@ TEST_F(Cli, LocalSgdAndDiLoCoOverPipelinesTrainAndResumeExactly) {
                 .find("diloco:4 over dp"),
             std::string::npos);
   expect_files(dir / "runs" / "straight" / "checkpoint_000000",
-               {"optimizer-pp0-of-2-tp0-of-1/local_sgd.json",
+               {"optimizer-pp0-of-2-tp0-of-1/local_sgd_manifest.json",
                 "optimizer-pp0-of-2-tp0-of-1/model.safetensors",
-                "optimizer-pp1-of-2-tp0-of-1/local-rank1-of-2.safetensors",
-                "optimizer-pp1-of-2-tp0-of-1/optimizer-rank1-of-2.pt",
+                "optimizer-pp1-of-2-tp0-of-1/local_sgd-rank1-of-2.safetensors",
                 "optimizer-pp1-of-2-tp0-of-1/optimizer_part.json"});
   ASSERT_EQ(mesh_run("diloco:4", "1", "resumed").exit_code, 0);
   auto again = mesh_run("diloco:4", "2", "resumed");

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 
 #include "cohort/error.h"
@@ -59,16 +60,45 @@ std::vector<torch::Tensor> parameters_of(torch::nn::Sequential& net) {
 
 using cohort::testing::run_ranks;
 
-// Two ranks: 4 steps (one synchronisation, then one step into the next period), a checkpoint,
-// 4 more steps. Returns each rank's parameters at the end.
-std::vector<std::vector<torch::Tensor>> straight_run(const std::filesystem::path& dir) {
+// The first format of a local SGD checkpoint, as cohort 0.1.0 wrote it: every rank its module
+// and inner optimizer's archive, rank 0 the global parameters, the outer momentum and
+// local_sgd.json.
+void write_first_format(const std::filesystem::path& dir, torch::nn::Sequential& net,
+                        const LocalSgdOptimizer& optimizer) {
+  const int rank = optimizer.process_group().rank();
+  const int world = optimizer.process_group().world_size();
+  const std::string of = "-rank" + std::to_string(rank) + "-of-" + std::to_string(world);
+  std::filesystem::create_directories(dir);
+  save_model(*net, dir / ("local" + of + ".safetensors"));
+  save_optimizer(optimizer, dir / ("optimizer" + of + ".pt"));
+  if (rank != 0) return;
+  safetensors::write(dir / "model.safetensors", optimizer.global_state(), {{"format", "pt"}});
+  safetensors::write(dir / "outer_momentum.safetensors", optimizer.outer_momentum());
+  std::ofstream(dir / "local_sgd.json") << Json{
+      {"format", "cohort.local_sgd.v1"},
+      {"world_size", world},
+      {"sync", parallel::to_string(optimizer.mode())},
+      {"steps_since_sync", optimizer.steps_since_sync()},
+      {"inner_steps", optimizer.stats().inner_steps},
+      {"outer_steps",
+       optimizer.stats().outer_steps}}.dump(2);
+}
+
+// Two ranks: 4 steps (one synchronisation, then one step into the next period), a checkpoint
+// (or the first format's files), 4 more steps. Returns each rank's parameters at the end.
+std::vector<std::vector<torch::Tensor>> straight_run(const std::filesystem::path& dir,
+                                                     bool first_format = false) {
   std::vector<std::vector<torch::Tensor>> result(2);
   run_ranks(2, [&](comm::ProcessGroup& g) {
     auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     for (int s = 0; s < 4; ++s) train_step(net, *optimizer, g.rank(), s);
     EXPECT_EQ(optimizer->steps_since_sync(), 1);
-    save_checkpoint(dir, *net, *optimizer);
+    if (first_format) {
+      write_first_format(dir, net, *optimizer);
+    } else {
+      save_checkpoint(dir, *net, *optimizer);
+    }
     g.barrier();  // every rank's files are there before anyone goes on
     for (int s = 4; s < 8; ++s) train_step(net, *optimizer, g.rank(), s);
     result[static_cast<size_t>(g.rank())] = parameters_of(net);
@@ -76,12 +106,10 @@ std::vector<std::vector<torch::Tensor>> straight_run(const std::filesystem::path
   return result;
 }
 
-TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
-  const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint");
-  const auto straight = straight_run(dir);
-  EXPECT_TRUE(std::filesystem::exists(dir / "local-rank1-of-2.safetensors"));
-  EXPECT_TRUE(std::filesystem::exists(dir / "optimizer-rank1-of-2.pt"));
-  EXPECT_TRUE(std::filesystem::exists(dir / "outer_momentum.safetensors"));
+// Every rank's replica is its piece of the part local_sgd; reloaded by two ranks, each goes on
+// as if never stopped.
+void expect_exact_continuation(const std::filesystem::path& dir,
+                               const std::vector<std::vector<torch::Tensor>>& straight) {
   run_ranks(2, [&](comm::ProcessGroup& g) {
     auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
@@ -93,6 +121,66 @@ TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
     const auto& expected = straight[static_cast<size_t>(g.rank())];
     for (size_t i = 0; i < resumed.size(); ++i)
       EXPECT_TRUE(torch::equal(resumed[i], expected[i])) << "rank " << g.rank() << " param " << i;
+  });
+}
+
+TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint");
+  const auto straight = straight_run(dir);
+  EXPECT_TRUE(std::filesystem::exists(dir / "local_sgd-rank1-of-2.safetensors"));
+  const Json manifest = Json::parse(std::ifstream(dir / "local_sgd_manifest.json"));
+  EXPECT_EQ(manifest["values"]["world_size"], 2);
+  EXPECT_EQ(manifest["values"]["momentum"], true) << "DiLoCo's outer momentum";
+  EXPECT_EQ(manifest["values"]["algorithm"], "adamw");
+  expect_exact_continuation(dir, straight);
+  // The replicas are the state: the optimizer's part alone neither saves nor loads them.
+  run_ranks(1, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    auto optimizer = make_optimizer(net, g);
+    cohort::testing::expect_error<UsageError>(
+        [&] { save_optimizer_state(dir / "alone", *optimizer); },
+        "save_optimizer_state: local SGD and DiLoCo keep their optimizer state with their "
+        "parameters: use save_checkpoint");
+    cohort::testing::expect_error<UsageError>([&] { load_optimizer_state(dir, *optimizer, *net); },
+                                              "holds local SGD's replicas with their parameters: "
+                                              "use load_checkpoint");
+  });
+  std::filesystem::remove_all(dir);
+}
+
+// The first format still loads: exactly at as many ranks, a new period at another number, and
+// into a synchronous run.
+TEST(LocalSgdCheckpoint, TheFirstFormatStillLoads) {
+  const auto dir = cohort::testing::temp_dir("local_sgd_first_format");
+  const auto straight = straight_run(dir, /*first_format=*/true);
+  ASSERT_TRUE(std::filesystem::exists(dir / "local_sgd.json"));
+  expect_exact_continuation(dir, straight);
+  const auto global = safetensors::read(dir / "model.safetensors");
+  run_ranks(3, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    auto optimizer = make_optimizer(net, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
+    EXPECT_EQ(optimizer->steps_since_sync(), 0);
+    EXPECT_EQ(optimizer->inner().state().size(), net->parameters().size());
+    for (const auto& p : net->named_parameters())
+      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
+  });
+  run_ranks(1, [&](comm::ProcessGroup&) {
+    auto net = make_local_sgd_net();
+    torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
+    load_checkpoint(Checkpoint::from_directory(dir), *net, adamw);
+    EXPECT_EQ(adamw.state().size(), net->parameters().size());
+  });
+  // A rank's missing file is named.
+  std::filesystem::remove(dir / "local-rank1-of-2.safetensors");
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    auto optimizer = make_optimizer(net, g);
+    if (g.rank() == 1) {
+      cohort::testing::expect_error<UsageError>(
+          [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer); },
+          "lacks local-rank1-of-2.safetensors, which its local_sgd.json lists");
+    }
   });
   std::filesystem::remove_all(dir);
 }
@@ -122,16 +210,14 @@ TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalPara
     for (const auto& p : net->named_parameters())
       EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
   });
-  // A missing rank file is named.
-  std::filesystem::remove(dir / "optimizer-rank1-of-2.pt");
+  // A missing rank file is named, on every rank.
+  std::filesystem::remove(dir / "local_sgd-rank1-of-2.safetensors");
   run_ranks(2, [&](comm::ProcessGroup& g) {
     auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
-    if (g.rank() == 1) {
-      cohort::testing::expect_error<UsageError>(
-          [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer); },
-          "lacks optimizer-rank1-of-2.pt");
-    }
+    cohort::testing::expect_error<UsageError>(
+        [&] { load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer); },
+        "local_sgd-rank1-of-2.safetensors named by local_sgd_manifest.json is missing");
   });
   std::filesystem::remove_all(dir);
 }

@@ -48,7 +48,14 @@ class Stateful {
   /// Throws UsageError when a checkpoint's `values` cannot load into this part (another
   /// algorithm, another model), before any tensor is read. Accepts any by default.
   virtual void check_state(const Json& values) const { (void)values; }
-  /// Takes `state`: state_dict()'s tensors, filled, and the checkpoint's values.
+  /// The tensors and ranges to fill from a checkpoint whose values are `values` (checked by
+  /// check_state): state_dict()'s by default. A part whose layout depends on the writer's says so
+  /// here (local SGD's replicas take another rank's state where the world size changed).
+  virtual StateDict state_to_load(const Json& values) const {
+    (void)values;
+    return state_dict();
+  }
+  /// Takes `state`: state_to_load()'s tensors, filled, and the checkpoint's values.
   virtual void load_state_dict(const StateDict& state) = 0;
 };
 
@@ -59,12 +66,40 @@ class ParameterGather {
   virtual ~ParameterGather() = default;
 };
 
-/// An optimizer whose state lies in shards over a group of ranks (ZeRO's, the parameter
-/// server's): a Stateful part with OptimizerState's names ("<parameter>/<state>"), so that any of
-/// them loads into any other and into a whole optimizer. train's checkpointer asks it, not its
-/// type, which rank writes what.
+/// The part of a checkpoint that holds optimizer state in shards by OptimizerState's names
+/// ("<parameter>/<state>"): ZeRO's and the parameter server's.
+inline constexpr const char* kOptimizerShardsPart = "zero";
+/// The part of a checkpoint that holds replicas (local SGD's and DiLoCo's, ShardedState::
+/// holds_replicas): every rank's parameters and buffers under kReplicaTensors, its inner
+/// optimizer's state under kInnerTensors (OptimizerState's names), each rank's piece of a tensor
+/// over the ranks, and DiLoCo's outer momentum under kMomentumTensors.
+inline constexpr const char* kReplicasPart = "local_sgd";
+/// See kReplicasPart.
+inline constexpr const char* kReplicaTensors = "replica/";
+/// See kReplicasPart.
+inline constexpr const char* kInnerTensors = "inner/";
+/// See kReplicasPart.
+inline constexpr const char* kMomentumTensors = "momentum/";
+
+/// An optimizer whose state lies in pieces over a group of ranks: ZeRO's and the parameter
+/// server's shards (part kOptimizerShardsPart, with OptimizerState's names, so that any of them
+/// loads into any other and into a whole optimizer), local SGD's replicas. train's checkpointer
+/// asks it, not its type, which rank writes what.
 class ShardedState : public Stateful {
  public:
+  /// The name of its part in a checkpoint (train::save_state's files).
+  virtual const char* part_name() const { return kOptimizerShardsPart; }
+  /// Whether each rank's parameters differ from the others' between synchronisations (local
+  /// SGD's and DiLoCo's replicas): a checkpoint keeps every rank's, and the model file holds
+  /// model_state(). False by default.
+  virtual bool holds_replicas() const { return false; }
+  /// The tensors a checkpoint's model file holds instead of the module's, by name (local SGD:
+  /// the global parameters of the last synchronisation and the buffers); empty by default (the
+  /// module's).
+  virtual std::map<std::string, at::Tensor> model_state() const { return {}; }
+  /// Brings every rank to one model, e.g. at the end of an epoch (local SGD's and the parameter
+  /// server's sync()): a collective that every rank calls. Nothing by default.
+  virtual void synchronize() {}
   /// This rank's index in the group whose first rank writes the model and the state's manifest.
   virtual int checkpoint_rank() const = 0;
   /// Whether this rank writes its piece of the state: false where another rank holds the same

@@ -8,6 +8,7 @@
 #include <torch/optim/optimizer.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/parallel/sync_mode.h"
 
 namespace cohort::parallel {
@@ -28,7 +29,7 @@ struct LocalSgdStats {
 /// The global parameters (those of the last synchronisation) and DiLoCo's outer momentum are kept
 /// in flat buffers (2 or 3 copies of the parameters in all); a synchronisation all-reduces one
 /// flat pseudo-gradient, so the bytes sent per step are DDP's divided by H.
-class LocalSgdOptimizer : public torch::optim::Optimizer {
+class LocalSgdOptimizer : public torch::optim::Optimizer, public optim::ShardedState {
  public:
   /// `mode` LocalSgd or DiLoCo; the module's trainable parameters, all of one dtype and device,
   /// must be the inner optimizer's (UsageError naming a parameter otherwise).
@@ -66,17 +67,46 @@ class LocalSgdOptimizer : public torch::optim::Optimizer {
   std::map<std::string, at::Tensor> global_state() const;
   /// See global_state(): DiLoCo's outer momentum, by parameter name.
   std::map<std::string, at::Tensor> outer_momentum() const;
-  /// After the module's parameters were loaded: they become the global parameters. Then, when
-  /// `local` is given (this rank's own parameters of the same checkpoint), the module continues
-  /// from those, `steps_since_sync` steps into the period; else a new period starts from the
-  /// global parameters.
-  void restore(const std::map<std::string, at::Tensor>& momentum,
-               const std::map<std::string, at::Tensor>* local, int64_t steps_since_sync,
-               const LocalSgdStats& stats);
+
+  /// This rank's replica as a checkpoint's part (see optim::ShardedState; shard = the rank of
+  /// process_group()): its parameters and buffers ("replica/<name>") and its inner optimizer's
+  /// state ("inner/<parameter>/<state>", optim::OptimizerState's: SGD, Adam or AdamW), each the
+  /// rank's piece of a tensor over the ranks; the first rank also DiLoCo's outer momentum
+  /// ("momentum/<parameter>"). See optim::kReplicasPart. The values are the inner optimizer's
+  /// (optim::optimizer_state_values) with the world size, the sync mode, the steps since the last
+  /// synchronisation and the counters. UsageError for another inner optimizer.
+  optim::StateDict state_dict() const override;
+  /// Its own part's values, or a whole optimizer's (DDP's, ZeRO's shards, a pipeline's parts):
+  /// see optim::check_optimizer_state.
+  void check_state(const Json& values) const override;
+  /// As many ranks as wrote it: this rank's replica and inner state; another number: the inner
+  /// state of rank (rank mod writers). A whole optimizer's state: that state, by name.
+  optim::StateDict state_to_load(const Json& values) const override;
+  /// After the module's parameters were loaded (the model file: the global parameters), they
+  /// become the global parameters; the inner optimizer takes its state, steps and learning rate.
+  /// With this rank's replica the module continues from it, the period where it was; else a new
+  /// period starts from the global parameters.
+  void load_state_dict(const optim::StateDict& state) override;
+  /// See optim::ShardedState: optim::kReplicasPart.
+  const char* part_name() const override { return optim::kReplicasPart; }
+  /// See optim::ShardedState: true.
+  bool holds_replicas() const override { return true; }
+  /// See optim::ShardedState: global_state().
+  std::map<std::string, at::Tensor> model_state() const override { return global_state(); }
+  /// See optim::ShardedState: sync().
+  void synchronize() override { sync(); }
+  /// See optim::ShardedState: the rank in process_group().
+  int checkpoint_rank() const override { return group_.rank(); }
+  /// See optim::ShardedState: every rank writes its replica.
+  bool writes_state() const override { return true; }
+  /// See optim::ShardedState: true.
+  bool every_rank_saves() const override { return true; }
 
  private:
   struct Flat;
   void copy_options_to_inner();
+  // The inner optimizer's state under the module's parameter names.
+  optim::OptimizerState inner_state() const;
 
   std::shared_ptr<torch::nn::Module> module_;
   std::unique_ptr<torch::optim::Optimizer> inner_;

@@ -100,6 +100,8 @@ class ParameterServerOptimizer : public torch::optim::Optimizer, public optim::S
   /// See optim::ShardedState: sync(). The servers' state does not change; every rank is brought
   /// to it.
   void prepare_checkpoint() const override;
+  /// See optim::ShardedState: sync().
+  void synchronize() override { sync(); }
 
  private:
   struct Server;

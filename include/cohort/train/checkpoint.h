@@ -84,9 +84,11 @@ void load_state(const std::filesystem::path& dir, const std::string& name, optim
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
 /// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With an
-/// optimizer whose state lies in shards (optim::ShardedState: ZeRO's, the parameter server's) or
-/// a LocalSgdOptimizer every rank calls it and writes its part (see checkpoint_per_rank); with
-/// ZeRO's sharding groups (HSDP) the ranks of the first group do, the others write nothing.
+/// optimizer whose state lies in pieces over its group (optim::ShardedState: ZeRO's and the
+/// parameter server's shards, local SGD's replicas) every rank calls it and writes its part (see
+/// checkpoint_per_rank), and model.safetensors holds ShardedState::model_state() where it gives
+/// one (local SGD's global parameters); with ZeRO's sharding groups (HSDP) the ranks of the first
+/// group do, the others write nothing.
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
 /// The optimizer's part of save_checkpoint and load_checkpoint alone, for loops that keep their
@@ -99,7 +101,9 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 void save_optimizer_state(const std::filesystem::path& dir,
                           const torch::optim::Optimizer& optimizer);
 /// Loads save_optimizer_state's files of `dir` into `optimizer` over `module`'s parameters, at
-/// any world size and for any engine the arithmetic allows.
+/// any world size and for any engine the arithmetic allows; into local SGD or DiLoCo, every
+/// rank's inner optimizer takes the state and a new period starts (their own checkpoint loads
+/// with load_checkpoint: UsageError).
 void load_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                           const torch::nn::Module& module);
 /// A model's optimizer state kept in several folders of save_optimizer_state, one per part of the
@@ -141,8 +145,8 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
 /// are the checkpoint.
 bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer);
 /// Whether `dir` is save_checkpoint's folder of a LocalSgdOptimizer (local SGD or DiLoCo: the
-/// global parameters, every rank's own and its inner state). A synchronous run loads it too (its
-/// first rank's inner state, on every rank).
+/// global parameters, every rank's own and its inner state; the current format or the first).
+/// A synchronous run loads it too (its first rank's inner state, on every rank).
 bool is_local_sgd_checkpoint(const std::filesystem::path& dir);
 /// Loads save_checkpoint's files into `module` and `optimizer`, at any world size and into either
 /// engine (see load_optimizer_state); then restore_run_state.
