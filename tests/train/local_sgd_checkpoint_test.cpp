@@ -124,6 +124,24 @@ void expect_exact_continuation(const std::filesystem::path& dir,
   });
 }
 
+// Loaded by three ranks: each starts a new period from the global parameters (model.safetensors)
+// with an inner state, and after H steps the three replicas agree again.
+void expect_new_period_at_three_ranks(const std::filesystem::path& dir) {
+  const auto global = safetensors::read(dir / "model.safetensors");
+  run_ranks(3, [&](comm::ProcessGroup& g) {
+    auto net = make_local_sgd_net();
+    auto optimizer = make_optimizer(net, g);
+    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
+    EXPECT_EQ(optimizer->steps_since_sync(), 0);
+    EXPECT_EQ(optimizer->inner().state().size(), net->parameters().size());
+    for (const auto& p : net->named_parameters())
+      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
+    for (int s = 0; s < kMode.inner_steps; ++s) train_step(net, *optimizer, g.rank(), s);
+    const auto all = g.allgather(net->parameters()[0].detach().clone());
+    EXPECT_TRUE(torch::equal(all[0], all[1]) && torch::equal(all[0], all[2]));
+  });
+}
+
 TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
   const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint");
   const auto straight = straight_run(dir);
@@ -155,16 +173,7 @@ TEST(LocalSgdCheckpoint, TheFirstFormatStillLoads) {
   const auto straight = straight_run(dir, /*first_format=*/true);
   ASSERT_TRUE(std::filesystem::exists(dir / "local_sgd.json"));
   expect_exact_continuation(dir, straight);
-  const auto global = safetensors::read(dir / "model.safetensors");
-  run_ranks(3, [&](comm::ProcessGroup& g) {
-    auto net = make_local_sgd_net();
-    auto optimizer = make_optimizer(net, g);
-    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
-    EXPECT_EQ(optimizer->steps_since_sync(), 0);
-    EXPECT_EQ(optimizer->inner().state().size(), net->parameters().size());
-    for (const auto& p : net->named_parameters())
-      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
-  });
+  expect_new_period_at_three_ranks(dir);
   run_ranks(1, [&](comm::ProcessGroup&) {
     auto net = make_local_sgd_net();
     torch::optim::AdamW adamw(net->parameters(), torch::optim::AdamWOptions(0.01));
@@ -188,19 +197,8 @@ TEST(LocalSgdCheckpoint, TheFirstFormatStillLoads) {
 TEST(LocalSgdCheckpoint, ReloadedByAnotherNumberEveryRankStartsFromTheGlobalParameters) {
   const auto dir = cohort::testing::temp_dir("local_sgd_checkpoint_elastic");
   straight_run(dir);
+  expect_new_period_at_three_ranks(dir);
   const auto global = safetensors::read(dir / "model.safetensors");
-  run_ranks(3, [&](comm::ProcessGroup& g) {
-    auto net = make_local_sgd_net();
-    auto optimizer = make_optimizer(net, g);
-    load_checkpoint(Checkpoint::from_directory(dir), *net, *optimizer);
-    EXPECT_EQ(optimizer->steps_since_sync(), 0);
-    for (const auto& p : net->named_parameters())
-      EXPECT_TRUE(torch::equal(p.value(), global.at(p.key()))) << p.key();
-    // A new period from there: after H steps the three replicas agree again.
-    for (int s = 0; s < kMode.inner_steps; ++s) train_step(net, *optimizer, g.rank(), s);
-    const auto all = g.allgather(net->parameters()[0].detach().clone());
-    EXPECT_TRUE(torch::equal(all[0], all[1]) && torch::equal(all[0], all[2]));
-  });
   // Synchronous training picks up the global parameters and a rank's inner state.
   run_ranks(1, [&](comm::ProcessGroup&) {
     auto net = make_local_sgd_net();
