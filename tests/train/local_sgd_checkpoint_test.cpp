@@ -159,6 +159,12 @@ TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
         [&] { save_optimizer_state(dir / "alone", *optimizer); },
         "save_optimizer_state: local SGD and DiLoCo keep their optimizer state with their "
         "parameters: use save_checkpoint");
+    // An inner optimizer whose state has no names here trains, and saving says why it cannot.
+    LocalSgdOptimizer rmsprop(net.ptr(), std::make_unique<torch::optim::RMSprop>(net->parameters()),
+                              g, kMode);
+    cohort::testing::expect_error<UsageError>(
+        [&] { save_checkpoint(dir / "rmsprop", *net, rmsprop); },
+        "a checkpoint keeps the inner optimizer's state by parameter name, for SGD, Adam or AdamW");
     cohort::testing::expect_error<UsageError>([&] { load_optimizer_state(dir, *optimizer, *net); },
                                               "holds local SGD's replicas with their parameters: "
                                               "use load_checkpoint");
