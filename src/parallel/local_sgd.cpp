@@ -237,13 +237,13 @@ void LocalSgdOptimizer::check_state(const Json& values) const { inner_state().ch
 optim::StateDict LocalSgdOptimizer::state_to_load(const Json& values) const {
   const auto inner = inner_state().state_dict();
   optim::StateDict out;
-  auto empty_like = [](const optim::StateTensor& piece) {
+  auto room_for = [](const optim::StateTensor& piece) {
     return at::empty({piece.values.numel()}, piece.values.options());
   };
   if (!values.contains("world_size")) {
     // A whole optimizer's state: the inner optimizer's, by name.
     for (const auto& [name, piece] : inner.tensors)
-      out.tensors[name] = {.values = empty_like(piece), .offset = 0, .numel = piece.numel};
+      out.tensors[name] = {.values = room_for(piece), .offset = 0, .numel = piece.numel};
     return out;
   }
   const int written = values["world_size"].get<int>();
@@ -252,7 +252,7 @@ optim::StateDict LocalSgdOptimizer::state_to_load(const Json& values) const {
   // As many ranks: each its own replica; another number: the state of rank (rank mod written).
   const int from = written == world ? rank : rank % written;
   for (const auto& [name, piece] : inner.tensors)
-    out.tensors[kInner + name] = rank_piece(empty_like(piece), from, written);
+    out.tensors[kInner + name] = rank_piece(room_for(piece), from, written);
   const auto& f = *flat_;
   if (written == world) {
     for (size_t i = 0; i < f.params.size(); ++i)

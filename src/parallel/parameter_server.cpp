@@ -358,6 +358,17 @@ struct ParameterServerOptimizer::Client {
     return flat.narrow(0, offsets[i], params[i].numel()).view(params[i].sizes());
   }
 
+  // For each parameter with elements in the flat range [begin, end): fn(i, from, to), its
+  // elements [from, to) of that range, as offsets of the flat parameters.
+  template <typename Fn>
+  void for_each_in_range(int64_t begin, int64_t end, Fn&& fn) const {
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t from = std::max(offsets[i], begin);
+      const int64_t to = std::min(offsets[i] + params[i].numel(), end);
+      if (from < to) fn(i, from, to);
+    }
+  }
+
   // Tells server s that this worker is done; nothing comes back.
   void say_goodbye(size_t s) {
     const Request request{.kind = kBye, .worker = rank};
@@ -433,7 +444,6 @@ ParameterServerOptimizer::ParameterServerOptimizer(
                      std::to_string(world));
   }
   algorithm_ = optim::algorithm_of(*optimizer_, who, "the parameter servers step only those");
-  const std::string& algorithm = algorithm_;
   if (optimizer_->param_groups().size() != 1) {
     throw UsageError(who + ": the optimizer has " +
                      std::to_string(optimizer_->param_groups().size()) +
@@ -481,7 +491,7 @@ ParameterServerOptimizer::ParameterServerOptimizer(
   if (rank < mode_.servers) {
     const auto [begin, end] = c.ranges[static_cast<size_t>(rank)];
     server_ = std::make_unique<Server>(rank, world, mode_.max_staleness, group_, begin, end,
-                                       c.pulled.narrow(0, begin, end - begin), algorithm,
+                                       c.pulled.narrow(0, begin, end - begin), algorithm_,
                                        optimizer_->param_groups()[0].options());
     server_->start();
     address = server_->address;
@@ -606,19 +616,14 @@ optim::StateDict ParameterServerOptimizer::state_dict() const {
     std::lock_guard lock(s.mutex);
     out.shard = s.index;
     // Each parameter's elements in [begin, end), as ZeRO cuts its shards.
-    for (size_t i = 0; i < c.params.size(); ++i) {
-      const int64_t first = c.offsets[i];
-      const int64_t numel = c.params[i].numel();
-      const int64_t from = std::max(first, s.begin);
-      const int64_t to = std::min(first + numel, s.end);
-      if (from >= to) continue;
+    c.for_each_in_range(s.begin, s.end, [&](size_t i, int64_t from, int64_t to) {
       for (size_t k = 0; k < state_names_.size() && k < s.snapshot.state.size(); ++k) {
         out.tensors[c.names[i] + "/" + state_names_[k]] =
             optim::StateTensor{.values = s.snapshot.state[k].narrow(0, from - s.begin, to - from),
-                               .offset = from - first,
-                               .numel = numel};
+                               .offset = from - c.offsets[i],
+                               .numel = c.params[i].numel()};
       }
-    }
+    });
     out.values = optim::optimizer_state_values(algorithm_, state_names_, s.snapshot.optimizer_steps,
                                                param_groups()[0].options().get_lr());
     out.values["version"] = s.snapshot.version;
@@ -649,11 +654,8 @@ void ParameterServerOptimizer::load_state_dict(const optim::StateDict& state) {
     for (size_t i = 0; i < c.params.size(); ++i) c.view(c.pulled, i).copy_(c.params[i]);
     s.shard.copy_(c.pulled.narrow(0, s.begin, s.end - s.begin));
     const auto buffers = s.optimizer->state_buffers(0);
-    for (size_t i = 0; i < c.params.size(); ++i) {
+    c.for_each_in_range(s.begin, s.end, [&](size_t i, int64_t from, int64_t to) {
       const int64_t first = c.offsets[i];
-      const int64_t from = std::max(first, s.begin);
-      const int64_t to = std::min(first + c.params[i].numel(), s.end);
-      if (from >= to) continue;
       for (size_t k = 0; k < state_names_.size() && k < buffers.size(); ++k) {
         const auto name = c.names[i] + "/" + state_names_[k];
         const auto found = state.tensors.find(name);
@@ -665,7 +667,7 @@ void ParameterServerOptimizer::load_state_dict(const optim::StateDict& state) {
         }
         buffers[k].narrow(0, from - s.begin, to - from).copy_(found->second.values);
       }
-    }
+    });
     s.optimizer->set_steps_taken(0, state.values.value("steps", int64_t{0}));
     s.version = state.values.value("version", int64_t{0});
     const auto pushes = state.values.value("pushes_by_worker", std::vector<int64_t>{});

@@ -1,5 +1,6 @@
 #include "train/zero_checkpoint.h"
 
+#include <c10/util/accumulate.h>
 #include <torch/serialize.h>
 
 #include <algorithm>
@@ -41,6 +42,16 @@ std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimize
     }
     out.push_back(found->second);
   }
+  return out;
+}
+
+// The module's trainable parameters in order, by name and shape: what an inner optimizer or a
+// DDP run's optimizer was built over.
+std::vector<std::pair<std::string, std::vector<int64_t>>> trainable_shapes(
+    const torch::nn::Module& module) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& p : module.named_parameters())
+    if (p.value().requires_grad()) out.emplace_back(p.key(), p.value().sizes().vec());
   return out;
 }
 
@@ -395,13 +406,9 @@ StateSource legacy_parameter_server_state(const std::filesystem::path& dir,
     throw UsageError("checkpoint " + dir.string() + ": " + kLegacyPsManifest + " is not a " +
                      kLegacyPsFormat + " manifest: it was altered or written by another program");
   }
-  std::vector<std::pair<std::string, at::Tensor>> params;
+  const auto params = trainable_shapes(module);
   int64_t numel = 0;
-  for (const auto& p : module.named_parameters()) {
-    if (!p.value().requires_grad()) continue;
-    params.emplace_back(p.key(), p.value());
-    numel += p.value().numel();
-  }
+  for (const auto& [name, shape] : params) numel += c10::multiply_integers(shape);
   if (manifest.value("numel", int64_t{-1}) != numel) {
     throw UsageError("checkpoint " + dir.string() + " holds " +
                      std::to_string(manifest.value("numel", int64_t{-1})) +
@@ -450,12 +457,11 @@ StateSource legacy_parameter_server_state(const std::filesystem::path& dir,
   std::vector<std::string> names;
   for (const auto& [state, whole] : flat) names.push_back(state);
   int64_t offset = 0;
-  for (const auto& [name, p] : params) {
-    for (const auto& [state, whole] : flat) {
-      tensors[name + "/" + state] = optim::StateTensor{
-          .values = whole.narrow(0, offset, p.numel()), .offset = 0, .numel = p.numel()};
-    }
-    offset += p.numel();
+  for (const auto& [name, shape] : params) {
+    const int64_t n = c10::multiply_integers(shape);
+    for (const auto& [state, whole] : flat)
+      tensors[name + "/" + state] = {.values = whole.narrow(0, offset, n), .offset = 0, .numel = n};
+    offset += n;
   }
   // The writer's algorithm is the reader's when the state kept per element agrees.
   auto values = target.part().state_dict().values;
@@ -469,9 +475,7 @@ StateSource legacy_parameter_server_state(const std::filesystem::path& dir,
   values["version"] = first.value("version", int64_t{0});
   values["pushes_by_worker"] = first.value("pushes_by_worker", std::vector<int64_t>{});
   if (std::filesystem::exists(dir / "optimizer.pt")) {
-    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
-    for (const auto& [name, p] : params) shapes.emplace_back(name, p.sizes().vec());
-    const auto options = StateSource::file(dir / "optimizer.pt", shapes,
+    const auto options = StateSource::file(dir / "optimizer.pt", params,
                                            target.algorithm("load_checkpoint"), target.options());
     values["lr"] = options.values().value("lr", values.value("lr", 0.0));
   }
@@ -522,16 +526,6 @@ std::filesystem::path legacy_local_sgd_file(const std::filesystem::path& dir, co
                      " lists: the checkpoint is incomplete");
   }
   return file;
-}
-
-// The module's trainable parameters in order, by name and shape: what an inner optimizer or a
-// DDP run's optimizer was built over.
-std::vector<std::pair<std::string, std::vector<int64_t>>> trainable_shapes(
-    const torch::nn::Module& module) {
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& p : module.named_parameters())
-    if (p.value().requires_grad()) out.emplace_back(p.key(), p.value().sizes().vec());
-  return out;
 }
 
 }  // namespace
