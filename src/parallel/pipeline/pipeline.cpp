@@ -113,12 +113,41 @@ struct Pipeline::State {
   void hand_over_gradient(int stage, int mb, Slot& slot);
 };
 
+namespace {
+
+// The stages in eval mode while it lives, then back in the mode each had: a forward inside draws
+// nothing from the random generators (dropout) and leaves BatchNorm's running statistics alone.
+class EvalModeScope {
+ public:
+  explicit EvalModeScope(const std::vector<Stage>& stages) {
+    for (const auto& stage : stages) {
+      training_.push_back(stage.module().is_training());
+      stage.module().eval();
+    }
+    stages_ = &stages;
+  }
+  ~EvalModeScope() {
+    for (size_t i = 0; i < training_.size(); ++i) (*stages_)[i].module().train(training_[i]);
+  }
+  EvalModeScope(const EvalModeScope&) = delete;
+  EvalModeScope& operator=(const EvalModeScope&) = delete;
+
+ private:
+  const std::vector<Stage>* stages_ = nullptr;
+  std::vector<bool> training_;
+};
+
+}  // namespace
+
 // The first step: a no-grad forward of micro-batch 0 stage by stage, each stage's output shape
 // sent to the next stage's rank, which tries it; every rank's verdict is gathered so that a
-// mismatch is the same error everywhere.
+// mismatch is the same error everywhere. In eval mode: the probe leaves no trace in the
+// training (a run resumed from a checkpoint probes again, and draws and trains as the
+// uninterrupted run does).
 void Pipeline::State::probe(const std::vector<at::Tensor>& inputs,
                             const std::vector<at::Tensor>& targets) {
   torch::NoGradGuard no_grad;
+  EvalModeScope eval_mode(stages);
   const int last = num_stages - 1;
   const int64_t rows = inputs.at(0).size(0);
   std::string error;
