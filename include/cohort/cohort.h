@@ -25,6 +25,7 @@
 #include "cohort/optim/loss_scaler.h"
 #include "cohort/optim/lr_scheduler.h"
 #include "cohort/optim/precision.h"
+#include "cohort/optim/random_state.h"
 #include "cohort/optim/state_dict.h"
 
 #include "cohort/parallel/activation_checkpointing.h"

@@ -88,23 +88,52 @@ void LossScaler::update() {
   found_inf_ = false;
 }
 
-Json LossScaler::state_dict() const {
-  return Json{{"scale", scale_},
-              {"clean_steps", clean_steps_},
-              {"hysteresis_left", hysteresis_left_},
-              {"skipped_steps", skipped_steps_}};
+StateDict LossScaler::state_dict() const {
+  StateDict state;
+  state.values = Json{{"scale", scale_},
+                      {"clean_steps", clean_steps_},
+                      {"hysteresis_left", hysteresis_left_},
+                      {"skipped_steps", skipped_steps_}};
+  return state;
 }
 
-void LossScaler::load_state_dict(const Json& state) {
+namespace {
+
+struct ScalerCounters {
+  double scale;
+  int64_t clean_steps;
+  int hysteresis_left;
+  int64_t skipped_steps;
+};
+
+ScalerCounters counters_of(const Json& values) {
+  ScalerCounters c{};
   try {
-    scale_ = state.at("scale").get<double>();
-    clean_steps_ = state.at("clean_steps").get<int64_t>();
-    hysteresis_left_ = state.at("hysteresis_left").get<int>();
-    skipped_steps_ = state.at("skipped_steps").get<int64_t>();
+    c.scale = values.at("scale").get<double>();
+    c.clean_steps = values.at("clean_steps").get<int64_t>();
+    c.hysteresis_left = values.at("hysteresis_left").get<int>();
+    c.skipped_steps = values.at("skipped_steps").get<int64_t>();
   } catch (const Json::exception& e) {
-    throw UsageError(std::string("loss scaler state is malformed: ") + e.what());
+    throw UsageError(std::string("loss scaler state is malformed (") + e.what() +
+                     "): the checkpoint was altered or is not a loss scaler's");
   }
-  if (!(scale_ > 0)) throw UsageError("loss scaler state has scale " + format_number(scale_));
+  if (!(c.scale > 0)) {
+    throw UsageError("loss scaler state has scale " + format_number(c.scale) +
+                     ": a scale is > 0; the checkpoint was altered");
+  }
+  return c;
+}
+
+}  // namespace
+
+void LossScaler::check_state(const Json& values) const { counters_of(values); }
+
+void LossScaler::load_state_dict(const StateDict& state) {
+  const auto c = counters_of(state.values);
+  scale_ = c.scale;
+  clean_steps_ = c.clean_steps;
+  hysteresis_left_ = c.hysteresis_left;
+  skipped_steps_ = c.skipped_steps;
 }
 
 }  // namespace cohort::optim

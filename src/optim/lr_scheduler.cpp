@@ -82,4 +82,37 @@ std::vector<double> LrScheduler::get_last_lr() const {
   return out;
 }
 
+StateDict LrScheduler::state_dict() const {
+  StateDict state;
+  state.values = Json{{"steps_done", steps_done_}, {"base_lrs", base_lrs_}};
+  return state;
+}
+
+void LrScheduler::check_state(const Json& values) const {
+  int64_t steps = -1;
+  std::vector<double> base_lrs;
+  try {
+    steps = values.at("steps_done").get<int64_t>();
+    base_lrs = values.at("base_lrs").get<std::vector<double>>();
+  } catch (const Json::exception& e) {
+    throw UsageError(std::string("the learning-rate schedule's state is malformed (") + e.what() +
+                     "): the checkpoint was altered or the part is not an LrScheduler's");
+  }
+  if (steps < 0) {
+    throw UsageError("the learning-rate schedule's state says " + std::to_string(steps) +
+                     " steps done: the checkpoint was altered");
+  }
+  if (base_lrs.size() != base_lrs_.size()) {
+    throw UsageError("the learning-rate schedule's state has " + std::to_string(base_lrs.size()) +
+                     " param groups, the optimizer " + std::to_string(base_lrs_.size()) +
+                     ": load it into an optimizer of the same param groups");
+  }
+}
+
+void LrScheduler::load_state_dict(const StateDict& state) {
+  check_state(state.values);
+  steps_done_ = state.values.at("steps_done").get<int64_t>();
+  base_lrs_ = state.values.at("base_lrs").get<std::vector<double>>();
+}
+
 }  // namespace cohort::optim

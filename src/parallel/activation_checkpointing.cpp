@@ -1,19 +1,18 @@
 #include "cohort/parallel/activation_checkpointing.h"
 
-#include <ATen/Context.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <algorithm>
-#include <mutex>
 #include <set>
 #include <unordered_set>
 #include <utility>
 
 #include "cohort/error.h"
 #include "cohort/optim/precision.h"
+#include "cohort/optim/random_state.h"
 #include "cohort/parallel/fully_shard.h"
 
 namespace cohort::parallel {
@@ -22,45 +21,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The random number generators' states: the CPU's and those of the CUDA devices used.
-struct RandomStates {
-  at::Tensor cpu;
-  std::vector<std::pair<c10::Device, at::Tensor>> cuda;
-
-  static RandomStates capture(const std::vector<c10::Device>& cuda_devices) {
-    RandomStates states;
-    states.cpu = state_of(c10::Device(c10::kCPU));
-    for (const auto& device : cuda_devices) states.cuda.emplace_back(device, state_of(device));
-    return states;
-  }
-
-  void restore() const {
-    restore(c10::Device(c10::kCPU), cpu);
-    for (const auto& [device, state] : cuda) restore(device, state);
-  }
-
- private:
-  static at::Tensor state_of(const c10::Device& device) {
-    at::Generator generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard lock(generator.mutex());
-    return generator.get_state();
-  }
-  static void restore(const c10::Device& device, const at::Tensor& state) {
-    at::Generator generator = at::globalContext().defaultGenerator(device);
-    std::lock_guard lock(generator.mutex());
-    generator.set_state(state);
-  }
-};
-
 // The generators set to a forward's states while it lives, then put back: the recomputation
 // draws what the forward drew, and whatever runs after it draws what it would have without it.
 class RandomStatesScope {
  public:
-  explicit RandomStatesScope(const RandomStates* states) {
+  explicit RandomStatesScope(const optim::GeneratorStates* states) {
     if (states == nullptr) return;
     std::vector<c10::Device> devices;
     for (const auto& entry : states->cuda) devices.push_back(entry.first);
-    own_ = RandomStates::capture(devices);
+    own_ = optim::GeneratorStates::capture(devices);
     states->restore();
     active_ = true;
   }
@@ -71,7 +40,7 @@ class RandomStatesScope {
   RandomStatesScope& operator=(const RandomStatesScope&) = delete;
 
  private:
-  RandomStates own_;
+  optim::GeneratorStates own_;
   bool active_ = false;
 };
 
@@ -103,7 +72,7 @@ struct Recomputation : torch::CustomClassHolder {
   std::vector<at::Tensor> parameters;
   std::vector<at::Tensor> buffers;
   optim::AutocastState autocast;
-  std::optional<RandomStates> random;
+  std::optional<optim::GeneratorStates> random;
 };
 
 // The leaves (parameters, inputs) that the recomputed graph from `roots` accumulates into and
@@ -319,7 +288,7 @@ std::vector<at::Tensor> checkpoint(const CheckpointedFunction& fn,
     tensors.push_back(p);
     add_cuda_device(p, devices);
   }
-  if (options.preserve_rng_state) r->random = RandomStates::capture(devices);
+  if (options.preserve_rng_state) r->random = optim::GeneratorStates::capture(devices);
   return CheckpointFunction::apply(r, at::TensorList(tensors));
 }
 

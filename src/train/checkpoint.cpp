@@ -14,6 +14,7 @@
 #include "cohort/trace.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
+#include "train/run_state.h"
 #include "train/worker_session.h"
 #include "train/zero_checkpoint.h"
 
@@ -395,8 +396,7 @@ void refuse_replicas(const torch::optim::Optimizer& optimizer, const char* what,
 // SGD's and the parameter server's checkpoints.
 void load_any_optimizer_state(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
                               const torch::nn::Module& module) {
-  if (std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart)))
-    return detail::load_replicas(optimizer, module, dir);
+  if (holds_state(dir, optim::kReplicasPart)) return detail::load_replicas(optimizer, module, dir);
   if (detail::is_legacy_local_sgd_checkpoint(dir) && replicas_of(optimizer) != nullptr)
     return detail::load_legacy_local_sgd(optimizer, module, dir);
   if (detail::is_legacy_parameter_server_checkpoint(dir))
@@ -454,13 +454,13 @@ bool checkpoint_per_rank(const torch::optim::Optimizer& optimizer) {
 }
 
 bool is_local_sgd_checkpoint(const std::filesystem::path& dir) {
-  return std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart)) ||
-         detail::is_legacy_local_sgd_checkpoint(dir);
+  return holds_state(dir, optim::kReplicasPart) || detail::is_legacy_local_sgd_checkpoint(dir);
 }
 
-Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
-                           const torch::optim::Optimizer& optimizer) {
-  trace::Span span(trace::Phase::kCheckpoint);
+namespace detail {
+
+void save_model_and_optimizer(const std::filesystem::path& dir, const torch::nn::Module& module,
+                              const torch::optim::Optimizer& optimizer) {
   std::filesystem::create_directories(dir);
   if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
     // Every rank of the group: the model by its first rank (while the group gathers one unit at
@@ -484,11 +484,25 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
     save_model(module, dir / "model.safetensors");
     save_optimizer(optimizer, dir / "optimizer.pt");
   }
-  // fp16: the loss scale and its counters, so that a resumed run scales as the original.
+}
+
+void save_run_state(const std::filesystem::path& dir) {
+  // fp16: the loss scale and its counters (the same on every rank), so that a resumed run scales
+  // as the original.
   if (const auto* session = current_session();
-      session != nullptr && session->loss_scaler && session->loss_scaler->enabled()) {
-    write_atomically(dir / kLossScalerFile, session->loss_scaler->state_dict().dump(2) + "\n");
+      session != nullptr && session->context.world_rank == 0 && session->loss_scaler &&
+      session->loss_scaler->enabled()) {
+    save_state(dir, optim::kLossScalerPart, session->loss_scaler->state_dict());
   }
+}
+
+}  // namespace detail
+
+Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
+                           const torch::optim::Optimizer& optimizer) {
+  trace::Span span(trace::Phase::kCheckpoint);
+  detail::save_model_and_optimizer(dir, module, optimizer);
+  detail::save_run_state(dir);
   return Checkpoint::from_directory(dir);
 }
 
@@ -511,9 +525,16 @@ void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& op
   auto* session = current_session();
   // Steps taken before the checkpoint are not this start's: per-step metrics count from here.
   if (session != nullptr) session->steps_at_report = optimizer_steps(*session);
-  if (session != nullptr && session->loss_scaler && session->loss_scaler->enabled() &&
-      std::filesystem::exists(checkpoint.path() / kLossScalerFile)) {
-    session->loss_scaler->load_state_dict(read_json(checkpoint.path() / kLossScalerFile));
+  if (session != nullptr && session->loss_scaler && session->loss_scaler->enabled()) {
+    const auto& dir = checkpoint.path();
+    if (holds_state(dir, optim::kLossScalerPart)) {
+      load_state(dir, optim::kLossScalerPart, *session->loss_scaler);
+    } else if (std::filesystem::exists(dir / kLossScalerFile)) {
+      optim::StateDict first_format;
+      first_format.values = read_json(dir / kLossScalerFile);
+      session->loss_scaler->check_state(first_format.values);
+      session->loss_scaler->load_state_dict(first_format);
+    }
   }
   if (session == nullptr || !session->on_world_size_change) return;
   const int previous = checkpoint.data_parallel_size();

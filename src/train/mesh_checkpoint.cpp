@@ -10,6 +10,7 @@
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/train/context.h"
 #include "train/run_files.h"
+#include "train/run_state.h"
 
 namespace cohort::train {
 namespace {
@@ -113,10 +114,10 @@ MeshLayout mesh_layout_of(const std::filesystem::path& checkpoint_dir) {
           .zero_stage = json.value("zero_stage", 0)};
 }
 
-bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpointParts& parts) {
+void save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpointParts& parts) {
   const auto& mesh = *parts.mesh;
   const auto& optimizer = *parts.optimizer;
-  if (mesh.dp_index() != 0 && !checkpoint_per_rank(optimizer)) return false;
+  if (mesh.dp_index() != 0 && !checkpoint_per_rank(optimizer)) return;
   std::filesystem::create_directories(dir);
   if (mesh.dp_index() == 0 && mesh.pp_index() == 0) {
     if (parts.copy_to_dense) parts.copy_to_dense();  // collective over tp
@@ -125,12 +126,13 @@ bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpoint
   if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
       sharded != nullptr && sharded->holds_replicas()) {
     // Local SGD's replicas: the stages' global parameters with every rank's own.
-    save_checkpoint(dir / optimizer_folder(mesh), *parts.stages, optimizer);
+    detail::save_model_and_optimizer(dir / optimizer_folder(mesh), *parts.stages, optimizer);
   } else {
     save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
   }
   if (mesh.dp_index() == 0)
     save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = parts.parameters});
+  detail::save_run_state(dir);
   if (first_rank()) {
     const auto& layout = parts.layout;
     write_atomically(dir / kMeshFile, Json{{"pp", layout.pp},
@@ -140,7 +142,6 @@ bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpoint
                                               .dump(2) +
                                           "\n");
   }
-  return true;
 }
 
 void load_mesh_checkpoint(const Checkpoint& checkpoint, const MeshCheckpointParts& parts) {

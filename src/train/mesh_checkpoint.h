@@ -49,10 +49,10 @@ struct MeshCheckpointParts {
   std::vector<OptimizerPart::Parameter> parameters;
 };
 
-// Writes this rank's part into `dir`; false when it has none (a dp rank other than the first
-// with a replicated optimizer). The whole model must be current on the ranks of dp index 0 and
-// pp index 0 (after the stages were shared).
-bool save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpointParts& parts);
+// Writes this rank's part into `dir` (nothing on a dp rank other than the first with a replicated
+// optimizer). The whole model must be current on the ranks of dp index 0 and pp index 0 (after
+// the stages were shared).
+void save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpointParts& parts);
 // Loads the whole model and this rank's optimizer state: from a checkpoint of the same cut
 // exactly as written (any dp; into any synchronous engine, or local SGD's own state); from any
 // other cut or a run without a mesh, each parameter's state by the model's names, its slices

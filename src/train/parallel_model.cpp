@@ -9,6 +9,7 @@
 #include "cohort/data/data_loader.h"
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/random_state.h"
 #include "cohort/optim/state_dict.h"
 #include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/mesh.h"
@@ -35,6 +36,8 @@ struct ParallelModel::State {
   optim::LrScheduleOptions schedule;
   std::unique_ptr<torch::optim::Optimizer> optimizer;
   std::unique_ptr<optim::LrScheduler> lr_scheduler;
+  // This rank's random generators (dropout's masks), which checkpoints keep.
+  std::optional<optim::RandomState> random;
   int64_t steps = 0;
   // An engine whose ranks agree outside steps (local SGD, the parameter server: sync()).
   optim::ShardedState* sharded = nullptr;
@@ -279,6 +282,8 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   st->plan = plan;
   st->loss = std::move(loss);
   st->schedule = schedule;
+  st->random.emplace(ctx.get_world_rank(), ctx.get_world_size(),
+                     ctx.get_device().is_cuda() ? std::optional(ctx.get_device()) : std::nullopt);
   // Deferred initialisation: ZeRO stage 3 materialises the units one at a time as it shards
   // them, on a CPU run; every other plan, and a model bound for a GPU, needs the whole model now.
   const bool shards_as_it_materialises =
@@ -499,17 +504,20 @@ std::string ParallelModel::describe() const {
          recomputed;
 }
 
-bool ParallelModel::save(const std::filesystem::path& dir) const {
+void ParallelModel::save(const std::filesystem::path& dir) const {
   auto& st = *state_;
+  const int rank = get_context().get_world_rank();
   if (st.pipe) {
     // The whole model that the checkpoint holds is the first rank's, with every stage's current
     // parameters (its other stages are trained elsewhere).
     st.share_stages();
-    return save_mesh_checkpoint(dir, st.mesh_parts());
+    save_mesh_checkpoint(dir, st.mesh_parts());
+  } else if (rank == 0 || checkpoint_per_rank(*st.optimizer)) {
+    save_checkpoint(dir, *st.model.module, *st.optimizer);
   }
-  if (get_context().get_world_rank() != 0 && !checkpoint_per_rank(*st.optimizer)) return false;
-  save_checkpoint(dir, *st.model.module, *st.optimizer);
-  return true;
+  // Every rank's random generators; where the schedule stands, once.
+  save_state(dir, optim::kRandomStatePart, st.random->state_dict());
+  if (rank == 0) save_state(dir, optim::kLrSchedulePart, st.lr_scheduler->state_dict());
 }
 
 void ParallelModel::load(const Checkpoint& checkpoint) {
@@ -520,9 +528,26 @@ void ParallelModel::load(const Checkpoint& checkpoint) {
     check_mesh_checkpoint(checkpoint, st.plan.sync);
     load_checkpoint(checkpoint, *st.model.module, *st.optimizer);
   }
-  // The checkpoint's lr already has the schedule's factor for its steps.
+  // The checkpoint's lr already has the schedule's factor for its steps. A checkpoint of the
+  // first release has no schedule of its own: its "steps" metric says where it stood.
+  const auto& dir = checkpoint.path();
   st.steps = checkpoint.metrics().value("steps", int64_t{0});
   st.lr_scheduler = std::make_unique<optim::LrScheduler>(*st.optimizer, st.schedule, st.steps);
+  if (holds_state(dir, optim::kLrSchedulePart)) {
+    load_state(dir, optim::kLrSchedulePart, *st.lr_scheduler);
+    st.steps = st.lr_scheduler->steps_done();
+  }
+  // Last: nothing above draws from the generators it sets.
+  if (holds_state(dir, optim::kRandomStatePart)) {
+    load_state(dir, optim::kRandomStatePart, *st.random);
+    if (!st.random->restored() && get_context().get_world_rank() == 0) {
+      std::cerr << "cohort: " << dir.string()
+                << " holds the random generators of another world size or device than this "
+                   "run's: each rank's generators go on from its seed (dropout draws other masks "
+                   "than the checkpoint's run would have)"
+                << std::endl;
+    }
+  }
 }
 
 ResumePoint resume_point(const Checkpoint& checkpoint) {
@@ -554,17 +579,15 @@ std::filesystem::path report_folder() {
 // rank saved files, the seconds waited for that one, and the seconds the save took (the step's
 // stall).
 struct CapturedSave {
-  bool saved = false;
   double waited_s = 0, stalled_s = 0;
 };
 CapturedSave capture_save(const ParallelModel& model) {
   const double waited = wait_for_checkpoint_in_flight();
   const auto dir = report_folder();
   const auto start = std::chrono::steady_clock::now();
-  bool saved = false;
   {
     FileCapture capture(dir, checkpoint_capture());
-    saved = model.save(dir);
+    model.save(dir);
   }
   // The save made the folders, empty: every file went through write_atomically into memory.
   std::error_code error;
@@ -578,7 +601,6 @@ CapturedSave capture_save(const ParallelModel& model) {
   }
   remove_tree(dir);
   return {
-      .saved = saved,
       .waited_s = waited,
       .stalled_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
 }
@@ -587,7 +609,7 @@ void report_asynchronously(Json metrics, const ParallelModel& model) {
   const auto save = capture_save(model);
   metrics["checkpoint_wait_s"] = save.waited_s;
   metrics["checkpoint_snapshot_s"] = save.stalled_s;
-  report_async(metrics, save.saved);
+  report_async(metrics, /*has_files=*/true);
 }
 
 }  // namespace
@@ -613,10 +635,7 @@ void report(const Json& metrics, const ParallelModel& model, const SaveOptions& 
   }
   const auto dir = report_folder();
   remove_tree(dir);
-  if (!model.save(dir)) {
-    report(metrics);
-    return;
-  }
+  model.save(dir);
   report(metrics, Checkpoint::from_directory(dir));
   remove_tree(dir);
 }

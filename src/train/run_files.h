@@ -20,7 +20,8 @@ inline constexpr const char* kMetricsCsvFile = "metrics.csv";
 inline constexpr const char* kStepsFile = "steps.jsonl";
 inline constexpr const char* kCheckpointManagerFile = "checkpoint_manager.json";
 inline constexpr const char* kCheckpointPrefix = "checkpoint_";
-// The loss scaler's state in a checkpoint of an fp16 run (train::save_checkpoint).
+// The loss scaler's state in a checkpoint of an fp16 run as the first release wrote it (now the
+// Stateful part optim::kLossScalerPart); still loaded.
 inline constexpr const char* kLossScalerFile = "loss_scaler.json";
 
 // While it lives, the files and folders this process creates take `mask` (umask(2)): a run's

@@ -117,11 +117,15 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
     tensors[detail::piece_name(tensor, piece.offset)] = piece.values;
   }
   std::filesystem::create_directories(dir);
-  const auto file = detail::rank_file(name.c_str(), state.shard, state.shards, ".safetensors");
-  safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}});
+  // A part of values only, held whole (a loss scaler's, a schedule's): its manifest alone.
+  const bool values_only = state.shards == 1 && tensors.empty();
+  if (!values_only) {
+    const auto file = detail::rank_file(name.c_str(), state.shard, state.shards, ".safetensors");
+    safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}});
+  }
   if (state.shard != 0) return;
   Json files = Json::array();
-  for (int r = 0; r < state.shards; ++r)
+  for (int r = 0; r < state.shards && !values_only; ++r)
     files.push_back(detail::rank_file(name.c_str(), r, state.shards, ".safetensors"));
   write_atomically(dir / detail::state_manifest_file(name), Json{{"format", detail::kStateFormat},
                                                                  {"shards", state.shards},
@@ -139,6 +143,10 @@ void load_state(const std::filesystem::path& dir, const std::string& name, optim
   for (auto& [tensor, piece] : state.tensors) files.read(tensor, piece.offset, piece.values);
   state.values = files.values();
   part.load_state_dict(state);
+}
+
+bool holds_state(const std::filesystem::path& dir, const std::string& name) {
+  return std::filesystem::exists(dir / detail::state_manifest_file(name));
 }
 
 }  // namespace cohort::train

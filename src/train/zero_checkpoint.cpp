@@ -786,8 +786,7 @@ void load_optimizer_parts(const std::vector<OptimizerPart>& parts,
     const auto what = part.dir.filename().string();
     if (std::filesystem::exists(part.dir / detail::kZeroManifest)) {
       state.add(detail::StateSource::shards(part.dir), part.parameters, what);
-    } else if (std::filesystem::exists(part.dir /
-                                       detail::state_manifest_file(optim::kReplicasPart))) {
+    } else if (holds_state(part.dir, optim::kReplicasPart)) {
       // Local SGD's replicas: their first rank's inner state.
       state.add(detail::StateSource::first_replica(part.dir), part.parameters, what);
     } else {

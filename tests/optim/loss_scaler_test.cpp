@@ -90,9 +90,22 @@ TEST(LossScaler, TheScaleGrowsAfterGrowthIntervalCleanSteps) {
   EXPECT_EQ(scaler.get_scale(), 32);
   // The state round-trips (a checkpoint).
   optim::LossScaler restored({.initial_scale = 8, .growth_interval = 3});
-  restored.load_state_dict(scaler.state_dict());
+  const auto state = scaler.state_dict();
+  EXPECT_TRUE(state.tensors.empty());
+  restored.load_state_dict(state);
   EXPECT_EQ(restored.get_scale(), 32);
   EXPECT_EQ(restored.skipped_steps(), 1);
+  // Another part's values, or an altered scale, are refused before anything changes.
+  testing::expect_error<UsageError>(
+      [&] {
+        restored.check_state(Json{{"steps", 3}});
+      },
+      "loss scaler state is malformed");
+  auto altered = state;
+  altered.values["scale"] = 0;
+  testing::expect_error<UsageError>([&] { restored.load_state_dict(altered); },
+                                    "loss scaler state has scale 0");
+  EXPECT_EQ(restored.get_scale(), 32);
 }
 
 TEST(LossScaler, AnOverflowOnOneRankSkipsTheStepOnEveryRank) {

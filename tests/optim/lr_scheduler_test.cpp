@@ -60,6 +60,47 @@ TEST(LrScheduler, SetsEveryGroupsLrAndKeepsAChangeMadeInBetween) {
   EXPECT_NEAR(resumed.get_last_lr()[0], 0.05, 1e-12);
 }
 
+// The schedule's own state (a checkpoint's part) takes a schedule made afresh on to the step where
+// the saved one stood, whatever its steps_done.
+TEST(LrSchedule, ItsStateGoesOnFromTheSavedStep) {
+  const optim::LrScheduleOptions options{.warmup_steps = 3, .decay = "cosine", .total_steps = 9};
+  auto w = torch::zeros({2}, torch::requires_grad());
+  torch::optim::SGD saved_optimizer({w}, torch::optim::SGDOptions(0.4));
+  optim::LrScheduler saved(saved_optimizer, options);
+  for (int i = 0; i < 4; ++i) saved.step();
+  const auto state = saved.state_dict();
+  EXPECT_TRUE(state.tensors.empty());
+  EXPECT_EQ(state.values["steps_done"], 4);
+  torch::optim::SGD optimizer({w}, torch::optim::SGDOptions(0.4));
+  optim::LrScheduler resumed(optimizer, options);
+  // The optimizer's lr comes back with its own state.
+  optimizer.param_groups()[0].options().set_lr(saved.get_last_lr()[0]);
+  resumed.load_state_dict(state);
+  EXPECT_EQ(resumed.steps_done(), 4);
+  for (int i = 0; i < 6; ++i) {
+    saved.step();
+    resumed.step();
+    EXPECT_DOUBLE_EQ(resumed.get_last_lr()[0], saved.get_last_lr()[0]) << "step " << i + 5;
+  }
+  // Another optimizer's param groups, or altered values, are refused by name.
+  using testing::expect_error;
+  torch::optim::SGD two_groups({w}, torch::optim::SGDOptions(0.4));
+  two_groups.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({1})}));
+  optim::LrScheduler other(two_groups, options);
+  expect_error<UsageError>([&] { other.check_state(state.values); },
+                           "has 1 param groups, the optimizer 2");
+  expect_error<UsageError>(
+      [&] {
+        resumed.check_state(Json{{"steps_done", 2}});
+      },
+      "the learning-rate schedule's state is malformed");
+  expect_error<UsageError>(
+      [&] {
+        resumed.check_state(Json{{"steps_done", -1}, {"base_lrs", {0.4}}});
+      },
+      "says -1 steps done");
+}
+
 TEST(LrSchedule, BadOptionsAreNamed) {
   using testing::expect_error;
   expect_error<UsageError>([] { optim::LrScheduleOptions{.decay = "exp"}.validate(); },

@@ -41,7 +41,7 @@ train::Plan plan_named(const std::string& name) {
   return plan;
 }
 
-train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers) {
+train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, double dropout) {
   torch::manual_seed(0);
   const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
     if (plan.zero.stage == 3 || plan.activation_checkpointing.enabled())
@@ -49,12 +49,16 @@ train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers) 
     return torch::nn::AnyModule(torch::nn::Linear(in, out));
   };
   torch::nn::Sequential net;
+  const auto activation = [&] {
+    net->push_back(torch::nn::ReLU());
+    if (dropout > 0) net->push_back(torch::nn::Dropout(dropout));
+  };
   net->push_back(linear(8, 16));
   for (int layer = 1; layer < hidden_layers; ++layer) {
-    net->push_back(torch::nn::ReLU());
+    activation();
     net->push_back(linear(16, 16));
   }
-  net->push_back(torch::nn::ReLU());
+  activation();
   net->push_back(linear(16, 4));
   return train::parallelize(
       {.module = net.ptr(),

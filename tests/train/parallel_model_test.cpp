@@ -32,7 +32,7 @@ void train_loop(const Json& c) {
   auto plan = plan_named(c["plan"]);
   plan.activation_checkpointing =
       parallel::parse_activation_checkpointing(c.value("activation_checkpointing", "none"));
-  auto model = testing::classifier_net(plan, /*hidden_layers=*/2);
+  auto model = testing::classifier_net(plan, /*hidden_layers=*/2, c.value("dropout", 0.0));
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
     model.load(*checkpoint);
@@ -118,12 +118,11 @@ class ParallelModelResume : public ::testing::Test {
 
   Result fit(const std::string& name, const std::string& plan, int workers, int64_t stop_after,
              const std::string& stream = "dataset",
-             const std::string& activation_checkpointing = "none", bool async = false) {
+             const std::string& activation_checkpointing = "none") {
     return fit_with(name, plan, workers,
                     {{"activation_checkpointing", activation_checkpointing},
                      {"stop_after", stop_after},
-                     {"stream", stream},
-                     {"async", async}});
+                     {"stream", stream}});
   }
 
   // train_loop's run `name` of `plan` on `workers` with `config` (beside the plan and the ids
@@ -151,8 +150,9 @@ class ParallelModelResume : public ::testing::Test {
   }
 
   // Stopped inside its second epoch with a checkpoint and run again, `plan` trains on exactly the
-  // rows an uninterrupted run does and ends with its parameters.
-  void expect_resumed_run_matches(const std::string& plan, int workers, bool async);
+  // rows an uninterrupted run does and ends with its parameters. `config` adds train_loop's
+  // "async" and "dropout".
+  void expect_resumed_run_matches(const std::string& plan, int workers, const Json& config);
 
   // The run's whole model, one tensor per name.
   std::map<std::string, at::Tensor> model_of(const Result& result) {
@@ -215,7 +215,7 @@ class EveryPlanFamily : public ParallelModelResume,
 
 TEST_P(EveryPlanFamily, ResumedInsideAnEpochMatchesAnUninterruptedRun) {
   const auto& [plan, workers] = GetParam();
-  expect_resumed_run_matches(plan, workers, /*async=*/false);
+  expect_resumed_run_matches(plan, workers, Json::object());
 }
 
 // The same with every checkpoint saved asynchronously (SaveOptions::async: written to memory,
@@ -225,21 +225,43 @@ class AsynchronousSaves : public ParallelModelResume,
 
 TEST_P(AsynchronousSaves, ResumedInsideAnEpochMatchesAnUninterruptedRun) {
   const auto& [plan, workers] = GetParam();
-  expect_resumed_run_matches(plan, workers, /*async=*/true);
+  expect_resumed_run_matches(plan, workers, {{"async", true}});
+}
+
+// With dropout, each rank draws its masks from its own generators: a checkpoint keeps them
+// (every rank's, optim::RandomState), so the resumed run draws the masks the uninterrupted run
+// draws and ends with its parameters bit for bit.
+class RandomGenerators : public ParallelModelResume,
+                         public ::testing::WithParamInterface<PlanCase> {};
+
+TEST_P(RandomGenerators, ResumedWithDropoutMatchesAnUninterruptedRun) {
+  const auto& [plan, workers] = GetParam();
+  expect_resumed_run_matches(plan, workers, {{"dropout", 0.25}});
 }
 
 void ParallelModelResume::expect_resumed_run_matches(const std::string& plan, int workers,
-                                                     bool async) {
-  const auto whole = fit(plan + "-whole", plan, workers, 0, "dataset", "none", async);
+                                                     const Json& config) {
+  const bool async = config.value("async", false);
+  const auto run = [&](const std::string& name, int64_t stop_after) {
+    auto c = config;
+    c["stop_after"] = stop_after;
+    return fit_with(name, plan, workers, c);
+  };
+  const auto whole = run(plan + "-whole", 0);
   ASSERT_TRUE(whole.ok()) << *whole.error;
   const int64_t steps = whole.metrics["steps"];
-  const auto stopped =
-      fit(plan + "-stopped", plan, workers, steps / 2 + steps / 4, "dataset", "none", async);
+  const auto stopped = run(plan + "-stopped", steps / 2 + steps / 4);
   ASSERT_TRUE(stopped.ok()) << *stopped.error;
   EXPECT_EQ(stopped.metrics[train::kEpochStepMetric], steps / 4);
   // An asynchronous save says how long the step stood still for it.
   EXPECT_EQ(stopped.metrics.contains("checkpoint_snapshot_s"), async) << stopped.metrics.dump();
-  const auto resumed = fit(plan + "-stopped", plan, workers, 0, "dataset", "none", async);
+  // Every rank's generators and the schedule's step are in the checkpoint.
+  const auto& kept = stopped.checkpoint->path();
+  EXPECT_TRUE(train::holds_state(kept, optim::kLrSchedulePart));
+  EXPECT_TRUE(train::holds_state(kept, optim::kRandomStatePart));
+  EXPECT_TRUE(std::filesystem::exists(kept / ("rng-rank" + std::to_string(workers - 1) + "-of-" +
+                                              std::to_string(workers) + ".safetensors")));
+  const auto resumed = run(plan + "-stopped", 0);
   ASSERT_TRUE(resumed.ok()) << *resumed.error;
   EXPECT_EQ(resumed.metrics["steps"], steps);
   for (int rank = 0; rank < workers; ++rank)
@@ -332,6 +354,10 @@ INSTANTIATE_TEST_SUITE_P(ParallelModel, EveryPlanFamily,
                                            PlanCase{"hsdp", 4}, PlanCase{"pipeline", 2},
                                            PlanCase{"mesh", 4}, PlanCase{"local_sgd", 2},
                                            PlanCase{"diloco", 2}, PlanCase{"parameter_server", 2}),
+                         [](const auto& info) { return info.param.plan; });
+INSTANTIATE_TEST_SUITE_P(ParallelModel, RandomGenerators,
+                         ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero3", 2},
+                                           PlanCase{"pipeline", 2}),
                          [](const auto& info) { return info.param.plan; });
 INSTANTIATE_TEST_SUITE_P(ParallelModel, AsynchronousSaves,
                          ::testing::Values(PlanCase{"ddp", 2}, PlanCase{"zero3", 2},

@@ -7,6 +7,8 @@
 
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/loss_scaler.h"
+#include "cohort/optim/lr_scheduler.h"
 #include "cohort/optim/state_dict.h"
 #include "cohort/train/checkpoint.h"
 #include "support/expect.h"
@@ -134,6 +136,34 @@ TEST(StateFiles, WhatTheFilesLackOrThePartRefusesIsNamed) {
   expect_error<UsageError>([&] { save_state(dir, "outside", outside); },
                            "tensor 'w' of part 'outside' is a piece of 4 elements at 8 of a "
                            "tensor of 10");
+  std::filesystem::remove_all(dir);
+}
+
+// A part of values only (a loss scaler's) is its manifest alone, and loads as any other.
+TEST(StateFiles, APartOfValuesOnlyIsItsManifest) {
+  const auto dir = cohort::testing::temp_dir("state_files_values");
+  optim::LossScaler written({.initial_scale = 64});
+  written.load_state_dict(
+      {.values = {
+           {"scale", 512.0}, {"clean_steps", 7}, {"hysteresis_left", 1}, {"skipped_steps", 3}}});
+  save_state(dir, optim::kLossScalerPart, written.state_dict());
+  EXPECT_TRUE(holds_state(dir, optim::kLossScalerPart));
+  EXPECT_FALSE(holds_state(dir, optim::kLrSchedulePart));
+  size_t files = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir)) ++files;
+  EXPECT_EQ(files, 1u);
+  optim::LossScaler loaded({.initial_scale = 64});
+  load_state(dir, optim::kLossScalerPart, loaded);
+  EXPECT_EQ(loaded.get_scale(), 512.0);
+  EXPECT_EQ(loaded.skipped_steps(), 3);
+  // Another part's values are refused before anything changes.
+  torch::optim::SGD sgd({torch::zeros({1}, torch::requires_grad())}, torch::optim::SGDOptions(0.1));
+  optim::LrScheduler schedule(sgd, {});
+  save_state(dir, optim::kLrSchedulePart, schedule.state_dict());
+  std::filesystem::copy_file(dir / "lr_schedule_manifest.json", dir / "swapped_manifest.json");
+  cohort::testing::expect_error<UsageError>([&] { load_state(dir, "swapped", loaded); },
+                                            "loss scaler state is malformed");
+  EXPECT_EQ(loaded.get_scale(), 512.0);
   std::filesystem::remove_all(dir);
 }
 

@@ -7,8 +7,12 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/json.h"
 #include "cohort/optim/precision.h"
+#include "cohort/optim/state_dict.h"
 
 namespace cohort::optim {
+
+/// The name of the loss scaler's part in a checkpoint (train::save_state's files).
+inline constexpr const char* kLossScalerPart = "loss_scaler";
 
 /// Scales the loss before backward so that small fp16 gradients do not flush to zero, unscales the
 /// gradients before the optimizer step, and skips a step whose gradients overflowed (inf or NaN
@@ -20,7 +24,10 @@ namespace cohort::optim {
 ///   scaler.update();          // adjusts the scale
 ///
 /// A disabled scaler (fp32, bf16) passes everything through: scale(loss) is loss, step() steps.
-class LossScaler {
+///
+/// Its state (the scale and its counters, the same on every rank) is a Stateful part of values
+/// only, which checkpoints keep as part kLossScalerPart.
+class LossScaler : public Stateful {
  public:
   /// A scaler with `options` that agrees on overflows over `group` (every rank skips a step
   /// together); `enabled` false passes everything through.
@@ -48,10 +55,12 @@ class LossScaler {
   /// The options it was made with.
   const LossScalerOptions& options() const { return options_; }
 
-  /// The scaler's state, for checkpoints.
-  Json state_dict() const;
-  /// Restores state_dict()'s state.
-  void load_state_dict(const Json& state);
+  /// The scale and its counters as values (no tensors), replicated: one rank writes them.
+  StateDict state_dict() const override;
+  /// UsageError naming what is missing or out of range when `values` are not a scaler's state.
+  void check_state(const Json& values) const override;
+  /// Takes the scale and counters of `state`'s values (checked as check_state does).
+  void load_state_dict(const StateDict& state) override;
 
  private:
   LossScalerOptions options_;

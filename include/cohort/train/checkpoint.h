@@ -73,7 +73,8 @@ void load_optimizer(torch::optim::Optimizer& optimizer, const std::filesystem::p
 /// rank's `state` of part `name` into `dir` (created) as "<name>-rank<shard>-of-<shards>
 /// .safetensors", each piece under "<tensor>/<first element>"; shard 0 also writes
 /// "<name>_manifest.json" with the files and the values. Every rank of a sharded state calls it;
-/// of a replicated one (shards 1), one rank. UsageError for a piece outside its tensor.
+/// of a replicated one (shards 1), one rank; a replicated part of values only (a loss scaler's, a
+/// schedule's) is its manifest alone. UsageError for a piece outside its tensor.
 void save_state(const std::filesystem::path& dir, const std::string& name,
                 const optim::StateDict& state);
 /// Loads part `name` of `dir` (save_state's files) into `part`, whatever number of ranks wrote
@@ -81,6 +82,8 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
 /// only the overlapping pieces of the files, then part.load_state_dict(). UsageError naming the
 /// folder and the tensor's range when the files do not cover it, or a listed file is missing.
 void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part);
+/// Whether `dir` holds part `name` (save_state's manifest of it).
+bool holds_state(const std::filesystem::path& dir, const std::string& name);
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
 /// model.safetensors and optimizer.pt; returns it as a Checkpoint ready for report(). With an

@@ -131,13 +131,16 @@ class ParallelModel {
   std::string describe() const;
 
   /// Writes this rank's part of a checkpoint into `dir` (the model from the first rank; optimizer
-  /// state from the ranks that hold some; a mesh's layout). False when this rank has nothing to
-  /// write: it reports without a checkpoint. Collective with a pipeline (its stages are shared
-  /// first, as whole_model() does): every rank calls it, as train::report(metrics, model) does.
-  bool save(const std::filesystem::path& dir) const;
+  /// state from the ranks that hold some; a mesh's layout; the learning-rate schedule from the
+  /// first rank and every rank's random generators, optim::RandomState). Collective with a
+  /// pipeline (its stages are shared first, as whole_model() does): every rank calls it, as
+  /// train::report(metrics, model) does.
+  void save(const std::filesystem::path& dir) const;
   /// Loads a checkpoint written by any plan whose arithmetic allows it (another world size,
-  /// ZeRO stage, mesh cut or sync mode; see checkpoint.h) and continues its learning-rate schedule
-  /// from its "steps" metric. UsageError naming the checkpoint, the layouts and the fix otherwise.
+  /// ZeRO stage, mesh cut or sync mode; see checkpoint.h) and goes on with its learning-rate
+  /// schedule (from its "steps" metric where it holds none of its own) and, at the same world
+  /// size, with each rank's random generators where the checkpoint's run left them (rank 0 says
+  /// when they cannot be). UsageError naming the checkpoint, the layouts and the fix otherwise.
   void load(const Checkpoint& checkpoint);
 
  private:
