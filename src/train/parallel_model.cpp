@@ -41,7 +41,8 @@ struct ParallelModel::State {
   int64_t steps = 0;
   // An engine whose ranks agree outside steps (local SGD, the parameter server: sync()).
   optim::ShardedState* sharded = nullptr;
-  // Without a mesh.
+  // The optimizer where it is a flat one (ZeRO's shard is): its own clipping, CUDA-graph capture
+  // and offload to disk.
   optim::FlatOptimizer* flat = nullptr;
   std::unique_ptr<CapturedStep> captured;
   // With a mesh: every stage of the model, this rank's in the pipeline.
@@ -231,9 +232,9 @@ void check_mesh(const Plan& plan, const TrainContext& ctx) {
   }
 }
 
-// --offload-optimizer: a flat optimizer's state (ZeRO's shard included) into files; host memory
-// is where a CPU run's state is already.
-void offload_optimizer_state(torch::optim::Optimizer& optimizer, const OptimizerOffload& offload,
+// --offload-optimizer: a flat optimizer's state (ZeRO's shard included; `flat`, null for another
+// optimizer) into files; host memory is where a CPU run's state is already.
+void offload_optimizer_state(optim::FlatOptimizer* flat, const OptimizerOffload& offload,
                              const TrainContext& ctx) {
   using Device = OptimizerOffload::Device;
   if (offload.device == Device::kNone) return;
@@ -250,7 +251,6 @@ void offload_optimizer_state(torch::optim::Optimizer& optimizer, const Optimizer
     }
     return;
   }
-  auto* flat = dynamic_cast<optim::FlatOptimizer*>(&optimizer);
   if (flat == nullptr) {
     throw UsageError(flag +
                      " streams the state of cohort's flat optimizers and ZeRO's: use one (not "
@@ -352,7 +352,7 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
     st->find_engines();
     st->name_parameters();
   }
-  offload_optimizer_state(*st->optimizer, plan.offload_optimizer, ctx);
+  offload_optimizer_state(st->flat, plan.offload_optimizer, ctx);
   st->lr_scheduler = std::make_unique<optim::LrScheduler>(*st->optimizer, schedule, 0);
   return ParallelModel(std::move(st));
 }
