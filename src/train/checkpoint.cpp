@@ -508,10 +508,10 @@ Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Mo
 
 void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
-  // ZeRO stage 3: every rank loads one unit at a time and keeps its shards of it.
+  // ZeRO stage 3: every rank reads its shards' ranges of the units' parameters.
   const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
   if (sharded != nullptr && !sharded->sharded_units().empty()) {
-    detail::load_model_by_unit(*sharded, module, checkpoint.path() / "model.safetensors");
+    detail::load_model_shards(*sharded, module, checkpoint.path() / "model.safetensors");
   } else {
     load_model(module, checkpoint.path() / "model.safetensors");
   }

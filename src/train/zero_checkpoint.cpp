@@ -671,28 +671,35 @@ void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Mod
   });
 }
 
-void load_model_by_unit(const optim::ShardedState& sharded, torch::nn::Module& module,
-                        const std::filesystem::path& file) {
+void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& module,
+                       const std::filesystem::path& file) {
   const auto header = safetensors::read_header(file);
   const auto tensors = model_tensors(module);
-  // load_model's checks, before any gather: every rank reads the same header.
+  // load_model's checks, before anything is read: every rank reads the same header.
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [name, info] : header.tensors) shapes[name] = info.shape;
   check_model_file(file, module, shapes);
   torch::NoGradGuard no_grad;
-  UnitByUnit units(sharded, /*write_back=*/true);
-  if (!units.covers(tensors)) {
-    const auto whole = sharded.gather_parameters(-1, /*write_back=*/true);
-    load_model(module, file);
-    return;
+  const auto pieces = sharded.parameter_shards();
+  // A module that names the sharded parameters otherwise than the engine's (a parent of it)
+  // gathers them whole, and loads as any module.
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor.numel() > 0 && tensor.storage().nbytes() == 0 && pieces.count(name) == 0) {
+      const auto whole = sharded.gather_parameters(-1, /*write_back=*/true);
+      load_model(module, file);
+      return;
+    }
   }
   for (const auto& [name, tensor] : tensors) {
-    units.visit(name);
     const auto& info = header.tensors.at(name);
-    at::Tensor staging = at::empty(info.shape, at::TensorOptions(info.dtype));
-    safetensors::read_elements(file, header, name, 0, staging);
-    at::Tensor target = tensor;
-    target.copy_(staging);
+    const auto piece = pieces.find(name);
+    // This rank's range of a sharded parameter, or the whole tensor.
+    const int64_t first = piece != pieces.end() ? piece->second.offset : 0;
+    at::Tensor target = piece != pieces.end() ? piece->second.values : tensor;
+    if (target.numel() == 0) continue;
+    at::Tensor staging = at::empty({target.numel()}, at::TensorOptions(info.dtype));
+    safetensors::read_elements(file, header, name, first, staging);
+    target.copy_(staging.view(target.sizes()));
   }
 }
 

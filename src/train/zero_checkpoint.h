@@ -64,9 +64,11 @@ void load_optimizer_file_into_part(torch::optim::Optimizer& optimizer,
 // group calls it.
 void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Module& module,
                         const std::filesystem::path& file);
-// Its inverse (load_model's checks and errors): every rank reads each unit's tensors while that
-// unit is gathered and keeps its shards of them.
-void load_model_by_unit(const optim::ShardedState& sharded, torch::nn::Module& module,
-                        const std::filesystem::path& file);
+// Its inverse (load_model's checks and errors), with no collective: every rank reads only its
+// shards' ranges of the units' parameters (ShardedState::parameter_shards) and the other tensors
+// whole. A module that names the parameters otherwise than the engine (a parent of its module)
+// gathers them whole instead, every rank of the group then.
+void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& module,
+                       const std::filesystem::path& file);
 
 }  // namespace cohort::train::detail

@@ -140,9 +140,10 @@ TEST(ZeroCheckpoint, ThePreviousReleasesShardsStillLoad) {
   std::filesystem::remove_all(dir);
 }
 
-// Stage 3 writes and reads the model one unit at a time: no rank gathers more than the largest
-// unit (the 7 x 23 layer, 184 floats), where gathering the whole model would hold both (256).
-TEST(ZeroCheckpoint, StageThreeGathersOneUnitAtATimeToSaveAndLoad) {
+// Stage 3 writes the model one unit at a time: no rank gathers more than the largest unit (the
+// 7 x 23 layer, 184 floats), where gathering the whole model would hold both (256). Loading
+// gathers nothing: each rank reads its shards' ranges of the file.
+TEST(ZeroCheckpoint, StageThreeSavesOneUnitAtATimeAndLoadsEachRanksShardsAlone) {
   const auto dir = cohort::testing::temp_dir("zero_checkpoint_units");
   // Its gathered buffer, padded to split evenly over the ranks.
   auto largest_unit_bytes = [](int64_t world) {
@@ -179,12 +180,41 @@ TEST(ZeroCheckpoint, StageThreeGathersOneUnitAtATimeToSaveAndLoad) {
                                    parallel::FullyShard(torch::nn::Linear(23, 3)));
     }();
     auto zero = make_zero(net, g, 3);
+    // Each parameter's pieces over the ranks tile it.
+    const auto pieces = zero->parameter_shards();
+    ASSERT_EQ(pieces.size(), 4U);
+    const auto& bias = pieces.at("0.bias");
+    EXPECT_EQ(bias.numel, 23);
+    EXPECT_LE(bias.offset + bias.values.numel(), 23);
+    int64_t covered = bias.values.numel();
+    std::vector<at::Tensor> counts{at::scalar_tensor(covered, at::kLong)};
+    g.allreduce(counts);
+    EXPECT_EQ(counts[0].item<int64_t>(), 23);
     load_checkpoint(Checkpoint::from_directory(dir), *net, *zero);
-    EXPECT_EQ(zero->stats().gathered_bytes_peak, largest_unit_bytes(3)) << "rank " << g.rank();
+    EXPECT_EQ(zero->stats().gathered_bytes_peak, 0) << "rank " << g.rank();
     std::vector<torch::Tensor> loaded;
     copy_parameters(net, *zero, loaded);
     if (g.rank() != 0) return;
     ASSERT_EQ(loaded.size(), saved.size());
+    for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << i;
+  });
+  // Into a parent of the model (other names than the engine's): gathered whole, the same values.
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = [] {
+      std::lock_guard lock(cohort::testing::generator_mutex());
+      torch::manual_seed(99);
+      return torch::nn::Sequential(parallel::FullyShard(torch::nn::Linear(7, 23)),
+                                   torch::nn::ReLU(),
+                                   parallel::FullyShard(torch::nn::Linear(23, 3)));
+    }();
+    auto zero = make_zero(net, g, 3);
+    auto parent = std::make_shared<torch::nn::Module>();
+    parent->register_module("net", net.ptr());
+    load_checkpoint(Checkpoint::from_directory(dir / "parent"), *parent, *zero);
+    EXPECT_GT(zero->stats().gathered_bytes_peak, 0) << "rank " << g.rank();
+    std::vector<torch::Tensor> loaded;
+    copy_parameters(net, *zero, loaded);
+    if (g.rank() != 0) return;
     for (size_t i = 0; i < saved.size(); ++i) EXPECT_TRUE(torch::equal(loaded[i], saved[i])) << i;
   });
   // Another model's file is named, on every rank alike, before any gather.

@@ -116,6 +116,12 @@ class ShardedState : public Stateful {
   /// The units whose parameters lie in shards between steps (ZeRO-3's), by their names in the
   /// module (their parameters' names start with "<name>."); empty by default (none).
   virtual std::vector<std::string> sharded_units() const { return {}; }
+  /// This rank's pieces of the parameters that lie in shards between steps (ZeRO-3's units'), by
+  /// their names in the module: elements [offset, offset + values.numel()) of the flattened
+  /// parameter, `values` a view of this rank's shard that loading fills in place (empty where the
+  /// rank holds none of it). So a model file loads into the shards reading only this rank's
+  /// ranges, with no collective. Empty by default (every parameter whole).
+  virtual std::map<std::string, StateTensor> parameter_shards() const { return {}; }
   /// Unit `unit` (an index of sharded_units()), or every unit when `unit` is negative, whole on
   /// every rank while the result lives; with `write_back` this rank's shards are cut anew from
   /// the parameters when it ends (after a load). A collective: every rank of the group calls it.

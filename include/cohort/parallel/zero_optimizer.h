@@ -236,6 +236,9 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
   bool every_rank_saves() const override;
   /// See optim::ShardedState: unit_names().
   std::vector<std::string> sharded_units() const override;
+  /// See optim::ShardedState: at stage 3, this rank's piece of each unit's parameters (views of
+  /// the shards).
+  std::map<std::string, optim::StateTensor> parameter_shards() const override;
   /// See optim::ShardedState: a GatheredParameters.
   std::unique_ptr<optim::ParameterGather> gather_parameters(int64_t unit,
                                                             bool write_back) const override;
