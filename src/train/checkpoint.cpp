@@ -20,24 +20,6 @@
 
 namespace cohort {
 namespace safetensors {
-namespace {
-
-const std::map<at::ScalarType, std::string>& dtype_names() {
-  static const std::map<at::ScalarType, std::string> names{
-      {at::kFloat, "F32"}, {at::kDouble, "F64"}, {at::kHalf, "F16"},  {at::kBFloat16, "BF16"},
-      {at::kLong, "I64"},  {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},
-      {at::kByte, "U8"},   {at::kBool, "BOOL"}};
-  return names;
-}
-
-at::ScalarType dtype_of(const std::string& name, const std::filesystem::path& file) {
-  for (const auto& [type, n] : dtype_names()) {
-    if (n == name) return type;
-  }
-  throw UsageError("safetensors file " + file.string() + " has unsupported dtype " + name);
-}
-
-}  // namespace
 
 void write_streaming(
     const std::filesystem::path& file,
@@ -49,15 +31,12 @@ void write_streaming(
   int64_t offset = 0;
   for (const auto& [name, info] : layout) {
     const auto& [dtype, shape] = info;
-    auto it = dtype_names().find(dtype);
-    if (it == dtype_names().end()) {
-      throw UsageError("save_model: tensor '" + name + "' has a dtype safetensors cannot hold");
-    }
+    const auto& dtype_text = dtype_name(dtype, name);
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
     header[name] = {
-        {"dtype", it->second}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
+        {"dtype", dtype_text}, {"shape", shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -87,89 +66,6 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
     layout[name] = {tensor.scalar_type(), tensor.sizes().vec()};
   write_streaming(file, layout, metadata,
                   [&](const std::string& name) { return tensors.at(name); });
-}
-
-Header read_header(const std::filesystem::path& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw UsageError("cannot open safetensors file " + file.string());
-  const auto size = static_cast<int64_t>(std::filesystem::file_size(file));
-  const auto bad = [&](const std::string& why) {
-    return UsageError("safetensors file " + file.string() + " " + why +
-                      ": the file is truncated, corrupt or not a safetensors file");
-  };
-  unsigned char le[8];
-  if (!in.read(reinterpret_cast<char*>(le), 8)) throw bad("has no header length");
-  uint64_t header_size = 0;
-  for (int i = 7; i >= 0; --i) header_size = (header_size << 8) | le[i];
-  if (header_size > kMaxSafetensorsHeader) {
-    throw bad("announces a header of " + std::to_string(header_size) + " bytes, over the cap of " +
-              std::to_string(kMaxSafetensorsHeader) + " (kMaxSafetensorsHeader)");
-  }
-  if (header_size > static_cast<uint64_t>(size - 8)) {
-    throw bad("announces a header of " + std::to_string(header_size) + " bytes in a file of " +
-              std::to_string(size));
-  }
-  std::string text(header_size, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(header_size));
-  Json json;
-  try {
-    json = Json::parse(text);
-  } catch (const std::exception& e) {
-    throw bad(std::string("has a header that is no JSON (") + e.what() + ")");
-  }
-  if (!json.is_object()) throw bad("has a header that is no JSON object");
-  Header header;
-  header.data_start = 8 + static_cast<int64_t>(header_size);
-  const int64_t data_bytes = size - header.data_start;
-  for (const auto& [name, info] : json.items()) {
-    const auto field = [&](const std::string& key, const std::string& why) {
-      return bad("has tensor '" + name + "' whose '" + key + "' " + why);
-    };
-    if (name == "__metadata__") {
-      if (!info.is_object()) throw bad("has a '__metadata__' that is no object");
-      for (const auto& [key, value] : info.items()) {
-        if (!value.is_string())
-          throw bad("has '__metadata__' entry '" + key + "' that is no string");
-        header.metadata[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    if (!info.is_object()) throw bad("has tensor '" + name + "' described by no object");
-    const auto dtype = info.find("dtype");
-    if (dtype == info.end() || !dtype->is_string()) throw field("dtype", "is missing or no string");
-    TensorInfo t;
-    t.dtype = dtype_of(dtype->get<std::string>(), file);
-    const auto shape = info.find("shape");
-    if (shape == info.end() || !shape->is_array()) throw field("shape", "is missing or no array");
-    for (const auto& d : *shape) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        throw field("shape", "holds " + d.dump() + ", not a size (an integer >= 0)");
-      t.shape.push_back(d.get<int64_t>());
-    }
-    // Past the data (data_bytes + 1) when the shape asks for more than the file holds.
-    const int64_t bytes =
-        bytes_up_to(t.shape, static_cast<int64_t>(c10::elementSize(t.dtype)), data_bytes);
-    const auto offsets = info.find("data_offsets");
-    if (offsets == info.end() || !offsets->is_array() || offsets->size() != 2 ||
-        !(*offsets)[0].is_number_integer() || !(*offsets)[1].is_number_integer()) {
-      throw field("data_offsets", "is missing or not two integers");
-    }
-    t.begin = (*offsets)[0].get<int64_t>();
-    t.end = (*offsets)[1].get<int64_t>();
-    if (t.begin < 0 || t.end < t.begin || t.end > data_bytes) {
-      throw field("data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                                      "] is no byte range inside the " +
-                                      std::to_string(data_bytes) + " bytes of data");
-    }
-    if (t.end - t.begin != bytes) {
-      throw field("data_offsets", "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) +
-                                      "] does not hold its shape " +
-                                      c10::str(at::IntArrayRef(t.shape)) + " of " +
-                                      dtype->get<std::string>());
-    }
-    header.tensors[name] = std::move(t);
-  }
-  return header;
 }
 
 void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,

@@ -12,6 +12,7 @@
 #include "cohort/json.h"
 #include "cohort/optim/state_dict.h"
 #include "cohort/parallel/tensor_parallel.h"
+#include "cohort/train/safetensors_header.h"
 
 namespace cohort::parallel::pipeline {
 class Pipeline;
@@ -192,22 +193,6 @@ void write_streaming(
     const std::function<at::Tensor(const std::string&)>& tensor_of);
 std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
 
-/// A file's header: each tensor's dtype, shape and byte range (from the start of the data).
-struct TensorInfo {
-  at::ScalarType dtype = at::kFloat;  ///< the tensor's element type
-  std::vector<int64_t> shape;         ///< its shape
-  int64_t begin = 0;                  ///< its first byte, counted from data_start
-  int64_t end = 0;                    ///< one past its last byte
-};
-/// A safetensors file's header: its tensors, its metadata and where the data starts.
-struct Header {
-  std::map<std::string, TensorInfo> tensors;    ///< by name
-  std::map<std::string, std::string> metadata;  ///< the `__metadata__` object
-  int64_t data_start = 0;  ///< the file offset of the first tensor's first byte
-};
-/// Reads and checks the header only (every byte range inside the file); UsageError naming the
-/// file when it is truncated or corrupt.
-Header read_header(const std::filesystem::path& file);
 /// Elements [first, first + out.numel()) of tensor `name`, flattened, into `out` (a contiguous
 /// CPU tensor of its dtype), reading only their bytes.
 void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,
