@@ -88,6 +88,17 @@ StateDict LrScheduler::state_dict() const {
   return state;
 }
 
+namespace {
+
+// Whether every group of a schedule's state had the same lr before the factor: an engine's
+// groups (ZeRO's buckets) that split one group of the user's, which another split takes whole.
+bool one_base_lr(const std::vector<double>& base_lrs) {
+  return !base_lrs.empty() && std::all_of(base_lrs.begin(), base_lrs.end(),
+                                          [&](double lr) { return lr == base_lrs[0]; });
+}
+
+}  // namespace
+
 void LrScheduler::check_state(const Json& values) const {
   int64_t steps = -1;
   std::vector<double> base_lrs;
@@ -102,9 +113,10 @@ void LrScheduler::check_state(const Json& values) const {
     throw UsageError("the learning-rate schedule's state says " + std::to_string(steps) +
                      " steps done: the checkpoint was altered");
   }
-  if (base_lrs.size() != base_lrs_.size()) {
+  if (base_lrs.size() != base_lrs_.size() && !one_base_lr(base_lrs)) {
     throw UsageError("the learning-rate schedule's state has " + std::to_string(base_lrs.size()) +
-                     " param groups, the optimizer " + std::to_string(base_lrs_.size()) +
+                     " param groups of different learning rates, the optimizer " +
+                     std::to_string(base_lrs_.size()) +
                      ": load it into an optimizer of the same param groups");
   }
 }
@@ -112,7 +124,14 @@ void LrScheduler::check_state(const Json& values) const {
 void LrScheduler::load_state_dict(const StateDict& state) {
   check_state(state.values);
   steps_done_ = state.values.at("steps_done").get<int64_t>();
-  base_lrs_ = state.values.at("base_lrs").get<std::vector<double>>();
+  const auto base_lrs = state.values.at("base_lrs").get<std::vector<double>>();
+  // Group by group; one lr for every group where the engine splits the user's group otherwise
+  // (ZeRO's buckets at another stage or world size).
+  if (base_lrs.size() == base_lrs_.size()) {
+    base_lrs_ = base_lrs;
+  } else {
+    base_lrs_.assign(base_lrs_.size(), base_lrs.front());
+  }
 }
 
 }  // namespace cohort::optim

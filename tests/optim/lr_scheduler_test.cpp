@@ -82,13 +82,18 @@ TEST(LrSchedule, ItsStateGoesOnFromTheSavedStep) {
     resumed.step();
     EXPECT_DOUBLE_EQ(resumed.get_last_lr()[0], saved.get_last_lr()[0]) << "step " << i + 5;
   }
-  // Another optimizer's param groups, or altered values, are refused by name.
-  using testing::expect_error;
+  // An engine that splits the one group otherwise (ZeRO's buckets) takes its lr for each group.
   torch::optim::SGD two_groups({w}, torch::optim::SGDOptions(0.4));
   two_groups.add_param_group(torch::optim::OptimizerParamGroup({torch::zeros({1})}));
-  optim::LrScheduler other(two_groups, options);
-  expect_error<UsageError>([&] { other.check_state(state.values); },
-                           "has 1 param groups, the optimizer 2");
+  optim::LrScheduler split(two_groups, options);
+  split.load_state_dict(state);
+  EXPECT_EQ(split.steps_done(), 4);
+  // Groups of different lrs into another number of groups, or altered values, are refused.
+  using testing::expect_error;
+  auto two_lrs = split.state_dict();
+  two_lrs.values["base_lrs"] = {0.4, 0.2};
+  expect_error<UsageError>([&] { resumed.check_state(two_lrs.values); },
+                           "has 2 param groups of different learning rates, the optimizer 1");
   expect_error<UsageError>(
       [&] {
         resumed.check_state(Json{{"steps_done", 2}});
