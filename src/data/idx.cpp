@@ -7,12 +7,9 @@
 #include <fstream>
 
 #include "cohort/error.h"
-#include "cohort/limits.h"
 
 namespace cohort::data {
 namespace {
-
-constexpr uint8_t kUnsignedByte = 0x08;
 
 bool is_gzip(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -58,41 +55,15 @@ class Reader {
   gzFile file_ = nullptr;
 };
 
+// The header, read from `reader` as far as its magic number says it goes.
 IdxHeader parse_header(Reader& reader, const std::filesystem::path& path) {
-  std::array<unsigned char, 4> magic{};
-  if (reader.read(magic.data(), 4) != 4) {
-    throw UsageError("IDX file " + path.string() + " is truncated: no 4-byte header");
-  }
-  if (magic[0] != 0 || magic[1] != 0) {
-    throw UsageError("IDX file " + path.string() +
-                     " has a wrong magic number (not an IDX file): expected 00 00 08 0N");
-  }
-  if (magic[2] != kUnsignedByte) {
-    throw UsageError("IDX file " + path.string() + " has element type code " +
-                     std::to_string(magic[2]) + ": only unsigned bytes (code 8) are supported");
-  }
-  const int dims = magic[3];
-  if (dims < 1 || dims > 4) {
-    throw UsageError("IDX file " + path.string() + " announces " + std::to_string(dims) +
-                     " dimensions: expected 1 to 4");
-  }
-  IdxHeader header;
-  for (int d = 0; d < dims; ++d) {
-    std::array<unsigned char, 4> be{};
-    if (reader.read(be.data(), 4) != 4) {
-      throw UsageError("IDX file " + path.string() + " is truncated inside its header");
-    }
-    header.shape.push_back((int64_t{be[0]} << 24) | (int64_t{be[1]} << 16) | (int64_t{be[2]} << 8) |
-                           int64_t{be[3]});
-  }
-  // The data's bytes, multiplied without overflow, against the cap before anything is allocated.
-  if (bytes_up_to(header.shape, 1, kMaxIdxBytes) > kMaxIdxBytes) {
-    throw UsageError("IDX file " + path.string() + " announces dimensions " +
-                     c10::str(at::IntArrayRef(header.shape)) + ", over the cap of " +
-                     std::to_string(kMaxIdxBytes) +
-                     " data bytes (kMaxIdxBytes): its header is corrupt");
-  }
-  return header;
+  std::string bytes(4, '\0');
+  bytes.resize(static_cast<size_t>(reader.read(bytes.data(), 4)));
+  const int64_t length = idx_header_bytes(bytes, path.string());
+  bytes.resize(static_cast<size_t>(length));
+  const int64_t got = reader.read(bytes.data() + 4, length - 4);
+  bytes.resize(static_cast<size_t>(4 + got));
+  return parse_idx_header(bytes, path.string());
 }
 
 std::string truncated(const std::filesystem::path& path, int64_t expected, int64_t got) {
@@ -102,12 +73,6 @@ std::string truncated(const std::filesystem::path& path, int64_t expected, int64
 }
 
 }  // namespace
-
-int64_t IdxHeader::payload_bytes() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 IdxHeader inspect_idx(const std::filesystem::path& path) {
   Reader reader(path);
@@ -162,7 +127,7 @@ void write_idx(const std::filesystem::path& path, const at::Tensor& tensor) {
     throw UsageError("write_idx: expected a uint8 tensor of 1 to 4 dimensions");
   }
   auto data = tensor.contiguous().cpu();
-  std::string bytes = {0, 0, static_cast<char>(kUnsignedByte), static_cast<char>(data.dim())};
+  std::string bytes = {0, 0, static_cast<char>(kIdxUnsignedByte), static_cast<char>(data.dim())};
   for (int64_t d : data.sizes()) {
     for (int shift = 24; shift >= 0; shift -= 8)
       bytes.push_back(static_cast<char>((d >> shift) & 0xff));

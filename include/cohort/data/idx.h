@@ -5,14 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 
-namespace cohort::data {
+#include "cohort/data/idx_header.h"
 
-/// The header of an IDX file (the MNIST format): unsigned bytes, 1 to 4 dimensions.
-struct IdxHeader {
-  std::vector<int64_t> shape;  ///< the dimensions, as the header gives them
-  /// Bytes of the payload the header announces (the product of the dimensions).
-  int64_t payload_bytes() const;
-};
+namespace cohort::data {
 
 /// Reads the header and checks that the file holds exactly the payload it announces, without
 /// reading the payload (gzip: from the trailer). Throws UsageError naming the file and the
