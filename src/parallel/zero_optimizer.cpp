@@ -786,31 +786,6 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     for (Unit* unit : pinning) wait_gathered(*unit);
   }
 
-  // Stage 3: each unit parameter's elements in this rank's shard of its bucket, a view of it.
-  std::map<std::string, optim::StateTensor> parameter_shards() {
-    std::lock_guard lock(mutex);
-    std::map<std::string, optim::StateTensor> pieces;
-    if (unit_of.empty()) return pieces;
-    const int64_t n = world();
-    for (size_t k = 0; k < params.size(); ++k) {
-      if (unit_of[k] < 0) continue;
-      const auto& b = buckets[bucket_of[k]];
-      const int64_t piece = b.numel / n;
-      // The parameter's elements in the bucket, and this rank's range of it.
-      const int64_t begin = offsets[k] - b.offset;
-      const int64_t numel = params[k].numel();
-      const int64_t first = std::max(begin, rank() * piece);
-      const int64_t last = std::min(begin + numel, (rank() + 1) * piece);
-      optim::StateTensor t{.values = b.shard.narrow(0, 0, 0), .offset = 0, .numel = numel};
-      if (first < last) {
-        t.values = b.shard.narrow(0, first - rank() * piece, last - first);
-        t.offset = first - begin;
-      }
-      pieces[names[k]] = std::move(t);
-    }
-    return pieces;
-  }
-
   void release_pinned(int64_t only, bool write_back) {
     std::lock_guard lock(mutex);
     if (--pinned > 0) return;
@@ -995,7 +970,22 @@ bool ZeroOptimizer::every_rank_saves() const {
 std::vector<std::string> ZeroOptimizer::sharded_units() const { return unit_names(); }
 
 std::map<std::string, optim::StateTensor> ZeroOptimizer::parameter_shards() const {
-  return engine_->parameter_shards();
+  const auto& e = *engine_;
+  std::map<std::string, optim::StateTensor> out;
+  // Every unit parameter, with no elements where this rank's shard holds none of it.
+  for (size_t k = 0; k < e.params.size(); ++k) {
+    if (e.unit_of.empty() || e.unit_of[k] < 0) continue;
+    out[e.names[k]] = {.values = e.buckets[e.bucket_of[k]].shard.narrow(0, 0, 0),
+                       .offset = 0,
+                       .numel = e.params[k].numel()};
+  }
+  for (const auto& piece : shard_pieces()) {
+    const auto found = out.find(piece.parameter);
+    if (found == out.end()) continue;  // whole on every rank
+    found->second.values = e.buckets[piece.group].shard.narrow(0, piece.offset, piece.length);
+    found->second.offset = piece.begin;
+  }
+  return out;
 }
 
 std::unique_ptr<optim::ParameterGather> ZeroOptimizer::gather_parameters(int64_t unit,
