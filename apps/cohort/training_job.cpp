@@ -710,181 +710,40 @@ RunConfig run_config_of(const TrainOptions& o) {
 train::Plan plan_of(const Json& c) { return c.get<PlanOptions>().plan(); }
 
 void train_loop(const Json& c) {
-  auto& ctx = train::get_context();
-  const bool rank0 = ctx.get_world_rank() == 0;
   const auto plan = plan_of(c);
   // This rank's shard of the Trainer's "train" dataset (with a mesh, its dp group's: the same rows
   // on every rank of a pipeline and of a tp group), shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
-  const auto [input_column, target_column] = columns_of(c.value("data", std::string()));
-  // A language model's rows are sequences: its throughput is reported in tokens too.
-  const int64_t tokens_per_row =
-      is_text_data(c.value("data", std::string())) ? model_options_of(c).context : 0;
-  // Each optimizer step takes --gradient-accumulation-steps batches of --batch-size rows.
-  const int64_t step_rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
-  const int epochs = c["epochs"].get<int>();
-  const int64_t max_steps = c["max_steps"].get<int64_t>();
-  const int64_t steps_per_epoch =
-      (train_stream.dataset().num_source_rows() + step_rows - 1) / step_rows;
+  const auto data = c.value("data", std::string());
+  const auto [input_column, target_column] = columns_of(data);
+  const train::EpochLoopOptions loop{
+      .epochs = c["epochs"].get<int>(),
+      .batch_size = c["batch_size"].get<int64_t>(),
+      .input_column = input_column,
+      .target_column = target_column,
+      .max_steps = c["max_steps"].get<int64_t>(),
+      .checkpoint_every_steps = c.value("checkpoint_every_steps", int64_t{0}),
+      .snapshot_every_steps = c.value("snapshot_every_steps", int64_t{0}),
+      .save = {.async = c.value("async_checkpoint", false),
+               .skip_when_busy = c.value("checkpoint_when_busy", std::string("wait")) == "skip"},
+      .test_set = test_set_of(c),
+      // A language model's rows are sequences: its throughput is reported in tokens too.
+      .tokens_per_row = is_text_data(data) ? model_options_of(c).context : 0};
   // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
-  // ZeRO, the engine that shards it), then the checkpoint's state. The decay spans every epoch
-  // (--max-steps stops a run early without changing its schedule, so that a run stopped and
-  // resumed follows the schedule of one never stopped).
+  // ZeRO, the engine that shards it). The decay spans every epoch (--max-steps stops a run early
+  // without changing its schedule, so that a run stopped and resumed follows the schedule of one
+  // never stopped).
   auto model = train::parallelize(
       models::model_spec(c["model"], model_options_of(c), c["seed"].get<uint64_t>()),
       [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
-      models::logits_cross_entropy, plan, schedule_of(c, epochs * steps_per_epoch));
-  if (rank0 && (plan.has_mesh() || plan.activation_checkpointing.enabled() ||
-                plan.zero.shard_group_size > 0))
+      models::logits_cross_entropy, plan,
+      schedule_of(c, loop.epochs * train::steps_per_epoch(train_stream, loop.batch_size, plan)));
+  if (train::get_context().get_world_rank() == 0 &&
+      (plan.has_mesh() || plan.activation_checkpointing.enabled() ||
+       plan.zero.shard_group_size > 0))
     std::cout << model.describe() << std::endl;
-  train::ResumePoint resumed;
-  if (auto checkpoint = train::get_checkpoint()) {
-    // Resume where the checkpoint left off, not at epoch 1.
-    model.load(*checkpoint);
-    resumed = train::resume_point(*checkpoint);
-  }
-  const data::TensorDataset test_set = test_set_of(c);
-  const int64_t dp = ctx.get_world_size() / (plan.pp * plan.tp);
-  // A Ctrl-C asks the loop to stop after a checkpoint (train::should_stop(), a collective): after
-  // every step, or where the workers agree anyway (epoch ends) with local SGD, DiLoCo and the
-  // parameter server, whose workers must not wait for each other every step.
-  const bool stop_every_step = model.synchronous();
-  const int64_t every_steps = c.value("checkpoint_every_steps", int64_t{0});
-  const train::SaveOptions save_options{
-      .async = c.value("async_checkpoint", false),
-      .skip_when_busy = c.value("checkpoint_when_busy", std::string("wait")) == "skip"};
-  const int64_t snapshot_every = c.value("snapshot_every_steps", int64_t{0});
-  bool stopping = false;
-  // Throughput over the steps after the first few (start-up, the first step's probes).
-  train::Throughput throughput;
-  const int64_t first_step = model.steps();
-  double time_to_first_step = 0;
-  for (int epoch = resumed.epoch; epoch < epochs; ++epoch) {
-    train_stream.set_epoch(epoch);
-    double loss_sum = 0;
-    int64_t loss_count = 0;
-    const std::string label = "epoch " + std::to_string(epoch + 1) + "/" + std::to_string(epochs);
-    // Resumed inside this epoch: the stream starts after the rows it had taken (the
-    // checkpoint's data position), and the steps count on.
-    int64_t step_in_epoch = epoch == resumed.epoch ? resumed.epoch_steps_done : 0;
-    throughput.start();  // not the evaluation's time
-    for (auto& batch :
-         train_stream.iter_batches({.batch_size = step_rows, .device = ctx.get_device()})) {
-      const auto rows = batch[input_column].size(0);
-      const auto result = model.step(batch[input_column], batch[target_column]);
-      if (!result.stepped) continue;
-      ++step_in_epoch;
-      throughput.step(rows * dp);
-      if (model.steps() == first_step + 1) {
-        time_to_first_step = std::chrono::duration<double>(std::chrono::system_clock::now() -
-                                                           ctx.get_run_start_time())
-                                 .count();
-        if (rank0)
-          std::cout << "first training step done " << time_to_first_step << " s after start"
-                    << std::endl;
-      }
-      std::optional<double> step_loss;
-      if (result.loss.defined()) {
-        step_loss = result.loss.item<double>();
-        loss_sum += *step_loss;
-        ++loss_count;
-      }
-      train::log_step(model.steps(), [&] {
-        Json values{{"lr", model.lr()}};
-        if (step_loss) values["train_loss"] = *step_loss;
-        return values;
-      });
-      Json progress{{"label", label}, {"step", step_in_epoch}, {"total", steps_per_epoch}};
-      if (const auto rate = throughput.samples_per_second()) {
-        progress["samples_per_s"] = *rate;
-        if (tokens_per_row > 0) progress["tokens_per_s"] = *rate * tokens_per_row;
-      }
-      if (loss_count > 0) progress["loss"] = loss_sum / static_cast<double>(loss_count);
-      train::report_progress(progress);
-      if (max_steps > 0 && model.steps() >= max_steps) break;
-      if (stop_every_step && train::should_stop()) {
-        stopping = true;
-        break;
-      }
-      // --checkpoint-every-steps: a checkpoint inside the epoch (its end has one anyway), from
-      // which a resumed run starts after this step. Local SGD, DiLoCo and the parameter server
-      // agree first, as at an epoch's end.
-      // --snapshot-every-steps: an in-memory snapshot instead where no checkpoint is due.
-      const bool checkpoint_due = every_steps > 0 && model.steps() % every_steps == 0;
-      const bool snapshot_due = snapshot_every > 0 && model.steps() % snapshot_every == 0;
-      if ((checkpoint_due || snapshot_due) && step_in_epoch < steps_per_epoch) {
-        model.sync();
-        Json step_metrics{{"epoch", epoch + 1},
-                          {train::kEpochStepMetric, step_in_epoch},
-                          {"steps", model.steps()},
-                          {"world_size", ctx.get_world_size()},
-                          {"lr", model.lr()}};
-        if (loss_count > 0) step_metrics["train_loss"] = loss_sum / static_cast<double>(loss_count);
-        if (checkpoint_due)
-          train::report(step_metrics, model, save_options);
-        else
-          train::snapshot(step_metrics, model);
-      }
-    }
-    // Local SGD, DiLoCo and the parameter server: the replicas agree at the end of every epoch
-    // too, so that the evaluation and the checkpoint are of one model.
-    model.sync();
-    if (!stop_every_step) stopping = train::should_stop();
-    // The epoch's mean training loss over the ranks that compute one.
-    std::vector<at::Tensor> loss_stats{
-        torch::tensor({loss_sum, static_cast<double>(loss_count)}, torch::kDouble)};
-    ctx.get_process_group().allreduce(loss_stats);
-    const double train_loss = loss_stats[0][0].item<double>() / loss_stats[0][1].item<double>();
-    const auto eval = model.evaluate(test_set);
-    double checksum = 0;
-    {
-      auto whole = model.whole_model();
-      for (const auto& p : model.module().parameters())
-        checksum += p.detach().to(torch::kDouble).sum().item<double>();
-    }
-    // Replicas must agree: the spread of the parameter checksums of the ranks that hold the same
-    // slices (0 when in sync).
-    // Rows of (tp index, checksum), one per rank (tp is the fastest mesh dimension).
-    const auto pairs =
-        torch::cat(ctx.get_process_group().allgather(torch::tensor(
-                       {double(ctx.get_world_rank() % plan.tp), checksum}, torch::kDouble)))
-            .view({-1, 2});
-    double spread = 0;
-    for (int slice = 0; slice < plan.tp; ++slice) {
-      const auto mine = pairs.index({pairs.select(1, 0).eq(slice)}).select(1, 1);
-      spread = std::max(spread, (mine.max() - mine.min()).item<double>());
-    }
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::system_clock::now() - ctx.get_run_start_time())
-            .count();
-    const bool last =
-        epoch + 1 == epochs || (max_steps > 0 && model.steps() >= max_steps) || stopping;
-    Json metrics{{"epoch", epoch + 1},
-                 {"replica_spread", spread},
-                 {"world_size", ctx.get_world_size()},
-                 {"epochs", epoch + 1},
-                 {"steps", model.steps()},
-                 {"train_loss", train_loss},
-                 {"test_loss", eval.loss},
-                 {"test_accuracy", eval.accuracy.value_or(0.0)},
-                 {"lr", model.lr()},
-                 {"elapsed_s", elapsed},
-                 {"time_to_first_step_s", time_to_first_step}};
-    // A run of one step has no throughput to report (not 0): a line says why.
-    if (const auto rate = throughput.samples_per_second()) {
-      metrics["samples_per_second"] = *rate;
-      if (tokens_per_row > 0) metrics["tokens_per_second"] = *rate * tokens_per_row;
-      metrics["throughput_steps"] = throughput.measured_steps();
-    } else if (rank0 && last) {
-      std::cout << "samples_per_second not measured: " << throughput.why_unmeasured() << std::endl;
-    }
-    if (ctx.has_mesh()) metrics["mesh"] = parallel::to_string(ctx.get_mesh().shape());
-    if (stopping && step_in_epoch < steps_per_epoch)
-      metrics[train::kEpochStepMetric] = step_in_epoch;
-    train::report(metrics, model, save_options);
-    if (last) break;
-  }
+  train::run_epochs(model, train_stream, loop);
 }
 
 namespace {
@@ -973,7 +832,9 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
-  cmd->add_option("--max-steps", o.max_steps, "stop after this many steps (0: no limit)")
+  cmd->add_option("--max-steps", o.max_steps,
+                  "stop after this many optimizer steps in all (0: no limit), with a checkpoint "
+                  "that a run with more steps resumes from")
       ->capture_default_str();
   cmd->add_option("--memory-budget", o.memory_budget_gb,
                   "GB per worker: refuse, before any worker starts, a plan that `cohort estimate` "

@@ -58,6 +58,7 @@
 #include "cohort/train/context.h"
 #include "cohort/train/dashboard.h"
 #include "cohort/train/deepspeed_config.h"
+#include "cohort/train/epoch_loop.h"
 #include "cohort/train/memory_estimate.h"
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/plan.h"

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <map>
@@ -467,6 +468,29 @@ Evaluation ParallelModel::evaluate(const data::TensorDataset& data, int64_t batc
   if (total[3].item<double>() == static_cast<double>(ctx.get_world_size()))
     out.accuracy = total[1].item<double>() / total[4].item<double>();
   return out;
+}
+
+double ParallelModel::replica_spread() {
+  auto& ctx = get_context();
+  double sum = 0;
+  {
+    auto whole = whole_model();
+    for (const auto& p : state_->model.module->parameters())
+      sum += p.detach().to(at::kDouble).sum().item<double>();
+  }
+  // Rows of (slice, sum), one per rank: tp is the fastest mesh dimension, so a rank's slice is
+  // its world rank modulo tp.
+  const int tp = state_->plan.tp;
+  const auto rows =
+      at::cat(ctx.get_process_group().allgather(
+                  at::tensor({static_cast<double>(ctx.get_world_rank() % tp), sum}, at::kDouble)))
+          .view({-1, 2});
+  double spread = 0;
+  for (int slice = 0; slice < tp; ++slice) {
+    const auto sums = rows.index({rows.select(1, 0).eq(slice)}).select(1, 1);
+    spread = std::max(spread, (sums.max() - sums.min()).item<double>());
+  }
+  return spread;
 }
 
 at::Tensor ParallelModel::forward(const at::Tensor& inputs) const {

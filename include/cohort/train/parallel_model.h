@@ -114,6 +114,11 @@ class ParallelModel {
   /// rows (a tensor-parallel group's ranks the same share) in batches of `batch_size`, summed over
   /// the ranks. Collective: every rank calls it alike, e.g. after sync() at an epoch's end.
   Evaluation evaluate(const data::TensorDataset& data, int64_t batch_size = 500);
+  /// How far the replicas are apart: the largest difference, over the ranks that should hold the
+  /// same parameters (every rank; with tensor parallelism, the ranks of one slice), between the
+  /// sums of their whole model's parameters. 0 when they agree, as synchronous plans always do
+  /// and the others after sync(). Collective, as whole_model().
+  double replica_spread();
   /// The whole model's forward pass (after whole_model() where the model is cut).
   at::Tensor forward(const at::Tensor& inputs) const;
   /// The model this rank trains (its stages' with a pipeline; its slices with tensor parallelism).

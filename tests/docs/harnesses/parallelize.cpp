@@ -1,5 +1,6 @@
 // A guide's fragment around train::parallelize: a program's CLI::App and plan options, a network
-// of the user's as a Sequential, its forward, optimizer factory and loss, the loop's data stream.
+// of the user's as a Sequential, its forward, optimizer factory and loss, the loop's data stream
+// and test rows.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -25,6 +26,8 @@ namespace train = cohort::train;
   auto stream = train::get_dataset_shard("train");
   const int64_t rows_per_step = 64;
   const cohort::Json metrics{{"loss", 0.0}};
+  const auto test_x = torch::rand({100, 784});
+  const auto test_y = torch::randint(10, {100});
   train::ResumePoint start;
   {
     // SNIPPET
