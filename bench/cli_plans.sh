@@ -11,8 +11,11 @@ printf '%-10s %-24s %12s %14s\n' plan binary samples/s test_accuracy
 for plan in "ddp:" "zero2:--zero-stage 2" "pp2:--pp 2" "diloco:--sync diloco:4"; do
   label="${plan%%:*}"
   read -r -a flags <<<"${plan#*:}"
+  index=0
   for binary in "$@"; do
-    name="$label-$(basename "$(dirname "$binary")")-$(basename "$binary")"
+    # A run of its own for each binary (two builds' binaries may both be build/cohort).
+    index=$((index + 1))
+    name="$label-$index-$(basename "$binary")"
     "$binary" train --model cnn --workers 2 --epochs 1 --train-examples "$examples" \
       --test-examples 2000 --seed 1 --quiet --no-tensorboard --storage-path "$storage" \
       --name "$name" "${flags[@]}" >/dev/null 2>&1

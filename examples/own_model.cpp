@@ -1,7 +1,8 @@
 // Your own model and your own data on cohort's one path for every plan: a network defined here
 // (not the zoo's), rows from an image folder (images:DIR, a sub-folder per class) or a CSV
-// (csv:FILE --label COLUMN), trained by train::parallelize with the plan's flags, by default
-// pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16 and 2 accumulated batches per step.
+// (csv:FILE --label COLUMN), trained by train::parallelize and the library's loop with the plan's
+// flags, by default pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16 and 2 accumulated batches per
+// step; --deepspeed FILE and --config FILE set them too.
 // --stop-after-steps N stops the run inside an epoch with a checkpoint; run it again with the same
 // --name and it resumes with exactly the batches it had not seen.
 #include <torch/torch.h>
@@ -10,6 +11,7 @@
 #include <iomanip>
 #include <iostream>
 
+#include "cohort/cli/config_file.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cohort.h"
 
@@ -23,8 +25,6 @@ void train_loop(const cohort::Json& c) {
   auto& ctx = train::get_context();
   const auto plan = c["plan"].get<cohort::cli::PlanOptions>().plan(ctx.get_world_size());
   const auto data = open_data(c);
-  auto stream = train::get_dataset_shard("train");
-  const int64_t rows = c["batch_size"].get<int64_t>() * plan.gradient_accumulation_steps;
   torch::manual_seed(0);  // every rank the same weights
   // The model: its layers in order, which a pipeline cuts into stages.
   const int64_t features = data.channels * data.image_size * data.image_size;
@@ -42,38 +42,13 @@ void train_loop(const cohort::Json& c) {
         return torch::nn::functional::cross_entropy(out, y);
       },
       plan);
-  train::ResumePoint start;
-  if (auto checkpoint = train::get_checkpoint()) {
-    model.load(*checkpoint);
-    start = train::resume_point(*checkpoint);
-  }
-  const auto test = cohort::data::materialize_labelled(data.test, data.normalize);
-  const int64_t stop_after = c["stop_after_steps"];
-  for (int epoch = start.epoch; epoch < c["epochs"].get<int>(); ++epoch) {
-    stream.set_epoch(epoch);
-    // Resumed inside this epoch, the stream starts after the rows it had taken.
-    int64_t step = epoch == start.epoch ? start.epoch_steps_done : 0;
-    bool stopped = false;
-    for (auto& batch : stream.iter_batches({.batch_size = rows, .device = ctx.get_device()})) {
-      model.step(batch["image"], batch["label"]);
-      ++step;
-      if ((stopped = model.steps() == stop_after)) break;
-    }
-    model.sync();
-    const auto eval = model.evaluate(test);  // each rank its share of the test rows
-    double checksum = 0;
-    {
-      auto whole = model.whole_model();  // every rank the whole model
-      for (const auto& p : model.module().parameters()) checksum += p.sum().item<double>();
-    }
-    train::report({{"epoch", epoch + 1},
-                   {train::kEpochStepMetric, stopped ? step : 0},
-                   {"steps", model.steps()},
-                   {"accuracy", eval.accuracy.value_or(0.0)},
-                   {"checksum", checksum}},
-                  model);
-    if (stopped) break;
-  }
+  auto stream = train::get_dataset_shard("train");
+  // Resumes from the run's checkpoint, inside an epoch where it stopped; reports each epoch.
+  train::run_epochs(model, stream,
+                    {.epochs = c["epochs"],
+                     .batch_size = c["batch_size"],
+                     .max_steps = c["stop_after_steps"],
+                     .test_set = cohort::data::materialize_labelled(data.test, data.normalize)});
 }
 
 int main(int argc, char** argv) {
@@ -82,7 +57,7 @@ int main(int argc, char** argv) {
       .pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 2, .precision = "bf16"};
   int workers = 4, epochs = 2;
   int64_t batch_size = 16, stop_after_steps = 0;
-  std::string data, label, name = "own_model", storage = "./cohort_results";
+  std::string data, label, name = "own_model", storage = "./cohort_results", config, deepspeed;
   app.add_option("--data", data, "images:DIR or csv:FILE")->required();
   app.add_option("--label", label, "with csv:FILE, the class column");
   app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
@@ -91,9 +66,14 @@ int main(int argc, char** argv) {
   app.add_option("--batch-size", batch_size);
   app.add_option("--name", name);
   app.add_option("--storage-path", storage);
+  app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
   cohort::cli::add_plan_options(&app, plan);
+  cohort::cli::add_config_option(&app, config);
   CLI11_PARSE(app, argc, argv);
   try {
+    cohort::cli::apply_config_file(&app, config);
+    if (!deepspeed.empty())
+      batch_size = cohort::cli::load_deepspeed_config(deepspeed, workers, plan).micro_batch_size;
     plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
     const cohort::Json c{
         {"data", data},     {"label", label},           {"plan", plan},
@@ -106,9 +86,9 @@ int main(int argc, char** argv) {
         {{"train", labelled.train.random_shuffle(0).map_batches(labelled.normalize)}});
     const auto result = trainer.fit();
     if (!result.ok()) throw std::runtime_error(*result.error);
-    std::cout << "steps " << result.metrics["steps"] << " accuracy " << result.metrics["accuracy"]
-              << " checksum " << std::setprecision(17) << result.metrics["checksum"].get<double>()
-              << std::endl;
+    std::cout << "steps " << result.metrics["steps"] << " accuracy "
+              << result.metrics["test_accuracy"] << " test_loss " << std::setprecision(17)
+              << result.metrics["test_loss"].get<double>() << std::endl;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << std::endl;
     return dynamic_cast<const cohort::UsageError*>(&e) != nullptr ? 2 : 1;

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # examples/own_model as a user runs it: a model of its own on a CSV of its own, pp 2 x dp 2,
 # ZeRO-1 inside dp, bf16, 2 accumulated batches per step. A run stopped inside its first epoch
-# and run again resumes with the batches it had not seen: it ends with the same steps and, bit
-# for bit, the same parameters (their checksum) as a run never stopped. A bad plan is one line
-# with exit code 2.
+# and run again resumes with the batches it had not seen: it ends with the same steps and, to the
+# last digit, the same test loss as a run never stopped. --config and --deepspeed files set the
+# program's options and plan. A bad plan and an unknown config key are one line with exit code 2.
 # Usage: own_model_example_test.sh PROGRAM
 set -euo pipefail
 program="$1"
@@ -29,7 +29,21 @@ grep -q 'resuming from .*/resumed/checkpoint_000000' <<<"$resumed" || fail "the 
   fail "resumed: '$(last "$resumed")', never stopped: '$(last "$whole")'"
 accuracy="$(last "$whole" | awk '{ print $4 }')"
 awk -v a="$accuracy" 'BEGIN { exit !(a >= 0.7) }' || fail "accuracy $accuracy < 0.7"
+# A config file of the program's options (2 workers, no pipeline: 9 steps an epoch) and a
+# DeepSpeed file's batches (8 rows, 2 accumulated: 18 steps an epoch on 2 replicas).
+echo '{"workers": 2, "pp": 1, "zero-stage": 2, "epochs": 1}' > "$dir/config.json"
+configured="$(run --name configured --config "$dir/config.json")"
+[[ "$(last "$configured")" == "steps 9 "* ]] || fail "--config: $configured"
+echo '{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+  "zero_optimization": {"stage": 1}}' > "$dir/ds.json"
+deepspeed="$(run --name deepspeed --deepspeed "$dir/ds.json" --epochs 1)"
+[[ "$(last "$deepspeed")" == "steps 18 "* ]] || fail "--deepspeed: $deepspeed"
 set +e
+echo '{"workerz": 2}' > "$dir/typo.json"
+typo="$(run --name typo --config "$dir/typo.json")"
+status=$?
+[[ $status -eq 2 ]] || fail "an unknown config key: exit code $status, not 2"
+grep -q "unknown key 'workerz': it is no option of \`own_model\`" <<<"$typo" || fail "typo: $typo"
 bad="$(run --name bad --pp 3)"
 status=$?
 set -e

@@ -7,9 +7,9 @@
 #include <CLI/CLI.hpp>
 
 #include "checkpoint_command.h"
+#include "cohort/cli/config_file.h"
 #include "cohort/error.h"
 #include "completion_command.h"
-#include "config_file.h"
 #include "dashboard_command.h"
 #include "env_command.h"
 #include "estimate_command.h"

@@ -4,8 +4,8 @@
 #include <iomanip>
 #include <iostream>
 
+#include "cohort/cli/config_file.h"
 #include "cohort/cohort.h"
-#include "config_file.h"
 #include "training_job.h"
 
 namespace cohort::cli {

@@ -1,6 +1,6 @@
 #include "training_job.h"
 
-#include "config_file.h"
+#include "cohort/cli/config_file.h"
 
 #include <torch/torch.h>
 
@@ -593,15 +593,8 @@ Json to_json(const TrainOptions& o) {
 
 void apply_deepspeed_config(TrainOptions& o) {
   if (o.deepspeed.empty()) return;
-  const auto ds = train::DeepSpeedConfig::load(o.deepspeed, o.workers);
-  if (!ds.unknown_keys.empty()) {
-    std::string keys;
-    for (const auto& k : ds.unknown_keys) keys += (keys.empty() ? "" : ", ") + k;
-    std::cerr << "warning: " << o.deepspeed
-              << ": ignoring keys cohort does not know or cannot honour: " << keys << std::endl;
-  }
+  const auto ds = load_deepspeed_config(o.deepspeed, o.workers, o.plan);
   o.batch_size = ds.micro_batch_size;
-  o.plan.gradient_accumulation_steps = ds.gradient_accumulation_steps;
   if (ds.optimizer) o.optimizer = *ds.optimizer;
   if (ds.lr) o.lr = *ds.lr;
   if (ds.weight_decay) o.weight_decay = ds.weight_decay;
@@ -609,15 +602,6 @@ void apply_deepspeed_config(TrainOptions& o) {
   o.betas = ds.betas;
   o.eps = ds.eps;
   o.schedule = ds.schedule;
-  o.plan.precision = ds.precision;
-  o.plan.loss_scaler = ds.loss_scaler;
-  o.plan.gradient_clipping = ds.gradient_clipping;
-  o.plan.zero = ds.zero;
-  if (ds.offload_optimizer != "none" && o.plan.offload_optimizer == "none")
-    o.plan.offload_optimizer = ds.offload_optimizer;
-  // The block checkpoints every unit, unless --activation-checkpointing chose.
-  if (ds.activation_checkpointing.enabled() && o.plan.activation_checkpointing == "none")
-    o.plan.activation_checkpointing = parallel::to_string(ds.activation_checkpointing);
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {

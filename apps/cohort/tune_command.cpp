@@ -1,6 +1,6 @@
 #include "tune_command.h"
 
-#include "config_file.h"
+#include "cohort/cli/config_file.h"
 
 #include <iostream>
 #include <set>

@@ -1,7 +1,10 @@
 #include "cohort/cli/plan_options.h"
 
+#include <iostream>
+
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "cohort/parallel/activation_checkpointing.h"
 
 namespace cohort::cli {
 
@@ -25,6 +28,28 @@ parallel::SyncMode PlanOptions::sync_mode() const {
     throw UsageError("--sync " + sync + " with --outer-lr / --outer-momentum: " + e.what());
   }
   return mode;
+}
+
+train::DeepSpeedConfig load_deepspeed_config(const std::string& file, int world_size,
+                                             PlanOptions& options) {
+  auto ds = train::DeepSpeedConfig::load(file, world_size);
+  if (!ds.unknown_keys.empty()) {
+    std::string keys;
+    for (const auto& k : ds.unknown_keys) keys += (keys.empty() ? "" : ", ") + k;
+    std::cerr << "warning: " << file
+              << ": ignoring keys cohort does not know or cannot honour: " << keys << std::endl;
+  }
+  options.gradient_accumulation_steps = ds.gradient_accumulation_steps;
+  options.precision = ds.precision;
+  options.loss_scaler = ds.loss_scaler;
+  options.gradient_clipping = ds.gradient_clipping;
+  options.zero = ds.zero;
+  if (ds.offload_optimizer != "none" && options.offload_optimizer == "none")
+    options.offload_optimizer = ds.offload_optimizer;
+  // The block checkpoints every unit, unless the options chose.
+  if (ds.activation_checkpointing.enabled() && options.activation_checkpointing == "none")
+    options.activation_checkpointing = parallel::to_string(ds.activation_checkpointing);
+  return ds;
 }
 
 train::Plan PlanOptions::plan(int world_size) const {

@@ -10,6 +10,9 @@
 ///   CLI11_PARSE(app, argc, argv);
 ///   const cohort::train::Plan plan = plan_options.plan();   // UsageError naming a bad flag
 ///
+/// A DeepSpeed JSON config sets the same options (load_deepspeed_config), and --config FILE all
+/// of a program's (<cohort/cli/config_file.h>).
+///
 /// Needs CLI11 (Debian's libcli11-dev); the rest of cohort does not include this header.
 #pragma once
 #include <optional>
@@ -21,6 +24,7 @@
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_optimizer.h"
+#include "cohort/train/deepspeed_config.h"
 #include "cohort/train/plan.h"
 
 namespace cohort::cli {
@@ -67,6 +71,16 @@ struct PlanOptions {
 void to_json(Json& json, const PlanOptions& options);
 /// PlanOptions from JSON (see to_json).
 void from_json(const Json& json, PlanOptions& options);
+
+/// DeepSpeed's JSON config (e.g. a program's --deepspeed FILE) for a plan of flags: loads `file`
+/// for `world_size` workers (train::DeepSpeedConfig::load), puts its plan into `options` (ZeRO,
+/// fp16 or bf16 with its loss scaling, gradient clipping and accumulation, and the optimizer
+/// offload and activation checkpointing where `options` choose none), says in one warning on
+/// stderr which keys cohort ignores or cannot honour, and returns the config for what is the
+/// program's own (the batch size, the optimizer, its learning rate and schedule). UsageError
+/// naming the file and key of a bad value.
+train::DeepSpeedConfig load_deepspeed_config(const std::string& file, int world_size,
+                                             PlanOptions& options);
 
 /// Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group
 /// "Training", the rest in "Parallelism and synchronisation".

@@ -1,7 +1,10 @@
-#include "config_file.h"
+#include "cohort/cli/config_file.h"
 
+#include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "cohort/error.h"
 
@@ -12,6 +15,19 @@ namespace {
 constexpr const char* kConfigOption = "--config";
 
 bool is_flag(const CLI::Option* option) { return option->get_expected_max() == 0; }
+
+// The command as its user types it: "cohort train", or a program's own name.
+std::string command_name(const CLI::App* cmd) {
+  std::string name;
+  for (const CLI::App* app = cmd; app != nullptr; app = app->get_parent()) {
+    // A program's name is its path as it was started (argv[0]): its file name says it.
+    const auto part = app->get_parent() == nullptr
+                          ? std::filesystem::path(app->get_name()).filename().string()
+                          : app->get_name();
+    if (!part.empty()) name = part + (name.empty() ? "" : " " + name);
+  }
+  return name.empty() ? "this program" : name;
+}
 
 // The file's keys and values, as CLI11's config items (name, input strings).
 std::vector<CLI::ConfigItem> read_items(const std::string& file) {
@@ -87,9 +103,9 @@ void apply_config_file(CLI::App* cmd, const std::string& file) {
     std::replace(name.begin(), name.end(), '_', '-');
     CLI::Option* option = cmd->get_option_no_throw("--" + name);
     if (option == nullptr || name == "config" || name == "help") {
+      const auto command = command_name(cmd);
       throw UsageError("--config " + file + ": unknown key '" + item.name +
-                       "': it is no option of `cohort " + cmd->get_name() + "` (see cohort " +
-                       cmd->get_name() + " --help)");
+                       "': it is no option of `" + command + "` (see " + command + " --help)");
     }
     if (option->count() > 0) continue;  // the command line overrides the file
     try {
