@@ -16,6 +16,16 @@ constexpr const char* kConfigOption = "--config";
 
 bool is_flag(const CLI::Option* option) { return option->get_expected_max() == 0; }
 
+// Whether `text` is UTF-8, as JSON (a run's config.json) holds text.
+bool is_utf8(const std::string& text) {
+  try {
+    (void)Json(text).dump();
+  } catch (const Json::type_error&) {
+    return false;
+  }
+  return true;
+}
+
 // The command as its user types it: "cohort train", or a program's own name.
 std::string command_name(const CLI::App* cmd) {
   std::string name;
@@ -68,13 +78,14 @@ std::vector<CLI::ConfigItem> read_items(const std::string& file) {
   }
   if (!j.is_object())
     throw UsageError("--config " + file + ": the file must hold one JSON object of options");
-  for (const auto& [key, value] : j.items()) {
+  for (const auto& entry : j.items()) {
+    const Json& value = entry.value();
     CLI::ConfigItem item;
-    item.name = key;
+    item.name = entry.key();
     const auto input = [&](const Json& v) -> std::string {
       if (v.is_string()) return v.get<std::string>();
       if (v.is_boolean() || v.is_number()) return v.dump();
-      throw UsageError("--config " + file + ": key '" + key + "' has the value " + v.dump() +
+      throw UsageError("--config " + file + ": key '" + item.name + "' has the value " + v.dump() +
                        ": give a number, a string, true/false or a list of them");
     };
     if (value.is_array()) {
@@ -108,6 +119,12 @@ void apply_config_file(CLI::App* cmd, const std::string& file) {
                        "': it is no option of `" + command + "` (see " + command + " --help)");
     }
     if (option->count() > 0) continue;  // the command line overrides the file
+    for (const auto& input : item.inputs) {
+      if (!is_utf8(input)) {
+        throw UsageError("--config " + file + ": key '" + item.name +
+                         "' has a value that is not UTF-8 text: write the file in UTF-8");
+      }
+    }
     try {
       if (is_flag(option)) {
         if (item.inputs.size() != 1) throw CLI::ConversionError(item.name, "one value");
@@ -141,6 +158,13 @@ Json effective_options(const CLI::App* cmd) {
     const std::string name = option->get_lnames().front();
     if (name == "help" || name == "config") continue;
     std::vector<std::string> values = option->results();
+    for (const auto& value : values) {
+      if (!is_utf8(value)) {
+        throw UsageError("--" + name +
+                         ": the value is not UTF-8 text, which a run's options file holds: give "
+                         "it in UTF-8");
+      }
+    }
     if (option->count() == 0) {
       if (option->get_default_str().empty()) continue;
       values = {option->get_default_str()};

@@ -104,6 +104,21 @@ TEST_F(ConfigFile, BadFilesAreNamedWithTheProgramsCommand) {
             std::string::npos);
   EXPECT_NE(problem_of({"--config", (dir / "missing.toml").string()}).find("cannot read the file"),
             std::string::npos);
+  // TOML takes any bytes in a string; a run's config.json (JSON) holds only UTF-8 text. The
+  // fuzzer's first find: this ended `cohort train` with a JSON library's type error.
+  EXPECT_EQ(problem_of({"--config", write("latin1.toml", "pp = 2\nprecision = \"bf\xff\"\n")}),
+            "--config " + (dir / "latin1.toml").string() +
+                ": key 'precision' has a value that is not UTF-8 text: write the file in UTF-8");
+  Program given;
+  given.parse({"--precision", "bf\xff"});
+  try {
+    cli::effective_options(&given.app);
+    ADD_FAILURE() << "a value that is not UTF-8 was written out";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("--precision: the value is not UTF-8 text"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // A DeepSpeed JSON config puts its plan into a program's plan options and gives back the rest

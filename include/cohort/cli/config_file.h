@@ -30,12 +30,13 @@ void add_config_option(CLI::App* cmd, std::string& file);
 /// (nothing when `file` is empty). Keys are option names without the dashes ("batch-size" or
 /// "batch_size"); values are numbers, strings, booleans (flags: "resume": false) or, for
 /// repeatable options, lists. A file that cannot be read or parsed, an unknown key or a value of
-/// the wrong type is a UsageError naming the file and the key.
+/// the wrong type or text that is not UTF-8 is a UsageError naming the file and the key.
 void apply_config_file(CLI::App* cmd, const std::string& file);
 
 /// Every option of `cmd` that has a value (given, from the file, or a default), by name: numbers,
 /// strings, booleans and lists, as apply_config_file reads them. Options left unset (whose
-/// default depends on others, such as cohort train's --lr) are left out.
+/// default depends on others, such as cohort train's --lr) are left out. A value that is not
+/// UTF-8 text (which JSON cannot hold) is a UsageError naming the option.
 Json effective_options(const CLI::App* cmd);
 
 }  // namespace cohort::cli
