@@ -97,14 +97,15 @@ grep -q "rank 0 of 2 (slurm)" "$work/train.log" || fail "the ranks did not find 
 python3 "$(dirname "$0")/check_result.py" "$work/slurm/result.json" 2 12 "srun -n 2" || fail "result.json"
 [ "$(find "$work/slurm" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
 
-# 2. Run again, as `srun --requeue` would: it resumes from the latest checkpoint.
-timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 2 --max-steps 12 \
+# 2. Run again, as `srun --requeue` would, with more steps: it resumes from the latest checkpoint,
+# inside the epoch where --max-steps stopped the first run.
+timeout -k 10 180 srun -n 2 "${extra[@]}" "$cli" train --model cnn --data-dir "$data" --test-examples 1000 --epochs 1 --max-steps 15 \
   --batch-size 16 --storage-path "$work" --name slurm >"$work/again.log" 2>&1
 status=$?
 cat "$work/again.log"
 [ "$status" = 0 ] || fail "the second srun exited $status"
-grep -q "resuming after epoch 1 from $work/slurm/checkpoint_" "$work/again.log" || fail "the second run did not resume"
-python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['epochs'] == 2 and r['error'] is None, r" \
+grep -q "resuming epoch 1 after step 12 from $work/slurm/checkpoint_" "$work/again.log" || fail "the second run did not resume"
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['steps'] == 15 and r['epoch_step'] == 15 and r['error'] is None, r" \
   "$work/slurm/result.json" || fail "result.json after the resumed run"
 
 # 3. A world size that does not match what srun started.
