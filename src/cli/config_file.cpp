@@ -63,6 +63,13 @@ std::vector<CLI::ConfigItem> read_items(const std::string& file) {
           throw UsageError("--config " + file + ": key '" + item.fullname() +
                            "' is in a section; give the options at the top of the file");
         }
+        // TOML strings take any bytes; JSON's parser already refuses what is not UTF-8.
+        for (const auto& input : item.inputs) {
+          if (!is_utf8(input)) {
+            throw UsageError("--config " + file + ": key '" + item.name +
+                             "' has a value that is not UTF-8 text: write the file in UTF-8");
+          }
+        }
         items.push_back(std::move(item));
       }
     } catch (const CLI::Error& e) {
@@ -119,12 +126,6 @@ void apply_config_file(CLI::App* cmd, const std::string& file) {
                        "': it is no option of `" + command + "` (see " + command + " --help)");
     }
     if (option->count() > 0) continue;  // the command line overrides the file
-    for (const auto& input : item.inputs) {
-      if (!is_utf8(input)) {
-        throw UsageError("--config " + file + ": key '" + item.name +
-                         "' has a value that is not UTF-8 text: write the file in UTF-8");
-      }
-    }
     try {
       if (is_flag(option)) {
         if (item.inputs.size() != 1) throw CLI::ConversionError(item.name, "one value");
