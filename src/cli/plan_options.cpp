@@ -4,7 +4,7 @@
 
 #include "cohort/error.h"
 #include "cohort/json.h"
-#include "cohort/parallel/activation_checkpointing.h"
+#include "cohort/parallel/activation_checkpointing_policy.h"
 
 namespace cohort::cli {
 

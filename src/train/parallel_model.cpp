@@ -12,6 +12,7 @@
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/optim/random_state.h"
 #include "cohort/optim/state_dict.h"
+#include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/pipeline/pipeline.h"

@@ -23,7 +23,7 @@
 #include "cohort/json.h"
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/sync_mode.h"
-#include "cohort/parallel/zero_optimizer.h"
+#include "cohort/parallel/zero_options.h"
 #include "cohort/train/deepspeed_config.h"
 #include "cohort/train/plan.h"
 

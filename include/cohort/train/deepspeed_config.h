@@ -6,10 +6,10 @@
 #include <vector>
 
 #include "cohort/json.h"
-#include "cohort/optim/lr_scheduler.h"
+#include "cohort/optim/lr_schedule_options.h"
 #include "cohort/optim/precision.h"
-#include "cohort/parallel/activation_checkpointing.h"
-#include "cohort/parallel/zero_optimizer.h"
+#include "cohort/parallel/activation_checkpointing_policy.h"
+#include "cohort/parallel/zero_options.h"
 
 namespace cohort::train {
 

@@ -9,10 +9,10 @@
 #include <string>
 
 #include "cohort/optim/precision.h"
-#include "cohort/parallel/activation_checkpointing.h"
+#include "cohort/parallel/activation_checkpointing_policy.h"
 #include "cohort/parallel/pipeline/schedule.h"
 #include "cohort/parallel/sync_mode.h"
-#include "cohort/parallel/zero_optimizer.h"
+#include "cohort/parallel/zero_options.h"
 
 namespace cohort::train {
 
