@@ -417,7 +417,7 @@ DeepSpeedConfig DeepSpeedConfig::load(const std::filesystem::path& file, int wor
   Json config;
   try {
     config = Json::parse(text.str());
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // a syntax error, or a number past a double (10e7011)
     throw UsageError("deepspeed config " + file.string() + " is not valid JSON: " + e.what());
   }
   return from_json(config, world_size, file.string());

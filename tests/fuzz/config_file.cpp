@@ -3,9 +3,6 @@
 // strings, a flag with its negation, a list). A file may be refused with a UsageError naming it;
 // nothing else may escape, and a file that is taken gives effective options (a run's
 // config.json) that read back into a fresh command as the same values.
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +14,7 @@
 #include "cohort/cli/config_file.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
+#include "memory_file.h"
 
 namespace {
 
@@ -65,30 +63,15 @@ struct Program {
   }
 };
 
-// A path that reads `content`: an anonymous memory file of this process.
-struct MemoryFile {
-  int fd = -1;
-  explicit MemoryFile(const std::string& content) : fd(memfd_create("config", 0)) {
-    if (fd < 0) std::abort();
-    for (size_t done = 0; done < content.size();) {
-      const ssize_t n = write(fd, content.data() + done, content.size() - done);
-      if (n <= 0) std::abort();
-      done += static_cast<size_t>(n);
-    }
-  }
-  ~MemoryFile() { close(fd); }
-  std::string path() const { return "/proc/self/fd/" + std::to_string(fd); }
-};
-
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const MemoryFile input(std::string(reinterpret_cast<const char*>(data), size));
+  const cohort::fuzz::MemoryFile input(std::string(reinterpret_cast<const char*>(data), size));
   Program first;
   if (!first.read(input.path())) return 0;
   if (first.stage < 0 || first.stage > 3) std::abort();  // CLI::Range held
   const cohort::Json effective = cohort::cli::effective_options(&first.app);
-  const MemoryFile saved(effective.dump(2));
+  const cohort::fuzz::MemoryFile saved(effective.dump(2));
   Program again;
   if (!again.read(saved.path())) std::abort();  // a run's own config.json is refused
   if (!again.same_values(first)) std::abort();

@@ -3,9 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include "cohort/error.h"
 #include "support/expect.h"
+#include "support/tiny_mnist.h"
 
 namespace cohort::train {
 namespace {
@@ -262,6 +265,20 @@ TEST(DeepSpeedConfig, UnknownKeysAreListedAndBadValuesNameTheirKey) {
   }
   expect_error<UsageError>([] { DeepSpeedConfig::load("/nonexistent/ds.json", 1); },
                            "deepspeed config /nonexistent/ds.json cannot be read");
+}
+
+// Found by the fuzz target tests/fuzz/deepspeed_config: a number too large for a double ended the
+// program with the JSON library's out_of_range, not a UsageError naming the file.
+TEST(DeepSpeedConfig, AFileThatIsNotJsonIsNamed) {
+  const auto dir = cohort::testing::temp_dir("deepspeed_config");
+  const auto file = dir / "ds.json";
+  for (const std::string text :
+       {R"({"train_batch_size": 10e7011})", R"({"train_batch_size": 8,)"}) {
+    std::ofstream(file) << text;
+    expect_error<UsageError>([&] { DeepSpeedConfig::load(file, 1); },
+                             "deepspeed config " + file.string() + " is not valid JSON");
+  }
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
