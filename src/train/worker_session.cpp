@@ -62,15 +62,25 @@ std::string new_run_token() {
 
 WorkerSession* current_session() { return session_slot().get(); }
 
+int64_t WorkerSession::PreparedModel::optimizer_steps() const {
+  if (ddp) return ddp->synchronized_steps();
+  if (zero_optimizer) return zero_optimizer->steps();
+  if (local_sgd) return local_sgd->stats().inner_steps;
+  if (parameter_server) return parameter_server->stats().pushes;
+  return 0;
+}
+
+const char* WorkerSession::PreparedModel::engine_name() const {
+  if (!engine_wraps_optimizer()) return "DistributedDataParallel";
+  if (zero.stage > 0) return "ZeroOptimizer";
+  return std::holds_alternative<parallel::AsyncParameterServer>(sync) ? "ParameterServerOptimizer"
+                                                                      : "LocalSgdOptimizer";
+}
+
 int64_t optimizer_steps(const WorkerSession& session) {
   int64_t steps = session.steps_through_step_optimizer;
-  for (const auto& ddp : session.models) steps = std::max(steps, ddp->synchronized_steps());
-  for (const auto& zero : session.zero_models)
-    if (zero.optimizer) steps = std::max(steps, zero.optimizer->steps());
-  for (const auto& model : session.sync_mode_models) {
-    if (model.local_sgd) steps = std::max(steps, model.local_sgd->stats().inner_steps);
-    if (model.parameter_server) steps = std::max(steps, model.parameter_server->stats().pushes);
-  }
+  for (const auto& model : session.prepared_models)
+    steps = std::max(steps, model.optimizer_steps());
   return steps;
 }
 
@@ -129,11 +139,10 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
                     const PrepareModelOptions& options) {
   auto& session = require_session("cohort::train::prepare_model()");
   if (!module) throw UsageError("prepare_model: the model is null");
-  bool prepared = false;
-  for (const auto& ddp : session.models) prepared = prepared || ddp->module() == module;
-  for (const auto& zero : session.zero_models) prepared = prepared || zero.module == module;
-  for (const auto& model : session.sync_mode_models) prepared = prepared || model.module == module;
-  if (prepared) throw UsageError("prepare_model: this model was already prepared; prepare it once");
+  for (const auto& model : session.prepared_models) {
+    if (model.module == module)
+      throw UsageError("prepare_model: this model was already prepared; prepare it once");
+  }
   options.zero.validate();
   parallel::validate(options.sync);
   auto sync = options.sync;
@@ -152,15 +161,15 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
     throw UsageError("prepare_model: sync " + *conflict + "; use ZeRO stage 0 or the ddp sync");
   }
   if (options.move_to_device) module->to(session.context.device);
+  WorkerSession::PreparedModel prepared{.module = module, .sync = sync, .zero = options.zero};
   if (!parallel::is_synchronous(sync)) {
     // The optimizer that prepare_optimizer() makes is the engine; a backward before it exists
     // would train the replicas apart unnoticed.
-    WorkerSession::SyncModeModel local{.module = module, .mode = sync};
     for (const auto& p : module->parameters()) {
       if (!p.requires_grad()) continue;
-      local.guarded = p;
+      prepared.guarded = p;
       const std::string mode = parallel::to_string(sync);
-      local.hook = p.register_hook([mode](const at::Tensor& grad) -> at::Tensor {
+      prepared.hook = p.register_hook([mode](const at::Tensor& grad) -> at::Tensor {
         throw UsageError("backward on a model prepared with sync " + mode +
                          " before its optimizer was passed through "
                          "cohort::train::prepare_optimizer(model, optimizer): the replicas would "
@@ -168,38 +177,21 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
       });
       break;
     }
-    session.sync_mode_models.push_back(std::move(local));
-    return;
-  }
-  if (options.zero.stage > 0) {
-    // The ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer.
-    session.zero_models.push_back({module, options.zero, nullptr});
-    return;
-  }
-  session.models.push_back(std::make_unique<parallel::DistributedDataParallel>(
-      module, data_parallel_group(session), options.ddp));
+  } else if (options.zero.stage == 0) {
+    prepared.ddp = std::make_unique<parallel::DistributedDataParallel>(
+        module, data_parallel_group(session), options.ddp);
+  }  // else the ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer
+  session.prepared_models.push_back(std::move(prepared));
 }
 
 namespace {
 
-WorkerSession::ZeroModel* find_zero_model(WorkerSession& session,
-                                          const std::shared_ptr<torch::nn::Module>& module) {
-  for (auto& zero : session.zero_models)
-    if (zero.module == module) return &zero;
-  return nullptr;
-}
-
-WorkerSession::SyncModeModel* find_sync_mode_model(
-    WorkerSession& session, const std::shared_ptr<torch::nn::Module>& module) {
-  for (auto& model : session.sync_mode_models)
-    if (model.module == module) return &model;
-  return nullptr;
-}
-
-// The engine's name of a model prepared with a sync mode other than DDP, for messages.
-const char* engine_name(const parallel::SyncMode& mode) {
-  return std::holds_alternative<parallel::AsyncParameterServer>(mode) ? "ParameterServerOptimizer"
-                                                                      : "LocalSgdOptimizer";
+// The model as prepare_model prepared it; a UsageError when it was not passed to it.
+WorkerSession::PreparedModel& prepared_model(WorkerSession& session,
+                                             const std::shared_ptr<torch::nn::Module>& module) {
+  for (auto& model : session.prepared_models)
+    if (model.module == module) return model;
+  throw UsageError("this model was not passed to cohort::train::prepare_model");
 }
 
 }  // namespace
@@ -209,81 +201,64 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     std::unique_ptr<torch::optim::Optimizer> optimizer) {
   auto& session = require_session("cohort::train::prepare_optimizer()");
   if (!optimizer) throw UsageError("prepare_optimizer: the optimizer is null");
-  if (auto* model = find_sync_mode_model(session, module)) {
-    if (model->has_optimizer()) {
-      throw UsageError("prepare_optimizer: this model already has its " +
-                       parallel::to_string(model->mode) + " optimizer; prepare one");
-    }
-    std::unique_ptr<torch::optim::Optimizer> wrapped;
-    if (const auto* ps = std::get_if<parallel::AsyncParameterServer>(&model->mode)) {
-      auto engine = std::make_unique<parallel::ParameterServerOptimizer>(
-          module, std::move(optimizer), data_parallel_group(session), *ps);
-      model->parameter_server = engine.get();
-      wrapped = std::move(engine);
-    } else {
-      auto engine = std::make_unique<parallel::LocalSgdOptimizer>(
-          module, std::move(optimizer), data_parallel_group(session), model->mode);
-      model->local_sgd = engine.get();
-      wrapped = std::move(engine);
-    }
-    if (model->guarded.defined()) model->guarded.remove_hook(model->hook);
-    model->guarded = at::Tensor();
-    return wrapped;
+  auto& model = prepared_model(session, module);
+  if (!model.engine_wraps_optimizer()) return optimizer;  // DDP's engine is the model's
+  if (model.has_optimizer_engine()) {
+    throw UsageError(std::string("prepare_optimizer: this model already has its ") +
+                     model.engine_name() + "; prepare one optimizer per model");
   }
-  auto* zero = find_zero_model(session, module);
-  if (zero == nullptr) {
-    get_ddp(module);  // throws when the model was not prepared
-    return optimizer;
+  const auto group = data_parallel_group(session);
+  std::unique_ptr<torch::optim::Optimizer> engine;
+  if (model.zero.stage > 0) {
+    auto sharded = std::make_unique<parallel::ZeroOptimizer>(module, *optimizer, group, model.zero);
+    model.zero_optimizer = sharded.get();
+    engine = std::move(sharded);
+  } else if (const auto* ps = std::get_if<parallel::AsyncParameterServer>(&model.sync)) {
+    auto served = std::make_unique<parallel::ParameterServerOptimizer>(module, std::move(optimizer),
+                                                                       group, *ps);
+    model.parameter_server = served.get();
+    engine = std::move(served);
+  } else {
+    auto local = std::make_unique<parallel::LocalSgdOptimizer>(module, std::move(optimizer), group,
+                                                               model.sync);
+    model.local_sgd = local.get();
+    engine = std::move(local);
   }
-  if (zero->optimizer != nullptr) {
-    throw UsageError("prepare_optimizer: this model already has its ZeRO optimizer; prepare one");
-  }
-  auto sharded = std::make_unique<parallel::ZeroOptimizer>(
-      module, *optimizer, data_parallel_group(session), zero->options);
-  zero->optimizer = sharded.get();
-  return sharded;
+  if (model.guarded.defined()) model.guarded.remove_hook(model.hook);
+  model.guarded = at::Tensor();
+  return engine;
 }
 
 parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Module>& module) {
-  auto& session = require_session("cohort::train::get_ddp()");
-  for (auto& ddp : session.models) {
-    if (ddp->module() == module) return *ddp;
-  }
-  if (find_zero_model(session, module) != nullptr) {
-    throw UsageError(
-        "this model was prepared with ZeRO: its engine is the ZeroOptimizer that "
-        "prepare_optimizer returned, not DDP");
-  }
-  if (auto* model = find_sync_mode_model(session, module)) {
-    throw UsageError("this model was prepared with sync " + parallel::to_string(model->mode) +
-                     ": its engine is the " + engine_name(model->mode) +
-                     " that prepare_optimizer returned, not DDP");
-  }
-  throw UsageError("this model was not passed to cohort::train::prepare_model");
+  auto& model = prepared_model(require_session("cohort::train::get_ddp()"), module);
+  if (model.ddp) return *model.ddp;
+  const std::string plan =
+      model.zero.stage > 0 ? "ZeRO" : "sync " + parallel::to_string(model.sync);
+  throw UsageError("this model was prepared with " + plan + ": its engine is the " +
+                   model.engine_name() + " that prepare_optimizer returned, not DDP");
 }
 
 GatheredParameters gathered_parameters(const std::shared_ptr<torch::nn::Module>& module,
                                        bool write_back) {
-  auto& session = require_session("cohort::train::gathered_parameters()");
-  auto* zero = find_zero_model(session, module);
-  if (zero == nullptr || zero->optimizer == nullptr) return GatheredParameters();
-  return GatheredParameters(
-      std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(*zero->optimizer, write_back));
+  const auto& model =
+      prepared_model(require_session("cohort::train::gathered_parameters()"), module);
+  if (model.zero_optimizer == nullptr) return GatheredParameters();
+  return GatheredParameters(std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(
+      *model.zero_optimizer, write_back));
 }
 
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
-  auto& session = require_session("cohort::train::no_sync()");
-  if (find_sync_mode_model(session, module) != nullptr) return NoSyncGuard();
-  if (auto* zero = find_zero_model(session, module)) {
-    if (zero->optimizer == nullptr) {
-      throw UsageError(
-          "no_sync: this model was prepared with ZeRO; call prepare_optimizer "
-          "before the training loop");
-    }
-    return NoSyncGuard(std::make_unique<parallel::ZeroOptimizer::NoSyncGuard>(*zero->optimizer));
+  auto& model = prepared_model(require_session("cohort::train::no_sync()"), module);
+  if (model.ddp)
+    return NoSyncGuard(
+        std::make_unique<parallel::DistributedDataParallel::NoSyncGuard>(*model.ddp));
+  if (model.zero.stage == 0) return NoSyncGuard();  // local SGD, DiLoCo, the parameter server
+  if (model.zero_optimizer == nullptr) {
+    throw UsageError(
+        "no_sync: this model was prepared with ZeRO; call prepare_optimizer "
+        "before the training loop");
   }
-  return NoSyncGuard(
-      std::make_unique<parallel::DistributedDataParallel::NoSyncGuard>(get_ddp(module)));
+  return NoSyncGuard(std::make_unique<parallel::ZeroOptimizer::NoSyncGuard>(*model.zero_optimizer));
 }
 
 ForwardScope::ForwardScope(optim::Precision precision, const c10::Device& device)
@@ -446,14 +421,11 @@ void add_step_times(const std::vector<RankTimes>& times, Json& message) {
 // TensorBoard's histograms of the prepared models' parameters and gradients, by tag
 // ("parameters/<name>", with several models "model<i>/parameters/<name>").
 Json model_histograms(const WorkerSession& s) {
-  std::vector<std::shared_ptr<torch::nn::Module>> modules;
-  for (const auto& ddp : s.models) modules.push_back(ddp->module());
-  for (const auto& zero : s.zero_models) modules.push_back(zero.module);
-  for (const auto& model : s.sync_mode_models) modules.push_back(model.module);
+  const auto& models = s.prepared_models;
   Json out = Json::object();
-  for (size_t i = 0; i < modules.size(); ++i) {
-    const std::string prefix = modules.size() > 1 ? "model" + std::to_string(i) + "/" : "";
-    for (const auto& p : modules[i]->named_parameters()) {
+  for (size_t i = 0; i < models.size(); ++i) {
+    const std::string prefix = models.size() > 1 ? "model" + std::to_string(i) + "/" : "";
+    for (const auto& p : models[i].module->named_parameters()) {
       // ZeRO stage 3's units hold their parameters only inside a step (gathering them here
       // would be a collective on one rank).
       if (p.value().numel() > 0 && p.value().storage().nbytes() == 0) continue;
@@ -572,7 +544,7 @@ void report_files(const Json& metrics, const std::optional<std::filesystem::path
                      {"positions", s.data_positions}}
                     .dump());
   }
-  for (const auto& model : s.sync_mode_models) {
+  for (const auto& model : s.prepared_models) {
     if (model.parameter_server == nullptr) continue;
     const auto ps = model.parameter_server->stats();
     arrival += ";" + std::to_string(ps.staleness_sum - s.staleness_at_report) + ";" +

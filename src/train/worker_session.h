@@ -29,29 +29,34 @@ struct WorkerSession {
   // start can never be mistaken for this one's.
   std::string run_token;
   std::chrono::milliseconds collective_timeout{};
-  std::vector<std::unique_ptr<parallel::DistributedDataParallel>> models;
-  // Models prepared with ZeRO (stage >= 1), by model: their options, and the ZeroOptimizer that
-  // prepare_optimizer made for them (null until then).
-  struct ZeroModel {
+  // The models passed to prepare_model, in order, each with the engine that keeps its replicas
+  // in step: DDP, made by prepare_model, or the engine prepare_optimizer makes around the
+  // optimizer (ZeRO at stage >= 1; local SGD and DiLoCo; the parameter server), null until then.
+  // Until then a model of a sync mode other than DDP has a hook on its first parameter's gradient
+  // that stops a backward which would train without synchronising.
+  struct PreparedModel {
     std::shared_ptr<torch::nn::Module> module;
-    parallel::ZeroOptions options;
-    parallel::ZeroOptimizer* optimizer = nullptr;
-  };
-  std::vector<ZeroModel> zero_models;
-  // Models prepared with a sync mode other than DDP (local SGD, DiLoCo, the parameter server):
-  // their mode, and the optimizer that prepare_optimizer made for them, its engine (null until
-  // then; until then a hook on the first parameter's gradient stops a backward that would train
-  // without synchronising).
-  struct SyncModeModel {
-    std::shared_ptr<torch::nn::Module> module;
-    parallel::SyncMode mode;
+    parallel::SyncMode sync;
+    parallel::ZeroOptions zero;
+    std::unique_ptr<parallel::DistributedDataParallel> ddp;
+    parallel::ZeroOptimizer* zero_optimizer = nullptr;
     parallel::LocalSgdOptimizer* local_sgd = nullptr;
     parallel::ParameterServerOptimizer* parameter_server = nullptr;
     at::Tensor guarded;  // the parameter that holds the hook
     unsigned hook = 0;
-    bool has_optimizer() const { return local_sgd != nullptr || parameter_server != nullptr; }
+
+    // Whether prepare_optimizer makes its engine (every plan but DDP's).
+    bool engine_wraps_optimizer() const { return ddp == nullptr; }
+    // Whether that engine was made.
+    bool has_optimizer_engine() const {
+      return zero_optimizer != nullptr || local_sgd != nullptr || parameter_server != nullptr;
+    }
+    // Its engine's optimizer steps (0 before prepare_optimizer).
+    int64_t optimizer_steps() const;
+    // Its engine's type, for messages: "DistributedDataParallel", "ZeroOptimizer", ...
+    const char* engine_name() const;
   };
-  std::vector<SyncModeModel> sync_mode_models;
+  std::vector<PreparedModel> prepared_models;
   // ScalingConfig::num_parameter_servers.
   int num_parameter_servers = 0;
   // At the last report: the parameter servers' staleness sum and pushes of this rank.

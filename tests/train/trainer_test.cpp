@@ -249,8 +249,8 @@ TEST(Trainer, EachFitsWorkersTakeTheirOwnTrainersScalingConfig) {
 }
 
 // prepare_model with DiLoCo: a backward before prepare_optimizer is stopped naming the fix, ZeRO
-// is refused, and report() counts the bytes each worker sent per step: one all-reduce of the
-// parameters every H steps, DDP's bytes divided by H.
+// is refused, a second optimizer and get_ddp name the engine, and report() counts the bytes each
+// worker sent per step: one all-reduce of the parameters every H steps, DDP's bytes divided by H.
 TEST(Trainer, DiLoCoThroughPrepareModelSendsDdpsBytesDividedByH) {
   auto dir = cohort::testing::temp_dir("trainer_diloco");
   Trainer trainer(
@@ -274,6 +274,19 @@ TEST(Trainer, DiLoCoThroughPrepareModelSendsDdpsBytesDividedByH) {
         auto optimizer = train::prepare_optimizer(
             model, std::make_unique<torch::optim::SGD>(model->parameters(),
                                                        torch::optim::SGDOptions(0.1)));
+        // The engine is the optimizer's: a second one, or asking for DDP, names it.
+        std::string twice_message, ddp_message;
+        try {
+          train::prepare_optimizer(model, std::make_unique<torch::optim::SGD>(
+                                              model->parameters(), torch::optim::SGDOptions(0.1)));
+        } catch (const UsageError& e) {
+          twice_message = e.what();
+        }
+        try {
+          train::get_ddp(model.ptr());
+        } catch (const UsageError& e) {
+          ddp_message = e.what();
+        }
         train::report({{"phase", "prepared"}});  // the start's broadcast is not per-step traffic
         for (int step = 0; step < 4; ++step) {
           optimizer->zero_grad();
@@ -281,7 +294,10 @@ TEST(Trainer, DiLoCoThroughPrepareModelSendsDdpsBytesDividedByH) {
           model->forward(torch::randn({2, 4})).pow(2).mean().backward();
           optimizer->step();
         }
-        train::report({{"guard", guard_message}, {"zero", zero_message}});
+        train::report({{"guard", guard_message},
+                       {"zero", zero_message},
+                       {"twice", twice_message},
+                       {"ddp", ddp_message}});
       },
       ScalingConfig{.num_workers = 2}, run_config(dir, "diloco"));
   const auto result = trainer.fit();
@@ -294,6 +310,12 @@ TEST(Trainer, DiLoCoThroughPrepareModelSendsDdpsBytesDividedByH) {
                 "sync diloco:2 cannot be combined with ZeRO stage 2"),
             std::string::npos)
       << result.metrics["zero"];
+  EXPECT_EQ(result.metrics["twice"],
+            "prepare_optimizer: this model already has its LocalSgdOptimizer; prepare one "
+            "optimizer per model");
+  EXPECT_EQ(result.metrics["ddp"],
+            "this model was prepared with sync diloco:2: its engine is the LocalSgdOptimizer that "
+            "prepare_optimizer returned, not DDP");
   // 15 float32 parameters, all-reduced twice in 4 steps at 2 (N - 1) / N x 4 bytes each.
   EXPECT_DOUBLE_EQ(result.metrics["comm_bytes_per_step"].get<double>(), 2 * 15 * 4.0 / 4);
   std::filesystem::remove_all(dir);
