@@ -62,6 +62,15 @@ Json run_epochs(ParallelModel& model, data::DataIterator& stream, const EpochLoo
     model.load(*checkpoint);
     resumed = resume_point(*checkpoint);
   }
+  if (o.max_steps > 0 && model.steps() >= o.max_steps) {
+    // Nothing left to train: the run keeps the checkpoint's model and report, as a run whose
+    // epochs are all done.
+    if (rank0) {
+      std::cout << "max_steps " << o.max_steps << " already reached: the checkpoint is at step "
+                << model.steps() << "; nothing to train (raise max_steps to go on)" << std::endl;
+    }
+    return Json::object();
+  }
   // Each optimizer step takes the plan's accumulated batches.
   const int64_t step_rows = o.batch_size * plan.gradient_accumulation_steps;
   const int64_t epoch_steps = steps_per_epoch(stream, o.batch_size, plan);

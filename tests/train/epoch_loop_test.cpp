@@ -58,7 +58,8 @@ class EpochLoop : public ::testing::Test {
 // Stopped by max_steps inside its second epoch and run again without the limit, the loop takes
 // exactly the batches it had not trained on: it ends after as many steps as an uninterrupted run,
 // with its parameters bit for bit. The checkpoints every N steps inside an epoch say where they
-// are; each epoch's report holds the evaluation and the replicas' agreement.
+// are; each epoch's report holds the evaluation and the replicas' agreement. Run again with the
+// same limit, it trains nothing.
 TEST_F(EpochLoop, StoppedInsideAnEpochByMaxStepsResumesExactly) {
   for (const std::string plan : {"ddp", "zero3", "pipeline"}) {
     SCOPED_TRACE(plan);
@@ -89,6 +90,12 @@ TEST_F(EpochLoop, StoppedInsideAnEpochByMaxStepsResumesExactly) {
         inside.push_back(report["steps"]);
     }
     EXPECT_EQ(inside, (std::vector<int64_t>{4, 8}));
+    // Run again with the same limit, it has nothing to train: no step, no new checkpoint.
+    const auto again = fit(plan + "-stopped", plan, {{"max_steps", stop_at}});
+    ASSERT_TRUE(again.ok()) << *again.error;
+    EXPECT_EQ(again.metrics["steps"], stop_at);
+    ASSERT_TRUE(again.checkpoint && stopped.checkpoint);
+    EXPECT_EQ(again.checkpoint->path(), stopped.checkpoint->path());
 
     const auto resumed = fit(plan + "-stopped", plan, Json::object());
     ASSERT_TRUE(resumed.ok()) << *resumed.error;

@@ -40,8 +40,8 @@ struct EpochLoopOptions {
   /// The stream's column of the loss's targets.
   std::string target_column = "label";
   /// The run stops after this many optimizer steps in all, a resumed run's counted (0: no limit),
-  /// with a checkpoint that a longer run resumes from where it stopped. The learning-rate
-  /// schedule is not shortened by it.
+  /// with a checkpoint that a longer run resumes from where it stopped; a run whose checkpoint is
+  /// already there trains nothing. The learning-rate schedule is not shortened by it.
   int64_t max_steps = 0;
   /// A checkpoint after every N-th optimizer step inside an epoch (0: at each epoch's end only):
   /// a failure then loses at most N steps. Local SGD, DiLoCo and the parameter server agree first.
@@ -66,9 +66,10 @@ int64_t steps_per_epoch(const data::DataIterator& stream, int64_t batch_size, co
 
 /// Trains `model` on `stream` (this rank's shard of the Trainer's dataset) for the epochs
 /// `options` says, resuming from train::get_checkpoint() when the run has one, and returns the
-/// last report's metrics. Every rank calls it alike. Each epoch's report holds "epoch", "epochs",
-/// "steps", "world_size", "train_loss" (the epoch's mean over the ranks that compute a loss),
-/// "lr", "replica_spread" (ParallelModel::replica_spread), "elapsed_s" and
+/// last report's metrics (none when nothing was left to train: every epoch done, or max_steps
+/// reached by the checkpoint). Every rank calls it alike. Each epoch's report holds "epoch",
+/// "epochs", "steps", "world_size", "train_loss" (the epoch's mean over the ranks that compute a
+/// loss), "lr", "replica_spread" (ParallelModel::replica_spread), "elapsed_s" and
 /// "time_to_first_step_s" since the run began, "samples_per_second" and "throughput_steps" once
 /// measured, "test_loss" and "test_accuracy" with a test set, "mesh" with one, and
 /// "epoch_step" when it stopped inside the epoch (a Ctrl-C, max_steps). Bad options (an epoch
