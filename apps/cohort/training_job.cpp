@@ -191,6 +191,20 @@ int umask_of(const TrainOptions& o) {
 
 namespace {
 
+// The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
+const OptionNames kFlagNames{{"ScalingConfig.num_workers", "--workers"},
+                             {"ScalingConfig.min_workers", "--min-workers"},
+                             {"ScalingConfig.num_parameter_servers", "--parameter-servers"},
+                             {"ScalingConfig.mesh", "--pp/--tp"},
+                             {"ScalingConfig.mesh.pp", "--pp"},
+                             {"ScalingConfig.mesh.tp", "--tp"},
+                             {"ScalingConfig.resources_per_worker.cpu_threads", "--threads"},
+                             {"RunConfig.umask", "--umask"},
+                             {"RunConfig.profile_steps", "--profile-steps"},
+                             {"RunConfig.log_every_steps", "--log-every-steps"},
+                             {"FailureConfig.max_failures", "--max-failures"},
+                             {"FailureConfig.heartbeat_timeout", "--heartbeat-timeout"}};
+
 // The model the workers build, as estimate_memory takes it.
 train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan& plan) {
   return {.module = model,
@@ -257,8 +271,6 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
 void validate_mesh(const TrainOptions& o) {
   const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
-  const std::string flags =
-      "--pp " + std::to_string(o.plan.pp) + " --tp " + std::to_string(o.plan.tp);
   const int per_batch =
       plan.micro_batches_per_step() / static_cast<int>(o.plan.gradient_accumulation_steps);
   if (o.batch_size < per_batch) {
@@ -292,13 +304,6 @@ void validate_mesh(const TrainOptions& o) {
                        std::to_string(options.width * options.mlp_ratio) +
                        " MLP features (4 x --width)");
     }
-  }
-  // An elastic mesh shrinks and grows by whole replicas of pp x tp workers.
-  if (o.min_workers % (o.plan.pp * o.plan.tp) != 0) {
-    throw UsageError("--min-workers " + std::to_string(o.min_workers) + " with " + flags +
-                     ": an elastic group keeps whole replicas of " +
-                     std::to_string(o.plan.pp * o.plan.tp) + " workers; use a multiple of " +
-                     std::to_string(o.plan.pp * o.plan.tp));
   }
 }
 
@@ -384,17 +389,7 @@ void validate(const TrainOptions& o) {
     throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
   if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
     throw UsageError("unknown --lr-decay '" + o.lr_decay + "': choose none, cosine or linear");
-  if (o.workers < 1) throw UsageError("--workers " + std::to_string(o.workers) + " must be >= 1");
-  if (o.min_workers < 0 || o.min_workers > o.workers) {
-    throw UsageError("--min-workers " + std::to_string(o.min_workers) +
-                     " must be between 1 and --workers " + std::to_string(o.workers) +
-                     " (0: a fixed-size group)");
-  }
-  if (o.threads < 1) throw UsageError("--threads " + std::to_string(o.threads) + " must be >= 1");
   if (!o.rdzv.empty()) comm::parse_etcd_endpoint(o.rdzv, "--rdzv");
-  profile_steps_of(o);
-  dashboard_of(o);
-  comm::backend_from_string(o.backend);
   if (o.gpus_per_worker < 0) {
     throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
   }
@@ -418,6 +413,13 @@ void validate(const TrainOptions& o) {
     throw UsageError(std::string(e.what()) + " (" + o.deepspeed +
                      " sets --zero-stage, --gradient-accumulation-steps and --gradient-clipping)");
   }
+  // What the Trainer checks of the configs these flags fill (the worker counts, the parameter
+  // servers, an elastic mesh, threads, backend, umask, profiled steps), named by the flags.
+  if (!(o.heartbeat_timeout_s > 0)) {  // before it is converted to milliseconds
+    throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
+                     " must be > 0 seconds");
+  }
+  check_configs(scaling_of(o), run_config_of(o), kFlagNames);
   validate_mesh(o);
   if (o.plan.cuda_graph) {
     // What a captured step needs besides the plan's: a GPU, NCCL, and an optimizer whose step
@@ -431,21 +433,11 @@ void validate(const TrainOptions& o) {
     if (o.backend == "gloo")
       refuse("needs NCCL's collectives (--backend auto or nccl): Gloo's cannot be captured");
   }
-  if (o.parameter_servers < 0) {
-    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
-                     " must be >= 0 (0: one, with --sync async-ps:K)");
-  }
   if (o.parameter_servers > 0 && !std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
     throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
                      " with --sync " + o.plan.sync +
                      ": parameter servers serve only --sync async-ps:K (K: steps a worker may "
                      "run ahead of the slowest)");
-  }
-  if (o.parameter_servers > o.workers) {
-    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
-                     " with --workers " + std::to_string(o.workers) +
-                     ": the servers run in the worker processes, so at most one per worker (" +
-                     std::to_string(o.workers) + ")");
   }
   if (o.test_examples < 0) {
     throw UsageError("--test-examples " + std::to_string(o.test_examples) +
@@ -476,8 +468,6 @@ void validate(const TrainOptions& o) {
         "--snapshot-every-steps needs a --snapshot-dir: memory-backed storage of "
         "each node (e.g. /dev/shm/cohort-snapshots)");
   }
-  umask_of(o);
-  if (o.max_failures < -1) throw UsageError("--max-failures must be >= 0, or -1 for unlimited");
   if (o.recovery != "restart" && o.recovery != "live")
     throw UsageError("unknown --recovery '" + o.recovery + "': choose restart or live");
   if (o.recovery == "live") {
@@ -491,10 +481,6 @@ void validate(const TrainOptions& o) {
           std::to_string(std::max(1, o.workers - 1)) +
           "), or let a replacement take the lost worker's place (--replace-lost)");
     }
-  }
-  if (!(o.heartbeat_timeout_s > 0)) {
-    throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
-                     " must be > 0 seconds");
   }
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
   if (o.workers > train_size) {

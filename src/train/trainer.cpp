@@ -9,6 +9,90 @@
 
 namespace cohort {
 
+void check_configs(const ScalingConfig& scaling, const RunConfig& run, const OptionNames& names) {
+  const auto name = [&names](const std::string& field) {
+    const auto it = names.find(field);
+    return it == names.end() ? field : it->second;
+  };
+  const auto workers =
+      name("ScalingConfig.num_workers") + " " + std::to_string(scaling.num_workers);
+  if (scaling.num_workers < 1) throw UsageError(workers + " must be >= 1");
+  if (scaling.min_workers < 0 || scaling.min_workers > scaling.num_workers) {
+    throw UsageError(name("ScalingConfig.min_workers") + " " + std::to_string(scaling.min_workers) +
+                     " must be between 1 and " + workers + " (0: a fixed-size group)");
+  }
+  if (scaling.num_parameter_servers < 0 || scaling.num_parameter_servers > scaling.num_workers) {
+    throw UsageError(name("ScalingConfig.num_parameter_servers") + " " +
+                     std::to_string(scaling.num_parameter_servers) + " must be between 0 and " +
+                     workers +
+                     ": the servers run in the worker processes, at most one per worker (0: one)");
+  }
+  if (const auto& mesh = scaling.mesh; mesh.pp < 1 || mesh.tp < 1 || mesh.dp < 0) {
+    throw UsageError(name("ScalingConfig.mesh") + " " + parallel::to_string(mesh) +
+                     ": pp and tp must be >= 1, dp >= 0 (0: the workers that pp x tp leave)");
+  } else if (const int replica = mesh.pp * mesh.tp; replica > 1 && scaling.min_workers > 0) {
+    // An elastic mesh shrinks and grows by whole model replicas: only its dp degree changes.
+    const auto min_workers =
+        name("ScalingConfig.min_workers") + " " + std::to_string(scaling.min_workers);
+    if (mesh.dp > 0) {
+      throw UsageError(min_workers + " with the mesh " + parallel::to_string(mesh) +
+                       ": an elastic group changes its dp degree; leave mesh.dp at 0 (the "
+                       "workers that pp x tp leave)");
+    }
+    if (scaling.min_workers % replica != 0) {
+      throw UsageError(min_workers + " with " + name("ScalingConfig.mesh.pp") + " " +
+                       std::to_string(mesh.pp) + " x " + name("ScalingConfig.mesh.tp") + " " +
+                       std::to_string(mesh.tp) + ": an elastic group keeps whole replicas of " +
+                       std::to_string(replica) + " workers; use a multiple of " +
+                       std::to_string(replica));
+    }
+  }
+  if (scaling.resources_per_worker.cpu_threads < 1) {
+    throw UsageError(name("ScalingConfig.resources_per_worker.cpu_threads") + " " +
+                     std::to_string(scaling.resources_per_worker.cpu_threads) + " must be >= 1");
+  }
+  comm::backend_from_string(scaling.backend);
+  {
+    const auto precision = optim::precision_from_string(scaling.precision);
+    if (!scaling.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
+    scaling.loss_scaler.validate();
+  }
+  if (scaling.resources_per_worker.gpus < 0 ||
+      (!scaling.use_gpu && scaling.resources_per_worker.gpus > 0)) {
+    runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus, 0, {});
+  }
+  if (run.umask < 0 || run.umask > 0777) {
+    char octal[32];
+    std::snprintf(octal, sizeof octal, "%o", static_cast<unsigned>(run.umask));
+    throw UsageError(name("RunConfig.umask") + " 0" + std::string(octal) +
+                     " is no umask: give permission bits between 0 and 0777 (octal, e.g. 077 to "
+                     "keep the run private, 022 to let others read it)");
+  }
+  if (run.setup_timeout.count() <= 0 || run.collective_timeout.count() <= 0) {
+    throw UsageError(name("RunConfig.setup_timeout") + " and " +
+                     name("RunConfig.collective_timeout") + " must be > 0");
+  }
+  if (const auto& p = run.profile_steps;
+      !(p.first == 0 && p.last == 0) && !(p.first >= 1 && p.last >= p.first)) {
+    throw UsageError(name("RunConfig.profile_steps") + " {" + std::to_string(p.first) + ", " +
+                     std::to_string(p.last) +
+                     "}: give 1 <= first <= last (e.g. {100, 110}), or {0, 0} for none");
+  }
+  if (run.log_every_steps < 0) {
+    throw UsageError(name("RunConfig.log_every_steps") + " " + std::to_string(run.log_every_steps) +
+                     " must be >= 0 (0: about every 15 seconds)");
+  }
+  if (run.failure_config.max_failures < -1) {
+    throw UsageError(name("FailureConfig.max_failures") + " " +
+                     std::to_string(run.failure_config.max_failures) +
+                     " must be >= 0, or -1 for unlimited");
+  }
+  if (run.failure_config.heartbeat_timeout.count() <= 0) {
+    throw UsageError(name("FailureConfig.heartbeat_timeout") + " must be > 0 (got " +
+                     std::to_string(run.failure_config.heartbeat_timeout.count()) + " ms)");
+  }
+}
+
 Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig run_config,
                  Json train_loop_config, std::map<std::string, data::Dataset> datasets)
     : train_loop_(std::move(train_loop)),
@@ -17,83 +101,7 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
       config_(std::move(train_loop_config)),
       datasets_(std::move(datasets)) {
   if (!train_loop_) throw UsageError("Trainer: the train loop function is empty");
-  if (scaling_.num_workers < 1) {
-    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling_.num_workers) +
-                     " must be >= 1");
-  }
-  if (scaling_.min_workers < 0 || scaling_.min_workers > scaling_.num_workers) {
-    throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
-                     " must be between 1 and num_workers=" + std::to_string(scaling_.num_workers) +
-                     " (or 0 for a fixed-size group)");
-  }
-  if (scaling_.num_parameter_servers < 0 || scaling_.num_parameter_servers > scaling_.num_workers) {
-    throw UsageError(
-        "ScalingConfig.num_parameter_servers=" + std::to_string(scaling_.num_parameter_servers) +
-        " must be between 0 and num_workers=" + std::to_string(scaling_.num_workers) +
-        ": the parameter servers run in the workers' processes (0: one)");
-  }
-  if (const auto& mesh = scaling_.mesh; mesh.pp < 1 || mesh.tp < 1 || mesh.dp < 0) {
-    throw UsageError("ScalingConfig.mesh " + parallel::to_string(mesh) +
-                     ": pp and tp must be >= 1, dp >= 0 (0: the workers that pp x tp leave)");
-  } else if (const int replica = mesh.pp * mesh.tp; replica > 1 && scaling_.min_workers > 0) {
-    // An elastic mesh shrinks and grows by whole model replicas: only its dp degree changes.
-    if (mesh.dp > 0) {
-      throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
-                       " with the mesh " + parallel::to_string(mesh) +
-                       ": an elastic group changes its dp degree; leave mesh.dp at 0 (the "
-                       "workers that pp x tp leave)");
-    }
-    if (scaling_.min_workers % replica != 0) {
-      throw UsageError("ScalingConfig.min_workers=" + std::to_string(scaling_.min_workers) +
-                       " with pp " + std::to_string(mesh.pp) + " x tp " + std::to_string(mesh.tp) +
-                       ": an elastic group keeps whole replicas of " + std::to_string(replica) +
-                       " workers; use a multiple of " + std::to_string(replica));
-    }
-  }
-  if (scaling_.resources_per_worker.cpu_threads < 1) {
-    throw UsageError("ScalingConfig.resources_per_worker.cpu_threads=" +
-                     std::to_string(scaling_.resources_per_worker.cpu_threads) + " must be >= 1");
-  }
-  comm::backend_from_string(scaling_.backend);
-  {
-    const auto precision = optim::precision_from_string(scaling_.precision);
-    if (!scaling_.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
-    scaling_.loss_scaler.validate();
-  }
-  if (scaling_.resources_per_worker.gpus < 0 ||
-      (!scaling_.use_gpu && scaling_.resources_per_worker.gpus > 0)) {
-    runtime::check_gpu_request(scaling_.use_gpu, scaling_.resources_per_worker.gpus, 0, {});
-  }
-  if (run_.umask < 0 || run_.umask > 0777) {
-    char octal[32];
-    std::snprintf(octal, sizeof octal, "%o", static_cast<unsigned>(run_.umask));
-    throw UsageError("RunConfig.umask=0" + std::string(octal) +
-                     " is no umask: give permission bits between 0 and 0777 (octal, e.g. 077 to "
-                     "keep the run private, 022 to let others read it)");
-  }
-  if (run_.setup_timeout.count() <= 0 || run_.collective_timeout.count() <= 0) {
-    throw UsageError("RunConfig: setup_timeout and collective_timeout must be > 0");
-  }
-  if (const auto& p = run_.profile_steps;
-      !(p.first == 0 && p.last == 0) && !(p.first >= 1 && p.last >= p.first)) {
-    throw UsageError("RunConfig.profile_steps {" + std::to_string(p.first) + ", " +
-                     std::to_string(p.last) +
-                     "}: give 1 <= first <= last (e.g. {100, 110}), or {0, 0} for none");
-  }
-  if (run_.log_every_steps < 0) {
-    throw UsageError("RunConfig.log_every_steps=" + std::to_string(run_.log_every_steps) +
-                     " must be >= 0 (0: about every 15 seconds)");
-  }
-  if (run_.failure_config.max_failures < -1) {
-    throw UsageError(
-        "FailureConfig.max_failures=" + std::to_string(run_.failure_config.max_failures) +
-        " must be >= 0, or -1 for unlimited");
-  }
-  if (run_.failure_config.heartbeat_timeout.count() <= 0) {
-    throw UsageError("FailureConfig.heartbeat_timeout = " +
-                     std::to_string(run_.failure_config.heartbeat_timeout.count()) +
-                     " ms: it must be > 0");
-  }
+  check_configs(scaling_, run_);
 }
 
 Result Trainer::fit() {

@@ -141,6 +141,11 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
       {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
       {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
+      {{"--threads", "0", "--data-dir", data.string()}, "--threads 0 must be >= 1"},
+      {{"--max-failures", "-2", "--data-dir", data.string()},
+       "--max-failures -2 must be >= 0, or -1 for unlimited"},
+      {{"--log-every-steps", "-1", "--data-dir", data.string()},
+       "--log-every-steps -1 must be >= 0 (0: about every 15 seconds)"},
       {{"--workers", "2", "--min-workers", "3", "--data-dir", data.string()},
        "--min-workers 3 must be between 1 and --workers 2"},
       {{"--lr", "-0.1", "--data-dir", data.string()}, "is negative"},
@@ -191,7 +196,7 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "--sync async-ps:1 with --pp 2 --tp 1 is not supported yet: the parameter server serves "
        "whole models; use --sync ddp, local-sgd:H or diloco:H"},
       {{"--workers", "4", "--pp", "2", "--min-workers", "3", "--data-dir", data.string()},
-       "--min-workers 3 with --pp 2 --tp 1: an elastic group keeps whole replicas of 2 workers; "
+       "--min-workers 3 with --pp 2 x --tp 1: an elastic group keeps whole replicas of 2 workers; "
        "use a multiple of 2"},
       {{"--warmup-steps", "-3", "--data-dir", data.string()}, "--warmup-steps -3 must be >= 0"},
       {{"--test-examples", "-5", "--data-dir", data.string()}, "--test-examples -5 must be >= 0"},
@@ -206,9 +211,10 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "--parameter-servers 2 with --sync ddp: parameter servers serve only --sync async-ps:K"},
       {{"--parameter-servers", "3", "--workers", "2", "--sync", "async-ps:1", "--data-dir",
         data.string()},
-       "--parameter-servers 3 with --workers 2: the servers run in the worker processes"},
+       "--parameter-servers 3 must be between 0 and --workers 2: the servers run in the worker "
+       "processes, at most one per worker"},
       {{"--parameter-servers", "-1", "--sync", "async-ps:1", "--data-dir", data.string()},
-       "--parameter-servers -1 must be >= 0"},
+       "--parameter-servers -1 must be between 0 and --workers 2"},
       {{"--sync", "async-ps:2", "--zero-stage", "1", "--data-dir", data.string()},
        "--sync async-ps:2 cannot be combined with ZeRO stage 1"},
       {{"--sync", "diloco:8", "--zero-stage", "2", "--data-dir", data.string()},

@@ -176,11 +176,18 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
                UsageError);
   cohort::testing::expect_error<UsageError>(
       [&] { Trainer(loop, ScalingConfig{.num_workers = 2, .num_parameter_servers = 3}); },
-      "num_parameter_servers=3 must be between 0 and num_workers=2: the parameter servers run in "
-      "the workers' processes");
+      "ScalingConfig.num_parameter_servers 3 must be between 0 and ScalingConfig.num_workers 2: "
+      "the servers run in the worker processes, at most one per worker");
+  // The same checks for a program whose flags fill the configs, named by its flags.
+  cohort::testing::expect_error<UsageError>(
+      [] {
+        check_configs(ScalingConfig{.num_workers = 2, .min_workers = 3}, RunConfig{},
+                      {{"ScalingConfig.num_workers", "--n"}, {"ScalingConfig.min_workers", "--m"}});
+      },
+      "--m 3 must be between 1 and --n 2 (0: a fixed-size group)");
   cohort::testing::expect_error<UsageError>(
       [&] { Trainer(loop, ScalingConfig{}, RunConfig{.umask = 01022}); },
-      "RunConfig.umask=01022 is no umask: give permission bits between 0 and 0777");
+      "RunConfig.umask 01022 is no umask: give permission bits between 0 and 0777");
   auto dir = cohort::testing::temp_dir("trainer_storage");
   std::ofstream(dir / "a_file") << "x";
   Trainer trainer(loop, ScalingConfig{}, run_config(dir / "a_file", "x"));

@@ -208,4 +208,16 @@ struct RunConfig {
   } profile_steps;      ///< the traced steps
 };
 
+/// How check_configs names an option in its messages: by its field ("ScalingConfig.min_workers")
+/// unless mapped here to what the user set instead (a program's flag: "--min-workers").
+using OptionNames = std::map<std::string, std::string>;
+
+/// What a Trainer checks of its configs before any worker starts (every value in range, the
+/// parameter servers, an elastic mesh's replicas, the precision on this device, the GPUs, the
+/// backend, the umask, the profiled steps, the timeouts): a UsageError of one line naming the
+/// option and the fix. A program whose flags fill the configs passes `names` (field -> flag), so
+/// that its users read their flags' names in the same checks.
+void check_configs(const ScalingConfig& scaling, const RunConfig& run,
+                   const OptionNames& names = {});
+
 }  // namespace cohort
