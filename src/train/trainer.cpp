@@ -10,9 +10,10 @@
 namespace cohort {
 
 void check_configs(const ScalingConfig& scaling, const RunConfig& run, const OptionNames& names) {
-  const auto name = [&names](const std::string& field) {
+  // The option's name in messages: the program's, else `shown` (default: the field).
+  const auto name = [&names](const std::string& field, const std::string& shown = "") {
     const auto it = names.find(field);
-    return it == names.end() ? field : it->second;
+    return it != names.end() ? it->second : shown.empty() ? field : shown;
   };
   const auto workers =
       name("ScalingConfig.num_workers") + " " + std::to_string(scaling.num_workers);
@@ -40,8 +41,8 @@ void check_configs(const ScalingConfig& scaling, const RunConfig& run, const Opt
                        "workers that pp x tp leave)");
     }
     if (scaling.min_workers % replica != 0) {
-      throw UsageError(min_workers + " with " + name("ScalingConfig.mesh.pp") + " " +
-                       std::to_string(mesh.pp) + " x " + name("ScalingConfig.mesh.tp") + " " +
+      throw UsageError(min_workers + " with " + name("ScalingConfig.mesh.pp", "pp") + " " +
+                       std::to_string(mesh.pp) + " x " + name("ScalingConfig.mesh.tp", "tp") + " " +
                        std::to_string(mesh.tp) + ": an elastic group keeps whole replicas of " +
                        std::to_string(replica) + " workers; use a multiple of " +
                        std::to_string(replica));

@@ -399,7 +399,8 @@ TEST_F(FaultTolerance, AnElasticMeshKeepsWholePipelines) {
       [] {
         Trainer(elastic_loop, ScalingConfig{.num_workers = 4, .min_workers = 3, .mesh = {.pp = 2}});
       },
-      "min_workers=3 with pp 2 x tp 1: an elastic group keeps whole replicas of 2 workers; use a "
+      "ScalingConfig.min_workers 3 with pp 2 x tp 1: an elastic group keeps whole replicas of 2 "
+      "workers; use a "
       "multiple of 2");
   cohort::testing::expect_error<UsageError>(
       [] {
