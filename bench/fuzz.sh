@@ -9,10 +9,10 @@
 # The targets are the decoders that compile without libtorch's tensor headers: Debian 12's clang
 # 14 cannot compile libtorch 1.13's ATen headers as C++20 against libstdc++ 12 (c10::IValue is
 # incomplete where std::vector's constexpr members need it). c10's scalar types compile, so the
-# safetensors and IDX headers are targets, and so is DeepSpeed JSON (the engines' options have
-# torch-free headers: zero_options.h, lr_schedule_options.h, activation_checkpointing_policy.h);
-# the manifest, data-plane, parameter-server and worker-spec decoders, which include ATen, are not
-# yet (unit tests check them instead).
+# safetensors and IDX headers are targets, and so are DeepSpeed JSON and the worker spec (the
+# options they hold have torch-free headers: zero_options.h, lr_schedule_options.h,
+# activation_checkpointing_policy.h, mesh_shape.h); the manifest, data-plane and parameter-server
+# decoders, which include ATen, are not yet (unit tests check them instead).
 #
 # Usage: bench/fuzz.sh [SECONDS (default 600)] [TARGET...] (default: every target)
 set -euo pipefail

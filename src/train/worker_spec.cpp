@@ -37,6 +37,17 @@ std::chrono::milliseconds positive_ms(const Json& spec, const char* key) {
   return std::chrono::milliseconds(ms);
 }
 
+// An integer field that must be at least `least`.
+template <typename T>
+T at_least(const Json& spec, const char* key, T least) {
+  const auto value = field<T>(spec, key);
+  if (value < least) {
+    throw UsageError(std::string("worker spec: ") + key + " = " + std::to_string(value) +
+                     ": it must be >= " + std::to_string(least));
+  }
+  return value;
+}
+
 }  // namespace
 
 SessionScaling session_scaling_of(const ScalingConfig& scaling) {
@@ -115,7 +126,7 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.config = field<Json>(j, "config");
   s.name = field<std::string>(j, "name");
   s.run_dir = field<std::string>(j, "run_dir");
-  s.run_start_ns = field<int64_t>(j, "run_start_ns");
+  s.run_start_ns = at_least<int64_t>(j, "run_start_ns", 0);
   s.cpu_threads = field<int>(j, "cpu_threads");
   if (s.cpu_threads <= 0) {
     throw UsageError("worker spec: cpu_threads = " + std::to_string(s.cpu_threads) +
@@ -126,20 +137,20 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.heartbeat.interval = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_interval_ms"));
   s.heartbeat.timeout = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_timeout_ms"));
   s.heartbeat.validate();
-  s.gpus_per_worker = field<int>(j, "gpus_per_worker");
+  s.gpus_per_worker = at_least(j, "gpus_per_worker", 0);
   s.backend = field<std::string>(j, "backend");
   s.resume_from = field<std::string>(j, "resume_from");
   s.resume = field<bool>(j, "resume");
   s.snapshot_path = field<std::string>(j, "snapshot_path");
   s.live_recovery = field<bool>(j, "live_recovery");
-  s.live_round = field<int>(j, "live_round");
-  s.live_source = field<int>(j, "live_source");
-  s.next_checkpoint_index = field<int64_t>(j, "next_checkpoint_index");
-  s.slot = field<int>(j, "slot");
+  s.live_round = at_least(j, "live_round", 0);
+  s.live_source = at_least(j, "live_source", 0);
+  s.next_checkpoint_index = at_least<int64_t>(j, "next_checkpoint_index", 0);
+  s.slot = at_least(j, "slot", 0);
   s.tensorboard_histograms = field<bool>(j, "tensorboard_histograms");
-  s.profile_first = field<int64_t>(j, "profile_first");
-  s.profile_last = field<int64_t>(j, "profile_last");
-  s.log_every_steps = field<int64_t>(j, "log_every_steps");
+  s.profile_first = at_least<int64_t>(j, "profile_first", 0);
+  s.profile_last = at_least<int64_t>(j, "profile_last", s.profile_first);
+  s.log_every_steps = at_least<int64_t>(j, "log_every_steps", 0);
   s.umask = field<int>(j, "umask");
   if (s.umask < 0 || s.umask > 0777) {
     throw UsageError("worker spec: umask = " + std::to_string(s.umask) +
@@ -153,7 +164,13 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   }
   scaling.precision = field<std::string>(j, "precision");
   scaling.loss_scaler = field<optim::LossScalerOptions>(j, "loss_scaler");
-  scaling.num_parameter_servers = field<int>(j, "num_parameter_servers");
+  try {  // what the session makes of them, checked here with the rest
+    optim::precision_from_string(scaling.precision);
+    scaling.loss_scaler.validate();
+  } catch (const UsageError& e) {
+    throw UsageError(std::string("worker spec: ") + e.what());
+  }
+  scaling.num_parameter_servers = at_least(j, "num_parameter_servers", 0);
   scaling.remote_preprocessing_dataset = field<std::string>(j, "remote_preprocessing_dataset");
   return s;
 }

@@ -7,7 +7,7 @@
 
 #include "cohort/json.h"
 #include "cohort/optim/precision.h"
-#include "cohort/parallel/mesh.h"
+#include "cohort/parallel/mesh_shape.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/timeouts.h"
 #include "cohort/train/config.h"

@@ -83,6 +83,24 @@ TEST(WorkerSpec, MalformedFieldsAreNamed) {
   spec["loss_scaler"]["hysteresis"] = "two";
   cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
                                             "'hysteresis'");
+  // Found by the fuzz target tests/fuzz/worker_spec: values the session would refuse, or take
+  // as they are, are refused here with the rest.
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["loss_scaler"]["growth_factor"] = 1;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: loss scaler growth_factor 1 must be > 1");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["precision"] = "fp8";
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: unknown precision 'fp8'");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["profile_last"] = spec["profile_first"].get<int64_t>() - 1;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: profile_last = ");
+  spec = Json::parse(to_text(spec_from_parent()));
+  spec["slot"] = -1;
+  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
+                                            "worker spec: slot = -1: it must be >= 0");
   spec = Json::parse(to_text(spec_from_parent()));
   spec["format"] = 7;
   cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },

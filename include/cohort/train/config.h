@@ -8,7 +8,7 @@
 
 #include "cohort/json.h"
 #include "cohort/optim/precision.h"
-#include "cohort/parallel/mesh.h"
+#include "cohort/parallel/mesh_shape.h"
 #include "cohort/timeouts.h"
 
 namespace torch::optim {
