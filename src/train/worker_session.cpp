@@ -240,11 +240,15 @@ parallel::DistributedDataParallel& get_ddp(const std::shared_ptr<torch::nn::Modu
 
 GatheredParameters gathered_parameters(const std::shared_ptr<torch::nn::Module>& module,
                                        bool write_back) {
-  const auto& model =
-      prepared_model(require_session("cohort::train::gathered_parameters()"), module);
-  if (model.zero_optimizer == nullptr) return GatheredParameters();
-  return GatheredParameters(std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(
-      *model.zero_optimizer, write_back));
+  // Only ZeRO's parameters need gathering: any other model (prepared or not) is whole already.
+  for (const auto& model :
+       require_session("cohort::train::gathered_parameters()").prepared_models) {
+    if (model.module == module && model.zero_optimizer != nullptr) {
+      return GatheredParameters(std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(
+          *model.zero_optimizer, write_back));
+    }
+  }
+  return GatheredParameters();
 }
 
 NoSyncGuard no_sync(const std::shared_ptr<torch::nn::Module>& module) {
