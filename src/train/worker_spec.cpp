@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <type_traits>
 
 #include "cohort/error.h"
 #include "cohort/runtime/environment.h"
@@ -17,6 +18,17 @@ template <typename T>
 T field(const Json& spec, const char* key) {
   if (!spec.contains(key)) {
     throw UsageError(std::string("worker spec: field '") + key + "' is missing");
+  }
+  if constexpr (std::is_arithmetic_v<T>) {
+    // Checked for its type and range: nlohmann's get() would narrow a number that does not fit
+    // (undefined for a float past the integer's range).
+    if (!spec.at(key).is_null()) {
+      try {
+        return json_field<T>(spec, key, T{});
+      } catch (const UsageError& e) {
+        throw UsageError(std::string("worker spec: ") + e.what());
+      }
+    }
   }
   try {
     return spec.at(key).get<T>();

@@ -68,8 +68,21 @@ TEST(WorkerSpec, MalformedFieldsAreNamed) {
                                             "heartbeat timeout 0 ms");
   spec = Json::parse(to_text(spec_from_parent()));
   spec["cpu_threads"] = "two";
-  cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
-                                            "field 'cpu_threads' has the wrong type (\"two\")");
+  cohort::testing::expect_error<UsageError>(
+      [&] { worker_spec_from_text(spec.dump()); },
+      "field 'cpu_threads' is string \"two\", not an integer");
+  // Found by the fuzz target: a number past the integer's range was narrowed (undefined for a
+  // float), not refused.
+  spec["cpu_threads"] = 2;
+  spec["run_start_ns"] = 1.7e26;
+  cohort::testing::expect_error<UsageError>(
+      [&] { worker_spec_from_text(spec.dump()); },
+      "worker spec: field 'run_start_ns' is number 1.7e+26, not an integer");
+  spec["run_start_ns"] = 9223372036854775808ull;
+  cohort::testing::expect_error<UsageError>(
+      [&] { worker_spec_from_text(spec.dump()); },
+      "worker spec: field 'run_start_ns' is number 9223372036854775808, not an integer in range");
+  spec["run_start_ns"] = 1;
   spec.erase("cpu_threads");
   cohort::testing::expect_error<UsageError>([&] { worker_spec_from_text(spec.dump()); },
                                             "field 'cpu_threads' is missing");
