@@ -40,15 +40,6 @@ T field(const Json& spec, const char* key) {
   }
 }
 
-std::chrono::milliseconds positive_ms(const Json& spec, const char* key) {
-  const auto ms = field<int64_t>(spec, key);
-  if (ms <= 0) {
-    throw UsageError(std::string("worker spec: ") + key + " = " + std::to_string(ms) +
-                     ": it must be > 0");
-  }
-  return std::chrono::milliseconds(ms);
-}
-
 // An integer field that must be at least `least`.
 template <typename T>
 T at_least(const Json& spec, const char* key, T least) {
@@ -139,13 +130,10 @@ WorkerSpec worker_spec_from_text(const std::string& text) {
   s.name = field<std::string>(j, "name");
   s.run_dir = field<std::string>(j, "run_dir");
   s.run_start_ns = at_least<int64_t>(j, "run_start_ns", 0);
-  s.cpu_threads = field<int>(j, "cpu_threads");
-  if (s.cpu_threads <= 0) {
-    throw UsageError("worker spec: cpu_threads = " + std::to_string(s.cpu_threads) +
-                     ": it must be > 0");
-  }
-  s.setup_timeout = positive_ms(j, "setup_timeout_ms");
-  s.collective_timeout = positive_ms(j, "collective_timeout_ms");
+  s.cpu_threads = at_least(j, "cpu_threads", 1);
+  s.setup_timeout = std::chrono::milliseconds(at_least<int64_t>(j, "setup_timeout_ms", 1));
+  s.collective_timeout =
+      std::chrono::milliseconds(at_least<int64_t>(j, "collective_timeout_ms", 1));
   s.heartbeat.interval = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_interval_ms"));
   s.heartbeat.timeout = std::chrono::milliseconds(field<int64_t>(j, "heartbeat_timeout_ms"));
   s.heartbeat.validate();
