@@ -11,8 +11,9 @@
 # incomplete where std::vector's constexpr members need it). c10's scalar types compile, so the
 # safetensors and IDX headers are targets, and so are DeepSpeed JSON and the worker spec (the
 # options they hold have torch-free headers: zero_options.h, lr_schedule_options.h,
-# activation_checkpointing_policy.h, mesh_shape.h); the manifest, data-plane and parameter-server
-# decoders, which include ATen, are not yet (unit tests check them instead).
+# activation_checkpointing_policy.h, mesh_shape.h), and the checkpoint manifests, the data
+# plane's messages and the parameter server's, each decoded in a source of its own
+# (train/manifest.cpp, data/wire_messages.cpp, parallel/parameter_server_messages.cpp).
 #
 # Usage: bench/fuzz.sh [SECONDS (default 600)] [TARGET...] (default: every target)
 set -euo pipefail

@@ -19,6 +19,9 @@ inline constexpr uint32_t kMaxStoreFrame = uint32_t{1} << 30;
 inline constexpr size_t kMaxStoreClientBacklog = size_t{256} << 20;
 /// The longest JSON header of a safetensors file (100 MiB, the reference implementation's cap).
 inline constexpr uint64_t kMaxSafetensorsHeader = uint64_t{100} << 20;
+/// The longest JSON header of a data-plane message (64 MiB: a task's row indexes, a batch's
+/// column layout): a longer announced length closes the connection before it is buffered.
+inline constexpr uint32_t kMaxDataHeader = uint32_t{64} << 20;
 /// The most bytes one batch from a preprocessing worker may announce (16 GiB): a larger one is
 /// refused before a buffer is allocated for it.
 inline constexpr int64_t kMaxDataBlockBytes = int64_t{1} << 34;

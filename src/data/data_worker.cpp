@@ -18,6 +18,7 @@
 #include "cohort/timeouts.h"
 #include "data/task_runner.h"
 #include "data/wire.h"
+#include "data/wire_messages.h"
 
 namespace cohort::data {
 
@@ -40,16 +41,20 @@ void serve(const Dataset& dataset, const std::string& address, const comm::JobSe
     Json message;
     int ignored = -1;
     if (!wire::receive(fd, message, ignored, kDefaultDataMessageTimeout)) break;
-    const auto type = message.value("type", std::string{});
-    if (type == "stop") break;
-    if (type == "refuse")
-      throw UsageError("the consumer refused this worker: " +
-                       message.value("reason", std::string{}));
-    if (type != "task") continue;
-    const auto index = message["index"].get<int64_t>();
-    const auto epoch = message["epoch"].get<int64_t>();
-    const auto rows = message["rows"].get<std::vector<int64_t>>();
-    TaskResult result = run_task(plan, index, rows, epoch);
+    if (ignored >= 0) ::close(ignored);  // a consumer passes no descriptors
+    wire::ConsumerMessage m;
+    try {
+      m = wire::read_consumer_message(message);
+    } catch (const UsageError& e) {
+      throw RuntimeError("the consumer at " + address + " sent a malformed message (" + e.what() +
+                         "): is it a cohort program of the same version?");
+    }
+    if (m.type == "stop") break;
+    if (m.type == "refuse") throw UsageError("the consumer refused this worker: " + m.reason);
+    if (m.type != "task") continue;
+    const auto index = m.index;
+    const auto epoch = m.epoch;
+    TaskResult result = run_task(plan, index, m.rows, epoch);
     Json reply{{"type", "result"},
                {"index", index},
                {"epoch", epoch},

@@ -15,6 +15,7 @@
 #include "cohort/timeouts.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
+#include "data/wire_messages.h"
 
 namespace cohort::data::wire {
 
@@ -51,63 +52,6 @@ struct Mapping {
     if (base != nullptr && base != MAP_FAILED) ::munmap(base, bytes);
   }
 };
-
-c10::ScalarType dtype_of(const std::string& name) {
-  for (auto t : {at::kByte, at::kChar, at::kShort, at::kInt, at::kLong, at::kHalf, at::kFloat,
-                 at::kDouble, at::kBool, at::kBFloat16}) {
-    if (name == c10::toString(t)) return t;
-  }
-  throw RuntimeError("a preprocessing worker sent a column of unknown type " + name);
-}
-
-// A batch's column as its header describes it, checked against the payload it lies in: a peer's
-// offsets, shapes and types decide where tensors are made over shared memory or a buffer, so a
-// column that does not lie whole inside the payload, or whose shape and type do not make its
-// bytes, is refused before any tensor is made.
-struct Column {
-  std::string name;
-  c10::ScalarType dtype;
-  std::vector<int64_t> shape;
-  size_t offset = 0, bytes = 0;
-};
-
-std::vector<Column> checked_columns(const Json& columns, size_t payload_bytes) {
-  if (payload_bytes > static_cast<uint64_t>(kMaxDataBlockBytes)) {
-    throw RuntimeError("a preprocessing peer announced a batch of " +
-                       std::to_string(payload_bytes) + " bytes, over the cap of " +
-                       std::to_string(kMaxDataBlockBytes) + " (kMaxDataBlockBytes)");
-  }
-  if (!columns.is_array()) throw RuntimeError("a batch's 'columns' is no array");
-  std::vector<Column> out;
-  for (const auto& c : columns) {
-    Column column;
-    column.name = json_field<std::string>(c, "name", "");
-    const auto where = "column '" + column.name + "' of a batch";
-    column.dtype = dtype_of(json_field<std::string>(c, "dtype", ""));
-    column.offset = json_field<size_t>(c, "offset", 0);
-    column.bytes = json_field<size_t>(c, "bytes", 0);
-    if (!c.contains("shape") || !c["shape"].is_array()) throw RuntimeError(where + " has no shape");
-    for (const auto& d : c["shape"]) {
-      if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        throw RuntimeError(where + " has a size that is no count");
-      column.shape.push_back(d.get<int64_t>());
-    }
-    const auto bytes =
-        bytes_up_to(column.shape, static_cast<int64_t>(c10::elementSize(column.dtype)),
-                    static_cast<int64_t>(payload_bytes));
-    if (column.name.empty() || bytes != static_cast<int64_t>(column.bytes) ||
-        column.offset > payload_bytes || column.bytes > payload_bytes - column.offset ||
-        column.offset % c10::elementSize(column.dtype) != 0) {
-      throw RuntimeError(where + " (offset " + std::to_string(column.offset) + ", " +
-                         std::to_string(column.bytes) + " bytes, shape " + c["shape"].dump() +
-                         ", " + c10::toString(column.dtype) +
-                         ") does not lie whole and aligned inside the batch's " +
-                         std::to_string(payload_bytes) + " bytes, or its shape is not its size");
-    }
-    out.push_back(std::move(column));
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -167,9 +111,11 @@ bool receive(int socket, Json& header, int& payload_fd, std::chrono::millisecond
     read_all(socket, reinterpret_cast<char*>(&length) + n, sizeof length - static_cast<size_t>(n),
              timeout);
   }
-  if (length > (64u << 20))
+  if (length > kMaxDataHeader) {
     throw RuntimeError("a preprocessing peer sent a header of " + std::to_string(length) +
-                       " bytes");
+                       " bytes, over the cap of " + std::to_string(kMaxDataHeader) +
+                       " (kMaxDataHeader)");
+  }
   std::string text(length, '\0');
   read_all(socket, text.data(), length, timeout);
   header = Json::parse(text);
@@ -231,9 +177,9 @@ void write_block_inline(int socket, const Block& block) {
 }
 
 Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
-  std::vector<Column> checked;
+  std::vector<ColumnLayout> checked;
   try {
-    checked = checked_columns(columns, payload_bytes);
+    checked = read_columns(columns, payload_bytes);
     // A region smaller than announced would fault (SIGBUS) where the tensors read past its end.
     struct stat region {};
     if (::fstat(fd, &region) != 0 || region.st_size < 0 ||
@@ -265,7 +211,7 @@ Block map_block_memfd(int fd, const Json& columns, size_t payload_bytes) {
 
 Block read_block_inline(int socket, const Json& columns, size_t payload_bytes,
                         std::chrono::milliseconds timeout) {
-  const auto checked = checked_columns(columns, payload_bytes);  // before the allocation
+  const auto checked = read_columns(columns, payload_bytes);  // before the allocation
   auto buffer = torch::empty({static_cast<int64_t>(payload_bytes)}, torch::kUInt8);
   read_all(socket, buffer.data_ptr(), payload_bytes, timeout);
   Block block;

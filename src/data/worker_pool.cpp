@@ -22,6 +22,7 @@
 #include "comm/handshake.h"
 #include "data/task_runner.h"
 #include "data/wire.h"
+#include "data/wire_messages.h"
 
 namespace cohort::data {
 
@@ -35,41 +36,6 @@ constexpr auto kMessageTimeout = kDefaultDataMessageTimeout;
 comm::JobSecret pool_secret(const ExecutionOptions& options) {
   if (!options.secret.empty()) return options.secret;
   return runtime::job_secret_from_env().value_or(comm::JobSecret::generate());
-}
-
-// A preprocessing worker's message header: "hello" (who it is, the pipeline it built) or
-// "result" (a task's counts and error; the batch's columns are read with the payload).
-struct Header {
-  std::string type;
-  int pid = -1;
-  std::string host = "?";
-  bool local = false;
-  std::string pipeline;
-  int64_t index = -1;
-  int64_t epoch = -1;
-  int64_t skipped_rows = 0;
-  int64_t skipped_batches = 0;
-  std::string error;
-  size_t payload_bytes = 0;
-};
-
-// Every field type-checked (json_field); a result must name its task.
-Header read_header(const Json& j) {
-  Header h;
-  h.type = json_field<std::string>(j, "type", "");
-  h.pid = json_field<int>(j, "pid", -1);
-  h.host = json_field<std::string>(j, "host", "?");
-  h.local = json_field<bool>(j, "local", false);
-  h.pipeline = json_field<std::string>(j, "pipeline", "");
-  h.index = json_field<int64_t>(j, "index", -1);
-  h.epoch = json_field<int64_t>(j, "epoch", -1);
-  h.skipped_rows = json_field<int64_t>(j, "skipped_rows", 0);
-  h.skipped_batches = json_field<int64_t>(j, "skipped_batches", 0);
-  h.error = json_field<std::string>(j, "error", "");
-  h.payload_bytes = json_field<size_t>(j, "payload_bytes", 0);
-  if (h.type == "result" && h.index < 0)
-    throw UsageError("a result must name its task: 'index' is " + std::to_string(h.index));
-  return h;
 }
 
 class InlineRunner : public TaskRunner {
@@ -357,9 +323,9 @@ class WorkerPool : public TaskRunner {
     }
     // Every field is read here, type-checked: a header of the wrong shape drops this worker
     // (its task goes to another) and never ends the consumer.
-    Header h;
+    wire::WorkerMessage h;
     try {
-      h = read_header(header);
+      h = wire::read_worker_message(header);
     } catch (const std::exception& e) {
       if (payload_fd >= 0) ::close(payload_fd);
       drop(c, std::string("sent a malformed header (") + e.what() + ")");

@@ -23,6 +23,7 @@
 #include "cohort/timeouts.h"
 #include "comm/handshake.h"
 #include "comm/socket.h"
+#include "parallel/parameter_server_messages.h"
 #include "replicas.h"
 
 namespace cohort::parallel {
@@ -30,27 +31,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMagic = 0x31535043;  // "CPS1"
-enum Kind : uint32_t { kPush = 1, kPull = 2, kBye = 3 };
-
-// A worker's message to a server; a push's gradient (numel float32) follows.
-struct Request {
-  uint32_t magic = kMagic;
-  uint32_t kind = kPush;
-  int64_t worker = 0;
-  int64_t base_version = 0;  // the server's version of the parameters the gradient was taken on
-  double lr = 0;
-  int64_t numel = 0;
-};
-
-// A server's answer to a push or a pull; the shard's parameters (numel float32) follow.
-struct Reply {
-  uint32_t magic = kMagic;
-  uint32_t kind = kPush;
-  int64_t version = 0;
-  int64_t staleness = 0;  // of the push answered: updates applied after its base version
-  int64_t numel = 0;
-};
+using ps::kBye;
+using ps::Kind;
+using ps::kPull;
+using ps::kPush;
+using ps::Reply;
+using ps::Request;
 
 std::string server_name(int index) { return "parameter server " + std::to_string(index); }
 
@@ -250,16 +236,8 @@ struct ParameterServerOptimizer::Server {
     } catch (const std::exception& e) {
       return drop(c, peer, std::string("half a request (") + e.what() + ")");
     }
-    if (request.magic != kMagic || request.worker < 0 || request.worker >= workers ||
-        (c.worker >= 0 && request.worker != c.worker) ||
-        (request.kind != kPush && request.kind != kPull && request.kind != kBye)) {
-      return drop(c, peer,
-                  "a malformed request (kind " + std::to_string(request.kind) + ", worker " +
-                      std::to_string(request.worker) + "): another program on its port?");
-    }
-    if (request.kind == kPush && !(std::isfinite(request.lr) && request.lr >= 0)) {
-      return drop(c, peer, "a push with learning rate " + std::to_string(request.lr));
-    }
+    if (const auto why = ps::request_refusal(request, workers, c.worker); !why.empty())
+      return drop(c, peer, why);
     c.worker = static_cast<int>(request.worker);
     if (request.kind == kBye) {
       close_connection(c);
@@ -407,7 +385,7 @@ struct ParameterServerOptimizer::Client {
       throw comm::socket::PeerGone(peer + " (rank " + std::to_string(s) +
                                    ") went away: " + e.what());
     }
-    if (reply.magic != kMagic || reply.numel != end - begin) {
+    if (!ps::reply_accepted(reply, end - begin)) {
       throw RuntimeError(peer + " answered rank " + std::to_string(rank) +
                          " with a malformed reply (another program on its port?)");
     }

@@ -17,6 +17,7 @@
 
 #include "cohort/error.h"
 #include "cohort/runtime/worker_info.h"
+#include "train/manifest.h"
 
 namespace cohort {
 namespace {
@@ -363,38 +364,23 @@ void verify_manifest(const std::filesystem::path& dir) {
     throw UsageError("checkpoint " + dir.string() + " has no " + kManifestFile +
                      ": it was not completely written");
   }
-  const Json manifest = read_json(manifest_path);
-  const auto damaged = [&](const std::string& why) {
-    return UsageError("checkpoint " + dir.string() + ": " + kManifestFile + " " + why +
-                      ": it was altered or damaged; resume from another checkpoint");
-  };
-  if (!manifest.is_object() || !manifest.contains("files") || !manifest["files"].is_object())
-    throw damaged("lists no files (no object \"files\")");
-  for (const auto& [rel, info] : manifest["files"].items()) {
-    // A name inside the folder: relative, with no ".." (the manifest names what was written).
-    const std::filesystem::path name(rel);
-    bool inside = !rel.empty() && name.is_relative();
-    for (const auto& part : name) inside = inside && part != "..";
-    if (!inside) throw damaged("names '" + rel + "', which is no file inside the checkpoint");
-    if (!info.is_object() || !info.contains("size") || !info["size"].is_number_unsigned() ||
-        !info.contains("crc32") || !info["crc32"].is_string()) {
-      throw damaged("describes " + rel + " without a size (an integer >= 0) and a crc32");
-    }
-    const auto file = dir / name;
+  const auto entries = train::detail::read_manifest_entries(
+      read_json(manifest_path), "checkpoint " + dir.string() + ": " + kManifestFile);
+  for (const auto& entry : entries) {
+    const auto file = dir / entry.name;
     if (!std::filesystem::exists(file)) {
-      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " is missing");
+      throw UsageError("checkpoint " + dir.string() + ": file " + entry.name + " is missing");
     }
     const auto size = std::filesystem::file_size(file);
-    const auto expected = info["size"].get<uintmax_t>();
-    if (size != expected) {
-      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has " +
+    if (size != entry.size) {
+      throw UsageError("checkpoint " + dir.string() + ": file " + entry.name + " has " +
                        std::to_string(size) + " bytes, the manifest says " +
-                       std::to_string(expected) + (size < expected ? " (truncated)" : ""));
+                       std::to_string(entry.size) + (size < entry.size ? " (truncated)" : ""));
     }
     const auto crc = hex(file_crc32(file));
-    if (crc != info["crc32"].get<std::string>()) {
-      throw UsageError("checkpoint " + dir.string() + ": file " + rel + " has checksum " + crc +
-                       ", the manifest says " + info["crc32"].get<std::string>() + " (corrupt)");
+    if (crc != entry.crc32) {
+      throw UsageError("checkpoint " + dir.string() + ": file " + entry.name + " has checksum " +
+                       crc + ", the manifest says " + entry.crc32 + " (corrupt)");
     }
   }
 }

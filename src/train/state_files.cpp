@@ -3,22 +3,11 @@
 #include <algorithm>
 
 #include "cohort/error.h"
+#include "train/manifest.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
 namespace detail {
-namespace {
-
-constexpr const char* kStateFormat = "cohort.state.v1";
-// What the first release wrote for ZeRO's shards (name "zero"): the same files, the values at
-// the top of the manifest.
-constexpr const char* kZeroFormat = "cohort.zero.v1";
-
-std::string piece_name(const std::string& tensor, int64_t offset) {
-  return tensor + "/" + std::to_string(offset);
-}
-
-}  // namespace
 
 std::string rank_file(const char* stem, int rank, int world_size, const char* extension) {
   return std::string(stem) + "-rank" + std::to_string(rank) + "-of-" + std::to_string(world_size) +
@@ -34,33 +23,24 @@ StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
     throw UsageError("checkpoint " + dir_.string() + " has no " +
                      manifest_file.filename().string() + ": it holds no " + name + " state");
   }
-  const Json manifest = read_json(manifest_file);
-  const auto format = manifest.value("format", "");
-  if (format != kStateFormat && !(name == "zero" && format == kZeroFormat)) {
-    throw UsageError("checkpoint " + dir_.string() + ": " + manifest_file.filename().string() +
-                     " is not a manifest of format " + kStateFormat +
-                     ": it was altered or written by another program");
-  }
-  values_ = format == kStateFormat ? manifest.value("values", Json::object()) : manifest;
-  if (!manifest.contains("files") || !manifest["files"].is_array()) {
-    throw UsageError("checkpoint " + dir_.string() + ": " + manifest_file.filename().string() +
-                     " lists no files: it was altered or written by another program");
-  }
-  for (const auto& f : manifest["files"]) {
-    const auto file = dir_ / f.get<std::string>();
+  const auto manifest =
+      read_state_manifest(read_json(manifest_file), name,
+                          "checkpoint " + dir_.string() + ": " + manifest_file.filename().string());
+  values_ = manifest.values;
+  for (const auto& name_of_file : manifest.files) {
+    const auto file = dir_ / name_of_file;
     if (!std::filesystem::exists(file)) {
-      throw UsageError("checkpoint " + dir_.string() + ": the shard file " +
-                       file.filename().string() + " named by " + manifest_file.filename().string() +
-                       " is missing");
+      throw UsageError("checkpoint " + dir_.string() + ": the shard file " + name_of_file +
+                       " named by " + manifest_file.filename().string() + " is missing");
     }
     headers_.emplace_back(file, safetensors::read_header(file));
   }
   for (const auto& [file, header] : headers_) {
     for (const auto& [piece, info] : header.tensors) {
-      const auto slash = piece.rfind('/');
-      if (slash == std::string::npos || info.shape.size() != 1) continue;
-      pieces_[piece.substr(0, slash)].push_back(
-          {file, &header, piece, std::stoll(piece.substr(slash + 1)), info.shape[0], info.dtype});
+      const auto parsed = parse_piece_name(piece);
+      if (!parsed || info.shape.size() != 1) continue;
+      pieces_[parsed->tensor].push_back(
+          {file, &header, piece, parsed->offset, info.shape[0], info.dtype});
     }
   }
 }
@@ -75,17 +55,19 @@ void StateFiles::read(const std::string& tensor, int64_t begin, at::Tensor targe
   int64_t covered = 0;
   const auto found = pieces_.find(tensor);
   if (found != pieces_.end()) {
-    for (const auto& p : found->second) {
-      const int64_t start = std::max(begin, p.begin);
-      const int64_t end = std::min(begin + length, p.begin + p.length);
-      if (start >= end) continue;
-      auto part = target.narrow(0, start - begin, end - start);
+    const auto& pieces = found->second;
+    std::vector<PieceRange> ranges;
+    for (const auto& p : pieces) ranges.push_back({p.begin, p.length});
+    // Each element from one piece: pieces that overlap (an altered file) are read once.
+    for (const auto& read : plan_piece_reads(ranges, begin, length)) {
+      const auto& p = pieces[read.piece];
+      auto part = target.narrow(0, read.begin - begin, read.end - read.begin);
       auto buffer = part.is_contiguous() && part.is_cpu() && part.scalar_type() == p.dtype
                         ? part
-                        : at::empty({end - start}, at::TensorOptions(p.dtype));
-      safetensors::read_elements(p.file, *p.header, p.name, start - p.begin, buffer);
+                        : at::empty({read.end - read.begin}, at::TensorOptions(p.dtype));
+      safetensors::read_elements(p.file, *p.header, p.name, read.begin - p.begin, buffer);
       if (!buffer.is_same(part)) part.copy_(buffer);
-      covered += end - start;
+      covered += read.end - read.begin;
     }
   }
   if (covered != length) {

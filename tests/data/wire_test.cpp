@@ -59,9 +59,11 @@ TEST(Wire, AColumnThatDoesNotLieInsideItsBatchIsRefused) {
       {altered("offset", bytes), "does not lie whole and aligned inside the batch's"},
       {altered("offset", 2), "does not lie whole and aligned"},
       {altered("bytes", 8), "its shape is not its size"},
-      {altered("shape", Json::array({2, -3, 4})), "has a size that is no count"},
+      {altered("shape", Json::array({2, -3, 4})), "has the size -3, not a count"},
       {altered("shape", Json::array({uint64_t{1} << 62, 8})), "its shape is not its size"},
-      {altered("dtype", "complex"), "a column of unknown type complex"},
+      {altered("dtype", "complex"), "has the unknown type 'complex'"},
+      {Json::array({good[0], good[0]}),
+       "column 'image' of a batch: a column needs a name of its own"},
       {altered("name", 5), "field 'name' is number"},
       {Json::object(), "a batch's 'columns' is no array"},
   };
@@ -80,12 +82,11 @@ TEST(Wire, AColumnThatDoesNotLieInsideItsBatchIsRefused) {
   // A size past the cap is refused before a buffer is allocated for it.
   int pair[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair), 0);
-  cohort::testing::expect_error<RuntimeError>(
+  cohort::testing::expect_error<UsageError>(
       [&] {
         wire::read_block_inline(pair[1], good, size_t{1} << 40, std::chrono::milliseconds(100));
       },
-      "announced a batch of 1099511627776 bytes, over the cap of 17179869184 "
-      "(kMaxDataBlockBytes)");
+      "a batch of 1099511627776 bytes, over the cap of 17179869184 (kMaxDataBlockBytes)");
   ::close(pair[0]);
   ::close(pair[1]);
 }

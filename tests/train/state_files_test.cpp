@@ -4,6 +4,10 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "cohort/error.h"
 #include "cohort/optim/flat_optimizer.h"
@@ -126,10 +130,29 @@ TEST(StateFiles, WhatTheFilesLackOrThePartRefusesIsNamed) {
   safetensors::write(second, tensors);
   expect_error<UsageError>([&] { load_state(dir, "vectors", whole); },
                            "its vectors state covers 5 of the 10 elements [0, 10) of 'w'");
+  // Pieces that overlap (the second moved onto the first): each element is read once, and the
+  // elements no piece holds are named, not left as they were.
+  tensors["w/0"] = at::full({5}, 7.0);
+  safetensors::write(second, tensors);
+  expect_error<UsageError>([&] { load_state(dir, "vectors", whole); },
+                           "its vectors state covers 5 of the 10 elements [0, 10) of 'w'");
   std::filesystem::remove(second);
   expect_error<UsageError>([&] { load_state(dir, "vectors", whole); },
                            "the shard file vectors-rank1-of-2.safetensors named by "
                            "vectors_manifest.json is missing");
+  // A manifest that names a file outside the checkpoint, or no file, is refused.
+  const auto manifest_file = dir / "vectors_manifest.json";
+  for (const auto& [files, fragment] : std::vector<std::pair<Json, std::string>>{
+           {Json::array({"../../etc/passwd"}),
+            "names \"../../etc/passwd\", which is no file inside"},
+           {Json::array({7}), "names 7, which is no file inside the checkpoint"},
+           {Json::object(), "lists no files"}}) {
+    auto manifest = Json::parse(std::ifstream(manifest_file));
+    manifest["files"] = files;
+    std::ofstream(manifest_file) << manifest.dump();
+    expect_error<UsageError>([&] { load_state(dir, "vectors", whole); },
+                             "vectors_manifest.json " + fragment);
+  }
   // A piece that does not lie inside its tensor is not written.
   optim::StateDict outside;
   outside.tensors["w"] = {.values = at::zeros({4}), .offset = 8, .numel = 10};
