@@ -1,8 +1,8 @@
 // Your own model and your own data on cohort's one path for every plan: a network defined here
 // (not the zoo's), rows from an image folder (images:DIR, a sub-folder per class) or a CSV
 // (csv:FILE --label COLUMN), trained by train::parallelize and the library's loop with the plan's
-// flags, by default pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16 and 2 accumulated batches per
-// step; --deepspeed FILE and --config FILE set them too.
+// and optimizer's flags, by default pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16, 2 accumulated
+// batches per step and AdamW; --deepspeed FILE and --config FILE set them too.
 // --stop-after-steps N stops the run inside an epoch with a checkpoint; run it again with the same
 // --name and it resumes with exactly the batches it had not seen.
 #include <torch/torch.h>
@@ -35,8 +35,8 @@ void train_loop(const cohort::Json& c) {
       {.module = net.ptr(),
        .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
        .layers = net},
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(3e-3));
+      [&c](std::vector<at::Tensor> p) {
+        return cohort::optim::make_optimizer(c["optimizer"], std::move(p));
       },
       [](const at::Tensor& out, const at::Tensor& y) {
         return torch::nn::functional::cross_entropy(out, y);
@@ -55,6 +55,7 @@ int main(int argc, char** argv) {
   CLI::App app("Your own model and data, trained on a plan of the command line's flags");
   cohort::cli::PlanOptions plan{
       .pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 2, .precision = "bf16"};
+  cohort::optim::OptimizerOptions optimizer{.algorithm = "adamw", .lr = 3e-3};
   int workers = 4, epochs = 2;
   int64_t batch_size = 16, stop_after_steps = 0;
   std::string data, label, name = "own_model", storage = "./cohort_results", config, deepspeed;
@@ -68,16 +69,19 @@ int main(int argc, char** argv) {
   app.add_option("--storage-path", storage);
   app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
   cohort::cli::add_plan_options(&app, plan);
+  cohort::cli::add_optimizer_options(&app, optimizer);
   cohort::cli::add_config_option(&app, config);
   CLI11_PARSE(app, argc, argv);
   try {
     cohort::cli::apply_config_file(&app, config);
-    if (!deepspeed.empty())
-      batch_size = cohort::cli::load_deepspeed_config(deepspeed, workers, plan).micro_batch_size;
+    if (!deepspeed.empty())  // its plan, optimizer and micro-batch
+      batch_size =
+          cohort::cli::load_deepspeed_config(deepspeed, workers, plan, optimizer).micro_batch_size;
     plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
-    const cohort::Json c{
-        {"data", data},     {"label", label},           {"plan", plan},
-        {"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}};
+    optimizer.check();
+    cohort::Json c{{"data", data}, {"label", label}, {"plan", plan}, {"optimizer", optimizer}};
+    c.update(
+        {{"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}});
     const auto labelled = open_data(c);
     std::cout << labelled.describe() << std::endl;
     cohort::Trainer trainer(

@@ -35,7 +35,8 @@ echo '{"workers": 2, "pp": 1, "zero-stage": 2, "epochs": 1}' > "$dir/config.json
 configured="$(run --name configured --config "$dir/config.json")"
 [[ "$(last "$configured")" == "steps 9 "* ]] || fail "--config: $configured"
 echo '{"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-  "zero_optimization": {"stage": 1}}' > "$dir/ds.json"
+  "zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 0.05}}}' \
+  > "$dir/ds.json"
 deepspeed="$(run --name deepspeed --deepspeed "$dir/ds.json" --epochs 1)"
 [[ "$(last "$deepspeed")" == "steps 18 "* ]] || fail "--deepspeed: $deepspeed"
 set +e
@@ -44,6 +45,10 @@ typo="$(run --name typo --config "$dir/typo.json")"
 status=$?
 [[ $status -eq 2 ]] || fail "an unknown config key: exit code $status, not 2"
 grep -q "unknown key 'workerz': it is no option of \`own_model\`" <<<"$typo" || fail "typo: $typo"
+optimizer="$(run --name optimizer --optimizer rmsprop)"
+status=$?
+[[ $status -eq 2 ]] || fail "--optimizer rmsprop: exit code $status, not 2"
+grep -q "unknown optimizer 'rmsprop' (--optimizer" <<<"$optimizer" || fail "rmsprop: $optimizer"
 bad="$(run --name bad --pp 3)"
 status=$?
 set -e

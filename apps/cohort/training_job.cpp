@@ -59,48 +59,6 @@ std::pair<std::string, std::string> columns_of(const std::string& data) {
 
 }  // namespace
 
-double default_lr(const std::string& optimizer) {
-  return optimizer == "adam" || optimizer == "adamw" ? 1e-3 : 0.02;
-}
-
-double default_weight_decay(const std::string& optimizer) {
-  return optimizer == "adamw" ? 0.01 : 0.0;
-}
-
-// Cohort's flat optimizers by default, libtorch's own with flat_optimizer false; UsageError
-// naming a bad hyperparameter.
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& c,
-                                                        std::vector<torch::Tensor> params) {
-  const auto name = c["optimizer"].get<std::string>();
-  // to_json wrote the values the run uses, the optimizer's defaults included.
-  const double lr = c["lr"].get<double>();
-  const double decay = c["weight_decay"].get<double>();
-  const bool flat = c.value("flat_optimizer", true);
-  if (name == "adam" || name == "adamw") {
-    if (name == "adamw") {
-      auto options = torch::optim::AdamWOptions(lr).weight_decay(decay);
-      if (c.contains("betas"))
-        options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
-      if (c.contains("eps")) options.eps(c["eps"].get<double>());
-      optim::validate(options);
-      if (flat) return std::make_unique<optim::FlatAdamW>(params, options);
-      return std::make_unique<torch::optim::AdamW>(params, options);
-    }
-    auto options = torch::optim::AdamOptions(lr).weight_decay(decay);
-    if (c.contains("betas"))
-      options.betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()});
-    if (c.contains("eps")) options.eps(c["eps"].get<double>());
-    optim::validate(options);
-    if (flat) return std::make_unique<optim::FlatAdam>(params, options);
-    return std::make_unique<torch::optim::Adam>(params, options);
-  }
-  auto options =
-      torch::optim::SGDOptions(lr).momentum(c["momentum"].get<double>()).weight_decay(decay);
-  optim::validate(options);
-  if (flat) return std::make_unique<optim::FlatSGD>(params, options);
-  return std::make_unique<torch::optim::SGD>(params, options);
-}
-
 optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
   if (c.contains("lr_schedule")) {
     // A DeepSpeed scheduler: its own step counts.
@@ -212,10 +170,6 @@ train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan
           .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
 }
 
-int optimizer_states_of(const TrainOptions& o) {
-  return o.optimizer == "sgd" ? (o.momentum > 0 ? 1 : 0) : 2;
-}
-
 }  // namespace
 
 void check_offload_room(const TrainOptions& o) {
@@ -224,8 +178,8 @@ void check_offload_room(const TrainOptions& o) {
   const auto model = model_shape_of(o);
   const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
                                                {.world_size = o.workers,
-                                                .optimizer_states = optimizer_states_of(o),
-                                                .flat_optimizer = o.flat_optimizer});
+                                                .optimizer_states = o.optimizer.state_buffers(),
+                                                .flat_optimizer = o.optimizer.flat});
   // Every worker of this machine writes its state there.
   train::check_offload_room(plan.offload_optimizer, estimate.disk_bytes * o.workers);
 }
@@ -260,8 +214,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   });
   return train::estimate_memory(spec, plan,
                                 {.world_size = o.workers,
-                                 .optimizer_states = optimizer_states_of(o),
-                                 .flat_optimizer = o.flat_optimizer,
+                                 .optimizer_states = o.optimizer.state_buffers(),
+                                 .flat_optimizer = o.optimizer.flat,
                                  .activation_bytes = activations,
                                  .runtime_bytes = runtime,
                                  .async_checkpoint = o.async_checkpoint,
@@ -374,14 +328,12 @@ void validate(const TrainOptions& o) {
   parallel::checkpointed_units(
       *model, parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
   check_offload_room(o);
-  if (o.optimizer != "sgd" && o.optimizer != "adam" && o.optimizer != "adamw") {
-    throw UsageError("unknown --optimizer '" + o.optimizer + "': choose sgd, adam or adamw");
-  }
   // The hyperparameters, checked as the workers will build them.
-  {
-    const auto config = to_json(o);
-    auto probe = torch::zeros({1}, torch::requires_grad());
-    make_optimizer(config, {probe});
+  try {
+    optim::make_optimizer(o.optimizer, {torch::zeros({1}, torch::requires_grad())});
+  } catch (const UsageError& e) {
+    if (o.deepspeed.empty()) throw;
+    throw UsageError(std::string(e.what()) + " (from --deepspeed " + o.deepspeed + ")");
   }
   const auto precision = optim::precision_from_string(o.plan.precision);
   if (!o.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
@@ -399,9 +351,6 @@ void validate(const TrainOptions& o) {
   if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
   if (o.batch_size < 1) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
-  }
-  if (o.lr < 0) {
-    throw UsageError("--lr " + std::to_string(o.lr) + " is negative: give a learning rate > 0");
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
   if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
@@ -426,7 +375,7 @@ void validate(const TrainOptions& o) {
     // count and learning rate live on the device.
     const auto refuse = [](const std::string& why) { throw UsageError("--cuda-graph " + why); };
     if (!o.use_gpu) refuse("needs --use-gpu: CUDA graphs capture GPU work (drop --cuda-graph)");
-    if (!o.flat_optimizer)
+    if (!o.optimizer.flat)
       refuse(
           "needs the flat optimizer (drop --no-flat-optimizer): torch::optim counts its steps "
           "on the host, which a replayed graph does not advance");
@@ -531,24 +480,21 @@ Json to_json(const TrainOptions& o) {
   Json config{{"model", o.model},
               {"epochs", o.epochs},
               {"batch_size", o.batch_size},
-              {"optimizer", o.optimizer},
-              // The values the run uses: the optimizer's defaults where no flag gave one.
-              {"lr", o.lr > 0 ? o.lr : default_lr(o.optimizer)},
-              {"momentum", o.momentum},
               {"seed", o.seed},
               {"max_steps", o.max_steps},
               {"train_examples", o.train_examples},
               {"test_examples", o.test_examples},
-              {"weight_decay", o.weight_decay.value_or(default_weight_decay(o.optimizer))},
-              {"flat_optimizer", o.flat_optimizer},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
               {"checkpoint_every_steps", o.checkpoint_every_steps.value_or(0)},
               {"async_checkpoint", o.async_checkpoint},
               {"checkpoint_when_busy", o.checkpoint_when_busy},
               {"snapshot_every_steps", o.snapshot_every_steps.value_or(0)}};
-  // The plan's keys as PlanOptions writes them: a user's own program reads the same.
+  // The plan's and the optimizer's keys as PlanOptions and OptimizerOptions write them (the
+  // values the run uses: the optimizer's defaults where no flag gave one): a user's own program
+  // reads the same.
   config.update(Json(o.plan));
+  config.update(Json(o.optimizer));
   if (o.data.empty()) {
     config["data_dir"] = data_dir_of(o).string();
   } else {
@@ -565,8 +511,6 @@ Json to_json(const TrainOptions& o) {
                              {"context", model.context},
                              {"tie_embeddings", model.tie_embeddings},
                              {"deferred_init", o.deferred_init}};
-  if (o.betas) config["betas"] = {o.betas->first, o.betas->second};
-  if (o.eps) config["eps"] = *o.eps;
   if (o.schedule) {
     config["lr_schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
                              {"warmup_type", o.schedule->warmup_type},
@@ -579,14 +523,8 @@ Json to_json(const TrainOptions& o) {
 
 void apply_deepspeed_config(TrainOptions& o) {
   if (o.deepspeed.empty()) return;
-  const auto ds = load_deepspeed_config(o.deepspeed, o.workers, o.plan);
+  const auto ds = load_deepspeed_config(o.deepspeed, o.workers, o.plan, o.optimizer);
   o.batch_size = ds.micro_batch_size;
-  if (ds.optimizer) o.optimizer = *ds.optimizer;
-  if (ds.lr) o.lr = *ds.lr;
-  if (ds.weight_decay) o.weight_decay = ds.weight_decay;
-  if (ds.momentum) o.momentum = *ds.momentum;
-  o.betas = ds.betas;
-  o.eps = ds.eps;
   o.schedule = ds.schedule;
 }
 
@@ -706,7 +644,9 @@ void train_loop(const Json& c) {
   // never stopped).
   auto model = train::parallelize(
       models::model_spec(c["model"], model_options_of(c), c["seed"].get<uint64_t>()),
-      [&](std::vector<at::Tensor> params) { return make_optimizer(c, params); },
+      [&](std::vector<at::Tensor> params) {
+        return optim::make_optimizer(c.get<optim::OptimizerOptions>(), std::move(params));
+      },
       models::logits_cross_entropy, plan,
       schedule_of(c, loop.epochs * train::steps_per_epoch(train_stream, loop.batch_size, plan)));
   if (train::get_context().get_world_rank() == 0 &&
@@ -787,20 +727,12 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
       ->capture_default_str();
-  cmd->add_option("--optimizer", o.optimizer, "sgd (with momentum), adam or adamw")
-      ->capture_default_str();
-  cmd->add_option("--weight-decay", o.weight_decay,
-                  "weight decay (default: 0; for adamw 0.01, decoupled)");
-  add_bool_flag(cmd, "--flat-optimizer,!--no-flat-optimizer", o.flat_optimizer,
-                "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
-                "buffers; default) or libtorch's torch::optim");
+  add_optimizer_options(cmd, o.optimizer);
   cmd->add_option("--warmup-steps", o.warmup_steps, "linear lr warmup over this many steps")
       ->capture_default_str();
   cmd->add_option("--lr-decay", o.lr_decay,
                   "after the warmup: none, cosine or linear (to 0 at the end of the last epoch)")
       ->capture_default_str();
-  cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam)");
-  cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
   cmd->add_option("--max-steps", o.max_steps,
                   "stop after this many optimizer steps in all (0: no limit), with a checkpoint "

@@ -19,6 +19,7 @@
 #include "cohort/json.h"
 #include "cohort/models/zoo.h"
 #include "cohort/optim/lr_scheduler.h"
+#include "cohort/optim/optimizer_options.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/zero_optimizer.h"
 #include "cohort/train/checkpoint.h"
@@ -58,11 +59,9 @@ struct TrainOptions {
   std::string backend = "auto";
   int epochs = 5;
   int64_t batch_size = 64;
-  std::string optimizer = "sgd";
-  double lr = 0;  // 0: the optimizer's default
-  double momentum = 0.9;
-  std::optional<double> weight_decay;  // unset: the optimizer's default (0; adamw 0.01)
-  bool flat_optimizer = true;          // cohort's flat optimizers, else libtorch's torch::optim
+  // --optimizer, --lr, --momentum, --sgd-nesterov, --weight-decay, --flat-optimizer (and a
+  // DeepSpeed config's optimizer section).
+  optim::OptimizerOptions optimizer;
   int64_t warmup_steps = 0;
   std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
   uint64_t seed = 0;
@@ -73,10 +72,7 @@ struct TrainOptions {
   int parameter_servers = 0;    // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
-  // From a DeepSpeed config only: Adam's betas and eps, the lr schedule (and the plan's fp16 loss
-  // scaler).
-  std::optional<std::pair<double, double>> betas;
-  std::optional<double> eps;
+  // From a DeepSpeed config only: the lr schedule (and the plan's fp16 loss scaler).
   std::optional<optim::LrScheduleOptions> schedule;
   // The plan: degrees, ZeRO, sync mode, precision and loss scaling, accumulation, clipping,
   // capture.
@@ -163,12 +159,6 @@ train::Plan plan_of(const Json& config);
 void validate_mesh(const TrainOptions& options);
 
 // Parts of the loop.
-// The optimizer a job's config names, over `params`, its hyperparameters checked.
-std::unique_ptr<torch::optim::Optimizer> make_optimizer(const Json& config,
-                                                        std::vector<torch::Tensor> params);
-// The learning rate and weight decay of `optimizer` (sgd, adam, adamw) where no flag gives one.
-double default_lr(const std::string& optimizer);
-double default_weight_decay(const std::string& optimizer);
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // The test set of a job (its first test_examples rows when set).

@@ -209,4 +209,36 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
       ->capture_default_str();
 }
 
+train::DeepSpeedConfig load_deepspeed_config(const std::string& file, int world_size,
+                                             PlanOptions& options,
+                                             optim::OptimizerOptions& optimizer) {
+  auto ds = load_deepspeed_config(file, world_size, options);
+  if (ds.optimizer) optimizer.algorithm = *ds.optimizer;
+  if (ds.lr) optimizer.lr = *ds.lr;
+  if (ds.weight_decay) optimizer.weight_decay = ds.weight_decay;
+  if (ds.momentum) optimizer.momentum = *ds.momentum;
+  optimizer.nesterov = ds.nesterov;
+  if (ds.betas) optimizer.betas = ds.betas;
+  if (ds.eps) optimizer.eps = ds.eps;
+  return ds;
+}
+
+void add_optimizer_options(CLI::App* cmd, optim::OptimizerOptions& o) {
+  const auto group = cmd->option_defaults()->get_group();
+  cmd->option_defaults()->group("Training");
+  cmd->add_option("--optimizer", o.algorithm, "sgd (with momentum), adam or adamw")
+      ->capture_default_str();
+  cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam and adamw)");
+  cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  cmd->add_flag("--sgd-nesterov", o.nesterov, "SGD with Nesterov momentum")
+      ->default_str(o.nesterov ? "true" : "false");
+  cmd->add_option("--weight-decay", o.weight_decay,
+                  "weight decay (default: 0; for adamw 0.01, decoupled)");
+  cmd->add_flag("--flat-optimizer,!--no-flat-optimizer", o.flat,
+                "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
+                "buffers; default) or libtorch's torch::optim")
+      ->default_str(o.flat ? "true" : "false");
+  cmd->option_defaults()->group(group);
+}
+
 }  // namespace cohort::cli

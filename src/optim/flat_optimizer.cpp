@@ -1027,6 +1027,36 @@ std::vector<std::string> state_names_of(const std::string& algorithm,
   return {"exp_avg", "exp_avg_sq"};
 }
 
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& o,
+                                                        std::vector<torch::Tensor> params) {
+  o.check();
+  const double lr = o.learning_rate();
+  const double decay = o.weight_decay_or_default();
+  // Adam's and AdamW's options, which differ only in their type.
+  const auto adam = [&](auto options) {
+    options.weight_decay(decay);
+    if (o.betas) options.betas({o.betas->first, o.betas->second});
+    if (o.eps) options.eps(*o.eps);
+    validate(options);
+    return options;
+  };
+  if (o.algorithm == "adamw") {
+    const auto options = adam(torch::optim::AdamWOptions(lr));
+    if (o.flat) return std::make_unique<FlatAdamW>(std::move(params), options);
+    return std::make_unique<torch::optim::AdamW>(std::move(params), options);
+  }
+  if (o.algorithm == "adam") {
+    const auto options = adam(torch::optim::AdamOptions(lr));
+    if (o.flat) return std::make_unique<FlatAdam>(std::move(params), options);
+    return std::make_unique<torch::optim::Adam>(std::move(params), options);
+  }
+  auto options =
+      torch::optim::SGDOptions(lr).momentum(o.momentum).nesterov(o.nesterov).weight_decay(decay);
+  validate(options);
+  if (o.flat) return std::make_unique<FlatSGD>(std::move(params), options);
+  return std::make_unique<torch::optim::SGD>(std::move(params), options);
+}
+
 std::string algorithm_of(const torch::optim::Optimizer& optimizer, const std::string& who,
                          const std::string& why) {
   if (const auto* flat = dynamic_cast<const FlatOptimizer*>(&optimizer)) return flat->algorithm();

@@ -139,7 +139,8 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
 
   std::vector<std::pair<std::vector<std::string>, std::string>> cases{
       {{"--model", "alexnet", "--data-dir", data.string()}, "unknown model 'alexnet'"},
-      {{"--optimizer", "rmsprop", "--data-dir", data.string()}, "unknown --optimizer 'rmsprop'"},
+      {{"--optimizer", "rmsprop", "--data-dir", data.string()},
+       "unknown optimizer 'rmsprop' (--optimizer"},
       {{"--workers", "0", "--data-dir", data.string()}, "--workers 0 must be >= 1"},
       {{"--threads", "0", "--data-dir", data.string()}, "--threads 0 must be >= 1"},
       {{"--max-failures", "-2", "--data-dir", data.string()},

@@ -148,6 +148,18 @@ TEST_F(ConfigFile, ADeepSpeedConfigSetsThePlanOptions) {
   cli::load_deepspeed_config(file, 2, chosen);
   EXPECT_EQ(chosen.activation_checkpointing, "every:2");
 
+  // With a program's optimizer options: the file's optimizer section, the rest kept.
+  optim::OptimizerOptions optimizer{.momentum = 0.5, .flat = false};
+  cli::PlanOptions with_optimizer;
+  cli::load_deepspeed_config(write("sgd.json", R"({"train_micro_batch_size_per_gpu": 8,
+          "optimizer": {"type": "SGD", "params": {"lr": 0.05, "nesterov": true}}})"),
+                             2, with_optimizer, optimizer);
+  EXPECT_EQ(optimizer.algorithm, "sgd");
+  EXPECT_EQ(optimizer.lr, 0.05);
+  EXPECT_TRUE(optimizer.nesterov);
+  EXPECT_EQ(optimizer.momentum, 0.5);
+  EXPECT_FALSE(optimizer.flat);
+
   cli::PlanOptions untouched;
   try {
     cli::load_deepspeed_config(write("bad.json", R"({"train_micro_batch_size_per_gpu": 8,

@@ -10,8 +10,9 @@
 ///   CLI11_PARSE(app, argc, argv);
 ///   const cohort::train::Plan plan = plan_options.plan();   // UsageError naming a bad flag
 ///
-/// A DeepSpeed JSON config sets the same options (load_deepspeed_config), and --config FILE all
-/// of a program's (<cohort/cli/config_file.h>).
+/// add_optimizer_options does the same for the optimizer. A DeepSpeed JSON config sets the same
+/// options and the optimizer's (load_deepspeed_config), and --config FILE all of a program's
+/// (<cohort/cli/config_file.h>).
 ///
 /// Needs CLI11 (Debian's libcli11-dev); the rest of cohort does not include this header.
 #pragma once
@@ -21,6 +22,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/json.h"
+#include "cohort/optim/optimizer_options.h"
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/sync_mode.h"
 #include "cohort/parallel/zero_options.h"
@@ -82,6 +84,15 @@ void from_json(const Json& json, PlanOptions& options);
 train::DeepSpeedConfig load_deepspeed_config(const std::string& file, int world_size,
                                              PlanOptions& options);
 
+/// The same, also putting the file's optimizer section into `optimizer`: its algorithm and each
+/// hyperparameter it gives.
+train::DeepSpeedConfig load_deepspeed_config(const std::string& file, int world_size,
+                                             PlanOptions& options,
+                                             optim::OptimizerOptions& optimizer);
+/// Adds the optimizer's flags to `cmd`, in the group "Training": --optimizer, --lr, --momentum,
+/// --sgd-nesterov, --weight-decay and --flat-optimizer/--no-flat-optimizer (optim::make_optimizer
+/// builds it).
+void add_optimizer_options(CLI::App* cmd, optim::OptimizerOptions& options);
 /// Adds the plan's flags to `cmd`: the precision, accumulation, clipping and capture in the group
 /// "Training", the rest in "Parallelism and synchronisation".
 void add_plan_options(CLI::App* cmd, PlanOptions& options);

@@ -9,6 +9,8 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include "cohort/optim/optimizer_options.h"
+
 namespace cohort::optim {
 
 /// An optimizer over flat buffers: the parameters of each param group (per dtype and device) are
@@ -159,6 +161,12 @@ void validate(const torch::optim::SGDOptions& options);
 void validate(const torch::optim::AdamOptions& options);
 /// See validate(const torch::optim::SGDOptions&).
 void validate(const torch::optim::AdamWOptions& options);
+
+/// The optimizer `options` describe over `params`: FlatSGD, FlatAdam or FlatAdamW, or with
+/// options.flat false libtorch's SGD, Adam or AdamW. UsageError naming a bad hyperparameter
+/// (OptimizerOptions::check, validate).
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const OptimizerOptions& options,
+                                                        std::vector<torch::Tensor> params);
 
 /// The algorithm of a torch::optim or flat optimizer: "sgd", "adam" or "adamw". For another
 /// optimizer a UsageError starting with `who` and ending with `why` (what supports only those).
