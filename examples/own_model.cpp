@@ -13,6 +13,7 @@
 
 #include "cohort/cli/config_file.h"
 #include "cohort/cli/plan_options.h"
+#include "cohort/cli/run_options.h"
 #include "cohort/cohort.h"
 
 namespace train = cohort::train;
@@ -44,11 +45,13 @@ void train_loop(const cohort::Json& c) {
       plan);
   auto stream = train::get_dataset_shard("train");
   // Resumes from the run's checkpoint, inside an epoch where it stopped; reports each epoch.
-  train::run_epochs(model, stream,
-                    {.epochs = c["epochs"],
-                     .batch_size = c["batch_size"],
-                     .max_steps = c["stop_after_steps"],
-                     .test_set = cohort::data::materialize_labelled(data.test, data.normalize)});
+  train::EpochLoopOptions loop{
+      .epochs = c["epochs"],
+      .batch_size = c["batch_size"],
+      .max_steps = c["stop_after_steps"],
+      .test_set = cohort::data::materialize_labelled(data.test, data.normalize)};
+  c["run"].get<cohort::cli::RunOptions>().apply(loop);  // --checkpoint-every-steps, snapshots
+  train::run_epochs(model, stream, loop);
 }
 
 int main(int argc, char** argv) {
@@ -58,18 +61,18 @@ int main(int argc, char** argv) {
   cohort::optim::OptimizerOptions optimizer{.algorithm = "adamw", .lr = 3e-3};
   int workers = 4, epochs = 2;
   int64_t batch_size = 16, stop_after_steps = 0;
-  std::string data, label, name = "own_model", storage = "./cohort_results", config, deepspeed;
+  cohort::cli::RunOptions run{.name = "own_model", .quiet = true};  // the run's folder and more
+  std::string data, label, config, deepspeed;
   app.add_option("--data", data, "images:DIR or csv:FILE")->required();
   app.add_option("--label", label, "with csv:FILE, the class column");
   app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
   app.add_option("--workers", workers);
   app.add_option("--epochs", epochs);
   app.add_option("--batch-size", batch_size);
-  app.add_option("--name", name);
-  app.add_option("--storage-path", storage);
   app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
   cohort::cli::add_plan_options(&app, plan);
   cohort::cli::add_optimizer_options(&app, optimizer);
+  cohort::cli::add_run_options(&app, run);
   cohort::cli::add_config_option(&app, config);
   CLI11_PARSE(app, argc, argv);
   try {
@@ -79,14 +82,15 @@ int main(int argc, char** argv) {
           cohort::cli::load_deepspeed_config(deepspeed, workers, plan, optimizer).micro_batch_size;
     plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
     optimizer.check();
-    cohort::Json c{{"data", data}, {"label", label}, {"plan", plan}, {"optimizer", optimizer}};
+    cohort::Json c{
+        {"data", data}, {"label", label}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
     c.update(
         {{"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}});
     const auto labelled = open_data(c);
     std::cout << labelled.describe() << std::endl;
     cohort::Trainer trainer(
         train_loop, {.num_workers = workers, .mesh = {.pp = plan.pp, .tp = plan.tp}},
-        {.name = name, .storage_path = storage, .verbose = 0}, c,
+        run.run_config(), c,
         {{"train", labelled.train.random_shuffle(0).map_batches(labelled.normalize)}});
     const auto result = trainer.fit();
     if (!result.ok()) throw std::runtime_error(*result.error);

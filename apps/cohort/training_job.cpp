@@ -133,35 +133,21 @@ data::TensorDataset test_set_of(const Json& c) {
   return test_set;
 }
 
-// --umask: octal permission bits, as the shell's umask.
-int umask_of(const TrainOptions& o) {
-  const auto& text = o.umask;
-  const bool octal =
-      !text.empty() && text.size() <= 4 && text.find_first_not_of("01234567") == std::string::npos;
-  const int mask = octal ? std::stoi(text, nullptr, 8) : -1;
-  if (mask < 0 || mask > 0777) {
-    throw UsageError("unknown --umask '" + text +
-                     "': give octal permission bits such as 077 (the run is yours alone, the "
-                     "default) or 022 (others may read it)");
-  }
-  return mask;
-}
-
 namespace {
 
 // The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
-const OptionNames kFlagNames{{"ScalingConfig.num_workers", "--workers"},
-                             {"ScalingConfig.min_workers", "--min-workers"},
-                             {"ScalingConfig.num_parameter_servers", "--parameter-servers"},
-                             {"ScalingConfig.mesh", "--pp/--tp"},
-                             {"ScalingConfig.mesh.pp", "--pp"},
-                             {"ScalingConfig.mesh.tp", "--tp"},
-                             {"ScalingConfig.resources_per_worker.cpu_threads", "--threads"},
-                             {"RunConfig.umask", "--umask"},
-                             {"RunConfig.profile_steps", "--profile-steps"},
-                             {"RunConfig.log_every_steps", "--log-every-steps"},
-                             {"FailureConfig.max_failures", "--max-failures"},
-                             {"FailureConfig.heartbeat_timeout", "--heartbeat-timeout"}};
+// The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
+OptionNames flag_names() {
+  auto names = kRunFlagNames;
+  names.insert({{"ScalingConfig.num_workers", "--workers"},
+                {"ScalingConfig.min_workers", "--min-workers"},
+                {"ScalingConfig.num_parameter_servers", "--parameter-servers"},
+                {"ScalingConfig.mesh", "--pp/--tp"},
+                {"ScalingConfig.mesh.pp", "--pp"},
+                {"ScalingConfig.mesh.tp", "--tp"},
+                {"ScalingConfig.resources_per_worker.cpu_threads", "--threads"}});
+  return names;
+}
 
 // The model the workers build, as estimate_memory takes it.
 train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan& plan) {
@@ -218,8 +204,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
                                  .flat_optimizer = o.optimizer.flat,
                                  .activation_bytes = activations,
                                  .runtime_bytes = runtime,
-                                 .async_checkpoint = o.async_checkpoint,
-                                 .snapshots = o.snapshot_every_steps.has_value()});
+                                 .async_checkpoint = o.run.async_checkpoint,
+                                 .snapshots = o.run.snapshot_every_steps.has_value()});
 }
 
 void validate_mesh(const TrainOptions& o) {
@@ -341,7 +327,6 @@ void validate(const TrainOptions& o) {
     throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
   if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
     throw UsageError("unknown --lr-decay '" + o.lr_decay + "': choose none, cosine or linear");
-  if (!o.rdzv.empty()) comm::parse_etcd_endpoint(o.rdzv, "--rdzv");
   if (o.gpus_per_worker < 0) {
     throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
   }
@@ -364,11 +349,7 @@ void validate(const TrainOptions& o) {
   }
   // What the Trainer checks of the configs these flags fill (the worker counts, the parameter
   // servers, an elastic mesh, threads, backend, umask, profiled steps), named by the flags.
-  if (!(o.heartbeat_timeout_s > 0)) {  // before it is converted to milliseconds
-    throw UsageError("--heartbeat-timeout " + std::to_string(o.heartbeat_timeout_s) +
-                     " must be > 0 seconds");
-  }
-  check_configs(scaling_of(o), run_config_of(o), kFlagNames);
+  check_configs(scaling_of(o), run_config_of(o), flag_names());
   validate_mesh(o);
   if (o.plan.cuda_graph) {
     // What a captured step needs besides the plan's: a GPU, NCCL, and an optimizer whose step
@@ -394,35 +375,10 @@ void validate(const TrainOptions& o) {
   }
   if (o.data_workers < -1)
     throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
-  if (o.num_to_keep < 0) throw UsageError("--num-to-keep must be >= 0 (0: keep all)");
-  if (o.checkpoint_every_steps && *o.checkpoint_every_steps < 1) {
-    throw UsageError("--checkpoint-every-steps " + std::to_string(*o.checkpoint_every_steps) +
-                     " must be >= 1 (leave it out to checkpoint at each epoch's end only)");
-  }
-  if (o.snapshot_every_steps && *o.snapshot_every_steps < 1) {
-    throw UsageError("--snapshot-every-steps " + std::to_string(*o.snapshot_every_steps) +
-                     " must be >= 1 (leave it out to keep no in-memory snapshots)");
-  }
-  if (o.checkpoint_when_busy != "wait" && o.checkpoint_when_busy != "skip") {
-    throw UsageError("unknown --checkpoint-when-busy '" + o.checkpoint_when_busy +
-                     "': choose wait or skip");
-  }
-  if (o.checkpoint_when_busy == "skip" && !o.async_checkpoint) {
-    throw UsageError(
-        "--checkpoint-when-busy skip needs --async-checkpoint: only an asynchronous save can "
-        "still be in flight at the next checkpoint");
-  }
-  if (o.snapshot_every_steps && o.snapshot_dir.empty()) {
-    throw UsageError(
-        "--snapshot-every-steps needs a --snapshot-dir: memory-backed storage of "
-        "each node (e.g. /dev/shm/cohort-snapshots)");
-  }
-  if (o.recovery != "restart" && o.recovery != "live")
-    throw UsageError("unknown --recovery '" + o.recovery + "': choose restart or live");
-  if (o.recovery == "live") {
+  if (o.run.recovery == "live") {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
-    if (!o.replace_lost && (o.min_workers == 0 || o.min_workers >= o.workers)) {
+    if (!o.run.replace_lost && (o.min_workers == 0 || o.min_workers >= o.workers)) {
       throw UsageError(
           "--recovery live --no-replace-lost goes on with fewer workers: give "
           "--min-workers below --workers " +
@@ -486,10 +442,7 @@ Json to_json(const TrainOptions& o) {
               {"test_examples", o.test_examples},
               {"warmup_steps", o.warmup_steps},
               {"lr_decay", o.lr_decay},
-              {"checkpoint_every_steps", o.checkpoint_every_steps.value_or(0)},
-              {"async_checkpoint", o.async_checkpoint},
-              {"checkpoint_when_busy", o.checkpoint_when_busy},
-              {"snapshot_every_steps", o.snapshot_every_steps.value_or(0)}};
+              {"run", o.run}};
   // The plan's and the optimizer's keys as PlanOptions and OptimizerOptions write them (the
   // values the run uses: the optimizer's defaults where no flag gave one): a user's own program
   // reads the same.
@@ -540,79 +493,12 @@ ScalingConfig scaling_of(const TrainOptions& o) {
       .mesh = {.pp = o.plan.pp, .tp = o.plan.tp}};
 }
 
-RunConfig::ProfileSteps profile_steps_of(const TrainOptions& o) {
-  if (o.profile_steps.empty()) return {};
-  const std::string& text = o.profile_steps;
-  const auto fail = [&](const std::string& why) {
-    return UsageError("--profile-steps '" + text + "': " + why +
-                      "; give the steps to trace as A-B (e.g. 100-110) or N, counted from 1");
-  };
-  RunConfig::ProfileSteps steps;
-  const auto dash = text.find('-', 1);
-  try {
-    size_t used = 0;
-    steps.first = std::stoll(text.substr(0, dash), &used);
-    if (used != text.substr(0, dash).size()) throw std::invalid_argument(text);
-    steps.last = steps.first;
-    if (dash != std::string::npos) {
-      const std::string last = text.substr(dash + 1);
-      steps.last = std::stoll(last, &used);
-      if (used != last.size()) throw std::invalid_argument(text);
-    }
-  } catch (const std::logic_error&) {
-    throw fail("not a step range");
-  }
-  if (steps.first < 1) throw fail("steps count from 1");
-  if (steps.last < steps.first) throw fail("the last step is before the first");
-  if (o.max_steps > 0 && steps.first > o.max_steps) {
-    throw fail("the run stops after --max-steps " + std::to_string(o.max_steps) + ", before step " +
-               std::to_string(steps.first));
-  }
-  return steps;
-}
-
-std::optional<DashboardOptions> dashboard_of(const TrainOptions& o) {
-  if (!o.dashboard) return std::nullopt;
-  DashboardOptions options{.host = o.dashboard_host};
-  if (!o.dashboard->empty()) {
-    try {
-      size_t used = 0;
-      options.port = std::stoi(*o.dashboard, &used);
-      if (used != o.dashboard->size()) throw std::invalid_argument(*o.dashboard);
-    } catch (const std::logic_error&) {
-      throw UsageError("--dashboard '" + *o.dashboard +
-                       "' is not a port: give a number such as 8265, or 0 for a free port");
-    }
-    if (options.port < 0 || options.port > 65535) {
-      throw UsageError("--dashboard " + *o.dashboard +
-                       " is out of range: give a port from 1 to 65535, or 0 for a free one");
-    }
-  }
-  return options;
-}
-
 RunConfig run_config_of(const TrainOptions& o) {
-  return RunConfig{
-      .name = o.name,
-      .storage_path = o.storage_path,
-      .failure_config = {.max_failures = o.max_failures,
-                         .heartbeat_timeout = std::chrono::milliseconds(
-                             static_cast<int64_t>(o.heartbeat_timeout_s * 1000)),
-                         .recovery = o.recovery == "live" ? FailureConfig::Recovery::kLive
-                                                          : FailureConfig::Recovery::kRestart,
-                         .replace_lost = o.replace_lost},
-      .checkpoint_config = {.num_to_keep = o.num_to_keep,
-                            .checkpoint_score_attribute = "test_accuracy",
-                            .checkpoint_score_order = "max"},
-      .resume = o.resume,
-      .snapshot_path = o.snapshot_dir,
-      .verbose = o.quiet ? 0 : 1,
-      .rendezvous = o.rdzv,
-      .tensorboard = {.enabled = o.tensorboard, .histograms = o.tensorboard_histograms},
-      .log_every_steps = o.log_every_steps,
-      .umask = umask_of(o),
-      .dashboard = dashboard_of(o),
-      .profile_steps = profile_steps_of(o)};
+  auto run = o.run.run_config(o.max_steps);
+  // The checkpoints kept besides the latest are the most accurate.
+  run.checkpoint_config.checkpoint_score_attribute = "test_accuracy";
+  run.checkpoint_config.checkpoint_score_order = "max";
+  return run;
 }
 
 train::Plan plan_of(const Json& c) { return c.get<PlanOptions>().plan(); }
@@ -625,19 +511,17 @@ void train_loop(const Json& c) {
   auto train_stream = train::get_dataset_shard("train");
   const auto data = c.value("data", std::string());
   const auto [input_column, target_column] = columns_of(data);
-  const train::EpochLoopOptions loop{
+  train::EpochLoopOptions loop{
       .epochs = c["epochs"].get<int>(),
       .batch_size = c["batch_size"].get<int64_t>(),
       .input_column = input_column,
       .target_column = target_column,
       .max_steps = c["max_steps"].get<int64_t>(),
-      .checkpoint_every_steps = c.value("checkpoint_every_steps", int64_t{0}),
-      .snapshot_every_steps = c.value("snapshot_every_steps", int64_t{0}),
-      .save = {.async = c.value("async_checkpoint", false),
-               .skip_when_busy = c.value("checkpoint_when_busy", std::string("wait")) == "skip"},
       .test_set = test_set_of(c),
       // A language model's rows are sequences: its throughput is reported in tokens too.
       .tokens_per_row = is_text_data(data) ? model_options_of(c).context : 0};
+  // The checkpoints' and snapshots' cadence, and asynchronous saves.
+  c["run"].get<RunOptions>().apply(loop);
   // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
   // ZeRO, the engine that shards it). The decay spans every epoch (--max-steps stops a run early
   // without changing its schedule, so that a run stopped and resumed follows the schedule of one
@@ -769,82 +653,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->group("Model and data");
   cmd->option_defaults()->group("Run directory and recovery");
   add_config_option(cmd, o.config_file);
-  cmd->add_option("--storage-path", o.storage_path, "where run directories go")
-      ->capture_default_str();
-  cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
-  add_bool_flag(cmd, "--resume,!--no-resume", o.resume,
-                "continue a run with the same --storage-path and --name from its latest checkpoint "
-                "(default)");
-  cmd->add_option(
-         "--max-failures", o.max_failures,
-         "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
-      ->capture_default_str();
-  cmd->add_option("--recovery", o.recovery,
-                  "when a worker dies or hangs: restart the group from the latest checkpoint or "
-                  "snapshot (--max-failures times), or live: the survivors go on without it at "
-                  "the current step, in the same processes, with a replacement in the lost one's "
-                  "place (DDP plans under the local driver)")
-      ->capture_default_str();
-  add_bool_flag(cmd, "--replace-lost,!--no-replace-lost", o.replace_lost,
-                "with --recovery live: start a replacement for a lost worker, which takes its "
-                "state from a survivor (the group keeps its size); --no-replace-lost: the "
-                "survivors go on alone, down to --min-workers");
-  cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout_s,
-                  "seconds a rank may send no heartbeat before the coordinator stops the group "
-                  "naming it (a hung or stopped rank)")
-      ->capture_default_str();
-  cmd->add_option("--num-to-keep", o.num_to_keep,
-                  "checkpoints kept by best test accuracy, besides the latest (0: all)")
-      ->capture_default_str();
-  cmd->add_option("--checkpoint-every-steps", o.checkpoint_every_steps,
-                  "also checkpoint every N optimizer steps (a run killed inside an epoch then "
-                  "resumes at most N steps back); default: at each epoch's end only");
-  cmd->add_option("--snapshot-every-steps", o.snapshot_every_steps,
-                  "keep an in-memory snapshot every N optimizer steps, with a copy on a buddy "
-                  "worker (on another node when the job spans nodes): a restart after a failure "
-                  "resumes from it, at most N steps back, when it is newer than the last "
-                  "checkpoint");
-  cmd->add_option("--snapshot-dir", o.snapshot_dir,
-                  "memory-backed storage of each node where snapshots are kept (the run's folder "
-                  "goes when it ends)")
-      ->capture_default_str();
-  add_bool_flag(cmd, "--async-checkpoint", o.async_checkpoint,
-                "write checkpoints behind the training loop: a step waits only while each "
-                "worker copies its state into memory; the writing into the run directory and the "
-                "commit happen on a thread of their own");
-  cmd->add_option("--checkpoint-when-busy", o.checkpoint_when_busy,
-                  "with --async-checkpoint, when a save is still being written at the next "
-                  "checkpoint: wait for it, or skip this one (its report says so)")
-      ->capture_default_str();
-  cmd->add_option("--rdzv", o.rdzv,
-                  "under a launcher (torchrun, srun, mpirun): etcd://HOST:PORT makes the ranks "
-                  "rendezvous in etcd there (cohort launch --rdzv sets it for its ranks)");
-  cmd->add_option("--umask", o.umask,
-                  "permission bits taken from the run directory and its files, in octal as the "
-                  "shell's umask: 077 keeps the run yours alone, 022 lets others read it")
-      ->capture_default_str();
-  cmd->option_defaults()->group("Output and observability");
-  add_bool_flag(cmd, "--quiet", o.quiet, "no progress bar or report lines");
-  add_bool_flag(cmd, "--tensorboard,!--no-tensorboard", o.tensorboard,
-                "write TensorBoard event files under <run>/tensorboard/: every reported metric, "
-                "the config (default)");
-  add_bool_flag(cmd, "--tensorboard-histograms", o.tensorboard_histograms,
-                "also histograms of the parameters and gradients at each report");
-  cmd->add_option("--log-every-steps", o.log_every_steps,
-                  "the training loss and step time of every N-th step go to <run>/steps.jsonl, "
-                  "TensorBoard (step/...) and the dashboard's step charts (0: about every 15 s)")
-      ->capture_default_str();
-  cmd->add_option("--dashboard", o.dashboard,
-                  "serve a live dashboard of the runs under --storage-path while training, on "
-                  "this port (default 8265; 0: a free one); the address is printed")
-      ->expected(0, 1);
-  cmd->add_option("--dashboard-host", o.dashboard_host,
-                  "the dashboard's address (0.0.0.0: reachable from other hosts)")
-      ->capture_default_str();
-  cmd->add_option("--profile-steps", o.profile_steps,
-                  "trace these steps (A-B or N, from 1): each rank writes its data wait, "
-                  "forward, backward, communication wait, optimizer and checkpoint spans to "
-                  "<run>/trace/rank-R.json (Chrome trace JSON, for ui.perfetto.dev)");
+  add_run_options(cmd, o.run);
 }
 
 }  // namespace cohort::cli

@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/cli/plan_options.h"
+#include "cohort/cli/run_options.h"
 #include "cohort/data/data_loader.h"
 #include "cohort/data/dataset.h"
 #include "cohort/data/tensor_dataset.h"
@@ -78,42 +79,11 @@ struct TrainOptions {
   // capture.
   PlanOptions plan;
   int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
-  std::string storage_path = "./cohort_results";
-  std::string name;
-  bool resume = true;
-  int max_failures = 0;
-  std::string recovery = "restart";  // FailureConfig::recovery: restart or live
-  bool replace_lost = true;          // FailureConfig::replace_lost
-  // FailureConfig.heartbeat_timeout, in seconds.
-  double heartbeat_timeout_s =
-      std::chrono::duration<double>(cohort::kDefaultHeartbeatTimeout).count();
-  int num_to_keep = 2;  // checkpoints kept besides the latest, by test accuracy
-  // --checkpoint-every-steps: a checkpoint every N optimizer steps too; unset: at epoch ends only.
-  std::optional<int64_t> checkpoint_every_steps;
-  bool async_checkpoint = false;              // train::SaveOptions::async
-  std::string checkpoint_when_busy = "wait";  // "skip": train::SaveOptions::skip_when_busy
-  // --snapshot-every-steps: an in-memory snapshot (train::snapshot) every N optimizer steps.
-  std::optional<int64_t> snapshot_every_steps;
-  std::string snapshot_dir = RunConfig{}.snapshot_path.string();  // RunConfig::snapshot_path
-  std::string rdzv;                                               // RunConfig::rendezvous
-  std::string umask = "077";                                      // RunConfig::umask, in octal
-  bool quiet = false;
-  bool tensorboard = true;              // <run>/tensorboard/ event files
-  bool tensorboard_histograms = false;  // with them, parameter and gradient histograms
-  std::string profile_steps;            // "A-B" or "N": RunConfig::profile_steps; empty: none
-  int64_t log_every_steps = RunConfig{}.log_every_steps;  // the step charts' points
+  // The run's folder, checkpoints, snapshots, recovery and output (--storage-path ...
+  // --profile-steps).
+  RunOptions run;
   std::string config_file;  // --config: a JSON or TOML file of these options
-  // --dashboard [PORT] (empty: the default port) and --dashboard-host; unset: no dashboard.
-  std::optional<std::string> dashboard;
-  std::string dashboard_host = DashboardOptions{}.host;
 };
-
-// The dashboard of --dashboard [PORT], or none; UsageError for a port that is no number.
-std::optional<DashboardOptions> dashboard_of(const TrainOptions& options);
-
-// --profile-steps "A-B" or "N" as RunConfig::profile_steps; a UsageError naming the value
-// otherwise (steps count from 1; A <= B; not past --max-steps).
-RunConfig::ProfileSteps profile_steps_of(const TrainOptions& options);
 
 // The flags of a training job, on `cmd`.
 void add_training_options(CLI::App* cmd, TrainOptions& options);

@@ -111,27 +111,28 @@ int run_tune_command(TuneOptions o, const CLI::App& cmd) {
   RunConfig trial_run = run_config_of(o.job);
   trial_run.name.clear();
   // One dashboard for the experiment, served here: each trial's driver must not start its own.
+  const auto dashboard_options = trial_run.dashboard;
   trial_run.dashboard.reset();
   std::optional<train::Dashboard> dashboard;
   // In the experiment's own process only (fit() runs this program again for each trial).
-  if (const auto options = dashboard_of(o.job); options && runtime::spawned_role().empty()) {
-    std::filesystem::create_directories(o.job.storage_path);
-    dashboard.emplace(o.job.storage_path, *options);
+  if (dashboard_options && runtime::spawned_role().empty()) {
+    std::filesystem::create_directories(o.job.run.storage_path);
+    dashboard.emplace(o.job.run.storage_path, *dashboard_options);
     std::cout << "dashboard at " << dashboard->url() << std::endl;
   }
   Trainer trainer(train_loop, scaling_of(o.job), trial_run, to_json(o.job), datasets_of(o.job));
   const std::string name =
-      o.job.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.name;
-  const auto experiment = std::filesystem::path(o.job.storage_path) / name;
+      o.job.run.name.empty() ? "tune_" + std::to_string(std::time(nullptr)) : o.job.run.name;
+  const auto experiment = std::filesystem::path(o.job.run.storage_path) / name;
   tune::ResultGrid grid = [&] {
-    if (o.job.resume && tune::Tuner::can_restore(experiment))
+    if (o.job.run.resume && tune::Tuner::can_restore(experiment))
       return tune::Tuner::restore(experiment, trainer).fit();
     // Set field by field: GCC 12 takes a designated initializer of RunConfig's nested members for
     // a read of uninitialized memory (-Wmaybe-uninitialized).
     RunConfig run;
     run.name = name;
-    run.storage_path = o.job.storage_path;
-    run.verbose = o.job.quiet ? 0 : 1;
+    run.storage_path = o.job.run.storage_path;
+    run.verbose = o.job.run.quiet ? 0 : 1;
     run.extra_files = {{kConfigFile, effective_options(&cmd).dump(2) + "\n"}};
     return tune::Tuner(
                trainer, space,
