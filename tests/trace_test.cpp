@@ -68,7 +68,9 @@ TEST(Trace, OnlyTheProfiledStepsBecomeEventsHandedOnOnceTheLastEnds) {
     { Span forward(Phase::kForward); }
     add(Phase::kCommWait, 0.001);
     end_step();
-    if (step < first + 1) EXPECT_FALSE(handed.has_value()) << "handed after step " << step;
+    if (step < first + 1) {
+      EXPECT_FALSE(handed.has_value()) << "handed after step " << step;
+    }
   }
   finish_profile();  // already handed: not again
   EXPECT_EQ(calls, 1);

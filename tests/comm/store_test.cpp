@@ -262,7 +262,9 @@ TEST(Store, AClientThatStopsReadingKeepsItsRepliesAndTheOthersAreServed) {
     uint64_t reply_id = 0;
     std::memcpy(&reply_id, frame.data(), 8);
     EXPECT_EQ(reply_id, id);
-    if (id > 1) EXPECT_EQ(frame.size(), 13u + 4u + big.size()) << id;
+    if (id > 1) {
+      EXPECT_EQ(frame.size(), 13u + 4u + big.size()) << id;
+    }
   }
   ::close(fd);
 }

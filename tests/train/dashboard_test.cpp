@@ -86,7 +86,7 @@ TEST(Dashboard, OffLoopbackEveryRequestCarriesTheToken) {
   httplib::Client client("127.0.0.1", dashboard.port());
   client.set_connection_timeout(10);
   client.set_read_timeout(10);
-  for (const std::string& path : {"/api/runs", "/api/runs?token=wrong", "/metrics", "/"}) {
+  for (const char* path : {"/api/runs", "/api/runs?token=wrong", "/metrics", "/"}) {
     const auto res = client.Get(path);
     ASSERT_TRUE(res) << path;
     EXPECT_EQ(res->status, 401) << path;

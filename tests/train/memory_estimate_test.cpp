@@ -174,6 +174,10 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
 // the step's activations, freed by the time it is measured).
 TEST(MemoryEstimate, TheFormsMatchWhatTheProcessHoldsAfterAStep) {
   if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/status: not Linux";
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "built with AddressSanitizer, whose allocator replaces glibc's: no mallopt, and "
+                  "resident memory holds its shadow and quarantine";
+#endif
   // Every tensor of 64 KiB or more gets its own mapping, given back when it is freed: without a
   // fixed threshold glibc raises it as tensors are freed and keeps the optimizer's temporaries in
   // per-thread heaps, more of them the more threads the machine has.

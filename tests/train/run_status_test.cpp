@@ -33,7 +33,7 @@ TEST(RunStatus, AWorkerOnAGpuShowsItsGpuMemoryAndUtilisation) {
   EXPECT_FALSE(workers[1].contains("gpu_memory_mb")) << workers[1].dump();
   const std::string text = prometheus_metrics(storage.parent_path());
   const std::string run = storage.filename().string();
-  for (const std::string line :
+  for (const std::string& line :
        {"cohort_rank_gpu_memory_bytes{run=\"" + run + "\",rank=\"0\"} 2147483648.0\n",
         "cohort_rank_gpu_utilization_ratio{run=\"" + run + "\",rank=\"0\"} 0.7\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << " missing from\n" << text;

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The unit tests of the layers that read what other processes and files send (comm, runtime, data
+# and train: their binaries comm_test, runtime_test, data_test, train_test) built with
+# AddressSanitizer and UndefinedBehaviorSanitizer (GCC's, -DCOHORT_SANITIZE=ON) in a build folder
+# of their own, and run: a finding ends its test with the sanitizer's report in ctest's output.
+# The workers those tests start are the same instrumented binaries.
+#
+# libtorch itself is not instrumented, so some of ASan's checks are off: leaks (libtorch keeps
+# allocations for the life of the process), container overflows (its std::vector code is not
+# annotated: a vector it grows looks overflowed to ours) and ODR checks of its globals.
+#
+# Usage: scripts/sanitizer_check.sh [BUILD_DIR (default: build-sanitize)] [CTEST_ARGS...]
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="${1:-$root/build-sanitize}"
+[ $# -gt 0 ] && shift
+binaries=(comm_test runtime_test data_test train_test)
+started=$SECONDS
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCOHORT_SANITIZE=ON \
+  -DCOHORT_BUILD_BENCH=OFF ${COHORT_CMAKE_ARGS:-} >/dev/null
+cmake --build "$build" -j "${COHORT_JOBS:-2}" --target "${binaries[@]}"
+echo "sanitizer_check: built in $((SECONDS - started)) s"
+labels="^($(IFS='|'; echo "${binaries[*]}"))\$"
+export ASAN_OPTIONS="detect_leaks=0:detect_container_overflow=0:detect_odr_violation=0:abort_on_error=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+ctest --test-dir "$build" -L "$labels" --output-on-failure -j "${COHORT_JOBS:-2}" "$@"
+echo "sanitizer_check: passed in $((SECONDS - started)) s"
