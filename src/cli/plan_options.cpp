@@ -2,6 +2,7 @@
 
 #include <iostream>
 
+#include "cli/bool_flag.h"
 #include "cohort/error.h"
 #include "cohort/json.h"
 #include "cohort/parallel/activation_checkpointing_policy.h"
@@ -132,9 +133,6 @@ void from_json(const Json& j, PlanOptions& o) {
 }
 
 void add_plan_options(CLI::App* cmd, PlanOptions& o) {
-  const auto flag = [&](const std::string& names, bool& value, const std::string& help) {
-    return cmd->add_flag(names, value, help)->default_str(value ? "true" : "false");
-  };
   cmd->option_defaults()->group("Training");
   cmd->add_option("--precision", o.precision,
                   "fp32, bf16 (CPU or GPU: bfloat16 autocast) or fp16 (GPU: float16 autocast with "
@@ -159,10 +157,11 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
                   "PATH, streamed through a chunk at a time: state larger than memory steps; "
                   "checked for room before any worker starts)")
       ->capture_default_str();
-  flag("--cuda-graph", o.cuda_graph,
-       "capture each training step (forward, backward, all-reduce, optimizer) as one CUDA graph "
-       "and replay it: GPU, NCCL, the flat optimizer, one micro-batch per step; a step that "
-       "cannot be captured runs eagerly, its reason printed");
+  add_bool_flag(
+      cmd, "--cuda-graph", o.cuda_graph,
+      "capture each training step (forward, backward, all-reduce, optimizer) as one CUDA graph "
+      "and replay it: GPU, NCCL, the flat optimizer, one micro-batch per step; a step that "
+      "cannot be captured runs eagerly, its reason printed");
   cmd->option_defaults()->group("Parallelism and synchronisation");
   cmd->add_option("--zero-stage", o.zero.stage,
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
@@ -189,8 +188,8 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
   cmd->add_option(
       "--outer-momentum", o.outer_momentum,
       "DiLoCo's outer momentum (default: " + Json(parallel::DiLoCo{}.outer_momentum).dump() + ")");
-  flag("--nesterov,!--no-nesterov", o.nesterov,
-       "DiLoCo's outer momentum: Nesterov's (default) or plain");
+  add_bool_flag(cmd, "--nesterov,!--no-nesterov", o.nesterov,
+                "DiLoCo's outer momentum: Nesterov's (default) or plain");
   cmd->add_option("--pp", o.pp,
                   "pipeline parallelism: cut the model into this many stages, each on its own "
                   "worker; the workers form pipelines of --pp x --tp")
@@ -230,14 +229,12 @@ void add_optimizer_options(CLI::App* cmd, optim::OptimizerOptions& o) {
       ->capture_default_str();
   cmd->add_option("--lr", o.lr, "learning rate (default: 0.02 for sgd, 0.001 for adam and adamw)");
   cmd->add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
-  cmd->add_flag("--sgd-nesterov", o.nesterov, "SGD with Nesterov momentum")
-      ->default_str(o.nesterov ? "true" : "false");
+  add_bool_flag(cmd, "--sgd-nesterov", o.nesterov, "SGD with Nesterov momentum");
   cmd->add_option("--weight-decay", o.weight_decay,
                   "weight decay (default: 0; for adamw 0.01, decoupled)");
-  cmd->add_flag("--flat-optimizer,!--no-flat-optimizer", o.flat,
+  add_bool_flag(cmd, "--flat-optimizer,!--no-flat-optimizer", o.flat,
                 "step with cohort's flat optimizer (parameters, gradients and state in contiguous "
-                "buffers; default) or libtorch's torch::optim")
-      ->default_str(o.flat ? "true" : "false");
+                "buffers; default) or libtorch's torch::optim");
   cmd->option_defaults()->group(group);
 }
 

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "cli/bool_flag.h"
 #include "cohort/comm/address.h"
 #include "cohort/error.h"
 
@@ -194,18 +195,14 @@ void from_json(const Json& j, RunOptions& o) {
 }
 
 void add_run_options(CLI::App* cmd, RunOptions& o) {
-  // A flag whose default is in its help and in the effective options (config.json).
-  const auto flag = [&](const std::string& names, bool& value, const std::string& help) {
-    return cmd->add_flag(names, value, help)->default_str(value ? "true" : "false");
-  };
   const auto group = cmd->option_defaults()->get_group();
   cmd->option_defaults()->group("Run directory and recovery");
   cmd->add_option("--storage-path", o.storage_path, "where run directories go")
       ->capture_default_str();
   cmd->add_option("--name", o.name, "run directory name (default: cohort_<date>_<time>)");
-  flag("--resume,!--no-resume", o.resume,
-       "continue a run with the same --storage-path and --name from its latest checkpoint "
-       "(default)");
+  add_bool_flag(cmd, "--resume,!--no-resume", o.resume,
+                "continue a run with the same --storage-path and --name from its latest checkpoint "
+                "(default)");
   cmd->add_option(
          "--max-failures", o.max_failures,
          "restarts after a worker failure, each from the latest checkpoint (-1: unlimited)")
@@ -216,10 +213,10 @@ void add_run_options(CLI::App* cmd, RunOptions& o) {
                   "the current step, in the same processes, with a replacement in the lost one's "
                   "place (DDP plans under the local driver)")
       ->capture_default_str();
-  flag("--replace-lost,!--no-replace-lost", o.replace_lost,
-       "with --recovery live: start a replacement for a lost worker, which takes its "
-       "state from a survivor (the group keeps its size); --no-replace-lost: the "
-       "survivors go on alone, down to --min-workers");
+  add_bool_flag(cmd, "--replace-lost,!--no-replace-lost", o.replace_lost,
+                "with --recovery live: start a replacement for a lost worker, which takes its "
+                "state from a survivor (the group keeps its size); --no-replace-lost: the "
+                "survivors go on alone, down to --min-workers");
   cmd->add_option("--heartbeat-timeout", o.heartbeat_timeout_s,
                   "seconds a rank may send no heartbeat before the coordinator stops the group "
                   "naming it (a hung or stopped rank)")
@@ -240,10 +237,10 @@ void add_run_options(CLI::App* cmd, RunOptions& o) {
                   "memory-backed storage of each node where snapshots are kept (the run's folder "
                   "goes when it ends)")
       ->capture_default_str();
-  flag("--async-checkpoint", o.async_checkpoint,
-       "write checkpoints behind the training loop: a step waits only while each "
-       "worker copies its state into memory; the writing into the run directory and the "
-       "commit happen on a thread of their own");
+  add_bool_flag(cmd, "--async-checkpoint", o.async_checkpoint,
+                "write checkpoints behind the training loop: a step waits only while each "
+                "worker copies its state into memory; the writing into the run directory and the "
+                "commit happen on a thread of their own");
   cmd->add_option("--checkpoint-when-busy", o.checkpoint_when_busy,
                   "with --async-checkpoint, when a save is still being written at the next "
                   "checkpoint: wait for it, or skip this one (its report says so)")
@@ -256,12 +253,12 @@ void add_run_options(CLI::App* cmd, RunOptions& o) {
                   "shell's umask: 077 keeps the run yours alone, 022 lets others read it")
       ->capture_default_str();
   cmd->option_defaults()->group("Output and observability");
-  flag("--quiet", o.quiet, "no progress bar or report lines");
-  flag("--tensorboard,!--no-tensorboard", o.tensorboard,
-       "write TensorBoard event files under <run>/tensorboard/: every reported metric, "
-       "the config (default)");
-  flag("--tensorboard-histograms", o.tensorboard_histograms,
-       "also histograms of the parameters and gradients at each report");
+  add_bool_flag(cmd, "--quiet", o.quiet, "no progress bar or report lines");
+  add_bool_flag(cmd, "--tensorboard,!--no-tensorboard", o.tensorboard,
+                "write TensorBoard event files under <run>/tensorboard/: every reported metric, "
+                "the config (default)");
+  add_bool_flag(cmd, "--tensorboard-histograms", o.tensorboard_histograms,
+                "also histograms of the parameters and gradients at each report");
   cmd->add_option("--log-every-steps", o.log_every_steps,
                   "the training loss and step time of every N-th step go to <run>/steps.jsonl, "
                   "TensorBoard (step/...) and the dashboard's step charts (0: about every 15 s)")

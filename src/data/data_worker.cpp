@@ -52,12 +52,10 @@ void serve(const Dataset& dataset, const std::string& address, const comm::JobSe
     if (m.type == "stop") break;
     if (m.type == "refuse") throw UsageError("the consumer refused this worker: " + m.reason);
     if (m.type != "task") continue;
-    const auto index = m.index;
-    const auto epoch = m.epoch;
-    TaskResult result = run_task(plan, index, m.rows, epoch);
+    TaskResult result = run_task(plan, m.index, m.rows, m.epoch);
     Json reply{{"type", "result"},
-               {"index", index},
-               {"epoch", epoch},
+               {"index", m.index},
+               {"epoch", m.epoch},
                {"skipped_rows", result.skipped_rows},
                {"skipped_batches", result.skipped_batches}};
     if (!result.error.empty()) {
