@@ -2,16 +2,18 @@
 # Builds and tests cohort against another Debian suite's libtorch, inside a Debian root made with
 # debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
 #
-#   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--no-tests]
-#                          [--prepare-only]
+#   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--sanitize]
+#                          [--no-tests] [--prepare-only]
 #   scripts/debian_root.sh --suite bookworm --install-deb cohort_VERSION_ARCH.deb
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
 # later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
-# bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the
-# library and CLI without the precompiled header (every file includes what it uses); --no-bench
-# leaves the benchmarks out. --prepare-only makes the root and installs the packages, no more
-# (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
+# bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the library
+# and CLI without the precompiled header (every file includes what it uses); --no-bench leaves the
+# benchmarks out. --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
+# (-DCOHORT_SANITIZE=ON), so that the tests run instrumented and any finding fails its test with the
+# sanitizer's report (CI's second lane). --prepare-only makes the root and installs the packages, no
+# more (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
 # instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
 # download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
 # --install-deb instead installs cohort's Debian package with apt (which brings its dependencies)
@@ -24,6 +26,7 @@ cuda=0
 core_pch=ON
 tests=1
 bench=ON
+sanitize=OFF
 prepare_only=0
 deb=""
 while [ $# -gt 0 ]; do
@@ -33,6 +36,7 @@ while [ $# -gt 0 ]; do
     --no-core-pch) core_pch=OFF; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=OFF; shift ;;
+    --sanitize) sanitize=ON; shift ;;
     --prepare-only) prepare_only=1; shift ;;
     --install-deb) deb="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
@@ -162,14 +166,20 @@ if [ "$prepare_only" -eq 1 ]; then
 fi
 build="build-$suite"
 # The configuration is made once per build folder; a changed option starts it afresh.
-if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt"; then rm -rf "${src:?}/$build"; fi
+if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt" ||
+  ! grep -qs "^COHORT_SANITIZE:BOOL=$sanitize\$" "$src/$build/CMakeCache.txt"; then
+  rm -rf "${src:?}/$build"
+fi
 # --no-bench (CI: the benchmarks are built and compiled in the 1.13 lane) reconfigures in place.
 if [ -f "$src/$build/build.ninja" ] && ! grep -qs "^COHORT_BUILD_BENCH:BOOL=$bench\$" "$src/$build/CMakeCache.txt"; then
   in_root cmake -S /src -B "/src/$build" -DCOHORT_BUILD_BENCH="$bench" >&2
 fi
 in_root env COHORT_BUILD_DIR="/src/$build" \
-  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench" /src/scripts/setup.sh
-log "built $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
+  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench -DCOHORT_SANITIZE=$sanitize" \
+  /src/scripts/setup.sh
+what="built"
+[ "$sanitize" = ON ] && what="built with AddressSanitizer and UndefinedBehaviorSanitizer"
+log "$what $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
 if [ "$tests" -eq 1 ]; then
   # The format check, the docs (another doxygen warns otherwise) and the Debian 12 package read
   # the same sources as the first lane: run there only.
