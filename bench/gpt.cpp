@@ -126,8 +126,12 @@ train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime) {
   auto model = models::create_model("gpt", o);
   train::ModelSpec spec{.module = model,
                         .forward = [model](const at::Tensor& x) { return model->forward(x); }};
-  return train::estimate_memory(
-      spec, plan_of(c), {.world_size = workers, .optimizer_states = 2, .runtime_bytes = runtime});
+  // The workers' AdamW is cohort's flat one: under DDP it keeps a gradient buffer of its own.
+  return train::estimate_memory(spec, plan_of(c),
+                                {.world_size = workers,
+                                 .optimizer_states = 2,
+                                 .flat_optimizer = true,
+                                 .runtime_bytes = runtime});
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "cohort/optim/state_dict.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/trace.h"
+#include "cohort/train/memory_estimate.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
 #include "train/run_state.h"
@@ -144,6 +145,22 @@ std::map<std::string, at::Tensor> model_tensors(const torch::nn::Module& module)
   return tensors;
 }
 
+void read_into(const std::filesystem::path& file, const safetensors::Header& header,
+               const std::string& name, int64_t first, at::Tensor& target) {
+  if (target.numel() == 0) return;
+  const auto info = header.tensors.find(name);
+  if (info == header.tensors.end())
+    throw UsageError("safetensors file " + file.string() + " has no tensor '" + name + "'");
+  if (target.is_cpu() && target.is_contiguous() && target.scalar_type() == info->second.dtype) {
+    auto flat = target.view({-1});
+    safetensors::read_elements(file, header, name, first, flat);
+    return;
+  }
+  auto staging = at::empty({target.numel()}, at::TensorOptions(info->second.dtype));
+  safetensors::read_elements(file, header, name, first, staging);
+  target.copy_(staging.view(target.sizes()));
+}
+
 void check_model_file(const std::filesystem::path& file, const torch::nn::Module& module,
                       const std::map<std::string, std::vector<int64_t>>& shapes_in_file) {
   auto check = [&](const std::string& name, const at::Tensor& tensor) {
@@ -175,12 +192,13 @@ void save_model(const torch::nn::Module& module, const std::filesystem::path& fi
 }
 
 void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
-  const auto tensors = safetensors::read(file);
+  const auto header = safetensors::read_header(file);
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& [name, tensor] : tensors) shapes[name] = tensor.sizes().vec();
+  for (const auto& [name, info] : header.tensors) shapes[name] = info.shape;
   detail::check_model_file(file, module, shapes);
   torch::NoGradGuard no_grad;
-  for (auto& [name, target] : detail::model_tensors(module)) target.copy_(tensors.at(name));
+  for (auto& [name, target] : detail::model_tensors(module))
+    detail::read_into(file, header, name, 0, target);
 }
 
 void save_pipeline_stages(const std::filesystem::path& dir,
@@ -415,6 +433,7 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   // and its first rank's inner optimizer state on every rank.
   load_any_optimizer_state(checkpoint.path(), optimizer, module);
   restore_run_state(checkpoint, optimizer);
+  release_free_memory();  // the load's staging
 }
 
 void restore_run_state(const Checkpoint& checkpoint, torch::optim::Optimizer& optimizer) {

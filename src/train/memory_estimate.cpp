@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 #include <unistd.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 #include <algorithm>
 #include <fstream>
@@ -271,6 +274,16 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes) {
 }
 
 int64_t resident_bytes(int pid) { return status_field("VmRSS", pid); }
+
+int64_t release_free_memory() {
+#ifdef __GLIBC__
+  const int64_t before = resident_bytes();
+  ::malloc_trim(0);
+  return std::max<int64_t>(0, before - resident_bytes());
+#else
+  return 0;
+#endif
+}
 
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step) {
   {

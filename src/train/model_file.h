@@ -9,6 +9,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include "cohort/train/safetensors_header.h"
+
 namespace cohort::train::detail {
 
 // The module's parameters and buffers by their dotted names.
@@ -18,5 +20,10 @@ std::map<std::string, at::Tensor> model_tensors(const torch::nn::Module& module)
 // first tensor of `file` (by name) that the module lacks.
 void check_model_file(const std::filesystem::path& file, const torch::nn::Module& module,
                       const std::map<std::string, std::vector<int64_t>>& shapes_in_file);
+// Fills `target` with elements [first, first + target.numel()) of tensor `name` of `file`: read
+// straight into it when it is a contiguous CPU tensor of the file's dtype, else through a staging
+// tensor of its size. A load then holds at most one tensor beside the model, never the file.
+void read_into(const std::filesystem::path& file, const safetensors::Header& header,
+               const std::string& name, int64_t first, at::Tensor& target);
 
 }  // namespace cohort::train::detail

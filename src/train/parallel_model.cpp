@@ -20,6 +20,7 @@
 #include "cohort/runtime/control_channel.h"
 #include "cohort/train/captured_step.h"
 #include "cohort/train/context.h"
+#include "cohort/train/memory_estimate.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
 #include "mesh_checkpoint.h"
@@ -356,6 +357,8 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   }
   offload_optimizer_state(st->flat, plan.offload_optimizer, ctx);
   st->lr_scheduler = std::make_unique<optim::LrScheduler>(*st->optimizer, schedule, 0);
+  // The tensors the engines replaced (the module's own before flattening and sharding).
+  release_free_memory();
   return ParallelModel(std::move(st));
 }
 
@@ -549,6 +552,7 @@ void ParallelModel::load(const Checkpoint& checkpoint) {
   auto& st = *state_;
   if (st.pipe) {
     load_mesh_checkpoint(checkpoint, st.mesh_parts());
+    release_free_memory();  // the load's staging (load_checkpoint does it itself)
   } else {
     check_mesh_checkpoint(checkpoint, st.plan.sync);
     load_checkpoint(checkpoint, *st.model.module, *st.optimizer);

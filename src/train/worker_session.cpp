@@ -17,6 +17,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/environment.h"
+#include "cohort/train/memory_estimate.h"
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
@@ -182,6 +183,7 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
         module, data_parallel_group(session), options.ddp);
   }  // else the ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer
   session.prepared_models.push_back(std::move(prepared));
+  release_free_memory();  // the gradients DDP's buckets replaced
 }
 
 namespace {
@@ -226,6 +228,7 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
   }
   if (model.guarded.defined()) model.guarded.remove_hook(model.hook);
   model.guarded = at::Tensor();
+  release_free_memory();  // the tensors the engine flattened or sharded
   return engine;
 }
 

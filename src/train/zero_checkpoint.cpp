@@ -691,15 +691,11 @@ void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& mo
     }
   }
   for (const auto& [name, tensor] : tensors) {
-    const auto& info = header.tensors.at(name);
     const auto piece = pieces.find(name);
     // This rank's range of a sharded parameter, or the whole tensor.
     const int64_t first = piece != pieces.end() ? piece->second.offset : 0;
     at::Tensor target = piece != pieces.end() ? piece->second.values : tensor;
-    if (target.numel() == 0) continue;
-    at::Tensor staging = at::empty({target.numel()}, at::TensorOptions(info.dtype));
-    safetensors::read_elements(file, header, name, first, staging);
-    target.copy_(staging.view(target.sizes()));
+    read_into(file, header, name, first, target);
   }
 }
 

@@ -115,6 +115,26 @@ TEST_F(CheckpointTest, LoadModelRestoresWeightsAndBuffersAndNamesMismatches) {
                            "is no byte range inside the");
 }
 
+// Loading reads each tensor straight into the model's own; a model of another dtype (bf16
+// weights from an fp32 checkpoint) takes the file's values converted, as copy_ converts them.
+TEST_F(CheckpointTest, LoadModelConvertsIntoAModelOfAnotherDtype) {
+  auto a = models::create_model("cnn");
+  train::save_model(*a, dir / "model.safetensors");
+  auto b = models::create_model("cnn");
+  b->to(torch::kBFloat16);
+  train::load_model(*b, dir / "model.safetensors");
+  auto pb = b->named_parameters();
+  for (const auto& p : a->named_parameters()) {
+    ASSERT_EQ(pb[p.key()].scalar_type(), torch::kBFloat16) << p.key();
+    EXPECT_TRUE(torch::equal(pb[p.key()], p.value().to(torch::kBFloat16))) << p.key();
+  }
+  auto c = models::create_model("cnn");
+  train::load_model(*c, dir / "model.safetensors");
+  auto pc = c->named_parameters();
+  for (const auto& p : a->named_parameters())
+    EXPECT_TRUE(torch::equal(pc[p.key()], p.value())) << p.key();
+}
+
 // A safetensors file whose header lies (a checkpoint altered, or a file from elsewhere) is a
 // UsageError naming the file and the field, read before anything is allocated for it.
 TEST_F(CheckpointTest, AMalformedSafetensorsHeaderNamesTheFieldBeforeAnyAllocation) {

@@ -168,6 +168,27 @@ int64_t storage_bytes(const std::vector<at::Tensor>& tensors) {
   return bytes;
 }
 
+// Blocks freed between live ones stay in glibc's heap, resident, until release_free_memory gives
+// them back: 2,000 tensors of 96 KiB (below glibc's threshold for a mapping of their own), nine in
+// ten freed, are about 170 MB the process holds without using.
+TEST(MemoryEstimate, ReleaseFreeMemoryGivesTheHeapsFreeBlocksBack) {
+  if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/status: not Linux";
+#ifdef __SANITIZE_ADDRESS__
+  GTEST_SKIP() << "built with AddressSanitizer, whose allocator replaces glibc's heap";
+#endif
+  release_free_memory();
+  std::vector<at::Tensor> kept;
+  {
+    std::vector<at::Tensor> all;
+    for (int i = 0; i < 2000; ++i) all.push_back(torch::ones({96 * 1024 / 4}));
+    for (size_t i = 0; i < all.size(); i += 10) kept.push_back(all[i]);
+  }
+  const int64_t released = release_free_memory();
+  EXPECT_GT(released, int64_t{100} << 20) << "resident memory fell by " << released << " bytes";
+  EXPECT_LT(release_free_memory(), int64_t{16} << 20) << "nothing more to give back";
+  for (const auto& t : kept) ASSERT_EQ(t.sum().item<float>(), 96 * 1024 / 4);
+}
+
 // What the estimate counts is what the process then holds: exactly the live parameters, gradients
 // and Adam state of a model of 4 M parameters after a step; and the resident memory the process
 // grew by, from before the model to after the step, within 10% of the whole estimate (which counts

@@ -98,4 +98,14 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes);
 /// not there or the process is gone.
 int64_t resident_bytes(int pid = 0);
 
+/// Gives back to the system the memory this process's heap holds free (glibc's malloc_trim) and
+/// returns how many bytes its resident memory fell by (0 with another C library). Preparing a
+/// model frees the tensors it replaced (DDP's buckets, ZeRO's and the flat optimizers' flat
+/// buffers, ZeRO-3's shards) and a checkpoint's load its staging; glibc keeps such blocks in its
+/// heap, where tensors of other sizes often do not fit, and a worker's peak then exceeds what it
+/// holds by the model's size or more. parallelize, prepare_model, prepare_optimizer,
+/// load_checkpoint and ParallelModel::load call it; call it after freeing large tensors of your
+/// own.
+int64_t release_free_memory();
+
 }  // namespace cohort::train
