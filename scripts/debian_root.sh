@@ -11,8 +11,9 @@
 # bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the library
 # and CLI without the precompiled header (every file includes what it uses); --no-bench leaves the
 # benchmarks out. --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
-# (-DCOHORT_SANITIZE=ON), so that the tests run instrumented and any finding fails its test with the
-# sanitizer's report (CI's second lane). --prepare-only makes the root and installs the packages, no
+# (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
+# with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
+# data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and installs the packages, no
 # more (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
 # instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
 # download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.

@@ -6,9 +6,9 @@
 # The workers those tests start are the same instrumented binaries.
 #
 # The sanitizers' settings are compiled into the programs (src/sanitizer_options.cpp says which
-# checks are off and why); ASAN_OPTIONS and UBSAN_OPTIONS add to them. CI's libtorch 2.x lane
-# builds and tests everything so (scripts/debian_root.sh --sanitize); this script is the quicker
-# check against the host's libtorch.
+# checks are off and why); ASAN_OPTIONS and UBSAN_OPTIONS add to them. CI runs this script after
+# its first lane; scripts/debian_root.sh --sanitize runs the whole suite so against libtorch 2.x
+# (about three times slower than plain).
 #
 # Usage: scripts/sanitizer_check.sh [BUILD_DIR (default: build-sanitize)] [CTEST_ARGS...]
 set -euo pipefail
