@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <filesystem>
 #include <iostream>
 
 #include "cohort/cohort.h"
@@ -115,6 +116,10 @@ int main(int argc, char** argv) {
        {"first_bucket_cap_mb", first_bucket_cap_mb},
        {"hook", hook}});
   auto result = trainer.fit();
+  // The figures are printed; the run's folder is not kept.
+  std::error_code ignored;
+  std::filesystem::remove_all("/tmp/cohort_bench/ddp_throughput", ignored);
+  std::filesystem::remove("/tmp/cohort_bench", ignored);  // when nothing else is in it
   if (!result.ok()) {
     std::cerr << "error: " << *result.error << std::endl;
     return 1;

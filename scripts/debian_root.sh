@@ -13,10 +13,11 @@
 # benchmarks out. --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
 # (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
 # with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
-# data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and installs the packages, no
-# more (CI runs it while the first lane builds: downloading and unpacking overlap compiling). --cuda
-# instead compiles comm/'s NCCL path (syntax only: there is no GPU, and the cuDNN package would
-# download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a root of its own.
+# data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and
+# installs the packages, no more (CI runs it while the first lane builds: downloading and
+# unpacking overlap compiling). --cuda instead compiles comm/'s NCCL path (syntax only: there is
+# no GPU, and the cuDNN package would download from NVIDIA) against contrib's libtorch-cuda-dev
+# (trixie: 2.6), in a root of its own.
 # --install-deb instead installs cohort's Debian package with apt (which brings its dependencies)
 # and builds and runs tests/install/consumer against it, as a user of the package would
 # (scripts/deb_install_check.sh runs it in a new root). Needs root.

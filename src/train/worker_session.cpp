@@ -183,7 +183,6 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
         module, data_parallel_group(session), options.ddp);
   }  // else the ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer
   session.prepared_models.push_back(std::move(prepared));
-  release_free_memory();  // the gradients DDP's buckets replaced
 }
 
 namespace {

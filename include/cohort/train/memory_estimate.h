@@ -103,9 +103,9 @@ int64_t resident_bytes(int pid = 0);
 /// model frees the tensors it replaced (DDP's buckets, ZeRO's and the flat optimizers' flat
 /// buffers, ZeRO-3's shards) and a checkpoint's load its staging; glibc keeps such blocks in its
 /// heap, where tensors of other sizes often do not fit, and a worker's peak then exceeds what it
-/// holds by the model's size or more. parallelize, prepare_model, prepare_optimizer,
-/// load_checkpoint and ParallelModel::load call it; call it after freeing large tensors of your
-/// own.
+/// holds by the model's size or more. parallelize, prepare_optimizer, load_checkpoint and
+/// ParallelModel::load call it; call it after freeing large tensors of your own (after building
+/// a flat optimizer of your own over a prepared model, say).
 int64_t release_free_memory();
 
 }  // namespace cohort::train
