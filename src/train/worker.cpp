@@ -103,8 +103,9 @@ c10::Device device_of(int per_worker, int local_rank) {
   return device;
 }
 
-// Joins the process group and makes this the current session.
-void open_session(SessionSettings settings, const std::map<std::string, data::Dataset>& datasets) {
+// Joins the process group: the session a SessionScope then owns while the train loop runs.
+std::unique_ptr<WorkerSession> open_session(SessionSettings settings,
+                                            const std::map<std::string, data::Dataset>& datasets) {
   auto session = std::make_unique<WorkerSession>();
   session->store = settings.store;
   session->run_token = settings.run_token;
@@ -174,7 +175,6 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
     if (settings.regroup == nullptr)
       choose_snapshot_to_restore(*session, settings.resume, settings.setup_timeout);
   }
-  set_current_session(std::move(session));
   runtime::watch_stop_requests();
   if (settings.profile_steps.first > 0) {
     const auto file =
@@ -192,6 +192,7 @@ void open_session(SessionSettings settings, const std::map<std::string, data::Da
           }
         });
   }
+  return session;
 }
 
 // A collective that failed or timed out because of a peer is a consequence of that peer's
@@ -376,17 +377,18 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       settings.regroup = &*regroup;
     }
     while (true) {
+      SessionScope scope(open_session(settings, datasets));
       try {
-        open_session(settings, datasets);
         if (regroup) regroup->state.reset();  // sent: its memory is free again
         train_loop(spec.config);
+        finish_session();
         break;
       } catch (const LiveRegroup& next) {
         regroup = next;
       }
-      abandoned.push_back(current_session()->context.process_group);
-      abandoned.push_back(current_session()->snapshot_group);
-      set_current_session(nullptr);
+      // The session ends with this round; its groups live on (see `abandoned`).
+      abandoned.push_back(scope.session().context.process_group);
+      abandoned.push_back(scope.session().snapshot_group);
       if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
       settings.info.world_rank = regroup->rank;
       settings.info.world_size = regroup->world_size;
@@ -395,7 +397,6 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       settings.regroup = &*regroup;
       rank = regroup->rank;
     }
-    finish_session();
     trace::finish_profile();
     if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
   } catch (const std::exception& e) {
@@ -593,7 +594,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     settings.cpu_threads = scaling.resources_per_worker.cpu_threads;
     settings.scaling = session_scaling_of(scaling);
     settings.on_world_size_change = scaling.on_world_size_change;
-    open_session(settings, datasets);
+    SessionScope scope(open_session(settings, datasets));
     train_loop(config);
     finish_session();
     trace::finish_profile();

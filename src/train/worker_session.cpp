@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <exception>
 #include <filesystem>
 #include <iostream>
 #include <random>
@@ -29,10 +30,8 @@
 namespace cohort::train {
 namespace {
 
-std::unique_ptr<WorkerSession>& session_slot() {
-  static std::unique_ptr<WorkerSession> session;
-  return session;
-}
+// The session of the train loop this thread runs: SessionScope's, which owns it.
+thread_local WorkerSession* current = nullptr;
 
 WorkerSession& require_session(const char* what) {
   auto* session = current_session();
@@ -61,7 +60,24 @@ std::string new_run_token() {
   return buffer;
 }
 
-WorkerSession* current_session() { return session_slot().get(); }
+WorkerSession* current_session() { return current; }
+
+SessionScope::SessionScope(std::unique_ptr<WorkerSession> session)
+    : session_(std::move(session)), exceptions_at_start_(std::uncaught_exceptions()) {
+  if (current != nullptr)
+    throw RuntimeError("a train loop started inside another one on the same thread");
+  current = session_.get();
+}
+
+SessionScope::~SessionScope() {
+  if (std::uncaught_exceptions() > exceptions_at_start_) abandon();
+  if (current == session_.get()) current = nullptr;
+}
+
+void SessionScope::abandon() {
+  if (current == session_.get()) current = nullptr;
+  (void)session_.release();  // left to the process's end, which does not destroy it
+}
 
 int64_t WorkerSession::PreparedModel::optimizer_steps() const {
   if (ddp) return ddp->synchronized_steps();
@@ -83,10 +99,6 @@ int64_t optimizer_steps(const WorkerSession& session) {
   for (const auto& model : session.prepared_models)
     steps = std::max(steps, model.optimizer_steps());
   return steps;
-}
-
-void set_current_session(std::unique_ptr<WorkerSession> session) {
-  session_slot() = std::move(session);
 }
 
 TrainContext& get_context() { return require_session("cohort::train::get_context()").context; }

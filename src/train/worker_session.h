@@ -141,9 +141,30 @@ DataParallelPosition data_parallel_position(const TrainContext& context);
 // UsageError naming both when the run's (ScalingConfig::precision) is another than fp32.
 void use_precision(optim::Precision precision, const optim::LossScalerOptions& loss_scaler);
 
-// The session of this process; nullptr outside a train loop.
+// The session of the train loop this thread runs (SessionScope's); nullptr outside one. The
+// train:: functions of a loop (report, get_context, prepare_model, ...) act on it.
 WorkerSession* current_session();
-void set_current_session(std::unique_ptr<WorkerSession> session);
+
+// Owns a worker's session while its train loop runs (run_worker's, run_launched's), and makes it
+// this thread's current_session() until it ends. Scopes do not nest: one loop per thread at a
+// time. The session ends with the scope, its groups and writer destroyed, except where the scope
+// ends by an exception or abandon(): a collective of its groups may still wait on a dead peer
+// until its deadline, and their destructors would wait with it, so the session is left to the
+// process's end (which skips it: end_process).
+class SessionScope {
+ public:
+  explicit SessionScope(std::unique_ptr<WorkerSession> session);
+  ~SessionScope();
+  SessionScope(const SessionScope&) = delete;
+  SessionScope& operator=(const SessionScope&) = delete;
+  WorkerSession& session() { return *session_; }
+  // Ends the scope now without destroying the session (after a failure; see above).
+  void abandon();
+
+ private:
+  std::unique_ptr<WorkerSession> session_;
+  int exceptions_at_start_;
+};
 
 // Store keys: assignment n of data worker k ("<prefix>/<k>/<n>", a JSON object), and its count.
 inline std::string data_member_key(const std::string& run_token, int member) {

@@ -14,6 +14,8 @@ std::string cli_path();
 // The folder of the tools scripts/setup.sh unpacks from Debian packages without installing them
 // (<source>/.tools: promtool, etcd).
 std::string tools_dir();
+// A port no one listens on now on 127.0.0.1 (the kernel's pick for a socket bound to port 0).
+int free_port();
 
 struct CommandResult {
   int exit_code = -1;  // -1 when a signal ended it

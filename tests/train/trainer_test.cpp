@@ -333,6 +333,43 @@ TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
                                               "inside the function given to cohort::Trainer");
 }
 
+// Under a launcher, rank 0's fit() runs the loop in the calling process and returns: the session
+// is its own and ends with it (its store and groups too), so a second fit in the same program
+// starts clean, and the worker API outside a loop says so again.
+TEST(Trainer, UnderALauncherEachFitOwnsItsSessionAndEndsItOnReturn) {
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("cohort_test_launched_fit_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::map<std::string, std::string> launcher{{"RANK", "0"},
+                                                    {"WORLD_SIZE", "1"},
+                                                    {"LOCAL_RANK", "0"},
+                                                    {"LOCAL_WORLD_SIZE", "1"},
+                                                    {"MASTER_ADDR", "127.0.0.1"}};
+  for (const auto& [name, value] : launcher) setenv(name.c_str(), value.c_str(), 1);
+  // The same port for both fits: the first's store must be gone when it returns.
+  setenv("MASTER_PORT", std::to_string(cohort::testing::free_port()).c_str(), 1);
+  auto loop = [](const Json& config) {
+    const auto& context = train::get_context();
+    train::report({{"fit", config.at("fit")}, {"world_size", context.get_world_size()}});
+  };
+  std::vector<Result> results;
+  for (int fit = 1; fit <= 2; ++fit) {
+    auto run = run_config(dir, "fit" + std::to_string(fit));
+    results.push_back(Trainer(loop, ScalingConfig{.num_workers = 1}, run, {{"fit", fit}}).fit());
+    cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
+                                                "outside a train loop");
+  }
+  for (const auto& name : launcher) unsetenv(name.first.c_str());
+  unsetenv("MASTER_PORT");
+  std::filesystem::remove_all(dir);
+  for (int fit = 1; fit <= 2; ++fit) {
+    const auto& result = results[static_cast<size_t>(fit - 1)];
+    ASSERT_FALSE(result.error) << *result.error;
+    EXPECT_EQ(result.metrics.at("fit"), fit);
+    EXPECT_EQ(result.metrics.at("world_size"), 1);
+  }
+}
+
 // Writes `files` (name -> content) to a fresh folder for a checkpoint, inside the run directory
 // so that the test's cleanup removes it (a worker ends with _Exit, running no cleanup of its own).
 Checkpoint folder_with(const std::string& tag, const std::map<std::string, std::string>& files) {

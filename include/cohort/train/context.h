@@ -57,7 +57,8 @@ class TrainContext {
   std::chrono::system_clock::time_point run_start;         ///< get_run_start_time()
 };
 
-/// The context of the running worker. Throws RuntimeError outside a train loop.
+/// The context of the running worker. Throws RuntimeError outside a train loop (and on another
+/// thread than the loop's).
 TrainContext& get_context();
 
 }  // namespace cohort::train

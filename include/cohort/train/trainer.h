@@ -34,6 +34,11 @@ class Trainer {
   /// Under a launcher (srun, mpirun, torchrun-style variables, cohort launch) every process is a
   /// rank: rank 0 runs the loop, keeps the run directory and returns the Result; the other ranks
   /// run the loop and exit (status 1 after a failure, for the launcher to restart them).
+  ///
+  /// Each fit() owns the worker's session while its loop runs: the train:: functions (report,
+  /// get_context, prepare_model, ...) act on it, from the thread that runs the loop. It ends when
+  /// the loop does: rank 0's fit() under a launcher returns with its process group and store
+  /// closed, so the program may call fit() again.
   Result fit();
 
   /// The loop every worker runs.
