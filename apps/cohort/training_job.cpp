@@ -136,7 +136,6 @@ data::TensorDataset test_set_of(const Json& c) {
 namespace {
 
 // The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
-// The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
 OptionNames flag_names() {
   auto names = kRunFlagNames;
   names.insert({{"ScalingConfig.num_workers", "--workers"},
@@ -378,14 +377,6 @@ void validate(const TrainOptions& o) {
   if (o.run.recovery == "live") {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
-    if (!o.run.replace_lost && (o.min_workers == 0 || o.min_workers >= o.workers)) {
-      throw UsageError(
-          "--recovery live --no-replace-lost goes on with fewer workers: give "
-          "--min-workers below --workers " +
-          std::to_string(o.workers) + " (e.g. --min-workers " +
-          std::to_string(std::max(1, o.workers - 1)) +
-          "), or let a replacement take the lost worker's place (--replace-lost)");
-    }
   }
   if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
   if (o.workers > train_size) {

@@ -80,7 +80,9 @@ const OptionNames kRunFlagNames{{"RunConfig.umask", "--umask"},
                                 {"RunConfig.profile_steps", "--profile-steps"},
                                 {"RunConfig.log_every_steps", "--log-every-steps"},
                                 {"FailureConfig.max_failures", "--max-failures"},
-                                {"FailureConfig.heartbeat_timeout", "--heartbeat-timeout"}};
+                                {"FailureConfig.heartbeat_timeout", "--heartbeat-timeout"},
+                                {"FailureConfig.recovery", "--recovery"},
+                                {"FailureConfig.replace_lost", "--no-replace-lost"}};
 
 RunConfig RunOptions::run_config(int64_t max_steps) const {
   const auto& o = *this;

@@ -1,5 +1,7 @@
 #include "cohort/train/trainer.h"
 
+#include <algorithm>
+
 #include "cohort/comm/process_group.h"
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
@@ -87,6 +89,18 @@ void check_configs(const ScalingConfig& scaling, const RunConfig& run, const Opt
     throw UsageError(name("FailureConfig.max_failures") + " " +
                      std::to_string(run.failure_config.max_failures) +
                      " must be >= 0, or -1 for unlimited");
+  }
+  if (const auto& failure = run.failure_config;
+      failure.recovery == FailureConfig::Recovery::kLive && !failure.replace_lost &&
+      (scaling.min_workers == 0 || scaling.min_workers >= scaling.num_workers)) {
+    // Without replacements the group can only shrink, which a fixed-size group never does.
+    const int fewer = std::max(1, scaling.num_workers - 1);
+    throw UsageError(name("FailureConfig.recovery") + " live with " +
+                     name("FailureConfig.replace_lost", "FailureConfig.replace_lost false") +
+                     " goes on with fewer workers: give " + name("ScalingConfig.min_workers") +
+                     " below " + workers + " (e.g. " + name("ScalingConfig.min_workers") + " " +
+                     std::to_string(fewer) +
+                     "), or let a replacement take the lost worker's place");
   }
   if (run.failure_config.heartbeat_timeout.count() <= 0) {
     throw UsageError(name("FailureConfig.heartbeat_timeout") + " must be > 0 (got " +

@@ -260,8 +260,8 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
         data.string()},
        "--recovery restart, with --snapshot-every-steps K"},
       {{"--recovery", "live", "--no-replace-lost", "--workers", "3", "--data-dir", data.string()},
-       "--recovery live --no-replace-lost goes on with fewer workers: give --min-workers below "
-       "--workers 3 (e.g. --min-workers 2)"},
+       "--recovery live with --no-replace-lost goes on with fewer workers: give --min-workers "
+       "below --workers 3 (e.g. --min-workers 2)"},
   };
   if (!torch::cuda::is_available()) {
     cases.push_back({{"--use-gpu", "--data-dir", data.string()},

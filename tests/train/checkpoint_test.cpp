@@ -3,6 +3,11 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -14,7 +19,9 @@
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 #include "train/checkpoint_manager.h"
+#include "train/progress.h"
 #include "train/run_files.h"
+#include "train/run_recorder.h"
 
 namespace cohort {
 namespace {
@@ -270,6 +277,65 @@ TEST_F(CheckpointTest, AppendedLinesOnlyGrowTheFileAndAFailureIsNamed) {
   EXPECT_EQ(read_jsonl(log).size(), 2u);
   expect_error<RuntimeError>([&] { append_line(dir, "x"); },
                              "cannot open " + dir.string() + " to append to it");
+}
+
+// A process killed while it appends to a run's metrics.jsonl (rank 0's driver, say) leaves every
+// line it had appended before; a resumed run ends the cut line and goes on after them.
+TEST_F(CheckpointTest, AKillDuringAnAppendLeavesEveryEarlierLineAndAResumeGoesOnAfterThem) {
+  const auto run_dir = dir / "run";
+  std::filesystem::create_directories(run_dir);
+  const auto log = run_dir / "metrics.jsonl";
+  // Long lines, so that the kill is likely to land inside one's write or fsync.
+  const std::string padding(256 * 1024, 'x');
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    for (int64_t i = 0;; ++i)
+      append_line(log, Json{{"training_iteration", i + 1}, {"pad", padding}}.dump());
+  }
+  // Killed once it has appended at least 20 lines (or at the deadline, which fails below).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::error_code error;
+    if (std::filesystem::file_size(log, error) > 20 * (padding.size() + 40) && !error) break;
+    ::usleep(1000);  // polling the file's size, not waiting for the child
+  }
+  ::kill(child, SIGKILL);
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status));
+  // Every whole line is the one appended in its place; what follows the last is at most a part.
+  const std::string text = cohort::testing::read_text(log.string());
+  std::vector<std::string> whole;
+  size_t begin = 0;
+  for (size_t end; (end = text.find('\n', begin)) != std::string::npos; begin = end + 1)
+    whole.push_back(text.substr(begin, end - begin));
+  ASSERT_GE(whole.size(), 20u);
+  for (size_t i = 0; i < whole.size(); ++i) {
+    const auto record = Json::parse(whole[i]);
+    EXPECT_EQ(record.at("training_iteration"), static_cast<int64_t>(i) + 1);
+    EXPECT_EQ(record.at("pad"), padding);
+  }
+  // The run's reader (not this file's strict one) takes the whole lines and skips a cut one.
+  EXPECT_EQ(cohort::read_jsonl(log).size(), whole.size());
+  // Whether or not the kill landed inside a write, the file now ends inside the last line, as it
+  // does when it does (a partial write).
+  std::filesystem::resize_file(log, begin - padding.size() / 2);
+  whole.pop_back();
+  EXPECT_EQ(cohort::read_jsonl(log).size(), whole.size());
+  // A later start of the same run (a launcher's restart) ends the cut line, keeps the history
+  // before it and goes on after it.
+  train::Console console(0);
+  train::RunRecorder recorder(RunConfig{.name = "run", .storage_path = dir, .verbose = 0}, "run",
+                              Json::object(), console);
+  recorder.resume_point(/*restarted=*/true);
+  std::string driver_error;
+  recorder.on_report(Json{{"type", "report"}, {"rank", 0}, {"metrics", {{"loss", 0.5}}}},
+                     driver_error);
+  const auto records = cohort::read_jsonl(log);
+  ASSERT_EQ(records.size(), whole.size() + 1);
+  EXPECT_EQ(records.back().at("training_iteration"), static_cast<int64_t>(whole.size()) + 1);
+  EXPECT_EQ(records.back().at("loss"), 0.5);
 }
 
 TEST_F(CheckpointTest, KeepsTheBestByScoreAndAlwaysTheLatest) {

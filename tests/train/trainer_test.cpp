@@ -185,6 +185,16 @@ TEST(Trainer, RejectsBadConfigBeforeStartingWorkers) {
                       {{"ScalingConfig.num_workers", "--n"}, {"ScalingConfig.min_workers", "--m"}});
       },
       "--m 3 must be between 1 and --n 2 (0: a fixed-size group)");
+  // Live recovery without replacements shrinks the group, which a fixed-size group never does.
+  RunConfig shrinking;
+  shrinking.failure_config.recovery = FailureConfig::Recovery::kLive;
+  shrinking.failure_config.replace_lost = false;
+  cohort::testing::expect_error<UsageError>(
+      [&] { Trainer(loop, ScalingConfig{.num_workers = 3}, shrinking); },
+      "FailureConfig.recovery live with FailureConfig.replace_lost false goes on with fewer "
+      "workers: give ScalingConfig.min_workers below ScalingConfig.num_workers 3 (e.g. "
+      "ScalingConfig.min_workers 2)");
+  Trainer(loop, ScalingConfig{.num_workers = 3, .min_workers = 2}, shrinking);
   cohort::testing::expect_error<UsageError>(
       [&] { Trainer(loop, ScalingConfig{}, RunConfig{.umask = 01022}); },
       "RunConfig.umask 01022 is no umask: give permission bits between 0 and 0777");
