@@ -347,36 +347,39 @@ TEST(Trainer, WorkerApiOutsideALoopSaysWhereToCallIt) {
 // is its own and ends with it (its store and groups too), so a second fit in the same program
 // starts clean, and the worker API outside a loop says so again.
 TEST(Trainer, UnderALauncherEachFitOwnsItsSessionAndEndsItOnReturn) {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("cohort_test_launched_fit_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
-  const std::map<std::string, std::string> launcher{{"RANK", "0"},
-                                                    {"WORLD_SIZE", "1"},
-                                                    {"LOCAL_RANK", "0"},
-                                                    {"LOCAL_WORLD_SIZE", "1"},
-                                                    {"MASTER_ADDR", "127.0.0.1"}};
-  for (const auto& [name, value] : launcher) setenv(name.c_str(), value.c_str(), 1);
-  // The same port for both fits: the first's store must be gone when it returns.
-  setenv("MASTER_PORT", std::to_string(cohort::testing::free_port()).c_str(), 1);
+  // This process as rank 0 of 1 under a torchrun-style launcher, until the test ends (however).
+  struct Launched {
+    std::filesystem::path dir = cohort::testing::temp_dir("launched_fit");
+    std::map<std::string, std::string> variables{
+        {"RANK", "0"},
+        {"WORLD_SIZE", "1"},
+        {"LOCAL_RANK", "0"},
+        {"LOCAL_WORLD_SIZE", "1"},
+        {"MASTER_ADDR", "127.0.0.1"},
+        // The same port for both fits: the first's store must be gone when it returns.
+        {"MASTER_PORT", std::to_string(cohort::testing::free_port())}};
+    Launched() {
+      for (const auto& [name, value] : variables) setenv(name.c_str(), value.c_str(), 1);
+    }
+    ~Launched() {
+      for (const auto& variable : variables) unsetenv(variable.first.c_str());
+      std::filesystem::remove_all(dir);
+    }
+  } launched;
   auto loop = [](const Json& config) {
     const auto& context = train::get_context();
     train::report({{"fit", config.at("fit")}, {"world_size", context.get_world_size()}});
   };
-  std::vector<Result> results;
   for (int fit = 1; fit <= 2; ++fit) {
-    auto run = run_config(dir, "fit" + std::to_string(fit));
-    results.push_back(Trainer(loop, ScalingConfig{.num_workers = 1}, run, {{"fit", fit}}).fit());
-    cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
-                                                "outside a train loop");
-  }
-  for (const auto& name : launcher) unsetenv(name.first.c_str());
-  unsetenv("MASTER_PORT");
-  std::filesystem::remove_all(dir);
-  for (int fit = 1; fit <= 2; ++fit) {
-    const auto& result = results[static_cast<size_t>(fit - 1)];
+    const auto result =
+        Trainer(loop, ScalingConfig{.num_workers = 1},
+                run_config(launched.dir, "fit" + std::to_string(fit)), {{"fit", fit}})
+            .fit();
     ASSERT_FALSE(result.error) << *result.error;
     EXPECT_EQ(result.metrics.at("fit"), fit);
     EXPECT_EQ(result.metrics.at("world_size"), 1);
+    cohort::testing::expect_error<RuntimeError>([] { train::get_context(); },
+                                                "outside a train loop");
   }
 }
 
