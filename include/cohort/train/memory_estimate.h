@@ -99,7 +99,8 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes);
 int64_t resident_bytes(int pid = 0);
 
 /// Gives back to the system the memory this process's heap holds free (glibc's malloc_trim) and
-/// returns how many bytes its resident memory fell by (0 with another C library). Preparing a
+/// returns how many bytes its resident memory fell by (0 with another C library, and built with
+/// AddressSanitizer, whose allocator replaces glibc's heap: nothing is done then). Preparing a
 /// model frees the tensors it replaced (DDP's buckets, ZeRO's and the flat optimizers' flat
 /// buffers, ZeRO-3's shards) and a checkpoint's load its staging; glibc keeps such blocks in its
 /// heap, where tensors of other sizes often do not fit, and a worker's peak then exceeds what it
