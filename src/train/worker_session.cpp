@@ -70,13 +70,9 @@ SessionScope::SessionScope(std::unique_ptr<WorkerSession> session)
 }
 
 SessionScope::~SessionScope() {
-  if (std::uncaught_exceptions() > exceptions_at_start_) abandon();
   if (current == session_.get()) current = nullptr;
-}
-
-void SessionScope::abandon() {
-  if (current == session_.get()) current = nullptr;
-  (void)session_.release();  // left to the process's end, which does not destroy it
+  // Left to the process's end, which does not destroy it.
+  if (std::uncaught_exceptions() > exceptions_at_start_) (void)session_.release();
 }
 
 int64_t WorkerSession::PreparedModel::optimizer_steps() const {

@@ -148,9 +148,9 @@ WorkerSession* current_session();
 // Owns a worker's session while its train loop runs (run_worker's, run_launched's), and makes it
 // this thread's current_session() until it ends. Scopes do not nest: one loop per thread at a
 // time. The session ends with the scope, its groups and writer destroyed, except where the scope
-// ends by an exception or abandon(): a collective of its groups may still wait on a dead peer
-// until its deadline, and their destructors would wait with it, so the session is left to the
-// process's end (which skips it: end_process).
+// ends by an exception: a collective of its groups may still wait on a dead peer until its
+// deadline, and their destructors would wait with it, so the session is left to the process's
+// end (which skips it: end_process).
 class SessionScope {
  public:
   explicit SessionScope(std::unique_ptr<WorkerSession> session);
@@ -158,8 +158,6 @@ class SessionScope {
   SessionScope(const SessionScope&) = delete;
   SessionScope& operator=(const SessionScope&) = delete;
   WorkerSession& session() { return *session_; }
-  // Ends the scope now without destroying the session (after a failure; see above).
-  void abandon();
 
  private:
   std::unique_ptr<WorkerSession> session_;
