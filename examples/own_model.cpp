@@ -1,8 +1,9 @@
 // Your own model and your own data on cohort's one path for every plan: a network defined here
-// (not the zoo's), rows from an image folder (images:DIR, a sub-folder per class) or a CSV
-// (csv:FILE --label COLUMN), trained by train::parallelize and the library's loop with the plan's
-// and optimizer's flags, by default pp 2 x dp 2 (4 workers), ZeRO-1 inside dp, bf16, 2 accumulated
-// batches per step and AdamW; --deepspeed FILE and --config FILE set them too.
+// (not the zoo's), rows from an image folder (--data images:DIR, a sub-folder per class), a CSV
+// (--data csv:FILE --label COLUMN) or MNIST-format files (the default: Fashion-MNIST), trained by
+// train::parallelize and the library's loop with the plan's and optimizer's flags, by default pp 2
+// x dp 2 (4 workers), ZeRO-1 inside dp, bf16, 2 accumulated batches per step and AdamW; --deepspeed
+// FILE and --config FILE set them too.
 // --stop-after-steps N stops the run inside an epoch with a checkpoint; run it again with the same
 // --name and it resumes with exactly the batches it had not seen.
 #include <torch/torch.h>
@@ -12,20 +13,18 @@
 #include <iostream>
 
 #include "cohort/cli/config_file.h"
+#include "cohort/cli/data_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
 #include "cohort/cohort.h"
 
 namespace train = cohort::train;
 
-cohort::data::LabelledData open_data(const cohort::Json& c) {
-  return cohort::data::open_labelled_data(c["data"], {.label_column = c["label"]});
-}
-
 void train_loop(const cohort::Json& c) {
   auto& ctx = train::get_context();
   const auto plan = c["plan"].get<cohort::cli::PlanOptions>().plan(ctx.get_world_size());
-  const auto data = open_data(c);
+  const auto data_options = c["data"].get<cohort::cli::DataOptions>();
+  const auto data = data_options.open(/*seed=*/0);
   torch::manual_seed(0);  // every rank the same weights
   // The model: its layers in order, which a pipeline cuts into stages.
   const int64_t features = data.channels * data.image_size * data.image_size;
@@ -45,11 +44,10 @@ void train_loop(const cohort::Json& c) {
       plan);
   auto stream = train::get_dataset_shard("train");
   // Resumes from the run's checkpoint, inside an epoch where it stopped; reports each epoch.
-  train::EpochLoopOptions loop{
-      .epochs = c["epochs"],
-      .batch_size = c["batch_size"],
-      .max_steps = c["stop_after_steps"],
-      .test_set = cohort::data::materialize_labelled(data.test, data.normalize)};
+  train::EpochLoopOptions loop{.epochs = c["epochs"],
+                               .batch_size = c["batch_size"],
+                               .max_steps = c["stop_after_steps"],
+                               .test_set = data_options.test_set(data)};
   c["run"].get<cohort::cli::RunOptions>().apply(loop);  // --checkpoint-every-steps, snapshots
   train::run_epochs(model, stream, loop);
 }
@@ -62,14 +60,14 @@ int main(int argc, char** argv) {
   int workers = 4, epochs = 2;
   int64_t batch_size = 16, stop_after_steps = 0;
   cohort::cli::RunOptions run{.name = "own_model", .quiet = true};  // the run's folder and more
-  std::string data, label, config, deepspeed;
-  app.add_option("--data", data, "images:DIR or csv:FILE")->required();
-  app.add_option("--label", label, "with csv:FILE, the class column");
+  cohort::cli::DataOptions data;  // --data images:DIR, csv:FILE --label COLUMN, ...
+  std::string config, deepspeed;
   app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
   app.add_option("--workers", workers);
   app.add_option("--epochs", epochs);
   app.add_option("--batch-size", batch_size);
   app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
+  cohort::cli::add_data_options(&app, data);
   cohort::cli::add_plan_options(&app, plan);
   cohort::cli::add_optimizer_options(&app, optimizer);
   cohort::cli::add_run_options(&app, run);
@@ -82,16 +80,14 @@ int main(int argc, char** argv) {
           cohort::cli::load_deepspeed_config(deepspeed, workers, plan, optimizer).micro_batch_size;
     plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
     optimizer.check();
-    cohort::Json c{
-        {"data", data}, {"label", label}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
+    cohort::Json c{{"data", data}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
     c.update(
         {{"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}});
-    const auto labelled = open_data(c);
+    const auto labelled = data.open(/*seed=*/0);  // a bad flag or file: one line, exit code 2
     std::cout << labelled.describe() << std::endl;
-    cohort::Trainer trainer(
-        train_loop, {.num_workers = workers, .mesh = {.pp = plan.pp, .tp = plan.tp}},
-        run.run_config(), c,
-        {{"train", labelled.train.random_shuffle(0).map_batches(labelled.normalize)}});
+    cohort::Trainer trainer(train_loop,
+                            {.num_workers = workers, .mesh = {.pp = plan.pp, .tp = plan.tp}},
+                            run.run_config(), c, data.datasets(labelled, /*seed=*/0));
     const auto result = trainer.fit();
     if (!result.ok()) throw std::runtime_error(*result.error);
     std::cout << "steps " << result.metrics["steps"] << " accuracy "

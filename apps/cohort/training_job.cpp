@@ -16,22 +16,6 @@
 namespace cohort::cli {
 namespace {
 
-std::filesystem::path data_dir_of(const TrainOptions& o) {
-  if (!o.data_dir.empty()) return o.data_dir;
-  if (o.dataset == "fashion-mnist") return data::default_fashion_mnist_dir();
-  throw UsageError("--dataset " + o.dataset + " has no default location: pass --data-dir");
-}
-
-// The user's data of --data (a job's config, where its options are).
-data::LabelledData labelled_data_of(const Json& c) {
-  return data::open_labelled_data(c["data"].get<std::string>(),
-                                  {.label_column = c.value("label", std::string()),
-                                   .image_size = c.value("image_size", int64_t{28}),
-                                   .context = c.value("context", models::ModelOptions{}.context),
-                                   .test_size = c.value("test_size", 0.1),
-                                   .seed = c["seed"].get<uint64_t>()});
-}
-
 // The zoo model's options for the data: its channels, image size and classes, or a text's
 // vocabulary and context.
 models::ModelOptions model_options_for(const data::LabelledData& labelled,
@@ -44,17 +28,6 @@ models::ModelOptions model_options_for(const data::LabelledData& labelled,
     options.context = labelled.context;
   }
   return options;
-}
-
-Json data_to_json(const TrainOptions& o) {
-  return {{"data", o.data},           {"label", o.label}, {"image_size", o.image_size},
-          {"test_size", o.test_size}, {"seed", o.seed},   {"context", o.context}};
-}
-
-// The columns a batch of the job's data has after normalisation: the model's input and target.
-std::pair<std::string, std::string> columns_of(const std::string& data) {
-  if (is_text_data(data)) return {"tokens", "next_tokens"};
-  return {"image", "label"};
 }
 
 }  // namespace
@@ -84,10 +57,6 @@ models::ZooModel model_shape_of(const TrainOptions& o) {
   return models::create_model(o.model, options);
 }
 
-bool is_text_data(const std::string& data) {
-  return data.rfind("text:", 0) == 0 || data.rfind("random-tokens:", 0) == 0;
-}
-
 models::ModelOptions model_options_of(const Json& c) {
   models::ModelOptions options;
   if (c.contains("model_options")) {
@@ -113,24 +82,14 @@ models::ModelOptions model_options_of(const TrainOptions& o) {
   options.heads = o.heads;
   options.context = o.context;
   options.tie_embeddings = !o.untie_embeddings;
-  if (o.data.empty()) return options;
-  return model_options_for(labelled_data_of(data_to_json(o)), options);
+  // MNIST-format data: the options' defaults (1x28x28, 10 classes), its files not read.
+  if (o.data.data.empty()) return options;
+  return model_options_for(o.data.open(o.seed, o.context), options);
 }
 
 data::TensorDataset test_set_of(const Json& c) {
-  data::TensorDataset test_set;
-  if (c.contains("data")) {
-    const auto labelled = labelled_data_of(c);
-    test_set = data::materialize_labelled(labelled.test, labelled.normalize, labelled.input_column,
-                                          labelled.target_column);
-  } else {
-    test_set = data::load_mnist(c["data_dir"].get<std::string>(), data::Split::kTest);
-  }
-  if (const int64_t n = c.value("test_examples", int64_t{0}); n > 0 && n < test_set.size()) {
-    test_set.inputs = test_set.inputs.narrow(0, 0, n);
-    test_set.targets = test_set.targets.narrow(0, 0, n);
-  }
-  return test_set;
+  const auto data = c.get<DataOptions>();
+  return data.test_set(data.open(c["seed"].get<uint64_t>(), model_options_of(c).context));
 }
 
 namespace {
@@ -247,54 +206,31 @@ void validate_mesh(const TrainOptions& o) {
 }
 
 void validate(const TrainOptions& o) {
-  if (o.dataset != "fashion-mnist" && o.dataset != "mnist") {
-    throw UsageError("unknown --dataset '" + o.dataset + "': choose fashion-mnist or mnist");
-  }
   // A language model reads tokens, the classifiers images or feature rows.
-  const bool text = is_text_data(o.data);
+  const bool text = o.data.is_text();
   if (o.model == "gpt" && !text) {
     throw UsageError(
         "--model gpt reads tokens: give --data text:FILE (a file's bytes) or --data "
         "random-tokens:ROWS (for throughput)");
   }
   if (text && o.model != "gpt") {
-    throw UsageError("--data " + o.data +
+    throw UsageError("--data " + o.data.data +
                      " is tokens, which only the language model reads: use "
                      "--model gpt");
   }
-  if (!o.label.empty() && o.data.rfind("csv:", 0) != 0)
-    throw UsageError("--label " + o.label +
-                     " names a CSV's class column: use it with --data csv:FILE");
-  int64_t train_size = 0;
+  // The data as the workers open it: its flags, its files and its shape.
+  const auto labelled = o.data.open(o.seed, o.context);
   std::string on_data, data_fix;  // what a model that does not fit the data is told
-  if (!o.data.empty()) {
-    if (!o.data_dir.empty()) {
-      throw UsageError("--data " + o.data + " and --data-dir " + o.data_dir +
-                       " both name the data: give one (--data-dir is for MNIST-format files)");
-    }
-    const auto labelled = labelled_data_of(data_to_json(o));
+  if (!o.data.data.empty()) {
     if (labelled.kind == data::LabelledData::Kind::kCsv && o.model != "mlp") {
-      throw UsageError("--data " + o.data + " with --model " + o.model +
+      throw UsageError("--data " + o.data.data + " with --model " + o.model +
                        ": a CSV's rows are feature vectors, which only the mlp reads; use "
                        "--model mlp");
     }
     // The model below is built for this data (a ViT's patches, the cnn's pooling).
-    on_data = " on --data " + o.data + " (" + labelled.describe() + ")";
+    on_data = " on --data " + o.data.data + " (" + labelled.describe() + ")";
     if (labelled.kind == data::LabelledData::Kind::kImages)
       data_fix = "; choose another --image-size";
-    train_size = labelled.train.num_source_rows();
-  } else {
-    if (o.image_size != TrainOptions{}.image_size || o.test_size != TrainOptions{}.test_size) {
-      throw UsageError(
-          "--image-size and --test-size shape the data of --data images:DIR or csv:FILE; "
-          "MNIST-format data has 28x28 images and its own test split");
-    }
-    const auto dir = data_dir_of(o);
-    data::check_mnist_dir(dir);
-    train_size = data::inspect_idx(std::filesystem::exists(dir / "train-labels-idx1-ubyte")
-                                       ? dir / "train-labels-idx1-ubyte"
-                                       : dir / "train-labels-idx1-ubyte.gz")
-                     .shape[0];
   }
   // The model the workers build, once: an unknown name lists the zoo, the data's shape and a
   // transformer's sizes (--layers, --width, --heads) are checked; then the units
@@ -337,7 +273,6 @@ void validate(const TrainOptions& o) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
-  if (o.train_examples < 0) throw UsageError("--train-examples must be >= 0 (0: all)");
   const auto sync = o.plan.sync_mode();
   try {
     o.plan.plan(o.workers);
@@ -368,17 +303,11 @@ void validate(const TrainOptions& o) {
                      ": parameter servers serve only --sync async-ps:K (K: steps a worker may "
                      "run ahead of the slowest)");
   }
-  if (o.test_examples < 0) {
-    throw UsageError("--test-examples " + std::to_string(o.test_examples) +
-                     " must be >= 0 (0: all)");
-  }
-  if (o.data_workers < -1)
-    throw UsageError("--data-workers must be >= 0, or -1 for one per free CPU");
   if (o.run.recovery == "live") {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
   }
-  if (o.train_examples > 0) train_size = std::min(train_size, o.train_examples);
+  const int64_t train_size = o.data.train_rows(labelled);
   if (o.workers > train_size) {
     throw UsageError("--workers " + std::to_string(o.workers) + " is more than the " +
                      std::to_string(train_size) +
@@ -395,55 +324,21 @@ void validate(const TrainOptions& o) {
   }
 }
 
-std::string describe_data(const TrainOptions& o) {
-  const auto labelled = labelled_data_of(data_to_json(o));
-  if (labelled.kind == data::LabelledData::Kind::kText) return labelled.describe();
-  std::string classes;
-  for (size_t c = 0; c < labelled.class_names.size() && c < 10; ++c)
-    classes += (c ? ", " : "") + labelled.class_names[c];
-  if (labelled.class_names.size() > 10) classes += ", ...";
-  return labelled.describe() + " (" + classes + ")";
-}
-
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
-  data::Dataset train;
-  data::BatchFn normalize;
-  if (!o.data.empty()) {
-    auto labelled = labelled_data_of(data_to_json(o));
-    train = labelled.train;
-    normalize = labelled.normalize;
-  } else {
-    train = data::Dataset::from_mnist(data_dir_of(o), data::Split::kTrain);
-    const data::MnistOptions stats;
-    normalize = data::Normalize{.mean = {stats.mean}, .std = {stats.std}};
-  }
-  if (o.train_examples > 0) train = train.limit(o.train_examples);
-  return {{"train", train.random_shuffle(o.seed).map_batches(
-                        normalize,
-                        {.name = "normalize", .batch_size = 256, .num_workers = o.data_workers})}};
+  return o.data.datasets(o.data.open(o.seed, o.context), o.seed);
 }
 
 Json to_json(const TrainOptions& o) {
-  Json config{{"model", o.model},
-              {"epochs", o.epochs},
-              {"batch_size", o.batch_size},
-              {"seed", o.seed},
-              {"max_steps", o.max_steps},
-              {"train_examples", o.train_examples},
-              {"test_examples", o.test_examples},
-              {"warmup_steps", o.warmup_steps},
-              {"lr_decay", o.lr_decay},
-              {"run", o.run}};
+  Json config{{"model", o.model},           {"epochs", o.epochs},
+              {"batch_size", o.batch_size}, {"seed", o.seed},
+              {"max_steps", o.max_steps},   {"warmup_steps", o.warmup_steps},
+              {"lr_decay", o.lr_decay},     {"run", o.run}};
   // The plan's and the optimizer's keys as PlanOptions and OptimizerOptions write them (the
   // values the run uses: the optimizer's defaults where no flag gave one): a user's own program
   // reads the same.
   config.update(Json(o.plan));
   config.update(Json(o.optimizer));
-  if (o.data.empty()) {
-    config["data_dir"] = data_dir_of(o).string();
-  } else {
-    config.update(data_to_json(o));
-  }
+  config.update(Json(o.data));
   const auto model = model_options_of(o);
   config["model_options"] = {{"in_channels", model.in_channels},
                              {"image_size", model.image_size},
@@ -500,8 +395,8 @@ void train_loop(const Json& c) {
   // on every rank of a pipeline and of a tp group), shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
-  const auto data = c.value("data", std::string());
-  const auto [input_column, target_column] = columns_of(data);
+  const auto data = c.get<DataOptions>();
+  const auto [input_column, target_column] = data.columns();
   train::EpochLoopOptions loop{
       .epochs = c["epochs"].get<int>(),
       .batch_size = c["batch_size"].get<int64_t>(),
@@ -510,7 +405,7 @@ void train_loop(const Json& c) {
       .max_steps = c["max_steps"].get<int64_t>(),
       .test_set = test_set_of(c),
       // A language model's rows are sequences: its throughput is reported in tokens too.
-      .tokens_per_row = is_text_data(data) ? model_options_of(c).context : 0};
+      .tokens_per_row = data.is_text() ? model_options_of(c).context : 0};
   // The checkpoints' and snapshots' cadence, and asynchronous saves.
   c["run"].get<RunOptions>().apply(loop);
   // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
@@ -562,23 +457,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   add_bool_flag(cmd, "--untie-embeddings", o.untie_embeddings,
                 "gpt: an output head of its own instead of the token embedding's weight (needed "
                 "to cut it into pipeline stages with --pp)");
-  cmd->add_option("--dataset", o.dataset, "fashion-mnist or mnist")->capture_default_str();
-  cmd->add_option("--data-dir", o.data_dir,
-                  "folder with the four IDX files (default for fashion-mnist: " +
-                      data::default_fashion_mnist_dir().string() + ")");
-  cmd->add_option("--data", o.data,
-                  "your own data instead: images:DIR (a sub-folder per class, or train/ and "
-                  "test/ folders of them), csv:FILE (numbers, a header line; with --label); for "
-                  "--model gpt text:FILE (its bytes as tokens, the last --test-size held out) or "
-                  "random-tokens:ROWS");
-  cmd->add_option("--label", o.label, "with --data csv:FILE: the class column (0, 1, ...)");
-  cmd->add_option("--image-size", o.image_size,
-                  "with --data images:DIR: each image resized to this square")
-      ->capture_default_str();
-  cmd->add_option("--test-size", o.test_size,
-                  "with --data: the fraction held out for evaluation where the data has no "
-                  "test split (seeded by --seed)")
-      ->capture_default_str();
+  add_data_options(cmd, o.data);
   cmd->option_defaults()->group("Workers and devices");
   cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
   cmd->add_option(
@@ -619,14 +498,6 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                   "no check)")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  cmd->add_option("--train-examples", o.train_examples,
-                  "train on the first N examples only (0: all)")
-      ->capture_default_str()
-      ->group("Model and data");
-  cmd->add_option("--test-examples", o.test_examples,
-                  "evaluate on the first N test examples only (0: all)")
-      ->capture_default_str()
-      ->group("Model and data");
   add_plan_options(cmd, o.plan);
   cmd->add_option("--parameter-servers", o.parameter_servers,
                   "with --sync async-ps:K: parameter servers, each holding a shard of the "
@@ -636,12 +507,6 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
                   "gradient_clipping and zero_optimization replace those options");
-  cmd->add_option(
-         "--data-workers", o.data_workers,
-         "preprocessing processes per worker for the training data (0: the worker's own prefetch "
-         "thread; -1: one per CPU the workers leave free)")
-      ->capture_default_str()
-      ->group("Model and data");
   cmd->option_defaults()->group("Run directory and recovery");
   add_config_option(cmd, o.config_file);
   add_run_options(cmd, o.run);

@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "cohort/cli/data_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
 #include "cohort/data/data_loader.h"
@@ -33,12 +34,9 @@ namespace cohort::cli {
 
 struct TrainOptions {
   std::string model = "cnn";
-  std::string dataset = "fashion-mnist";
-  std::string data_dir;
-  // --data images:DIR | csv:FILE | text:FILE | random-tokens:ROWS: the user's own data
-  // (data::open_labelled_data), for the zoo's models; empty: the MNIST-format --dataset and
-  // --data-dir.
-  std::string data;
+  // The data: --data (the user's own: images:DIR, csv:FILE, text:FILE, random-tokens:ROWS), or
+  // the MNIST-format --dataset and --data-dir; --label ... --data-workers.
+  DataOptions data;
   // The transformers' sizes (vit, gpt): models::ModelOptions' depth, width, heads; the GPT's
   // context (also the tokens per row of text data) and whether its head is the embedding's weight.
   int64_t layers = models::ModelOptions{}.depth;
@@ -49,9 +47,6 @@ struct TrainOptions {
   // models::ModelOptions::deferred_init: the workers build each unit's parameters only when the
   // plan places them (ZeRO stage 3: this rank's shards, one unit at a time).
   bool deferred_init = false;
-  std::string label;        // --label: a CSV's class column
-  int64_t image_size = 28;  // --image-size: images resized to this square
-  double test_size = 0.1;   // --test-size: held out for evaluation where the data has no test split
   int workers = 2;
   int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
   int threads = 1;
@@ -68,8 +63,6 @@ struct TrainOptions {
   uint64_t seed = 0;
   int64_t max_steps = 0;        // 0: no limit
   double memory_budget_gb = 0;  // --memory-budget: refuse a plan estimated over it (0: none)
-  int64_t train_examples = 0;   // the first N training examples only; 0: all
-  int64_t test_examples = 0;    // evaluate on the first N test examples only; 0: all
   int parameter_servers = 0;    // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
@@ -78,7 +71,6 @@ struct TrainOptions {
   // The plan: degrees, ZeRO, sync mode, precision and loss scaling, accumulation, clipping,
   // capture.
   PlanOptions plan;
-  int data_workers = 0;  // preprocessing processes per worker; 0: its prefetch thread
   // The run's folder, checkpoints, snapshots, recovery and output (--storage-path ...
   // --profile-steps).
   RunOptions run;
@@ -104,9 +96,6 @@ train::MemoryEstimate estimate_of(const TrainOptions& options);
 // --offload-optimizer disk:PATH: PATH is a writable folder with room for the optimizer state of
 // this machine's workers (UsageError naming what is missing); nothing otherwise.
 void check_offload_room(const TrainOptions& options);
-
-// What --data holds, in one line for the user: the rows of each split, the classes, the shape.
-std::string describe_data(const TrainOptions& options);
 
 // The Trainer datasets of a job: "train", normalised by its preprocessing workers.
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& options);
@@ -140,8 +129,5 @@ models::ModelOptions model_options_of(const TrainOptions& options);
 // The model the workers build, its units deferred (models::ModelOptions::deferred_init): its
 // shapes, units and layers without their weights, for the checks before any worker starts.
 models::ZooModel model_shape_of(const TrainOptions& options);
-// Whether the job's data is a language model's, tokens and next tokens (--data text:FILE or
-// random-tokens:ROWS), and its columns.
-bool is_text_data(const std::string& data);
 
 }  // namespace cohort::cli

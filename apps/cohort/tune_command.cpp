@@ -14,9 +14,11 @@ namespace {
 // "threads" tune the trial's ScalingConfig.
 Json param_space_of(const TuneOptions& o) {
   const Json base = to_json(o.job);
-  // Where the data is and the model's shape that follows from it are not searched over.
+  // Where the data is, how it is read and the model's shape that follows from it are not
+  // searched over (how much of it is: --train-examples, --test-examples).
   const auto fixed = [](const std::string& key) {
-    return key == "data_dir" || key == "model_options";
+    return key == "model_options" ||
+           (Json(DataOptions{}).contains(key) && key != "train_examples" && key != "test_examples");
   };
   Json space = Json::object();
   for (const auto& param : o.params) {

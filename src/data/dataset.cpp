@@ -269,15 +269,16 @@ Dataset Dataset::from_tensors(std::map<std::string, at::Tensor> columns) {
 }
 
 Dataset Dataset::from_mnist(const std::filesystem::path& dir, Split split) {
-  check_mnist_dir(dir);
+  const int64_t rows = mnist_shape(dir, split)[0];
   auto plan = std::make_shared<Plan>();
-  // Loaded when first read: a driver that only hands the dataset to its workers never loads it.
+  // Loaded when first read: a driver that only hands the dataset to its workers (or counts its
+  // rows) never loads it.
   plan->source = make_lazy_source(
       [dir, split] {
         auto loaded = load_mnist(dir, split);
         return make_tensor_source({{"image", loaded.inputs}, {"label", loaded.targets}}, "mnist");
       },
-      "mnist:" + dir.string() + (split == Split::kTrain ? ":train" : ":test"));
+      "mnist:" + dir.string() + (split == Split::kTrain ? ":train" : ":test"), rows);
   return Dataset(plan);
 }
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "cohort/data/block.h"
+#include "cohort/data/mnist.h"
 #include "cohort/data/preprocessors.h"
 #include "cohort/data/tensor_dataset.h"
 #include "cohort/error.h"
@@ -21,8 +22,8 @@ namespace cohort::data {
 namespace {
 
 constexpr const char* kSchemes =
-    "use images:DIR (one sub-folder per class), csv:FILE with its class column named, text:FILE "
-    "or random-tokens:ROWS";
+    "use images:DIR (one sub-folder per class), csv:FILE with its class column named, text:FILE, "
+    "random-tokens:ROWS or mnist:DIR (MNIST-format IDX files)";
 
 std::string join_class_names(const std::vector<std::string>& names) {
   std::string out;
@@ -126,6 +127,33 @@ void open_csv(LabelledData& data, const std::string& spec, const LabelledDataOpt
   };
 }
 
+// MNIST-format files: their own splits, 10 classes, pixels scaled to [0, 1] and normalised with
+// Fashion-MNIST's statistics (data::MnistOptions).
+void open_mnist(LabelledData& data, const std::string& spec, const LabelledDataOptions& options) {
+  // A missing folder or file is named by check_mnist_dir, with the fix.
+  const auto train = mnist_shape(data.path, Split::kTrain);
+  const auto test = mnist_shape(data.path, Split::kTest);
+  if (train[1] != train[2] || test[1] != train[1] || test[2] != train[2]) {
+    throw UsageError("data " + spec + ": its images are " + std::to_string(train[1]) + "x" +
+                     std::to_string(train[2]) + " (train) and " + std::to_string(test[1]) + "x" +
+                     std::to_string(test[2]) +
+                     " (test): the models read square images of one size in both splits");
+  }
+  if (options.image_size != LabelledDataOptions{}.image_size && options.image_size != train[1]) {
+    throw UsageError("data " + spec + " has " + std::to_string(train[1]) + "x" +
+                     std::to_string(train[1]) + " images, which are not resized (image size " +
+                     std::to_string(options.image_size) + "): give none, or images:DIR");
+  }
+  data.train = Dataset::from_mnist(data.path, Split::kTrain);
+  data.test = Dataset::from_mnist(data.path, Split::kTest);
+  data.num_classes = 10;
+  for (int64_t c = 0; c < data.num_classes; ++c) data.class_names.push_back(std::to_string(c));
+  data.channels = 1;
+  data.image_size = train[1];
+  const MnistOptions stats;
+  data.normalize = Normalize{.mean = {stats.mean}, .std = {stats.std}};
+}
+
 // Bytes as tokens: row i is bytes [i T, (i + 1) T) and its targets the bytes one further on.
 void open_text(LabelledData& data, const std::string& spec, bool random,
                const LabelledDataOptions& options) {
@@ -200,25 +228,29 @@ std::string LabelledData::describe() const {
            " train and " + std::to_string(test.num_source_rows()) + " test rows of " +
            std::to_string(context) + " tokens, a vocabulary of " + std::to_string(num_classes);
   }
-  return std::string(kind == Kind::kImages ? "images " : "csv ") + path.string() + ": " +
-         std::to_string(train.num_source_rows()) + " train and " +
+  const char* scheme = kind == Kind::kImages ? "images " : kind == Kind::kCsv ? "csv " : "mnist ";
+  std::string classes;
+  for (size_t c = 0; c < class_names.size() && c < 10; ++c)
+    classes += (c ? ", " : "") + class_names[c];
+  if (class_names.size() > 10) classes += ", ...";
+  return scheme + path.string() + ": " + std::to_string(train.num_source_rows()) + " train and " +
          std::to_string(test.num_source_rows()) + " test rows, " + std::to_string(num_classes) +
          " classes, " + std::to_string(channels) + "x" + std::to_string(image_size) + "x" +
-         std::to_string(image_size);
+         std::to_string(image_size) + " (" + classes + ")";
 }
 
 LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptions& options) {
   const auto colon = spec.find(':');
   const std::string scheme = colon == std::string::npos ? spec : spec.substr(0, colon);
-  if (colon == std::string::npos ||
-      (scheme != "images" && scheme != "csv" && scheme != "text" && scheme != "random-tokens")) {
+  if (colon == std::string::npos || (scheme != "images" && scheme != "csv" && scheme != "text" &&
+                                     scheme != "random-tokens" && scheme != "mnist")) {
     throw UsageError("data '" + spec + "': unknown scheme '" + scheme + "': " + kSchemes);
   }
   if (colon + 1 == spec.size()) {
     throw UsageError("data '" + spec + "' names no " +
-                     (scheme == "images"          ? "folder"
-                      : scheme == "random-tokens" ? "row count"
-                                                  : "file") +
+                     (scheme == "images" || scheme == "mnist" ? "folder"
+                      : scheme == "random-tokens"             ? "row count"
+                                                              : "file") +
                      ": " + kSchemes);
   }
   if (!(options.test_size > 0 && options.test_size < 1)) {
@@ -233,6 +265,9 @@ LabelledData open_labelled_data(const std::string& spec, const LabelledDataOptio
   } else if (scheme == "images") {
     data.kind = LabelledData::Kind::kImages;
     open_images(data, spec, options);
+  } else if (scheme == "mnist") {
+    data.kind = LabelledData::Kind::kMnist;
+    open_mnist(data, spec, options);
   } else {
     data.kind = LabelledData::Kind::kCsv;
     open_csv(data, spec, options);

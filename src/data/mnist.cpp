@@ -61,6 +61,11 @@ void check_mnist_dir(const std::filesystem::path& dir) {
   }
 }
 
+std::vector<int64_t> mnist_shape(const std::filesystem::path& dir, Split split) {
+  check_mnist_dir(dir);
+  return inspect_idx(find_file(dir, images_stem(split))).shape;
+}
+
 TensorDataset load_mnist(const std::filesystem::path& dir, Split split,
                          const MnistOptions& options) {
   check_dir_exists(dir);

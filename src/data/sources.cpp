@@ -254,9 +254,10 @@ class ImageFolderSource : public Source {
 
 class LazySource : public Source {
  public:
-  LazySource(std::function<std::shared_ptr<const Source>()> make, std::string description)
-      : make_(std::move(make)), description_(std::move(description)) {}
-  int64_t size() const override { return get().size(); }
+  LazySource(std::function<std::shared_ptr<const Source>()> make, std::string description,
+             int64_t rows)
+      : make_(std::move(make)), description_(std::move(description)), rows_(rows) {}
+  int64_t size() const override { return rows_ >= 0 ? rows_ : get().size(); }
   Block read(const std::vector<int64_t>& rows, int64_t& skipped) const override {
     return get().read(rows, skipped);
   }
@@ -270,6 +271,7 @@ class LazySource : public Source {
   }
   std::function<std::shared_ptr<const Source>()> make_;
   std::string description_;
+  int64_t rows_;
   mutable std::once_flag once_;
   mutable std::shared_ptr<const Source> source_;
 };
@@ -277,8 +279,8 @@ class LazySource : public Source {
 }  // namespace
 
 std::shared_ptr<const Source> make_lazy_source(std::function<std::shared_ptr<const Source>()> make,
-                                               std::string description) {
-  return std::make_shared<LazySource>(std::move(make), std::move(description));
+                                               std::string description, int64_t rows) {
+  return std::make_shared<LazySource>(std::move(make), std::move(description), rows);
 }
 
 std::shared_ptr<const Source> make_tensor_source(std::map<std::string, at::Tensor> columns,

@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include "cohort/data/mnist.h"
 #include "cohort/error.h"
 #include "support/expect.h"
 #include "support/tiny_mnist.h"
@@ -37,6 +38,39 @@ TEST(LabelledData, AnImageFolderHoldsOutASeededTestSplitAndNormalisesEveryChanne
 
   auto gray = open_labelled_data("images:" + dir.string(), {.image_size = 8, .grayscale = true});
   EXPECT_EQ(gray.channels, 1);
+}
+
+TEST(LabelledData, MnistFilesAreTheirOwnSplitsNormalisedAsLoadMnistNormalises) {
+  const auto dir =
+      cohort::testing::write_tiny_mnist(cohort::testing::temp_dir("labelled_mnist"), 64, 16);
+  const auto data = open_labelled_data("mnist:" + dir.string());
+  EXPECT_EQ(data.kind, LabelledData::Kind::kMnist);
+  EXPECT_EQ(data.num_classes, 10);
+  EXPECT_EQ(data.channels, 1);
+  EXPECT_EQ(data.image_size, 28);
+  // Counted from the files' headers, before anything is loaded.
+  EXPECT_EQ(data.train.num_source_rows(), 64);
+  EXPECT_EQ(data.test.num_source_rows(), 16);
+  EXPECT_NE(data.describe().find("mnist " + dir.string() +
+                                 ": 64 train and 16 test rows, 10 "
+                                 "classes, 1x28x28 (0, 1, 2"),
+            std::string::npos)
+      << data.describe();
+  // The test split through `normalize`: the pixels and labels of load_mnist, to float rounding.
+  const auto test = materialize_labelled(data.test, data.normalize);
+  const auto loaded = load_mnist(dir, Split::kTest);
+  ASSERT_EQ(test.inputs.sizes(), (std::vector<int64_t>{16, 1, 28, 28}));
+  EXPECT_TRUE(torch::allclose(test.inputs, loaded.transform(loaded.inputs), 1e-5, 1e-5));
+  EXPECT_TRUE(torch::equal(test.targets, loaded.targets));
+
+  expect_error<UsageError>([&] { open_labelled_data("mnist:" + (dir / "none").string()); },
+                           "does not exist: install dataset-fashion-mnist or pass --data-dir");
+  expect_error<UsageError>([&] { open_labelled_data("mnist:" + dir.string(), {.image_size = 32}); },
+                           "has 28x28 images, which are not resized (image size 32)");
+  std::filesystem::remove(dir / "t10k-labels-idx1-ubyte.gz");
+  expect_error<UsageError>([&] { open_labelled_data("mnist:" + dir.string()); },
+                           "has no t10k-labels-idx1-ubyte");
+  expect_error<UsageError>([] { open_labelled_data("mnist:"); }, "names no folder");
 }
 
 TEST(LabelledData, TrainAndTestFoldersAreTheSplitsAndTheirClassesMustAgree) {

@@ -13,6 +13,9 @@
 ///                `test_size` of rows held out as the test split
 ///   random-tokens:ROWS
 ///                ROWS rows of uniformly random tokens (from `seed`), for throughput runs
+///   mnist:DIR    MNIST-format IDX files (train-images-idx3-ubyte, train-labels-idx1-ubyte,
+///                t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte, each also .gz) of 10 classes,
+///                their own train and test splits (e.g. Debian's dataset-fashion-mnist)
 ///
 /// Rows come out of `normalize` as `input_column` and `target_column`: "image" float [C, H, W] and
 /// "label" int64, the shape of the zoo's image classifiers (a CSV row is a [features, 1, 1] image:
@@ -46,6 +49,7 @@ struct LabelledData {
     kImages,  ///< image folders
     kCsv,     ///< a CSV file
     kText,    ///< a file's bytes, or random tokens
+    kMnist,   ///< MNIST-format IDX files
   };
   Kind kind = Kind::kImages;   ///< where the rows came from
   std::filesystem::path path;  ///< the folder or file
@@ -59,12 +63,14 @@ struct LabelledData {
   int64_t context = 0;                   ///< text: tokens per row (num_classes: the vocabulary)
   std::string input_column = "image";    ///< the model's input after `normalize`
   std::string target_column = "label";   ///< its target after `normalize`
-  /// One line for logs: what was read, the rows of each split and the classes.
+  /// One line for logs: what was read, the rows of each split, the classes (the first 10 names)
+  /// and the shape.
   std::string describe() const;
 };
 
-/// Opens `spec` ("images:DIR", "csv:FILE", "text:FILE" or "random-tokens:ROWS"). Throws UsageError
-/// naming the value and the fix for an unknown scheme, a missing path, an image folder without
+/// Opens `spec` ("images:DIR", "csv:FILE", "text:FILE", "random-tokens:ROWS" or "mnist:DIR").
+/// Throws UsageError naming the value and the fix for an unknown scheme, a missing path, an MNIST
+/// folder without its four files or with images that are not square, an image folder without
 /// class sub-folders or images, a CSV without data rows, with rows of another length than its
 /// header, with a value that is no number or a label that is no whole number from 0, for a text too
 /// short for two rows of `context` + 1 bytes, and for too few rows to hold out a test split. Reads

@@ -1,6 +1,7 @@
 #pragma once
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "cohort/data/tensor_dataset.h"
 
@@ -22,6 +23,10 @@ struct MnistOptions {
 /// Checks that `dir` holds the four MNIST-format files (plain or .gz) and that each is whole and
 /// consistent with its pair, reading headers only. Throws UsageError naming the file and the fix.
 void check_mnist_dir(const std::filesystem::path& dir);
+
+/// The images of one split, [N, H, W], from its IDX files' headers (nothing else is read); the
+/// folder's files checked as check_mnist_dir does.
+std::vector<int64_t> mnist_shape(const std::filesystem::path& dir, Split split);
 
 /// Loads one split: inputs uint8 [N, 1, 28, 28] with a normalising transform to float, targets
 /// int64 [N].
