@@ -58,21 +58,7 @@ models::ZooModel model_shape_of(const TrainOptions& o) {
 }
 
 models::ModelOptions model_options_of(const Json& c) {
-  models::ModelOptions options;
-  if (c.contains("model_options")) {
-    const auto& m = c["model_options"];
-    options.in_channels = m.at("in_channels").get<int64_t>();
-    options.image_size = m.at("image_size").get<int64_t>();
-    options.num_classes = m.at("num_classes").get<int64_t>();
-    options.depth = m.value("depth", options.depth);
-    options.width = m.value("width", options.width);
-    options.heads = m.value("heads", options.heads);
-    options.vocab_size = m.value("vocab_size", options.vocab_size);
-    options.context = m.value("context", options.context);
-    options.tie_embeddings = m.value("tie_embeddings", options.tie_embeddings);
-    options.deferred_init = m.value("deferred_init", options.deferred_init);
-  }
-  return options;
+  return c.value("model_options", Json::object()).get<models::ModelOptions>();
 }
 
 models::ModelOptions model_options_of(const TrainOptions& o) {
@@ -169,40 +155,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
 void validate_mesh(const TrainOptions& o) {
   const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
-  const int per_batch =
-      plan.micro_batches_per_step() / static_cast<int>(o.plan.gradient_accumulation_steps);
-  if (o.batch_size < per_batch) {
-    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " cannot be split into " +
-                     std::to_string(per_batch) +
-                     " micro-batches (--micro-batches): use a batch of at least " +
-                     std::to_string(per_batch) + " rows");
-  }
-  const auto options = model_options_of(o);
-  auto model = model_shape_of(o);
-  if (const auto* gpt = dynamic_cast<const models::GptImpl*>(model.get()))
-    gpt->check_pipeline_stages(o.plan.pp);
-  const int stages = o.plan.pp * plan.virtual_stages();
-  const auto layers = static_cast<int>(model->pipeline_layers()->size());
-  if (layers < stages) {
-    throw UsageError(
-        o.model + " has " + std::to_string(layers) + " layers, too few for " +
-        std::to_string(stages) + " pipeline stages (--pp " + std::to_string(o.plan.pp) +
-        (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
-        "): use a smaller --pp or a deeper model (resnet18 has 10, vit and gpt --layers + 2)");
-  }
-  if (o.plan.tp > 1 && o.model != "vit" && o.model != "gpt") {
-    throw UsageError("--tp " + std::to_string(o.plan.tp) + ": " + o.model +
-                     " has no tensor-parallel layers; use --model vit or gpt, or --pp to cut " +
-                     o.model + " into pipeline stages");
-  }
-  if (o.plan.tp > 1) {
-    if (options.heads % o.plan.tp != 0 || (options.width * options.mlp_ratio) % o.plan.tp != 0) {
-      throw UsageError("--tp " + std::to_string(o.plan.tp) + " must divide the " + o.model + "'s " +
-                       std::to_string(options.heads) + " heads (--heads) and " +
-                       std::to_string(options.width * options.mlp_ratio) +
-                       " MLP features (4 x --width)");
-    }
-  }
+  plan.check_batch_size(o.batch_size);
+  models::check_plan(o.model, model_options_of(o), plan);
 }
 
 void validate(const TrainOptions& o) {
@@ -339,17 +293,9 @@ Json to_json(const TrainOptions& o) {
   config.update(Json(o.plan));
   config.update(Json(o.optimizer));
   config.update(Json(o.data));
-  const auto model = model_options_of(o);
-  config["model_options"] = {{"in_channels", model.in_channels},
-                             {"image_size", model.image_size},
-                             {"num_classes", model.num_classes},
-                             {"depth", model.depth},
-                             {"width", model.width},
-                             {"heads", model.heads},
-                             {"vocab_size", model.vocab_size},
-                             {"context", model.context},
-                             {"tie_embeddings", model.tie_embeddings},
-                             {"deferred_init", o.deferred_init}};
+  auto model = model_options_of(o);
+  model.deferred_init = o.deferred_init;
+  config["model_options"] = model;
   if (o.schedule) {
     config["lr_schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
                              {"warmup_type", o.schedule->warmup_type},

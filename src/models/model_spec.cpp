@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include "cohort/error.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/train/context.h"
 
@@ -69,6 +70,36 @@ train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint6
   spec.forward = [model](const at::Tensor& x) { return model->forward(x); };
   if (mesh) spec.layers = model->pipeline_layers();
   return spec;
+}
+
+void check_plan(const std::string& name, const ModelOptions& options, const train::Plan& plan) {
+  if (plan.tp > 1 && name != "vit" && name != "gpt") {
+    throw UsageError("--tp " + std::to_string(plan.tp) + ": " + name +
+                     " has no tensor-parallel layers; use --model vit or gpt, or --pp to cut " +
+                     name + " into pipeline stages");
+  }
+  if (plan.tp > 1 &&
+      (options.heads % plan.tp != 0 || (options.width * options.mlp_ratio) % plan.tp != 0)) {
+    throw UsageError("--tp " + std::to_string(plan.tp) + " must divide the " + name + "'s " +
+                     std::to_string(options.heads) + " heads (--heads) and " +
+                     std::to_string(options.width * options.mlp_ratio) + " MLP features (" +
+                     std::to_string(options.mlp_ratio) + " x --width)");
+  }
+  if (plan.pp <= 1) return;
+  auto shape = options;
+  shape.deferred_init = true;  // its layers, without their weights
+  const auto model = create_model(name, shape);
+  if (const auto* gpt = dynamic_cast<const GptImpl*>(model.get()))
+    gpt->check_pipeline_stages(plan.pp);
+  const int stages = plan.pp * plan.virtual_stages();
+  const auto layers = static_cast<int>(model->pipeline_layers()->size());
+  if (layers < stages) {
+    throw UsageError(
+        name + " has " + std::to_string(layers) + " layers, too few for " + std::to_string(stages) +
+        " pipeline stages (--pp " + std::to_string(plan.pp) +
+        (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
+        "): use a smaller --pp or a deeper model (resnet18 has 10, vit and gpt --layers + 2)");
+  }
 }
 
 }  // namespace cohort::models

@@ -19,6 +19,37 @@
 namespace cohort::models {
 namespace F = torch::nn::functional;
 
+void to_json(Json& j, const ModelOptions& o) {
+  j = Json{{"num_classes", o.num_classes},
+           {"in_channels", o.in_channels},
+           {"image_size", o.image_size},
+           {"patch_size", o.patch_size},
+           {"depth", o.depth},
+           {"width", o.width},
+           {"heads", o.heads},
+           {"mlp_ratio", o.mlp_ratio},
+           {"vocab_size", o.vocab_size},
+           {"context", o.context},
+           {"tie_embeddings", o.tie_embeddings},
+           {"deferred_init", o.deferred_init}};
+}
+
+void from_json(const Json& j, ModelOptions& o) {
+  const ModelOptions d;
+  o.num_classes = json_field(j, "num_classes", d.num_classes);
+  o.in_channels = json_field(j, "in_channels", d.in_channels);
+  o.image_size = json_field(j, "image_size", d.image_size);
+  o.patch_size = json_field(j, "patch_size", d.patch_size);
+  o.depth = json_field(j, "depth", d.depth);
+  o.width = json_field(j, "width", d.width);
+  o.heads = json_field(j, "heads", d.heads);
+  o.mlp_ratio = json_field(j, "mlp_ratio", d.mlp_ratio);
+  o.vocab_size = json_field(j, "vocab_size", d.vocab_size);
+  o.context = json_field(j, "context", d.context);
+  o.tie_embeddings = json_field(j, "tie_embeddings", d.tie_embeddings);
+  o.deferred_init = json_field(j, "deferred_init", d.deferred_init);
+}
+
 namespace {
 
 using NamedModules = std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>;

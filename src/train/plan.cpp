@@ -18,6 +18,17 @@ int Plan::micro_batches_per_step() const {
   return per_batch * static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
 }
 
+void Plan::check_batch_size(int64_t rows) const {
+  const int per_batch = micro_batches_per_step() /
+                        static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
+  if (rows < per_batch) {
+    throw UsageError("--batch-size " + std::to_string(rows) + " cannot be split into " +
+                     std::to_string(per_batch) +
+                     " micro-batches (--micro-batches): use a batch of at least " +
+                     std::to_string(per_batch) + " rows");
+  }
+}
+
 OptimizerOffload parse_optimizer_offload(const std::string& text) {
   if (text.empty() || text == "none") return {};
   if (text == "cpu") return {.device = OptimizerOffload::Device::kCpu};

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "cohort/error.h"
+#include "cohort/models/model_spec.h"
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/parallel/activation_checkpointing.h"
 #include "cohort/parallel/distributed_data_parallel.h"
@@ -35,6 +36,69 @@ TEST(Zoo, SeedArchitecturesHaveTheirParameterCounts) {
   // torchvision's resnet18 has 11,689,512 parameters with 3 input channels and 1000 classes.
   EXPECT_EQ(count_parameters(create_model("resnet18")),
             11'689'512 - 64 * 2 * 49 - (512 * 990 + 990));
+}
+
+TEST(Zoo, ModelOptionsComeBackFromJsonAndABadValueIsNamed) {
+  ModelOptions options;
+  options.num_classes = 3;
+  options.in_channels = 3;
+  options.image_size = 32;
+  options.depth = 2;
+  options.width = 48;
+  options.heads = 6;
+  options.context = 64;
+  options.tie_embeddings = false;
+  options.deferred_init = true;
+  const auto read = Json(options).get<ModelOptions>();
+  EXPECT_EQ(Json(read), Json(options));
+  EXPECT_EQ(read.image_size, 32);
+  EXPECT_EQ(read.heads, 6);
+  EXPECT_FALSE(read.tie_embeddings);
+  EXPECT_TRUE(read.deferred_init);
+  // A missing key keeps its default; a value of the wrong type names its key.
+  const auto deeper = Json{{"depth", 8}}.get<ModelOptions>();
+  EXPECT_EQ(deeper.depth, 8);
+  EXPECT_EQ(deeper.width, ModelOptions{}.width);
+  cohort::testing::expect_error<UsageError>(
+      [] {
+        Json{{"heads", 2.5}}.get<ModelOptions>();
+      },
+      "field 'heads'");
+}
+
+TEST(Zoo, APlanTheModelCannotTakeIsNamedBeforeAnyWorkerStarts) {
+  const auto problem = [](const std::string& name, const ModelOptions& options,
+                          const train::Plan& plan) -> std::string {
+    try {
+      check_plan(name, options, plan);
+    } catch (const UsageError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(problem("mlp", {}, {.pp = 2}), "");
+  EXPECT_EQ(problem("vit", {}, {.tp = 2}), "");
+  EXPECT_EQ(problem("mlp", {}, {.pp = 4}),
+            "mlp has 3 layers, too few for 4 pipeline stages (--pp 4): use a smaller --pp or a "
+            "deeper model (resnet18 has 10, vit and gpt --layers + 2)");
+  EXPECT_NE(
+      problem("mlp", {}, {.pp = 2, .schedule = parallel::pipeline::ScheduleKind::kInterleaved})
+          .find("too few for 4 pipeline stages (--pp 2, 2 per worker with --schedule "
+                "interleaved)"),
+      std::string::npos);
+  EXPECT_EQ(problem("cnn", {}, {.tp = 2}),
+            "--tp 2: cnn has no tensor-parallel layers; use --model vit or gpt, or --pp to cut "
+            "cnn into pipeline stages");
+  ModelOptions three_heads;
+  three_heads.heads = 3;
+  three_heads.width = 96;
+  EXPECT_EQ(problem("gpt", three_heads, {.tp = 2}),
+            "--tp 2 must divide the gpt's 3 heads (--heads) and 384 MLP features (4 x --width)");
+  EXPECT_NE(problem("gpt", {}, {.pp = 2}).find("gpt ties its output head to its token embedding"),
+            std::string::npos);
+  ModelOptions untied;
+  untied.tie_embeddings = false;
+  EXPECT_EQ(problem("gpt", untied, {.pp = 2}), "");
 }
 
 TEST(Zoo, EveryModelScoresABatch) {

@@ -71,5 +71,22 @@ TEST(Plan, ConflictingOptionsAreOneLineNamingBothAndTheFix) {
             "--cuda-graph");
 }
 
+TEST(Plan, ABatchMustSplitIntoThePipelinesMicroBatches) {
+  // pp 2: 4 micro-batches a batch by default, --micro-batches when given; accumulation adds
+  // batches, not rows.
+  const train::Plan pipeline{.pp = 2, .gradient_accumulation_steps = 3};
+  pipeline.check_batch_size(4);
+  try {
+    pipeline.check_batch_size(3);
+    ADD_FAILURE() << "a batch of 3 rows split into 4 micro-batches";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "--batch-size 3 cannot be split into 4 micro-batches (--micro-batches): use a "
+              "batch of at least 4 rows");
+  }
+  EXPECT_THROW(train::Plan({.pp = 2, .micro_batches = 8}).check_batch_size(7), UsageError);
+  train::Plan{}.check_batch_size(1);  // no pipeline: any batch
+}
+
 }  // namespace
 }  // namespace cohort

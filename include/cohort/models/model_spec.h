@@ -17,4 +17,11 @@ namespace cohort::models {
 /// (the tp group's slices are cut from the same dense weights). UsageError as create_model().
 train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint64_t seed);
 
+/// What model_spec and train::parallelize refuse of `plan` for the zoo's model `name`, checked
+/// before any worker starts (the model built deferred, for its layers): a GPT with tied
+/// embeddings cut into stages, fewer layers than pipeline stages, tensor parallelism for a model
+/// without tensor-parallel layers or a degree that does not divide its heads and MLP features. A
+/// UsageError naming the flags (--pp, --tp, --heads, --width, --layers) and the fix.
+void check_plan(const std::string& name, const ModelOptions& options, const train::Plan& plan);
+
 }  // namespace cohort::models

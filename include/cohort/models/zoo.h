@@ -12,6 +12,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/json.h"
 #include "cohort/parallel/fully_shard.h"
 
 namespace cohort::models {
@@ -49,6 +50,13 @@ struct ModelOptions {
   /// size 1: dense blocks.
   comm::ProcessGroup tensor_parallel_group;
 };
+
+/// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back, without the
+/// tensor-parallel group (each process's own); a missing key keeps its default, a value of the
+/// wrong type is a UsageError naming it.
+void to_json(Json& json, const ModelOptions& options);
+/// ModelOptions from JSON (see to_json).
+void from_json(const Json& json, ModelOptions& options);
 
 /// The zoo's models: the classifiers of the seed examples, which map [N, C, H, W] images to
 /// [N, classes], and a GPT-style language model, which maps tokens [N, T] to [N, T, vocab]. Their

@@ -84,6 +84,10 @@ struct Plan {
   /// Micro-batches of one optimizer step through the pipeline: --micro-batches (its default
   /// resolved) times the accumulation steps. Without a pipeline, the accumulation steps.
   int micro_batches_per_step() const;
+  /// Checks that a batch of `rows` rows per worker splits into the pipeline's micro-batches (a
+  /// smaller batch never steps): a UsageError naming --batch-size, --micro-batches and the
+  /// smallest batch.
+  void check_batch_size(int64_t rows) const;
   /// Checks the plan for `world_size` workers (0: the degrees alone). A UsageError of one line
   /// names the options that conflict (by their flags) and the fix.
   void validate(int world_size = 0) const;
