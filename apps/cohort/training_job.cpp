@@ -14,34 +14,9 @@
 #include "cohort/models/zoo.h"
 
 namespace cohort::cli {
-namespace {
-
-// The zoo model's options for the data: its channels, image size and classes, or a text's
-// vocabulary and context.
-models::ModelOptions model_options_for(const data::LabelledData& labelled,
-                                       models::ModelOptions options) {
-  options.in_channels = labelled.channels;
-  options.image_size = labelled.image_size;
-  options.num_classes = labelled.num_classes;
-  if (labelled.kind == data::LabelledData::Kind::kText) {
-    options.vocab_size = labelled.num_classes;
-    options.context = labelled.context;
-  }
-  return options;
-}
-
-}  // namespace
-
 optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
-  if (c.contains("lr_schedule")) {
-    // A DeepSpeed scheduler: its own step counts.
-    const auto& j = c["lr_schedule"];
-    return optim::LrScheduleOptions{.warmup_steps = j["warmup_steps"].get<int64_t>(),
-                                    .warmup_type = j["warmup_type"].get<std::string>(),
-                                    .warmup_start_ratio = j["warmup_start_ratio"].get<double>(),
-                                    .decay = j["decay"].get<std::string>(),
-                                    .total_steps = j["total_steps"].get<int64_t>()};
-  }
+  // A DeepSpeed scheduler: its own step counts.
+  if (c.contains("lr_schedule")) return c["lr_schedule"].get<optim::LrScheduleOptions>();
   optim::LrScheduleOptions schedule{.warmup_steps = c.value("warmup_steps", int64_t{0}),
                                     .decay = c.value("lr_decay", std::string("none")),
                                     .total_steps = total_steps};
@@ -70,7 +45,7 @@ models::ModelOptions model_options_of(const TrainOptions& o) {
   options.tie_embeddings = !o.untie_embeddings;
   // MNIST-format data: the options' defaults (1x28x28, 10 classes), its files not read.
   if (o.data.data.empty()) return options;
-  return model_options_for(o.data.open(o.seed, o.context), options);
+  return models::options_for_data(o.data.open(o.seed, o.context), options);
 }
 
 data::TensorDataset test_set_of(const Json& c) {
@@ -296,13 +271,7 @@ Json to_json(const TrainOptions& o) {
   auto model = model_options_of(o);
   model.deferred_init = o.deferred_init;
   config["model_options"] = model;
-  if (o.schedule) {
-    config["lr_schedule"] = {{"warmup_steps", o.schedule->warmup_steps},
-                             {"warmup_type", o.schedule->warmup_type},
-                             {"warmup_start_ratio", o.schedule->warmup_start_ratio},
-                             {"decay", o.schedule->decay},
-                             {"total_steps", o.schedule->total_steps}};
-  }
+  if (o.schedule) config["lr_schedule"] = *o.schedule;
   return config;
 }
 

@@ -19,6 +19,17 @@
 namespace cohort::models {
 namespace F = torch::nn::functional;
 
+ModelOptions options_for_data(const data::LabelledData& data, ModelOptions options) {
+  options.in_channels = data.channels;
+  options.image_size = data.image_size;
+  options.num_classes = data.num_classes;
+  if (data.kind == data::LabelledData::Kind::kText) {
+    options.vocab_size = data.num_classes;
+    options.context = data.context;
+  }
+  return options;
+}
+
 void to_json(Json& j, const ModelOptions& o) {
   j = Json{{"num_classes", o.num_classes},
            {"in_channels", o.in_channels},

@@ -46,4 +46,27 @@ double LrScheduleOptions::factor(int64_t step) const {
   return min_lr_ratio + (1.0 - min_lr_ratio) * shape;
 }
 
+void to_json(Json& j, const LrScheduleOptions& o) {
+  j = Json{{"warmup_steps", o.warmup_steps},
+           {"warmup_type", o.warmup_type},
+           {"warmup_start_ratio", o.warmup_start_ratio},
+           {"decay", o.decay},
+           {"total_steps", o.total_steps},
+           {"step_size", o.step_size},
+           {"gamma", o.gamma},
+           {"min_lr_ratio", o.min_lr_ratio}};
+}
+
+void from_json(const Json& j, LrScheduleOptions& o) {
+  const LrScheduleOptions d;
+  o.warmup_steps = json_field(j, "warmup_steps", d.warmup_steps);
+  o.warmup_type = json_field(j, "warmup_type", d.warmup_type);
+  o.warmup_start_ratio = json_field(j, "warmup_start_ratio", d.warmup_start_ratio);
+  o.decay = json_field(j, "decay", d.decay);
+  o.total_steps = json_field(j, "total_steps", d.total_steps);
+  o.step_size = json_field(j, "step_size", d.step_size);
+  o.gamma = json_field(j, "gamma", d.gamma);
+  o.min_lr_ratio = json_field(j, "min_lr_ratio", d.min_lr_ratio);
+}
+
 }  // namespace cohort::optim

@@ -66,6 +66,28 @@ TEST(Zoo, ModelOptionsComeBackFromJsonAndABadValueIsNamed) {
       "field 'heads'");
 }
 
+TEST(Zoo, OptionsForDataTakeItsShapeOrItsVocabulary) {
+  data::LabelledData images;
+  images.channels = 3;
+  images.image_size = 32;
+  images.num_classes = 5;
+  ModelOptions base;
+  base.depth = 2;
+  const auto image_options = options_for_data(images, base);
+  EXPECT_EQ(image_options.in_channels, 3);
+  EXPECT_EQ(image_options.image_size, 32);
+  EXPECT_EQ(image_options.num_classes, 5);
+  EXPECT_EQ(image_options.depth, 2);  // the rest is the base's
+  EXPECT_EQ(image_options.vocab_size, ModelOptions{}.vocab_size);
+  data::LabelledData text;
+  text.kind = data::LabelledData::Kind::kText;
+  text.num_classes = 256;
+  text.context = 48;
+  const auto text_options = options_for_data(text);
+  EXPECT_EQ(text_options.vocab_size, 256);
+  EXPECT_EQ(text_options.context, 48);
+}
+
 TEST(Zoo, APlanTheModelCannotTakeIsNamedBeforeAnyWorkerStarts) {
   const auto problem = [](const std::string& name, const ModelOptions& options,
                           const train::Plan& plan) -> std::string {

@@ -30,6 +30,28 @@ TEST(LrSchedule, WarmupThenCosineLinearOrStepDecay) {
   EXPECT_DOUBLE_EQ(step.factor(6), 0.25);
 }
 
+TEST(LrSchedule, EveryOptionComesBackFromJsonAndGivesTheSameFactors) {
+  const optim::LrScheduleOptions options{.warmup_steps = 2,
+                                         .warmup_type = "log",
+                                         .warmup_start_ratio = 0.1,
+                                         .decay = "step",
+                                         .total_steps = 50,
+                                         .step_size = 4,
+                                         .gamma = 0.5,
+                                         .min_lr_ratio = 0.05};
+  const auto read = Json(options).get<optim::LrScheduleOptions>();
+  EXPECT_EQ(Json(read), Json(options));
+  for (int64_t step : {0, 1, 2, 6, 10, 30}) EXPECT_EQ(read.factor(step), options.factor(step));
+  const auto cosine = Json{{"decay", "cosine"}}.get<optim::LrScheduleOptions>();
+  EXPECT_EQ(cosine.decay, "cosine");
+  EXPECT_EQ(cosine.gamma, optim::LrScheduleOptions{}.gamma);
+  cohort::testing::expect_error<UsageError>(
+      [] {
+        Json{{"step_size", "four"}}.get<optim::LrScheduleOptions>();
+      },
+      "field 'step_size'");
+}
+
 TEST(LrScheduler, SetsEveryGroupsLrAndKeepsAChangeMadeInBetween) {
   auto a = torch::zeros({1}, torch::requires_grad());
   auto b = torch::zeros({1}, torch::requires_grad());

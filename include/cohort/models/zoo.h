@@ -12,6 +12,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include "cohort/comm/process_group.h"
+#include "cohort/data/labelled_data.h"
 #include "cohort/json.h"
 #include "cohort/parallel/fully_shard.h"
 
@@ -50,6 +51,10 @@ struct ModelOptions {
   /// size 1: dense blocks.
   comm::ProcessGroup tensor_parallel_group;
 };
+
+/// `options` for a model of `data`: its channels, image size and classes, or a text's vocabulary
+/// and context (data::open_labelled_data).
+ModelOptions options_for_data(const data::LabelledData& data, ModelOptions options = {});
 
 /// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back, without the
 /// tensor-parallel group (each process's own); a missing key keeps its default, a value of the

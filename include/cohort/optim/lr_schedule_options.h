@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "cohort/json.h"
+
 namespace cohort::optim {
 
 /// A learning-rate schedule: linear warmup, then a decay, as a factor of each param group's lr.
@@ -29,5 +31,11 @@ struct LrScheduleOptions {
   /// The factor of the lr used by step `step` (0: the first).
   double factor(int64_t step) const;
 };
+
+/// The options as JSON (e.g. a Trainer's train_loop_config, for the workers) and back; a missing
+/// key keeps its default, a value of the wrong type is a UsageError naming it.
+void to_json(Json& json, const LrScheduleOptions& options);
+/// LrScheduleOptions from JSON (see to_json).
+void from_json(const Json& json, LrScheduleOptions& options);
 
 }  // namespace cohort::optim
