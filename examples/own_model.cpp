@@ -16,6 +16,7 @@
 #include "cohort/cli/data_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
+#include "cohort/cli/scaling_options.h"
 #include "cohort/cohort.h"
 
 namespace train = cohort::train;
@@ -57,16 +58,17 @@ int main(int argc, char** argv) {
   cohort::cli::PlanOptions plan{
       .pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 2, .precision = "bf16"};
   cohort::optim::OptimizerOptions optimizer{.algorithm = "adamw", .lr = 3e-3};
-  int workers = 4, epochs = 2;
+  cohort::cli::ScalingOptions scaling{.workers = 4};  // --workers, --use-gpu, ...
+  int epochs = 2;
   int64_t batch_size = 16, stop_after_steps = 0;
   cohort::cli::RunOptions run{.name = "own_model", .quiet = true};  // the run's folder and more
   cohort::cli::DataOptions data;  // --data images:DIR, csv:FILE --label COLUMN, ...
   std::string config, deepspeed;
   app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
-  app.add_option("--workers", workers);
   app.add_option("--epochs", epochs);
   app.add_option("--batch-size", batch_size);
   app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
+  cohort::cli::add_scaling_options(&app, scaling);
   cohort::cli::add_data_options(&app, data);
   cohort::cli::add_plan_options(&app, plan);
   cohort::cli::add_optimizer_options(&app, optimizer);
@@ -76,18 +78,18 @@ int main(int argc, char** argv) {
   try {
     cohort::cli::apply_config_file(&app, config);
     if (!deepspeed.empty())  // its plan, optimizer and micro-batch
-      batch_size =
-          cohort::cli::load_deepspeed_config(deepspeed, workers, plan, optimizer).micro_batch_size;
-    plan.plan(workers);  // a bad plan: one line naming the flags, before any worker starts
+      batch_size = cohort::cli::load_deepspeed_config(deepspeed, scaling.workers, plan, optimizer)
+                       .micro_batch_size;
+    // A bad plan or worker flag: one line naming the flags, before any worker starts.
+    const auto scaling_config = scaling.scaling_config(plan.plan(scaling.workers));
     optimizer.check();
     cohort::Json c{{"data", data}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
     c.update(
         {{"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}});
     const auto labelled = data.open(/*seed=*/0);  // a bad flag or file: one line, exit code 2
     std::cout << labelled.describe() << std::endl;
-    cohort::Trainer trainer(train_loop,
-                            {.num_workers = workers, .mesh = {.pp = plan.pp, .tp = plan.tp}},
-                            run.run_config(), c, data.datasets(labelled, /*seed=*/0));
+    cohort::Trainer trainer(train_loop, scaling_config, run.run_config(), c,
+                            data.datasets(labelled, /*seed=*/0));
     const auto result = trainer.fit();
     if (!result.ok()) throw std::runtime_error(*result.error);
     std::cout << "steps " << result.metrics["steps"] << " accuracy "

@@ -27,11 +27,11 @@ CLI::App* add_estimate_command(CLI::App& app, TrainOptions& options) {
 int run_estimate_command(TrainOptions o) {
   apply_deepspeed_config(o);
   // The job's own checks that need no data: the model, the plan, its units and its mesh.
-  const auto plan = o.plan.plan(o.workers);
+  const auto plan = o.plan.plan(o.scaling.workers);
   parallel::checkpointed_units(*model_shape_of(o), plan.activation_checkpointing);
   validate_mesh(o);
   const auto estimate = estimate_of(o);
-  std::cout << "cohort estimate: --model " << o.model << " --workers " << o.workers
+  std::cout << "cohort estimate: --model " << o.model << " --workers " << o.scaling.workers
             << " --batch-size " << o.batch_size << ", per worker (the one that holds the most):\n"
             << estimate.table()
             << "  (not counted: the data set each worker loads and its data pipeline's buffers)\n";

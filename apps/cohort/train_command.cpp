@@ -32,7 +32,7 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
 int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
   const auto launch = runtime::detect_launch();
-  if (launch && cmd.count("--workers") == 0) o.workers = launch->world_size;
+  if (launch && cmd.count("--workers") == 0) o.scaling.workers = launch->world_size;
   apply_deepspeed_config(o);
   validate(o);
   // Every worker runs this too (re-executed, or each rank under a launcher): said once.

@@ -55,19 +55,6 @@ data::TensorDataset test_set_of(const Json& c) {
 
 namespace {
 
-// The flags that fill ScalingConfig's and RunConfig's fields, for the library's checks of them.
-OptionNames flag_names() {
-  auto names = kRunFlagNames;
-  names.insert({{"ScalingConfig.num_workers", "--workers"},
-                {"ScalingConfig.min_workers", "--min-workers"},
-                {"ScalingConfig.num_parameter_servers", "--parameter-servers"},
-                {"ScalingConfig.mesh", "--pp/--tp"},
-                {"ScalingConfig.mesh.pp", "--pp"},
-                {"ScalingConfig.mesh.tp", "--tp"},
-                {"ScalingConfig.resources_per_worker.cpu_threads", "--threads"}});
-  return names;
-}
-
 // The model the workers build, as estimate_memory takes it.
 train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan& plan) {
   return {.module = model,
@@ -78,21 +65,21 @@ train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan
 }  // namespace
 
 void check_offload_room(const TrainOptions& o) {
-  const auto plan = o.plan.plan(o.workers);
+  const auto plan = o.plan.plan(o.scaling.workers);
   if (plan.offload_optimizer.device != train::OptimizerOffload::Device::kDisk) return;
   const auto model = model_shape_of(o);
   const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
-                                               {.world_size = o.workers,
+                                               {.world_size = o.scaling.workers,
                                                 .optimizer_states = o.optimizer.state_buffers(),
                                                 .flat_optimizer = o.optimizer.flat});
   // Every worker of this machine writes its state there.
-  train::check_offload_room(plan.offload_optimizer, estimate.disk_bytes * o.workers);
+  train::check_offload_room(plan.offload_optimizer, estimate.disk_bytes * o.scaling.workers);
 }
 
 train::MemoryEstimate estimate_of(const TrainOptions& o) {
   // Before the model: libtorch and this process, as a worker has them.
   const int64_t runtime = train::resident_bytes();
-  const auto plan = o.plan.plan(o.workers);
+  const auto plan = o.plan.plan(o.scaling.workers);
   const auto options = model_options_of(o);
   torch::manual_seed(o.seed);
   auto model = models::create_model(o.model, options);
@@ -118,7 +105,7 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
     loss.backward();
   });
   return train::estimate_memory(spec, plan,
-                                {.world_size = o.workers,
+                                {.world_size = o.scaling.workers,
                                  .optimizer_states = o.optimizer.state_buffers(),
                                  .flat_optimizer = o.optimizer.flat,
                                  .activation_bytes = activations,
@@ -185,70 +172,51 @@ void validate(const TrainOptions& o) {
     if (o.deepspeed.empty()) throw;
     throw UsageError(std::string(e.what()) + " (from --deepspeed " + o.deepspeed + ")");
   }
-  const auto precision = optim::precision_from_string(o.plan.precision);
-  if (!o.use_gpu) optim::check_precision_supported(precision, c10::Device(c10::kCPU));
   if (o.warmup_steps < 0)
     throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
   if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
     throw UsageError("unknown --lr-decay '" + o.lr_decay + "': choose none, cosine or linear");
-  if (o.gpus_per_worker < 0) {
-    throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " must be >= 0");
-  }
-  if (o.gpus_per_worker > 0 && !o.use_gpu) {
-    throw UsageError("--gpus-per-worker " + std::to_string(o.gpus_per_worker) + " needs --use-gpu");
-  }
   if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
   if (o.batch_size < 1) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
   }
   if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
-  const auto sync = o.plan.sync_mode();
   try {
-    o.plan.plan(o.workers);
+    o.plan.plan(o.scaling.workers);
   } catch (const UsageError& e) {
     if (o.deepspeed.empty()) throw;
     throw UsageError(std::string(e.what()) + " (" + o.deepspeed +
                      " sets --zero-stage, --gradient-accumulation-steps and --gradient-clipping)");
   }
   // What the Trainer checks of the configs these flags fill (the worker counts, the parameter
-  // servers, an elastic mesh, threads, backend, umask, profiled steps), named by the flags.
-  check_configs(scaling_of(o), run_config_of(o), flag_names());
+  // servers, an elastic mesh, threads, GPUs, backend, umask, profiled steps), named by the flags.
+  auto names = kRunFlagNames;
+  names.insert(kScalingFlagNames.begin(), kScalingFlagNames.end());
+  check_configs(scaling_of(o), run_config_of(o), names);
   validate_mesh(o);
-  if (o.plan.cuda_graph) {
-    // What a captured step needs besides the plan's: a GPU, NCCL, and an optimizer whose step
-    // count and learning rate live on the device.
-    const auto refuse = [](const std::string& why) { throw UsageError("--cuda-graph " + why); };
-    if (!o.use_gpu) refuse("needs --use-gpu: CUDA graphs capture GPU work (drop --cuda-graph)");
-    if (!o.optimizer.flat)
-      refuse(
-          "needs the flat optimizer (drop --no-flat-optimizer): torch::optim counts its steps "
-          "on the host, which a replayed graph does not advance");
-    if (o.backend == "gloo")
-      refuse("needs NCCL's collectives (--backend auto or nccl): Gloo's cannot be captured");
-  }
-  if (o.parameter_servers > 0 && !std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
-    throw UsageError("--parameter-servers " + std::to_string(o.parameter_servers) +
-                     " with --sync " + o.plan.sync +
-                     ": parameter servers serve only --sync async-ps:K (K: steps a worker may "
-                     "run ahead of the slowest)");
+  if (o.plan.cuda_graph && !o.optimizer.flat) {
+    // A captured step's optimizer keeps its step count and learning rate on the device.
+    throw UsageError(
+        "--cuda-graph needs the flat optimizer (drop --no-flat-optimizer): torch::optim counts "
+        "its steps on the host, which a replayed graph does not advance");
   }
   if (o.run.recovery == "live") {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
       throw UsageError(refusal);
   }
   const int64_t train_size = o.data.train_rows(labelled);
-  if (o.workers > train_size) {
-    throw UsageError("--workers " + std::to_string(o.workers) + " is more than the " +
+  if (o.scaling.workers > train_size) {
+    throw UsageError("--workers " + std::to_string(o.scaling.workers) + " is more than the " +
                      std::to_string(train_size) +
                      " training examples (each worker needs a shard): use at most " +
                      std::to_string(train_size) + " workers");
   }
   // With a mesh the data is sharded over the data-parallel degree only.
-  const int64_t shard = train_size / std::max(1, o.workers / (o.plan.pp * o.plan.tp));
+  const int64_t shard = train_size / std::max(1, o.scaling.workers / (o.plan.pp * o.plan.tp));
   if (o.batch_size > shard) {
     throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
-                     std::to_string(train_size) + " examples / " + std::to_string(o.workers) +
-                     " workers = " + std::to_string(shard) +
+                     std::to_string(train_size) + " examples / " +
+                     std::to_string(o.scaling.workers) + " workers = " + std::to_string(shard) +
                      "): use a batch size <= " + std::to_string(shard) + " or fewer workers");
   }
 }
@@ -277,21 +245,15 @@ Json to_json(const TrainOptions& o) {
 
 void apply_deepspeed_config(TrainOptions& o) {
   if (o.deepspeed.empty()) return;
-  const auto ds = load_deepspeed_config(o.deepspeed, o.workers, o.plan, o.optimizer);
+  const auto ds = load_deepspeed_config(o.deepspeed, o.scaling.workers, o.plan, o.optimizer);
   o.batch_size = ds.micro_batch_size;
   o.schedule = ds.schedule;
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
-  return ScalingConfig{
-      .num_workers = o.workers,
-      .min_workers = o.min_workers,
-      .use_gpu = o.use_gpu,
-      .resources_per_worker = {.cpu_threads = o.threads, .gpus = o.gpus_per_worker},
-      .backend = o.backend,
-      .on_world_size_change = train::linear_lr_scaling,
-      .num_parameter_servers = o.parameter_servers,
-      .mesh = {.pp = o.plan.pp, .tp = o.plan.tp}};
+  auto scaling = o.scaling.scaling_config(o.plan.plan());
+  scaling.on_world_size_change = train::linear_lr_scaling;
+  return scaling;
 }
 
 RunConfig run_config_of(const TrainOptions& o) {
@@ -373,25 +335,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "gpt: an output head of its own instead of the token embedding's weight (needed "
                 "to cut it into pipeline stages with --pp)");
   add_data_options(cmd, o.data);
-  cmd->option_defaults()->group("Workers and devices");
-  cmd->add_option("--workers", o.workers, "worker processes")->capture_default_str();
-  cmd->add_option(
-         "--min-workers", o.min_workers,
-         "elastic: after a failure restart with as few as this many workers (the lr scaled "
-         "linearly), growing back when slots are free; with --pp/--tp a multiple of pp x tp; "
-         "0: always --workers")
-      ->capture_default_str();
-  cmd->add_option("--threads", o.threads, "CPU threads per worker")->capture_default_str();
-  add_bool_flag(cmd, "--use-gpu", o.use_gpu,
-                "train on GPUs: each worker gets its own (CUDA_VISIBLE_DEVICES)");
-  cmd->add_option("--gpus-per-worker", o.gpus_per_worker,
-                  "GPUs of each worker with --use-gpu (0: 1)")
-      ->capture_default_str();
-  cmd->add_option(
-         "--backend", o.backend,
-         "collectives: auto (Gloo for CPU tensors, NCCL for CUDA ones), gloo (also for CUDA "
-         "tensors, e.g. workers sharing a GPU) or nccl")
-      ->capture_default_str();
+  add_scaling_options(cmd, o.scaling);
   cmd->option_defaults()->group("Training");
   cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
   cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
@@ -414,11 +358,6 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   add_plan_options(cmd, o.plan);
-  cmd->add_option("--parameter-servers", o.parameter_servers,
-                  "with --sync async-ps:K: parameter servers, each holding a shard of the "
-                  "parameters and optimizer state, in the first workers' processes (1 to "
-                  "--workers; 0: one)")
-      ->capture_default_str();
   cmd->add_option("--deepspeed", o.deepspeed,
                   "a DeepSpeed JSON config: its batch sizes, optimizer, scheduler, fp16/bf16, "
                   "gradient_clipping and zero_optimization replace those options");

@@ -15,6 +15,7 @@
 #include "cohort/cli/data_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
+#include "cohort/cli/scaling_options.h"
 #include "cohort/data/data_loader.h"
 #include "cohort/data/dataset.h"
 #include "cohort/data/tensor_dataset.h"
@@ -47,12 +48,9 @@ struct TrainOptions {
   // models::ModelOptions::deferred_init: the workers build each unit's parameters only when the
   // plan places them (ZeRO stage 3: this rank's shards, one unit at a time).
   bool deferred_init = false;
-  int workers = 2;
-  int min_workers = 0;  // elastic: the fewest workers a restarted group may have; 0: fixed size
-  int threads = 1;
-  bool use_gpu = false;
-  int gpus_per_worker = 0;  // with use_gpu, 0 means 1
-  std::string backend = "auto";
+  // The workers: --workers (2 by default), --min-workers, --threads, --use-gpu,
+  // --gpus-per-worker, --backend, --parameter-servers.
+  ScalingOptions scaling{.workers = 2};
   int epochs = 5;
   int64_t batch_size = 64;
   // --optimizer, --lr, --momentum, --sgd-nesterov, --weight-decay, --flat-optimizer (and a
@@ -63,7 +61,6 @@ struct TrainOptions {
   uint64_t seed = 0;
   int64_t max_steps = 0;        // 0: no limit
   double memory_budget_gb = 0;  // --memory-budget: refuse a plan estimated over it (0: none)
-  int parameter_servers = 0;    // with async-ps: servers in the first workers; 0: one
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
   // From a DeepSpeed config only: the lr schedule (and the plan's fp16 loss scaler).
