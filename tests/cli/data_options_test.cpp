@@ -15,6 +15,7 @@
 #include "cohort/data/mnist.h"
 #include "cohort/error.h"
 #include "support/expect.h"
+#include "support/parse_flags.h"
 #include "support/tiny_mnist.h"
 
 namespace cohort::cli {
@@ -24,10 +25,7 @@ DataOptions data_flags(std::vector<std::string> args) {
   CLI::App app("test");
   DataOptions options;
   add_data_options(&app, options);
-  args.insert(args.begin(), "program");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  app.parse(static_cast<int>(argv.size()), argv.data());
+  cohort::testing::parse_flags(app, std::move(args));
   return options;
 }
 

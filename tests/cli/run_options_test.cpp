@@ -10,6 +10,7 @@
 
 #include "cohort/error.h"
 #include "support/expect.h"
+#include "support/parse_flags.h"
 
 namespace cohort::cli {
 namespace {
@@ -18,10 +19,7 @@ RunOptions parsed(std::vector<std::string> args) {
   CLI::App app("test");
   RunOptions options;
   add_run_options(&app, options);
-  args.insert(args.begin(), "program");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  app.parse(static_cast<int>(argv.size()), argv.data());
+  cohort::testing::parse_flags(app, std::move(args));
   return options;
 }
 

@@ -12,6 +12,7 @@
 #include "cohort/cli/plan_options.h"
 #include "cohort/error.h"
 #include "support/expect.h"
+#include "support/parse_flags.h"
 
 namespace cohort::cli {
 namespace {
@@ -24,10 +25,7 @@ std::pair<ScalingOptions, PlanOptions> scaling_flags(std::vector<std::string> ar
   PlanOptions plan;
   add_scaling_options(&app, scaling);
   add_plan_options(&app, plan);
-  args.insert(args.begin(), "program");
-  std::vector<const char*> argv;
-  for (const auto& a : args) argv.push_back(a.c_str());
-  app.parse(static_cast<int>(argv.size()), argv.data());
+  cohort::testing::parse_flags(app, std::move(args));
   return {scaling, plan};
 }
 
