@@ -87,13 +87,7 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
     parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
   const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
-  int64_t rows = o.batch_size;
-  if (plan.pp > 1) {
-    const int64_t per_batch =
-        plan.micro_batches_per_step() / std::max<int64_t>(plan.gradient_accumulation_steps, 1);
-    rows = std::max<int64_t>(1, o.batch_size / std::max<int64_t>(per_batch, 1));
-  }
-  const auto [x, y] = model->sample_batch(rows);
+  const auto [x, y] = model->sample_batch(plan.micro_batch_rows(o.batch_size));
   model->train();
   const auto precision = optim::precision_from_string(o.plan.precision);
   const int64_t activations = train::measure_step_memory(*model, [&] {

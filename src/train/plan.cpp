@@ -18,9 +18,22 @@ int Plan::micro_batches_per_step() const {
   return per_batch * static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
 }
 
+namespace {
+
+// The micro-batches a batch is cut into: --micro-batches with a pipeline, else 1.
+int micro_batches_per_batch(const Plan& plan) {
+  return plan.micro_batches_per_step() /
+         static_cast<int>(std::max<int64_t>(plan.gradient_accumulation_steps, 1));
+}
+
+}  // namespace
+
+int64_t Plan::micro_batch_rows(int64_t batch_size) const {
+  return std::max<int64_t>(1, batch_size / micro_batches_per_batch(*this));
+}
+
 void Plan::check_batch_size(int64_t rows) const {
-  const int per_batch = micro_batches_per_step() /
-                        static_cast<int>(std::max<int64_t>(gradient_accumulation_steps, 1));
+  const int per_batch = micro_batches_per_batch(*this);
   if (rows < per_batch) {
     throw UsageError("--batch-size " + std::to_string(rows) + " cannot be split into " +
                      std::to_string(per_batch) +

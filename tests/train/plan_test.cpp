@@ -86,6 +86,11 @@ TEST(Plan, ABatchMustSplitIntoThePipelinesMicroBatches) {
   }
   EXPECT_THROW(train::Plan({.pp = 2, .micro_batches = 8}).check_batch_size(7), UsageError);
   train::Plan{}.check_batch_size(1);  // no pipeline: any batch
+  // A micro-batch's rows: the batch's share (at least 1), the whole batch without a pipeline.
+  EXPECT_EQ(pipeline.micro_batch_rows(16), 4);
+  EXPECT_EQ(pipeline.micro_batch_rows(3), 1);
+  EXPECT_EQ(train::Plan({.pp = 2, .micro_batches = 8}).micro_batch_rows(64), 8);
+  EXPECT_EQ(train::Plan{.gradient_accumulation_steps = 4}.micro_batch_rows(32), 32);
 }
 
 }  // namespace

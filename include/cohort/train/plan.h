@@ -84,6 +84,9 @@ struct Plan {
   /// Micro-batches of one optimizer step through the pipeline: --micro-batches (its default
   /// resolved) times the accumulation steps. Without a pipeline, the accumulation steps.
   int micro_batches_per_step() const;
+  /// The rows of one micro-batch of a batch of `batch_size` rows: the batch without a pipeline,
+  /// else its share of --micro-batches (at least 1).
+  int64_t micro_batch_rows(int64_t batch_size) const;
   /// Checks that a batch of `rows` rows per worker splits into the pipeline's micro-batches (a
   /// smaller batch never steps): a UsageError naming --batch-size, --micro-batches and the
   /// smallest batch.
