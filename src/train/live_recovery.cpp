@@ -8,6 +8,7 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/train/parallel_model.h"
+#include "train/data_positions.h"
 #include "train/snapshots.h"
 #include "train/worker_session.h"
 
@@ -20,10 +21,6 @@ namespace {
 Json live_meta(const WorkerSession& s, int64_t steps) {
   const int world = s.context.world_size;
   Json metrics{{"steps", steps}, {"world_size", world}, {"epoch", 0}, {kEpochStepMetric, 0}};
-  Json positions = Json::object();
-  for (const auto& [key, position] : s.positions_at_step) {
-    positions[key] = std::vector<data::EpochPosition>(static_cast<size_t>(world), position);
-  }
   if (!s.positions_at_step.empty()) {
     const auto& p = s.positions_at_step.begin()->second;
     if (p.epoch >= 0) {
@@ -41,7 +38,8 @@ Json live_meta(const WorkerSession& s, int64_t steps) {
             {"data_parallel_size", world},
             {"live_recovery", true},
             {"timestamp", std::time(nullptr)}};
-  if (!positions.empty()) meta["data_positions"] = positions;
+  if (!s.positions_at_step.empty())
+    meta[kDataPositionsKey] = replicated_positions(s.positions_at_step, world);
   return meta;
 }
 

@@ -22,6 +22,7 @@
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/prepare.h"
 #include "cohort/train/report.h"
+#include "train/data_positions.h"
 #include "train/live_recovery.h"
 #include "train/run_files.h"
 #include "train/snapshots.h"
@@ -308,10 +309,6 @@ bool step_optimizer(torch::optim::Optimizer& optimizer) {
 
 namespace {
 
-// The data positions a report's checkpoint keeps in meta.json: by stream, one per data-parallel
-// shard then (in shard order).
-constexpr const char* kDataPositionsKey = "data_positions";
-
 // Where stream `key` of shard `shard` of `shards` starts in a run resumed from a checkpoint that
 // kept its position; none otherwise. Rank 0 says when the epoch cannot resume exactly.
 data::EpochStart resume_start_of(const WorkerSession& s, const std::string& key, int shard,
@@ -319,27 +316,9 @@ data::EpochStart resume_start_of(const WorkerSession& s, const std::string& key,
   if (!s.resume_from) return {};
   const auto meta_file = s.resume_from->path() / kMetaFile;
   if (!std::filesystem::exists(meta_file)) return {};
-  const auto meta = read_json(meta_file);
-  if (!meta.contains(kDataPositionsKey)) {
-    if (s.context.world_rank == 0 && meta.contains("metrics") &&
-        meta["metrics"].value(kEpochStepMetric, int64_t{0}) > 0) {
-      std::cerr << "cohort: data: " << key << ": the checkpoint was written inside an epoch by a "
-                << "release that kept no data positions: that epoch starts again from its first "
-                << "batch" << std::endl;
-    }
-    return {};
-  }
-  if (!meta[kDataPositionsKey].contains(key)) return {};
-  std::vector<data::EpochPosition> positions;
-  try {
-    positions = meta[kDataPositionsKey][key].get<std::vector<data::EpochPosition>>();
-  } catch (const Json::exception& e) {
-    throw UsageError("checkpoint " + s.resume_from->path().string() + ": " + kMetaFile + "'s " +
-                     kDataPositionsKey + " of '" + key + "' is malformed (" + e.what() +
-                     "): the checkpoint was altered; resume from another one");
-  }
   std::string warning;
-  const auto start = data::resume_start(positions, shard, shards, &warning);
+  const auto start =
+      resume_start_from(read_json(meta_file), s.resume_from->path(), key, shard, shards, warning);
   if (!warning.empty() && s.context.world_rank == 0)
     std::cerr << "cohort: data: " << key << ": " << warning << std::endl;
   return start;
@@ -455,28 +434,6 @@ Json model_histograms(const WorkerSession& s) {
 
 namespace {
 
-// The ranks' data positions (each {"shard", "shards", "positions": {stream: position}}) as one
-// list per stream, by data-parallel shard: the ranks of a shard (a pipeline's, a tp group's) read
-// the same rows, so any one of them says where it stands.
-Json positions_by_shard(const std::vector<std::string>& ranks) {
-  Json by_stream = Json::object();
-  for (const auto& text : ranks) {
-    const auto rank = Json::parse(text);
-    const auto shard = rank.at("shard").get<size_t>();
-    const auto shards = rank.at("shards").get<size_t>();
-    for (const auto& [stream, position] : rank.at("positions").items()) {
-      auto& list = by_stream[stream];
-      if (list.is_null()) list = Json(std::vector<data::EpochPosition>(shards));
-      list[shard] = position;
-    }
-  }
-  return by_stream;
-}
-
-}  // namespace
-
-namespace {
-
 // The session's writer of asynchronous checkpoints, made at the first.
 AsyncCheckpointWriter& writer_of(WorkerSession& s) {
   if (!s.checkpoint_writer) {
@@ -553,10 +510,7 @@ void report_files(const Json& metrics, const std::optional<std::filesystem::path
   if (!s.data_positions.empty()) {
     const auto position = data_parallel_position(s.context);
     s.store.set(keys + "data/" + std::to_string(s.context.world_rank),
-                Json{{"shard", position.rank},
-                     {"shards", position.world_size},
-                     {"positions", s.data_positions}}
-                    .dump());
+                rank_positions(s.data_positions, position.rank, position.world_size).dump());
   }
   for (const auto& model : s.prepared_models) {
     if (model.parameter_server == nullptr) continue;
@@ -729,8 +683,7 @@ void snapshot_async(const Json& metrics) {
   Json arrival{{"node", ctx.node_rank}, {"saved_ns", wall_clock_ns()}};
   if (!s.data_positions.empty()) {
     const auto position = data_parallel_position(ctx);
-    arrival["data"] = Json{
-        {"shard", position.rank}, {"shards", position.world_size}, {"positions", s.data_positions}};
+    arrival["data"] = rank_positions(s.data_positions, position.rank, position.world_size);
   }
   const std::string keys = "snapshot/" + s.run_token + "/" + std::to_string(index) + "/";
   const auto arrivals =

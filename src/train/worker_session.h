@@ -19,6 +19,7 @@
 #include "cohort/train/config.h"
 #include "cohort/train/context.h"
 #include "train/async_checkpoint.h"
+#include "train/data_positions.h"
 
 namespace cohort::train {
 
@@ -89,7 +90,7 @@ struct WorkerSession {
   // Where this rank's data streams stand ("dataset:<name>" of get_dataset_shard, "loader:<n>" of
   // the n-th prepare_data_loader): a checkpoint keeps them, and a resumed run's streams start
   // after the rows its epoch had taken.
-  std::map<std::string, data::EpochPosition> data_positions;
+  StreamPositions data_positions;
   int data_loaders = 0;
   // train::log_step: which steps rank 0 logs (RunConfig::log_every_steps), when it logged last,
   // and the times between its calls since.
@@ -121,7 +122,7 @@ struct WorkerSession {
   std::function<int64_t()> live_steps;
   std::function<void(const std::filesystem::path& dir)> live_save;
   // The data positions after the last completed step, and that step's rows.
-  std::map<std::string, data::EpochPosition> positions_at_step;
+  StreamPositions positions_at_step;
   int64_t rows_at_step = 0;
 };
 
