@@ -48,11 +48,6 @@ models::ModelOptions model_options_of(const TrainOptions& o) {
   return models::options_for_data(o.data.open(o.seed, o.context), options);
 }
 
-data::TensorDataset test_set_of(const Json& c) {
-  const auto data = c.get<DataOptions>();
-  return data.test_set(data.open(c["seed"].get<uint64_t>(), model_options_of(c).context));
-}
-
 namespace {
 
 // The model the workers build, as estimate_memory takes it.
@@ -266,17 +261,19 @@ void train_loop(const Json& c) {
   // on every rank of a pipeline and of a tp group), shuffled each epoch, normalised in the
   // prefetch thread or by --data-workers preprocessing processes.
   auto train_stream = train::get_dataset_shard("train");
-  const auto data = c.get<DataOptions>();
-  const auto [input_column, target_column] = data.columns();
+  // The data opened as the driver opened it: its columns and its test split.
+  const auto data_options = c.get<DataOptions>();
+  const auto model_options = model_options_of(c);
+  const auto data = data_options.open(c["seed"].get<uint64_t>(), model_options.context);
   train::EpochLoopOptions loop{
       .epochs = c["epochs"].get<int>(),
       .batch_size = c["batch_size"].get<int64_t>(),
-      .input_column = input_column,
-      .target_column = target_column,
+      .input_column = data.input_column,
+      .target_column = data.target_column,
       .max_steps = c["max_steps"].get<int64_t>(),
-      .test_set = test_set_of(c),
+      .test_set = data_options.test_set(data),
       // A language model's rows are sequences: its throughput is reported in tokens too.
-      .tokens_per_row = data.is_text() ? model_options_of(c).context : 0};
+      .tokens_per_row = data.kind == data::LabelledData::Kind::kText ? model_options.context : 0};
   // The checkpoints' and snapshots' cadence, and asynchronous saves.
   c["run"].get<RunOptions>().apply(loop);
   // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
@@ -284,7 +281,7 @@ void train_loop(const Json& c) {
   // without changing its schedule, so that a run stopped and resumed follows the schedule of one
   // never stopped).
   auto model = train::parallelize(
-      models::model_spec(c["model"], model_options_of(c), c["seed"].get<uint64_t>()),
+      models::model_spec(c["model"], model_options, c["seed"].get<uint64_t>()),
       [&](std::vector<at::Tensor> params) {
         return optim::make_optimizer(c.get<optim::OptimizerOptions>(), std::move(params));
       },

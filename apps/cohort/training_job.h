@@ -117,8 +117,6 @@ void validate_mesh(const TrainOptions& options);
 // Parts of the loop.
 // The lr schedule of a job that runs `total_steps` steps.
 optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
-// The test set of a job (its first test_examples rows when set).
-data::TensorDataset test_set_of(const Json& config);
 // The zoo model's options for a job's data (MNIST's 1x28x28 and 10 classes, or what --data
 // holds) and its transformer sizes: from a job's config, and from the command line.
 models::ModelOptions model_options_of(const Json& config);

@@ -39,8 +39,8 @@ void check_flags(const DataOptions& o) {
 }  // namespace
 
 std::string DataOptions::spec() const {
-  if (!data.empty()) return data;
   check_flags(*this);
+  if (!data.empty()) return data;
   if (!data_dir.empty()) return "mnist:" + data_dir;
   if (dataset == "fashion-mnist") return "mnist:" + data::default_fashion_mnist_dir().string();
   throw UsageError("--dataset " + dataset + " has no default location: pass --data-dir");
@@ -50,13 +50,7 @@ bool DataOptions::is_text() const {
   return starts_with(data, "text:") || starts_with(data, "random-tokens:");
 }
 
-std::pair<std::string, std::string> DataOptions::columns() const {
-  if (is_text()) return {"tokens", "next_tokens"};
-  return {"image", "label"};
-}
-
 data::LabelledData DataOptions::open(uint64_t seed, int64_t context) const {
-  check_flags(*this);
   return data::open_labelled_data(spec(), {.label_column = label,
                                            .image_size = image_size,
                                            .context = context,

@@ -33,13 +33,19 @@ TEST(DataOptions, TheFlagsNameTheDataAsOpenLabelledDataReadsIt) {
   EXPECT_EQ(data_flags({}).spec(), "mnist:" + data::default_fashion_mnist_dir().string());
   EXPECT_EQ(data_flags({"--data-dir", "/some/idx"}).spec(), "mnist:/some/idx");
   EXPECT_EQ(data_flags({"--dataset", "mnist", "--data-dir", "/m"}).spec(), "mnist:/m");
-  const auto csv = data_flags({"--data", "csv:rows.csv", "--label", "y"});
-  EXPECT_EQ(csv.spec(), "csv:rows.csv");
+  const auto rows = cohort::testing::write_tiny_csv(
+      cohort::testing::temp_dir("data_options_csv") / "rows.csv", 60, 3, 2);
+  const auto csv = data_flags({"--data", "csv:" + rows.string(), "--label", "label"});
+  EXPECT_EQ(csv.spec(), "csv:" + rows.string());
   EXPECT_FALSE(csv.is_text());
-  EXPECT_EQ(csv.columns(), std::make_pair(std::string("image"), std::string("label")));
+  const auto csv_data = csv.open(0);
+  EXPECT_EQ(std::make_pair(csv_data.input_column, csv_data.target_column),
+            std::make_pair(std::string("image"), std::string("label")));
   const auto tokens = data_flags({"--data", "random-tokens:64"});
   EXPECT_TRUE(tokens.is_text());
-  EXPECT_EQ(tokens.columns(), std::make_pair(std::string("tokens"), std::string("next_tokens")));
+  const auto token_data = tokens.open(0, /*context=*/8);
+  EXPECT_EQ(std::make_pair(token_data.input_column, token_data.target_column),
+            std::make_pair(std::string("tokens"), std::string("next_tokens")));
 }
 
 TEST(DataOptions, MnistFilesGiveTheTrainersShuffledDatasetAndTheTestSetTheFlagsLimit) {

@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <map>
 #include <string>
-#include <utility>
 
 #include <CLI/CLI.hpp>
 
@@ -49,15 +48,14 @@ struct DataOptions {
   int data_workers = 0;
 
   /// What the flags name, as data::open_labelled_data reads it: --data, or mnist:DIR of --dataset
-  /// and --data-dir. UsageError naming the flags that conflict or a dataset without a folder.
+  /// and --data-dir. UsageError naming a bad flag, flags that conflict or a dataset without a
+  /// folder.
   std::string spec() const;
   /// Whether the data is a language model's tokens (text:FILE or random-tokens:ROWS).
   bool is_text() const;
-  /// The columns of a batch after normalisation: the model's input and target ("image" and
-  /// "label", or "tokens" and "next_tokens").
-  std::pair<std::string, std::string> columns() const;
-  /// Checks the flags and opens the data (data::open_labelled_data, its test split drawn with
-  /// `seed`, text in rows of `context` tokens): UsageError naming the flag and the fix.
+  /// Opens the data the flags name (spec(); data::open_labelled_data, its test split drawn with
+  /// `seed`, text in rows of `context` tokens; its input_column and target_column name what a
+  /// batch holds): UsageError naming the flag and the fix.
   data::LabelledData open(uint64_t seed,
                           int64_t context = data::LabelledDataOptions{}.context) const;
   /// The training rows a run reads: the train split's, at most --train-examples.
