@@ -3,7 +3,10 @@
   cohort       build/bench/ddp_throughput --mode ddp
   torch_ddp    bench/ddp_throughput_torch.py (PyTorch DDP, gloo)
   limit        build/bench/ddp_throughput --mode independent (no communication at all)
-Usage: bench/ddp_throughput.py [--rounds 5] [--steps 200] [-- extra flags for the C++ program]"""
+  before       BUILD/bench/ddp_throughput --mode ddp, with --before BUILD: another build of cohort
+               (e.g. the commit before a change), in the same rounds
+Usage: bench/ddp_throughput.py [--rounds 5] [--steps 200] [--before BUILD]
+                               [-- extra flags for the C++ program]"""
 import argparse
 import json
 import os
@@ -24,6 +27,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--build", default=os.path.join(ROOT, "build"))
+    parser.add_argument("--before", help="another build folder whose DDP runs in the same rounds")
     parser.add_argument("extra", nargs="*", help="extra flags for the C++ program")
     args = parser.parse_args()
     common = ["--steps", str(args.steps), "--workers", "2", "--threads", "1", "--batch-size", "64"]
@@ -33,6 +37,9 @@ def main():
         "torch_ddp": ["/usr/bin/python3", os.path.join(ROOT, "bench", "ddp_throughput_torch.py")] + common,
         "limit": [program, "--mode", "independent"] + common,
     }
+    if args.before:
+        contenders["before"] = [os.path.join(args.before, "bench", "ddp_throughput"), "--mode",
+                                "ddp"] + common + args.extra
     results = {name: [] for name in contenders}
     for r in range(args.rounds):
         for name, cmd in contenders.items():
@@ -41,7 +48,7 @@ def main():
             print(f"round {r + 1} {name:10s} samples_per_s {result['samples_per_s']:8.1f}"
                   f"  peak_rss_mb {result['peak_rss_mb']:6.1f}"
                   + (f"  comm_wait_fraction {result['comm_wait_fraction']:.3f}"
-                     if name == "cohort" else ""), flush=True)
+                     if name in ("cohort", "before") else ""), flush=True)
     med = {n: statistics.median(x["samples_per_s"] for x in v) for n, v in results.items()}
     print()
     for name, v in results.items():
@@ -56,6 +63,8 @@ def main():
     print(f"ratio cohort/torch_ddp {med['cohort'] / med['torch_ddp']:.3f}")
     print(f"ratio cohort/limit     {med['cohort'] / med['limit']:.3f}")
     print(f"ratio torch_ddp/limit  {med['torch_ddp'] / med['limit']:.3f}")
+    if args.before:
+        print(f"ratio cohort/before    {med['cohort'] / med['before']:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,7 @@
 #include "cohort/parallel/zero_optimizer.h"
 
 #include <c10/util/accumulate.h>
-#include <c10/util/strides.h>
 #include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -19,20 +17,13 @@
 
 #include "cohort/error.h"
 #include "cohort/parallel/fully_shard.h"
+#include "gradient_buckets.h"
 #include "replicas.h"
 
 namespace cohort::parallel {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// A tensor of `sizes` over flat's storage from element `offset` on, made with set_() (not an
-// autograd view), as the parameters and their gradients must be.
-at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
-  auto t = at::empty({0}, flat.options());
-  t.set_(flat.storage(), flat.storage_offset() + offset, sizes, c10::contiguous_strides(sizes));
-  return t;
-}
 
 // Stage 3 frees a unit's whole parameters by emptying their storage, not by dropping the tensor:
 // the parameters and the views autograd saved in forward share that storage, and see the
@@ -73,16 +64,13 @@ class StoragePool {
 }  // namespace
 
 struct ZeroOptimizer::Engine : ShardedUnitHooks {
-  struct Bucket {
-    std::vector<size_t> params;  // indices into `params`, in the flat buffer's order
-    int64_t offset = 0;          // in the flat buffer (stage 3: as if there were one)
-    int64_t numel = 0;           // padded to a multiple of the world size
-    int unit = -1;               // stage 3: the unit whose parameters it holds, if any
-    at::Tensor full;             // the bucket's parameters, whole (a stage-3 unit's: when gathered)
-    at::Tensor shard;            // this rank's piece of the parameters (the optimizer's param)
-    at::Tensor shard_grad;       // its reduced gradient (the optimizer's gradient buffer)
-    at::Tensor staging;          // the bucket's gradients while they are reduce-scattered
-    size_t pending = 0;
+  // The layout's bucket (its offset: in the flat buffer, at stage 3 as if there were one; its
+  // elements padded to a multiple of the world size), and what ZeRO keeps of it.
+  struct Bucket : detail::GradientBucket {
+    at::Tensor full;        // the bucket's parameters, whole (a stage-3 unit's: when gathered)
+    at::Tensor shard;       // this rank's piece of the parameters (the optimizer's param)
+    at::Tensor shard_grad;  // its reduced gradient (the optimizer's gradient buffer)
+    at::Tensor staging;     // the bucket's gradients while they are reduce-scattered
     comm::Work work;
   };
 
@@ -103,24 +91,17 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   at::Tensor flat_grads;          // stage 1: every parameter's .grad is an alias into it
   std::vector<at::Tensor> grad_aliases;
   std::vector<Bucket> buckets;
-  // A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
-  using Accumulator =
-      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-  std::vector<std::pair<Accumulator, uintptr_t>> hooks;
+  std::unique_ptr<detail::GradientBuckets> gradients;  // the hooks that launch the buckets
   std::weak_ptr<Engine> self;
   optim::FlatOptimizer* optimizer = nullptr;  // the ZeroOptimizer this engine serves
 
   mutable std::mutex mutex;
-  bool sync_enabled = true;
-  bool step_active = false;
-  bool reduced = false;  // a synchronised backward ended since the last step
-  size_t next_bucket = 0;
+  bool reduced = false;          // a synchronised backward ended since the last step
   std::deque<size_t> in_flight;  // stage 2: buckets being reduce-scattered, oldest first
   static constexpr size_t kBucketsInFlight = 2;
   std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers, reused in turn
   size_t next_staging = 0;
   int64_t max_bucket_numel = 0;
-  std::vector<char> ready;
   ZeroStats stats;
 
   // Stage 3: the model's FullyShard units that are sharded, and their state.
@@ -265,7 +246,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   // there.
   void move_into_bucket(size_t i) {
     const auto& b = buckets[bucket_of[i]];
-    auto slot = alias_into(b.full, offsets[i] - b.offset, params[i].sizes());
+    auto slot = detail::alias_into(b.full, offsets[i] - b.offset, params[i].sizes());
     slot.copy_(params[i]);
     params[i].set_data(slot);
   }
@@ -275,34 +256,22 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   void lay_out() {
     torch::NoGradGuard no_grad;
     const int64_t n = world();
-    Bucket current;
-    int64_t offset = 0;
-    auto close = [&] {
-      current.numel = (current.numel + n - 1) / n * n;
-      offset = current.offset + current.numel;
-      buckets.push_back(std::move(current));
-      current = Bucket{};
-      current.offset = offset;
-    };
-    offsets.assign(params.size(), 0);
-    bucket_of.assign(params.size(), 0);
+    std::vector<size_t> order(params.size());
+    for (size_t k = 0; k < params.size(); ++k) order[k] = params.size() - 1 - k;
+    const double cap = static_cast<double>(options.reduce_bucket_size) *
+                       static_cast<double>(params[0].element_size());
     // Stage 3: a unit's parameters are a bucket of their own (they are consecutive: units do
     // not nest).
-    auto unit = [&](size_t k) { return unit_of.empty() ? -1 : unit_of[k]; };
-    for (size_t k = params.size(); k-- > 0;) {
-      const int64_t numel = params[k].numel();
-      if (!current.params.empty() &&
-          (unit(k) != current.unit ||
-           (unit(k) < 0 && current.numel + numel > options.reduce_bucket_size))) {
-        close();
-      }
-      current.unit = unit(k);
-      offsets[k] = current.offset + current.numel;
-      bucket_of[k] = buckets.size();
-      current.params.push_back(k);
-      current.numel += numel;
+    auto layout = detail::lay_out_buckets(
+        params, order,
+        {.first_bucket_bytes = cap, .bucket_bytes = cap, .pad_to = n, .unit_of = unit_of});
+    offsets = std::move(layout.offsets);
+    bucket_of = std::move(layout.bucket_of);
+    for (auto& laid_out : layout.buckets) {
+      buckets.emplace_back();
+      static_cast<detail::GradientBucket&>(buckets.back()) = std::move(laid_out);
     }
-    close();
+    const int64_t offset = layout.numel;
     if (options.stage < 3) {
       flat_params = at::zeros({offset}, params[0].options());
       for (auto& b : buckets) b.full = flat_params.narrow(0, b.offset, b.numel);
@@ -311,7 +280,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     if (options.stage == 1) {
       flat_grads = at::zeros({offset}, params[0].options());
       for (size_t i = 0; i < params.size(); ++i) {
-        grad_aliases.push_back(alias_into(flat_grads, offsets[i], params[i].sizes()));
+        grad_aliases.push_back(detail::alias_into(flat_grads, offsets[i], params[i].sizes()));
         params[i].mutable_grad() = grad_aliases.back();
       }
     }
@@ -340,16 +309,15 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         unit_storage.release(b.full, /*keep=*/false);
         units[static_cast<size_t>(b.unit)].bucket = static_cast<size_t>(&b - buckets.data());
       } else {
-        b.shard = alias_into(b.full, rank() * piece, {piece});
+        b.shard = detail::alias_into(b.full, rank() * piece, {piece});
       }
       // Stage 1 reduces each bucket in place: the shard's gradient is its piece of the full
       // gradient buffer (the flat optimizer adopts it).
       if (options.stage == 1)
-        b.shard.mutable_grad() = alias_into(flat_grads, b.offset + rank() * piece, {piece});
+        b.shard.mutable_grad() = detail::alias_into(flat_grads, b.offset + rank() * piece, {piece});
       stats.shard_numel += piece;
       max_bucket_numel = std::max(max_bucket_numel, b.numel);
     }
-    ready.assign(params.size(), 0);
     stats.buckets = static_cast<int64_t>(buckets.size());
     stats.padded_numel = offset;
   }
@@ -400,51 +368,24 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   }
 
   void install_hooks() {
-    std::weak_ptr<Engine> weak = self;
-    for (size_t i = 0; i < params.size(); ++i) {
-      auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
-      auto key =
-          accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-              [weak, i](const torch::autograd::variable_list& outputs,
-                        const torch::autograd::variable_list&) {
-                if (auto engine = weak.lock()) engine->on_gradient_ready(i);
-                return outputs;
-              }));
-      hooks.emplace_back(std::move(accumulator), key);
-    }
+    std::vector<size_t> all(params.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    gradients = std::make_unique<detail::GradientBuckets>(
+        params, all, mutex,
+        detail::GradientBuckets::Callbacks{.on_gradient = [this](size_t i) { on_gradient(i); },
+                                           .launch = [this](size_t b, bool) { launch(buckets[b]); },
+                                           .finish = [this] { finish(); }},
+        options.overlap_comm);
+    gradients->set_layout(bucket_of, buckets.size());
   }
 
-  void begin_step() {
-    step_active = true;
-    next_bucket = 0;
-    std::fill(ready.begin(), ready.end(), 0);
-    for (auto& b : buckets) b.pending = b.params.size();
-    std::weak_ptr<Engine> weak = self;
-    torch::autograd::Engine::get_default_engine().queue_callback([weak] {
-      if (auto engine = weak.lock()) engine->finalize();
-    });
-  }
-
-  void on_gradient_ready(size_t i) {
-    std::lock_guard lock(mutex);
-    // Stage 3: a unit whose gradients are all there has finished its backward (under no_sync
-    // too): its whole parameters go.
+  // Stage 3: a unit whose gradients are all there has finished its backward (under no_sync too):
+  // its whole parameters go.
+  void on_gradient(size_t i) {
     if (!unit_of.empty() && unit_of[i] >= 0 && backward_active) {
       auto& unit = units[static_cast<size_t>(unit_of[i])];
       if (unit.grads_pending > 0 && --unit.grads_pending == 0) reshard(unit);
     }
-    if (!sync_enabled) return;
-    if (!step_active) begin_step();
-    if (ready[i]) return;
-    ready[i] = 1;
-    auto& bucket = buckets[bucket_of[i]];
-    if (--bucket.pending == 0 && options.overlap_comm) launch_ready_buckets();
-  }
-
-  // Buckets are launched in order on every rank, so that the collectives match.
-  void launch_ready_buckets() {
-    while (next_bucket < buckets.size() && buckets[next_bucket].pending == 0)
-      launch(buckets[next_bucket++]);
   }
 
   // The bucket's gradients (zeros for a parameter without one) into one tensor, reduce-scattered
@@ -453,18 +394,8 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     torch::NoGradGuard no_grad;
     if (options.stage == 1) {
       bucket.staging = flat_grads.narrow(0, bucket.offset, bucket.numel);
-      for (size_t i : bucket.params) {
-        auto& p = params[i];
-        const auto& grad = p.grad();
-        auto& slot = grad_aliases[i];
-        if (grad.defined() && grad.data_ptr() == slot.data_ptr()) continue;
-        if (grad.defined()) {
-          slot.copy_(grad);
-        } else {
-          slot.zero_();
-        }
-        p.mutable_grad() = slot;
-      }
+      for (size_t i : bucket.params)
+        detail::stage_gradient(params[i], grad_aliases[i], /*point_grad_at_slot=*/true);
     } else {
       // Stage 2 holds at most kBucketsInFlight buckets: the oldest is waited for (and freed)
       // before another is staged.
@@ -486,13 +417,9 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
       int64_t filled = 0;  // elements of the bucket written so far, in order
       for (size_t i : bucket.params) {
         auto& p = params[i];
-        auto slot = alias_into(bucket.staging, offsets[i] - bucket.offset, p.sizes());
-        if (p.grad().defined()) {
-          slot.copy_(p.grad());
-          p.mutable_grad() = at::Tensor();
-        } else {
-          slot.zero_();
-        }
+        auto slot = detail::alias_into(bucket.staging, offsets[i] - bucket.offset, p.sizes());
+        detail::stage_gradient(p, slot, /*point_grad_at_slot=*/false);
+        p.mutable_grad() = at::Tensor();
         filled += p.numel();
       }
       bucket.staging.narrow(0, filled, bucket.numel - filled).zero_();  // the padding
@@ -501,12 +428,10 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     if (options.stage >= 2) in_flight.push_back(static_cast<size_t>(&bucket - buckets.data()));
   }
 
-  void finalize() {
-    std::lock_guard lock(mutex);
+  // The end of a synchronised backward, every bucket launched: the reduced shards' gradients in
+  // place.
+  void finish() {
     torch::NoGradGuard no_grad;
-    step_active = false;
-    for (auto& b : buckets) b.pending = 0;
-    launch_ready_buckets();
     const auto wait_start = Clock::now();
     for (auto& b : buckets)
       if (b.work.valid()) b.work.wait();
@@ -582,8 +507,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   }
 
   void remove_hooks() {
-    for (auto& [node, key] : hooks) node->del_post_hook(key);
-    hooks.clear();
+    gradients->remove_hooks();
     for (auto& unit : units) unit.module->set_sharding({}, 0);
   }
 
@@ -998,10 +922,10 @@ std::vector<std::string> ZeroOptimizer::unit_names() const {
 }
 
 ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& zero)
-    : zero_(zero), previous_(zero.engine_->sync_enabled) {
-  zero_.engine_->sync_enabled = false;
+    : zero_(zero), previous_(zero.engine_->gradients->sync()) {
+  zero_.engine_->gradients->set_sync(false);
 }
 
-ZeroOptimizer::NoSyncGuard::~NoSyncGuard() { zero_.engine_->sync_enabled = previous_; }
+ZeroOptimizer::NoSyncGuard::~NoSyncGuard() { zero_.engine_->gradients->set_sync(previous_); }
 
 }  // namespace cohort::parallel
