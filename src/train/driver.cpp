@@ -19,15 +19,16 @@
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/dashboard.h"
+#include "runtime/worker_spec.h"
 #include "train/flight_records.h"
 #include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
 #include "train/run_status.h"
+#include "train/session_spec.h"
 #include "train/snapshots.h"
 #include "train/worker_session.h"
-#include "train/worker_spec.h"
 
 namespace cohort::train {
 namespace {
@@ -346,23 +347,13 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   const std::string threads = std::to_string(scaling_.resources_per_worker.cpu_threads);
   options.env = {{"OMP_NUM_THREADS", threads}, {"MKL_NUM_THREADS", threads}};
   const runtime::HeartbeatOptions heartbeat = heartbeat_options(run_);
-  WorkerSpec spec{
-      .build = runtime::program_build_id(),
-      .driver_pid = ::getpid(),
-      // A fresh token per start: nothing of a failed start's store keys or staging is reused.
-      .run_token = new_run_token(),
+  const SessionSpec session{
       .config = config_,
       .name = recorder_->name(),
       .run_dir = recorder_->run_dir().string(),
       .run_start_ns =
           std::chrono::duration_cast<std::chrono::nanoseconds>(started_wall_.time_since_epoch())
               .count(),
-      .cpu_threads = scaling_.resources_per_worker.cpu_threads,
-      .setup_timeout = run_.setup_timeout,
-      .collective_timeout = run_.collective_timeout,
-      .heartbeat = heartbeat,
-      .gpus_per_worker = gpus_per_worker_,
-      .backend = scaling_.backend,
       .resume_from = resume_from ? resume_from->path().string() : "",
       .resume = run_.resume,
       .snapshot_path = run_.snapshot_path.string(),
@@ -372,13 +363,25 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       .profile_first = run_.profile_steps.first,
       .profile_last = run_.profile_steps.last,
       .log_every_steps = run_.log_every_steps,
-      .umask = run_.umask,
       .scaling = session_scaling_of(scaling_)};
+  runtime::WorkerSpec spec{
+      .build = runtime::program_build_id(),
+      .driver_pid = ::getpid(),
+      // A fresh token per start: nothing of a failed start's store keys or staging is reused.
+      .run_token = new_run_token(),
+      .cpu_threads = scaling_.resources_per_worker.cpu_threads,
+      .setup_timeout = run_.setup_timeout,
+      .collective_timeout = run_.collective_timeout,
+      .heartbeat = heartbeat,
+      .gpus_per_worker = gpus_per_worker_,
+      .backend = scaling_.backend,
+      .umask = run_.umask,
+      .session = to_json(session)};
   // The environment of worker `index` (its slot's) as rank `rank` of `world_size`, with `mine`.
   const int port = store_.port();
   const auto env_of = [port, slots = slots_, gpus = gpus_, per_worker = gpus_per_worker_,
                        secret = store_.secret()](int index, int rank, int world_size,
-                                                 WorkerSpec mine) {
+                                                 runtime::WorkerSpec mine) {
     auto env = runtime::worker_env({.world_rank = rank,
                                     .local_rank = index,
                                     .node_rank = 0,
@@ -388,7 +391,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                                     .master_port = port});
     const int slot = slots[static_cast<size_t>(index)];
     mine.slot = slot;
-    env[runtime::kWorkerSpecVar] = to_text(mine);
+    env[runtime::kWorkerSpecVar] = runtime::to_text(mine);
     runtime::add_job_secret_env(env, secret);
     if (per_worker > 0) env["CUDA_VISIBLE_DEVICES"] = runtime::gpus_of_slot(gpus, slot, per_worker);
     return env;
@@ -581,11 +584,13 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     }
     const int new_world = static_cast<int>(new_group.size());
     for (int i : replacements) {
-      WorkerSpec joining = spec;
+      SessionSpec joining = session;
       joining.live_round = live_rounds;
       joining.live_source = source;
       joining.next_checkpoint_index = recorder_->next_checkpoint_index();
-      group.restart(i, env_of(i, rank_of[static_cast<size_t>(i)], new_world, joining));
+      runtime::WorkerSpec replacement = spec;
+      replacement.session = to_json(joining);
+      group.restart(i, env_of(i, rank_of[static_cast<size_t>(i)], new_world, replacement));
       const auto at = static_cast<size_t>(i);
       lost[at] = false;
       exited[at] = false;

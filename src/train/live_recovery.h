@@ -12,7 +12,7 @@
 //      instead, too few workers, or no answer within the setup timeout fall back to a restart.
 //   3. The source saves its model's whole state into memory (with the data positions after its
 //      last completed step), and every survivor unwinds its loop with a LiveRegroup.
-//   4. run_worker joins the new group (a replacement joins it from the start, WorkerSpec::
+//   4. run_worker joins the new group (a replacement joins it from the start, SessionSpec::
 //      live_round) and heal_from_peer() sends the source's state to the others; the loop runs
 //      again from that checkpoint: every rank the same parameters and optimizer state, the
 //      epoch's remaining rows re-balanced over the new group (data::resume_start).

@@ -26,15 +26,16 @@
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/prepare.h"
 #include "comm/handshake.h"
+#include "runtime/worker_spec.h"
 #include "train/driver.h"
 #include "train/flight_records.h"
 #include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
+#include "train/session_spec.h"
 #include "train/snapshots.h"
 #include "train/worker_session.h"
-#include "train/worker_spec.h"
 
 namespace cohort::train {
 namespace {
@@ -316,14 +317,15 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     auto info = runtime::worker_info_from_env();
     if (!info) throw RuntimeError("worker started without RANK/WORLD_SIZE");
     rank = info->world_rank;
-    const WorkerSpec spec = worker_spec_from_env();
-    set_threads(spec.cpu_threads);
+    const runtime::WorkerSpec process = runtime::worker_spec_from_env();
+    set_threads(process.cpu_threads);
     // First of all, so that even a slow start is not taken for a hang.
-    runtime::start_heartbeat(spec.heartbeat.interval);
+    runtime::start_heartbeat(process.heartbeat.interval);
+    const SessionSpec spec = session_spec_from_json(process.session);
     SessionSettings settings;
     settings.info = *info;
-    settings.setup_timeout = spec.setup_timeout;
-    settings.collective_timeout = spec.collective_timeout;
+    settings.setup_timeout = process.setup_timeout;
+    settings.collective_timeout = process.collective_timeout;
     const auto secret = runtime::job_secret_from_env();
     if (!secret) {
       throw UsageError(std::string("a worker of the local driver got no ") +
@@ -334,7 +336,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
                                            .is_server = false,
                                            .timeout = settings.setup_timeout,
                                            .secret = *secret});
-    settings.run_token = spec.run_token;
+    settings.run_token = process.run_token;
     settings.name = spec.name;
     settings.run_dir = spec.run_dir;
     settings.run_start = std::chrono::system_clock::time_point(
@@ -344,22 +346,22 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.resume = spec.resume;
     settings.snapshot_path = spec.snapshot_path;
     settings.next_checkpoint_index = spec.next_checkpoint_index;
-    settings.device = device_of(spec.gpus_per_worker, info->local_rank);
-    settings.backend = comm::backend_from_string(spec.backend);
+    settings.device = device_of(process.gpus_per_worker, info->local_rank);
+    settings.backend = comm::backend_from_string(process.backend);
     settings.tensorboard_histograms = spec.tensorboard_histograms;
     settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
     settings.log_every_steps = spec.log_every_steps;
     // A process the driver started for the run: every file it creates takes the run's mask. It
     // is set here, not inherited: the worker re-ran the program up to fit(), which may have set
     // its own umask on the way.
-    ::umask(static_cast<mode_t>(spec.umask));
-    settings.umask = spec.umask;
+    ::umask(static_cast<mode_t>(process.umask));
+    settings.umask = process.umask;
     // The driver's ScalingConfig, not this program's first Trainer's.
-    settings.cpu_threads = spec.cpu_threads;
+    settings.cpu_threads = process.cpu_threads;
     settings.scaling = spec.scaling;
     settings.on_world_size_change = scaling.on_world_size_change;
     settings.live_recovery = spec.live_recovery;
-    settings.live_token = spec.run_token;
+    settings.live_token = process.run_token;
     // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
     // new group, from the state of the survivor that stepped furthest.
     std::optional<LiveRegroup> regroup;
@@ -373,7 +375,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
                             .world_size = info->world_size,
                             .source = spec.live_source,
                             .next_checkpoint_index = spec.next_checkpoint_index};
-      settings.run_token = live_run_token(spec.run_token, spec.live_round);
+      settings.run_token = live_run_token(process.run_token, spec.live_round);
       settings.regroup = &*regroup;
     }
     while (true) {
@@ -392,7 +394,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
       settings.info.world_rank = regroup->rank;
       settings.info.world_size = regroup->world_size;
-      settings.run_token = live_run_token(spec.run_token, regroup->round);
+      settings.run_token = live_run_token(process.run_token, regroup->round);
       settings.next_checkpoint_index = regroup->next_checkpoint_index;
       settings.regroup = &*regroup;
       rank = regroup->rank;

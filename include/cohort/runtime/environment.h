@@ -20,7 +20,7 @@ inline constexpr const char* kDataWorkerRole = "data";
 inline constexpr const char* kDriverPidVar = "COHORT_DRIVER_PID";
 inline constexpr const char* kControlFdVar =
     "COHORT_CONTROL_FD";  ///< the control channel's file descriptor (3)
-/// The local driver's whole worker spec, serialized (train/worker_spec.h).
+/// The local driver's whole worker spec, serialized (src/runtime/worker_spec.h).
 inline constexpr const char* kWorkerSpecVar = "COHORT_WORKER_SPEC";
 
 /// Set by `cohort launch` (and read under any launcher): the job's id, the launcher, the restart
