@@ -4,8 +4,8 @@
 // train::parallelize and the library's loop with the plan's and optimizer's flags, by default pp 2
 // x dp 2 (4 workers), ZeRO-1 inside dp, bf16, 2 accumulated batches per step and AdamW; --deepspeed
 // FILE and --config FILE set them too.
-// --stop-after-steps N stops the run inside an epoch with a checkpoint; run it again with the same
-// --name and it resumes with exactly the batches it had not seen.
+// --max-steps N stops the run inside an epoch with a checkpoint; run it again with the same --name
+// and it resumes with exactly the batches it had not seen.
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -14,6 +14,7 @@
 
 #include "cohort/cli/config_file.h"
 #include "cohort/cli/data_options.h"
+#include "cohort/cli/loop_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
 #include "cohort/cli/scaling_options.h"
@@ -25,8 +26,9 @@ void train_loop(const cohort::Json& c) {
   auto& ctx = train::get_context();
   const auto plan = c["plan"].get<cohort::cli::PlanOptions>().plan(ctx.get_world_size());
   const auto data_options = c["data"].get<cohort::cli::DataOptions>();
-  const auto data = data_options.open(/*seed=*/0);
-  torch::manual_seed(0);  // every rank the same weights
+  const auto loop_options = c["loop"].get<cohort::cli::LoopOptions>();
+  const auto data = data_options.open(loop_options.seed);
+  torch::manual_seed(loop_options.seed);  // every rank the same weights
   // The model: its layers in order, which a pipeline cuts into stages.
   const int64_t features = data.channels * data.image_size * data.image_size;
   torch::nn::Sequential net(torch::nn::Flatten(), torch::nn::Linear(features, 64),
@@ -45,10 +47,8 @@ void train_loop(const cohort::Json& c) {
       plan);
   auto stream = train::get_dataset_shard("train");
   // Resumes from the run's checkpoint, inside an epoch where it stopped; reports each epoch.
-  train::EpochLoopOptions loop{.epochs = c["epochs"],
-                               .batch_size = c["batch_size"],
-                               .max_steps = c["stop_after_steps"],
-                               .test_set = data_options.test_set(data)};
+  train::EpochLoopOptions loop{.test_set = data_options.test_set(data)};
+  loop_options.apply(loop);                             // --epochs, --batch-size, --max-steps
   c["run"].get<cohort::cli::RunOptions>().apply(loop);  // --checkpoint-every-steps, snapshots
   train::run_epochs(model, stream, loop);
 }
@@ -58,18 +58,15 @@ int main(int argc, char** argv) {
   cohort::cli::PlanOptions plan{
       .pp = 2, .zero = {.stage = 1}, .gradient_accumulation_steps = 2, .precision = "bf16"};
   cohort::optim::OptimizerOptions optimizer{.algorithm = "adamw", .lr = 3e-3};
-  cohort::cli::ScalingOptions scaling{.workers = 4};  // --workers, --use-gpu, ...
-  int epochs = 2;
-  int64_t batch_size = 16, stop_after_steps = 0;
+  cohort::cli::ScalingOptions scaling{.workers = 4};                // --workers, --use-gpu, ...
+  cohort::cli::LoopOptions loop{.epochs = 2, .batch_size = 16};     // --epochs, --max-steps, ...
   cohort::cli::RunOptions run{.name = "own_model", .quiet = true};  // the run's folder and more
   cohort::cli::DataOptions data;  // --data images:DIR, csv:FILE --label COLUMN, ...
   std::string config, deepspeed;
-  app.add_option("--stop-after-steps", stop_after_steps, "stop (with a checkpoint) after N steps");
-  app.add_option("--epochs", epochs);
-  app.add_option("--batch-size", batch_size);
   app.add_option("--deepspeed", deepspeed, "a DeepSpeed JSON config: its plan and micro-batch");
   cohort::cli::add_scaling_options(&app, scaling);
   cohort::cli::add_data_options(&app, data);
+  cohort::cli::add_loop_options(&app, loop);
   cohort::cli::add_plan_options(&app, plan);
   cohort::cli::add_optimizer_options(&app, optimizer);
   cohort::cli::add_run_options(&app, run);
@@ -78,18 +75,19 @@ int main(int argc, char** argv) {
   try {
     cohort::cli::apply_config_file(&app, config);
     if (!deepspeed.empty())  // its plan, optimizer and micro-batch
-      batch_size = cohort::cli::load_deepspeed_config(deepspeed, scaling.workers, plan, optimizer)
-                       .micro_batch_size;
+      loop.batch_size =
+          cohort::cli::load_deepspeed_config(deepspeed, scaling.workers, plan, optimizer)
+              .micro_batch_size;
     // A bad plan or worker flag: one line naming the flags, before any worker starts.
     const auto scaling_config = scaling.scaling_config(plan.plan(scaling.workers));
     optimizer.check();
-    cohort::Json c{{"data", data}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
-    c.update(
-        {{"epochs", epochs}, {"batch_size", batch_size}, {"stop_after_steps", stop_after_steps}});
-    const auto labelled = data.open(/*seed=*/0);  // a bad flag or file: one line, exit code 2
+    loop.validate();
+    cohort::Json c{
+        {"data", data}, {"loop", loop}, {"plan", plan}, {"optimizer", optimizer}, {"run", run}};
+    const auto labelled = data.open(loop.seed);  // a bad flag or file: one line, exit code 2
     std::cout << labelled.describe() << std::endl;
-    cohort::Trainer trainer(train_loop, scaling_config, run.run_config(), c,
-                            data.datasets(labelled, /*seed=*/0));
+    cohort::Trainer trainer(train_loop, scaling_config, run.run_config(loop.max_steps), c,
+                            data.datasets(labelled, loop.seed));
     const auto result = trainer.fit();
     if (!result.ok()) throw std::runtime_error(*result.error);
     std::cout << "steps " << result.metrics["steps"] << " accuracy "

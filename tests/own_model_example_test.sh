@@ -17,7 +17,7 @@ run() { timeout 240 "$program" --data "csv:$dir/data.csv" --label label --storag
 last() { grep -E '^steps ' <<<"$1" | tail -1; }
 whole="$(run --name whole)"
 printf '%s\n' "$whole"
-stopped="$(run --name resumed --stop-after-steps 4)"
+stopped="$(run --name resumed --max-steps 4)"
 printf '%s\n' "$stopped"
 resumed="$(run --name resumed)"
 printf '%s\n' "$resumed"

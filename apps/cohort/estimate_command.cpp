@@ -32,7 +32,8 @@ int run_estimate_command(TrainOptions o) {
   validate_mesh(o);
   const auto estimate = estimate_of(o);
   std::cout << "cohort estimate: --model " << o.model << " --workers " << o.scaling.workers
-            << " --batch-size " << o.batch_size << ", per worker (the one that holds the most):\n"
+            << " --batch-size " << o.loop.batch_size
+            << ", per worker (the one that holds the most):\n"
             << estimate.table()
             << "  (not counted: the data set each worker loads and its data pipeline's buffers)\n";
   if (o.memory_budget_gb > 0) {

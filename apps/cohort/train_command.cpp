@@ -38,7 +38,7 @@ int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Every worker runs this too (re-executed, or each rank under a launcher): said once.
   const bool driver = runtime::spawned_role().empty() && (!launch || launch->world_rank == 0);
   if (!o.data.data.empty() && !o.run.quiet && driver)
-    std::cout << "data: " << o.data.open(o.seed, o.context).describe() << std::endl;
+    std::cout << "data: " << o.data.open(o.loop.seed, o.context).describe() << std::endl;
   if (o.memory_budget_gb > 0 && driver) {
     const auto estimate = estimate_of(o);
     estimate.check_budget(static_cast<int64_t>(o.memory_budget_gb * 1e9));

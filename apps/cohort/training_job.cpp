@@ -14,18 +14,6 @@
 #include "cohort/models/zoo.h"
 
 namespace cohort::cli {
-optim::LrScheduleOptions schedule_of(const Json& c, int64_t total_steps) {
-  // A DeepSpeed scheduler: its own step counts.
-  if (c.contains("lr_schedule")) return c["lr_schedule"].get<optim::LrScheduleOptions>();
-  optim::LrScheduleOptions schedule{.warmup_steps = c.value("warmup_steps", int64_t{0}),
-                                    .decay = c.value("lr_decay", std::string("none")),
-                                    .total_steps = total_steps};
-  // A run shorter than its warmup decays over what is left: nothing.
-  if (schedule.decay != "none" && schedule.total_steps <= schedule.warmup_steps)
-    schedule.decay = "none";
-  return schedule;
-}
-
 models::ZooModel model_shape_of(const TrainOptions& o) {
   auto options = model_options_of(o);
   options.deferred_init = true;
@@ -45,7 +33,7 @@ models::ModelOptions model_options_of(const TrainOptions& o) {
   options.tie_embeddings = !o.untie_embeddings;
   // MNIST-format data: the options' defaults (1x28x28, 10 classes), its files not read.
   if (o.data.data.empty()) return options;
-  return models::options_for_data(o.data.open(o.seed, o.context), options);
+  return models::options_for_data(o.data.open(o.loop.seed, o.context), options);
 }
 
 namespace {
@@ -76,13 +64,13 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   const int64_t runtime = train::resident_bytes();
   const auto plan = o.plan.plan(o.scaling.workers);
   const auto options = model_options_of(o);
-  torch::manual_seed(o.seed);
+  torch::manual_seed(o.loop.seed);
   auto model = models::create_model(o.model, options);
   if (plan.activation_checkpointing.enabled())
     parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
   const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
-  const auto [x, y] = model->sample_batch(plan.micro_batch_rows(o.batch_size));
+  const auto [x, y] = model->sample_batch(plan.micro_batch_rows(o.loop.batch_size));
   model->train();
   const auto precision = optim::precision_from_string(o.plan.precision);
   const int64_t activations = train::measure_step_memory(*model, [&] {
@@ -106,7 +94,7 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
 void validate_mesh(const TrainOptions& o) {
   const auto plan = o.plan.plan();
   if (!plan.has_mesh()) return;
-  plan.check_batch_size(o.batch_size);
+  plan.check_batch_size(o.loop.batch_size);
   models::check_plan(o.model, model_options_of(o), plan);
 }
 
@@ -124,7 +112,7 @@ void validate(const TrainOptions& o) {
                      "--model gpt");
   }
   // The data as the workers open it: its flags, its files and its shape.
-  const auto labelled = o.data.open(o.seed, o.context);
+  const auto labelled = o.data.open(o.loop.seed, o.context);
   std::string on_data, data_fix;  // what a model that does not fit the data is told
   if (!o.data.data.empty()) {
     if (labelled.kind == data::LabelledData::Kind::kCsv && o.model != "mlp") {
@@ -161,15 +149,7 @@ void validate(const TrainOptions& o) {
     if (o.deepspeed.empty()) throw;
     throw UsageError(std::string(e.what()) + " (from --deepspeed " + o.deepspeed + ")");
   }
-  if (o.warmup_steps < 0)
-    throw UsageError("--warmup-steps " + std::to_string(o.warmup_steps) + " must be >= 0");
-  if (o.lr_decay != "none" && o.lr_decay != "cosine" && o.lr_decay != "linear")
-    throw UsageError("unknown --lr-decay '" + o.lr_decay + "': choose none, cosine or linear");
-  if (o.epochs < 1) throw UsageError("--epochs " + std::to_string(o.epochs) + " must be >= 1");
-  if (o.batch_size < 1) {
-    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " must be >= 1");
-  }
-  if (o.max_steps < 0) throw UsageError("--max-steps must be >= 0 (0: no limit)");
+  o.loop.validate();
   try {
     o.plan.plan(o.scaling.workers);
   } catch (const UsageError& e) {
@@ -202,41 +182,39 @@ void validate(const TrainOptions& o) {
   }
   // With a mesh the data is sharded over the data-parallel degree only.
   const int64_t shard = train_size / std::max(1, o.scaling.workers / (o.plan.pp * o.plan.tp));
-  if (o.batch_size > shard) {
-    throw UsageError("--batch-size " + std::to_string(o.batch_size) + " is larger than a shard (" +
-                     std::to_string(train_size) + " examples / " +
+  if (o.loop.batch_size > shard) {
+    throw UsageError("--batch-size " + std::to_string(o.loop.batch_size) +
+                     " is larger than a shard (" + std::to_string(train_size) + " examples / " +
                      std::to_string(o.scaling.workers) + " workers = " + std::to_string(shard) +
                      "): use a batch size <= " + std::to_string(shard) + " or fewer workers");
   }
 }
 
 std::map<std::string, data::Dataset> datasets_of(const TrainOptions& o) {
-  return o.data.datasets(o.data.open(o.seed, o.context), o.seed);
+  return o.data.datasets(o.data.open(o.loop.seed, o.context), o.loop.seed);
 }
 
 Json to_json(const TrainOptions& o) {
-  Json config{{"model", o.model},           {"epochs", o.epochs},
-              {"batch_size", o.batch_size}, {"seed", o.seed},
-              {"max_steps", o.max_steps},   {"warmup_steps", o.warmup_steps},
-              {"lr_decay", o.lr_decay},     {"run", o.run}};
-  // The plan's and the optimizer's keys as PlanOptions and OptimizerOptions write them (the
-  // values the run uses: the optimizer's defaults where no flag gave one): a user's own program
-  // reads the same.
+  Json config{{"model", o.model}};
+  // The loop's, the plan's and the optimizer's keys as LoopOptions, PlanOptions and
+  // OptimizerOptions write them (the values the run uses: the optimizer's defaults where no flag
+  // gave one): a user's own program reads the same.
+  config.update(Json(o.loop));
+  config["run"] = o.run;
   config.update(Json(o.plan));
   config.update(Json(o.optimizer));
   config.update(Json(o.data));
   auto model = model_options_of(o);
   model.deferred_init = o.deferred_init;
   config["model_options"] = model;
-  if (o.schedule) config["lr_schedule"] = *o.schedule;
   return config;
 }
 
 void apply_deepspeed_config(TrainOptions& o) {
   if (o.deepspeed.empty()) return;
   const auto ds = load_deepspeed_config(o.deepspeed, o.scaling.workers, o.plan, o.optimizer);
-  o.batch_size = ds.micro_batch_size;
-  o.schedule = ds.schedule;
+  o.loop.batch_size = ds.micro_batch_size;
+  o.loop.schedule = ds.schedule;
 }
 
 ScalingConfig scaling_of(const TrainOptions& o) {
@@ -246,7 +224,7 @@ ScalingConfig scaling_of(const TrainOptions& o) {
 }
 
 RunConfig run_config_of(const TrainOptions& o) {
-  auto run = o.run.run_config(o.max_steps);
+  auto run = o.run.run_config(o.loop.max_steps);
   // The checkpoints kept besides the latest are the most accurate.
   run.checkpoint_config.checkpoint_score_attribute = "test_accuracy";
   run.checkpoint_config.checkpoint_score_order = "max";
@@ -264,16 +242,15 @@ void train_loop(const Json& c) {
   // The data opened as the driver opened it: its columns and its test split.
   const auto data_options = c.get<DataOptions>();
   const auto model_options = model_options_of(c);
-  const auto data = data_options.open(c["seed"].get<uint64_t>(), model_options.context);
+  const auto loop_options = c.get<LoopOptions>();
+  const auto data = data_options.open(loop_options.seed, model_options.context);
   train::EpochLoopOptions loop{
-      .epochs = c["epochs"].get<int>(),
-      .batch_size = c["batch_size"].get<int64_t>(),
       .input_column = data.input_column,
       .target_column = data.target_column,
-      .max_steps = c["max_steps"].get<int64_t>(),
       .test_set = data_options.test_set(data),
       // A language model's rows are sequences: its throughput is reported in tokens too.
       .tokens_per_row = data.kind == data::LabelledData::Kind::kText ? model_options.context : 0};
+  loop_options.apply(loop);
   // The checkpoints' and snapshots' cadence, and asynchronous saves.
   c["run"].get<RunOptions>().apply(loop);
   // Every rank the same weights (the same seed; rank 0's), then the optimizer over them (with
@@ -281,12 +258,13 @@ void train_loop(const Json& c) {
   // without changing its schedule, so that a run stopped and resumed follows the schedule of one
   // never stopped).
   auto model = train::parallelize(
-      models::model_spec(c["model"], model_options, c["seed"].get<uint64_t>()),
+      models::model_spec(c["model"], model_options, loop_options.seed),
       [&](std::vector<at::Tensor> params) {
         return optim::make_optimizer(c.get<optim::OptimizerOptions>(), std::move(params));
       },
       models::logits_cross_entropy, plan,
-      schedule_of(c, loop.epochs * train::steps_per_epoch(train_stream, loop.batch_size, plan)));
+      loop_options.lr_schedule(loop.epochs *
+                               train::steps_per_epoch(train_stream, loop.batch_size, plan)));
   if (train::get_context().get_world_rank() == 0 &&
       (plan.has_mesh() || plan.activation_checkpointing.enabled() ||
        plan.zero.shard_group_size > 0))
@@ -327,21 +305,8 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "to cut it into pipeline stages with --pp)");
   add_data_options(cmd, o.data);
   add_scaling_options(cmd, o.scaling);
-  cmd->option_defaults()->group("Training");
-  cmd->add_option("--epochs", o.epochs, "passes over the training set")->capture_default_str();
-  cmd->add_option("--batch-size", o.batch_size, "examples per step per worker")
-      ->capture_default_str();
+  add_loop_options(cmd, o.loop);
   add_optimizer_options(cmd, o.optimizer);
-  cmd->add_option("--warmup-steps", o.warmup_steps, "linear lr warmup over this many steps")
-      ->capture_default_str();
-  cmd->add_option("--lr-decay", o.lr_decay,
-                  "after the warmup: none, cosine or linear (to 0 at the end of the last epoch)")
-      ->capture_default_str();
-  cmd->add_option("--seed", o.seed, "seed for weights and data order")->capture_default_str();
-  cmd->add_option("--max-steps", o.max_steps,
-                  "stop after this many optimizer steps in all (0: no limit), with a checkpoint "
-                  "that a run with more steps resumes from")
-      ->capture_default_str();
   cmd->add_option("--memory-budget", o.memory_budget_gb,
                   "GB per worker: refuse, before any worker starts, a plan that `cohort estimate` "
                   "says needs more, naming its largest item and the option that shrinks it (0: "

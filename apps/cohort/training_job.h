@@ -13,6 +13,7 @@
 #include <CLI/CLI.hpp>
 
 #include "cohort/cli/data_options.h"
+#include "cohort/cli/loop_options.h"
 #include "cohort/cli/plan_options.h"
 #include "cohort/cli/run_options.h"
 #include "cohort/cli/scaling_options.h"
@@ -51,20 +52,15 @@ struct TrainOptions {
   // The workers: --workers (2 by default), --min-workers, --threads, --use-gpu,
   // --gpus-per-worker, --backend, --parameter-servers.
   ScalingOptions scaling{.workers = 2};
-  int epochs = 5;
-  int64_t batch_size = 64;
+  // --epochs, --batch-size, --max-steps, --seed, --warmup-steps, --lr-decay (and a DeepSpeed
+  // config's scheduler).
+  LoopOptions loop;
   // --optimizer, --lr, --momentum, --sgd-nesterov, --weight-decay, --flat-optimizer (and a
   // DeepSpeed config's optimizer section).
   optim::OptimizerOptions optimizer;
-  int64_t warmup_steps = 0;
-  std::string lr_decay = "none";  // after the warmup: none, cosine or linear (to 0 at the end)
-  uint64_t seed = 0;
-  int64_t max_steps = 0;        // 0: no limit
   double memory_budget_gb = 0;  // --memory-budget: refuse a plan estimated over it (0: none)
   // A DeepSpeed JSON config (apply_deepspeed_config reads it into the fields here).
   std::string deepspeed;
-  // From a DeepSpeed config only: the lr schedule (and the plan's fp16 loss scaler).
-  std::optional<optim::LrScheduleOptions> schedule;
   // The plan: degrees, ZeRO, sync mode, precision and loss scaling, accumulation, clipping,
   // capture.
   PlanOptions plan;
@@ -115,8 +111,6 @@ train::Plan plan_of(const Json& config);
 void validate_mesh(const TrainOptions& options);
 
 // Parts of the loop.
-// The lr schedule of a job that runs `total_steps` steps.
-optim::LrScheduleOptions schedule_of(const Json& config, int64_t total_steps);
 // The zoo model's options for a job's data (MNIST's 1x28x28 and 10 classes, or what --data
 // holds) and its transformer sizes: from a job's config, and from the command line.
 models::ModelOptions model_options_of(const Json& config);

@@ -54,7 +54,7 @@ std::shared_ptr<tune::TrialScheduler> scheduler_of(const TuneOptions& o) {
   if (o.scheduler == "fifo") return std::make_shared<tune::FIFOScheduler>();
   if (o.scheduler == "asha") {
     return std::make_shared<tune::ASHAScheduler>(
-        tune::ASHAOptions{.max_t = static_cast<double>(o.job.epochs),
+        tune::ASHAOptions{.max_t = static_cast<double>(o.job.loop.epochs),
                           .grace_period = o.grace_period,
                           .reduction_factor = o.reduction_factor});
   }
