@@ -34,7 +34,8 @@ std::map<std::string, int64_t> items_of(const MemoryEstimate& e) {
 
 // The ZeRO paper's forms for fp32 Adam on 4 workers (16, 8 + 8/N, 4 + 12/N, 16/N bytes per
 // parameter), with what the engines add: ZeRO-1's whole gradient beside its shard, ZeRO-2's two
-// buckets in flight, ZeRO-3's largest unit gathered and the next one prefetched.
+// buckets in flight, ZeRO-3's largest unit gathered and the next one prefetched (and the buffers
+// their all-gathers send from).
 TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   const auto spec = four_units();
   const MemoryEstimateOptions options{.world_size = 4, .optimizer_states = 2};
@@ -61,7 +62,9 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   EXPECT_EQ(two["optimizer state"], 2 * kP);
   auto three = at(3);
   EXPECT_EQ(three["parameters"], kP);
-  EXPECT_EQ(three["gathered units"], 2 * kUnit * 4);  // the running unit and the next
+  EXPECT_EQ(three["gathered units"], 2 * kUnit * 4);      // the running unit and the next
+  EXPECT_EQ(three["all-gather buffers"], 2 * kUnit * 4);  // their sends' buffers on Gloo
+  EXPECT_EQ(two.count("all-gather buffers"), 0u);
   EXPECT_EQ(three["optimizer state"], 2 * kP);
   // Sharding groups of 2: half the state, not a quarter.
   auto hsdp = at(2, 2);
