@@ -120,15 +120,17 @@ const MemoryItem& MemoryEstimate::largest() const {
 }
 
 std::string MemoryEstimate::table() const {
+  // One column of figures: after the longest name, and at least 18 characters in.
+  size_t width = 18;
+  for (const auto& item : items) width = std::max(width, item.name.size() + 2);
+  const auto row = [width](const std::string& name, int64_t bytes) {
+    std::string label = name + ":";
+    label.resize(width, ' ');
+    return "  " + label + megabytes(bytes) + "\n";
+  };
   std::ostringstream out;
-  for (const auto& item : items) {
-    std::string name = item.name + ":";
-    name.resize(std::max<size_t>(name.size(), 18), ' ');
-    out << "  " << name << megabytes(item.bytes) << "\n";
-  }
-  std::string name = "total:";
-  name.resize(18, ' ');
-  out << "  " << name << megabytes(total()) << "\n";
+  for (const auto& item : items) out << row(item.name, item.bytes);
+  out << row("total", total());
   if (disk_bytes > 0)
     out << "  (on disk, beside the total: the optimizer state, " << megabytes(disk_bytes) << ")\n";
   return out.str();

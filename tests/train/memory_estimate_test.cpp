@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <sstream>
 
 #include "cohort/error.h"
 #include "cohort/parallel/fully_shard.h"
@@ -132,6 +133,27 @@ TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
   EXPECT_THROW(estimate_memory(four_units(), Plan{.zero = {.stage = 2, .shard_group_size = 3}},
                                {.world_size = 4}),
                UsageError);
+}
+
+// The table's figures stand in one column, after the longest item's name (ZeRO-3's "all-gather
+// buffers" is longer than the 18 characters the short names take).
+TEST(MemoryEstimate, TheTablesFiguresStandInOneColumn) {
+  Plan plan;
+  plan.zero.stage = 3;
+  plan.zero.param_persistence_threshold = 0;
+  const auto table = estimate_memory(four_units(), plan, {.world_size = 4}).table();
+  std::istringstream lines(table);
+  std::set<size_t> columns;
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("  (", 0) == 0) continue;
+    const auto colon = line.find(':');
+    ASSERT_NE(colon, std::string::npos) << line;
+    const auto figure = line.find_first_not_of(' ', colon + 1);
+    EXPECT_GT(figure, colon + 1) << "no space before the figure: " << line;
+    columns.insert(figure);
+  }
+  EXPECT_EQ(columns.size(), 1u) << table;
+  EXPECT_NE(table.find("  all-gather buffers: "), std::string::npos) << table;
 }
 
 // With the state on disk, memory holds a chunk of it; the folder is checked for room first.
