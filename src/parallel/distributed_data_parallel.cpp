@@ -58,10 +58,6 @@ struct DistributedDataParallel::Impl {
     hook = options.comm_hook ? options.comm_hook : allreduce_hook();
   }
 
-  bool is_slot(size_t i, const at::Tensor& grad) const {
-    return grad.defined() && grad.data_ptr() == slots[i].data_ptr() && grad.is_contiguous();
-  }
-
   // Buckets filled in `order` (the first bucket is the first to be ready in backward).
   void build_buckets(const std::vector<size_t>& order) {
     layout =
@@ -87,7 +83,7 @@ struct DistributedDataParallel::Impl {
       slots[i].copy_(previous[i]);
       if (options.gradient_as_bucket_view) params[i].mutable_grad() = slots[i];
     }
-    if (gradients) gradients->set_layout(layout.bucket_of, layout.buckets.size());
+    gradients->set_layout(layout.bucket_of, layout.buckets.size());
     stats.buckets = static_cast<int64_t>(layout.buckets.size());
   }
 
@@ -127,7 +123,7 @@ struct DistributedDataParallel::Impl {
       if (unused_everywhere[i]) {
         // As in single-process training: no gradient, so the optimizer leaves it alone.
         p.mutable_grad() = at::Tensor();
-      } else if (!is_slot(i, p.grad())) {
+      } else if (!detail::is_slot(p.grad(), slots[i])) {
         if (p.grad().defined()) {
           p.mutable_grad().copy_(slots[i]);
         } else {
@@ -167,7 +163,6 @@ struct DistributedDataParallel::Impl {
             .on_gradient = [this](size_t i) { used_since_sync[i] = 1; },
             .launch = [this](size_t b, bool early) { launch(b, early); },
             .finish = [this] { finish(); }});
-    gradients->set_layout(layout.bucket_of, layout.buckets.size());
   }
 };
 
@@ -190,8 +185,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (const auto& b : impl.module->buffers()) impl.buffers.push_back(b);
   detail::start_replicas(impl.group, impl.names, impl.params, impl.buffers, "prepare_model");
   impl.used_since_sync.assign(impl.params.size(), 0);
-  impl.build_buckets(std::vector<size_t>(impl.trainable.rbegin(), impl.trainable.rend()));
+  // The hooks first: laying out the buckets gives them the layout to track.
   impl.install_hooks();
+  impl.build_buckets(std::vector<size_t>(impl.trainable.rbegin(), impl.trainable.rend()));
 }
 
 DistributedDataParallel::~DistributedDataParallel() { impl_->gradients->remove_hooks(); }

@@ -54,9 +54,13 @@ BucketLayout lay_out_buckets(const std::vector<at::Tensor>& params,
   return layout;
 }
 
+bool is_slot(const at::Tensor& grad, const at::Tensor& slot) {
+  return grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.is_contiguous();
+}
+
 void stage_gradient(at::Tensor& param, at::Tensor& slot, bool point_grad_at_slot) {
   const auto& grad = param.grad();
-  if (grad.defined() && grad.data_ptr() == slot.data_ptr() && grad.is_contiguous()) return;
+  if (is_slot(grad, slot)) return;
   if (grad.defined()) {
     slot.copy_(grad);
   } else {

@@ -49,6 +49,9 @@ struct BucketLayoutOptions {
 BucketLayout lay_out_buckets(const std::vector<at::Tensor>& params,
                              const std::vector<size_t>& order, const BucketLayoutOptions& options);
 
+// Whether `grad` is `slot` itself (a gradient the backward accumulated straight into its bucket).
+bool is_slot(const at::Tensor& grad, const at::Tensor& slot);
+
 // A parameter's gradient into its slot (zeros when it has none); `point_grad_at_slot` then makes
 // the slot its .grad, so that the next backward accumulates straight into the bucket. Nothing is
 // copied when .grad already is the slot.

@@ -188,13 +188,13 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   }
   add("parameters", parameters * e + part.frozen_bytes / plan.tp + part.buffer_bytes,
       stage < 3 ? "--zero-stage 3 shards them over the workers" : "more --workers or --pp");
-  add("gathered units", gathered * e,
-      "a smaller stage3_prefetch_bucket_size or stage3_max_live_parameters (--deepspeed)");
+  const std::string fewer_gathered =
+      "a smaller stage3_prefetch_bucket_size or stage3_max_live_parameters (--deepspeed)";
+  add("gathered units", gathered * e, fewer_gathered);
   // Each all-gather in flight sends from a buffer of the unit's size on Gloo (1.13 has no
   // all-gather into one tensor: an all-to-all of N copies of the shard), pooled for the next:
   // counted always, an upper bound with NCCL.
-  add("all-gather buffers", gathered * e,
-      "a smaller stage3_prefetch_bucket_size or stage3_max_live_parameters (--deepspeed)");
+  add("all-gather buffers", gathered * e, fewer_gathered);
   // Gradients: DDP's bucket views (and a flat optimizer's own buffer); ZeRO-1 the whole gradient
   // and its shard; ZeRO-2 and 3 the shard.
   int64_t gradients = p;
