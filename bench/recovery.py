@@ -19,13 +19,18 @@
             epoch ends only); the next completed step is the one the driver says trained again
   live-shrink
             the same without a replacement (--no-replace-lost --min-workers 3)
+  live-diloco
+            live recovery of DiLoCo (--sync diloco:--diloco-every): the survivors keep their
+            replicas, the replacement takes the source's; the lost worker's steps since the last
+            synchronisation are dropped (not counted as lost: their rows count as trained on)
 
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
 again), the seconds from the kill to the next completed step and to the first step past the killed
 one (rank 0's steps.jsonl, polled every 10 ms), then one JSON line per mode.
 
   bench/recovery.py [--cohort build/cohort] [--kill-at 200] [--every 20] [--snapshot-every 10]
-                    [--model mlp] [--train-args "--epochs 2 --batch-size 64"] [--modes ...]
+                    [--diloco-every 8] [--model mlp] [--train-args "--epochs 2 --batch-size 64"]
+                    [--modes ...]
 
 """
 import argparse
@@ -79,6 +84,8 @@ def run_mode(args, mode, storage):
     train += (["--recovery", "live"] if live else ["--quiet"]) + args.train_args.split()
     if mode == "live-shrink":
         train += ["--no-replace-lost", "--min-workers", "3"]
+    if mode == "live-diloco":
+        train += ["--sync", f"diloco:{args.diloco_every}"]
     if mode in ("snapshot", "torchrun-snapshot"):
         train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
                   args.snapshot_dir]
@@ -157,11 +164,12 @@ def main():
     parser.add_argument("--kill-at", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--snapshot-every", type=int, default=10)
+    parser.add_argument("--diloco-every", type=int, default=8)
     parser.add_argument("--train-args", default="--epochs 2 --batch-size 64",
                         help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
                              "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
-    parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,torchrun,"
-                        "torchrun-snapshot")
+    parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,"
+                        "live-diloco,torchrun,torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")

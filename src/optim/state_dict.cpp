@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <sstream>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
@@ -96,6 +97,12 @@ void set_torch_state(torch::optim::Optimizer& optimizer, const std::string& algo
 }
 
 }  // namespace
+
+StateDict ShardedState::replica_state_as(int rank, int world_size) const {
+  throw std::logic_error("ShardedState::replica_state_as(" + std::to_string(rank) + ", " +
+                         std::to_string(world_size) + "): part '" + part_name() +
+                         "' holds no replicas");
+}
 
 Json optimizer_state_values(const std::string& algorithm, const std::vector<std::string>& names,
                             int64_t steps, double lr) {

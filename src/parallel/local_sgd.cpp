@@ -105,10 +105,17 @@ void LocalSgdOptimizer::copy_options_to_inner() {
 
 torch::Tensor LocalSgdOptimizer::step(LossClosure closure) {
   copy_options_to_inner();
+  stepped_before_failure_ = false;
   auto loss = inner_->step(std::move(closure));
   ++steps_since_sync_;
   ++stats_.inner_steps;
-  if (steps_since_sync_ >= period()) sync();
+  if (steps_since_sync_ >= period()) {
+    // A synchronisation that fails changes nothing (see sync()): the inner step stands, and the
+    // next step synchronises.
+    stepped_before_failure_ = true;
+    sync();
+    stepped_before_failure_ = false;
+  }
   return loss;
 }
 
@@ -123,10 +130,16 @@ void LocalSgdOptimizer::sync() {
       auto out = f.view(f.delta, i);
       at::sub_out(out, f.view(f.global, i), f.params[i]);
     }
+    // The collectives first, into scratch (the pseudo-gradient, copies of the buffers): a peer's
+    // failure in them leaves this rank's replica, global parameters and counters as they were.
+    std::vector<at::Tensor> buffers;
     if (group_.world_size() > 1) {
       std::vector<at::Tensor> delta{f.delta};
       group_.allreduce(delta, comm::ReduceOp::kAvg);
+      for (const auto& b : f.float_buffers) buffers.push_back(b.clone());
+      if (!buffers.empty()) detail::average_across_ranks(group_, buffers);
     }
+    for (size_t i = 0; i < buffers.size(); ++i) f.float_buffers[i].copy_(buffers[i]);
     // Outer SGD on the global parameters, the averaged pseudo-gradient its gradient.
     at::Tensor update = f.delta;
     if (f.momentum.defined()) {
@@ -140,8 +153,6 @@ void LocalSgdOptimizer::sync() {
     f.global.sub_(update, outer.outer_lr);
     for (size_t i = 0; i < f.params.size(); ++i) f.params[i].copy_(f.view(f.global, i));
   }
-  if (group_.world_size() > 1 && !f.float_buffers.empty())
-    detail::average_across_ranks(group_, f.float_buffers);
   steps_since_sync_ = 0;
   ++stats_.outer_steps;
   stats_.sync_seconds +=
@@ -204,9 +215,19 @@ optim::OptimizerState LocalSgdOptimizer::inner_state() const {
 }
 
 optim::StateDict LocalSgdOptimizer::state_dict() const {
+  return state_as(group_.rank(), group_.world_size(), group_.rank() == 0);
+}
+
+optim::StateDict LocalSgdOptimizer::replica_state_as(int rank, int world_size) const {
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    throw UsageError("LocalSgdOptimizer::replica_state_as: rank " + std::to_string(rank) + " of " +
+                     std::to_string(world_size) + ": a rank is in [0, world_size)");
+  }
+  return state_as(rank, world_size, true);
+}
+
+optim::StateDict LocalSgdOptimizer::state_as(int rank, int world, bool with_momentum) const {
   const auto& f = *flat_;
-  const int rank = group_.rank();
-  const int world = group_.world_size();
   optim::StateDict out;
   out.shard = rank;
   out.shards = world;
@@ -217,7 +238,7 @@ optim::StateDict LocalSgdOptimizer::state_dict() const {
   auto inner = inner_state().state_dict();
   for (auto& [name, piece] : inner.tensors)
     out.tensors[kInner + name] = rank_piece(piece.values, rank, world);
-  if (rank == 0 && f.momentum.defined()) {
+  if (with_momentum && f.momentum.defined()) {
     for (size_t i = 0; i < f.params.size(); ++i)
       out.tensors[kMomentum + f.names[i]] = rank_piece(f.view(f.momentum, i), 0, 1);
   }
@@ -249,16 +270,24 @@ optim::StateDict LocalSgdOptimizer::state_to_load(const Json& values) const {
   const int written = values["world_size"].get<int>();
   const int rank = group_.rank();
   const int world = group_.world_size();
-  // As many ranks: each its own replica; another number: the state of rank (rank mod written).
-  const int from = written == world ? rank : rank % written;
+  // As many ranks: each its own replica, or the one live recovery gives it ("replica_from", see
+  // train/live_recovery.h); another number: the state of rank (rank mod written).
+  const int given = values.value("replica_from", rank);
+  if (given < 0 || given >= written) {
+    throw UsageError("LocalSgdOptimizer: the state to load gives rank " + std::to_string(rank) +
+                     " the replica of rank " + std::to_string(given) + " of the " +
+                     std::to_string(written) +
+                     " that wrote it: it was altered or written by another program");
+  }
+  const int from = written == world ? given : rank % written;
   for (const auto& [name, piece] : inner.tensors)
     out.tensors[kInner + name] = rank_piece(room_for(piece), from, written);
   const auto& f = *flat_;
   if (written == world) {
     for (size_t i = 0; i < f.params.size(); ++i)
-      out.tensors[kReplica + f.names[i]] = rank_piece(at::empty_like(f.params[i]), rank, world);
+      out.tensors[kReplica + f.names[i]] = rank_piece(at::empty_like(f.params[i]), from, world);
     for (const auto& b : module_->named_buffers())
-      out.tensors[kReplica + b.key()] = rank_piece(at::empty_like(b.value()), rank, world);
+      out.tensors[kReplica + b.key()] = rank_piece(at::empty_like(b.value()), from, world);
   }
   if (f.momentum.defined() && values.value("momentum", false)) {
     for (size_t i = 0; i < f.params.size(); ++i)

@@ -436,12 +436,12 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   };
 
   // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): the workers lost since the
-  // last regroup; the survivors' optimizer steps as they say they are ready to regroup; the
-  // regroup under way and its cause.
+  // last regroup; how far the survivors got as they say they are ready to regroup (optimizer
+  // steps, then synchronisations: local SGD's); the regroup under way and its cause.
   const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
   const std::vector<int> first_slots = slots_;
   std::vector<bool> lost(static_cast<size_t>(world), false);
-  std::map<int, int64_t> ready;
+  std::map<int, std::pair<int64_t, int64_t>> ready;
   std::optional<Clock::time_point> regroup_deadline;
   std::string regroup_cause;
   std::map<int, std::string> killed_as_hung;  // by worker index: the coordinator's verdict
@@ -541,6 +541,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       return rank_of[static_cast<size_t>(a)] < rank_of[static_cast<size_t>(b)];
     });
     Json members = Json::array();
+    Json progress = Json::array();
     std::vector<int> new_group, replacements;
     int source = -1;
     for (int i : in_group) {
@@ -555,10 +556,12 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
         }
         replacements.push_back(i);
         members.push_back(-1);
+        progress.push_back(nullptr);
       } else {
         if (source < 0 || ready[i] > ready[new_group[static_cast<size_t>(source)]])
           source = static_cast<int>(new_group.size());
         members.push_back(rank_of[at]);
+        progress.push_back(Json::array({ready[i].first, ready[i].second}));
       }
       new_group.push_back(i);
     }
@@ -568,10 +571,11 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                          " the group needs: restarting the group");
       return;
     }
-    const int64_t steps = ready[new_group[static_cast<size_t>(source)]];
+    const int64_t steps = ready[new_group[static_cast<size_t>(source)]].first;
     store_.set(live_decision_key(spec.run_token, ++live_rounds),
                Json{{"members", members},
                     {"source", source},
+                    {"progress", progress},
                     {"next_checkpoint", recorder_->next_checkpoint_index()},
                     {"cause", regroup_cause}}
                    .dump());
@@ -675,7 +679,8 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     }
     if (type == "heartbeat") return;
     if (type == "regroup_ready") {
-      ready[index] = json_field<int64_t>(message, "steps", 0);
+      ready[index] = {json_field<int64_t>(message, "steps", 0),
+                      json_field<int64_t>(message, "syncs", 0)};
       in_loop.erase(index);  // its loop unwinds; it says so again in the new group
       return;
     }

@@ -3,13 +3,17 @@
 #include <algorithm>
 #include <ctime>
 #include <exception>
+#include <set>
 #include <vector>
 
 #include "cohort/comm/process_group.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/train/parallel_model.h"
 #include "train/data_positions.h"
+#include "train/manifest.h"
+#include "train/run_state.h"
 #include "train/snapshots.h"
+#include "train/state_files.h"
 #include "train/worker_session.h"
 
 namespace cohort::train {
@@ -43,7 +47,47 @@ Json live_meta(const WorkerSession& s, int64_t steps) {
   return meta;
 }
 
+// The replica part's file of rank `rank` of `world_size` (state_files.h's naming).
+std::string replica_file(int rank, int world_size) {
+  return detail::rank_file(optim::kReplicasPart, rank, world_size, ".safetensors");
+}
+
+// Into a rank's folder of the live state, which holds the source's replica manifest: the manifest
+// names this rank's replica file only, its own (`from` = `rank`) or the source's (`from`, which
+// the values then name as "replica_from").
+void point_replica_manifest(const std::filesystem::path& dir, int rank, int from, int world_size) {
+  const auto name = std::string(optim::kReplicasPart);
+  const auto manifest = dir / detail::state_manifest_file(name);
+  auto values =
+      detail::read_state_manifest(read_json(manifest), name, "live state " + manifest.string())
+          .values;
+  if (from == rank) {
+    values.erase("replica_from");
+  } else {
+    values["replica_from"] = from;
+  }
+  detail::write_state_manifest(dir, name, world_size, {replica_file(from, world_size)}, values);
+}
+
 }  // namespace
+
+void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
+                     const torch::optim::Optimizer& optimizer, int rank, int world_size,
+                     bool whole) {
+  const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  if (sharded == nullptr || !sharded->holds_replicas()) {
+    save_checkpoint(dir, module, optimizer);
+    return;
+  }
+  std::filesystem::create_directories(dir);
+  const auto replica = sharded->replica_state_as(rank, world_size);
+  save_state(dir, sharded->part_name(), replica);
+  if (!whole) return;
+  safetensors::write(dir / "model.safetensors", sharded->model_state(), {{"format", "pt"}});
+  detail::write_state_manifest(dir, sharded->part_name(), world_size,
+                               {replica_file(rank, world_size)}, replica.values);
+  detail::save_run_state(dir);
+}
 
 void regroup_after(const PeerFailureError& error) {
   const auto original = std::current_exception();
@@ -51,10 +95,14 @@ void regroup_after(const PeerFailureError& error) {
   if (s == nullptr || !s->live_recovery || !s->live_save || !runtime::has_control_channel())
     std::rethrow_exception(original);
   const int64_t steps = s->live_steps();
+  const int64_t syncs = s->live_syncs ? s->live_syncs() : 0;
   Json decision;
   try {
-    runtime::send_control_message(
-        Json{{"type", "regroup_ready"}, {"steps", steps}, {"cause", error.what()}}.dump());
+    runtime::send_control_message(Json{
+        {"type", "regroup_ready"},
+        {"steps", steps},
+        {"syncs", syncs},
+        {"cause", error.what()}}.dump());
     const std::string key = live_decision_key(s->live_token, s->live_round + 1);
     s->store.wait({key}, s->collective_timeout);
     decision = Json::parse(s->store.get(key));
@@ -70,17 +118,29 @@ void regroup_after(const PeerFailureError& error) {
                       .world_size = static_cast<int>(members.size()),
                       .source = decision.at("source").get<int>(),
                       .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>()};
-  if (regroup.rank == regroup.source) {
-    regroup.state = std::make_shared<CapturedFiles>();
-    // Captured in memory: nothing is written under this folder but its empty directories.
+  if (s->live_replicas) {
+    // By new rank: as far as the source (steps and synchronisations), a survivor keeps its own.
+    const auto& progress = decision.at("progress");
+    const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
+    for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
+  }
+  // Captured in memory: nothing is written under the folder but its empty directories.
+  const auto capture = [&](bool whole) {
+    auto files = std::make_shared<CapturedFiles>();
     const auto root =
         s->context.storage_path / (".live-capture-rank" + std::to_string(s->context.world_rank));
     {
-      FileCapture capture(root, *regroup.state);
-      s->live_save(root);
-      write_atomically(root / kMetaFile, live_meta(*s, steps).dump(2) + "\n");
+      FileCapture capture(root, *files);
+      s->live_save(root, regroup.rank, regroup.world_size, whole);
+      if (whole) write_atomically(root / kMetaFile, live_meta(*s, steps).dump(2) + "\n");
     }
     remove_tree(root);
+    return files;
+  };
+  if (regroup.rank == regroup.source) {
+    regroup.state = capture(true);
+  } else if (!regroup.keeps_own.empty() && regroup.keeps_own[static_cast<size_t>(regroup.rank)]) {
+    regroup.own = capture(false);
   }
   throw regroup;
 }
@@ -89,6 +149,11 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,
                           int umask) {
+  // With replicas: whether new rank `rank` keeps its own (a replacement knows none, and keeps
+  // none).
+  const auto keeps_own = [&](int rank) {
+    return !regroup.keeps_own.empty() && regroup.keeps_own[static_cast<size_t>(rank)];
+  };
   remove_tree(dir);
   std::filesystem::create_directories(dir);
   if (regroup.world_size > 1) {
@@ -100,9 +165,14 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                                              .prefix = "live/" + token + "/heal",
                                              .backend = comm::Backend::kGloo});
     if (regroup.rank == regroup.source) {
+      // Its replica only to those that do not keep theirs.
+      const std::set<std::string> replica{replica_file(regroup.source, regroup.world_size)};
       std::vector<SendsInFlight> sends;
-      for (int peer = 0; peer < regroup.world_size; ++peer)
-        if (peer != regroup.source) sends.push_back(send_files_async(group, peer, *regroup.state));
+      for (int peer = 0; peer < regroup.world_size; ++peer) {
+        if (peer == regroup.source) continue;
+        sends.push_back(send_files_async(group, peer, *regroup.state,
+                                         keeps_own(peer) ? replica : std::set<std::string>{}));
+      }
       for (auto& send : sends) send.wait();
     } else {
       for (const auto& [name, bytes] : receive_files(group, regroup.source))
@@ -110,6 +180,13 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
     }
   }
   if (regroup.rank == regroup.source) merge_captured(*regroup.state, dir, 0, umask);
+  if (std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart))) {
+    // Its own replica beside the source's files (the source's manifest stays), or the source's.
+    if (regroup.own) merge_captured(*regroup.own, dir, 1, umask);
+    point_replica_manifest(dir, regroup.rank,
+                           keeps_own(regroup.rank) ? regroup.rank : regroup.source,
+                           regroup.world_size);
+  }
   write_manifest(dir);
   return Checkpoint::from_directory(dir);
 }

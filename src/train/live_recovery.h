@@ -8,19 +8,29 @@
 //   2. The driver, once every survivor is ready, publishes the new group: the survivors keep
 //      their order, and a replacement it starts in the lost worker's slot takes the lost rank
 //      (FailureConfig::replace_lost), else the group shrinks (down to ScalingConfig::min_workers).
-//      The survivor that stepped furthest is the source of the state. A survivor that ended
-//      instead, too few workers, or no answer within the setup timeout fall back to a restart.
+//      The survivor that got furthest (optimizer steps, then synchronisations) is the source of
+//      the state. A survivor that ended instead, too few workers, or no answer within the setup
+//      timeout fall back to a restart.
 //   3. The source saves its model's whole state into memory (with the data positions after its
-//      last completed step), and every survivor unwinds its loop with a LiveRegroup.
+//      last completed step), and every survivor unwinds its loop with a LiveRegroup. Where each
+//      rank holds a replica of its own (local SGD, DiLoCo: ShardedState::holds_replicas), a
+//      survivor as far as the source keeps its replica and inner optimizer state (captured too);
+//      the others (a replacement, a survivor behind) take the source's. The lost worker's
+//      progress since the last synchronisation is gone; its rows count as trained on.
 //   4. run_worker joins the new group (a replacement joins it from the start, SessionSpec::
 //      live_round) and heal_from_peer() sends the source's state to the others; the loop runs
-//      again from that checkpoint: every rank the same parameters and optimizer state, the
-//      epoch's remaining rows re-balanced over the new group (data::resume_start).
+//      again from that checkpoint: every rank the same parameters and optimizer state (or its
+//      own replica), the epoch's remaining rows re-balanced over the new group
+//      (data::resume_start).
 #pragma once
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
@@ -41,6 +51,10 @@ struct LiveRegroup {
   int64_t next_checkpoint_index = 0;
   // The source's whole state (a checkpoint's files, meta.json included); null on the others.
   std::shared_ptr<CapturedFiles> state;
+  // With replicas (local SGD's): by new rank, whether it keeps its own replica (as far as the
+  // source, the source included); empty without. `own` is this rank's replica when it keeps it.
+  std::vector<bool> keeps_own;
+  std::shared_ptr<CapturedFiles> own;
 };
 
 // The run token of live round `round` of a start whose token is `token`: the regrouped group's
@@ -50,7 +64,8 @@ inline std::string live_run_token(const std::string& token, int round) {
 }
 // Where the driver publishes live round `round` of the group started with `token`: a JSON object
 // {"members": [by new rank: the old rank, or -1 for a replacement], "source": the new rank whose
-// state everyone takes, "next_checkpoint": the next checkpoint's index, "cause": the failures}.
+// state everyone takes, "progress": [by new rank: [optimizer steps, synchronisations], or null
+// for a replacement], "next_checkpoint": the next checkpoint's index, "cause": the failures}.
 inline std::string live_decision_key(const std::string& token, int round) {
   return "live/" + token + "/" + std::to_string(round);
 }
@@ -70,9 +85,19 @@ decltype(auto) live_collective(Collective&& collective) {
   }
 }
 
+// What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`: where
+// every rank holds the same state, the whole checkpoint (the source's); with replicas, this
+// rank's as rank `rank` of the new group of `world_size` and, when `whole` (the source), the
+// state every rank shares: the model file (the global parameters), the replicas' manifest (its
+// values; the files each rank's own) and the run state.
+void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
+                     const torch::optim::Optimizer& optimizer, int rank, int world_size,
+                     bool whole);
+
 // In the new group (rank `rank` of `world_size` through `store`): the source sends the state the
-// regroup captured to the others over a Gloo group of their own; every rank writes it into `dir`
-// (replaced) with its manifest, and gets it as a checkpoint to resume from.
+// regroup captured to the others over a Gloo group of their own (its replica only to those that
+// do not keep theirs); every rank writes it into `dir` (replaced) with its manifest, and gets it
+// as a checkpoint to resume from.
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,

@@ -187,8 +187,11 @@ ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(st
   State* st = state_.get();
   session->live_owner = st;
   session->live_steps = [st] { return st->steps; };
-  session->live_save = [st](const std::filesystem::path& dir) {
-    save_checkpoint(dir, *st->model.module, *st->optimizer);
+  session->live_syncs = [st] { return st->sharded ? st->sharded->synchronizations() : 0; };
+  session->live_replicas = st->sharded != nullptr && st->sharded->holds_replicas();
+  session->live_save = [st](const std::filesystem::path& dir, int rank, int world_size,
+                            bool whole) {
+    save_live_state(dir, *st->model.module, *st->optimizer, rank, world_size, whole);
   };
   // The driver regroups live only while every survivor trains such a model.
   if (runtime::has_control_channel())
@@ -201,6 +204,8 @@ ParallelModel::~ParallelModel() {
   if (state_ && session != nullptr && session->live_owner == state_.get()) {
     session->live_owner = nullptr;
     session->live_steps = nullptr;
+    session->live_syncs = nullptr;
+    session->live_replicas = false;
     session->live_save = nullptr;
   }
 }
@@ -363,13 +368,28 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
 }
 
 StepResult ParallelModel::step(const at::Tensor& inputs, const at::Tensor& targets) {
-  return live_collective([&] {
-    auto result = step_here(inputs, targets);
-    // Where a regroup resumes the data from: after this step.
+  auto& st = *state_;
+  // The step's count and schedule; and where a regroup resumes the data from: after this batch.
+  const auto done = [&](bool stepped) {
+    if (stepped) {
+      st.lr_scheduler->step();
+      ++st.steps;
+    }
     if (WorkerSession* session = current_session(); session != nullptr && session->live_recovery) {
       session->positions_at_step = session->data_positions;
       session->rows_at_step = inputs.size(0);
     }
+  };
+  return live_collective([&] {
+    StepResult result;
+    try {
+      result = step_here(inputs, targets);
+    } catch (const PeerFailureError&) {
+      // Local SGD: the inner step was taken and only the synchronisation after it failed.
+      if (st.sharded != nullptr && st.sharded->stepped_before_failure()) done(true);
+      throw;
+    }
+    done(result.stepped);
     return result;
   });
 }
@@ -398,8 +418,6 @@ StepResult ParallelModel::step_here(const at::Tensor& inputs, const at::Tensor& 
     loss = st.accumulate(inputs, targets);
     st.clip_and_step();
   }
-  st.lr_scheduler->step();
-  ++st.steps;
   return {.loss = loss};
 }
 

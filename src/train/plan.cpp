@@ -155,10 +155,9 @@ std::string Plan::live_recovery_refusal() const {
   } else if (zero.stage > 0) {
     what = "ZeRO stage " + std::to_string(zero.stage) +
            " (--zero-stage: the lost worker's optimizer shard lives nowhere else)";
-  } else if (!std::holds_alternative<parallel::Synchronous>(sync)) {
+  } else if (std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
     what = parallel::to_string(sync) +
-           " (--sync-mode: the replicas differ between synchronisations, and the lost one's "
-           "progress lives nowhere else)";
+           " (--sync: the parameters the lost worker served live nowhere else)";
   } else {
     return "";
   }

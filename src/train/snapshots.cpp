@@ -97,11 +97,16 @@ void SendsInFlight::wait() {
   tensors.clear();
 }
 
-SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files) {
+SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files,
+                               const std::set<std::string>& except) {
+  auto sent = files.files();
+  sent.erase(std::remove_if(sent.begin(), sent.end(),
+                            [&](const auto& file) { return except.count(file.first) > 0; }),
+             sent.end());
   // A header (each file's name and size), its length, then each file's bytes: the receiver
   // allocates as it learns the sizes.
   Json header = Json::array();
-  for (const auto& [name, bytes] : files.files())
+  for (const auto& [name, bytes] : sent)
     header.push_back({{"name", name}, {"size", bytes->size()}});
   SendsInFlight sends;
   const std::string text = header.dump();
@@ -109,7 +114,7 @@ SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const Captur
   auto header_bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
   std::memcpy(header_bytes.data_ptr(), text.data(), text.size());
   sends.tensors.push_back(header_bytes);
-  for (const auto& [name, bytes] : files.files())
+  for (const auto& [name, bytes] : sent)
     if (!bytes->empty()) sends.tensors.push_back(bytes_tensor(*bytes));
   for (const auto& tensor : sends.tensors) sends.works.push_back(group.send_async(tensor, peer));
   return sends;

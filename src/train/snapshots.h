@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -49,7 +50,9 @@ struct SendsInFlight {
   std::vector<at::Tensor> tensors;
   void wait();
 };
-SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files);
+// Every file of `files` but those named in `except`.
+SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files,
+                               const std::set<std::string>& except = {});
 std::vector<std::pair<std::string, std::string>> receive_files(comm::ProcessGroup& group, int peer);
 
 // One committed snapshot of a node: the ranks whose files it holds, its own or copies.

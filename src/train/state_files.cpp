@@ -16,6 +16,15 @@ std::string rank_file(const char* stem, int rank, int world_size, const char* ex
 
 std::string state_manifest_file(const std::string& name) { return name + "_manifest.json"; }
 
+void write_state_manifest(const std::filesystem::path& dir, const std::string& name, int shards,
+                          const std::vector<std::string>& files, const Json& values) {
+  write_atomically(
+      dir / state_manifest_file(name),
+      Json{{"format", kStateFormat}, {"shards", shards}, {"files", files}, {"values", values}}.dump(
+          2) +
+          "\n");
+}
+
 StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
     : dir_(std::move(dir)), what_("its " + name + " state") {
   const auto manifest_file = dir_ / state_manifest_file(name);
@@ -106,15 +115,10 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
     safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}});
   }
   if (state.shard != 0) return;
-  Json files = Json::array();
+  std::vector<std::string> files;
   for (int r = 0; r < state.shards && !values_only; ++r)
     files.push_back(detail::rank_file(name.c_str(), r, state.shards, ".safetensors"));
-  write_atomically(dir / detail::state_manifest_file(name), Json{{"format", detail::kStateFormat},
-                                                                 {"shards", state.shards},
-                                                                 {"files", files},
-                                                                 {"values", state.values}}
-                                                                    .dump(2) +
-                                                                "\n");
+  detail::write_state_manifest(dir, name, state.shards, files, state.values);
 }
 
 void load_state(const std::filesystem::path& dir, const std::string& name, optim::Stateful& part) {

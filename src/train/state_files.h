@@ -19,6 +19,10 @@ std::string rank_file(const char* stem, int rank, int world_size, const char* ex
 
 // The manifest of part `name`'s files in a checkpoint folder.
 std::string state_manifest_file(const std::string& name);
+// Writes part `name`'s manifest into `dir` (replaced): the part is in `shards` pieces, of which
+// `dir` holds `files`; its `values`.
+void write_state_manifest(const std::filesystem::path& dir, const std::string& name, int shards,
+                          const std::vector<std::string>& files, const Json& values);
 
 // The files of one part's state in `dir`, checked against their manifest.
 class StateFiles {

@@ -381,7 +381,11 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     while (true) {
       SessionScope scope(open_session(settings, datasets));
       try {
-        if (regroup) regroup->state.reset();  // sent: its memory is free again
+        if (regroup) {
+          // Sent and written: their memory is free again.
+          regroup->state.reset();
+          regroup->own.reset();
+        }
         train_loop(spec.config);
         finish_session();
         break;

@@ -117,10 +117,16 @@ struct WorkerSession {
   std::function<bool()> collectives_aborted;
   int live_round = 0;
   // The ParallelModel the loop trains (registered by it while it lives): its optimizer steps and
-  // a save of its whole state, which a regroup takes from the survivor that stepped furthest.
+  // synchronisations (local SGD's), whether each rank holds a replica of its own, and a save of
+  // its state as rank `rank` of the regrouped `world_size` (live_recovery.h's save_live_state),
+  // which a regroup takes from the survivor that got furthest (and with replicas from those as
+  // far: their own).
   const void* live_owner = nullptr;
   std::function<int64_t()> live_steps;
-  std::function<void(const std::filesystem::path& dir)> live_save;
+  std::function<int64_t()> live_syncs;
+  bool live_replicas = false;
+  std::function<void(const std::filesystem::path& dir, int rank, int world_size, bool whole)>
+      live_save;
   // The data positions after the last completed step, and that step's rows.
   StreamPositions positions_at_step;
   int64_t rows_at_step = 0;

@@ -256,7 +256,7 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "unknown --recovery 'heal': choose restart or live"},
       {{"--recovery", "live", "--zero-stage", "2", "--workers", "2", "--data-dir", data.string()},
        "live recovery (--recovery live) cannot go on without a lost worker of ZeRO stage 2"},
-      {{"--recovery", "live", "--sync", "local-sgd:4", "--workers", "2", "--data-dir",
+      {{"--recovery", "live", "--sync", "async-ps:0", "--workers", "2", "--data-dir",
         data.string()},
        "--recovery restart, with --snapshot-every-steps K"},
       {{"--recovery", "live", "--no-replace-lost", "--workers", "3", "--data-dir", data.string()},

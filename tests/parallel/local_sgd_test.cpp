@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
 #include <mutex>
 #include <sstream>
 
@@ -161,6 +162,67 @@ TEST(LocalSgdOptimizer, DiLoCoAppliesNesterovMomentumToThePseudoGradient) {
       for (size_t i = 0; i < global.size(); ++i) alone->parameters()[i].copy_(global[i]);
     }
     expect_close(parameters_of(net), global, 1e-5);
+  });
+}
+
+// A peer lost in a synchronisation: the error reaches the step's caller; the inner step stands
+// (live recovery counts the step as taken), nothing of the synchronisation is applied, and the
+// next step synchronises.
+TEST(LocalSgdOptimizer, ASynchronisationAPeerLeavesChangesNothingButTheInnerStepStands) {
+  run_ranks(2,
+            [&](comm::ProcessGroup& g) {
+              auto net = make_net();
+              auto alone = make_net();
+              auto alone_optimizer = sgd(alone);
+              LocalSgdOptimizer optimizer(net.ptr(), sgd(net), g, LocalSgd{.every = 2});
+              train_step(net, optimizer, g.rank(), 0);
+              train_step(alone, *alone_optimizer, g.rank(), 0);
+              EXPECT_FALSE(optimizer.stepped_before_failure());
+              if (g.rank() == 1) return;  // it leaves before the synchronisation
+              std::map<std::string, torch::Tensor> global;
+              for (const auto& [name, tensor] : optimizer.global_state())
+                global[name] = tensor.clone();
+              EXPECT_THROW(train_step(net, optimizer, 0, 1), PeerFailureError);
+              train_step(alone, *alone_optimizer, 0, 1);
+              EXPECT_TRUE(optimizer.stepped_before_failure());
+              expect_close(parameters_of(net), parameters_of(alone), 0);
+              for (const auto& [name, tensor] : optimizer.global_state())
+                EXPECT_TRUE(torch::equal(tensor, global.at(name))) << name;
+              EXPECT_EQ(optimizer.synchronizations(), 0);
+              EXPECT_EQ(optimizer.steps_since_sync(), 2);  // due at the next step
+            },
+            {.timeout = std::chrono::seconds(60)});
+}
+
+// Live recovery's view of a replica: as another rank of another group, the outer momentum on
+// every rank; and a rank given another's replica ("replica_from") asks for that rank's piece.
+TEST(LocalSgdOptimizer, AReplicaAsAnotherRankOfAnotherGroupLoadsThere) {
+  const DiLoCo mode{.inner_steps = 2, .outer_lr = 0.7, .outer_momentum = 0.9, .nesterov = true};
+  run_ranks(2, [&](comm::ProcessGroup& g) {
+    auto net = make_net();
+    LocalSgdOptimizer optimizer(net.ptr(), sgd(net, 0.0), g, mode);
+    for (int s = 0; s < 3; ++s) train_step(net, optimizer, g.rank(), s);
+    const std::string weight = std::string(optim::kReplicaTensors) + "0.weight";
+    const auto state = optimizer.replica_state_as(2, 3);
+    EXPECT_EQ(state.shard, 2);
+    EXPECT_EQ(state.shards, 3);
+    const auto& piece = state.tensors.at(weight);
+    const int64_t n = piece.values.numel();
+    EXPECT_EQ(piece.offset, 2 * n);
+    EXPECT_EQ(piece.numel, 3 * n);
+    EXPECT_TRUE(torch::equal(piece.values, net->parameters()[0].detach().reshape(-1)));
+    EXPECT_EQ(state.tensors.at(std::string(optim::kMomentumTensors) + "0.weight").offset, 0);
+    EXPECT_EQ(state.values["world_size"], 3);
+    EXPECT_EQ(state.values["steps_since_sync"], 1);
+    testing::expect_error<UsageError>([&] { optimizer.replica_state_as(3, 3); },
+                                      "a rank is in [0, world_size)");
+    auto values = optimizer.state_dict().values;
+    EXPECT_EQ(optimizer.state_to_load(values).tensors.at(weight).offset, g.rank() * n);
+    values["replica_from"] = 1;
+    EXPECT_EQ(optimizer.state_to_load(values).tensors.at(weight).offset, n);
+    values["replica_from"] = 2;
+    testing::expect_error<UsageError>([&] { optimizer.state_to_load(values); },
+                                      "the replica of rank 2 of the 2");
   });
 }
 

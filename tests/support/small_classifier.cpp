@@ -41,7 +41,8 @@ train::Plan plan_named(const std::string& name) {
   return plan;
 }
 
-train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, double dropout) {
+train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, double dropout,
+                                    bool stateless) {
   torch::manual_seed(0);
   const auto linear = [&](int64_t in, int64_t out) -> torch::nn::AnyModule {
     if (plan.zero.stage == 3 || plan.activation_checkpointing.enabled())
@@ -64,7 +65,8 @@ train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, 
       {.module = net.ptr(),
        .forward = [net](const at::Tensor& x) mutable { return net->forward(x); },
        .layers = net},
-      [](std::vector<at::Tensor> p) {
+      [stateless](std::vector<at::Tensor> p) -> std::unique_ptr<torch::optim::Optimizer> {
+        if (stateless) return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
         return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(1e-2));
       },
       [](const at::Tensor& out, const at::Tensor& y) {

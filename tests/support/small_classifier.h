@@ -26,9 +26,10 @@ data::Dataset classifier_dataset();
 train::Plan plan_named(const std::string& name);
 
 // An MLP of 8 features, `hidden_layers` of 16 and 4 classes, every rank the same weights, made
-// parallel by `plan` with AdamW; with ZeRO-3 or activation checkpointing each linear layer is a
-// unit (parallel::FullyShard). With `dropout` above 0, dropout of that probability after each
-// hidden layer.
-train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, double dropout = 0);
+// parallel by `plan` with AdamW (or, `stateless`, plain SGD: no state per parameter); with ZeRO-3
+// or activation checkpointing each linear layer is a unit (parallel::FullyShard). With `dropout`
+// above 0, dropout of that probability after each hidden layer.
+train::ParallelModel classifier_net(const train::Plan& plan, int hidden_layers, double dropout = 0,
+                                    bool stateless = false);
 
 }  // namespace cohort::testing

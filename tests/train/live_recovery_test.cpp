@@ -6,6 +6,7 @@
 
 #include <csignal>
 #include <fstream>
+#include <iomanip>
 #include <map>
 #include <set>
 
@@ -21,20 +22,33 @@ namespace {
 using testing::kClassifierBatch;
 using testing::kClassifierRows;
 
-// Two epochs of an MLP under config {"plan": "ddp"|"zero1", "files", "fault": "none"|"kill"|
-// "stop", "fault_rank", "fault_step"}: the rank fails so once, right after that step. Every
-// process writes its pid to <files>-pids.txt at each start of the loop, and "<epoch> <id>" of
-// each row of its completed steps to <files>-<pid>.txt. Each epoch reports the spread of the
-// ranks' parameter sums (0: the replicas agree).
+// Two epochs of an MLP under config {"plan": a testing::plan_named, "sgd": plain SGD instead of
+// AdamW, "files", "fault": "none"|"kill"|"stop", "fault_rank", "fault_step"}: the rank fails so
+// once, right after that step. Every process writes its pid to <files>-pids.txt at each start of
+// the loop, and "<epoch> <id>" of each row of its completed steps to <files>-<pid>.txt. Each epoch
+// reports the spread of the ranks' parameter sums after a synchronisation (0: the replicas
+// agree). Each process also writes to <files>-<pid>-sums.txt the sum of its parameters after
+// each step ("step <steps> <sum>") and after loading a checkpoint ("loaded <sum>").
+double parameter_sum(train::ParallelModel& model) {
+  double sum = 0;
+  for (const auto& p : model.module().parameters())
+    sum += p.detach().to(torch::kDouble).sum().item<double>();
+  return sum;
+}
+
 void live_loop(const Json& c) {
   auto& ctx = train::get_context();
   const std::string files = c["files"];
   std::ofstream(files + "-pids.txt", std::ios::app) << ::getpid() << "\n";
-  auto model = testing::classifier_net(testing::plan_named(c["plan"]), /*hidden_layers=*/1);
+  auto model = testing::classifier_net(testing::plan_named(c["plan"]), /*hidden_layers=*/1,
+                                       /*dropout=*/0, /*stateless=*/c.value("sgd", false));
+  std::ofstream sums(files + "-" + std::to_string(::getpid()) + "-sums.txt", std::ios::app);
+  sums << std::setprecision(17);
   train::ResumePoint start;
   if (auto checkpoint = train::get_checkpoint()) {
     model.load(*checkpoint);
     start = train::resume_point(*checkpoint);
+    sums << "loaded " << parameter_sum(model) << std::endl;
   }
   std::ofstream rows(files + "-" + std::to_string(::getpid()) + ".txt", std::ios::app);
   auto stream = train::get_dataset_shard("train");
@@ -43,6 +57,7 @@ void live_loop(const Json& c) {
     stream.set_epoch(epoch);
     for (auto& batch : stream.iter_batches({.batch_size = kClassifierBatch})) {
       model.step(batch["x"], batch["y"]);
+      sums << "step " << model.steps() << " " << parameter_sum(model) << std::endl;
       for (int64_t i = 0; i < batch["x"].size(0); ++i)
         rows << epoch << " " << batch["x"][i][0].item<int64_t>() << "\n";
       rows.flush();
@@ -53,15 +68,13 @@ void live_loop(const Json& c) {
         if (fault == "stop") std::raise(SIGSTOP);
       }
     }
-    double sum = 0;
-    for (const auto& p : model.module().parameters())
-      sum += p.detach().to(torch::kDouble).sum().item<double>();
-    const auto sums =
-        torch::cat(ctx.get_process_group().allgather(torch::tensor({sum}, torch::kDouble)));
+    model.sync();  // local SGD's replicas averaged
+    const auto spread = torch::cat(
+        ctx.get_process_group().allgather(torch::tensor({parameter_sum(model)}, torch::kDouble)));
     train::report({{"epoch", epoch + 1},
                    {"steps", model.steps()},
                    {"world_size", ctx.get_world_size()},
-                   {"replica_spread", (sums.max() - sums.min()).item<double>()}},
+                   {"replica_spread", (spread.max() - spread.min()).item<double>()}},
                   model);
   }
 }
@@ -163,6 +176,75 @@ TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) 
   }
 }
 
+// Local SGD and DiLoCo (a synchronisation every 2 steps), rank 1 killed right after one: the
+// survivors keep their replicas and the replacement takes a survivor's (all the same then); with
+// a stateless inner optimizer the run ends as one that never failed, bit for bit.
+TEST_F(LiveRecovery, LocalSgdAndDiLoCoGoOnWithTheSurvivorsReplicas) {
+  for (const std::string plan : {"local_sgd", "diloco"}) {
+    SCOPED_TRACE(plan);
+    const auto whole = fit(plan + "-whole", {{"plan", plan}, {"sgd", true}});
+    ASSERT_TRUE(whole.ok()) << *whole.error;
+    const auto killed = fit(
+        plan + "-killed",
+        {{"plan", plan}, {"sgd", true}, {"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}});
+    ASSERT_TRUE(killed.ok()) << *killed.error;
+    ASSERT_EQ(killed.failures.size(), 1u);
+    EXPECT_EQ(killed.failures[0]["live"], true);
+    EXPECT_EQ(killed.failures[0]["restarted"], false);
+    const auto starts = loop_starts(plan + "-killed");
+    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 4u);
+    EXPECT_EQ(killed.metrics["world_size"], 3);
+    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
+    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
+    expect_every_row_once_per_epoch(plan + "-killed");
+    const auto expected = model_of(whole);
+    const auto actual = model_of(killed);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (const auto& [tensor_name, tensor] : expected)
+      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+  }
+}
+
+// Local SGD with AdamW, a worker killed between synchronisations (after step 3 of a period of 2):
+// the two survivors go on alone from their own replicas and optimizer state (each loads the
+// parameters it had, which differ), the lost one's progress since the synchronisation dropped;
+// every row trained on once, the replicas one model after the epoch's synchronisation.
+TEST_F(LiveRecovery, LocalSgdSurvivorsGoOnAloneBetweenSynchronisations) {
+  FailureConfig failure;
+  failure.replace_lost = false;
+  const auto result =
+      fit("local-shrunk",
+          {{"plan", "local_sgd"}, {"fault", "kill"}, {"fault_rank", 0}, {"fault_step", 3}}, failure,
+          /*min_workers=*/2);
+  ASSERT_TRUE(result.ok()) << *result.error;
+  ASSERT_EQ(result.failures.size(), 1u);
+  EXPECT_EQ(result.failures[0]["live"], true);
+  EXPECT_EQ(result.metrics["world_size"], 2);
+  EXPECT_EQ(result.metrics["replica_spread"], 0.0);
+  expect_every_row_once_per_epoch("local-shrunk");
+  const auto starts = loop_starts("local-shrunk");
+  std::vector<double> loaded;
+  for (int pid : std::set<int>(starts.begin(), starts.end())) {
+    std::ifstream in((dir / "local-shrunk").string() + "-" + std::to_string(pid) + "-sums.txt");
+    std::string what;
+    double last_step_sum = 0;
+    int64_t steps = 0;
+    for (double sum; in >> what;) {
+      if (what == "step") {
+        in >> steps >> sum;
+        last_step_sum = sum;
+      } else {
+        in >> sum;
+        EXPECT_EQ(steps, 3) << "pid " << pid << " regrouped after step " << steps;
+        EXPECT_EQ(sum, last_step_sum) << "pid " << pid << " did not keep its own replica";
+        loaded.push_back(sum);
+      }
+    }
+  }
+  ASSERT_EQ(loaded.size(), 2u);  // the two survivors, once each
+  EXPECT_NE(loaded[0], loaded[1]);
+}
+
 // Without replacements the two survivors go on alone: the epoch's remaining rows re-balanced over
 // them, each trained on once, the replicas equal.
 TEST_F(LiveRecovery, WithoutAReplacementTheSurvivorsGoOnAlone) {
@@ -202,6 +284,10 @@ TEST_F(LiveRecovery, IsRefusedForAPlanThatCannotRecoverLive) {
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.error->find("ZeRO stage 1"), std::string::npos) << *result.error;
   EXPECT_NE(result.error->find("--recovery restart"), std::string::npos) << *result.error;
+  const auto served = fit("ps", {{"plan", "parameter_server"}});
+  ASSERT_FALSE(served.ok());
+  EXPECT_NE(served.error->find("the parameters the lost worker served"), std::string::npos)
+      << *served.error;
 }
 
 }  // namespace

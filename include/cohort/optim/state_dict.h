@@ -131,6 +131,19 @@ class ShardedState : public Stateful {
     (void)write_back;
     return std::make_unique<ParameterGather>();
   }
+
+  /// Live recovery (train::FailureConfig::Recovery::kLive) of a holder of replicas: this rank's
+  /// replica as rank `rank` of a group of `world_size` (the regrouped ranks are numbered anew),
+  /// with the state every rank holds alike (DiLoCo's outer momentum) whatever `rank`. Throws
+  /// std::logic_error by default (no replicas).
+  virtual StateDict replica_state_as(int rank, int world_size) const;
+  /// How many times the ranks brought their replicas together so far (local SGD's
+  /// synchronisations): with the optimizer steps, how far a rank got. 0 by default.
+  virtual int64_t synchronizations() const { return 0; }
+  /// Whether the last step() changed this rank's state before a peer's failure ended it with an
+  /// error (local SGD: the inner step was taken and the synchronisation after it failed, leaving
+  /// the rest as it was): the step's batch is trained on. False by default.
+  virtual bool stepped_before_failure() const { return false; }
 };
 
 /// The values every optimizer's state dict holds: its algorithm ("sgd", "adam", "adamw"), the

@@ -41,7 +41,8 @@ class LocalSgdOptimizer : public torch::optim::Optimizer, public optim::ShardedS
   /// One inner step; after the H-th since the last synchronisation, synchronises.
   torch::Tensor step(LossClosure closure = nullptr) override;
   /// Synchronises now when any inner step was taken since the last synchronisation (e.g. at the
-  /// end of an epoch, before evaluating); every rank must call it at the same point.
+  /// end of an epoch, before evaluating); every rank must call it at the same point. A peer's
+  /// failure during it (PeerFailureError) leaves this rank's state as it was.
   void sync();
 
   /// Writes the inner optimizer's state.
@@ -79,8 +80,9 @@ class LocalSgdOptimizer : public torch::optim::Optimizer, public optim::ShardedS
   /// Its own part's values, or a whole optimizer's (DDP's, ZeRO's shards, a pipeline's parts):
   /// see optim::check_optimizer_state.
   void check_state(const Json& values) const override;
-  /// As many ranks as wrote it: this rank's replica and inner state; another number: the inner
-  /// state of rank (rank mod writers). A whole optimizer's state: that state, by name.
+  /// As many ranks as wrote it: this rank's replica and inner state (or those of the rank its
+  /// values name as "replica_from": live recovery's); another number: the inner state of rank
+  /// (rank mod writers). A whole optimizer's state: that state, by name.
   optim::StateDict state_to_load(const Json& values) const override;
   /// After the module's parameters were loaded (the model file: the global parameters), they
   /// become the global parameters; the inner optimizer takes its state, steps and learning rate.
@@ -101,10 +103,20 @@ class LocalSgdOptimizer : public torch::optim::Optimizer, public optim::ShardedS
   bool writes_state() const override { return true; }
   /// See optim::ShardedState: true.
   bool every_rank_saves() const override { return true; }
+  /// See optim::ShardedState: state_dict() as rank `rank` of `world_size`, with DiLoCo's outer
+  /// momentum whatever the rank. UsageError for a rank outside [0, world_size).
+  optim::StateDict replica_state_as(int rank, int world_size) const override;
+  /// See optim::ShardedState: the synchronisations so far (stats().outer_steps).
+  int64_t synchronizations() const override { return stats_.outer_steps; }
+  /// See optim::ShardedState: the last step's inner step was taken and its synchronisation
+  /// failed; the replica is as the inner step left it, and the next step synchronises.
+  bool stepped_before_failure() const override { return stepped_before_failure_; }
 
  private:
   struct Flat;
   void copy_options_to_inner();
+  // This rank's part as rank `rank` of `world`; DiLoCo's outer momentum `with_momentum`.
+  optim::StateDict state_as(int rank, int world, bool with_momentum) const;
   // The inner optimizer's state under the module's parameter names.
   optim::OptimizerState inner_state() const;
 
@@ -114,6 +126,7 @@ class LocalSgdOptimizer : public torch::optim::Optimizer, public optim::ShardedS
   SyncMode mode_;
   std::unique_ptr<Flat> flat_;
   int64_t steps_since_sync_ = 0;
+  bool stepped_before_failure_ = false;
   LocalSgdStats stats_;
 };
 

@@ -96,11 +96,12 @@ struct FailureConfig {
     kRestart,
     /// The survivors go on without a worker that was killed or hung (then killed): they abort
     /// the step in flight, re-form the group (with a replacement in its place, replace_lost),
-    /// all take the state of the survivor that stepped furthest, re-balance the epoch's
-    /// remaining rows and continue at the current step, in the same processes. For loops of a
-    /// train::ParallelModel whose plan is DDP (no ZeRO, mesh or other sync mode), under the local
-    /// driver; where the group cannot go on (a failure outside a step's collectives, too few
-    /// workers) it restarts, as kRestart.
+    /// all take the state of the survivor that stepped furthest (with local SGD or DiLoCo, those
+    /// as far keep their own replicas), re-balance the epoch's remaining rows and continue at
+    /// the current step, in the same processes. For loops of a train::ParallelModel whose plan
+    /// is DDP, local SGD or DiLoCo (no ZeRO, mesh or parameter server), under the local driver;
+    /// where the group cannot go on (a failure outside a step's collectives, too few workers) it
+    /// restarts, as kRestart.
     kLive,
   };
   /// kRestart or kLive (`cohort train --recovery`).

@@ -96,8 +96,8 @@ struct Plan {
   void validate(int world_size = 0) const;
   /// Why the survivors of this plan cannot go on without a lost worker in the same processes
   /// (FailureConfig::Recovery::kLive), naming the options and the fallback; empty when they can.
-  /// Live recovery takes the lost worker's state from a survivor: only plans whose every worker
-  /// holds the whole state (DDP) allow it.
+  /// Live recovery takes the lost worker's state from a survivor: plans whose every worker holds
+  /// the whole state (DDP), or a replica of it (local SGD, DiLoCo), allow it.
   std::string live_recovery_refusal() const;
 };
 
