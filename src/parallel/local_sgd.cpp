@@ -273,7 +273,7 @@ optim::StateDict LocalSgdOptimizer::state_to_load(const Json& values) const {
   // As many ranks: each its own replica, or the one live recovery gives it ("replica_from", see
   // train/live_recovery.h); another number: the state of rank (rank mod written).
   const int given = values.value("replica_from", rank);
-  if (given < 0 || given >= written) {
+  if (written == world && (given < 0 || given >= written)) {
     throw UsageError("LocalSgdOptimizer: the state to load gives rank " + std::to_string(rank) +
                      " the replica of rank " + std::to_string(given) + " of the " +
                      std::to_string(written) +

@@ -42,22 +42,26 @@ void write_streaming(
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // aligns the data, as the reference writer does
-  write_atomically(file, [&](std::ostream& out) {
-    const uint64_t n = text.size();
-    for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const auto& [name, info] : layout) {
-      const auto t = tensor_of(name).detach().to(at::kCPU).contiguous();
-      if (t.scalar_type() != info.first || t.sizes().vec() != info.second) {
-        throw UsageError("safetensors::write_streaming: tensor '" + name + "' came as " +
-                         c10::str(t.sizes()) + " " + c10::toString(t.scalar_type()) +
-                         ", its header says " + c10::str(at::IntArrayRef(info.second)) + " " +
-                         c10::toString(info.first));
-      }
-      out.write(static_cast<const char*>(t.data_ptr()),
-                static_cast<std::streamsize>(t.numel() * t.element_size()));
-    }
-  });
+  const int64_t size = 8 + static_cast<int64_t>(text.size()) + offset;
+  write_atomically(
+      file,
+      [&](std::ostream& out) {
+        const uint64_t n = text.size();
+        for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
+        out.write(text.data(), static_cast<std::streamsize>(text.size()));
+        for (const auto& [name, info] : layout) {
+          const auto t = tensor_of(name).detach().to(at::kCPU).contiguous();
+          if (t.scalar_type() != info.first || t.sizes().vec() != info.second) {
+            throw UsageError("safetensors::write_streaming: tensor '" + name + "' came as " +
+                             c10::str(t.sizes()) + " " + c10::toString(t.scalar_type()) +
+                             ", its header says " + c10::str(at::IntArrayRef(info.second)) + " " +
+                             c10::toString(info.first));
+          }
+          out.write(static_cast<const char*>(t.data_ptr()),
+                    static_cast<std::streamsize>(t.numel() * t.element_size()));
+        }
+      },
+      size);
 }
 
 void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,

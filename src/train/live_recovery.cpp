@@ -15,6 +15,7 @@
 #include "train/snapshots.h"
 #include "train/state_files.h"
 #include "train/worker_session.h"
+#include "train/zero_checkpoint.h"
 
 namespace cohort::train {
 namespace {
@@ -72,9 +73,18 @@ void point_replica_manifest(const std::filesystem::path& dir, int rank, int from
 }  // namespace
 
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
-                     const torch::optim::Optimizer& optimizer, int rank, int world_size,
-                     bool whole) {
+                     torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole) {
   const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
+  if (sharded == nullptr) {
+    // DDP's optimizer as shards rather than the archive optimizer.pt: captured and loaded back
+    // as fast as a copy (a pickle of Adam's state takes seconds per GB).
+    std::filesystem::create_directories(dir);
+    if (detail::save_optimizer_as_shards(dir, optimizer, module)) {
+      save_model(module, dir / "model.safetensors");
+      detail::save_run_state(dir);
+      return;
+    }
+  }
   if (sharded == nullptr || !sharded->holds_replicas()) {
     save_checkpoint(dir, module, optimizer);
     return;
@@ -118,12 +128,12 @@ void regroup_after(const PeerFailureError& error) {
                       .world_size = static_cast<int>(members.size()),
                       .source = decision.at("source").get<int>(),
                       .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>()};
-  if (s->live_replicas) {
-    // By new rank: as far as the source (steps and synchronisations), a survivor keeps its own.
-    const auto& progress = decision.at("progress");
-    const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
-    for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
-  }
+  // By new rank: as far as the source (steps and synchronisations), a survivor keeps its own
+  // state (with replicas its replica; the rest, which every rank shares, comes from the source).
+  const auto& progress = decision.at("progress");
+  const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
+  for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
+  regroup.replicas = s->live_replicas;
   // Captured in memory: nothing is written under the folder but its empty directories.
   const auto capture = [&](bool whole) {
     auto files = std::make_shared<CapturedFiles>();
@@ -139,8 +149,8 @@ void regroup_after(const PeerFailureError& error) {
   };
   if (regroup.rank == regroup.source) {
     regroup.state = capture(true);
-  } else if (!regroup.keeps_own.empty() && regroup.keeps_own[static_cast<size_t>(regroup.rank)]) {
-    regroup.own = capture(false);
+  } else if (regroup.keeps_own[static_cast<size_t>(regroup.rank)]) {
+    regroup.own = capture(!regroup.replicas);
   }
   throw regroup;
 }
@@ -164,25 +174,28 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                                              .timeout = timeout,
                                              .prefix = "live/" + token + "/heal",
                                              .backend = comm::Backend::kGloo});
+    // Those as far as the source have their own state; with replicas they take what every rank
+    // shares from the source, but not its replica.
+    const auto sent_to = [&](int rank) { return !keeps_own(rank) || regroup.replicas; };
     if (regroup.rank == regroup.source) {
-      // Its replica only to those that do not keep theirs.
       const std::set<std::string> replica{replica_file(regroup.source, regroup.world_size)};
       std::vector<SendsInFlight> sends;
       for (int peer = 0; peer < regroup.world_size; ++peer) {
-        if (peer == regroup.source) continue;
+        if (peer == regroup.source || !sent_to(peer)) continue;
         sends.push_back(send_files_async(group, peer, *regroup.state,
                                          keeps_own(peer) ? replica : std::set<std::string>{}));
       }
       for (auto& send : sends) send.wait();
-    } else {
+    } else if (sent_to(regroup.rank)) {
       for (const auto& [name, bytes] : receive_files(group, regroup.source))
         write_atomically(dir / name, bytes);
     }
   }
   if (regroup.rank == regroup.source) merge_captured(*regroup.state, dir, 0, umask);
+  // Its own state beside the source's files (which stay), where it keeps its own.
+  if (regroup.own) merge_captured(*regroup.own, dir, 1, umask);
   if (std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart))) {
-    // Its own replica beside the source's files (the source's manifest stays), or the source's.
-    if (regroup.own) merge_captured(*regroup.own, dir, 1, umask);
+    // Its own replica, or the source's.
     point_replica_manifest(dir, regroup.rank,
                            keeps_own(regroup.rank) ? regroup.rank : regroup.source,
                            regroup.world_size);

@@ -12,15 +12,17 @@
 //      the state. A survivor that ended instead, too few workers, or no answer within the setup
 //      timeout fall back to a restart.
 //   3. The source saves its model's whole state into memory (with the data positions after its
-//      last completed step), and every survivor unwinds its loop with a LiveRegroup. Where each
-//      rank holds a replica of its own (local SGD, DiLoCo: ShardedState::holds_replicas), a
-//      survivor as far as the source keeps its replica and inner optimizer state (captured too);
-//      the others (a replacement, a survivor behind) take the source's. The lost worker's
-//      progress since the last synchronisation is gone; its rows count as trained on.
+//      last completed step), and every survivor unwinds its loop with a LiveRegroup. A survivor
+//      as far as the source saves its own (the same state, with DDP) into memory too: nothing
+//      needs to reach it. Where each rank holds a replica of its own (local SGD, DiLoCo:
+//      ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer
+//      state and takes the rest from the source; the others (a replacement, a survivor behind)
+//      take the source's replica. The lost worker's progress since the last synchronisation is
+//      gone; its rows count as trained on.
 //   4. run_worker joins the new group (a replacement joins it from the start, SessionSpec::
-//      live_round) and heal_from_peer() sends the source's state to the others; the loop runs
-//      again from that checkpoint: every rank the same parameters and optimizer state (or its
-//      own replica), the epoch's remaining rows re-balanced over the new group
+//      live_round) and heal_from_peer() sends the source's state to those that need it; the
+//      loop runs again from that checkpoint: every rank the same parameters and optimizer state
+//      (or its own replica), the epoch's remaining rows re-balanced over the new group
 //      (data::resume_start).
 #pragma once
 #include <cstdint>
@@ -51,9 +53,11 @@ struct LiveRegroup {
   int64_t next_checkpoint_index = 0;
   // The source's whole state (a checkpoint's files, meta.json included); null on the others.
   std::shared_ptr<CapturedFiles> state;
-  // With replicas (local SGD's): by new rank, whether it keeps its own replica (as far as the
-  // source, the source included); empty without. `own` is this rank's replica when it keeps it.
+  // By new rank, whether it keeps its own state (a survivor as far as the source, the source
+  // included); empty on a replacement. With `replicas` (local SGD's) that is its replica, the
+  // rest coming from the source; else its whole state. `own` is what it keeps, captured.
   std::vector<bool> keeps_own;
+  bool replicas = false;
   std::shared_ptr<CapturedFiles> own;
 };
 
@@ -86,18 +90,18 @@ decltype(auto) live_collective(Collective&& collective) {
 }
 
 // What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`: where
-// every rank holds the same state, the whole checkpoint (the source's); with replicas, this
+// every rank holds the same state, the whole checkpoint (DDP's optimizer state as one shard,
+// which loads as fast as a copy); with replicas, this
 // rank's as rank `rank` of the new group of `world_size` and, when `whole` (the source), the
 // state every rank shares: the model file (the global parameters), the replicas' manifest (its
 // values; the files each rank's own) and the run state.
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
-                     const torch::optim::Optimizer& optimizer, int rank, int world_size,
-                     bool whole);
+                     torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole);
 
 // In the new group (rank `rank` of `world_size` through `store`): the source sends the state the
-// regroup captured to the others over a Gloo group of their own (its replica only to those that
-// do not keep theirs); every rank writes it into `dir` (replaced) with its manifest, and gets it
-// as a checkpoint to resume from.
+// regroup captured to those that keep none of their own (and with replicas what every rank
+// shares to those that keep their replica) over a Gloo group of their own; every rank writes its
+// state into `dir` (replaced) with its manifest, and gets it as a checkpoint to resume from.
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,

@@ -163,10 +163,12 @@ FileCapture* FileCapture::of(const std::filesystem::path& path, std::string& rel
   return active_capture;
 }
 
-void FileCapture::write(const std::string& relative,
-                        const std::function<void(std::ostream&)>& fill) {
+void FileCapture::write(const std::string& relative, const std::function<void(std::ostream&)>& fill,
+                        int64_t size) {
   auto& buffer = captured_.buffers_[relative];
   buffer.bytes.clear();
+  // At once: growing a buffer of a GB by doubling copies it and touches fresh pages again.
+  if (size > 0) buffer.bytes.reserve(static_cast<size_t>(size));
   AppendBuffer sink(buffer.bytes);
   std::ostream out(&sink);
   fill(out);
@@ -175,10 +177,10 @@ void FileCapture::write(const std::string& relative,
 }
 
 void write_atomically(const std::filesystem::path& path,
-                      const std::function<void(std::ostream&)>& fill) {
+                      const std::function<void(std::ostream&)>& fill, int64_t size) {
   std::string relative;
   if (auto* capture = FileCapture::of(path, relative)) {
-    capture->write(relative, fill);
+    capture->write(relative, fill, size);
     return;
   }
   auto tmp = path;
@@ -258,7 +260,8 @@ void remove_tree(const std::filesystem::path& path) {
 }
 
 void write_atomically(const std::filesystem::path& path, const std::string& content) {
-  write_atomically(path, [&](std::ostream& out) { out << content; });
+  write_atomically(
+      path, [&](std::ostream& out) { out << content; }, static_cast<int64_t>(content.size()));
 }
 
 void write_extra_files(const std::filesystem::path& dir,

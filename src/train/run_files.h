@@ -48,9 +48,10 @@ void apply_umask(const std::filesystem::path& path, int mask);
 void remove_tree(const std::filesystem::path& path);
 
 // Writes through `fill` to a temporary name, flushes it to disk and renames it over `path`:
-// a reader sees the old file or the new one, never half of one.
+// a reader sees the old file or the new one, never half of one. `size`, when known (>= 0), is
+// how many bytes `fill` writes: a capture in memory (FileCapture) allocates them at once.
 void write_atomically(const std::filesystem::path& path,
-                      const std::function<void(std::ostream&)>& fill);
+                      const std::function<void(std::ostream&)>& fill, int64_t size = -1);
 void write_atomically(const std::filesystem::path& path, const std::string& content);
 // Appends `line` and a newline to `file` (created if missing) with one write, flushed to disk
 // before it returns: a history that only grows, of which a crash loses at most the line being
@@ -125,8 +126,9 @@ class FileCapture {
   // The capture of this thread that takes `path`, or none; `relative` is set to its path under
   // the capture's root.
   static FileCapture* of(const std::filesystem::path& path, std::string& relative);
-  // write_atomically()'s bytes of a captured file.
-  void write(const std::string& relative, const std::function<void(std::ostream&)>& fill);
+  // write_atomically()'s bytes of a captured file (`size` of them, when >= 0).
+  void write(const std::string& relative, const std::function<void(std::ostream&)>& fill,
+             int64_t size);
 
  private:
   std::filesystem::path root_;

@@ -492,6 +492,18 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
   load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
 }
 
+bool save_optimizer_as_shards(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+                              const torch::nn::Module& module) {
+  std::optional<optim::StateDict> state;
+  try {
+    state = OptimizerAsPart(optimizer, module, "save_optimizer_as_shards").part().state_dict();
+  } catch (const UsageError&) {
+    return false;  // another algorithm than SGD, Adam or AdamW
+  }
+  save_state(dir, optim::kOptimizerShardsPart, *state);
+  return true;
+}
+
 namespace {
 
 // The first format of a local SGD checkpoint ("cohort.local_sgd.v1", of cohort 0.1.0): rank 0's

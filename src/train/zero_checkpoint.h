@@ -30,6 +30,12 @@ std::filesystem::path whole_optimizer_file(const std::filesystem::path& dir);
 // flat SGD, Adam or AdamW over `module`'s parameters: every parameter's state read whole).
 void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Module& module,
                       const std::filesystem::path& dir);
+// The state of the optimizer of a DDP model (as load_zero_shards takes it) into `dir` as the one
+// shard of part optim::kOptimizerShardsPart: written and read back as fast as a copy, where the
+// archive optimizer.pt is a pickle; load_zero_shards reads it into any optimizer. False, and
+// nothing written, for an optimizer whose state has no such form (not SGD, Adam or AdamW).
+bool save_optimizer_as_shards(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+                              const torch::nn::Module& module);
 // Local SGD's replicas (optim::kReplicasPart) in `dir` into `optimizer`: local SGD's own at any
 // world size (optim::Stateful::state_to_load says which ranks' pieces), or any other optimizer
 // (a whole one over `module`'s parameters, ZeRO, the parameter server) the first rank's inner
