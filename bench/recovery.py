@@ -108,9 +108,9 @@ def run_mode(args, mode, storage):
         def reached_kill_step():
             if process.poll() is not None:
                 with open(os.path.join(storage, name + ".log")) as f:
-                    last = f.read().strip().splitlines()[-1:]
+                    last = "\n".join(f.read().strip().splitlines()[-15:])
                 raise RuntimeError(f"{mode}: the run ended (exit {process.returncode}) before step "
-                                   f"{args.kill_at}: {last}")
+                                   f"{args.kill_at}; the end of its output:\n{last}")
             return [s for s in steps_logged(steps_file) if s >= args.kill_at]
         at_kill = wait_until(reached_kill_step, 600, f"step {args.kill_at}")[0]
         victims = wait_until(lambda: worker_pids(process), 30, "the workers' pids")
@@ -151,7 +151,8 @@ def run_mode(args, mode, storage):
             process.wait()
         log.close()
     return {"mode": mode, "step_at_kill": step_at_kill, "resumed_after": resumed_step - 1,
-            "steps_lost": step_at_kill - (resumed_step - 1), "kill_to_next_step_s": seconds,
+            # A step the survivors finished after rank 0 logged the one at the kill is not lost.
+            "steps_lost": max(0, step_at_kill - (resumed_step - 1)), "kill_to_next_step_s": seconds,
             "kill_to_step_after_killed_s": back_seconds,
             "exit_code": process.returncode}
 

@@ -18,11 +18,9 @@ std::string state_manifest_file(const std::string& name) { return name + "_manif
 
 void write_state_manifest(const std::filesystem::path& dir, const std::string& name, int shards,
                           const std::vector<std::string>& files, const Json& values) {
-  write_atomically(
-      dir / state_manifest_file(name),
-      Json{{"format", kStateFormat}, {"shards", shards}, {"files", files}, {"values", values}}.dump(
-          2) +
-          "\n");
+  const Json manifest{
+      {"format", kStateFormat}, {"shards", shards}, {"files", files}, {"values", values}};
+  write_atomically(dir / state_manifest_file(name), manifest.dump(2) + "\n");
 }
 
 StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
