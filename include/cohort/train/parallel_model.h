@@ -153,7 +153,7 @@ class ParallelModel {
                                    const optim::LrScheduleOptions&);
   struct State;
   explicit ParallelModel(std::unique_ptr<State> state);
-  // step() without live recovery around it.
+  // step() without live recovery around it, nor the step's count and schedule.
   StepResult step_here(const at::Tensor& inputs, const at::Tensor& targets);
   std::unique_ptr<State> state_;
 };
