@@ -74,29 +74,27 @@ void point_replica_manifest(const std::filesystem::path& dir, int rank, int from
 
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole) {
+  std::filesystem::create_directories(dir);
   const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
-  if (sharded == nullptr) {
-    // DDP's optimizer as shards rather than the archive optimizer.pt: captured and loaded back
-    // as fast as a copy (a pickle of Adam's state takes seconds per GB).
-    std::filesystem::create_directories(dir);
-    if (detail::save_optimizer_as_shards(dir, optimizer, module)) {
-      save_model(module, dir / "model.safetensors");
-      detail::save_run_state(dir);
-      return;
-    }
-  }
-  if (sharded == nullptr || !sharded->holds_replicas()) {
-    save_checkpoint(dir, module, optimizer);
+  if (sharded != nullptr && sharded->holds_replicas()) {
+    const auto replica = sharded->replica_state_as(rank, world_size);
+    save_state(dir, sharded->part_name(), replica);
+    if (!whole) return;
+    safetensors::write(dir / "model.safetensors", sharded->model_state(), {{"format", "pt"}});
+    detail::write_state_manifest(dir, sharded->part_name(), world_size,
+                                 {replica_file(rank, world_size)}, replica.values);
+    detail::save_run_state(dir);
     return;
   }
-  std::filesystem::create_directories(dir);
-  const auto replica = sharded->replica_state_as(rank, world_size);
-  save_state(dir, sharded->part_name(), replica);
-  if (!whole) return;
-  safetensors::write(dir / "model.safetensors", sharded->model_state(), {{"format", "pt"}});
-  detail::write_state_manifest(dir, sharded->part_name(), world_size,
-                               {replica_file(rank, world_size)}, replica.values);
-  detail::save_run_state(dir);
+  // DDP's optimizer as shards rather than the archive optimizer.pt: captured and loaded back as
+  // fast as a copy (a pickle of Adam's state takes seconds per GB). Another algorithm, or another
+  // engine, as a checkpoint.
+  if (sharded == nullptr && detail::save_optimizer_as_shards(dir, optimizer, module)) {
+    save_model(module, dir / "model.safetensors");
+    detail::save_run_state(dir);
+    return;
+  }
+  save_checkpoint(dir, module, optimizer);
 }
 
 void regroup_after(const PeerFailureError& error) {
@@ -159,8 +157,7 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,
                           int umask) {
-  // With replicas: whether new rank `rank` keeps its own (a replacement knows none, and keeps
-  // none).
+  // Whether new rank `rank` keeps its own state (a replacement knows of none, and keeps none).
   const auto keeps_own = [&](int rank) {
     return !regroup.keeps_own.empty() && regroup.keeps_own[static_cast<size_t>(rank)];
   };

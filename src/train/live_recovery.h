@@ -89,12 +89,12 @@ decltype(auto) live_collective(Collective&& collective) {
   }
 }
 
-// What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`: where
-// every rank holds the same state, the whole checkpoint (DDP's optimizer state as one shard,
-// which loads as fast as a copy); with replicas, this
-// rank's as rank `rank` of the new group of `world_size` and, when `whole` (the source), the
-// state every rank shares: the model file (the global parameters), the replicas' manifest (its
-// values; the files each rank's own) and the run state.
+// What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`. Where
+// every rank holds the same state: the whole of it (DDP's optimizer state as one shard, which
+// loads as fast as a copy). With replicas: this rank's as rank `rank` of the new group of
+// `world_size` and, when `whole` (the source), the state every rank shares: the model file (the
+// global parameters), the replicas' manifest (its values; the files each rank's own) and the run
+// state.
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole);
 
