@@ -23,6 +23,9 @@
             live recovery of DiLoCo (--sync diloco:--diloco-every): the survivors keep their
             replicas, the replacement takes the source's; the lost worker's steps since the last
             synchronisation are dropped (not counted as lost: their rows count as trained on)
+  live-zero live recovery of ZeRO stage 2 in sharding groups of 2 (--zero-stage 2
+            --shard-group-size 2): the survivors keep their shards, the replacement takes its
+            shard from the survivor that held the same one
 
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
 again), the seconds from the kill to the next completed step and to the first step past the killed
@@ -86,6 +89,8 @@ def run_mode(args, mode, storage):
         train += ["--no-replace-lost", "--min-workers", "3"]
     if mode == "live-diloco":
         train += ["--sync", f"diloco:{args.diloco_every}"]
+    if mode == "live-zero":
+        train += ["--zero-stage", "2", "--shard-group-size", "2"]
     if mode in ("snapshot", "torchrun-snapshot"):
         train += ["--snapshot-every-steps", str(args.snapshot_every), "--snapshot-dir",
                   args.snapshot_dir]
@@ -170,7 +175,7 @@ def main():
                         help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
                              "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
     parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,"
-                        "live-diloco,torchrun,torchrun-snapshot")
+                        "live-diloco,live-zero,torchrun,torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")

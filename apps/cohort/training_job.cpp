@@ -170,7 +170,8 @@ void validate(const TrainOptions& o) {
         "its steps on the host, which a replayed graph does not advance");
   }
   if (o.run.recovery == "live") {
-    if (const auto refusal = o.plan.plan().live_recovery_refusal(); !refusal.empty())
+    if (const auto refusal = o.plan.plan().live_recovery_refusal(o.scaling.workers);
+        !refusal.empty())
       throw UsageError(refusal);
   }
   const int64_t train_size = o.data.train_rows(labelled);

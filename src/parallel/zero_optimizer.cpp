@@ -96,7 +96,9 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   optim::FlatOptimizer* optimizer = nullptr;  // the ZeroOptimizer this engine serves
 
   mutable std::mutex mutex;
-  bool reduced = false;          // a synchronised backward ended since the last step
+  bool reduced = false;  // a synchronised backward ended since the last step
+  // The shard was stepped and the all-gather after it is running (see stepped_before_failure).
+  bool gathering_stepped = false;
   std::deque<size_t> in_flight;  // stage 2: buckets being reduce-scattered, oldest first
   static constexpr size_t kBucketsInFlight = 2;
   std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers, reused in turn
@@ -749,9 +751,20 @@ torch::Tensor ZeroOptimizer::step(LossClosure closure) {
     e.gather_bytes_sent = 0;
   }
   optim::FlatOptimizer::step();
+  // A peer's failure in the all-gather leaves this rank's shard stepped (and its replicas'
+  // with it): the step counts as taken, and gather_parameters_from_shards() completes it.
+  e.gathering_stepped = true;
   e.allgather_parameters();
+  e.gathering_stepped = false;
   e.consume_gradients();
   return loss;
+}
+
+bool ZeroOptimizer::stepped_before_failure() const { return engine_->gathering_stepped; }
+
+void ZeroOptimizer::gather_parameters_from_shards() {
+  // Stage 3 gathers its units from the shards at each use.
+  if (engine_->options.stage < 3) engine_->allgather_parameters();
 }
 
 torch::Tensor ZeroOptimizer::clip_grad_norm(double max_norm) {

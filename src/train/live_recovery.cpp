@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <ctime>
 #include <exception>
+#include <iostream>
 #include <set>
 #include <vector>
 
@@ -70,7 +71,50 @@ void point_replica_manifest(const std::filesystem::path& dir, int rank, int from
   detail::write_state_manifest(dir, name, world_size, {replica_file(from, world_size)}, values);
 }
 
+// Where the source publishes the providers (state_providers) for the heal, by the live round's
+// token: a replacement knows none of the survivors' progress.
+std::string providers_key(const std::string& token) { return "live/" + token + "/providers"; }
+
 }  // namespace
+
+std::vector<int> state_providers(const std::vector<int>& members, const Json& progress, int source,
+                                 int shard_group, std::string& why) {
+  const int world = static_cast<int>(members.size());
+  const auto as_far = [&](int rank) {
+    const auto& p = progress.at(static_cast<size_t>(rank));
+    return !p.is_null() && p == progress.at(static_cast<size_t>(source));
+  };
+  std::vector<int> provider(static_cast<size_t>(world), source);
+  if (shard_group <= 0) {
+    for (int r = 0; r < world; ++r)
+      if (as_far(r)) provider[static_cast<size_t>(r)] = r;
+    return provider;
+  }
+  if (world % shard_group != 0) {
+    why = "the " + std::to_string(world) + " workers left are no multiple of --shard-group-size " +
+          std::to_string(shard_group);
+    return {};
+  }
+  const auto holds = [&](int rank, int shard) {
+    const int old = members[static_cast<size_t>(rank)];
+    return old >= 0 && old % shard_group == shard && as_far(rank);
+  };
+  for (int r = 0; r < world; ++r) {
+    const int shard = r % shard_group;
+    int from = holds(r, shard) ? r : -1;
+    for (int other = 0; other < world && from < 0; ++other)
+      if (holds(other, shard)) from = other;
+    if (from < 0) {
+      why = "no survivor holds ZeRO shard " + std::to_string(shard) + " of " +
+            std::to_string(shard_group) + " as of step " +
+            progress.at(static_cast<size_t>(source)).at(0).dump() +
+            " (its holders were lost or stopped a step behind)";
+      return {};
+    }
+    provider[static_cast<size_t>(r)] = from;
+  }
+  return provider;
+}
 
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole) {
@@ -83,6 +127,18 @@ void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& 
     safetensors::write(dir / "model.safetensors", sharded->model_state(), {{"format", "pt"}});
     detail::write_state_manifest(dir, sharded->part_name(), world_size,
                                  {replica_file(rank, world_size)}, replica.values);
+    detail::save_run_state(dir);
+    return;
+  }
+  if (sharded != nullptr) {
+    // ZeRO: its shard, which its manifest alone names (the others come from other ranks).
+    save_model(module, dir / "model.safetensors");
+    const auto state = sharded->state_dict();
+    save_state(dir, sharded->part_name(), state);
+    detail::write_state_manifest(
+        dir, sharded->part_name(), state.shards,
+        {detail::rank_file(sharded->part_name(), state.shard, state.shards, ".safetensors")},
+        state.values);
     detail::save_run_state(dir);
     return;
   }
@@ -132,6 +188,18 @@ void regroup_after(const PeerFailureError& error) {
   const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
   for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
   regroup.replicas = s->live_replicas;
+  if (!regroup.replicas) {
+    std::string why;
+    regroup.provider = state_providers(members, progress, regroup.source, s->live_shard_group, why);
+    if (regroup.provider.empty()) {
+      // Every survivor reads the same decision and ends the same way: the driver restarts.
+      std::cerr << "cohort: live recovery cannot go on: " << why
+                << "; the group restarts from the last snapshot or checkpoint" << std::endl;
+      std::rethrow_exception(original);
+    }
+    for (size_t r = 0; r < regroup.provider.size(); ++r)
+      regroup.keeps_own[r] = regroup.provider[r] == static_cast<int>(r);
+  }
   // Captured in memory: nothing is written under the folder but its empty directories.
   const auto capture = [&](bool whole) {
     auto files = std::make_shared<CapturedFiles>();
@@ -145,10 +213,14 @@ void regroup_after(const PeerFailureError& error) {
     remove_tree(root);
     return files;
   };
-  if (regroup.rank == regroup.source) {
+  if (regroup.replicas) {
+    if (regroup.rank == regroup.source) {
+      regroup.state = capture(true);
+    } else if (regroup.keeps_own[static_cast<size_t>(regroup.rank)]) {
+      regroup.own = capture(false);
+    }
+  } else if (std::count(regroup.provider.begin(), regroup.provider.end(), regroup.rank) > 0) {
     regroup.state = capture(true);
-  } else if (regroup.keeps_own[static_cast<size_t>(regroup.rank)]) {
-    regroup.own = capture(!regroup.replicas);
   }
   throw regroup;
 }
@@ -171,10 +243,32 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                                              .timeout = timeout,
                                              .prefix = "live/" + token + "/heal",
                                              .backend = comm::Backend::kGloo});
+    // Who takes whose state (none with replicas): the source's word for a replacement.
+    std::vector<int> provider = regroup.provider;
+    const auto key = providers_key(token);
+    comm::Store client = store;  // a handle on the same connection
+    if (regroup.rank == regroup.source) {
+      client.set(key, Json(provider).dump());
+    } else if (regroup.keeps_own.empty()) {
+      client.wait({key}, timeout);
+      provider = Json::parse(client.get(key)).get<std::vector<int>>();
+    }
     // Those as far as the source have their own state; with replicas they take what every rank
     // shares from the source, but not its replica.
     const auto sent_to = [&](int rank) { return !keeps_own(rank) || regroup.replicas; };
-    if (regroup.rank == regroup.source) {
+    if (!provider.empty()) {
+      std::vector<SendsInFlight> sends;
+      for (int peer = 0; peer < regroup.world_size; ++peer) {
+        if (peer != regroup.rank && provider[static_cast<size_t>(peer)] == regroup.rank)
+          sends.push_back(send_files_async(group, peer, *regroup.state, {}));
+      }
+      const int from = provider[static_cast<size_t>(regroup.rank)];
+      if (from != regroup.rank) {
+        for (const auto& [name, bytes] : receive_files(group, from))
+          write_atomically(dir / name, bytes);
+      }
+      for (auto& send : sends) send.wait();
+    } else if (regroup.rank == regroup.source) {
       const std::set<std::string> replica{replica_file(regroup.source, regroup.world_size)};
       std::vector<SendsInFlight> sends;
       for (int peer = 0; peer < regroup.world_size; ++peer) {
@@ -188,7 +282,7 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
         write_atomically(dir / name, bytes);
     }
   }
-  if (regroup.rank == regroup.source) merge_captured(*regroup.state, dir, 0, umask);
+  if (regroup.state) merge_captured(*regroup.state, dir, 0, umask);
   // Its own state beside the source's files (which stay), where it keeps its own.
   if (regroup.own) merge_captured(*regroup.own, dir, 1, umask);
   if (std::filesystem::exists(dir / detail::state_manifest_file(optim::kReplicasPart))) {

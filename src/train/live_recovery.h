@@ -14,7 +14,11 @@
 //   3. The source saves its model's whole state into memory (with the data positions after its
 //      last completed step), and every survivor unwinds its loop with a LiveRegroup. A survivor
 //      as far as the source saves its own (the same state, with DDP) into memory too: nothing
-//      needs to reach it. Where each rank holds a replica of its own (local SGD, DiLoCo:
+//      needs to reach it. ZeRO 1-2 in sharding groups: each rank takes its whole state from a
+//      survivor as far that held the same shard (itself, where it can): the model, that shard
+//      and the run state; after the load, the parameters are gathered from the shards again
+//      (ShardedState::gather_parameters_from_shards), as a failure may have cut the all-gather
+//      after the last step short. Where each rank holds a replica of its own (local SGD, DiLoCo:
 //      ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer
 //      state and takes the rest from the source; the others (a replacement, a survivor behind)
 //      take the source's replica. The lost worker's progress since the last synchronisation is
@@ -59,6 +63,9 @@ struct LiveRegroup {
   std::vector<bool> keeps_own;
   bool replicas = false;
   std::shared_ptr<CapturedFiles> own;
+  // Without replicas, by new rank: the new rank whose captured state it takes whole (itself
+  // where it keeps its own). Empty on a replacement: the source publishes it for the heal.
+  std::vector<int> provider;
 };
 
 // The run token of live round `round` of a start whose token is `token`: the regrouped group's
@@ -73,6 +80,16 @@ inline std::string live_run_token(const std::string& token, int round) {
 inline std::string live_decision_key(const std::string& token, int round) {
   return "live/" + token + "/" + std::to_string(round);
 }
+
+// By new rank of a live round's decision (`members`: by new rank the old rank, -1 for a
+// replacement; `progress`: by new rank [optimizer steps, synchronisations], null for a
+// replacement; `source`: the new rank that got furthest), the new rank whose captured state it
+// takes whole: itself where it got as far as the source, else the source; with ZeRO's sharding
+// groups of `shard_group` ranks (0: none), a survivor as far that held the same shard (its old
+// rank at the same place in its group as the new rank in its new group), itself where it can.
+// Empty, with `why`, where some rank finds none, or the group is no multiple of `shard_group`.
+std::vector<int> state_providers(const std::vector<int>& members, const Json& progress, int source,
+                                 int shard_group, std::string& why);
 
 // From inside a catch of PeerFailureError in one of a step's collectives: with live recovery on
 // and a ParallelModel to take the state from, takes part in the regroup and throws LiveRegroup;
@@ -91,17 +108,19 @@ decltype(auto) live_collective(Collective&& collective) {
 
 // What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`. Where
 // every rank holds the same state: the whole of it (DDP's optimizer state as one shard, which
-// loads as fast as a copy). With replicas: this rank's as rank `rank` of the new group of
-// `world_size` and, when `whole` (the source), the state every rank shares: the model file (the
-// global parameters), the replicas' manifest (its values; the files each rank's own) and the run
-// state.
+// loads as fast as a copy). ZeRO: the model and this rank's shard, which its manifest alone
+// names (a rank of another sharding group with the same shard takes it). With replicas: this rank's
+// as rank `rank` of the new group of `world_size` and, when `whole` (the source), the state every
+// rank shares: the model file (the global parameters), the replicas' manifest (its values; the
+// files each rank's own) and the run state.
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole);
 
-// In the new group (rank `rank` of `world_size` through `store`): the source sends the state the
-// regroup captured to those that keep none of their own (and with replicas what every rank
-// shares to those that keep their replica) over a Gloo group of their own; every rank writes its
-// state into `dir` (replaced) with its manifest, and gets it as a checkpoint to resume from.
+// In the new group (rank `rank` of `world_size` through `store`): each rank's provider sends it
+// the state the regroup captured, where it keeps none of its own (and with replicas the source
+// sends what every rank shares to those that keep their replica) over a Gloo group of their
+// own; every rank writes its state into `dir` (replaced) with its manifest, and gets it as a
+// checkpoint to resume from.
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,

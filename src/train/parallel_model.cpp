@@ -189,6 +189,7 @@ ParallelModel::ParallelModel(std::unique_ptr<State> state) : state_(std::move(st
   session->live_steps = [st] { return st->steps; };
   session->live_syncs = [st] { return st->sharded ? st->sharded->synchronizations() : 0; };
   session->live_replicas = st->sharded != nullptr && st->sharded->holds_replicas();
+  session->live_shard_group = st->plan.zero.stage > 0 ? st->plan.zero.shard_group_size : 0;
   session->live_save = [st](const std::filesystem::path& dir, int rank, int world_size,
                             bool whole) {
     save_live_state(dir, *st->model.module, *st->optimizer, rank, world_size, whole);
@@ -206,6 +207,7 @@ ParallelModel::~ParallelModel() {
     session->live_steps = nullptr;
     session->live_syncs = nullptr;
     session->live_replicas = false;
+    session->live_shard_group = 0;
     session->live_save = nullptr;
   }
 }
@@ -279,7 +281,7 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   plan.validate(ctx.get_world_size());
   if (const WorkerSession* session = current_session();
       session != nullptr && session->live_recovery) {
-    if (const auto refusal = plan.live_recovery_refusal(); !refusal.empty())
+    if (const auto refusal = plan.live_recovery_refusal(ctx.get_world_size()); !refusal.empty())
       throw UsageError(refusal);
   }
   check_model(model, plan);
@@ -574,6 +576,11 @@ void ParallelModel::load(const Checkpoint& checkpoint) {
   } else {
     check_mesh_checkpoint(checkpoint, st.plan.sync);
     load_checkpoint(checkpoint, *st.model.module, *st.optimizer);
+    // ZeRO 1-2 after a live recovery: the parameters from the shards (each rank's model file is
+    // current in its own piece only).
+    if (st.sharded != nullptr && std::filesystem::exists(checkpoint.path() / kMetaFile) &&
+        read_json(checkpoint.path() / kMetaFile).value("live_recovery", false))
+      st.sharded->gather_parameters_from_shards();
   }
   // The checkpoint's lr already has the schedule's factor for its steps. A checkpoint of the
   // first release has no schedule of its own: its "steps" metric says where it stood.

@@ -147,14 +147,25 @@ void Plan::validate(int world_size) const {
          "the parameter server serves whole models; use --sync ddp, local-sgd:H or diloco:H");
 }
 
-std::string Plan::live_recovery_refusal() const {
+std::string Plan::live_recovery_refusal(int world_size) const {
   std::string what;
+  // In sharding groups smaller than the group, every shard has replicas in the other groups.
+  const bool shards_replicated =
+      zero.shard_group_size > 0 && (world_size == 0 || zero.shard_group_size < world_size);
   if (has_mesh()) {
     what = "a pipeline or tensor parallelism (--pp " + std::to_string(pp) + ", --tp " +
            std::to_string(tp) + ": the lost worker's stage or slices live nowhere else)";
-  } else if (zero.stage > 0) {
-    what = "ZeRO stage " + std::to_string(zero.stage) +
-           " (--zero-stage: the lost worker's optimizer shard lives nowhere else)";
+  } else if (zero.stage == 3) {
+    what =
+        "ZeRO stage 3 (--zero-stage: the lost worker's shard of the parameters is not "
+        "recovered live yet)";
+  } else if (zero.stage > 0 && !shards_replicated) {
+    return "live recovery (--recovery live) cannot go on without a lost worker of ZeRO stage " +
+           std::to_string(zero.stage) +
+           " sharded over every worker (--zero-stage: its optimizer shard lives nowhere else): "
+           "give each shard a replica with --shard-group-size S (S a divisor of the workers, "
+           "below them), or use --recovery restart, with --snapshot-every-steps K to restore "
+           "from in-memory snapshots instead of the disk";
   } else if (std::holds_alternative<parallel::AsyncParameterServer>(sync)) {
     what = parallel::to_string(sync) +
            " (--sync: the parameters the lost worker served live nowhere else)";

@@ -117,14 +117,16 @@ struct WorkerSession {
   std::function<bool()> collectives_aborted;
   int live_round = 0;
   // The ParallelModel the loop trains (registered by it while it lives): its optimizer steps and
-  // synchronisations (local SGD's), whether each rank holds a replica of its own, and a save of
-  // its state as rank `rank` of the regrouped `world_size` (live_recovery.h's save_live_state),
-  // which a regroup takes from the survivor that got furthest (and with replicas from those as
-  // far: their own).
+  // synchronisations (local SGD's), whether each rank holds a replica of its own, ZeRO's
+  // sharding group size (0: the state is not sharded) and a save of its state as rank `rank` of
+  // the regrouped `world_size` (live_recovery.h's save_live_state), which a regroup takes from
+  // the survivor that got furthest (and from those as far: their own; ZeRO's shards from those
+  // that hold them).
   const void* live_owner = nullptr;
   std::function<int64_t()> live_steps;
   std::function<int64_t()> live_syncs;
   bool live_replicas = false;
+  int live_shard_group = 0;
   std::function<void(const std::filesystem::path& dir, int rank, int world_size, bool whole)>
       live_save;
   // The data positions after the last completed step, and that step's rows.

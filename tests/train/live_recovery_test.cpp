@@ -14,6 +14,7 @@
 #include "support/fault_injection.h"
 #include "support/small_classifier.h"
 #include "support/tiny_mnist.h"
+#include "train/live_recovery.h"
 #include "train/run_files.h"
 
 namespace cohort {
@@ -79,12 +80,38 @@ void live_loop(const Json& c) {
   }
 }
 
+// Who takes whose state in a live round. DDP: the survivors as far as the source keep their own,
+// the others take the source's. ZeRO in sharding groups of 2: each rank takes it from a survivor
+// as far that held the same shard, itself where it can; none such, or a group that is no
+// multiple of 2, and the round cannot go on, saying why.
+TEST(StateProviders, EachRankTakesItsStateFromASurvivorAsFarThatHeldTheSameShard) {
+  std::string why;
+  const Json progress = Json::parse("[[5, 0], null, [4, 0], [5, 0]]");
+  // Old ranks 0, 2, 3 survived; old rank 1 replaced (new rank 1). The source is new rank 0.
+  const std::vector<int> members{0, -1, 2, 3};
+  EXPECT_EQ(train::state_providers(members, progress, 0, 0, why), (std::vector<int>{0, 0, 0, 3}));
+  // Shards by old rank % 2: the replacement (shard 1) from old rank 3, the survivor behind (old
+  // rank 2, shard 0) from old rank 0.
+  EXPECT_EQ(train::state_providers(members, progress, 0, 2, why), (std::vector<int>{0, 3, 0, 3}));
+  // Shard 1's only survivor a step behind: nobody holds it as of step 5.
+  const Json behind = Json::parse("[[5, 0], null, [5, 0], [4, 0]]");
+  EXPECT_TRUE(train::state_providers(members, behind, 0, 2, why).empty());
+  EXPECT_NE(why.find("no survivor holds ZeRO shard 1 of 2 as of step 5"), std::string::npos) << why;
+  // Shrunk to 3: no multiple of the sharding group.
+  why.clear();
+  EXPECT_TRUE(train::state_providers({0, 2, 3}, Json::parse("[[5, 0], [5, 0], [5, 0]]"), 0, 2, why)
+                  .empty());
+  EXPECT_NE(why.find("the 3 workers left are no multiple of --shard-group-size 2"),
+            std::string::npos)
+      << why;
+}
+
 class LiveRecovery : public ::testing::Test {
  protected:
   void TearDown() override { std::filesystem::remove_all(dir); }
 
-  Result fit(const std::string& name, Json config, FailureConfig failure = {},
-             int min_workers = 0) {
+  Result fit(const std::string& name, Json config, FailureConfig failure = {}, int min_workers = 0,
+             int workers = 3) {
     config["files"] = (dir / name).string();
     if (!config.contains("plan")) config["plan"] = "ddp";
     failure.recovery = FailureConfig::Recovery::kLive;
@@ -100,7 +127,7 @@ class LiveRecovery : public ::testing::Test {
     run.verbose = 0;
     run.setup_timeout = std::chrono::seconds(60);
     run.collective_timeout = std::chrono::seconds(60);
-    Trainer trainer(live_loop, {.num_workers = 3, .min_workers = min_workers}, run, config,
+    Trainer trainer(live_loop, {.num_workers = workers, .min_workers = min_workers}, run, config,
                     {{"train", testing::classifier_dataset()}});
     return trainer.fit();
   }
@@ -166,6 +193,37 @@ TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) 
     EXPECT_EQ(starts.size(), 6u);
     EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 4u);
     EXPECT_EQ(killed.metrics["world_size"], 3);
+    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
+    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
+    expect_every_row_once_per_epoch(name);
+    const auto actual = model_of(killed);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (const auto& [tensor_name, tensor] : expected)
+      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+  }
+}
+
+// ZeRO stage 2 in sharding groups of 2 over 4 workers (each shard held by two ranks), rank 0 or 3
+// killed after step 2: the replacement takes the model and its shard from the survivor that held
+// the same shard, the survivors keep their own; the run ends as one that never failed, bit for
+// bit.
+TEST_F(LiveRecovery, ZeroInShardingGroupsTakesTheLostShardFromItsReplica) {
+  const auto whole = fit("hsdp-whole", {{"plan", "hsdp"}}, {}, 0, /*workers=*/4);
+  ASSERT_TRUE(whole.ok()) << *whole.error;
+  const auto expected = model_of(whole);
+  for (int rank : {0, 3}) {
+    SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
+    const std::string name = "hsdp-killed" + std::to_string(rank);
+    const auto killed =
+        fit(name, {{"plan", "hsdp"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
+            {}, 0, /*workers=*/4);
+    ASSERT_TRUE(killed.ok()) << *killed.error;
+    ASSERT_EQ(killed.failures.size(), 1u);
+    EXPECT_EQ(killed.failures[0]["live"], true);
+    EXPECT_EQ(killed.failures[0]["restarted"], false);
+    const auto starts = loop_starts(name);
+    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 5u);
+    EXPECT_EQ(killed.metrics["world_size"], 4);
     EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
     EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
     expect_every_row_once_per_epoch(name);
@@ -283,7 +341,11 @@ TEST_F(LiveRecovery, IsRefusedForAPlanThatCannotRecoverLive) {
   const auto result = fit("zero", {{"plan", "zero1"}});
   ASSERT_FALSE(result.ok());
   EXPECT_NE(result.error->find("ZeRO stage 1"), std::string::npos) << *result.error;
+  EXPECT_NE(result.error->find("--shard-group-size"), std::string::npos) << *result.error;
   EXPECT_NE(result.error->find("--recovery restart"), std::string::npos) << *result.error;
+  const auto stage3 = fit("zero3", {{"plan", "zero3"}});
+  ASSERT_FALSE(stage3.ok());
+  EXPECT_NE(stage3.error->find("ZeRO stage 3"), std::string::npos) << *stage3.error;
   const auto served = fit("ps", {{"plan", "parameter_server"}});
   ASSERT_FALSE(served.ok());
   EXPECT_NE(served.error->find("the parameters the lost worker served"), std::string::npos)

@@ -144,6 +144,12 @@ class ShardedState : public Stateful {
   /// error (local SGD: the inner step was taken and the synchronisation after it failed, leaving
   /// the rest as it was): the step's batch is trained on. False by default.
   virtual bool stepped_before_failure() const { return false; }
+  /// Every rank's parameters rebuilt from the ranks' pieces of them (ZeRO 1-2: each rank's
+  /// piece of the parameters is the one it steps). After a live recovery's load only that
+  /// piece of a rank's model file is sure to be current: a peer's failure may have cut the
+  /// all-gather after the last step short. A collective: every rank of the group calls it.
+  /// Nothing by default.
+  virtual void gather_parameters_from_shards() {}
 };
 
 /// The values every optimizer's state dict holds: its algorithm ("sgd", "adam", "adamw"), the

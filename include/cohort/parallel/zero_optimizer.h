@@ -198,6 +198,12 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
   /// See optim::ShardedState: a GatheredParameters.
   std::unique_ptr<optim::ParameterGather> gather_parameters(int64_t unit,
                                                             bool write_back) const override;
+  /// See optim::ShardedState: whether the last step() stepped this rank's shard and a peer's
+  /// failure then cut the all-gather of the parameters short.
+  bool stepped_before_failure() const override;
+  /// See optim::ShardedState: stages 1 and 2 all-gather every rank's piece of the parameters
+  /// (the one it steps) into every rank's; stage 3 gathers at each use already.
+  void gather_parameters_from_shards() override;
 
  private:
   explicit ZeroOptimizer(std::shared_ptr<Engine> engine);

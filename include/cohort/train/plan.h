@@ -97,8 +97,11 @@ struct Plan {
   /// Why the survivors of this plan cannot go on without a lost worker in the same processes
   /// (FailureConfig::Recovery::kLive), naming the options and the fallback; empty when they can.
   /// Live recovery takes the lost worker's state from a survivor: plans whose every worker holds
-  /// the whole state (DDP), or a replica of it (local SGD, DiLoCo), allow it.
-  std::string live_recovery_refusal() const;
+  /// the whole state (DDP), or a replica of it (local SGD, DiLoCo), allow it, and ZeRO stages 1
+  /// and 2 in sharding groups (zero.shard_group_size below the `world_size` workers: every
+  /// shard has a replica in another group). `world_size` 0: the plan's degrees alone, a ZeRO
+  /// plan in sharding groups allowed.
+  std::string live_recovery_refusal(int world_size = 0) const;
 };
 
 }  // namespace cohort::train
