@@ -121,7 +121,12 @@ void wait_unless_aborted(const Work::State& state) {
       state.work->wait(std::min(left, kSlice));
       return;
     } catch (...) {
-      if (state.work->isCompleted()) throw;  // the collective's own error
+      // The slice ended (c10d throws "Operation timed out!"), or the collective failed. One that
+      // completed between the two gives its own outcome: it returns, or throws its error.
+      if (state.work->isCompleted()) {
+        state.work->wait(state.timeout);
+        return;
+      }
     }
   }
 }
