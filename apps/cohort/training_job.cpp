@@ -173,6 +173,17 @@ void validate(const TrainOptions& o) {
     if (const auto refusal = o.plan.plan().live_recovery_refusal(o.scaling.workers);
         !refusal.empty())
       throw UsageError(refusal);
+    const auto& zero = o.plan.plan().zero;
+    if (!o.run.replace_lost && zero.stage > 0 && zero.shard_group_size > 1) {
+      // The survivors of one loss are no multiple of the sharding group.
+      throw UsageError("--recovery live --no-replace-lost with --shard-group-size " +
+                       std::to_string(zero.shard_group_size) +
+                       ": the survivors of a lost worker "
+                       "are no multiple of " +
+                       std::to_string(zero.shard_group_size) +
+                       ", so their shards cannot be laid out again live; let a replacement take "
+                       "its place (leave out --no-replace-lost), or use --recovery restart");
+    }
   }
   const int64_t train_size = o.data.train_rows(labelled);
   if (o.scaling.workers > train_size) {

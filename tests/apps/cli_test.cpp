@@ -259,6 +259,10 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
       {{"--recovery", "live", "--sync", "async-ps:0", "--workers", "2", "--data-dir",
         data.string()},
        "--recovery restart, with --snapshot-every-steps K"},
+      {{"--recovery", "live", "--no-replace-lost", "--min-workers", "2", "--zero-stage", "2",
+        "--shard-group-size", "2", "--workers", "4", "--data-dir", data.string()},
+       "--recovery live --no-replace-lost with --shard-group-size 2: the survivors of a lost "
+       "worker are no multiple of 2"},
       {{"--recovery", "live", "--no-replace-lost", "--workers", "3", "--data-dir", data.string()},
        "--recovery live with --no-replace-lost goes on with fewer workers: give --min-workers "
        "below --workers 3 (e.g. --min-workers 2)"},

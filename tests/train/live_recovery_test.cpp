@@ -167,6 +167,28 @@ class LiveRecovery : public ::testing::Test {
     return safetensors::read(result.checkpoint->path() / "model.safetensors");
   }
 
+  // Run `name` (`killed`) recovered live from one failure with a replacement: its `workers`
+  // processes and the replacement started the loop, every row trained on once per epoch, and it
+  // ended as `whole`, the run that never failed, bit for bit.
+  void expect_went_on_as(const std::string& name, const Result& killed, const Result& whole,
+                         int workers) {
+    ASSERT_TRUE(killed.ok()) << *killed.error;
+    ASSERT_EQ(killed.failures.size(), 1u);
+    EXPECT_EQ(killed.failures[0]["live"], true);
+    EXPECT_EQ(killed.failures[0]["restarted"], false);
+    const auto starts = loop_starts(name);
+    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), static_cast<size_t>(workers + 1));
+    EXPECT_EQ(killed.metrics["world_size"], workers);
+    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
+    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
+    expect_every_row_once_per_epoch(name);
+    const auto expected = model_of(whole);
+    const auto actual = model_of(killed);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (const auto& [tensor_name, tensor] : expected)
+      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+  }
+
   std::filesystem::path dir = cohort::testing::temp_dir("live_recovery");
 };
 
@@ -176,30 +198,17 @@ class LiveRecovery : public ::testing::Test {
 TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) {
   const auto whole = fit("whole", {});
   ASSERT_TRUE(whole.ok()) << *whole.error;
-  const auto expected = model_of(whole);
   for (int rank : {0, 1}) {
     SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
     const std::string name = "killed" + std::to_string(rank);
     const auto killed = fit(name, {{"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}});
-    ASSERT_TRUE(killed.ok()) << *killed.error;
+    expect_went_on_as(name, killed, whole, 3);
     ASSERT_EQ(killed.failures.size(), 1u);
-    EXPECT_EQ(killed.failures[0]["live"], true);
-    EXPECT_EQ(killed.failures[0]["restarted"], false);
     EXPECT_EQ(killed.failures[0]["rank"], rank);
     EXPECT_FALSE(killed.failures[0]["recovery_s"].is_null());
     // Three processes started the loop, the replacement a fourth; the two survivors started it
     // again in their own processes.
-    const auto starts = loop_starts(name);
-    EXPECT_EQ(starts.size(), 6u);
-    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 4u);
-    EXPECT_EQ(killed.metrics["world_size"], 3);
-    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
-    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
-    expect_every_row_once_per_epoch(name);
-    const auto actual = model_of(killed);
-    ASSERT_EQ(actual.size(), expected.size());
-    for (const auto& [tensor_name, tensor] : expected)
-      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+    EXPECT_EQ(loop_starts(name).size(), 6u);
   }
 }
 
@@ -210,27 +219,13 @@ TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) 
 TEST_F(LiveRecovery, ZeroInShardingGroupsTakesTheLostShardFromItsReplica) {
   const auto whole = fit("hsdp-whole", {{"plan", "hsdp"}}, {}, 0, /*workers=*/4);
   ASSERT_TRUE(whole.ok()) << *whole.error;
-  const auto expected = model_of(whole);
   for (int rank : {0, 3}) {
     SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
     const std::string name = "hsdp-killed" + std::to_string(rank);
     const auto killed =
         fit(name, {{"plan", "hsdp"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
             {}, 0, /*workers=*/4);
-    ASSERT_TRUE(killed.ok()) << *killed.error;
-    ASSERT_EQ(killed.failures.size(), 1u);
-    EXPECT_EQ(killed.failures[0]["live"], true);
-    EXPECT_EQ(killed.failures[0]["restarted"], false);
-    const auto starts = loop_starts(name);
-    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 5u);
-    EXPECT_EQ(killed.metrics["world_size"], 4);
-    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
-    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
-    expect_every_row_once_per_epoch(name);
-    const auto actual = model_of(killed);
-    ASSERT_EQ(actual.size(), expected.size());
-    for (const auto& [tensor_name, tensor] : expected)
-      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+    expect_went_on_as(name, killed, whole, 4);
   }
 }
 
@@ -245,21 +240,7 @@ TEST_F(LiveRecovery, LocalSgdAndDiLoCoGoOnWithTheSurvivorsReplicas) {
     const auto killed = fit(
         plan + "-killed",
         {{"plan", plan}, {"sgd", true}, {"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}});
-    ASSERT_TRUE(killed.ok()) << *killed.error;
-    ASSERT_EQ(killed.failures.size(), 1u);
-    EXPECT_EQ(killed.failures[0]["live"], true);
-    EXPECT_EQ(killed.failures[0]["restarted"], false);
-    const auto starts = loop_starts(plan + "-killed");
-    EXPECT_EQ(std::set<int>(starts.begin(), starts.end()).size(), 4u);
-    EXPECT_EQ(killed.metrics["world_size"], 3);
-    EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
-    EXPECT_EQ(killed.metrics["replica_spread"], 0.0);
-    expect_every_row_once_per_epoch(plan + "-killed");
-    const auto expected = model_of(whole);
-    const auto actual = model_of(killed);
-    ASSERT_EQ(actual.size(), expected.size());
-    for (const auto& [tensor_name, tensor] : expected)
-      EXPECT_TRUE(torch::equal(actual.at(tensor_name), tensor)) << tensor_name;
+    expect_went_on_as(plan + "-killed", killed, whole, 3);
   }
 }
 
