@@ -307,14 +307,18 @@ Result Driver::run() {
       attempt.outcome.stop_requested && attempt.outcome.interrupted_by == 0 && !error;
   Result result = recorder_->finish(error, static_cast<int>(slots_.size()), since_start());
   // The run's snapshots on this node (train::snapshot): gone with a run that ended well; a failed
-  // one keeps them for a run that resumes it.
+  // one keeps them for a run that resumes it, but not the live rounds' states.
+  if (!result.ok()) remove_live_states(recorder_->run_dir());
   if (!run_.snapshot_path.empty()) {
     const auto snapshots = snapshot_run_folder(run_.snapshot_path, recorder_->run_dir());
     if (result.ok()) {
       remove_tree(snapshots);
-    } else if (!held_snapshots(snapshots).empty() && run_.verbose >= 1) {
-      console_.message("cohort: the run's in-memory snapshots stay in " + snapshots.string() +
-                       " for a run that resumes it; remove the folder to free the memory");
+    } else {
+      remove_live_states(snapshots);
+      if (!held_snapshots(snapshots).empty() && run_.verbose >= 1) {
+        console_.message("cohort: the run's in-memory snapshots stay in " + snapshots.string() +
+                         " for a run that resumes it; remove the folder to free the memory");
+      }
     }
   }
   status_->write(!result.ok()         ? "failed"

@@ -116,6 +116,13 @@ std::vector<int> state_providers(const std::vector<int>& members, const Json& pr
   return provider;
 }
 
+void remove_live_states(const std::filesystem::path& root) {
+  std::error_code ignored;
+  if (!std::filesystem::is_directory(root, ignored)) return;
+  for (const auto& entry : std::filesystem::directory_iterator(root, ignored))
+    if (entry.path().filename().string().rfind("live_", 0) == 0) remove_tree(entry.path());
+}
+
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole) {
   std::filesystem::create_directories(dir);

@@ -73,6 +73,16 @@ struct LiveRegroup {
 inline std::string live_run_token(const std::string& token, int round) {
   return token + "-live" + std::to_string(round);
 }
+// The folder of rank `rank`'s state in the live rounds of the start whose token is `token`, in
+// `root` (the run's snapshots' folder on this node, else its run directory).
+inline std::filesystem::path live_state_folder_in(const std::filesystem::path& root,
+                                                  const std::string& token, int rank) {
+  return root / ("live_" + token + "_rank" + std::to_string(rank));
+}
+// Every live round's state folder in `root`: the driver's at the end of a run that failed (a
+// killed worker leaves its own), as nothing restores from them.
+void remove_live_states(const std::filesystem::path& root);
+
 // Where the driver publishes live round `round` of the group started with `token`: a JSON object
 // {"members": [by new rank: the old rank, or -1 for a replacement], "source": the new rank whose
 // state everyone takes, "progress": [by new rank: [optimizer steps, synchronisations], or null

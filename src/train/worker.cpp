@@ -89,8 +89,7 @@ std::filesystem::path live_state_folder(const SessionSettings& settings) {
   const auto root = settings.snapshot_path.empty()
                         ? settings.run_dir
                         : snapshot_run_folder(settings.snapshot_path, settings.run_dir);
-  return root /
-         ("live_" + settings.live_token + "_rank" + std::to_string(settings.info.world_rank));
+  return live_state_folder_in(root, settings.live_token, settings.info.world_rank);
 }
 
 // The device of a worker with `per_worker` GPUs (0: the CPU), made the current CUDA device.
@@ -323,6 +322,14 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     runtime::start_heartbeat(process.heartbeat.interval);
     const SessionSpec spec = session_spec_from_json(process.session);
     SessionSettings settings;
+    // A live round's state (in memory, under the snapshots' folder) goes with the process however
+    // it ends: a failed round's is no snapshot, and nothing restores from it.
+    struct LiveStateRemover {
+      const SessionSettings& settings;
+      ~LiveStateRemover() {
+        if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
+      }
+    } live_state_remover{settings};
     settings.info = *info;
     settings.setup_timeout = process.setup_timeout;
     settings.collective_timeout = process.collective_timeout;
@@ -404,7 +411,6 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       rank = regroup->rank;
     }
     trace::finish_profile();
-    if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
   } catch (const std::exception& e) {
     code = 1;
     std::cerr << "error: " << e.what() << std::endl;

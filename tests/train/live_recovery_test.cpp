@@ -106,6 +106,21 @@ TEST(StateProviders, EachRankTakesItsStateFromASurvivorAsFarThatHeldTheSameShard
       << why;
 }
 
+// A failed run's driver removes the live rounds' state folders (a killed worker leaves its own),
+// and nothing else: the snapshots stay for a run that resumes it.
+TEST(LiveStates, OnlyTheLiveRoundsFoldersAreRemoved) {
+  const auto root = cohort::testing::temp_dir("live_states");
+  const auto live = train::live_state_folder_in(root, "a1b2-live1", 2);
+  std::filesystem::create_directories(live);
+  std::ofstream(live / "model.safetensors") << "state";
+  std::filesystem::create_directories(root / "snapshot_000010" / "checkpoint");
+  train::remove_live_states(root);
+  EXPECT_FALSE(std::filesystem::exists(live));
+  EXPECT_TRUE(std::filesystem::exists(root / "snapshot_000010" / "checkpoint"));
+  train::remove_live_states(root / "none");  // no folder: nothing to do
+  std::filesystem::remove_all(root);
+}
+
 class LiveRecovery : public ::testing::Test {
  protected:
   void TearDown() override { std::filesystem::remove_all(dir); }
@@ -227,6 +242,31 @@ TEST_F(LiveRecovery, ZeroInShardingGroupsTakesTheLostShardFromItsReplica) {
             {}, 0, /*workers=*/4);
     expect_went_on_as(name, killed, whole, 4);
   }
+}
+
+// ZeRO in sharding groups of 2 without a replacement: the 3 survivors are no multiple of 2, so
+// each says so and the group restarts (from the epoch's start: no checkpoint yet) on the 4 slots,
+// free again; the run ends well.
+TEST_F(LiveRecovery, ZeroWithoutAReplacementFallsBackToARestartSayingWhy) {
+  FailureConfig failure;
+  failure.replace_lost = false;
+  failure.max_failures = 2;  // the live round's and the restart's
+  const auto result = fit(
+      "hsdp-shrunk", {{"plan", "hsdp"}, {"fault", "kill"}, {"fault_rank", 1}, {"fault_step", 2}},
+      failure, /*min_workers=*/2, /*workers=*/4);
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_FALSE(result.failures.empty());
+  EXPECT_EQ(result.metrics["world_size"], 4);
+  EXPECT_EQ(result.metrics["replica_spread"], 0.0);
+  std::string logs;
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "hsdp-shrunk" / "logs")) {
+    std::ifstream in(entry.path());
+    logs += std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  EXPECT_NE(logs.find("live recovery cannot go on: the 3 workers left are no multiple of "
+                      "--shard-group-size 2; the group restarts"),
+            std::string::npos)
+      << logs;
 }
 
 // Local SGD and DiLoCo (a synchronisation every 2 steps), rank 1 killed right after one: the
