@@ -186,6 +186,22 @@ class ParallelModelResume : public ::testing::Test {
     return out;
   }
 
+  // Where two lists of (epoch, row id) first differ, and their lengths: gtest shows the first 32
+  // rows of each only.
+  static std::string first_difference(const std::vector<std::pair<int, int64_t>>& a,
+                                      const std::vector<std::pair<int, int64_t>>& b) {
+    size_t i = 0;
+    while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+    const auto at = [i](const auto& rows) {
+      return i < rows.size()
+                 ? "(" + std::to_string(rows[i].first) + ", " + std::to_string(rows[i].second) + ")"
+                 : std::string("the end");
+    };
+    return "; " + std::to_string(a.size()) + " and " + std::to_string(b.size()) +
+           " rows, first different at row " + std::to_string(i) + ": " + at(a) + " against " +
+           at(b);
+  }
+
   // (epoch, row id) of every row rank `rank` of run `name` trained on, in order.
   std::vector<std::pair<int, int64_t>> ids_of(const std::string& name, int rank) {
     std::vector<std::pair<int, int64_t>> out;
@@ -299,8 +315,11 @@ TEST_P(SnapshotRestore, AfterAKillMatchesAnUninterruptedRun) {
   EXPECT_EQ(starts[0], "none");
   EXPECT_NE(starts[1].find("/snapshot_"), std::string::npos) << starts[1];
   EXPECT_EQ(killed.metrics["steps"], whole.metrics["steps"]);
-  for (int rank = 0; rank < workers; ++rank)
-    EXPECT_EQ(rows_by_step_of(plan + "-killed", rank), ids_of(plan + "-whole", rank)) << rank;
+  for (int rank = 0; rank < workers; ++rank) {
+    const auto rows = rows_by_step_of(plan + "-killed", rank);
+    const auto expected_rows = ids_of(plan + "-whole", rank);
+    EXPECT_EQ(rows, expected_rows) << "rank " << rank << first_difference(rows, expected_rows);
+  }
   const auto expected = model_of(whole);
   const auto actual = model_of(killed);
   ASSERT_EQ(actual.size(), expected.size());
