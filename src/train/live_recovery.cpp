@@ -120,7 +120,7 @@ void remove_live_states(const std::filesystem::path& root) {
   std::error_code ignored;
   if (!std::filesystem::is_directory(root, ignored)) return;
   for (const auto& entry : std::filesystem::directory_iterator(root, ignored))
-    if (entry.path().filename().string().rfind("live_", 0) == 0) remove_tree(entry.path());
+    if (entry.path().filename().string().rfind(kLiveStatePrefix, 0) == 0) remove_tree(entry.path());
 }
 
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
@@ -189,13 +189,15 @@ void regroup_after(const PeerFailureError& error) {
                       .world_size = static_cast<int>(members.size()),
                       .source = decision.at("source").get<int>(),
                       .next_checkpoint_index = decision.at("next_checkpoint").get<int64_t>()};
-  // By new rank: as far as the source (steps and synchronisations), a survivor keeps its own
-  // state (with replicas its replica; the rest, which every rank shares, comes from the source).
+  // By new rank: with replicas, a survivor as far as the source (steps and synchronisations)
+  // keeps its replica (the rest, which every rank shares, comes from the source); otherwise each
+  // rank keeps its own state where it is its own provider (state_providers).
   const auto& progress = decision.at("progress");
-  const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
-  for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
   regroup.replicas = s->live_replicas;
-  if (!regroup.replicas) {
+  if (regroup.replicas) {
+    const auto& furthest = progress.at(static_cast<size_t>(regroup.source));
+    for (const auto& p : progress) regroup.keeps_own.push_back(!p.is_null() && p == furthest);
+  } else {
     std::string why;
     regroup.provider = state_providers(members, progress, regroup.source, s->live_shard_group, why);
     if (regroup.provider.empty()) {
@@ -205,7 +207,7 @@ void regroup_after(const PeerFailureError& error) {
       std::rethrow_exception(original);
     }
     for (size_t r = 0; r < regroup.provider.size(); ++r)
-      regroup.keeps_own[r] = regroup.provider[r] == static_cast<int>(r);
+      regroup.keeps_own.push_back(regroup.provider[r] == static_cast<int>(r));
   }
   // Captured in memory: nothing is written under the folder but its empty directories.
   const auto capture = [&](bool whole) {

@@ -75,9 +75,10 @@ inline std::string live_run_token(const std::string& token, int round) {
 }
 // The folder of rank `rank`'s state in the live rounds of the start whose token is `token`, in
 // `root` (the run's snapshots' folder on this node, else its run directory).
+inline constexpr const char* kLiveStatePrefix = "live_";
 inline std::filesystem::path live_state_folder_in(const std::filesystem::path& root,
                                                   const std::string& token, int rank) {
-  return root / ("live_" + token + "_rank" + std::to_string(rank));
+  return root / (kLiveStatePrefix + token + "_rank" + std::to_string(rank));
 }
 // Every live round's state folder in `root`: the driver's at the end of a run that failed (a
 // killed worker leaves its own), as nothing restores from them.
