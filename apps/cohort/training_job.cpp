@@ -42,7 +42,8 @@ namespace {
 train::ModelSpec estimated_spec(const models::ZooModel& model, const train::Plan& plan) {
   return {.module = model,
           .forward = [model](const at::Tensor& x) { return model->forward(x); },
-          .layers = plan.pp > 1 ? model->pipeline_layers() : torch::nn::Sequential(nullptr)};
+          .layers = plan.pp > 1 ? models::pipeline_layers(*model, plan.pp)
+                                : torch::nn::Sequential(nullptr)};
 }
 
 }  // namespace
@@ -313,8 +314,9 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
                 "them: with --zero-stage 3 each worker initialises only its shards, one unit at a "
                 "time (the weights are those of an ordinary build, bit for bit)");
   add_bool_flag(cmd, "--untie-embeddings", o.untie_embeddings,
-                "gpt: an output head of its own instead of the token embedding's weight (needed "
-                "to cut it into pipeline stages with --pp)");
+                "gpt: an output head of its own instead of the token embedding's weight (tied "
+                "across --pp stages, the first and the last stage each step a copy, kept equal "
+                "with DDP; ZeRO there needs it untied)");
   add_data_options(cmd, o.data);
   add_scaling_options(cmd, o.scaling);
   add_loop_options(cmd, o.loop);

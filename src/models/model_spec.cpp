@@ -10,14 +10,10 @@ namespace cohort::models {
 
 namespace {
 
-// A GPT whose embeddings are tied stays one stage.
-void check_stages(const ZooModelImpl& model) {
+// The mesh's pipeline ranks (1 without a mesh).
+int pipeline_ranks() {
   const auto& ctx = train::get_context();
-  const auto* gpt = dynamic_cast<const GptImpl*>(&model);
-  if (gpt != nullptr && ctx.has_mesh()) {
-    const auto shape = ctx.get_mesh().shape();
-    gpt->check_pipeline_stages(shape.pp);
-  }
+  return ctx.has_mesh() ? ctx.get_mesh().shape().pp : 1;
 }
 
 // A transformer (vit, gpt) whose blocks are cut over the mesh's tp group, beside the dense model
@@ -35,11 +31,10 @@ train::ModelSpec tensor_parallel_spec(const std::string& name, const ModelOption
   auto dense = std::dynamic_pointer_cast<Transformer>(create_model(name, dense_options));
   torch::manual_seed(seed);
   auto sliced = std::dynamic_pointer_cast<Transformer>(create_model(name, sliced_options));
-  check_stages(*sliced);
   train::ModelSpec spec;
   spec.module = sliced;
   spec.forward = [sliced](const at::Tensor& x) { return sliced->forward(x); };
-  spec.layers = sliced->pipeline_layers();
+  spec.layers = pipeline_layers(*sliced, pipeline_ranks());
   spec.dense = dense;
   spec.copy_to_dense = [sliced, dense] { sliced->copy_to_dense(*dense); };
   spec.load_from_dense = [sliced, dense] { sliced->load_from_dense(*dense); };
@@ -64,11 +59,10 @@ train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint6
   }
   torch::manual_seed(seed);
   auto model = create_model(name, options);
-  check_stages(*model);
   train::ModelSpec spec;
   spec.module = model;
   spec.forward = [model](const at::Tensor& x) { return model->forward(x); };
-  if (mesh) spec.layers = model->pipeline_layers();
+  if (mesh) spec.layers = pipeline_layers(*model, pipeline_ranks());
   return spec;
 }
 
@@ -86,11 +80,17 @@ void check_plan(const std::string& name, const ModelOptions& options, const trai
                      std::to_string(options.mlp_ratio) + " x --width)");
   }
   if (plan.pp <= 1) return;
+  if (name == "gpt" && options.tie_embeddings && plan.zero.stage > 0) {
+    throw UsageError(
+        "gpt ties its output head to its token embedding, which --pp " + std::to_string(plan.pp) +
+        " puts in the first and the last stage, whose copies stay equal by summing their "
+        "gradients, and --zero-stage " +
+        std::to_string(plan.zero.stage) +
+        " shards them apart: use --zero-stage 0, or untie them (--untie-embeddings)");
+  }
   auto shape = options;
   shape.deferred_init = true;  // its layers, without their weights
   const auto model = create_model(name, shape);
-  if (const auto* gpt = dynamic_cast<const GptImpl*>(model.get()))
-    gpt->check_pipeline_stages(plan.pp);
   const int stages = plan.pp * plan.virtual_stages();
   const auto layers = static_cast<int>(model->pipeline_layers()->size());
   if (layers < stages) {

@@ -530,16 +530,9 @@ int64_t GptImpl::flops_per_token(int64_t tokens) const {
   return 6 * weights + 12 * o.depth * o.width * tokens;
 }
 
-void GptImpl::check_pipeline_stages(int stages) const {
-  if (stages > 1 && !head_) {
-    throw UsageError(
-        "gpt ties its output head to its token embedding, which " + std::to_string(stages) +
-        " pipeline stages would put in the first and the last: untie them (cohort train "
-        "--untie-embeddings; ModelOptions::tie_embeddings = false) to cut the model into stages");
-  }
-}
+torch::nn::Sequential GptImpl::pipeline_layers() { return pipeline_layers(1); }
 
-torch::nn::Sequential GptImpl::pipeline_layers() {
+torch::nn::Sequential GptImpl::pipeline_layers(int ranks) {
   torch::nn::Sequential layers;
   auto embedding = token_embedding_;
   auto positions = positions_;
@@ -556,14 +549,22 @@ torch::nn::Sequential GptImpl::pipeline_layers() {
         NamedModules{{"norm", norm.ptr()}, {"head", head.ptr()}}, NamedTensors{},
         [norm, head](const torch::Tensor& x) mutable { return head->forward(norm->forward(x)); }));
   } else {
-    // Tied: the head reads the embedding layer's weight, a parameter of that layer alone.
+    // Tied: the head reads the embedding layer's weight. On one rank a parameter of that layer
+    // alone (its optimizer steps it once); over several, of the head layer too, on the last rank.
+    NamedModules modules{{"norm", norm.ptr()}};
+    if (ranks > 1) modules.emplace_back("token_embedding", embedding.ptr());
     const auto weight = token_embedding_->weight;
-    layers->push_back(Layer(NamedModules{{"norm", norm.ptr()}}, NamedTensors{},
-                            [norm, weight](const torch::Tensor& x) mutable {
-                              return F::linear(norm->forward(x), weight);
-                            }));
+    layers->push_back(
+        Layer(std::move(modules), NamedTensors{}, [norm, weight](const torch::Tensor& x) mutable {
+          return F::linear(norm->forward(x), weight);
+        }));
   }
   return layers;
+}
+
+torch::nn::Sequential pipeline_layers(ZooModelImpl& model, int ranks) {
+  if (auto* gpt = dynamic_cast<GptImpl*>(&model)) return gpt->pipeline_layers(ranks);
+  return model.pipeline_layers();
 }
 
 const std::vector<std::string>& model_names() {

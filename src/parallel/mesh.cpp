@@ -3,6 +3,7 @@
 #include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <map>
 #include <vector>
 
 #include "cohort/error.h"
@@ -49,7 +50,8 @@ DeviceMesh DeviceMesh::create(comm::ProcessGroup world, MeshShape shape) {
 }
 
 at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& module,
-                          torch::optim::Optimizer& optimizer, double max_norm) {
+                          torch::optim::Optimizer& optimizer, double max_norm,
+                          const std::vector<pipeline::TiedParameter>& tied) {
   if (!(max_norm > 0)) {
     throw UsageError("gradient clipping max_norm " + std::to_string(max_norm) +
                      " must be > 0 (0 or less would zero every gradient)");
@@ -58,7 +60,15 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   const auto slices = tensor_parallel_slices(module);
   // A whole parameter's square is on every rank of its tp group: each counts a tp-th of it.
   const double tp = mesh.shape().tp;
+  // A tied parameter's square is on each rank that holds a copy: each counts its share.
+  std::map<const c10::TensorImpl*, double> copies;
+  for (const auto& t : tied)
+    copies[t.parameter.unsafeGetTensorImpl()] = static_cast<double>(t.ranks.size());
   auto weight_of = [&](const std::string& name) { return slices.count(name) ? 1.0 : 1.0 / tp; };
+  auto tied_share = [&](const at::Tensor& parameter) {
+    const auto found = copies.find(parameter.unsafeGetTensorImpl());
+    return found == copies.end() ? 1.0 : 1.0 / found->second;
+  };
   // The gradients the optimizer steps, each with the weight of its parameter.
   std::vector<std::pair<at::Tensor, double>> grads;
   double replicas = 1;  // the dp ranks that hold the same gradients
@@ -74,8 +84,10 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
     }
   } else {
     if (!own_gradients) replicas = mesh.shape().dp;
-    for (const auto& p : module.named_parameters())
-      if (p.value().grad().defined()) grads.emplace_back(p.value().grad(), weight_of(p.key()));
+    for (const auto& p : module.named_parameters()) {
+      if (p.value().grad().defined())
+        grads.emplace_back(p.value().grad(), weight_of(p.key()) * tied_share(p.value()));
+    }
   }
   c10::Device device(c10::kCPU);
   for (const auto& p : module.parameters()) {

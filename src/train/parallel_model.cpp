@@ -347,15 +347,17 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
     st->all_stages =
         pipeline::split_sequential(layers, pipeline::even_split(count, st->layout.stages()));
     std::vector<pipeline::Stage> stages;
-    for (int s : st->layout.stages_of(st->mesh->pp_index()))
-      stages.emplace_back(st->all_stages[size_t(s)]);
-    st->pipe.emplace(std::move(stages), st->mesh->pp(), st->loss,
-                     pipeline::PipelineOptions{.schedule = plan.schedule,
-                                               .micro_batches = plan.micro_batches_per_step(),
-                                               .virtual_stages = plan.virtual_stages(),
-                                               .data_parallel_group = st->mesh->dp(),
-                                               .zero = plan.zero,
-                                               .sync = plan.sync});
+    const int pp_index = st->mesh->pp_index();
+    for (int s : st->layout.stages_of(pp_index)) stages.emplace_back(st->all_stages[size_t(s)]);
+    pipeline::PipelineOptions options{.schedule = plan.schedule,
+                                      .micro_batches = plan.micro_batches_per_step(),
+                                      .virtual_stages = plan.virtual_stages(),
+                                      .data_parallel_group = st->mesh->dp(),
+                                      .zero = plan.zero,
+                                      .sync = plan.sync};
+    // A tied GPT's embedding, in its first stage and its last.
+    options.tied_parameters = pipeline::find_tied_parameters(st->all_stages, st->layout, pp_index);
+    st->pipe.emplace(std::move(stages), st->mesh->pp(), st->loss, std::move(options));
     // With ZeRO, the engine that shards the optimizer over the dp group; with local SGD or
     // DiLoCo, the one that averages the replicas every H steps.
     st->optimizer = st->pipe->prepare_optimizer(make_optimizer(st->pipe->parameters()));
@@ -411,7 +413,7 @@ StepResult ParallelModel::step_here(const at::Tensor& inputs, const at::Tensor& 
     // By the norm of the whole model: every stage, slice and shard once.
     if (st.plan.gradient_clipping > 0) {
       parallel::clip_grad_norm(*st.mesh, *st.pipe->module(), *st.optimizer,
-                               st.plan.gradient_clipping);
+                               st.plan.gradient_clipping, st.pipe->tied_parameters());
     }
     step_optimizer(*st.optimizer);
   } else if (st.captured) {

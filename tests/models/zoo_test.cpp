@@ -116,11 +116,15 @@ TEST(Zoo, APlanTheModelCannotTakeIsNamedBeforeAnyWorkerStarts) {
   three_heads.width = 96;
   EXPECT_EQ(problem("gpt", three_heads, {.tp = 2}),
             "--tp 2 must divide the gpt's 3 heads (--heads) and 384 MLP features (4 x --width)");
-  EXPECT_NE(problem("gpt", {}, {.pp = 2}).find("gpt ties its output head to its token embedding"),
+  // Tied embeddings across pipeline stages: with DDP, not with ZeRO.
+  EXPECT_EQ(problem("gpt", {}, {.pp = 2}), "");
+  EXPECT_NE(problem("gpt", {}, {.pp = 2, .zero = {.stage = 1}})
+                .find("--zero-stage 1 shards them apart: use --zero-stage 0, or untie them "
+                      "(--untie-embeddings)"),
             std::string::npos);
   ModelOptions untied;
   untied.tie_embeddings = false;
-  EXPECT_EQ(problem("gpt", untied, {.pp = 2}), "");
+  EXPECT_EQ(problem("gpt", untied, {.pp = 2, .zero = {.stage = 1}}), "");
 }
 
 TEST(Zoo, EveryModelScoresABatch) {
@@ -497,9 +501,26 @@ TEST(Zoo, GptShapesThatDoNotFitAreNamed) {
         gpt->forward(torch::zeros({1, 5}, torch::kLong));
       },
       "T <= the context 4");
-  cohort::testing::expect_error<UsageError>(
-      [&] { dynamic_cast<GptImpl&>(*gpt).check_pipeline_stages(2); }, "--untie-embeddings");
-  dynamic_cast<GptImpl&>(*gpt).check_pipeline_stages(1);
+}
+
+// Over several pipeline ranks the tied head's layer holds the embedding's weight too (the last
+// stage's copy); on one rank only the embedding layer does, so its optimizer steps it once.
+TEST(Zoo, ATiedGptsHeadLayerHoldsTheEmbeddingOnlyOverSeveralRanks) {
+  auto gpt = create_model("gpt", {.depth = 2, .width = 16, .heads = 2, .context = 4});
+  const auto weight = gpt->named_parameters()["token_embedding.weight"];
+  const auto one = pipeline_layers(*gpt, 1), two = pipeline_layers(*gpt, 2);
+  ASSERT_EQ(one->size(), 4u);
+  ASSERT_EQ(two->size(), 4u);
+  const auto head_one = one->ptr(3)->named_parameters(), head_two = two->ptr(3)->named_parameters();
+  EXPECT_EQ(head_one.find("token_embedding.weight"), nullptr);
+  ASSERT_NE(head_two.find("token_embedding.weight"), nullptr);
+  EXPECT_TRUE(head_two["token_embedding.weight"].is_same(weight));
+  EXPECT_EQ(head_two.size(), head_one.size() + 1);
+  // Untied, the head has its own weight either way.
+  auto untied = create_model(
+      "gpt", {.depth = 2, .width = 16, .heads = 2, .context = 4, .tie_embeddings = false});
+  EXPECT_EQ(pipeline_layers(*untied, 2)->ptr(3)->named_parameters().find("token_embedding.weight"),
+            nullptr);
 }
 
 TEST(Zoo, TensorParallelGptIsTheDenseGptSliced) {

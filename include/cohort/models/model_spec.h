@@ -12,16 +12,18 @@ namespace cohort::models {
 
 /// The zoo's model `name` for train::parallelize on this worker's mesh (get_context()): built
 /// after torch::manual_seed(`seed`), so every rank holds the same weights; with a mesh, cut at its
-/// pipeline_layers(); with tp > 1 the ViT's or GPT's blocks tensor-parallel over the mesh's tp
-/// group, beside the dense model of the same seed that checkpoints hold. Every rank calls it alike
-/// (the tp group's slices are cut from the same dense weights). UsageError as create_model().
+/// pipeline_layers(model, pp); with tp > 1 the ViT's or GPT's blocks tensor-parallel over the
+/// mesh's tp group, beside the dense model of the same seed that checkpoints hold. Every rank calls
+/// it alike (the tp group's slices are cut from the same dense weights). UsageError as
+/// create_model().
 train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint64_t seed);
 
 /// What model_spec and train::parallelize refuse of `plan` for the zoo's model `name`, checked
 /// before any worker starts (the model built deferred, for its layers): a GPT with tied
-/// embeddings cut into stages, fewer layers than pipeline stages, tensor parallelism for a model
-/// without tensor-parallel layers or a degree that does not divide its heads and MLP features. A
-/// UsageError naming the flags (--pp, --tp, --heads, --width, --layers) and the fix.
+/// embeddings cut into stages under ZeRO, fewer layers than pipeline stages, tensor parallelism for
+/// a model without tensor-parallel layers or a degree that does not divide its heads and MLP
+/// features. A UsageError naming the flags (--pp, --zero-stage, --tp, --heads, --width, --layers)
+/// and the fix.
 void check_plan(const std::string& name, const ModelOptions& options, const train::Plan& plan);
 
 }  // namespace cohort::models

@@ -34,8 +34,8 @@ struct ModelOptions {
   /// GPT only: the longest sequence, in tokens (its learned positions).
   int64_t context = 128;
   /// GPT only: the output head is the token embedding's weight (GPT-2's tying), or a layer of
-  /// its own. A pipeline needs it false: the embedding is in the first stage, the head in the
-  /// last.
+  /// its own. Cut into pipeline stages, the first stage and the last each hold a copy of the
+  /// weight (GptImpl::pipeline_layers(int)).
   bool tie_embeddings = true;
   /// Deferred initialisation: each FullyShard unit is built, its parameters then give their
   /// memory back until it is materialised (parallel::deferred_unit): by ZeRO stage 3 one unit at a
@@ -76,9 +76,9 @@ class ZooModelImpl : public torch::nn::Module {
   /// The model as consecutive layers whose composition is forward(): where a pipeline may cut it
   /// (parallel::pipeline::split_sequential). The layers are the model's own modules, shared, not
   /// copied, each with its activation, pooling or reshaping; every parameter of the model is in
-  /// exactly one layer. mlp: 3 layers, cnn: 4, resnet18: 10 (stem, 8 blocks, head), vit and gpt:
-  /// depth + 2 (embedding, blocks, head). A model of the user's that does not override it: a
-  /// UsageError.
+  /// exactly one layer (a tied GPT cut over pipeline ranks: see GptImpl::pipeline_layers(int)).
+  /// mlp: 3 layers, cnn: 4, resnet18: 10 (stem, 8 blocks, head), vit and gpt: depth + 2 (embedding,
+  /// blocks, head). A model of the user's that does not override it: a UsageError.
   virtual torch::nn::Sequential pipeline_layers();
   /// A random batch of `rows` the model takes, and targets for logits_cross_entropy(): images of
   /// the options' shape and class labels, or for the GPT tokens and the next tokens. From torch's
@@ -174,13 +174,14 @@ class GptImpl : public ZooModelImpl {
   explicit GptImpl(const ModelOptions& options = {});
   /// The logits of every position of a batch of token sequences [N, T] (integers < vocab_size).
   torch::Tensor forward(torch::Tensor tokens) override;
-  /// The embedding layer, the blocks and the head. Tied, the head reads the embedding layer's
-  /// weight: the layers then make one stage (a tensor-parallel mesh's), not several; a pipeline
-  /// of several stages needs tie_embeddings false (check_pipeline_stages() says so).
+  /// pipeline_layers(1): the layers of one pipeline rank (a tensor-parallel mesh's).
   torch::nn::Sequential pipeline_layers() override;
-  /// UsageError, naming the fix, when the model cannot be cut into `stages` pipeline stages: a
-  /// tied GPT whose head would be in another stage than its embedding.
-  void check_pipeline_stages(int stages) const;
+  /// The embedding layer, the blocks and the head, for a pipeline over `ranks` ranks. Tied, the
+  /// head reads the embedding layer's weight; over more than one rank the head layer holds the
+  /// embedding module too, so that the weight is a parameter of the first stage and of the last
+  /// (Megatron-LM's and DeepSpeed's tied embeddings): each rank steps its own copy and the
+  /// pipeline keeps them equal (parallel::pipeline::find_tied_parameters()).
+  torch::nn::Sequential pipeline_layers(int ranks);
   /// Random tokens [rows, context] and the tokens that follow each, [rows, context].
   std::pair<torch::Tensor, torch::Tensor> sample_batch(int64_t rows) const override;
   /// As VisionTransformerImpl::load_from_dense: this rank's slices of a dense GPT.
@@ -200,6 +201,10 @@ class GptImpl : public ZooModelImpl {
   torch::nn::LayerNorm norm_{nullptr};
   torch::nn::Linear head_{nullptr};  ///< untied only
 };
+
+/// `model`'s layers for a pipeline over `ranks` ranks: a GPT's pipeline_layers(ranks), every other
+/// model's pipeline_layers().
+torch::nn::Sequential pipeline_layers(ZooModelImpl& model, int ranks);
 
 /// The zoo's names: "mlp", "cnn", "resnet18", "vit", "gpt".
 const std::vector<std::string>& model_names();

@@ -10,6 +10,7 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/parallel/mesh_shape.h"
+#include "cohort/parallel/pipeline/pipeline.h"
 
 namespace cohort::parallel {
 
@@ -54,12 +55,14 @@ class DeviceMesh {
 /// gradients DDP made the same on every dp rank, or a ZeroOptimizer, whose averaged gradients are
 /// sharded over dp, or a LocalSgdOptimizer, whose replicas step their own gradients: each replica
 /// is clipped by its own norm. Every parameter counts once: slices summed over tp, whole parameters
-/// once per tp group, stages over pp, ZeRO's shards over dp; one all-reduce over the world (local
+/// once per tp group, stages over pp, a parameter that stages on several pp ranks share (`tied`,
+/// Pipeline::tied_parameters()) once, ZeRO's shards over dp; one all-reduce over the world (local
 /// SGD: over pp, then tp), no host sync.
 /// The gradients the optimizer steps are scaled by min(1, max_norm / norm); returns the norm before
 /// clipping (a 0-dim float32 tensor). Every rank of the mesh calls it; max_norm <= 0 is a
 /// UsageError.
 at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& module,
-                          torch::optim::Optimizer& optimizer, double max_norm);
+                          torch::optim::Optimizer& optimizer, double max_norm,
+                          const std::vector<pipeline::TiedParameter>& tied = {});
 
 }  // namespace cohort::parallel

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <optional>
 #include <set>
 
@@ -96,6 +97,7 @@ struct Pipeline::State {
   bool remote(int stage) const { return program.layout.rank_of(stage) != rank; }
   int tag(int stage, int mb, int kind) const { return (mb * num_stages + stage) * 2 + kind; }
   int probe_tag(int stage) const { return 2 * num_stages * program.micro_batches + stage; }
+  int tied_tag(size_t tied) const { return probe_tag(num_stages) + static_cast<int>(tied); }
   c10::Device device_of(int stage) const {
     for (const auto& p : stages[local(stage)].module().parameters()) return p.device();
     return c10::Device(c10::kCPU);
@@ -111,6 +113,7 @@ struct Pipeline::State {
   void backward_input(int stage, Slot& slot, bool whole);
   void backward_weight(int stage, Slot& slot);
   void hand_over_gradient(int stage, int mb, Slot& slot);
+  void sum_tied_gradients();
 };
 
 namespace {
@@ -283,6 +286,39 @@ void Pipeline::State::hand_over_gradient(int stage, int mb, Slot& slot) {
   }
 }
 
+// Each tied parameter's gradient (PipelineOptions::tied_parameters) becomes the sum of its
+// copies': this rank's sent to the other holders, theirs received, and added in rank order, the
+// same order on every holder, so that every copy's gradient is the same, bit for bit.
+void Pipeline::State::sum_tied_gradients() {
+  const auto& tied = options.tied_parameters;
+  for (size_t i = 0; i < tied.size(); ++i) {
+    const TiedParameter& t = tied[i];
+    at::Tensor parameter = t.parameter;
+    if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
+    std::string holders;
+    for (int r : t.ranks) holders += (holders.empty() ? "" : ", ") + std::to_string(r);
+    group.set_activity("pipeline rank " + std::to_string(rank) + ": summing the gradient of " +
+                       t.name + " with its copies on pipeline ranks " + holders);
+    const at::Tensor own = parameter.grad().contiguous().clone();
+    std::vector<comm::Work> sends_of_this;
+    std::vector<at::Tensor> copies;
+    for (int r : t.ranks) {
+      if (r == rank) {
+        copies.push_back(own);
+        continue;
+      }
+      sends_of_this.push_back(group.send_async(own, r, tied_tag(i)));
+      at::Tensor theirs = at::empty_like(own);
+      group.recv(theirs, r, tied_tag(i));
+      copies.push_back(theirs);
+    }
+    at::Tensor sum = copies[0].clone();
+    for (size_t k = 1; k < copies.size(); ++k) sum.add_(copies[k]);
+    for (auto& work : sends_of_this) work.wait();
+    parameter.mutable_grad().copy_(sum);
+  }
+}
+
 void Pipeline::State::run(const Action& a, const std::vector<at::Tensor>& inputs,
                           const std::vector<at::Tensor>& targets,
                           const std::vector<double>& weights, at::Tensor& loss_sum) {
@@ -352,6 +388,7 @@ void Pipeline::State::run(const Action& a, const std::vector<at::Tensor>& inputs
     case ActionType::kOptimizerStep: {
       for (auto& [work, tensor] : sends) work.wait();
       sends.clear();
+      sum_tied_gradients();
       if (options.optimizer_step) options.optimizer_step();
       return;
     }
@@ -413,6 +450,29 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
     throw UsageError("Pipeline: sync " + to_string(st.options.sync) +
                      " needs the data-parallel group whose replicas it averages (PipelineOptions::"
                      "data_parallel_group, e.g. a DeviceMesh's dp())");
+  }
+  const int ranks = st.group.world_size();
+  for (const TiedParameter& t : st.options.tied_parameters) {
+    const bool here = std::find(t.ranks.begin(), t.ranks.end(), st.rank) != t.ranks.end();
+    const bool in_range =
+        std::all_of(t.ranks.begin(), t.ranks.end(), [&](int r) { return r >= 0 && r < ranks; });
+    if (!t.parameter.defined() || t.ranks.size() < 2 || !here || !in_range ||
+        !std::is_sorted(t.ranks.begin(), t.ranks.end())) {
+      throw UsageError("Pipeline on rank " + std::to_string(st.rank) + ": tied parameter '" +
+                       t.name + "' needs this rank's copy and the ascending pipeline ranks (of " +
+                       std::to_string(ranks) +
+                       ") that hold one, this rank among two or more: take them from "
+                       "find_tied_parameters()");
+    }
+    if (st.options.zero.stage != 0) {
+      throw UsageError("Pipeline: parameter '" + t.name +
+                       "' is shared by the stages of pipeline ranks " +
+                       std::to_string(t.ranks.front()) + " and " + std::to_string(t.ranks.back()) +
+                       ", whose copies stay equal by summing their gradients, which ZeRO stage " +
+                       std::to_string(st.options.zero.stage) +
+                       " shards apart: use DDP (ZeRO stage 0) or untie the parameter (a GPT: "
+                       "--untie-embeddings)");
+    }
   }
   if (st.options.zero.stage != 0) {
     st.options.zero.validate();
@@ -596,6 +656,10 @@ std::vector<at::Tensor> Pipeline::parameters() const {
   return out;
 }
 
+const std::vector<TiedParameter>& Pipeline::tied_parameters() const {
+  return state_->options.tied_parameters;
+}
+
 const std::vector<Stage>& Pipeline::stages() const { return state_->stages; }
 std::vector<int> Pipeline::stage_indices() const { return state_->indices; }
 const Program& Pipeline::program() const { return state_->program; }
@@ -631,6 +695,52 @@ std::vector<torch::nn::Sequential> split_sequential(const torch::nn::Sequential&
     stages.push_back(stage);
   }
   return stages;
+}
+
+std::vector<TiedParameter> find_tied_parameters(const std::vector<torch::nn::Sequential>& stages,
+                                                const PipelineLayout& layout, int rank) {
+  if (static_cast<int>(stages.size()) != layout.stages()) {
+    throw UsageError("find_tied_parameters: " + std::to_string(stages.size()) +
+                     " stages given for a layout of " + std::to_string(layout.stages()) +
+                     ": give every stage of the pipeline");
+  }
+  // Per tensor, in the order the stages first name it: its first name and the stages that hold it.
+  struct Holders {
+    std::string name;
+    at::Tensor parameter;
+    std::vector<int> stages;
+  };
+  std::vector<Holders> seen;
+  std::map<const c10::TensorImpl*, size_t> index;
+  for (int s = 0; s < layout.stages(); ++s) {
+    for (const auto& p : stages[static_cast<size_t>(s)]->named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      const auto [it, inserted] = index.emplace(p.value().unsafeGetTensorImpl(), seen.size());
+      if (inserted) seen.push_back({p.key(), p.value(), {}});
+      auto& holders = seen[it->second].stages;
+      if (holders.empty() || holders.back() != s) holders.push_back(s);
+    }
+  }
+  std::vector<TiedParameter> tied;
+  for (const Holders& h : seen) {
+    if (h.stages.size() < 2) continue;
+    std::vector<int> ranks;
+    for (int s : h.stages) {
+      const int r = layout.rank_of(s);
+      if (std::find(ranks.begin(), ranks.end(), r) != ranks.end()) {
+        throw UsageError("parameter '" + h.name + "' is in two stages of pipeline rank " +
+                         std::to_string(r) + " (stages " + std::to_string(h.stages.front()) +
+                         " and " + std::to_string(s) +
+                         "), whose optimizer would step it twice: cut the model so that the "
+                         "layers that share it are on different ranks, or in one stage");
+      }
+      ranks.push_back(r);
+    }
+    if (std::find(ranks.begin(), ranks.end(), rank) == ranks.end()) continue;
+    std::sort(ranks.begin(), ranks.end());
+    tied.push_back({h.name, h.parameter, std::move(ranks)});
+  }
+  return tied;
 }
 
 std::vector<int> even_split(int layers, int stages) {

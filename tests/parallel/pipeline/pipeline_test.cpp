@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <future>
 #include <map>
@@ -413,6 +414,119 @@ TEST(Pipeline, ZeroAndLocalSgdBadInputIsNamed) {
     local_pipe.step(x, y);
     local_optimizer->step();
     EXPECT_EQ(dynamic_cast<const LocalSgdOptimizer&>(*local_optimizer).stats().inner_steps, 1);
+  });
+}
+
+// A first layer whose weight the last layer reads again, transposed: a tied embedding and head.
+struct TiedHeadImpl : torch::nn::Module {
+  explicit TiedHeadImpl(torch::nn::Linear first_layer)
+      : first(register_module("first", std::move(first_layer))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return torch::nn::functional::linear(x, first->weight.t());
+  }
+  torch::nn::Linear first;
+};
+TORCH_MODULE(TiedHead);
+
+// Five layers, 8 -> 16 -> 16 -> 8, whose first and last share the first's weight.
+torch::nn::Sequential make_tied_mlp() {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(13);
+  torch::nn::Linear first(torch::nn::LinearOptions(8, 16).bias(false));
+  return torch::nn::Sequential(first, torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                               torch::nn::Tanh(), TiedHead(first));
+}
+
+// A weight that the first stage and the last share, on a 2 x 2 mesh (dp x pp) with DDP and
+// clipping by the global norm: each copy takes the step of one process that trains the whole
+// model, and the two copies stay equal bit for bit.
+TEST(Pipeline, ATiedParameterStepsAsOneAcrossItsStagesRanks) {
+  constexpr int kSteps = 4;
+  constexpr double kLr = 0.2, kMaxNorm = 0.5;
+  // One process: the shared weight once in the optimizer, its gradient from both layers.
+  torch::nn::Sequential reference = make_tied_mlp();
+  std::vector<at::Tensor> unique;
+  for (const auto& p : reference->named_parameters())
+    if (p.key() != "4.first.weight") unique.push_back(p.value());
+  torch::optim::SGD reference_sgd(unique, kLr);
+  std::vector<double> reference_norms;
+  for (int step = 0; step < kSteps; ++step) {
+    const auto [x, y] = make_batch(8);
+    reference_sgd.zero_grad();
+    cross_entropy(reference->forward(x * (step + 1)), y).backward();
+    reference_norms.push_back(torch::nn::utils::clip_grad_norm_(unique, kMaxNorm));
+    reference_sgd.step();
+  }
+  ASSERT_GT(*std::max_element(reference_norms.begin(), reference_norms.end()), kMaxNorm)
+      << "the test must clip";
+  std::mutex mutex;
+  std::map<int, at::Tensor> copies;  // by world rank: the shared weight after the steps
+  run_ranks(4, [&](comm::ProcessGroup& world) {
+    const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 1});
+    const auto all = split_sequential(make_tied_mlp(), even_split(5, 2));
+    const auto tied = find_tied_parameters(all, {.ranks = 2}, mesh.pp_index());
+    ASSERT_EQ(tied.size(), 1u);
+    EXPECT_EQ(tied[0].name, "0.weight");
+    EXPECT_EQ(tied[0].ranks, (std::vector<int>{0, 1}));
+    const auto stage = all[static_cast<size_t>(mesh.pp_index())];
+    torch::optim::SGD sgd(stage->parameters(), kLr);
+    Pipeline pipe({stage}, mesh.pp(), cross_entropy,
+                  {.micro_batches = 2, .data_parallel_group = mesh.dp(), .tied_parameters = tied});
+    EXPECT_EQ(pipe.tied_parameters().size(), 1u);
+    for (int step = 0; step < kSteps; ++step) {
+      const auto [x, y] = make_batch(8);
+      sgd.zero_grad();
+      pipe.step((x * (step + 1)).chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
+      const double norm = clip_grad_norm(mesh, *stage, sgd, kMaxNorm, tied).item<double>();
+      EXPECT_NEAR(norm, reference_norms[step], 1e-5 * reference_norms[step])
+          << "step " << step << " on rank " << world.rank();
+      sgd.step();
+    }
+    const auto want = reference->named_parameters();
+    for (const auto& p : stage->named_parameters()) {
+      EXPECT_TRUE(torch::allclose(p.value(), want[p.key()], 1e-5, 1e-6))
+          << p.key() << " on rank " << world.rank() << ": largest difference "
+          << (p.value() - want[p.key()]).abs().max().item<double>();
+    }
+    std::lock_guard lock(mutex);
+    copies[world.rank()] = tied[0].parameter.detach().clone();
+  });
+  // World ranks 0 and 1 hold the first and the last stage of one pipeline, 2 and 3 of the other.
+  ASSERT_EQ(copies.size(), 4u);
+  EXPECT_TRUE(torch::equal(copies[0], copies[1]));
+  EXPECT_TRUE(torch::equal(copies[2], copies[3]));
+  EXPECT_TRUE(torch::equal(copies[0], copies[2]));
+}
+
+TEST(Pipeline, TiedParametersThatCannotStayEqualAreNamed) {
+  // Both stages on one rank: its optimizer would step the weight twice.
+  expect_error<UsageError>(
+      [] {
+        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 2}),
+                             {.ranks = 1, .virtual_stages = 2}, 0);
+      },
+      "parameter '0.weight' is in two stages of pipeline rank 0 (stages 0 and 1)");
+  expect_error<UsageError>(
+      [] {
+        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 2}), {.ranks = 1}, 0);
+      },
+      "2 stages given for a layout of 1");
+  run_ranks(2, [](comm::ProcessGroup& group) {
+    const auto all = split_sequential(make_tied_mlp(), {3, 2});
+    const auto tied = find_tied_parameters(all, {.ranks = 2}, group.rank());
+    const comm::ProcessGroup alone = group.split({{0}, {1}}, "dp");
+    expect_error<UsageError>(
+        [&] {
+          Pipeline({all[group.rank()]}, group, cross_entropy,
+                   {.data_parallel_group = alone, .zero = {.stage = 1}, .tied_parameters = tied});
+        },
+        "parameter '0.weight' is shared by the stages of pipeline ranks 0 and 1, whose copies "
+        "stay equal by summing their gradients, which ZeRO stage 1 shards apart");
+    auto other = tied;
+    other[0].ranks = {1 - group.rank(), 2};
+    expect_error<UsageError>(
+        [&] { Pipeline({all[group.rank()]}, group, cross_entropy, {.tied_parameters = other}); },
+        "tied parameter '0.weight' needs this rank's copy");
   });
 }
 

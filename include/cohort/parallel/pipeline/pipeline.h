@@ -56,6 +56,23 @@ std::vector<int> even_split(int layers, int stages);
 std::vector<int> balanced_split(torch::nn::Sequential model, int stages, const at::Tensor& sample,
                                 int repeats = 3);
 
+/// A parameter that stages on several pipeline ranks share, as a GPT's token embedding, which its
+/// output head reads again (Megatron-LM's and DeepSpeed's tied embeddings). Each rank that holds
+/// it steps its own copy; the copies start equal (the same model on every rank) and stay equal:
+/// the pipeline sums their gradients over the ranks that hold them before the optimizer steps
+/// (PipelineOptions::tied_parameters).
+struct TiedParameter {
+  std::string name;        ///< its name in the first stage that holds it, for messages
+  at::Tensor parameter;    ///< this rank's copy
+  std::vector<int> ranks;  ///< the pipeline ranks that hold a copy, ascending, this one among them
+};
+/// The trainable parameters that `stages` (all of the pipeline's, in order, as split_sequential
+/// cuts a model that every rank builds alike) share across the ranks of `layout`, as rank `rank`
+/// holds them: the same ones in the same order on every rank that holds them. One tensor in two
+/// stages of one rank is a UsageError naming it: that rank's optimizer would step it twice.
+std::vector<TiedParameter> find_tied_parameters(const std::vector<torch::nn::Sequential>& stages,
+                                                const PipelineLayout& layout, int rank);
+
 /// The loss of one micro-batch, the mean over its rows (as torch's losses by default): the
 /// pipeline weights each micro-batch by its rows so that the gradients are those of the mean over
 /// the whole batch.
@@ -88,6 +105,12 @@ struct PipelineOptions {
   /// the group, which averages this rank's stages with their replicas every H steps (DiLoCo: an
   /// outer step). Not with ZeRO; the parameter server is refused (it serves whole models).
   SyncMode sync;
+  /// The parameters this rank shares with other pipeline ranks (find_tied_parameters()): at the
+  /// optimizer-step action, after data parallelism averaged them, each one's gradient becomes the
+  /// sum of its copies' gradients, added in rank order on every rank that holds it, so that every
+  /// copy takes the same step. With DDP or local SGD and DiLoCo; ZeRO is refused (each stage's
+  /// shards cut the copies apart).
+  std::vector<TiedParameter> tied_parameters;
   /// Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
   /// step the optimizer). None: step() only leaves the gradients.
   std::function<void()> optimizer_step;
@@ -154,6 +177,8 @@ class Pipeline {
 
   /// The parameters of this rank's stages.
   std::vector<at::Tensor> parameters() const;
+  /// The parameters this rank shares with other pipeline ranks (PipelineOptions::tied_parameters).
+  const std::vector<TiedParameter>& tied_parameters() const;
   /// This rank's stages as one module: the stage's own with one stage per rank; else the stages'
   /// layers under their own names ("3.weight" as in the whole model) when no two stages share a
   /// name, else each stage as "stage<global index>". What the ZeRO engine shards and names.
