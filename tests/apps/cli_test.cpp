@@ -1766,6 +1766,13 @@ TEST_F(Cli, AGptLearnsATextUnderEveryPlanFamily) {
   EXPECT_EQ(tied_pp.count("head.weight"), 0u);
   EXPECT_TRUE(torch::allclose(tied_pp.at("token_embedding.weight"),
                               tied_one.at("token_embedding.weight"), 1e-3, 1e-5));
+  // One worker resumes it: the embedding's optimizer state, in both stages' parts, is found once.
+  r = run("pp_tied", {"--workers", "1", "--epochs", "2", "--max-steps", "8"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "pp_tied" / "logs" / "rank-0.log").string())
+                .find("re-cutting the optimizer state of checkpoint_000000 from --pp 2 --tp 1 "
+                      "--schedule 1f1b to a run without a mesh"),
+            std::string::npos);
   ASSERT_EQ(run("one_untied", with({"--workers", "1", "--untie-embeddings"})).exit_code, 0);
   r = run("pp", with({"--workers", "2", "--pp", "2", "--untie-embeddings"}));
   ASSERT_EQ(r.exit_code, 0) << r.output;
