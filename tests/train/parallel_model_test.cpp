@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <csignal>
 #include <fstream>
 #include <map>
@@ -47,8 +48,11 @@ void train_loop(const Json& c) {
   const std::string ids_file =
       c["ids"].get<std::string>() + "-rank" + std::to_string(ctx.get_world_rank()) + ".txt";
   std::ofstream ids(ids_file, std::ios::app);
-  // With a kill: "<epoch> <step> <id>" of every row, for the rows of the steps retaken.
+  // With a kill: "<epoch> <step> <id> <start>" of every row, for the rows of the steps retaken;
+  // <start> tells this start of the worker from the one before it, which may have written the
+  // same step last (the killed rank's last step is the first that the restarted group retakes).
   std::ofstream rows_by_step(ids_file + ".steps", std::ios::app);
+  const auto started = std::chrono::steady_clock::now().time_since_epoch().count();
   if (ctx.get_world_rank() == 0) {
     std::ofstream(c["ids"].get<std::string>() + "-resumed-from.txt", std::ios::app)
         << (train::get_checkpoint() ? train::get_checkpoint()->path().string() : "none") << "\n";
@@ -68,7 +72,8 @@ void train_loop(const Json& c) {
     const auto train_on = [&](const at::Tensor& x, const at::Tensor& y) {
       for (int64_t i = 0; i < x.size(0); ++i) {
         ids << epoch << " " << x[i][0].item<int64_t>() << "\n";
-        rows_by_step << epoch << " " << model.steps() + 1 << " " << x[i][0].item<int64_t>() << "\n";
+        rows_by_step << epoch << " " << model.steps() + 1 << " " << x[i][0].item<int64_t>() << " "
+                     << started << "\n";
       }
       rows_by_step.flush();
       model.step(x, y);
@@ -167,11 +172,13 @@ class ParallelModelResume : public ::testing::Test {
     std::map<int64_t, std::vector<std::pair<int, int64_t>>> by_step;
     std::ifstream in((dir / name).string() + "-ids-rank" + std::to_string(rank) + ".txt.steps");
     int epoch;
-    int64_t step, id, previous = -1;
-    while (in >> epoch >> step >> id) {
-      if (step != previous) by_step[step].clear();  // a taking of the step begins
+    int64_t step, id, start, previous = -1, previous_start = -1;
+    while (in >> epoch >> step >> id >> start) {
+      // A taking of the step begins: another step, or the same one by a restarted worker.
+      if (step != previous || start != previous_start) by_step[step].clear();
       by_step[step].emplace_back(epoch, id);
       previous = step;
+      previous_start = start;
     }
     std::vector<std::pair<int, int64_t>> out;
     for (const auto& [s, rows] : by_step) out.insert(out.end(), rows.begin(), rows.end());
