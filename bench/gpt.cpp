@@ -10,8 +10,8 @@
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
 // per mode: the largest worker's peak resident memory from its start to its last step, beside
-// train::estimate_memory's figure for the plan (activations not probed: the model is too large to
-// build a second time in this process; they are small at these batches), and its peak once the
+// train::estimate_memory's figure for the plan (its activations probed on GPTs of depth 1 and 2,
+// since the whole model may not fit a second time beside the workers), and its peak once the
 // checkpoint is written; the mean step time and tokens/s of the timed steps (after the first);
 // and whether the checkpoint reloaded (the resumed run's step count). Then one JSON line per mode.
 //
@@ -118,8 +118,30 @@ void worker_loop(const Json& c) {
                  {"resumed", resumed}});
 }
 
-// The estimate for the plan, from the model's shapes (built deferred: one unit at a time).
-train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime) {
+// A worker's activations for one step of `batch` rows, as train::measure_step_memory finds them
+// (one forward and backward, the gradients already allocated): measured on GPTs of the config's
+// width, heads and context at depth 1 and 2, since the whole model may not fit twice on the
+// machine beside its workers, and each further block counted as the second one added.
+int64_t probe_activations(const Json& c, int64_t batch) {
+  std::vector<int64_t> measured;
+  for (const int64_t depth : {1, 2}) {
+    auto o = cohort::bench::gpt_options(c);
+    o.depth = depth;
+    torch::manual_seed(0);
+    auto model = models::create_model("gpt", o);
+    model->train();
+    const auto [x, y] = model->sample_batch(batch);
+    train::release_free_memory();  // the previous probe's memory, so that this one's growth shows
+    measured.push_back(train::measure_step_memory(
+        *model, [&] { models::logits_cross_entropy(model->forward(x), y).backward(); }));
+  }
+  const int64_t layers = c["layers"];
+  return measured[0] + (layers - 1) * std::max<int64_t>(0, measured[1] - measured[0]);
+}
+
+// The estimate for the plan, from the model's shapes (built deferred: one unit at a time), with
+// the activations that probe_activations measured.
+train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime, int64_t activations) {
   auto o = options_of(c);
   o.deferred_init = true;
   torch::manual_seed(0);
@@ -131,6 +153,7 @@ train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime) {
                                 {.world_size = workers,
                                  .optimizer_states = 2,
                                  .flat_optimizer = true,
+                                 .activation_bytes = activations,
                                  .runtime_bytes = runtime});
 }
 
@@ -185,6 +208,14 @@ int main(int argc, char** argv) {
             << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
             << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
             << std::endl;
+  // On the CPU only: a GPU's activations are not in the workers' resident memory.
+  const int64_t activations =
+      cuda ? 0
+           : probe_activations(
+                 {{"layers", layers}, {"width", width}, {"heads", heads}, {"context", context}},
+                 batch);
+  std::cout << "activations per worker (probed at depth 1 and 2): " << std::setprecision(1)
+            << static_cast<double>(activations) / 1e6 << " MB" << std::endl;
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
             << "with checkpoint" << std::setw(10) << "step s" << std::setw(10) << "tokens/s"
@@ -194,7 +225,7 @@ int main(int argc, char** argv) {
     const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
                       {"heads", heads}, {"context", context},         {"batch_size", batch},
                       {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
-    const auto e = estimate(config, workers, runtime);
+    const auto e = estimate(config, workers, runtime, activations);
     const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
                                         .use_gpu = cuda,
                                         .resources_per_worker = {.cpu_threads = threads}};
