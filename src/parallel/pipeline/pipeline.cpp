@@ -725,14 +725,16 @@ std::vector<TiedParameter> find_tied_parameters(const std::vector<torch::nn::Seq
   for (const Holders& h : seen) {
     if (h.stages.size() < 2) continue;
     std::vector<int> ranks;
-    for (int s : h.stages) {
-      const int r = layout.rank_of(s);
-      if (std::find(ranks.begin(), ranks.end(), r) != ranks.end()) {
+    for (size_t k = 0; k < h.stages.size(); ++k) {
+      const int r = layout.rank_of(h.stages[k]);
+      const auto earlier = std::find(ranks.begin(), ranks.end(), r);
+      if (earlier != ranks.end()) {
         throw UsageError("parameter '" + h.name + "' is in two stages of pipeline rank " +
-                         std::to_string(r) + " (stages " + std::to_string(h.stages.front()) +
-                         " and " + std::to_string(s) +
+                         std::to_string(r) + " (stages " +
+                         std::to_string(h.stages[static_cast<size_t>(earlier - ranks.begin())]) +
+                         " and " + std::to_string(h.stages[k]) +
                          "), whose optimizer would step it twice: cut the model so that the "
-                         "layers that share it are on different ranks, or in one stage");
+                         "layers that share it are on different ranks");
       }
       ranks.push_back(r);
     }
