@@ -65,10 +65,6 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   for (const auto& t : tied)
     copies[t.parameter.unsafeGetTensorImpl()] = static_cast<double>(t.ranks.size());
   auto weight_of = [&](const std::string& name) { return slices.count(name) ? 1.0 : 1.0 / tp; };
-  auto tied_share = [&](const at::Tensor& parameter) {
-    const auto found = copies.find(parameter.unsafeGetTensorImpl());
-    return found == copies.end() ? 1.0 : 1.0 / found->second;
-  };
   // The gradients the optimizer steps, each with the weight of its parameter.
   std::vector<std::pair<at::Tensor, double>> grads;
   double replicas = 1;  // the dp ranks that hold the same gradients
@@ -85,8 +81,10 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   } else {
     if (!own_gradients) replicas = mesh.shape().dp;
     for (const auto& p : module.named_parameters()) {
-      if (p.value().grad().defined())
-        grads.emplace_back(p.value().grad(), weight_of(p.key()) * tied_share(p.value()));
+      if (!p.value().grad().defined()) continue;
+      const auto tied_copies = copies.find(p.value().unsafeGetTensorImpl());
+      const double share = tied_copies == copies.end() ? 1.0 : 1.0 / tied_copies->second;
+      grads.emplace_back(p.value().grad(), weight_of(p.key()) * share);
     }
   }
   c10::Device device(c10::kCPU);

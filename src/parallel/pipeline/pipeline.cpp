@@ -114,6 +114,8 @@ struct Pipeline::State {
   void backward_weight(int stage, Slot& slot);
   void hand_over_gradient(int stage, int mb, Slot& slot);
   void sum_tied_gradients();
+  // Per tied parameter: what the group's activity says while its copies' gradients are summed.
+  std::vector<std::string> tied_activities;
 };
 
 namespace {
@@ -295,10 +297,7 @@ void Pipeline::State::sum_tied_gradients() {
     const TiedParameter& t = tied[i];
     at::Tensor parameter = t.parameter;
     if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
-    std::string holders;
-    for (int r : t.ranks) holders += (holders.empty() ? "" : ", ") + std::to_string(r);
-    group.set_activity("pipeline rank " + std::to_string(rank) + ": summing the gradient of " +
-                       t.name + " with its copies on pipeline ranks " + holders);
+    group.set_activity(tied_activities[i]);
     const at::Tensor own = parameter.grad().contiguous().clone();
     std::vector<comm::Work> sends_of_this;
     std::vector<at::Tensor> copies;
@@ -312,10 +311,11 @@ void Pipeline::State::sum_tied_gradients() {
       group.recv(theirs, r, tied_tag(i));
       copies.push_back(theirs);
     }
-    at::Tensor sum = copies[0].clone();
-    for (size_t k = 1; k < copies.size(); ++k) sum.add_(copies[k]);
+    // Into the gradient itself: `own`, which the sends read, is a copy.
+    at::Tensor grad = parameter.mutable_grad();
+    grad.copy_(copies[0]);
+    for (size_t k = 1; k < copies.size(); ++k) grad.add_(copies[k]);
     for (auto& work : sends_of_this) work.wait();
-    parameter.mutable_grad().copy_(sum);
   }
 }
 
@@ -473,6 +473,11 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
                        " shards apart: use DDP (ZeRO stage 0) or untie the parameter (a GPT: "
                        "--untie-embeddings)");
     }
+    std::string holders;
+    for (int r : t.ranks) holders += (holders.empty() ? "" : ", ") + std::to_string(r);
+    st.tied_activities.push_back("pipeline rank " + std::to_string(st.rank) +
+                                 ": summing the gradient of " + t.name +
+                                 " with its copies on pipeline ranks " + holders);
   }
   if (st.options.zero.stage != 0) {
     st.options.zero.validate();
