@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <csignal>
 #include <iostream>
-#include <numeric>
 #include <set>
 #include <thread>
 
@@ -22,6 +21,7 @@
 #include "runtime/worker_spec.h"
 #include "train/flight_records.h"
 #include "train/live_recovery.h"
+#include "train/live_regroups.h"
 #include "train/progress.h"
 #include "train/run_files.h"
 #include "train/run_recorder.h"
@@ -401,22 +401,30 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     return env;
   };
   options.rank_env = [env_of, world, spec](int rank) { return env_of(rank, rank, world, spec); };
-  // Each worker's rank in the group now, by its index in the worker group (-1: no longer in it;
-  // live recovery renumbers the survivors).
-  std::vector<int> rank_of(static_cast<size_t>(world));
-  std::iota(rank_of.begin(), rank_of.end(), 0);
+  // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h, live_regroups.h): who is
+  // lost, who is ready, the new group; and each worker's rank in the group now, by its index in
+  // the worker group (live recovery renumbers the survivors).
+  const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
+  const std::vector<int> first_slots = slots_;
+  LiveRegroups regroups(
+      {.world_size = world,
+       .min_workers = min_workers(),
+       .deadline = run_.setup_timeout,
+       .replaceable = [this, first_slots](int index) {
+         return run_.failure_config.replace_lost &&
+                (!scaling_.slot_available ||
+                 scaling_.slot_available(first_slots[static_cast<size_t>(index)]));
+       }});
   // Before a failure stops the group, the workers still running write their flight recorders
   // (<run>/flight/rank-R.json), which the failure's message then reads.
   const auto attempt_began = std::filesystem::file_time_type::clock::now();
   options.dump_signal = runtime::kFlightDumpSignal;
   options.dump_grace = flight_dump_grace(heartbeat);
-  options.dumped = [&rank_of, run_dir = recorder_->run_dir(),
+  options.dumped = [&regroups, run_dir = recorder_->run_dir(),
                     attempt_began](const std::vector<int>& running) {
     std::vector<int> ranks;
-    for (int index : running) {
-      if (rank_of[static_cast<size_t>(index)] >= 0)
-        ranks.push_back(rank_of[static_cast<size_t>(index)]);
-    }
+    for (int index : running)
+      if (regroups.rank_of(index) >= 0) ranks.push_back(regroups.rank_of(index));
     return flight_records_written(run_dir, ranks, attempt_began);
   };
 
@@ -428,7 +436,6 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
   ReportCounter report_counter(world);
   // Heartbeats and the stall inspector; exits and errors the driver reads from the processes.
   runtime::Coordinator coordinator(world, heartbeat);
-  std::vector<bool> exited(static_cast<size_t>(world), false);
   int hung_rank = -1;
   bool trained = false;
   bool stop_asked = false;  // the first Ctrl-C was passed on to the workers
@@ -439,75 +446,27 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     group.request_stop(reason);
   };
 
-  // Live recovery (FailureConfig::Recovery::kLive; live_recovery.h): the workers lost since the
-  // last regroup; how far the survivors got as they say they are ready to regroup (optimizer
-  // steps, then synchronisations: local SGD's); the regroup under way and its cause.
-  const bool live = run_.failure_config.recovery == FailureConfig::Recovery::kLive;
-  const std::vector<int> first_slots = slots_;
-  std::vector<bool> lost(static_cast<size_t>(world), false);
-  std::map<int, std::pair<int64_t, int64_t>> ready;
-  std::optional<Clock::time_point> regroup_deadline;
-  std::string regroup_cause;
   std::map<int, std::string> killed_as_hung;  // by worker index: the coordinator's verdict
-  // The workers whose loop trains a ParallelModel now ("live_model"): what a regroup needs.
-  std::set<int> in_loop;
-  int live_rounds = 0;
   bool awaiting_recovery = false;  // regrouped: the new rank 0's next step ends the recovery
-  // The workers of the group now that are still running.
-  auto survivors = [&] {
-    std::vector<int> alive;
-    for (int i = 0; i < world; ++i) {
-      const auto at = static_cast<size_t>(i);
-      if (rank_of[at] >= 0 && !lost[at] && !exited[at]) alive.push_back(i);
-    }
-    return alive;
-  };
-  // Whether lost worker `index`'s slot may take a replacement.
-  auto replaceable = [&](int index) {
-    return run_.failure_config.replace_lost &&
-           (!scaling_.slot_available ||
-            scaling_.slot_available(first_slots[static_cast<size_t>(index)]));
-  };
   // A worker that was killed (or hung, then killed by the driver) while the others train: the
   // group goes on without it when live recovery is on and enough workers remain.
   auto go_on_without = [&](const runtime::WorkerExit& exit) {
     const bool hung = killed_as_hung.count(exit.rank) > 0;
     if (!live || group.stopping() || exit.ok() || (exit.signal == 0 && !hung) ||
         (exit.stopped_by_driver && !hung))
-      return false;
-    for (int i : survivors()) {
-      // Not training yet (or any more), nor regrouping already.
-      if (i != exit.rank && !in_loop.count(i) && !ready.count(i)) return false;
-    }
-    for (int i = 0; i < world; ++i) {
-      // A worker that finished: the loop is over, nothing to go on with.
-      if (exited[static_cast<size_t>(i)] && i != exit.rank && !lost[static_cast<size_t>(i)] &&
-          rank_of[static_cast<size_t>(i)] >= 0)
-        return false;
-    }
-    in_loop.erase(exit.rank);
-    ready.erase(exit.rank);
-    const int left = static_cast<int>(survivors().size());
-    if (left == 0 || (!replaceable(exit.rank) && left < min_workers())) {
-      console_.message("cohort: rank " + std::to_string(rank_of[static_cast<size_t>(exit.rank)]) +
-                       " lost; " + std::to_string(left) + " survivor(s) are fewer than the " +
-                       std::to_string(min_workers()) +
-                       " the group needs (ScalingConfig.min_workers) and its slot takes no "
-                       "replacement: restarting instead");
-      return false;
-    }
+      return;
+    const std::string cause = hung ? killed_as_hung.at(exit.rank) : exit.describe();
+    const int rank = regroups.rank_of(exit.rank);
+    const auto loss = regroups.lose(exit.rank, cause);
+    if (!loss.refusal.empty()) console_.message("cohort: " + loss.refusal);
+    if (!loss.goes_on) return;
     group.tolerate(exit.rank);
     // Helpers it started go with it: its slot is free for a replacement.
     group.kill(exit.rank);
     // The survivors' collectives stop waiting for it (a transport may never notice it is gone).
-    for (int i : survivors())
-      if (i != exit.rank && (in_loop.count(i) || ready.count(i)))
-        group.signal(i, runtime::kPeerLostSignal);
-    lost[static_cast<size_t>(exit.rank)] = true;
-    const std::string cause = hung ? killed_as_hung.at(exit.rank) : exit.describe();
-    regroup_cause += (regroup_cause.empty() ? "" : "; ") + cause;
+    for (int i : regroups.survivors()) group.signal(i, runtime::kPeerLostSignal);
     attempt.detected = Clock::now();
-    recorder_->result().failures.push_back({{"rank", rank_of[static_cast<size_t>(exit.rank)]},
+    recorder_->result().failures.push_back({{"rank", rank},
                                             {"slot", first_slots[static_cast<size_t>(exit.rank)]},
                                             {"cause", cause},
                                             {"reports", recorder_->result().metrics_history.size()},
@@ -515,118 +474,56 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
                                             {"restarted", false},
                                             {"live", true},
                                             {"recovery_s", nullptr}});
-    if (!regroup_deadline) regroup_deadline = Clock::now() + run_.setup_timeout;
     if (run_.verbose >= 1)
-      console_.message("cohort: " + cause + ": the " + std::to_string(left) +
+      console_.message("cohort: " + cause + ": the " + std::to_string(loss.left) +
                        " survivor(s) regroup without restarting (live recovery)");
-    return true;
   };
-  // Once every survivor is ready: the new group. The survivors keep their order; a lost worker's
-  // place goes to a replacement started in its slot, or the group shrinks.
+  // Once every survivor is ready: the new group, published in the store; replacements start in
+  // the lost workers' slots.
   auto regroup_if_ready = [&] {
-    if (!regroup_deadline || group.stopping()) return;
-    std::string missing;
-    for (int i : survivors())
-      if (!ready.count(i))
-        missing += (missing.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
-    if (!missing.empty()) {
-      if (Clock::now() > *regroup_deadline) {
-        group.request_stop("live recovery: ranks [" + missing +
-                           "] did not reach the regroup within " +
-                           std::to_string(run_.setup_timeout.count() / 1000) +
-                           " s (a failure outside a step's collectives): restarting the group");
-      }
-      return;
-    }
-    std::vector<int> in_group;
-    for (int i = 0; i < world; ++i)
-      if (rank_of[static_cast<size_t>(i)] >= 0) in_group.push_back(i);
-    std::sort(in_group.begin(), in_group.end(), [&](int a, int b) {
-      return rank_of[static_cast<size_t>(a)] < rank_of[static_cast<size_t>(b)];
+    if (group.stopping()) return;
+    auto poll = regroups.poll([&](int index) {
+      // Its helpers were killed with it; the slot is free once they are gone.
+      return !runtime::process_group_alive(group.pids()[static_cast<size_t>(index)]);
     });
-    Json members = Json::array();
-    Json progress = Json::array();
-    std::vector<int> new_group, replacements;
-    int source = -1;
-    for (int i : in_group) {
-      const auto at = static_cast<size_t>(i);
-      if (lost[at]) {
-        if (!replaceable(i)) continue;
-        // Its helpers were killed with it; the slot is free once they are gone (a process stuck
-        // in the kernel may stay: then the group goes on without a replacement).
-        if (runtime::process_group_alive(group.pids()[at])) {
-          if (Clock::now() < *regroup_deadline) return;
-          continue;
-        }
-        replacements.push_back(i);
-        members.push_back(-1);
-        progress.push_back(nullptr);
-      } else {
-        if (source < 0 || ready[i] > ready[new_group[static_cast<size_t>(source)]])
-          source = static_cast<int>(new_group.size());
-        members.push_back(rank_of[at]);
-        progress.push_back(Json::array({ready[i].first, ready[i].second}));
-      }
-      new_group.push_back(i);
-    }
-    if (static_cast<int>(new_group.size()) < min_workers()) {
-      group.request_stop("live recovery: " + std::to_string(new_group.size()) +
-                         " workers left, fewer than the " + std::to_string(min_workers()) +
-                         " the group needs: restarting the group");
-      return;
-    }
-    const int64_t steps = ready[new_group[static_cast<size_t>(source)]].first;
-    store_.set(live_decision_key(spec.run_token, ++live_rounds),
-               Json{{"members", members},
-                    {"source", source},
-                    {"progress", progress},
-                    {"next_checkpoint", recorder_->next_checkpoint_index()},
-                    {"cause", regroup_cause}}
-                   .dump());
-    for (int i = 0; i < world; ++i) rank_of[static_cast<size_t>(i)] = -1;
+    if (!poll.stop.empty()) group.request_stop(poll.stop);
+    if (!poll.decision) return;
+    const auto& d = *poll.decision;
+    Json record = d.record;
+    record["next_checkpoint"] = recorder_->next_checkpoint_index();
+    store_.set(live_decision_key(spec.run_token, d.round), record.dump());
     const size_t from = slots_.size();
     slots_.clear();
-    for (size_t k = 0; k < new_group.size(); ++k) {
-      rank_of[static_cast<size_t>(new_group[k])] = static_cast<int>(k);
-      slots_.push_back(first_slots[static_cast<size_t>(new_group[k])]);
-    }
-    const int new_world = static_cast<int>(new_group.size());
-    for (int i : replacements) {
+    for (int i : d.group) slots_.push_back(first_slots[static_cast<size_t>(i)]);
+    const int new_world = static_cast<int>(d.group.size());
+    for (int i : d.replacements) {
       SessionSpec joining = session;
-      joining.live_round = live_rounds;
-      joining.live_source = source;
+      joining.live_round = d.round;
+      joining.live_source = d.record["source"].get<int>();
       joining.next_checkpoint_index = recorder_->next_checkpoint_index();
       runtime::WorkerSpec replacement = spec;
       replacement.session = to_json(joining);
-      group.restart(i, env_of(i, rank_of[static_cast<size_t>(i)], new_world, replacement));
-      const auto at = static_cast<size_t>(i);
-      lost[at] = false;
-      exited[at] = false;
-      slot_pids_[static_cast<size_t>(first_slots[at])] = group.pids()[at];
-      status_->on_restart(i, group.pids()[at]);
+      group.restart(i, env_of(i, regroups.rank_of(i), new_world, replacement));
+      slot_pids_[static_cast<size_t>(first_slots[static_cast<size_t>(i)])] =
+          group.pids()[static_cast<size_t>(i)];
+      status_->on_restart(i, group.pids()[static_cast<size_t>(i)]);
     }
-    for (int i = 0; i < world; ++i) lost[static_cast<size_t>(i)] = false;
-    coordinator.on_regrouped(replacements);
+    coordinator.on_regrouped(d.replacements);
     std::vector<bool> gone(static_cast<size_t>(world));
-    for (int i = 0; i < world; ++i)
-      gone[static_cast<size_t>(i)] = rank_of[static_cast<size_t>(i)] < 0;
+    for (int i = 0; i < world; ++i) gone[static_cast<size_t>(i)] = regroups.rank_of(i) < 0;
     report_counter.regroup(gone);
-    record_resize(from, "live recovery: " + regroup_cause);
+    record_resize(from, "live recovery: " + d.cause);
     if (run_.verbose >= 1) {
       std::string replaced;
-      for (int i : replacements)
-        replaced +=
-            (replaced.empty() ? "" : ", ") + std::to_string(rank_of[static_cast<size_t>(i)]);
+      for (int i : d.replacements)
+        replaced += (replaced.empty() ? "" : ", ") + std::to_string(regroups.rank_of(i));
       console_.message("cohort: live recovery: " + std::to_string(new_world) +
-                       " workers go on after step " + std::to_string(steps) +
+                       " workers go on after step " + std::to_string(d.steps) +
                        (replaced.empty() ? std::string(" without restarting")
                                          : " (rank(s) " + replaced +
                                                " replaced, the others in "
                                                "the same processes)"));
     }
-    ready.clear();
-    regroup_deadline.reset();
-    regroup_cause.clear();
     awaiting_recovery = true;
   };
 
@@ -635,7 +532,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     if (run_.verbose >= 1 || is_stderr) console_.worker_line(rank, pid, is_stderr, line);
   };
   handlers.on_exit = [&](const runtime::WorkerExit& exit) {
-    exited[static_cast<size_t>(exit.rank)] = true;
+    regroups.on_exited(exit.rank);
     status_->on_exit(exit.rank, exit.ok());
     coordinator.on_finished(exit.rank);
     if (exit.ok()) stop_because(report_counter.on_clean_exit(exit.rank));
@@ -648,8 +545,9 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     regroup_if_ready();
     if (const auto verdict = coordinator.verdict()) {
       if (killed_as_hung.count(verdict->rank) > 0) return;
-      if (live && in_loop.count(verdict->rank) &&
-          (replaceable(verdict->rank) || static_cast<int>(survivors().size()) > min_workers())) {
+      if (live && regroups.training(verdict->rank) &&
+          (regroups.replaceable(verdict->rank) ||
+           static_cast<int>(regroups.survivors().size()) > min_workers())) {
         // The others go on without it: killed, its connections close and their collectives fail.
         killed_as_hung[verdict->rank] = verdict->reason;
         group.kill(verdict->rank);
@@ -669,7 +567,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     Json message;
     std::string type;
     // Its rank in the group now (live recovery renumbers the survivors).
-    const int rank = rank_of[static_cast<size_t>(index)];
+    const int rank = regroups.rank_of(index);
     try {
       message = Json::parse(line);
       type = json_field<std::string>(message, "type", "");
@@ -683,13 +581,12 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     }
     if (type == "heartbeat") return;
     if (type == "regroup_ready") {
-      ready[index] = {json_field<int64_t>(message, "steps", 0),
-                      json_field<int64_t>(message, "syncs", 0)};
-      in_loop.erase(index);  // its loop unwinds; it says so again in the new group
+      regroups.on_ready(index, json_field<int64_t>(message, "steps", 0),
+                        json_field<int64_t>(message, "syncs", 0));
       return;
     }
     if (type == "live_model") {
-      in_loop.insert(index);
+      regroups.on_training(index);
       return;
     }
     if (awaiting_recovery && rank == 0 && (type == "progress" || type == "step")) {
@@ -732,7 +629,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
       // Not once a rank finished: the loop is over, and a restart would only run an empty one.
       if (broken.empty() && message.contains("checkpoint") &&
           static_cast<int>(slots_.size()) < scaling_.num_workers && !group.stopping() &&
-          !stop_asked && std::find(exited.begin(), exited.end(), true) == exited.end() &&
+          !stop_asked && !regroups.any_exited() &&
           workers_available() > static_cast<int>(slots_.size())) {
         attempt.grow = true;
         group.request_stop("worker slots are free again: restarting the group with more workers");
