@@ -26,6 +26,9 @@
   live-zero live recovery of ZeRO stage 2 in sharding groups of 2 (--zero-stage 2
             --shard-group-size 2): the survivors keep their shards, the replacement takes its
             shard from the survivor that held the same one
+  launch-live
+            live recovery under `cohort launch --nproc-per-node 4` instead of the local driver:
+            rank 0 hosts the decisions, the launcher starts the replacement
 
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
 again), the seconds from the kill to the next completed step and to the first step past the killed
@@ -41,6 +44,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,14 +77,14 @@ def wait_until(condition, deadline_s, what):
 
 
 def worker_pids(process):
-    """The training processes: the driver's workers, or torchrun's ranks."""
+    """The training processes: the driver's workers, or torchrun's or cohort launch's ranks."""
     out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
 def run_mode(args, mode, storage):
     name = mode
-    live = mode.startswith("live")
+    live = "live" in mode
     train = [args.cohort, "train", "--workers", "4", "--model", args.model, "--optimizer", "adam",
              "--storage-path", storage, "--name", name, "--log-every-steps", "1"]
     # Live recovery: the driver's lines say when the group trains again.
@@ -98,7 +102,14 @@ def run_mode(args, mode, storage):
         train += ["--checkpoint-every-steps", str(args.every)]
     if mode == "async":
         train += ["--async-checkpoint"]
-    if mode.startswith("torchrun"):
+    if mode == "launch-live":
+        # One node of cohort launch; rank 0 keeps the run directory.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        command = [args.cohort, "launch", "--nnodes", "1", "--node-rank", "0", "--master",
+                   f"127.0.0.1:{port}", "--nproc-per-node", "4", "--"] + train
+    elif mode.startswith("torchrun"):
         # Each rank a `cohort train` of its own, restarted by torchrun (its run directory the same).
         # --redirects/--tee 1: Debian's torchrun (1.13 on Python 3.11) fails on its default 0.
         command = ["torchrun", "--standalone", "--nproc_per_node", "4", "--max_restarts", "2",
@@ -175,7 +186,7 @@ def main():
                         help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
                              "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
     parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,"
-                        "live-diloco,live-zero,torchrun,torchrun-snapshot")
+                        "live-diloco,live-zero,launch-live,torchrun,torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")

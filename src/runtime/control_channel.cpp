@@ -188,6 +188,8 @@ void watch_peer_losses() { install_handler(kPeerLostSignal, on_peer_lost); }
 
 int peer_losses() { return g_peer_losses.load(std::memory_order_relaxed); }
 
+void note_peer_lost() { g_peer_losses.fetch_add(1, std::memory_order_relaxed); }
+
 void watch_stop_requests() { install_handler(kStopRequestSignal, on_stop_request); }
 
 bool stop_requested() { return g_stop_requested != 0; }
@@ -297,6 +299,8 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
         }
         const auto type = message.value("type", std::string{});
         record_control(type, "recv");
+        // Live recovery: a peer is gone, and this rank's collectives stop waiting for it.
+        if (type == "peer_lost") note_peer_lost();
         if (type == "abort" || type == "refused") {
           const std::string reason = message.value("reason", std::string("told to stop"));
           if (type == "abort") dump_flight_recorder("the coordinator stops the job: " + reason);

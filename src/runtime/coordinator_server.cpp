@@ -111,7 +111,9 @@ struct CoordinatorServer::Impl {
   // ends the coordinator's thread, and so the process.
   void take(int rank, const std::string& line) {
     try {
-      coordinator.on_message(rank, Json::parse(line));
+      const Json message = Json::parse(line);
+      coordinator.on_message(rank, message);
+      if (options.live.on_message) options.live.on_message(rank, message);
     } catch (const std::exception& e) {
       std::cerr << "coordinator: ignored a malformed message from rank " << rank << " (" << e.what()
                 << "): " << line.substr(0, 200) << std::endl;
@@ -149,6 +151,7 @@ struct CoordinatorServer::Impl {
 
   void serve() {
     std::vector<Connection> connections;
+    std::vector<int> lost_peers;  // this round's, that the others go on without
     auto beat_due = std::chrono::steady_clock::now();
     const auto interval = options.heartbeat.interval;
     const std::string beat = R"({"type":"beat"})";
@@ -193,10 +196,15 @@ struct CoordinatorServer::Impl {
         std::lock_guard lock(mutex);
         if (n <= 0) {
           dropped.insert(c.fd);
-          if (c.rank >= 0 && !c.left && !finished) {
-            coordinator.on_lost(c.rank,
-                                "ended without finishing: its connection to the coordinator "
-                                "closed (the process died or was killed)");
+          const std::string how =
+              "ended without finishing: its connection to the coordinator closed (the process "
+              "died or was killed)";
+          if (c.rank >= 0 && !c.left && !finished && options.live.go_on_without &&
+              options.live.go_on_without(c.rank, how)) {
+            coordinator.on_finished(c.rank);  // no longer expected to beat
+            lost_peers.push_back(c.rank);
+          } else if (c.rank >= 0 && !c.left && !finished) {
+            coordinator.on_lost(c.rank, how);
           } else if (c.rank >= 0) {
             coordinator.on_finished(c.rank);
           }
@@ -242,6 +250,14 @@ struct CoordinatorServer::Impl {
         ::close(c.fd);
         return true;
       });
+      // Live recovery: the others' collectives stop waiting for a lost rank.
+      for (int lost : lost_peers) {
+        const std::string told = Json{{"type", "peer_lost"}, {"rank", lost}}.dump();
+        for (const auto& c : connections)
+          if (c.proof.proven() && c.rank >= 0) write_line(c.fd, told);
+      }
+      lost_peers.clear();
+      if (options.live.on_tick) options.live.on_tick();
       std::optional<Coordinator::Verdict> stop;
       {
         std::lock_guard lock(mutex);
@@ -300,6 +316,11 @@ std::optional<Coordinator::Verdict> CoordinatorServer::await_verdict(millisecond
 void CoordinatorServer::finish() {
   std::lock_guard lock(impl_->mutex);
   impl_->finished = true;
+}
+
+void CoordinatorServer::regrouped(const std::vector<int>& restarted) {
+  std::lock_guard lock(impl_->mutex);
+  impl_->coordinator.on_regrouped(restarted);
 }
 
 }  // namespace cohort::runtime

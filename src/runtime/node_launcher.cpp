@@ -16,6 +16,7 @@
 #include "cohort/error.h"
 #include "cohort/json.h"
 #include "cohort/runtime/coordinator.h"
+#include "cohort/runtime/environment.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"
 
@@ -383,10 +384,80 @@ int NodeLauncher::run() {
           << "(" << (is_rank(local) ? "rank=" : "data=") << index_in_job(local) << ", pid=" << pid
           << ") " << line << std::endl;  // line by line
     };
+    // Live recovery (launch_live_key): this node's ranks that the job goes on without, by local
+    // index, with which loss of that rank it is (from 1) and whether its place is said free.
+    struct LostRank {
+      int n = 0;
+      bool place_free = false;
+    };
+    std::map<int, LostRank> lost;
+    std::map<int, int> losses;  // by local index, over the round
+    handlers.on_exit = [&](const WorkerExit& exit) {
+      const int local = exit.rank;
+      // Rank 0 hosts the coordinator that regroups the others: its loss ends the round.
+      if (!is_rank(local) || index_in_job(local) == 0 || exit.signal == 0 ||
+          exit.stopped_by_driver || group.stopping()) {
+        return;
+      }
+      try {
+        if (!store_->check({launch_live_key(round_)})) return;
+      } catch (const std::exception&) {
+        return;  // the store is gone: the round fails, and check_peers names why
+      }
+      group.tolerate(local);
+      group.kill(local);  // what it started goes with it: its place is free once they are gone
+      lost[local] = {.n = ++losses[local]};
+      say(exit.describe() +
+          ": the job goes on without it (live recovery); a replacement starts when rank 0 asks "
+          "for one");
+    };
+    // A lost rank's place is said free once nothing of it is left; the replacement rank 0 asks
+    // for starts there, as the rank and in the group it names.
+    const auto replace_lost = [&] {
+      for (auto it = lost.begin(); it != lost.end();) {
+        const int local = it->first;
+        LostRank& l = it->second;
+        const int rank = index_in_job(local);
+        if (!l.place_free && !process_group_alive(group.pids()[static_cast<size_t>(local)])) {
+          store_->set(launch_place_free_key(round_, rank, l.n), "1");
+          l.place_free = true;
+        }
+        const std::string start = launch_replacement_key(round_, rank, l.n);
+        if (!l.place_free || !store_->check({start})) {
+          ++it;
+          continue;
+        }
+        Json join = Json::parse(store_->get(start));
+        auto env = worker_env({.world_rank = join.at("rank").get<int>(),
+                               .local_rank = local,
+                               .node_rank = node_,
+                               .world_size = join.at("world_size").get<int>(),
+                               .local_world_size = o_.nproc_per_node,
+                               .master_addr = store_address.host,
+                               .master_port = store_address.port});
+        join["index"] = rank;
+        env[kLiveJoinVar] = join.dump();
+        group.restart(local, env);
+        say("started the replacement of rank " + std::to_string(rank) + " as rank " +
+            std::to_string(join.at("rank").get<int>()) + " of " +
+            std::to_string(join.at("world_size").get<int>()) + " (pid " +
+            std::to_string(group.pids()[static_cast<size_t>(local)]) + ")");
+        it = lost.erase(it);
+      }
+    };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;
       peer_reason = check_peers().reason;
-      if (!peer_reason.empty()) group.request_stop(peer_reason);
+      if (!peer_reason.empty()) {
+        group.request_stop(peer_reason);
+        return;
+      }
+      try {
+        replace_lost();
+      } catch (const std::exception& e) {
+        peer_reason = std::string("live recovery: ") + e.what();
+        group.request_stop(peer_reason);
+      }
     };
     group.start();
     std::string started;
@@ -462,6 +533,16 @@ int NodeLauncher::run() {
 }
 
 }  // namespace
+
+std::string launch_live_key(int round) { return "launch/" + std::to_string(round) + "/live"; }
+
+std::string launch_place_free_key(int round, int rank, int n) {
+  return launch_live_key(round) + "/free/" + std::to_string(rank) + "/" + std::to_string(n);
+}
+
+std::string launch_replacement_key(int round, int rank, int n) {
+  return launch_live_key(round) + "/start/" + std::to_string(rank) + "/" + std::to_string(n);
+}
 
 int launch_node(const NodeLaunchOptions& options) {
   if (options.nnodes < 1)

@@ -181,6 +181,13 @@ void regroup_after(const PeerFailureError& error) {
     // No driver or no answer: the failure stands, and the driver restarts the group.
     std::rethrow_exception(original);
   }
+  if (decision.contains("stop")) {
+    // The host of the decisions found that the group cannot go on (rank 0 under cohort launch):
+    // every survivor fails, and the launchers restart the job.
+    std::cerr << "cohort: live recovery cannot go on: " << decision.at("stop").get<std::string>()
+              << std::endl;
+    std::rethrow_exception(original);
+  }
   const auto members = decision.at("members").get<std::vector<int>>();
   const auto mine = std::find(members.begin(), members.end(), s->context.world_rank);
   if (mine == members.end()) std::rethrow_exception(original);

@@ -5,6 +5,8 @@
 //      driver kills a hung worker first). The step, the batch agreement and should_stop() call
 //      regroup_after(), which tells the driver "regroup_ready" with the survivor's optimizer
 //      steps, and waits for the driver's answer in the store (live_decision_key).
+//      (Under cohort launch "the driver" is rank 0, which hosts the coordinator and the same
+//      decisions, LiveRegroups: launched_regroups.h; the launchers start the replacements.)
 //   2. The driver, once every survivor is ready, publishes the new group: the survivors keep
 //      their order, and a replacement it starts in the lost worker's slot takes the lost rank
 //      (FailureConfig::replace_lost), else the group shrinks (down to ScalingConfig::min_workers).

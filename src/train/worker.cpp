@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <iostream>
 #include <mutex>
+#include <optional>
 
 #include <thread>
 
@@ -22,6 +23,7 @@
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
+#include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/train/prepare.h"
@@ -29,6 +31,7 @@
 #include "runtime/worker_spec.h"
 #include "train/driver.h"
 #include "train/flight_records.h"
+#include "train/launched_regroups.h"
 #include "train/live_recovery.h"
 #include "train/progress.h"
 #include "train/run_files.h"
@@ -76,8 +79,9 @@ struct SessionSettings {
   SessionScaling scaling;
   // A function: the worker program's own ScalingConfig's.
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;
-  // FailureConfig::Recovery::kLive (the local driver's workers), the token the driver's answers
-  // are keyed by (the group's first), and the live regroup this session starts after, if any.
+  // FailureConfig::Recovery::kLive (the local driver's workers, or cohort launch's ranks), the
+  // token the decisions are keyed by (the group's first), and the live regroup this session
+  // starts after, if any.
   bool live_recovery = false;
   std::string live_token;
   const LiveRegroup* regroup = nullptr;
@@ -306,6 +310,52 @@ comm::Store join_launched_store(const runtime::WorkerInfo& info, const RunConfig
   }
 }
 
+// A live round's state (in memory, under the snapshots' folder) goes with the process however it
+// ends: a failed round's is no snapshot, and nothing restores from it.
+struct LiveStateRemover {
+  const SessionSettings& settings;
+  ~LiveStateRemover() {
+    if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
+  }
+};
+
+// Runs the train loop in a session of `settings`, and with live recovery again in each live
+// round's group after a LiveRegroup, from the state the regroup heals it with. `regroup`: a
+// replacement's first round (settings.regroup points at it), then each round's. `settings` ends
+// as of the last round (its rank, world size and token).
+void train_in_live_rounds(SessionSettings& settings, std::optional<LiveRegroup>& regroup,
+                          const std::map<std::string, data::Dataset>& datasets,
+                          const std::function<void(const Json&)>& train_loop, const Json& config) {
+  // The groups a regroup left: a collective may still wait inside one until its deadline, which
+  // their destructors would wait for. They live as long as the process and are never destroyed
+  // (rank 0 under a launcher returns from fit() and ends normally): kept reachable here.
+  static auto* abandoned = new std::vector<comm::ProcessGroup>();
+  while (true) {
+    SessionScope scope(open_session(settings, datasets));
+    try {
+      if (regroup) {
+        // Sent and written: their memory is free again.
+        regroup->state.reset();
+        regroup->own.reset();
+      }
+      train_loop(config);
+      finish_session();
+      return;
+    } catch (const LiveRegroup& next) {
+      regroup = next;
+    }
+    // The session ends with this round; its groups live on (see `abandoned`).
+    abandoned->push_back(scope.session().context.process_group);
+    abandoned->push_back(scope.session().snapshot_group);
+    if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
+    settings.info.world_rank = regroup->rank;
+    settings.info.world_size = regroup->world_size;
+    settings.run_token = live_run_token(settings.live_token, regroup->round);
+    settings.next_checkpoint_index = regroup->next_checkpoint_index;
+    settings.regroup = &*regroup;
+  }
+}
+
 }  // namespace
 
 void run_worker(const std::function<void(const Json&)>& train_loop, const ScalingConfig& scaling,
@@ -322,14 +372,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     runtime::start_heartbeat(process.heartbeat.interval);
     const SessionSpec spec = session_spec_from_json(process.session);
     SessionSettings settings;
-    // A live round's state (in memory, under the snapshots' folder) goes with the process however
-    // it ends: a failed round's is no snapshot, and nothing restores from it.
-    struct LiveStateRemover {
-      const SessionSettings& settings;
-      ~LiveStateRemover() {
-        if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
-      }
-    } live_state_remover{settings};
+    const LiveStateRemover live_state_remover{settings};
     settings.info = *info;
     settings.setup_timeout = process.setup_timeout;
     settings.collective_timeout = process.collective_timeout;
@@ -372,9 +415,6 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
     // new group, from the state of the survivor that stepped furthest.
     std::optional<LiveRegroup> regroup;
-    // The groups a regroup left: a collective may still wait inside one until its deadline, which
-    // their destructors would wait for. They live as long as the process.
-    std::vector<comm::ProcessGroup> abandoned;
     if (spec.live_round > 0) {
       // A replacement: it joins the live round's group and takes the source's state.
       regroup = LiveRegroup{.round = spec.live_round,
@@ -385,31 +425,8 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
       settings.run_token = live_run_token(process.run_token, spec.live_round);
       settings.regroup = &*regroup;
     }
-    while (true) {
-      SessionScope scope(open_session(settings, datasets));
-      try {
-        if (regroup) {
-          // Sent and written: their memory is free again.
-          regroup->state.reset();
-          regroup->own.reset();
-        }
-        train_loop(spec.config);
-        finish_session();
-        break;
-      } catch (const LiveRegroup& next) {
-        regroup = next;
-      }
-      // The session ends with this round; its groups live on (see `abandoned`).
-      abandoned.push_back(scope.session().context.process_group);
-      abandoned.push_back(scope.session().snapshot_group);
-      if (settings.regroup != nullptr) remove_tree(live_state_folder(settings));
-      settings.info.world_rank = regroup->rank;
-      settings.info.world_size = regroup->world_size;
-      settings.run_token = live_run_token(process.run_token, regroup->round);
-      settings.next_checkpoint_index = regroup->next_checkpoint_index;
-      settings.regroup = &*regroup;
-      rank = regroup->rank;
-    }
+    train_in_live_rounds(settings, regroup, datasets, train_loop, spec.config);
+    rank = settings.info.world_rank;
     trace::finish_profile();
   } catch (const std::exception& e) {
     code = 1;
@@ -443,18 +460,36 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   const std::string where = " (launched by " + info.launcher + " as rank " +
                             std::to_string(info.world_rank) + " of " +
                             std::to_string(info.world_size) + ")";
-  if (run.failure_config.recovery == FailureConfig::Recovery::kLive) {
+  const bool live = run.failure_config.recovery == FailureConfig::Recovery::kLive;
+  if (live && info.launcher != "cohort-launch") {
     throw UsageError(
-        "live recovery (FailureConfig.recovery, --recovery live) needs cohort's local "
-        "driver" +
+        "live recovery (FailureConfig.recovery, --recovery live) needs cohort's local driver or "
+        "cohort launch, which start a lost rank's replacement" +
         where +
-        ": under a launcher use --recovery restart, with "
-        "--snapshot-every-steps K to restore from in-memory snapshots");
+        ": under this launcher use --recovery restart, with --snapshot-every-steps K to restore "
+        "from in-memory snapshots");
+  }
+  if (live && runtime::env_int(runtime::kDataMembersVar, 0, 0) > 0) {
+    throw UsageError(
+        "live recovery (--recovery live) does not regroup the data workers of cohort launch "
+        "--data-workers" +
+        where + ": use --recovery restart, or preprocess on the ranks' nodes");
+  }
+  // A replacement that cohort launch started in a lost rank's place (live recovery): rank 0's
+  // decision, with the place it takes as the coordinator knows it.
+  std::optional<Json> join;
+  if (const auto text = runtime::env_string(runtime::kLiveJoinVar); !text.empty()) {
+    if (!live) {
+      throw UsageError(std::string(runtime::kLiveJoinVar) +
+                       " is set, but this rank does not recover live (--recovery live): only "
+                       "cohort launch sets it, in a replacement of such a job's rank");
+    }
+    join = Json::parse(text);
   }
   // With min_workers, a launcher that lost a node (cohort launch --min-nodes) may restart the
   // group smaller: any size from min_workers to num_workers.
   const int fewest = scaling.min_workers > 0 ? scaling.min_workers : scaling.num_workers;
-  if (info.world_size > scaling.num_workers || info.world_size < fewest) {
+  if (!join && (info.world_size > scaling.num_workers || info.world_size < fewest)) {
     throw UsageError(
         "ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) +
         (scaling.min_workers > 0 ? " (min_workers=" + std::to_string(scaling.min_workers) + ")"
@@ -480,14 +515,20 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   const std::string round = "job/" + std::to_string(info.restart_round) + "/";
 
   // Same program everywhere, or a clear refusal.
-  const auto fingerprints = settings.store.arrive_and_wait(
-      round + "binary/", info.world_rank, info.world_size, program_identity(),
-      "join the rendezvous (" + settings.store.where() + ")", run.setup_timeout);
-  // Every rank is in: the secret's file has served its purpose.
-  if (rank0 && !secret_file.empty()) std::filesystem::remove(secret_file);
-  for (int r = 1; r < info.world_size; ++r) {
-    check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)],
-                       fingerprints[0]);
+  if (join) {
+    // The others met long ago: a replacement compares itself with rank 0.
+    check_same_program("the replacement of rank " + std::to_string(join->at("index").get<int>()),
+                       program_identity(), settings.store.get(round + "binary/0"));
+  } else {
+    const auto fingerprints = settings.store.arrive_and_wait(
+        round + "binary/", info.world_rank, info.world_size, program_identity(),
+        "join the rendezvous (" + settings.store.where() + ")", run.setup_timeout);
+    // Every rank is in: the secret's file has served its purpose.
+    if (rank0 && !secret_file.empty()) std::filesystem::remove(secret_file);
+    for (int r = 1; r < info.world_size; ++r) {
+      check_same_program("rank " + std::to_string(r), fingerprints[static_cast<size_t>(r)],
+                         fingerprints[0]);
+    }
   }
 
   // Rank 0 opens the run directory (on storage all nodes share), hosts the coordinator and tells
@@ -501,18 +542,60 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   std::mutex bookkeeping;
   bool finished = false;
   std::unique_ptr<runtime::CoordinatorServer> coordinator;
+  // Live recovery: the decisions, beside the coordinator, which feeds them (it outlives it).
+  std::optional<LaunchedRegroups> regroups;
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
     const auto resume_from = recorder->resume_point(/*restarted=*/info.restart_round > 0);
     const std::string token =
         info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token();
+    runtime::CoordinatorServerOptions coordinator_options{
+        .bind_address = settings.interface_address,
+        .world_size = info.world_size,
+        .heartbeat = heartbeat,
+        .token = token,
+        .secret = settings.store.secret()};
+    if (live) {
+      regroups.emplace(LaunchedRegroupsOptions{.store = settings.store.connect_again(),
+                                               .world_size = info.world_size,
+                                               .launch_round = info.restart_round,
+                                               .token = token,
+                                               .min_workers = fewest,
+                                               .replace_lost = run.failure_config.replace_lost,
+                                               .deadline = run.setup_timeout,
+                                               .next_checkpoint =
+                                                   [&] {
+                                                     std::lock_guard lock(bookkeeping);
+                                                     return recorder->next_checkpoint_index();
+                                                   },
+                                               .say =
+                                                   [](const std::string& line) {
+                                                     // One write: a launcher's own lines must not
+                                                     // land inside it.
+                                                     const std::string said = line + "\n";
+                                                     [[maybe_unused]] const auto n =
+                                                         ::write(2, said.data(), said.size());
+                                                   },
+                                               .record_failure =
+                                                   [&](const Json& failure) {
+                                                     std::lock_guard lock(bookkeeping);
+                                                     Json record = failure;
+                                                     record["reports"] =
+                                                         recorder->result().metrics_history.size();
+                                                     recorder->result().failures.push_back(record);
+                                                   },
+                                               .recovered =
+                                                   [&](double seconds) {
+                                                     std::lock_guard lock(bookkeeping);
+                                                     auto& failures = recorder->result().failures;
+                                                     if (!failures.empty())
+                                                       failures.back()["recovery_s"] = seconds;
+                                                   },
+                                               .verbose = run.verbose});
+      coordinator_options.live = regroups->hooks();
+    }
     coordinator = std::make_unique<runtime::CoordinatorServer>(
-        runtime::CoordinatorServerOptions{.bind_address = settings.interface_address,
-                                          .world_size = info.world_size,
-                                          .heartbeat = heartbeat,
-                                          .token = token,
-                                          .secret = settings.store.secret()},
-        [&](const runtime::Coordinator::Verdict& verdict) {
+        std::move(coordinator_options), [&](const runtime::Coordinator::Verdict& verdict) {
           // Rank 0's own error comes from its training thread, which finishes the run itself.
           if (verdict.rank == 0) return;
           std::lock_guard lock(bookkeeping);
@@ -548,6 +631,11 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                                              started_wall.time_since_epoch())
                                              .count()}}
                            .dump());
+    if (regroups) {
+      regroups->attach(coordinator.get());
+      // The launchers go on without a rank that a signal ends, and start its replacement.
+      settings.store.set(runtime::launch_live_key(info.restart_round), "1");
+    }
     if (run.verbose >= 1) {
       console.message("cohort: rank 0 of " + std::to_string(info.world_size) + " (" +
                       info.launcher + ") keeps the run directory " + recorder->run_dir().string());
@@ -597,8 +685,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       }
     });
   } else {
-    runtime::connect_to_coordinator(shared["coordinator"], info.world_rank, settings.run_token,
-                                    settings.store.secret(), heartbeat);
+    // A replacement takes the lost rank's place at the coordinator.
+    runtime::connect_to_coordinator(shared["coordinator"],
+                                    join ? join->at("index").get<int>() : info.world_rank,
+                                    settings.run_token, settings.store.secret(), heartbeat);
   }
   runtime::start_heartbeat(heartbeat.interval);
   std::optional<std::string> error;
@@ -606,26 +696,44 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     settings.cpu_threads = scaling.resources_per_worker.cpu_threads;
     settings.scaling = session_scaling_of(scaling);
     settings.on_world_size_change = scaling.on_world_size_change;
-    SessionScope scope(open_session(settings, datasets));
-    train_loop(config);
-    finish_session();
+    settings.live_recovery = live;
+    settings.live_token = settings.run_token;
+    // With live recovery a lost peer ends a loop with a LiveRegroup: the loop runs again in the
+    // new group (live_recovery.h), in this process.
+    std::optional<LiveRegroup> regroup;
+    if (join) {
+      // A replacement: it joins the live round's group and takes the source's state.
+      regroup = LiveRegroup{.round = join->at("live_round").get<int>(),
+                            .rank = info.world_rank,
+                            .world_size = info.world_size,
+                            .source = join->at("source").get<int>(),
+                            .next_checkpoint_index = join->at("next_checkpoint").get<int64_t>()};
+      settings.run_token = live_run_token(settings.live_token, regroup->round);
+      settings.next_checkpoint_index = regroup->next_checkpoint_index;
+      settings.regroup = &*regroup;
+    }
+    const LiveStateRemover live_state_remover{settings};
+    train_in_live_rounds(settings, regroup, datasets, train_loop, config);
     trace::finish_profile();
     // From here a rank that goes away is no longer a failure (the others may end first).
     if (!rank0) runtime::leave_coordinator();
-    // Rank 0 serves the store: nobody may still need it when it returns.
-    settings.store.arrive_and_wait(round + "done/", info.world_rank, info.world_size, "1",
+    // Rank 0 serves the store: nobody may still need it when it returns. The group of the last
+    // live round, if any, under its own keys.
+    const std::string done =
+        round + "done/" + (regroup ? "live" + std::to_string(regroup->round) + "/" : "");
+    settings.store.arrive_and_wait(done, settings.info.world_rank, settings.info.world_size, "1",
                                    "finish the train loop", run.collective_timeout);
     // Every rank is done: the node's snapshots of the run served their purpose.
     if (info.local_rank == 0 && !settings.snapshot_path.empty())
       remove_tree(snapshot_run_folder(settings.snapshot_path, settings.run_dir));
   } catch (const std::exception& e) {
-    error = "rank " + std::to_string(info.world_rank) + " failed: " + e.what();
+    error = "rank " + std::to_string(settings.info.world_rank) + " failed: " + e.what();
     std::cerr << "error: " << *error << std::endl;
     dump_flight_records_after(e);
     // The coordinator learns of it, and names the cause: this rank's own error, or when the
     // error is a peer's consequence, the peer (it ends this process then, with its reason).
     const Json message{{"type", "error"},
-                       {"rank", info.world_rank},
+                       {"rank", settings.info.world_rank},
                        {"message", e.what()},
                        {"consequence", is_consequence(e)}};
     const auto within = 3 * heartbeat.interval;
@@ -649,7 +757,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   finished = true;
   coordinator->finish();
   console.tick(/*flush_all=*/true);
-  return recorder->finish(error, info.world_size,
+  return recorder->finish(error, settings.info.world_size,
                           std::chrono::duration<double>(Clock::now() - started).count());
 }
 

@@ -41,8 +41,13 @@ bool stop_requested();
 inline constexpr int kPeerLostSignal = SIGUSR2;
 /// Installs the handler of kPeerLostSignal in this process (idempotent).
 void watch_peer_losses();
-/// How many kPeerLostSignal this process received since watch_peer_losses().
+/// How many kPeerLostSignal this process received since watch_peer_losses(), and peer losses
+/// noted otherwise (note_peer_lost).
 int peer_losses();
+/// Counts a lost peer as kPeerLostSignal does: under cohort launch the coordinator says so in a
+/// {"type": "peer_lost"} message (each rank's follower thread calls this), and rank 0, which hosts
+/// it, calls this itself.
+void note_peer_lost();
 
 /// The signal the local driver sends its workers before it stops them after a failure: each
 /// writes out its flight recorder (set_flight_recorder). SIGURG is ignored by default, so a

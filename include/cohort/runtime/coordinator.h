@@ -154,6 +154,22 @@ struct CoordinatorServerOptions {
   /// Every connection first proves it holds the job's secret (comm/job_secret.h); one that does
   /// not is closed and logged with its address before any line of it is parsed.
   comm::JobSecret secret;
+
+  /// Live recovery (the host that regroups the ranks: train's rank 0 under cohort launch). Each
+  /// is called on the server's thread; none may call the server back but `on_tick`.
+  struct LiveHooks {
+    /// Every well-formed message of a rank (rank 0's own included), under the server's lock.
+    std::function<void(int rank, const Json& message)> on_message;
+    /// A rank's connection closed before it finished: true when the others go on without it.
+    /// Then there is no verdict, and every other connected rank is told {"type": "peer_lost"}
+    /// (runtime::note_peer_lost), so that its collectives stop waiting for the lost one; rank 0,
+    /// in this process, is the hook's to tell.
+    std::function<bool(int rank, const std::string& how)> go_on_without;
+    /// After each round of the server's loop (at least once a heartbeat interval, at most a
+    /// second apart), without its lock.
+    std::function<void()> on_tick;
+  };
+  LiveHooks live;  ///< none by default: a lost rank is a verdict
 };
 
 /// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
@@ -180,6 +196,9 @@ class CoordinatorServer {
   std::optional<Coordinator::Verdict> await_verdict(std::chrono::milliseconds within);
   /// The run ended: ranks that leave now are no longer failures.
   void finish();
+  /// Live recovery re-formed the group: no verdict so far stands, and `restarted` (replacements
+  /// that connect in lost ranks' places, with their ranks' hello) are expected to beat again.
+  void regrouped(const std::vector<int>& restarted);
 
   struct Impl;
 

@@ -36,6 +36,10 @@ inline constexpr const char* kStorePortVar = "COHORT_STORE_PORT";  ///< the stor
 /// "etcd://HOST:PORT": the rendezvous store is etcd there (`cohort launch --rdzv`; or set for ranks
 /// under another launcher). Unset or empty: cohort's own store.
 inline constexpr const char* kRendezvousVar = "COHORT_RDZV";
+/// Set by `cohort launch` in a replacement that live recovery starts in a lost rank's place: what
+/// rank 0 decided, as JSON: {"index": the lost rank's place (as the coordinator knows it),
+/// "rank", "world_size": in the new group, "live_round", "source", "next_checkpoint"}.
+inline constexpr const char* kLiveJoinVar = "COHORT_LIVE_JOIN";
 
 /// The job's secret (comm/job_secret.h), at least 16 bytes: set by the user under torchrun, srun
 /// or mpirun, and by the local driver and `cohort launch` in the processes they start.

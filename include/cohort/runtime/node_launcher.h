@@ -49,6 +49,21 @@ struct NodeLaunchOptions {
   int verbose = 1;  ///< 0: quiet; 1: a line per event
 };
 
+/// Live recovery under cohort launch (train::FailureConfig::Recovery::kLive): rank 0, which hosts
+/// the coordinator, decides how the ranks regroup after a loss; each launcher tolerates its rank
+/// killed by a signal and starts the replacement rank 0 asks for. They agree through these keys of
+/// the job's store, for launch round `round` (the workers' COHORT_RESTART_ROUND):
+///  - launch_live_key(round): set by rank 0 when the job recovers live. Only then does a launcher
+///    go on without a rank (other than 0) that a signal ended.
+///  - launch_place_free_key(round, rank, n): set by the launcher of `rank` once nothing of its
+///    n-th lost process (from 1) is left: the place takes a replacement.
+///  - launch_replacement_key(round, rank, n): set by rank 0: start the replacement of `rank`'s
+///    n-th lost process, with what the value says: {"rank", "world_size", ...}, all of it passed
+///    in kLiveJoinVar (runtime/environment.h).
+std::string launch_live_key(int round);
+std::string launch_place_free_key(int round, int rank, int n);
+std::string launch_replacement_key(int round, int rank, int n);
+
 /// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
 /// every worker of every node succeeded, 1 otherwise (with the reason printed, naming a lost
 /// node). Throws UsageError for bad options.

@@ -1,0 +1,135 @@
+#include "train/launched_regroups.h"
+
+#include "cohort/runtime/control_channel.h"
+#include "cohort/runtime/node_launcher.h"
+#include "train/live_recovery.h"
+
+namespace cohort::train {
+
+LaunchedRegroups::LaunchedRegroups(LaunchedRegroupsOptions options)
+    : options_(std::move(options)),
+      regroups_({.world_size = options_.world_size,
+                 .min_workers = options_.min_workers,
+                 .deadline = options_.deadline,
+                 .replaceable = [replace = options_.replace_lost](int) { return replace; }}) {}
+
+runtime::CoordinatorServerOptions::LiveHooks LaunchedRegroups::hooks() {
+  return {.on_message = [this](int index, const Json& message) { on_message(index, message); },
+          .go_on_without = [this](int index,
+                                  const std::string& how) { return go_on_without(index, how); },
+          .on_tick = [this] { tick(); }};
+}
+
+void LaunchedRegroups::attach(runtime::CoordinatorServer* server) {
+  std::lock_guard lock(mutex_);
+  server_ = server;
+}
+
+void LaunchedRegroups::on_message(int index, const Json& message) {
+  if (!message.is_object()) return;
+  const auto type = message.value("type", std::string{});
+  std::lock_guard lock(mutex_);
+  if (index == 0 && awaiting_recovery_ && (type == "step" || type == "progress")) {
+    // Rank 0 trains again in the new group.
+    awaiting_recovery_ = false;
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - detected_).count();
+    if (options_.recovered) options_.recovered(seconds);
+    if (options_.verbose >= 1) {
+      options_.say("cohort: live recovery: training again " + std::to_string(seconds) +
+                   " s after the failure was detected");
+    }
+  }
+  if (type == "regroup_ready") {
+    regroups_.on_ready(index, json_field<int64_t>(message, "steps", 0),
+                       json_field<int64_t>(message, "syncs", 0));
+  } else if (type == "live_model") {
+    regroups_.on_training(index);
+  }
+}
+
+bool LaunchedRegroups::go_on_without(int index, const std::string& how) {
+  std::lock_guard lock(mutex_);
+  const int rank = regroups_.rank_of(index);
+  const std::string cause = "rank " + std::to_string(rank) + " " + how;
+  regroups_.on_exited(index);
+  const auto loss = regroups_.lose(index, cause);
+  if (!loss.refusal.empty()) options_.say("cohort: " + loss.refusal);
+  if (!loss.goes_on) return false;
+  ++losses_[index];
+  if (!awaiting_recovery_) detected_ = std::chrono::steady_clock::now();
+  runtime::note_peer_lost();  // rank 0's own collectives stop waiting for it
+  if (options_.record_failure) {
+    options_.record_failure(
+        Json{{"rank", rank},
+             {"cause", cause},
+             {"detected_at_s",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
+             {"restarted", false},
+             {"live", true},
+             {"recovery_s", nullptr}});
+  }
+  if (options_.verbose >= 1) {
+    options_.say("cohort: " + cause + ": the " + std::to_string(loss.left) +
+                 " survivor(s) regroup without restarting (live recovery)");
+  }
+  return true;
+}
+
+void LaunchedRegroups::tick() {
+  std::vector<int> restarted;
+  runtime::CoordinatorServer* server = nullptr;
+  {
+    std::lock_guard lock(mutex_);
+    LiveRegroups::Poll poll;
+    try {
+      poll = regroups_.poll([&](int index) {
+        return options_.store.check(
+            {runtime::launch_place_free_key(options_.launch_round, index, losses_[index])});
+      });
+      if (!poll.stop.empty()) {
+        // Every survivor reads that the group cannot go on, and fails: the launchers restart.
+        options_.say("cohort: " + poll.stop);
+        options_.store.set(live_decision_key(options_.token, regroups_.rounds() + 1),
+                           Json{{"members", Json::array()}, {"stop", poll.stop}}.dump());
+        return;
+      }
+      if (!poll.decision) return;
+      const auto& d = *poll.decision;
+      Json record = d.record;
+      record["next_checkpoint"] = options_.next_checkpoint();
+      options_.store.set(live_decision_key(options_.token, d.round), record.dump());
+      const int world = static_cast<int>(d.group.size());
+      for (int i : d.replacements) {
+        options_.store.set(runtime::launch_replacement_key(options_.launch_round, i, losses_[i]),
+                           Json{{"rank", regroups_.rank_of(i)},
+                                {"world_size", world},
+                                {"live_round", d.round},
+                                {"source", record["source"]},
+                                {"next_checkpoint", record["next_checkpoint"]}}
+                               .dump());
+      }
+      restarted = d.replacements;
+      server = server_;
+      awaiting_recovery_ = true;
+      if (options_.verbose >= 1) {
+        std::string replaced;
+        for (int i : d.replacements)
+          replaced += (replaced.empty() ? "" : ", ") + std::to_string(regroups_.rank_of(i));
+        options_.say("cohort: live recovery: " + std::to_string(world) +
+                     " workers go on after step " + std::to_string(d.steps) +
+                     (replaced.empty() ? std::string(" without restarting")
+                                       : " (rank(s) " + replaced +
+                                             " replaced by their launchers, the others in the "
+                                             "same processes)"));
+      }
+    } catch (const std::exception& e) {
+      // The store is gone with the launcher of node 0: the round ends, and the launchers say why.
+      options_.say(std::string("cohort: live recovery: ") + e.what());
+      return;
+    }
+  }
+  if (server != nullptr) server->regrouped(restarted);
+}
+
+}  // namespace cohort::train

@@ -1,0 +1,62 @@
+// Live recovery under cohort launch: rank 0, which hosts the coordinator
+// (runtime::CoordinatorServer), hosts the decisions too (LiveRegroups, as the local driver does),
+// fed by the coordinator's hooks; it publishes each decision in the store for the survivors
+// (live_decision_key) and asks the launchers for the replacements (runtime/node_launcher.h's
+// keys), which join the new group as the local driver's do. Rank 0's own loss ends the round:
+// the launchers restart the job (--max-restarts) from its snapshots or checkpoints.
+#pragma once
+#include <chrono>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cohort/comm/store.h"
+#include "cohort/json.h"
+#include "cohort/runtime/coordinator.h"
+#include "train/live_regroups.h"
+
+namespace cohort::train {
+
+struct LaunchedRegroupsOptions {
+  comm::Store store;  // a connection of its own: it is used on the coordinator's thread
+  int world_size = 1;
+  int launch_round = 0;  // the launcher's round (COHORT_RESTART_ROUND)
+  std::string token;     // the run's, which the survivors' regroup_after waits under
+  int min_workers = 1;
+  bool replace_lost = true;  // FailureConfig::replace_lost
+  std::chrono::milliseconds deadline{60'000};
+  std::function<int64_t()> next_checkpoint;  // the run recorder's next checkpoint index
+  // What rank 0 says and records: a line for its console, a failure for the result.
+  std::function<void(const std::string& line)> say;
+  std::function<void(const Json& failure)> record_failure;
+  // Rank 0 trained again this long after the last failure was detected.
+  std::function<void(double seconds)> recovered;
+  int verbose = 1;
+};
+
+class LaunchedRegroups {
+ public:
+  explicit LaunchedRegroups(LaunchedRegroupsOptions options);
+  // The coordinator's live hooks, which call this object (it must outlive the server).
+  runtime::CoordinatorServerOptions::LiveHooks hooks();
+  // The server the hooks serve, for its regrouped() after each decision.
+  void attach(runtime::CoordinatorServer* server);
+
+ private:
+  void on_message(int index, const Json& message);
+  bool go_on_without(int index, const std::string& how);
+  void tick();
+
+  LaunchedRegroupsOptions options_;
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
+  std::mutex mutex_;
+  LiveRegroups regroups_;
+  std::map<int, int> losses_;  // by index: its processes lost so far (the launcher counts alike)
+  runtime::CoordinatorServer* server_ = nullptr;
+  bool awaiting_recovery_ = false;  // regrouped: rank 0's next step ends the recovery
+  std::chrono::steady_clock::time_point detected_;
+};
+
+}  // namespace cohort::train

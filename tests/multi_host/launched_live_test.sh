@@ -1,0 +1,133 @@
+#!/usr/bin/env bash
+# Live recovery under `cohort launch` (--recovery live): a rank killed with SIGKILL inside an
+# epoch. Its launcher starts a replacement when rank 0, which hosts the coordinator, asks for one;
+# the survivors go on in the same processes, and the run ends bit for bit as one that nobody
+# interrupted (the last checkpoint's model file equal byte for byte). Without replacements
+# (--no-replace-lost --min-workers 2) the survivors go on alone. Rank 0's loss ends the round,
+# and the launcher's restart (--max-restarts 1) resumes the run.
+# Usage: launched_live_test.sh COHORT_BINARY DATA_DIR
+set -uo pipefail
+cli="$1"
+data="$2"
+fail() { echo "launched_live_test: FAIL: $*" >&2; exit 1; }
+[ -f "$data/train-images-idx3-ubyte" ] || [ -f "$data/train-images-idx3-ubyte.gz" ] ||
+  { echo "launched_live_test: SKIP: no Fashion-MNIST in $data (apt install dataset-fashion-mnist)"; exit 77; }
+work="$(mktemp -d)"
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill -KILL -- "-$pid" 2>/dev/null; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+free_port() {
+  python3 -c "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+}
+
+# 3 ranks, 2 epochs of 40 steps each; the whole job is given 240 s.
+launch() {  # launch NAME LOG [LAUNCH_ARGS...] -- [TRAIN_ARGS...]: in the background, pid in $job
+  local name="$1" log="$2"
+  shift 2
+  local launch_args=()
+  while [ "$#" -gt 0 ] && [ "$1" != -- ]; do launch_args+=("$1"); shift; done
+  shift
+  setsid timeout -k 5 240 "$cli" launch --nnodes 1 --node-rank 0 --master "127.0.0.1:$(free_port)" \
+    --nproc-per-node 3 "${launch_args[@]}" -- \
+    "$cli" train --model mlp --data-dir "$data" --train-examples 3840 --test-examples 500 \
+    --batch-size 32 --epochs 2 --workers 3 --seed 5 --storage-path "$work" --name "$name" \
+    --log-every-steps 1 --recovery live "$@" >"$log" 2>&1 &
+  job=$!
+  pids+=("$job")
+}
+
+# The last step rank 0 logged (steps.jsonl), or 0.
+last_step() {
+  python3 - "$work/$1/steps.jsonl" <<'PY'
+import json, sys
+step = 0
+try:
+    for line in open(sys.argv[1]):
+        try:
+            step = json.loads(line)["step"]
+        except ValueError:
+            pass  # a line being written
+except OSError:
+    pass
+print(step)
+PY
+}
+
+# Kills the launched rank RANK (from its environment) once rank 0 logged step AT.
+kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT
+  local name="$1" launcher="$2" rank="$3" at="$4" deadline=$((SECONDS + 120))
+  while [ "$(last_step "$name")" -lt "$at" ]; do
+    [ "$SECONDS" -lt "$deadline" ] || fail "$name: step $at not reached within 120 s"
+    kill -0 "$launcher" 2>/dev/null || fail "$name: the job ended before step $at"
+    sleep 0.05
+  done
+  local child victim=""
+  for child in $(pgrep -P "$(pgrep -P "$launcher" -f "cohort launch" || echo "$launcher")"); do
+    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx "RANK=$rank"; then victim=$child; fi
+  done
+  [ -n "$victim" ] || fail "$name: no process of rank $rank"
+  kill -KILL "$victim"
+  echo "launched_live_test: $name: killed rank $rank (pid $victim) after step $(last_step "$name")"
+}
+
+final_model() {  # the model file of the run's last checkpoint
+  ls -d "$work/$1"/checkpoint_[0-9]* | sort | tail -n 1 | sed 's|$|/model.safetensors|'
+}
+
+result_field() {  # result_field NAME EXPRESSION (of r, the result.json)
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print($2)" "$work/$1/result.json"
+}
+
+# 1. Nobody interrupted.
+launch plain "$work/plain.log" --
+wait "$job" || { cat "$work/plain.log"; fail "the uninterrupted job failed"; }
+
+# 2. Rank 1 killed in the first epoch, replaced.
+launch replaced "$work/replaced.log" --
+kill_rank_at replaced "$job" 1 15
+wait "$job" || { cat "$work/replaced.log"; fail "the job with a replacement failed"; }
+for said in "the job goes on without it (live recovery)" "started the replacement of rank 1 as rank 1 of 3" \
+  "live recovery: 3 workers go on after step" "live recovery: training again"; do
+  grep -qF "$said" "$work/replaced.log" || { cat "$work/replaced.log"; fail "replaced: nobody said '$said'"; }
+done
+cmp -s "$(final_model plain)" "$(final_model replaced)" ||
+  { cat "$work/replaced.log"; fail "replaced: the last checkpoint's model differs from the uninterrupted run's"; }
+[ "$(result_field replaced "len(r['failures']), r['failures'][0]['live'], r['failures'][0]['recovery_s'] is not None, r['steps']")" = \
+  "1 True True $(result_field plain "r['steps']")" ] ||
+  fail "replaced: result.json: $(result_field replaced "r['failures'], r['steps']")"
+echo "launched_live_test: replaced: equal bit for bit to the uninterrupted run"
+
+# 3. Rank 2 killed, no replacement: the 2 survivors go on.
+launch shrunk "$work/shrunk.log" -- --no-replace-lost --min-workers 2
+kill_rank_at shrunk "$job" 2 15
+wait "$job" || { cat "$work/shrunk.log"; fail "the job without a replacement failed"; }
+grep -qF "live recovery: 2 workers go on after step" "$work/shrunk.log" ||
+  { cat "$work/shrunk.log"; fail "shrunk: the survivors did not go on alone"; }
+[ "$(result_field shrunk "r['error'], r['world_size']")" = "None 2" ] ||
+  fail "shrunk: result.json: $(result_field shrunk "r['error'], r['world_size']")"
+echo "launched_live_test: shrunk: 2 survivors finished the run"
+
+# 4. Rank 0 (the coordinator's host) killed: the round ends, the launcher restarts the job, which
+# resumes from its last checkpoint (one every 10 steps).
+launch rank0 "$work/rank0.log" --max-restarts 1 -- --checkpoint-every-steps 10
+kill_rank_at rank0 "$job" 0 15
+wait "$job" || { cat "$work/rank0.log"; fail "the job whose rank 0 was killed did not finish after a restart"; }
+grep -qF "restarting as round 1" "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: no restart"; }
+grep -qE "resuming epoch 1 after step [1-9][0-9]* from .*checkpoint_" "$work/rank0.log" ||
+  { cat "$work/rank0.log"; fail "rank0: the restarted job did not resume from a checkpoint"; }
+[ "$(result_field rank0 "r['error'], r['steps']")" = "None 80" ] ||
+  fail "rank0: result.json: $(result_field rank0 "r['error'], r['steps']")"
+echo "launched_live_test: rank0: restarted, resumed from a checkpoint and finished"
+# 5. Under another launcher (torchrun-style variables) live recovery is refused, naming the fallback.
+RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
+  timeout -k 5 60 "$cli" train --model mlp --data-dir "$data" --train-examples 320 --workers 1 \
+  --storage-path "$work" --name refused --recovery live >"$work/refused.log" 2>&1
+status=$?
+[ "$status" = 2 ] && grep -qF "needs cohort's local driver or cohort launch" "$work/refused.log" &&
+  grep -qF "use --recovery restart, with --snapshot-every-steps K" "$work/refused.log" ||
+  { cat "$work/refused.log"; fail "torchrun-style: --recovery live exited $status without the refusal"; }
+echo "launched_live_test: torchrun-style: refused with exit 2"
+echo "launched_live_test: PASS"
