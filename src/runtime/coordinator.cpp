@@ -236,6 +236,12 @@ void Coordinator::on_regrouped(const std::vector<int>& restarted) {
   }
 }
 
+void Coordinator::on_ending_hung(int rank) {
+  if (rank < 0 || rank >= world_size()) return;
+  monitor_.finished(rank);
+  if (verdict_ && verdict_->rank == rank && verdict_->silent) verdict_.reset();
+}
+
 std::string Coordinator::stall_report() const { return runtime::stall_report(status_); }
 
 std::optional<Coordinator::Verdict> Coordinator::verdict() {
@@ -246,7 +252,8 @@ std::optional<Coordinator::Verdict> Coordinator::verdict() {
     const std::string stall = stall_report();
     verdict_ = Verdict{.rank = silent->member,
                        .reason = silent->describe("rank " + std::to_string(silent->member)) +
-                                 (stall.empty() ? "" : "; " + stall)};
+                                 (stall.empty() ? "" : "; " + stall),
+                       .silent = true};
   } else if (consequence_ && monitor_.now() - consequence_at_ >= 2 * options().interval) {
     verdict_ = consequence_;
   }

@@ -261,6 +261,14 @@ struct CoordinatorServer::Impl {
       std::optional<Coordinator::Verdict> stop;
       {
         std::lock_guard lock(mutex);
+        // Live recovery: a hung rank is ended by its host, and the others go on without it.
+        if (options.live.end_hung && !finished && !verdict) {
+          if (const auto hung = coordinator.verdict();
+              hung && hung->silent && hung->rank > 0 &&
+              options.live.end_hung(hung->rank, hung->reason)) {
+            coordinator.on_ending_hung(hung->rank);
+          }
+        }
         stop = new_verdict();
       }
       if (stop) {

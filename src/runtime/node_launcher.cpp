@@ -411,6 +411,24 @@ int NodeLauncher::run() {
           ": the job goes on without it (live recovery); a replacement starts when rank 0 asks "
           "for one");
     };
+    // A rank that hangs is killed when rank 0 asks (its end then reaches on_exit as a loss).
+    int64_t kills_seen = 0;
+    auto next_kill_check = Clock::now();
+    const auto kill_hung = [&] {
+      if (Clock::now() < next_kill_check) return;
+      next_kill_check = Clock::now() + std::chrono::milliseconds(200);
+      if (!store_->check({launch_kills_key(round_)})) return;
+      const int64_t kills = store_->add(launch_kills_key(round_), 0);
+      if (kills == kills_seen) return;
+      kills_seen = kills;
+      for (int local = 0; local < o_.nproc_per_node; ++local) {
+        const std::string kill = launch_kill_key(round_, index_in_job(local), losses[local] + 1);
+        if (!store_->check({kill})) continue;
+        say("rank " + std::to_string(index_in_job(local)) + " hangs (" + store_->get(kill) +
+            "): killing it at rank 0's word (live recovery)");
+        group.kill(local);
+      }
+    };
     // A lost rank's place is said free once nothing of it is left; the replacement rank 0 asks
     // for starts there, as the rank and in the group it names.
     const auto replace_lost = [&] {
@@ -453,6 +471,7 @@ int NodeLauncher::run() {
         return;
       }
       try {
+        kill_hung();
         replace_lost();
       } catch (const std::exception& e) {
         peer_reason = std::string("live recovery: ") + e.what();
@@ -543,6 +562,12 @@ std::string launch_place_free_key(int round, int rank, int n) {
 std::string launch_replacement_key(int round, int rank, int n) {
   return launch_live_key(round) + "/start/" + std::to_string(rank) + "/" + std::to_string(n);
 }
+
+std::string launch_kill_key(int round, int rank, int n) {
+  return launch_live_key(round) + "/kill/" + std::to_string(rank) + "/" + std::to_string(n);
+}
+
+std::string launch_kills_key(int round) { return launch_live_key(round) + "/kills"; }
 
 int launch_node(const NodeLaunchOptions& options) {
   if (options.nnodes < 1)

@@ -14,10 +14,12 @@ LaunchedRegroups::LaunchedRegroups(LaunchedRegroupsOptions options)
                  .replaceable = [replace = options_.replace_lost](int) { return replace; }}) {}
 
 runtime::CoordinatorServerOptions::LiveHooks LaunchedRegroups::hooks() {
-  return {.on_message = [this](int index, const Json& message) { on_message(index, message); },
-          .go_on_without = [this](int index,
-                                  const std::string& how) { return go_on_without(index, how); },
-          .on_tick = [this] { tick(); }};
+  return {
+      .on_message = [this](int index, const Json& message) { on_message(index, message); },
+      .go_on_without = [this](int index,
+                              const std::string& how) { return go_on_without(index, how); },
+      .end_hung = [this](int index, const std::string& reason) { return end_hung(index, reason); },
+      .on_tick = [this] { tick(); }};
 }
 
 void LaunchedRegroups::attach(runtime::CoordinatorServer* server) {
@@ -48,10 +50,35 @@ void LaunchedRegroups::on_message(int index, const Json& message) {
   }
 }
 
+bool LaunchedRegroups::end_hung(int index, const std::string& reason) {
+  std::lock_guard lock(mutex_);
+  // As the local driver: only a rank that trains, where a replacement or enough workers remain.
+  if (!regroups_.training(index) ||
+      (!regroups_.replaceable(index) &&
+       static_cast<int>(regroups_.survivors().size()) <= options_.min_workers)) {
+    return false;
+  }
+  try {
+    options_.store.set(runtime::launch_kill_key(options_.launch_round, index, losses_[index] + 1),
+                       reason);
+    options_.store.add(runtime::launch_kills_key(options_.launch_round), 1);
+  } catch (const std::exception&) {
+    return false;  // the store is gone: the verdict stands
+  }
+  hung_[index] = reason;
+  if (options_.verbose >= 1)
+    options_.say("cohort: " + reason +
+                 ": its launcher kills it, and the others go on (live recovery)");
+  return true;
+}
+
 bool LaunchedRegroups::go_on_without(int index, const std::string& how) {
   std::lock_guard lock(mutex_);
   const int rank = regroups_.rank_of(index);
-  const std::string cause = "rank " + std::to_string(rank) + " " + how;
+  const auto hung = hung_.find(index);
+  const std::string cause =
+      hung != hung_.end() ? hung->second : "rank " + std::to_string(rank) + " " + how;
+  if (hung != hung_.end()) hung_.erase(hung);
   regroups_.on_exited(index);
   const auto loss = regroups_.lose(index, cause);
   if (!loss.refusal.empty()) options_.say("cohort: " + loss.refusal);

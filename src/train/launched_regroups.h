@@ -2,7 +2,8 @@
 // (runtime::CoordinatorServer), hosts the decisions too (LiveRegroups, as the local driver does),
 // fed by the coordinator's hooks; it publishes each decision in the store for the survivors
 // (live_decision_key) and asks the launchers for the replacements (runtime/node_launcher.h's
-// keys), which join the new group as the local driver's do. Rank 0's own loss ends the round:
+// keys), which join the new group as the local driver's do. A rank that hangs is killed by its
+// launcher at rank 0's word, then lost like any other. Rank 0's own loss ends the round:
 // the launchers restart the job (--max-restarts) from its snapshots or checkpoints.
 #pragma once
 #include <chrono>
@@ -47,6 +48,7 @@ class LaunchedRegroups {
  private:
   void on_message(int index, const Json& message);
   bool go_on_without(int index, const std::string& how);
+  bool end_hung(int index, const std::string& reason);
   void tick();
 
   LaunchedRegroupsOptions options_;
@@ -54,6 +56,7 @@ class LaunchedRegroups {
   std::mutex mutex_;
   LiveRegroups regroups_;
   std::map<int, int> losses_;  // by index: its processes lost so far (the launcher counts alike)
+  std::map<int, std::string> hung_;  // by index: why rank 0 asked its launcher to kill it
   runtime::CoordinatorServer* server_ = nullptr;
   bool awaiting_recovery_ = false;  // regrouped: rank 0's next step ends the recovery
   std::chrono::steady_clock::time_point detected_;

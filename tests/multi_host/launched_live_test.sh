@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Live recovery under `cohort launch` (--recovery live): a rank killed with SIGKILL inside an
-# epoch. Its launcher starts a replacement when rank 0, which hosts the coordinator, asks for one;
+# epoch, or stopped with SIGSTOP (it hangs: its launcher kills it at rank 0's word). Its launcher starts a replacement when rank 0, which hosts the coordinator, asks for one;
 # the survivors go on in the same processes, and the run ends bit for bit as one that nobody
 # interrupted (the last checkpoint's model file equal byte for byte). Without replacements
 # (--no-replace-lost --min-workers 2) the survivors go on alone. Rank 0's loss ends the round,
@@ -56,9 +56,10 @@ print(step)
 PY
 }
 
-# Kills the launched rank RANK (from its environment) once rank 0 logged step AT.
-kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT
-  local name="$1" launcher="$2" rank="$3" at="$4" deadline=$((SECONDS + 120))
+# Sends SIGNAL (KILL by default) to the launched rank RANK (from its environment) once rank 0
+# logged step AT.
+kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT [SIGNAL]
+  local name="$1" launcher="$2" rank="$3" at="$4" signal="${5:-KILL}" deadline=$((SECONDS + 120))
   while [ "$(last_step "$name")" -lt "$at" ]; do
     [ "$SECONDS" -lt "$deadline" ] || fail "$name: step $at not reached within 120 s"
     kill -0 "$launcher" 2>/dev/null || fail "$name: the job ended before step $at"
@@ -69,8 +70,8 @@ kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT
     if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx "RANK=$rank"; then victim=$child; fi
   done
   [ -n "$victim" ] || fail "$name: no process of rank $rank"
-  kill -KILL "$victim"
-  echo "launched_live_test: $name: killed rank $rank (pid $victim) after step $(last_step "$name")"
+  kill "-$signal" "$victim"
+  echo "launched_live_test: $name: SIG$signal to rank $rank (pid $victim) after step $(last_step "$name")"
 }
 
 final_model() {  # the model file of the run's last checkpoint
@@ -99,6 +100,20 @@ cmp -s "$(final_model plain)" "$(final_model replaced)" ||
   "1 True True $(result_field plain "r['steps']")" ] ||
   fail "replaced: result.json: $(result_field replaced "r['failures'], r['steps']")"
 echo "launched_live_test: replaced: equal bit for bit to the uninterrupted run"
+
+# 2b. Rank 1 stopped (SIGSTOP: it hangs): rank 0's coordinator hears nothing from it for 2 s and
+# asks its launcher to kill it; then as above.
+launch hung "$work/hung.log" -- --heartbeat-timeout 2
+kill_rank_at hung "$job" 1 15 STOP
+wait "$job" || { cat "$work/hung.log"; fail "the job with a hung rank failed"; }
+for said in "rank 1 sent no heartbeat for 2 s: it hangs or was stopped" \
+  "its launcher kills it, and the others go on (live recovery)" "killing it at rank 0's word" \
+  "started the replacement of rank 1 as rank 1 of 3"; do
+  grep -qF "$said" "$work/hung.log" || { cat "$work/hung.log"; fail "hung: nobody said '$said'"; }
+done
+cmp -s "$(final_model plain)" "$(final_model hung)" ||
+  { cat "$work/hung.log"; fail "hung: the last checkpoint's model differs from the uninterrupted run's"; }
+echo "launched_live_test: hung: killed, replaced, equal bit for bit to the uninterrupted run"
 
 # 3. Rank 2 killed, no replacement: the 2 survivors go on.
 launch shrunk "$work/shrunk.log" -- --no-replace-lost --min-workers 2

@@ -112,14 +112,18 @@ class Coordinator {
   void on_finished(int rank);
   /// `rank` ended without finishing, `how` says how ("exited with code 1", ...).
   void on_lost(int rank, const std::string& how);
+  /// Silent `rank` is being ended by whoever runs it (live recovery: its loss follows): its
+  /// silence is no verdict, and it is no longer expected to beat.
+  void on_ending_hung(int rank);
   /// The group went on after a failure (live recovery): no verdict so far stands, and `restarted`
   /// (a replacement in a lost rank's place, starting up) is expected to beat again.
   void on_regrouped(const std::vector<int>& restarted);
 
   /// Why the group must stop.
   struct Verdict {
-    int rank = -1;       ///< the rank that caused it
-    std::string reason;  ///< one line naming the rank and what happened
+    int rank = -1;        ///< the rank that caused it
+    std::string reason;   ///< one line naming the rank and what happened
+    bool silent = false;  ///< the rank sent nothing for too long: it hangs or was stopped
   };
   /// Why the group must stop, naming the rank that caused it, or nullopt. In this order: a rank's
   /// own error; a rank that ended without finishing; a silent rank (with the stall report); a
@@ -165,6 +169,10 @@ struct CoordinatorServerOptions {
     /// (runtime::note_peer_lost), so that its collectives stop waiting for the lost one; rank 0,
     /// in this process, is the hook's to tell.
     std::function<bool(int rank, const std::string& how)> go_on_without;
+    /// A rank other than 0 went silent (a verdict of silence, `reason`): true when the host has
+    /// it ended (its connection then closes, and go_on_without decides). Then its silence is no
+    /// verdict. Under the server's lock.
+    std::function<bool(int rank, const std::string& reason)> end_hung;
     /// After each round of the server's loop (at least once a heartbeat interval, at most a
     /// second apart), without its lock.
     std::function<void()> on_tick;

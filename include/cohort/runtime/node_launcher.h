@@ -60,9 +60,15 @@ struct NodeLaunchOptions {
 ///  - launch_replacement_key(round, rank, n): set by rank 0: start the replacement of `rank`'s
 ///    n-th lost process, with what the value says: {"rank", "world_size", ...}, all of it passed
 ///    in kLiveJoinVar (runtime/environment.h).
+///  - launch_kill_key(round, rank, n): set by rank 0 when `rank`'s process hangs (its coordinator
+///    heard nothing from it for the heartbeat timeout; the value says so): kill it, and it is the
+///    n-th lost. launch_kills_key(round) then counts up, so that a launcher reads those keys only
+///    when one was set.
 std::string launch_live_key(int round);
 std::string launch_place_free_key(int round, int rank, int n);
 std::string launch_replacement_key(int round, int rank, int n);
+std::string launch_kill_key(int round, int rank, int n);
+std::string launch_kills_key(int round);
 
 /// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
 /// every worker of every node succeeded, 1 otherwise (with the reason printed, naming a lost
