@@ -9,7 +9,9 @@
 #  4. the same with in-memory snapshots (--snapshot-every-steps, each host its own
 #     --snapshot-dir as each node its own tmpfs): each host keeps buddy copies of the other host's
 #     ranks' files, round 1 restores from the snapshot (newer than the epoch's checkpoint), and
-#     the run's snapshots go when it ends.
+#     the run's snapshots go when it ends;
+#  5. with --recovery live, SIGKILL of a rank on host B: rank 0 regroups the ranks, host B's
+#     launcher starts the replacement, and the job finishes without a restart.
 # Usage: two_hosts_test.sh COHORT_BINARY TINY_DATA_DIR. Needs root (ip netns); cleans up on exit.
 set -uo pipefail
 cli="$1"
@@ -161,4 +163,27 @@ grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap-0.
   fail "round 1 did not restore from the in-memory snapshot"
 [ -z "$(ls -A "$work/shm-a")" ] && [ -z "$(ls -A "$work/shm-b")" ] ||
   fail "the run's snapshots stayed after it ended: $(ls -R "$work/shm-a" "$work/shm-b")"
+# 5. Live recovery across the hosts: a rank on host B killed after the first epoch; nothing
+# restarts. Rank 0 (host A) decides, host B's launcher starts the replacement, which takes its
+# state from a survivor over the veth pair, and the job finishes in round 0.
+launch "$a" 0 29405 live --epochs 2 --train-examples 6400 --recovery live
+pa=$launched
+launch "$b" 1 29405 live --epochs 2 --train-examples 6400 --recovery live
+pb=$launched
+for _ in $(seq 1200); do
+  [ -s "$work/live/metrics.jsonl" ] && break
+  kill -0 "$pa" 2>/dev/null || break
+  sleep 0.1
+done
+[ -s "$work/live/metrics.jsonl" ] || { cat "$work/live-0.log" "$work/live-1.log"; fail "live: no first report"; }
+kill_a_rank_of_b live
+[ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "live: the launchers exited $ca and $cb"
+grep -q "started the replacement of rank [23] as rank [23] of 4" "$work/live-1.log" ||
+  fail "live: host B's launcher started no replacement"
+# (--quiet: rank 0 says no more than where the regrouped loop resumes, from the live state.)
+grep -q "resuming epoch 2 after step [0-9]* from .*/live_" "$work/live-0.log" ||
+  fail "live: rank 0 did not resume from the live state of a regroup"
+! grep -q "restarting as round 1" "$work/live-0.log" "$work/live-1.log" || fail "live: the job restarted"
+python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['error'] is None and r['epochs'] == 2 and r['failures'][0]['live'], r" \
+  "$work/live/result.json" || fail "live: result.json"
 echo "two_hosts_test: PASS"
