@@ -5,10 +5,12 @@
 # interrupted (the last checkpoint's model file equal byte for byte). Without replacements
 # (--no-replace-lost --min-workers 2) the survivors go on alone. Rank 0's loss ends the round,
 # and the launcher's restart (--max-restarts 1) resumes the run.
-# Usage: launched_live_test.sh COHORT_BINARY DATA_DIR
+# With ETCD_BINARY, a job that rendezvouses in a real etcd (--rdzv etcd://) recovers alike.
+# Usage: launched_live_test.sh COHORT_BINARY DATA_DIR [ETCD_BINARY]
 set -uo pipefail
 cli="$1"
 data="$2"
+etcd="${3:-}"
 fail() { echo "launched_live_test: FAIL: $*" >&2; exit 1; }
 [ -f "$data/train-images-idx3-ubyte" ] || [ -f "$data/train-images-idx3-ubyte.gz" ] ||
   { echo "launched_live_test: SKIP: no Fashion-MNIST in $data (apt install dataset-fashion-mnist)"; exit 77; }
@@ -114,6 +116,24 @@ done
 cmp -s "$(final_model plain)" "$(final_model hung)" ||
   { cat "$work/hung.log"; fail "hung: the last checkpoint's model differs from the uninterrupted run's"; }
 echo "launched_live_test: hung: killed, replaced, equal bit for bit to the uninterrupted run"
+
+# 2c. The same in an etcd rendezvous (--rdzv etcd://): the decisions and the launcher's keys in
+# etcd.
+if [ -x "$etcd" ]; then
+  eport=$(free_port)
+  source "$(dirname "$0")/etcd.sh"
+  start_etcd "$etcd" "127.0.0.1:$eport" "$(free_port)"
+  launch in-etcd "$work/in-etcd.log" --rdzv "etcd://127.0.0.1:$eport" --
+  kill_rank_at in-etcd "$job" 1 15
+  wait "$job" || { cat "$work/in-etcd.log"; fail "the job in etcd with a replacement failed"; }
+  grep -qF "started the replacement of rank 1 as rank 1 of 3" "$work/in-etcd.log" ||
+    { cat "$work/in-etcd.log"; fail "in-etcd: no replacement"; }
+  cmp -s "$(final_model plain)" "$(final_model in-etcd)" ||
+    { cat "$work/in-etcd.log"; fail "in-etcd: the last checkpoint's model differs from the uninterrupted run's"; }
+  echo "launched_live_test: in-etcd: replaced, equal bit for bit to the uninterrupted run"
+else
+  echo "launched_live_test: in-etcd: not run: no etcd binary given (scripts/setup.sh unpacks one into .tools/)"
+fi
 
 # 3. Rank 2 killed, no replacement: the 2 survivors go on.
 launch shrunk "$work/shrunk.log" -- --no-replace-lost --min-workers 2
