@@ -1,5 +1,7 @@
 #include "train/launched_regroups.h"
 
+#include <optional>
+
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/node_launcher.h"
 #include "train/live_recovery.h"
@@ -27,6 +29,15 @@ void LaunchedRegroups::attach(runtime::CoordinatorServer* server) {
   server_ = server;
 }
 
+std::vector<Json> LaunchedRegroups::failures() {
+  std::lock_guard lock(mutex_);
+  return failures_;
+}
+
+double LaunchedRegroups::seconds_since_start() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+}
+
 void LaunchedRegroups::on_message(int index, const Json& message) {
   if (!message.is_object()) return;
   const auto type = message.value("type", std::string{});
@@ -34,11 +45,11 @@ void LaunchedRegroups::on_message(int index, const Json& message) {
   if (index == 0 && awaiting_recovery_ && (type == "step" || type == "progress")) {
     // Rank 0 trains again in the new group.
     awaiting_recovery_ = false;
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - detected_).count();
-    if (options_.recovered) options_.recovered(seconds);
+    auto& failure = failures_.back();
+    failure["recovery_s"] = seconds_since_start() - failure["detected_at_s"].get<double>();
     if (options_.verbose >= 1) {
-      options_.say("cohort: live recovery: training again " + std::to_string(seconds) +
+      options_.say("cohort: live recovery: training again " +
+                   std::to_string(failure["recovery_s"].get<double>()) +
                    " s after the failure was detected");
     }
   }
@@ -84,18 +95,13 @@ bool LaunchedRegroups::go_on_without(int index, const std::string& how) {
   if (!loss.refusal.empty()) options_.say("cohort: " + loss.refusal);
   if (!loss.goes_on) return false;
   ++losses_[index];
-  if (!awaiting_recovery_) detected_ = std::chrono::steady_clock::now();
   runtime::note_peer_lost();  // rank 0's own collectives stop waiting for it
-  if (options_.record_failure) {
-    options_.record_failure(
-        Json{{"rank", rank},
-             {"cause", cause},
-             {"detected_at_s",
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count()},
-             {"restarted", false},
-             {"live", true},
-             {"recovery_s", nullptr}});
-  }
+  failures_.push_back(Json{{"rank", rank},
+                           {"cause", cause},
+                           {"detected_at_s", seconds_since_start()},
+                           {"restarted", false},
+                           {"live", true},
+                           {"recovery_s", nullptr}});
   if (options_.verbose >= 1) {
     options_.say("cohort: " + cause + ": the " + std::to_string(loss.left) +
                  " survivor(s) regroup without restarting (live recovery)");
@@ -104,59 +110,73 @@ bool LaunchedRegroups::go_on_without(int index, const std::string& how) {
 }
 
 void LaunchedRegroups::tick() {
-  std::vector<int> restarted;
+  // What the lock guards, taken under it: the rest runs on this thread alone (the coordinator's).
+  std::optional<LiveRegroups::Decision> decision;
+  std::map<int, std::pair<int, int>> replacements;  // by index: its new rank, and which loss
+  std::string stop;
+  int stop_round = 0;
   runtime::CoordinatorServer* server = nullptr;
   {
     std::lock_guard lock(mutex_);
-    LiveRegroups::Poll poll;
     try {
-      poll = regroups_.poll([&](int index) {
+      auto poll = regroups_.poll([&](int index) {
         return options_.store.check(
             {runtime::launch_place_free_key(options_.launch_round, index, losses_[index])});
       });
-      if (!poll.stop.empty()) {
-        // Every survivor reads that the group cannot go on, and fails: the launchers restart.
-        options_.say("cohort: " + poll.stop);
-        options_.store.set(live_decision_key(options_.token, regroups_.rounds() + 1),
-                           Json{{"members", Json::array()}, {"stop", poll.stop}}.dump());
-        return;
-      }
-      if (!poll.decision) return;
-      const auto& d = *poll.decision;
-      Json record = d.record;
-      record["next_checkpoint"] = options_.next_checkpoint();
-      options_.store.set(live_decision_key(options_.token, d.round), record.dump());
-      const int world = static_cast<int>(d.group.size());
-      for (int i : d.replacements) {
-        options_.store.set(runtime::launch_replacement_key(options_.launch_round, i, losses_[i]),
-                           Json{{"rank", regroups_.rank_of(i)},
-                                {"world_size", world},
-                                {"live_round", d.round},
-                                {"source", record["source"]},
-                                {"next_checkpoint", record["next_checkpoint"]}}
-                               .dump());
-      }
-      restarted = d.replacements;
-      server = server_;
-      awaiting_recovery_ = true;
-      if (options_.verbose >= 1) {
-        std::string replaced;
-        for (int i : d.replacements)
-          replaced += (replaced.empty() ? "" : ", ") + std::to_string(regroups_.rank_of(i));
-        options_.say("cohort: live recovery: " + std::to_string(world) +
-                     " workers go on after step " + std::to_string(d.steps) +
-                     (replaced.empty() ? std::string(" without restarting")
-                                       : " (rank(s) " + replaced +
-                                             " replaced by their launchers, the others in the "
-                                             "same processes)"));
-      }
+      stop = std::move(poll.stop);
+      decision = std::move(poll.decision);
     } catch (const std::exception& e) {
       // The store is gone with the launcher of node 0: the round ends, and the launchers say why.
       options_.say(std::string("cohort: live recovery: ") + e.what());
       return;
     }
+    stop_round = regroups_.rounds() + 1;
+    server = server_;
+    if (decision) {
+      awaiting_recovery_ = true;
+      for (int i : decision->replacements) replacements[i] = {regroups_.rank_of(i), losses_[i]};
+    }
   }
-  if (server != nullptr) server->regrouped(restarted);
+  // Published without this object's lock: the run's next checkpoint index is under rank 0's.
+  try {
+    if (!stop.empty()) {
+      // Every survivor reads that the group cannot go on, and fails: the launchers restart.
+      options_.say("cohort: " + stop);
+      options_.store.set(live_decision_key(options_.token, stop_round),
+                         Json{{"members", Json::array()}, {"stop", stop}}.dump());
+      return;
+    }
+    if (!decision) return;
+    const auto& d = *decision;
+    Json record = d.record;
+    record["next_checkpoint"] = options_.next_checkpoint();
+    options_.store.set(live_decision_key(options_.token, d.round), record.dump());
+    const int world = static_cast<int>(d.group.size());
+    std::string replaced;
+    for (int i : d.replacements) {
+      const auto [rank, loss] = replacements.at(i);
+      options_.store.set(runtime::launch_replacement_key(options_.launch_round, i, loss),
+                         Json{{"rank", rank},
+                              {"world_size", world},
+                              {"live_round", d.round},
+                              {"source", record["source"]},
+                              {"next_checkpoint", record["next_checkpoint"]}}
+                             .dump());
+      replaced += (replaced.empty() ? "" : ", ") + std::to_string(rank);
+    }
+    if (options_.verbose >= 1) {
+      options_.say("cohort: live recovery: " + std::to_string(world) +
+                   " workers go on after step " + std::to_string(d.steps) +
+                   (replaced.empty() ? std::string(" without restarting")
+                                     : " (rank(s) " + replaced +
+                                           " replaced by their launchers, the others in the "
+                                           "same processes)"));
+    }
+  } catch (const std::exception& e) {
+    options_.say(std::string("cohort: live recovery: ") + e.what());
+    return;
+  }
+  if (server != nullptr) server->regrouped(decision->replacements);
 }
 
 }  // namespace cohort::train

@@ -29,27 +29,30 @@ struct LaunchedRegroupsOptions {
   bool replace_lost = true;  // FailureConfig::replace_lost
   std::chrono::milliseconds deadline{60'000};
   std::function<int64_t()> next_checkpoint;  // the run recorder's next checkpoint index
-  // What rank 0 says and records: a line for its console, a failure for the result.
+  // A line for rank 0's console (called on the coordinator's thread).
   std::function<void(const std::string& line)> say;
-  std::function<void(const Json& failure)> record_failure;
-  // Rank 0 trained again this long after the last failure was detected.
-  std::function<void(double seconds)> recovered;
   int verbose = 1;
 };
 
 class LaunchedRegroups {
  public:
   explicit LaunchedRegroups(LaunchedRegroupsOptions options);
-  // The coordinator's live hooks, which call this object (it must outlive the server).
+  // The coordinator's live hooks, which call this object (it must outlive the server). Locks:
+  // the server's, then this object's; the callers of failures() may hold theirs before it, and
+  // the hooks take no lock of theirs.
   runtime::CoordinatorServerOptions::LiveHooks hooks();
   // The server the hooks serve, for its regrouped() after each decision.
   void attach(runtime::CoordinatorServer* server);
+  // The failures the group went on after, for the result (as the local driver records them:
+  // "rank", "cause", "detected_at_s", "live": true, "recovery_s" once rank 0 trained again).
+  std::vector<Json> failures();
 
  private:
   void on_message(int index, const Json& message);
   bool go_on_without(int index, const std::string& how);
   bool end_hung(int index, const std::string& reason);
   void tick();
+  double seconds_since_start() const;
 
   LaunchedRegroupsOptions options_;
   std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
@@ -59,7 +62,7 @@ class LaunchedRegroups {
   std::map<int, std::string> hung_;  // by index: why rank 0 asked its launcher to kill it
   runtime::CoordinatorServer* server_ = nullptr;
   bool awaiting_recovery_ = false;  // regrouped: rank 0's next step ends the recovery
-  std::chrono::steady_clock::time_point detected_;
+  std::vector<Json> failures_;
 };
 
 }  // namespace cohort::train

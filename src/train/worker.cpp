@@ -310,6 +310,17 @@ comm::Store join_launched_store(const runtime::WorkerInfo& info, const RunConfig
   }
 }
 
+// One write to stderr: a launcher's own lines (mpirun's) must not land inside it.
+void say_at_once(const std::string& line) {
+  const std::string said = line + "\n";
+  [[maybe_unused]] const auto written = ::write(2, said.data(), said.size());
+}
+
+// The failures a launched group went on after (live recovery), into the run's result.
+void add_failures(Result& result, const std::vector<Json>& failures) {
+  for (const auto& failure : failures) result.failures.push_back(failure);
+}
+
 // A live round's state (in memory, under the snapshots' folder) goes with the process however it
 // ends: a failed round's is no snapshot, and nothing restores from it.
 struct LiveStateRemover {
@@ -541,9 +552,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   // stops the job, by the coordinator's thread: whichever comes first finishes the run.
   std::mutex bookkeeping;
   bool finished = false;
-  std::unique_ptr<runtime::CoordinatorServer> coordinator;
-  // Live recovery: the decisions, beside the coordinator, which feeds them (it outlives it).
+  // Live recovery: the decisions, beside the coordinator, which feeds them (declared first, they
+  // outlive it).
   std::optional<LaunchedRegroups> regroups;
+  std::unique_ptr<runtime::CoordinatorServer> coordinator;
   if (rank0) {
     recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
     const auto resume_from = recorder->resume_point(/*restarted=*/info.restart_round > 0);
@@ -556,42 +568,20 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
         .token = token,
         .secret = settings.store.secret()};
     if (live) {
-      regroups.emplace(LaunchedRegroupsOptions{.store = settings.store.connect_again(),
-                                               .world_size = info.world_size,
-                                               .launch_round = info.restart_round,
-                                               .token = token,
-                                               .min_workers = fewest,
-                                               .replace_lost = run.failure_config.replace_lost,
-                                               .deadline = run.setup_timeout,
-                                               .next_checkpoint =
-                                                   [&] {
-                                                     std::lock_guard lock(bookkeeping);
-                                                     return recorder->next_checkpoint_index();
-                                                   },
-                                               .say =
-                                                   [](const std::string& line) {
-                                                     // One write: a launcher's own lines must not
-                                                     // land inside it.
-                                                     const std::string said = line + "\n";
-                                                     [[maybe_unused]] const auto n =
-                                                         ::write(2, said.data(), said.size());
-                                                   },
-                                               .record_failure =
-                                                   [&](const Json& failure) {
-                                                     std::lock_guard lock(bookkeeping);
-                                                     Json record = failure;
-                                                     record["reports"] =
-                                                         recorder->result().metrics_history.size();
-                                                     recorder->result().failures.push_back(record);
-                                                   },
-                                               .recovered =
-                                                   [&](double seconds) {
-                                                     std::lock_guard lock(bookkeeping);
-                                                     auto& failures = recorder->result().failures;
-                                                     if (!failures.empty())
-                                                       failures.back()["recovery_s"] = seconds;
-                                                   },
-                                               .verbose = run.verbose});
+      LaunchedRegroupsOptions live_options{.store = settings.store.connect_again(),
+                                           .world_size = info.world_size,
+                                           .launch_round = info.restart_round,
+                                           .token = token,
+                                           .min_workers = fewest,
+                                           .replace_lost = run.failure_config.replace_lost,
+                                           .deadline = run.setup_timeout,
+                                           .verbose = run.verbose};
+      live_options.next_checkpoint = [&] {
+        std::lock_guard lock(bookkeeping);
+        return recorder->next_checkpoint_index();
+      };
+      live_options.say = say_at_once;
+      regroups.emplace(std::move(live_options));
       coordinator_options.live = regroups->hooks();
     }
     coordinator = std::make_unique<runtime::CoordinatorServer>(
@@ -601,21 +591,16 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
           std::lock_guard lock(bookkeeping);
           if (finished) return;  // the training thread took the verdict as its error
           finished = true;
-          // One write: a launcher's own lines (mpirun's) must not land inside it. Said at once:
-          // a launcher may end this process as soon as another rank failed.
-          const std::string line =
-              "cohort: the coordinator stops the job: " + verdict.reason + "\n";
-          [[maybe_unused]] const auto written = ::write(2, line.data(), line.size());
+          // Said at once: a launcher may end this process as soon as another rank failed.
+          say_at_once("cohort: the coordinator stops the job: " + verdict.reason);
           // Told to stop, every rank writes its flight recorder; rank 0 reads what they say.
           runtime::dump_flight_recorder("the coordinator stops the job: " + verdict.reason);
           const std::string flights = flight_report_once_written(
               recorder->run_dir(), info.world_size, began_on_disk, flight_dump_grace(heartbeat));
-          if (!flights.empty()) {
-            const std::string said = "cohort: " + flights + "\n";
-            [[maybe_unused]] const auto also = ::write(2, said.data(), said.size());
-          }
+          if (!flights.empty()) say_at_once("cohort: " + flights);
           const std::string reason = verdict.reason + (flights.empty() ? "" : "; " + flights);
           console.tick(/*flush_all=*/true);
+          if (regroups) add_failures(recorder->result(), regroups->failures());
           recorder->finish(reason, info.world_size,
                            std::chrono::duration<double>(Clock::now() - started).count());
           end_process(1);
@@ -757,6 +742,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   finished = true;
   coordinator->finish();
   console.tick(/*flush_all=*/true);
+  if (regroups) add_failures(recorder->result(), regroups->failures());
   return recorder->finish(error, settings.info.world_size,
                           std::chrono::duration<double>(Clock::now() - started).count());
 }
