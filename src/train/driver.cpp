@@ -513,17 +513,7 @@ Driver::Attempt Driver::run_attempt(const std::optional<Checkpoint>& resume_from
     for (int i = 0; i < world; ++i) gone[static_cast<size_t>(i)] = regroups.rank_of(i) < 0;
     report_counter.regroup(gone);
     record_resize(from, "live recovery: " + d.cause);
-    if (run_.verbose >= 1) {
-      std::string replaced;
-      for (int i : d.replacements)
-        replaced += (replaced.empty() ? "" : ", ") + std::to_string(regroups.rank_of(i));
-      console_.message("cohort: live recovery: " + std::to_string(new_world) +
-                       " workers go on after step " + std::to_string(d.steps) +
-                       (replaced.empty() ? std::string(" without restarting")
-                                         : " (rank(s) " + replaced +
-                                               " replaced, the others in "
-                                               "the same processes)"));
-    }
+    if (run_.verbose >= 1) console_.message("cohort: " + regroups.describe(d));
     awaiting_recovery = true;
   };
 

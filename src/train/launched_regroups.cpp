@@ -114,6 +114,7 @@ void LaunchedRegroups::tick() {
   std::optional<LiveRegroups::Decision> decision;
   std::map<int, std::pair<int, int>> replacements;  // by index: its new rank, and which loss
   std::string stop;
+  std::string said;  // the decision, in a line
   int stop_round = 0;
   runtime::CoordinatorServer* server = nullptr;
   {
@@ -134,6 +135,7 @@ void LaunchedRegroups::tick() {
     server = server_;
     if (decision) {
       awaiting_recovery_ = true;
+      said = "cohort: " + regroups_.describe(*decision, " by their launchers");
       for (int i : decision->replacements) replacements[i] = {regroups_.rank_of(i), losses_[i]};
     }
   }
@@ -152,7 +154,6 @@ void LaunchedRegroups::tick() {
     record["next_checkpoint"] = options_.next_checkpoint();
     options_.store.set(live_decision_key(options_.token, d.round), record.dump());
     const int world = static_cast<int>(d.group.size());
-    std::string replaced;
     for (int i : d.replacements) {
       const auto [rank, loss] = replacements.at(i);
       options_.store.set(runtime::launch_replacement_key(options_.launch_round, i, loss),
@@ -162,16 +163,8 @@ void LaunchedRegroups::tick() {
                               {"source", record["source"]},
                               {"next_checkpoint", record["next_checkpoint"]}}
                              .dump());
-      replaced += (replaced.empty() ? "" : ", ") + std::to_string(rank);
     }
-    if (options_.verbose >= 1) {
-      options_.say("cohort: live recovery: " + std::to_string(world) +
-                   " workers go on after step " + std::to_string(d.steps) +
-                   (replaced.empty() ? std::string(" without restarting")
-                                     : " (rank(s) " + replaced +
-                                           " replaced by their launchers, the others in the "
-                                           "same processes)"));
-    }
+    if (options_.verbose >= 1) options_.say(said);
   } catch (const std::exception& e) {
     options_.say(std::string("cohort: live recovery: ") + e.what());
     return;

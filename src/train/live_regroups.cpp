@@ -126,4 +126,15 @@ LiveRegroups::Poll LiveRegroups::poll(const std::function<bool(int index)>& plac
   return {.decision = std::move(d)};
 }
 
+std::string LiveRegroups::describe(const Decision& d, const std::string& replaced_by) const {
+  std::string replaced;
+  for (int i : d.replacements)
+    replaced += (replaced.empty() ? "" : ", ") + std::to_string(rank_of(i));
+  return "live recovery: " + std::to_string(d.group.size()) + " workers go on after step " +
+         std::to_string(d.steps) +
+         (replaced.empty() ? std::string(" without restarting")
+                           : " (rank(s) " + replaced + " replaced" + replaced_by +
+                                 ", the others in the same processes)");
+}
+
 }  // namespace cohort::train

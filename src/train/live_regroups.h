@@ -84,6 +84,9 @@ class LiveRegroups {
   };
   // Nothing while no regroup is due or a survivor is not ready yet.
   Poll poll(const std::function<bool(int index)>& place_free);
+  // "live recovery: 3 workers go on after step 22 (rank(s) 1 replaced, the others in the same
+  // processes)", of the decision just made; `replaced_by` follows "replaced" (" by ...").
+  std::string describe(const Decision& decision, const std::string& replaced_by = "") const;
 
  private:
   using SteadyTime = runtime::SteadyTime;

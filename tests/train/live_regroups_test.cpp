@@ -57,6 +57,9 @@ TEST(LiveRegroups, ALostWorkersPlaceGoesToAReplacementOnceEverySurvivorIsReady) 
   EXPECT_EQ(d.record["members"], Json::parse("[0, 1, -1, 3]"));
   EXPECT_EQ(d.record["progress"], Json::parse("[[10, 0], [10, 0], null, [11, 0]]"));
   EXPECT_EQ(d.cause, "rank 2 was killed by signal 9");
+  EXPECT_EQ(regroups.describe(d, " by their launchers"),
+            "live recovery: 4 workers go on after step 11 (rank(s) 2 replaced by their launchers, "
+            "the others in the same processes)");
   EXPECT_EQ(regroups.rank_of(2), 2);
   EXPECT_EQ(regroups.survivors().size(), 4u);
   // Decided once: the next poll has nothing to do.
@@ -76,6 +79,8 @@ TEST(LiveRegroups, WithoutAReplacementTheSurvivorsAreRenumberedInTheirOrder) {
   EXPECT_EQ(poll.decision->group, (std::vector<int>{0, 2, 3}));
   EXPECT_TRUE(poll.decision->replacements.empty());
   EXPECT_EQ(poll.decision->record["source"], 1);  // new rank 1: worker 2
+  EXPECT_EQ(regroups.describe(*poll.decision),
+            "live recovery: 3 workers go on after step 5 without restarting");
   EXPECT_EQ(regroups.rank_of(1), -1);
   EXPECT_EQ(regroups.rank_of(2), 1);
   EXPECT_EQ(regroups.rank_of(3), 2);
