@@ -45,6 +45,18 @@ kill_a_rank_of_b() {
   cat "$work/$1-0.log" "$work/$1-1.log"
 }
 
+# wait_for_first_report NAME: until run NAME reported once (its metrics.jsonl), or host A's
+# launcher ($pa) ended; fails the test after 120 s.
+wait_for_first_report() {
+  for _ in $(seq 1200); do
+    [ -s "$work/$1/metrics.jsonl" ] && return 0
+    kill -0 "$pa" 2>/dev/null || break
+    sleep 0.1
+  done
+  cat "$work/$1-0.log" "$work/$1-1.log"
+  fail "$1: no first report"
+}
+
 # 1. Train a few steps across the two hosts.
 launch "$a" 0 29400 sync --epochs 1 --max-steps 12
 pa=$launched
@@ -104,12 +116,7 @@ restarts=1 launch "$a" 0 29402 again --epochs 3 --train-examples 6400
 pa=$launched
 restarts=1 launch "$b" 1 29402 again --epochs 3 --train-examples 6400
 pb=$launched
-for _ in $(seq 1200); do
-  [ -s "$work/again/metrics.jsonl" ] && break
-  kill -0 "$pa" 2>/dev/null || break
-  sleep 0.1
-done
-[ -s "$work/again/metrics.jsonl" ] || { cat "$work/again-0.log" "$work/again-1.log"; fail "no first report"; }
+wait_for_first_report again
 kill_a_rank_of_b again
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "after a restart the launchers exited $ca and $cb"
 for node in 0 1; do
@@ -170,12 +177,7 @@ launch "$a" 0 29405 live --epochs 2 --train-examples 6400 --recovery live
 pa=$launched
 launch "$b" 1 29405 live --epochs 2 --train-examples 6400 --recovery live
 pb=$launched
-for _ in $(seq 1200); do
-  [ -s "$work/live/metrics.jsonl" ] && break
-  kill -0 "$pa" 2>/dev/null || break
-  sleep 0.1
-done
-[ -s "$work/live/metrics.jsonl" ] || { cat "$work/live-0.log" "$work/live-1.log"; fail "live: no first report"; }
+wait_for_first_report live
 kill_a_rank_of_b live
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "live: the launchers exited $ca and $cb"
 grep -q "started the replacement of rank [23] as rank [23] of 4" "$work/live-1.log" ||
