@@ -119,6 +119,7 @@ void LaunchedRegroups::tick() {
   runtime::CoordinatorServer* server = nullptr;
   {
     std::lock_guard lock(mutex_);
+    if (gave_up_) return;  // the survivors fail, and the launchers restart the job
     try {
       auto poll = regroups_.poll([&](int index) {
         return options_.store.check(
@@ -132,6 +133,7 @@ void LaunchedRegroups::tick() {
       return;
     }
     stop_round = regroups_.rounds() + 1;
+    gave_up_ = !stop.empty();
     server = server_;
     if (decision) {
       awaiting_recovery_ = true;

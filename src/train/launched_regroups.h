@@ -62,6 +62,7 @@ class LaunchedRegroups {
   std::map<int, std::string> hung_;  // by index: why rank 0 asked its launcher to kill it
   runtime::CoordinatorServer* server_ = nullptr;
   bool awaiting_recovery_ = false;  // regrouped: rank 0's next step ends the recovery
+  bool gave_up_ = false;            // the group cannot go on: said once, and never decided again
   std::vector<Json> failures_;
 };
 
