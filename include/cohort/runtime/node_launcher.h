@@ -65,9 +65,13 @@ struct NodeLaunchOptions {
 ///    n-th lost. launch_kills_key(round) then counts up, so that a launcher reads those keys only
 ///    when one was set.
 std::string launch_live_key(int round);
+/// See launch_live_key: the launcher's word that `rank`'s n-th lost process is gone.
 std::string launch_place_free_key(int round, int rank, int n);
+/// See launch_live_key: rank 0's word to start the replacement of `rank`'s n-th lost process.
 std::string launch_replacement_key(int round, int rank, int n);
+/// See launch_live_key: rank 0's word to kill `rank`'s process, which hangs (its n-th loss).
 std::string launch_kill_key(int round, int rank, int n);
+/// See launch_live_key: how many launch_kill_key rank 0 set in the round.
 std::string launch_kills_key(int round);
 
 /// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
