@@ -385,13 +385,10 @@ int NodeLauncher::run() {
           << ") " << line << std::endl;  // line by line
     };
     // Live recovery (launch_live_key): this node's ranks that the job goes on without, by local
-    // index, with which loss of that rank it is (from 1) and whether its place is said free.
-    struct LostRank {
-      int n = 0;
-      bool place_free = false;
-    };
-    std::map<int, LostRank> lost;
-    std::map<int, int> losses;  // by local index, over the round
+    // index, with whether its place is said free; and each rank's losses over the round (the
+    // latest is the one rank 0's keys name).
+    std::map<int, bool> lost;
+    std::map<int, int> losses;
     handlers.on_exit = [&](const WorkerExit& exit) {
       const int local = exit.rank;
       // Rank 0 hosts the coordinator that regroups the others: its loss ends the round.
@@ -406,7 +403,8 @@ int NodeLauncher::run() {
       }
       group.tolerate(local);
       group.kill(local);  // what it started goes with it: its place is free once they are gone
-      lost[local] = {.n = ++losses[local]};
+      ++losses[local];
+      lost[local] = false;
       say(exit.describe() +
           ": the job goes on without it (live recovery); a replacement starts when rank 0 asks "
           "for one");
@@ -433,15 +431,15 @@ int NodeLauncher::run() {
     // for starts there, as the rank and in the group it names.
     const auto replace_lost = [&] {
       for (auto it = lost.begin(); it != lost.end();) {
-        const int local = it->first;
-        LostRank& l = it->second;
+        const auto [local, was_free] = *it;
+        bool& place_free = it->second;
         const int rank = index_in_job(local);
-        if (!l.place_free && !process_group_alive(group.pids()[static_cast<size_t>(local)])) {
-          store_->set(launch_place_free_key(round_, rank, l.n), "1");
-          l.place_free = true;
+        if (!was_free && !process_group_alive(group.pids()[static_cast<size_t>(local)])) {
+          store_->set(launch_place_free_key(round_, rank, losses[local]), "1");
+          place_free = true;
         }
-        const std::string start = launch_replacement_key(round_, rank, l.n);
-        if (!l.place_free || !store_->check({start})) {
+        const std::string start = launch_replacement_key(round_, rank, losses[local]);
+        if (!place_free || !store_->check({start})) {
           ++it;
           continue;
         }
@@ -555,16 +553,25 @@ int NodeLauncher::run() {
 
 std::string launch_live_key(int round) { return "launch/" + std::to_string(round) + "/live"; }
 
+namespace {
+
+// A live key about `rank`'s n-th lost process.
+std::string launch_loss_key(int round, const char* what, int rank, int n) {
+  return launch_live_key(round) + "/" + what + "/" + std::to_string(rank) + "/" + std::to_string(n);
+}
+
+}  // namespace
+
 std::string launch_place_free_key(int round, int rank, int n) {
-  return launch_live_key(round) + "/free/" + std::to_string(rank) + "/" + std::to_string(n);
+  return launch_loss_key(round, "free", rank, n);
 }
 
 std::string launch_replacement_key(int round, int rank, int n) {
-  return launch_live_key(round) + "/start/" + std::to_string(rank) + "/" + std::to_string(n);
+  return launch_loss_key(round, "start", rank, n);
 }
 
 std::string launch_kill_key(int round, int rank, int n) {
-  return launch_live_key(round) + "/kill/" + std::to_string(rank) + "/" + std::to_string(n);
+  return launch_loss_key(round, "kill", rank, n);
 }
 
 std::string launch_kills_key(int round) { return launch_live_key(round) + "/kills"; }
