@@ -17,6 +17,7 @@
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
+#include "cohort/runtime/heap.h"
 #include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/worker_group.h"
 #include "cohort/runtime/worker_info.h"

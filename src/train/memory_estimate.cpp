@@ -2,9 +2,6 @@
 
 #include <torch/torch.h>
 #include <unistd.h>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 
 #include <algorithm>
 #include <fstream>
@@ -16,6 +13,7 @@
 #include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/parallel/pipeline/schedule.h"
+#include "cohort/runtime/heap.h"
 
 namespace cohort::train {
 namespace {
@@ -282,25 +280,10 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes) {
 
 int64_t resident_bytes(int pid) { return status_field("VmRSS", pid); }
 
-// Built with AddressSanitizer (GCC's macro, clang's feature test), whose allocator replaces
-// glibc's: glibc's heap then holds nothing, and malloc_trim would first initialise it, which two
-// threads' calls race on (a sanitized test's ranks are threads; one crashed there).
-#if defined(__SANITIZE_ADDRESS__)
-#define COHORT_HEAP_IS_NOT_GLIBCS 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define COHORT_HEAP_IS_NOT_GLIBCS 1
-#endif
-#endif
-
 int64_t release_free_memory() {
-#if defined(__GLIBC__) && !defined(COHORT_HEAP_IS_NOT_GLIBCS)
   const int64_t before = resident_bytes();
-  ::malloc_trim(0);
+  if (!runtime::trim_heap()) return 0;
   return std::max<int64_t>(0, before - resident_bytes());
-#else
-  return 0;
-#endif
 }
 
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step) {

@@ -368,6 +368,7 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   st->lr_scheduler = std::make_unique<optim::LrScheduler>(*st->optimizer, schedule, 0);
   // The tensors the engines replaced (the module's own before flattening and sharding).
   release_free_memory();
+  if (WorkerSession* session = current_session(); session != nullptr) end_heap_setup(*session);
   return ParallelModel(std::move(st));
 }
 

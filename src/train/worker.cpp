@@ -23,6 +23,7 @@
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"
 #include "cohort/runtime/gpus.h"
+#include "cohort/runtime/heap.h"
 #include "cohort/runtime/node_launcher.h"
 #include "cohort/runtime/process.h"
 #include "cohort/runtime/worker_info.h"
@@ -132,6 +133,9 @@ std::unique_ptr<WorkerSession> open_session(SessionSettings settings,
   session->tensorboard_histograms = settings.tensorboard_histograms;
   session->step_log.every_steps = settings.log_every_steps;
   session->umask = settings.umask;
+  // Until the model is prepared, what its construction and preparation free goes back to the
+  // system (runtime/heap.h).
+  session->heap_in_setup = runtime::heap_for_setup();
   if (!settings.resume_from.empty())
     session->resume_from = Checkpoint::from_directory(settings.resume_from);
   auto& ctx = session->context;

@@ -18,6 +18,7 @@
 #include "cohort/error.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/environment.h"
+#include "cohort/runtime/heap.h"
 #include "cohort/train/memory_estimate.h"
 #include "cohort/train/parallel_model.h"
 #include "cohort/train/prepare.h"
@@ -191,7 +192,16 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
     prepared.ddp = std::make_unique<parallel::DistributedDataParallel>(
         module, data_parallel_group(session), options.ddp);
   }  // else the ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer
+  const bool engine_made = prepared.ddp != nullptr;
   session.prepared_models.push_back(std::move(prepared));
+  // DDP's model is ready to step; the others' engines come with prepare_optimizer.
+  if (engine_made) end_heap_setup(session);
+}
+
+void end_heap_setup(WorkerSession& session) {
+  if (!session.heap_in_setup) return;
+  session.heap_in_setup = false;
+  runtime::heap_for_steps();
 }
 
 namespace {
@@ -237,6 +247,7 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
   if (model.guarded.defined()) model.guarded.remove_hook(model.hook);
   model.guarded = at::Tensor();
   release_free_memory();  // the tensors the engine flattened or sharded
+  end_heap_setup(session);
   return engine;
 }
 
@@ -455,6 +466,7 @@ std::string ranks_list(const std::vector<int>& ranks) {
 void report_files(const Json& metrics, const std::optional<std::filesystem::path>& files,
                   bool async) {
   auto& s = require_session("cohort::train::report()");
+  end_heap_setup(s);  // a loop that prepared nothing: its setup ends at its first report
   if (!metrics.is_object()) {
     throw UsageError("report: metrics must be a JSON object of name -> value, got " +
                      metrics.dump());

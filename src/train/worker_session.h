@@ -129,10 +129,18 @@ struct WorkerSession {
   int live_shard_group = 0;
   std::function<void(const std::filesystem::path& dir, int rank, int world_size, bool whole)>
       live_save;
+  // runtime::heap_for_setup() is in force: blocks of 4 MiB or more are mapped on their own while
+  // the model is built and prepared. end_heap_setup() (the model prepared, or the first report)
+  // ends it.
+  bool heap_in_setup = false;
   // The data positions after the last completed step, and that step's rows.
   StreamPositions positions_at_step;
   int64_t rows_at_step = 0;
 };
+
+// Once the session's model is prepared: the heap's policy for steps (runtime::heap_for_steps),
+// where runtime::heap_for_setup() was in force.
+void end_heap_setup(WorkerSession& session);
 
 // Optimizer steps taken so far: the most of any of the session's prepared models, or of the
 // calls of train::step_optimizer() (which steps any optimizer).
