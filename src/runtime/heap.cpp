@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 
 // Built with AddressSanitizer (GCC's macro, clang's feature test), whose allocator replaces
 // glibc's: glibc's heap then holds nothing, and malloc_trim would first initialise it, which two
