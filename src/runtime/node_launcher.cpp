@@ -431,10 +431,10 @@ int NodeLauncher::run() {
     // for starts there, as the rank and in the group it names.
     const auto replace_lost = [&] {
       for (auto it = lost.begin(); it != lost.end();) {
-        const auto [local, was_free] = *it;
+        const int local = it->first;
         bool& place_free = it->second;
         const int rank = index_in_job(local);
-        if (!was_free && !process_group_alive(group.pids()[static_cast<size_t>(local)])) {
+        if (!place_free && !process_group_alive(group.pids()[static_cast<size_t>(local)])) {
           store_->set(launch_place_free_key(round_, rank, losses[local]), "1");
           place_free = true;
         }

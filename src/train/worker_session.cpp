@@ -192,10 +192,9 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
     prepared.ddp = std::make_unique<parallel::DistributedDataParallel>(
         module, data_parallel_group(session), options.ddp);
   }  // else the ZeroOptimizer that prepare_optimizer() makes is the engine: it needs the optimizer
-  const bool engine_made = prepared.ddp != nullptr;
   session.prepared_models.push_back(std::move(prepared));
   // DDP's model is ready to step; the others' engines come with prepare_optimizer.
-  if (engine_made) end_heap_setup(session);
+  if (session.prepared_models.back().ddp) end_heap_setup(session);
 }
 
 void end_heap_setup(WorkerSession& session) {

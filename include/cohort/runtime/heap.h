@@ -6,7 +6,8 @@
 /// model is built from (4-32 MiB each in a model of 100 M parameters) come from the heap, and
 /// when preparing the model frees them (a flat optimizer's or DDP's buffers replace them, ZeRO
 /// shards them) they stay there, resident, in pieces that later tensors of other sizes seldom
-/// fill: a DDP worker of a 101 M-parameter GPT peaked 510 MB (22%) above what it held. A worker
+/// fill: a DDP worker of a 101 M-parameter GPT peaked 510 MB (22%) higher than with blocks of
+/// 4 MiB or more always mapped on their own. A worker
 /// therefore maps blocks of 4 MiB or more on their own while it builds and prepares its model,
 /// and then takes the policy glibc's own threshold reaches after a few steps (blocks under
 /// 32 MiB from the heap, kept for the next step's activations: mapping each step's activations
@@ -33,8 +34,9 @@ bool heap_for_setup();
 /// heap_is_cohorts() is false.
 void heap_for_steps();
 
-/// Gives back to the system the memory the heap holds free (glibc's malloc_trim), where
-/// heap_is_cohorts() is true or only the environment tuned it. Returns whether it did.
+/// Gives back to the system the memory the heap holds free (glibc's malloc_trim), even where the
+/// environment tunes malloc. Returns false, doing nothing, with another C library or under
+/// AddressSanitizer.
 bool trim_heap();
 
 }  // namespace cohort::runtime
