@@ -93,6 +93,13 @@ std::string hex(const std::array<uint8_t, 32>& bytes) {
 
 }  // namespace
 
+// etcd's answer that the lease a request names is gone: it expired (no client renewed it within
+// its TTL) or was revoked, and etcd dropped the keys attached to it.
+class LeaseNotFound : public PeerFailureError {
+ public:
+  using PeerFailureError::PeerFailureError;
+};
+
 struct EtcdStoreClient::Http {
   Http(const std::string& host, int port, std::chrono::milliseconds timeout)
       : client(host, port),
@@ -104,28 +111,67 @@ struct EtcdStoreClient::Http {
     client.set_write_timeout(std::chrono::seconds(10));
   }
 
+  // What one request got back: the status (0 when none came) and the body as far as it came.
+  struct Reply {
+    int status = 0;
+    std::string body;
+    httplib::Error error = httplib::Error::Success;
+  };
+
+  // The status and body are taken as they arrive, not from httplib's finished response: etcd's
+  // gateway ends an error's chunked body with a gRPC trailer, which Debian 12's cpp-httplib
+  // (0.11) cannot read and calls a failed read, although the whole reply has come.
+  Reply send(const std::string& path, const std::string& text) {
+    Reply reply;
+    httplib::Request request;
+    request.method = "POST";
+    request.path = path;
+    request.body = text;
+    request.set_header("Content-Type", "application/json");
+    request.response_handler = [&](const httplib::Response& r) {
+      reply.status = r.status;
+      return true;
+    };
+    request.content_receiver = [&](const char* data, size_t size, uint64_t, uint64_t) {
+      reply.body.append(data, size);
+      return true;
+    };
+    httplib::Response response;
+    client.send(request, response, reply.error);
+    return reply;
+  }
+
   // POSTs `body` to the gateway's `path` and returns its reply. A connection that fails, or an
   // etcd that is unavailable for now (a leader election), is tried again until the timeout: then
-  // PeerFailureError naming etcd. RuntimeError when etcd refuses the request.
+  // PeerFailureError naming etcd. LeaseNotFound when the lease the request names is gone;
+  // RuntimeError when etcd refuses the request otherwise.
   Json post(const std::string& path, const Json& body) {
     const std::string text = body.dump();
     const auto deadline = Clock::now() + timeout;
     std::lock_guard lock(mutex);
     std::string last;
     while (true) {
-      auto reply = client.Post(path, text, "application/json");
-      if (reply && reply->status == 200) {
-        Json json = Json::parse(reply->body, nullptr, /*allow_exceptions=*/false);
-        if (json.is_discarded() || !json.is_object())
-          throw RuntimeError(where + ": " + path +
-                             " answered no JSON: " + reply->body.substr(0, 200));
-        return json;
+      const Reply reply = send(path, text);
+      // A JSON object is a whole reply (a cut one does not parse), whatever httplib said after it.
+      Json json = Json::parse(reply.body, nullptr, /*allow_exceptions=*/false);
+      const bool whole = !json.is_discarded() && json.is_object();
+      if (reply.status == 200 && whole) return json;
+      if (reply.status == 200 && reply.error == httplib::Error::Success)
+        throw RuntimeError(where + ": " + path + " answered no JSON: " + reply.body.substr(0, 200));
+      if (reply.status != 0 && reply.status != 200 && reply.status != 503 &&
+          (whole || reply.error == httplib::Error::Success)) {
+        const std::string message =
+            whole ? json.value("message", reply.body) : reply.body.substr(0, 300);
+        if (message.find("requested lease not found") != std::string::npos) {
+          throw LeaseNotFound(where + " no longer holds the job's lease (" + path + ": " + message +
+                              "): no process of the job renewed it within its time to live, so "
+                              "etcd dropped the job's keys; start the job again");
+        }
+        throw RuntimeError(where + " refused " + path + " (HTTP " + std::to_string(reply.status) +
+                           "): " + message);
       }
-      if (reply && reply->status != 503) {
-        throw RuntimeError(where + " refused " + path + " (HTTP " + std::to_string(reply->status) +
-                           "): " + reply->body.substr(0, 300));
-      }
-      last = reply ? "HTTP 503: " + reply->body.substr(0, 200) : httplib::to_string(reply.error());
+      last = reply.status == 503 ? "HTTP 503: " + reply.body.substr(0, 200)
+                                 : httplib::to_string(reply.error);
       if (Clock::now() >= deadline) {
         throw PeerFailureError("lost the rendezvous " + where + " (" + last + ", for " +
                                std::to_string(timeout.count()) + " ms)");
@@ -146,6 +192,16 @@ struct EtcdStoreClient::Http {
   std::chrono::milliseconds timeout;
 };
 
+namespace {
+
+// Renews `lease` for its whole time to live and returns that (0 when etcd no longer holds it).
+int64_t renew_lease(EtcdStoreClient::Http& http, const std::string& lease) {
+  const Json reply = http.post("/v3/lease/keepalive", {{"ID", lease}});
+  return int_field(reply.contains("result") ? reply["result"] : reply, "TTL");
+}
+
+}  // namespace
+
 EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::string& job_id,
                                  JobSecret secret, std::chrono::milliseconds timeout,
                                  std::chrono::seconds lease_ttl)
@@ -157,12 +213,37 @@ EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::s
       lease_ttl_(lease_ttl),
       prefix_("/cohort/" + (job_id.empty() ? std::string("default") : job_id) + "/"),
       http_(std::make_unique<Http>(host, port, timeout)) {
+  // The job's lease can run out between reading its record and using it (the job's last process
+  // went just before). The record goes with the lease, or is removed here where it is left, and a
+  // second try starts the job's lease afresh.
+  const auto deadline = Clock::now() + timeout;
+  while (true) {
+    try {
+      join_job();
+      break;
+    } catch (const LeaseNotFound&) {
+      if (Clock::now() >= deadline) throw;
+      const std::string lease_key = base64(prefix_ + "@lease");
+      http_->post(
+          "/v3/kv/txn",
+          {{"compare", {{{"key", lease_key}, {"target", "VALUE"}, {"value", base64(lease_)}}}},
+           {"success", {{{"request_delete_range", {{"key", lease_key}}}}}}});
+    }
+  }
+  keeper_ = std::thread([this] { keep_lease_alive(); });
+}
+
+void EtcdStoreClient::join_job() {
   const std::string lease_key = prefix_ + "@lease";
   try {
     // The job's lease: the one recorded, or ours when none is (the first client).
     const Json held = http_->post("/v3/kv/range", {{"key", base64(lease_key)}});
     if (const auto value = first_value(held)) {
       lease_ = *value;
+      // Renewed at once: a lease that ran out since it was recorded is found here, and one about
+      // to run out has its whole time to live again for this client's first writes.
+      if (renew_lease(*http_, lease_) <= 0)
+        throw LeaseNotFound(where() + " no longer holds job '" + job_id_ + "''s lease " + lease_);
     } else {
       const Json granted = http_->post("/v3/lease/grant", {{"TTL", lease_ttl_.count()}});
       const std::string ours = std::to_string(int_field(granted, "ID"));
@@ -181,9 +262,11 @@ EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::s
         lease_ = first_value(txn["responses"][0]["response_range"]).value_or(ours);
       }
     }
+  } catch (const LeaseNotFound&) {
+    throw;
   } catch (const PeerFailureError& e) {
     throw TimeoutError("cannot reach the rendezvous " + where() + " within " +
-                       std::to_string(timeout.count()) + " ms (" + e.what() +
+                       std::to_string(timeout_.count()) + " ms (" + e.what() +
                        "): start etcd there (Debian's etcd-server: etcd --listen-client-urls "
                        "http://HOST:PORT --advertise-client-urls http://HOST:PORT) or fix --rdzv");
   }
@@ -200,7 +283,6 @@ EtcdStoreClient::EtcdStoreClient(const std::string& host, int port, const std::s
                         (secret_.empty() ? "setting" : std::string("COHORT_JOB_SECRET")) +
                         ", or give this job another id (cohort launch --job-id, or COHORT_JOB_ID)");
   }
-  keeper_ = std::thread([this] { keep_lease_alive(); });
 }
 
 EtcdStoreClient::~EtcdStoreClient() {
@@ -218,7 +300,7 @@ void EtcdStoreClient::keep_lease_alive() {
   while (!stop_.wait_for(lock, lease_ttl_ / 3, [this] { return stopping_; })) {
     lock.unlock();
     try {
-      http.post("/v3/lease/keepalive", {{"ID", lease_}});
+      renew_lease(http, lease_);
     } catch (const std::exception&) {
       // etcd is away for now: the job's own calls say so; the next beat tries again.
     }

@@ -56,6 +56,8 @@ class EtcdStoreClient : public StoreClient {
  private:
   // The values of `keys` (nullopt for one that is not set), in as few transactions as etcd allows.
   std::vector<std::optional<std::string>> range_many(const std::vector<std::string>& keys);
+  // Joins the job's lease (or grants it, as its first client) and checks the job secret.
+  void join_job();
   void keep_lease_alive();
 
   std::string host_;

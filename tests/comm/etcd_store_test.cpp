@@ -140,14 +140,47 @@ TEST_F(EtcdStore, KeysGoWithTheJobsLease) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   }
-  // Both gone: etcd drops the job's keys when the lease runs out.
+  // Both gone: etcd drops the job's keys when the lease runs out. Watched from outside the job
+  // (a client of the job would renew its lease on joining).
   const auto deadline = Clock::now() + 5 * lease;
-  while (true) {
-    auto probe = join("job-l", secret_, lease);  // a new lease: the old one's keys are gone
-    if (!probe.check({"kept"})) break;
+  const std::string kept = R"({"key": "L2NvaG9ydC9qb2ItbC9rZXB0"})";  // "/cohort/job-l/kept"
+  ASSERT_NE(etcd_->post("/v3/kv/range", kept).find("\"kvs\""), std::string::npos)
+      << "the key went with its clients at once";
+  while (etcd_->post("/v3/kv/range", kept).find("\"kvs\"") != std::string::npos) {
     ASSERT_LT(Clock::now(), deadline) << "the job's keys outlived its lease";
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
+  auto next = join("job-l", secret_, lease);  // the job afresh, under a new lease
+  EXPECT_FALSE(next.check({"kept"}));
+}
+
+// etcd's refusals are read as such, not taken for a lost etcd: a job whose lease is gone (here
+// revoked by another client of etcd) is told so at once, and the next client starts it afresh.
+TEST_F(EtcdStore, AJobWhoseLeaseIsGoneIsToldSo) {
+  auto a = join("job-g", secret_);
+  a.set("x", "1");
+  const std::string lease = a.get("@lease");
+  ASSERT_NE(etcd_->post("/v3/lease/revoke", "{\"ID\": \"" + lease + "\"}"), "");
+  expect_error<PeerFailureError>(
+      [&] { a.set("y", "1"); },
+      "etcd at 127.0.0.1:" + std::to_string(etcd_->port()) +
+          " no longer holds the job's lease (/v3/kv/put: etcdserver: requested lease not found)");
+  auto b = join("job-g", secret_);
+  EXPECT_NE(b.get("@lease"), lease);
+  EXPECT_FALSE(b.check({"x"}));
+  b.set("y", "1");
+  EXPECT_EQ(b.get("y"), "1");
+}
+
+// A record of a lease that etcd no longer has (read just as the lease ran out) is replaced, not
+// tried until the timeout.
+TEST_F(EtcdStore, ARecordedLeaseThatRanOutIsReplaced) {
+  auto a = join("job-r", secret_);
+  a.set("@lease", "12345");  // no such lease
+  auto b = join("job-r", secret_);
+  EXPECT_NE(b.get("@lease"), "12345");
+  b.set("z", "1");
+  EXPECT_EQ(a.get("z"), "1");
 }
 
 // Gloo rendezvous through etcd as through cohort's own store.

@@ -19,6 +19,9 @@ class EtcdServer {
 
   int port() const { return port_; }  // its client port on 127.0.0.1
   std::string endpoint() const;       // "etcd://127.0.0.1:<port>"
+  // POSTs JSON `body` to etcd's gateway at `path` (/v3/...) as another client would, and returns
+  // the reply's body ("" when none came).
+  std::string post(const std::string& path, const std::string& body) const;
   // Stops it at once (SIGKILL), as a lost host would.
   void kill();
 
