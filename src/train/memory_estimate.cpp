@@ -1,10 +1,13 @@
 #include "cohort/train/memory_estimate.h"
 
+#include <c10/core/Allocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <sstream>
 #include <variant>
@@ -286,6 +289,44 @@ int64_t release_free_memory() {
   return std::max<int64_t>(0, before - resident_bytes());
 }
 
+namespace {
+
+// The third parameter of MemoryReportingInfoBase::reportMemoryUsage: int64_t in libtorch 1.13,
+// size_t in 2.x.
+template <class>
+struct TotalBytes;
+template <class C, class R, class A, class B, class T, class U, class D>
+struct TotalBytes<R (C::*)(A, B, T, U, D)> {
+  using type = T;
+};
+using ReportedTotal = TotalBytes<decltype(&c10::MemoryReportingInfoBase::reportMemoryUsage)>::type;
+
+// Told of every CPU tensor allocation and free while it is the thread's memory reporter (as the
+// profiler's memory profiling is): the peak of the bytes allocated since it was installed.
+// Frees of tensors from before are not reported by libtorch's CPU allocator.
+class TensorBytesPeak : public c10::MemoryReportingInfoBase {
+ public:
+  void reportMemoryUsage(void*, int64_t bytes, ReportedTotal, ReportedTotal,
+                         c10::Device device) override {
+    if (!device.is_cpu()) return;
+    std::lock_guard lock(mutex_);
+    now_ += bytes;
+    peak_ = std::max(peak_, now_);
+  }
+  bool memoryProfilingEnabled() const override { return true; }
+  int64_t peak() const {
+    std::lock_guard lock(mutex_);
+    return peak_;
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  int64_t now_ = 0;
+  int64_t peak_ = 0;
+};
+
+}  // namespace
+
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step) {
   {
     torch::NoGradGuard no_grad;
@@ -300,8 +341,14 @@ int64_t measure_step_memory(torch::nn::Module& module, const std::function<void(
     if (!clear) return 0;
     clear << "5";
   }
-  step();
-  return std::max<int64_t>(0, status_field("VmHWM") - before);
+  auto tensors = std::make_shared<TensorBytesPeak>();
+  {
+    c10::DebugInfoGuard reporting(c10::DebugInfoKind::PROFILER_STATE, tensors);
+    step();
+  }
+  // The resident growth counts the heap's own overhead, but not what the step got from memory
+  // this process had freed before (a probe after other work); the tensors' peak counts that.
+  return std::max(std::max<int64_t>(0, status_field("VmHWM") - before), tensors->peak());
 }
 
 }  // namespace cohort::train

@@ -82,10 +82,11 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
                                const MemoryEstimateOptions& options);
 
 /// The memory `step` (one forward and backward of `module`, in training mode) adds to this
-/// process at its peak: Linux's resident high-water mark is reset before it and read after,
-/// minus the resident memory before. The parameters' gradients are allocated first, so that only
-/// the activations and backward's own scratch are counted. Linux only; 0 where /proc is not
-/// there.
+/// process at its peak: the larger of the growth of Linux's resident high-water mark (reset
+/// before the step and read after, minus the resident memory before) and the peak of the bytes
+/// of the CPU tensors the step allocates (which counts them also where they reuse memory this
+/// process already holds). The parameters' gradients are allocated first, so that only the
+/// activations and backward's own scratch are counted. Linux only; 0 where /proc is not there.
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step);
 
 /// For --offload-optimizer disk:PATH, before any worker starts: a UsageError of one line when
