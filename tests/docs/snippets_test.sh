@@ -12,7 +12,7 @@ trap 'rm -rf "$work"' EXIT
 cmake --install "$build_dir" --prefix "$work/prefix" >"$work/install.log"
 /usr/bin/python3 "$here/extract_snippets.py" "$root" "$work/project"
 # Unoptimised: the blocks are compiled to be checked, never run (-O0 compiles them in about 60% of
-# -O2's time).
+# a Release build's time, -O3).
 cmake -S "$work/project" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_FLAGS=-O0 \
   -DCMAKE_PREFIX_PATH="$work/prefix" >"$work/configure.log" 2>&1 ||
   { tail -30 "$work/configure.log" >&2; exit 1; }
