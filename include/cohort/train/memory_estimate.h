@@ -86,7 +86,9 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
 /// before the step and read after, minus the resident memory before) and the peak of the bytes
 /// of the CPU tensors the step allocates (which counts them also where they reuse memory this
 /// process already holds). The parameters' gradients are allocated first, so that only the
-/// activations and backward's own scratch are counted. Linux only; 0 where /proc is not there.
+/// activations and backward's own scratch are counted. The step's allocations are reported to
+/// this function, not to libtorch's profiler, when one runs with memory profiling around the
+/// call. Linux only; 0 where /proc is not there.
 int64_t measure_step_memory(torch::nn::Module& module, const std::function<void()>& step);
 
 /// For --offload-optimizer disk:PATH, before any worker starts: a UsageError of one line when
