@@ -153,13 +153,15 @@ struct EtcdStoreClient::Http {
     while (true) {
       const Reply reply = send(path, text);
       // A JSON object is a whole reply (a cut one does not parse), whatever httplib said after it.
-      Json json = Json::parse(reply.body, nullptr, /*allow_exceptions=*/false);
+      const Json json = Json::parse(reply.body, nullptr, /*allow_exceptions=*/false);
       const bool whole = !json.is_discarded() && json.is_object();
-      if (reply.status == 200 && whole) return json;
-      if (reply.status == 200 && reply.error == httplib::Error::Success)
+      const bool answered = reply.status != 0 && reply.status != 503 &&
+                            (whole || reply.error == httplib::Error::Success);
+      if (answered && reply.status == 200) {
+        if (whole) return json;
         throw RuntimeError(where + ": " + path + " answered no JSON: " + reply.body.substr(0, 200));
-      if (reply.status != 0 && reply.status != 200 && reply.status != 503 &&
-          (whole || reply.error == httplib::Error::Success)) {
+      }
+      if (answered) {
         const std::string message =
             whole ? json.value("message", reply.body) : reply.body.substr(0, 300);
         if (message.find("requested lease not found") != std::string::npos) {
@@ -243,7 +245,8 @@ void EtcdStoreClient::join_job() {
       // Renewed at once: a lease that ran out since it was recorded is found here, and one about
       // to run out has its whole time to live again for this client's first writes.
       if (renew_lease(*http_, lease_) <= 0)
-        throw LeaseNotFound(where() + " no longer holds job '" + job_id_ + "''s lease " + lease_);
+        throw LeaseNotFound(where() + " no longer holds lease " + lease_ + " of job '" + job_id_ +
+                            "'");
     } else {
       const Json granted = http_->post("/v3/lease/grant", {{"TTL", lease_ttl_.count()}});
       const std::string ours = std::to_string(int_field(granted, "ID"));

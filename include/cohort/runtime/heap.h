@@ -7,11 +7,11 @@
 /// when preparing the model frees them (a flat optimizer's or DDP's buffers replace them, ZeRO
 /// shards them) they stay there, resident, in pieces that later tensors of other sizes seldom
 /// fill: a DDP worker of a 101 M-parameter GPT peaked 510 MB (22%) higher than with blocks of
-/// 4 MiB or more always mapped on their own. A worker
-/// therefore maps blocks of 4 MiB or more on their own while it builds and prepares its model,
-/// and then takes the policy glibc's own threshold reaches after a few steps (blocks under
-/// 32 MiB from the heap, kept for the next step's activations: mapping each step's activations
-/// afresh costs a ResNet-18 step a fifth of its speed).
+/// 4 MiB or more always mapped on their own. A worker therefore maps blocks of 4 MiB or more on
+/// their own while it builds and prepares its model, and then takes the policy glibc's own
+/// threshold reaches after a few steps (blocks under 32 MiB from the heap, kept for the next
+/// step's activations: mapping each step's activations afresh costs a ResNet-18 step a fifth of
+/// its speed).
 #pragma once
 
 #include <cstdint>
