@@ -1,9 +1,13 @@
 // The memory estimator against measurement: for each zoo model and plan (DDP, ZeRO 1, 2 and 3),
-// train::estimate_memory's figure per worker (made here as `cohort estimate` makes it: this
-// process's resident memory before the model as the runtime, one micro-batch's forward and
-// backward measured for the activations) beside the peak resident memory of the workers of a
-// real run of the plan (2 workers by default, AdamW, random data of Fashion-MNIST's shape),
-// from their start to the end of their steps.
+// train::estimate_memory's figure per worker (made as `cohort estimate` makes it: in a fresh
+// process under a worker's heap policy, its resident memory before the model as the runtime, one
+// micro-batch's forward and backward measured for the activations) beside the peak resident memory
+// of the workers of a real run of the plan (2 workers by default, AdamW, random data of
+// Fashion-MNIST's shape), from their start to the end of their steps.
+//
+// Each model's probe runs in a process of its own (this program again, with --probe MODEL): a
+// probe after other work in the same process finds less, its heap already grown. The workers,
+// which re-execute this program, skip the estimates: their start and peak are the run's alone.
 //
 //   bench/memory_estimate [--models mlp,cnn,resnet18,vit] [--modes 0,1,2,3] [--workers 2]
 //                         [--batch-size 64] [--steps 3]
@@ -13,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <cstdio>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -20,6 +25,8 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/heap.h"
+#include "cohort/runtime/worker_info.h"
 
 namespace {
 
@@ -63,16 +70,44 @@ void worker_loop(const Json& c) {
   train::report({{"start_bytes", start_max}, {"peak_bytes", peak_max}});
 }
 
-// The estimate as `cohort estimate` makes it.
-train::MemoryEstimate estimate(const std::string& name, int stage, int workers, int64_t batch,
-                               int64_t runtime) {
+// What a fresh process measures for `name` (this program's --probe): its resident memory before
+// the model and one batch's forward and backward.
+struct Probe {
+  int64_t runtime_bytes = 0;
+  int64_t activation_bytes = 0;
+};
+
+Probe probe_here(const std::string& name, int64_t batch, int64_t runtime) {
+  // Built and probed under a worker's heap policy, as `cohort estimate` does.
+  cohort::runtime::heap_for_setup();
   torch::manual_seed(0);
   auto model = cohort::models::create_model(name);
+  cohort::runtime::heap_for_steps();
   const auto x = torch::randn({batch, 1, 28, 28});
   const auto y = torch::randint(0, 10, {batch});
   model->train();
-  const int64_t activations =
-      train::measure_step_memory(*model, [&] { loss_of(model->forward(x), y).backward(); });
+  return {runtime,
+          train::measure_step_memory(*model, [&] { loss_of(model->forward(x), y).backward(); })};
+}
+
+Probe probe_in_fresh_process(const std::string& name, int64_t batch) {
+  const std::string command = std::filesystem::read_symlink("/proc/self/exe").string() +
+                              " --probe " + name + " --batch-size " + std::to_string(batch);
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) throw std::runtime_error("could not run " + command);
+  std::string out;
+  char buffer[4096];
+  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
+  if (::pclose(pipe) != 0) throw std::runtime_error(command + " failed: " + out);
+  const auto j = Json::parse(out);
+  return {j["runtime_bytes"].get<int64_t>(), j["activation_bytes"].get<int64_t>()};
+}
+
+// The estimate as `cohort estimate` makes it, with `probe` from a fresh process.
+train::MemoryEstimate estimate(const std::string& name, int stage, int workers,
+                               const Probe& probe) {
+  torch::manual_seed(0);
+  auto model = cohort::models::create_model(name);
   train::Plan plan;
   plan.zero.stage = stage;
   return train::estimate_memory(
@@ -80,8 +115,8 @@ train::MemoryEstimate estimate(const std::string& name, int stage, int workers, 
       plan,
       {.world_size = workers,
        .optimizer_states = 2,
-       .activation_bytes = activations,
-       .runtime_bytes = runtime});
+       .activation_bytes = probe.activation_bytes,
+       .runtime_bytes = probe.runtime_bytes});
 }
 
 }  // namespace
@@ -98,18 +133,32 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--batch-size", batch, "rows per worker and step")->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
+  std::string probe_model;
+  app.add_option("--probe", probe_model,
+                 "only measure MODEL's runtime and activations here and print them as JSON");
   CLI11_PARSE(app, argc, argv);
+  if (!probe_model.empty()) {
+    const auto probe = probe_here(probe_model, batch, runtime);
+    std::cout << Json{{"runtime_bytes", probe.runtime_bytes},
+                      {"activation_bytes", probe.activation_bytes}}
+                     .dump()
+              << std::endl;
+    return 0;
+  }
+  // A worker (this program re-executed by fit()) goes straight to its Trainer.
+  const bool worker = cohort::runtime::is_spawned_worker();
   const auto dir = std::filesystem::temp_directory_path() /
                    ("cohort-memory-estimate-" + std::to_string(::getpid()));
   std::cout << "memory estimate against measurement: " << workers << " workers, AdamW, batch "
-            << batch << ", " << steps << " steps; runtime here " << std::fixed
-            << std::setprecision(1) << static_cast<double>(runtime) / 1e6 << " MB" << std::endl;
+            << batch << ", " << steps << " steps" << std::fixed << std::setprecision(1)
+            << std::endl;
   std::cout << std::left << std::setw(10) << "model" << std::setw(7) << "plan" << std::right
             << std::setw(14) << "estimate MB" << std::setw(14) << "measured MB" << std::setw(9)
             << "ratio" << std::setw(16) << "worker start MB" << std::endl;
   for (const auto& name : models) {
+    const Probe probe = worker ? Probe{} : probe_in_fresh_process(name, batch);
     for (int stage : modes) {
-      const auto e = estimate(name, stage, workers, batch, runtime);
+      const auto e = worker ? train::MemoryEstimate{} : estimate(name, stage, workers, probe);
       cohort::Trainer trainer(
           worker_loop, {.num_workers = workers},
           {.name = name + "-" + std::to_string(stage), .storage_path = dir, .verbose = 0},

@@ -12,6 +12,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/heap.h"
 
 namespace cohort::cli {
 models::ZooModel model_shape_of(const TrainOptions& o) {
@@ -65,10 +66,14 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   const int64_t runtime = train::resident_bytes();
   const auto plan = o.plan.plan(o.scaling.workers);
   const auto options = model_options_of(o);
+  // The model built and probed under a worker's heap policy: what the probe finds is what a
+  // worker's steps add (its heap keeps freed activations for the next step).
+  runtime::heap_for_setup();
   torch::manual_seed(o.loop.seed);
   auto model = models::create_model(o.model, options);
   if (plan.activation_checkpointing.enabled())
     parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
+  runtime::heap_for_steps();
   const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
   const auto [x, y] = model->sample_batch(plan.micro_batch_rows(o.loop.batch_size));
