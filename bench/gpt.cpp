@@ -10,10 +10,10 @@
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
 // per mode: the largest worker's peak resident memory from its start to its last step, beside
-// train::estimate_memory's figure for the plan (its activations probed on GPTs of depth 1 and 2,
-// since the whole model may not fit a second time beside the workers), and its peak once the
-// checkpoint is written; the mean step time and tokens/s of the timed steps (after the first);
-// and whether the checkpoint reloaded (the resumed run's step count). Then one JSON line per mode.
+// train::estimate_memory's figure for the plan (its activations probed on the whole model in a
+// fresh process before the workers start), and its peak once the checkpoint is written; the mean
+// step time and tokens/s of the timed steps (after the first); and whether the checkpoint reloaded
+// (the resumed run's step count). Then one JSON line per mode.
 //
 //   bench/gpt --layers 24 --width 2048 --heads 16 --workers 4 --modes zero3-deferred,zero3-disk
 //             --offload-dir /var/tmp                                   (1.2 B parameters)
@@ -33,6 +33,9 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/heap.h"
+#include "cohort/runtime/worker_info.h"
+#include "fresh_process.h"
 #include "gpt_config.h"
 
 namespace {
@@ -118,25 +121,28 @@ void worker_loop(const Json& c) {
                  {"resumed", resumed}});
 }
 
-// A worker's activations for one step of `batch` rows, as train::measure_step_memory finds them
-// (one forward and backward, the gradients already allocated): measured on GPTs of the config's
-// width, heads and context at depth 1 and 2, since the whole model may not fit twice on the
-// machine beside its workers, and each further block counted as the second one added.
+// One forward and backward of `batch` rows of the config's GPT, as train::measure_step_memory
+// finds it (the gradients already allocated), built and measured under a worker's heap policy:
+// what this bench's --probe prints, in a fresh process before any worker starts (so the whole
+// model fits beside nothing else).
+int64_t probe_here(const Json& c, int64_t batch) {
+  cohort::runtime::heap_for_setup();
+  torch::manual_seed(0);
+  auto model = models::create_model("gpt", cohort::bench::gpt_options(c));
+  cohort::runtime::heap_for_steps();
+  model->train();
+  const auto [x, y] = model->sample_batch(batch);
+  return train::measure_step_memory(
+      *model, [&] { models::logits_cross_entropy(model->forward(x), y).backward(); });
+}
+
+// A worker's activations for one step of `batch` rows, probed in a fresh process.
 int64_t probe_activations(const Json& c, int64_t batch) {
-  std::vector<int64_t> measured;
-  for (const int64_t depth : {1, 2}) {
-    auto o = cohort::bench::gpt_options(c);
-    o.depth = depth;
-    torch::manual_seed(0);
-    auto model = models::create_model("gpt", o);
-    model->train();
-    const auto [x, y] = model->sample_batch(batch);
-    train::release_free_memory();  // the previous probe's memory, so that this one's growth shows
-    measured.push_back(train::measure_step_memory(
-        *model, [&] { models::logits_cross_entropy(model->forward(x), y).backward(); }));
-  }
-  const int64_t layers = c["layers"];
-  return measured[0] + (layers - 1) * std::max<int64_t>(0, measured[1] - measured[0]);
+  std::string shape;
+  for (const char* key : {"layers", "width", "heads", "context"})
+    shape += std::string(" --") + key + " " + std::to_string(c[key].get<int64_t>());
+  return cohort::bench::json_of_fresh_process("--probe" + shape + " --batch-size " +
+                                              std::to_string(batch))["activation_bytes"];
 }
 
 // The estimate for the plan, from the model's shapes (built deferred: one unit at a time), with
@@ -186,7 +192,18 @@ int main(int argc, char** argv) {
   app.add_option("--peak-tflops", peak_tflops,
                  "cuda: the GPU's peak for MFU (H100/H200 bf16 dense: 989)")
       ->capture_default_str();
+  bool probe = false;
+  app.add_flag("--probe", probe, "only measure one step's activations here, printed as JSON");
   CLI11_PARSE(app, argc, argv);
+  const Json gpt_shape{
+      {"layers", layers}, {"width", width}, {"heads", heads}, {"context", context}};
+  if (probe) {
+    std::cout << Json{{"activation_bytes", probe_here(gpt_shape, batch)}}.dump() << std::endl;
+    return 0;
+  }
+  // A worker (this program re-executed by fit()) neither probes nor estimates: its start and
+  // peak are its run's alone.
+  const bool worker = cohort::runtime::is_spawned_worker();
   const bool cuda = device == "cuda";
   if (cuda && !torch::cuda::is_available()) {
     std::cout << "--device cuda: not measured: no GPU here" << std::endl;
@@ -209,12 +226,8 @@ int main(int argc, char** argv) {
             << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
             << std::endl;
   // On the CPU only: a GPU's activations are not in the workers' resident memory.
-  const int64_t activations =
-      cuda ? 0
-           : probe_activations(
-                 {{"layers", layers}, {"width", width}, {"heads", heads}, {"context", context}},
-                 batch);
-  std::cout << "activations per worker (probed at depth 1 and 2): " << std::setprecision(1)
+  const int64_t activations = cuda || worker ? 0 : probe_activations(gpt_shape, batch);
+  std::cout << "activations per worker (probed on the whole model): " << std::setprecision(1)
             << static_cast<double>(activations) / 1e6 << " MB" << std::endl;
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
@@ -225,7 +238,8 @@ int main(int argc, char** argv) {
     const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
                       {"heads", heads}, {"context", context},         {"batch_size", batch},
                       {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
-    const auto e = estimate(config, workers, runtime, activations);
+    const auto e =
+        worker ? train::MemoryEstimate{} : estimate(config, workers, runtime, activations);
     const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
                                         .use_gpu = cuda,
                                         .resources_per_worker = {.cpu_threads = threads}};

@@ -17,7 +17,6 @@
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
-#include <cstdio>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -27,6 +26,7 @@
 #include "cohort/models/zoo.h"
 #include "cohort/runtime/heap.h"
 #include "cohort/runtime/worker_info.h"
+#include "fresh_process.h"
 
 namespace {
 
@@ -91,15 +91,8 @@ Probe probe_here(const std::string& name, int64_t batch, int64_t runtime) {
 }
 
 Probe probe_in_fresh_process(const std::string& name, int64_t batch) {
-  const std::string command = std::filesystem::read_symlink("/proc/self/exe").string() +
-                              " --probe " + name + " --batch-size " + std::to_string(batch);
-  FILE* pipe = ::popen(command.c_str(), "r");
-  if (pipe == nullptr) throw std::runtime_error("could not run " + command);
-  std::string out;
-  char buffer[4096];
-  while (const size_t n = std::fread(buffer, 1, sizeof buffer, pipe)) out.append(buffer, n);
-  if (::pclose(pipe) != 0) throw std::runtime_error(command + " failed: " + out);
-  const auto j = Json::parse(out);
+  const auto j = cohort::bench::json_of_fresh_process("--probe " + name + " --batch-size " +
+                                                      std::to_string(batch));
   return {j["runtime_bytes"].get<int64_t>(), j["activation_bytes"].get<int64_t>()};
 }
 
