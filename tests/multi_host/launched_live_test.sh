@@ -37,7 +37,7 @@ launch() {  # launch NAME LOG [LAUNCH_ARGS...] -- [TRAIN_ARGS...]: in the backgr
     --nproc-per-node 3 "${launch_args[@]}" -- \
     "$cli" train --model mlp --data-dir "$data" --train-examples 9600 --test-examples 500 \
     --batch-size 16 --epochs 2 --workers 3 --seed 5 --storage-path "$work" --name "$name" \
-    --log-every-steps 1 --recovery live "$@" >"$log" 2>&1 &
+    --log-every-steps 1 --recovery live --snapshot-dir "$work/shm" "$@" >"$log" 2>&1 &
   job=$!
   pids+=("$job")
 }
