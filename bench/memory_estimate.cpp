@@ -2,14 +2,15 @@
 // train::estimate_memory's figure per worker (made as `cohort estimate` makes it: in a fresh
 // process under a worker's heap policy, its resident memory before the model as the runtime, one
 // micro-batch's forward and backward measured for the activations) beside the peak resident memory
-// of the workers of a real run of the plan (2 workers by default, AdamW, random data of
-// Fashion-MNIST's shape), from their start to the end of their steps.
+// of the workers of a real run of the plan (2 workers by default, AdamW, random batches of the
+// model's inputs: Fashion-MNIST's images, or tokens for the GPT at its default size), from their
+// start to the end of their steps.
 //
 // Each model's probe runs in a process of its own (this program again, with --probe MODEL): a
 // probe after other work in the same process finds less, its heap already grown. The workers,
 // which re-execute this program, skip the estimates: their start and peak are the run's alone.
 //
-//   bench/memory_estimate [--models mlp,cnn,resnet18,vit] [--modes 0,1,2,3] [--workers 2]
+//   bench/memory_estimate [--models mlp,cnn,resnet18,vit,gpt] [--modes 0,1,2,3] [--workers 2]
 //                         [--batch-size 64] [--steps 3]
 //
 // Prints a table, then one JSON line per model and plan.
@@ -43,20 +44,18 @@ std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameter
   return std::make_unique<torch::optim::AdamW>(parameters, torch::optim::AdamWOptions(1e-3));
 }
 
-at::Tensor loss_of(const at::Tensor& out, const at::Tensor& y) {
-  return torch::nn::functional::cross_entropy(out, y);
-}
-
 // A worker: its resident memory before the model, then `steps` steps of the plan, then its peak.
 void worker_loop(const Json& c) {
   auto& ctx = train::get_context();
   const int64_t start = train::resident_bytes();
-  auto model =
-      train::parallelize(cohort::models::model_spec(c["model"], {}, 0), adamw, loss_of, plan_of(c));
+  const auto spec = cohort::models::model_spec(c["model"], {}, 0);
+  const auto zoo_model = std::dynamic_pointer_cast<cohort::models::ZooModelImpl>(spec.module);
+  auto model = train::parallelize(spec, adamw, cohort::models::logits_cross_entropy, plan_of(c));
   const int64_t batch = c["batch_size"];
   for (int64_t step = 0; step < c["steps"].get<int64_t>(); ++step) {
     torch::manual_seed(step + 100 * ctx.get_world_rank());
-    model.step(torch::randn({batch, 1, 28, 28}), torch::randint(0, 10, {batch}));
+    const auto [x, y] = zoo_model->sample_batch(batch);
+    model.step(x, y);
   }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -83,11 +82,11 @@ Probe probe_here(const std::string& name, int64_t batch, int64_t runtime) {
   torch::manual_seed(0);
   auto model = cohort::models::create_model(name);
   cohort::runtime::heap_for_steps();
-  const auto x = torch::randn({batch, 1, 28, 28});
-  const auto y = torch::randint(0, 10, {batch});
+  const auto [x, y] = model->sample_batch(batch);
   model->train();
-  return {runtime,
-          train::measure_step_memory(*model, [&] { loss_of(model->forward(x), y).backward(); })};
+  return {runtime, train::measure_step_memory(*model, [&] {
+            cohort::models::logits_cross_entropy(model->forward(x), y).backward();
+          })};
 }
 
 Probe probe_in_fresh_process(const std::string& name, int64_t batch) {
@@ -117,7 +116,7 @@ train::MemoryEstimate estimate(const std::string& name, int stage, int workers,
 int main(int argc, char** argv) {
   const int64_t runtime = train::resident_bytes();  // before any model: libtorch and this process
   CLI::App app{"the memory estimator against the peak resident memory of real runs"};
-  std::vector<std::string> models{"mlp", "cnn", "resnet18", "vit"};
+  auto models = cohort::models::model_names();
   std::vector<int> modes{0, 1, 2, 3};
   int workers = 2;
   int64_t batch = 64, steps = 3;
