@@ -1,6 +1,6 @@
 // Measurements that must start from a fresh process (a probe after other work in the same
 // process finds less: its heap has already grown): this bench again, with `arguments`, printing
-// one JSON object on its standard output, which is returned.
+// one JSON object on its standard output, which is returned (`arguments` as the shell reads them).
 #pragma once
 #include <cstdio>
 #include <filesystem>
@@ -12,8 +12,11 @@
 namespace cohort::bench {
 
 inline Json json_of_fresh_process(const std::string& arguments) {
-  const std::string command =
-      std::filesystem::read_symlink("/proc/self/exe").string() + " " + arguments;
+  // The program's path quoted for the shell: it may hold spaces or quotes.
+  std::string program = "'";
+  for (const char c : std::filesystem::read_symlink("/proc/self/exe").string())
+    program += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  const std::string command = program + "' " + arguments;
   FILE* pipe = ::popen(command.c_str(), "r");
   if (pipe == nullptr) throw std::runtime_error("could not run " + command);
   std::string out;
