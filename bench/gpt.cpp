@@ -121,19 +121,15 @@ void worker_loop(const Json& c) {
                  {"resumed", resumed}});
 }
 
-// One forward and backward of `batch` rows of the config's GPT, as train::measure_step_memory
-// finds it (the gradients already allocated), built and measured under a worker's heap policy:
-// what this bench's --probe prints, in a fresh process before any worker starts (so the whole
-// model fits beside nothing else).
+// One step's activations of the config's GPT at `batch` rows, built and measured under a worker's
+// heap policy: what this bench's --probe prints, in a fresh process before any worker starts (so
+// the whole model fits beside nothing else).
 int64_t probe_here(const Json& c, int64_t batch) {
   cohort::runtime::heap_for_setup();
   torch::manual_seed(0);
   auto model = models::create_model("gpt", cohort::bench::gpt_options(c));
   cohort::runtime::heap_for_steps();
-  model->train();
-  const auto [x, y] = model->sample_batch(batch);
-  return train::measure_step_memory(
-      *model, [&] { models::logits_cross_entropy(model->forward(x), y).backward(); });
+  return models::measure_step_activations(*model, batch);
 }
 
 // A worker's activations for one step of `batch` rows, probed in a fresh process.

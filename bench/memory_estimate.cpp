@@ -82,11 +82,7 @@ Probe probe_here(const std::string& name, int64_t batch, int64_t runtime) {
   torch::manual_seed(0);
   auto model = cohort::models::create_model(name);
   cohort::runtime::heap_for_steps();
-  const auto [x, y] = model->sample_batch(batch);
-  model->train();
-  return {runtime, train::measure_step_memory(*model, [&] {
-            cohort::models::logits_cross_entropy(model->forward(x), y).backward();
-          })};
+  return {runtime, cohort::models::measure_step_activations(*model, batch)};
 }
 
 Probe probe_in_fresh_process(const std::string& name, int64_t batch) {
@@ -142,8 +138,8 @@ int main(int argc, char** argv) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("cohort-memory-estimate-" + std::to_string(::getpid()));
   std::cout << "memory estimate against measurement: " << workers << " workers, AdamW, batch "
-            << batch << ", " << steps << " steps" << std::fixed << std::setprecision(1)
-            << std::endl;
+            << batch << ", " << steps << " steps" << std::endl
+            << std::fixed << std::setprecision(1);
   std::cout << std::left << std::setw(10) << "model" << std::setw(7) << "plan" << std::right
             << std::setw(14) << "estimate MB" << std::setw(14) << "measured MB" << std::setw(9)
             << "ratio" << std::setw(16) << "worker start MB" << std::endl;

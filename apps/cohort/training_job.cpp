@@ -76,17 +76,9 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   runtime::heap_for_steps();
   const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
-  const auto [x, y] = model->sample_batch(plan.micro_batch_rows(o.loop.batch_size));
-  model->train();
-  const auto precision = optim::precision_from_string(o.plan.precision);
-  const int64_t activations = train::measure_step_memory(*model, [&] {
-    at::Tensor loss;
-    {
-      optim::AutocastGuard autocast(precision, torch::kCPU);
-      loss = models::logits_cross_entropy(model->forward(x), y);
-    }
-    loss.backward();
-  });
+  const int64_t activations =
+      models::measure_step_activations(*model, plan.micro_batch_rows(o.loop.batch_size),
+                                       optim::precision_from_string(o.plan.precision));
   return train::estimate_memory(spec, plan,
                                 {.world_size = o.scaling.workers,
                                  .optimizer_states = o.optimizer.state_buffers(),

@@ -5,6 +5,7 @@
 #include "cohort/error.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/train/context.h"
+#include "cohort/train/memory_estimate.h"
 
 namespace cohort::models {
 
@@ -100,6 +101,19 @@ void check_plan(const std::string& name, const ModelOptions& options, const trai
         (plan.virtual_stages() > 1 ? ", 2 per worker with --schedule interleaved" : "") +
         "): use a smaller --pp or a deeper model (resnet18 has 10, vit and gpt --layers + 2)");
   }
+}
+
+int64_t measure_step_activations(ZooModelImpl& model, int64_t rows, optim::Precision precision) {
+  const auto [x, y] = model.sample_batch(rows);
+  model.train();
+  return train::measure_step_memory(model, [&] {
+    at::Tensor loss;
+    {
+      optim::AutocastGuard autocast(precision, torch::kCPU);
+      loss = logits_cross_entropy(model.forward(x), y);
+    }
+    loss.backward();
+  });
 }
 
 }  // namespace cohort::models

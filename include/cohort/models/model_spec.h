@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cohort/models/zoo.h"
+#include "cohort/optim/precision.h"
 #include "cohort/train/parallel_model.h"
 
 namespace cohort::models {
@@ -25,5 +26,14 @@ train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint6
 /// features. A UsageError naming the flags (--pp, --zero-stage, --tp, --heads, --width, --layers)
 /// and the fix.
 void check_plan(const std::string& name, const ModelOptions& options, const train::Plan& plan);
+
+/// The activations one step of `model` adds on a worker, for train::estimate_memory's
+/// activation_bytes: one forward and backward of sample_batch(`rows`) in training mode, the
+/// forward under autocast to `precision`, with logits_cross_entropy, as train::measure_step_memory
+/// measures it. What `cohort estimate` and the memory benches probe. To see a worker's heap, build
+/// the model after runtime::heap_for_setup() and call this after runtime::heap_for_steps(), as a
+/// worker does; in a fresh process, since a probe after other work finds less.
+int64_t measure_step_activations(ZooModelImpl& model, int64_t rows,
+                                 optim::Precision precision = optim::Precision::kFp32);
 
 }  // namespace cohort::models
