@@ -40,15 +40,20 @@ Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank
 std::shared_ptr<at::Tensor> Transport::scratch(int64_t numel, const at::Tensor& like) {
   at::Tensor buffer;
   {
+    // The smallest free buffer that fits: a small request that took the largest would leave the
+    // next large one to allocate another, and the pool would grow by a large buffer a step.
     std::lock_guard lock(scratch_pool_->mutex);
     auto& free = scratch_pool_->free;
+    auto best = free.end();
     for (auto it = free.begin(); it != free.end(); ++it) {
       if (it->numel() >= numel && it->scalar_type() == like.scalar_type() &&
-          it->device() == like.device()) {
-        buffer = *it;
-        free.erase(it);
-        break;
+          it->device() == like.device() && (best == free.end() || it->numel() < best->numel())) {
+        best = it;
       }
+    }
+    if (best != free.end()) {
+      buffer = *best;
+      free.erase(best);
     }
   }
   if (!buffer.defined()) buffer = at::empty({numel}, like.options());
