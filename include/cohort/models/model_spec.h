@@ -28,11 +28,13 @@ train::ModelSpec model_spec(const std::string& name, ModelOptions options, uint6
 void check_plan(const std::string& name, const ModelOptions& options, const train::Plan& plan);
 
 /// The activations one step of `model` adds on a worker, for train::estimate_memory's
-/// activation_bytes: one forward and backward of sample_batch(`rows`) in training mode, the
+/// activation_bytes: two forwards and backwards of sample_batch(`rows`) in training mode, the
 /// forward under autocast to `precision`, with logits_cross_entropy, as train::measure_step_memory
-/// measures it. What `cohort estimate` and the memory benches probe. To see a worker's heap, build
-/// the model after runtime::heap_for_setup() and call this after runtime::heap_for_steps(), as a
-/// worker does; in a fresh process, since a probe after other work finds less.
+/// measures them (the second step counts the heap's slack: the first step's freed blocks that
+/// its activations do not fit). What `cohort estimate` and the memory benches probe. To see a
+/// worker's heap, build the model after runtime::heap_for_setup() and call this after
+/// runtime::heap_for_steps(), as a worker does; in a fresh process, since a probe after other work
+/// finds less.
 int64_t measure_step_activations(ZooModelImpl& model, int64_t rows,
                                  optim::Precision precision = optim::Precision::kFp32);
 
