@@ -588,6 +588,10 @@ const std::shared_ptr<FlightRecorder>& ProcessGroup::flight_recorder() const {
 }
 void ProcessGroup::add_bytes_sent(int64_t bytes) { state_->count_sent(1.0, bytes); }
 
+int64_t ProcessGroup::scratch_bytes() const {
+  return state_ && state_->gloo ? state_->gloo->scratch_bytes() : 0;
+}
+
 Work ProcessGroup::allreduce_async(std::vector<at::Tensor>& tensors, ReduceOp op) {
   check_same_kind(tensors, "allreduce");
   for (const auto& t : tensors) state_->count_sent(2 * state_->share_of_others(), t.nbytes());

@@ -26,6 +26,7 @@ namespace cohort::comm {
 struct ScratchPool {
   std::mutex mutex;
   std::vector<at::Tensor> free;
+  int64_t bytes = 0;  // of every buffer made, free or in use
 };
 
 Transport::Transport(Kind kind, c10::intrusive_ptr<NativeGroup> native, int rank, int world_size,
@@ -56,7 +57,11 @@ std::shared_ptr<at::Tensor> Transport::scratch(int64_t numel, const at::Tensor& 
       free.erase(best);
     }
   }
-  if (!buffer.defined()) buffer = at::empty({numel}, like.options());
+  if (!buffer.defined()) {
+    buffer = at::empty({numel}, like.options());
+    std::lock_guard lock(scratch_pool_->mutex);
+    scratch_pool_->bytes += numel * buffer.element_size();
+  }
   std::weak_ptr<ScratchPool> pool = scratch_pool_;
   return std::shared_ptr<at::Tensor>(new at::Tensor(buffer.narrow(0, 0, numel)),
                                      [pool, buffer](at::Tensor* t) {
@@ -66,6 +71,11 @@ std::shared_ptr<at::Tensor> Transport::scratch(int64_t numel, const at::Tensor& 
                                          p->free.push_back(buffer);
                                        }
                                      });
+}
+
+int64_t Transport::scratch_bytes() const {
+  std::lock_guard lock(scratch_pool_->mutex);
+  return scratch_pool_->bytes;
 }
 
 bool Transport::gloo_all_to_all_fits(const at::Tensor& t) const {

@@ -49,6 +49,9 @@ class Transport {
   Started recv(at::Tensor& tensor, int peer, int tag);
   Started barrier();
 
+  // Bytes of the buffers scratch() has made, free or in use: what it keeps between collectives.
+  int64_t scratch_bytes() const;
+
  private:
   // Gloo has no reduce-scatter in libtorch 1.13 (one path on every line keeps it tested):
   // reduce_scatter_gloo picks an all-to-all of the pieces, reduced on arrival (float32 and

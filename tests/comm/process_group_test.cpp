@@ -136,6 +136,34 @@ TEST(ProcessGroup, AllgatherIntoOneTensorAndReduceScatter) {
   });
 }
 
+// Gloo's all-gather into one tensor stages through buffers the group keeps for the next calls, and
+// a call takes the smallest free one that fits: a small gather that took a large one's buffer
+// left the next large gather to make another (ZeRO-3's workers grew by a unit's size a step).
+TEST(ProcessGroup, CollectivesReuseTheSmallestScratchBufferThatFits) {
+  run_ranks(2, [](ProcessGroup& g) {
+    const auto small_in = torch::full({1000}, g.rank() + 1.0);
+    const auto large_in = torch::full({100000}, g.rank() + 1.0);
+    auto small_out = torch::empty({2 * 1000});
+    auto large_out = torch::empty({2 * 100000});
+    int64_t after_first = 0;
+    for (int round = 0; round < 3; ++round) {
+      // The small gather asks first; the large one's buffer goes back to the pool first, so it
+      // heads the free buffers when the next round's small gather asks.
+      auto small = g.allgather_into_async(small_out, small_in);
+      auto large = g.allgather_into_async(large_out, large_in);
+      large.wait();
+      large = Work();
+      small.wait();
+      small = Work();
+      EXPECT_EQ(small_out.sum().item<double>(), 3000.0);
+      EXPECT_EQ(large_out.sum().item<double>(), 300000.0);
+      if (round == 0) after_first = g.scratch_bytes();
+    }
+    EXPECT_EQ(after_first, 2 * (1000 + 100000) * 4);
+    EXPECT_EQ(g.scratch_bytes(), after_first) << "rank " << g.rank();
+  });
+}
+
 TEST(ProcessGroup, AllToAllWithEqualAndUnevenSplits) {
   run_ranks(3, [](ProcessGroup& g) {
     const int64_t r = g.rank();
