@@ -210,8 +210,8 @@ class ProcessGroup {
   void add_bytes_sent(int64_t bytes);
   /// Bytes of the buffers this group keeps from collective to collective, free or in use: Gloo's
   /// all-gather into one tensor and its reduce-scatter stage their data through them (none with
-  /// NCCL). A collective takes the smallest free buffer that fits, so a run whose collectives
-  /// repeat stops adding buffers after its first step.
+  /// NCCL). A collective takes the smallest free buffer that fits, so that collectives of many
+  /// sizes, repeated step after step (ZeRO-3's units), reuse the buffers of the first step.
   int64_t scratch_bytes() const;
 
   struct State;  ///< defined in src/comm/process_group.cpp
