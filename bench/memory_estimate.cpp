@@ -1,7 +1,7 @@
 // The memory estimator against measurement: for each zoo model and plan (DDP, ZeRO 1, 2 and 3),
 // train::estimate_memory's figure per worker (made as `cohort estimate` makes it: in a fresh
-// process under a worker's heap policy, its resident memory before the model as the runtime, one
-// micro-batch's forward and backward measured for the activations) beside the peak resident memory
+// process under a worker's heap policy, its resident memory before the model as the runtime, the
+// activations from models::measure_step_activations) beside the peak resident memory
 // of the workers of a real run of the plan (2 workers by default, AdamW, random batches of the
 // model's inputs: Fashion-MNIST's images, or tokens for the GPT at its default size), from their
 // start to the end of their steps.

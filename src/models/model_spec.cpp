@@ -108,8 +108,8 @@ int64_t measure_step_activations(ZooModelImpl& model, int64_t rows, optim::Preci
   model.train();
   // Two steps: the first lands in a heap that grows to fit it; the second reuses the first's
   // freed blocks in another order, and the heap grows again by what does not fit the holes, as
-  // a worker's steps find it (the zoo's GPT: 566 MB after one step, 612 MB after two; a third
-  // added little more).
+  // a worker's steps find it (the zoo's GPT: 566 MB after one step, 612 MB after two, 637 MB
+  // after three, at half again the probe's time).
   return train::measure_step_memory(model, [&] {
     for (int step = 0; step < 2; ++step) {
       at::Tensor loss;
