@@ -268,10 +268,12 @@ void EtcdStoreClient::join_job() {
   } catch (const LeaseNotFound&) {
     throw;
   } catch (const PeerFailureError& e) {
-    throw TimeoutError("cannot reach the rendezvous " + where() + " within " +
-                       std::to_string(timeout_.count()) + " ms (" + e.what() +
-                       "): start etcd there (Debian's etcd-server: etcd --listen-client-urls "
-                       "http://HOST:PORT --advertise-client-urls http://HOST:PORT) or fix --rdzv");
+    // The endpoint this process was given never answered: a wrong --rdzv, or an etcd not started
+    // (bad input, exit code 2 in the CLI), not a peer lost mid-job.
+    throw UsageError("cannot reach the rendezvous " + where() + " within " +
+                     std::to_string(timeout_.count()) + " ms (" + e.what() +
+                     "): start etcd there (Debian's etcd-server: etcd --listen-client-urls "
+                     "http://HOST:PORT --advertise-client-urls http://HOST:PORT) or fix --rdzv");
   }
   // The job secret's proof: the first client's, which every other must match.
   const std::string proof = secret_.empty()

@@ -378,12 +378,12 @@ TEST_F(Cli, LaunchRejectsBadOptionsAndNamesANodeThatNeverJoins) {
   EXPECT_NE(r.output.find("nodes [1] of 2 did not join round 0"), std::string::npos) << r.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
 
-  // An etcd that does not answer: named within the rendezvous deadline.
+  // An etcd that does not answer: a bad --rdzv, named within the rendezvous deadline.
   const auto asked = std::chrono::steady_clock::now();
   r = run_command({cli, "launch", "--rdzv", "etcd://127.0.0.1:" + std::to_string(port),
                    "--rdzv-timeout", "2", "--insecure", "--", "/bin/true"},
                   std::chrono::seconds(60));
-  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("cannot reach the rendezvous etcd at 127.0.0.1:" + std::to_string(port) +
                           " within 2000 ms"),
             std::string::npos)

@@ -110,11 +110,11 @@ TEST_F(EtcdStore, AnotherSecretIsRefused) {
                               "holds job 'job-s' with another job secret");
 }
 
-TEST_F(EtcdStore, AnEndpointThatDoesNotAnswerIsNamedWithinTheTimeout) {
+TEST_F(EtcdStore, AnEndpointThatDoesNotAnswerIsABadEndpointNamedWithinTheTimeout) {
   const int port = etcd_->port();
   etcd_->kill();
   const auto started = Clock::now();
-  expect_error<TimeoutError>(
+  expect_error<UsageError>(
       [&] {
         Store::connect({.host = "127.0.0.1",
                         .port = port,

@@ -45,7 +45,8 @@ class Store {
   /// An empty handle; use connect().
   Store() = default;
   /// Starts the server (options.is_server) or connects to it; throws TimeoutError past
-  /// options.timeout, UsageError for a client of another job.
+  /// options.timeout (UsageError with etcd: the named endpoint never answered), UsageError for a
+  /// client of another job.
   static Store connect(const StoreOptions& options);
 
   /// A second client of the same server, with this handle's options and its own connection: for
