@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -139,10 +140,26 @@ std::string MemoryEstimate::table() const {
 
 void MemoryEstimate::check_budget(int64_t budget_bytes) const {
   if (budget_bytes <= 0 || total() <= budget_bytes) return;
+  const std::string over = "the plan needs about " + megabytes(total()) +
+                           " per worker, over --memory-budget " + megabytes(budget_bytes);
+  // An option that alone tips the plan over is the fix to name first: the plan fits without it.
+  std::map<std::string, std::vector<const MemoryItem*>> by_option;
+  for (const auto& item : items)
+    if (!item.added_by.empty()) by_option[item.added_by].push_back(&item);
+  for (const auto& [option, added] : by_option) {
+    int64_t bytes = 0;
+    std::string names;
+    for (const auto* item : added) {
+      bytes += item->bytes;
+      names += (names.empty() ? "" : " and ") + item->name;
+    }
+    if (total() - bytes > budget_bytes) continue;
+    throw UsageError(over + "; " + option + " hold " + megabytes(bytes) + " of it (" + names +
+                     "), and without them it needs " + megabytes(total() - bytes) + ": " +
+                     added.back()->shrink);
+  }
   const auto& big = largest();
-  throw UsageError("the plan needs about " + megabytes(total()) +
-                   " per worker, over --memory-budget " + megabytes(budget_bytes) +
-                   "; the largest item is " + big.name + " (" + megabytes(big.bytes) +
+  throw UsageError(over + "; the largest item is " + big.name + " (" + megabytes(big.bytes) +
                    "): " + big.shrink);
 }
 
@@ -166,8 +183,11 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   const auto shard = [&](int64_t elements) { return (elements + shards - 1) / shards; };
 
   MemoryEstimate estimate;
-  const auto add = [&](std::string name, int64_t bytes, std::string shrink) {
-    if (bytes > 0) estimate.items.push_back({std::move(name), bytes, std::move(shrink)});
+  const auto add = [&](std::string name, int64_t bytes, std::string shrink,
+                       std::string added_by = {}) {
+    if (bytes > 0) {
+      estimate.items.push_back({std::move(name), bytes, std::move(shrink), std::move(added_by)});
+    }
   };
   const std::string more_workers = "more --workers (ZeRO shards it over them)";
   // Parameters.
@@ -234,16 +254,22 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   const Part whole = part_of({model.module});
   const int64_t checkpoint_bytes =
       whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state;
+  const std::string snapshots_option = "in-memory snapshots (--snapshot-every-steps)";
+  const std::string leave_snapshots_out =
+      "a larger --snapshot-every-steps does not shrink it; leave snapshots out, or shard the "
+      "state with --zero-stage";
   if (options.async_checkpoint || options.snapshots) {
     add("checkpoint buffers", checkpoint_bytes,
-        "a synchronous save (no --async-checkpoint, no --snapshot-every-steps) keeps none");
+        "a synchronous save (no --async-checkpoint, no --snapshot-every-steps) keeps none",
+        options.async_checkpoint == options.snapshots ? ""
+        : options.snapshots                           ? snapshots_option
+                            : "asynchronous checkpoints (--async-checkpoint)");
   }
   // Snapshots: in the node's memory-backed storage (tmpfs), not the process's, but memory all
   // the same; the two newest of the worker's own files and two copies of its ward's.
   if (options.snapshots) {
-    add("snapshots (memory-backed storage)", 4 * checkpoint_bytes,
-        "a larger --snapshot-every-steps does not shrink it; leave snapshots out, or shard the "
-        "state with --zero-stage");
+    add("snapshots (memory-backed storage)", 4 * checkpoint_bytes, leave_snapshots_out,
+        snapshots_option);
   }
   // Activations: a pipeline stage holds about 1/pp of a micro-batch's, for the micro-batches in
   // flight at once (GPipe all of a step's; 1F1B, interleaved and zero-bubble at most pp).

@@ -135,6 +135,49 @@ TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
                UsageError);
 }
 
+// Snapshots that tip a plan over its budget are named, with what the plan needs without them: the
+// largest item is not what to shrink then.
+TEST(MemoryEstimate, SnapshotsThatTipAPlanOverItsBudgetAreNamedFirst) {
+  const MemoryEstimateOptions plain{.world_size = 2, .runtime_bytes = 500'000'000};
+  const auto without = estimate_memory(four_units(), Plan{}, plain);
+  auto options = plain;
+  options.snapshots = true;
+  const auto with = estimate_memory(four_units(), Plan{}, options);
+  // The buffers (the parameters and Adam's two states, 12 bytes a parameter) and four copies.
+  ASSERT_EQ(with.total() - without.total(), 5 * 12 * kP);
+  try {
+    with.check_budget(without.total());  // fits without the snapshots, exactly
+    FAIL() << "over budget, taken";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "the plan needs about 804.3 MB per worker, over --memory-budget 564.1 MB; in-memory "
+              "snapshots (--snapshot-every-steps) hold 240.2 MB of it (checkpoint buffers and "
+              "snapshots (memory-backed storage)), and without them it needs 564.1 MB: a larger "
+              "--snapshot-every-steps does not shrink it; leave snapshots out, or shard the state "
+              "with --zero-stage");
+  }
+  // Over the budget even without them: the largest item, as without snapshots.
+  try {
+    with.check_budget(without.total() - 1);
+    FAIL() << "over budget, taken";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the largest item is snapshots (memory-backed storage)"),
+              std::string::npos)
+        << e.what();
+  }
+  // With asynchronous checkpoints too, their buffers stay without the snapshots.
+  options.async_checkpoint = true;
+  try {
+    estimate_memory(four_units(), Plan{}, options).check_budget(without.total() + 13 * kP);
+    FAIL() << "over budget, taken";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("in-memory snapshots (--snapshot-every-steps) hold 192.2 "
+                                         "MB of it (snapshots (memory-backed storage))"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // The table's figures stand in one column, after the longest item's name (ZeRO-3's "all-gather
 // buffers" is longer than the 18 characters the short names take).
 TEST(MemoryEstimate, TheTablesFiguresStandInOneColumn) {

@@ -49,6 +49,10 @@ struct MemoryItem {
   std::string name;
   int64_t bytes = 0;   ///< on the worker that holds the most (a pipeline's largest stage)
   std::string shrink;  ///< what would make it smaller ("--zero-stage 1 shards it ...")
+  /// The option that alone adds this item, which leaving out removes ("in-memory snapshots
+  /// (--snapshot-every-steps)", plural: "... hold 4.4 MB of it"); empty where the plan needs the
+  /// item, or where two options each need it.
+  std::string added_by;
 };
 
 /// estimate_memory's answer: the items of the worker that holds the most.
@@ -63,8 +67,10 @@ struct MemoryEstimate {
   const MemoryItem& largest() const;
   /// One line per item and the total, in MB, for the log.
   std::string table() const;
-  /// A UsageError of one line when total() exceeds `budget_bytes`: both figures, the largest
-  /// item and what would shrink it (exit code 2 in the CLI).
+  /// A UsageError of one line when total() exceeds `budget_bytes`: both figures, and the option
+  /// whose items tip the plan over (the plan fits without them: "in-memory snapshots
+  /// (--snapshot-every-steps) hold ... of it"), else the largest item and what would shrink it
+  /// (exit code 2 in the CLI).
   void check_budget(int64_t budget_bytes) const;
 };
 
