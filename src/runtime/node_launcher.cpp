@@ -391,15 +391,25 @@ int NodeLauncher::run() {
     std::map<int, int> losses;
     handlers.on_exit = [&](const WorkerExit& exit) {
       const int local = exit.rank;
-      // Rank 0 hosts the coordinator that regroups the others: its loss ends the round.
-      if (!is_rank(local) || index_in_job(local) == 0 || exit.signal == 0 ||
-          exit.stopped_by_driver || group.stopping()) {
+      if (!is_rank(local) || exit.signal == 0 || exit.stopped_by_driver || group.stopping()) {
         return;
       }
       try {
         if (!store_->check({launch_live_key(round_)})) return;
       } catch (const std::exception&) {
         return;  // the store is gone: the round fails, and check_peers names why
+      }
+      // Rank 0 hosts the coordinator that regroups the others: its loss ends the round, which
+      // the launchers restart (--max-restarts) from the ranks' snapshots or the last checkpoint.
+      if (index_in_job(local) == 0) {
+        say(exit.describe() +
+            ": it hosts the coordinator of live recovery, so the job cannot go on without it: " +
+            (round_ < o_.max_restarts
+                 ? std::string("the round ends, and the job restarts from the ranks' snapshots "
+                               "or the last checkpoint")
+                 : "the job ends (give cohort launch --max-restarts N to restart it from the "
+                   "ranks' snapshots or the last checkpoint)"));
+        return;
       }
       group.tolerate(local);
       group.kill(local);  // what it started goes with it: its place is free once they are gone

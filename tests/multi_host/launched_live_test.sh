@@ -142,6 +142,8 @@ echo "launched_live_test: shrunk: 2 survivors finished the run"
 launch rank0 "$work/rank0.log" --max-restarts 1 -- --checkpoint-every-steps 10
 kill_rank_at rank0 "$job" 0 15
 wait "$job" || { cat "$work/rank0.log"; fail "the job whose rank 0 was killed did not finish after a restart"; }
+grep -qF "it hosts the coordinator of live recovery, so the job cannot go on without it" \
+  "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: the launcher did not say why the round ends"; }
 grep -qF "restarting as round 1" "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: no restart"; }
 grep -qE "resuming epoch 1 after step [1-9][0-9]* from .*checkpoint_" "$work/rank0.log" ||
   { cat "$work/rank0.log"; fail "rank0: the restarted job did not resume from a checkpoint"; }
