@@ -940,6 +940,12 @@ void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
 }
 
 FlatOptimizer::ParameterState FlatOptimizer::parameter_state(size_t group, size_t index) {
+  auto state = parameter_state_views(group, index);
+  for (auto& values : state.values) values = values.clone();
+  return state;
+}
+
+FlatOptimizer::ParameterState FlatOptimizer::parameter_state_views(size_t group, size_t index) {
   auto& params = param_groups_.at(group).params();
   impl_->relayout_if_moved(group, params, param_groups_[group].options());
   for (const auto& part : impl_->groups[group]) {
@@ -947,7 +953,7 @@ FlatOptimizer::ParameterState FlatOptimizer::parameter_state(size_t group, size_
       if (part.members[k] != index) continue;
       ParameterState state{.steps = part.steps[k], .values = {}};
       for (const auto& buffer : part.state)
-        state.values.push_back(buffer.narrow(0, part.offsets[k], params[index].numel()).clone());
+        state.values.push_back(buffer.narrow(0, part.offsets[k], params[index].numel()));
       return state;
     }
   }
@@ -969,9 +975,14 @@ void FlatOptimizer::set_parameter_state(size_t group, size_t index, const Parame
       }
       part.steps[k] = state.steps;
       for (size_t s = 0; s < part.state.size(); ++s) {
-        part.state[s]
-            .narrow(0, part.offsets[k], params[index].numel())
-            .copy_(state.values[s].reshape({-1}));
+        auto own = part.state[s].narrow(0, part.offsets[k], params[index].numel());
+        const auto& given = state.values[s];
+        // Filled in place (parameter_state_views): nothing to copy.
+        if (given.data_ptr() == own.data_ptr() && given.numel() == own.numel() &&
+            given.scalar_type() == own.scalar_type() && given.is_contiguous()) {
+          continue;
+        }
+        own.copy_(given.reshape({-1}));
       }
       part.stepped = true;
       return;

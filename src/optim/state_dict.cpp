@@ -145,7 +145,10 @@ StateDict OptimizerState::state_dict() const {
   int64_t steps = 0;
   const auto& params = optimizer_.param_groups()[0].params();
   for (size_t i = 0; i < params.size(); ++i) {
-    auto state = flat != nullptr ? flat->parameter_state(0, i)
+    // A flat optimizer's own buffers, as ZeRO's state_dict gives its shards': a checkpoint writes
+    // from them, and a load (state_to_load's) reads into them in place, without a copy of the
+    // state that would fault in as much fresh memory.
+    auto state = flat != nullptr ? flat->parameter_state_views(0, i)
                                  : torch_state_of(optimizer_, algorithm_, state_names_, i);
     steps = std::max(steps, state.steps);
     for (size_t s = 0; s < state_names_.size(); ++s) {

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "cohort/error.h"
+#include "cohort/optim/state_dict.h"
 #include "support/expect.h"
 #include "support/tiny_mnist.h"
 
@@ -181,6 +182,59 @@ TEST(FlatOptimizer, ResumedFromACheckpointIsBitIdentical) {
   const auto b = resumed->parameters();
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
   std::filesystem::remove_all(dir);
+}
+
+// A checkpoint of a flat optimizer's state writes from its own buffers, and a load fills them in
+// place: no copy of the whole state is made (for a 100 M-parameter Adam, 800 MB of fresh memory a
+// rank, which live recovery paid twice per survivor). The state still moves bit for bit.
+TEST(FlatOptimizer, ItsStateIsSavedFromAndLoadedIntoItsOwnBuffers) {
+  auto run = [](Net& net, torch::optim::Optimizer& optimizer, int steps) {
+    for (int step = 0; step < steps; ++step) {
+      torch::manual_seed(200 + step);
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(torch::randn({8, 1, 8, 8}), true),
+                                           torch::randint(0, 10, {8}))
+          .backward();
+      optimizer.step();
+    }
+  };
+  auto written = make_net(5);
+  optim::FlatAdam writer(written->parameters(), torch::optim::AdamOptions(1e-2));
+  run(written, writer, 3);
+  std::vector<std::string> names;
+  for (const auto& p : written->named_parameters()) names.push_back(p.key());
+  const auto saved = optim::OptimizerState(writer, names).state_dict();
+  // Views of the writer's buffers: what a step changes, they show.
+  const auto& exp_avg = saved.tensors.at("fc.weight/exp_avg").values;
+  EXPECT_EQ(exp_avg.data_ptr(), writer.parameter_state_views(0, 2).values[0].data_ptr());
+  const auto before = exp_avg.clone();
+  run(written, writer, 1);
+  EXPECT_FALSE(torch::equal(before, exp_avg));
+
+  // Loaded in place: the tensors to fill are the reader's own buffers.
+  auto read = make_net(6);
+  optim::FlatAdam reader(read->parameters(), torch::optim::AdamOptions(1e-2));
+  optim::OptimizerState into(reader, names);
+  auto wanted = into.state_to_load(saved.values);
+  for (auto& [name, piece] : wanted.tensors) piece.values.copy_(saved.tensors.at(name).values);
+  EXPECT_EQ(wanted.tensors.at("fc.weight/exp_avg").values.data_ptr(),
+            reader.parameter_state_views(0, 2).values[0].data_ptr());
+  wanted.values = optim::OptimizerState(writer, names).state_dict().values;
+  into.load_state_dict(wanted);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const auto a = writer.parameter_state(0, i);
+    const auto b = reader.parameter_state(0, i);
+    EXPECT_EQ(a.steps, b.steps) << names[i];
+    for (size_t s = 0; s < a.values.size(); ++s)
+      EXPECT_TRUE(torch::equal(a.values[s], b.values[s])) << names[i] << " state " << s;
+  }
+  // A copy (another optimizer's buffers) is still copied.
+  auto copied = make_net(7);
+  optim::FlatAdam third(copied->parameters(), torch::optim::AdamOptions(1e-2));
+  optim::OptimizerState(third, names)
+      .load_state_dict(optim::OptimizerState(writer, names).state_dict());
+  EXPECT_TRUE(
+      torch::equal(third.parameter_state(0, 2).values[1], writer.parameter_state(0, 2).values[1]));
 }
 
 TEST(FlatOptimizer, RefusesStateOfAnotherOptimizerNamingIt) {

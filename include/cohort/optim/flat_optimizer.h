@@ -99,7 +99,12 @@ class FlatOptimizer : public torch::optim::Optimizer {
   };
   /// See ParameterState.
   ParameterState parameter_state(size_t group, size_t index);
-  /// See ParameterState.
+  /// parameter_state's buffers as views of the optimizer's own flat buffers, not copies: what a
+  /// checkpoint writes from, and a load reads into in place (set_parameter_state then copies
+  /// nothing). They follow the optimizer's steps.
+  ParameterState parameter_state_views(size_t group, size_t index);
+  /// See ParameterState. A buffer that already is the optimizer's own (parameter_state_views') is
+  /// not copied.
   void set_parameter_state(size_t group, size_t index, const ParameterState& state);
 
  protected:

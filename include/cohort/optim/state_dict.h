@@ -171,7 +171,9 @@ class OptimizerState : public Stateful {
   /// Over `optimizer`, whose parameters are named `names`; UsageError for an optimizer of another
   /// algorithm or more than one param group, or names that do not match its parameters.
   OptimizerState(torch::optim::Optimizer& optimizer, std::vector<std::string> names);
-  /// See Stateful. Replicated: every tensor whole, shards 1.
+  /// See Stateful. Replicated: every tensor whole, shards 1. A FlatOptimizer's tensors are views
+  /// of its own buffers (a load through state_to_load fills them in place; one that fails part
+  /// way leaves them partly filled); a torch optimizer's are its state tensors in float32.
   StateDict state_dict() const override;
   /// See Stateful and check_optimizer_state.
   void check_state(const Json& values) const override;
