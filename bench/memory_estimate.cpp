@@ -11,13 +11,17 @@
 // which re-execute this program, skip the estimates: their start and peak are the run's alone.
 //
 //   bench/memory_estimate [--models mlp,cnn,resnet18,vit,gpt] [--modes 0,1,2,3] [--workers 2]
-//                         [--batch-size 64] [--steps 3]
+//                         [--batch-size 64] [--steps 3] [--runs 1]
 //
-// Prints a table, then one JSON line per model and plan.
+// Prints a table, then one JSON line per model and plan. With --runs N each plan runs N times
+// (the peak moves by several MB from run to run: which thread's arena a block comes from, and
+// the order the heap's holes are filled in): the table shows the median run's peak and the
+// lowest and highest ratio.
 #include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -121,6 +125,10 @@ int main(int argc, char** argv) {
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--batch-size", batch, "rows per worker and step")->capture_default_str();
   app.add_option("--steps", steps)->capture_default_str();
+  int runs = 1;
+  app.add_option("--runs", runs, "runs of each plan (the table: the median, and the ratio's range)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
   std::string probe_model;
   app.add_option("--probe", probe_model,
                  "only measure MODEL's runtime and activations here and print them as JSON");
@@ -142,39 +150,57 @@ int main(int argc, char** argv) {
             << std::fixed << std::setprecision(1);
   std::cout << std::left << std::setw(10) << "model" << std::setw(7) << "plan" << std::right
             << std::setw(14) << "estimate MB" << std::setw(14) << "measured MB" << std::setw(9)
-            << "ratio" << std::setw(16) << "worker start MB" << std::endl;
+            << "ratio" << std::setw(16) << "worker start MB";
+  if (runs > 1) std::cout << std::setw(16) << "ratio range";
+  std::cout << std::endl;
   for (const auto& name : models) {
     const Probe probe = worker ? Probe{} : probe_in_fresh_process(name, batch);
     for (int stage : modes) {
       const auto e = worker ? train::MemoryEstimate{} : estimate(name, stage, workers, probe);
-      cohort::Trainer trainer(
-          worker_loop, {.num_workers = workers},
-          {.name = name + "-" + std::to_string(stage), .storage_path = dir, .verbose = 0},
-          Json{{"model", name}, {"stage", stage}, {"batch_size", batch}, {"steps", steps}});
-      const auto result = trainer.fit();
-      if (!result.ok()) {
-        std::cerr << name << " stage " << stage << ": " << *result.error << std::endl;
-        std::filesystem::remove_all(dir);
-        return 1;
+      // Each run's peak and worker start, sorted by the peak.
+      std::vector<std::pair<double, double>> measured;
+      for (int run = 0; run < runs; ++run) {
+        cohort::Trainer trainer(
+            worker_loop, {.num_workers = workers},
+            {.name = name + "-" + std::to_string(stage) + "-" + std::to_string(run),
+             .storage_path = dir,
+             .verbose = 0},
+            Json{{"model", name}, {"stage", stage}, {"batch_size", batch}, {"steps", steps}});
+        const auto result = trainer.fit();
+        if (!result.ok()) {
+          std::cerr << name << " stage " << stage << ": " << *result.error << std::endl;
+          std::filesystem::remove_all(dir);
+          return 1;
+        }
+        measured.emplace_back(result.metrics["peak_bytes"].get<double>(),
+                              result.metrics["start_bytes"].get<double>());
       }
-      const double measured = result.metrics["peak_bytes"].get<double>();
-      const double start = result.metrics["start_bytes"].get<double>();
+      std::sort(measured.begin(), measured.end());
+      const auto [peak, start] = measured[measured.size() / 2];
       const double estimated = static_cast<double>(e.total());
       const std::string plan = stage == 0 ? "ddp" : "zero" + std::to_string(stage);
       std::cout << std::left << std::setw(10) << name << std::setw(7) << plan << std::right
-                << std::setw(14) << estimated / 1e6 << std::setw(14) << measured / 1e6
-                << std::setw(9) << std::setprecision(3) << estimated / measured << std::setw(16)
-                << std::setprecision(1) << start / 1e6 << std::endl;
+                << std::setw(14) << estimated / 1e6 << std::setw(14) << peak / 1e6 << std::setw(9)
+                << std::setprecision(3) << estimated / peak << std::setw(16) << std::setprecision(1)
+                << start / 1e6;
+      std::ostringstream range;
+      range << std::fixed << std::setprecision(3) << estimated / measured.back().first << "-"
+            << estimated / measured.front().first;
+      if (runs > 1) std::cout << std::setw(16) << range.str();
+      std::cout << std::endl;
       Json items = Json::object();
       for (const auto& item : e.items) items[item.name] = item.bytes;
+      Json peaks = Json::array();
+      for (const auto& m : measured) peaks.push_back(m.first);
       std::cout << Json{{"model", name},
                         {"plan", plan},
                         {"workers", workers},
                         {"estimate_bytes", e.total()},
                         {"items", items},
-                        {"measured_peak_bytes", measured},
+                        {"measured_peak_bytes", peak},
+                        {"measured_peak_bytes_of_each_run", peaks},
                         {"worker_start_bytes", start},
-                        {"ratio", estimated / measured}}
+                        {"ratio", estimated / peak}}
                        .dump()
                 << std::endl;
     }
