@@ -578,6 +578,7 @@ int64_t ProcessGroup::bytes_sent() const { return state_ ? state_->bytes_sent->l
 int ProcessGroup::rank() const { return state_->rank; }
 int ProcessGroup::world_size() const { return state_->world_size; }
 std::chrono::milliseconds ProcessGroup::timeout() const { return state_->options.timeout; }
+bool ProcessGroup::aborted() const { return state_->options.aborted && state_->options.aborted(); }
 Backend ProcessGroup::backend() const { return state_->options.backend; }
 const std::string& ProcessGroup::interface_address() const {
   return state_->options.interface_address;

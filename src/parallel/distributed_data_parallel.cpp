@@ -162,7 +162,8 @@ struct DistributedDataParallel::Impl {
         detail::GradientBuckets::Callbacks{
             .on_gradient = [this](size_t i) { used_since_sync[i] = 1; },
             .launch = [this](size_t b, bool early) { launch(b, early); },
-            .finish = [this] { finish(); }});
+            .finish = [this] { finish(); },
+            .aborted = [this] { return group.aborted(); }});
   }
 };
 

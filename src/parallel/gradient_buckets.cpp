@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "cohort/error.h"
+
 namespace cohort::parallel::detail {
 
 at::Tensor alias_into(const at::Tensor& flat, int64_t offset, at::IntArrayRef sizes) {
@@ -108,6 +110,10 @@ struct GradientBuckets::State {
   }
 
   void on_gradient(size_t i, const std::weak_ptr<State>& weak) {
+    // Thrown through autograd, which skips the rest of the backward and rethrows it from
+    // backward() as it is.
+    if (callbacks.aborted && callbacks.aborted())
+      throw PeerFailureError("the backward stopped: a peer of the group was lost");
     std::lock_guard lock(mutex);
     if (callbacks.on_gradient) callbacks.on_gradient(i);
     if (!sync) return;

@@ -69,6 +69,10 @@ class GradientBuckets {
     std::function<void(size_t bucket, bool early)> launch;
     // The synchronised backward ended and every bucket has been launched.
     std::function<void()> finish;
+    // Asked at each gradient (may be empty): true ends the backward with PeerFailureError, as a
+    // peer was lost and no collective will take the gradients (comm::ProcessGroup::aborted).
+    // Otherwise a survivor of live recovery would compute its whole backward first.
+    std::function<bool()> aborted;
   };
 
   // Hooks `params[i]` for every i in `hooked`; `launch_early` false holds every bucket until the

@@ -376,7 +376,8 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         params, all, mutex,
         detail::GradientBuckets::Callbacks{.on_gradient = [this](size_t i) { on_gradient(i); },
                                            .launch = [this](size_t b, bool) { launch(buckets[b]); },
-                                           .finish = [this] { finish(); }},
+                                           .finish = [this] { finish(); },
+                                           .aborted = [this] { return group.aborted(); }},
         options.overlap_comm);
     gradients->set_layout(bucket_of, buckets.size());
   }

@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <atomic>
+#include <barrier>
 #include <mutex>
 #include <tuple>
 
 #include "cohort/error.h"
 #include "cohort/models/zoo.h"
+#include "support/expect.h"
 #include "support/local_group.h"
 
 namespace cohort::parallel {
@@ -377,6 +380,40 @@ TEST(DistributedDataParallel, BucketsLaunchDuringBackward) {
     EXPECT_GE(stats.buckets_launched_early, 3 * (stats.buckets - 1));
     EXPECT_EQ(stats.synchronized_steps, 3);
   });
+}
+
+// Live recovery: once the group is aborted (a peer lost), a backward stops at its first gradient
+// with PeerFailureError, rather than computing gradients no all-reduce will take.
+TEST(DistributedDataParallel, ABackwardStopsAtItsFirstGradientOnceTheGroupIsAborted) {
+  auto models =
+      std::vector<models::ZooModel>{models::create_model("cnn"), models::create_model("cnn")};
+  std::atomic<bool> lost{false};
+  std::barrier<> both(2);
+  comm::ProcessGroupOptions options{.timeout = std::chrono::seconds(30)};
+  options.aborted = [&] { return lost.load(); };
+  cohort::testing::run_ranks(
+      2,
+      [&](comm::ProcessGroup& g) {
+        const int rank = g.rank();
+        auto& model = models[static_cast<size_t>(rank)];
+        DistributedDataParallel ddp(model, g);
+        EXPECT_FALSE(g.aborted());
+        model->forward(torch::randn({2, 1, 28, 28})).sum().backward();
+        both.arrive_and_wait();
+        if (rank == 0) lost = true;
+        both.arrive_and_wait();
+        EXPECT_TRUE(g.aborted());
+        model->zero_grad();
+        cohort::testing::expect_error<PeerFailureError>(
+            [&] {
+              model->forward(torch::randn({2, 1, 28, 28})).sum().backward();
+            },
+            "the backward stopped: a peer of the group was lost");
+        // The first layer's gradient, the backward's last, was never computed.
+        const auto& first = model->parameters().front().grad();
+        EXPECT_TRUE(!first.defined() || first.abs().sum().item<double>() == 0);
+      },
+      options);
 }
 
 TEST(DistributedDataParallel, CompressionHooksAverageClosely) {

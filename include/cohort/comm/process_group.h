@@ -108,6 +108,10 @@ class ProcessGroup {
   int world_size() const;
   /// Each collective's deadline.
   std::chrono::milliseconds timeout() const;
+  /// Whether ProcessGroupOptions::aborted says the group was aborted (a peer lost): work that
+  /// leads up to a collective (a backward whose gradients feed one) can stop early rather than
+  /// compute what no collective will take. False without that option.
+  bool aborted() const;
   /// The transport of its collectives.
   Backend backend() const;
   /// The address of this host's interface that the group's transport binds to (other services
