@@ -410,7 +410,7 @@ TEST(DistributedDataParallel, ABackwardStopsAtItsFirstGradientOnceTheGroupIsAbor
             },
             "the backward stopped: a peer of the group was lost");
         // The first layer's gradient, the backward's last, was never computed.
-        const auto& first = model->parameters().front().grad();
+        const auto first = model->parameters().front().grad();
         EXPECT_TRUE(!first.defined() || first.abs().sum().item<double>() == 0);
       },
       options);
