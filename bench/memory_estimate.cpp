@@ -183,10 +183,12 @@ int main(int argc, char** argv) {
                 << std::setw(14) << estimated / 1e6 << std::setw(14) << peak / 1e6 << std::setw(9)
                 << std::setprecision(3) << estimated / peak << std::setw(16) << std::setprecision(1)
                 << start / 1e6;
-      std::ostringstream range;
-      range << std::fixed << std::setprecision(3) << estimated / measured.back().first << "-"
-            << estimated / measured.front().first;
-      if (runs > 1) std::cout << std::setw(16) << range.str();
+      if (runs > 1) {
+        std::ostringstream range;
+        range << std::fixed << std::setprecision(3) << estimated / measured.back().first << "-"
+              << estimated / measured.front().first;
+        std::cout << std::setw(16) << range.str();
+      }
       std::cout << std::endl;
       Json items = Json::object();
       for (const auto& item : e.items) items[item.name] = item.bytes;

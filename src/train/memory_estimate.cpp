@@ -255,20 +255,21 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   const int64_t checkpoint_bytes =
       whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state;
   const std::string snapshots_option = "in-memory snapshots (--snapshot-every-steps)";
-  const std::string leave_snapshots_out =
-      "a larger --snapshot-every-steps does not shrink it; leave snapshots out, or shard the "
-      "state with --zero-stage";
   if (options.async_checkpoint || options.snapshots) {
+    // Added by one option alone, or by both (then leaving one out keeps them).
+    std::string added_by;
+    if (!options.async_checkpoint) added_by = snapshots_option;
+    if (!options.snapshots) added_by = "asynchronous checkpoints (--async-checkpoint)";
     add("checkpoint buffers", checkpoint_bytes,
         "a synchronous save (no --async-checkpoint, no --snapshot-every-steps) keeps none",
-        options.async_checkpoint == options.snapshots ? ""
-        : options.snapshots                           ? snapshots_option
-                            : "asynchronous checkpoints (--async-checkpoint)");
+        added_by);
   }
   // Snapshots: in the node's memory-backed storage (tmpfs), not the process's, but memory all
   // the same; the two newest of the worker's own files and two copies of its ward's.
   if (options.snapshots) {
-    add("snapshots (memory-backed storage)", 4 * checkpoint_bytes, leave_snapshots_out,
+    add("snapshots (memory-backed storage)", 4 * checkpoint_bytes,
+        "a larger --snapshot-every-steps does not shrink it; leave snapshots out, or shard the "
+        "state with --zero-stage",
         snapshots_option);
   }
   // Activations: a pipeline stage holds about 1/pp of a micro-batch's, for the micro-batches in

@@ -139,10 +139,12 @@ TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
 // largest item is not what to shrink then.
 TEST(MemoryEstimate, SnapshotsThatTipAPlanOverItsBudgetAreNamedFirst) {
   const MemoryEstimateOptions plain{.world_size = 2, .runtime_bytes = 500'000'000};
-  const auto without = estimate_memory(four_units(), Plan{}, plain);
+  // One model for the three estimates: a test after this one measures the process's memory.
+  const auto spec = four_units();
+  const auto without = estimate_memory(spec, Plan{}, plain);
   auto options = plain;
   options.snapshots = true;
-  const auto with = estimate_memory(four_units(), Plan{}, options);
+  const auto with = estimate_memory(spec, Plan{}, options);
   // The buffers (the parameters and Adam's two states, 12 bytes a parameter) and four copies.
   ASSERT_EQ(with.total() - without.total(), 5 * 12 * kP);
   try {
@@ -168,7 +170,7 @@ TEST(MemoryEstimate, SnapshotsThatTipAPlanOverItsBudgetAreNamedFirst) {
   // With asynchronous checkpoints too, their buffers stay without the snapshots.
   options.async_checkpoint = true;
   try {
-    estimate_memory(four_units(), Plan{}, options).check_budget(without.total() + 13 * kP);
+    estimate_memory(spec, Plan{}, options).check_budget(without.total() + 13 * kP);
     FAIL() << "over budget, taken";
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("in-memory snapshots (--snapshot-every-steps) hold 192.2 "
