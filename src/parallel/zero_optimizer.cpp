@@ -552,23 +552,22 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   }
 
   // The units `order` lists after position `from` (or before it, going backward), all-gathered
-  // ahead while they fit prefetch_bucket_size and max_live_parameters.
+  // ahead while they fit prefetch_bucket_size (counting those gathered ahead already) and
+  // max_live_parameters.
   void prefetch(const std::vector<size_t>& order, size_t from, bool backward) {
     int64_t ahead = 0;
     for (size_t k = from;;) {
       if (backward ? k == 0 : k + 1 >= order.size()) return;
       k = backward ? k - 1 : k + 1;
       auto& unit = units[order[k]];
-      if (unit.gathered) continue;
       const int64_t numel = buckets[unit.bucket].numel;
+      if (ahead + numel > options.prefetch_bucket_size) return;
+      ahead += numel;
+      if (unit.gathered) continue;
       const int64_t element = buckets[unit.bucket].shard.element_size();
-      if (ahead + numel > options.prefetch_bucket_size ||
-          live_bytes / element + numel > options.max_live_parameters) {
-        return;
-      }
+      if (live_bytes / element + numel > options.max_live_parameters) return;
       gather(unit, backward ? "prefetch for backward" : "prefetch for forward");
       ++stats.prefetches;
-      ahead += numel;
     }
   }
 

@@ -487,6 +487,42 @@ TEST(ZeroOptimizer, StageThreeFollowsAnOrderThatChangesOnEveryRank) {
   });
 }
 
+// Six units of the same size, one after the other.
+struct UnitChainImpl : torch::nn::Module {
+  UnitChainImpl() {
+    for (int i = 0; i < 6; ++i)
+      units.push_back(
+          register_module("unit" + std::to_string(i), FullyShard(torch::nn::Linear(16, 16))));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    for (auto& unit : units) x = torch::tanh(unit->forward(x));
+    return x;
+  }
+  std::vector<FullyShard> units;
+};
+TORCH_MODULE(UnitChain);
+
+TEST(ZeroOptimizer, StageThreeGathersNoMoreAheadThanItsPrefetchBucket) {
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto net = UnitChain();
+    torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
+    constexpr int64_t unit_numel = 16 * 16 + 16;
+    auto options = zero_options(3);
+    options.prefetch_bucket_size = 2 * unit_numel;  // two units ahead of the one in use
+    ZeroOptimizer zero(net.ptr(), sgd, g, options);
+    for (int step = 0; step < 3; ++step) {
+      zero.zero_grad();
+      net->forward(torch::ones({4, 16}) * (g.rank() + 1)).sum().backward();
+      zero.step();
+    }
+    const auto stats = zero.stats();
+    EXPECT_GT(stats.prefetches, 0) << "the second step follows the first one's order";
+    // The unit in use and two ahead: the units gathered ahead already count against the bucket
+    // (they once did not, and a third unit ahead was gathered beside them).
+    EXPECT_EQ(stats.gathered_bytes_peak, 3 * unit_numel * 4);
+  });
+}
+
 // Rank 1 runs the units in the other order, or skips one, in its second step: the all-gathers
 // of same-sized units would pair without an error. Every rank fails, naming the units it ran,
 // instead of stepping mixed-up parameters (or hanging).
