@@ -207,20 +207,26 @@ int main(int argc, char** argv) {
   }
   const auto dir =
       std::filesystem::temp_directory_path() / ("cohort-bench-gpt-" + std::to_string(::getpid()));
-  torch::manual_seed(0);
-  const auto shape = models::create_model(
-      "gpt",
-      {.depth = layers, .width = width, .heads = heads, .context = context, .deferred_init = true});
+  // The model's size, for the header and the JSON lines: not in a worker, whose heap would keep
+  // what building it freed (a worker of the 101 M model started with 250 MB of it).
   int64_t parameters = 0;
-  for (const auto& p : shape->parameters()) parameters += p.numel();
-  const int64_t flops_per_token =
-      dynamic_cast<const models::GptImpl&>(*shape).flops_per_token(context);
-  std::cout << "gpt: " << layers << " layers, width " << width << ", " << heads
-            << " heads, context " << context << ": " << std::fixed << std::setprecision(1)
-            << static_cast<double>(parameters) / 1e6 << " M parameters; " << workers
-            << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
-            << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
-            << std::endl;
+  int64_t flops_per_token = 0;
+  if (!worker) {
+    torch::manual_seed(0);
+    const auto shape = models::create_model("gpt", {.depth = layers,
+                                                    .width = width,
+                                                    .heads = heads,
+                                                    .context = context,
+                                                    .deferred_init = true});
+    for (const auto& p : shape->parameters()) parameters += p.numel();
+    flops_per_token = dynamic_cast<const models::GptImpl&>(*shape).flops_per_token(context);
+    std::cout << "gpt: " << layers << " layers, width " << width << ", " << heads
+              << " heads, context " << context << ": " << std::fixed << std::setprecision(1)
+              << static_cast<double>(parameters) / 1e6 << " M parameters; " << workers
+              << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
+              << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
+              << std::endl;
+  }
   // On the CPU only: a GPU's activations are not in the workers' resident memory.
   const int64_t activations = cuda || worker ? 0 : probe_activations(gpt_shape, batch);
   std::cout << "activations per worker (probed on the whole model): " << std::setprecision(1)
