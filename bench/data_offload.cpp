@@ -13,7 +13,6 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <spawn.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -185,9 +184,7 @@ Figures train_over(const data::Dataset& ds, const Settings& s) {
   f.ingest_ms = 1000.0 * (after.wait_seconds - before.wait_seconds) /
                 static_cast<double>(after.batches - before.batches);
   f.cpus = (cpu_seconds() - cpu_start) / wall;
-  rusage self{};
-  getrusage(RUSAGE_SELF, &self);
-  f.rss_mb = static_cast<double>(self.ru_maxrss) / 1024.0;
+  f.rss_mb = static_cast<double>(cohort::train::peak_resident_bytes()) / (1 << 20);
   return f;
 }
 

@@ -3,7 +3,6 @@
 //   --mode independent  N workers at once, no communication at all: the limit DDP aims for
 // Prints one JSON line: samples_per_s (all workers), comm_wait_fraction, peak_rss_mb (max over
 // workers), per-rank figures. bench/ddp_throughput.py alternates this with PyTorch DDP.
-#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -56,10 +55,8 @@ void bench_loop(const cohort::Json& c) {
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   const double wait = ddp ? cohort::train::get_ddp(model).stats().wait_seconds - wait_before : 0;
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  auto mine =
-      torch::tensor({samples / seconds, seconds, wait, usage.ru_maxrss / 1024.0}, torch::kDouble);
+  const double peak_mb = static_cast<double>(cohort::train::peak_resident_bytes()) / (1 << 20);
+  auto mine = torch::tensor({samples / seconds, seconds, wait, peak_mb}, torch::kDouble);
   auto all = ctx.get_process_group().allgather(mine);
   double total_rate = 0, slowest = 0, wait_fraction = 0, rss = 0;
   cohort::Json ranks = cohort::Json::array();

@@ -21,7 +21,6 @@
 // On a GPU (--device cuda, one worker: bf16 autocast, each step one CUDA graph) it also prints
 // model FLOPs utilisation against --peak-tflops (models::GptImpl::flops_per_token: 6 per weight
 // and token, and attention's).
-#include <sys/resource.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -69,11 +68,7 @@ std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameter
   return std::make_unique<cohort::optim::FlatAdamW>(parameters, torch::optim::AdamWOptions(1e-4));
 }
 
-double peak_rss_bytes() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return static_cast<double>(usage.ru_maxrss) * 1024.0;
-}
+double peak_rss_bytes() { return static_cast<double>(train::peak_resident_bytes()); }
 
 // A worker: the plan's model, its steps, its peak memory, then the checkpoint; resumed, one step.
 void worker_loop(const Json& c) {

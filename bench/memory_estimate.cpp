@@ -17,7 +17,6 @@
 // (the peak moves by several MB from run to run: which thread's arena a block comes from, and
 // the order the heap's holes are filled in): the table shows the median run's peak and the
 // lowest and highest ratio.
-#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -61,10 +60,9 @@ void worker_loop(const Json& c) {
     const auto [x, y] = zoo_model->sample_batch(batch);
     model.step(x, y);
   }
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  const auto mine = torch::tensor(
-      {static_cast<double>(start), static_cast<double>(usage.ru_maxrss) * 1024.0}, torch::kDouble);
+  const auto mine =
+      torch::tensor({static_cast<double>(start), static_cast<double>(train::peak_resident_bytes())},
+                    torch::kDouble);
   double start_max = 0, peak_max = 0;
   for (const auto& r : ctx.get_process_group().allgather(mine)) {
     start_max = std::max(start_max, r[0].item<double>());

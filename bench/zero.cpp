@@ -18,7 +18,6 @@
 // With --checkpoint, each mode then saves a checkpoint (train::save_checkpoint, into the run's
 // folder, removed after) and adds checkpoint_s and peak_rss_mb_after_checkpoint: stage 3 writes
 // the model one unit (layer) at a time, so its peak should not grow by the whole model.
-#include <sys/resource.h>
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -156,9 +155,10 @@ void bench_loop(const cohort::Json& c) {
     const int n = ctx.get_world_size();
     sent = 2.0 * (n - 1) / n * static_cast<double>(numel) * 4;
   }
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  const double rss_before_checkpoint = usage.ru_maxrss / 1024.0;
+  const auto peak_mb = [] {
+    return static_cast<double>(cohort::train::peak_resident_bytes()) / (1 << 20);
+  };
+  const double rss_before_checkpoint = peak_mb();
   double checkpoint_seconds = 0;
   if (c["checkpoint"].get<bool>()) {
     const auto dir =
@@ -167,10 +167,9 @@ void bench_loop(const cohort::Json& c) {
     cohort::train::save_checkpoint(dir, *model, *optimizer);
     checkpoint_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
     std::filesystem::remove_all(dir);
-    getrusage(RUSAGE_SELF, &usage);
   }
   auto mine = torch::tensor({seconds, params, grads, state, transient, sent, rss_before_checkpoint,
-                             gathered, usage.ru_maxrss / 1024.0, checkpoint_seconds},
+                             gathered, peak_mb(), checkpoint_seconds},
                             torch::kDouble);
   auto all = ctx.get_process_group().allgather(mine);
   double slowest = 0, rss = 0, rss_after = 0, checkpoint_slowest = 0;

@@ -310,6 +310,8 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes) {
 
 int64_t resident_bytes(int pid) { return status_field("VmRSS", pid); }
 
+int64_t peak_resident_bytes(int pid) { return status_field("VmHWM", pid); }
+
 int64_t release_free_memory() {
   const int64_t before = resident_bytes();
   if (!runtime::trim_heap()) return 0;
@@ -375,7 +377,7 @@ int64_t measure_step_memory(torch::nn::Module& module, const std::function<void(
   }
   // The resident growth counts the heap's own overhead, but not what the step got from memory
   // this process had freed before (a probe after other work); the tensors' peak counts that.
-  return std::max(std::max<int64_t>(0, status_field("VmHWM") - before), tensors->peak());
+  return std::max(std::max<int64_t>(0, peak_resident_bytes() - before), tensors->peak());
 }
 
 }  // namespace cohort::train

@@ -2,12 +2,21 @@
 
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "cohort/error.h"
 #include "cohort/parallel/fully_shard.h"
@@ -257,6 +266,51 @@ TEST(MemoryEstimate, ReleaseFreeMemoryGivesTheHeapsFreeBlocksBack) {
   EXPECT_GT(released, int64_t{100} << 20) << "resident memory fell by " << released << " bytes";
   EXPECT_LT(release_free_memory(), int64_t{16} << 20) << "nothing more to give back";
   for (const auto& t : kept) ASSERT_EQ(t.sum().item<float>(), 96 * 1024 / 4);
+}
+
+// A process's peak counts what it touched and freed since, and a process it starts has a peak of
+// its own, not this one's (which getrusage's ru_maxrss would give the child at its start).
+TEST(MemoryEstimate, PeakResidentBytesIsEachProcessesOwn) {
+  if (resident_bytes() == 0) GTEST_SKIP() << "no /proc/self/status: not Linux";
+  constexpr size_t kTouched = size_t{128} << 20;
+  // A mapping of its own, not the heap: whether the heap gives freed memory back depends on what
+  // ran before.
+  const auto touch = [] {
+    void* block =
+        mmap(nullptr, kTouched, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (block == MAP_FAILED) return static_cast<char*>(nullptr);
+    std::memset(block, 1, kTouched);
+    return static_cast<char*>(block);
+  };
+  const int64_t before = resident_bytes();
+  char* block = touch();
+  ASSERT_NE(block, nullptr);
+  munmap(block, kTouched);
+  const int64_t peak = peak_resident_bytes();
+  EXPECT_GE(peak, before + static_cast<int64_t>(kTouched) * 9 / 10);
+  EXPECT_LT(resident_bytes(), peak - static_cast<int64_t>(kTouched) / 2) << "given back";
+
+  block = touch();  // this process holds it while the child starts
+  ASSERT_NE(block, nullptr);
+  pid_t child = 0;
+  char sleep_path[] = "/bin/sleep", seconds[] = "30";
+  char* argv[] = {sleep_path, seconds, nullptr};
+  ASSERT_EQ(posix_spawn(&child, sleep_path, nullptr, nullptr, argv, environ), 0);
+  // Until it runs sleep (its /proc comm names it), it is a copy of this process.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string name;
+  while (name != "sleep" && std::chrono::steady_clock::now() < deadline) {
+    std::ifstream comm("/proc/" + std::to_string(child) + "/comm");
+    std::getline(comm, name);
+    if (name != "sleep") std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(name, "sleep");
+  const int64_t child_peak = peak_resident_bytes(child);
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  EXPECT_GT(child_peak, 0);
+  EXPECT_LT(child_peak, static_cast<int64_t>(kTouched) / 4) << "sleep's own, not this process's";
+  munmap(block, kTouched);
 }
 
 // What the estimate counts is what the process then holds: exactly the live parameters, gradients

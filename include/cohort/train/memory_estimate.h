@@ -107,6 +107,12 @@ void check_offload_room(const OptimizerOffload& offload, int64_t bytes);
 /// not there or the process is gone.
 int64_t resident_bytes(int pid = 0);
 
+/// The most resident memory process `pid` has held (Linux's VmHWM; 0: this process) since it
+/// started its program; 0 where /proc is not there or the process is gone. Unlike getrusage's
+/// ru_maxrss, it does not carry over the resident memory of the process that started it (a
+/// spawned worker's ru_maxrss begins at its driver's), nor of the threads that ended.
+int64_t peak_resident_bytes(int pid = 0);
+
 /// Gives back to the system the memory this process's heap holds free (glibc's malloc_trim) and
 /// returns how many bytes its resident memory fell by (0 with another C library, and built with
 /// AddressSanitizer, whose allocator replaces glibc's heap: nothing is done then). Preparing a
