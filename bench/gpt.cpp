@@ -68,8 +68,6 @@ std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameter
   return std::make_unique<cohort::optim::FlatAdamW>(parameters, torch::optim::AdamWOptions(1e-4));
 }
 
-double peak_rss_bytes() { return static_cast<double>(train::peak_resident_bytes()); }
-
 // A worker: the plan's model, its steps, its peak memory, then the checkpoint; resumed, one step.
 void worker_loop(const Json& c) {
   auto& ctx = train::get_context();
@@ -92,12 +90,13 @@ void worker_loop(const Json& c) {
     if (ctx.get_world_rank() == 0)
       std::cout << "  step " << model.steps() << ": " << seconds << " s" << std::endl;
   }
-  const double peak_training = peak_rss_bytes();
+  const auto peak_training = static_cast<double>(train::peak_resident_bytes());
   const auto checkpointing = std::chrono::steady_clock::now();
   train::report({{"steps", model.steps()}}, model);
   const double checkpoint_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - checkpointing).count();
-  const auto mine = torch::tensor({peak_training, peak_rss_bytes(), timed}, torch::kDouble);
+  const auto mine = torch::tensor(
+      {peak_training, static_cast<double>(train::peak_resident_bytes()), timed}, torch::kDouble);
   double peak = 0, peak_checkpoint = 0, slowest = 0;
   for (const auto& r : ctx.get_process_group().allgather(mine)) {
     peak = std::max(peak, r[0].item<double>());
