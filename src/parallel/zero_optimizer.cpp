@@ -553,15 +553,18 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
 
   // The units `order` lists after position `from` (or before it, going backward), all-gathered
   // ahead while they fit prefetch_bucket_size (counting those gathered ahead already) and
-  // max_live_parameters.
+  // max_live_parameters. The next unit is gathered ahead even where it alone is larger than the
+  // bucket (as DeepSpeed's prefetch takes at least one parameter), so that a model of units
+  // larger than the bucket still overlaps each gather with the unit before.
   void prefetch(const std::vector<size_t>& order, size_t from, bool backward) {
+    if (options.prefetch_bucket_size <= 0) return;
     int64_t ahead = 0;
     for (size_t k = from;;) {
       if (backward ? k == 0 : k + 1 >= order.size()) return;
       k = backward ? k - 1 : k + 1;
       auto& unit = units[order[k]];
       const int64_t numel = buckets[unit.bucket].numel;
-      if (ahead + numel > options.prefetch_bucket_size) return;
+      if (ahead > 0 && ahead + numel > options.prefetch_bucket_size) return;
       ahead += numel;
       if (unit.gathered) continue;
       const int64_t element = buckets[unit.bucket].shard.element_size();

@@ -202,7 +202,10 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
       largest = std::max(largest, unit / plan.tp);
     }
     parameters = shard(sharded) + (p - sharded);
-    const int64_t prefetched = std::min(plan.zero.prefetch_bucket_size, sharded - largest);
+    // Gathered ahead: up to the bucket, and at least the next unit where it alone is larger.
+    const int64_t bucket_ahead = plan.zero.prefetch_bucket_size;
+    const int64_t prefetched =
+        bucket_ahead > 0 ? std::min(std::max(bucket_ahead, largest), sharded - largest) : 0;
     gathered = std::min(std::max(plan.zero.max_live_parameters, largest), largest + prefetched);
     // Each unit is a bucket of its own; the parameters that stay whole are bucketed as at stage 2.
     bucket = std::max(largest, std::min(plan.zero.reduce_bucket_size, p - sharded));

@@ -502,25 +502,46 @@ struct UnitChainImpl : torch::nn::Module {
 };
 TORCH_MODULE(UnitChain);
 
-TEST(ZeroOptimizer, StageThreeGathersNoMoreAheadThanItsPrefetchBucket) {
-  run_ranks(2, [](comm::ProcessGroup& g) {
+// Three steps of UnitChain at stage 3 on each of 2 ranks with `prefetch_bucket_size` elements
+// ahead: rank 0's stats.
+ZeroStats unit_chain_stats(int64_t prefetch_bucket_size) {
+  ZeroStats stats;
+  run_ranks(2, [&](comm::ProcessGroup& g) {
     auto net = UnitChain();
     torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1));
-    constexpr int64_t unit_numel = 16 * 16 + 16;
     auto options = zero_options(3);
-    options.prefetch_bucket_size = 2 * unit_numel;  // two units ahead of the one in use
+    options.prefetch_bucket_size = prefetch_bucket_size;
     ZeroOptimizer zero(net.ptr(), sgd, g, options);
     for (int step = 0; step < 3; ++step) {
       zero.zero_grad();
       net->forward(torch::ones({4, 16}) * (g.rank() + 1)).sum().backward();
       zero.step();
     }
-    const auto stats = zero.stats();
-    EXPECT_GT(stats.prefetches, 0) << "the second step follows the first one's order";
-    // The unit in use and two ahead: the units gathered ahead already count against the bucket
-    // (they once did not, and a third unit ahead was gathered beside them).
-    EXPECT_EQ(stats.gathered_bytes_peak, 3 * unit_numel * 4);
+    if (g.rank() == 0) stats = zero.stats();
   });
+  return stats;
+}
+constexpr int64_t kUnitChainUnitBytes = (16 * 16 + 16) * 4;
+
+TEST(ZeroOptimizer, StageThreeGathersNoMoreAheadThanItsPrefetchBucket) {
+  // Two units ahead of the one in use.
+  const auto stats = unit_chain_stats(2 * kUnitChainUnitBytes / 4);
+  EXPECT_GT(stats.prefetches, 0) << "the second step follows the first one's order";
+  // The unit in use and two ahead: the units gathered ahead already count against the bucket
+  // (they once did not, and a third unit ahead was gathered beside them).
+  EXPECT_EQ(stats.gathered_bytes_peak, 3 * kUnitChainUnitBytes);
+}
+
+TEST(ZeroOptimizer, StageThreeGathersTheNextUnitAheadEvenWhereItExceedsTheBucket) {
+  // A bucket smaller than one unit: the next unit still overlaps the one in use (DeepSpeed's
+  // rule; such units were once never gathered ahead).
+  const auto smaller = unit_chain_stats(kUnitChainUnitBytes / 4 - 1);
+  EXPECT_GT(smaller.prefetches, 0);
+  EXPECT_EQ(smaller.gathered_bytes_peak, 2 * kUnitChainUnitBytes);
+  // A bucket of 0: none ahead.
+  const auto none = unit_chain_stats(0);
+  EXPECT_EQ(none.prefetches, 0);
+  EXPECT_EQ(none.gathered_bytes_peak, kUnitChainUnitBytes);
 }
 
 // Rank 1 runs the units in the other order, or skips one, in its second step: the all-gathers

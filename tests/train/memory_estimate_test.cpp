@@ -49,13 +49,13 @@ std::map<std::string, int64_t> items_of(const MemoryEstimate& e) {
 TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   const auto spec = four_units();
   const MemoryEstimateOptions options{.world_size = 4, .optimizer_states = 2};
-  const auto at = [&](int stage, int shard_group_size = 0) {
+  const auto at = [&](int stage, int shard_group_size = 0, int64_t prefetch_bucket = kUnit) {
     Plan plan;
     plan.zero.stage = stage;
     plan.zero.shard_group_size = shard_group_size;
     plan.zero.reduce_bucket_size = kUnit;
     plan.zero.param_persistence_threshold = 0;
-    plan.zero.prefetch_bucket_size = kUnit;
+    plan.zero.prefetch_bucket_size = prefetch_bucket;
     return items_of(estimate_memory(spec, plan, options));
   };
   auto ddp = at(0);
@@ -75,6 +75,9 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   EXPECT_EQ(three["gathered units"], 2 * kUnit * 4);      // the running unit and the next
   EXPECT_EQ(three["all-gather buffers"], 2 * kUnit * 4);  // their sends' buffers on Gloo
   EXPECT_EQ(two.count("all-gather buffers"), 0u);
+  // The next unit is gathered ahead even with a bucket smaller than it; none with a bucket of 0.
+  EXPECT_EQ(at(3, 0, kUnit / 2)["gathered units"], 2 * kUnit * 4);
+  EXPECT_EQ(at(3, 0, 0)["gathered units"], kUnit * 4);
   EXPECT_EQ(three["optimizer state"], 2 * kP);
   // Sharding groups of 2: half the state, not a quarter.
   auto hsdp = at(2, 2);

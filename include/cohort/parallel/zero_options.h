@@ -25,7 +25,8 @@ struct ZeroOptions {
 
   /// Stage 3 (DeepSpeed's stage3_* keys). While a unit runs forward (or backward), the units
   /// that ran after it on the previous step (before it, in backward) are all-gathered ahead,
-  /// up to this many elements ahead of it (the units gathered ahead already count).
+  /// up to this many elements ahead of it (the units gathered ahead already count), and the
+  /// next unit even where it alone is larger (DeepSpeed's rule); 0: none ahead.
   int64_t prefetch_bucket_size = 50'000'000;
   /// Prefetching stops where the gathered units would hold more elements than this; a unit that
   /// is about to run is gathered regardless.
