@@ -13,6 +13,7 @@
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/trace.h"
 #include "cohort/train/memory_estimate.h"
+#include "train/kept_tensors.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
 #include "train/run_state.h"
@@ -66,6 +67,7 @@ void write_streaming(
 
 void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
            const std::map<std::string, std::string>& metadata) {
+  if (train::TensorKeeping::keep(file, tensors, metadata)) return;
   std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
   for (const auto& [name, tensor] : tensors)
     layout[name] = {tensor.scalar_type(), tensor.sizes().vec()};
@@ -75,6 +77,8 @@ void write(const std::filesystem::path& file, const std::map<std::string, at::Te
 
 void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,
                    int64_t first, at::Tensor& out) {
+  if (const auto* kept = train::kept_tensor_file(file))
+    return train::read_kept_elements(*kept, file, name, first, out);
   auto it = header.tensors.find(name);
   if (it == header.tensors.end())
     throw UsageError("safetensors file " + file.string() + " has no tensor '" + name + "'");
@@ -196,7 +200,7 @@ void save_model(const torch::nn::Module& module, const std::filesystem::path& fi
 }
 
 void load_model(torch::nn::Module& module, const std::filesystem::path& file) {
-  const auto header = safetensors::read_header(file);
+  const auto header = tensor_file_header(file);
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [name, info] : header.tensors) shapes[name] = info.shape;
   detail::check_model_file(file, module, shapes);

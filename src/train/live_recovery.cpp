@@ -4,6 +4,7 @@
 #include <ctime>
 #include <exception>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -216,13 +217,16 @@ void regroup_after(const PeerFailureError& error) {
     for (size_t r = 0; r < regroup.provider.size(); ++r)
       regroup.keeps_own.push_back(regroup.provider[r] == static_cast<int>(r));
   }
-  // Captured in memory: nothing is written under the folder but its empty directories.
-  const auto capture = [&](bool whole) {
+  // Captured in memory: nothing is written under the folder but its empty directories. With
+  // `kept`, the safetensors files' tensors are kept there, not copied.
+  const auto capture = [&](bool whole, KeptTensorFiles* kept = nullptr) {
     auto files = std::make_shared<CapturedFiles>();
     const auto root =
         s->context.storage_path / (".live-capture-rank" + std::to_string(s->context.world_rank));
     {
       FileCapture capture(root, *files);
+      std::optional<TensorKeeping> keeping;
+      if (kept != nullptr) keeping.emplace(root, *kept);
       s->live_save(root, regroup.rank, regroup.world_size, whole);
       if (whole) write_atomically(root / kMetaFile, live_meta(*s, steps).dump(2) + "\n");
     }
@@ -236,7 +240,8 @@ void regroup_after(const PeerFailureError& error) {
       regroup.own = capture(false);
     }
   } else if (std::count(regroup.provider.begin(), regroup.provider.end(), regroup.rank) > 0) {
-    regroup.state = capture(true);
+    regroup.kept = std::make_shared<KeptTensorFiles>();
+    regroup.state = capture(true, regroup.kept.get());
   }
   throw regroup;
 }
@@ -273,10 +278,13 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
     // shares from the source, but not its replica.
     const auto sent_to = [&](int rank) { return !keeps_own(rank) || regroup.replicas; };
     if (!provider.empty()) {
+      // The state as files for the peers this rank provides (its kept tensors serialised once).
+      CapturedFiles sent;
       std::vector<SendsInFlight> sends;
       for (int peer = 0; peer < regroup.world_size; ++peer) {
-        if (peer != regroup.rank && provider[static_cast<size_t>(peer)] == regroup.rank)
-          sends.push_back(send_files_async(group, peer, *regroup.state, {}));
+        if (peer == regroup.rank || provider[static_cast<size_t>(peer)] != regroup.rank) continue;
+        if (sends.empty() && regroup.kept) capture_with_kept(*regroup.state, *regroup.kept, sent);
+        sends.push_back(send_files_async(group, peer, regroup.kept ? sent : *regroup.state, {}));
       }
       const int from = provider[static_cast<size_t>(regroup.rank)];
       if (from != regroup.rank) {

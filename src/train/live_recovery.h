@@ -16,12 +16,14 @@
 //   3. The source saves its model's whole state into memory (with the data positions after its
 //      last completed step), and every survivor unwinds its loop with a LiveRegroup. A survivor
 //      as far as the source saves its own (the same state, with DDP) into memory too: nothing
-//      needs to reach it. ZeRO 1-2 in sharding groups: each rank takes its whole state from a
-//      survivor as far that held the same shard (itself, where it can): the model, that shard
-//      and the run state; after the load, the parameters are gathered from the shards again
-//      (ShardedState::gather_parameters_from_shards), as a failure may have cut the all-gather
-//      after the last step short. Where each rank holds a replica of its own (local SGD, DiLoCo:
-//      ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer
+//      needs to reach it. Without replicas the tensors of those saves are kept as they were, not
+//      copied (kept_tensors.h): the rank loads its own state back from them, and serialises them
+//      only for a peer it sends them to. ZeRO 1-2 in sharding groups: each rank takes its whole
+//      state from a survivor as far that held the same shard (itself, where it can): the model,
+//      that shard and the run state; after the load, the parameters are gathered from the shards
+//      again (ShardedState::gather_parameters_from_shards), as a failure may have cut the
+//      all-gather after the last step short. Where each rank holds a replica of its own (local SGD,
+//      DiLoCo: ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer
 //      state and takes the rest from the source; the others (a replacement, a survivor behind)
 //      take the source's replica. The lost worker's progress since the last synchronisation is
 //      gone; its rows count as trained on.
@@ -43,6 +45,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/error.h"
 #include "cohort/train/checkpoint.h"
+#include "train/kept_tensors.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
@@ -57,8 +60,12 @@ struct LiveRegroup {
   int world_size = 0;  // the new group's
   int source = 0;      // the rank whose state every rank takes
   int64_t next_checkpoint_index = 0;
-  // The source's whole state (a checkpoint's files, meta.json included); null on the others.
+  // The whole state of a rank that provides it (state_providers; a checkpoint's files, meta.json
+  // included); null on the others. Without replicas, the tensors of its safetensors files are
+  // kept as they were (`kept`), not copied into `state`: the rank loads its own state back from
+  // them, and serialises them only for the peers it sends them to.
   std::shared_ptr<CapturedFiles> state;
+  std::shared_ptr<KeptTensorFiles> kept;
   // By new rank, whether it keeps its own state (a survivor as far as the source, the source
   // included); empty on a replacement. With `replicas` (local SGD's) that is its replica, the
   // rest coming from the source; else its whole state. `own` is what it keeps, captured.

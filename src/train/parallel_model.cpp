@@ -573,6 +573,13 @@ void ParallelModel::save(const std::filesystem::path& dir) const {
 
 void ParallelModel::load(const Checkpoint& checkpoint) {
   auto& st = *state_;
+  // A live regroup's kept tensors (kept_tensors.h) go once they are loaded: their memory was the
+  // model's and optimizer's before the regroup.
+  struct DropKeptState {
+    ~DropKeptState() {
+      if (WorkerSession* session = current_session()) session->kept_state = {};
+    }
+  } drop_kept_state;
   if (st.pipe) {
     load_mesh_checkpoint(checkpoint, st.mesh_parts());
     release_free_memory();  // the load's staging (load_checkpoint does it itself)

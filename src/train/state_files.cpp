@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "cohort/error.h"
+#include "train/kept_tensors.h"
 #include "train/manifest.h"
 #include "train/run_files.h"
 
@@ -36,11 +37,11 @@ StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
   values_ = manifest.values;
   for (const auto& name_of_file : manifest.files) {
     const auto file = dir_ / name_of_file;
-    if (!std::filesystem::exists(file)) {
+    if (!std::filesystem::exists(file) && kept_tensor_file(file) == nullptr) {
       throw UsageError("checkpoint " + dir_.string() + ": the shard file " + name_of_file +
                        " named by " + manifest_file.filename().string() + " is missing");
     }
-    headers_.emplace_back(file, safetensors::read_header(file));
+    headers_.emplace_back(file, tensor_file_header(file));
   }
   for (const auto& [file, header] : headers_) {
     for (const auto& [piece, info] : header.tensors) {

@@ -177,6 +177,12 @@ std::unique_ptr<WorkerSession> open_session(SessionSettings settings,
     session->resume_from = heal_from_peer(*settings.regroup, settings.store, settings.run_token,
                                           settings.interface_address, settings.setup_timeout,
                                           live_state_folder(settings), settings.umask);
+    // Its own state: the tensors its safetensors files would hold, as the regroup kept them.
+    const auto& regroup = *settings.regroup;
+    if (regroup.kept && !regroup.provider.empty() &&
+        regroup.provider[static_cast<size_t>(regroup.rank)] == regroup.rank)
+      session->kept_state = {.root = std::filesystem::absolute(session->resume_from->path()),
+                             .files = regroup.kept};
   }
   if (!settings.snapshot_path.empty()) {
     session->snapshot_folder = snapshot_run_folder(settings.snapshot_path, settings.run_dir);
@@ -349,8 +355,10 @@ void train_in_live_rounds(SessionSettings& settings, std::optional<LiveRegroup>&
     SessionScope scope(open_session(settings, datasets));
     try {
       if (regroup) {
-        // Sent and written: their memory is free again.
+        // Sent and written: their memory is free again (the kept tensors once the session's
+        // model loaded them).
         regroup->state.reset();
+        regroup->kept.reset();
         regroup->own.reset();
       }
       train_loop(config);

@@ -20,6 +20,7 @@
 #include "cohort/train/context.h"
 #include "train/async_checkpoint.h"
 #include "train/data_positions.h"
+#include "train/kept_tensors.h"
 
 namespace cohort::train {
 
@@ -71,6 +72,9 @@ struct WorkerSession {
   int64_t steps_through_step_optimizer = 0;
   std::map<std::string, data::Dataset> datasets;
   std::optional<Checkpoint> resume_from;
+  // After a live regroup, the tensors of this rank's own state that resume_from's folder lacks
+  // (kept_tensors.h): read in place of its files, and dropped once the model loaded them.
+  KeptState kept_state;
   int64_t reports = 0;
   int64_t next_checkpoint_index = 0;  // rank 0 names checkpoints
   decltype(ScalingConfig::on_world_size_change) on_world_size_change;

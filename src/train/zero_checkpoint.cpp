@@ -16,6 +16,7 @@
 #include "cohort/optim/flat_optimizer.h"
 #include "cohort/optim/state_dict.h"
 #include "cohort/train/checkpoint.h"
+#include "train/kept_tensors.h"
 #include "train/model_file.h"
 #include "train/run_files.h"
 #include "train/state_files.h"
@@ -685,7 +686,7 @@ void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Mod
 
 void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& module,
                        const std::filesystem::path& file) {
-  const auto header = safetensors::read_header(file);
+  const auto header = tensor_file_header(file);
   const auto tensors = model_tensors(module);
   // load_model's checks, before anything is read: every rank reads the same header.
   std::map<std::string, std::vector<int64_t>> shapes;

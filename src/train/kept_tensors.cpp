@@ -1,0 +1,103 @@
+#include "train/kept_tensors.h"
+
+#include <c10/core/ScalarType.h>
+
+#include "cohort/error.h"
+#include "cohort/train/checkpoint.h"
+#include "train/run_files.h"
+#include "train/worker_session.h"
+
+namespace cohort::train {
+namespace {
+
+// The innermost TensorKeeping of this thread.
+thread_local TensorKeeping* active_keeping = nullptr;
+
+// `path` relative to `root`, or empty where it is not under it.
+std::string relative_under(const std::filesystem::path& path, const std::filesystem::path& root) {
+  const auto rel = path.lexically_normal().lexically_relative(root.lexically_normal());
+  if (rel.empty() || *rel.begin() == "..") return {};
+  return rel.string();
+}
+
+}  // namespace
+
+TensorKeeping::TensorKeeping(std::filesystem::path root, KeptTensorFiles& kept)
+    : root_(std::move(root)), kept_(kept), previous_(active_keeping) {
+  active_keeping = this;
+}
+
+TensorKeeping::~TensorKeeping() { active_keeping = previous_; }
+
+bool TensorKeeping::keep(const std::filesystem::path& file,
+                         const std::map<std::string, at::Tensor>& tensors,
+                         const std::map<std::string, std::string>& metadata) {
+  if (active_keeping == nullptr) return false;
+  const auto relative = relative_under(file, active_keeping->root_);
+  if (relative.empty()) return false;
+  for (const auto& [name, tensor] : tensors)
+    if (!tensor.is_cpu()) return false;
+  KeptTensorFile kept{.metadata = metadata};
+  for (const auto& [name, tensor] : tensors) {
+    (void)safetensors::dtype_name(tensor.scalar_type(), name);  // one the format holds
+    kept.tensors[name] = tensor.detach().contiguous();
+  }
+  active_keeping->kept_[relative] = std::move(kept);
+  return true;
+}
+
+const KeptTensorFile* kept_tensor_file(const std::filesystem::path& file) {
+  const WorkerSession* session = current_session();
+  if (session == nullptr || !session->kept_state.files) return nullptr;
+  const auto relative = relative_under(std::filesystem::absolute(file), session->kept_state.root);
+  if (relative.empty()) return nullptr;
+  const auto found = session->kept_state.files->find(relative);
+  return found == session->kept_state.files->end() ? nullptr : &found->second;
+}
+
+safetensors::Header header_of(const KeptTensorFile& kept) {
+  safetensors::Header header{.metadata = kept.metadata};
+  int64_t offset = 0;
+  for (const auto& [name, tensor] : kept.tensors) {
+    const int64_t bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
+    header.tensors[name] = {.dtype = tensor.scalar_type(),
+                            .shape = tensor.sizes().vec(),
+                            .begin = offset,
+                            .end = offset + bytes};
+    offset += bytes;
+  }
+  return header;
+}
+
+safetensors::Header tensor_file_header(const std::filesystem::path& file) {
+  if (const auto* kept = kept_tensor_file(file)) return header_of(*kept);
+  return safetensors::read_header(file);
+}
+
+void read_kept_elements(const KeptTensorFile& kept, const std::filesystem::path& file,
+                        const std::string& name, int64_t first, at::Tensor& out) {
+  const auto found = kept.tensors.find(name);
+  if (found == kept.tensors.end())
+    throw UsageError("safetensors file " + file.string() + " has no tensor '" + name + "'");
+  const auto& tensor = found->second;
+  if (out.scalar_type() != tensor.scalar_type() || !out.is_contiguous() || !out.is_cpu() ||
+      first < 0 || first + out.numel() > tensor.numel()) {
+    throw UsageError("safetensors file " + file.string() + ": elements [" + std::to_string(first) +
+                     ", " + std::to_string(first + out.numel()) + ") of '" + name +
+                     "' are outside the tensor or of another dtype");
+  }
+  if (out.numel() == 0) return;
+  out.view({-1}).copy_(tensor.view({-1}).narrow(0, first, out.numel()));
+}
+
+void capture_with_kept(const CapturedFiles& captured, const KeptTensorFiles& kept,
+                       CapturedFiles& out) {
+  // Any root: the capture takes every file under it into memory.
+  const std::filesystem::path root = "/.cohort-send";
+  FileCapture capture(root, out);
+  for (const auto& [relative, bytes] : captured.files()) write_atomically(root / relative, *bytes);
+  for (const auto& [relative, file] : kept)
+    safetensors::write(root / relative, file.tensors, file.metadata);
+}
+
+}  // namespace cohort::train
