@@ -213,7 +213,7 @@ void add_run_options(CLI::App* cmd, RunOptions& o) {
                   "when a worker dies or hangs: restart the group from the latest checkpoint or "
                   "snapshot (--max-failures times), or live: the survivors go on without it at "
                   "the current step, in the same processes, with a replacement in the lost one's "
-                  "place (DDP, local SGD, DiLoCo and ZeRO 1-2 in sharding groups, under the "
+                  "place (DDP, local SGD, DiLoCo and ZeRO 1-3 in sharding groups, under the "
                   "local driver or cohort launch)")
       ->capture_default_str();
   add_bool_flag(cmd, "--replace-lost,!--no-replace-lost", o.replace_lost,

@@ -432,7 +432,10 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer) {
   // ZeRO stage 3: every rank reads its shards' ranges of the units' parameters.
   const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer);
-  if (sharded != nullptr && !sharded->sharded_units().empty()) {
+  if (sharded != nullptr && holds_state(checkpoint.path(), detail::kModelPiecesPart)) {
+    // A live regroup's state of ZeRO stage 3: the ranges of the rank whose shards this one holds.
+    detail::load_model_pieces(*sharded, module, checkpoint.path());
+  } else if (sharded != nullptr && !sharded->sharded_units().empty()) {
     detail::load_model_shards(*sharded, module, checkpoint.path() / "model.safetensors");
   } else {
     load_model(module, checkpoint.path() / "model.safetensors");

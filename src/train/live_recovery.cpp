@@ -139,9 +139,14 @@ void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& 
     return;
   }
   if (sharded != nullptr) {
-    // ZeRO: its shard, which its manifest alone names (the others come from other ranks).
-    save_model(module, dir / "model.safetensors");
+    // ZeRO: its shard, which its manifest alone names (the others come from other ranks); at
+    // stage 3 the model as its pieces (no collective gathers it whole in a broken group).
     const auto state = sharded->state_dict();
+    if (sharded->sharded_units().empty()) {
+      save_model(module, dir / "model.safetensors");
+    } else {
+      detail::save_model_pieces(dir, *sharded, module, state.shard, state.shards);
+    }
     save_state(dir, sharded->part_name(), state);
     detail::write_state_manifest(
         dir, sharded->part_name(), state.shards,

@@ -18,15 +18,16 @@
 //      as far as the source saves its own (the same state, with DDP) into memory too: nothing
 //      needs to reach it. Without replicas the tensors of those saves are kept as they were, not
 //      copied (kept_tensors.h): the rank loads its own state back from them, and serialises them
-//      only for a peer it sends them to. ZeRO 1-2 in sharding groups: each rank takes its whole
-//      state from a survivor as far that held the same shard (itself, where it can): the model,
-//      that shard and the run state; after the load, the parameters are gathered from the shards
-//      again (ShardedState::gather_parameters_from_shards), as a failure may have cut the
-//      all-gather after the last step short. Where each rank holds a replica of its own (local SGD,
-//      DiLoCo: ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer
-//      state and takes the rest from the source; the others (a replacement, a survivor behind)
-//      take the source's replica. The lost worker's progress since the last synchronisation is
-//      gone; its rows count as trained on.
+//      only for a peer it sends them to. ZeRO 1-3 in sharding groups: each rank takes its whole
+//      state from a survivor as far that held the same shard (itself, where it can): the model
+//      (at stage 3 the pieces of it that rank held), that shard and the run state; after the load,
+//      the parameters are gathered from the shards again
+//      (ShardedState::gather_parameters_from_shards), as a failure may have cut the all-gather
+//      after the last step short. Where each rank holds a replica of its own (local SGD, DiLoCo:
+//      ShardedState::holds_replicas), such a survivor keeps its replica and inner optimizer state
+//      and takes the rest from the source; the others (a replacement, a survivor behind) take the
+//      source's replica. The lost worker's progress since the last synchronisation is gone; its
+//      rows count as trained on.
 //   4. run_worker joins the new group (a replacement joins it from the start, SessionSpec::
 //      live_round) and heal_from_peer() sends the source's state to those that need it; the
 //      loop runs again from that checkpoint: every rank the same parameters and optimizer state
@@ -128,11 +129,11 @@ decltype(auto) live_collective(Collective&& collective) {
 
 // What a regroup captures of a ParallelModel's state (`module`, `optimizer`) into `dir`. Where
 // every rank holds the same state: the whole of it (DDP's optimizer state as one shard, which
-// loads as fast as a copy). ZeRO: the model and this rank's shard, which its manifest alone
-// names (a rank of another sharding group with the same shard takes it). With replicas: this rank's
-// as rank `rank` of the new group of `world_size` and, when `whole` (the source), the state every
-// rank shares: the model file (the global parameters), the replicas' manifest (its values; the
-// files each rank's own) and the run state.
+// loads as fast as a copy). ZeRO: the model (at stage 3 this rank's pieces of it) and this rank's
+// shard, which its manifest alone names (a rank of another sharding group with the same shard takes
+// it). With replicas: this rank's as rank `rank` of the new group of `world_size` and, when `whole`
+// (the source), the state every rank shares: the model file (the global parameters), the replicas'
+// manifest (its values; the files each rank's own) and the run state.
 void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& module,
                      torch::optim::Optimizer& optimizer, int rank, int world_size, bool whole);
 

@@ -155,14 +155,11 @@ std::string Plan::live_recovery_refusal(int world_size) const {
   if (has_mesh()) {
     what = "a pipeline or tensor parallelism (--pp " + std::to_string(pp) + ", --tp " +
            std::to_string(tp) + ": the lost worker's stage or slices live nowhere else)";
-  } else if (zero.stage == 3) {
-    what =
-        "ZeRO stage 3 (--zero-stage: the lost worker's shard of the parameters is not "
-        "recovered live yet)";
   } else if (zero.stage > 0 && !shards_replicated) {
     return "live recovery (--recovery live) cannot go on without a lost worker of ZeRO stage " +
-           std::to_string(zero.stage) +
-           " sharded over every worker (--zero-stage: its optimizer shard lives nowhere else): "
+           std::to_string(zero.stage) + " sharded over every worker (--zero-stage: its " +
+           (zero.stage == 3 ? "shard of the parameters and " : "") +
+           "optimizer shard lives nowhere else): "
            "give each shard a replica with --shard-group-size S (S a divisor of the workers, "
            "below them), or use --recovery restart, with --snapshot-every-steps K to restore "
            "from in-memory snapshots instead of the disk";

@@ -712,6 +712,55 @@ void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& mo
   }
 }
 
+// The module's tensors as this rank's pieces: its ranges of the sharded parameters, the others
+// whole (1-D views).
+std::map<std::string, optim::StateTensor> model_pieces(const optim::ShardedState& sharded,
+                                                       const torch::nn::Module& module) {
+  const auto shards = sharded.parameter_shards();
+  std::map<std::string, optim::StateTensor> out;
+  for (const auto& [name, tensor] : model_tensors(module)) {
+    const auto piece = shards.find(name);
+    if (piece != shards.end()) {
+      out[name] = {.values = piece->second.values.view({-1}),
+                   .offset = piece->second.offset,
+                   .numel = tensor.numel()};
+    } else {
+      out[name] = {.values = tensor.detach().reshape({-1}), .offset = 0, .numel = tensor.numel()};
+    }
+  }
+  return out;
+}
+
+void save_model_pieces(const std::filesystem::path& dir, const optim::ShardedState& sharded,
+                       const torch::nn::Module& module, int shard, int shards) {
+  optim::StateDict state;
+  state.tensors = model_pieces(sharded, module);
+  state.shard = shard;
+  state.shards = shards;
+  save_state(dir, kModelPiecesPart, state);
+  write_state_manifest(dir, kModelPiecesPart, shards,
+                       {rank_file(kModelPiecesPart, shard, shards, ".safetensors")},
+                       Json::object());
+}
+
+void load_model_pieces(const optim::ShardedState& sharded, torch::nn::Module& module,
+                       const std::filesystem::path& dir) {
+  const StateFiles files(dir, kModelPiecesPart);
+  const auto shards = sharded.parameter_shards();
+  torch::NoGradGuard no_grad;
+  for (auto& [name, tensor] : model_tensors(module)) {
+    if (const auto piece = shards.find(name); piece != shards.end()) {
+      files.read(name, piece->second.offset, piece->second.values.view({-1}));
+    } else if (tensor.is_contiguous()) {
+      files.read(name, 0, tensor.view({-1}));
+    } else {
+      auto staging = at::empty({tensor.numel()}, tensor.options());
+      files.read(name, 0, staging);
+      tensor.copy_(staging.view(tensor.sizes()));
+    }
+  }
+}
+
 }  // namespace cohort::train::detail
 
 namespace cohort::train {

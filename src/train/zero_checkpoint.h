@@ -77,4 +77,18 @@ void save_model_by_unit(const optim::ShardedState& sharded, const torch::nn::Mod
 void load_model_shards(const optim::ShardedState& sharded, torch::nn::Module& module,
                        const std::filesystem::path& file);
 
+// ZeRO stage 3 without a collective (a live regroup's state, whose group is broken): the module
+// as the part kModelPiecesPart of this rank's pieces, `shard` of `shards` (its ZeRO state's):
+// its shards' ranges of the units' parameters (ShardedState::parameter_shards) and the other
+// tensors whole. The manifest names this rank's file only (the state of one rank, taken whole by
+// a rank that holds the same shards).
+inline constexpr const char* kModelPiecesPart = "model_pieces";
+void save_model_pieces(const std::filesystem::path& dir, const optim::ShardedState& sharded,
+                       const torch::nn::Module& module, int shard, int shards);
+// Its inverse: each parameter's range this rank holds (or the whole tensor) from the part's
+// pieces; a UsageError naming the tensor where they do not cover it (the pieces of another
+// shard).
+void load_model_pieces(const optim::ShardedState& sharded, torch::nn::Module& module,
+                       const std::filesystem::path& dir);
+
 }  // namespace cohort::train::detail

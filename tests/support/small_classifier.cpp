@@ -24,6 +24,9 @@ train::Plan plan_named(const std::string& name) {
   if (name == "zero2") plan.zero.stage = 2;
   if (name == "zero3") plan.zero.stage = 3;
   if (name == "hsdp") plan.zero = {.stage = 2, .shard_group_size = 2};
+  // Stage 3 in groups of 2, every unit sharded (the classifier's are small).
+  if (name == "hsdp3")
+    plan.zero = {.stage = 3, .param_persistence_threshold = 0, .shard_group_size = 2};
   if (name == "pipeline") plan.pp = 2;
   if (name == "mesh") {
     plan.pp = 2;

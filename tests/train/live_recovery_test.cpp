@@ -29,11 +29,13 @@ using testing::kClassifierRows;
 // the loop, and "<epoch> <id>" of each row of its completed steps to <files>-<pid>.txt. Each epoch
 // reports the spread of the ranks' parameter sums after a synchronisation (0: the replicas
 // agree). Each process also writes to <files>-<pid>-sums.txt the sum of its parameters after
-// each step ("step <steps> <sum>") and after loading a checkpoint ("loaded <sum>").
+// each step ("step <steps> <sum>") and after loading a checkpoint ("loaded <sum>"); at ZeRO stage
+// 3 that of the parameters it holds whole (none where every unit is sharded: a gather would be a
+// collective of its own).
 double parameter_sum(train::ParallelModel& model) {
   double sum = 0;
   for (const auto& p : model.module().parameters())
-    sum += p.detach().to(torch::kDouble).sum().item<double>();
+    if (p.storage().nbytes() > 0) sum += p.detach().to(torch::kDouble).sum().item<double>();
   return sum;
 }
 
@@ -239,6 +241,21 @@ TEST_F(LiveRecovery, ZeroInShardingGroupsTakesTheLostShardFromItsReplica) {
     const std::string name = "hsdp-killed" + std::to_string(rank);
     const auto killed =
         fit(name, {{"plan", "hsdp"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
+            {}, 0, /*workers=*/4);
+    expect_went_on_as(name, killed, whole, 4);
+  }
+}
+
+// The same at ZeRO stage 3, every unit sharded: the replacement takes its shard of the parameters
+// too from that survivor (as pieces: no collective gathers the model in the broken group).
+TEST_F(LiveRecovery, ZeroStageThreeInShardingGroupsTakesTheLostShardFromItsReplica) {
+  const auto whole = fit("hsdp3-whole", {{"plan", "hsdp3"}}, {}, 0, /*workers=*/4);
+  ASSERT_TRUE(whole.ok()) << *whole.error;
+  for (int rank : {0, 2}) {
+    SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
+    const std::string name = "hsdp3-killed" + std::to_string(rank);
+    const auto killed =
+        fit(name, {{"plan", "hsdp3"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
             {}, 0, /*workers=*/4);
     expect_went_on_as(name, killed, whole, 4);
   }
