@@ -23,11 +23,9 @@
 namespace cohort {
 namespace safetensors {
 
-void write_streaming(
-    const std::filesystem::path& file,
+std::string file_prefix(
     const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
-    const std::map<std::string, std::string>& metadata,
-    const std::function<at::Tensor(const std::string&)>& tensor_of) {
+    const std::map<std::string, std::string>& metadata, int64_t& data_bytes) {
   Json header = Json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   int64_t offset = 0;
@@ -43,13 +41,26 @@ void write_streaming(
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // aligns the data, as the reference writer does
-  const int64_t size = 8 + static_cast<int64_t>(text.size()) + offset;
+  std::string prefix(8, '\0');
+  const uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i)
+    prefix[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  data_bytes = offset;
+  return prefix + text;
+}
+
+void write_streaming(
+    const std::filesystem::path& file,
+    const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
+    const std::map<std::string, std::string>& metadata,
+    const std::function<at::Tensor(const std::string&)>& tensor_of) {
+  int64_t data_bytes = 0;
+  const std::string prefix = file_prefix(layout, metadata, data_bytes);
+  const int64_t size = static_cast<int64_t>(prefix.size()) + data_bytes;
   write_atomically(
       file,
       [&](std::ostream& out) {
-        const uint64_t n = text.size();
-        for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xff));
-        out.write(text.data(), static_cast<std::streamsize>(text.size()));
+        out.write(prefix.data(), static_cast<std::streamsize>(prefix.size()));
         for (const auto& [name, info] : layout) {
           const auto t = tensor_of(name).detach().to(at::kCPU).contiguous();
           if (t.scalar_type() != info.first || t.sizes().vec() != info.second) {

@@ -1,10 +1,14 @@
 #include "train/kept_tensors.h"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/core/ScalarType.h>
+
+#include <memory>
+#include <string_view>
+#include <utility>
 
 #include "cohort/error.h"
 #include "cohort/train/checkpoint.h"
-#include "train/run_files.h"
 #include "train/worker_session.h"
 
 namespace cohort::train {
@@ -44,6 +48,21 @@ bool TensorKeeping::keep(const std::filesystem::path& file,
   }
   active_keeping->kept_[relative] = std::move(kept);
   return true;
+}
+
+KeptTensorFile kept_from_bytes(std::string bytes, const std::filesystem::path& file) {
+  auto owned = std::make_shared<std::string>(std::move(bytes));
+  const std::string_view all(*owned);
+  const auto size = static_cast<int64_t>(all.size());
+  const uint64_t length = safetensors::header_length(all.substr(0, 8), size, file.string());
+  const auto header = safetensors::parse_header(all.substr(8, length), size, file.string());
+  KeptTensorFile kept{.metadata = header.metadata};
+  char* data = owned->data() + header.data_start;
+  for (const auto& [name, info] : header.tensors) {
+    kept.tensors[name] = at::from_blob(
+        data + info.begin, info.shape, [owned](void*) {}, at::TensorOptions(info.dtype));
+  }
+  return kept;
 }
 
 const KeptTensorFile* kept_tensor_file(const std::filesystem::path& file) {
@@ -88,16 +107,6 @@ void read_kept_elements(const KeptTensorFile& kept, const std::filesystem::path&
   }
   if (out.numel() == 0) return;
   out.view({-1}).copy_(tensor.view({-1}).narrow(0, first, out.numel()));
-}
-
-void capture_with_kept(const CapturedFiles& captured, const KeptTensorFiles& kept,
-                       CapturedFiles& out) {
-  // Any root: the capture takes every file under it into memory.
-  const std::filesystem::path root = "/.cohort-send";
-  FileCapture capture(root, out);
-  for (const auto& [relative, bytes] : captured.files()) write_atomically(root / relative, *bytes);
-  for (const auto& [relative, file] : kept)
-    safetensors::write(root / relative, file.tensors, file.metadata);
 }
 
 }  // namespace cohort::train

@@ -12,10 +12,6 @@
 
 #include "cohort/train/safetensors_header.h"
 
-namespace cohort {
-class CapturedFiles;
-}
-
 namespace cohort::train {
 
 // The safetensors file a save would have written: its tensors (the saver's own, not copied) and
@@ -55,6 +51,10 @@ struct KeptState {
   std::shared_ptr<const KeptTensorFiles> files;
 };
 
+// A safetensors file's `bytes` (received from a peer) as its tensors, over those bytes (no copy);
+// a UsageError naming `file` where they are no such file (safetensors::parse_header's checks).
+KeptTensorFile kept_from_bytes(std::string bytes, const std::filesystem::path& file);
+
 // The kept file at `file` in this thread's worker session's kept state; null where none is kept
 // there (outside a session too).
 const KeptTensorFile* kept_tensor_file(const std::filesystem::path& file);
@@ -67,10 +67,5 @@ safetensors::Header tensor_file_header(const std::filesystem::path& file);
 // CPU tensor of its dtype): safetensors::read_elements' checks and errors.
 void read_kept_elements(const KeptTensorFile& kept, const std::filesystem::path& file,
                         const std::string& name, int64_t first, at::Tensor& out);
-
-// `captured`'s files and `kept`'s, each as the bytes of its file, captured in `out` (replaced):
-// what a peer is sent.
-void capture_with_kept(const CapturedFiles& captured, const KeptTensorFiles& kept,
-                       CapturedFiles& out);
 
 }  // namespace cohort::train

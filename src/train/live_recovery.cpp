@@ -254,13 +254,25 @@ void regroup_after(const PeerFailureError& error) {
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,
-                          int umask) {
+                          int umask, KeptState& kept) {
   // Whether new rank `rank` keeps its own state (a replacement knows of none, and keeps none).
   const auto keeps_own = [&](int rank) {
     return !regroup.keeps_own.empty() && regroup.keeps_own[static_cast<size_t>(rank)];
   };
   remove_tree(dir);
   std::filesystem::create_directories(dir);
+  // What a peer sent: its safetensors files kept as tensors over the bytes received, the rest
+  // written.
+  auto received = std::make_shared<KeptTensorFiles>();
+  const auto take_files = [&](std::vector<std::pair<std::string, std::string>> files) {
+    for (auto& [name, bytes] : files) {
+      if (std::filesystem::path(name).extension() == ".safetensors") {
+        (*received)[name] = kept_from_bytes(std::move(bytes), dir / name);
+      } else {
+        write_atomically(dir / name, bytes);
+      }
+    }
+  };
   if (regroup.world_size > 1) {
     // Gloo whatever the training's backend: the files are host memory.
     auto group = comm::ProcessGroup::create(store, regroup.rank, regroup.world_size,
@@ -283,19 +295,14 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
     // shares from the source, but not its replica.
     const auto sent_to = [&](int rank) { return !keeps_own(rank) || regroup.replicas; };
     if (!provider.empty()) {
-      // The state as files for the peers this rank provides (its kept tensors serialised once).
-      CapturedFiles sent;
+      // The state as files to the peers this rank provides (its kept tensors from their memory).
       std::vector<SendsInFlight> sends;
       for (int peer = 0; peer < regroup.world_size; ++peer) {
-        if (peer == regroup.rank || provider[static_cast<size_t>(peer)] != regroup.rank) continue;
-        if (sends.empty() && regroup.kept) capture_with_kept(*regroup.state, *regroup.kept, sent);
-        sends.push_back(send_files_async(group, peer, regroup.kept ? sent : *regroup.state, {}));
+        if (peer != regroup.rank && provider[static_cast<size_t>(peer)] == regroup.rank)
+          sends.push_back(send_files_async(group, peer, *regroup.state, {}, regroup.kept.get()));
       }
       const int from = provider[static_cast<size_t>(regroup.rank)];
-      if (from != regroup.rank) {
-        for (const auto& [name, bytes] : receive_files(group, from))
-          write_atomically(dir / name, bytes);
-      }
+      if (from != regroup.rank) take_files(receive_files(group, from));
       for (auto& send : sends) send.wait();
     } else if (regroup.rank == regroup.source) {
       const std::set<std::string> replica{replica_file(regroup.source, regroup.world_size)};
@@ -307,8 +314,7 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
       }
       for (auto& send : sends) send.wait();
     } else if (sent_to(regroup.rank)) {
-      for (const auto& [name, bytes] : receive_files(group, regroup.source))
-        write_atomically(dir / name, bytes);
+      take_files(receive_files(group, regroup.source));
     }
   }
   if (regroup.state) merge_captured(*regroup.state, dir, 0, umask);
@@ -321,6 +327,13 @@ Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                            regroup.world_size);
   }
   write_manifest(dir);
+  const auto root = std::filesystem::absolute(dir);
+  if (!received->empty()) {
+    kept = {.root = root, .files = received};
+  } else if (regroup.kept && !regroup.provider.empty() &&
+             regroup.provider[static_cast<size_t>(regroup.rank)] == regroup.rank) {
+    kept = {.root = root, .files = regroup.kept};  // its own
+  }
   return Checkpoint::from_directory(dir);
 }
 

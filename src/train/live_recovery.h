@@ -141,10 +141,12 @@ void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& 
 // the state the regroup captured, where it keeps none of its own (and with replicas the source
 // sends what every rank shares to those that keep their replica) over a Gloo group of their
 // own; every rank writes its state into `dir` (replaced) with its manifest, and gets it as a
-// checkpoint to resume from.
+// checkpoint to resume from. Its safetensors files are not written where they are tensors in
+// memory (kept_tensors.h): its own the regroup kept, or those a peer sent (over the bytes
+// received); `kept` is set to them, for the session to read in place of those files.
 Checkpoint heal_from_peer(const LiveRegroup& regroup, const comm::Store& store,
                           const std::string& token, const std::string& interface_address,
                           std::chrono::milliseconds timeout, const std::filesystem::path& dir,
-                          int umask);
+                          int umask, KeptState& kept);
 
 }  // namespace cohort::train

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -27,3 +28,14 @@ void read_into(const std::filesystem::path& file, const safetensors::Header& hea
                const std::string& name, int64_t first, at::Tensor& target);
 
 }  // namespace cohort::train::detail
+
+namespace cohort::safetensors {
+
+// The bytes of a safetensors file before its tensors' (the header's length and the header), for
+// tensors of `layout` (each name's dtype and shape; the data in name order) and `metadata`:
+// safetensors::write's. `data_bytes` is set to the bytes of the tensors that follow.
+std::string file_prefix(
+    const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
+    const std::map<std::string, std::string>& metadata, int64_t& data_bytes);
+
+}  // namespace cohort::safetensors

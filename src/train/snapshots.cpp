@@ -10,6 +10,7 @@
 
 #include "cohort/error.h"
 #include "cohort/hash.h"
+#include "train/model_file.h"
 
 namespace cohort::train {
 namespace {
@@ -98,16 +99,40 @@ void SendsInFlight::wait() {
 }
 
 SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files,
-                               const std::set<std::string>& except) {
+                               const std::set<std::string>& except, const KeptTensorFiles* kept) {
   auto sent = files.files();
   sent.erase(std::remove_if(sent.begin(), sent.end(),
                             [&](const auto& file) { return except.count(file.first) > 0; }),
              sent.end());
-  // A header (each file's name and size), its length, then each file's bytes: the receiver
-  // allocates as it learns the sizes.
+  // A header (each file's name and size, and for a kept file the sizes of the parts it comes
+  // in), its length, then each file's bytes (or parts): the receiver allocates as it learns the
+  // sizes.
   Json header = Json::array();
   for (const auto& [name, bytes] : sent)
     header.push_back({{"name", name}, {"size", bytes->size()}});
+  // A kept file: its prefix (safetensors::write's), then each tensor's bytes in name order, the
+  // tensor's own memory.
+  std::vector<at::Tensor> parts;
+  if (kept != nullptr) {
+    for (const auto& [name, file] : *kept) {
+      if (except.count(name) > 0) continue;
+      std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
+      for (const auto& [tensor_name, tensor] : file.tensors)
+        layout[tensor_name] = {tensor.scalar_type(), tensor.sizes().vec()};
+      int64_t data_bytes = 0;
+      const auto prefix = safetensors::file_prefix(layout, file.metadata, data_bytes);
+      Json sizes = Json::array({prefix.size()});
+      parts.push_back(bytes_tensor(prefix).clone());
+      for (const auto& [tensor_name, tensor] : file.tensors) {
+        const int64_t bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
+        sizes.push_back(bytes);
+        parts.push_back(torch::from_blob(tensor.data_ptr(), {bytes}, torch::kUInt8));
+      }
+      header.push_back({{"name", name},
+                        {"size", static_cast<int64_t>(prefix.size()) + data_bytes},
+                        {"parts", sizes}});
+    }
+  }
   SendsInFlight sends;
   const std::string text = header.dump();
   sends.tensors.push_back(torch::tensor({static_cast<int64_t>(text.size())}, torch::kInt64));
@@ -116,6 +141,8 @@ SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const Captur
   sends.tensors.push_back(header_bytes);
   for (const auto& [name, bytes] : sent)
     if (!bytes->empty()) sends.tensors.push_back(bytes_tensor(*bytes));
+  for (const auto& part : parts)
+    if (part.numel() > 0) sends.tensors.push_back(part);
   for (const auto& tensor : sends.tensors) sends.works.push_back(group.send_async(tensor, peer));
   return sends;
 }
@@ -139,7 +166,21 @@ std::vector<std::pair<std::string, std::string>> receive_files(comm::ProcessGrou
       }
     }
     std::string bytes(entry.at("size").get<size_t>(), '\0');
-    if (!bytes.empty()) {
+    if (entry.contains("parts")) {
+      // Received part by part into their places in the file.
+      size_t at = 0;
+      for (const auto& part : entry.at("parts")) {
+        const auto size = part.get<size_t>();
+        if (size == 0) continue;
+        if (at + size > bytes.size())
+          throw RuntimeError("rank " + std::to_string(peer) + " sent the parts of " +
+                             name.string() + " past its size of " + std::to_string(bytes.size()));
+        auto into =
+            torch::from_blob(bytes.data() + at, {static_cast<int64_t>(size)}, torch::kUInt8);
+        group.recv(into, peer);
+        at += size;
+      }
+    } else if (!bytes.empty()) {
       auto into = bytes_tensor(bytes);
       group.recv(into, peer);
     }

@@ -22,6 +22,7 @@
 
 #include "cohort/comm/process_group.h"
 #include "cohort/json.h"
+#include "train/kept_tensors.h"
 #include "train/run_files.h"
 
 namespace cohort::train {
@@ -50,9 +51,11 @@ struct SendsInFlight {
   std::vector<at::Tensor> tensors;
   void wait();
 };
-// Every file of `files` but those named in `except`.
+// Every file of `files` but those named in `except`; and `kept`'s files, where given, as the bytes
+// of their files straight from their tensors (no copy into file bytes first).
 SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const CapturedFiles& files,
-                               const std::set<std::string>& except = {});
+                               const std::set<std::string>& except = {},
+                               const KeptTensorFiles* kept = nullptr);
 std::vector<std::pair<std::string, std::string>> receive_files(comm::ProcessGroup& group, int peer);
 
 // One committed snapshot of a node: the ranks whose files it holds, its own or copies.

@@ -174,15 +174,9 @@ std::unique_ptr<WorkerSession> open_session(SessionSettings settings,
   session->live_token = settings.live_token;
   if (settings.regroup != nullptr) {
     session->live_round = settings.regroup->round;
-    session->resume_from = heal_from_peer(*settings.regroup, settings.store, settings.run_token,
-                                          settings.interface_address, settings.setup_timeout,
-                                          live_state_folder(settings), settings.umask);
-    // Its own state: the tensors its safetensors files would hold, as the regroup kept them.
-    const auto& regroup = *settings.regroup;
-    if (regroup.kept && !regroup.provider.empty() &&
-        regroup.provider[static_cast<size_t>(regroup.rank)] == regroup.rank)
-      session->kept_state = {.root = std::filesystem::absolute(session->resume_from->path()),
-                             .files = regroup.kept};
+    session->resume_from = heal_from_peer(
+        *settings.regroup, settings.store, settings.run_token, settings.interface_address,
+        settings.setup_timeout, live_state_folder(settings), settings.umask, session->kept_state);
   }
   if (!settings.snapshot_path.empty()) {
     session->snapshot_folder = snapshot_run_folder(settings.snapshot_path, settings.run_dir);
