@@ -229,35 +229,23 @@ TEST_F(LiveRecovery, AKilledWorkerIsReplacedAndTheRunMatchesAnUninterruptedOne) 
   }
 }
 
-// ZeRO stage 2 in sharding groups of 2 over 4 workers (each shard held by two ranks), rank 0 or 3
-// killed after step 2: the replacement takes the model and its shard from the survivor that held
-// the same shard, the survivors keep their own; the run ends as one that never failed, bit for
-// bit.
+// ZeRO stage 2, then stage 3 (every unit sharded), in sharding groups of 2 over 4 workers (each
+// shard held by two ranks), rank 0 or 3 killed after step 2: the replacement takes the model and
+// its shard from the survivor that held the same shard (at stage 3 the pieces of the model that
+// survivor held: no collective gathers it in the broken group), the survivors keep their own; the
+// run ends as one that never failed, bit for bit.
 TEST_F(LiveRecovery, ZeroInShardingGroupsTakesTheLostShardFromItsReplica) {
-  const auto whole = fit("hsdp-whole", {{"plan", "hsdp"}}, {}, 0, /*workers=*/4);
-  ASSERT_TRUE(whole.ok()) << *whole.error;
-  for (int rank : {0, 3}) {
-    SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
-    const std::string name = "hsdp-killed" + std::to_string(rank);
-    const auto killed =
-        fit(name, {{"plan", "hsdp"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
-            {}, 0, /*workers=*/4);
-    expect_went_on_as(name, killed, whole, 4);
-  }
-}
-
-// The same at ZeRO stage 3, every unit sharded: the replacement takes its shard of the parameters
-// too from that survivor (as pieces: no collective gathers the model in the broken group).
-TEST_F(LiveRecovery, ZeroStageThreeInShardingGroupsTakesTheLostShardFromItsReplica) {
-  const auto whole = fit("hsdp3-whole", {{"plan", "hsdp3"}}, {}, 0, /*workers=*/4);
-  ASSERT_TRUE(whole.ok()) << *whole.error;
-  for (int rank : {0, 2}) {
-    SCOPED_TRACE("rank " + std::to_string(rank) + " killed");
-    const std::string name = "hsdp3-killed" + std::to_string(rank);
-    const auto killed =
-        fit(name, {{"plan", "hsdp3"}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
-            {}, 0, /*workers=*/4);
-    expect_went_on_as(name, killed, whole, 4);
+  for (const std::string plan : {"hsdp", "hsdp3"}) {
+    const auto whole = fit(plan + "-whole", {{"plan", plan}}, {}, 0, /*workers=*/4);
+    ASSERT_TRUE(whole.ok()) << *whole.error;
+    for (int rank : {0, 3}) {
+      SCOPED_TRACE(plan + ", rank " + std::to_string(rank) + " killed");
+      const std::string name = plan + "-killed" + std::to_string(rank);
+      const auto killed =
+          fit(name, {{"plan", plan}, {"fault", "kill"}, {"fault_rank", rank}, {"fault_step", 2}},
+              {}, 0, /*workers=*/4);
+      expect_went_on_as(name, killed, whole, 4);
+    }
   }
 }
 
