@@ -147,11 +147,7 @@ void save_live_state(const std::filesystem::path& dir, const torch::nn::Module& 
     } else {
       detail::save_model_pieces(dir, *sharded, module, state.shard, state.shards);
     }
-    save_state(dir, sharded->part_name(), state);
-    detail::write_state_manifest(
-        dir, sharded->part_name(), state.shards,
-        {detail::rank_file(sharded->part_name(), state.shard, state.shards, ".safetensors")},
-        state.values);
+    detail::save_own_piece(dir, sharded->part_name(), state);
     detail::save_run_state(dir);
     return;
   }

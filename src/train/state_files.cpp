@@ -24,6 +24,14 @@ void write_state_manifest(const std::filesystem::path& dir, const std::string& n
   write_atomically(dir / state_manifest_file(name), manifest.dump(2) + "\n");
 }
 
+void save_own_piece(const std::filesystem::path& dir, const std::string& name,
+                    const optim::StateDict& state) {
+  save_state(dir, name, state);
+  write_state_manifest(dir, name, state.shards,
+                       {rank_file(name.c_str(), state.shard, state.shards, ".safetensors")},
+                       state.values);
+}
+
 StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
     : dir_(std::move(dir)), what_("its " + name + " state") {
   const auto manifest_file = dir_ / state_manifest_file(name);
@@ -37,11 +45,13 @@ StateFiles::StateFiles(std::filesystem::path dir, const std::string& name)
   values_ = manifest.values;
   for (const auto& name_of_file : manifest.files) {
     const auto file = dir_ / name_of_file;
-    if (!std::filesystem::exists(file) && kept_tensor_file(file) == nullptr) {
+    const auto* kept = kept_tensor_file(file);
+    if (kept == nullptr && !std::filesystem::exists(file)) {
       throw UsageError("checkpoint " + dir_.string() + ": the shard file " + name_of_file +
                        " named by " + manifest_file.filename().string() + " is missing");
     }
-    headers_.emplace_back(file, tensor_file_header(file));
+    headers_.emplace_back(file,
+                          kept != nullptr ? header_of(*kept) : safetensors::read_header(file));
   }
   for (const auto& [file, header] : headers_) {
     for (const auto& [piece, info] : header.tensors) {

@@ -23,6 +23,10 @@ std::string state_manifest_file(const std::string& name);
 // `dir` holds `files`; its `values`.
 void write_state_manifest(const std::filesystem::path& dir, const std::string& name, int shards,
                           const std::vector<std::string>& files, const Json& values);
+// This rank's piece of part `name` (save_state) with a manifest that names its file only: the
+// state of one rank, which a rank holding the same piece takes whole (a live regroup's).
+void save_own_piece(const std::filesystem::path& dir, const std::string& name,
+                    const optim::StateDict& state);
 
 // The files of one part's state in `dir`, checked against their manifest.
 class StateFiles {

@@ -737,10 +737,7 @@ void save_model_pieces(const std::filesystem::path& dir, const optim::ShardedSta
   state.tensors = model_pieces(sharded, module);
   state.shard = shard;
   state.shards = shards;
-  save_state(dir, kModelPiecesPart, state);
-  write_state_manifest(dir, kModelPiecesPart, shards,
-                       {rank_file(kModelPiecesPart, shard, shards, ".safetensors")},
-                       Json::object());
+  save_own_piece(dir, kModelPiecesPart, state);
 }
 
 void load_model_pieces(const optim::ShardedState& sharded, torch::nn::Module& module,
