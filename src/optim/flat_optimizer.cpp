@@ -229,6 +229,36 @@ at::Tensor untouched_zeros(int64_t numel, const at::TensorOptions& options) {
       address, {numel}, [bytes](void* p) { ::munmap(p, bytes); }, options);
 }
 
+// The tensors `members` (one dtype) as one flat buffer of `numel` elements where each lies at its
+// offset in `offsets` of one storage (contiguous, one after another from the first, as a flat
+// optimizer lays them out); undefined where they do not. Members without elements are not looked
+// at.
+at::Tensor already_flat(const std::vector<at::Tensor>& members, const std::vector<int64_t>& offsets,
+                        int64_t numel) {
+  const at::Tensor* first = nullptr;
+  int64_t start = 0;
+  for (size_t k = 0; k < members.size(); ++k) {
+    const auto& m = members[k];
+    if (m.numel() == 0) continue;
+    if (!m.is_contiguous() || m.is_sparse()) return {};
+    if (first == nullptr) {
+      first = &m;
+      start = m.storage_offset() - offsets[k];
+      if (start < 0) return {};
+    } else if (!m.storage().is_alias_of(first->storage()) ||
+               m.scalar_type() != first->scalar_type() || m.device() != first->device()) {
+      return {};
+    }
+    if (m.storage_offset() != start + offsets[k]) return {};
+  }
+  if (first == nullptr) return {};
+  const auto bytes = static_cast<int64_t>(first->storage().nbytes());
+  if ((start + numel) * static_cast<int64_t>(first->element_size()) > bytes) return {};
+  auto flat = at::empty({0}, first->options());
+  flat.set_(first->storage(), start, {numel}, {1});
+  return flat;
+}
+
 // One flat layout: the parameters of a param group that share a dtype and a device.
 struct Partition {
   std::vector<size_t> members;  // indices into the group's params()
@@ -247,6 +277,8 @@ struct Partition {
   std::vector<const void*> gathered_grad;
   std::vector<int64_t> gathered_version;
   bool stepped = false;  // since the layout or the last load
+  // No step, load or view of the state since the layout: it is zeros, nothing to carry along.
+  bool state_untouched = true;
   // The fused kernels' step count (Adam, AdamW) and, on CUDA, learning rate on the partition's
   // device (see fused_update).
   DeviceScalar step_count, lr;
@@ -457,11 +489,15 @@ struct FlatOptimizer::Impl {
     const auto names = state_names_of(algorithm, o);
     for (auto& part : parts) {
       const auto& first = params[part.members.front()];
-      // A partition of one contiguous parameter steps it where it is (ZeRO's shards are such
-      // parameters, aliases into its flat buffers); others are copied into a new flat buffer.
-      const bool in_place = part.members.size() == 1 && first.is_contiguous();
-      part.params =
-          in_place ? alias_into(first, 0, {part.numel}) : at::empty({part.numel}, first.options());
+      // Parameters that already lie one after another in one buffer are stepped where they are:
+      // one contiguous parameter (ZeRO's shards are such parameters, aliases into its flat
+      // buffers), or another flat optimizer's buffer (a live regroup's kept state); others are
+      // copied into a new flat buffer.
+      std::vector<at::Tensor> members;
+      for (const auto i : part.members) members.push_back(params[i]);
+      const auto flat = already_flat(members, part.offsets, part.numel);
+      const bool in_place = flat.defined();
+      part.params = in_place ? flat : at::empty({part.numel}, first.options());
       const auto compute =
           low_precision(first.scalar_type()) ? c10::ScalarType::Float : first.scalar_type();
       // An in-place parameter whose .grad is already a flat buffer of the compute dtype keeps it
@@ -471,7 +507,7 @@ struct FlatOptimizer::Impl {
                               own_grad.scalar_type() == compute && own_grad.numel() == part.numel &&
                               own_grad.device() == first.device();
       part.grads = adopt_grad ? alias_into(own_grad, 0, {part.numel})
-                              : at::zeros({part.numel}, first.options().dtype(compute));
+                              : untouched_zeros(part.numel, first.options().dtype(compute));
       for (size_t s = 0; s < names.size(); ++s)
         part.state.push_back(untouched_zeros(part.numel, part.grads.options()));
       part.steps.assign(part.members.size(), 0);
@@ -487,6 +523,7 @@ struct FlatOptimizer::Impl {
         part.grad_aliases.push_back(member_slice(part.grads, part, k, p));
         auto c = carried.find(part.members[k]);
         if (c != carried.end()) {
+          part.state_untouched = false;
           part.steps[k] = c->second.first;
           for (size_t s = 0; s < names.size() && s < c->second.second.size(); ++s)
             member_slice(part.state[s], part, k, p).copy_(c->second.second[s]);
@@ -518,6 +555,7 @@ struct FlatOptimizer::Impl {
     std::map<size_t, std::pair<int64_t, std::vector<at::Tensor>>> carried;
     if (g < groups.size()) {
       for (const auto& part : groups[g]) {
+        if (part.state_untouched) continue;  // zeros and no steps: what a new layout holds
         for (size_t k = 0; k < part.members.size(); ++k) {
           const auto i = part.members[k];
           if (i >= params.size()) continue;
@@ -634,6 +672,7 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
       // are at the first step (after DDP gave every rank rank 0's weights, or a load).
       if (!part.master.is_same(part.params) && !part.stepped) part.master.copy_(part.params);
       part.stepped = true;
+      part.state_untouched = false;
       bool all = true, same_step = true;
       for (size_t k = 0; k < part.members.size(); ++k) {
         all = all && part.has_grad[k];
@@ -736,8 +775,10 @@ std::vector<std::string> FlatOptimizer::state_buffer_names() const {
 }
 
 std::vector<torch::Tensor> FlatOptimizer::state_buffers(size_t group) const {
-  const auto& parts = impl_->groups.at(group);
-  return parts.empty() ? std::vector<torch::Tensor>{} : parts.front().state;
+  auto& parts = impl_->groups.at(group);
+  if (parts.empty()) return {};
+  parts.front().state_untouched = false;  // they may be written
+  return parts.front().state;
 }
 
 int64_t FlatOptimizer::steps_taken(size_t group) const {
@@ -746,7 +787,10 @@ int64_t FlatOptimizer::steps_taken(size_t group) const {
 }
 
 void FlatOptimizer::set_steps_taken(size_t group, int64_t steps) {
-  for (auto& part : impl_->groups.at(group)) std::fill(part.steps.begin(), part.steps.end(), steps);
+  for (auto& part : impl_->groups.at(group)) {
+    std::fill(part.steps.begin(), part.steps.end(), steps);
+    part.state_untouched = false;
+  }
 }
 
 void FlatOptimizer::offload_state(const std::filesystem::path& dir) {
@@ -935,6 +979,7 @@ void FlatOptimizer::load(torch::serialize::InputArchive& archive) {
         }
       }
       part.stepped = true;
+      part.state_untouched = false;
     }
   }
 }
@@ -948,9 +993,10 @@ FlatOptimizer::ParameterState FlatOptimizer::parameter_state(size_t group, size_
 FlatOptimizer::ParameterState FlatOptimizer::parameter_state_views(size_t group, size_t index) {
   auto& params = param_groups_.at(group).params();
   impl_->relayout_if_moved(group, params, param_groups_[group].options());
-  for (const auto& part : impl_->groups[group]) {
+  for (auto& part : impl_->groups[group]) {
     for (size_t k = 0; k < part.members.size(); ++k) {
       if (part.members[k] != index) continue;
+      part.state_untouched = false;  // the views may be written (a load's)
       ParameterState state{.steps = part.steps[k], .values = {}};
       for (const auto& buffer : part.state)
         state.values.push_back(buffer.narrow(0, part.offsets[k], params[index].numel()));
@@ -985,11 +1031,62 @@ void FlatOptimizer::set_parameter_state(size_t group, size_t index, const Parame
         own.copy_(given.reshape({-1}));
       }
       part.stepped = true;
+      part.state_untouched = false;
       return;
     }
   }
   throw UsageError("FlatOptimizer::set_parameter_state: param group " + std::to_string(group) +
                    " has no parameter " + std::to_string(index));
+}
+
+bool FlatOptimizer::adopt(size_t group, const std::vector<torch::Tensor>& weights,
+                          const std::vector<ParameterState>& states) {
+  torch::NoGradGuard no_grad;
+  auto& params = param_groups_.at(group).params();
+  const auto& options = param_groups_[group].options();
+  if (weights.size() != params.size() || states.size() != params.size()) return false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& w = weights[i];
+    if (!w.defined() || w.sizes() != params[i].sizes() ||
+        w.scalar_type() != params[i].scalar_type() || w.device() != params[i].device())
+      return false;
+  }
+  // The weights share the parameters' dtypes and devices: the layout's partitions are theirs.
+  impl_->relayout_if_moved(group, params, options);
+  const auto& parts = impl_->groups[group];
+  std::vector<std::vector<at::Tensor>> adopted(parts.size());
+  for (size_t p = 0; p < parts.size(); ++p) {
+    const auto& part = parts[p];
+    if (!part.state_files.empty()) return false;
+    std::vector<at::Tensor> members;
+    for (const auto member : part.members) members.push_back(weights[member]);
+    if (!already_flat(members, part.offsets, part.numel).defined()) return false;
+    for (size_t s = 0; s < part.state.size(); ++s) {
+      std::vector<at::Tensor> values;
+      for (const auto member : part.members) {
+        const auto& given = states[member].values;
+        if (given.size() != part.state.size() || given[s].numel() != params[member].numel())
+          return false;
+        values.push_back(given[s]);
+      }
+      auto flat = already_flat(values, part.offsets, part.numel);
+      if (!flat.defined() || flat.scalar_type() != part.state[s].scalar_type() ||
+          flat.device() != part.state[s].device())
+        return false;
+      adopted[p].push_back(std::move(flat));
+    }
+  }
+  for (size_t i = 0; i < params.size(); ++i) params[i].set_data(weights[i]);
+  impl_->relayout_if_moved(group, params, options);  // over the weights' buffers, as they lie
+  auto& laid_out = impl_->groups[group];
+  for (size_t p = 0; p < laid_out.size(); ++p) {
+    auto& part = laid_out[p];
+    part.state = std::move(adopted[p]);
+    for (size_t k = 0; k < part.members.size(); ++k) part.steps[k] = states[part.members[k]].steps;
+    part.stepped = true;
+    part.state_untouched = false;
+  }
+  return true;
 }
 
 FlatSGD::FlatSGD(std::vector<torch::Tensor> params, torch::optim::SGDOptions options)

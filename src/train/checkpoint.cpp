@@ -449,6 +449,9 @@ void load_checkpoint(const Checkpoint& checkpoint, torch::nn::Module& module,
   } else if (sharded != nullptr && !sharded->sharded_units().empty()) {
     detail::load_model_shards(*sharded, module, checkpoint.path() / "model.safetensors");
   } else {
+    // A live regroup's own state, kept in memory: the model and optimizer take that memory, and
+    // the reads below copy nothing.
+    adopt_kept_state(checkpoint.path(), module, optimizer);
     load_model(module, checkpoint.path() / "model.safetensors");
   }
   // From a local SGD checkpoint into another optimizer too: the global parameters (loaded above)

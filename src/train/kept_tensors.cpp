@@ -8,8 +8,13 @@
 #include <utility>
 
 #include "cohort/error.h"
+#include "cohort/optim/flat_optimizer.h"
+#include "cohort/optim/state_dict.h"
 #include "cohort/train/checkpoint.h"
+#include "train/manifest.h"
+#include "train/state_files.h"
 #include "train/worker_session.h"
+#include "train/zero_checkpoint.h"
 
 namespace cohort::train {
 namespace {
@@ -106,7 +111,46 @@ void read_kept_elements(const KeptTensorFile& kept, const std::filesystem::path&
                      "' are outside the tensor or of another dtype");
   }
   if (out.numel() == 0) return;
-  out.view({-1}).copy_(tensor.view({-1}).narrow(0, first, out.numel()));
+  const auto source = tensor.view({-1}).narrow(0, first, out.numel());
+  if (source.data_ptr() == out.data_ptr()) return;  // the kept memory itself (adopt_kept_state)
+  out.view({-1}).copy_(source);
+}
+
+bool adopt_kept_state(const std::filesystem::path& dir, torch::nn::Module& module,
+                      torch::optim::Optimizer& optimizer) {
+  auto* flat = dynamic_cast<optim::FlatOptimizer*>(&optimizer);
+  if (flat == nullptr || dynamic_cast<optim::ShardedState*>(&optimizer) != nullptr ||
+      optimizer.param_groups().size() != 1)
+    return false;
+  const auto* model = kept_tensor_file(dir / "model.safetensors");
+  const auto* state =
+      kept_tensor_file(dir / detail::rank_file(optim::kOptimizerShardsPart, 0, 1, ".safetensors"));
+  if (model == nullptr || state == nullptr) return false;
+  // As the load that follows reads it: this algorithm's state, whole in one shard.
+  const Json values = detail::StateFiles(dir, optim::kOptimizerShardsPart).values();
+  const auto state_names =
+      optim::state_names_of(flat->algorithm(), optimizer.param_groups()[0].options());
+  if (values.value("algorithm", "") != flat->algorithm() ||
+      values.value("state_names", Json::array()) != Json(state_names))
+    return false;
+  const int64_t steps = values.value("steps", int64_t{0});
+  const auto names = detail::parameter_names(optimizer, module, "adopt_kept_state");
+  std::vector<at::Tensor> weights;
+  std::vector<optim::FlatOptimizer::ParameterState> states;
+  const auto kept = [](const KeptTensorFile& file, const std::string& name) {
+    const auto found = file.tensors.find(name);
+    return found == file.tensors.end() ? at::Tensor() : found->second;
+  };
+  for (const auto& name : names) {
+    weights.push_back(kept(*model, name));
+    optim::FlatOptimizer::ParameterState parameter{.steps = steps, .values = {}};
+    for (const auto& s : state_names) {
+      parameter.values.push_back(kept(*state, detail::piece_name(name + "/" + s, 0)));
+      if (!parameter.values.back().defined()) return false;
+    }
+    states.push_back(std::move(parameter));
+  }
+  return flat->adopt(0, weights, states);
 }
 
 }  // namespace cohort::train

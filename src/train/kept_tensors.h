@@ -12,6 +12,13 @@
 
 #include "cohort/train/safetensors_header.h"
 
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
+namespace torch::optim {
+class Optimizer;
+}  // namespace torch::optim
+
 namespace cohort::train {
 
 // The safetensors file a save would have written: its tensors (the saver's own, not copied) and
@@ -67,5 +74,14 @@ safetensors::Header tensor_file_header(const std::filesystem::path& file);
 // CPU tensor of its dtype): safetensors::read_elements' checks and errors.
 void read_kept_elements(const KeptTensorFile& kept, const std::filesystem::path& file,
                         const std::string& name, int64_t first, at::Tensor& out);
+
+// A rank's own state kept whole in this session for the checkpoint in `dir` (a live regroup's,
+// DDP: its model file and its optimizer state as one shard), taken by `module` and `optimizer`
+// as their memory instead of copied into theirs (optim::FlatOptimizer::adopt): the memory was
+// their predecessors' in this process, and the load that follows copies nothing. Whether it
+// did: not where `optimizer` is no flat optimizer or an engine (ZeRO, local SGD), nothing is
+// kept for `dir`, or the kept tensors are not one flat optimizer's buffers (a peer's, received).
+bool adopt_kept_state(const std::filesystem::path& dir, torch::nn::Module& module,
+                      torch::optim::Optimizer& optimizer);
 
 }  // namespace cohort::train

@@ -22,9 +22,7 @@
 #include "train/state_files.h"
 
 namespace cohort::train::detail {
-namespace {
 
-// The one param group of a whole optimizer, and each of its parameters' names in `module`.
 std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimizer,
                                          const torch::nn::Module& module, const char* who) {
   if (optimizer.param_groups().size() != 1) {
@@ -45,6 +43,8 @@ std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimize
   }
   return out;
 }
+
+namespace {
 
 // The module's trainable parameters in order, by name and shape: what an inner optimizer or a
 // DDP run's optimizer was built over.

@@ -14,6 +14,11 @@
 
 namespace cohort::train::detail {
 
+// The one param group of a whole optimizer: each of its parameters' names in `module`; a
+// UsageError starting with `who` where it has more groups or a parameter that is not the model's.
+std::vector<std::string> parameter_names(const torch::optim::Optimizer& optimizer,
+                                         const torch::nn::Module& module, const char* who);
+
 // The manifest of a checkpoint's optimizer shards (optim::kOptimizerShardsPart).
 inline constexpr const char* kZeroManifest = "zero_manifest.json";
 

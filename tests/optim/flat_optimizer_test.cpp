@@ -237,6 +237,84 @@ TEST(FlatOptimizer, ItsStateIsSavedFromAndLoadedIntoItsOwnBuffers) {
       torch::equal(third.parameter_state(0, 2).values[1], writer.parameter_state(0, 2).values[1]));
 }
 
+// A flat optimizer over another one's buffers (a live regroup's survivor: its new model and
+// optimizer over the memory of the ones it had) takes them as they are: no copy, no fresh
+// memory; and it steps on from them exactly as the one that left them.
+TEST(FlatOptimizer, AdoptsAnotherFlatOptimizersBuffersWithoutACopy) {
+  auto run = [](Net& net, torch::optim::Optimizer& optimizer, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      torch::manual_seed(300 + step);
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(torch::randn({8, 1, 8, 8}), step % 2),
+                                           torch::randint(0, 10, {8}))
+          .backward();
+      optimizer.step();
+    }
+  };
+  auto reference = make_net(8);
+  optim::FlatAdam reference_optimizer(reference->parameters(), torch::optim::AdamOptions(1e-2));
+  run(reference, reference_optimizer, 0, 6);
+
+  std::vector<torch::Tensor> weights;
+  std::vector<optim::FlatOptimizer::ParameterState> states;
+  {
+    auto left = make_net(8);
+    optim::FlatAdam leaving(left->parameters(), torch::optim::AdamOptions(1e-2));
+    run(left, leaving, 0, 3);
+    weights = left->parameters();
+    for (size_t i = 0; i < weights.size(); ++i)
+      states.push_back(leaving.parameter_state_views(0, i));
+  }  // the model and the optimizer are gone; their buffers stay, held by what was kept
+
+  auto next = make_net(9);
+  optim::FlatAdam adopting(next->parameters(), torch::optim::AdamOptions(1e-2));
+  // Copies (a peer's state as received) are not one optimizer's buffers: refused, nothing changed.
+  std::vector<torch::Tensor> copies;
+  for (const auto& w : weights) copies.push_back(w.clone());
+  const auto* before = next->parameters().front().data_ptr();
+  EXPECT_FALSE(adopting.adopt(0, copies, states));
+  EXPECT_EQ(next->parameters().front().data_ptr(), before);
+  EXPECT_EQ(adopting.parameter_state(0, 0).steps, 0);
+
+  ASSERT_TRUE(adopting.adopt(0, weights, states));
+  const auto params = next->parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    EXPECT_EQ(params[i].data_ptr(), weights[i].data_ptr()) << "parameter " << i;
+    const auto state = adopting.parameter_state_views(0, i);
+    EXPECT_EQ(state.steps, states[i].steps) << "parameter " << i;
+    for (size_t s = 0; s < state.values.size(); ++s)
+      EXPECT_EQ(state.values[s].data_ptr(), states[i].values[s].data_ptr())
+          << "parameter " << i << " state " << s;
+  }
+  run(next, adopting, 3, 6);
+  const auto expected = reference->parameters();
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(torch::equal(params[i], expected[i])) << "parameter " << i << " after 3 more steps";
+}
+
+// Parameters that already lie one after another in one buffer stay where they are.
+TEST(FlatOptimizer, ParametersAlreadyInOneBufferAreSteppedWhereTheyAre) {
+  auto buffer = torch::randn({30});
+  std::vector<torch::Tensor> params;
+  for (const int64_t offset : {0, 12, 20}) {
+    const int64_t numel = offset == 0 ? 12 : offset == 12 ? 8 : 10;
+    auto p = torch::empty({0});
+    p.set_(buffer.storage(), offset, {numel}, {1});
+    params.push_back(p.requires_grad_());
+  }
+  optim::FlatSGD optimizer(params, torch::optim::SGDOptions(0.5));
+  for (size_t i = 0; i < params.size(); ++i)
+    EXPECT_TRUE(params[i].storage().is_alias_of(buffer.storage())) << "parameter " << i;
+  const auto before = buffer.clone();
+  for (auto& p : params) p.mutable_grad() = torch::ones_like(p);
+  optimizer.step();
+  EXPECT_TRUE(torch::allclose(buffer, before - 0.5));
+  // Out of order, they are copied into the optimizer's own buffer.
+  std::vector<torch::Tensor> swapped{params[1], params[0]};
+  optim::FlatSGD copying(swapped, torch::optim::SGDOptions(0.5));
+  EXPECT_FALSE(swapped[0].storage().is_alias_of(buffer.storage()));
+}
+
 TEST(FlatOptimizer, RefusesStateOfAnotherOptimizerNamingIt) {
   const auto dir = testing::temp_dir("flat_optimizer_refuse");
   auto net = make_net(5);

@@ -106,6 +106,15 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// See ParameterState. A buffer that already is the optimizer's own (parameter_state_views') is
   /// not copied.
   void set_parameter_state(size_t group, size_t index, const ParameterState& state);
+  /// Takes `weights` as the values of param group `group`'s parameters and `states` as their
+  /// state (one each, in the group's order), without a copy or fresh memory: the parameters are
+  /// pointed at the weights and the state buffers are the given ones. Only where the weights of
+  /// the parameters that share a flat buffer, and each of their state buffers, lie one after
+  /// another in one storage in this layout's order, with the parameters' shapes, dtype and
+  /// device: the buffers of another flat optimizer over the same parameters (a live regroup keeps
+  /// them). False, and nothing changed, where they do not or the state is offloaded to disk.
+  bool adopt(size_t group, const std::vector<torch::Tensor>& weights,
+             const std::vector<ParameterState>& states);
 
  protected:
   /// The optimizer of `groups` with `defaults`, stepping `algorithm`.
