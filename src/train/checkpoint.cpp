@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <optional>
+#include <set>
 
 #include "cohort/error.h"
 #include "cohort/limits.h"
@@ -25,12 +26,26 @@ namespace safetensors {
 
 std::string file_prefix(
     const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
-    const std::map<std::string, std::string>& metadata, int64_t& data_bytes) {
+    const std::map<std::string, std::string>& metadata, int64_t& data_bytes,
+    const std::vector<std::string>& order) {
   Json header = Json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<std::string> names = order;
+  if (names.empty()) {
+    for (const auto& entry : layout) names.push_back(entry.first);
+  } else if (names.size() != layout.size() ||
+             std::set<std::string>(names.begin(), names.end()).size() != layout.size()) {
+    throw UsageError("safetensors::file_prefix: the data order names " +
+                     std::to_string(names.size()) + " tensors, the layout has " +
+                     std::to_string(layout.size()));
+  }
   int64_t offset = 0;
-  for (const auto& [name, info] : layout) {
-    const auto& [dtype, shape] = info;
+  for (const auto& name : names) {
+    const auto found = layout.find(name);
+    if (found == layout.end())
+      throw UsageError("safetensors::file_prefix: the data order names '" + name +
+                       "', which the layout lacks");
+    const auto& [dtype, shape] = found->second;
     const auto& dtype_text = dtype_name(dtype, name);
     int64_t numel = 1;
     for (int64_t d : shape) numel *= d;

@@ -63,9 +63,21 @@ KeptTensorFile kept_from_bytes(std::string bytes, const std::filesystem::path& f
   const auto header = safetensors::parse_header(all.substr(8, length), size, file.string());
   KeptTensorFile kept{.metadata = header.metadata};
   char* data = owned->data() + header.data_start;
+  // One storage over the data: tensors that lie one after another there (a flat optimizer's
+  // buffer, as a peer sends it) are then one buffer to whoever takes them (adopt_kept_state).
+  const auto data_bytes = at::from_blob(
+      data, {size - header.data_start}, [owned](void*) {}, at::TensorOptions(at::kByte));
   for (const auto& [name, info] : header.tensors) {
-    kept.tensors[name] = at::from_blob(
-        data + info.begin, info.shape, [owned](void*) {}, at::TensorOptions(info.dtype));
+    const auto element = static_cast<int64_t>(c10::elementSize(info.dtype));
+    if (info.begin % element == 0) {
+      auto tensor = at::empty({0}, at::TensorOptions(info.dtype));
+      tensor.set_(data_bytes.storage(), info.begin / element, info.shape,
+                  c10::contiguous_strides(info.shape));
+      kept.tensors[name] = std::move(tensor);
+    } else {
+      kept.tensors[name] = at::from_blob(
+          data + info.begin, info.shape, [owned](void*) {}, at::TensorOptions(info.dtype));
+    }
   }
   return kept;
 }

@@ -32,10 +32,12 @@ void read_into(const std::filesystem::path& file, const safetensors::Header& hea
 namespace cohort::safetensors {
 
 // The bytes of a safetensors file before its tensors' (the header's length and the header), for
-// tensors of `layout` (each name's dtype and shape; the data in name order) and `metadata`:
-// safetensors::write's. `data_bytes` is set to the bytes of the tensors that follow.
+// tensors of `layout` (each name's dtype and shape) and `metadata`: safetensors::write's.
+// `data_bytes` is set to the bytes of the tensors that follow: in name order, or in `order` (the
+// layout's names, each once) where given.
 std::string file_prefix(
     const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
-    const std::map<std::string, std::string>& metadata, int64_t& data_bytes);
+    const std::map<std::string, std::string>& metadata, int64_t& data_bytes,
+    const std::vector<std::string>& order = {});
 
 }  // namespace cohort::safetensors

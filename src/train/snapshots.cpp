@@ -1,6 +1,7 @@
 #include "train/snapshots.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <map>
@@ -110,20 +111,30 @@ SendsInFlight send_files_async(comm::ProcessGroup& group, int peer, const Captur
   Json header = Json::array();
   for (const auto& [name, bytes] : sent)
     header.push_back({{"name", name}, {"size", bytes->size()}});
-  // A kept file: its prefix (safetensors::write's), then each tensor's bytes in name order, the
-  // tensor's own memory.
+  // A kept file: its prefix (safetensors::write's), then each tensor's bytes, the tensor's own
+  // memory, in the order they lie in memory: the tensors of one buffer (a flat optimizer's
+  // parameters or state) then lie in the file as in that buffer, so that the receiver's model
+  // and optimizer take the received bytes as their memory (adopt_kept_state).
   std::vector<at::Tensor> parts;
   if (kept != nullptr) {
     for (const auto& [name, file] : *kept) {
       if (except.count(name) > 0) continue;
       std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
-      for (const auto& [tensor_name, tensor] : file.tensors)
+      std::vector<std::pair<uintptr_t, std::string>> by_address;
+      for (const auto& [tensor_name, tensor] : file.tensors) {
         layout[tensor_name] = {tensor.scalar_type(), tensor.sizes().vec()};
+        by_address.emplace_back(reinterpret_cast<uintptr_t>(tensor.data_ptr()), tensor_name);
+      }
+      std::stable_sort(by_address.begin(), by_address.end(),
+                       [](const auto& a, const auto& b) { return a.first < b.first; });
+      std::vector<std::string> order;
+      for (const auto& entry : by_address) order.push_back(entry.second);
       int64_t data_bytes = 0;
-      const auto prefix = safetensors::file_prefix(layout, file.metadata, data_bytes);
+      const auto prefix = safetensors::file_prefix(layout, file.metadata, data_bytes, order);
       Json sizes = Json::array({prefix.size()});
       parts.push_back(bytes_tensor(prefix).clone());
-      for (const auto& [tensor_name, tensor] : file.tensors) {
+      for (const auto& tensor_name : order) {
+        const auto& tensor = file.tensors.at(tensor_name);
         const int64_t bytes = tensor.numel() * static_cast<int64_t>(tensor.element_size());
         sizes.push_back(bytes);
         parts.push_back(torch::from_blob(tensor.data_ptr(), {bytes}, torch::kUInt8));

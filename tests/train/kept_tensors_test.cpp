@@ -137,35 +137,67 @@ TEST(KeptTensors, ASurvivorsNewModelAndOptimizerTakeTheKeptMemoryInsteadOfACopy)
   std::filesystem::remove_all(dir.parent_path());
 }
 
-TEST(KeptTensors, APeerIsSentThemAsTheBytesOfTheirFiles) {
+// A replacement is sent a survivor's kept state straight from its memory, as the files a save
+// would write but with each file's tensors in the order they lay in memory: the model and the
+// optimizer state as their flat buffers, which the replacement's new model and optimizer then take
+// as their own memory (no copy of what it received), and train on from exactly as the sender.
+TEST(KeptTensors, APeerIsSentThemAsTheirBuffersAndTakesThemAsItsOwn) {
   const auto dir = cohort::testing::temp_dir("kept_tensors_sent");
+  const auto trained = [](int steps, torch::nn::Linear& net) {
+    net = seeded_net(3);
+    auto adam =
+        std::make_unique<optim::FlatAdam>(net->parameters(), torch::optim::AdamOptions(0.1));
+    for (int step = 0; step < steps; ++step) adam_step(net, *adam);
+    return adam;
+  };
   cohort::testing::run_ranks(2, [&](comm::ProcessGroup& group) {
     if (group.rank() == 0) {
-      auto net = seeded_net(3);
+      torch::nn::Linear net{nullptr};
+      auto adam = trained(2, net);
       KeptTensorFiles kept;
       CapturedFiles captured;
       {
         FileCapture capture(dir / "state", captured);
         TensorKeeping keeping(dir / "state", kept);
-        save_model(*net, dir / "state" / "model.safetensors");
-        write_atomically(dir / "state" / "meta.json", "{}\n");
+        save_live_state(dir / "state", *net, *adam, 0, 1, /*whole=*/true);
       }
-      ASSERT_EQ(captured.files().size(), 1u) << "meta.json only";
+      ASSERT_EQ(kept.size(), 2u) << "the model and the optimizer state's shard";
       send_files_async(group, 1, captured, {}, &kept).wait();
       return;
     }
-    const auto received = receive_files(group, 0);
-    ASSERT_EQ(received.size(), 2u);
-    std::filesystem::create_directories(dir / "received");
-    for (const auto& [name, bytes] : received) write_atomically(dir / "received" / name, bytes);
-    // The bytes are a model file as save_model writes it.
-    std::filesystem::create_directories(dir / "written");
-    save_model(*seeded_net(3), dir / "written" / "model.safetensors");
-    std::ifstream written(dir / "written" / "model.safetensors", std::ios::binary);
-    std::ifstream sent(dir / "received" / "model.safetensors", std::ios::binary);
-    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(sent), {}),
-              std::string(std::istreambuf_iterator<char>(written), {}));
-    EXPECT_TRUE(std::filesystem::exists(dir / "received" / "meta.json"));
+    // As heal_from_peer takes them: safetensors files kept as tensors, the rest written.
+    const auto root = std::filesystem::absolute(dir / "received");
+    std::filesystem::create_directories(root);
+    auto received = std::make_shared<KeptTensorFiles>();
+    for (auto& [name, bytes] : receive_files(group, 0)) {
+      if (std::filesystem::path(name).extension() == ".safetensors") {
+        (*received)[name] = kept_from_bytes(std::move(bytes), root / name);
+      } else {
+        write_atomically(root / name, bytes);
+      }
+    }
+    ASSERT_EQ(received->count("model.safetensors"), 1u);
+    const auto& weight = received->at("model.safetensors").tensors.at("weight");
+    const auto& bias = received->at("model.safetensors").tensors.at("bias");
+    EXPECT_EQ(static_cast<const char*>(bias.data_ptr()),
+              static_cast<const char*>(weight.data_ptr()) + weight.numel() * 4)
+        << "the bias follows the weight, as in the sender's flat buffer";
+
+    auto session = std::make_unique<WorkerSession>();
+    session->kept_state = {.root = root, .files = received};
+    SessionScope scope(std::move(session));
+    auto loaded = seeded_net(4);
+    optim::FlatAdam resumed(loaded->parameters(), torch::optim::AdamOptions(0.5));
+    load_checkpoint(Checkpoint::from_directory(root), *loaded, resumed);
+    EXPECT_EQ(loaded->weight.data_ptr(), weight.data_ptr()) << "the received bytes, not a copy";
+    EXPECT_EQ(resumed.parameter_state_views(0, 0).steps, 2);
+    torch::nn::Linear reference{nullptr};
+    auto reference_adam = trained(3, reference);
+    adam_step(loaded, resumed);
+    for (size_t i = 0; i < loaded->parameters().size(); ++i) {
+      EXPECT_TRUE(torch::equal(loaded->parameters()[i], reference->parameters()[i]))
+          << "parameter " << i << " after the third step";
+    }
   });
   std::filesystem::remove_all(dir);
 }
