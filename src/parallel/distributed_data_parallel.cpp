@@ -184,7 +184,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     if (impl.params[i].requires_grad()) impl.trainable.push_back(i);
   }
   for (const auto& b : impl.module->buffers()) impl.buffers.push_back(b);
-  detail::start_replicas(impl.group, impl.names, impl.params, impl.buffers, "prepare_model");
+  if (impl.options.take_rank0_state) {
+    detail::start_replicas(impl.group, impl.names, impl.params, impl.buffers, "prepare_model");
+  } else if (impl.group.world_size() > 1) {
+    detail::verify_same_layout(impl.group, impl.names, impl.params, "prepare_model");
+  }
   impl.used_since_sync.assign(impl.params.size(), 0);
   // The hooks first: laying out the buckets gives them the layout to track.
   impl.install_hooks();
@@ -192,6 +196,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
 }
 
 DistributedDataParallel::~DistributedDataParallel() { impl_->gradients->remove_hooks(); }
+
+void DistributedDataParallel::take_rank0_state() {
+  detail::take_rank0_state(impl_->group, impl_->params, impl_->buffers);
+}
 
 DistributedDataParallel::NoSyncGuard::NoSyncGuard(DistributedDataParallel& ddp)
     : ddp_(ddp), previous_(ddp.impl_->gradients->sync()) {

@@ -32,6 +32,12 @@ void start_replicas(comm::ProcessGroup& group, const std::vector<std::string>& n
                     const std::string& who) {
   if (group.world_size() < 2) return;
   verify_same_layout(group, names, params, who);
+  take_rank0_state(group, params, buffers);
+}
+
+void take_rank0_state(comm::ProcessGroup& group, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& buffers) {
+  if (group.world_size() < 2) return;
   std::vector<at::Tensor> state;
   for (const auto& p : params) state.push_back(p.detach());
   state.insert(state.end(), buffers.begin(), buffers.end());

@@ -24,8 +24,10 @@ void broadcast_from_rank0(comm::ProcessGroup& group, const std::vector<at::Tenso
 // and device.
 void average_across_ranks(comm::ProcessGroup& group, const std::vector<at::Tensor>& tensors);
 
-// Where data parallelism starts: verify_same_layout, then every rank takes rank 0's parameters
-// and buffers (nothing with one rank).
+// Every rank takes rank 0's parameters and buffers (nothing with one rank).
+void take_rank0_state(comm::ProcessGroup& group, const std::vector<at::Tensor>& params,
+                      const std::vector<at::Tensor>& buffers);
+// Where data parallelism starts: verify_same_layout, then take_rank0_state.
 void start_replicas(comm::ProcessGroup& group, const std::vector<std::string>& names,
                     const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& buffers,
                     const std::string& who);

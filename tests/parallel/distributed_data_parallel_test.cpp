@@ -89,6 +89,23 @@ TEST(DistributedDataParallel, BroadcastsRankZerosWeightsAtWrap) {
   expect_same_parameters(models[0], rank0_before, 0);
 }
 
+// Without rank 0's state at the wrap (a caller that loads the same state into every rank next),
+// the wrap checks the layouts only, and the ranks take rank 0's state when asked.
+TEST(DistributedDataParallel, TakesRankZerosStateWhenAskedWhereTheWrapDidNot) {
+  auto models = replicas(2, /*same_init=*/false);
+  auto rank1_before = clone_of(models[1]);
+  auto rank0_before = clone_of(models[0]);
+  run_ranks(2, [&](int rank, comm::ProcessGroup& g) {
+    DistributedDataParallel ddp(models[rank].ptr(), g, {.take_rank0_state = false});
+    g.barrier();
+    if (rank == 1) expect_same_parameters(models[1], rank1_before, 0);  // its own still
+    g.barrier();
+    ddp.take_rank0_state();
+  });
+  expect_same_parameters(models[1], rank0_before, 0);
+  expect_same_parameters(models[0], rank0_before, 0);
+}
+
 TEST(DistributedDataParallel, OneStepEqualsASingleProcessStepOnTheUnionBatch) {
   const int world = 2;
   torch::manual_seed(5);

@@ -487,6 +487,35 @@ TEST(ParallelModelEvaluate, ScoresEveryRowOnceWhateverThePlanCuts) {
   std::filesystem::remove_all(dir);
 }
 
+// Each rank builds other weights (seeded by its rank) and asks how far the replicas are apart
+// before any step: DDP gives every rank rank 0's state at the first step or evaluation rather
+// than at parallelize (where a load follows, it is not needed at all).
+void differently_seeded_loop(const Json&) {
+  torch::manual_seed(train::get_context().get_world_rank());
+  torch::nn::Sequential net(torch::nn::Linear(8, 4));
+  auto model = train::parallelize(
+      {.module = net.ptr(),
+       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
+      [](std::vector<at::Tensor> p) {
+        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
+      },
+      [](const at::Tensor& out, const at::Tensor& y) {
+        return torch::nn::functional::cross_entropy(out, y);
+      },
+      train::Plan{});
+  train::report({{"replica_spread", model.replica_spread()}});
+}
+
+TEST(ParallelModelReplicas, RanksThatBuiltOtherWeightsAgreeBeforeTheFirstStep) {
+  const auto dir = cohort::testing::temp_dir("parallel_model_replicas");
+  Trainer trainer(differently_seeded_loop, {.num_workers = 2},
+                  cohort::testing::quiet_run(dir, "seeded"));
+  const auto result = trainer.fit();
+  ASSERT_TRUE(result.ok()) << *result.error;
+  EXPECT_EQ(result.metrics["replica_spread"], 0.0);
+  std::filesystem::remove_all(dir);
+}
+
 // A small model of `plan` trained one step; reports the worker's precision after parallelize, the
 // loss scaler's options and the dtype of a forward under train::autocast().
 void precision_loop(const Json& c) {

@@ -39,6 +39,11 @@ struct DdpOptions {
   bool gradient_as_bucket_view = true;
   /// Empty: allreduce_hook().
   CommHook comm_hook;
+  /// Every rank takes rank 0's parameters and buffers at construction. Without it the
+  /// construction checks the ranks' layouts only, and the replicas start from rank 0's state at
+  /// DistributedDataParallel::take_rank0_state(), or from a state every rank loads alike (a
+  /// checkpoint): train::parallelize defers it to the first step, which a load makes needless.
+  bool take_rank0_state = true;
 };
 
 /// Counters for the curious and for benchmarks.
@@ -72,6 +77,10 @@ class DistributedDataParallel {
   ~DistributedDataParallel();
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
+
+  /// Every rank takes rank 0's parameters and buffers (what the construction does unless
+  /// DdpOptions::take_rank0_state is off). Collective.
+  void take_rank0_state();
 
   /// While the guard lives, backward passes accumulate gradients locally without communication
   /// (gradient accumulation); the first backward after it ends synchronises the sum.

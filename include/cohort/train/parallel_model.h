@@ -161,7 +161,9 @@ class ParallelModel {
 /// Makes `model` parallel over this worker's group per `plan` (checked first; its degrees must be
 /// ScalingConfig::mesh's), moves it to the worker's device, and builds the optimizer through
 /// `make_optimizer` and the engine. Every rank calls it alike. `schedule` sets the learning rate
-/// step by step (none by default).
+/// step by step (none by default). Under DDP the ranks take rank 0's weights at the first step(),
+/// evaluate() or whole_model(), not here: a load() before gives every rank the same ones anyway
+/// (a resumed run, a live regroup), and then nothing is broadcast.
 ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimizer,
                           LossFunction loss, Plan plan,
                           const optim::LrScheduleOptions& schedule = {});
