@@ -44,6 +44,13 @@ void adam_step(torch::nn::Linear& net, torch::optim::Optimizer& optimizer) {
   optimizer.step();
 }
 
+// Every parameter of `a` equals `b`'s, bit for bit (`when` says after what).
+void expect_same_parameters(const torch::nn::Linear& a, const torch::nn::Linear& b,
+                            const std::string& when = "") {
+  for (size_t i = 0; i < a->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(a->parameters()[i], b->parameters()[i])) << "parameter " << i << when;
+}
+
 TEST(KeptTensors, AStateKeptAsItsTensorsLoadsFromThemInTheSessionThatKeepsThem) {
   const auto dir = cohort::testing::temp_dir("kept_tensors") / "state";
   std::filesystem::create_directories(dir);
@@ -76,15 +83,11 @@ TEST(KeptTensors, AStateKeptAsItsTensorsLoadsFromThemInTheSessionThatKeepsThem) 
   optim::OptimizerState resumed_state(resumed, names_of(loaded));
   load_state(dir, "optimizer", resumed_state);
   EXPECT_DOUBLE_EQ(resumed.param_groups()[0].options().get_lr(), 0.1);
-  for (size_t i = 0; i < loaded->parameters().size(); ++i)
-    EXPECT_TRUE(torch::equal(loaded->parameters()[i], saved->parameters()[i])) << "parameter " << i;
+  expect_same_parameters(loaded, saved);
   // The next step is the same from the kept state as from the one that was kept.
   adam_step(saved, adam);
   adam_step(loaded, resumed);
-  for (size_t i = 0; i < loaded->parameters().size(); ++i) {
-    EXPECT_TRUE(torch::equal(loaded->parameters()[i], saved->parameters()[i]))
-        << "parameter " << i << " after a step";
-  }
+  expect_same_parameters(loaded, saved, " after a step");
   std::filesystem::remove_all(dir.parent_path());
 }
 
@@ -130,10 +133,7 @@ TEST(KeptTensors, ASurvivorsNewModelAndOptimizerTakeTheKeptMemoryInsteadOfACopy)
   EXPECT_EQ(now, memory) << "the parameters and the state are the kept memory, not copies of it";
   EXPECT_DOUBLE_EQ(resumed.param_groups()[0].options().get_lr(), 0.1);
   adam_step(loaded, resumed);
-  for (size_t i = 0; i < loaded->parameters().size(); ++i) {
-    EXPECT_TRUE(torch::equal(loaded->parameters()[i], reference->parameters()[i]))
-        << "parameter " << i << " after the third step";
-  }
+  expect_same_parameters(loaded, reference, " after the third step");
   std::filesystem::remove_all(dir.parent_path());
 }
 
@@ -194,10 +194,7 @@ TEST(KeptTensors, APeerIsSentThemAsTheirBuffersAndTakesThemAsItsOwn) {
     torch::nn::Linear reference{nullptr};
     auto reference_adam = trained(3, reference);
     adam_step(loaded, resumed);
-    for (size_t i = 0; i < loaded->parameters().size(); ++i) {
-      EXPECT_TRUE(torch::equal(loaded->parameters()[i], reference->parameters()[i]))
-          << "parameter " << i << " after the third step";
-    }
+    expect_same_parameters(loaded, reference, " after the third step");
   });
   std::filesystem::remove_all(dir);
 }

@@ -487,13 +487,9 @@ TEST(ParallelModelEvaluate, ScoresEveryRowOnceWhateverThePlanCuts) {
   std::filesystem::remove_all(dir);
 }
 
-// Each rank builds other weights (seeded by its rank) and asks how far the replicas are apart
-// before any step: DDP gives every rank rank 0's state at the first step or evaluation rather
-// than at parallelize (where a load follows, it is not needed at all).
-void differently_seeded_loop(const Json&) {
-  torch::manual_seed(train::get_context().get_world_rank());
-  torch::nn::Sequential net(torch::nn::Linear(8, 4));
-  auto model = train::parallelize(
+// `net` (a small classifier) made parallel per `plan`, with SGD and cross entropy.
+train::ParallelModel parallel_classifier(torch::nn::Sequential net, const train::Plan& plan) {
+  return train::parallelize(
       {.module = net.ptr(),
        .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
       [](std::vector<at::Tensor> p) {
@@ -502,7 +498,16 @@ void differently_seeded_loop(const Json&) {
       [](const at::Tensor& out, const at::Tensor& y) {
         return torch::nn::functional::cross_entropy(out, y);
       },
-      train::Plan{});
+      plan);
+}
+
+// Each rank builds other weights (seeded by its rank) and asks how far the replicas are apart
+// before any step: DDP gives every rank rank 0's state at the first step or evaluation rather
+// than at parallelize (where a load follows, it is not needed at all).
+void differently_seeded_loop(const Json&) {
+  torch::manual_seed(train::get_context().get_world_rank());
+  torch::nn::Sequential net(torch::nn::Linear(8, 4));
+  auto model = parallel_classifier(net, train::Plan{});
   train::report({{"replica_spread", model.replica_spread()}});
 }
 
@@ -524,16 +529,7 @@ void precision_loop(const Json& c) {
   train::Plan plan;
   if (c.contains("precision")) plan.precision = optim::precision_from_string(c["precision"]);
   plan.loss_scaler.initial_scale = 1024;
-  auto model = train::parallelize(
-      {.module = net.ptr(),
-       .forward = [net](const at::Tensor& x) mutable { return net->forward(x); }},
-      [](std::vector<at::Tensor> p) {
-        return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1));
-      },
-      [](const at::Tensor& out, const at::Tensor& y) {
-        return torch::nn::functional::cross_entropy(out, y);
-      },
-      plan);
+  auto model = parallel_classifier(net, plan);
   auto [x, y] = testing::classifier_examples();
   model.step(x.narrow(0, 0, kClassifierBatch), y.narrow(0, 0, kClassifierBatch));
   at::Tensor out;
