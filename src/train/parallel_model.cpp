@@ -58,7 +58,7 @@ struct ParallelModel::State {
   std::vector<parallel::CheckpointedUnit> checkpointed;
   // DDP's replicas take rank 0's state before the first step or evaluation, unless a load gave
   // every rank the same state before (a resumed run's, a live regroup's: rank 0's broadcast would
-  // be overwritten, 0.9 s of a regroup for 100 M parameters on four processes).
+  // be overwritten; it took 0.6-0.8 s of a regroup for 100 M parameters on four processes).
   bool replicas_agree = true;
   void agree_replicas() {
     if (replicas_agree) return;
@@ -320,11 +320,11 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
       // A captured step runs on the stream DDP's gradient accumulators were found on.
       std::optional<CaptureStreamScope> capture_stream;
       if (plan.cuda_graph) capture_stream.emplace();
-      // DDP: rank 0's state at the first step (State::agree_replicas), not now.
-      const bool ddp = plan.zero.stage == 0 && parallel::is_synchronous(plan.sync);
+      // DDP (the other engines ignore these options): rank 0's state at the first step
+      // (State::agree_replicas), not now.
       prepare_module(st->model.module,
-                     {.ddp = {.take_rank0_state = !ddp}, .zero = plan.zero, .sync = plan.sync});
-      st->replicas_agree = !ddp;
+                     {.ddp = {.take_rank0_state = false}, .zero = plan.zero, .sync = plan.sync});
+      st->replicas_agree = plan.zero.stage > 0 || !parallel::is_synchronous(plan.sync);
     }
     st->optimizer =
         prepare_optimizer(st->model.module, make_optimizer(st->model.module->parameters()));
