@@ -142,9 +142,11 @@ bool adopt_kept_state(const std::filesystem::path& dir, torch::nn::Module& modul
   const Json values = detail::StateFiles(dir, optim::kOptimizerShardsPart).values();
   const auto state_names =
       optim::state_names_of(flat->algorithm(), optimizer.param_groups()[0].options());
-  if (values.value("algorithm", "") != flat->algorithm() ||
-      values.value("state_names", Json::array()) != Json(state_names))
-    return false;
+  try {
+    optim::check_optimizer_state(values, flat->algorithm(), state_names);
+  } catch (const UsageError&) {
+    return false;  // the load that follows says why
+  }
   const int64_t steps = values.value("steps", int64_t{0});
   const auto names = detail::parameter_names(optimizer, module, "adopt_kept_state");
   std::vector<at::Tensor> weights;
