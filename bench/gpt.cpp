@@ -12,8 +12,9 @@
 // per mode: the largest worker's peak resident memory from its start to its last step, beside
 // train::estimate_memory's figure for the plan (its activations probed on the whole model in a
 // fresh process before the workers start), and its peak once the checkpoint is written; the mean
-// step time and tokens/s of the timed steps (after the first); and whether the checkpoint reloaded
-// (the resumed run's step count). Then one JSON line per mode.
+// step time and tokens/s of the timed steps (after the first); whether the checkpoint reloaded
+// (the resumed run's step count) and the resumed run's peak (its load and one step). Then one
+// JSON line per mode.
 //
 //   bench/gpt --layers 24 --width 2048 --heads 16 --workers 4 --modes zero3-deferred,zero3-disk
 //             --offload-dir /var/tmp                                   (1.2 B parameters)
@@ -228,7 +229,8 @@ int main(int argc, char** argv) {
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
             << "with checkpoint" << std::setw(10) << "step s" << std::setw(10) << "tokens/s"
-            << std::setw(14) << "checkpoint s" << std::setw(10) << "reloads" << std::endl;
+            << std::setw(14) << "checkpoint s" << std::setw(10) << "reloads" << std::setw(14)
+            << "resumed MB" << std::endl;
   int failures = 0;
   for (const auto& mode : modes) {
     const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
@@ -253,6 +255,8 @@ int main(int argc, char** argv) {
     const double peak = m["peak_rss_bytes"].get<double>();
     const double with_checkpoint = m["peak_rss_bytes_with_checkpoint"].get<double>();
     const double estimated = static_cast<double>(e.total());
+    // The resumed run's peak: its load and one step.
+    const double resumed_peak = reloaded ? again.metrics["peak_rss_bytes"].get<double>() : 0.0;
     std::cout << std::left << std::setw(16) << mode << std::right << std::setprecision(0)
               << std::setw(16) << peak / 1e6 << std::setw(14) << estimated / 1e6
               << std::setprecision(2) << std::setw(8) << estimated / peak << std::setprecision(0)
@@ -260,7 +264,7 @@ int main(int argc, char** argv) {
               << m["step_s"].get<double>() << std::setprecision(0) << std::setw(10)
               << m["tokens_per_s"].get<double>() << std::setprecision(1) << std::setw(14)
               << m["checkpoint_s"].get<double>() << std::setw(10) << (reloaded ? "yes" : "NO")
-              << std::endl;
+              << std::setprecision(0) << std::setw(14) << resumed_peak / 1e6 << std::endl;
     Json out{{"mode", mode},
              {"parameters", parameters},
              {"workers", workers},
@@ -270,7 +274,8 @@ int main(int argc, char** argv) {
              {"step_s", m["step_s"]},
              {"tokens_per_s", m["tokens_per_s"]},
              {"checkpoint_s", m["checkpoint_s"]},
-             {"reloaded", reloaded}};
+             {"reloaded", reloaded},
+             {"resumed_peak_rss_bytes", resumed_peak}};
     if (cuda && m["step_s"].get<double>() > 0) {
       out["mfu"] = m["tokens_per_s"].get<double>() * static_cast<double>(flops_per_token) /
                    (peak_tflops * 1e12);

@@ -781,6 +781,11 @@ std::vector<torch::Tensor> FlatOptimizer::state_buffers(size_t group) const {
   return parts.front().state;
 }
 
+void FlatOptimizer::release_state_pages(size_t group, int64_t start, int64_t length) const {
+  const auto& parts = impl_->groups.at(group);
+  if (!parts.empty()) parts.front().write_behind(start, length);
+}
+
 int64_t FlatOptimizer::steps_taken(size_t group) const {
   const auto& parts = impl_->groups.at(group);
   return parts.empty() || parts.front().steps.empty() ? 0 : parts.front().steps.front();

@@ -815,15 +815,23 @@ void ZeroOptimizer::set_steps(int64_t steps) {
 optim::StateDict ZeroOptimizer::state_dict() const {
   optim::StateDict out;
   const auto names = state_names();
+  const bool on_disk = state_offloaded();
   for (const auto& piece : shard_pieces()) {
     const auto buffers = shard_state(piece.group);
     const int64_t numel = c10::multiply_integers(piece.shape);
+    std::function<void()> release;
+    if (on_disk) {
+      release = [this, group = piece.group, offset = piece.offset, length = piece.length] {
+        release_state_pages(group, offset, length);
+      };
+    }
     for (size_t s = 0; s < names.size(); ++s) {
       const auto [it, added] = out.tensors.emplace(
           piece.parameter + "/" + names[s],
           optim::StateTensor{.values = buffers[s].narrow(0, piece.offset, piece.length),
                              .offset = piece.begin,
-                             .numel = numel});
+                             .numel = numel,
+                             .release = release});
       if (!added) {
         throw std::logic_error("ZeroOptimizer::state_dict: parameter '" + piece.parameter +
                                "' lies in two pieces of rank " +

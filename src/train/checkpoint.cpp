@@ -68,7 +68,8 @@ void write_streaming(
     const std::filesystem::path& file,
     const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
     const std::map<std::string, std::string>& metadata,
-    const std::function<at::Tensor(const std::string&)>& tensor_of) {
+    const std::function<at::Tensor(const std::string&)>& tensor_of,
+    const std::function<void(const std::string&)>& written) {
   int64_t data_bytes = 0;
   const std::string prefix = file_prefix(layout, metadata, data_bytes);
   const int64_t size = static_cast<int64_t>(prefix.size()) + data_bytes;
@@ -86,19 +87,21 @@ void write_streaming(
           }
           out.write(static_cast<const char*>(t.data_ptr()),
                     static_cast<std::streamsize>(t.numel() * t.element_size()));
+          if (written) written(name);
         }
       },
       size);
 }
 
 void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
-           const std::map<std::string, std::string>& metadata) {
+           const std::map<std::string, std::string>& metadata,
+           const std::function<void(const std::string&)>& written) {
   if (train::TensorKeeping::keep(file, tensors, metadata)) return;
   std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>> layout;
   for (const auto& [name, tensor] : tensors)
     layout[name] = {tensor.scalar_type(), tensor.sizes().vec()};
-  write_streaming(file, layout, metadata,
-                  [&](const std::string& name) { return tensors.at(name); });
+  write_streaming(
+      file, layout, metadata, [&](const std::string& name) { return tensors.at(name); }, written);
 }
 
 void read_elements(const std::filesystem::path& file, const Header& header, const std::string& name,

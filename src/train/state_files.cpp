@@ -106,6 +106,7 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
   }
   torch::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> tensors;
+  std::map<std::string, const std::function<void()>*> releases;
   for (const auto& [tensor, piece] : state.tensors) {
     if (piece.values.dim() != 1 || piece.offset < 0 ||
         piece.offset + piece.values.numel() > piece.numel) {
@@ -114,14 +115,21 @@ void save_state(const std::filesystem::path& dir, const std::string& name,
                        std::to_string(piece.offset) + " of a tensor of " +
                        std::to_string(piece.numel) + ": a piece is 1-D and inside its tensor");
     }
-    tensors[detail::piece_name(tensor, piece.offset)] = piece.values;
+    const auto file_name = detail::piece_name(tensor, piece.offset);
+    tensors[file_name] = piece.values;
+    if (piece.release) releases[file_name] = &piece.release;
   }
   std::filesystem::create_directories(dir);
   // A part of values only, held whole (a loss scaler's, a schedule's): its manifest alone.
   const bool values_only = state.shards == 1 && tensors.empty();
   if (!values_only) {
     const auto file = detail::rank_file(name.c_str(), state.shard, state.shards, ".safetensors");
-    safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}});
+    // Each piece's pages go back as soon as it is written (a state offloaded to disk streams).
+    safetensors::write(dir / file, tensors, {{"format", detail::kStateFormat}},
+                       [&](const std::string& written) {
+                         if (const auto it = releases.find(written); it != releases.end())
+                           (*it->second)();
+                       });
   }
   if (state.shard != 0) return;
   std::vector<std::string> files;
@@ -135,7 +143,10 @@ void load_state(const std::filesystem::path& dir, const std::string& name, optim
   part.check_state(files.values());
   auto state = part.state_to_load(files.values());
   torch::NoGradGuard no_grad;
-  for (auto& [tensor, piece] : state.tensors) files.read(tensor, piece.offset, piece.values);
+  for (auto& [tensor, piece] : state.tensors) {
+    files.read(tensor, piece.offset, piece.values);
+    if (piece.release) piece.release();
+  }
   state.values = files.values();
   part.load_state_dict(state);
 }

@@ -344,6 +344,7 @@ void load_named_state(const NamedState& state, optim::Stateful& part, optim::Sta
     const auto [parameter, state_name] = parameter_and_state(tensor);
     state.read(layout.whole(parameter), state_name, piece.offset, piece.values,
                layout.described(parameter));
+    if (piece.release) piece.release();  // a state on disk streams
   }
   wanted.values = state.values();
   part.load_state_dict(wanted);

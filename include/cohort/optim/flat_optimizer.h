@@ -127,6 +127,11 @@ class FlatOptimizer : public torch::optim::Optimizer {
   std::vector<std::string> state_buffer_names() const;
   /// See state_buffer_names().
   std::vector<torch::Tensor> state_buffers(size_t group) const;
+  /// Disk offload (offload_state()): starts writing elements [start, start + length) of group
+  /// `group`'s state buffers back to their files and drops them from this process's memory (the
+  /// next access reads them again), as a step does a chunk at a time; nothing where the state is
+  /// in memory. For a checkpoint's StateTensor::release.
+  void release_state_pages(size_t group, int64_t start, int64_t length) const;
   /// See state_buffer_names().
   int64_t steps_taken(size_t group) const;
   /// Sets the steps group `group`'s parameters took (a loaded checkpoint's).

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -19,6 +20,12 @@ struct StateTensor {
   torch::Tensor values;  ///< this rank's elements, 1-D
   int64_t offset = 0;    ///< where they begin in the whole tensor
   int64_t numel = 0;     ///< elements of the whole tensor
+  /// What the checkpointer calls once it has written `values` to a file or filled them from one:
+  /// gives their pages back where they are a window onto a file (optimizer state offloaded to
+  /// disk, FlatOptimizer::offload_state), so that a checkpoint streams such a state through
+  /// memory rather than holding it all; empty where they are ordinary memory. Valid while the
+  /// part that gave it lives.
+  std::function<void()> release;
 };
 
 /// What a part with state (an optimizer, a ZeRO shard, a loss scaler, ...) gives a checkpoint:

@@ -181,16 +181,19 @@ namespace safetensors {
 
 /// The safetensors format: an 8-byte little-endian header length, a JSON header naming each
 /// tensor's dtype, shape and byte range, then the raw little-endian data.
+/// `written`, where given, is called with each tensor's name once its bytes are out.
 void write(const std::filesystem::path& file, const std::map<std::string, at::Tensor>& tensors,
-           const std::map<std::string, std::string>& metadata = {});
+           const std::map<std::string, std::string>& metadata = {},
+           const std::function<void(const std::string&)>& written = {});
 /// The same file written one tensor at a time: the header from `layout` (each name's dtype and
 /// shape), then each tensor's bytes as tensor_of(name) returns it, so that no more than one is in
-/// memory at once.
+/// memory at once; then written(name), where given.
 void write_streaming(
     const std::filesystem::path& file,
     const std::map<std::string, std::pair<at::ScalarType, std::vector<int64_t>>>& layout,
     const std::map<std::string, std::string>& metadata,
-    const std::function<at::Tensor(const std::string&)>& tensor_of);
+    const std::function<at::Tensor(const std::string&)>& tensor_of,
+    const std::function<void(const std::string&)>& written = {});
 std::map<std::string, at::Tensor> read(const std::filesystem::path& file);
 
 /// Elements [first, first + out.numel()) of tensor `name`, flattened, into `out` (a contiguous
