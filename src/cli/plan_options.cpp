@@ -153,7 +153,8 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
       ->capture_default_str();
   cmd->add_option("--offload-optimizer", o.offload_optimizer,
                   "where the optimizer state lives: none (with the parameters), cpu (host "
-                  "memory: on CPU runs it is there already) or disk:PATH (files in the folder "
+                  "memory, updated there while the parameters stay on the GPU; on CPU runs it is "
+                  "there already) or disk:PATH (files in the folder "
                   "PATH, streamed through a chunk at a time: state larger than memory steps; "
                   "checked for room before any worker starts)")
       ->capture_default_str();

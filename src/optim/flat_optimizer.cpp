@@ -266,7 +266,11 @@ struct Partition {
   int64_t numel = 0;
   at::Tensor params;  // the parameters' dtype; every member is an alias into it
   at::Tensor master;  // float32 copy when the parameters are low precision; else `params`
-  at::Tensor grads;   // the master's dtype
+  at::Tensor grads;   // the master's dtype and device: what the update reads
+  // Host offload with parameters on a GPU: the buffer backward writes into (the .grad aliases),
+  // on the parameters' device, copied into `grads` on the host before each update; undefined
+  // otherwise (`grads` is that buffer).
+  at::Tensor device_grads;
   std::vector<at::Tensor> state;
   std::vector<int64_t> steps;  // per member, as torch::optim counts them
   std::vector<at::Tensor> grad_aliases;
@@ -285,6 +289,9 @@ struct Partition {
   bool fused_last = false;  // whether the last step ran on the fused kernels
   // Disk offload: the files behind `state`, one each (empty: the state is in memory).
   std::vector<std::shared_ptr<StateFile>> state_files;
+
+  // The buffer backward writes the gradients into (where the .grad aliases point).
+  const at::Tensor& written_grads() const { return device_grads.defined() ? device_grads : grads; }
 
   // Disk offload: the kernel reads the chunk's state ahead; once updated, it starts writing it
   // back and the chunk leaves this process's memory (the file's pages stay up to date).
@@ -420,6 +427,7 @@ struct FlatOptimizer::Impl {
   std::string algorithm;
   std::vector<std::vector<Partition>> groups;  // per param group
   std::filesystem::path offload_dir;           // disk offload's folder (empty: in memory)
+  bool to_host = false;                        // offload_to_host()
 
   // The partition's state into files under offload_dir, its values kept.
   void offload(Partition& part) const {
@@ -506,10 +514,21 @@ struct FlatOptimizer::Impl {
       const bool adopt_grad = in_place && own_grad.defined() && own_grad.is_contiguous() &&
                               own_grad.scalar_type() == compute && own_grad.numel() == part.numel &&
                               own_grad.device() == first.device();
-      part.grads = adopt_grad ? alias_into(own_grad, 0, {part.numel})
-                              : untouched_zeros(part.numel, first.options().dtype(compute));
+      auto written = adopt_grad ? alias_into(own_grad, 0, {part.numel})
+                                : untouched_zeros(part.numel, first.options().dtype(compute));
+      // Host offload: the update's gradients, masters and state in host memory, pinned where
+      // they cross to the GPU and back every step.
+      const bool on_host = to_host && !first.device().is_cpu();
+      const auto host = at::TensorOptions().dtype(compute).device(at::kCPU);
+      if (on_host) {
+        part.device_grads = std::move(written);
+        part.grads = at::empty({part.numel}, host.pinned_memory(true));
+      } else {
+        part.grads = std::move(written);
+      }
       for (size_t s = 0; s < names.size(); ++s)
-        part.state.push_back(untouched_zeros(part.numel, part.grads.options()));
+        part.state.push_back(
+            untouched_zeros(part.numel, part.grads.options().pinned_memory(false)));
       part.steps.assign(part.members.size(), 0);
       part.has_grad.assign(part.members.size(), 0);
       for (size_t k = 0; k < part.members.size(); ++k) {
@@ -520,7 +539,7 @@ struct FlatOptimizer::Impl {
           p.set_data(slot);
         }
         part.param_addresses.push_back(p.data_ptr());
-        part.grad_aliases.push_back(member_slice(part.grads, part, k, p));
+        part.grad_aliases.push_back(member_slice(part.written_grads(), part, k, p));
         auto c = carried.find(part.members[k]);
         if (c != carried.end()) {
           part.state_untouched = false;
@@ -529,7 +548,12 @@ struct FlatOptimizer::Impl {
             member_slice(part.state[s], part, k, p).copy_(c->second.second[s]);
         }
       }
-      part.master = low_precision(first.scalar_type()) ? part.params.to(compute) : part.params;
+      if (on_host) {
+        part.master = at::empty({part.numel}, host.pinned_memory(true));
+        part.master.copy_(part.params);
+      } else {
+        part.master = low_precision(first.scalar_type()) ? part.params.to(compute) : part.params;
+      }
       if (!offload_dir.empty()) offload(part);
     }
     groups[g] = std::move(parts);
@@ -549,9 +573,10 @@ struct FlatOptimizer::Impl {
     return count != params.size();
   }
 
+  // `always`: also where nothing moved (the layout's placement changed: offload_to_host).
   void relayout_if_moved(size_t g, std::vector<at::Tensor>& params,
-                         const torch::optim::OptimizerOptions& o) {
-    if (g < groups.size() && !moved(params, groups[g])) return;
+                         const torch::optim::OptimizerOptions& o, bool always = false) {
+    if (g < groups.size() && !always && !moved(params, groups[g])) return;
     std::map<size_t, std::pair<int64_t, std::vector<at::Tensor>>> carried;
     if (g < groups.size()) {
       for (const auto& part : groups[g]) {
@@ -559,10 +584,12 @@ struct FlatOptimizer::Impl {
         for (size_t k = 0; k < part.members.size(); ++k) {
           const auto i = part.members[k];
           if (i >= params.size()) continue;
+          // Carried where the new state will be: with the parameters, or on the host.
+          const auto device = to_host ? at::Device(at::kCPU) : params[i].device();
           std::vector<at::Tensor> values;
           for (const auto& s : part.state) {
             values.push_back(alias_into(s, part.offsets[k], params[i].sizes())
-                                 .to(params[i].device(), s.scalar_type(), false, true));
+                                 .to(device, s.scalar_type(), false, true));
           }
           carried[i] = {part.steps[k], std::move(values)};
         }
@@ -645,7 +672,7 @@ std::vector<torch::Tensor> FlatOptimizer::flat_gradients() {
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options());
     impl_->gather(param_groups_[g].params(), impl_->groups[g]);
-    for (auto& part : impl_->groups[g]) out.push_back(part.grads);
+    for (auto& part : impl_->groups[g]) out.push_back(part.written_grads());
   }
   return out;
 }
@@ -671,6 +698,8 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
       // Low-precision parameters: the float32 masters start from the parameters' values as they
       // are at the first step (after DDP gave every rank rank 0's weights, or a load).
       if (!part.master.is_same(part.params) && !part.stepped) part.master.copy_(part.params);
+      // Host offload: the gradients to the host (a copy that waits for the GPU's work on them).
+      if (part.device_grads.defined()) part.grads.copy_(part.device_grads);
       part.stepped = true;
       part.state_untouched = false;
       bool all = true, same_step = true;
@@ -697,7 +726,7 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
             const auto& p = params[part.members[k]];
             auto master = Impl::member_slice(part.master, part, k, p);
             sgd_update(
-                o, master, part.grad_aliases[k],
+                o, master, Impl::member_slice(part.grads, part, k, p),
                 part.state.empty() ? at::Tensor() : Impl::member_slice(part.state[0], part, k, p),
                 part.steps[k] == 0);
           }
@@ -716,7 +745,8 @@ torch::Tensor FlatOptimizer::step(LossClosure closure) {
             auto master = Impl::member_slice(part.master, part, k, p);
             std::vector<at::Tensor> state;
             for (const auto& s : part.state) state.push_back(Impl::member_slice(s, part, k, p));
-            adam_update(hyper, master, part.grad_aliases[k], state, part.steps[k] + 1);
+            adam_update(hyper, master, Impl::member_slice(part.grads, part, k, p), state,
+                        part.steps[k] + 1);
           }
         }
       }
@@ -745,7 +775,7 @@ void FlatOptimizer::before_replay() {
 bool FlatOptimizer::replays_exactly() const {
   for (const auto& parts : impl_->groups)
     for (const auto& part : parts)
-      if (!part.fused_last || !part.params.is_cuda()) return false;
+      if (!part.fused_last || !part.params.is_cuda() || !part.master.is_cuda()) return false;
   return true;
 }
 
@@ -816,6 +846,23 @@ void FlatOptimizer::offload_state(const std::filesystem::path& dir) {
 
 bool FlatOptimizer::state_offloaded() const { return !impl_->offload_dir.empty(); }
 
+void FlatOptimizer::offload_to_host() {
+  if (impl_->to_host) return;
+  impl_->to_host = true;
+  for (size_t g = 0; g < impl_->groups.size(); ++g) {
+    const auto& parts = impl_->groups[g];
+    const bool on_gpu = std::any_of(parts.begin(), parts.end(),
+                                    [](const Partition& p) { return !p.params.is_cpu(); });
+    // Laid out again with the state carried along; CPU partitions come back as they were.
+    if (on_gpu) {
+      impl_->relayout_if_moved(g, param_groups_[g].params(), param_groups_[g].options(),
+                               /*always=*/true);
+    }
+  }
+}
+
+bool FlatOptimizer::offloaded_to_host() const { return impl_->to_host; }
+
 void FlatOptimizer::skip_step() {
   for (auto& parts : impl_->groups)
     for (auto& part : parts) part.gathered_grad.clear();
@@ -826,6 +873,8 @@ int64_t FlatOptimizer::state_bytes() const {
   for (const auto& parts : impl_->groups) {
     for (const auto& part : parts) {
       bytes += part.grads.numel() * part.grads.element_size();
+      if (part.device_grads.defined())
+        bytes += part.device_grads.numel() * part.device_grads.element_size();
       for (const auto& s : part.state) bytes += s.numel() * s.element_size();
       if (!part.master.is_same(part.params))
         bytes += part.master.numel() * part.master.element_size();
@@ -1062,7 +1111,7 @@ bool FlatOptimizer::adopt(size_t group, const std::vector<torch::Tensor>& weight
   std::vector<std::vector<at::Tensor>> adopted(parts.size());
   for (size_t p = 0; p < parts.size(); ++p) {
     const auto& part = parts[p];
-    if (!part.state_files.empty()) return false;
+    if (!part.state_files.empty() || part.device_grads.defined()) return false;
     std::vector<at::Tensor> members;
     for (const auto member : part.members) members.push_back(weights[member]);
     if (!already_flat(members, part.offsets, part.numel).defined()) return false;

@@ -252,18 +252,15 @@ void check_mesh(const Plan& plan, const TrainContext& ctx) {
 }
 
 // --offload-optimizer: a flat optimizer's state (ZeRO's shard included; `flat`, null for another
-// optimizer) into files; host memory is where a CPU run's state is already.
+// optimizer) into host memory with the parameters on a GPU, or into files; host memory is where
+// a CPU run's state is already.
 void offload_optimizer_state(optim::FlatOptimizer* flat, const OptimizerOffload& offload,
                              const TrainContext& ctx) {
   using Device = OptimizerOffload::Device;
   if (offload.device == Device::kNone) return;
   const std::string flag = "--offload-optimizer " + to_string(offload);
-  if (offload.device == Device::kCpu) {
-    if (!ctx.get_device().is_cpu()) {
-      throw UsageError(flag + " with parameters on " + ctx.get_device().str() +
-                       " is not supported yet: keep the state on the GPU, or shard it with "
-                       "--zero-stage");
-    }
+  const bool on_gpu = !ctx.get_device().is_cpu();
+  if (offload.device == Device::kCpu && !on_gpu) {
     if (ctx.get_world_rank() == 0) {
       std::cout << flag << ": the optimizer state is in host memory already on a CPU run; nothing "
                 << "to do" << std::endl;
@@ -272,13 +269,18 @@ void offload_optimizer_state(optim::FlatOptimizer* flat, const OptimizerOffload&
   }
   if (flat == nullptr) {
     throw UsageError(flag +
-                     " streams the state of cohort's flat optimizers and ZeRO's: use one (not "
+                     " moves the state of cohort's flat optimizers and ZeRO's: use one (not "
                      "--no-flat-optimizer), with --sync ddp");
   }
-  flat->offload_state(offload.path);
+  // With the parameters on a GPU the update runs on the host, over state there (or in files).
+  if (on_gpu) flat->offload_to_host();
+  if (offload.device == Device::kDisk) flat->offload_state(offload.path);
   if (ctx.get_world_rank() == 0) {
-    std::cout << flag << ": rank 0's optimizer state, " << flat->state_bytes() / 1000000
-              << " MB, streams from files there" << std::endl;
+    std::cout << flag << ": rank 0's optimizer state, " << flat->state_bytes() / 1000000 << " MB, "
+              << (offload.device == Device::kDisk ? "streams from files there"
+                                                  : "is stepped in host memory")
+              << (on_gpu ? " (the gradients come to the host, the weights go back each step)" : "")
+              << std::endl;
   }
 }
 

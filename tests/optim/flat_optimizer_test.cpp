@@ -11,6 +11,7 @@
 
 #include "cohort/error.h"
 #include "cohort/optim/state_dict.h"
+#include "support/cuda.h"
 #include "support/expect.h"
 #include "support/tiny_mnist.h"
 
@@ -468,6 +469,106 @@ TEST(FlatOptimizer, StateOffloadedToDiskStepsBitForBitAsInMemory) {
                                             "is not a folder");
   EXPECT_FALSE(adam.state_offloaded());
   std::filesystem::remove_all(dir);
+}
+
+// Offloaded to the host, a GPU model's optimizer keeps its masters, its state and a copy of the
+// gradients in pinned host memory and updates there: the GPU holds the parameters and their
+// gradients only (clipping and unscaling act on those), the steps match the update on the GPU
+// to rounding, a checkpoint resumes bit for bit, and the state goes on to files as well. On CPU
+// parameters (the next test) it changes nothing.
+TEST(FlatOptimizer, StateOffloadedToTheHostStepsThereForAGpuModel) {
+  COHORT_REQUIRE_CUDA();
+  const torch::Device gpu(torch::kCUDA);
+  const auto dir = testing::temp_dir("flat_host_offload");
+  auto run = [&](Net& net, torch::optim::Optimizer& optimizer, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      torch::manual_seed(100 + step);
+      const auto x = torch::randn({8, 1, 8, 8}).to(gpu);
+      const auto target = torch::randint(0, 10, {8}).to(gpu);
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x, true), target).backward();
+      optimizer.step();
+    }
+  };
+  const auto adamw = [](Net& net) {
+    return std::make_unique<optim::FlatAdamW>(net->parameters(),
+                                              torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  };
+  auto on_gpu = make_net(4);
+  on_gpu->to(gpu);
+  auto gpu_optimizer = adamw(on_gpu);
+  run(on_gpu, *gpu_optimizer, 0, 10);
+
+  auto offloaded = make_net(4);
+  offloaded->to(gpu);
+  auto optimizer = adamw(offloaded);
+  optimizer->offload_to_host();
+  EXPECT_TRUE(optimizer->offloaded_to_host());
+  run(offloaded, *optimizer, 0, 5);
+  const auto views = optimizer->parameter_state_views(0, 0);
+  ASSERT_EQ(views.values.size(), 2U);
+  EXPECT_TRUE(views.values[0].is_cpu());
+  EXPECT_EQ(views.steps, 5);
+  for (const auto& g : optimizer->flat_gradients()) EXPECT_TRUE(g.is_cuda());
+  for (const auto& p : offloaded->parameters()) {
+    EXPECT_TRUE(p.is_cuda());
+    EXPECT_TRUE(p.grad().is_cuda());
+  }
+  EXPECT_FALSE(optimizer->replays_exactly()) << "a host update is not captured";
+  torch::save(offloaded, (dir / "model.pt").string());
+  torch::save(*optimizer, (dir / "optimizer.pt").string());
+  run(offloaded, *optimizer, 5, 10);
+  const auto a = on_gpu->parameters(), b = offloaded->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-4, 1e-6))
+        << "parameter " << i << " differs by " << (a[i] - b[i]).abs().max().item<double>();
+  }
+  // Resumed from step 5 on the host, then with the state in files too: bit for bit.
+  for (const bool disk : {false, true}) {
+    auto resumed = make_net(99);
+    resumed->to(gpu);
+    auto resumed_optimizer = adamw(resumed);
+    resumed_optimizer->offload_to_host();
+    if (disk) {
+      std::filesystem::create_directories(dir / "state");
+      resumed_optimizer->offload_state(dir / "state");
+    }
+    torch::load(resumed, (dir / "model.pt").string());
+    torch::load(*resumed_optimizer, (dir / "optimizer.pt").string());
+    run(resumed, *resumed_optimizer, 5, 10);
+    const auto c = resumed->parameters();
+    for (size_t i = 0; i < b.size(); ++i)
+      EXPECT_TRUE(torch::equal(b[i], c[i])) << (disk ? "disk" : "host") << " parameter " << i;
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(FlatOptimizer, OffloadToTheHostChangesNothingForCpuParameters) {
+  auto run = [](bool offload) {
+    auto net = make_net(4);
+    optim::FlatAdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    if (offload) optimizer.offload_to_host();
+    EXPECT_EQ(optimizer.offloaded_to_host(), offload);
+    const auto bytes = optimizer.state_bytes();
+    for (int step = 0; step < 5; ++step) {
+      torch::manual_seed(100 + step);
+      const auto x = torch::randn({8, 1, 8, 8});
+      optimizer.zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x, true), torch::randint(0, 10, {8}))
+          .backward();
+      optimizer.step();
+    }
+    EXPECT_EQ(optimizer.state_bytes(), bytes) << "no second copy of anything";
+    // The parameters still lie in the optimizer's buffer: stepped where they are.
+    const auto params = net->parameters();
+    EXPECT_EQ(params[1].data_ptr<float>(), params[0].data_ptr<float>() + params[0].numel());
+    std::vector<at::Tensor> out;
+    for (const auto& p : params) out.push_back(p.detach().clone());
+    return out;
+  };
+  const auto plain = run(false), offloaded = run(true);
+  for (size_t i = 0; i < plain.size(); ++i)
+    EXPECT_TRUE(torch::equal(plain[i], offloaded[i])) << "parameter " << i;
 }
 
 TEST(FlatOptimizer, HyperparametersOutOfRangeAreNamed) {

@@ -91,7 +91,7 @@ ZeroOptions zero_options(int stage, int64_t bucket = 200, bool reshard_after_for
 
 Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_t bucket = 200,
           bool reshard_after_forward = true, torch::Device device = torch::kCPU,
-          int shard_group_size = 0) {
+          int shard_group_size = 0, bool host_offload = false) {
   auto net = make_zero_net();
   net->to(device);
   std::unique_ptr<DistributedDataParallel> ddp;
@@ -105,6 +105,7 @@ Run train(comm::ProcessGroup& g, int stage, int steps, int micro_batches, int64_
         net.ptr(), *plain, g, zero_options(stage, bucket, reshard_after_forward, shard_group_size));
   }
   auto* zero = dynamic_cast<ZeroOptimizer*>(optimizer.get());
+  if (zero && host_offload) zero->offload_to_host();
   Run run;
   for (int step = 0; step < steps; ++step) {
     optimizer->zero_grad();
@@ -143,19 +144,24 @@ void expect_same_run(const Run& a, const Run& b, const std::string& what) {
   }
 }
 
+// `host_offload`: ZeRO's optimizer state and update in host memory (ZeroOptimizer's
+// offload_to_host), the parameters on `device`.
 void expect_parity_with_ddp(int world, int micro_batches, torch::Device device = torch::kCPU,
-                            comm::Backend backend = comm::Backend::kAuto) {
+                            comm::Backend backend = comm::Backend::kAuto,
+                            bool host_offload = false) {
   comm::ProcessGroupOptions options{.timeout = std::chrono::seconds(30)};
   options.backend = backend;
   const std::function<void(comm::ProcessGroup&)> body = [&](comm::ProcessGroup& g) {
     const auto ddp = train(g, 0, 5, micro_batches, 200, true, device);
     for (int stage : {1, 2, 3}) {
-      const auto zero = train(g, stage, 5, micro_batches, 200, true, device);
+      const auto zero = train(g, stage, 5, micro_batches, 200, true, device, /*shard_group_size=*/0,
+                              host_offload);
       expect_same_run(zero, ddp,
                       "stage " + std::to_string(stage) + " on rank " + std::to_string(g.rank()) +
                           " of " + std::to_string(world) + ", " + std::to_string(micro_batches) +
                           " micro-batches on " + device.str() + " over " +
-                          comm::to_string(g.backend()));
+                          comm::to_string(g.backend()) +
+                          (host_offload ? ", the state on the host" : ""));
     }
   };
   // GPU ranks in processes of their own (see run_rank_processes).
@@ -224,6 +230,13 @@ TEST(ZeroOptimizer, StagesOneToThreeTrainAsDdpOnTheGpu) {
   COHORT_REQUIRE_CUDA();
   expect_parity_with_ddp(2, 2, torch::kCUDA, comm::Backend::kGloo);
   if (comm::nccl_available()) expect_parity_with_ddp(1, 2, torch::kCUDA, comm::Backend::kAuto);
+}
+
+// ZeRO-Offload: the shards' state and update in host memory, the parameters and gradients on the
+// GPU; the same training as DDP's on the GPU.
+TEST(ZeroOptimizer, StagesOneToThreeWithTheStateOnTheHostTrainAsDdpOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  expect_parity_with_ddp(2, 2, torch::kCUDA, comm::Backend::kGloo, /*host_offload=*/true);
 }
 
 TEST(ZeroOptimizer, AccumulatedMicroBatchesEqualTheBigBatch) {

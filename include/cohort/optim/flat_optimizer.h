@@ -81,13 +81,26 @@ class FlatOptimizer : public torch::optim::Optimizer {
   void offload_state(const std::filesystem::path& dir);
   /// Whether offload_state() put the state on disk.
   bool state_offloaded() const;
+  /// Keeps the float32 master weights, the optimizer state and a copy of the gradients in host
+  /// memory where the parameters are on a GPU (DeepSpeed's ZeRO-Offload, offload_optimizer
+  /// {device: cpu}): a step copies the gradients to the host (pinned memory), updates the
+  /// masters and the state there with the CPU kernels, and copies the updated weights back into
+  /// the parameters. The GPU then holds the parameters and their gradients only. The gradients are
+  /// copied when step() begins, not while backward runs. Nothing changes for parameters on the
+  /// CPU, whose state is there already. Combined with offload_state() (after this call) the state
+  /// lives in files. A step that updates on the host is not captured in a CUDA graph
+  /// (replays_exactly() is false). A relayout (module->to()) keeps it on the host.
+  void offload_to_host();
+  /// Whether offload_to_host() was called.
+  bool offloaded_to_host() const;
 
   /// "sgd", "adam" or "adamw".
   const std::string& algorithm() const { return algorithm_; }
   /// Whether float32 buffers on CPU or CUDA step with libtorch's fused kernels (libtorch 2.4 and
   /// later: one pass over the buffers); otherwise with the vectorised operations.
   static bool has_fused_kernels();
-  /// Bytes held for master weights (low-precision parameters only), gradients and optimizer state.
+  /// Bytes held for master weights (low-precision parameters, or offload_to_host()), gradients
+  /// and optimizer state.
   int64_t state_bytes() const;
 
   /// The state of parameter `index` of param group `group`: the steps it took and its state
