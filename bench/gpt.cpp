@@ -6,6 +6,8 @@
 //   zero3-deferred ZeRO stage 3 with deferred initialisation: each worker initialises its shards
 //                  only, one unit at a time (models::ModelOptions::deferred_init)
 //   zero3-disk     that, with the optimizer state of its shard in files under --offload-dir
+//   ddp-host       DDP with the optimizer state in host memory (--offload-optimizer cpu): on a
+//                  GPU the update runs on the host (ZeRO-Offload); on a CPU run it is ddp
 //
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
@@ -19,9 +21,10 @@
 //   bench/gpt --layers 24 --width 2048 --heads 16 --workers 4 --modes zero3-deferred,zero3-disk
 //             --offload-dir /var/tmp                                   (1.2 B parameters)
 //
-// On a GPU (--device cuda, one worker: bf16 autocast, each step one CUDA graph) it also prints
-// model FLOPs utilisation against --peak-tflops (models::GptImpl::flops_per_token: 6 per weight
-// and token, and attention's).
+// On a GPU (--device cuda, one worker: bf16 autocast, each step one CUDA graph but with ddp-host)
+// it also prints model FLOPs utilisation against --peak-tflops (models::GptImpl::flops_per_token:
+// 6 per weight and token, and attention's) and the GPU memory the worker holds after its steps
+// (NVML's figure for the process).
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -33,6 +36,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/gpu_usage.h"
 #include "cohort/runtime/heap.h"
 #include "cohort/runtime/worker_info.h"
 #include "fresh_process.h"
@@ -53,11 +57,13 @@ models::ModelOptions options_of(const Json& c) {
 train::Plan plan_of(const Json& c) {
   train::Plan plan;
   const auto mode = c["mode"].get<std::string>();
-  if (mode != "ddp") plan.zero.stage = 3;
-  // On a GPU: bf16 autocast and each step one CUDA graph (the flat optimizer's step included).
+  if (mode.rfind("zero3", 0) == 0) plan.zero.stage = 3;
+  if (mode == "ddp-host") plan.offload_optimizer = train::parse_optimizer_offload("cpu");
+  // On a GPU: bf16 autocast and each step one CUDA graph (the flat optimizer's step included),
+  // but where the update runs on the host.
   if (c["cuda"].get<bool>()) {
     plan.precision = cohort::optim::Precision::kBf16;
-    plan.cuda_graph = true;
+    plan.cuda_graph = mode != "ddp-host";
   }
   if (mode == "zero3-disk")
     plan.offload_optimizer =
@@ -92,6 +98,12 @@ void worker_loop(const Json& c) {
       std::cout << "  step " << model.steps() << ": " << seconds << " s" << std::endl;
   }
   const auto peak_training = static_cast<double>(train::peak_resident_bytes());
+  // On a GPU, what the worker holds there after its steps (the caching allocator keeps its peak).
+  double gpu_mb = 0;
+  if (c["cuda"].get<bool>()) {
+    const auto usage = cohort::runtime::Nvml::instance().usage_of({static_cast<int>(::getpid())});
+    if (!usage.empty()) gpu_mb = usage.begin()->second.memory_mb;
+  }
   const auto checkpointing = std::chrono::steady_clock::now();
   train::report({{"steps", model.steps()}}, model);
   const double checkpoint_s =
@@ -112,6 +124,7 @@ void worker_loop(const Json& c) {
                  {"step_s", step_s},
                  {"tokens_per_s", tokens_per_s},
                  {"checkpoint_s", checkpoint_s},
+                 {"gpu_memory_mb", gpu_mb},
                  {"steps", model.steps()},
                  {"resumed", resumed}});
 }
@@ -165,8 +178,9 @@ int main(int argc, char** argv) {
   std::string offload_dir = std::filesystem::temp_directory_path().string();
   std::string device = "cpu";
   double peak_tflops = 989;
-  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk")
+  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk, ddp-host")
       ->delimiter(',')
+      ->check(CLI::IsMember({"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host"}))
       ->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "torch threads per worker")->capture_default_str();
@@ -279,6 +293,7 @@ int main(int argc, char** argv) {
     if (cuda && m["step_s"].get<double>() > 0) {
       out["mfu"] = m["tokens_per_s"].get<double>() * static_cast<double>(flops_per_token) /
                    (peak_tflops * 1e12);
+      out["gpu_memory_mb"] = m["gpu_memory_mb"];
     }
     std::cout << out.dump() << std::endl;
     if (!reloaded) ++failures;

@@ -10,7 +10,9 @@
 #                                       # then seed 002's job (ResNet-18, 10 epochs) on the GPU;
 #                                       # --bench adds bench/ddp_throughput on CPU at 2, 4, 8 workers
 #                                       # and bench/fast_steps on the GPU (step times, and seed
-#                                       # 002's 10 epochs eager and as CUDA graphs)
+#                                       # 002's 10 epochs eager and as CUDA graphs), and bench/gpt
+#                                       # (with and without the optimizer on the host) beside
+#                                       # bench/gpt_torch.py (PyTorch eager) on a 304 M GPT
 #
 # Environment: PYTHON (default python3, the one with torch), JOBS (default: all cores),
 # EPOCHS (default 10).
@@ -113,6 +115,11 @@ if [ "$bench" -eq 1 ]; then
   # Seed 002's 10 epochs with the data on the GPU, eager and as one CUDA graph per step.
   run "$build/bench/fast_steps" --device cuda --data-dir "$deps/data/fashion-mnist" --models resnet18 \
     --rounds 1 --steps 5 --epochs 10
+  # The zoo's GPT at 304 M parameters, context 1024, bf16: cohort (each step one CUDA graph; and
+  # ddp-host, the optimizer on the host) beside PyTorch eager on the same model (tokens/s, MFU).
+  gpt_shape=(--layers 24 --width 1024 --heads 16 --context 1024 --batch-size 8 --steps 10)
+  run "$build/bench/gpt" --device cuda "${gpt_shape[@]}" --modes ddp,ddp-host
+  run "$python" "$root/bench/gpt_torch.py" --device cuda "${gpt_shape[@]}"
   for workers in 1 2 4 8; do
     for mode in independent ddp; do
       echo "ddp_throughput --mode $mode --workers $workers: $("$build/bench/ddp_throughput" --mode "$mode" \
