@@ -56,7 +56,8 @@ void check_offload_room(const TrainOptions& o) {
   const auto estimate = train::estimate_memory(estimated_spec(model, plan), plan,
                                                {.world_size = o.scaling.workers,
                                                 .optimizer_states = o.optimizer.state_buffers(),
-                                                .flat_optimizer = o.optimizer.flat});
+                                                .flat_optimizer = o.optimizer.flat,
+                                                .gpu = o.scaling.use_gpu});
   // Every worker of this machine writes its state there.
   train::check_offload_room(plan.offload_optimizer, estimate.disk_bytes * o.scaling.workers);
 }
@@ -86,7 +87,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
                                  .activation_bytes = activations,
                                  .runtime_bytes = runtime,
                                  .async_checkpoint = o.run.async_checkpoint,
-                                 .snapshots = o.run.snapshot_every_steps.has_value()});
+                                 .snapshots = o.run.snapshot_every_steps.has_value(),
+                                 .gpu = o.scaling.use_gpu});
 }
 
 void validate_mesh(const TrainOptions& o) {

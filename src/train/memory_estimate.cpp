@@ -135,6 +135,10 @@ std::string MemoryEstimate::table() const {
   out << row("total", total());
   if (disk_bytes > 0)
     out << "  (on disk, beside the total: the optimizer state, " << megabytes(disk_bytes) << ")\n";
+  if (host_bytes > 0) {
+    out << "  (in host memory, beside the total: the optimizer state, float32 masters and a "
+        << "gradient copy, " << megabytes(host_bytes) << ")\n";
+  }
   return out.str();
 }
 
@@ -232,8 +236,21 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
     // reduce-scatter is an all-to-all): counted always, an upper bound with NCCL.
     add("gradient buckets", 2 * bucket * e * 2, "a smaller reduce_bucket_size (--deepspeed)");
   }
-  const int64_t state = k * (stage >= 1 ? shard(p) : p) * e;
-  if (plan.offload_optimizer.device == OptimizerOffload::Device::kDisk) {
+  const int64_t stepped = stage >= 1 ? shard(p) : p;  // the elements this worker updates
+  const int64_t state = k * stepped * e;
+  const bool on_host =
+      options.gpu && plan.offload_optimizer.device != OptimizerOffload::Device::kNone;
+  if (on_host) {
+    // The update on the host: its state (in files there with disk:PATH), float32 masters and the
+    // gradients copied from the GPU; the GPU keeps the parameters and their gradients.
+    estimate.host_bytes = stepped * 4 * 2;
+    if (plan.offload_optimizer.device == OptimizerOffload::Device::kDisk) {
+      estimate.disk_bytes = state;
+      estimate.host_bytes += std::min<int64_t>(state, k * 2 * (int64_t{1} << 20));
+    } else {
+      estimate.host_bytes += state;
+    }
+  } else if (plan.offload_optimizer.device == OptimizerOffload::Device::kDisk) {
     // In files; in memory a chunk of each state buffer at a time (1 MiB, and the next read ahead).
     estimate.disk_bytes = state;
     add("optimizer state", std::min<int64_t>(state, k * 2 * (int64_t{1} << 20)),

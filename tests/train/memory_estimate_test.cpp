@@ -213,6 +213,38 @@ TEST(MemoryEstimate, TheTablesFiguresStandInOneColumn) {
   EXPECT_NE(table.find("  all-gather buffers: "), std::string::npos) << table;
 }
 
+// With the parameters on a GPU, --offload-optimizer cpu moves the optimizer state, float32
+// masters and a gradient copy to the host, beside the total (the GPU's); on a CPU run it changes
+// nothing. With disk:PATH on a GPU the host holds a chunk of the state, the masters and the copy.
+TEST(MemoryEstimate, StateOnTheHostLeavesTheGpu) {
+  Plan plan;
+  const auto in_memory = estimate_memory(four_units(), plan, {.optimizer_states = 2, .gpu = true});
+  plan.offload_optimizer = parse_optimizer_offload("cpu");
+  const auto on_cpu = estimate_memory(four_units(), plan, {.optimizer_states = 2});
+  EXPECT_EQ(on_cpu.total(), in_memory.total());
+  EXPECT_EQ(on_cpu.host_bytes, 0);
+  const auto host = estimate_memory(four_units(), plan, {.optimizer_states = 2, .gpu = true});
+  EXPECT_EQ(items_of(host).count("optimizer state"), 0u) << host.table();
+  EXPECT_EQ(host.total(), in_memory.total() - 8 * kP);
+  EXPECT_EQ(host.host_bytes, 16 * kP);
+  EXPECT_NE(host.table().find("in host memory, beside the total: the optimizer state, float32 "
+                              "masters and a gradient copy, 64.1 MB"),
+            std::string::npos)
+      << host.table();
+  // ZeRO over 4 workers: a quarter of it each.
+  plan.zero.stage = 2;
+  EXPECT_EQ(
+      estimate_memory(four_units(), plan, {.world_size = 4, .optimizer_states = 2, .gpu = true})
+          .host_bytes,
+      4 * kP);
+  plan.zero.stage = 0;
+  plan.offload_optimizer =
+      parse_optimizer_offload("disk:" + std::filesystem::temp_directory_path().string());
+  const auto disk = estimate_memory(four_units(), plan, {.optimizer_states = 2, .gpu = true});
+  EXPECT_EQ(disk.disk_bytes, 8 * kP);
+  EXPECT_EQ(disk.host_bytes, 8 * kP + 2 * 2 * (int64_t{1} << 20));
+}
+
 // With the state on disk, memory holds a chunk of it; the folder is checked for room first.
 TEST(MemoryEstimate, StateOnDiskLeavesMemoryAndNeedsRoomThere) {
   Plan plan;

@@ -40,6 +40,11 @@ struct MemoryEstimateOptions {
   /// In-memory snapshots (train::snapshot): the same buffers, and on the node's memory-backed
   /// storage the newest two snapshots of the worker's files and two buddy copies of another's.
   bool snapshots = false;
+  /// The parameters on a GPU: with --offload-optimizer cpu the optimizer state, the float32
+  /// master weights and a copy of the gradients are in host memory (MemoryEstimate::host_bytes),
+  /// not among the items (optim::FlatOptimizer::offload_to_host). On a CPU run that option
+  /// changes nothing.
+  bool gpu = false;
 };
 
 /// One item of a worker's memory.
@@ -61,6 +66,10 @@ struct MemoryEstimate {
   /// With --offload-optimizer disk:PATH, the optimizer state's bytes in files there, per worker
   /// (not in memory: only a chunk of it is, counted in the items).
   int64_t disk_bytes = 0;
+  /// With --offload-optimizer cpu and the parameters on a GPU (MemoryEstimateOptions::gpu), the
+  /// optimizer state, float32 masters and gradient copy in host memory, per worker (not among the
+  /// items).
+  int64_t host_bytes = 0;
   /// The sum of the items.
   int64_t total() const;
   /// The largest item other than the runtime (which no option shrinks).
