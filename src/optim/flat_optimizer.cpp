@@ -1061,6 +1061,17 @@ FlatOptimizer::ParameterState FlatOptimizer::parameter_state_views(size_t group,
                    " has no parameter " + std::to_string(index));
 }
 
+void FlatOptimizer::release_parameter_state(size_t group, size_t index) const {
+  for (const auto& part : impl_->groups.at(group)) {
+    for (size_t k = 0; k < part.members.size(); ++k) {
+      if (part.members[k] != index) continue;
+      const auto numel = param_groups_.at(group).params().at(index).numel();
+      part.write_behind(part.offsets[k], numel);
+      return;
+    }
+  }
+}
+
 void FlatOptimizer::set_parameter_state(size_t group, size_t index, const ParameterState& state) {
   torch::NoGradGuard no_grad;
   auto& params = param_groups_.at(group).params();

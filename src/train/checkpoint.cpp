@@ -10,6 +10,7 @@
 
 #include "cohort/error.h"
 #include "cohort/limits.h"
+#include "cohort/optim/flat_optimizer.h"
 #include "cohort/optim/state_dict.h"
 #include "cohort/parallel/pipeline/pipeline.h"
 #include "cohort/trace.h"
@@ -433,7 +434,14 @@ void save_model_and_optimizer(const std::filesystem::path& dir, const torch::nn:
     }
   } else {
     save_model(module, dir / "model.safetensors");
-    save_optimizer(optimizer, dir / "optimizer.pt");
+    // A flat optimizer's state on disk goes into state files a parameter at a time, each leaving
+    // memory once written (libtorch's archive would read all of it in); they load into any
+    // optimizer as optimizer.pt does.
+    const auto* flat = dynamic_cast<const optim::FlatOptimizer*>(&optimizer);
+    if (flat == nullptr || !flat->state_offloaded() ||
+        !detail::save_optimizer_as_shards(dir, optimizer, module)) {
+      save_optimizer(optimizer, dir / "optimizer.pt");
+    }
   }
 }
 

@@ -494,11 +494,14 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
   load_named_state(state, target.part(), target.part().state_to_load(state.values()), Layout());
 }
 
-bool save_optimizer_as_shards(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+bool save_optimizer_as_shards(const std::filesystem::path& dir,
+                              const torch::optim::Optimizer& optimizer,
                               const torch::nn::Module& module) {
   std::optional<optim::StateDict> state;
   try {
-    state = OptimizerAsPart(optimizer, module, "save_optimizer_as_shards").part().state_dict();
+    // Saving reads the state only (state_dict() is const); the part also serves loads.
+    auto& reading = const_cast<torch::optim::Optimizer&>(optimizer);
+    state = OptimizerAsPart(reading, module, "save_optimizer_as_shards").part().state_dict();
   } catch (const UsageError&) {
     return false;  // another algorithm than SGD, Adam or AdamW
   }

@@ -39,7 +39,8 @@ void load_zero_shards(torch::optim::Optimizer& optimizer, const torch::nn::Modul
 // shard of part optim::kOptimizerShardsPart: written and read back as fast as a copy, where the
 // archive optimizer.pt is a pickle; load_zero_shards reads it into any optimizer. False, and
 // nothing written, for an optimizer whose state has no such form (not SGD, Adam or AdamW).
-bool save_optimizer_as_shards(const std::filesystem::path& dir, torch::optim::Optimizer& optimizer,
+bool save_optimizer_as_shards(const std::filesystem::path& dir,
+                              const torch::optim::Optimizer& optimizer,
                               const torch::nn::Module& module);
 // Local SGD's replicas (optim::kReplicasPart) in `dir` into `optimizer`: local SGD's own at any
 // world size (optim::Stateful::state_to_load says which ranks' pieces), or any other optimizer

@@ -256,9 +256,9 @@ std::pair<int64_t, int64_t> mapped_bytes(const std::vector<torch::Tensor>& tenso
 }
 
 // Optimizer state offloaded to disk passes through memory a piece at a time when a checkpoint
-// writes or reads it: after either, next to none of it is in the process's memory (holding it
-// whole would undo the offload: a 1.2 B GPT's workers peaked 1.4 GB higher while they saved),
-// and the resumed step is the uninterrupted one's.
+// writes or reads it, ZeRO's and DDP's flat optimizer's: after either, next to none of it is in
+// the process's memory (holding it whole would undo the offload: a 1.2 B GPT's workers peaked
+// 1.4 GB higher while they saved), and the resumed step is the uninterrupted one's.
 TEST(ZeroCheckpoint, StateOnDiskPassesThroughMemoryAPieceAtATime) {
   const auto root = cohort::testing::temp_dir("zero_checkpoint_disk");
   std::filesystem::create_directories(root / "offload");
@@ -287,18 +287,21 @@ TEST(ZeroCheckpoint, StateOnDiskPassesThroughMemoryAPieceAtATime) {
     torch::nn::functional::cross_entropy(net->forward(x), y).backward();
     zero.step();
   };
-  // The state's pages in this rank's memory, against the size of its files' mappings.
-  const auto expect_state_paged_out = [](const ZeroOptimizer& zero, const std::string& after) {
+  // The state's pages in this process's memory, against the size of its files' mappings.
+  const auto expect_paged_out = [](const std::vector<torch::Tensor>& state,
+                                   const std::string& after) {
+    const auto [resident, size] = mapped_bytes(state);
+    EXPECT_GE(size, 500'000) << "the state's files, mapped";
+    EXPECT_LE(resident * 16, size)
+        << after << ": " << resident << " of the state's " << size << " bytes are in memory";
+  };
+  const auto expect_state_paged_out = [&](const ZeroOptimizer& zero, const std::string& after) {
     std::vector<torch::Tensor> state;
     for (const auto& [name, piece] : zero.state_dict().tensors) {
       state.push_back(piece.values);
       EXPECT_TRUE(piece.release) << name << ": its state is on disk";
     }
-    const auto [resident, size] = mapped_bytes(state);
-    EXPECT_GE(size, 500'000) << "the state's files, mapped";
-    EXPECT_LE(resident * 16, size)
-        << after << ": " << resident << " of the state's " << size << " bytes are in rank "
-        << zero.process_group().rank() << "'s memory";
+    expect_paged_out(state, after + " on rank " + std::to_string(zero.process_group().rank()));
   };
   std::vector<torch::Tensor> straight, resumed;
   run_ranks(2, [&](comm::ProcessGroup& g) {
@@ -323,6 +326,52 @@ TEST(ZeroCheckpoint, StateOnDiskPassesThroughMemoryAPieceAtATime) {
   ASSERT_EQ(resumed.size(), straight.size());
   for (size_t i = 0; i < straight.size(); ++i)
     EXPECT_TRUE(torch::equal(resumed[i], straight[i])) << "parameter " << i;
+  // DDP's flat optimizer: its checkpoint holds the state as state files, not libtorch's archive
+  // (which reads all of it in), written and read a parameter at a time.
+  const auto whole_step = [](torch::nn::Sequential& net, torch::optim::Optimizer& optimizer,
+                             int s) {
+    torch::Tensor x, y;
+    {
+      std::lock_guard lock(cohort::testing::generator_mutex());
+      torch::manual_seed(800 + s);
+      x = torch::randn({12, 64});
+      y = torch::randint(0, 3, {12});
+    }
+    optimizer.zero_grad();
+    torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+    optimizer.step();
+  };
+  const auto views = [](optim::FlatOptimizer& flat, const torch::nn::Sequential& net) {
+    std::vector<torch::Tensor> state;
+    for (size_t i = 0; i < net->parameters().size(); ++i)
+      for (const auto& v : flat.parameter_state_views(0, i).values) state.push_back(v);
+    return state;
+  };
+  std::vector<torch::Tensor> whole_straight;
+  {
+    auto net = make_net(31);
+    optim::FlatAdamW flat(net->parameters(), torch::optim::AdamWOptions(0.01));
+    flat.offload_state(root / "offload");
+    whole_step(net, flat, 0);
+    whole_step(net, flat, 1);
+    save_checkpoint(root / "ddp", *net, flat);
+    EXPECT_TRUE(std::filesystem::exists(root / "ddp" / "zero_manifest.json"));
+    EXPECT_FALSE(std::filesystem::exists(root / "ddp" / "optimizer.pt"));
+    expect_paged_out(views(flat, net), "DDP's save");
+    whole_step(net, flat, 2);
+    for (const auto& p : net->parameters()) whole_straight.push_back(p.detach().clone());
+  }
+  {
+    auto net = make_net(99);
+    optim::FlatAdamW flat(net->parameters(), torch::optim::AdamWOptions(0.01));
+    flat.offload_state(root / "offload");
+    load_checkpoint(Checkpoint::from_directory(root / "ddp"), *net, flat);
+    expect_paged_out(views(flat, net), "DDP's load");
+    whole_step(net, flat, 2);
+    const auto whole_resumed = net->parameters();
+    for (size_t i = 0; i < whole_straight.size(); ++i)
+      EXPECT_TRUE(torch::equal(whole_resumed[i], whole_straight[i])) << "DDP's parameter " << i;
+  }
   // In memory, nothing to give back.
   run_ranks(1, [&](comm::ProcessGroup& g) {
     auto net = make_net(31);

@@ -116,6 +116,10 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// checkpoint writes from, and a load reads into in place (set_parameter_state then copies
   /// nothing). They follow the optimizer's steps.
   ParameterState parameter_state_views(size_t group, size_t index);
+  /// Disk offload (offload_state()): parameter_state_views(group, index)'s pages leave this
+  /// process's memory (the files keep them; the next access reads them again); nothing where the
+  /// state is in memory. For a checkpoint's StateTensor::release.
+  void release_parameter_state(size_t group, size_t index) const;
   /// See ParameterState. A buffer that already is the optimizer's own (parameter_state_views') is
   /// not copied.
   void set_parameter_state(size_t group, size_t index, const ParameterState& state);
