@@ -117,6 +117,10 @@ struct CapturedStep::Impl {
       return "the step's collectives run over gloo, which a CUDA graph cannot hold: create the "
              "process group with the nccl backend (cohort train: --backend auto or nccl)";
     }
+    if (options.optimizer && options.optimizer->offloaded_to_host()) {
+      return "the optimizer updates in host memory (--offload-optimizer cpu or disk:PATH), which "
+             "a CUDA graph cannot hold: keep the state on the GPU to capture the step";
+    }
     if (options.optimizer) counts_before_capture = options.optimizer->host_step_counts();
     auto* session = current_session();
     if (session) session_steps_before_capture = session->steps_through_step_optimizer;
