@@ -89,7 +89,9 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// copied when step() begins, not while backward runs. Nothing changes for parameters on the
   /// CPU, whose state is there already. Combined with offload_state() (after this call) the state
   /// lives in files. A step that updates on the host is not captured in a CUDA graph
-  /// (replays_exactly() is false). A relayout (module->to()) keeps it on the host.
+  /// (replays_exactly() is false). A relayout (module->to()) keeps it on the host. Call it before
+  /// the first step: the layout is made again, and low-precision parameters' float32 masters start
+  /// again from the parameters.
   void offload_to_host();
   /// Whether offload_to_host() was called.
   bool offloaded_to_host() const;
