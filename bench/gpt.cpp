@@ -88,7 +88,8 @@ void worker_loop(const Json& c) {
   double timed = 0;
   for (int64_t step = 0; step < steps; ++step) {
     torch::manual_seed(step + 1000 * ctx.get_world_rank());
-    const auto tokens = torch::randint(0, o.vocab_size, {batch, o.context + 1});
+    const auto tokens =
+        torch::randint(0, o.vocab_size, {batch, o.context + 1}).to(ctx.get_device());
     const auto start = std::chrono::steady_clock::now();
     model.step(tokens.narrow(1, 0, o.context), tokens.narrow(1, 1, o.context));
     const double seconds =
@@ -231,7 +232,7 @@ int main(int argc, char** argv) {
     flops_per_token = dynamic_cast<const models::GptImpl&>(*shape).flops_per_token(context);
     std::cout << "gpt: " << layers << " layers, width " << width << ", " << heads
               << " heads, context " << context << ": " << std::fixed << std::setprecision(1)
-              << static_cast<double>(parameters) / 1e6 << " M parameters; " << workers
+              << static_cast<double>(parameters) / 1e6 << " M parameters; " << (cuda ? 1 : workers)
               << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
               << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
               << std::endl;
