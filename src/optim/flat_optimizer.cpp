@@ -300,18 +300,21 @@ struct Partition {
       ::madvise(at, bytes, MADV_WILLNEED);
     });
   }
-  void write_behind(int64_t start, int64_t length) const {
-    for_state_pages(start, length, [](char* at, size_t bytes, const StateFile& f, size_t offset) {
+  // `only`: that state buffer's pages alone (a checkpoint's piece); -1: every buffer's.
+  void write_behind(int64_t start, int64_t length, int only = -1) const {
+    const auto behind = [](char* at, size_t bytes, const StateFile& f, size_t offset) {
       ::sync_file_range(f.fd, static_cast<off_t>(offset), static_cast<off_t>(bytes),
                         SYNC_FILE_RANGE_WRITE);
       ::madvise(at, bytes, MADV_DONTNEED);
-    });
+    };
+    for_state_pages(start, length, behind, only);
   }
   template <typename Fn>
-  void for_state_pages(int64_t start, int64_t length, const Fn& fn) const {
+  void for_state_pages(int64_t start, int64_t length, const Fn& fn, int only = -1) const {
     if (state_files.empty()) return;  // the state is in memory
     const auto page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
     for (size_t s = 0; s < state_files.size(); ++s) {
+      if (only >= 0 && s != static_cast<size_t>(only)) continue;
       const auto& f = *state_files[s];
       if (f.address == nullptr || length <= 0) continue;
       const size_t element = state[s].element_size();
@@ -811,9 +814,10 @@ std::vector<torch::Tensor> FlatOptimizer::state_buffers(size_t group) const {
   return parts.front().state;
 }
 
-void FlatOptimizer::release_state_pages(size_t group, int64_t start, int64_t length) const {
+void FlatOptimizer::release_state_pages(size_t group, size_t state, int64_t start,
+                                        int64_t length) const {
   const auto& parts = impl_->groups.at(group);
-  if (!parts.empty()) parts.front().write_behind(start, length);
+  if (!parts.empty()) parts.front().write_behind(start, length, static_cast<int>(state));
 }
 
 int64_t FlatOptimizer::steps_taken(size_t group) const {
@@ -1061,12 +1065,12 @@ FlatOptimizer::ParameterState FlatOptimizer::parameter_state_views(size_t group,
                    " has no parameter " + std::to_string(index));
 }
 
-void FlatOptimizer::release_parameter_state(size_t group, size_t index) const {
+void FlatOptimizer::release_parameter_state(size_t group, size_t index, size_t state) const {
   for (const auto& part : impl_->groups.at(group)) {
     for (size_t k = 0; k < part.members.size(); ++k) {
       if (part.members[k] != index) continue;
       const auto numel = param_groups_.at(group).params().at(index).numel();
-      part.write_behind(part.offsets[k], numel);
+      part.write_behind(part.offsets[k], numel, static_cast<int>(state));
       return;
     }
   }

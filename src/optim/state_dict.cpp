@@ -151,12 +151,12 @@ StateDict OptimizerState::state_dict() const {
     auto state = flat != nullptr ? flat->parameter_state_views(0, i)
                                  : torch_state_of(optimizer_, algorithm_, state_names_, i);
     steps = std::max(steps, state.steps);
-    // State on disk: each parameter's pages go back once the checkpoint wrote or read them.
-    std::function<void()> release;
-    if (flat != nullptr && flat->state_offloaded())
-      release = [flat, i] { flat->release_parameter_state(0, i); };
     for (size_t s = 0; s < state_names_.size(); ++s) {
       const int64_t numel = params[i].numel();
+      // State on disk: its pages go back once the checkpoint wrote or read them.
+      std::function<void()> release;
+      if (flat != nullptr && flat->state_offloaded())
+        release = [flat, i, s] { flat->release_parameter_state(0, i, s); };
       out.tensors[names_[i] + "/" + state_names_[s]] = {
           .values = state.values.at(s).reshape({-1}).to(at::kCPU, at::kFloat),
           .offset = 0,

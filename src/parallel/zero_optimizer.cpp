@@ -819,13 +819,13 @@ optim::StateDict ZeroOptimizer::state_dict() const {
   for (const auto& piece : shard_pieces()) {
     const auto buffers = shard_state(piece.group);
     const int64_t numel = c10::multiply_integers(piece.shape);
-    std::function<void()> release;
-    if (on_disk) {
-      release = [this, group = piece.group, offset = piece.offset, length = piece.length] {
-        release_state_pages(group, offset, length);
-      };
-    }
     for (size_t s = 0; s < names.size(); ++s) {
+      std::function<void()> release;
+      if (on_disk) {
+        release = [this, group = piece.group, s, offset = piece.offset, length = piece.length] {
+          release_state_pages(group, s, offset, length);
+        };
+      }
       const auto [it, added] = out.tensors.emplace(
           piece.parameter + "/" + names[s],
           optim::StateTensor{.values = buffers[s].narrow(0, piece.offset, piece.length),

@@ -118,10 +118,10 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// checkpoint writes from, and a load reads into in place (set_parameter_state then copies
   /// nothing). They follow the optimizer's steps.
   ParameterState parameter_state_views(size_t group, size_t index);
-  /// Disk offload (offload_state()): parameter_state_views(group, index)'s pages leave this
-  /// process's memory (the files keep them; the next access reads them again); nothing where the
-  /// state is in memory. For a checkpoint's StateTensor::release.
-  void release_parameter_state(size_t group, size_t index) const;
+  /// Disk offload (offload_state()): the pages of parameter_state_views(group, index)'s buffer
+  /// `state` leave this process's memory (the file keeps them; the next access reads them
+  /// again); nothing where the state is in memory. For a checkpoint's StateTensor::release.
+  void release_parameter_state(size_t group, size_t index, size_t state) const;
   /// See ParameterState. A buffer that already is the optimizer's own (parameter_state_views') is
   /// not copied.
   void set_parameter_state(size_t group, size_t index, const ParameterState& state);
@@ -147,10 +147,10 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// See state_buffer_names().
   std::vector<torch::Tensor> state_buffers(size_t group) const;
   /// Disk offload (offload_state()): starts writing elements [start, start + length) of group
-  /// `group`'s state buffers back to their files and drops them from this process's memory (the
-  /// next access reads them again), as a step does a chunk at a time; nothing where the state is
-  /// in memory. For a checkpoint's StateTensor::release.
-  void release_state_pages(size_t group, int64_t start, int64_t length) const;
+  /// `group`'s state buffer `state` (state_buffer_names()' order) back to its file and drops them
+  /// from this process's memory (the next access reads them again), as a step does a chunk at a
+  /// time; nothing where the state is in memory. For a checkpoint's StateTensor::release.
+  void release_state_pages(size_t group, size_t state, int64_t start, int64_t length) const;
   /// See state_buffer_names().
   int64_t steps_taken(size_t group) const;
   /// Sets the steps group `group`'s parameters took (a loaded checkpoint's).
