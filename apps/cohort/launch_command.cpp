@@ -31,7 +31,8 @@ CLI::App* add_launch_command(CLI::App& app, LaunchOptions& o) {
       ->capture_default_str();
   cmd->add_option("--max-restarts", o.node.max_restarts,
                   "restarts of the whole job after a failure (a job that recovers live, cohort "
-                  "train --recovery live, replaces a lost rank other than 0 without one)")
+                  "train --recovery live, replaces a lost rank without one; its job host's loss "
+                  "restarts it)")
       ->capture_default_str();
   cmd->add_option("--rdzv-timeout", o.rendezvous_timeout_s,
                   "seconds for every node to join a round")

@@ -246,6 +246,7 @@ struct CoordinatorLink {
   std::condition_variable changed;
   bool leaving = false;
   std::string address;
+  std::string host;  // who hosts the coordinator, as messages name it
   int rank = -1;
 };
 CoordinatorLink& link() {
@@ -283,8 +284,8 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
       if (n <= 0) {
         std::lock_guard lock(link().mutex);
         if (link().leaving) return;
-        stop_process(who + " lost the coordinator at " + link().address +
-                     ": rank 0's process ended or its host went away");
+        stop_process(who + " lost the coordinator at " + link().address + ": " + link().host +
+                     "'s process ended or its machine went away");
       }
       in.append(buffer, static_cast<size_t>(n));
       monitor.heard(0);
@@ -311,9 +312,9 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
     if (const auto silent = monitor.find_silent()) {
       std::lock_guard lock(link().mutex);
       if (!link().leaving) {
-        stop_process(
-            who + ": " +
-            silent->describe("rank 0, which hosts the coordinator at " + link().address + ","));
+        stop_process(who + ": " +
+                     silent->describe(link().host + ", which hosts the coordinator at " +
+                                      link().address + ","));
       }
     }
   }
@@ -322,7 +323,8 @@ void follow_coordinator(int fd, HeartbeatOptions heartbeat) {
 }  // namespace
 
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
-                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat) {
+                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat,
+                            const std::string& coordinator_host) {
   heartbeat.validate();
   const auto [host, port] = comm::parse_host_port(address, "coordinator address");
   sockaddr_in to{};
@@ -341,7 +343,7 @@ void connect_to_coordinator(const std::string& address, int rank, const std::str
     const std::string why = std::strerror(error);
     if (fd >= 0) ::close(fd);
     throw PeerFailureError("rank " + std::to_string(rank) + " cannot reach the coordinator at " +
-                           address + " (" + why + "): is rank 0 running?");
+                           address + " (" + why + "): is " + coordinator_host + " running?");
   }
   const int one = 1;
   ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -355,6 +357,7 @@ void connect_to_coordinator(const std::string& address, int rank, const std::str
   {
     std::lock_guard lock(link().mutex);
     link().address = address;
+    link().host = coordinator_host;
     link().rank = rank;
   }
   control_fd_slot().store(fd);

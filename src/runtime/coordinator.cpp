@@ -75,6 +75,10 @@ std::optional<HeartbeatMonitor::Silence> HeartbeatMonitor::find_silent() const {
   return std::nullopt;
 }
 
+bool HeartbeatMonitor::all_finished() const {
+  return std::all_of(finished_.begin(), finished_.end(), [](bool f) { return f; });
+}
+
 std::string HeartbeatMonitor::Silence::describe(const std::string& who) const {
   const auto ms = allowed.count();
   const std::string span =

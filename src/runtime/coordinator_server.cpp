@@ -1,4 +1,5 @@
-// Rank 0's coordinator under an external launcher (CoordinatorServer) and what each rank tells
+// The coordinator under an external launcher (CoordinatorServer, hosted by rank 0 or cohort
+// launch's job host) and what each rank tells
 // it of its collectives (activity_status): the sockets around the judgement of coordinator.cpp.
 #include <arpa/inet.h>
 #include <fcntl.h>
@@ -68,6 +69,7 @@ struct CoordinatorServer::Impl {
   std::mutex mutex;  // the coordinator, `finished`, `verdict`
   std::condition_variable judged;
   bool finished = false;
+  std::optional<Coordinator::Verdict> stopped;  // the host's own (stop())
   std::optional<Coordinator::Verdict> verdict;
   std::thread thread;
 
@@ -113,15 +115,18 @@ struct CoordinatorServer::Impl {
     try {
       const Json message = Json::parse(line);
       coordinator.on_message(rank, message);
-      if (options.live.on_message) options.live.on_message(rank, message);
+      if (options.on_message) options.on_message(rank, message);
     } catch (const std::exception& e) {
       std::cerr << "coordinator: ignored a malformed message from rank " << rank << " (" << e.what()
                 << "): " << line.substr(0, 200) << std::endl;
     }
   }
 
-  // Why a first line is no hello of this run's ranks ({"rank": 1 .. world_size - 1, "token":
-  // this run's}), or empty for a hello that is.
+  // The first rank that connects: 1 when rank 0 is in this process.
+  int first_remote_rank() const { return options.rank0_in_process ? 1 : 0; }
+
+  // Why a first line is no hello of this run's ranks ({"rank": first_remote_rank() ..
+  // world_size - 1, "token": this run's}), or empty for a hello that is.
   std::string refusal(const std::string& line, int& rank) const {
     int64_t claimed = -1;
     std::string token;
@@ -132,7 +137,7 @@ struct CoordinatorServer::Impl {
     } catch (const std::exception& e) {
       return std::string("its first line is no hello of a rank (") + e.what() + ")";
     }
-    if (claimed < 1 || claimed >= options.world_size || token != options.token) {
+    if (claimed < first_remote_rank() || claimed >= options.world_size || token != options.token) {
       return "this coordinator serves run " + options.token + " of " +
              std::to_string(options.world_size) + " ranks, not rank " + std::to_string(claimed) +
              " of run " + token;
@@ -144,7 +149,7 @@ struct CoordinatorServer::Impl {
   // Under `mutex`: a verdict not acted on yet, else nullopt.
   std::optional<Coordinator::Verdict> new_verdict() {
     if (finished || verdict) return std::nullopt;
-    verdict = coordinator.verdict();
+    verdict = stopped ? stopped : coordinator.verdict();
     if (verdict) judged.notify_all();
     return verdict;
   }
@@ -166,7 +171,11 @@ struct CoordinatorServer::Impl {
           errno != EINTR) {
         break;
       }
-      if (fds[0].revents != 0) break;
+      if (fds[0].revents != 0) {
+        // 0: the destructor's, to end; 1: stop()'s, acted on below.
+        char byte = 0;
+        if (::read(wake[0], &byte, 1) != 1 || byte == 0) break;
+      }
       const size_t polled = connections.size();
       if (fds[1].revents & POLLIN) {
         while (true) {
@@ -264,7 +273,7 @@ struct CoordinatorServer::Impl {
         // Live recovery: a hung rank is ended by its host, and the others go on without it.
         if (options.live.end_hung && !finished && !verdict) {
           if (const auto hung = coordinator.verdict();
-              hung && hung->silent && hung->rank > 0 &&
+              hung && hung->silent && hung->rank >= first_remote_rank() &&
               options.live.end_hung(hung->rank, hung->reason)) {
             coordinator.on_ending_hung(hung->rank);
           }
@@ -324,6 +333,23 @@ std::optional<Coordinator::Verdict> CoordinatorServer::await_verdict(millisecond
 void CoordinatorServer::finish() {
   std::lock_guard lock(impl_->mutex);
   impl_->finished = true;
+}
+
+void CoordinatorServer::stop(const std::string& reason) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    if (impl_->stopped) return;
+    impl_->stopped = Coordinator::Verdict{.rank = -1, .reason = reason};
+  }
+  const char byte = 1;  // the server's thread acts on it at once
+  if (::write(impl_->wake[1], &byte, 1) < 0) {
+    // It acts on it at its next beat.
+  }
+}
+
+bool CoordinatorServer::all_finished() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->coordinator.all_finished();
 }
 
 void CoordinatorServer::regrouped(const std::vector<int>& restarted) {

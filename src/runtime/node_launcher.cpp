@@ -91,9 +91,11 @@ class NodeLauncher {
   // Records that `node` of this round is lost (counted once however many nodes see it).
   void mark_lost(int node);
   bool rendezvous_in_etcd() const { return !o_.etcd.empty(); }
-  // Local worker `local` is a rank of the job, or (after the ranks) one of its data workers;
-  // its index among those.
+  // Local worker `local` is a rank of the job, or (after the ranks) one of its data workers, or
+  // on node 0 (after them) the job host; its index among the ranks or the data workers.
   bool is_rank(int local) const { return local < o_.nproc_per_node; }
+  int host_local() const { return o_.nproc_per_node + o_.data_workers; }
+  bool is_host(int local) const { return node_ == 0 && local == host_local(); }
   int index_in_job(int local) const {
     return is_rank(local) ? first_rank_ + local : first_member_ + local - o_.nproc_per_node;
   }
@@ -335,17 +337,21 @@ int NodeLauncher::run() {
     }
     monitor_.reset();
     WorkerGroupOptions group_options;
-    group_options.num_workers = o_.nproc_per_node + o_.data_workers;
-    // The ranks' coordinator (on rank 0) stops them itself after a failure, naming its cause:
-    // the launcher lets it speak first.
+    // Node 0 keeps a place for the job host, started when rank 0 asks (launch_host_key).
+    group_options.num_workers = host_local() + (node_ == 0 ? 1 : 0);
+    group_options.started_later = [this](int local) { return is_host(local); };
+    // The ranks' coordinator (on rank 0 or the job host) stops them itself after a failure,
+    // naming its cause: the launcher lets it speak first.
     group_options.failure_grace = std::chrono::seconds(2);
     group_options.executable = program;
     group_options.argv = o_.command;
     group_options.role.clear();
     group_options.rank_name = [this](int local) {
+      if (is_host(local)) return std::string("the job host");
       return (is_rank(local) ? "rank " : "data worker ") + std::to_string(index_in_job(local));
     };
     group_options.rank_role = [this](int local) {
+      if (is_host(local)) return std::string(kJobHostRole);
       return is_rank(local) ? std::string() : std::string(kDataWorkerRole);
     };
     group_options.rank_env = [this, &store_address](int local) {
@@ -361,9 +367,9 @@ int NodeLauncher::run() {
                           .master_addr = store_address.host,
                           .master_port = store_address.port});
       } else {
-        // A data worker holds no rank: it finds its work through the store.
+        // A data worker or the job host holds no rank: it finds its work through the store.
         env["MASTER_ADDR"] = store_address.host;
-        env[kDataMemberVar] = std::to_string(index_in_job(local));
+        if (!is_host(local)) env[kDataMemberVar] = std::to_string(index_in_job(local));
         env[kTrainRanksVar] = std::to_string(world_);
       }
       env[kDataMembersVar] = std::to_string(members_);
@@ -380,28 +386,24 @@ int NodeLauncher::run() {
     std::string peer_reason;
     WorkerGroupHandlers handlers;
     handlers.on_output = [this](int local, int pid, bool is_stderr, const std::string& line) {
+      const std::string who = is_host(local)   ? "host"
+                              : is_rank(local) ? "rank=" + std::to_string(index_in_job(local))
+                                               : "data=" + std::to_string(index_in_job(local));
       (is_stderr ? std::cerr : std::cout)
-          << "(" << (is_rank(local) ? "rank=" : "data=") << index_in_job(local) << ", pid=" << pid
-          << ") " << line << std::endl;  // line by line
+          << "(" << who << ", pid=" << pid << ") " << line << std::endl;  // line by line
     };
     // Live recovery (launch_live_key): this node's ranks that the job goes on without, by local
     // index, with whether its place is said free; and each rank's losses over the round (the
-    // latest is the one rank 0's keys name).
+    // latest is the one the job host's keys name).
     std::map<int, bool> lost;
     std::map<int, int> losses;
     handlers.on_exit = [&](const WorkerExit& exit) {
       const int local = exit.rank;
-      if (!is_rank(local) || exit.signal == 0 || exit.stopped_by_driver || group.stopping()) {
-        return;
-      }
-      try {
-        if (!store_->check({launch_live_key(round_)})) return;
-      } catch (const std::exception&) {
-        return;  // the store is gone: the round fails, and check_peers names why
-      }
-      // Rank 0 hosts the coordinator that regroups the others: its loss ends the round, which
-      // the launchers restart (--max-restarts) from the ranks' snapshots or the last checkpoint.
-      if (index_in_job(local) == 0) {
+      if (exit.signal == 0 || exit.stopped_by_driver || group.stopping()) return;
+      // The job host keeps the coordinator and the decisions of live recovery: its loss ends the
+      // round, which the launchers restart (--max-restarts) from the ranks' snapshots or the last
+      // checkpoint.
+      if (is_host(local)) {
         say(exit.describe() +
             ": it hosts the coordinator of live recovery, so the job cannot go on without it: " +
             (round_ < o_.max_restarts
@@ -409,17 +411,25 @@ int NodeLauncher::run() {
                                "or the last checkpoint")
                  : "the job ends (give cohort launch --max-restarts N to restart it from the "
                    "ranks' snapshots or the last checkpoint)"));
+        // The round's cause, before the ranks that lost their coordinator with it.
+        group.request_stop(exit.describe(), /*failure=*/true);
         return;
+      }
+      if (!is_rank(local)) return;
+      try {
+        if (!store_->check({launch_live_key(round_)})) return;
+      } catch (const std::exception&) {
+        return;  // the store is gone: the round fails, and check_peers names why
       }
       group.tolerate(local);
       group.kill(local);  // what it started goes with it: its place is free once they are gone
       ++losses[local];
       lost[local] = false;
       say(exit.describe() +
-          ": the job goes on without it (live recovery); a replacement starts when rank 0 asks "
-          "for one");
+          ": the job goes on without it (live recovery); a replacement starts when the job host "
+          "asks for one");
     };
-    // A rank that hangs is killed when rank 0 asks (its end then reaches on_exit as a loss).
+    // A rank that hangs is killed when the job host asks (its end then reaches on_exit as a loss).
     int64_t kills_seen = 0;
     auto next_kill_check = Clock::now();
     const auto kill_hung = [&] {
@@ -433,12 +443,12 @@ int NodeLauncher::run() {
         const std::string kill = launch_kill_key(round_, index_in_job(local), losses[local] + 1);
         if (!store_->check({kill})) continue;
         say("rank " + std::to_string(index_in_job(local)) + " hangs (" + store_->get(kill) +
-            "): killing it at rank 0's word (live recovery)");
+            "): killing it at the job host's word (live recovery)");
         group.kill(local);
       }
     };
-    // A lost rank's place is said free once nothing of it is left; the replacement rank 0 asks
-    // for starts there, as the rank and in the group it names.
+    // A lost rank's place is said free once nothing of it is left; the replacement the job host
+    // asks for starts there, as the rank and in the group it names.
     const auto replace_lost = [&] {
       for (auto it = lost.begin(); it != lost.end();) {
         const int local = it->first;
@@ -471,6 +481,19 @@ int NodeLauncher::run() {
         it = lost.erase(it);
       }
     };
+    // Node 0 starts the job host when rank 0 asks for one (a run that recovers live).
+    bool host_started = false;
+    auto next_host_check = Clock::now();
+    const auto start_host = [&] {
+      if (node_ != 0 || host_started || Clock::now() < next_host_check) return;
+      next_host_check = Clock::now() + std::chrono::milliseconds(50);
+      if (!store_->check({launch_host_key(round_)})) return;
+      host_started = true;
+      group.restart(host_local(), {});
+      say("started the job host (pid " +
+          std::to_string(group.pids()[static_cast<size_t>(host_local())]) +
+          "): it keeps the run and its coordinator, so that any rank can be replaced");
+    };
     handlers.on_tick = [&] {
       if (group.stopping() || !peer_reason.empty()) return;
       peer_reason = check_peers().reason;
@@ -479,6 +502,7 @@ int NodeLauncher::run() {
         return;
       }
       try {
+        start_host();
         kill_hung();
         replace_lost();
       } catch (const std::exception& e) {
@@ -585,6 +609,8 @@ std::string launch_kill_key(int round, int rank, int n) {
 }
 
 std::string launch_kills_key(int round) { return launch_live_key(round) + "/kills"; }
+
+std::string launch_host_key(int round) { return "launch/" + std::to_string(round) + "/host"; }
 
 int launch_node(const NodeLaunchOptions& options) {
   if (options.nnodes < 1)

@@ -364,6 +364,9 @@ void WorkerGroup::start() {
     if (!opts.log_dir.empty()) {
       w.log.open(opts.log_dir / ("rank-" + std::to_string(rank) + ".log"), std::ios::app);
     }
+    w.exit.rank = rank;
+    if (opts.rank_name) w.exit.name = opts.rank_name(rank);
+    if (opts.started_later && opts.started_later(rank)) continue;
     try {
       impl_->spawn(w);
     } catch (...) {

@@ -86,25 +86,39 @@ void add_job_secret_env(std::map<std::string, std::string>& env, const comm::Job
   env[kInsecureVar] = secret.empty() ? "1" : "";
 }
 
-std::optional<DataMemberInfo> data_member_from_env() {
-  const int member = env_int(kDataMemberVar, -1, 0);
-  if (member < 0) return std::nullopt;
-  DataMemberInfo info{.member = member,
-                      .master_addr = env_string("MASTER_ADDR"),
-                      .store_port = env_int(kStorePortVar, 0, 1),
-                      .train_ranks = env_int(kTrainRanksVar, 0, 1),
-                      .restart_round = env_int(kRestartRoundVar, 0, 0),
-                      .job_id = env_string(kJobIdVar),
-                      .etcd = etcd_from_env()};
+namespace {
+
+// The job of a process of cohort launch that holds no rank; `who` names it in errors ("data
+// workers").
+LaunchedJobInfo launched_job_from_env(const std::string& who, const std::string& flag) {
+  LaunchedJobInfo info{.master_addr = env_string("MASTER_ADDR"),
+                       .store_port = env_int(kStorePortVar, 0, 1),
+                       .train_ranks = env_int(kTrainRanksVar, 0, 1),
+                       .restart_round = env_int(kRestartRoundVar, 0, 0),
+                       .job_id = env_string(kJobIdVar),
+                       .etcd = etcd_from_env()};
   if (info.master_addr.empty() || info.store_port == 0 || info.train_ranks == 0) {
     throw UsageError(std::string("MASTER_ADDR, ") + kStorePortVar + " and " + kTrainRanksVar +
-                     " must be set: start data workers with cohort launch --data-workers");
+                     " must be set: start " + who + " with cohort launch" + flag);
   }
   if (info.store_port > 65535) {
     throw UsageError(std::string(kStorePortVar) + "=" + std::to_string(info.store_port) +
                      " is not a port (1-65535)");
   }
   return info;
+}
+
+}  // namespace
+
+std::optional<DataMemberInfo> data_member_from_env() {
+  const int member = env_int(kDataMemberVar, -1, 0);
+  if (member < 0) return std::nullopt;
+  return DataMemberInfo{.member = member,
+                        .job = launched_job_from_env("data workers", " --data-workers")};
+}
+
+LaunchedJobInfo job_host_from_env() {
+  return launched_job_from_env("the job host", " (it starts one when rank 0 asks)");
 }
 
 DataShardInfo data_shard_from_env() {

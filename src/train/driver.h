@@ -19,10 +19,15 @@ Result run_driver(const ScalingConfig& scaling, const RunConfig& run, const Json
 runtime::HeartbeatOptions heartbeat_options(const RunConfig& run);
 
 // Under an external launcher (runtime::detect_launch): this process is one rank; rank 0 also
-// keeps the run directory and returns the Result, the other ranks end their process.
+// keeps the run directory and returns the Result (unless cohort launch's job host keeps them:
+// then every rank ends its process).
 Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const ScalingConfig& scaling, const RunConfig& run, const Json& config,
                     const std::map<std::string, data::Dataset>& datasets, runtime::WorkerInfo info);
+
+// cohort launch's job host (runtime::kJobHostRole, job_host.cpp): keeps the run of every rank
+// that recovers live, and returns its Result once they finished or the coordinator stopped them.
+Result host_launched_run(const ScalingConfig& scaling, const RunConfig& run, const Json& config);
 
 // The worker side: joins the group, runs the loop, ends the process.
 [[noreturn]] void run_worker(const std::function<void(const Json&)>& train_loop,

@@ -2,7 +2,6 @@
 
 #include <optional>
 
-#include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/node_launcher.h"
 #include "train/live_recovery.h"
 
@@ -17,7 +16,6 @@ LaunchedRegroups::LaunchedRegroups(LaunchedRegroupsOptions options)
 
 runtime::CoordinatorServerOptions::LiveHooks LaunchedRegroups::hooks() {
   return {
-      .on_message = [this](int index, const Json& message) { on_message(index, message); },
       .go_on_without = [this](int index,
                               const std::string& how) { return go_on_without(index, how); },
       .end_hung = [this](int index, const std::string& reason) { return end_hung(index, reason); },
@@ -27,6 +25,18 @@ runtime::CoordinatorServerOptions::LiveHooks LaunchedRegroups::hooks() {
 void LaunchedRegroups::attach(runtime::CoordinatorServer* server) {
   std::lock_guard lock(mutex_);
   server_ = server;
+}
+
+int LaunchedRegroups::world_size() {
+  std::lock_guard lock(mutex_);
+  int ranks = 0;
+  for (int i = 0; i < options_.world_size; ++i) ranks += regroups_.rank_of(i) >= 0;
+  return ranks;
+}
+
+int LaunchedRegroups::rank_of(int index) {
+  std::lock_guard lock(mutex_);
+  return regroups_.rank_of(index);
 }
 
 std::vector<Json> LaunchedRegroups::failures() {
@@ -42,8 +52,9 @@ void LaunchedRegroups::on_message(int index, const Json& message) {
   if (!message.is_object()) return;
   const auto type = message.value("type", std::string{});
   std::lock_guard lock(mutex_);
-  if (index == 0 && awaiting_recovery_ && (type == "step" || type == "progress")) {
-    // Rank 0 trains again in the new group.
+  if (awaiting_recovery_ && regroups_.rank_of(index) == 0 &&
+      (type == "step" || type == "progress")) {
+    // Rank 0 of the new group trains again.
     awaiting_recovery_ = false;
     auto& failure = failures_.back();
     failure["recovery_s"] = seconds_since_start() - failure["detected_at_s"].get<double>();
@@ -95,7 +106,6 @@ bool LaunchedRegroups::go_on_without(int index, const std::string& how) {
   if (!loss.refusal.empty()) options_.say("cohort: " + loss.refusal);
   if (!loss.goes_on) return false;
   ++losses_[index];
-  runtime::note_peer_lost();  // rank 0's own collectives stop waiting for it
   failures_.push_back(Json{{"rank", rank},
                            {"cause", cause},
                            {"detected_at_s", seconds_since_start()},
@@ -141,7 +151,7 @@ void LaunchedRegroups::tick() {
       for (int i : decision->replacements) replacements[i] = {regroups_.rank_of(i), losses_[i]};
     }
   }
-  // Published without this object's lock: the run's next checkpoint index is under rank 0's.
+  // Published without this object's lock: the run's next checkpoint index is under the host's.
   try {
     if (!stop.empty()) {
       // Every survivor reads that the group cannot go on, and fails: the launchers restart.

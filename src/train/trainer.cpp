@@ -122,6 +122,8 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
 Result Trainer::fit() {
   if (runtime::spawned_role() == data::kDataRole) train::serve_dataset_shard(datasets_);
   if (runtime::is_spawned_worker()) train::run_worker(train_loop_, scaling_, datasets_);
+  if (runtime::spawned_role() == runtime::kJobHostRole)
+    return train::host_launched_run(scaling_, run_, config_);
   if (auto launch = runtime::detect_launch()) {
     return train::run_launched(train_loop_, scaling_, run_, config_, datasets_, *launch);
   }

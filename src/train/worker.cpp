@@ -32,11 +32,9 @@
 #include "runtime/worker_spec.h"
 #include "train/driver.h"
 #include "train/flight_records.h"
-#include "train/launched_regroups.h"
+#include "train/launched_run.h"
 #include "train/live_recovery.h"
-#include "train/progress.h"
 #include "train/run_files.h"
-#include "train/run_recorder.h"
 #include "train/session_spec.h"
 #include "train/snapshots.h"
 #include "train/worker_session.h"
@@ -225,23 +223,6 @@ void dump_flight_records_after(const std::exception& e) {
   std::_Exit(code);
 }
 
-// What a process publishes about its program at the rendezvous: its build and host (ranks built
-// from different sources must not train together).
-std::string program_identity() {
-  return runtime::program_build_id() + " on " + runtime::host_name();
-}
-
-// Throws naming `who` when the identity it published (program_identity) is of another build than
-// rank 0's.
-void check_same_program(const std::string& who, const std::string& identity,
-                        const std::string& rank0_identity) {
-  if (identity.substr(0, identity.find(' ')) !=
-      rank0_identity.substr(0, rank0_identity.find(' '))) {
-    throw UsageError(who + " runs a different program (" + identity + ") than rank 0 (" +
-                     rank0_identity + "): deploy the same build on every node");
-  }
-}
-
 // Where rank 0 of a launched job leaves the job secret for the others when the environment gives
 // none: the storage path, which every node shares when a multi-node run keeps one run directory.
 std::string secret_file_of(const RunConfig& run, const runtime::WorkerInfo& info) {
@@ -312,17 +293,6 @@ comm::Store join_launched_store(const runtime::WorkerInfo& info, const RunConfig
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // rank 0 writes it, then serves
   }
-}
-
-// One write to stderr: a launcher's own lines (mpirun's) must not land inside it.
-void say_at_once(const std::string& line) {
-  const std::string said = line + "\n";
-  [[maybe_unused]] const auto written = ::write(2, said.data(), said.size());
-}
-
-// The failures a launched group went on after (live recovery), into the run's result.
-void add_failures(Result& result, const std::vector<Json>& failures) {
-  for (const auto& failure : failures) result.failures.push_back(failure);
 }
 
 // A live round's state (in memory, under the snapshots' folder) goes with the process however it
@@ -469,9 +439,6 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const std::map<std::string, data::Dataset>& datasets,
                     runtime::WorkerInfo info) {
   const auto started = Clock::now();
-  const auto started_wall = std::chrono::system_clock::now();
-  // What the ranks write from now on is this run's (their flight recorders).
-  const auto began_on_disk = std::filesystem::file_time_type::clock::now();
   // Rank 0 opens the run directory here: everything of the run takes its mask while it lasts.
   const ScopedUmask umask(run.umask);
   const std::string where = " (launched by " + info.launcher + " as rank " +
@@ -492,8 +459,8 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
         "--data-workers" +
         where + ": use --recovery restart, or preprocess on the ranks' nodes");
   }
-  // A replacement that cohort launch started in a lost rank's place (live recovery): rank 0's
-  // decision, with the place it takes as the coordinator knows it.
+  // A replacement that cohort launch started in a lost rank's place (live recovery): the job
+  // host's decision, with the place it takes as the coordinator knows it.
   std::optional<Json> join;
   if (const auto text = runtime::env_string(runtime::kLiveJoinVar); !text.empty()) {
     if (!live) {
@@ -549,88 +516,31 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   }
 
   // Rank 0 opens the run directory (on storage all nodes share), hosts the coordinator and tells
-  // the others where both are.
+  // the others where both are. Under cohort launch a run that recovers live has the job host do
+  // that (job_host.cpp), at rank 0's word: then rank 0 is a rank as any, which may be lost.
   settings.interface_address = runtime::data_plane_address(info.master_addr);
   const runtime::HeartbeatOptions heartbeat = heartbeat_options(run);
-  Console console(rank0 ? run.verbose : 0);
-  std::optional<RunRecorder> recorder;
-  // The recorder is written by rank 0's training thread (its reports) and, when the coordinator
-  // stops the job, by the coordinator's thread: whichever comes first finishes the run.
-  std::mutex bookkeeping;
-  bool finished = false;
-  // Live recovery: the decisions, beside the coordinator, which feeds them (declared first, they
-  // outlive it).
-  std::optional<LaunchedRegroups> regroups;
-  std::unique_ptr<runtime::CoordinatorServer> coordinator;
-  if (rank0) {
-    recorder.emplace(run, run.name.empty() ? default_run_name() : run.name, config, console);
-    const auto resume_from = recorder->resume_point(/*restarted=*/info.restart_round > 0);
-    const std::string token =
-        info.job_id + "-" + std::to_string(info.restart_round) + "-" + new_run_token();
-    runtime::CoordinatorServerOptions coordinator_options{
-        .bind_address = settings.interface_address,
-        .world_size = info.world_size,
-        .heartbeat = heartbeat,
-        .token = token,
-        .secret = settings.store.secret()};
-    if (live) {
-      LaunchedRegroupsOptions live_options{.store = settings.store.connect_again(),
-                                           .world_size = info.world_size,
-                                           .launch_round = info.restart_round,
-                                           .token = token,
-                                           .min_workers = fewest,
-                                           .replace_lost = run.failure_config.replace_lost,
-                                           .deadline = run.setup_timeout,
-                                           .verbose = run.verbose};
-      live_options.next_checkpoint = [&] {
-        std::lock_guard lock(bookkeeping);
-        return recorder->next_checkpoint_index();
-      };
-      live_options.say = say_at_once;
-      regroups.emplace(std::move(live_options));
-      coordinator_options.live = regroups->hooks();
-    }
-    coordinator = std::make_unique<runtime::CoordinatorServer>(
-        std::move(coordinator_options), [&](const runtime::Coordinator::Verdict& verdict) {
-          // Rank 0's own error comes from its training thread, which finishes the run itself.
-          if (verdict.rank == 0) return;
-          std::lock_guard lock(bookkeeping);
-          if (finished) return;  // the training thread took the verdict as its error
-          finished = true;
-          // Said at once: a launcher may end this process as soon as another rank failed.
-          say_at_once("cohort: the coordinator stops the job: " + verdict.reason);
-          // Told to stop, every rank writes its flight recorder; rank 0 reads what they say.
-          runtime::dump_flight_recorder("the coordinator stops the job: " + verdict.reason);
-          const std::string flights = flight_report_once_written(
-              recorder->run_dir(), info.world_size, began_on_disk, flight_dump_grace(heartbeat));
-          if (!flights.empty()) say_at_once("cohort: " + flights);
-          const std::string reason = verdict.reason + (flights.empty() ? "" : "; " + flights);
-          console.tick(/*flush_all=*/true);
-          if (regroups) add_failures(recorder->result(), regroups->failures());
-          recorder->finish(reason, info.world_size,
-                           std::chrono::duration<double>(Clock::now() - started).count());
-          end_process(1);
-        });
-    settings.store.set(round + "run",
-                       Json{{"name", recorder->name()},
-                            {"run_dir", recorder->run_dir().string()},
-                            {"resume_from", resume_from ? resume_from->path().string() : ""},
-                            {"next_checkpoint", recorder->next_checkpoint_index()},
-                            {"token", token},
-                            {"coordinator", coordinator->address()},
-                            {"start_ns", std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                             started_wall.time_since_epoch())
-                                             .count()}}
-                           .dump());
-    if (regroups) {
-      regroups->attach(coordinator.get());
-      // The launchers go on without a rank that a signal ends, and start its replacement.
-      settings.store.set(runtime::launch_live_key(info.restart_round), "1");
-    }
-    if (run.verbose >= 1) {
-      console.message("cohort: rank 0 of " + std::to_string(info.world_size) + " (" +
-                      info.launcher + ") keeps the run directory " + recorder->run_dir().string());
-    }
+  const bool job_host = live;  // live recovery runs under cohort launch only (checked above)
+  const bool host_here = rank0 && !job_host;
+  std::optional<LaunchedRun> host;
+  if (host_here) {
+    host.emplace(run, config,
+                 LaunchedRunOptions{.world_size = info.world_size,
+                                    .restart_round = info.restart_round,
+                                    .job_id = info.job_id,
+                                    .launcher = info.launcher,
+                                    .store = settings.store,
+                                    .bind_address = settings.interface_address,
+                                    .started = started,
+                                    .on_verdict = [&](const runtime::Coordinator::Verdict& v) {
+                                      // Rank 0's own error comes from its training thread,
+                                      // which ends the run itself.
+                                      if (v.rank == 0) return;
+                                      if (host->finish_after(v)) end_process(1);
+                                    }});
+    host->publish();
+  } else if (rank0 && !join) {
+    settings.store.set(runtime::launch_host_key(info.restart_round), "1");
   }
   const Json shared = Json::parse(settings.store.get(round + "run"));
   settings.name = shared["name"];
@@ -644,10 +554,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       std::chrono::duration_cast<std::chrono::system_clock::duration>(
           std::chrono::nanoseconds(shared["start_ns"].get<int64_t>())));
   if (!std::filesystem::is_directory(settings.run_dir)) {
-    throw UsageError(
-        "rank " + std::to_string(info.world_rank) + " on " + runtime::host_name() +
-        " cannot see the run directory " + settings.run_dir.string() +
-        " that rank 0 created: RunConfig.storage_path must be storage every node shares");
+    throw UsageError("rank " + std::to_string(info.world_rank) + " on " + runtime::host_name() +
+                     " cannot see the run directory " + settings.run_dir.string() + " that " +
+                     (job_host ? "the job host" : "rank 0") +
+                     " created: RunConfig.storage_path must be storage every node shares");
   }
   settings.device =
       device_of(runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus,
@@ -655,31 +565,18 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                 info.local_rank);
   settings.backend = comm::backend_from_string(scaling.backend);
 
-  std::string broken;
-  if (rank0) {
+  if (host_here) {
     runtime::set_control_sink([&](const std::string& line) {
-      coordinator->deliver(0, line);
-      const Json message = Json::parse(line);
-      std::lock_guard lock(bookkeeping);
-      const auto type = message.value("type", std::string{});
-      if (type == "report") {
-        recorder->on_report(message, broken);
-        if (!broken.empty()) throw UsageError(broken);
-      } else if (type == "checkpoint") {
-        recorder->on_checkpoint(message);
-      } else if (type == "restored") {
-        recorder->on_restored(message);
-      } else if (type == "step") {
-        recorder->on_step(message);
-      } else if (type == "progress") {
-        console.progress(message["progress"]);
-      }
+      host->coordinator().deliver(0, line);
+      if (const auto broken = host->record(Json::parse(line)); !broken.empty())
+        throw UsageError(broken);
     });
   } else {
     // A replacement takes the lost rank's place at the coordinator.
     runtime::connect_to_coordinator(shared["coordinator"],
                                     join ? join->at("index").get<int>() : info.world_rank,
-                                    settings.run_token, settings.store.secret(), heartbeat);
+                                    settings.run_token, settings.store.secret(), heartbeat,
+                                    job_host ? "the job host" : "rank 0");
   }
   runtime::start_heartbeat(heartbeat.interval);
   std::optional<std::string> error;
@@ -707,7 +604,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
     train_in_live_rounds(settings, regroup, datasets, train_loop, config);
     trace::finish_profile();
     // From here a rank that goes away is no longer a failure (the others may end first).
-    if (!rank0) runtime::leave_coordinator();
+    if (!host_here) runtime::leave_coordinator();
     // Rank 0 serves the store: nobody may still need it when it returns. The group of the last
     // live round, if any, under its own keys.
     const std::string done =
@@ -728,9 +625,9 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                        {"message", e.what()},
                        {"consequence", is_consequence(e)}};
     const auto within = 3 * heartbeat.interval;
-    if (rank0) {
-      coordinator->deliver(0, message.dump());
-      if (const auto verdict = coordinator->await_verdict(within)) error = verdict->reason;
+    if (host_here) {
+      host->coordinator().deliver(0, message.dump());
+      if (const auto verdict = host->coordinator().await_verdict(within)) error = verdict->reason;
     } else {
       try {
         runtime::send_control_message(message.dump());
@@ -742,15 +639,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   }
   runtime::stop_heartbeat();
   runtime::set_control_sink(nullptr);
-  if (!rank0) end_process(error ? 1 : 0);
-  std::lock_guard lock(bookkeeping);
-  if (finished) end_process(1);  // the coordinator's thread finished the run with its verdict
-  finished = true;
-  coordinator->finish();
-  console.tick(/*flush_all=*/true);
-  if (regroups) add_failures(recorder->result(), regroups->failures());
-  return recorder->finish(error, settings.info.world_size,
-                          std::chrono::duration<double>(Clock::now() - started).count());
+  if (!host_here) end_process(error ? 1 : 0);
+  auto result = host->finish(error, settings.info.world_size);
+  if (!result) end_process(1);  // the coordinator's thread finished the run with its verdict
+  return *result;
 }
 
 namespace {
@@ -763,19 +655,10 @@ namespace {
                           std::to_string(::getpid()) + " on " + runtime::host_name() + ")";
   int code = 0;
   try {
-    const auto secret = runtime::job_secret_from_env();
-    if (!secret) {
-      throw UsageError(std::string("a data worker got no ") + runtime::kJobSecretVar +
-                       ": start data workers with cohort launch --data-workers");
-    }
-    auto store = comm::Store::connect({.host = member.etcd ? member.etcd->host : member.master_addr,
-                                       .port = member.etcd ? member.etcd->port : member.store_port,
-                                       .is_server = false,
-                                       .timeout = kDefaultSetupTimeout,
-                                       .job_id = member.job_id,
-                                       .secret = *secret,
-                                       .etcd = member.etcd.has_value()});
-    const std::string round = "job/" + std::to_string(member.restart_round) + "/";
+    const auto& job = member.job;
+    auto store = join_launched_job(job, "a data worker", kDefaultSetupTimeout);
+    const auto secret = store.secret();
+    const std::string round = "job/" + std::to_string(job.restart_round) + "/";
     store.wait({round + "run"},
                std::chrono::hours(24));  // rank 0 opens the run once every rank joined
     // The same program as the ranks, or a clear refusal (as between ranks).
@@ -783,7 +666,7 @@ namespace {
     const std::string prefix =
         data_member_key(Json::parse(store.get(round + "run"))["token"], member.member);
     std::vector<std::string> finished;
-    for (int r = 0; r < member.train_ranks; ++r)
+    for (int r = 0; r < job.train_ranks; ++r)
       finished.push_back(round + "done/" + std::to_string(r));
     for (int64_t n = 0;; ++n) {
       const std::string key = prefix + std::to_string(n);
@@ -802,7 +685,7 @@ namespace {
       std::cerr << who << ": serving rank " << rank << "'s '" << name << "' stream at "
                 << task["address"].get<std::string>() << std::endl;
       std::string why;
-      if (!data::serve_data_consumer(shard, task["address"], *secret, &why)) {
+      if (!data::serve_data_consumer(shard, task["address"], secret, &why)) {
         std::cerr << who << ": rank " << rank << "'s stream ended without it: " << why << std::endl;
       }
     }

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Live recovery under `cohort launch` (--recovery live): a rank killed with SIGKILL inside an
-# epoch, or stopped with SIGSTOP (it hangs: its launcher kills it at rank 0's word). Its launcher starts a replacement when rank 0, which hosts the coordinator, asks for one;
-# the survivors go on in the same processes, and the run ends bit for bit as one that nobody
-# interrupted (the last checkpoint's model file equal byte for byte). Without replacements
-# (--no-replace-lost --min-workers 2) the survivors go on alone. Rank 0's loss ends the round,
-# and the launcher's restart (--max-restarts 1) resumes the run.
+# epoch, rank 0 among them, or stopped with SIGSTOP (it hangs: its launcher kills it at the job
+# host's word). Its launcher starts a replacement when the job host, which keeps the run and its
+# coordinator, asks for one; the survivors go on in the same processes, and the run ends bit for
+# bit as one that nobody interrupted (the last checkpoint's model file equal byte for byte).
+# Without replacements (--no-replace-lost --min-workers 2) the survivors go on alone. The job
+# host's loss ends the round, and the launcher's restart (--max-restarts 1) resumes the run.
 # With ETCD_BINARY, a job that rendezvouses in a real etcd (--rdzv etcd://) recovers alike.
 # Usage: launched_live_test.sh COHORT_BINARY DATA_DIR [ETCD_BINARY]
 set -uo pipefail
@@ -50,8 +51,8 @@ last_step() {
   echo "${step:-0}"
 }
 
-# Sends SIGNAL (KILL by default) to the launched rank RANK (from its environment) once rank 0
-# logged step AT.
+# Sends SIGNAL (KILL by default) to the launched rank RANK (from its environment; "host": the job
+# host) once rank 0 logged step AT.
 kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT [SIGNAL]
   local name="$1" launcher="$2" rank="$3" at="$4" signal="${5:-KILL}" deadline=$((SECONDS + 120))
   while [ "$(last_step "$name")" -lt "$at" ]; do
@@ -59,9 +60,10 @@ kill_rank_at() {  # kill_rank_at NAME LAUNCHER_PID RANK AT [SIGNAL]
     kill -0 "$launcher" 2>/dev/null || fail "$name: the job ended before step $at"
     sleep 0.02
   done
-  local child victim=""
+  local child victim="" mark="RANK=$rank"
+  [ "$rank" = host ] && mark="COHORT_ROLE=job-host"
   for child in $(pgrep -P "$(pgrep -P "$launcher" -f "cohort launch" || echo "$launcher")"); do
-    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx "RANK=$rank"; then victim=$child; fi
+    if tr '\0' '\n' <"/proc/$child/environ" 2>/dev/null | grep -qx "$mark"; then victim=$child; fi
   done
   [ -n "$victim" ] || fail "$name: no process of rank $rank"
   kill "-$signal" "$victim"
@@ -84,7 +86,8 @@ wait "$job" || { cat "$work/plain.log"; fail "the uninterrupted job failed"; }
 launch replaced "$work/replaced.log" --
 kill_rank_at replaced "$job" 1 15
 wait "$job" || { cat "$work/replaced.log"; fail "the job with a replacement failed"; }
-for said in "the job goes on without it (live recovery)" "started the replacement of rank 1 as rank 1 of 3" \
+for said in "started the job host" "the job host (pid" "keeps the run directory" \
+  "the job goes on without it (live recovery)" "started the replacement of rank 1 as rank 1 of 3" \
   "live recovery: 3 workers go on after step" "live recovery: training again"; do
   grep -qF "$said" "$work/replaced.log" || { cat "$work/replaced.log"; fail "replaced: nobody said '$said'"; }
 done
@@ -95,13 +98,13 @@ cmp -s "$(final_model plain)" "$(final_model replaced)" ||
   fail "replaced: result.json: $(result_field replaced "r['failures'], r['steps']")"
 echo "launched_live_test: replaced: equal bit for bit to the uninterrupted run"
 
-# 2b. Rank 1 stopped (SIGSTOP: it hangs): rank 0's coordinator hears nothing from it for 2 s and
-# asks its launcher to kill it; then as above.
+# 2b. Rank 1 stopped (SIGSTOP: it hangs): the job host's coordinator hears nothing from it for 2 s
+# and asks its launcher to kill it; then as above.
 launch hung "$work/hung.log" -- --heartbeat-timeout 2
 kill_rank_at hung "$job" 1 15 STOP
 wait "$job" || { cat "$work/hung.log"; fail "the job with a hung rank failed"; }
 for said in "rank 1 sent no heartbeat for 2 s: it hangs or was stopped" \
-  "its launcher kills it, and the others go on (live recovery)" "killing it at rank 0's word" \
+  "its launcher kills it, and the others go on (live recovery)" "killing it at the job host's word" \
   "started the replacement of rank 1 as rank 1 of 3"; do
   grep -qF "$said" "$work/hung.log" || { cat "$work/hung.log"; fail "hung: nobody said '$said'"; }
 done
@@ -137,19 +140,32 @@ grep -qF "live recovery: 2 workers go on after step" "$work/shrunk.log" ||
   fail "shrunk: result.json: $(result_field shrunk "r['error'], r['world_size']")"
 echo "launched_live_test: shrunk: 2 survivors finished the run"
 
-# 4. Rank 0 (the coordinator's host) killed: the round ends, the launcher restarts the job, which
-# resumes from its last checkpoint (one every 10 steps).
-launch rank0 "$work/rank0.log" --max-restarts 1 -- --checkpoint-every-steps 10
+# 4. Rank 0 killed: a rank as any, replaced (the job host keeps the run and its coordinator).
+launch rank0 "$work/rank0.log" --
 kill_rank_at rank0 "$job" 0 15
-wait "$job" || { cat "$work/rank0.log"; fail "the job whose rank 0 was killed did not finish after a restart"; }
+wait "$job" || { cat "$work/rank0.log"; fail "the job whose rank 0 was killed failed"; }
+for said in "started the replacement of rank 0 as rank 0 of 3" "live recovery: training again"; do
+  grep -qF "$said" "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: nobody said '$said'"; }
+done
+cmp -s "$(final_model plain)" "$(final_model rank0)" ||
+  { cat "$work/rank0.log"; fail "rank0: the last checkpoint's model differs from the uninterrupted run's"; }
+[ "$(result_field rank0 "len(r['failures']), r['failures'][0]['rank'], r['failures'][0]['live'], r['error']")" = \
+  "1 0 True None" ] || fail "rank0: result.json: $(result_field rank0 "r['failures'], r['error']")"
+echo "launched_live_test: rank0: replaced, equal bit for bit to the uninterrupted run"
+
+# 4b. The job host killed: the round ends, the launcher restarts the job, which resumes from its
+# last checkpoint (one every 10 steps).
+launch host "$work/host.log" --max-restarts 1 -- --checkpoint-every-steps 10
+kill_rank_at host "$job" host 15
+wait "$job" || { cat "$work/host.log"; fail "the job whose job host was killed did not finish after a restart"; }
 grep -qF "it hosts the coordinator of live recovery, so the job cannot go on without it" \
-  "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: the launcher did not say why the round ends"; }
-grep -qF "restarting as round 1" "$work/rank0.log" || { cat "$work/rank0.log"; fail "rank0: no restart"; }
-grep -qE "resuming epoch 1 after step [1-9][0-9]* from .*checkpoint_" "$work/rank0.log" ||
-  { cat "$work/rank0.log"; fail "rank0: the restarted job did not resume from a checkpoint"; }
-[ "$(result_field rank0 "r['error'], r['steps']")" = "None 400" ] ||
-  fail "rank0: result.json: $(result_field rank0 "r['error'], r['steps']")"
-echo "launched_live_test: rank0: restarted, resumed from a checkpoint and finished"
+  "$work/host.log" || { cat "$work/host.log"; fail "host: the launcher did not say why the round ends"; }
+grep -qF "restarting as round 1" "$work/host.log" || { cat "$work/host.log"; fail "host: no restart"; }
+grep -qE "resuming epoch 1 after step [1-9][0-9]* from .*checkpoint_" "$work/host.log" ||
+  { cat "$work/host.log"; fail "host: the restarted job did not resume from a checkpoint"; }
+[ "$(result_field host "r['error'], r['steps']")" = "None 400" ] ||
+  fail "host: result.json: $(result_field host "r['error'], r['steps']")"
+echo "launched_live_test: host: restarted, resumed from a checkpoint and finished"
 # 5. Under another launcher (torchrun-style variables) live recovery is refused, naming the fallback.
 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT="$(free_port)" \
   timeout -k 5 60 "$cli" train --model mlp --data-dir "$data" --train-examples 320 --workers 1 \

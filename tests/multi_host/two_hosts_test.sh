@@ -171,9 +171,9 @@ grep -q "cohort: restoring from the in-memory snapshot snapshot_" "$work/snap-0.
 [ -z "$(ls -A "$work/shm-a")" ] && [ -z "$(ls -A "$work/shm-b")" ] ||
   fail "the run's snapshots stayed after it ended: $(ls -R "$work/shm-a" "$work/shm-b")"
 # 5. Live recovery across the hosts: a rank on host B killed after the first epoch; nothing
-# restarts. Rank 0 (host A) decides, host B's launcher starts the replacement, which takes its
-# state from a survivor over the veth pair, and the job finishes in round 0. The states the
-# survivors heal with stay in the hosts' --snapshot-dir (named jobs, as in 4).
+# restarts. The job host (on host A) decides, host B's launcher starts the replacement, which
+# takes its state from a survivor over the veth pair, and the job finishes in round 0. The states
+# the survivors heal with stay in the hosts' --snapshot-dir (named jobs, as in 4).
 job=live launch "$a" 0 29405 live --epochs 2 --train-examples 6400 --recovery live \
   --snapshot-dir "$work/shm-a"
 pa=$launched

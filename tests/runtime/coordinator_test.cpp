@@ -7,6 +7,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <memory>
+#include <thread>
+
 #include "cohort/error.h"
 #include "comm/handshake.h"
 #include "support/expect.h"
@@ -286,6 +289,74 @@ TEST(CoordinatorServer, ARankOfAnotherRunIsRefusedAndOneThatSaidByeMayLeave) {
   one.close();
   server.deliver(0, R"({"type":"heartbeat","status":null})");
   EXPECT_FALSE(server.await_verdict(milliseconds(300)));
+}
+
+// The job host of cohort launch holds no rank: rank 0 connects as every rank does, may be lost
+// and replaced like any (its silence is the host's to end, its loss the others' to go on after),
+// and the run ends when every rank said bye.
+TEST(CoordinatorServer, AJobHostTakesRankZeroAsAnyRankAndEndsWhenEveryRankLeft) {
+  std::vector<int> lost, hung;
+  CoordinatorServerOptions options{
+      .world_size = 2, .rank0_in_process = false, .heartbeat = beats(seconds(2)), .token = "run-a"};
+  options.live.go_on_without = [&](int rank, const std::string&) {
+    lost.push_back(rank);
+    return true;
+  };
+  options.live.end_hung = [&](int rank, const std::string&) {
+    hung.push_back(rank);
+    return true;
+  };
+  CoordinatorServer server(options, nullptr);
+  auto zero = std::make_unique<RawRank>(server.address());
+  RawRank one(server.address());
+  zero->send({{"type", "hello"}, {"rank", 0}, {"token", "run-a"}});
+  one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
+  // Rank 0 goes silent while rank 1 beats: the host is asked to end rank 0, not told a verdict.
+  const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+  while (hung.empty() && std::chrono::steady_clock::now() < deadline) {
+    one.send({{"type", "heartbeat"}, {"status", nullptr}});
+    std::this_thread::sleep_for(milliseconds(100));  // a beat's interval, not a synchronisation
+  }
+  ASSERT_EQ(hung, std::vector<int>{0});
+  zero.reset();  // its host ended it: the connection closes, and the others go on
+  const Json told = one.next_message();
+  EXPECT_EQ(told.value("type", ""), "peer_lost") << told.dump();
+  EXPECT_EQ(told.value("rank", -1), 0);
+  EXPECT_EQ(lost, std::vector<int>{0});
+  EXPECT_FALSE(server.all_finished());  // rank 1 still trains
+  server.regrouped({0});                // a replacement takes rank 0's place
+  RawRank replacement(server.address());
+  replacement.send({{"type", "hello"}, {"rank", 0}, {"token", "run-a"}});
+  one.send({{"type", "bye"}});
+  replacement.send({{"type", "bye"}});
+  const auto until = std::chrono::steady_clock::now() + seconds(10);
+  while (!server.all_finished() && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(milliseconds(20));
+  EXPECT_TRUE(server.all_finished());
+  EXPECT_FALSE(server.await_verdict(milliseconds(0)));
+}
+
+// The host stops the group itself (a report broke a rule of the run): every rank is told to stop
+// with the host's reason, and the verdict names no rank.
+TEST(CoordinatorServer, TheHostsOwnStopIsAVerdictToldToEveryRank) {
+  CoordinatorServer server({.world_size = 2,
+                            .rank0_in_process = false,
+                            .heartbeat = beats(seconds(30)),
+                            .token = "run-a"},
+                           nullptr);
+  RawRank zero(server.address()), one(server.address());
+  zero.send({{"type", "hello"}, {"rank", 0}, {"token", "run-a"}});
+  one.send({{"type", "hello"}, {"rank", 1}, {"token", "run-a"}});
+  server.stop("rank 0 reported metric 'loss' as text");
+  const auto verdict = server.await_verdict(seconds(10));
+  ASSERT_TRUE(verdict);
+  EXPECT_EQ(verdict->rank, -1);
+  EXPECT_EQ(verdict->reason, "rank 0 reported metric 'loss' as text");
+  for (RawRank* rank : {&zero, &one}) {
+    const Json abort = rank->next_message();
+    EXPECT_EQ(abort.value("type", ""), "abort") << abort.dump();
+    EXPECT_EQ(abort.value("reason", ""), verdict->reason);
+  }
 }
 
 // A connection without the job's secret (one that sends a rank's hello at once, one that proves

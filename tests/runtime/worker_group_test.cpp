@@ -196,6 +196,49 @@ TEST(WorkerGroup, DestructorStopsRunningWorkers) {
   for (int pid : pids) EXPECT_FALSE(process_alive(pid)) << pid;
 }
 
+// A worker left for later (cohort launch's job host) does not run until restart() starts it, and
+// counts as ended cleanly while it never does.
+TEST(WorkerGroup, AWorkerStartedLaterRunsOnlyWhenStarted) {
+  auto options = shell(2, "echo \"ran $RANK\"");
+  options.rank_env = [](int rank) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)}};
+  };
+  options.started_later = [](int rank) { return rank == 1; };
+  options.rank_name = [](int rank) { return rank == 1 ? "the job host" : "rank 0"; };
+  {
+    WorkerGroup group(options);
+    group.start();
+    EXPECT_EQ(group.pids()[1], -1);
+    std::vector<std::string> lines;
+    WorkerGroupHandlers handlers;
+    handlers.on_output = [&](int rank, int, bool, const std::string& line) {
+      lines.push_back(std::to_string(rank) + ":" + line);
+    };
+    const auto outcome = group.wait(handlers);
+    EXPECT_TRUE(outcome.success) << outcome.failure_reason;
+    EXPECT_EQ(lines, std::vector<std::string>{"0:ran 0"});
+  }
+  WorkerGroup group(options);
+  group.start();
+  std::vector<std::string> lines;
+  bool started = false;
+  WorkerGroupHandlers handlers;
+  handlers.on_output = [&](int rank, int, bool, const std::string& line) {
+    lines.push_back(std::to_string(rank) + ":" + line);
+  };
+  handlers.on_tick = [&] {
+    if (started) return;
+    started = true;
+    group.restart(1, {});
+    EXPECT_GT(group.pids()[1], 0);
+  };
+  const auto outcome = group.wait(handlers);
+  EXPECT_TRUE(outcome.success) << outcome.failure_reason;
+  std::sort(lines.begin(), lines.end());
+  EXPECT_EQ(lines, (std::vector<std::string>{"0:ran 0", "1:ran 1"}));
+  EXPECT_EQ(outcome.exits.at(1).name, "the job host");
+}
+
 TEST(WorkerGroup, RejectsZeroWorkers) { EXPECT_THROW(WorkerGroup(shell(0, "true")), UsageError); }
 
 }  // namespace

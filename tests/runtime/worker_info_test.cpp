@@ -152,11 +152,16 @@ TEST_F(WorkerInfoTest, ADataWorkersVariablesAreCheckedAndNamed) {
   const auto member = data_member_from_env();
   ASSERT_TRUE(member.has_value());
   EXPECT_EQ(member->member, 1);
-  EXPECT_EQ(member->master_addr, "node0");
-  EXPECT_EQ(member->store_port, 29400);
-  EXPECT_EQ(member->train_ranks, 4);
-  EXPECT_EQ(member->restart_round, 2);
-  EXPECT_EQ(member->job_id, "job7");
+  EXPECT_EQ(member->job.master_addr, "node0");
+  EXPECT_EQ(member->job.store_port, 29400);
+  EXPECT_EQ(member->job.train_ranks, 4);
+  EXPECT_EQ(member->job.restart_round, 2);
+  EXPECT_EQ(member->job.job_id, "job7");
+  // The job host finds its job the same way.
+  const auto host = job_host_from_env();
+  EXPECT_EQ(host.master_addr, "node0");
+  EXPECT_EQ(host.train_ranks, 4);
+  EXPECT_EQ(host.restart_round, 2);
   set({{kStorePortVar, "70000"}});
   cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
                                             "COHORT_STORE_PORT=70000 is not a port");
@@ -166,6 +171,8 @@ TEST_F(WorkerInfoTest, ADataWorkersVariablesAreCheckedAndNamed) {
   unsetenv(kTrainRanksVar);
   cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
                                             "must be set: start data workers with cohort launch");
+  cohort::testing::expect_error<UsageError>([] { job_host_from_env(); },
+                                            "must be set: start the job host with cohort launch");
 
   set({{kDataDatasetVar, "train"}, {kDataShardVar, "1/3"}});
   const auto shard = data_shard_from_env();

@@ -19,7 +19,8 @@ namespace cohort::runtime {
 bool has_control_channel();
 
 /// Under an external launcher there is no driver: rank 0 takes its own control messages with
-/// this sink (called on the sending thread) and keeps the driver's bookkeeping itself.
+/// this sink (called on the sending thread) and keeps the driver's bookkeeping itself, unless
+/// cohort launch's job host keeps it.
 void set_control_sink(std::function<void(const std::string&)> sink);
 
 /// Sends one message (must not contain a newline). Thread-safe. Throws RuntimeError when the
@@ -70,13 +71,15 @@ void start_heartbeat(std::chrono::milliseconds interval);
 /// Stops that thread and waits for it (before a process that sent heartbeats returns from its
 /// run: nothing may beat once the run's state is gone). Start it again with start_heartbeat.
 void stop_heartbeat();
-/// Under an external launcher, a rank other than 0 reaches the coordinator rank 0 hosts
-/// (CoordinatorServer at `address`) over TCP: its control messages and heartbeats go there. A
-/// thread follows the coordinator: told to stop, or hearing nothing from it for the heartbeat
-/// timeout, or losing it, the process prints why (naming the rank) and exits with status 1. The
-/// connection first proves that this process holds `secret`, the job's.
+/// Under an external launcher, a rank reaches the coordinator that `coordinator_host` runs (rank 0,
+/// or cohort launch's job host: CoordinatorServer at `address`) over TCP: its control messages and
+/// heartbeats go there. A thread follows the coordinator: told to stop, or hearing nothing from
+/// it for the heartbeat timeout, or losing it, the process prints why (naming the rank and the
+/// host) and exits with status 1. The connection first proves that this process holds `secret`,
+/// the job's.
 void connect_to_coordinator(const std::string& address, int rank, const std::string& token,
-                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat);
+                            const comm::JobSecret& secret, const HeartbeatOptions& heartbeat,
+                            const std::string& coordinator_host = "rank 0");
 /// The rank's work is done: says so to the coordinator, which from now on may go away.
 void leave_coordinator();
 /// After a collective failed because of a peer: gives the coordinator up to `within` to end this

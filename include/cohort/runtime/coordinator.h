@@ -4,8 +4,9 @@
 /// noticed here, not by a collective that hangs) and the same under every launch mode: the local
 /// driver feeds it from its workers' control pipes; under cohort launch, torchrun-style variables,
 /// Slurm or mpirun, rank 0 hosts it (CoordinatorServer) and the other ranks reach it over TCP
-/// (runtime::connect_to_coordinator). Time comes from an injectable clock, so its logic is tested
-/// without sleeping.
+/// (runtime::connect_to_coordinator); under cohort launch a run that recovers live has its job
+/// host keep it, and every rank connects. Time comes from an injectable clock, so its logic is
+/// tested without sleeping.
 #pragma once
 #include <chrono>
 #include <functional>
@@ -71,6 +72,8 @@ class HeartbeatMonitor {
   };
   /// The first member silent longer than it is allowed, or nullopt.
   std::optional<Silence> find_silent() const;
+  /// Whether every member finished (none is expected to beat any more).
+  bool all_finished() const;
   /// The options it was made with.
   const HeartbeatOptions& options() const { return options_; }
   /// The clock's time now.
@@ -125,6 +128,9 @@ class Coordinator {
     std::string reason;   ///< one line naming the rank and what happened
     bool silent = false;  ///< the rank sent nothing for too long: it hangs or was stopped
   };
+  /// Whether every rank finished or was lost: nobody is expected any more (the run's end, or
+  /// nobody left to go on with).
+  bool all_finished() const { return monitor_.all_finished(); }
   /// Why the group must stop, naming the rank that caused it, or nullopt. In this order: a rank's
   /// own error; a rank that ended without finishing; a silent rank (with the stall report); a
   /// rank whose collective failed because of a peer, once no cause came within two heartbeat
@@ -151,25 +157,30 @@ class Coordinator {
 /// How a CoordinatorServer listens: address, ranks, heartbeats and the run's token.
 struct CoordinatorServerOptions {
   std::string bind_address = "127.0.0.1";  ///< the address it listens on (port 0: a free one)
-  int world_size = 1;                      ///< ranks that connect (rank 0 is in-process)
-  HeartbeatOptions heartbeat;              ///< the beats it sends and expects
+  int world_size = 1;                      ///< ranks of the group
+  /// Rank 0 runs in the server's process and hands it its messages (deliver). False: every rank
+  /// connects, rank 0 too (the job host of cohort launch, a process that holds no rank).
+  bool rank0_in_process = true;
+  HeartbeatOptions heartbeat;  ///< the beats it sends and expects
   /// A rank that presents another token (another run, or another round of it) is refused.
   std::string token;
   /// Every connection first proves it holds the job's secret (comm/job_secret.h); one that does
   /// not is closed and logged with its address before any line of it is parsed.
   comm::JobSecret secret;
+  /// Every well-formed message of a rank (rank 0's own included), under the server's lock, on
+  /// the thread that delivers it. It may not call the server back.
+  std::function<void(int rank, const Json& message)> on_message;
 
-  /// Live recovery (the host that regroups the ranks: train's rank 0 under cohort launch). Each
-  /// is called on the server's thread; none may call the server back but `on_tick`.
+  /// Live recovery (the host that regroups the ranks: train's rank 0 under cohort launch, or the
+  /// job host). Each is called on the server's thread; none may call the server back but
+  /// `on_tick`.
   struct LiveHooks {
-    /// Every well-formed message of a rank (rank 0's own included), under the server's lock.
-    std::function<void(int rank, const Json& message)> on_message;
     /// A rank's connection closed before it finished: true when the others go on without it.
     /// Then there is no verdict, and every other connected rank is told {"type": "peer_lost"}
     /// (runtime::note_peer_lost), so that its collectives stop waiting for the lost one; rank 0,
-    /// in this process, is the hook's to tell.
+    /// when in this process, is the hook's to tell.
     std::function<bool(int rank, const std::string& how)> go_on_without;
-    /// A rank other than 0 went silent (a verdict of silence, `reason`): true when the host has
+    /// A rank that connects went silent (a verdict of silence, `reason`): true when the host has
     /// it ended (its connection then closes, and go_on_without decides). Then its silence is no
     /// verdict. Under the server's lock.
     std::function<bool(int rank, const std::string& reason)> end_hung;
@@ -180,11 +191,11 @@ struct CoordinatorServerOptions {
   LiveHooks live;  ///< none by default: a lost rank is a verdict
 };
 
-/// Rank 0's coordinator under an external launcher: listens on `bind_address` (port 0: a free
-/// one) for the other ranks' connections, one line of JSON per message (as the local driver's
-/// control pipes; at most kMaxCoordinatorLine of cohort/limits.h), beats to every rank each
-/// interval so they can tell a stopped rank 0, and on a verdict tells every rank to stop with its
-/// reason, then calls `on_verdict` (on its thread).
+/// The coordinator under an external launcher, hosted by rank 0 or by cohort launch's job host:
+/// listens on `bind_address` (port 0: a free one) for the ranks' connections, one line of JSON per
+/// message (as the local driver's control pipes; at most kMaxCoordinatorLine of cohort/limits.h),
+/// beats to every rank each interval so they can tell a stopped host, and on a verdict tells every
+/// rank to stop with its reason, then calls `on_verdict` (on its thread).
 class CoordinatorServer {
  public:
   /// Starts listening; `on_verdict` gets the verdict (on the server's thread).
@@ -204,6 +215,13 @@ class CoordinatorServer {
   std::optional<Coordinator::Verdict> await_verdict(std::chrono::milliseconds within);
   /// The run ended: ranks that leave now are no longer failures.
   void finish();
+  /// The host stops the group itself (a rule of the run broken): a verdict of `reason`, naming
+  /// no rank, acted on as any (every rank told to stop, then `on_verdict`). Nothing when a
+  /// verdict came first.
+  void stop(const std::string& reason);
+  /// Whether every rank said it finished or was lost without a replacement to come: nobody is
+  /// expected any more.
+  bool all_finished() const;
   /// Live recovery re-formed the group: no verdict so far stands, and `restarted` (replacements
   /// that connect in lost ranks' places, with their ranks' hello) are expected to beat again.
   void regrouped(const std::vector<int>& restarted);

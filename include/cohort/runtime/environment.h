@@ -14,6 +14,12 @@ inline constexpr const char* kWorkerRole = "worker";  ///< a Trainer's worker
 inline constexpr const char* kTrialRole = "trial";
 /// A preprocessing worker: serves a data pipeline's tasks (data/data_iterator.h).
 inline constexpr const char* kDataWorkerRole = "data";
+/// The job host of `cohort launch`: a process of the program on node 0 that holds no rank and
+/// keeps the run's bookkeeping, its coordinator and live recovery's decisions, so that every rank,
+/// rank 0 included, can be lost and replaced (train::FailureConfig::Recovery::kLive). Started at
+/// rank 0's word (runtime::launch_host_key); finds the job as a data worker does
+/// (runtime::job_host_from_env).
+inline constexpr const char* kJobHostRole = "job-host";
 
 /// Set by the local driver (runtime::WorkerGroup) in each child: the driver's pid (the child ends
 /// with it) and the control channel's file descriptor.
@@ -50,7 +56,8 @@ inline constexpr const char* kJobSecretFileVar = "COHORT_JOB_SECRET_FILE";
 inline constexpr const char* kInsecureVar = "COHORT_INSECURE";
 /// Set by `cohort launch --data-workers`: in every process of the job, how many data workers its
 /// nodes run; in such a data worker (role "data"), its index among them and the job's number of
-/// ranks (it gets no RANK or WORLD_SIZE: it holds no rank).
+/// ranks (it gets no RANK or WORLD_SIZE: it holds no rank; nor does the job host, which gets the
+/// number of ranks too).
 inline constexpr const char* kDataMembersVar = "COHORT_DATA_MEMBERS";
 inline constexpr const char* kDataMemberVar =
     "COHORT_DATA_MEMBER";  ///< a data worker's index among the job's data workers

@@ -49,30 +49,36 @@ struct NodeLaunchOptions {
   int verbose = 1;  ///< 0: quiet; 1: a line per event
 };
 
-/// Live recovery under cohort launch (train::FailureConfig::Recovery::kLive): rank 0, which hosts
-/// the coordinator, decides how the ranks regroup after a loss; each launcher tolerates its rank
-/// killed by a signal and starts the replacement rank 0 asks for. They agree through these keys of
-/// the job's store, for launch round `round` (the workers' COHORT_RESTART_ROUND):
-///  - launch_live_key(round): set by rank 0 when the job recovers live. Only then does a launcher
-///    go on without a rank (other than 0) that a signal ended.
+/// Live recovery under cohort launch (train::FailureConfig::Recovery::kLive): the job host (a
+/// process of the program on node 0 that holds no rank, runtime::kJobHostRole) hosts the
+/// coordinator and decides how the ranks regroup after a loss; each launcher tolerates its rank
+/// killed by a signal, rank 0 included, and starts the replacement the job host asks for. They
+/// agree through these keys of the job's store, for launch round `round` (the workers'
+/// COHORT_RESTART_ROUND):
+///  - launch_host_key(round): set by rank 0 when its run recovers live: node 0's launcher starts
+///    the job host.
+///  - launch_live_key(round): set by the job host when the job recovers live. Only then does a
+///    launcher go on without a rank that a signal ended.
 ///  - launch_place_free_key(round, rank, n): set by the launcher of `rank` once nothing of its
 ///    n-th lost process (from 1) is left: the place takes a replacement.
-///  - launch_replacement_key(round, rank, n): set by rank 0: start the replacement of `rank`'s
-///    n-th lost process, with what the value says: {"rank", "world_size", ...}, all of it passed
-///    in kLiveJoinVar (runtime/environment.h).
-///  - launch_kill_key(round, rank, n): set by rank 0 when `rank`'s process hangs (its coordinator
-///    heard nothing from it for the heartbeat timeout; the value says so): kill it, and it is the
-///    n-th lost. launch_kills_key(round) then counts up, so that a launcher reads those keys only
-///    when one was set.
+///  - launch_replacement_key(round, rank, n): set by the job host: start the replacement of
+///    `rank`'s n-th lost process, with what the value says: {"rank", "world_size", ...}, all of it
+///    passed in kLiveJoinVar (runtime/environment.h).
+///  - launch_kill_key(round, rank, n): set by the job host when `rank`'s process hangs (its
+///    coordinator heard nothing from it for the heartbeat timeout; the value says so): kill it,
+///    and it is the n-th lost. launch_kills_key(round) then counts up, so that a launcher reads
+///    those keys only when one was set.
 std::string launch_live_key(int round);
 /// See launch_live_key: the launcher's word that `rank`'s n-th lost process is gone.
 std::string launch_place_free_key(int round, int rank, int n);
-/// See launch_live_key: rank 0's word to start the replacement of `rank`'s n-th lost process.
+/// See launch_live_key: the job host's word to start the replacement of `rank`'s n-th lost process.
 std::string launch_replacement_key(int round, int rank, int n);
-/// See launch_live_key: rank 0's word to kill `rank`'s process, which hangs (its n-th loss).
+/// See launch_live_key: the job host's word to kill `rank`'s process, which hangs (its n-th loss).
 std::string launch_kill_key(int round, int rank, int n);
-/// See launch_live_key: how many launch_kill_key rank 0 set in the round.
+/// See launch_live_key: how many launch_kill_key the job host set in the round.
 std::string launch_kills_key(int round);
+/// See launch_live_key: rank 0's word to node 0's launcher to start the job host.
+std::string launch_host_key(int round);
 
 /// Runs the node's workers until the job ends; returns the exit status for the process: 0 when
 /// every worker of every node succeeded, 1 otherwise (with the reason printed, naming a lost

@@ -32,6 +32,10 @@ struct WorkerGroupOptions {
   std::function<std::string(int rank)> rank_role;
   /// How messages name worker `rank`; default "rank R".
   std::function<std::string(int rank)> rank_name;
+  /// When set, the workers for which it is true are not started by start(): restart() starts
+  /// them when they are wanted (cohort launch's job host). Until then they count as ended
+  /// cleanly.
+  std::function<bool(int rank)> started_later;
   /// After a worker failed, how long the others may take to end on their own (told by their
   /// coordinator, which names the cause) before the group is stopped. 0: stopped at once.
   std::chrono::milliseconds failure_grace{0};
@@ -130,9 +134,10 @@ class WorkerGroup {
   void kill(int rank);
   /// Sends `signal` to worker `rank` alone (not its helpers), when it runs.
   void signal(int rank, int signal);
-  /// Starts worker `rank` again after it ended (a replacement), with `env` on top of its
-  /// environment; it is running and watched as at start(). RuntimeError when it still runs or
-  /// cannot be started.
+  /// Starts worker `rank` again after it ended (a replacement), or for the first time when
+  /// start() left it (WorkerGroupOptions::started_later), with `env` on top of its environment;
+  /// it is running and watched as at start(). RuntimeError when it still runs or cannot be
+  /// started.
   void restart(int rank, const std::map<std::string, std::string>& env);
   /// True once the group is being stopped (a failure, a request or a signal).
   bool stopping() const;

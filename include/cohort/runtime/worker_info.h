@@ -42,20 +42,29 @@ int env_int(const char* name, int fallback, int min_value);
 /// The value of environment variable `name`; empty when it is unset.
 std::string env_string(const char* name);
 
-/// A data worker of `cohort launch --data-workers` (COHORT_DATA_MEMBER set): where the job's store
-/// is, and how many train ranks it serves until they all finish.
-struct DataMemberInfo {
-  int member = 0;           ///< its index among the job's data workers (COHORT_DATA_MEMBER)
-  std::string master_addr;  ///< the store's host (MASTER_ADDR)
-  int store_port = 0;       ///< the store's port (COHORT_STORE_PORT)
-  int train_ranks = 0;      ///< the job's train ranks (COHORT_TRAIN_RANKS)
-  int restart_round = 0;    ///< restarts of the job so far (COHORT_RESTART_ROUND)
-  std::string job_id;       ///< the job, checked at the store (COHORT_JOB_ID)
+/// Where a process of `cohort launch` that holds no rank (a data worker, the job host) finds its
+/// job: the job's store, and how many train ranks the job has.
+struct LaunchedJobInfo {
+  std::string master_addr;             ///< the store's host (MASTER_ADDR)
+  int store_port = 0;                  ///< the store's port (COHORT_STORE_PORT)
+  int train_ranks = 0;                 ///< the job's train ranks (COHORT_TRAIN_RANKS)
+  int restart_round = 0;               ///< restarts of the job so far (COHORT_RESTART_ROUND)
+  std::string job_id;                  ///< the job, checked at the store (COHORT_JOB_ID)
   std::optional<comm::HostPort> etcd;  ///< the store is etcd there instead (COHORT_RDZV)
+};
+
+/// A data worker of `cohort launch --data-workers` (COHORT_DATA_MEMBER set): its index, and its
+/// job, whose ranks it serves until they all finish.
+struct DataMemberInfo {
+  int member = 0;       ///< its index among the job's data workers (COHORT_DATA_MEMBER)
+  LaunchedJobInfo job;  ///< where its job is
 };
 /// This process's data-worker settings; nullopt when COHORT_DATA_MEMBER is unset. UsageError naming
 /// the variable that is missing or malformed, and the fix.
 std::optional<DataMemberInfo> data_member_from_env();
+/// The job of cohort launch's job host (COHORT_ROLE=job-host). UsageError naming the variable
+/// that is missing or malformed, and the fix.
+LaunchedJobInfo job_host_from_env();
 
 /// A preprocessing worker that a rank started for one of its Trainer datasets: the dataset's name
 /// and the rank's shard of it.

@@ -99,8 +99,10 @@ struct FailureConfig {
     /// all take the state of the survivor that stepped furthest (with local SGD or DiLoCo, those
     /// as far keep their own replicas), re-balance the epoch's remaining rows and continue at
     /// the current step, in the same processes. For loops of a train::ParallelModel whose plan
-    /// is DDP, local SGD or DiLoCo (no ZeRO, mesh or parameter server), under the local driver;
-    /// where the group cannot go on (a failure outside a step's collectives, too few workers) it
+    /// is DDP, local SGD, DiLoCo or ZeRO with replicated shards (ZeroOptions::shard_group_size;
+    /// no mesh or parameter server), under the local driver or cohort launch (whose job host,
+    /// on node 0, then keeps the run instead of rank 0, so that any rank can be replaced); where
+    /// the group cannot go on (a failure outside a step's collectives, too few workers) it
     /// restarts, as kRestart.
     kLive,
   };
@@ -123,7 +125,8 @@ struct CheckpointConfig {
 };
 
 /// TensorBoard event files of a run, under `<run>/tensorboard/` (Ray Tune's TBXLogger; see
-/// train/summary_writer.h). The driver writes them (under a launcher, rank 0).
+/// train/summary_writer.h). The driver writes them (under a launcher, rank 0 or cohort launch's
+/// job host).
 struct TensorBoardConfig {
   /// Every numeric metric of every report as a scalar at its training_iteration (nested objects as
   /// "outer/inner"), the train_loop_config as text; a resumed run tells TensorBoard to drop the
@@ -176,9 +179,10 @@ struct RunConfig {
   std::chrono::milliseconds setup_timeout = kDefaultSetupTimeout;
   /// Deadline of every collective (a peer that died or hangs ends in an error, not a hang).
   std::chrono::milliseconds collective_timeout = kDefaultCollectiveTimeout;
-  /// Called in the driver (under a launcher: in rank 0) after each report is committed, with the
-  /// record that metrics.jsonl gets: rank 0's metrics plus "training_iteration", "timestamp" and,
-  /// when one came with it, "checkpoint" (its path). The Tuner follows its trials with this.
+  /// Called in the driver (under a launcher: in rank 0, or in cohort launch's job host) after
+  /// each report is committed, with the record that metrics.jsonl gets: rank 0's metrics plus
+  /// "training_iteration", "timestamp" and, when one came with it, "checkpoint" (its path). The
+  /// Tuner follows its trials with this.
   std::function<void(const Json& record)> on_report;
   TensorBoardConfig tensorboard;  ///< TensorBoard event files of the run (on by default)
   /// Which steps' train::log_step metrics (the training loss and step time every N steps) rank 0

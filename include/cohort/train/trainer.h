@@ -33,7 +33,10 @@ class Trainer {
   /// Worker: runs the loop and exits the process (never returns).
   /// Under a launcher (srun, mpirun, torchrun-style variables, cohort launch) every process is a
   /// rank: rank 0 runs the loop, keeps the run directory and returns the Result; the other ranks
-  /// run the loop and exit (status 1 after a failure, for the launcher to restart them).
+  /// run the loop and exit (status 1 after a failure, for the launcher to restart them). Under
+  /// cohort launch a run that recovers live (FailureConfig::Recovery::kLive) has a job host, one
+  /// more process of the program on node 0 that holds no rank: its fit() keeps the run directory
+  /// and returns the Result, as a driver's, and every rank, rank 0 too, runs the loop and exits.
   ///
   /// Each fit() owns the worker's session while its loop runs: the train:: functions (report,
   /// get_context, prepare_model, ...) act on it, from the thread that runs the loop. It ends when
