@@ -31,7 +31,9 @@
             its shard of the parameters too from that survivor
   launch-live
             live recovery under `cohort launch --nproc-per-node 4` instead of the local driver:
-            rank 0 hosts the decisions, the launcher starts the replacement
+            the job host keeps the run and the decisions, the launcher starts the replacement
+  launch-live-rank0
+            the same with rank 0 killed instead of rank 1 (a rank as any under the job host)
 
 A live mode whose survivors cannot go on (they say why) falls back to a restart: its row says so.
 Printed per mode: the step at the kill, the step the group resumed after, the steps lost (done
@@ -81,9 +83,22 @@ def wait_until(condition, deadline_s, what):
 
 
 def worker_pids(process):
-    """The training processes: the driver's workers, or torchrun's or cohort launch's ranks."""
+    """The training processes: the driver's workers, or torchrun's or cohort launch's ranks (and
+    its job host)."""
     out = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
+
+
+def rank_pid(process, rank):
+    """The process of `rank` among `process`'s children (RANK in its environment), or None."""
+    for pid in worker_pids(process):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                    return pid
+        except OSError:
+            pass
+    return None
 
 
 def run_mode(args, mode, storage):
@@ -106,8 +121,8 @@ def run_mode(args, mode, storage):
         train += ["--checkpoint-every-steps", str(args.every)]
     if mode == "async":
         train += ["--async-checkpoint"]
-    if mode == "launch-live":
-        # One node of cohort launch; rank 0 keeps the run directory.
+    if mode.startswith("launch-live"):
+        # One node of cohort launch; its job host keeps the run directory.
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -134,10 +149,11 @@ def run_mode(args, mode, storage):
                                    f"{args.kill_at}; the end of its output:\n{last}")
             return [s for s in steps_logged(steps_file) if s >= args.kill_at]
         at_kill = wait_until(reached_kill_step, 600, f"step {args.kill_at}")[0]
-        victims = wait_until(lambda: worker_pids(process), 30, "the workers' pids")
+        target = 0 if mode == "launch-live-rank0" else 1
+        victim = wait_until(lambda: rank_pid(process, target), 30, f"rank {target}'s pid")
         seen = len(steps_logged(steps_file))
         killed_at = time.monotonic()
-        os.kill(victims[min(1, len(victims) - 1)], signal.SIGKILL)
+        os.kill(victim, signal.SIGKILL)
         step_at_kill = steps_logged(steps_file)[-1]
         # The next completed step: a record below the step at the kill (the group came back from a
         # checkpoint), or one past it that was logged after the kill.
@@ -198,7 +214,8 @@ def main():
                         help="more options of cohort train, e.g. a GPT's: --layers 14 --width 768 "
                              "--heads 12 --data text:FILE --context 64 --batch-size 2 --epochs 1")
     parser.add_argument("--modes", default="epoch,steps,async,snapshot,live,live-shrink,"
-                        "live-diloco,live-zero,live-zero3,launch-live,torchrun,torchrun-snapshot")
+                        "live-diloco,live-zero,live-zero3,launch-live,launch-live-rank0,torchrun,"
+                        "torchrun-snapshot")
     args = parser.parse_args()
     args.cohort = os.path.abspath(args.cohort)
     modes = args.modes.split(",")
