@@ -31,12 +31,13 @@ CLI::App* add_train_command(CLI::App& app, TrainOptions& o) {
 
 int run_train_command(TrainOptions o, const CLI::App& cmd) {
   // Under a launcher its world size is the default; an explicit --workers must match it.
-  const auto launch = runtime::detect_launch();
-  if (launch && cmd.count("--workers") == 0) o.scaling.workers = launch->world_size;
+  if (const auto world = runtime::launched_world_size(); world && cmd.count("--workers") == 0)
+    o.scaling.workers = *world;
   apply_deepspeed_config(o);
   validate(o);
+  RunConfig run = run_config_of(o);
   // Every worker runs this too (re-executed, or each rank under a launcher): said once.
-  const bool driver = runtime::spawned_role().empty() && (!launch || launch->world_rank == 0);
+  const bool driver = is_driver(run);
   if (!o.data.data.empty() && !o.run.quiet && driver)
     std::cout << "data: " << o.data.open(o.loop.seed, o.context).describe() << std::endl;
   if (o.memory_budget_gb > 0 && driver) {
@@ -49,7 +50,6 @@ int run_train_command(TrainOptions o, const CLI::App& cmd) {
                 << std::defaultfloat << std::endl;
     }
   }
-  RunConfig run = run_config_of(o);
   // `cohort train --config <run>/config.json` runs it again.
   run.extra_files[kConfigFile] = effective_options(&cmd).dump(2) + "\n";
   Trainer trainer(train_loop, scaling_of(o), run, to_json(o), datasets_of(o));

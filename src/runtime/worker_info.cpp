@@ -216,6 +216,12 @@ int port_from_job(const std::string& job) {
 
 }  // namespace
 
+std::optional<int> launched_world_size() {
+  if (spawned_role() == kJobHostRole) return job_host_from_env().train_ranks;
+  if (const auto launch = detect_launch()) return launch->world_size;
+  return std::nullopt;
+}
+
 std::string first_slurm_host(const std::string& nodelist) {
   // The first top-level item: commas inside brackets do not end it.
   int depth = 0;

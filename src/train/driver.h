@@ -25,6 +25,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                     const ScalingConfig& scaling, const RunConfig& run, const Json& config,
                     const std::map<std::string, data::Dataset>& datasets, runtime::WorkerInfo info);
 
+// Whether cohort launch's job host keeps a launched run (one that recovers live under cohort
+// launch) instead of its rank 0.
+bool job_host_keeps_run(const RunConfig& run, const runtime::WorkerInfo& launch);
+
 // cohort launch's job host (runtime::kJobHostRole, job_host.cpp): keeps the run of every rank
 // that recovers live, and returns its Result once they finished or the coordinator stopped them.
 Result host_launched_run(const ScalingConfig& scaling, const RunConfig& run, const Json& config);

@@ -17,6 +17,11 @@
 
 namespace cohort::train {
 
+bool job_host_keeps_run(const RunConfig& run, const runtime::WorkerInfo& launch) {
+  return run.failure_config.recovery == FailureConfig::Recovery::kLive &&
+         launch.launcher == "cohort-launch";
+}
+
 Result host_launched_run(const ScalingConfig& scaling, const RunConfig& run, const Json& config) {
   const auto started = std::chrono::steady_clock::now();
   const auto job = runtime::job_host_from_env();
@@ -25,6 +30,17 @@ Result host_launched_run(const ScalingConfig& scaling, const RunConfig& run, con
         "the job host (" + std::string(runtime::kRoleVar) + "=" + runtime::kJobHostRole +
         ") keeps a run that recovers live (FailureConfig.recovery, --recovery live), and this "
         "program's Trainer does not: cohort launch starts one only when rank 0 asks for it");
+  }
+  // As each rank checks it (run_launched): the launcher's ranks are as many as the Trainer's.
+  const int fewest = scaling.min_workers > 0 ? scaling.min_workers : scaling.num_workers;
+  if (job.train_ranks > scaling.num_workers || job.train_ranks < fewest) {
+    throw UsageError("ScalingConfig.num_workers=" + std::to_string(scaling.num_workers) +
+                     (scaling.min_workers > 0
+                          ? " (min_workers=" + std::to_string(scaling.min_workers) + ")"
+                          : std::string()) +
+                     " but cohort launch started " + std::to_string(job.train_ranks) +
+                     " ranks (the job host's " + runtime::kTrainRanksVar +
+                     "): make them agree (--nnodes x --nproc-per-node)");
   }
   // Everything of the run takes its mask while it lasts.
   const ScopedUmask umask(run.umask);
@@ -39,34 +55,33 @@ Result host_launched_run(const ScalingConfig& scaling, const RunConfig& run, con
   std::condition_variable arrived;
   std::deque<Json> inbox;
   std::optional<runtime::Coordinator::Verdict> verdict;
-  LaunchedRun host(
-      run, config,
-      {.world_size = job.train_ranks,
-       .restart_round = job.restart_round,
-       .job_id = job.job_id,
-       .launcher = "cohort launch",
-       .store = store,
-       .bind_address = runtime::data_plane_address(job.master_addr),
-       .rank0_in_process = false,
-       .min_workers = scaling.min_workers > 0 ? scaling.min_workers : scaling.num_workers,
-       .started = started,
-       .on_verdict =
-           [&](const runtime::Coordinator::Verdict& v) {
-             {
-               std::lock_guard lock(mutex);
-               verdict = v;
-             }
-             arrived.notify_all();
-           },
-       .on_message =
-           [&](int rank, const Json& message) {
-             if (rank != 0 || !LaunchedRun::records(message)) return;
-             {
-               std::lock_guard lock(mutex);
-               inbox.push_back(message);
-             }
-             arrived.notify_all();
-           }});
+  LaunchedRun host(run, config,
+                   {.world_size = job.train_ranks,
+                    .restart_round = job.restart_round,
+                    .job_id = job.job_id,
+                    .launcher = "cohort launch",
+                    .store = store,
+                    .bind_address = runtime::data_plane_address(job.master_addr),
+                    .rank0_in_process = false,
+                    .min_workers = fewest,
+                    .started = started,
+                    .on_verdict =
+                        [&](const runtime::Coordinator::Verdict& v) {
+                          {
+                            std::lock_guard lock(mutex);
+                            verdict = v;
+                          }
+                          arrived.notify_all();
+                        },
+                    .on_message =
+                        [&](int rank, const Json& message) {
+                          if (rank != 0 || !LaunchedRun::records(message)) return;
+                          {
+                            std::lock_guard lock(mutex);
+                            inbox.push_back(message);
+                          }
+                          arrived.notify_all();
+                        }});
   host.publish();
   const auto interval = heartbeat_options(run).interval;
   while (true) {

@@ -119,6 +119,15 @@ Trainer::Trainer(TrainLoop train_loop, ScalingConfig scaling_config, RunConfig r
   check_configs(scaling_, run_);
 }
 
+bool is_driver(const RunConfig& run) {
+  const auto role = runtime::spawned_role();
+  if (role == runtime::kJobHostRole) return true;
+  if (role == runtime::kWorkerRole || role == runtime::kDataWorkerRole) return false;
+  if (const auto launch = runtime::detect_launch())
+    return launch->world_rank == 0 && !train::job_host_keeps_run(run, *launch);
+  return true;  // the local driver, or a Tuner's trial, which drives its Trainer
+}
+
 Result Trainer::fit() {
   if (runtime::spawned_role() == data::kDataRole) train::serve_dataset_shard(datasets_);
   if (runtime::is_spawned_worker()) train::run_worker(train_loop_, scaling_, datasets_);

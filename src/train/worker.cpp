@@ -520,7 +520,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
   // that (job_host.cpp), at rank 0's word: then rank 0 is a rank as any, which may be lost.
   settings.interface_address = runtime::data_plane_address(info.master_addr);
   const runtime::HeartbeatOptions heartbeat = heartbeat_options(run);
-  const bool job_host = live;  // live recovery runs under cohort launch only (checked above)
+  const bool job_host = job_host_keeps_run(run, info);
   const bool host_here = rank0 && !job_host;
   std::optional<LaunchedRun> host;
   if (host_here) {

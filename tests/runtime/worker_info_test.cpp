@@ -157,11 +157,18 @@ TEST_F(WorkerInfoTest, ADataWorkersVariablesAreCheckedAndNamed) {
   EXPECT_EQ(member->job.train_ranks, 4);
   EXPECT_EQ(member->job.restart_round, 2);
   EXPECT_EQ(member->job.job_id, "job7");
-  // The job host finds its job the same way.
+  // The job host finds its job the same way, and takes its ranks as its number of workers.
   const auto host = job_host_from_env();
   EXPECT_EQ(host.master_addr, "node0");
   EXPECT_EQ(host.train_ranks, 4);
   EXPECT_EQ(host.restart_round, 2);
+  EXPECT_FALSE(launched_world_size().has_value());  // a data worker holds no rank
+  set({{kRoleVar, kJobHostRole}});
+  EXPECT_EQ(launched_world_size(), 4);
+  unsetenv(kRoleVar);
+  set({{"RANK", "1"}, {"WORLD_SIZE", "3"}, {"MASTER_PORT", "29500"}});
+  EXPECT_EQ(launched_world_size(), 3);
+  for (const char* v : {"RANK", "WORLD_SIZE", "MASTER_PORT"}) unsetenv(v);
   set({{kStorePortVar, "70000"}});
   cohort::testing::expect_error<UsageError>([] { data_member_from_env(); },
                                             "COHORT_STORE_PORT=70000 is not a port");

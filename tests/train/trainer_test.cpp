@@ -383,6 +383,48 @@ TEST(Trainer, UnderALauncherEachFitOwnsItsSessionAndEndsItOnReturn) {
   }
 }
 
+// The driver is who keeps the run and gets its Result: what a program says or checks once before
+// fit() it says there. Under cohort launch a run that recovers live has its job host drive it,
+// not rank 0.
+TEST(Trainer, TheDriverIsTheProcessWhoseFitKeepsTheRun) {
+  struct Variables {
+    std::vector<std::string> names;
+    void set(const std::map<std::string, std::string>& values) {
+      clear();
+      for (const auto& [name, value] : values) {
+        setenv(name.c_str(), value.c_str(), 1);
+        names.push_back(name);
+      }
+    }
+    void clear() {
+      for (const auto& name : names) unsetenv(name.c_str());
+      names.clear();
+    }
+    ~Variables() { clear(); }
+  } env;
+  ASSERT_TRUE(runtime::spawned_role().empty() && !runtime::detect_launch());
+  RunConfig live;
+  live.failure_config.recovery = FailureConfig::Recovery::kLive;
+  const RunConfig restart;
+  EXPECT_TRUE(is_driver(restart));  // the program the user started
+  const std::map<std::string, std::string> rank0{
+      {"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", "29500"}};
+  env.set(rank0);
+  EXPECT_TRUE(is_driver(live));  // torchrun-style: rank 0 keeps the run
+  auto launched = rank0;
+  launched[runtime::kLauncherVar] = "cohort-launch";
+  env.set(launched);
+  EXPECT_TRUE(is_driver(restart));
+  EXPECT_FALSE(is_driver(live));  // the job host keeps it
+  launched["RANK"] = "1";
+  env.set(launched);
+  EXPECT_FALSE(is_driver(restart));
+  env.set({{runtime::kRoleVar, runtime::kJobHostRole}});
+  EXPECT_TRUE(is_driver(live));
+  env.set({{runtime::kRoleVar, runtime::kWorkerRole}});
+  EXPECT_FALSE(is_driver(restart));
+}
+
 // Writes `files` (name -> content) to a fresh folder for a checkpoint, inside the run directory
 // so that the test's cleanup removes it (a worker ends with _Exit, running no cleanup of its own).
 Checkpoint folder_with(const std::string& tag, const std::map<std::string, std::string>& files) {

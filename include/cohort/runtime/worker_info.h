@@ -90,6 +90,12 @@ std::optional<WorkerInfo> worker_info_from_env();
 /// Under any of them, COHORT_RDZV=etcd://HOST:PORT puts the store in etcd there.
 std::optional<WorkerInfo> detect_launch();
 
+/// The ranks a launcher started for this process's job: detect_launch()'s world size, or in
+/// cohort launch's job host (which holds no rank) its job's train ranks; nullopt when not
+/// launched. A program takes it as its number of workers (`cohort train` does, without
+/// --workers).
+std::optional<int> launched_world_size();
+
 /// The first host name of a Slurm host list such as "node[07-09,12],gpu1" ("node07").
 std::string first_slurm_host(const std::string& nodelist);
 /// Tasks on node `node` from a Slurm tasks-per-node list such as "2(x3),1".

@@ -63,4 +63,12 @@ class Trainer {
   std::map<std::string, data::Dataset> datasets_;
 };
 
+/// Whether a Trainer of `run` fit() in this process is the run's driver: it keeps the run
+/// directory and returns the Result. The program the user started, under no launcher; rank 0
+/// under a launcher; under cohort launch, for a run that recovers live, the job host instead
+/// (rank 0 is then a rank as any). What must be said or checked once before fit() (a line about
+/// the data, a memory budget) belongs where this is true: everything before fit() runs in every
+/// worker too.
+bool is_driver(const RunConfig& run);
+
 }  // namespace cohort
