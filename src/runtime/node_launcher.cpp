@@ -481,14 +481,16 @@ int NodeLauncher::run() {
         it = lost.erase(it);
       }
     };
-    // Node 0 starts the job host when rank 0 asks for one (a run that recovers live).
-    bool host_started = false;
+    // Node 0 starts the job host when rank 0 asks for one (a run that recovers live), and stops
+    // looking once rank 0 said either way.
+    bool host_decided = false;
     auto next_host_check = Clock::now();
     const auto start_host = [&] {
-      if (node_ != 0 || host_started || Clock::now() < next_host_check) return;
-      next_host_check = Clock::now() + std::chrono::milliseconds(50);
+      if (node_ != 0 || host_decided || Clock::now() < next_host_check) return;
+      next_host_check = Clock::now() + std::chrono::milliseconds(200);
       if (!store_->check({launch_host_key(round_)})) return;
-      host_started = true;
+      host_decided = true;
+      if (store_->get(launch_host_key(round_)) != "1") return;
       group.restart(host_local(), {});
       say("started the job host (pid " +
           std::to_string(group.pids()[static_cast<size_t>(host_local())]) +

@@ -539,9 +539,10 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
                                       if (host->finish_after(v)) end_process(1);
                                     }});
     host->publish();
-  } else if (rank0 && !join) {
-    settings.store.set(runtime::launch_host_key(info.restart_round), "1");
   }
+  // Node 0's launcher starts the job host at rank 0's word, and stops asking once it was said.
+  if (rank0 && !join && info.launcher == "cohort-launch")
+    settings.store.set(runtime::launch_host_key(info.restart_round), job_host ? "1" : "0");
   const Json shared = Json::parse(settings.store.get(round + "run"));
   settings.name = shared["name"];
   settings.run_dir = shared["run_dir"].get<std::string>();

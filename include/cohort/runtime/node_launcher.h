@@ -55,8 +55,8 @@ struct NodeLaunchOptions {
 /// killed by a signal, rank 0 included, and starts the replacement the job host asks for. They
 /// agree through these keys of the job's store, for launch round `round` (the workers'
 /// COHORT_RESTART_ROUND):
-///  - launch_host_key(round): set by rank 0 when its run recovers live: node 0's launcher starts
-///    the job host.
+///  - launch_host_key(round): set by rank 0 as its run starts: "1" when the run recovers live,
+///    and node 0's launcher starts the job host; "0" when rank 0 keeps the run itself.
 ///  - launch_live_key(round): set by the job host when the job recovers live. Only then does a
 ///    launcher go on without a rank that a signal ended.
 ///  - launch_place_free_key(round, rank, n): set by the launcher of `rank` once nothing of its
