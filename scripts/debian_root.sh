@@ -3,14 +3,15 @@
 # debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
 #
 #   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--sanitize]
-#                          [--no-tests] [--prepare-only]
+#                          [--no-fuzz-replays] [--no-tests] [--prepare-only]
 #   scripts/debian_root.sh --suite bookworm --install-deb cohort_VERSION_ARCH.deb
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
 # later run on the same machine reuses it; it is refreshed (apt upgrade) once a day. The clone is
 # bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the library
 # and CLI without the precompiled header (every file includes what it uses); --no-bench leaves the
-# benchmarks out. --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
+# benchmarks out, --no-fuzz-replays the fuzz targets' replays (CI: both are built and run in the
+# 1.13 lane, from the same sources). --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
 # (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
 # with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
 # data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and
@@ -28,6 +29,7 @@ cuda=0
 core_pch=ON
 tests=1
 bench=ON
+fuzz=ON
 sanitize=OFF
 prepare_only=0
 deb=""
@@ -38,6 +40,7 @@ while [ $# -gt 0 ]; do
     --no-core-pch) core_pch=OFF; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=OFF; shift ;;
+    --no-fuzz-replays) fuzz=OFF; shift ;;
     --sanitize) sanitize=ON; shift ;;
     --prepare-only) prepare_only=1; shift ;;
     --install-deb) deb="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
@@ -172,12 +175,14 @@ if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt" |
   ! grep -qs "^COHORT_SANITIZE:BOOL=$sanitize\$" "$src/$build/CMakeCache.txt"; then
   rm -rf "${src:?}/$build"
 fi
-# --no-bench (CI: the benchmarks are built and compiled in the 1.13 lane) reconfigures in place.
-if [ -f "$src/$build/build.ninja" ] && ! grep -qs "^COHORT_BUILD_BENCH:BOOL=$bench\$" "$src/$build/CMakeCache.txt"; then
-  in_root cmake -S /src -B "/src/$build" -DCOHORT_BUILD_BENCH="$bench" >&2
+# --no-bench and --no-fuzz-replays (CI: built and run in the 1.13 lane) reconfigure in place.
+if [ -f "$src/$build/build.ninja" ] &&
+  { ! grep -qs "^COHORT_BUILD_BENCH:BOOL=$bench\$" "$src/$build/CMakeCache.txt" ||
+    ! grep -qs "^COHORT_FUZZ_REPLAYS:BOOL=$fuzz\$" "$src/$build/CMakeCache.txt"; }; then
+  in_root cmake -S /src -B "/src/$build" -DCOHORT_BUILD_BENCH="$bench" -DCOHORT_FUZZ_REPLAYS="$fuzz" >&2
 fi
 in_root env COHORT_BUILD_DIR="/src/$build" \
-  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench -DCOHORT_SANITIZE=$sanitize" \
+  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench -DCOHORT_FUZZ_REPLAYS=$fuzz -DCOHORT_SANITIZE=$sanitize" \
   /src/scripts/setup.sh
 what="built"
 [ "$sanitize" = ON ] && what="built with AddressSanitizer and UndefinedBehaviorSanitizer"
