@@ -11,8 +11,8 @@
 # bind-mounted at /src inside it and built into build-<suite>/. --no-core-pch compiles the library
 # and CLI without the precompiled header (every file includes what it uses); --no-bench leaves the
 # benchmarks out, --no-fuzz-replays the fuzz targets' replays (CI: both are built and run in the
-# 1.13 lane, from the same sources). --sanitize builds everything with AddressSanitizer and UndefinedBehaviorSanitizer
-# (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
+# 1.13 lane, from the same sources). --sanitize builds everything with AddressSanitizer and
+# UndefinedBehaviorSanitizer (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
 # with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
 # data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and
 # installs the packages, no more (CI runs it while the first lane builds: downloading and
