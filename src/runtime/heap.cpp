@@ -32,6 +32,7 @@ constexpr int kSetupMmapThreshold = 4 << 20;
 constexpr int kStepsMmapThreshold = 32 << 20;
 constexpr int kStepsTrimThreshold = 2 * kStepsMmapThreshold;
 
+#if !defined(COHORT_HEAP_IS_NOT_GLIBCS)
 bool environment_tunes_malloc() {
   for (const char* name : {"MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                            "MALLOC_MMAP_MAX_", "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST"}) {
@@ -40,6 +41,7 @@ bool environment_tunes_malloc() {
   const char* tunables = std::getenv("GLIBC_TUNABLES");
   return tunables != nullptr && std::strstr(tunables, "glibc.malloc.") != nullptr;
 }
+#endif
 
 }  // namespace
 
