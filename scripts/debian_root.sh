@@ -189,11 +189,18 @@ what="built"
 log "$what $(in_root dpkg-query -W -f='against libtorch-dev ${Version}' libtorch-dev) into $src/$build"
 if [ "$tests" -eq 1 ]; then
   # The format check, the docs (another doxygen warns otherwise) and the Debian 12 package read
-  # the same sources as the first lane: run there only. So do the two-host scenarios of cohort's
-  # own protocols (the attack table, etcd's failover, the launcher's faults and live recovery, a
-  # CPU-only node), about 5 minutes of CI: what they add over the unit tests (which run here, live
-  # recovery and etcd's store among them) is cohort's launcher and its messages, which libtorch
-  # does not touch. multi_host.two_hosts stays, for Gloo between two hosts under libtorch 2.x.
-  in_root ctest --test-dir "/src/$build" --output-on-failure -j2 \
-    -E '^(format\.|docs\.|packaging\.|multi_host\.(attacks|etcd_failover|launched_faults|launched_live|cpu_node)$)'
+  # the same sources as the first lane: run there only. So do the tests of cohort's own protocols
+  # and process handling, which libtorch does not touch and the unit tests here cover in parts
+  # (live recovery, etcd's store, the Tuner): the two-host scenarios of the attack table, etcd's
+  # failover, the launcher's faults and live recovery, a CPU-only node, the failures across two
+  # hosts, torchrun's and Slurm's environments, and the CLI's tests of bad input, config files,
+  # `cohort launch`'s options, Ctrl-C, a killed driver and `cohort tune` (in the first lane, on
+  # 2 vCPUs at -j2, about 640 s and 167 s of test time). multi_host.two_hosts stays, for Gloo
+  # between two hosts under libtorch 2.x, and so do the CLI's runs of every plan, checkpoint and
+  # resume.
+  own='multi_host\.(attacks|etcd_failover|launched_faults|launched_live|cpu_node|two_hosts_failures'
+  own+='|torchrun_env|slurm)'
+  own+='|Cli\.(BadInput|ConfigFiles|LaunchRejects|CtrlC|WorkersDieWithAKilledDriver|AKilledDriver'
+  own+='|TuneSearches|TuneRejects|AKilledTune)'
+  in_root ctest --test-dir "/src/$build" --output-on-failure -j2 -E "^(format\.|docs\.|packaging\.|$own)"
 fi
