@@ -34,9 +34,7 @@ launch "$a" 2 0 split --nproc-per-node 2
 pa=$launched
 launch "$b" 2 1 split --nproc-per-node 0 --data-workers 2
 pb=$launched
-wait_for "$pa" 150; ca=$status
-wait_for "$pb" 60; cb=$status
-cat "$work/split-0.log" "$work/split-1.log"
+wait_for_launchers split 150
 [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "launchers exited $ca and $cb"
 python3 "$(dirname "$0")/check_result.py" "$work/split/result.json" 2 12 "CPU-only node" || fail "result.json"
 [ "$(find "$work" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
@@ -66,9 +64,7 @@ launch "$a" 2 0 other --nproc-per-node 2 --job-id "other$$"
 pa=$launched
 program="$work/cohort-other" launch "$b" 2 1 other --nproc-per-node 0 --data-workers 2 --job-id "other$$"
 pb=$launched
-wait_for "$pa" 150; ca=$status
-wait_for "$pb" 60; cb=$status
-cat "$work/other-0.log" "$work/other-1.log"
+wait_for_launchers other 150
 [ "$ca" = 1 ] && [ "$cb" = 1 ] || fail "with another build on host B the launchers exited $ca and $cb, not 1 and 1"
 grep -q "cohort data worker [01] .*: it runs a different program (.*) than rank 0 (.*): deploy the same build" \
   "$work/other-1.log" || fail "host B's data workers did not name the different build"

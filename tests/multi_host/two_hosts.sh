@@ -52,3 +52,12 @@ wait_for() {
   wait "$pid"
   status=$?
 }
+
+# wait_for_launchers NAME SECONDS: waits for host A's launcher ($pa, up to SECONDS) and then host
+# B's ($pb, up to 60 s more), their exit statuses in $ca and $cb, and prints their logs of run
+# NAME ($work/NAME-0.log and -1.log).
+wait_for_launchers() {
+  wait_for "$pa" "$2"; ca=$status
+  wait_for "$pb" 60; cb=$status
+  cat "$work/$1-0.log" "$work/$1-1.log"
+}

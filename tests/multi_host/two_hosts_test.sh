@@ -44,15 +44,13 @@ launch() {
   pids+=("$launched")
 }
 
-# kill_a_rank_of_b NAME: SIGKILLs one rank of host B's launcher ($pb; $victim: its pid), waits for
-# both launchers (their exit codes in $ca and $cb) and prints their logs of run NAME.
+# kill_a_rank_of_b NAME: SIGKILLs one rank of host B's launcher ($pb; $victim: its pid), then
+# wait_for_launchers NAME.
 kill_a_rank_of_b() {
   victim=$(pgrep -P "$pb" | head -n 1)
   [ -n "$victim" ] || fail "no rank of host B to kill"
   kill -9 "$victim"
-  wait_for "$pa" 180; ca=$status
-  wait_for "$pb" 60; cb=$status
-  cat "$work/$1-0.log" "$work/$1-1.log"
+  wait_for_launchers "$1" 180
 }
 
 # wait_for_first_report NAME: until run NAME reported once (its metrics.jsonl), or host A's
@@ -73,9 +71,7 @@ if [ "$part" != failures ]; then
   pa=$launched
   launch "$b" 1 29400 sync --epochs 1 --max-steps 12
   pb=$launched
-  wait_for "$pa" 120; ca=$status
-  wait_for "$pb" 60; cb=$status
-  cat "$work/sync-0.log" "$work/sync-1.log"
+  wait_for_launchers sync 120
   [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "launchers exited $ca and $cb"
   [ -f "$work/sync/result.json" ] || fail "no result.json"
   [ "$(find "$work" -name result.json | wc -l)" = 1 ] || fail "result.json written more than once"
@@ -88,9 +84,7 @@ if [ "$part" != failures ]; then
   pa=$launched
   launch "$b" 1 29403 ps --epochs 1 --max-steps 12 --sync async-ps:2 --parameter-servers 4
   pb=$launched
-  wait_for "$pa" 120; ca=$status
-  wait_for "$pb" 60; cb=$status
-  cat "$work/ps-0.log" "$work/ps-1.log"
+  wait_for_launchers ps 120
   [ "$ca" = 0 ] && [ "$cb" = 0 ] || fail "parameter server: launchers exited $ca and $cb"
   python3 "$(dirname "$0")/check_result.py" "$work/ps/result.json" 4 12 "two hosts" || fail "ps result.json"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); assert r['staleness_max'] >= 0, r" \
