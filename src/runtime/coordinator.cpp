@@ -44,13 +44,16 @@ HeartbeatMonitor::HeartbeatMonitor(int members, HeartbeatOptions options, ClockS
     : options_(options), clock_(std::move(clock)) {
   options_.validate();
   created_ = clock_();
+  latest_arrival_ = created_;
   last_.assign(static_cast<size_t>(members), created_);
   heard_.assign(static_cast<size_t>(members), false);
   finished_.assign(static_cast<size_t>(members), false);
 }
 
 void HeartbeatMonitor::heard(int member) {
-  last_.at(static_cast<size_t>(member)) = clock_();
+  const SteadyTime now = clock_();
+  last_.at(static_cast<size_t>(member)) = now;
+  if (!heard_[static_cast<size_t>(member)]) latest_arrival_ = std::max(latest_arrival_, now);
   heard_[static_cast<size_t>(member)] = true;
 }
 
@@ -68,7 +71,10 @@ std::optional<HeartbeatMonitor::Silence> HeartbeatMonitor::find_silent() const {
     if (finished_[m]) continue;
     const milliseconds allowed =
         heard_[m] ? options_.timeout : options_.startup_grace + options_.timeout;
-    if (now - last_[m] >= allowed) {
+    // One still starting is given its grace from its own start or, when later, from the latest
+    // peer's arrival, whose rendezvous deadline then runs out first and names it better.
+    const SteadyTime since = heard_[m] ? last_[m] : std::max(last_[m], latest_arrival_);
+    if (now - since >= allowed) {
       return Silence{.member = static_cast<int>(m), .allowed = allowed, .started = heard_[m]};
     }
   }

@@ -85,6 +85,33 @@ TEST(HeartbeatMonitor, StartUpGetsTheGraceAndFinishedMembersAreNotExpected) {
   EXPECT_FALSE(monitor.find_silent());
 }
 
+TEST(HeartbeatMonitor, OneStillStartingIsGivenItsGraceFromTheLatestPeersArrival) {
+  // A loaded machine starts rank 0 late; its rendezvous deadline (the grace) runs from then, so
+  // rank 1, which never starts, is given up only after it: the rendezvous names it first.
+  FakeClock clock;
+  HeartbeatMonitor monitor(2, beats(seconds(3), seconds(2)), clock.source());
+  clock.advance(seconds(4));
+  monitor.heard(0);
+  clock.advance(milliseconds(4'999));
+  monitor.heard(0);
+  EXPECT_FALSE(monitor.find_silent());  // 5 s allowed from rank 0's arrival, not from the start
+  clock.advance(milliseconds(1));
+  const auto silent = monitor.find_silent();
+  ASSERT_TRUE(silent);
+  EXPECT_EQ(silent->member, 1);
+  EXPECT_FALSE(silent->started);
+  // A replacement that starts after its peers is given its grace from its own start.
+  monitor.heard(1);
+  monitor.restarted(1);
+  monitor.heard(0);
+  clock.advance(milliseconds(4'999));
+  monitor.heard(0);
+  EXPECT_FALSE(monitor.find_silent());
+  clock.advance(milliseconds(1));
+  ASSERT_TRUE(monitor.find_silent());
+  EXPECT_EQ(monitor.find_silent()->member, 1);
+}
+
 Json heartbeat(std::vector<std::tuple<std::string, std::vector<int>, int64_t>> groups) {
   Json list = Json::array();
   for (const auto& [name, ranks, entered] : groups) {

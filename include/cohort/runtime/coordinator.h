@@ -37,7 +37,9 @@ struct HeartbeatOptions {
   /// How long a silent member is given (after its first message).
   std::chrono::milliseconds timeout = kDefaultHeartbeatTimeout;
   /// Before its first message a member is starting up (the rendezvous deadline covers that, and
-  /// names it more precisely): it gets this much longer.
+  /// names it more precisely): it gets this much longer, counted from its own start or from the
+  /// latest first message of a peer, whichever is later (a peer's rendezvous deadline runs from
+  /// that peer's start, which a loaded machine delays).
   std::chrono::milliseconds startup_grace{0};
   /// Throws UsageError naming the value unless interval > 0, timeout > 0 and startup_grace >= 0.
   void validate() const;
@@ -83,6 +85,8 @@ class HeartbeatMonitor {
   HeartbeatOptions options_;
   ClockSource clock_;
   SteadyTime created_;
+  // When the latest member sent its first message (created_ until one does).
+  SteadyTime latest_arrival_;
   std::vector<SteadyTime> last_;
   std::vector<bool> heard_;
   std::vector<bool> finished_;
