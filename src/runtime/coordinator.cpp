@@ -43,9 +43,8 @@ milliseconds heartbeat_interval_for(milliseconds timeout) {
 HeartbeatMonitor::HeartbeatMonitor(int members, HeartbeatOptions options, ClockSource clock)
     : options_(options), clock_(std::move(clock)) {
   options_.validate();
-  created_ = clock_();
-  latest_arrival_ = created_;
-  last_.assign(static_cast<size_t>(members), created_);
+  latest_arrival_ = clock_();
+  last_.assign(static_cast<size_t>(members), latest_arrival_);
   heard_.assign(static_cast<size_t>(members), false);
   finished_.assign(static_cast<size_t>(members), false);
 }

@@ -100,13 +100,17 @@ TEST(HeartbeatMonitor, OneStillStartingIsGivenItsGraceFromTheLatestPeersArrival)
   ASSERT_TRUE(silent);
   EXPECT_EQ(silent->member, 1);
   EXPECT_FALSE(silent->started);
-  // A replacement that starts after its peers is given its grace from its own start.
+  // A replacement that starts after its peers' last arrival (rank 1's own, at 9 s) is given its
+  // grace from its own start, at 11 s.
   monitor.heard(1);
+  clock.advance(seconds(2));
+  monitor.heard(0);
   monitor.restarted(1);
+  clock.advance(milliseconds(2'500));
   monitor.heard(0);
-  clock.advance(milliseconds(4'999));
+  clock.advance(milliseconds(2'499));
   monitor.heard(0);
-  EXPECT_FALSE(monitor.find_silent());
+  EXPECT_FALSE(monitor.find_silent());  // 4.999 s after its restart
   clock.advance(milliseconds(1));
   ASSERT_TRUE(monitor.find_silent());
   EXPECT_EQ(monitor.find_silent()->member, 1);

@@ -84,8 +84,7 @@ class HeartbeatMonitor {
  private:
   HeartbeatOptions options_;
   ClockSource clock_;
-  SteadyTime created_;
-  // When the latest member sent its first message (created_ until one does).
+  // When the latest member sent its first message (the monitor's creation until one does).
   SteadyTime latest_arrival_;
   std::vector<SteadyTime> last_;
   std::vector<bool> heard_;
