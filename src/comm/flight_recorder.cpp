@@ -35,8 +35,29 @@ const char* to_string(FlightState state) {
   return "started";
 }
 
+namespace {
+
+// A slot's text capacities, reserved when the recorder is made: a group's name, an operation's,
+// a dtype's, and the transport with the group's activity ("gloo, ZeRO-3 all-gather of unit
+// 'blocks.11' (prefetch for backward)" is 67). Longer texts grow their slot once.
+constexpr size_t kNameBytes = 48, kDetailBytes = 128;
+
+}  // namespace
+
 FlightRecorder::FlightRecorder(size_t capacity)
-    : capacity_(std::max<size_t>(1, capacity)), ring_(capacity_) {}
+    : capacity_(std::max<size_t>(1, capacity)), ring_(capacity_) {
+  // Every slot's buffers now, while the process sets up, and refilled in place from then on:
+  // a recorder that allocated the strings of each operation as it ran would leave a few small
+  // blocks, each operation's, among a step's activations for the slot's lifetime, and the heap
+  // would grow by what no longer fits between them (the zoo's GPT under ZeRO-3: 30 collectives a
+  // step, the peak resident memory 980 MB after 10 steps where it was 838 MB without a recorder).
+  for (auto& slot : ring_) {
+    slot.group.reserve(kNameBytes);
+    slot.op.reserve(kNameBytes);
+    slot.dtype.reserve(kNameBytes);
+    slot.detail.reserve(kDetailBytes);
+  }
+}
 
 void FlightRecorder::add_group(const std::string& name, const std::vector<int>& global_ranks) {
   std::lock_guard lock(mutex_);
@@ -49,15 +70,19 @@ void FlightRecorder::add_group(const std::string& name, const std::vector<int>& 
   groups_.push_back({name, Group{.ranks = global_ranks}});
 }
 
-int64_t FlightRecorder::begin(FlightEntry entry) {
-  entry.started_s = unix_seconds();
+int64_t FlightRecorder::begin(const FlightEntry& entry) {
+  const double started_s = unix_seconds();
   std::lock_guard lock(mutex_);
-  entry.id = next_id_++;
+  const int64_t id = next_id_++;
   for (auto& [name, group] : groups_) {
     if (name == entry.group) group.entered = std::max(group.entered, entry.seq);
   }
-  ring_[static_cast<size_t>(entry.id - 1) % capacity_] = std::move(entry);
-  return next_id_ - 1;
+  // Copied, not moved: the slot's strings keep their buffers.
+  auto& slot = ring_[static_cast<size_t>(id - 1) % capacity_];
+  slot = entry;
+  slot.id = id;
+  slot.started_s = started_s;
+  return id;
 }
 
 void FlightRecorder::end(int64_t id, FlightState state) {

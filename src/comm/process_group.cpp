@@ -306,7 +306,7 @@ struct ProcessGroup::State {
       const std::string doing = current_activity();
       entry.detail = transport.name() + (doing.empty() ? "" : ", " + doing);
       state->recorder = recorder;
-      state->record = recorder->begin(std::move(entry));
+      state->record = recorder->begin(entry);
     }
     Started started;
     try {

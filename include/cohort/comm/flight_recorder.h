@@ -63,7 +63,7 @@ class FlightRecorder {
   /// written records name for flight_divergence() to compare the members.
   void add_group(const std::string& name, const std::vector<int>& global_ranks);
   /// Records the start of `entry` (its id and started_s are filled in); returns its id.
-  int64_t begin(FlightEntry entry);
+  int64_t begin(const FlightEntry& entry);
   /// The operation of `id` ended as `state` (nothing when it was dropped from the ring).
   void end(int64_t id, FlightState state);
   /// Records a control message of `type`, sent ("send") or received ("recv"), as ended at once.
