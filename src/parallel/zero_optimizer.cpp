@@ -638,7 +638,9 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     for (auto& unit : units) reshard(unit);
     backward_active = false;
     check_same_order();
-    previous_order = std::move(forward_order);
+    // Swapped, not moved: both keep their buffers, and the next forward allocates none among
+    // its activations, where a block kept past the step would split the heap's holes.
+    previous_order.swap(forward_order);
     forward_order.clear();
     following_order = true;
   }
