@@ -38,8 +38,9 @@ const char* to_string(FlightState state) {
 namespace {
 
 // A slot's text capacities, reserved when the recorder is made: a group's name, an operation's,
-// a dtype's, and the transport with the group's activity ("gloo, ZeRO-3 all-gather of unit
-// 'blocks.11' (prefetch for backward)" is 67). Longer texts grow their slot once.
+// and the transport with the group's activity ("gloo, ZeRO-3 all-gather of unit 'blocks.11'
+// (prefetch for backward)" is 67). A dtype's name fits the string itself. Longer texts grow
+// their slot once.
 constexpr size_t kNameBytes = 48, kDetailBytes = 128;
 
 }  // namespace
@@ -49,12 +50,11 @@ FlightRecorder::FlightRecorder(size_t capacity)
   // Every slot's buffers now, while the process sets up, and refilled in place from then on:
   // a recorder that allocated the strings of each operation as it ran would leave a few small
   // blocks, each operation's, among a step's activations for the slot's lifetime, and the heap
-  // would grow by what no longer fits between them (the zoo's GPT under ZeRO-3: 30 collectives a
-  // step, the peak resident memory 980 MB after 10 steps where it was 838 MB without a recorder).
+  // would grow by what no longer fits between them (the zoo's GPT under ZeRO-3: the peak
+  // resident memory 980 MB after 10 steps where it was 838 MB without a recorder).
   for (auto& slot : ring_) {
     slot.group.reserve(kNameBytes);
     slot.op.reserve(kNameBytes);
-    slot.dtype.reserve(kNameBytes);
     slot.detail.reserve(kDetailBytes);
   }
 }
