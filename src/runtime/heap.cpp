@@ -67,6 +67,7 @@ void heap_for_steps() {
   ::mallopt(M_MMAP_THRESHOLD, kStepsMmapThreshold);
   ::mallopt(M_TRIM_THRESHOLD, kStepsTrimThreshold);
   ::malloc_trim(0);
+  install_tensor_cache();
 #endif
 }
 
@@ -74,6 +75,7 @@ bool trim_heap() {
 #if defined(COHORT_HEAP_IS_NOT_GLIBCS)
   return false;
 #else
+  release_kept_tensor_blocks();
   ::malloc_trim(0);
   return true;
 #endif
