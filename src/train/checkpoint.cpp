@@ -434,12 +434,12 @@ void save_model_and_optimizer(const std::filesystem::path& dir, const torch::nn:
     }
   } else {
     save_model(module, dir / "model.safetensors");
-    // A flat optimizer's state on disk goes into state files a parameter at a time, each leaving
-    // memory once written (libtorch's archive would read all of it in); they load into any
-    // optimizer as optimizer.pt does.
+    // A flat optimizer's state goes into state files a parameter at a time, and loads back a
+    // parameter at a time into the state it holds already (libtorch's archive would be read
+    // whole beside it: a resumed DDP worker held its state twice while it loaded); state on disk
+    // leaves memory once written. They load into any optimizer as optimizer.pt does.
     const auto* flat = dynamic_cast<const optim::FlatOptimizer*>(&optimizer);
-    if (flat == nullptr || !flat->state_offloaded() ||
-        !detail::save_optimizer_as_shards(dir, optimizer, module)) {
+    if (flat == nullptr || !detail::save_optimizer_as_shards(dir, optimizer, module)) {
       save_optimizer(optimizer, dir / "optimizer.pt");
     }
   }

@@ -87,9 +87,9 @@ void load_state(const std::filesystem::path& dir, const std::string& name, optim
 bool holds_state(const std::filesystem::path& dir, const std::string& name);
 
 /// The usual checkpoint of a training loop, in one call each way: `dir` (created) gets
-/// model.safetensors and optimizer.pt (a flat optimizer with its state on disk: that state as
-/// state files, written a parameter at a time, loadable into any optimizer alike); returns it as
-/// a Checkpoint ready for report(). With an
+/// model.safetensors and optimizer.pt (a flat optimizer: its state as state files, written a
+/// parameter at a time and read back into the buffers it holds, loadable into any optimizer
+/// alike); returns it as a Checkpoint ready for report(). With an
 /// optimizer whose state lies in pieces over its group (optim::ShardedState: ZeRO's and the
 /// parameter server's shards, local SGD's replicas) every rank calls it and writes its part (see
 /// checkpoint_per_rank), and model.safetensors holds ShardedState::model_state() where it gives
