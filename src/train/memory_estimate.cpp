@@ -84,6 +84,29 @@ Part heaviest_part(const ModelSpec& model, const Plan& plan) {
   return heaviest;
 }
 
+// The most elements ZeRO-3 holds gathered at once over `units` (in the model's order): a unit and
+// those it gathers ahead of it, after it going forward and before it going backward, as
+// ZeroOptimizer's prefetch takes them: the next unit always, more while the units ahead stay
+// within `bucket` elements (none with a bucket of 0), none past `max_live` in all.
+int64_t gathered_at_most(const std::vector<int64_t>& units, int64_t bucket, int64_t max_live) {
+  const auto n = static_cast<int64_t>(units.size());
+  int64_t most = 0;
+  for (const int64_t direction : {1, -1}) {
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t live = units[static_cast<size_t>(i)], ahead = 0;
+      for (int64_t k = i + direction; bucket > 0 && k >= 0 && k < n; k += direction) {
+        const int64_t unit = units[static_cast<size_t>(k)];
+        if (ahead > 0 && ahead + unit > bucket) break;
+        ahead += unit;
+        if (live + unit > max_live) break;
+        live += unit;
+      }
+      most = std::max(most, live);
+    }
+  }
+  return most;
+}
+
 std::string megabytes(int64_t bytes) {
   std::ostringstream out;
   out.setf(std::ios::fixed);
@@ -199,18 +222,17 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   int64_t gathered = 0;
   int64_t bucket = std::min(plan.zero.reduce_bucket_size, std::max<int64_t>(p, 1));
   if (stage == 3) {
+    std::vector<int64_t> sharded_units;
     int64_t sharded = 0, largest = 0;
     for (int64_t unit : part.units) {
       if (unit < plan.zero.param_persistence_threshold) continue;
+      sharded_units.push_back(unit / plan.tp);
       sharded += unit / plan.tp;
       largest = std::max(largest, unit / plan.tp);
     }
     parameters = shard(sharded) + (p - sharded);
-    // Gathered ahead: up to the bucket, and at least the next unit where it alone is larger.
-    const int64_t bucket_ahead = plan.zero.prefetch_bucket_size;
-    const int64_t prefetched =
-        bucket_ahead > 0 ? std::min(std::max(bucket_ahead, largest), sharded - largest) : 0;
-    gathered = std::min(std::max(plan.zero.max_live_parameters, largest), largest + prefetched);
+    gathered = gathered_at_most(sharded_units, plan.zero.prefetch_bucket_size,
+                                plan.zero.max_live_parameters);
     // Each unit is a bucket of its own; the parameters that stay whole are bucketed as at stage 2.
     bucket = std::max(largest, std::min(plan.zero.reduce_bucket_size, p - sharded));
   }

@@ -79,6 +79,19 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
   // The next unit is gathered ahead even with a bucket smaller than it; none with a bucket of 0.
   EXPECT_EQ(at(3, 0, kUnit / 2)["gathered units"], 2 * kUnit * 4);
   EXPECT_EQ(at(3, 0, 0)["gathered units"], kUnit * 4);
+  // Whole units ahead, as many as fit the bucket: two in a bucket of two and a half (the
+  // estimate once counted the bucket's elements, half a unit more than the engine gathers), the
+  // three there are in a larger one; none past max_live_parameters.
+  EXPECT_EQ(at(3, 0, 5 * kUnit / 2)["gathered units"], 3 * kUnit * 4);
+  EXPECT_EQ(at(3, 0, 10 * kUnit)["gathered units"], 4 * kUnit * 4);
+  {
+    Plan plan;
+    plan.zero.stage = 3;
+    plan.zero.param_persistence_threshold = 0;
+    plan.zero.prefetch_bucket_size = 10 * kUnit;
+    plan.zero.max_live_parameters = 5 * kUnit / 2;
+    EXPECT_EQ(items_of(estimate_memory(spec, plan, options))["gathered units"], 2 * kUnit * 4);
+  }
   EXPECT_EQ(three["optimizer state"], 2 * kP);
   // Sharding groups of 2: half the state, not a quarter.
   auto hsdp = at(2, 2);
