@@ -8,6 +8,8 @@
 //   zero3-disk     that, with the optimizer state of its shard in files under --offload-dir
 //   ddp-host       DDP with the optimizer state in host memory (--offload-optimizer cpu): on a
 //                  GPU the update runs on the host (ZeRO-Offload); on a CPU run it is ddp
+//   pipeline       two pipeline stages (1F1B over --batch-size micro-batches of one row), DDP
+//                  over the --workers / 2 pipelines: each worker its stage's layers and state
 //
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
@@ -32,6 +34,7 @@
 #include <chrono>
 #include <iomanip>
 #include <iostream>
+#include <map>
 
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
@@ -68,6 +71,10 @@ train::Plan plan_of(const Json& c) {
   if (mode == "zero3-disk")
     plan.offload_optimizer =
         train::parse_optimizer_offload("disk:" + c["offload_dir"].get<std::string>());
+  if (mode == "pipeline") {
+    plan.pp = 2;
+    plan.micro_batches = static_cast<int>(c["batch_size"].get<int64_t>());
+  }
   return plan;
 }
 
@@ -118,8 +125,10 @@ void worker_loop(const Json& c) {
     slowest = std::max(slowest, r[2].item<double>());
   }
   const double step_s = steps > 1 ? slowest / static_cast<double>(steps - 1) : 0.0;
+  // The rows of a step: every pipeline's (a pipeline's ranks read the same).
+  const int64_t pipelines = ctx.get_world_size() / plan_of(c).pp;
   const double tokens_per_s =
-      step_s > 0 ? static_cast<double>(batch * o.context * ctx.get_world_size()) / step_s : 0.0;
+      step_s > 0 ? static_cast<double>(batch * o.context * pipelines) / step_s : 0.0;
   train::report({{"peak_rss_bytes", peak},
                  {"peak_rss_bytes_with_checkpoint", peak_checkpoint},
                  {"step_s", step_s},
@@ -141,7 +150,8 @@ int64_t probe_here(const Json& c, int64_t batch) {
   return models::measure_step_activations(*model, batch);
 }
 
-// A worker's activations for one step of `batch` rows, probed in a fresh process.
+// A worker's activations for one step of `batch` rows (a pipeline's: one micro-batch's), probed
+// in a fresh process.
 int64_t probe_activations(const Json& c, int64_t batch) {
   std::string shape;
   for (const char* key : {"layers", "width", "heads", "context"})
@@ -157,10 +167,12 @@ train::MemoryEstimate estimate(const Json& c, int workers, int64_t runtime, int6
   o.deferred_init = true;
   torch::manual_seed(0);
   auto model = models::create_model("gpt", o);
+  const auto plan = plan_of(c);
   train::ModelSpec spec{.module = model,
-                        .forward = [model](const at::Tensor& x) { return model->forward(x); }};
+                        .forward = [model](const at::Tensor& x) { return model->forward(x); },
+                        .layers = plan.pp > 1 ? models::pipeline_layers(*model, plan.pp) : nullptr};
   // The workers' AdamW is cohort's flat one: under DDP it keeps a gradient buffer of its own.
-  return train::estimate_memory(spec, plan_of(c),
+  return train::estimate_memory(spec, plan,
                                 {.world_size = workers,
                                  .optimizer_states = 2,
                                  .flat_optimizer = true,
@@ -179,9 +191,10 @@ int main(int argc, char** argv) {
   std::string offload_dir = std::filesystem::temp_directory_path().string();
   std::string device = "cpu";
   double peak_tflops = 989;
-  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk, ddp-host")
+  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk, ddp-host, pipeline")
       ->delimiter(',')
-      ->check(CLI::IsMember({"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host"}))
+      ->check(
+          CLI::IsMember({"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host", "pipeline"}))
       ->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "torch threads per worker")->capture_default_str();
@@ -237,10 +250,20 @@ int main(int argc, char** argv) {
               << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
               << std::endl;
   }
-  // On the CPU only: a GPU's activations are not in the workers' resident memory.
-  const int64_t activations = cuda || worker ? 0 : probe_activations(gpt_shape, batch);
-  std::cout << "activations per worker (probed on the whole model): " << std::setprecision(1)
-            << static_cast<double>(activations) / 1e6 << " MB" << std::endl;
+  // On the CPU only: a GPU's activations are not in the workers' resident memory. By the rows
+  // of a micro-batch: a step's, or a pipeline's micro-batch's.
+  std::map<int64_t, int64_t> activations;
+  const auto activations_of = [&](int64_t rows) {
+    if (cuda || worker) return int64_t{0};
+    if (activations.count(rows) == 0) {
+      activations[rows] = probe_activations(gpt_shape, rows);
+      std::cout << "activations per worker of " << rows
+                << " rows (probed on the whole model): " << std::setprecision(1)
+                << static_cast<double>(activations[rows]) / 1e6 << " MB" << std::endl;
+    }
+    return activations[rows];
+  };
+  activations_of(batch);
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
             << "with checkpoint" << std::setw(10) << "step s" << std::setw(10) << "tokens/s"
@@ -251,11 +274,14 @@ int main(int argc, char** argv) {
     const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
                       {"heads", heads}, {"context", context},         {"batch_size", batch},
                       {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
+    const auto plan = plan_of(config);
     const auto e =
-        worker ? train::MemoryEstimate{} : estimate(config, workers, runtime, activations);
+        worker ? train::MemoryEstimate{}
+               : estimate(config, workers, runtime, activations_of(plan.micro_batch_rows(batch)));
     const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
                                         .use_gpu = cuda,
-                                        .resources_per_worker = {.cpu_threads = threads}};
+                                        .resources_per_worker = {.cpu_threads = threads},
+                                        .mesh = {.pp = plan.pp}};
     const cohort::RunConfig run{.name = mode, .storage_path = dir, .verbose = 0};
     const auto first = cohort::Trainer(worker_loop, scaling, run, config).fit();
     if (!first.ok()) {

@@ -377,17 +377,32 @@ void save_sharded_state(const std::filesystem::path& dir, const optim::ShardedSt
   if (sharded.writes_state()) save_state(dir, sharded.part_name(), sharded.state_dict());
 }
 
+// An optimizer's whole state over `module`'s parameters. A flat optimizer's goes into state files
+// a parameter at a time, and loads back a parameter at a time into the state it holds already
+// (libtorch's archive would be read whole beside it: a resumed worker held its state twice while
+// it loaded); state on disk leaves memory once written. They load into any optimizer as
+// optimizer.pt does.
+void save_whole_optimizer(const std::filesystem::path& dir,
+                          const torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& module) {
+  const auto* flat = dynamic_cast<const optim::FlatOptimizer*>(&optimizer);
+  if (flat == nullptr || !detail::save_optimizer_as_shards(dir, optimizer, module)) {
+    save_optimizer(optimizer, dir / "optimizer.pt");
+  }
+}
+
 }  // namespace
 
 void save_optimizer_state(const std::filesystem::path& dir,
-                          const torch::optim::Optimizer& optimizer) {
+                          const torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& module) {
   refuse_replicas(optimizer, "save_optimizer_state", "save_checkpoint");
   std::filesystem::create_directories(dir);
   if (const auto* sharded = dynamic_cast<const optim::ShardedState*>(&optimizer)) {
     sharded->prepare_checkpoint();
     save_sharded_state(dir, *sharded);
   } else {
-    save_optimizer(optimizer, dir / "optimizer.pt");
+    save_whole_optimizer(dir, optimizer, module);
   }
 }
 
@@ -434,14 +449,7 @@ void save_model_and_optimizer(const std::filesystem::path& dir, const torch::nn:
     }
   } else {
     save_model(module, dir / "model.safetensors");
-    // A flat optimizer's state goes into state files a parameter at a time, and loads back a
-    // parameter at a time into the state it holds already (libtorch's archive would be read
-    // whole beside it: a resumed DDP worker held its state twice while it loaded); state on disk
-    // leaves memory once written. They load into any optimizer as optimizer.pt does.
-    const auto* flat = dynamic_cast<const optim::FlatOptimizer*>(&optimizer);
-    if (flat == nullptr || !detail::save_optimizer_as_shards(dir, optimizer, module)) {
-      save_optimizer(optimizer, dir / "optimizer.pt");
-    }
+    save_whole_optimizer(dir, optimizer, module);
   }
 }
 

@@ -24,9 +24,9 @@ int stages_per_rank(const std::string& schedule) {
              : 1;
 }
 
-// The folder of one (pp, tp) position's optimizer state: optimizer.pt (DDP, from dp index 0), or
-// every dp rank's ZeRO shards. Checkpoints written before ZeRO could shard a pipeline hold the
-// state as a file of this name plus ".pt".
+// The folder of one (pp, tp) position's optimizer state: DDP's from dp index 0 (optimizer.pt, or
+// a flat optimizer's state files), or every dp rank's ZeRO shards. Checkpoints written before ZeRO
+// could shard a pipeline hold the state as a file of this name plus ".pt".
 std::string optimizer_folder(const parallel::DeviceMesh& mesh) {
   const auto& s = mesh.shape();
   return "optimizer-pp" + std::to_string(mesh.pp_index()) + "-of-" + std::to_string(s.pp) + "-tp" +
@@ -128,7 +128,7 @@ void save_mesh_checkpoint(const std::filesystem::path& dir, const MeshCheckpoint
     // Local SGD's replicas: the stages' global parameters with every rank's own.
     detail::save_model_and_optimizer(dir / optimizer_folder(mesh), *parts.stages, optimizer);
   } else {
-    save_optimizer_state(dir / optimizer_folder(mesh), optimizer);
+    save_optimizer_state(dir / optimizer_folder(mesh), optimizer, *parts.stages);
   }
   if (mesh.dp_index() == 0)
     save_optimizer_part({.dir = dir / optimizer_folder(mesh), .parameters = parts.parameters});

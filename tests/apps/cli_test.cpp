@@ -988,8 +988,8 @@ TEST_F(Cli, APipelineAccumulatesBatchesAsOneStepOverTheirMicroBatches) {
 }
 
 // ZeRO as a pipeline's data parallelism (2 x 2 workers): the same training as DDP's, every dp
-// rank's shards of every stage's optimizer state in the checkpoint, an exact resume, and the
-// shards resumed by DDP at another dp degree.
+// rank's shards of every stage's optimizer state in the checkpoint (DDP's: state files), an exact
+// resume, and the shards resumed by DDP at another dp degree.
 TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
   auto mesh_run = [&](const std::string& zero, const std::string& epochs, const std::string& name) {
     auto args = small_run("adam", {"--model", "mlp", "--pp", "2", "--zero-stage", zero, "--epochs",
@@ -999,6 +999,13 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
   };
   auto ddp = mesh_run("0", "1", "ddp");
   ASSERT_EQ(ddp.exit_code, 0) << ddp.output;
+  // DDP's flat optimizer keeps each stage's state as state files, read back into its buffers
+  // (libtorch's archive would be read whole beside them).
+  for (const char* stage : {"optimizer-pp0-of-2-tp0-of-1", "optimizer-pp1-of-2-tp0-of-1"}) {
+    const auto folder = dir / "runs" / "ddp" / "checkpoint_000000" / stage;
+    expect_files(folder, {"zero_manifest.json", "optimizer_part.json"});
+    EXPECT_FALSE(std::filesystem::exists(folder / "optimizer.pt")) << folder.string();
+  }
   auto straight = mesh_run("2", "2", "straight");
   ASSERT_EQ(straight.exit_code, 0) << straight.output;
   EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())

@@ -235,28 +235,47 @@ TEST_F(CheckpointTest, AFlatOptimizersStateLoadsIntoItsBuffersWithoutASecondCopy
     net->forward(torch::randn({4, 512})).square().mean().backward();
     optimizer.step();
   };
-  auto saved = make(1);
-  optim::FlatAdamW saved_optimizer(saved->parameters(), torch::optim::AdamWOptions(1e-3));
-  step(saved, saved_optimizer);
-  const auto checkpoint = train::save_checkpoint(dir / "flat", *saved, saved_optimizer);
-  EXPECT_FALSE(std::filesystem::exists(checkpoint.path() / "optimizer.pt"));
-  EXPECT_TRUE(train::holds_state(checkpoint.path(), optim::kOptimizerShardsPart));
+  // The whole checkpoint, and the optimizer's part alone (a pipeline stage's).
+  for (const bool alone : {false, true}) {
+    SCOPED_TRACE(alone ? "save_optimizer_state" : "save_checkpoint");
+    auto saved = make(1);
+    optim::FlatAdamW saved_optimizer(saved->parameters(), torch::optim::AdamWOptions(1e-3));
+    step(saved, saved_optimizer);
+    const auto folder = dir / (alone ? "flat-alone" : "flat");
+    if (alone) {
+      train::save_optimizer_state(folder, saved_optimizer, *saved);
+    } else {
+      train::save_checkpoint(folder, *saved, saved_optimizer);
+    }
+    EXPECT_FALSE(std::filesystem::exists(folder / "optimizer.pt"));
+    EXPECT_TRUE(train::holds_state(folder, optim::kOptimizerShardsPart));
 
-  auto loaded = make(2);
-  optim::FlatAdamW loaded_optimizer(loaded->parameters(), torch::optim::AdamWOptions(1e-3));
-  step(loaded, loaded_optimizer);  // its state is allocated, as a resumed worker's is
-  int64_t state_bytes = 0;
-  for (const auto& p : loaded->parameters()) state_bytes += 2 * p.numel() * 4;  // Adam's m and v
-  const int64_t added = train::measure_step_memory(
-      *loaded, [&] { train::load_checkpoint(checkpoint, *loaded, loaded_optimizer); });
-  EXPECT_LT(added, state_bytes / 2)
-      << "loading a state of " << state_bytes << " bytes added " << added << " bytes at its peak";
+    auto loaded = make(2);
+    optim::FlatAdamW loaded_optimizer(loaded->parameters(), torch::optim::AdamWOptions(1e-3));
+    step(loaded, loaded_optimizer);  // its state is allocated, as a resumed worker's is
+    int64_t state_bytes = 0;
+    for (const auto& p : loaded->parameters()) state_bytes += 2 * p.numel() * 4;  // Adam's m, v
+    const int64_t added = train::measure_step_memory(*loaded, [&] {
+      if (alone) {
+        train::load_optimizer_state(folder, loaded_optimizer, *loaded);
+        torch::NoGradGuard no_grad;  // the parameters come from another file (the stages')
+        const auto to = loaded->parameters();
+        const auto from = saved->parameters();
+        for (size_t i = 0; i < to.size(); ++i) to[i].copy_(from[i]);
+      } else {
+        train::load_checkpoint(Checkpoint::from_directory(folder), *loaded, loaded_optimizer);
+      }
+    });
+    EXPECT_LT(added, state_bytes / 2)
+        << "loading a state of " << state_bytes << " bytes added " << added << " bytes at its peak";
 
-  step(saved, saved_optimizer);
-  step(loaded, loaded_optimizer);
-  const auto a = saved->parameters();
-  const auto b = loaded->parameters();
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+    step(saved, saved_optimizer);
+    step(loaded, loaded_optimizer);
+    const auto a = saved->parameters();
+    const auto b = loaded->parameters();
+    for (size_t i = 0; i < a.size(); ++i)
+      EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+  }
 }
 
 TEST_F(CheckpointTest, ManifestNamesTheBrokenFile) {

@@ -156,7 +156,7 @@ TEST(LocalSgdCheckpoint, ReloadedByAsManyRanksEveryRankContinuesExactly) {
     auto net = make_local_sgd_net();
     auto optimizer = make_optimizer(net, g);
     cohort::testing::expect_error<UsageError>(
-        [&] { save_optimizer_state(dir / "alone", *optimizer); },
+        [&] { save_optimizer_state(dir / "alone", *optimizer, *net); },
         "save_optimizer_state: local SGD and DiLoCo keep their optimizer state with their "
         "parameters: use save_checkpoint");
     // An inner optimizer whose state has no names here trains, and saving says why it cannot.

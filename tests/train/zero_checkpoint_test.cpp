@@ -517,9 +517,9 @@ TEST(OptimizerParts, AModelsStagesLoadIntoAnyCutByTheWholeModelsNames) {
         out.parameters.push_back({p.key(), prefix + p.key(), p.value().sizes().vec()});
       return out;
     };
-    save_optimizer_state(checkpoint / "stage1", last_optimizer);  // every rank its shard
+    save_optimizer_state(checkpoint / "stage1", last_optimizer, *last);  // every rank its shard
     if (g.rank() == 0) {
-      save_optimizer_state(checkpoint / "stage0", first_optimizer);
+      save_optimizer_state(checkpoint / "stage0", first_optimizer, *first);
       save_optimizer_part(part(first, "0.", checkpoint / "stage0"));
       save_optimizer_part(part(last, "2.", checkpoint / "stage1"));
       save_model(*net, checkpoint / "model.safetensors");

@@ -98,14 +98,17 @@ bool holds_state(const std::filesystem::path& dir, const std::string& name);
 Checkpoint save_checkpoint(const std::filesystem::path& dir, const torch::nn::Module& module,
                            const torch::optim::Optimizer& optimizer);
 /// The optimizer's part of save_checkpoint and load_checkpoint alone, for loops that keep their
-/// model otherwise (a pipeline's stages): `dir` (created) gets optimizer.pt, or with an
-/// optim::ShardedState (ZeRO's, the parameter server's) this rank's shards (every rank of its
-/// group calls it then). Either loads into either: shards into ZeRO at any world size and stage,
-/// into the parameter server at any number of servers, or into the whole optimizer over
-/// `module`'s parameters; optimizer.pt into a shard of it. Local SGD and DiLoCo keep their state
-/// with the parameters: UsageError (use save_checkpoint).
+/// model otherwise (a pipeline's stages; `module` holds the parameters the optimizer steps, by
+/// the names its files use): `dir` (created) gets optimizer.pt (a flat optimizer: its state as
+/// state files, as save_checkpoint writes it), or with an optim::ShardedState (ZeRO's, the
+/// parameter server's) this rank's shards (every rank of its group calls it then). Each loads
+/// into any: shards into ZeRO at any world size and stage, into the parameter server at any
+/// number of servers, or into the whole optimizer over `module`'s parameters; optimizer.pt into
+/// a shard of it. Local SGD and DiLoCo keep their state with the parameters: UsageError (use
+/// save_checkpoint).
 void save_optimizer_state(const std::filesystem::path& dir,
-                          const torch::optim::Optimizer& optimizer);
+                          const torch::optim::Optimizer& optimizer,
+                          const torch::nn::Module& module);
 /// Loads save_optimizer_state's files of `dir` into `optimizer` over `module`'s parameters, at
 /// any world size and for any engine the arithmetic allows; into local SGD or DiLoCo, every
 /// rank's inner optimizer takes the state and a new period starts (their own checkpoint loads
