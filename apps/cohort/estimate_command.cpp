@@ -2,6 +2,7 @@
 
 #include <iomanip>
 #include <iostream>
+#include <string>
 
 #include "cohort/cohort.h"
 
@@ -31,8 +32,15 @@ int run_estimate_command(TrainOptions o) {
   parallel::checkpointed_units(*model_shape_of(o), plan.activation_checkpointing);
   validate_mesh(o);
   const auto estimate = estimate_of(o);
+  // The plan's degrees where they are not the defaults: what the figures are for.
+  std::string degrees;
+  if (plan.pp > 1) degrees += " --pp " + std::to_string(plan.pp);
+  if (plan.tp > 1) degrees += " --tp " + std::to_string(plan.tp);
+  if (plan.zero.stage > 0) degrees += " --zero-stage " + std::to_string(plan.zero.stage);
+  if (plan.zero.shard_group_size > 0)
+    degrees += " --shard-group-size " + std::to_string(plan.zero.shard_group_size);
   std::cout << "cohort estimate: --model " << o.model << " --workers " << o.scaling.workers
-            << " --batch-size " << o.loop.batch_size
+            << degrees << " --batch-size " << o.loop.batch_size
             << ", per worker (the one that holds the most):\n"
             << estimate.table()
             << "  (not counted: the data set each worker loads and its data pipeline's buffers)\n";

@@ -238,6 +238,21 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   }
   add("parameters", parameters * e + part.frozen_bytes / plan.tp + part.buffer_bytes,
       stage < 3 ? "--zero-stage 3 shards them over the workers" : "more --workers or --pp");
+  // A mesh's worker holds the whole model for evaluation and checkpoints: beside its stages the
+  // other stages' parameters (their slices with tensor parallelism) and buffers, and with
+  // tensor parallelism the dense model too.
+  const Part whole = part_of({model.module});
+  const auto bytes_of = [](const Part& part, int tp) {
+    return part.trainable * part.element_size / tp + part.frozen_bytes / tp + part.buffer_bytes;
+  };
+  if (plan.has_mesh()) {
+    add("the model's other stages", bytes_of(whole, plan.tp) - bytes_of(part, plan.tp),
+        "nothing: a mesh's workers hold the whole model for evaluation and checkpoints");
+    if (plan.tp > 1) {
+      add("the dense model", bytes_of(whole, 1),
+          "nothing: a tensor-parallel worker keeps the dense model that checkpoints hold");
+    }
+  }
   const std::string fewer_gathered =
       "a smaller stage3_prefetch_bucket_size or stage3_max_live_parameters (--deepspeed)";
   add("gathered units", gathered * e, fewer_gathered);
@@ -293,7 +308,6 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   add("replica copies", copies * e, "--sync ddp keeps none");
   // An asynchronous checkpoint's buffers, on the worker that writes the most: the whole model's
   // parameters and buffers (the first rank writes them), beside its optimizer state.
-  const Part whole = part_of({model.module});
   const int64_t checkpoint_bytes =
       whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state;
   const std::string snapshots_option = "in-memory snapshots (--snapshot-every-steps)";

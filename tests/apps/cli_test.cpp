@@ -476,6 +476,15 @@ TEST_F(Cli, EstimateSaysWhatEachWorkerNeedsAndABudgetRefusesAPlanOverIt) {
   ASSERT_EQ(zero.exit_code, 0) << zero.output;
   EXPECT_NE(zero.output.find("optimizer state:  22.4 MB"), std::string::npos) << zero.output;
   EXPECT_NE(zero.output.find("gradient buckets:"), std::string::npos) << zero.output;
+  EXPECT_NE(zero.output.find("--workers 4 --zero-stage 2 --batch-size"), std::string::npos)
+      << zero.output;
+  // A pipeline's worker: its stage's parameters, and the other stage's, which it keeps too.
+  const auto pipeline = estimate({"--optimizer", "adamw", "--pp", "2"});
+  ASSERT_EQ(pipeline.exit_code, 0) << pipeline.output;
+  EXPECT_NE(pipeline.output.find("--workers 4 --pp 2 --batch-size"), std::string::npos)
+      << pipeline.output;
+  EXPECT_NE(pipeline.output.find("the model's other stages:"), std::string::npos)
+      << pipeline.output;
   const auto over = estimate({"--optimizer", "adamw", "--memory-budget", "0.05"});
   EXPECT_EQ(over.exit_code, 2) << over.output;
   EXPECT_NE(over.output.find("over --memory-budget 50.0 MB; the largest item is "),

@@ -128,7 +128,7 @@ TEST(MemoryEstimate, EachStageHoldsThePapersFormsPlusWhatItsEngineAdds) {
             8 * kP);
 }
 
-TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageAndItsMicroBatchesInFlight) {
+TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageTheWholeModelAndItsMicroBatchesInFlight) {
   const auto spec = four_units();
   Plan plan{.pp = 2, .schedule = parallel::pipeline::ScheduleKind::kGPipe, .micro_batches = 8};
   const MemoryEstimateOptions options{
@@ -137,8 +137,19 @@ TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageAndItsMicroBatchesInFlight) {
   EXPECT_EQ(gpipe["parameters"], 4 * 2 * kUnit);
   EXPECT_EQ(gpipe["optimizer state"], 4 * 2 * kUnit);
   EXPECT_EQ(gpipe["activations"], 1000 / 2 * 8);  // half the model, all 8 micro-batches
+  // The whole model stays on every worker (for evaluation and checkpoints): the other stage too.
+  EXPECT_EQ(gpipe["the model's other stages"], 4 * 2 * kUnit);
+  EXPECT_EQ(gpipe.count("the dense model"), 0u);
   plan.schedule = parallel::pipeline::ScheduleKind::kOneFOneB;
   EXPECT_EQ(items_of(estimate_memory(spec, plan, options))["activations"], 1000 / 2 * 2);
+  // Tensor parallelism: this worker's slices of every stage, and the dense model beside them.
+  auto sliced = items_of(estimate_memory(spec, Plan{.pp = 2, .tp = 2}, {.world_size = 4}));
+  EXPECT_EQ(sliced["parameters"], 4 * kUnit);
+  EXPECT_EQ(sliced["the model's other stages"], 4 * kUnit);
+  EXPECT_EQ(sliced["the dense model"], 4 * kP);
+  EXPECT_EQ(
+      items_of(estimate_memory(spec, Plan{}, {.world_size = 4})).count("the model's other stages"),
+      0u);
 }
 
 TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
