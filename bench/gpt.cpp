@@ -10,6 +10,8 @@
 //                  GPU the update runs on the host (ZeRO-Offload); on a CPU run it is ddp
 //   pipeline       two pipeline stages (1F1B over --batch-size micro-batches of one row), DDP
 //                  over the --workers / 2 pipelines: each worker its stage's layers and state
+//   mesh           that with each stage tensor-parallel over two workers (heads and MLP), DDP
+//                  over the --workers / 4 meshes
 //
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
@@ -71,8 +73,9 @@ train::Plan plan_of(const Json& c) {
   if (mode == "zero3-disk")
     plan.offload_optimizer =
         train::parse_optimizer_offload("disk:" + c["offload_dir"].get<std::string>());
-  if (mode == "pipeline") {
+  if (mode == "pipeline" || mode == "mesh") {
     plan.pp = 2;
+    plan.tp = mode == "mesh" ? 2 : 1;
     plan.micro_batches = static_cast<int>(c["batch_size"].get<int64_t>());
   }
   return plan;
@@ -125,8 +128,10 @@ void worker_loop(const Json& c) {
     slowest = std::max(slowest, r[2].item<double>());
   }
   const double step_s = steps > 1 ? slowest / static_cast<double>(steps - 1) : 0.0;
-  // The rows of a step: every pipeline's (a pipeline's ranks read the same).
-  const int64_t pipelines = ctx.get_world_size() / plan_of(c).pp;
+  // The rows of a step: every pipeline's (a pipeline's and a tensor-parallel group's ranks read
+  // the same).
+  const auto plan = plan_of(c);
+  const int64_t pipelines = ctx.get_world_size() / (plan.pp * plan.tp);
   const double tokens_per_s =
       step_s > 0 ? static_cast<double>(batch * o.context * pipelines) / step_s : 0.0;
   train::report({{"peak_rss_bytes", peak},
@@ -191,10 +196,11 @@ int main(int argc, char** argv) {
   std::string offload_dir = std::filesystem::temp_directory_path().string();
   std::string device = "cpu";
   double peak_tflops = 989;
-  app.add_option("--modes", modes, "ddp, zero3, zero3-deferred, zero3-disk, ddp-host, pipeline")
+  app.add_option("--modes", modes,
+                 "ddp, zero3, zero3-deferred, zero3-disk, ddp-host, pipeline, mesh")
       ->delimiter(',')
-      ->check(
-          CLI::IsMember({"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host", "pipeline"}))
+      ->check(CLI::IsMember(
+          {"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host", "pipeline", "mesh"}))
       ->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "torch threads per worker")->capture_default_str();
@@ -281,7 +287,7 @@ int main(int argc, char** argv) {
     const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
                                         .use_gpu = cuda,
                                         .resources_per_worker = {.cpu_threads = threads},
-                                        .mesh = {.pp = plan.pp}};
+                                        .mesh = {.pp = plan.pp, .tp = plan.tp}};
     const cohort::RunConfig run{.name = mode, .storage_path = dir, .verbose = 0};
     const auto first = cohort::Trainer(worker_loop, scaling, run, config).fit();
     if (!first.ok()) {
