@@ -89,8 +89,9 @@ std::unique_ptr<torch::optim::Optimizer> adamw(std::vector<at::Tensor> parameter
 void worker_loop(const Json& c) {
   auto& ctx = train::get_context();
   const auto o = options_of(c);
+  const auto plan = plan_of(c);
   auto model = train::parallelize(models::model_spec("gpt", o, 0), adamw,
-                                  models::logits_cross_entropy, plan_of(c));
+                                  models::logits_cross_entropy, plan);
   const bool resumed = train::get_checkpoint().has_value();
   if (resumed) model.load(*train::get_checkpoint());
   const int64_t batch = c["batch_size"];
@@ -130,7 +131,6 @@ void worker_loop(const Json& c) {
   const double step_s = steps > 1 ? slowest / static_cast<double>(steps - 1) : 0.0;
   // The rows of a step: every pipeline's (a pipeline's and a tensor-parallel group's ranks read
   // the same).
-  const auto plan = plan_of(c);
   const int64_t pipelines = ctx.get_world_size() / (plan.pp * plan.tp);
   const double tokens_per_s =
       step_s > 0 ? static_cast<double>(batch * o.context * pipelines) / step_s : 0.0;
@@ -256,20 +256,22 @@ int main(int argc, char** argv) {
               << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
               << std::endl;
   }
-  // On the CPU only: a GPU's activations are not in the workers' resident memory. By the rows
-  // of a micro-batch: a step's, or a pipeline's micro-batch's.
-  std::map<int64_t, int64_t> activations;
-  const auto activations_of = [&](int64_t rows) {
-    if (cuda || worker) return int64_t{0};
-    if (activations.count(rows) == 0) {
-      activations[rows] = probe_activations(gpt_shape, rows);
-      std::cout << "activations per worker of " << rows
-                << " rows (probed on the whole model): " << std::setprecision(1)
-                << static_cast<double>(activations[rows]) / 1e6 << " MB" << std::endl;
-    }
-    return activations[rows];
+  const auto config_of = [&](const std::string& mode) {
+    return Json{{"mode", mode},   {"layers", layers},           {"width", width},
+                {"heads", heads}, {"context", context},         {"batch_size", batch},
+                {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
   };
-  activations_of(batch);
+  // On the CPU only: a GPU's activations are not in the workers' resident memory. By the rows
+  // of a micro-batch (a step's, or a pipeline's micro-batch's), each size the modes take once.
+  std::map<int64_t, int64_t> activations;
+  for (const auto& mode : modes) {
+    const int64_t rows = plan_of(config_of(mode)).micro_batch_rows(batch);
+    if (cuda || worker || activations.count(rows) > 0) continue;
+    activations[rows] = probe_activations(gpt_shape, rows);
+    std::cout << "activations per worker of " << rows
+              << " rows (probed on the whole model): " << std::setprecision(1)
+              << static_cast<double>(activations[rows]) / 1e6 << " MB" << std::endl;
+  }
   std::cout << std::left << std::setw(16) << "mode" << std::right << std::setw(16) << "peak RSS MB"
             << std::setw(14) << "estimate MB" << std::setw(8) << "ratio" << std::setw(18)
             << "with checkpoint" << std::setw(10) << "step s" << std::setw(10) << "tokens/s"
@@ -277,13 +279,12 @@ int main(int argc, char** argv) {
             << "resumed MB" << std::endl;
   int failures = 0;
   for (const auto& mode : modes) {
-    const Json config{{"mode", mode},   {"layers", layers},           {"width", width},
-                      {"heads", heads}, {"context", context},         {"batch_size", batch},
-                      {"steps", steps}, {"offload_dir", offload_dir}, {"cuda", cuda}};
+    const Json config = config_of(mode);
     const auto plan = plan_of(config);
+    const auto rows = activations.find(plan.micro_batch_rows(batch));
     const auto e =
         worker ? train::MemoryEstimate{}
-               : estimate(config, workers, runtime, activations_of(plan.micro_batch_rows(batch)));
+               : estimate(config, workers, runtime, rows == activations.end() ? 0 : rows->second);
     const cohort::ScalingConfig scaling{.num_workers = cuda ? 1 : workers,
                                         .use_gpu = cuda,
                                         .resources_per_worker = {.cpu_threads = threads},

@@ -308,8 +308,7 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   add("replica copies", copies * e, "--sync ddp keeps none");
   // An asynchronous checkpoint's buffers, on the worker that writes the most: the whole model's
   // parameters and buffers (the first rank writes them), beside its optimizer state.
-  const int64_t checkpoint_bytes =
-      whole.trainable * whole.element_size + whole.frozen_bytes + whole.buffer_bytes + state;
+  const int64_t checkpoint_bytes = bytes_of(whole, 1) + state;
   const std::string snapshots_option = "in-memory snapshots (--snapshot-every-steps)";
   if (options.async_checkpoint || options.snapshots) {
     // Added by one option alone, or by both (then leaving one out keeps them).
