@@ -167,7 +167,7 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
   cmd->add_option("--zero-stage", o.zero.stage,
                   "ZeRO: 0 (DDP), 1 (optimizer state sharded over the workers), 2 (gradients "
                   "too) or 3 (parameters too: the model's layers gathered around their forward "
-                  "and backward); with --pp/--tp, 1 or 2 over each stage's data-parallel group")
+                  "and backward); with --pp/--tp, over each stage's data-parallel group")
       ->capture_default_str();
   cmd->add_option("--shard-group-size", o.zero.shard_group_size,
                   "with --zero-stage 1-3 (HSDP): shard over groups of this many data-parallel "

@@ -351,14 +351,15 @@ void exchange_with_dense(torch::nn::Module& sliced, const torch::nn::Sequential&
   }
 }
 
-// A pipeline layer per block; between the layers the batch comes first, [N, T, width], the
-// blocks take [T, N, width].
+// A pipeline layer per block, through its FullyShard: what ZeRO stage 3 gathers and activation
+// checkpointing recomputes. Between the layers the batch comes first, [N, T, width], the blocks
+// take [T, N, width].
 void push_block_layers(torch::nn::Sequential& layers, const torch::nn::Sequential& blocks) {
   for (size_t i = 0; i < blocks->size(); ++i) {
-    EncoderBlock one(block(blocks, i));
-    layers->push_back(Layer(NamedModules{{"block", one.ptr()}}, NamedTensors{},
-                            [one](const torch::Tensor& x) mutable {
-                              return one->forward(x.transpose(0, 1)).transpose(0, 1);
+    parallel::FullyShard unit(blocks->ptr<parallel::FullyShardImpl>(i));
+    layers->push_back(Layer(NamedModules{{"block", unit.ptr()}}, NamedTensors{},
+                            [unit](const torch::Tensor& x) mutable {
+                              return unit->forward(x.transpose(0, 1)).transpose(0, 1);
                             }));
   }
 }

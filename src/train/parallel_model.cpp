@@ -121,9 +121,18 @@ struct ParallelModel::State {
     return total;
   }
 
+  // ZeRO stage 3 in a mesh: this rank's stages' units whole while the guard lives, before their
+  // values are shared, evaluated, saved or (write_back: cut into the shards again at its end)
+  // loaded. Collective over dp; nothing to gather at other stages and without a mesh.
+  GatheredParameters gathered_stages(bool write_back = false) const {
+    if (!pipe || plan.zero.stage != 3) return {};
+    return GatheredParameters(std::make_unique<parallel::ZeroOptimizer::GatheredParameters>(
+        dynamic_cast<const parallel::ZeroOptimizer&>(*optimizer), write_back));
+  }
+
   // Copies every stage's parameters and buffers from the pipeline rank that trains it to the
   // pipeline's other ranks: afterwards every rank holds the whole current model. Collective over
-  // pp.
+  // pp; at ZeRO stage 3 inside gathered_stages().
   void share_stages() {
     auto pp = mesh->pp();
     if (pp.world_size() == 1) return;
@@ -452,8 +461,9 @@ bool ParallelModel::synchronous() const { return parallel::is_synchronous(state_
 GatheredParameters ParallelModel::whole_model() {
   state_->agree_replicas();
   if (state_->pipe) {
+    auto gathered = state_->gathered_stages();
     state_->share_stages();
-    return {};
+    return gathered;
   }
   return gathered_parameters(state_->model.module);
 }
@@ -579,6 +589,7 @@ void ParallelModel::save(const std::filesystem::path& dir) const {
   if (st.pipe) {
     // The whole model that the checkpoint holds is the first rank's, with every stage's current
     // parameters (its other stages are trained elsewhere).
+    const auto gathered = st.gathered_stages();
     st.share_stages();
     save_mesh_checkpoint(dir, st.mesh_parts());
   } else if (rank == 0 || checkpoint_per_rank(*st.optimizer)) {
@@ -599,7 +610,11 @@ void ParallelModel::load(const Checkpoint& checkpoint) {
     }
   } drop_kept_state;
   if (st.pipe) {
-    load_mesh_checkpoint(checkpoint, st.mesh_parts());
+    {
+      // Every rank reads the whole model; ZeRO stage 3 keeps its stages' shards of it.
+      const auto gathered = st.gathered_stages(/*write_back=*/true);
+      load_mesh_checkpoint(checkpoint, st.mesh_parts());
+    }
     release_free_memory();  // the load's staging (load_checkpoint does it itself)
   } else {
     check_mesh_checkpoint(checkpoint, st.plan.sync);

@@ -138,9 +138,6 @@ void Plan::validate(int world_size) const {
   const auto refuse = [&](bool set, const std::string& what, const std::string& fix) {
     if (set) fail(what + " with " + flags + " is not supported yet: " + fix);
   };
-  refuse(zero.stage == 3, "ZeRO stage 3 (--zero-stage)",
-         "stages 1 and 2 shard the pipeline's optimizer state and gradients over its dp group; "
-         "use --zero-stage 1 or 2");
   refuse(precision == optim::Precision::kFp16, "--precision fp16",
          "the pipeline's loss scaler is not there yet; use --precision bf16 or fp32");
   refuse(std::holds_alternative<parallel::AsyncParameterServer>(sync), sync_flag,

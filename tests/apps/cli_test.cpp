@@ -189,8 +189,6 @@ TEST_F(Cli, BadInputIsAOneLineUsageErrorWithExitCode2) {
        "the interleaved schedule needs micro-batches a multiple of"},
       {{"--schedule", "pipedream", "--data-dir", data.string()},
        "unknown pipeline schedule 'pipedream'"},
-      {{"--pp", "2", "--zero-stage", "3", "--data-dir", data.string()},
-       "ZeRO stage 3 (--zero-stage) with --pp 2 --tp 1 is not supported yet: stages 1 and 2"},
       {{"--pp", "2", "--micro-batches", "16", "--batch-size", "8", "--data-dir", data.string()},
        "--batch-size 8 cannot be split into 16 micro-batches"},
       {{"--pp", "2", "--sync", "async-ps:1", "--data-dir", data.string()},
@@ -1015,18 +1013,27 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
     expect_files(folder, {"zero_manifest.json", "optimizer_part.json"});
     EXPECT_FALSE(std::filesystem::exists(folder / "optimizer.pt")) << folder.string();
   }
-  auto straight = mesh_run("2", "2", "straight");
-  ASSERT_EQ(straight.exit_code, 0) << straight.output;
-  EXPECT_NE(cohort::testing::read_text((dir / "runs" / "straight" / "logs" / "rank-0.log").string())
-                .find("ZeRO stage 2 over dp"),
-            std::string::npos);
   // Epoch 1 as DDP's: its train loss is in the first checkpoint's metrics.
   const auto first_epoch = [&](const std::string& run) {
     return cohort::Checkpoint::from_directory(dir / "runs" / run / "checkpoint_000000").metrics();
   };
-  EXPECT_NEAR(first_epoch("straight")["train_loss"].get<double>(),
-              first_epoch("ddp")["train_loss"].get<double>(),
-              1e-4 * first_epoch("ddp")["train_loss"].get<double>());
+  for (const std::string stage : {"2", "3"}) {
+    const std::string name = "straight" + (stage == "2" ? "" : stage);
+    auto straight = mesh_run(stage, "2", name);
+    ASSERT_EQ(straight.exit_code, 0) << straight.output;
+    EXPECT_NE(cohort::testing::read_text((dir / "runs" / name / "logs" / "rank-0.log").string())
+                  .find("ZeRO stage " + stage + " over dp"),
+              std::string::npos);
+    EXPECT_NEAR(first_epoch(name)["train_loss"].get<double>(),
+                first_epoch("ddp")["train_loss"].get<double>(),
+                1e-4 * first_epoch("ddp")["train_loss"].get<double>())
+        << "ZeRO stage " << stage;
+  }
+  // Stage 3 shards the first stage's fc1 (the mlp's one unit above the persistence threshold)
+  // over the dp group, and resumes exactly from its checkpoint.
+  ASSERT_EQ(mesh_run("3", "1", "resumed3").exit_code, 0);
+  ASSERT_TRUE(resumed(mesh_run("3", "2", "resumed3")));
+  expect_same_end("resumed3", "straight3");
   expect_files(dir / "runs" / "straight" / "checkpoint_000000",
                {"optimizer-pp0-of-2-tp0-of-1/zero-rank0-of-2.safetensors",
                 "optimizer-pp1-of-2-tp0-of-1/zero-rank1-of-2.safetensors",

@@ -364,6 +364,18 @@ TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
       }
     }
     EXPECT_EQ(seen, model_params) << name << ": a parameter in no layer";
+    // The model's units, which ZeRO stage 3 gathers and activation checkpointing recomputes, are
+    // the layers' too.
+    const auto units = [](const torch::nn::Module& m) {
+      std::set<const void*> found;
+      for (const auto& child : m.modules()) {
+        if (dynamic_cast<const parallel::FullyShardImpl*>(child.get()) != nullptr)
+          found.insert(child.get());
+      }
+      return found;
+    };
+    EXPECT_EQ(units(*layers), units(*model)) << name;
+    EXPECT_FALSE(units(*model).empty()) << name;
     // Training through the layers trains the model.
     composed.sum().backward();
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined()) << name;

@@ -481,12 +481,6 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
   }
   if (st.options.zero.stage != 0) {
     st.options.zero.validate();
-    if (st.options.zero.stage == 3) {
-      throw UsageError(
-          "Pipeline: ZeRO stage 3 is not supported in a pipeline (its units would be gathered "
-          "for every micro-batch's forward and again for its backward): use stage 1 or 2, which "
-          "shard the optimizer state and gradients over the data-parallel group");
-    }
     if (!dp.valid()) {
       throw UsageError("Pipeline: ZeRO stage " + std::to_string(st.options.zero.stage) +
                        " needs the data-parallel group it shards over (PipelineOptions::"

@@ -10,6 +10,7 @@
 #include <mutex>
 
 #include "cohort/optim/precision.h"
+#include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/local_sgd.h"
 #include "cohort/parallel/mesh.h"
 #include "cohort/parallel/zero_optimizer.h"
@@ -31,6 +32,17 @@ torch::nn::Sequential make_mlp() {
   return torch::nn::Sequential(
       torch::nn::Linear(8, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(),
       torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+}
+
+// make_mlp()'s layers and weights (the same seed and order), each linear layer a unit of ZeRO
+// stage 3.
+torch::nn::Sequential make_sharded_mlp() {
+  std::lock_guard lock(generator_mutex());
+  torch::manual_seed(11);
+  return torch::nn::Sequential(FullyShard(torch::nn::Linear(8, 16)), torch::nn::Tanh(),
+                               FullyShard(torch::nn::Linear(16, 16)), torch::nn::Tanh(),
+                               FullyShard(torch::nn::Linear(16, 16)), torch::nn::Tanh(),
+                               FullyShard(torch::nn::Linear(16, 4)));
 }
 
 std::pair<torch::Tensor, torch::Tensor> make_batch(int64_t rows) {
@@ -278,7 +290,8 @@ TEST(Pipeline, AWaitThatTimesOutNamesTheStageMicroBatchAndAction) {
 }
 
 // A dp x pp mesh whose data parallelism is ZeRO: every stage's parameters after some Adam steps
-// as one process's on the whole batch, with the optimizer state sharded over the dp group.
+// as one process's on the whole batch, with the optimizer state (stage 3: and the parameters)
+// sharded over the dp group.
 TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
   constexpr int kSteps = 4, kDp = 2, kPp = 2;
   constexpr int64_t kRows = 16;  // the global batch, kRows / kDp per dp rank
@@ -305,12 +318,15 @@ TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
   };
   for (const ZeroCase c :
        {ZeroCase{ScheduleKind::kOneFOneB, 1, 1}, ZeroCase{ScheduleKind::kInterleaved, 2, 2},
-        ZeroCase{ScheduleKind::kZeroBubble, 1, 2}}) {
+        ZeroCase{ScheduleKind::kZeroBubble, 1, 2}, ZeroCase{ScheduleKind::kOneFOneB, 1, 3},
+        ZeroCase{ScheduleKind::kInterleaved, 2, 3}, ZeroCase{ScheduleKind::kZeroBubble, 1, 3},
+        ZeroCase{ScheduleKind::kGPipe, 1, 3}}) {
     SCOPED_TRACE(std::string(to_string(c.schedule)) + " with ZeRO stage " +
                  std::to_string(c.zero_stage));
     run_ranks(kDp * kPp, [&](comm::ProcessGroup& world) {
       const DeviceMesh mesh = DeviceMesh::create(world, {.dp = kDp, .pp = kPp, .tp = 1});
-      const auto all = split_sequential(make_mlp(), even_split(7, kPp * c.virtual_stages));
+      const auto all = split_sequential(c.zero_stage == 3 ? make_sharded_mlp() : make_mlp(),
+                                        even_split(7, kPp * c.virtual_stages));
       std::vector<Stage> mine;
       for (int s : PipelineLayout{kPp, c.virtual_stages}.stages_of(mesh.pp_index()))
         mine.emplace_back(all[s]);
@@ -319,7 +335,9 @@ TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
                      .micro_batches = 4,
                      .virtual_stages = c.virtual_stages,
                      .data_parallel_group = mesh.dp(),
-                     .zero = {.stage = c.zero_stage, .reduce_bucket_size = 100}});
+                     .zero = {.stage = c.zero_stage,
+                              .reduce_bucket_size = 100,
+                              .param_persistence_threshold = 0}});
       // The stages' layers under the whole model's names, what the shards are named by.
       std::vector<std::string> names;
       for (const Stage& stage : pipe.stages())
@@ -336,6 +354,15 @@ TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
         optimizer->step();
       }
       EXPECT_EQ(zero.stats().synchronized_steps, kSteps);
+      if (c.zero_stage == 3) {
+        // Each rank's two linear layers are units, held as their shards between steps, each
+        // gathered for every micro-batch's forward and backward (after the first step, ahead).
+        EXPECT_EQ(zero.stats().units, 2);
+        EXPECT_EQ(zero.stats().parameter_bytes * kDp,
+                  zero.stats().padded_numel * static_cast<int64_t>(sizeof(float)));
+        EXPECT_GE(zero.stats().gathers + zero.stats().prefetches, kSteps * 2 * 2 * 4);
+      }
+      const ZeroOptimizer::GatheredParameters whole(zero);
       for (const auto& p : pipe.module()->named_parameters()) {
         EXPECT_TRUE(torch::allclose(p.value(), expected.at(p.key()), 1e-5, 1e-6))
             << p.key() << " on rank " << world.rank() << ": largest difference "
@@ -349,12 +376,6 @@ TEST(Pipeline, ZeroAndLocalSgdBadInputIsNamed) {
   run_ranks(2, [](comm::ProcessGroup& group) {
     const auto all = split_sequential(make_mlp(), {4, 3});
     const comm::ProcessGroup alone = group.split({{0}, {1}}, "dp");
-    expect_error<UsageError>(
-        [&] {
-          Pipeline({all[group.rank()]}, group, cross_entropy,
-                   {.data_parallel_group = alone, .zero = {.stage = 3}});
-        },
-        "ZeRO stage 3 is not supported in a pipeline");
     expect_error<UsageError>(
         [&] { Pipeline({all[group.rank()]}, group, cross_entropy, {.zero = {.stage = 1}}); },
         "needs the data-parallel group it shards over");

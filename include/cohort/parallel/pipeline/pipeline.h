@@ -92,13 +92,15 @@ struct PipelineOptions {
   /// earlier ones accumulate under no_sync). Empty or of size 1: none.
   comm::ProcessGroup data_parallel_group;
   DdpOptions data_parallel;  ///< the DDP options over data_parallel_group
-  /// ZeRO stage 1 or 2 instead of DDP over the data-parallel group (any size, 1 included): one
-  /// ZeroOptimizer over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards
-  /// the optimizer state (and at stage 2 the averaged gradients) over the group. A step's
-  /// micro-batches accumulate their gradients locally and the rank's last backward of the step
-  /// reduce-scatters them once, so the full gradients exist during the step's backward as with
-  /// DDP, and stage 2 frees them at its end. Stage 3 is refused: a pipeline runs each unit once
-  /// per micro-batch, forward and backward apart. Stage 0: DDP.
+  /// ZeRO instead of DDP over the data-parallel group (any size, 1 included): one ZeroOptimizer
+  /// over all of this rank's stages, made by Pipeline::prepare_optimizer(), shards the optimizer
+  /// state (stage 1), the averaged gradients (2) and the parameters of the stages' FullyShard
+  /// units (3) over the group. A step's micro-batches accumulate their gradients locally and the
+  /// rank's last backward of the step reduce-scatters them once, so the full gradients exist
+  /// during the step's backward as with DDP, and stages 2 and 3 free them at its end. Stage 3
+  /// gathers a unit for each micro-batch's forward and again for its backward: 2 m all-gathers
+  /// of each unit a step for m micro-batches, where a whole model's step takes 2 (prefetching
+  /// hides them behind the units before). Stage 0: DDP.
   ZeroOptions zero;
   /// Local SGD or DiLoCo instead of DDP over the data-parallel group: a step averages nothing;
   /// Pipeline::prepare_optimizer() wraps the optimizer in a LocalSgdOptimizer over module() and
@@ -165,7 +167,7 @@ class Pipeline {
   /// empty.
   const std::vector<TimedAction>& timeline() const;
 
-  /// With PipelineOptions::zero (stage 1 or 2): a ZeroOptimizer over module() that shards
+  /// With PipelineOptions::zero (stage 1, 2 or 3): a ZeroOptimizer over module() that shards
   /// `optimizer` (built over parameters(), e.g. torch::optim::AdamW; its algorithm and options are
   /// taken over) over the data-parallel group, and is the pipeline's data-parallel engine from
   /// then on. With PipelineOptions::sync local SGD or DiLoCo: a LocalSgdOptimizer over module()
