@@ -12,6 +12,8 @@
 //                  over the --workers / 2 pipelines: each worker its stage's layers and state
 //   mesh           that with each stage tensor-parallel over two workers (heads and MLP), DDP
 //                  over the --workers / 4 meshes
+//   pipeline-zero2 pipeline with ZeRO stage 2 over the pipelines instead of DDP (the embeddings
+//   pipeline-zero3 untied: ZeRO refuses a tied GPT in a pipeline), or stage 3
 //
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
@@ -55,7 +57,9 @@ namespace models = cohort::models;
 
 models::ModelOptions options_of(const Json& c) {
   auto o = cohort::bench::gpt_options(c);
-  o.deferred_init = c["mode"].get<std::string>().rfind("zero3-", 0) == 0;
+  const auto mode = c["mode"].get<std::string>();
+  o.deferred_init = mode.rfind("zero3-", 0) == 0;
+  if (mode.rfind("pipeline-zero", 0) == 0) o.tie_embeddings = false;
   return o;
 }
 
@@ -73,11 +77,13 @@ train::Plan plan_of(const Json& c) {
   if (mode == "zero3-disk")
     plan.offload_optimizer =
         train::parse_optimizer_offload("disk:" + c["offload_dir"].get<std::string>());
-  if (mode == "pipeline" || mode == "mesh") {
+  if (mode.rfind("pipeline", 0) == 0 || mode == "mesh") {
     plan.pp = 2;
     plan.tp = mode == "mesh" ? 2 : 1;
     plan.micro_batches = static_cast<int>(c["batch_size"].get<int64_t>());
   }
+  if (mode == "pipeline-zero2") plan.zero.stage = 2;
+  if (mode == "pipeline-zero3") plan.zero.stage = 3;
   return plan;
 }
 
@@ -197,10 +203,11 @@ int main(int argc, char** argv) {
   std::string device = "cpu";
   double peak_tflops = 989;
   app.add_option("--modes", modes,
-                 "ddp, zero3, zero3-deferred, zero3-disk, ddp-host, pipeline, mesh")
+                 "ddp, zero3, zero3-deferred, zero3-disk, ddp-host, pipeline, pipeline-zero2, "
+                 "pipeline-zero3, mesh")
       ->delimiter(',')
-      ->check(CLI::IsMember(
-          {"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host", "pipeline", "mesh"}))
+      ->check(CLI::IsMember({"ddp", "zero3", "zero3-deferred", "zero3-disk", "ddp-host", "pipeline",
+                             "pipeline-zero2", "pipeline-zero3", "mesh"}))
       ->capture_default_str();
   app.add_option("--workers", workers)->capture_default_str();
   app.add_option("--threads", threads, "torch threads per worker")->capture_default_str();

@@ -101,7 +101,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   bool gathering_stepped = false;
   std::deque<size_t> in_flight;  // stage 2: buckets being reduce-scattered, oldest first
   static constexpr size_t kBucketsInFlight = 2;
-  std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers, reused in turn
+  std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers (at most), in turn
   size_t next_staging = 0;
   int64_t max_bucket_numel = 0;
   ZeroStats stats;
@@ -412,8 +412,8 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         in_flight.pop_front();
       }
       // The staging buffers are kept from step to step: a fresh 100 MB buffer costs a page fault
-      // per 4 KiB.
-      if (staging_pool.size() < kBucketsInFlight)
+      // per 4 KiB. One where the gradient is one bucket: the last step's is done with.
+      if (staging_pool.size() < std::min(kBucketsInFlight, buckets.size()))
         staging_pool.push_back(at::empty({max_bucket_numel}, params[0].options()));
       auto& buffer = staging_pool[next_staging++ % staging_pool.size()];
       bucket.staging = buffer.narrow(0, 0, bucket.numel);

@@ -261,17 +261,22 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   // counted always, an upper bound with NCCL.
   add("all-gather buffers", gathered * e, fewer_gathered);
   // Gradients: DDP's bucket views (and a flat optimizer's own buffer); ZeRO-1 the whole gradient
-  // and its shard; ZeRO-2 and 3 the shard.
+  // and its shard; ZeRO-2 and 3 the shard, and where a step accumulates several micro-batches (a
+  // pipeline's, --gradient-accumulation-steps) the whole gradient they add up in until the step's
+  // last backward reduce-scatters it.
   int64_t gradients = p;
   if (stage == 0 && options.flat_optimizer) gradients += p;
   if (stage == 1) gradients = p + shard(p);
-  if (stage >= 2) gradients = shard(p);
+  if (stage >= 2) gradients = shard(p) + (plan.micro_batches_per_step() > 1 ? p : 0);
   add("gradients", gradients * e,
       stage < 2 ? "--zero-stage 2 shards them over the workers" : more_workers);
   if (stage >= 2) {
-    // At most two buckets in flight, each with a receive buffer of its size on Gloo (1.13's
+    // At most two buckets in flight (one where the whole gradient is one bucket), each staged in
+    // a buffer kept from step to step and with a receive buffer of its size on Gloo (1.13's
     // reduce-scatter is an all-to-all): counted always, an upper bound with NCCL.
-    add("gradient buckets", 2 * bucket * e * 2, "a smaller reduce_bucket_size (--deepspeed)");
+    const int64_t in_flight = stage == 2 && p <= bucket ? 1 : 2;
+    add("gradient buckets", in_flight * bucket * e * 2,
+        "a smaller reduce_bucket_size (--deepspeed)");
   }
   const int64_t stepped = stage >= 1 ? shard(p) : p;  // the elements this worker updates
   const int64_t state = k * stepped * e;

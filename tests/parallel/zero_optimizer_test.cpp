@@ -309,6 +309,17 @@ TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
       EXPECT_EQ(stats.bytes_sent_last_step, stats.padded_numel / 2 * 4 * 2);
       EXPECT_EQ(stats.synchronized_steps, 1);
     }
+    // The whole gradient in one bucket: one staging buffer, kept from step to step, not two.
+    auto net = make_zero_net();
+    auto plain = adamw(net);
+    ZeroOptimizer whole(net.ptr(), *plain, g, {.stage = 2});
+    for (int step = 0; step < 3; ++step) {
+      whole.zero_grad();
+      loss_of(net, g.rank(), step, 0, 1).backward();
+      whole.step();
+    }
+    EXPECT_EQ(whole.stats().buckets, 1);
+    EXPECT_EQ(whole.stats().bucket_bytes_peak, whole.stats().padded_numel * 4);
   });
 }
 

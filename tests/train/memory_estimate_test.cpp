@@ -152,6 +152,30 @@ TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageTheWholeModelAndItsMicroBatch
   EXPECT_EQ(
       items_of(estimate_memory(spec, Plan{}, {.world_size = 4})).count("the model's other stages"),
       0u);
+  // ZeRO 2 and 3 over a pipeline's dp group of 2: the stage's gradient shard, and its whole
+  // gradient, which the step's micro-batches add up in until its last backward reduce-scatters
+  // it; stage 3 the parameters' shards between steps. Without a pipeline, gradient accumulation
+  // holds the whole gradient as well, a single micro-batch does not.
+  for (const int stage : {2, 3}) {
+    Plan zero{.pp = 2};
+    zero.zero.stage = stage;
+    zero.zero.param_persistence_threshold = 0;
+    auto sharded = items_of(estimate_memory(spec, zero, {.world_size = 4}));
+    EXPECT_EQ(sharded["gradients"], 4 * 2 * kUnit / 2 + 4 * 2 * kUnit) << stage;
+    EXPECT_EQ(sharded["parameters"], stage == 3 ? 4 * kUnit : 4 * 2 * kUnit) << stage;
+    // Stage 2's one bucket (the stage's whole gradient of two units), staged and received; stage
+    // 3's units, a bucket each, two in flight, each staged and received.
+    EXPECT_EQ(sharded["gradient buckets"], stage == 2 ? 2 * (4 * 2 * kUnit) : 2 * 2 * (4 * kUnit))
+        << stage;
+    Plan accumulating{.gradient_accumulation_steps = 2};
+    accumulating.zero.stage = stage;
+    EXPECT_EQ(items_of(estimate_memory(spec, accumulating, {.world_size = 4}))["gradients"],
+              kP + 4 * kP)
+        << stage;
+    accumulating.gradient_accumulation_steps = 1;
+    EXPECT_EQ(items_of(estimate_memory(spec, accumulating, {.world_size = 4}))["gradients"], kP)
+        << stage;
+  }
 }
 
 TEST(MemoryEstimate, ABudgetItDoesNotFitNamesTheLargestItemAndTheFix) {
