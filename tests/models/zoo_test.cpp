@@ -341,6 +341,21 @@ TEST(Zoo, VitIsConfigurable) {
   EXPECT_THROW(create_model("vit", {.width = 100, .heads = 3}), UsageError);
 }
 
+// The nodes of checkpointed units (parallel::checkpoint's) in the graph that made `output`.
+int checkpointed_nodes(const torch::Tensor& output) {
+  std::set<const torch::autograd::Node*> seen;
+  std::vector<const torch::autograd::Node*> todo{output.grad_fn().get()};
+  int found = 0;
+  while (!todo.empty()) {
+    const auto* node = todo.back();
+    todo.pop_back();
+    if (node == nullptr || !seen.insert(node).second) continue;
+    found += node->name().find("CheckpointFunction") != std::string::npos;
+    for (const auto& edge : node->next_edges()) todo.push_back(edge.function.get());
+  }
+  return found;
+}
+
 TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
   const std::map<std::string, size_t> layer_counts{
       {"mlp", 3}, {"cnn", 4}, {"resnet18", 10}, {"vit", 4 + 2}, {"gpt", 4 + 2}};
@@ -376,6 +391,14 @@ TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
     };
     EXPECT_EQ(units(*layers), units(*model)) << name;
     EXPECT_FALSE(units(*model).empty()) << name;
+    // The layers run the units as the model does: checkpointed, each recomputes in backward.
+    {
+      auto checkpointed = create_model(name);
+      const auto marked = parallel::apply_activation_checkpointing(*checkpointed, {.every = 1});
+      EXPECT_EQ(checkpointed_nodes(checkpointed->pipeline_layers()->forward(x)),
+                static_cast<int>(marked.size()))
+          << name;
+    }
     // Training through the layers trains the model.
     composed.sum().backward();
     for (const auto& p : model->parameters()) EXPECT_TRUE(p.grad().defined()) << name;
