@@ -220,10 +220,11 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
   // Parameters.
   int64_t parameters = p;
   int64_t gathered = 0;
+  int64_t largest = 0;  // ZeRO-3: the largest unit's elements (a bucket of its own)
   int64_t bucket = std::min(plan.zero.reduce_bucket_size, std::max<int64_t>(p, 1));
   if (stage == 3) {
     std::vector<int64_t> sharded_units;
-    int64_t sharded = 0, largest = 0;
+    int64_t sharded = 0;
     for (int64_t unit : part.units) {
       if (unit < plan.zero.param_persistence_threshold) continue;
       sharded_units.push_back(unit / plan.tp);
@@ -276,7 +277,9 @@ MemoryEstimate estimate_memory(const ModelSpec& model, const Plan& plan,
     // reduce-scatter is an all-to-all): counted always, an upper bound with NCCL.
     const int64_t in_flight = stage == 2 && p <= bucket ? 1 : 2;
     add("gradient buckets", in_flight * bucket * e * 2,
-        "a smaller reduce_bucket_size (--deepspeed)");
+        stage == 3 && bucket == largest
+            ? "units of fewer parameters: at ZeRO stage 3 each unit is a bucket of its own"
+            : "a smaller reduce_bucket_size (--deepspeed)");
   }
   const int64_t stepped = stage >= 1 ? shard(p) : p;  // the elements this worker updates
   const int64_t state = k * stepped * e;

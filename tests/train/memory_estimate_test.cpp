@@ -167,6 +167,14 @@ TEST(MemoryEstimate, APipelineHoldsItsHeaviestStageTheWholeModelAndItsMicroBatch
     // 3's units, a bucket each, two in flight, each staged and received.
     EXPECT_EQ(sharded["gradient buckets"], stage == 2 ? 2 * (4 * 2 * kUnit) : 2 * 2 * (4 * kUnit))
         << stage;
+    // What shrinks them: stage 2's bucket size; at stage 3 the units, not the bucket size.
+    for (const auto& item : estimate_memory(spec, zero, {.world_size = 4}).items) {
+      if (item.name != "gradient buckets") continue;
+      EXPECT_NE(item.shrink.find(stage == 2 ? "a smaller reduce_bucket_size"
+                                            : "each unit is a bucket of its own"),
+                std::string::npos)
+          << item.shrink;
+    }
     Plan accumulating{.gradient_accumulation_steps = 2};
     accumulating.zero.stage = stage;
     EXPECT_EQ(items_of(estimate_memory(spec, accumulating, {.world_size = 4}))["gradients"],
