@@ -12,8 +12,8 @@
 //                  over the --workers / 2 pipelines: each worker its stage's layers and state
 //   mesh           that with each stage tensor-parallel over two workers (heads and MLP), DDP
 //                  over the --workers / 4 meshes
-//   pipeline-zero2 pipeline with ZeRO stage 2 over the pipelines instead of DDP (the embeddings
-//   pipeline-zero3 untied: ZeRO refuses a tied GPT in a pipeline), or stage 3
+//   pipeline-zero2 pipeline with ZeRO stage 2 over the pipelines instead of DDP, or stage 3
+//   pipeline-zero3
 //
 // For each mode: the workers train --steps steps (batch --batch-size rows of --context tokens
 // each), write a checkpoint, and a second run resumes from it and trains one step more. Printed
@@ -57,9 +57,7 @@ namespace models = cohort::models;
 
 models::ModelOptions options_of(const Json& c) {
   auto o = cohort::bench::gpt_options(c);
-  const auto mode = c["mode"].get<std::string>();
-  o.deferred_init = mode.rfind("zero3-", 0) == 0;
-  if (mode.rfind("pipeline-zero", 0) == 0) o.tie_embeddings = false;
+  o.deferred_init = c["mode"].get<std::string>().rfind("zero3-", 0) == 0;
   return o;
 }
 

@@ -315,7 +315,7 @@ void add_training_options(CLI::App* cmd, TrainOptions& o) {
   add_bool_flag(cmd, "--untie-embeddings", o.untie_embeddings,
                 "gpt: an output head of its own instead of the token embedding's weight (tied "
                 "across --pp stages, the first and the last stage each step a copy, kept equal "
-                "with DDP; ZeRO there needs it untied)");
+                "by summing their gradients)");
   add_data_options(cmd, o.data);
   add_scaling_options(cmd, o.scaling);
   add_loop_options(cmd, o.loop);

@@ -81,14 +81,6 @@ void check_plan(const std::string& name, const ModelOptions& options, const trai
                      std::to_string(options.mlp_ratio) + " x --width)");
   }
   if (plan.pp <= 1) return;
-  if (name == "gpt" && options.tie_embeddings && plan.zero.stage > 0) {
-    throw UsageError(
-        "gpt ties its output head to its token embedding, which --pp " + std::to_string(plan.pp) +
-        " puts in the first and the last stage, whose copies stay equal by summing their "
-        "gradients, and --zero-stage " +
-        std::to_string(plan.zero.stage) +
-        " shards them apart: use --zero-stage 0, or untie them (--untie-embeddings)");
-  }
   auto shape = options;
   shape.deferred_init = true;  // its layers, without their weights
   const auto model = create_model(name, shape);

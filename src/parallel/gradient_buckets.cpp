@@ -25,6 +25,7 @@ BucketLayout lay_out_buckets(const std::vector<at::Tensor>& params,
   const int64_t pad = std::max<int64_t>(options.pad_to, 1);
   GradientBucket current;
   double bytes = 0;
+  bool current_alone = false;  // the open bucket holds a parameter marked `alone`
   auto close = [&] {
     current.numel = (current.numel + pad - 1) / pad * pad;
     layout.numel = current.offset + current.numel;
@@ -36,16 +37,19 @@ BucketLayout lay_out_buckets(const std::vector<at::Tensor>& params,
   for (size_t i : order) {
     const auto& p = params[i];
     const int unit = options.unit_of.empty() ? -1 : options.unit_of[i];
+    const bool alone = !options.alone.empty() && options.alone[i] != 0;
     const double size = static_cast<double>(p.numel()) * static_cast<double>(p.element_size());
     if (!current.params.empty()) {
       const auto& first = params[current.params.front()];
       const double cap = layout.buckets.empty() ? options.first_bucket_bytes : options.bucket_bytes;
-      if (unit != current.unit || first.scalar_type() != p.scalar_type() ||
-          first.device() != p.device() || (unit < 0 && bytes + size > cap)) {
+      if (alone || current_alone || unit != current.unit ||
+          first.scalar_type() != p.scalar_type() || first.device() != p.device() ||
+          (unit < 0 && bytes + size > cap)) {
         close();
       }
     }
     current.unit = unit;
+    current_alone = alone;
     layout.offsets[i] = current.offset + current.numel;
     layout.bucket_of[i] = layout.buckets.size();
     current.params.push_back(i);

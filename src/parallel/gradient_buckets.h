@@ -42,6 +42,10 @@ struct BucketLayoutOptions {
   // Per parameter index, or empty: parameters of the same unit (>= 0) make one bucket of their
   // own whatever its size (a ZeRO-3 unit gathers and reduces whole); -1 for none.
   std::vector<int> unit_of;
+  // Per parameter index, or empty: a parameter marked here makes a bucket of its own (a
+  // pipeline's tied parameter, whose shards then cover the same elements in every engine that
+  // holds a copy of it).
+  std::vector<char> alone;
 };
 
 // Buckets filled with `order`'s parameters in turn: a bucket closes before the parameter that

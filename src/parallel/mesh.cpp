@@ -73,10 +73,17 @@ at::Tensor clip_grad_norm(const DeviceMesh& mesh, const torch::nn::Module& modul
   const bool own_gradients = dynamic_cast<LocalSgdOptimizer*>(&optimizer) != nullptr;
   std::vector<at::Tensor> shards;  // ZeRO's gradient shards, one per group
   if (zero != nullptr) {
+    std::map<std::string, double> tied_copies;  // by the parameter's name in `module`
+    for (const auto& p : module.named_parameters()) {
+      const auto found = copies.find(p.value().unsafeGetTensorImpl());
+      if (found != copies.end()) tied_copies[p.key()] = found->second;
+    }
     shards = zero->flat_gradients();
     for (const auto& piece : zero->shard_pieces()) {
+      const auto tied_copies_of = tied_copies.find(piece.parameter);
+      const double share = tied_copies_of == tied_copies.end() ? 1.0 : 1.0 / tied_copies_of->second;
       grads.emplace_back(shards.at(piece.group).narrow(0, piece.offset, piece.length),
-                         weight_of(piece.parameter));
+                         weight_of(piece.parameter) * share);
     }
   } else {
     if (!own_gradients) replicas = mesh.shape().dp;

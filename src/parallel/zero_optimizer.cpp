@@ -101,9 +101,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   bool gathering_stepped = false;
   std::deque<size_t> in_flight;  // stage 2: buckets being reduce-scattered, oldest first
   static constexpr size_t kBucketsInFlight = 2;
-  std::vector<at::Tensor> staging_pool;  // stage 2: kBucketsInFlight buffers (at most), in turn
-  size_t next_staging = 0;
-  int64_t max_bucket_numel = 0;
+  std::vector<at::Tensor> staging_pool;  // stages 2-3: at most kBucketsInFlight (staging_buffer)
   ZeroStats stats;
 
   // Stage 3: the model's FullyShard units that are sharded, and their state.
@@ -117,6 +115,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   };
   std::vector<Unit> units;
   std::vector<int> unit_of;            // per parameter: its unit, or -1 (whole on every rank)
+  std::vector<char> alone;             // per parameter: a bucket of its own (or empty: none)
   std::vector<size_t> forward_order;   // units as this step's forward ran them
   std::vector<size_t> previous_order;  // and the step before's
   bool following_order = true;         // this step's forward has kept to previous_order so far
@@ -131,7 +130,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   int rank() const { return group.rank(); }
 
   Engine(std::shared_ptr<torch::nn::Module> m, const torch::optim::Optimizer& optimizer,
-         comm::ProcessGroup g, ZeroOptions o)
+         comm::ProcessGroup g, ZeroOptions o, const std::vector<at::Tensor>& own_buckets)
       : module(std::move(m)), group(std::move(g)), options(o) {
     options.validate();
     if (options.stage < 1) {
@@ -159,6 +158,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     } else {
       materialize(*module);
     }
+    find_own_buckets(own_buckets);
     // Where data parallelism starts (detail::start_replicas), for the parameters that have
     // values.
     if (group.world_size() > 1) {
@@ -197,6 +197,30 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   }
 
   int replica() const { return replicas.valid() ? replicas.rank() : 0; }
+
+  // The parameters that make a bucket of their own: trainable ones of the module, outside every
+  // stage-3 unit (a unit is gathered and reduced whole).
+  void find_own_buckets(const std::vector<at::Tensor>& own_buckets) {
+    if (own_buckets.empty()) return;
+    alone.assign(params.size(), 0);
+    for (const auto& t : own_buckets) {
+      size_t i = 0;
+      while (i < params.size() && !params[i].is_same(t)) ++i;
+      if (i == params.size()) {
+        throw UsageError(
+            "ZeroOptimizer: a parameter given a bucket of its own is not one of the module's "
+            "trainable parameters (" +
+            std::to_string(params.size()) + " of them): give the module's own tensors");
+      }
+      if (!unit_of.empty() && unit_of[i] >= 0) {
+        throw UsageError("ZeroOptimizer: parameter '" + names[i] + "' is in FullyShard unit '" +
+                         units[static_cast<size_t>(unit_of[i])].name +
+                         "', which stage 3 gathers and reduces whole: hold it outside the unit "
+                         "to give it a bucket of its own");
+      }
+      alone[i] = 1;
+    }
+  }
 
   // The FullyShard modules of the model that hold at least param_persistence_threshold trainable
   // elements, each the unit of its parameters.
@@ -264,9 +288,12 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
                        static_cast<double>(params[0].element_size());
     // Stage 3: a unit's parameters are a bucket of their own (they are consecutive: units do
     // not nest).
-    auto layout = detail::lay_out_buckets(
-        params, order,
-        {.first_bucket_bytes = cap, .bucket_bytes = cap, .pad_to = n, .unit_of = unit_of});
+    auto layout = detail::lay_out_buckets(params, order,
+                                          {.first_bucket_bytes = cap,
+                                           .bucket_bytes = cap,
+                                           .pad_to = n,
+                                           .unit_of = unit_of,
+                                           .alone = alone});
     offsets = std::move(layout.offsets);
     bucket_of = std::move(layout.bucket_of);
     for (auto& laid_out : layout.buckets) {
@@ -318,7 +345,6 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
       if (options.stage == 1)
         b.shard.mutable_grad() = detail::alias_into(flat_grads, b.offset + rank() * piece, {piece});
       stats.shard_numel += piece;
-      max_bucket_numel = std::max(max_bucket_numel, b.numel);
     }
     stats.buckets = static_cast<int64_t>(buckets.size());
     stats.padded_numel = offset;
@@ -391,6 +417,32 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     }
   }
 
+  // A buffer of at least `numel` elements that no bucket in flight stages in (stage 2 and 3). The
+  // buffers are kept from step to step (a fresh 100 MB buffer costs a page fault per 4 KiB), at
+  // most one per bucket in flight: the smallest free one that is large enough, else a free one
+  // made that large, else a new one. As every step launches the buckets in the same order, each
+  // buffer settles at the size of the buckets it stages: one where the gradient is one bucket,
+  // and a small one beside a large where a small bucket (a pipeline's tied embedding) follows.
+  at::Tensor& staging_buffer(int64_t numel) {
+    const auto in_use = [&](const at::Tensor& buffer) {
+      return std::any_of(in_flight.begin(), in_flight.end(), [&](size_t b) {
+        return buckets[b].staging.defined() && buckets[b].staging.data_ptr() == buffer.data_ptr();
+      });
+    };
+    at::Tensor* best = nullptr;
+    at::Tensor* free = nullptr;
+    for (auto& buffer : staging_pool) {
+      if (in_use(buffer)) continue;
+      free = &buffer;
+      if (buffer.numel() >= numel && (best == nullptr || buffer.numel() < best->numel()))
+        best = &buffer;
+    }
+    if (best != nullptr) return *best;
+    if (free != nullptr) return *free = at::empty({numel}, params[0].options());
+    staging_pool.push_back(at::empty({numel}, params[0].options()));
+    return staging_pool.back();
+  }
+
   // The bucket's gradients (zeros for a parameter without one) into one tensor, reduce-scattered
   // into this rank's shard gradient. Stage 2 frees the parameters' gradients on the way.
   void launch(Bucket& bucket) {
@@ -411,12 +463,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         oldest.staging = at::Tensor();
         in_flight.pop_front();
       }
-      // The staging buffers are kept from step to step: a fresh 100 MB buffer costs a page fault
-      // per 4 KiB. One where the gradient is one bucket: the last step's is done with.
-      if (staging_pool.size() < std::min(kBucketsInFlight, buckets.size()))
-        staging_pool.push_back(at::empty({max_bucket_numel}, params[0].options()));
-      auto& buffer = staging_pool[next_staging++ % staging_pool.size()];
-      bucket.staging = buffer.narrow(0, 0, bucket.numel);
+      bucket.staging = staging_buffer(bucket.numel).narrow(0, 0, bucket.numel);
       int64_t filled = 0;  // elements of the bucket written so far, in order
       for (size_t i : bucket.params) {
         auto& p = params[i];
@@ -707,12 +754,12 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
 
 ZeroOptimizer::ZeroOptimizer(std::shared_ptr<torch::nn::Module> module,
                              const torch::optim::Optimizer& optimizer, comm::ProcessGroup group,
-                             ZeroOptions options)
+                             ZeroOptions options, const std::vector<torch::Tensor>& own_buckets)
     : ZeroOptimizer([&] {
         if (!module) throw UsageError("ZeroOptimizer: the module is null");
         if (!group.valid()) throw UsageError("ZeroOptimizer: the process group is empty");
-        auto engine =
-            std::make_shared<Engine>(std::move(module), optimizer, std::move(group), options);
+        auto engine = std::make_shared<Engine>(std::move(module), optimizer, std::move(group),
+                                               options, own_buckets);
         engine->self = engine;
         return engine;
       }()) {}
@@ -939,6 +986,22 @@ ZeroOptimizer::GatheredParameters::GatheredParameters(const ZeroOptimizer& zero,
 
 ZeroOptimizer::GatheredParameters::~GatheredParameters() {
   engine_->release_pinned(unit_, write_back_);
+}
+
+torch::Tensor ZeroOptimizer::shard_gradient(const torch::Tensor& parameter) const {
+  const auto& e = *engine_;
+  for (size_t i = 0; i < e.params.size(); ++i) {
+    if (!e.params[i].is_same(parameter)) continue;
+    if (e.alone.empty() || e.alone[i] == 0) {
+      throw UsageError("ZeroOptimizer::shard_gradient: parameter '" + e.names[i] +
+                       "' shares its bucket with others: give it to the constructor's "
+                       "own_buckets");
+    }
+    return e.buckets[e.bucket_of[i]].shard_grad;
+  }
+  throw UsageError(
+      "ZeroOptimizer::shard_gradient: not a trainable parameter of the module this engine "
+      "shards");
 }
 
 std::vector<std::string> ZeroOptimizer::unit_names() const {

@@ -59,6 +59,19 @@ TEST(LayOutBuckets, KeepsAUnitWholeAndApartWhateverTheCap) {
   EXPECT_EQ(layout.buckets[0].unit, -1);
 }
 
+// A tied parameter alone in its bucket, with the buckets padded: its elements are the bucket's
+// first, so that every engine holding a copy cuts the same pieces of it for the same ranks.
+TEST(LayOutBuckets, PutsAParameterMarkedAloneInABucketOfItsOwn) {
+  const auto params = tensors_of({3, 5, 2, 2});
+  const auto layout = lay_out_buckets(
+      params, {0, 1, 2, 3},
+      {.first_bucket_bytes = 1e9, .bucket_bytes = 1e9, .pad_to = 2, .alone = {0, 1, 0, 0}});
+  EXPECT_EQ(members(layout), (std::vector<std::vector<size_t>>{{0}, {1}, {2, 3}}));
+  EXPECT_EQ(layout.buckets[1].offset, 4);
+  EXPECT_EQ(layout.buckets[1].numel, 6);
+  EXPECT_EQ(layout.offsets[1], layout.buckets[1].offset);
+}
+
 TEST(LayOutBuckets, NeverMixesDtypesInABucket) {
   auto params = tensors_of({2, 2});
   params.push_back(torch::zeros({2}, torch::kDouble));

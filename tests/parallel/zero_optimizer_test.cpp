@@ -320,6 +320,22 @@ TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
     }
     EXPECT_EQ(whole.stats().buckets, 1);
     EXPECT_EQ(whole.stats().bucket_bytes_peak, whole.stats().padded_numel * 4);
+    // A parameter in a bucket of its own beside the rest (a pipeline's tied embedding): a buffer
+    // of each bucket's size, not two of the larger's; its shard gradient is its bucket's piece.
+    auto apart = make_zero_net();
+    auto apart_plain = adamw(apart);
+    const auto small = apart->parameters().back();
+    ZeroOptimizer split(apart.ptr(), *apart_plain, g, {.stage = 2}, {small});
+    for (int step = 0; step < 3; ++step) {
+      split.zero_grad();
+      loss_of(apart, g.rank(), step, 0, 1).backward();
+      split.step();
+    }
+    EXPECT_EQ(split.stats().buckets, 2);
+    EXPECT_EQ(split.stats().bucket_bytes_peak, split.stats().padded_numel * 4);
+    EXPECT_EQ(split.shard_gradient(small).numel(), (small.numel() + 1) / 2);
+    cohort::testing::expect_error<UsageError>([&] { split.shard_gradient(apart->parameters()[0]); },
+                                              "shares its bucket with others");
   });
 }
 

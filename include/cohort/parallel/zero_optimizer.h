@@ -86,8 +86,12 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
  public:
   struct Engine;  ///< defined in src/parallel/zero_optimizer.cpp
 
+  /// `own_buckets`: parameters of the module that each make a bucket of their own, so that a
+  /// rank's shard of each is the same elements in every engine that holds a copy of it (a
+  /// pipeline's tied parameters, whose copies' shard gradients are summed: shard_gradient()).
   ZeroOptimizer(std::shared_ptr<torch::nn::Module> module, const torch::optim::Optimizer& optimizer,
-                comm::ProcessGroup group, ZeroOptions options);
+                comm::ProcessGroup group, ZeroOptions options,
+                const std::vector<torch::Tensor>& own_buckets = {});
   ~ZeroOptimizer() override;
 
   /// Steps this rank's shard, then all-gathers the parameters. Before it, the backward that
@@ -135,6 +139,11 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
     bool write_back_;
     int64_t unit_ = -1;  ///< every unit
   };
+  /// This rank's piece of the reduced gradient of `parameter`, one of the constructor's
+  /// own_buckets (a view the step reads: after the synchronised backward, before step()). Its
+  /// elements are the parameter's flattened [rank x piece, (rank + 1) x piece), padded with
+  /// zeros past its end. A UsageError for a parameter not given as an own bucket.
+  torch::Tensor shard_gradient(const torch::Tensor& parameter) const;
   /// Stage 3: the FullyShard units whose parameters are sharded, by their names in the module
   /// (their parameters' names start with `"<name>."`); empty at stages 1 and 2.
   std::vector<std::string> unit_names() const;

@@ -295,10 +295,18 @@ void Pipeline::State::sum_tied_gradients() {
   const auto& tied = options.tied_parameters;
   for (size_t i = 0; i < tied.size(); ++i) {
     const TiedParameter& t = tied[i];
-    at::Tensor parameter = t.parameter;
-    if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
+    // With ZeRO, this rank's piece of the reduced gradient: the copies' engines give each tied
+    // parameter a bucket of its own, so their pieces for this dp rank are the same elements.
+    at::Tensor grad;
+    if (zero != nullptr) {
+      grad = zero->shard_gradient(t.parameter);
+    } else {
+      at::Tensor parameter = t.parameter;
+      if (!parameter.grad().defined()) parameter.mutable_grad() = at::zeros_like(parameter);
+      grad = parameter.mutable_grad();
+    }
     group.set_activity(tied_activities[i]);
-    const at::Tensor own = parameter.grad().contiguous().clone();
+    const at::Tensor own = grad.contiguous().clone();
     std::vector<comm::Work> sends_of_this;
     std::vector<at::Tensor> copies;
     for (int r : t.ranks) {
@@ -312,7 +320,6 @@ void Pipeline::State::sum_tied_gradients() {
       copies.push_back(theirs);
     }
     // Into the gradient itself: `own`, which the sends read, is a copy.
-    at::Tensor grad = parameter.mutable_grad();
     grad.copy_(copies[0]);
     for (size_t k = 1; k < copies.size(); ++k) grad.add_(copies[k]);
     for (auto& work : sends_of_this) work.wait();
@@ -464,15 +471,6 @@ Pipeline::Pipeline(std::vector<Stage> stages, comm::ProcessGroup group, LossFunc
                        ") that hold one, this rank among two or more: take them from "
                        "find_tied_parameters()");
     }
-    if (st.options.zero.stage != 0) {
-      throw UsageError("Pipeline: parameter '" + t.name +
-                       "' is shared by the stages of pipeline ranks " +
-                       std::to_string(t.ranks.front()) + " and " + std::to_string(t.ranks.back()) +
-                       ", whose copies stay equal by summing their gradients, which ZeRO stage " +
-                       std::to_string(st.options.zero.stage) +
-                       " shards apart: use DDP (ZeRO stage 0) or untie the parameter (a GPT: "
-                       "--untie-embeddings)");
-    }
     std::string holders;
     for (int r : t.ranks) holders += (holders.empty() ? "" : ", ") + std::to_string(r);
     st.tied_activities.push_back("pipeline rank " + std::to_string(st.rank) +
@@ -615,8 +613,10 @@ std::unique_ptr<torch::optim::Optimizer> Pipeline::prepare_optimizer(
     st.local_sgd = local.get();
     return local;
   }
+  std::vector<at::Tensor> tied;
+  for (const TiedParameter& t : st.options.tied_parameters) tied.push_back(t.parameter);
   auto zero = std::make_unique<ZeroOptimizer>(module(), *optimizer, st.options.data_parallel_group,
-                                              st.options.zero);
+                                              st.options.zero, tied);
   st.zero = zero.get();
   return zero;
 }

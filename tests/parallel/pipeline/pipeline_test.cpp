@@ -449,18 +449,29 @@ struct TiedHeadImpl : torch::nn::Module {
 };
 TORCH_MODULE(TiedHead);
 
-// Five layers, 8 -> 16 -> 16 -> 8, whose first and last share the first's weight.
-torch::nn::Sequential make_tied_mlp() {
+// Six layers, 8 -> 16 -> 16 -> 16 -> 8, whose first and last share the first's weight; the two
+// in the middle (and with `first_in_unit` the first) units of ZeRO stage 3, one in each half.
+torch::nn::Sequential make_tied_mlp(bool first_in_unit = false) {
   std::lock_guard lock(generator_mutex());
   torch::manual_seed(13);
   torch::nn::Linear first(torch::nn::LinearOptions(8, 16).bias(false));
-  return torch::nn::Sequential(first, torch::nn::Tanh(), torch::nn::Linear(16, 16),
-                               torch::nn::Tanh(), TiedHead(first));
+  torch::nn::Sequential net;
+  if (first_in_unit) {
+    net->push_back(FullyShard(first));
+  } else {
+    net->push_back(first);
+  }
+  net->push_back(torch::nn::Tanh());
+  net->push_back(FullyShard(torch::nn::Linear(16, 16)));
+  net->push_back(torch::nn::Tanh());
+  net->push_back(FullyShard(torch::nn::Linear(16, 16)));
+  net->push_back(TiedHead(first));
+  return net;
 }
 
-// A weight that the first stage and the last share, on a 2 x 2 mesh (dp x pp) with DDP and
-// clipping by the global norm: each copy takes the step of one process that trains the whole
-// model, and the two copies stay equal bit for bit.
+// A weight that the first stage and the last share, on a 2 x 2 mesh (dp x pp) with DDP or ZeRO
+// 1-3 and clipping by the global norm: each copy takes the step of one process that trains the
+// whole model, and the two copies stay equal bit for bit.
 TEST(Pipeline, ATiedParameterStepsAsOneAcrossItsStagesRanks) {
   constexpr int kSteps = 4;
   constexpr double kLr = 0.2, kMaxNorm = 0.5;
@@ -468,7 +479,7 @@ TEST(Pipeline, ATiedParameterStepsAsOneAcrossItsStagesRanks) {
   torch::nn::Sequential reference = make_tied_mlp();
   std::vector<at::Tensor> unique;
   for (const auto& p : reference->named_parameters())
-    if (p.key() != "4.first.weight") unique.push_back(p.value());
+    if (p.key() != "5.first.weight") unique.push_back(p.value());
   torch::optim::SGD reference_sgd(unique, kLr);
   std::vector<double> reference_norms;
   for (int step = 0; step < kSteps; ++step) {
@@ -480,70 +491,89 @@ TEST(Pipeline, ATiedParameterStepsAsOneAcrossItsStagesRanks) {
   }
   ASSERT_GT(*std::max_element(reference_norms.begin(), reference_norms.end()), kMaxNorm)
       << "the test must clip";
-  std::mutex mutex;
-  std::map<int, at::Tensor> copies;  // by world rank: the shared weight after the steps
-  run_ranks(4, [&](comm::ProcessGroup& world) {
-    const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 1});
-    const auto all = split_sequential(make_tied_mlp(), even_split(5, 2));
-    const auto tied = find_tied_parameters(all, {.ranks = 2}, mesh.pp_index());
-    ASSERT_EQ(tied.size(), 1u);
-    EXPECT_EQ(tied[0].name, "0.weight");
-    EXPECT_EQ(tied[0].ranks, (std::vector<int>{0, 1}));
-    const auto stage = all[static_cast<size_t>(mesh.pp_index())];
-    torch::optim::SGD sgd(stage->parameters(), kLr);
-    // Named, the tied parameters set apart: GCC 12 warns of a designated temporary's DdpOptions.
-    PipelineOptions options{.micro_batches = 2, .data_parallel_group = mesh.dp()};
-    options.tied_parameters = tied;
-    Pipeline pipe({stage}, mesh.pp(), cross_entropy, options);
-    EXPECT_EQ(pipe.tied_parameters().size(), 1u);
-    for (int step = 0; step < kSteps; ++step) {
-      const auto [x, y] = make_batch(8);
-      sgd.zero_grad();
-      pipe.step((x * (step + 1)).chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
-      const double norm = clip_grad_norm(mesh, *stage, sgd, kMaxNorm, tied).item<double>();
-      EXPECT_NEAR(norm, reference_norms[step], 1e-5 * reference_norms[step])
-          << "step " << step << " on rank " << world.rank();
-      sgd.step();
-    }
-    const auto want = reference->named_parameters();
-    for (const auto& p : stage->named_parameters()) {
-      EXPECT_TRUE(torch::allclose(p.value(), want[p.key()], 1e-5, 1e-6))
-          << p.key() << " on rank " << world.rank() << ": largest difference "
-          << (p.value() - want[p.key()]).abs().max().item<double>();
-    }
-    std::lock_guard lock(mutex);
-    copies[world.rank()] = tied[0].parameter.detach().clone();
-  });
-  // World ranks 0 and 1 hold the first and the last stage of one pipeline, 2 and 3 of the other.
-  ASSERT_EQ(copies.size(), 4u);
-  EXPECT_TRUE(torch::equal(copies[0], copies[1]));
-  EXPECT_TRUE(torch::equal(copies[2], copies[3]));
-  EXPECT_TRUE(torch::equal(copies[0], copies[2]));
+  for (const int zero_stage : {0, 1, 2, 3}) {
+    SCOPED_TRACE("ZeRO stage " + std::to_string(zero_stage));
+    std::mutex mutex;
+    std::map<int, at::Tensor> copies;  // by world rank: the shared weight after the steps
+    run_ranks(4, [&](comm::ProcessGroup& world) {
+      const DeviceMesh mesh = DeviceMesh::create(world, {.dp = 2, .pp = 2, .tp = 1});
+      const auto all = split_sequential(make_tied_mlp(), even_split(6, 2));
+      const auto tied = find_tied_parameters(all, {.ranks = 2}, mesh.pp_index());
+      ASSERT_EQ(tied.size(), 1u);
+      EXPECT_EQ(tied[0].name, "0.weight");
+      EXPECT_EQ(tied[0].ranks, (std::vector<int>{0, 1}));
+      const auto stage = all[static_cast<size_t>(mesh.pp_index())];
+      // Named, the tied parameters set apart: GCC 12 warns of a designated temporary's
+      // DdpOptions. Small buckets: the tied weight's is its own, the others' apart from it.
+      PipelineOptions options{.micro_batches = 2, .data_parallel_group = mesh.dp()};
+      options.zero = {
+          .stage = zero_stage, .reduce_bucket_size = 64, .param_persistence_threshold = 0};
+      options.tied_parameters = tied;
+      Pipeline pipe({stage}, mesh.pp(), cross_entropy, options);
+      EXPECT_EQ(pipe.tied_parameters().size(), 1u);
+      auto optimizer =
+          pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(stage->parameters(), kLr));
+      for (int step = 0; step < kSteps; ++step) {
+        const auto [x, y] = make_batch(8);
+        optimizer->zero_grad();
+        pipe.step((x * (step + 1)).chunk(2)[mesh.dp_index()], y.chunk(2)[mesh.dp_index()]);
+        const double norm =
+            clip_grad_norm(mesh, *pipe.module(), *optimizer, kMaxNorm, tied).item<double>();
+        EXPECT_NEAR(norm, reference_norms[step], 1e-5 * reference_norms[step])
+            << "step " << step << " on rank " << world.rank();
+        optimizer->step();
+      }
+      std::optional<ZeroOptimizer::GatheredParameters> whole;
+      if (zero_stage > 0) whole.emplace(dynamic_cast<const ZeroOptimizer&>(*optimizer));
+      const auto want = reference->named_parameters();
+      for (const auto& p : stage->named_parameters()) {
+        EXPECT_TRUE(torch::allclose(p.value(), want[p.key()], 1e-5, 1e-6))
+            << p.key() << " on rank " << world.rank() << ": largest difference "
+            << (p.value() - want[p.key()]).abs().max().item<double>();
+      }
+      std::lock_guard lock(mutex);
+      copies[world.rank()] = tied[0].parameter.detach().clone();
+    });
+    // World ranks 0 and 1 hold the first and the last stage of one pipeline, 2 and 3 of the
+    // other.
+    ASSERT_EQ(copies.size(), 4u);
+    EXPECT_TRUE(torch::equal(copies[0], copies[1]));
+    EXPECT_TRUE(torch::equal(copies[2], copies[3]));
+    EXPECT_TRUE(torch::equal(copies[0], copies[2]));
+  }
 }
 
 TEST(Pipeline, TiedParametersThatCannotStayEqualAreNamed) {
   // Both stages on one rank: its optimizer would step the weight twice.
   expect_error<UsageError>(
       [] {
-        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 2}),
+        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 3}),
                              {.ranks = 1, .virtual_stages = 2}, 0);
       },
       "parameter '0.weight' is in two stages of pipeline rank 0 (stages 0 and 1)");
   expect_error<UsageError>(
       [] {
-        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 2}), {.ranks = 1}, 0);
+        find_tied_parameters(split_sequential(make_tied_mlp(), {3, 3}), {.ranks = 1}, 0);
       },
       "2 stages given for a layout of 1");
   run_ranks(2, [](comm::ProcessGroup& group) {
-    const auto all = split_sequential(make_tied_mlp(), {3, 2});
+    const auto all = split_sequential(make_tied_mlp(), {3, 3});
     const auto tied = find_tied_parameters(all, {.ranks = 2}, group.rank());
+    // ZeRO-3 inside a unit: gathered and reduced whole with the unit, not apart.
     const comm::ProcessGroup alone = group.split({{0}, {1}}, "dp");
-    PipelineOptions sharded{.data_parallel_group = alone, .zero = {.stage = 1}};
-    sharded.tied_parameters = tied;
-    expect_error<UsageError>(
-        [&] { Pipeline({all[group.rank()]}, group, cross_entropy, sharded); },
-        "parameter '0.weight' is shared by the stages of pipeline ranks 0 and 1, whose copies "
-        "stay equal by summing their gradients, which ZeRO stage 1 shards apart");
+    const auto in_unit = split_sequential(make_tied_mlp(/*first_in_unit=*/true), {3, 3});
+    PipelineOptions sharded{.data_parallel_group = alone,
+                            .zero = {.stage = 3, .param_persistence_threshold = 0}};
+    sharded.tied_parameters = find_tied_parameters(in_unit, {.ranks = 2}, group.rank());
+    Pipeline pipe({in_unit[group.rank()]}, group, cross_entropy, sharded);
+    const auto prepare = [&] {
+      pipe.prepare_optimizer(std::make_unique<torch::optim::SGD>(pipe.parameters(), 0.1));
+    };
+    if (group.rank() == 0) {
+      expect_error<UsageError>(prepare, "parameter '0.weight' is in FullyShard unit '0'");
+    } else {
+      prepare();  // the last stage holds its copy in the head, outside every unit
+    }
     PipelineOptions elsewhere;
     elsewhere.tied_parameters = tied;
     elsewhere.tied_parameters[0].ranks = {1 - group.rank(), 2};

@@ -110,8 +110,10 @@ struct PipelineOptions {
   /// The parameters this rank shares with other pipeline ranks (find_tied_parameters()): at the
   /// optimizer-step action, after data parallelism averaged them, each one's gradient becomes the
   /// sum of its copies' gradients, added in rank order on every rank that holds it, so that every
-  /// copy takes the same step. With DDP or local SGD and DiLoCo; ZeRO is refused (each stage's
-  /// shards cut the copies apart).
+  /// copy takes the same step. With DDP, local SGD and DiLoCo, and ZeRO: each engine gives a tied
+  /// parameter a bucket of its own, so that a dp rank's shard of every copy is the same elements,
+  /// and the shards' reduced gradients are summed (at stage 3 a tied parameter must lie outside
+  /// the FullyShard units).
   std::vector<TiedParameter> tied_parameters;
   /// Run at the schedule's optimizer-step action, when this rank's gradients are complete (e.g.
   /// step the optimizer). None: step() only leaves the gradients.
