@@ -309,28 +309,32 @@ TEST(ZeroOptimizer, ShardsTheStateAndTheGradientsAcrossTheRanks) {
       EXPECT_EQ(stats.bytes_sent_last_step, stats.padded_numel / 2 * 4 * 2);
       EXPECT_EQ(stats.synchronized_steps, 1);
     }
+    // Three steps of ZeRO-2 over a fresh net, `own_buckets` (indices into its parameters) each a
+    // bucket of its own.
+    const auto three_steps = [&](Net& net, const std::vector<size_t>& own_buckets) {
+      auto plain = adamw(net);
+      std::vector<torch::Tensor> own;
+      for (size_t i : own_buckets) own.push_back(net->parameters()[i]);
+      auto zero =
+          std::make_unique<ZeroOptimizer>(net.ptr(), *plain, g, ZeroOptions{.stage = 2}, own);
+      for (int step = 0; step < 3; ++step) {
+        zero->zero_grad();
+        loss_of(net, g.rank(), step, 0, 1).backward();
+        zero->step();
+      }
+      return zero;
+    };
     // The whole gradient in one bucket: one staging buffer, kept from step to step, not two.
     auto net = make_zero_net();
-    auto plain = adamw(net);
-    ZeroOptimizer whole(net.ptr(), *plain, g, {.stage = 2});
-    for (int step = 0; step < 3; ++step) {
-      whole.zero_grad();
-      loss_of(net, g.rank(), step, 0, 1).backward();
-      whole.step();
-    }
-    EXPECT_EQ(whole.stats().buckets, 1);
-    EXPECT_EQ(whole.stats().bucket_bytes_peak, whole.stats().padded_numel * 4);
+    const auto whole = three_steps(net, {});
+    EXPECT_EQ(whole->stats().buckets, 1);
+    EXPECT_EQ(whole->stats().bucket_bytes_peak, whole->stats().padded_numel * 4);
     // A parameter in a bucket of its own beside the rest (a pipeline's tied embedding): a buffer
     // of each bucket's size, not two of the larger's; its shard gradient is its bucket's piece.
     auto apart = make_zero_net();
-    auto apart_plain = adamw(apart);
     const auto small = apart->parameters().back();
-    ZeroOptimizer split(apart.ptr(), *apart_plain, g, {.stage = 2}, {small});
-    for (int step = 0; step < 3; ++step) {
-      split.zero_grad();
-      loss_of(apart, g.rank(), step, 0, 1).backward();
-      split.step();
-    }
+    const auto split_zero = three_steps(apart, {apart->parameters().size() - 1});
+    const auto& split = *split_zero;
     EXPECT_EQ(split.stats().buckets, 2);
     EXPECT_EQ(split.stats().bucket_bytes_peak, split.stats().padded_numel * 4);
     EXPECT_EQ(split.shard_gradient(small).numel(), (small.numel() + 1) / 2);
