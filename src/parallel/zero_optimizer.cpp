@@ -198,14 +198,20 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
 
   int replica() const { return replicas.valid() ? replicas.rank() : 0; }
 
+  // The index of `t` among the trainable parameters, or params.size() where it is not one.
+  size_t index_of(const at::Tensor& t) const {
+    size_t i = 0;
+    while (i < params.size() && !params[i].is_same(t)) ++i;
+    return i;
+  }
+
   // The parameters that make a bucket of their own: trainable ones of the module, outside every
   // stage-3 unit (a unit is gathered and reduced whole).
   void find_own_buckets(const std::vector<at::Tensor>& own_buckets) {
     if (own_buckets.empty()) return;
     alone.assign(params.size(), 0);
     for (const auto& t : own_buckets) {
-      size_t i = 0;
-      while (i < params.size() && !params[i].is_same(t)) ++i;
+      const size_t i = index_of(t);
       if (i == params.size()) {
         throw UsageError(
             "ZeroOptimizer: a parameter given a bucket of its own is not one of the module's "
@@ -990,18 +996,18 @@ ZeroOptimizer::GatheredParameters::~GatheredParameters() {
 
 torch::Tensor ZeroOptimizer::shard_gradient(const torch::Tensor& parameter) const {
   const auto& e = *engine_;
-  for (size_t i = 0; i < e.params.size(); ++i) {
-    if (!e.params[i].is_same(parameter)) continue;
-    if (e.alone.empty() || e.alone[i] == 0) {
-      throw UsageError("ZeroOptimizer::shard_gradient: parameter '" + e.names[i] +
-                       "' shares its bucket with others: give it to the constructor's "
-                       "own_buckets");
-    }
-    return e.buckets[e.bucket_of[i]].shard_grad;
+  const size_t i = e.index_of(parameter);
+  if (i == e.params.size()) {
+    throw UsageError(
+        "ZeroOptimizer::shard_gradient: not a trainable parameter of the module this engine "
+        "shards");
   }
-  throw UsageError(
-      "ZeroOptimizer::shard_gradient: not a trainable parameter of the module this engine "
-      "shards");
+  if (e.alone.empty() || e.alone[i] == 0) {
+    throw UsageError("ZeroOptimizer::shard_gradient: parameter '" + e.names[i] +
+                     "' shares its bucket with others: give it to the constructor's "
+                     "own_buckets");
+  }
+  return e.buckets[e.bucket_of[i]].shard_grad;
 }
 
 std::vector<std::string> ZeroOptimizer::unit_names() const {

@@ -1029,8 +1029,9 @@ TEST_F(Cli, ZeroShardsAPipelinesDataParallelismAndResumesExactly) {
                 1e-4 * first_epoch("ddp")["train_loss"].get<double>())
         << "ZeRO stage " << stage;
   }
-  // Stage 3 shards the first stage's fc1 (the mlp's one unit above the persistence threshold)
-  // over the dp group, and resumes exactly from its checkpoint.
+  // Stage 3 (which keeps only the shards of the first stage's fc1, the mlp's one unit above the
+  // persistence threshold: Pipeline.ZeroShardsTheDataParallelismOfEverySchedule checks the
+  // shards) resumes exactly from its checkpoint.
   ASSERT_EQ(mesh_run("3", "1", "resumed3").exit_code, 0);
   ASSERT_TRUE(resumed(mesh_run("3", "2", "resumed3")));
   expect_same_end("resumed3", "straight3");
