@@ -112,6 +112,9 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     bool gathered = false;
     comm::Work gather;         // an all-gather in flight
     size_t grads_pending = 0;  // parameters whose gradient this backward has yet to produce
+    // Gathered ahead, for a use (forward or backward) that has not come yet: in a
+    // StepOrderScope it outlives the backward passes that end before that use.
+    bool ahead = false;
   };
   std::vector<Unit> units;
   std::vector<int> unit_of;            // per parameter: its unit, or -1 (whole on every rank)
@@ -120,9 +123,15 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
   std::vector<size_t> previous_order;  // and the step before's
   bool following_order = true;         // this step's forward has kept to previous_order so far
   bool backward_active = false;        // a backward through a unit is running
+  bool order_scoped = false;           // a StepOrderScope is open: the order ends with it
+  bool order_pending = false;          // a backward ended in the scope: its end checks the order
   int pinned = 0;                      // GatheredParameters scopes alive
   int64_t live_bytes = 0;              // of gathered units
   int64_t gather_bytes_sent = 0;       // by the units' all-gathers since the last step
+  // In a StepOrderScope: the units' uses (2u for a forward of unit u, 2u + 1 for a backward) in
+  // this step and the step before, and whether this step's have kept to the last's so far.
+  std::vector<size_t> uses, previous_uses;
+  bool following_uses = true;
   StoragePool unit_storage;
   size_t live_units = 0, peak_live_units = 0;
 
@@ -602,28 +611,67 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     --live_units;
     unit_storage.release(b.full, unit_storage.pooled() + live_units < peak_live_units);
     unit.gathered = false;
+    unit.ahead = false;
   }
 
   // The units `order` lists after position `from` (or before it, going backward), all-gathered
-  // ahead while they fit prefetch_bucket_size (counting those gathered ahead already) and
-  // max_live_parameters. The next unit is gathered ahead even where it alone is larger than the
-  // bucket (as DeepSpeed's prefetch takes at least one parameter), so that a model of units
-  // larger than the bucket still overlaps each gather with the unit before.
-  void prefetch(const std::vector<size_t>& order, size_t from, bool backward) {
+  // ahead while they fit prefetch_bucket_size (counting those gathered ahead already, not those
+  // in use now) and max_live_parameters. The next unit is gathered ahead even where it alone is
+  // larger than the bucket (as DeepSpeed's prefetch takes at least one parameter), so that a
+  // model of units larger than the bucket still overlaps each gather with the unit before.
+  // `unit_at(k)`: the unit at position k of the order, of `size`.
+  template <class UnitAt>
+  void prefetch_along(size_t size, const UnitAt& unit_at, size_t from, bool backward,
+                      const char* why) {
     if (options.prefetch_bucket_size <= 0) return;
     int64_t ahead = 0;
     for (size_t k = from;;) {
-      if (backward ? k == 0 : k + 1 >= order.size()) return;
+      if (backward ? k == 0 : k + 1 >= size) return;
       k = backward ? k - 1 : k + 1;
-      auto& unit = units[order[k]];
+      auto& unit = units[unit_at(k)];
+      if (unit.gathered && !unit.ahead) continue;  // in use now, not ahead
       const int64_t numel = buckets[unit.bucket].numel;
       if (ahead > 0 && ahead + numel > options.prefetch_bucket_size) return;
       ahead += numel;
       if (unit.gathered) continue;
       const int64_t element = buckets[unit.bucket].shard.element_size();
       if (live_bytes / element + numel > options.max_live_parameters) return;
-      gather(unit, backward ? "prefetch for backward" : "prefetch for forward");
+      gather(unit, why);
+      unit.ahead = true;
       ++stats.prefetches;
+    }
+  }
+
+  void prefetch(const std::vector<size_t>& order, size_t from, bool backward) {
+    prefetch_along(
+        order.size(), [&](size_t k) { return order[k]; }, from, backward,
+        backward ? "prefetch for backward" : "prefetch for forward");
+  }
+
+  // In a StepOrderScope, after the forward of unit u (its last use): whether the last step's
+  // uses, which this step keeps to, have u's backward next (a pipeline's last stage runs a
+  // micro-batch's backward right after its forward).
+  bool backward_comes_next(size_t u) const {
+    const size_t next = uses.size();
+    return order_scoped && following_uses && options.prefetch_bucket_size > 0 &&
+           next < previous_uses.size() && previous_uses[next] == 2 * u + 1;
+  }
+
+  // In a StepOrderScope: the use (forward or backward of unit u) recorded, and the last step's
+  // uses followed ahead while this step keeps to them. One sequence of forwards and backwards,
+  // as the schedule ran them: a backward's next unit may be another micro-batch's forward.
+  void follow_uses(size_t u, bool backward) {
+    const size_t use = 2 * u + (backward ? 1 : 0);
+    const size_t position = uses.size();
+    uses.push_back(use);
+    if (!following_uses) return;
+    if (position < previous_uses.size() && previous_uses[position] == use) {
+      prefetch_along(
+          previous_uses.size(), [&](size_t k) { return previous_uses[k] / 2; }, position,
+          /*backward=*/false, "prefetch along the last step's order");
+    } else {
+      following_uses = false;
+      if (!previous_uses.empty()) ++stats.order_changes;
     }
   }
 
@@ -634,12 +682,16 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
       std::lock_guard lock(mutex);
       gather(unit, "forward");
       wait_gathered(unit);
+      unit.ahead = false;
       // Training: the order is recorded for the backward and the next step, and the previous
       // step's is followed ahead while this one keeps to it.
       if (training) {
         const size_t position = forward_order.size();
         forward_order.push_back(u);
-        if (following_order && position < previous_order.size() && previous_order[position] == u) {
+        if (order_scoped) {
+          follow_uses(u, /*backward=*/false);
+        } else if (following_order && position < previous_order.size() &&
+                   previous_order[position] == u) {
           prefetch(previous_order, position, /*backward=*/false);
         } else if (following_order) {
           following_order = false;
@@ -656,7 +708,11 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         if (auto engine = weak.lock()) engine->before_backward(u);
       });
     }
-    if (options.reshard_after_forward || !grad) reshard(unit);
+    if (grad && backward_comes_next(u)) {
+      unit.ahead = true;  // kept whole for it, as a prefetch would have gathered it again
+    } else if (options.reshard_after_forward || !grad) {
+      reshard(unit);
+    }
     return output;
   }
 
@@ -676,6 +732,11 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     auto& unit = units[u];
     gather(unit, "backward");
     wait_gathered(unit);
+    unit.ahead = false;
+    if (order_scoped) {
+      follow_uses(u, /*backward=*/true);
+      return;
+    }
     const auto last =
         std::find(forward_order.rbegin(), forward_order.rend(), u);  // its last forward
     if (last != forward_order.rend()) {
@@ -684,12 +745,54 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
     }
   }
 
-  // Every unit's parameters freed (those prefetched and not used too); this step's order is
-  // the next one's guide.
+  // Every unit's parameters freed (those prefetched and not used too, but in a StepOrderScope
+  // those gathered ahead for a use to come); this step's order is the next one's guide (in a
+  // StepOrderScope: at the scope's end).
   void end_backward() {
     std::lock_guard lock(mutex);
-    for (auto& unit : units) reshard(unit);
+    for (auto& unit : units)
+      if (!(order_scoped && unit.ahead)) reshard(unit);
     backward_active = false;
+    if (order_scoped) {
+      order_pending = true;
+      return;
+    }
+    end_order();
+  }
+
+  void open_order_scope() {
+    std::lock_guard lock(mutex);
+    if (order_scoped) {
+      throw UsageError(
+          "ZeroOptimizer::StepOrderScope: one is open already; open one per step, after the "
+          "last one closed");
+    }
+    order_scoped = true;
+    order_pending = false;
+  }
+
+  // `check`: the scope closed (the ranks compare their orders, a collective); else an error
+  // ended it and what it recorded is dropped. Either way no unit stays gathered ahead for a use
+  // that will not come in this step: the optimizer's step changes the shards.
+  void close_order_scope(bool check) {
+    std::lock_guard lock(mutex);
+    order_scoped = false;
+    for (auto& unit : units)
+      if (unit.ahead) reshard(unit);
+    const bool pending = std::exchange(order_pending, false);
+    if (check && pending) {
+      end_order();
+      previous_uses.swap(uses);
+    } else if (!check) {
+      forward_order.clear();
+      following_order = true;
+    }
+    uses.clear();
+    following_uses = true;
+  }
+
+  // The order since the last end checked on every rank and kept as the guide ahead.
+  void end_order() {
     check_same_order();
     // Swapped, not moved: both keep their buffers, and the next forward allocates none among
     // its activations, where a block kept past the step would split the heap's holes.
@@ -700,7 +803,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
 
   // Ranks that ran the same number of units in another order paired all-gathers of different
   // units without an error (when their sizes match): every rank's order is compared after each
-  // backward, before a step could use what they gathered.
+  // backward (or StepOrderScope), before a step could use what they gathered.
   void check_same_order() {
     uint64_t hash = 1469598103934665603ull;  // FNV-1a over the units' indices
     for (size_t u : forward_order) hash = (hash ^ (u + 1)) * 1099511628211ull;
@@ -1022,5 +1125,24 @@ ZeroOptimizer::NoSyncGuard::NoSyncGuard(ZeroOptimizer& zero)
 }
 
 ZeroOptimizer::NoSyncGuard::~NoSyncGuard() { zero_.engine_->gradients->set_sync(previous_); }
+
+ZeroOptimizer::StepOrderScope::StepOrderScope(ZeroOptimizer& zero) : engine_(zero.engine_) {
+  engine_->open_order_scope();
+}
+
+ZeroOptimizer::StepOrderScope::~StepOrderScope() {
+  if (!engine_) return;
+  // An error is stopping the step (close() was not reached): that error is the one to report,
+  // not a wait for a gather of a group that the error may have broken.
+  try {
+    engine_->close_order_scope(/*check=*/false);
+  } catch (...) {
+  }
+}
+
+void ZeroOptimizer::StepOrderScope::close() {
+  auto engine = std::move(engine_);
+  if (engine) engine->close_order_scope(/*check=*/true);
+}
 
 }  // namespace cohort::parallel

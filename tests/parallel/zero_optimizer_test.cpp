@@ -531,6 +531,76 @@ TEST(ZeroOptimizer, StageThreeFollowsAnOrderThatChangesOnEveryRank) {
   });
 }
 
+// Two micro-batches a step in a StepOrderScope, as a pipeline's step runs them: the uses of the
+// units (a, b forward; b, a backward; again) are one sequence per step, which the next step
+// follows ahead without a change, and the parameters are those of steps without the scope. A
+// scope that an error ends drops its order; a second scope while one is open is refused.
+TEST(ZeroOptimizer, StageThreeInAStepOrderScopeFollowsTheWholeStepsUses) {
+  using cohort::testing::expect_error;
+  run_ranks(2, [](comm::ProcessGroup& g) {
+    auto run = [&](bool scoped) {
+      auto net = [] {
+        std::lock_guard lock(testing::generator_mutex());
+        torch::manual_seed(5);
+        return TwoUnits();
+      }();
+      torch::optim::SGD sgd(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      ZeroOptimizer zero(net.ptr(), sgd, g, zero_options(3));
+      auto micro_batch = [&](int step, int micro) {
+        auto [x, y] = batch(g.rank(), step, micro);
+        torch::nn::functional::cross_entropy(net->forward(x.narrow(1, 0, 8)), y).backward();
+      };
+      for (int step = 0; step < 4; ++step) {
+        zero.zero_grad();
+        std::optional<ZeroOptimizer::StepOrderScope> order;
+        if (scoped) order.emplace(zero);
+        {
+          ZeroOptimizer::NoSyncGuard accumulate(zero);
+          micro_batch(step, 0);
+        }
+        micro_batch(step, 1);
+        if (order) order->close();
+        zero.step();
+      }
+      if (scoped) {
+        EXPECT_EQ(zero.stats().order_changes, 0);
+        // After the first step every use but each step's first is gathered ahead: 3 steps of 7.
+        // After the first step a use a micro-batch is gathered ahead, and b, whose backward
+        // follows its forward, stays whole between them: 6 gathers a step, not 8.
+        EXPECT_GE(zero.stats().prefetches, 3 * 2 * 2);
+        EXPECT_EQ(zero.stats().gathers, 8 + 3 * 6);
+        // An error ends a step's scope: what it recorded is dropped, the last whole step's order
+        // stays the guide, and the units are sharded again.
+        try {
+          ZeroOptimizer::StepOrderScope order(zero);
+          auto [x, y] = batch(g.rank(), 9, 0);
+          (void)net->forward(x.narrow(1, 0, 8));
+          expect_error<UsageError>([&] { ZeroOptimizer::StepOrderScope second(zero); },
+                                   "one is open already; open one per step");
+          throw RuntimeError("the step failed");
+        } catch (const RuntimeError&) {
+        }
+        const int64_t prefetched = zero.stats().prefetches;
+        zero.zero_grad();
+        ZeroOptimizer::StepOrderScope order(zero);
+        micro_batch(9, 0);
+        order.close();
+        EXPECT_EQ(zero.stats().order_changes, 0);
+        EXPECT_GT(zero.stats().prefetches, prefetched);
+        zero.zero_grad();
+      }
+      std::vector<at::Tensor> values;
+      const ZeroOptimizer::GatheredParameters whole(zero);
+      for (const auto& p : net->parameters()) values.push_back(p.detach().clone());
+      return values;
+    };
+    const auto plain = run(false);
+    const auto scoped = run(true);
+    ASSERT_EQ(plain.size(), scoped.size());
+    for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(plain[i], scoped[i]));
+  });
+}
+
 // Six units of the same size, one after the other.
 struct UnitChainImpl : torch::nn::Module {
   UnitChainImpl() {

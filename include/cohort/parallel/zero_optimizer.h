@@ -118,6 +118,29 @@ class ZeroOptimizer : public optim::FlatOptimizer, public optim::ShardedState {
   /// A guard under which backward passes accumulate without communication.
   NoSyncGuard no_sync() { return NoSyncGuard(*this); }
 
+  /// Stage 3: the order the units ran in, which prefetching follows ahead in the next step, is
+  /// the whole step's while the scope is open rather than one backward's. A pipeline's step runs
+  /// several micro-batches' forwards and backwards interleaved, so that per backward the order
+  /// would change with the schedule's phase (warm-up, steady, cool-down), and each change is a
+  /// forward that waits for its gather. Each backward still reshards the units; close() (a
+  /// collective over the group: every rank closes) checks that every rank ran the same units in
+  /// the same order and keeps the order for the next step. A scope that ends without close() (an
+  /// error stopped the step) drops what it recorded. Stages 1 and 2: nothing to do. One scope at
+  /// a time: UsageError for a second.
+  class StepOrderScope {
+   public:
+    /// Opens the scope over `zero`'s next forwards and backwards.
+    explicit StepOrderScope(ZeroOptimizer& zero);
+    ~StepOrderScope();
+    StepOrderScope(const StepOrderScope&) = delete;
+    StepOrderScope& operator=(const StepOrderScope&) = delete;
+    /// Ends the scope: see the class comment.
+    void close();
+
+   private:
+    std::shared_ptr<Engine> engine_;
+  };
+
   /// Stage 3: every unit's parameters whole on every rank while it lives (collective: every rank
   /// makes one), e.g. to save or load a model, evaluate it without a gather per unit, or compare
   /// replicas. With write_back, this rank's shards are cut anew from the parameters when it ends

@@ -530,6 +530,10 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
   if (!st.probed) st.probe(in, tgt);
   at::Tensor loss_sum;
   st.timeline.clear();
+  // ZeRO-3's prefetching follows the order of the whole step's units (the schedule's), not of
+  // the forwards since the last backward, which changes with the schedule's phase.
+  std::optional<ZeroOptimizer::StepOrderScope> unit_order;
+  if (st.zero != nullptr) unit_order.emplace(*st.zero);
   const auto& actions = st.program.ranks[st.rank];
   for (size_t i = 0; i < actions.size(); ++i) {
     const Action& a = actions[i];
@@ -565,6 +569,7 @@ at::Tensor Pipeline::step(const at::Tensor& inputs, const at::Tensor& targets) {
     }
   }
   st.group.set_activity("");
+  if (unit_order) unit_order->close();
   return loss_sum;
 }
 
