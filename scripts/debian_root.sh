@@ -17,9 +17,10 @@
 # with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
 # data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and
 # installs the packages, no more (CI runs it while the first lane builds: downloading and
-# unpacking overlap compiling). --cuda instead compiles comm/'s NCCL path (syntax only: there is
-# no GPU, and the cuDNN package would download from NVIDIA) against contrib's libtorch-cuda-dev
-# (trixie: 2.6), in a root of its own.
+# unpacking overlap compiling). --cuda instead compiles comm/'s NCCL path and the sources with a
+# CUDA path (COHORT_WITH_CUDA: CUDA graphs' capture) (syntax only: there is no GPU, and the cuDNN
+# package would download from NVIDIA) against contrib's libtorch-cuda-dev (trixie: 2.6), in a
+# root of its own.
 # --install-deb instead installs cohort's Debian package with apt (which brings its dependencies)
 # and builds and runs tests/install/consumer against it, as a user of the package would
 # (scripts/deb_install_check.sh runs it in a new root). Needs root.
@@ -143,17 +144,24 @@ fi
 if [ "$cuda" -eq 1 ]; then
   # nvidia-cudnn's set-up downloads from NVIDIA and fails here; the headers are unpacked anyway.
   in_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-    libtorch-cuda-dev libgloo-cuda-dev nlohmann-json3-dev libssl-dev g++ >&2 || true
+    libtorch-cuda-dev libgloo-cuda-dev nlohmann-json3-dev libssl-dev libcpp-httplib-dev g++ >&2 || true
   in_root sh -c 'cd /tmp && apt-get download -qq libnccl-dev && dpkg -x libnccl-dev_*.deb / && rm libnccl-dev_*.deb'
+  torch_version="$(in_root dpkg-query -W -f='libtorch-cuda-dev ${Version}' libtorch-cuda-dev)"
   status=0
-  for f in src/comm/*.cpp; do
+  check() {  # check <what> <file> <defines...>
+    local what="$1" f="$2"
+    shift 2
     if in_root sh -c "cd /src && g++ -std=c++20 -fsyntax-only -Wall -Wextra -Werror -Wno-unused-parameter \
-        -Wno-missing-field-initializers -DUSE_DISTRIBUTED -DUSE_C10D_GLOO -DUSE_C10D_NCCL -DCOHORT_WITH_NCCL \
+        -Wno-missing-field-initializers -DUSE_DISTRIBUTED -DUSE_C10D_GLOO $* \
         -Iinclude -Isrc -isystem /usr/include/torch/csrc/api/include $f"; then
-      log "$f compiles with NCCL against $(in_root dpkg-query -W -f='libtorch-cuda-dev ${Version}' libtorch-cuda-dev)"
+      log "$f compiles with $what against $torch_version"
     else
       status=1
     fi
+  }
+  for f in src/comm/*.cpp; do check NCCL "$f" -DUSE_C10D_NCCL -DCOHORT_WITH_NCCL; done
+  for f in $(cd "$src" && grep -rl --include='*.cpp' COHORT_WITH_CUDA src); do
+    check CUDA "$f" -DCOHORT_WITH_CUDA
   done
   exit "$status"
 fi
