@@ -648,15 +648,6 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         backward ? "prefetch for backward" : "prefetch for forward");
   }
 
-  // In a StepOrderScope, after the forward of unit u (its last use): whether the last step's
-  // uses, which this step keeps to, have u's backward next (a pipeline's last stage runs a
-  // micro-batch's backward right after its forward).
-  bool backward_comes_next(size_t u) const {
-    const size_t next = uses.size();
-    return order_scoped && following_uses && options.prefetch_bucket_size > 0 &&
-           next < previous_uses.size() && previous_uses[next] == 2 * u + 1;
-  }
-
   // In a StepOrderScope: the use (forward or backward of unit u) recorded, and the last step's
   // uses followed ahead while this step keeps to them. One sequence of forwards and backwards,
   // as the schedule ran them: a backward's next unit may be another micro-batch's forward.
@@ -708,11 +699,7 @@ struct ZeroOptimizer::Engine : ShardedUnitHooks {
         if (auto engine = weak.lock()) engine->before_backward(u);
       });
     }
-    if (grad && backward_comes_next(u)) {
-      unit.ahead = true;  // kept whole for it, as a prefetch would have gathered it again
-    } else if (options.reshard_after_forward || !grad) {
-      reshard(unit);
-    }
+    if (options.reshard_after_forward || !grad) reshard(unit);
     return output;
   }
 

@@ -565,10 +565,10 @@ TEST(ZeroOptimizer, StageThreeInAStepOrderScopeFollowsTheWholeStepsUses) {
       if (scoped) {
         EXPECT_EQ(zero.stats().order_changes, 0);
         // After the first step every use but each step's first is gathered ahead: 3 steps of 7.
-        // After the first step a use a micro-batch is gathered ahead, and b, whose backward
-        // follows its forward, stays whole between them: 6 gathers a step, not 8.
-        EXPECT_GE(zero.stats().prefetches, 3 * 2 * 2);
-        EXPECT_EQ(zero.stats().gathers, 8 + 3 * 6);
+        // After the first step two uses a micro-batch are gathered ahead (b's forward and a's
+        // backward: a and b are whole in the use before theirs), and none is gathered unused.
+        EXPECT_EQ(zero.stats().prefetches, 3 * 2 * 2);
+        EXPECT_EQ(zero.stats().gathers, 4 * 8);
         // An error ends a step's scope: what it recorded is dropped, the last whole step's order
         // stays the guide, and the units are sharded again.
         try {
@@ -661,7 +661,7 @@ TEST(ZeroOptimizer, StageThreeGathersTheNextUnitAheadEvenWhereItExceedsTheBucket
 // Rank 1 runs the units in the other order, or skips one, in its second step: the all-gathers
 // of same-sized units would pair without an error. Every rank fails, naming the units it ran,
 // instead of stepping mixed-up parameters (or hanging).
-std::vector<std::string> errors_of_diverging_ranks(bool skip) {
+std::vector<std::string> errors_of_diverging_ranks(bool skip, bool scoped = false) {
   std::mutex mutex;
   std::vector<std::string> errors;
   run_ranks(2,
@@ -674,8 +674,11 @@ std::vector<std::string> errors_of_diverging_ranks(bool skip) {
                   zero.zero_grad();
                   auto x = torch::ones({4, 8});
                   const bool diverge = step == 1 && g.rank() == 1;
+                  std::optional<ZeroOptimizer::StepOrderScope> order;
+                  if (scoped) order.emplace(zero);
                   auto out = diverge && skip ? net->a->forward(x) : net->forward(x, diverge);
                   out.sum().backward();
+                  if (order) order->close();
                   zero.step();
                 }
               } catch (const std::exception& e) {
@@ -700,6 +703,14 @@ TEST(ZeroOptimizer, StageThreeRanksRunningOtherUnitsFailNamingThem) {
   std::string all;
   for (const auto& e : skipped) all += e + "\n";
   EXPECT_NE(all.find("ZeRO"), std::string::npos) << all;
+  // In a StepOrderScope, checked at its close.
+  const auto scoped = errors_of_diverging_ranks(/*skip=*/false, /*scoped=*/true);
+  ASSERT_EQ(scoped.size(), 2u) << "every rank fails";
+  for (const auto& e : scoped) {
+    EXPECT_NE(e.find("ranks [1] ran other FullyShard units, or in another order, than rank 0"),
+              std::string::npos)
+        << e;
+  }
 }
 
 TEST(ZeroOptimizer, StageThreeNeedsUnitsThatDoNotNest) {

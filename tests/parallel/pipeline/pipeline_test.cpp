@@ -360,13 +360,12 @@ TEST(Pipeline, ZeroShardsTheDataParallelismOfEverySchedule) {
         EXPECT_EQ(zero.stats().parameter_bytes * kDp,
                   zero.stats().padded_numel * static_cast<int64_t>(sizeof(float)));
         // The step's whole order guides the next (Pipeline::step's StepOrderScope): it never
-        // changes, after the first step at least one use a micro-batch is gathered ahead, no
-        // more than one gather a step goes unused, and a unit whose backward comes right after
-        // its forward stays whole between them. A unit's uses: a forward and a backward per
+        // changes, after the first step at least one use a micro-batch is gathered ahead, and
+        // no more than one gather a step goes unused. A unit's uses: a forward and a backward per
         // micro-batch (zero-bubble's last stage: a backward in two passes, inputs and weights).
         // With the order of the forwards since the last backward instead, interleaved's changed
         // 4 times on the first stage and 12 on the last, gathering 4 units ahead in 4 steps
-        // there, and every schedule gathered at least once per use, up to 70 for 64 uses.
+        // there, and the first stages gathered 70 times for 64 uses.
         const bool two_passes =
             c.schedule == ScheduleKind::kZeroBubble && mesh.pp_index() == kPp - 1;
         const int64_t uses = kSteps * 2 * 4 * (two_passes ? 3 : 2);
