@@ -27,6 +27,7 @@
 
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/allocator.h"
 
 namespace {
 
@@ -39,7 +40,7 @@ class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* base) : base_(base) {}
 
-  c10::DataPtr allocate(size_t bytes) const override {
+  c10::DataPtr allocate(size_t bytes) COHORT_ALLOCATE_CONST override {
     c10::DataPtr inner = base_->allocate(bytes);
     void* data = inner.get();
     {
@@ -51,7 +52,7 @@ class CountingAllocator final : public c10::Allocator {
     return {data, data, &release, c10::Device(c10::kCPU)};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
-#if TORCH_VERSION_MAJOR >= 2
+#if COHORT_ALLOCATOR_COPIES_DATA
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
   }

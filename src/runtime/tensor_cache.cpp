@@ -26,14 +26,7 @@
 #include <utility>
 #include <vector>
 
-// libtorch 2.3 made Allocator::allocate non-const and added copy_data, which each allocator
-// defines.
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-#define COHORT_ALLOCATE_CONST
-#define COHORT_ALLOCATOR_COPIES_DATA 1
-#else
-#define COHORT_ALLOCATE_CONST const
-#endif
+#include "cohort/runtime/allocator.h"
 
 namespace cohort::runtime {
 
@@ -92,7 +85,7 @@ class TensorCache final : public c10::Allocator {
   // small or large for it).
   c10::DeleterFnPtr raw_deleter() const override { return &give_back_to_the_cache; }
 
-#if defined(COHORT_ALLOCATOR_COPIES_DATA)
+#if COHORT_ALLOCATOR_COPIES_DATA
   void copy_data(void* destination, const void* source, std::size_t count) const override {
     default_copy_data(destination, source, count);
   }
