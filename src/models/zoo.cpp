@@ -298,13 +298,11 @@ class EncoderBlockImpl : public torch::nn::Module {
  private:
   torch::Tensor attend(const torch::Tensor& h) {
     if (tp_attention_) return tp_attention_->forward(h);
-    // torch::nn::MultiheadAttention's weights; a decoder's mask through the attention kernel
-    // (libtorch's module takes masks only as tensors).
-    if (causal_) {
-      return attention_->out_proj->forward(parallel::self_attention_heads(
-          h, attention_->in_proj_weight, attention_->in_proj_bias, heads_, /*causal=*/true));
-    }
-    return std::get<0>(attention_->forward(h, h, h, {}, /*need_weights=*/false));
+    // torch::nn::MultiheadAttention's weights through the attention kernel: libtorch's module
+    // computes the attention weights explicitly, keeping [tokens, tokens] of them for each head
+    // for backward, and takes a decoder's mask only as a tensor.
+    return attention_->out_proj->forward(parallel::self_attention_heads(
+        h, attention_->in_proj_weight, attention_->in_proj_bias, heads_, causal_));
   }
 
   int64_t heads_;

@@ -221,14 +221,22 @@ at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_w
   const int64_t tokens = x.size(0), batch = x.size(1);
   const int64_t head_dim = in_proj_weight.size(0) / (3 * heads);
   const auto qkv = F::linear(x, in_proj_weight, in_proj_bias).chunk(3, -1);
-  // [tokens, batch, heads x head_dim] -> [batch x heads, tokens, head_dim]
+#if TORCH_VERSION_MAJOR >= 2
+  // [tokens, batch, heads x head_dim] -> [batch, heads, tokens, head_dim]. Four dimensions, as
+  // the fused kernels (flash and memory-efficient attention, on the CPU and CUDA) require: given
+  // three, libtorch falls back to its math kernel, which keeps every head's [tokens, tokens]
+  // weights for backward.
+  auto split = [&](const at::Tensor& t) {
+    return t.reshape({tokens, batch, heads, head_dim}).permute({1, 2, 0, 3});
+  };
+  const at::Tensor out = at::scaled_dot_product_attention(split(qkv[0]), split(qkv[1]),
+                                                          split(qkv[2]), {}, 0.0, causal);
+  return out.permute({2, 0, 1, 3}).reshape({tokens, batch, heads * head_dim});
+#else
+  // [tokens, batch, heads x head_dim] -> [batch x heads, tokens, head_dim], as bmm takes them.
   auto split = [&](const at::Tensor& t) {
     return t.reshape({tokens, batch * heads, head_dim}).transpose(0, 1);
   };
-#if TORCH_VERSION_MAJOR >= 2
-  const at::Tensor out = at::scaled_dot_product_attention(split(qkv[0]), split(qkv[1]),
-                                                          split(qkv[2]), {}, 0.0, causal);
-#else
   const at::Tensor q = split(qkv[0]) / std::sqrt(static_cast<double>(head_dim));
   at::Tensor scores = at::bmm(q, split(qkv[1]).transpose(1, 2));
   if (causal) {
@@ -236,8 +244,8 @@ at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_w
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
   }
   const at::Tensor out = at::bmm(at::softmax(scores, -1), split(qkv[2]));
-#endif
   return out.transpose(0, 1).reshape({tokens, batch, heads * head_dim});
+#endif
 }
 
 at::Tensor TensorParallelSelfAttentionImpl::forward(const at::Tensor& x) {

@@ -2,8 +2,15 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
+#include <algorithm>
+#include <iostream>
+#include <limits>
 #include <mutex>
+#include <set>
+#include <string>
+#include <vector>
 
 #include "cohort/error.h"
 #include "support/cuda.h"
@@ -135,6 +142,63 @@ TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {
     });
     expect_matches_dense(group, parallel, dense, fresh, x);
   });
+}
+
+// The names of the nodes of y's autograd graph.
+std::set<std::string> graph_node_names(const at::Tensor& y) {
+  std::set<std::string> names;
+  std::vector<std::shared_ptr<torch::autograd::Node>> open{y.grad_fn()};
+  std::set<const torch::autograd::Node*> seen;
+  while (!open.empty()) {
+    const auto node = open.back();
+    open.pop_back();
+    if (!node || !seen.insert(node.get()).second) continue;
+    names.insert(node->name());
+    for (const auto& edge : node->next_edges()) open.push_back(edge.function);
+  }
+  return names;
+}
+
+// A ViT's and a GPT's attention (the zoo's blocks call self_attention_heads): the values of
+// torch::nn::MultiheadAttention, with a decoder's mask as a tensor where causal, and on libtorch
+// 2.x a fused kernel, so that backward keeps no [tokens, tokens] weights of its own: no softmax
+// in the graph.
+TEST(TensorParallel, SelfAttentionHeadsAreMultiheadAttentionThroughAFusedKernel) {
+  auto dense = seeded(10, [] { return torch::nn::MultiheadAttention(32, 4); });
+  const at::Tensor x = seeded(11, [] { return torch::randn({24, 3, 32}); });  // tokens, batch
+  for (const bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "every token");
+    const at::Tensor xa = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
+    const at::Tensor y = self_attention_heads(xa, dense->in_proj_weight, dense->in_proj_bias,
+                                              /*heads=*/4, causal);
+    at::Tensor mask;
+    if (causal) mask = torch::full({24, 24}, -std::numeric_limits<float>::infinity()).triu(1);
+    const at::Tensor yd = std::get<0>(dense->forward(xd, xd, xd, {}, false, mask));
+    EXPECT_TRUE(torch::allclose(dense->out_proj->forward(y), yd, 1e-5, 1e-6))
+        << "largest difference " << (dense->out_proj->forward(y) - yd).abs().max().item<double>();
+    const at::Tensor w = seeded(12, [&] { return torch::randn(yd.sizes()); });
+    (dense->out_proj->forward(y) * w).sum().backward();
+    (yd * w).sum().backward();
+    EXPECT_TRUE(torch::allclose(xa.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient";
+#if TORCH_VERSION_MAJOR >= 2
+    const auto names = graph_node_names(y);
+    std::string listed;
+    for (const auto& name : names) listed += " " + name;
+    EXPECT_TRUE(std::any_of(names.begin(), names.end(),
+                            [](const std::string& name) {
+                              return name.find("ScaledDotProduct") != std::string::npos &&
+                                     name.find("Math") == std::string::npos;
+                            }))
+        << "no fused attention node among:" << listed;
+    EXPECT_TRUE(std::none_of(
+        names.begin(), names.end(),
+        [](const std::string& name) { return name.find("Softmax") != std::string::npos; }))
+        << "the math kernel ran:" << listed;
+#else
+    std::cout << "Not checked: a fused kernel. libtorch " << TORCH_VERSION
+              << " has no scaled_dot_product_attention; the explicit softmax runs.\n";
+#endif
+  }
 }
 
 TEST(TensorParallel, ColumnThenRowIsTheDenseProductWithOneAllReduceEachWay) {
