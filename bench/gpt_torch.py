@@ -35,15 +35,21 @@ class Block(nn.Module):
     def attend(self, h):  # h [T, N, width]
         t, n, w = h.shape
         qkv = F.linear(h, self.attention.in_proj_weight, self.attention.in_proj_bias)
-        q, k, v = (x.reshape(t, n * self.heads, w // self.heads).transpose(0, 1)
-                   for x in qkv.chunk(3, dim=-1))
+        d = w // self.heads
         if hasattr(F, "scaled_dot_product_attention"):
+            # [batch, heads, tokens, head_dim]: the fused kernels take four dimensions only (with
+            # three the math kernel runs), as cohort's self_attention_heads passes them.
+            q, k, v = (x.reshape(t, n, self.heads, d).permute(1, 2, 0, 3)
+                       for x in qkv.chunk(3, dim=-1))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = o.permute(2, 0, 1, 3).reshape(t, n, w)
         else:  # torch 1.13: the same arithmetic, spelled out
-            scores = q @ k.transpose(1, 2) / math.sqrt(w // self.heads)
+            q, k, v = (x.reshape(t, n * self.heads, d).transpose(0, 1)
+                       for x in qkv.chunk(3, dim=-1))
+            scores = q @ k.transpose(1, 2) / math.sqrt(d)
             mask = torch.ones(t, t, dtype=torch.bool, device=h.device).triu(1)
             o = scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
-        o = o.transpose(0, 1).reshape(t, n, w)
+            o = o.transpose(0, 1).reshape(t, n, w)
         return self.attention.out_proj(o)
 
     def forward(self, x):
