@@ -10,12 +10,14 @@
 
 #include <torch/version.h>
 
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3)
-/// Empty from libtorch 2.3 on, `const` before: the qualifier of Allocator::allocate.
-#define COHORT_ALLOCATE_CONST
 /// 1 where an allocator must define Allocator::copy_data (libtorch 2.3 on), 0 before.
-#define COHORT_ALLOCATOR_COPIES_DATA 1
+#define COHORT_ALLOCATOR_COPIES_DATA \
+  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 3))
+
+/// \def COHORT_ALLOCATE_CONST
+/// The qualifier of Allocator::allocate: empty from libtorch 2.3 on, `const` before.
+#if COHORT_ALLOCATOR_COPIES_DATA
+#define COHORT_ALLOCATE_CONST
 #else
 #define COHORT_ALLOCATE_CONST const
-#define COHORT_ALLOCATOR_COPIES_DATA 0
 #endif
