@@ -37,8 +37,8 @@ class Block(nn.Module):
         qkv = F.linear(h, self.attention.in_proj_weight, self.attention.in_proj_bias)
         d = w // self.heads
         if hasattr(F, "scaled_dot_product_attention"):
-            # [batch, heads, tokens, head_dim]: the fused kernels take four dimensions only (with
-            # three the math kernel runs), as cohort's self_attention_heads passes them.
+            # [batch, heads, tokens, head_dim]: CUDA's fused kernels take four dimensions only
+            # (with three the math kernel runs), as cohort's self_attention_heads passes them.
             q, k, v = (x.reshape(t, n, self.heads, d).permute(1, 2, 0, 3)
                        for x in qkv.chunk(3, dim=-1))
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)

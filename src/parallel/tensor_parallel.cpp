@@ -223,9 +223,9 @@ at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_w
   const auto qkv = F::linear(x, in_proj_weight, in_proj_bias).chunk(3, -1);
 #if TORCH_VERSION_MAJOR >= 2
   // [tokens, batch, heads x head_dim] -> [batch, heads, tokens, head_dim]. Four dimensions, as
-  // the fused kernels (flash and memory-efficient attention, on the CPU and CUDA) require: given
-  // three, libtorch falls back to its math kernel, which keeps every head's [tokens, tokens]
-  // weights for backward.
+  // CUDA's fused kernels (flash, memory-efficient and cuDNN attention) require: given three,
+  // libtorch runs its math kernel there, which keeps every head's [tokens, tokens] weights for
+  // backward. (On the CPU, libtorch 2.14 runs flash attention for three dimensions too.)
   auto split = [&](const at::Tensor& t) {
     return t.reshape({tokens, batch, heads, head_dim}).permute({1, 2, 0, 3});
   };

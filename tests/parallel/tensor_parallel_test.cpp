@@ -10,6 +10,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cohort/error.h"
@@ -147,7 +148,8 @@ TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {
 // The names of the nodes of y's autograd graph.
 std::set<std::string> graph_node_names(const at::Tensor& y) {
   std::set<std::string> names;
-  std::vector<std::shared_ptr<torch::autograd::Node>> open{y.grad_fn()};
+  // shared_ptr before libtorch 2.x's intrusive_ptr: the type grad_fn() gives.
+  std::vector<std::decay_t<decltype(y.grad_fn())>> open{y.grad_fn()};
   std::set<const torch::autograd::Node*> seen;
   while (!open.empty()) {
     const auto node = open.back();
@@ -159,27 +161,31 @@ std::set<std::string> graph_node_names(const at::Tensor& y) {
   return names;
 }
 
-// A ViT's and a GPT's attention (the zoo's blocks call self_attention_heads): the values of
-// torch::nn::MultiheadAttention, with a decoder's mask as a tensor where causal, and on libtorch
-// 2.x a fused kernel, so that backward keeps no [tokens, tokens] weights of its own: no softmax
-// in the graph.
-TEST(TensorParallel, SelfAttentionHeadsAreMultiheadAttentionThroughAFusedKernel) {
+// A ViT's and a GPT's attention (the zoo's blocks call self_attention_heads) on `device`: the
+// values of torch::nn::MultiheadAttention, with a decoder's mask as a tensor where causal, and on
+// libtorch 2.x a fused kernel, so that backward keeps no [tokens, tokens] weights of its own: no
+// softmax in the graph. CUDA's fused kernels take q, k and v in four dimensions only; given
+// three, libtorch runs its math kernel there (on the CPU, 2.14 runs flash attention either way).
+void expect_attention_heads_through_a_fused_kernel(torch::Device device) {
   auto dense = seeded(10, [] { return torch::nn::MultiheadAttention(32, 4); });
-  const at::Tensor x = seeded(11, [] { return torch::randn({24, 3, 32}); });  // tokens, batch
+  dense->to(device);
+  const at::Tensor x = seeded(11, [] { return torch::randn({24, 3, 32}); }).to(device);
   for (const bool causal : {false, true}) {
     SCOPED_TRACE(causal ? "causal" : "every token");
     const at::Tensor xa = x.clone().requires_grad_(true), xd = x.clone().requires_grad_(true);
     const at::Tensor y = self_attention_heads(xa, dense->in_proj_weight, dense->in_proj_bias,
                                               /*heads=*/4, causal);
     at::Tensor mask;
-    if (causal) mask = torch::full({24, 24}, -std::numeric_limits<float>::infinity()).triu(1);
+    if (causal) {
+      mask = torch::full({24, 24}, -std::numeric_limits<float>::infinity(), x.options()).triu(1);
+    }
     const at::Tensor yd = std::get<0>(dense->forward(xd, xd, xd, {}, false, mask));
-    EXPECT_TRUE(torch::allclose(dense->out_proj->forward(y), yd, 1e-5, 1e-6))
+    EXPECT_TRUE(torch::allclose(dense->out_proj->forward(y), yd, 1e-5, 1e-5))
         << "largest difference " << (dense->out_proj->forward(y) - yd).abs().max().item<double>();
-    const at::Tensor w = seeded(12, [&] { return torch::randn(yd.sizes()); });
+    const at::Tensor w = seeded(12, [&] { return torch::randn(yd.sizes()); }).to(device);
     (dense->out_proj->forward(y) * w).sum().backward();
     (yd * w).sum().backward();
-    EXPECT_TRUE(torch::allclose(xa.grad(), xd.grad(), 1e-5, 1e-6)) << "input gradient";
+    EXPECT_TRUE(torch::allclose(xa.grad(), xd.grad(), 1e-5, 1e-5)) << "input gradient";
 #if TORCH_VERSION_MAJOR >= 2
     const auto names = graph_node_names(y);
     std::string listed;
@@ -199,6 +205,15 @@ TEST(TensorParallel, SelfAttentionHeadsAreMultiheadAttentionThroughAFusedKernel)
               << " has no scaled_dot_product_attention; the explicit softmax runs.\n";
 #endif
   }
+}
+
+TEST(TensorParallel, SelfAttentionHeadsAreMultiheadAttentionThroughAFusedKernel) {
+  expect_attention_heads_through_a_fused_kernel(torch::kCPU);
+}
+
+TEST(TensorParallel, SelfAttentionHeadsAreMultiheadAttentionThroughAFusedKernelOnTheGpu) {
+  COHORT_REQUIRE_CUDA();
+  expect_attention_heads_through_a_fused_kernel(torch::kCUDA);
 }
 
 TEST(TensorParallel, ColumnThenRowIsTheDenseProductWithOneAllReduceEachWay) {

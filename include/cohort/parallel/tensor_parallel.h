@@ -91,8 +91,9 @@ TORCH_MODULE(TensorParallelMlp);
 /// torch::nn::MultiheadAttention's layout: x [tokens, batch, width] projected by `in_proj_weight`
 /// [3 x heads x head_dim, width] and `in_proj_bias` (q, k and v stacked) -> [tokens, batch,
 /// heads x head_dim]. `causal`: token t attends to tokens 0..t only (a decoder's mask). Uses
-/// at::scaled_dot_product_attention where libtorch has it (2.0 on), in the layout its fused
-/// kernels take, so that backward keeps no [tokens, tokens] weights; the explicit softmax before.
+/// at::scaled_dot_product_attention where libtorch has it (2.0 on), in the four-dimensional
+/// layout its fused kernels take (on CUDA, only that one), so that backward keeps no [tokens,
+/// tokens] weights; the explicit softmax before.
 at::Tensor self_attention_heads(const at::Tensor& x, const at::Tensor& in_proj_weight,
                                 const at::Tensor& in_proj_bias, int64_t heads, bool causal);
 
