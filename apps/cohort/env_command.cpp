@@ -12,6 +12,7 @@
 #include <torch/cuda.h>
 
 #include "cohort/error.h"
+#include "cohort/runtime/blas.h"
 #include "cohort/runtime/gpus.h"
 #include "cohort/runtime/worker_info.h"
 #include "cohort/version.h"
@@ -91,6 +92,10 @@ int run_env_command() {
     std::cout << ")";
   }
   std::cout << "\n";
+  const auto blas = runtime::blas_library();
+  std::cout << "BLAS         " << blas.name << (blas.path.empty() ? "" : " (" + blas.path + ")")
+            << ": libtorch's matrix products on the CPU\n";
+  if (const auto advice = runtime::blas_advice(); !advice.empty()) warnings.push_back(advice);
   if (!build::kWithCuda && !gpus.empty())
     warnings.push_back("GPUs are visible but this build has no CUDA: it trains on the CPU");
   std::string master = "127.0.0.1";

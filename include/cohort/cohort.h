@@ -13,6 +13,7 @@
 #include "cohort/comm/process_group.h"
 #include "cohort/comm/store.h"
 
+#include "cohort/runtime/blas.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"

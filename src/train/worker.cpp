@@ -19,6 +19,7 @@
 #include "cohort/comm/store.h"
 #include "cohort/data/data_iterator.h"
 #include "cohort/error.h"
+#include "cohort/runtime/blas.h"
 #include "cohort/runtime/control_channel.h"
 #include "cohort/runtime/coordinator.h"
 #include "cohort/runtime/environment.h"
@@ -104,6 +105,14 @@ c10::Device device_of(int per_worker, int local_rank) {
                                local_rank, per_worker, visible)));
   c10::impl::VirtualGuardImpl(c10::DeviceType::CUDA).setDevice(device);
   return device;
+}
+
+// Once per host and CPU run: where libtorch's matrix products run on the reference BLAS, a line
+// saying so and what to install (runtime/blas.h); a GPU's products do not use it.
+void advise_on_blas(const runtime::WorkerInfo& info, const c10::Device& device) {
+  if (info.local_rank != 0 || !device.is_cpu()) return;
+  if (const auto advice = runtime::blas_advice(); !advice.empty())
+    std::cerr << "cohort: " << advice << std::endl;
 }
 
 // Joins the process group: the session a SessionScope then owns while the train loop runs.
@@ -384,6 +393,7 @@ void run_worker(const std::function<void(const Json&)>& train_loop, const Scalin
     settings.snapshot_path = spec.snapshot_path;
     settings.next_checkpoint_index = spec.next_checkpoint_index;
     settings.device = device_of(process.gpus_per_worker, info->local_rank);
+    advise_on_blas(*info, settings.device);
     settings.backend = comm::backend_from_string(process.backend);
     settings.tensorboard_histograms = spec.tensorboard_histograms;
     settings.profile_steps = {.first = spec.profile_first, .last = spec.profile_last};
@@ -564,6 +574,7 @@ Result run_launched(const std::function<void(const Json&)>& train_loop,
       device_of(runtime::check_gpu_request(scaling.use_gpu, scaling.resources_per_worker.gpus,
                                            info.local_world_size, runtime::visible_gpus()),
                 info.local_rank);
+  advise_on_blas(info, settings.device);
   settings.backend = comm::backend_from_string(scaling.backend);
 
   if (host_here) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -18,6 +19,7 @@
 #include "cohort/data/idx.h"
 #include "cohort/json.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/blas.h"
 #include "cohort/train/checkpoint.h"
 #include "cohort/version.h"
 #include "support/cuda.h"
@@ -558,6 +560,22 @@ TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
   EXPECT_NE(r.output.find("launch       none"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("data plane   binds 127.0.0.1"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("variables    none"), std::string::npos) << r.output;
+  // The BLAS this test's libtorch calls, the command's too.
+  EXPECT_NE(r.output.find("BLAS         " + runtime::blas_library().name), std::string::npos)
+      << r.output;
+  // With Debian's reference BLAS first (where it is installed), a warning says what to install.
+  if (const std::string reference = "/usr/lib/x86_64-linux-gnu/blas/libblas.so.3";
+      std::filesystem::exists(reference)) {
+    r = env({"LD_PRELOAD=" + reference});
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("BLAS         the reference BLAS (/usr/lib/x86_64-linux-gnu/blas/"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("warning: libtorch's matrix products run on the reference BLAS"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("apt install libopenblas0-openmp"), std::string::npos) << r.output;
+  }
   r = env({"RANK=1"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("warning: RANK is set but WORLD_SIZE is not"), std::string::npos)

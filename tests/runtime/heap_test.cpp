@@ -8,10 +8,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
-#include <optional>
-#include <string>
 #include <thread>
 #include <vector>
+
+#include "support/scoped_variable.h"
 
 namespace cohort::runtime {
 namespace {
@@ -33,25 +33,7 @@ void* touched_block(size_t bytes) {
   return const_cast<char*>(block);
 }
 
-// Sets an environment variable for one scope and puts back what was there.
-class ScopedVariable {
- public:
-  ScopedVariable(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) saved_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~ScopedVariable() {
-    if (saved_) {
-      ::setenv(name_, saved_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
+using cohort::testing::ScopedVariable;
 
 constexpr const char* kNotCohorts =
     "this process's heap is not glibc's, is AddressSanitizer's, or the environment tunes glibc's "
