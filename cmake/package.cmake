@@ -54,7 +54,10 @@ if(COHORT_WITH_OPENCV)
   list(APPEND cohort_dev_depends libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev)
 endif()
 list(JOIN cohort_dev_depends ", " CPACK_DEBIAN_PACKAGE_DEPENDS)
-set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "g++, cmake, dataset-fashion-mnist")
+# An optimised BLAS behind libblas.so.3 for libtorch's CPU matrix products (runtime/blas.h): without
+# one they run on netlib's reference library.
+set(CPACK_DEBIAN_PACKAGE_RECOMMENDS
+  "g++, cmake, dataset-fashion-mnist, libopenblas0-openmp | libopenblas0 | libblis4")
 # The rendezvous of `cohort launch --rdzv etcd://` runs on some host of the job's network.
 set(CPACK_DEBIAN_PACKAGE_SUGGESTS "etcd-server")
 include(CPack)

@@ -12,7 +12,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${COHORT_BUILD_DIR:-$root/build}"
 
 # procps (pgrep, pkill) and hostname: the multi-host tests call them, and a minimal root lacks them.
-packages=(build-essential cmake ninja-build ccache pkg-config clang-format git libtorch-dev dataset-fashion-mnist
+# libopenblas0-openmp: libtorch's CPU matrix products call libblas.so.3, which is otherwise netlib's
+# reference BLAS (libblas3, one thread, plain loops: a ViT step 16 times slower; runtime/blas.h).
+packages=(build-essential cmake ninja-build ccache pkg-config clang-format git libtorch-dev libopenblas0-openmp
+  dataset-fashion-mnist
   nlohmann-json3-dev libcli11-dev libgloo-dev zlib1g-dev libssl-dev libgtest-dev libbenchmark-dev python3-torch
   libopencv-core-dev libopencv-imgproc-dev libopencv-imgcodecs-dev
   openmpi-bin iproute2 procps hostname slurmctld slurmd slurm-client munge

@@ -37,6 +37,10 @@ for package in libtorch-dev nlohmann-json3-dev libcli11-dev libgloo-dev "libtorc
   grep -q "$package" <<<"$depends" || fail "Depends has no $package: $depends"
 done
 
+# An optimised BLAS for libtorch's CPU matrix products (the reference one otherwise: runtime/blas.h).
+recommends="$(dpkg-deb -f "$deb" Recommends)"
+grep -q "libopenblas0-openmp" <<<"$recommends" || fail "Recommends has no optimised BLAS: $recommends"
+
 dpkg-deb -x "$deb" "$work/root"
 "$work/root/usr/bin/cohort" --version | grep -q "^cohort $version " ||
   fail "the packaged cohort --version says: $("$work/root/usr/bin/cohort" --version)"
