@@ -5,8 +5,8 @@
 // median over rounds.
 //
 // Activation memory is measured, not estimated: this program counts every byte the CPU allocator
-// hands out (c10::SetCPUAllocator with a counting wrapper around the default one). A step's
-// activation memory is the peak of the bytes live during its forward and backward minus the
+// hands out (c10::SetCPUAllocator with a counting wrapper around the one a worker steps with). A
+// step's activation memory is the peak of the bytes live during its forward and backward minus the
 // bytes live before its forward (the parameters, gradients and optimizer state, and the batch):
 // it includes backward's own gradients and scratch, and a checkpointed unit's recomputed
 // activations. "held" is what the forward left live for backward (the bytes live after it, minus
@@ -28,6 +28,8 @@
 #include "cohort/cohort.h"
 #include "cohort/models/zoo.h"
 #include "cohort/runtime/allocator.h"
+#include "cohort/runtime/blas.h"
+#include "cohort/runtime/heap.h"
 
 namespace {
 
@@ -130,13 +132,17 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "torch threads (0: torch's default)");
   CLI11_PARSE(app, argc, argv);
 
-  static CountingAllocator counting(c10::GetDefaultCPUAllocator());
+  // The heap a worker steps under (runtime/heap.h): tensors of 128 KiB to 32 MiB from the tensor
+  // cache, which keeps a step's blocks for the next. Under glibc's heap alone the GPT's larger
+  // activations were mapped afresh each step, and their page faults were most of a step's time.
+  cohort::runtime::heap_for_steps();
+  static CountingAllocator counting(c10::GetCPUAllocator());
   CountingAllocator::instance = &counting;
   c10::SetCPUAllocator(&counting, /*priority=*/100);
   if (threads > 0) torch::set_num_threads(threads);
   std::cout << "activation checkpointing, CPU, batch " << batch << ", " << rounds
             << " rounds, torch threads " << torch::get_num_threads() << ", libtorch "
-            << TORCH_VERSION << std::endl;
+            << TORCH_VERSION << ", BLAS " << cohort::runtime::blas_library().name << std::endl;
   std::cout << std::left << std::setw(10) << "model" << std::setw(10) << "policy" << std::right
             << std::setw(8) << "units" << std::setw(16) << "activation MB" << std::setw(10)
             << "vs none" << std::setw(12) << "held MB" << std::setw(12) << "step ms"

@@ -43,6 +43,7 @@
 #include "cohort/cohort.h"
 #include "cohort/models/model_spec.h"
 #include "cohort/models/zoo.h"
+#include "cohort/runtime/blas.h"
 #include "cohort/runtime/gpu_usage.h"
 #include "cohort/runtime/heap.h"
 #include "cohort/runtime/worker_info.h"
@@ -259,7 +260,7 @@ int main(int argc, char** argv) {
               << static_cast<double>(parameters) / 1e6 << " M parameters; " << (cuda ? 1 : workers)
               << " workers x batch " << batch << ", AdamW (fp32 state), " << steps
               << " steps, then a checkpoint and one resumed step; libtorch " << TORCH_VERSION
-              << std::endl;
+              << (cuda ? "" : ", BLAS " + cohort::runtime::blas_library().name) << std::endl;
   }
   const auto config_of = [&](const std::string& mode) {
     return Json{{"mode", mode},   {"layers", layers},           {"width", width},
