@@ -145,10 +145,11 @@ TEST(TensorParallel, SelfAttentionMatchesMultiheadAttention) {
   });
 }
 
+#if TORCH_VERSION_MAJOR >= 2
 // The names of the nodes of y's autograd graph.
 std::set<std::string> graph_node_names(const at::Tensor& y) {
   std::set<std::string> names;
-  // shared_ptr before libtorch 2.x's intrusive_ptr: the type grad_fn() gives.
+  // The type grad_fn() gives (an intrusive_ptr on libtorch 2.x).
   std::vector<std::decay_t<decltype(y.grad_fn())>> open{y.grad_fn()};
   std::set<const torch::autograd::Node*> seen;
   while (!open.empty()) {
@@ -160,6 +161,7 @@ std::set<std::string> graph_node_names(const at::Tensor& y) {
   }
   return names;
 }
+#endif
 
 // A ViT's and a GPT's attention (the zoo's blocks call self_attention_heads) on `device`: the
 // values of torch::nn::MultiheadAttention, with a decoder's mask as a tensor where causal, and on
