@@ -29,7 +29,8 @@ int run_estimate_command(TrainOptions o) {
   apply_deepspeed_config(o);
   // The job's own checks that need no data: the model, the plan, its units and its mesh.
   const auto plan = o.plan.plan(o.scaling.workers);
-  parallel::checkpointed_units(*model_shape_of(o), plan.activation_checkpointing);
+  parallel::checkpointed_units(*model_shape_of(o), plan.activation_checkpointing,
+                               plan.unit_choice());
   validate_mesh(o);
   const auto estimate = estimate_of(o);
   // The plan's degrees where they are not the defaults: what the figures are for.

@@ -73,7 +73,8 @@ train::MemoryEstimate estimate_of(const TrainOptions& o) {
   torch::manual_seed(o.loop.seed);
   auto model = models::create_model(o.model, options);
   if (plan.activation_checkpointing.enabled())
-    parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing);
+    parallel::apply_activation_checkpointing(*model, plan.activation_checkpointing,
+                                             plan.unit_choice());
   runtime::heap_for_steps();
   const auto spec = estimated_spec(model, plan);
   // One micro-batch: the batch, or with a pipeline one of its micro-batches.
@@ -140,7 +141,8 @@ void validate(const TrainOptions& o) {
                      std::to_string(o.heads) + "): " + e.what());
   }
   parallel::checkpointed_units(
-      *model, parallel::parse_activation_checkpointing(o.plan.activation_checkpointing));
+      *model, parallel::parse_activation_checkpointing(o.plan.activation_checkpointing),
+      {.pipeline = o.plan.pp > 1});
   check_offload_room(o);
   // The hyperparameters, checked as the workers will build them.
   try {

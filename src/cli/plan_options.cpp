@@ -145,11 +145,13 @@ void add_plan_options(CLI::App* cmd, PlanOptions& o) {
   cmd->add_option("--gradient-clipping", o.gradient_clipping,
                   "clip the gradients' global L2 norm to this (0: no clipping)")
       ->capture_default_str();
-  cmd->add_option("--activation-checkpointing", o.activation_checkpointing,
-                  "recompute the forward of the model's units in backward instead of keeping "
-                  "their activations: none, every:K (every K-th unit; every:1 all of them) or "
-                  "layers:NAME[,NAME...] (units by name, e.g. layers.3, or type, e.g. "
-                  "BasicBlock); less memory for about one more forward per step")
+  cmd->add_option(
+         "--activation-checkpointing", o.activation_checkpointing,
+         "recompute the forward of the model's units in backward instead of keeping "
+         "their activations: none, every:K (every K-th unit; every:1 all of them but, without a "
+         "pipeline, the last, which backward would recompute at once) or "
+         "layers:NAME[,NAME...] (units by name, e.g. layers.3, or type, e.g. "
+         "BasicBlock); less memory for about one more forward per step")
       ->capture_default_str();
   cmd->add_option("--offload-optimizer", o.offload_optimizer,
                   "where the optimizer state lives: none (with the parameters), cpu (host "

@@ -226,7 +226,8 @@ std::vector<Unit> units_of(const torch::nn::Module& module) {
 }
 
 std::vector<Unit> chosen_units(const torch::nn::Module& module,
-                               const ActivationCheckpointing& policy, std::vector<Unit>& all) {
+                               const ActivationCheckpointing& policy,
+                               const UnitChoiceOptions& options, std::vector<Unit>& all) {
   policy.validate();
   all = units_of(module);
   const std::string flag = "--activation-checkpointing " + to_string(policy);
@@ -240,13 +241,23 @@ std::vector<Unit> chosen_units(const torch::nn::Module& module,
     listing += (listing.empty() ? "" : ", ") + u.description.name + " (" + u.description.type + ")";
   std::vector<Unit> chosen;
   if (policy.every > 0) {
-    for (size_t i = 0; i < all.size(); ++i)
+    // Without a pipeline the last unit stays plain (UnitChoiceOptions::pipeline says why).
+    const size_t counted = options.pipeline ? all.size() : all.size() - 1;
+    for (size_t i = 0; i < counted; ++i)
       if ((i + 1) % static_cast<size_t>(policy.every) == 0) chosen.push_back(all[i]);
-    if (chosen.empty()) {
-      throw UsageError(flag + " chooses none of the model's " + std::to_string(all.size()) +
-                       " units: use every:K with K <= " + std::to_string(all.size()));
+    if (!chosen.empty()) return chosen;
+    const auto& last = all.back().description.name;
+    if (counted == 0) {
+      throw UsageError(flag + ": the model's one unit, " + last +
+                       ", is recomputed in backward right after the forward, which saves no "
+                       "memory; give layers:" +
+                       last + " to checkpoint it anyway");
     }
-    return chosen;
+    throw UsageError(flag + " chooses none of the model's " + std::to_string(all.size()) +
+                     " units but the last (" + last +
+                     "), which backward recomputes right after the forward, saving no memory: "
+                     "use every:K with K <= " +
+                     std::to_string(counted));
   }
   std::set<size_t> picked;
   for (const auto& wanted : policy.layers) {
@@ -309,17 +320,19 @@ at::Tensor checkpoint(const torch::nn::Module& module,
 }
 
 std::vector<CheckpointedUnit> checkpointed_units(const torch::nn::Module& module,
-                                                 const ActivationCheckpointing& policy) {
+                                                 const ActivationCheckpointing& policy,
+                                                 const UnitChoiceOptions& options) {
   std::vector<Unit> all;
   std::vector<CheckpointedUnit> out;
-  for (const auto& u : chosen_units(module, policy, all)) out.push_back(u.description);
+  for (const auto& u : chosen_units(module, policy, options, all)) out.push_back(u.description);
   return out;
 }
 
-std::vector<CheckpointedUnit> apply_activation_checkpointing(
-    torch::nn::Module& module, const ActivationCheckpointing& policy) {
+std::vector<CheckpointedUnit> apply_activation_checkpointing(torch::nn::Module& module,
+                                                             const ActivationCheckpointing& policy,
+                                                             const UnitChoiceOptions& options) {
   std::vector<Unit> all;
-  const auto chosen = chosen_units(module, policy, all);
+  const auto chosen = chosen_units(module, policy, options, all);
   for (const auto& u : all) u.module->set_activation_checkpointing(false);
   std::vector<CheckpointedUnit> out;
   for (const auto& u : chosen) {

@@ -322,8 +322,8 @@ ParallelModel parallelize(ModelSpec model, const OptimizerFactory& make_optimize
   // Before any engine wraps the model: the units are the model's own (a pipeline's stages share
   // them).
   if (plan.activation_checkpointing.enabled()) {
-    st->checkpointed =
-        parallel::apply_activation_checkpointing(*model.module, plan.activation_checkpointing);
+    st->checkpointed = parallel::apply_activation_checkpointing(
+        *model.module, plan.activation_checkpointing, plan.unit_choice());
   }
   if (!plan.has_mesh()) {
     st->model = std::move(model);

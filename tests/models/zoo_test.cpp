@@ -206,7 +206,9 @@ TEST(Zoo, EveryModelCheckpointsEveryUnitToThePlainGradients) {
       torch::manual_seed(9);
       auto model = create_model(name, {.depth = 2, .width = 32, .context = 16});
       if (checkpointed) {
-        const auto units = parallel::apply_activation_checkpointing(*model, {.every = 1});
+        // Every unit, the last included (as a pipeline counts them).
+        const auto units =
+            parallel::apply_activation_checkpointing(*model, {.every = 1}, {.pipeline = true});
         EXPECT_GE(units.size(), 2u);
       }
       torch::manual_seed(10);
@@ -392,7 +394,8 @@ TEST(Zoo, PipelineLayersComposeToTheModelAndHoldEachParameterOnce) {
     // The layers run the units as the model does: checkpointed, each recomputes in backward.
     {
       auto checkpointed = create_model(name);
-      const auto marked = parallel::apply_activation_checkpointing(*checkpointed, {.every = 1});
+      const auto marked =
+          parallel::apply_activation_checkpointing(*checkpointed, {.every = 1}, {.pipeline = true});
       EXPECT_EQ(checkpointed_nodes(checkpointed->pipeline_layers()->forward(x)),
                 static_cast<int>(marked.size()))
           << name;

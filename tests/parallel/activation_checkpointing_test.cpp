@@ -215,15 +215,32 @@ TEST(ActivationCheckpointing, PoliciesParseAndBadOnesAreNamed) {
 
 TEST(ActivationCheckpointing, PoliciesChooseUnitsByPositionNameOrTypeAndNameWhatIsMissing) {
   auto net = seeded_net();
-  const auto names = [&](const std::string& policy) {
+  const auto names = [&](const std::string& policy, UnitChoiceOptions options = {}) {
     std::vector<std::string> out;
-    for (const auto& u : checkpointed_units(*net, parse_activation_checkpointing(policy)))
+    for (const auto& u : checkpointed_units(*net, parse_activation_checkpointing(policy), options))
       out.push_back(u.name);
     return out;
   };
-  EXPECT_EQ(names("every:2"), (std::vector<std::string>{"block1", "block3"}));
-  EXPECT_EQ(names("every:4"), (std::vector<std::string>{"block3"}));
-  EXPECT_EQ(names("layers:block0,block2"), (std::vector<std::string>{"block0", "block2"}));
+  // Without a pipeline every:K leaves the last unit plain; a pipeline's stages count it.
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(names("every:1"), (Names{"block0", "block1", "block2"}));
+  EXPECT_EQ(names("every:1", {.pipeline = true}), (Names{"block0", "block1", "block2", "block3"}));
+  EXPECT_EQ(names("every:2"), (Names{"block1"}));
+  EXPECT_EQ(names("every:2", {.pipeline = true}), (Names{"block1", "block3"}));
+  EXPECT_EQ(names("every:4", {.pipeline = true}), (Names{"block3"}));
+  try {
+    names("every:4");
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("every:4 chooses none of the model's 4 units but the "
+                                         "last (block3), which backward recomputes right after "
+                                         "the forward, saving no memory: use every:K with K <= 3"),
+              std::string::npos)
+        << e.what();
+  }
+  // Names are taken as written, the last unit's too.
+  EXPECT_EQ(names("layers:block0,block2"), (Names{"block0", "block2"}));
+  EXPECT_EQ(names("layers:block3"), (Names{"block3"}));
   EXPECT_EQ(names("layers:RecomputedBlock").size(), 4u);
   EXPECT_TRUE(names("none").empty());
   try {
@@ -245,6 +262,19 @@ TEST(ActivationCheckpointing, PoliciesChooseUnitsByPositionNameOrTypeAndNameWhat
     EXPECT_NE(std::string(e.what()).find("wrap its layers in parallel::FullyShard"),
               std::string::npos);
   }
+  // A model of one unit: every:1 would only recompute it at once; naming it checkpoints it.
+  auto one = torch::nn::Sequential(FullyShard(torch::nn::Linear(2, 2)));
+  try {
+    checkpointed_units(*one, {.every = 1});
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("the model's one unit, 0, is recomputed in backward right "
+                                         "after the forward, which saves no memory; give "
+                                         "layers:0 to checkpoint it anyway"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(checkpointed_units(*one, {.layers = {"0"}}).size(), 1u);
   // Applying a policy marks exactly its units, and a second one replaces the first.
   apply_activation_checkpointing(*net, parse_activation_checkpointing("every:1"));
   apply_activation_checkpointing(*net, parse_activation_checkpointing("layers:block2"));

@@ -68,11 +68,13 @@ struct CheckpointedUnit {
   std::string type;  ///< the type of the module it wraps ("BasicBlock")
 };
 
-/// The units of `module` that `policy` checkpoints, without changing anything. A UsageError of
-/// one line when a name matches no unit (listing the model's units), when the model has no
-/// units at all, or when the policy is invalid.
+/// The units of `module` that `policy` checkpoints, without changing anything. The units are
+/// counted in the model's order (named_modules()), which the model's forward is expected to
+/// follow. A UsageError of one line when a name matches no unit (listing the model's units), when
+/// the model has no units at all, when every:K chooses no unit, or when the policy is invalid.
 std::vector<CheckpointedUnit> checkpointed_units(const torch::nn::Module& module,
-                                                 const ActivationCheckpointing& policy);
+                                                 const ActivationCheckpointing& policy,
+                                                 const UnitChoiceOptions& options = {});
 
 /// Marks the units of `module` that `policy` chooses to checkpoint their forward (and every other
 /// unit not to), and returns them. The same errors as checkpointed_units(). Works under every
@@ -80,6 +82,7 @@ std::vector<CheckpointedUnit> checkpointed_units(const torch::nn::Module& module
 /// share the model's units, and tensor-parallel units recompute their collectives alike on every
 /// rank of their group.
 std::vector<CheckpointedUnit> apply_activation_checkpointing(torch::nn::Module& module,
-                                                             const ActivationCheckpointing& policy);
+                                                             const ActivationCheckpointing& policy,
+                                                             const UnitChoiceOptions& options = {});
 
 }  // namespace cohort::parallel

@@ -81,6 +81,9 @@ struct Plan {
   bool has_mesh() const { return pp > 1 || tp > 1; }
   /// Stages per pipeline rank: the interleaved schedule's two, else one.
   int virtual_stages() const;
+  /// How the model's units run, for choosing the ones activation_checkpointing checkpoints:
+  /// every:K leaves the last unit plain without a pipeline.
+  parallel::UnitChoiceOptions unit_choice() const { return {.pipeline = pp > 1}; }
   /// Micro-batches of one optimizer step through the pipeline: --micro-batches (its default
   /// resolved) times the accumulation steps. Without a pipeline, the accumulation steps.
   int micro_batches_per_step() const;
