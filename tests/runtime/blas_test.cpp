@@ -42,8 +42,12 @@ TEST(Blas, NamesTheLibraryWhoseSgemmTheProcessCalls) {
   // Debian's optimised libraries, each in a folder of its own (openblas-openmp/, blis-pthread/):
   // their libblas.so.3 is a thin library over the one that says what it is.
   const auto folder = std::filesystem::path(blas.path).parent_path().filename().string();
-  if (folder.starts_with("openblas")) EXPECT_TRUE(blas.name.starts_with("OpenBLAS")) << blas.name;
-  if (folder.starts_with("blis")) EXPECT_TRUE(blas.name.starts_with("BLIS")) << blas.name;
+  if (folder.starts_with("openblas")) {
+    EXPECT_TRUE(blas.name.starts_with("OpenBLAS")) << blas.name;
+  }
+  if (folder.starts_with("blis")) {
+    EXPECT_TRUE(blas.name.starts_with("BLIS")) << blas.name;
+  }
   EXPECT_EQ(blas.reference, !blas_advice().empty()) << blas.name;
   std::cout << "this process's BLAS: " << blas.name << " (" << blas.path << ")" << std::endl;
 }
