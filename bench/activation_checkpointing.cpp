@@ -131,6 +131,20 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--threads", threads, "torch threads (0: torch's default)");
   CLI11_PARSE(app, argc, argv);
+  // Every model and policy checked before any step: an unknown model or unit is one line, not
+  // an exception after minutes of the models before it.
+  try {
+    for (const auto& name : models) {
+      const auto model = cohort::models::create_model(name);
+      for (const auto& policy : policies) {
+        cohort::parallel::checkpointed_units(
+            *model, cohort::parallel::parse_activation_checkpointing(policy));
+      }
+    }
+  } catch (const cohort::UsageError& e) {
+    std::cerr << "activation_checkpointing: " << e.what() << std::endl;
+    return 2;
+  }
 
   // The heap a worker steps under (runtime/heap.h): tensors of 128 KiB to 32 MiB from the tensor
   // cache, which keeps a step's blocks for the next. Under glibc's heap alone the GPT's larger
