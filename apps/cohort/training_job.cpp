@@ -127,7 +127,7 @@ void validate(const TrainOptions& o) {
       data_fix = "; choose another --image-size";
   }
   // The model the workers build, once: an unknown name lists the zoo, the data's shape and a
-  // transformer's sizes (--layers, --width, --heads) are checked; then the units
+  // transformer's sizes (--layers, --width, --heads) are checked; after the plan, the units
   // --activation-checkpointing names, before any worker starts.
   models::ZooModel model;
   try {
@@ -140,9 +140,6 @@ void validate(const TrainOptions& o) {
                      ", --width " + std::to_string(o.width) + ", --heads " +
                      std::to_string(o.heads) + "): " + e.what());
   }
-  parallel::checkpointed_units(
-      *model, parallel::parse_activation_checkpointing(o.plan.activation_checkpointing),
-      {.pipeline = o.plan.pp > 1});
   check_offload_room(o);
   // The hyperparameters, checked as the workers will build them.
   try {
@@ -152,13 +149,15 @@ void validate(const TrainOptions& o) {
     throw UsageError(std::string(e.what()) + " (from --deepspeed " + o.deepspeed + ")");
   }
   o.loop.validate();
+  train::Plan plan;
   try {
-    o.plan.plan(o.scaling.workers);
+    plan = o.plan.plan(o.scaling.workers);
   } catch (const UsageError& e) {
     if (o.deepspeed.empty()) throw;
     throw UsageError(std::string(e.what()) + " (" + o.deepspeed +
                      " sets --zero-stage, --gradient-accumulation-steps and --gradient-clipping)");
   }
+  parallel::checkpointed_units(*model, plan.activation_checkpointing, plan.unit_choice());
   // What the Trainer checks of the configs these flags fill (the worker counts, the parameter
   // servers, an elastic mesh, threads, GPUs, backend, umask, profiled steps), named by the flags.
   auto names = kRunFlagNames;

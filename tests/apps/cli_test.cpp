@@ -23,6 +23,7 @@
 #include "cohort/train/checkpoint.h"
 #include "cohort/version.h"
 #include "support/cuda.h"
+#include "support/reference_blas.h"
 #include "support/subprocess.h"
 #include "support/tiny_mnist.h"
 
@@ -564,11 +565,11 @@ TEST_F(Cli, VersionAndEnvSayWhatThisBuildIsAndSees) {
   EXPECT_NE(r.output.find("BLAS         " + runtime::blas_library().name), std::string::npos)
       << r.output;
   // With Debian's reference BLAS first (where it is installed), a warning says what to install.
-  if (const std::string reference = "/usr/lib/x86_64-linux-gnu/blas/libblas.so.3";
-      std::filesystem::exists(reference)) {
+  if (const auto reference = cohort::testing::reference_blas_file(); !reference.empty()) {
     r = env({"LD_PRELOAD=" + reference});
     EXPECT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("BLAS         the reference BLAS (/usr/lib/x86_64-linux-gnu/blas/"),
+    EXPECT_NE(r.output.find("BLAS         the reference BLAS (" +
+                            std::filesystem::path(reference).parent_path().string() + "/"),
               std::string::npos)
         << r.output;
     EXPECT_NE(r.output.find("warning: libtorch's matrix products run on the reference BLAS"),

@@ -9,22 +9,14 @@
 #include <iostream>
 #include <string>
 
+#include "support/reference_blas.h"
 #include "support/scoped_variable.h"
 
 namespace cohort::runtime {
 namespace {
 
+using cohort::testing::reference_blas_file;
 using cohort::testing::ScopedVariable;
-
-// Debian's netlib reference BLAS (libblas3) where it is installed, whichever library
-// libblas.so.3 points to.
-std::string reference_blas_file() {
-  for (const auto* dir : {"/usr/lib/x86_64-linux-gnu/blas", "/usr/lib/aarch64-linux-gnu/blas"}) {
-    const auto file = std::filesystem::path(dir) / "libblas.so.3";
-    if (std::filesystem::exists(file)) return file.string();
-  }
-  return "";
-}
 
 TEST(Blas, NamesTheLibraryWhoseSgemmTheProcessCalls) {
   // A product first, so that libtorch has done whatever loading its BLAS takes.
