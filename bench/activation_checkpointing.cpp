@@ -183,7 +183,10 @@ int main(int argc, char** argv) {
     // kept. The same batch every step: the losses of the variants must agree.
     for (int round = 0; round <= rounds; ++round) {
       for (auto& v : variants) {
-        v.optimizer->zero_grad();
+        // The gradients are zeroed where they are, as libtorch 1.13's zero_grad() does; 2.x's
+        // frees them, and backward's allocating them again would count as activation memory.
+        for (const auto& p : v.model->parameters())
+          if (p.grad().defined()) p.grad().zero_();
         const int64_t before = counting.live();
         counting.reset_peak();
         const auto start = Clock::now();
