@@ -573,7 +573,8 @@ std::string ParallelModel::describe() const {
       state_->checkpointed.empty()
           ? ""
           : ", activation checkpointing " + parallel::to_string(plan.activation_checkpointing) +
-                " (" + std::to_string(state_->checkpointed.size()) + " units)";
+                " (" + std::to_string(state_->checkpointed.size()) +
+                (state_->checkpointed.size() == 1 ? " unit)" : " units)");
   if (!state_->pipe) return engine + recomputed;
   return "mesh " + parallel::to_string(state_->mesh->shape()) + ": " +
          std::to_string(state_->model.layers->size()) + " layers in " +

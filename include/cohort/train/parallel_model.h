@@ -131,7 +131,7 @@ class ParallelModel {
   int64_t steps() const;
   /// The learning rate of the optimizer's first param group.
   double lr() const;
-  /// One line for the log: "DDP", "ZeRO stage 2, activation checkpointing every:1 (10 units)",
+  /// One line for the log: "DDP", "ZeRO stage 2, activation checkpointing every:1 (9 units)",
   /// "mesh dp 1 x pp 2 x tp 1: 3 layers in 2 stages, 1f1b over 4 micro-batches, DDP over dp".
   std::string describe() const;
 
