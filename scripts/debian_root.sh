@@ -3,7 +3,8 @@
 # debootstrap: the second libtorch line of CI (suite sid: libtorch 2.x, the newest c10d API).
 #
 #   scripts/debian_root.sh [--suite sid|trixie] [--cuda] [--no-core-pch] [--no-bench] [--sanitize]
-#                          [--no-fuzz-replays] [--opt-level N] [--no-tests] [--prepare-only]
+#                          [--sanitize-layers] [--no-fuzz-replays] [--opt-level N] [--no-tests]
+#                          [--prepare-only]
 #   scripts/debian_root.sh --suite bookworm --install-deb cohort_VERSION_ARCH.deb
 #
 # The root lives outside the clone (COHORT_ROOTS, default /var/cache/cohort/roots/<suite>), so a
@@ -14,8 +15,10 @@
 # 1.13 lane, from the same sources). --opt-level N compiles everything at -ON, not -O3 (CI: 1,
 # for a third less compile time in a lane that measures nothing). --sanitize builds everything with AddressSanitizer and
 # UndefinedBehaviorSanitizer (-DCOHORT_SANITIZE=ON), so that the whole suite runs instrumented and any finding fails its test
-# with the sanitizer's report (about three times slower than plain: CI runs the comm, runtime,
-# data and train tests so, with scripts/sanitizer_check.sh). --prepare-only makes the root and
+# with the sanitizer's report (about three times slower than plain). --sanitize-layers (CI) builds
+# and runs the comm, runtime, data and train tests that way instead (scripts/sanitizer_check.sh,
+# in build-<suite>-sanitize/) and leaves them out of the plain build and its run: those layers'
+# tests run once against libtorch 2.x, instrumented, and the rest plain. --prepare-only makes the root and
 # installs the packages, no more (CI runs it while the first lane builds: downloading and
 # unpacking overlap compiling). --cuda instead compiles comm/'s NCCL path and the sources with a
 # CUDA path (COHORT_WITH_CUDA: CUDA graphs' capture) (syntax only: there is no GPU, and the cuDNN
@@ -34,6 +37,7 @@ bench=ON
 fuzz=ON
 opt_level=""
 sanitize=OFF
+sanitize_layers=0
 prepare_only=0
 deb=""
 while [ $# -gt 0 ]; do
@@ -49,6 +53,7 @@ while [ $# -gt 0 ]; do
         { echo "debian_root.sh: --opt-level '${2:-}': use 0, 1, 2, 3, s or g (-O<level>)" >&2; exit 2; }
       opt_level="$2"; shift 2 ;;
     --sanitize) sanitize=ON; shift ;;
+    --sanitize-layers) sanitize_layers=1; shift ;;
     --prepare-only) prepare_only=1; shift ;;
     --install-deb) deb="$(cd "$(dirname "$2")" && pwd)/$(basename "$2")"; shift 2 ;;
     *) echo "debian_root.sh: unknown option '$1' (see the comment at the top of $0)" >&2; exit 2 ;;
@@ -59,6 +64,10 @@ case "$suite" in
   bookworm) [ -n "$deb" ] || { echo "debian_root.sh: --suite bookworm is for --install-deb" >&2; exit 2; } ;;
   *) echo "debian_root.sh: --suite $suite: use sid (libtorch 2.x, newest) or trixie (libtorch 2.6)" >&2; exit 2 ;;
 esac
+if [ "$sanitize_layers" -eq 1 ] && [ "$sanitize" = ON ]; then
+  echo "debian_root.sh: --sanitize-layers with --sanitize: --sanitize instruments every test already" >&2
+  exit 2
+fi
 if [ -n "$opt_level" ] && [ "$sanitize" = ON ]; then
   echo "debian_root.sh: --opt-level with --sanitize: the sanitized build compiles at -O1 of its own" >&2
   exit 2
@@ -188,6 +197,9 @@ if [ "$prepare_only" -eq 1 ]; then
   exit 0
 fi
 build="build-$suite"
+# --sanitize-layers: the layers' test binaries are built and run instrumented, after the others.
+skipped=""
+[ "$sanitize_layers" -eq 1 ] && skipped="$("$src/scripts/sanitizer_check.sh" --binaries)"
 # The configuration is made once per build folder; a changed option starts it afresh.
 if ! grep -qs "^COHORT_CORE_PCH:BOOL=$core_pch\$" "$src/$build/CMakeCache.txt" ||
   ! grep -qs "^COHORT_SANITIZE:BOOL=$sanitize\$" "$src/$build/CMakeCache.txt"; then
@@ -198,12 +210,13 @@ fi
 if [ -f "$src/$build/build.ninja" ] &&
   { ! grep -qs "^COHORT_BUILD_BENCH:BOOL=$bench\$" "$src/$build/CMakeCache.txt" ||
     ! grep -qs "^COHORT_FUZZ_REPLAYS:BOOL=$fuzz\$" "$src/$build/CMakeCache.txt" ||
-    ! grep -qs "^COHORT_OPT_LEVEL:STRING=$opt_level\$" "$src/$build/CMakeCache.txt"; }; then
+    ! grep -qs "^COHORT_OPT_LEVEL:STRING=$opt_level\$" "$src/$build/CMakeCache.txt" ||
+    ! grep -qsxF "COHORT_SKIP_TEST_BINARIES:STRING=$skipped" "$src/$build/CMakeCache.txt"; }; then
   in_root cmake -S /src -B "/src/$build" -DCOHORT_BUILD_BENCH="$bench" -DCOHORT_FUZZ_REPLAYS="$fuzz" \
-    -DCOHORT_OPT_LEVEL="$opt_level" >&2
+    -DCOHORT_OPT_LEVEL="$opt_level" "-DCOHORT_SKIP_TEST_BINARIES=$skipped" >&2
 fi
 in_root env COHORT_BUILD_DIR="/src/$build" \
-  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench -DCOHORT_FUZZ_REPLAYS=$fuzz -DCOHORT_SANITIZE=$sanitize -DCOHORT_OPT_LEVEL=$opt_level" \
+  COHORT_CMAKE_ARGS="-DCOHORT_CORE_PCH=$core_pch -DCOHORT_BUILD_BENCH=$bench -DCOHORT_FUZZ_REPLAYS=$fuzz -DCOHORT_SANITIZE=$sanitize -DCOHORT_OPT_LEVEL=$opt_level -DCOHORT_SKIP_TEST_BINARIES=$skipped" \
   /src/scripts/setup.sh
 what="built"
 [ "$sanitize" = ON ] && what="built with AddressSanitizer and UndefinedBehaviorSanitizer"
@@ -225,4 +238,8 @@ if [ "$tests" -eq 1 ]; then
   own+='|Cli\.(BadInput|ConfigFiles|LaunchRejects|CtrlC|WorkersDieWithAKilledDriver|AKilledDriver'
   own+='|TuneSearches|TuneRejects|AKilledTune)'
   in_root ctest --test-dir "/src/$build" --output-on-failure -j2 -E "^(format\.|docs\.|packaging\.|$own)"
+  if [ "$sanitize_layers" -eq 1 ]; then
+    in_root /src/scripts/sanitizer_check.sh "/src/$build-sanitize"
+    log "the comm, runtime, data and train tests passed under the sanitizers against $(in_root dpkg-query -W -f='libtorch-dev ${Version}' libtorch-dev)"
+  fi
 fi
