@@ -214,7 +214,9 @@ class ImageFolderSource : public Source {
       if (image.channels() == 3) cv::cvtColor(image, image, cv::COLOR_BGR2RGB);
       auto hwc =
           torch::from_blob(image.data, {image.rows, image.cols, image.channels()}, torch::kUInt8);
-      auto chw = hwc.permute({2, 0, 1}).contiguous();
+      // A copy, always: a one-channel image's [1, H, W] permutation is already contiguous, and
+      // contiguous() would return a view of the cv::Mat freed at the end of this iteration.
+      auto chw = hwc.permute({2, 0, 1}).clone(at::MemoryFormat::Contiguous);
       if (!images.empty() && chw.sizes() != images.front().sizes()) {
         throw UsageError("image " + path.string() + " is " + std::to_string(image.cols) + "x" +
                          std::to_string(image.rows) + " while earlier ones are " +
