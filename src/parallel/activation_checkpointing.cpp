@@ -3,10 +3,14 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/version.h>
 
 #include <algorithm>
+#include <optional>
 #include <set>
+#include <type_traits>
 #include <unordered_set>
 #include <utility>
 
@@ -99,6 +103,110 @@ std::vector<at::Tensor> unlisted_leaves(const std::vector<at::Tensor>& roots,
   return out;
 }
 
+// A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
+using Accumulator =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+// A new accumulator for `p`, and setting `p`'s, in either kind of pointer: templates whose
+// branches depend on Pointer, so that only the installed libtorch's is compiled.
+template <class Pointer>
+Pointer new_accumulator(const at::Tensor& p) {
+  using Accumulate =
+      std::conditional_t<sizeof(Pointer) != 0, torch::autograd::AccumulateGrad, void>;
+  if constexpr (std::is_same_v<Pointer, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<Accumulate>(p);
+  else
+    return c10::make_intrusive<Accumulate>(p);
+}
+
+template <class Pointer>
+void set_accumulator(const at::Tensor& p, const Pointer& accumulator) {
+  using Node = typename Pointer::element_type;
+  if constexpr (std::is_same_v<Pointer, std::shared_ptr<torch::autograd::Node>>)
+    torch::autograd::impl::set_grad_accumulator(p, std::weak_ptr<Node>(accumulator));
+  else
+    torch::autograd::impl::set_grad_accumulator(p, c10::weak_intrusive_ptr<Node>(accumulator));
+}
+
+// Whether anything but the engine's post-hooks listens to `p`'s gradient as it is accumulated:
+// a tensor hook (register_hook), or in libtorch 2.x a post-accumulate hook. Those must see the
+// gradient where the caller's backward accumulates it.
+bool has_gradient_hooks(const at::Tensor& p) {
+  if (!torch::autograd::impl::hooks(p).empty()) return true;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  if (torch::autograd::impl::post_acc_grad_hooks(p) != nullptr) return true;
+#endif
+  return false;
+}
+
+// While it lives, the parameters' gradients accumulate through new accumulators, without the
+// hooks on the parameters' own (DDP's, ZeRO's): the graph recorded meanwhile (the
+// recomputation's) has edges to the new ones. The own ones are put back at its end, in reverse
+// order, so that a parameter listed twice ends with its own.
+class SubstituteAccumulators {
+ public:
+  explicit SubstituteAccumulators(const std::vector<at::Tensor>& params) : params_(params) {
+    for (const auto& p : params_) {
+      own_.push_back(torch::autograd::impl::grad_accumulator(p));
+      substitutes_.push_back(new_accumulator<Accumulator>(p));
+      set_accumulator(p, substitutes_.back());
+    }
+  }
+  ~SubstituteAccumulators() {
+    for (size_t i = params_.size(); i-- > 0;) set_accumulator(params_[i], own_[i]);
+  }
+  SubstituteAccumulators(const SubstituteAccumulators&) = delete;
+  SubstituteAccumulators& operator=(const SubstituteAccumulators&) = delete;
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<Accumulator> own_, substitutes_;
+};
+
+// A tensor's hooks (register_hook): read-only in libtorch 1.13, whose grad() does not run them.
+using TensorHooks =
+    std::remove_const_t<std::remove_reference_t<decltype(torch::autograd::impl::hooks(
+        std::declval<const at::Tensor&>()))>>;
+
+// Takes a tensor's hooks out of `hooks`, and puts them back, where libtorch lets them be moved
+// (templates, so that only the branch of the installed libtorch is compiled).
+template <class Hooks>
+void take_hooks(Hooks& hooks, TensorHooks& taken) {
+  if constexpr (!std::is_const_v<Hooks>) {
+    taken = std::move(hooks);
+    hooks.clear();
+  }
+}
+template <class Hooks>
+void put_back_hooks(Hooks& hooks, TensorHooks& taken) {
+  if constexpr (!std::is_const_v<Hooks>) {
+    for (auto& hook : hooks) taken.push_back(std::move(hook));  // registered meanwhile: after
+    hooks = std::move(taken);
+  }
+}
+
+// While it lives, the parameters' tensor hooks are set aside. libtorch 2.x runs them on the
+// gradients grad() captures, and the caller's backward runs them again as it accumulates what
+// the checkpoint returns: twice, where without checkpointing they run once.
+class TensorHooksAside {
+ public:
+  explicit TensorHooksAside(const std::vector<at::Tensor>& params) {
+    for (const auto& p : params) {
+      TensorHooks hooks;
+      take_hooks(torch::autograd::impl::hooks(p), hooks);
+      if (!hooks.empty()) aside_.emplace_back(p, std::move(hooks));
+    }
+  }
+  ~TensorHooksAside() {
+    for (auto& [p, hooks] : aside_) put_back_hooks(torch::autograd::impl::hooks(p), hooks);
+  }
+  TensorHooksAside(const TensorHooksAside&) = delete;
+  TensorHooksAside& operator=(const TensorHooksAside&) = delete;
+
+ private:
+  std::vector<std::pair<at::Tensor, TensorHooks>> aside_;
+};
+
 std::string shape_of(const at::Tensor& t) {
   std::string s = "[";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -130,6 +238,30 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       input.requires_grad_(saved.requires_grad());
       inputs.push_back(std::move(input));
     }
+    // What to differentiate by: the inputs and parameters whose gradients the caller's backward
+    // needs (a pipeline's input-only backward needs no parameter's).
+    std::vector<size_t> needed_inputs, needed_params;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].defined() && inputs[i].requires_grad() && ctx->needs_input_grad(i))
+        needed_inputs.push_back(i);
+    for (size_t j = 0; j < r->parameters.size(); ++j)
+      if (ctx->needs_input_grad(r->num_inputs + j)) needed_params.push_back(j);
+    std::vector<at::Tensor> params;
+    for (size_t j : needed_params) params.push_back(r->parameters[j]);
+    // In a backward that accumulates every leaf's gradient (loss.backward(), not grad() or
+    // backward(inputs)), the recomputed backward adds each parameter's gradient to its .grad as
+    // soon as it is made, through a substitute accumulator, and frees it. Returned instead, the
+    // unit's parameter gradients are all live at once until this backward ends: ResNet-18's
+    // last block held both its 9.4 MB weight gradients so, more than the activations it saves.
+    // The parameters' own accumulators then run after this node with no gradient: their hooks
+    // (DDP's, ZeRO's) fire once, in the caller's backward, and find .grad complete. A parameter
+    // with hooks of its own (register_hook) has its gradient returned: they see it there.
+    bool accumulate = !create_graph && !params.empty() &&
+                      torch::autograd::Engine::get_default_engine().is_checkpoint_valid();
+    for (const auto& p : params)
+      if (has_gradient_hooks(p)) accumulate = false;
+    std::optional<SubstituteAccumulators> substitutes;
+    if (accumulate) substitutes.emplace(params);
     std::vector<at::Tensor> outputs;
     // Put back once the recomputed graph is differentiated: BatchNorm's backward reads the
     // running statistics it saved, at the version the recomputation left.
@@ -153,26 +285,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         root_grads.push_back(grad_outputs[i]);
       }
     }
-    // What to differentiate by: the inputs and parameters whose gradients the caller's backward
-    // needs (a pipeline's input-only backward needs no parameter's).
     std::unordered_set<const c10::TensorImpl*> known;
-    std::vector<at::Tensor> by;
-    std::vector<size_t> slot;  // index into the forward's tensors
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      if (!inputs[i].defined()) continue;
-      known.insert(inputs[i].unsafeGetTensorImpl());
-      if (inputs[i].requires_grad() && ctx->needs_input_grad(i)) {
-        by.push_back(inputs[i]);
-        slot.push_back(i);
-      }
-    }
-    for (size_t j = 0; j < r->parameters.size(); ++j) {
-      known.insert(r->parameters[j].unsafeGetTensorImpl());
-      if (ctx->needs_input_grad(r->num_inputs + j)) {
-        by.push_back(r->parameters[j]);
-        slot.push_back(r->num_inputs + j);
-      }
-    }
+    for (const auto& input : inputs)
+      if (input.defined()) known.insert(input.unsafeGetTensorImpl());
+    for (const auto& p : r->parameters) known.insert(p.unsafeGetTensorImpl());
     const auto unlisted = unlisted_leaves(roots, known);
     if (!unlisted.empty()) {
       throw UsageError("parallel::checkpoint: the function uses " +
@@ -185,11 +301,28 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     }
     // The first gradient is the Recomputation's (not a tensor): none.
     variable_list grads(1 + r->num_inputs + r->parameters.size());
-    if (!roots.empty() && !by.empty()) {
-      const auto g = torch::autograd::grad(roots, by, root_grads, /*retain_graph=*/create_graph,
-                                           create_graph, /*allow_unused=*/true);
-      for (size_t k = 0; k < g.size(); ++k) grads[1 + slot[k]] = g[k];
+    if (roots.empty()) return grads;
+    std::vector<at::Tensor> by;
+    for (size_t i : needed_inputs) by.push_back(inputs[i]);
+    if (accumulate) {
+      // The inputs are leaves of the recomputed graph: their gradients accumulate too.
+      by.insert(by.end(), params.begin(), params.end());
+      torch::autograd::backward(roots, root_grads, /*retain_graph=*/false,
+                                /*create_graph=*/false, by);
+      for (size_t i : needed_inputs) grads[1 + i] = inputs[i].grad();
+      return grads;
     }
+    by.insert(by.end(), params.begin(), params.end());
+    if (by.empty()) return grads;
+    std::vector<at::Tensor> g;
+    {
+      TensorHooksAside hooks_aside(params);
+      g = torch::autograd::grad(roots, by, root_grads, /*retain_graph=*/create_graph, create_graph,
+                                /*allow_unused=*/true);
+    }
+    for (size_t k = 0; k < needed_inputs.size(); ++k) grads[1 + needed_inputs[k]] = g[k];
+    for (size_t k = 0; k < needed_params.size(); ++k)
+      grads[1 + r->num_inputs + needed_params[k]] = g[needed_inputs.size() + k];
     return grads;
   }
 };
@@ -293,8 +426,11 @@ std::vector<at::Tensor> checkpoint(const CheckpointedFunction& fn,
   std::vector<at::Tensor> tensors = inputs;
   std::vector<c10::Device> devices;
   for (const auto& t : inputs) add_cuda_device(t, devices);
+  std::unordered_set<const c10::TensorImpl*> listed;
   for (const auto& p : options.parameters) {
     if (!p.defined() || !p.requires_grad()) continue;
+    // Listed twice (a module shared by two parents), it would have its gradient returned twice.
+    if (!listed.insert(p.unsafeGetTensorImpl()).second) continue;
     r->parameters.push_back(p);
     tensors.push_back(p);
     add_cuda_device(p, devices);

@@ -1,6 +1,7 @@
 #include "cohort/parallel/activation_checkpointing.h"
 
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/torch.h>
 
 #include <functional>
@@ -173,6 +174,90 @@ TEST(ActivationCheckpointing, SeveralInputsAndOutputsGetTheirGradients) {
   (outs[0].sum() * 3 + outs[1]).backward();
   EXPECT_TRUE(torch::allclose(a.grad(), a_grad, 0, 1e-6));
   EXPECT_TRUE(torch::allclose(w.grad(), w_grad, 0, 1e-6));
+  // A parameter listed twice (a module shared by two parents) gets its gradient once, from
+  // backward and from grad() alike.
+  w.mutable_grad().reset();
+  const auto twice = checkpoint(fn, {a, b}, {.parameters = {w, w}});
+  (twice[0].sum() * 3 + twice[1]).backward();
+  EXPECT_TRUE(torch::allclose(w.grad(), w_grad, 0, 1e-6));
+  const auto again = checkpoint(fn, {a, b}, {.parameters = {w, w}});
+  EXPECT_TRUE(torch::allclose(torch::autograd::grad({again[0].sum() * 3 + again[1]}, {w})[0],
+                              w_grad, 0, 1e-6));
+}
+
+// Each parameter's own gradient accumulator, whose hooks DDP and ZeRO listen to, runs once per
+// backward and finds the whole gradient in .grad: the recomputation has added it there. A second
+// step adds to the gradients the first left.
+TEST(ActivationCheckpointing, EachParametersOwnAccumulatorRunsOnceWithItsGradientComplete) {
+  auto plain = seeded_net();
+  auto net = seeded_net();
+  apply_activation_checkpointing(*net, {.every = 1});
+  const auto params = net->parameters();
+  std::vector<int> runs(params.size(), 0);
+  std::vector<at::Tensor> seen(params.size());
+  using Accumulator = decltype(torch::autograd::impl::grad_accumulator(params[0]));
+  std::vector<std::pair<Accumulator, uintptr_t>> hooks;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
+    const auto key =
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [&, i](const torch::autograd::variable_list& outputs,
+                   const torch::autograd::variable_list&) {
+              ++runs[i];
+              seen[i] = params[i].grad().clone();
+              return outputs;
+            }));
+    hooks.emplace_back(std::move(accumulator), key);
+  }
+  for (int step = 1; step <= 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    const Step expected = run_step(plain);
+    const Step actual = run_step(net);
+    expect_same_step(expected, actual);
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_EQ(runs[i], step) << "parameter " << i;
+      ASSERT_TRUE(seen[i].defined()) << "parameter " << i;
+      EXPECT_TRUE(torch::allclose(seen[i], expected.grads[i], 0, 1e-6)) << "parameter " << i;
+    }
+  }
+  for (auto& [accumulator, key] : hooks) accumulator->del_post_hook(key);
+}
+
+// A hook on a checkpointed parameter (register_hook) sees its gradient once, as without
+// checkpointing, and what it returns is what accumulates.
+TEST(ActivationCheckpointing, AHookOnACheckpointedParameterRunsOnce) {
+  std::vector<Step> steps;
+  for (const bool checkpointed : {false, true}) {
+    SCOPED_TRACE(checkpointed ? "checkpointed" : "plain");
+    auto net = seeded_net();
+    if (checkpointed) apply_activation_checkpointing(*net, {.every = 1});
+    int calls = 0;
+    net->blocks[0]->module_as<RecomputedBlockImpl>()->fc->weight.register_hook(
+        [&calls](const at::Tensor& grad) {
+          ++calls;
+          return grad * 2;
+        });
+    steps.push_back(run_step(net));
+    EXPECT_EQ(calls, 1);
+  }
+  expect_same_step(steps[0], steps[1]);
+}
+
+// torch::autograd::grad by the parameters through checkpointed units: their plain gradients,
+// and nothing accumulated into .grad.
+TEST(ActivationCheckpointing, GradByTheParametersLeavesTheirGradAlone) {
+  std::vector<std::vector<at::Tensor>> grads;
+  for (const bool checkpointed : {false, true}) {
+    auto net = seeded_net();
+    if (checkpointed) apply_activation_checkpointing(*net, {.every = 1});
+    torch::manual_seed(7);
+    const auto loss = net->forward(torch::randn({5, 6})).pow(2).mean();
+    grads.push_back(torch::autograd::grad({loss}, net->parameters()));
+    for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i)
+    EXPECT_TRUE(torch::allclose(grads[0][i], grads[1][i], 0, 1e-6)) << "parameter " << i;
 }
 
 TEST(ActivationCheckpointing, AParameterLeftOutIsNamedNotLost) {

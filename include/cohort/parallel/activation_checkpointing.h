@@ -23,10 +23,16 @@ namespace cohort::parallel {
 
 /// What parallel::checkpoint needs to know besides the function and its inputs.
 struct CheckpointOptions {
-  /// The parameters the function uses: their gradients flow out of the checkpoint into their
-  /// .grad, through their gradient accumulators (whose hooks DDP and ZeRO listen to). A parameter
-  /// that requires a gradient, is used by the function and is missing here is an error in
-  /// backward naming its shape: its gradient would be lost.
+  /// The parameters the function uses. In a backward that accumulates (loss.backward()), the
+  /// recomputed backward adds each one's gradient to its .grad as soon as it is made, so that no
+  /// more than one is live at a time, as without checkpointing; then each parameter's own
+  /// gradient accumulator runs once, in the caller's backward, and its hooks (DDP's, ZeRO's) find
+  /// .grad complete. From grad() or backward(inputs), and for a parameter with hooks of its own
+  /// (register_hook), the gradients are returned through the accumulators instead, and a
+  /// unit's are live together until its backward ends. While a backward recomputes the function,
+  /// its parameters must not be used on another thread. A parameter that requires a gradient, is
+  /// used by the function and is missing here is an error in backward naming its shape: its
+  /// gradient would be lost.
   std::vector<at::Tensor> parameters;
   /// Buffers the function updates in training (BatchNorm's running statistics): put back after
   /// the recomputation, so that they are updated once per forward, as without checkpointing.
