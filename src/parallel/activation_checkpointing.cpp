@@ -304,16 +304,15 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     if (roots.empty()) return grads;
     std::vector<at::Tensor> by;
     for (size_t i : needed_inputs) by.push_back(inputs[i]);
+    by.insert(by.end(), params.begin(), params.end());
+    if (by.empty()) return grads;
     if (accumulate) {
-      // The inputs are leaves of the recomputed graph: their gradients accumulate too.
-      by.insert(by.end(), params.begin(), params.end());
+      // The inputs are leaves of the recomputed graph: their gradients accumulate as well.
       torch::autograd::backward(roots, root_grads, /*retain_graph=*/false,
                                 /*create_graph=*/false, by);
       for (size_t i : needed_inputs) grads[1 + i] = inputs[i].grad();
       return grads;
     }
-    by.insert(by.end(), params.begin(), params.end());
-    if (by.empty()) return grads;
     std::vector<at::Tensor> g;
     {
       TensorHooksAside hooks_aside(params);
