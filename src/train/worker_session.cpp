@@ -13,6 +13,8 @@
 #include <iostream>
 #include <random>
 
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/types.h>
 
 #include "cohort/error.h"
@@ -178,14 +180,19 @@ void prepare_module(const std::shared_ptr<torch::nn::Module>& module,
     // would train the replicas apart unnoticed.
     for (const auto& p : module->parameters()) {
       if (!p.requires_grad()) continue;
-      prepared.guarded = p;
       const std::string mode = parallel::to_string(sync);
-      prepared.hook = p.register_hook([mode](const at::Tensor& grad) -> at::Tensor {
-        throw UsageError("backward on a model prepared with sync " + mode +
-                         " before its optimizer was passed through "
-                         "cohort::train::prepare_optimizer(model, optimizer): the replicas would "
-                         "never synchronise");
-      });
+      auto accumulator = torch::autograd::impl::grad_accumulator(p);
+      // Thrown through autograd, which stops the backward and rethrows it from backward().
+      const auto key =
+          accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
+              [mode](const torch::autograd::variable_list&,
+                     const torch::autograd::variable_list&) -> torch::autograd::variable_list {
+                throw UsageError("backward on a model prepared with sync " + mode +
+                                 " before its optimizer was passed through "
+                                 "cohort::train::prepare_optimizer(model, optimizer): the "
+                                 "replicas would never synchronise");
+              }));
+      prepared.remove_guard = [accumulator, key] { accumulator->del_post_hook(key); };
       break;
     }
   } else if (options.zero.stage == 0) {
@@ -243,8 +250,8 @@ std::unique_ptr<torch::optim::Optimizer> prepare_optimizer(
     model.local_sgd = local.get();
     engine = std::move(local);
   }
-  if (model.guarded.defined()) model.guarded.remove_hook(model.hook);
-  model.guarded = at::Tensor();
+  if (model.remove_guard) model.remove_guard();
+  model.remove_guard = nullptr;
   release_free_memory();  // the tensors the engine flattened or sharded
   end_heap_setup(session);
   return engine;

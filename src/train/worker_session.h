@@ -35,7 +35,9 @@ struct WorkerSession {
   // in step: DDP, made by prepare_model, or the engine prepare_optimizer makes around the
   // optimizer (ZeRO at stage >= 1; local SGD and DiLoCo; the parameter server), null until then.
   // Until then a model of a sync mode other than DDP has a hook on its first parameter's gradient
-  // that stops a backward which would train without synchronising.
+  // accumulator that stops a backward which would train without synchronising. It is not a tensor
+  // hook (register_hook): libtorch keeps a removed one's wrapper, and activation checkpointing
+  // treats a parameter with tensor hooks as hooked for good.
   struct PreparedModel {
     std::shared_ptr<torch::nn::Module> module;
     parallel::SyncMode sync;
@@ -44,8 +46,7 @@ struct WorkerSession {
     parallel::ZeroOptimizer* zero_optimizer = nullptr;
     parallel::LocalSgdOptimizer* local_sgd = nullptr;
     parallel::ParameterServerOptimizer* parameter_server = nullptr;
-    at::Tensor guarded;  // the parameter that holds the hook
-    unsigned hook = 0;
+    std::function<void()> remove_guard;  // takes that hook off (empty: none)
 
     // Whether prepare_optimizer makes its engine (every plan but DDP's).
     bool engine_wraps_optimizer() const { return ddp == nullptr; }

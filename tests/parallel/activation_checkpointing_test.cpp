@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <set>
 
 #include "cohort/error.h"
 #include "cohort/optim/precision.h"
@@ -186,14 +187,20 @@ TEST(ActivationCheckpointing, SeveralInputsAndOutputsGetTheirGradients) {
 }
 
 // Each parameter's own gradient accumulator, whose hooks DDP and ZeRO listen to, runs once per
-// backward and finds the whole gradient in .grad: the recomputation has added it there. A second
-// step adds to the gradients the first left.
+// backward and finds the whole gradient in .grad. For a checkpointed unit's parameters it is
+// given none: the recomputation added each gradient to .grad as it was made, rather than
+// returning the unit's gradients together (all of them live at once). A second step adds to the
+// gradients the first left.
 TEST(ActivationCheckpointing, EachParametersOwnAccumulatorRunsOnceWithItsGradientComplete) {
   auto plain = seeded_net();
   auto net = seeded_net();
-  apply_activation_checkpointing(*net, {.every = 1});
+  apply_activation_checkpointing(*net, {.every = 1});  // block0-2; block3 and the head plain
+  std::set<const c10::TensorImpl*> checkpointed;
+  for (size_t b = 0; b < 3; ++b)
+    for (const auto& p : net->blocks[b]->parameters()) checkpointed.insert(p.unsafeGetTensorImpl());
   const auto params = net->parameters();
   std::vector<int> runs(params.size(), 0);
+  std::vector<char> given(params.size(), 0);
   std::vector<at::Tensor> seen(params.size());
   using Accumulator = decltype(torch::autograd::impl::grad_accumulator(params[0]));
   std::vector<std::pair<Accumulator, uintptr_t>> hooks;
@@ -202,8 +209,9 @@ TEST(ActivationCheckpointing, EachParametersOwnAccumulatorRunsOnceWithItsGradien
     const auto key =
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [&, i](const torch::autograd::variable_list& outputs,
-                   const torch::autograd::variable_list&) {
+                   const torch::autograd::variable_list& inputs) {
               ++runs[i];
+              given[i] = inputs.at(0).defined();
               seen[i] = params[i].grad().clone();
               return outputs;
             }));
@@ -216,6 +224,8 @@ TEST(ActivationCheckpointing, EachParametersOwnAccumulatorRunsOnceWithItsGradien
     expect_same_step(expected, actual);
     for (size_t i = 0; i < params.size(); ++i) {
       EXPECT_EQ(runs[i], step) << "parameter " << i;
+      EXPECT_EQ(given[i] != 0, checkpointed.count(params[i].unsafeGetTensorImpl()) == 0)
+          << "parameter " << i;
       ASSERT_TRUE(seen[i].defined()) << "parameter " << i;
       EXPECT_TRUE(torch::allclose(seen[i], expected.grads[i], 0, 1e-6)) << "parameter " << i;
     }
