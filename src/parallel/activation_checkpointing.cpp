@@ -18,6 +18,7 @@
 #include "cohort/optim/precision.h"
 #include "cohort/optim/random_state.h"
 #include "cohort/parallel/fully_shard.h"
+#include "grad_accumulator.h"
 
 namespace cohort::parallel {
 namespace {
@@ -103,31 +104,6 @@ std::vector<at::Tensor> unlisted_leaves(const std::vector<at::Tensor>& roots,
   return out;
 }
 
-// A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
-using Accumulator =
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-
-// A new accumulator for `p`, and setting `p`'s, in either kind of pointer: templates whose
-// branches depend on Pointer, so that only the installed libtorch's is compiled.
-template <class Pointer>
-Pointer new_accumulator(const at::Tensor& p) {
-  using Accumulate =
-      std::conditional_t<sizeof(Pointer) != 0, torch::autograd::AccumulateGrad, void>;
-  if constexpr (std::is_same_v<Pointer, std::shared_ptr<torch::autograd::Node>>)
-    return std::make_shared<Accumulate>(p);
-  else
-    return c10::make_intrusive<Accumulate>(p);
-}
-
-template <class Pointer>
-void set_accumulator(const at::Tensor& p, const Pointer& accumulator) {
-  using Node = typename Pointer::element_type;
-  if constexpr (std::is_same_v<Pointer, std::shared_ptr<torch::autograd::Node>>)
-    torch::autograd::impl::set_grad_accumulator(p, std::weak_ptr<Node>(accumulator));
-  else
-    torch::autograd::impl::set_grad_accumulator(p, c10::weak_intrusive_ptr<Node>(accumulator));
-}
-
 // Whether anything but the engine's post-hooks listens to `p`'s gradient as it is accumulated:
 // a tensor hook (register_hook), or in libtorch 2.x a post-accumulate hook. Those must see the
 // gradient where the caller's backward accumulates it.
@@ -148,19 +124,19 @@ class SubstituteAccumulators {
   explicit SubstituteAccumulators(const std::vector<at::Tensor>& params) : params_(params) {
     for (const auto& p : params_) {
       own_.push_back(torch::autograd::impl::grad_accumulator(p));
-      substitutes_.push_back(new_accumulator<Accumulator>(p));
-      set_accumulator(p, substitutes_.back());
+      substitutes_.push_back(detail::new_grad_accumulator(p));
+      detail::set_grad_accumulator(p, substitutes_.back());
     }
   }
   ~SubstituteAccumulators() {
-    for (size_t i = params_.size(); i-- > 0;) set_accumulator(params_[i], own_[i]);
+    for (size_t i = params_.size(); i-- > 0;) detail::set_grad_accumulator(params_[i], own_[i]);
   }
   SubstituteAccumulators(const SubstituteAccumulators&) = delete;
   SubstituteAccumulators& operator=(const SubstituteAccumulators&) = delete;
 
  private:
   std::vector<at::Tensor> params_;
-  std::vector<Accumulator> own_, substitutes_;
+  std::vector<detail::GradAccumulator> own_, substitutes_;
 };
 
 // A tensor's hooks (register_hook): read-only in libtorch 1.13, whose grad() does not run them.

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "cohort/error.h"
+#include "grad_accumulator.h"
 
 namespace cohort::parallel::detail {
 
@@ -76,15 +77,11 @@ void stage_gradient(at::Tensor& param, at::Tensor& slot, bool point_grad_at_slot
 }
 
 struct GradientBuckets::State {
-  // A parameter's gradient accumulator: a shared_ptr in libtorch 1.13, an intrusive_ptr in 2.x.
-  using Accumulator =
-      decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-
   std::mutex& mutex;
   Callbacks callbacks;
   bool launch_early;
   std::vector<size_t> hooked;
-  std::vector<std::pair<Accumulator, uintptr_t>> hooks;
+  std::vector<std::pair<GradAccumulator, uintptr_t>> hooks;
   std::vector<size_t> bucket_of;  // per parameter index
   std::vector<size_t> sizes;      // per bucket: its hooked parameters
   bool sync = true;

@@ -11,6 +11,7 @@
 #include "cohort/optim/precision.h"
 #include "cohort/parallel/fully_shard.h"
 #include "cohort/parallel/tensor_parallel.h"
+#include "parallel/grad_accumulator.h"
 #include "support/cuda.h"
 #include "support/expect.h"
 #include "support/local_group.h"
@@ -202,8 +203,7 @@ TEST(ActivationCheckpointing, EachParametersOwnAccumulatorRunsOnceWithItsGradien
   std::vector<int> runs(params.size(), 0);
   std::vector<char> given(params.size(), 0);
   std::vector<at::Tensor> seen(params.size());
-  using Accumulator = decltype(torch::autograd::impl::grad_accumulator(params[0]));
-  std::vector<std::pair<Accumulator, uintptr_t>> hooks;
+  std::vector<std::pair<detail::GradAccumulator, uintptr_t>> hooks;
   for (size_t i = 0; i < params.size(); ++i) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params[i]);
     const auto key =
